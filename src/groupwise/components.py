@@ -1,0 +1,84 @@
+"""The component contract of each stage (structural protocols; components need not inherit).
+
+Every component is a dataclass registered with ``@register(stage, name)``; its fields are its
+hyper-parameters. A component that needs model outputs beyond the policy's log-probs declares
+``needs: tuple[Need, ...]`` (a class attribute or property). Stateful components add
+``state_dict()`` / ``load_state_dict()`` so a resumed run equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+from torch import Tensor
+
+from groupwise.types import Need, Rollout, StepInfo
+
+
+class Sampler(Protocol):
+    """Stage 1. Which prompts come next (``draw``), and which scored groups are kept (``keep``)."""
+
+    def bind(self, n_rows: int, seed: int) -> None: ...
+    def draw(self, n: int, info: StepInfo) -> list[int]: ...
+    def keep(self, rollout: Rollout) -> Tensor:  # [B] bool
+        ...
+    max_rounds: int  # how many draw/generate/score rounds a step may take to fill the batch
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Reward(Protocol):
+    """Stage 3. TRL's signature: one score per completion, ``None`` = no verdict (excluded, counted)."""
+
+    weight: float
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]: ...
+
+
+class Advantage(Protocol):
+    """Stage 4. An estimator reads ``rollout.rewards`` [B,G]; a shaper reads ``rollout.advantages``.
+    Returns [B,G] or [B,G,T] float32. Invalid rows (``group_valid`` False) get 0."""
+
+    def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor: ...
+
+
+class TokenWeight(Protocol):
+    """Token weights [B,G,T] computed once per step; a weight of 0 removes the token from the loss
+    and from every normaliser."""
+
+    needs: tuple[Need, ...]
+    def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor: ...
+
+
+class Term(Protocol):
+    """Stage 5. One objective term: losses per token [b,G,T] or per row [b,G] for a micro-batch.
+
+    ``out`` holds the grad quantities of the micro-batch: ``logp`` [b,G,T] (always), ``entropy``
+    when a grad ``Need("entropy")`` is declared. ``agg`` names the aggregation (None = the
+    objective's default). ``couples = "group"`` keeps groups whole across micro-batches (always
+    true here: micro-batches are sets of whole groups)."""
+
+    coef: float
+    agg: str | None
+    needs: tuple[Need, ...]
+    def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor: ...
+    def metrics(self) -> dict[str, float]:  # optional: last micro-batch statistics (sums)
+        ...
+
+
+class Aggregation(Protocol):
+    """How per-token (or per-row) losses become one scalar. ``normalizer`` runs once per optimiser
+    step on the whole step batch (all ranks); ``reduce`` on each micro-batch. Summing ``reduce``
+    over micro-batches and ranks gives the loss of the whole batch exactly."""
+
+    def normalizer(self, mask: Tensor, info: StepInfo) -> dict[str, Tensor]: ...
+    def reduce(self, values: Tensor, mask: Tensor, norm: dict[str, Tensor]) -> Tensor: ...
+
+
+class Updater(Protocol):
+    """Stage 6. ``step(closure)`` where ``closure()`` runs the micro-batched forward/backward and
+    returns the loss; the updater may call it several times."""
+
+    def bind(self, params: list, total_steps: int) -> None: ...
+    def step(self, closure) -> dict[str, float]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

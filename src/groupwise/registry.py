@@ -1,0 +1,130 @@
+"""One registry per stage of the GRPO loop.
+
+A component is a small dataclass whose fields are its hyper-parameters::
+
+    @register("advantage", "grpo")
+    @dataclass
+    class GRPO:
+        '''Group mean/std normalised advantage (Shao et al. 2024).'''
+        scale: str = "group"
+
+``build("advantage", "grpo", scale="none")`` constructs it, rejecting unknown
+parameter names and suggesting close registry names for typos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import pkgutil
+from typing import Any, Callable
+
+STAGES = (
+    "sampling",  # which prompts next
+    "rollout",  # how completions are produced
+    "reward",  # how a completion is scored
+    "advantage",  # how scores become credit
+    "weight",  # per-token weights / masks applied to every objective term
+    "objective",  # per-token or per-row loss terms
+    "kl",  # KL estimators, usable in the objective or the reward
+    "aggregation",  # how per-token losses become a scalar
+    "update",  # how the gradient moves the weights
+    "pipeline",  # several models, roles or phases
+)
+
+_REGISTRY: dict[str, dict[str, type]] = {stage: {} for stage in STAGES}
+_LOADED = False
+
+
+class ConfigError(ValueError):
+    """A configuration names something that does not exist or is malformed."""
+
+
+def register(stage: str, name: str) -> Callable[[type], type]:
+    """Class decorator adding a component to ``stage`` under ``name``."""
+    if stage not in _REGISTRY:
+        raise ConfigError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+
+    def deco(cls: type) -> type:
+        table = _REGISTRY[stage]
+        if name in table and table[name] is not cls:
+            raise ConfigError(f"{stage} component {name!r} is registered twice ({table[name].__module__}, {cls.__module__})")
+        cls.registry_name = name
+        cls.stage = stage
+        table[name] = cls
+        return cls
+
+    return deco
+
+
+def load_all() -> None:
+    """Import every component module so that its ``@register`` runs."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import groupwise
+
+    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "pipelines"):
+        pkg = importlib.import_module(f"groupwise.{sub}")
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"groupwise.{sub}.{info.name}")
+    del groupwise
+
+
+def names(stage: str) -> list[str]:
+    load_all()
+    return sorted(_REGISTRY[stage])
+
+
+def lookup(stage: str, name: str) -> type:
+    load_all()
+    if stage not in _REGISTRY:
+        raise ConfigError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    table = _REGISTRY[stage]
+    if name not in table:
+        close = difflib.get_close_matches(name, list(table), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown {stage} component {name!r}{hint} (known: {', '.join(sorted(table))})")
+    return table[name]
+
+
+def param_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else []
+
+
+def build(stage: str, name: str, **params: Any) -> Any:
+    """Construct component ``name`` of ``stage``; unknown parameters are an error naming the valid ones."""
+    cls = lookup(stage, name)
+    valid = param_names(cls)
+    for key in params:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{stage} {name!r} has no parameter {key!r}{hint}; valid: {', '.join(valid) or 'none'}")
+    return cls(**params)
+
+
+def build_spec(stage: str, spec: Any) -> Any:
+    """Build from a config value: a name, or a table ``{name = ..., <params>}``."""
+    if isinstance(spec, str):
+        return build(stage, spec)
+    if isinstance(spec, dict):
+        if "name" not in spec:
+            raise ConfigError(f"a {stage} entry needs a 'name' key, got {spec!r}")
+        params = {k: v for k, v in spec.items() if k != "name"}
+        return build(stage, spec["name"], **params)
+    raise ConfigError(f"a {stage} entry must be a name or a table with 'name', got {spec!r}")
+
+
+def describe(cls: type) -> str:
+    """First line of the component's docstring."""
+    doc = (cls.__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+def entries() -> list[tuple[str, str, type]]:
+    load_all()
+    return [(stage, name, cls) for stage in STAGES for name, cls in sorted(_REGISTRY[stage].items())]

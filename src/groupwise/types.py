@@ -1,0 +1,151 @@
+"""The data that flows through the loop: one ``Rollout`` batch, ``Need`` declarations, ``StepInfo``.
+
+Shapes: ``B`` groups (prompts), ``G`` rows per group, ``T`` action steps (completion tokens).
+Every row field has ``[B, G, ...]`` leading dims so that a group's rows travel together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+Level = Literal["group", "row", "token"]
+_LEAD = {"group": 1, "row": 2, "token": 3}
+
+
+@dataclass(frozen=True)
+class Need:
+    """An input a component asks the trainer to compute.
+
+    ``quantity``: ``logp`` or ``entropy`` (per completion token); ``model``: a role name
+    (``policy``, ``ref``, ``old``); ``grad``: computed inside each micro-batch with autograd
+    (``True``) or once per step on the whole batch before micro-batching (``False``).
+    """
+
+    quantity: str
+    model: str = "policy"
+    view: str = "default"
+    grad: bool = False
+
+
+@dataclass
+class StepInfo:
+    """What a component may know about where the run is."""
+
+    step: int  # optimiser-step index of the rollout (0-based)
+    seed: int  # run seed; per-sample randomness derives from (seed, step, prompt id, sample index)
+    max_new_tokens: int  # the generation budget (Dr.GRPO's constant normaliser uses it)
+    world_size: int = 1
+    rank: int = 0
+
+
+@dataclass
+class Rollout:
+    """One batch of groups. All tensors are on CPU unless a stage moves them.
+
+    Required: ``prompt_ids`` (list of B token lists), ``actions`` [B,G,T] long, ``mask`` [B,G,T] bool.
+    ``group_valid`` [B,G] marks real rows (ragged groups, rows excluded for a broken reward).
+    """
+
+    prompt_ids: list[list[int]]  # B prompts, token ids (chat template applied)
+    actions: Tensor  # [B,G,T] int64 completion tokens (pad where mask is False)
+    mask: Tensor  # [B,G,T] bool, tokens that receive loss
+    group_valid: Tensor  # [B,G] bool
+    truncated: Tensor  # [B,G] bool, hit the length limit without EOS
+    prompt_index: Tensor  # [B] int64, dataset row of each group's prompt
+    meta: list[dict[str, Any]] = field(default_factory=list)  # per group: dataset columns
+    completions: list[list[str]] = field(default_factory=list)  # [B][G] decoded text
+    rewards: Tensor | None = None  # [B,G] float32 (NaN where excluded)
+    reward_parts: Tensor | None = None  # [B,G,K] float32, one column per reward function
+    advantages: Tensor | None = None  # [B,G] or [B,G,T] float32
+    logp_old: Tensor | None = None  # [B,G,T] float32
+    logp_ref: Tensor | None = None  # [B,G,T] float32
+    logp_sampler: Tensor | None = None  # [B,G,T] float32
+    weight: Tensor | None = None  # [B,G,T] float32 token weights from the weight stage
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    extra_levels: dict[str, Level] = field(default_factory=dict)
+    info: list[list[dict[str, Any]]] = field(default_factory=list)  # [B][G] side outputs
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        B, G, T = self.actions.shape
+        return B, G, T
+
+    @property
+    def row_mask(self) -> Tensor:
+        """[B,G,T] bool: ``mask`` restricted to valid rows."""
+        return self.mask & self.group_valid[..., None]
+
+    def set_extra(self, key: str, value: Tensor, level: Level) -> None:
+        lead = _LEAD[level]
+        if tuple(value.shape[:lead]) != self.actions.shape[:lead]:
+            raise ValueError(f"extra {key!r} at level {level} needs leading shape {tuple(self.actions.shape[:lead])}, got {tuple(value.shape)}")
+        self.extras[key] = value
+        self.extra_levels[key] = level
+
+    def select(self, groups: Tensor | list[int]) -> "Rollout":
+        """A new Rollout with only the given groups (every field sliced by its level, never by name)."""
+        idx = torch.as_tensor(groups, dtype=torch.long)
+        ids = idx.tolist()
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                out[f.name] = v[idx]
+            elif isinstance(v, list):
+                out[f.name] = [v[i] for i in ids] if v else []
+            elif f.name == "extras":
+                for key in v:
+                    if key not in self.extra_levels:
+                        raise KeyError(f"extra {key!r} has no declared level")
+                out[f.name] = {k: t[idx] for k, t in v.items()}
+            elif f.name == "extra_levels":
+                out[f.name] = dict(v)
+            else:
+                out[f.name] = v
+        return Rollout(**out)
+
+    @staticmethod
+    def concat(parts: list["Rollout"]) -> "Rollout":
+        """Concatenate along the group axis, padding T to the longest part."""
+        if len(parts) == 1:
+            return parts[0]
+        T = max(p.actions.shape[2] for p in parts)
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(parts[0]):
+            vals = [getattr(p, f.name) for p in parts]
+            if isinstance(vals[0], Tensor):
+                out[f.name] = torch.cat([_pad_t(v, T, f.name) for v in vals])
+            elif vals[0] is None:
+                out[f.name] = None
+            elif isinstance(vals[0], list):
+                out[f.name] = [x for v in vals for x in v]
+            elif f.name == "extras":
+                out[f.name] = {k: torch.cat([_pad_level(p.extras[k], T, p.extra_levels[k]) for p in parts]) for k in vals[0]}
+            elif f.name == "extra_levels":
+                out[f.name] = dict(vals[0])
+        return Rollout(**out)
+
+
+_TOKEN_FIELDS = {"actions", "mask", "logp_old", "logp_ref", "logp_sampler", "weight"}
+
+
+def _pad_t(v: Tensor, T: int, name: str) -> Tensor:
+    is_token = name in _TOKEN_FIELDS or (name == "advantages" and v.dim() == 3)
+    return _pad_last(v, T) if is_token else v
+
+
+def _pad_level(v: Tensor, T: int, level: str) -> Tensor:
+    return _pad_last(v, T) if level == "token" else v
+
+
+def _pad_last(v: Tensor, T: int) -> Tensor:
+    if v.shape[2] == T:
+        return v
+    pad = torch.zeros(*v.shape[:2], T - v.shape[2], *v.shape[3:], dtype=v.dtype)
+    return torch.cat([v, pad], dim=2)
