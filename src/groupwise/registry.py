@@ -66,7 +66,7 @@ def load_all() -> None:
     _LOADED = True
     import groupwise
 
-    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "pipelines"):
+    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "pipelines", "tasks"):
         pkg = importlib.import_module(f"groupwise.{sub}")
         for info in pkgutil.iter_modules(pkg.__path__):
             if not info.name.startswith("_"):

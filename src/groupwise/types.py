@@ -41,6 +41,7 @@ class StepInfo:
     max_new_tokens: int  # the generation budget (Dr.GRPO's constant normaliser uses it)
     world_size: int = 1
     rank: int = 0
+    round: int = 0  # refill round within a step (dynamic sampling); part of the sample seeds
 
 
 @dataclass

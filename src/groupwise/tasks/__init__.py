@@ -38,3 +38,18 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))} (or give data.path)")
     return TASKS[name]
+
+
+def load_splits(data_cfg, seed: int) -> tuple[list[dict], list[dict], str]:
+    """(train rows, held-out rows, default reward name) for a run's ``[data]`` section."""
+    if data_cfg.path:
+        from groupwise.tasks.data import load_rows
+
+        columns = dict(data_cfg.columns) or None
+        train = load_rows(data_cfg.path, columns=columns, on_bad_row=data_cfg.on_bad_row).rows
+        held = load_rows(data_cfg.eval_path, columns=columns, on_bad_row=data_cfg.on_bad_row).rows if data_cfg.eval_path else []
+        if data_cfg.train_size > 0:
+            train = train[: data_cfg.train_size]
+        return train, held, "exact"
+    task = get_task(data_cfg.task)
+    return task.rows("train", data_cfg.train_size, seed), task.rows("test", 0, seed), task.reward

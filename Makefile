@@ -1,0 +1,30 @@
+# groupwise: `make demo` trains the embedded default model; `make test` runs the test suite.
+# Both create .venv and install pinned dependencies (CPU torch first) when needed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test test-slow bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/groupwise train demo out=runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,7 @@
+"""``python -m groupwise`` (also what ``torchrun -m groupwise train ...`` runs)."""
+
+import sys
+
+from groupwise.cli import main
+
+sys.exit(main())

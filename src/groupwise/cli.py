@@ -1,0 +1,146 @@
+"""The ``groupwise`` command: train, list, explain, eval, warmstart.
+
+Imports stay light: torch and transformers load only for the commands that run a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+
+DEFAULT_RECIPE = "demo"
+
+
+def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
+    """``groupwise train [RECIPE] [key=value ...]``: the recipe is the first word without '='."""
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return DEFAULT_RECIPE, args
+
+
+def cmd_train(args: list[str]) -> int:
+    from rich.console import Console
+
+    from groupwise.config import load_config, to_dict, to_toml
+
+    recipe, overrides = _split_recipe(args)
+    cfg, _ = load_config(recipe, overrides)
+    if not cfg.out:
+        cfg.out = f"runs/{cfg.name}"
+    console = Console(stderr=True)
+    from groupwise.trainer import Trainer
+
+    trainer = Trainer(cfg, console=console)
+    if trainer.rank == 0:
+        console.print(f"[bold]groupwise train[/] recipe={recipe} → {cfg.out_dir}")
+        console.print(to_toml(to_dict(cfg)), markup=False, highlight=False)
+    summary = trainer.train()
+    if trainer.rank == 0:
+        shown = {k: v for k, v in summary.items() if k != "evals"}
+        console.print_json(json.dumps(shown))
+    from groupwise import dist
+
+    dist.shutdown()
+    return 0
+
+
+def cmd_list(args: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from groupwise.registry import STAGES, describe, entries
+
+    stage = args[0] if args else None
+    if stage and stage not in STAGES:
+        print(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    table = Table(title="groupwise components", show_lines=False)
+    for column in ("stage", "name", "description"):
+        table.add_column(column)
+    for st, name, cls in entries():
+        if stage is None or st == stage:
+            table.add_row(st, name, describe(cls))
+    Console(width=200).print(table)
+    return 0
+
+
+def cmd_explain(args: list[str]) -> int:
+    from groupwise.registry import entries, param_names
+
+    if not args:
+        print("usage: groupwise explain NAME", file=sys.stderr)
+        return 2
+    found = [(st, name, cls) for st, name, cls in entries() if name == args[0]]
+    if not found:
+        import difflib
+
+        close = difflib.get_close_matches(args[0], [n for _, n, _ in entries()], n=3)
+        print(f"no component named {args[0]!r}" + (f"; did you mean {', '.join(close)}?" if close else ""), file=sys.stderr)
+        return 2
+    for st, name, cls in found:
+        module = sys.modules[cls.__module__]
+        print(f"== {st} · {name}  ({cls.__module__}.{cls.__name__})\n")
+        print(inspect.cleandoc(module.__doc__ or ""))
+        print()
+        print(inspect.cleandoc(cls.__doc__ or ""))
+        defaults = {f: getattr(cls, f, None) for f in param_names(cls)}
+        if defaults:
+            print("\nparameters:")
+            import dataclasses
+
+            for f in dataclasses.fields(cls):
+                if f.init:
+                    default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")  # type: ignore[misc]
+                    print(f"  {f.name} = {default!r}")
+        print()
+    return 0
+
+
+def cmd_eval(args: list[str]) -> int:
+    """``groupwise eval [MODEL] [key=value ...]``: held-out greedy accuracy of a model folder."""
+    from groupwise.config import load_config
+
+    model = "default"
+    if args and "=" not in args[0]:
+        model, args = args[0], args[1:]
+    cfg, _ = load_config(None, [f'model.path="{model}"', "train.steps=0", *args])
+    from groupwise.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    accuracy = trainer.evaluate()
+    print(json.dumps({"model": model, "task": cfg.data.path or cfg.data.task, "eval_size": min(cfg.eval.size, len(trainer.eval_rows)), "accuracy": accuracy}))
+    return 0
+
+
+def cmd_warmstart(args: list[str]) -> int:
+    from groupwise.models.warmstart import main as warmstart_main
+
+    return warmstart_main(args) or 0
+
+
+COMMANDS = {"train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval": cmd_eval, "warmstart": cmd_warmstart}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...]")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        parser.error(f"unknown command {command!r}")
+    from groupwise.registry import ConfigError
+
+    try:
+        return COMMANDS[command](rest)
+    except ConfigError as err:
+        print(f"groupwise: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

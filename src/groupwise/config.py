@@ -1,0 +1,205 @@
+"""Run configuration: TOML recipes, dotted ``key=value`` overrides, validation.
+
+A recipe is a TOML file; every section is a dataclass below, so an unknown key is an error that
+names the valid ones. Component entries (``rewards``, ``objective.terms``, ...) are a registry
+name or a table ``{name = "...", <param> = ...}``; their parameters are checked when the
+component is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from groupwise.registry import ConfigError
+
+RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+@dataclass
+class ModelCfg:
+    path: str = "default"  # "default" = the tiny model shipped in the package; or a folder / hub id
+    dtype: str = "float32"  # float32 | bfloat16 (matmul dtype; log-probs, ratios, advantages stay float32)
+    lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
+
+
+@dataclass
+class DataCfg:
+    task: str = "arithmetic"  # a built-in task, used when `path` is empty
+    path: str = ""  # JSONL / parquet / datasets folder of user data
+    columns: dict = field(default_factory=dict)  # our name -> the data's column, e.g. {prompt = "question"}
+    eval_path: str = ""  # held-out data for user data (default: none)
+    train_size: int = 0  # rows of the train split to use (0 = all)
+    on_bad_row: str = "raise"  # raise | skip
+
+
+@dataclass
+class RolloutCfg:
+    name: str = "sample"  # rollout strategy
+    group_size: int = 8  # G completions per prompt
+    prompts_per_step: int = 16  # B prompts per optimiser step (over all ranks)
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    params: dict = field(default_factory=dict)  # extra parameters of the rollout strategy
+
+
+@dataclass
+class AdvantageCfg:
+    estimator: Any = "grpo"
+    shapers: list = field(default_factory=list)
+
+
+@dataclass
+class ObjectiveCfg:
+    agg: str = "seq_mean_token_mean"  # default aggregation of every term
+    terms: list = field(default_factory=lambda: ["ppo_clip"])
+    weights: list = field(default_factory=list)  # token-weight components
+
+
+@dataclass
+class TrainCfg:
+    steps: int = 100  # rollouts (each followed by `epochs * minibatches` optimiser steps)
+    epochs: int = 1  # μ: passes over each rollout
+    minibatches: int = 1  # optimiser steps per pass
+    micro_batch_groups: int = 0  # groups per forward/backward (0 = the whole mini-batch)
+    max_seconds: float = 0.0  # stop early after this wall time (0 = no limit)
+
+
+@dataclass
+class EvalCfg:
+    size: int = 200  # held-out prompts scored greedily before and after training (0 = skip)
+    every: int = 0  # also evaluate every N steps (0 = only before/after)
+    reward: str = ""  # reward used for accuracy (default: the task's)
+
+
+@dataclass
+class CheckpointCfg:
+    every: int = 0  # steps between checkpoints (0 = only at the end)
+    keep_last: int = 2
+
+
+@dataclass
+class Config:
+    name: str = "grpo"
+    seed: int = 0
+    out: str = ""  # run folder (default runs/<name>)
+    threads: int = 0  # torch threads (0 = torch's default)
+    model: ModelCfg = field(default_factory=ModelCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    sampling: Any = "uniform"
+    rewards: list = field(default_factory=list)  # empty = the task's default reward
+    advantage: AdvantageCfg = field(default_factory=AdvantageCfg)
+    objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)
+    update: Any = field(default_factory=lambda: {"name": "adamw"})
+    train: TrainCfg = field(default_factory=TrainCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
+    checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out or f"runs/{self.name}")
+
+
+def _from_dict(cls: type, data: dict, where: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" (did you mean {where}{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown config key {where}{key!r}{hint}; valid keys: {', '.join(fields)}")
+        sub = fields[key].type
+        sub_cls = globals().get(sub) if isinstance(sub, str) else sub
+        if dataclasses.is_dataclass(sub_cls):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {where}{key} must be a table, got {value!r}")
+            value = _from_dict(sub_cls, value, f"{where}{key}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def parse_value(text: str) -> Any:
+    """A TOML value (number, bool, string, array, inline table), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict, dotted: str) -> None:
+    if "=" not in dotted:
+        raise ConfigError(f"override {dotted!r} must look like key=value (e.g. train.steps=50)")
+    key, text = dotted.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a table")
+    node[parts[-1]] = parse_value(text.strip())
+
+
+def resolve_recipe(name_or_path: str | None) -> Path | None:
+    if not name_or_path:
+        return None
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = RECIPES / f"{name_or_path}.toml"
+    if shipped.exists():
+        return shipped
+    known = sorted(p.stem for p in RECIPES.glob("*.toml"))
+    raise ConfigError(f"no recipe file or shipped recipe named {name_or_path!r}; shipped recipes: {', '.join(known)}")
+
+
+def load_config(recipe: str | None = None, overrides: list[str] = ()) -> tuple[Config, dict]:
+    """Config from a recipe (file or shipped name) plus overrides; returns it and its raw dict."""
+    data: dict = {}
+    path = resolve_recipe(recipe)
+    if path is not None:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    for item in overrides:
+        apply_override(data, item)
+    return _from_dict(Config, data, ""), data
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(data: dict) -> str:
+    """A small TOML writer for the resolved config (scalars, arrays, inline tables, sections)."""
+    lines: list[str] = []
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    for key, value in scalars.items():
+        lines.append(f"{key} = {_toml_value(value)}")
+    for key, table in tables.items():
+        lines.append(f"\n[{key}]")
+        for sub, value in table.items():
+            lines.append(f"{sub} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if value is None:
+        return '""'
+    raise ConfigError(f"cannot write {value!r} to TOML")

@@ -1,0 +1,90 @@
+"""The composed objective: ``loss = Σ_k coef_k · aggregate_k(term_k)``.
+
+Each term returns losses per token ``[b,G,T]`` or per row ``[b,G]`` for one micro-batch. Token
+weights (stage ``weight``) multiply every term, and a zero weight removes the token from the
+mask. Normalisers are computed once per optimiser step on the whole step batch (and summed over
+ranks) by :meth:`Objective.normalizers`, so that the micro-batch losses add up exactly to the loss
+of the whole batch: loss and gradient do not depend on the micro-batch split or world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from groupwise.registry import build, build_spec
+from groupwise.types import Need, Rollout, StepInfo
+
+
+@dataclass
+class Objective:
+    terms: list[Any]
+    aggregations: dict[str, Any]  # aggregation name -> component
+    default_agg: str
+    stat_sums: dict[str, float] = field(default_factory=dict)
+    stat_counts: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, term_specs: list, default_agg: str) -> "Objective":
+        terms = [build_spec("objective", spec) for spec in term_specs]
+        agg_names = {default_agg} | {t.agg for t in terms if getattr(t, "agg", None)}
+        aggregations = {name: build("aggregation", name) for name in agg_names}
+        return cls(terms, aggregations, default_agg)
+
+    @property
+    def needs(self) -> list[Need]:
+        return [n for t in self.terms for n in getattr(t, "needs", ())]
+
+    def _agg_name(self, term: Any) -> str:
+        return getattr(term, "agg", None) or self.default_agg
+
+    def loss_mask(self, rollout: Rollout) -> Tensor:
+        """[B,G,T] bool: the tokens that receive loss (valid rows, mask, non-zero weight)."""
+        mask = rollout.row_mask  # [B,G,T]
+        if rollout.weight is not None:
+            mask = mask & (rollout.weight != 0)  # [B,G,T]
+        return mask
+
+    def normalizers(self, rollout: Rollout, info: StepInfo, all_reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, dict[str, Tensor]]:
+        """Once per optimiser step, over the whole step batch; every value is a sum over rows so
+        that summing over ranks gives the global value."""
+        mask = self.loss_mask(rollout)  # [B,G,T]
+        norms = {}
+        for name, agg in self.aggregations.items():
+            norm = agg.normalizer(mask, info)
+            if all_reduce is not None:
+                norm = {k: all_reduce(v) for k, v in norm.items()}
+            norms[name] = norm
+        return norms
+
+    def loss(self, mb: Rollout, out: dict[str, Tensor], norms: dict[str, dict[str, Tensor]], info: StepInfo) -> Tensor:
+        """Scalar loss of one micro-batch: its share of the whole step's loss."""
+        mask = self.loss_mask(mb)  # [b,G,T]
+        total = out["logp"].new_zeros(())
+        for term in self.terms:
+            values = term(mb, out, info)  # [b,G,T] or [b,G]
+            if values.dim() == 3 and mb.weight is not None:
+                values = values * mb.weight  # [b,G,T]
+            agg = self._agg_name(term)
+            total = total + term.coef * self.aggregations[agg].reduce(values, mask, norms[agg])
+            if hasattr(term, "stats"):
+                with torch.no_grad():
+                    self._accumulate(term.stats(mb, out), mask)
+        return total
+
+    # ------------------------------------------------------------------ statistics
+    def _accumulate(self, stats: dict[str, Tensor], mask: Tensor) -> None:
+        for key, value in stats.items():
+            m = mask if value.dim() == 3 else mask.any(-1)  # [b,G,T] or [b,G]
+            self.stat_sums[key] = self.stat_sums.get(key, 0.0) + float(value.float()[m].sum())
+            self.stat_counts[key] = self.stat_counts.get(key, 0.0) + float(m.sum())
+
+    def pop_stats(self) -> dict[str, float]:
+        """Token-mean of every term statistic since the last call (e.g. clip fractions)."""
+        out = {k: self.stat_sums[k] / max(self.stat_counts[k], 1.0) for k in self.stat_sums}
+        self.stat_sums.clear()
+        self.stat_counts.clear()
+        return out

@@ -1,0 +1,365 @@
+"""The GRPO loop: sample prompts → generate G completions each → score → advantages → μ epochs of
+micro-batched updates of the composed objective → log → checkpoint.
+
+The trainer names no variant: every choice is a component built from the config, and every
+extra input a component needs is declared as a ``Need`` and computed here once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from groupwise import checkpoint, dist
+from groupwise.config import Config, to_dict, to_toml
+from groupwise.engines.cpu import CPUEngine
+from groupwise.logging import MetricsLog, plot_rewards, progress_bar
+from groupwise.objective import Objective
+from groupwise.policy.forward import completion_logprobs
+from groupwise.policy.lm import Reference, encode_prompt, eos_ids, load_policy
+from groupwise.registry import ConfigError, build, build_spec
+from groupwise.rewards.score import score
+from groupwise.tasks import load_splits
+from groupwise.types import Need, Rollout, StepInfo
+
+NO_GRAD_QUANTITIES = {("logp", "ref"), ("logp", "policy"), ("entropy", "policy")}
+
+
+class Trainer:
+    def __init__(self, cfg: Config, console: Any = None):
+        self.cfg, self.console = cfg, console
+        self.rank, self.world = dist.init()
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        self.out = cfg.out_dir
+        self.model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, cfg.model.lora or None)
+        self.engine = CPUEngine(self.model, eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id)
+        self.train_rows, self.eval_rows, task_reward = load_splits(cfg.data, cfg.seed)
+        self._prompt_cache: dict[tuple[str, int], list[int]] = {}
+
+        ro = cfg.rollout
+        if ro.prompts_per_step % self.world:
+            raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide by the world size {self.world}")
+        self.sampling_params = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
+        self.strategy = build("rollout", ro.name, **ro.params)
+        self.sampler = build_spec("sampling", cfg.sampling)
+        self.sampler.bind(len(self.train_rows), cfg.seed)
+        reward_specs = cfg.rewards or [task_reward]
+        self.rewards = [build_spec("reward", spec) for spec in reward_specs]
+        self.eval_reward = build_spec("reward", cfg.eval.reward or task_reward)
+        self.estimator = build_spec("advantage", cfg.advantage.estimator)
+        self.shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
+        self.weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
+        self.objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg)
+
+        self.needs = self._collect_needs()
+        self.reference = Reference(self.model) if any(n.model == "ref" for n in self.needs) else None
+        self.on_policy = cfg.train.epochs == 1 and cfg.train.minibatches == 1
+        self.updater = build_spec("update", cfg.update)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.updater.bind(self.params, cfg.train.steps * cfg.train.epochs * cfg.train.minibatches)
+        self.step = 0
+        self.summary: dict[str, Any] = {}
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _components(self) -> list[Any]:
+        return [self.strategy, self.sampler, *self.rewards, self.estimator, *self.shapers, *self.weights, *self.objective.terms, self.updater]
+
+    def _collect_needs(self) -> list[Need]:
+        needs = [n for c in self._components() for n in getattr(c, "needs", ())]
+        for n in needs:
+            if not n.grad and (n.quantity, n.model) not in NO_GRAD_QUANTITIES:
+                raise ConfigError(f"no component can provide {n}; available: {sorted(NO_GRAD_QUANTITIES)}")
+            if n.grad and (n.quantity not in ("logp", "entropy") or n.model != "policy"):
+                raise ConfigError(f"a grad need must be the policy's logp or entropy, got {n}")
+        return needs
+
+    def _info(self, round_: int = 0) -> StepInfo:
+        return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_)
+
+    def _prompt_ids(self, split: str, rows: list[dict], index: int) -> list[int]:
+        key = (split, index)
+        if key not in self._prompt_cache:
+            self._prompt_cache[key] = encode_prompt(self.tokenizer, rows[index]["prompt"])
+        return self._prompt_cache[key]
+
+    # ------------------------------------------------------------------ stage 1–3: collect a scored rollout
+    def collect(self) -> Rollout:
+        cfg = self.cfg.rollout
+        local_b = cfg.prompts_per_step // self.world
+        parts, kept = [], 0
+        for round_ in range(max(1, getattr(self.sampler, "max_rounds", 1))):
+            info = self._info(round_)
+            ids = self.sampler.draw(cfg.prompts_per_step, info)  # same on every rank
+            local = ids[self.rank * local_b : (self.rank + 1) * local_b]
+            prompt_ids = [self._prompt_ids("train", self.train_rows, i) for i in local]
+            rollout = self.strategy(self.engine, prompt_ids, local, cfg.group_size, cfg.max_new_tokens, self.sampling_params, info)
+            rollout.meta = [self.train_rows[i] for i in local]
+            self.score_text(rollout)
+            keep = self.sampler.keep(rollout)  # [B] bool
+            parts.append(rollout.select(keep.nonzero().flatten()))
+            kept += int(keep.sum())
+            if kept >= local_b:
+                break
+        return Rollout.concat(parts).select(list(range(min(kept, local_b))))
+
+    def score_text(self, rollout: Rollout) -> None:
+        B, G, T = rollout.shape
+        lengths = rollout.mask.sum(-1)  # [B,G]
+        eos = set(self.engine.eos_token_ids)
+        texts = []
+        for b in range(B):
+            row_texts = []
+            for g in range(G):
+                tokens = rollout.actions[b, g, : int(lengths[b, g])].tolist()
+                row_texts.append(self.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True))
+            texts.append(row_texts)
+        rollout.completions = texts
+        prompts = [meta["prompt"] for meta in rollout.meta for _ in range(G)]
+        columns = {key: [meta.get(key) for meta in rollout.meta for _ in range(G)] for key in rollout.meta[0] if key != "prompt"} if B else {}
+        columns.update(completion_lengths=lengths.flatten().tolist(), truncated=rollout.truncated.flatten().tolist(), max_new_tokens=self.cfg.rollout.max_new_tokens)
+        text_rewards = [r for r in self.rewards if not hasattr(r, "score_rollout")]
+        result = score(text_rewards, prompts, [t for row in texts for t in row], columns)
+        rollout.rewards = result.total.view(B, G)  # [B,G] float32, NaN where excluded
+        rollout.reward_parts = result.parts.view(B, G, -1)  # [B,G,K]
+        rollout.group_valid = rollout.group_valid & torch.isfinite(rollout.rewards)  # [B,G]
+        self._reward_counts = result.counts
+
+    # ------------------------------------------------------------------ no-grad needs, scorers, advantages, weights
+    def forward(self, model: Any, rollout: Rollout, want_entropy: bool) -> dict[str, torch.Tensor]:
+        return completion_logprobs(model, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid, want_entropy=want_entropy)
+
+    def prepare(self, rollout: Rollout) -> None:
+        wanted = {(n.quantity, n.model) for n in self.needs if not n.grad}
+        if wanted & {("logp", "policy")} or not self.on_policy or wanted & {("entropy", "policy")}:
+            with torch.no_grad():
+                out = self.forward(self.model, rollout, want_entropy=("entropy", "policy") in wanted)
+            rollout.logp_old = out["logp"]  # [B,G,T]
+            if "entropy" in out:
+                rollout.set_extra("entropy", out["entropy"], "token")
+        if ("logp", "ref") in wanted:
+            with torch.no_grad(), self.reference.model() as ref:
+                rollout.logp_ref = self.forward(ref, rollout, want_entropy=False)["logp"]  # [B,G,T]
+        for scorer in (r for r in self.rewards if hasattr(r, "score_rollout")):
+            rollout.rewards = rollout.rewards + scorer.weight * scorer.score_rollout(rollout, self._info())  # [B,G]
+        rollout.advantages = self._estimate_advantages(rollout)
+        for shaper in self.shapers:
+            rollout.advantages = shaper(rollout, self._info())
+        if self.weights:
+            weight = torch.ones_like(rollout.mask, dtype=torch.float32)  # [B,G,T]
+            for component in self.weights:
+                weight = weight * component(rollout, self._info())  # [B,G,T]
+            rollout.weight = weight
+
+    def _estimate_advantages(self, rollout: Rollout) -> torch.Tensor:
+        if self.world == 1:
+            return self.estimator(rollout, self._info())
+        # batch-level statistics must see every rank's groups: estimate on the gathered rewards
+        rewards = dist.all_gather_rows(rollout.rewards)  # [W*b,G]
+        valid = dist.all_gather_rows(rollout.group_valid)  # [W*b,G]
+        everyone = Rollout([], torch.zeros(*rewards.shape, 1, dtype=torch.long), valid[..., None], valid, torch.zeros_like(valid), torch.zeros(rewards.shape[0], dtype=torch.long), rewards=rewards)
+        adv = self.estimator(everyone, self._info())  # [W*b,G]
+        b = rollout.rewards.shape[0]
+        return adv[self.rank * b : (self.rank + 1) * b]
+
+    # ------------------------------------------------------------------ stage 5–6: μ epochs of micro-batched updates
+    def update(self, rollout: Rollout) -> dict[str, float]:
+        cfg = self.cfg.train
+        B = rollout.shape[0]
+        stats: list[dict[str, float]] = []
+        self._entropy = [0.0, 0.0]  # masked sum, count: logged every step
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step * 101 + epoch)) if cfg.epochs > 1 or cfg.minibatches > 1 else torch.arange(B)
+            for mb_groups in torch.tensor_split(order, cfg.minibatches):
+                batch = rollout.select(mb_groups)
+                norms = self.objective.normalizers(batch, self._info(), dist.all_reduce_sum if self.world > 1 else None)
+                stats.append(self.updater.step(lambda: self._accumulate_gradients(batch, norms)))
+        row = {key: float(np.mean([s[key] for s in stats])) for key in stats[0]} if stats else {}
+        row.update(self.objective.pop_stats())
+        row["entropy"] = self._entropy[0] / max(self._entropy[1], 1.0)
+        return row
+
+    def _accumulate_gradients(self, batch: Rollout, norms: dict) -> torch.Tensor:
+        size = self.cfg.train.micro_batch_groups or batch.shape[0]
+        total = torch.zeros(())
+        for start in range(0, batch.shape[0], size):
+            mb = batch.select(list(range(start, min(start + size, batch.shape[0]))))
+            out = self.forward(self.model, mb, want_entropy=True)  # entropy is logged; cheap next to the logits
+            with torch.no_grad():
+                self._entropy[0] += float(out["entropy"][mb.row_mask].sum())
+                self._entropy[1] += float(mb.row_mask.sum())
+            if self.on_policy:
+                mb.logp_old = out["logp"].detach()  # [b,G,T] on-policy: ratio = 1, no extra forward
+            loss = self.objective.loss(mb, out, norms, self._info())
+            if loss.requires_grad:
+                loss.backward()
+            total = total + loss.detach()
+        dist.all_reduce_grads(self.params)
+        return dist.all_reduce_sum(total)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1)."""
+        rows = self.eval_rows[: self.cfg.eval.size]
+        if not rows:
+            return float("nan")
+        correct = 0
+        for start in range(0, len(rows), 256):
+            chunk = list(range(start, min(start + 256, len(rows))))
+            prompt_ids = [self._prompt_ids("eval", self.eval_rows, i) for i in chunk]
+            gen = self.engine.generate(prompt_ids, 1, torch.zeros(len(chunk), dtype=torch.long), self.cfg.rollout.max_new_tokens, greedy=True)
+            eos = set(self.engine.eos_token_ids)
+            texts = [self.tokenizer.decode([t for t in gen.tokens[i, 0, : int(gen.lengths[i, 0])].tolist() if t not in eos], skip_special_tokens=True) for i in range(len(chunk))]
+            sub = [rows[i] for i in chunk]
+            columns = {k: [r.get(k) for r in sub] for k in sub[0] if k != "prompt"}
+            columns.update(completion_lengths=gen.lengths[:, 0].tolist(), truncated=gen.truncated[:, 0].tolist(), max_new_tokens=self.cfg.rollout.max_new_tokens)
+            values = score([self.eval_reward], [r["prompt"] for r in sub], texts, columns, on_error="exclude").total
+            correct += int((values >= 1.0 - 1e-6).sum())
+        return correct / len(rows)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in self._components()],
+            "reference": self.reference.state_dict() if self.reference else {},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "summary": self.summary,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.model.load_state_dict(state["model"])
+        for component, sub in zip(self._components(), state["components"]):
+            if sub is not None:
+                component.load_state_dict(sub)
+        if self.reference:
+            self.reference.load_state_dict(state["reference"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self.summary = state["summary"]
+
+    def save_checkpoint(self) -> None:
+        if self.rank == 0:
+            checkpoint.save(self.out, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
+        dist.barrier()
+
+    # ------------------------------------------------------------------ the run
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            (self.out / "config.toml").write_text(to_toml(to_dict(cfg)))
+        resume = checkpoint.latest(self.out)
+        if resume is not None:
+            self.load_state_dict(checkpoint.load(resume))
+        log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if resume else None) if self.rank == 0 else None
+        previous = signal.signal(signal.SIGTERM, self._request_stop)
+        start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
+        if "accuracy_before" not in self.summary:
+            self.summary["accuracy_before"] = self.evaluate()
+            self.summary["evals"] = [(0, self.summary["accuracy_before"])]
+        with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
+            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
+            while self.step < cfg.train.steps and not self._stop_requested:
+                row = self.run_step()
+                if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0:
+                    row["eval_accuracy"] = self.evaluate()
+                    self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
+                if log:
+                    log.write(row)
+                bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
+                self.step += 1
+                self.summary["wall_seconds"] = time.perf_counter() - start
+                over_time = cfg.train.max_seconds and self.summary["wall_seconds"] > cfg.train.max_seconds
+                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self._stop_requested or over_time:
+                    self.save_checkpoint()
+                if over_time:
+                    break
+        signal.signal(signal.SIGTERM, previous)
+        if self._stop_requested:
+            return self.summary
+        self.summary["accuracy_after"] = self.evaluate()
+        self.summary["evals"].append((self.step, self.summary["accuracy_after"]))
+        self.summary.update(steps=self.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(self.updater, "skipped", 0))
+        self.save_checkpoint()
+        if self.rank == 0:
+            self._write_outputs(log)
+        return self.summary
+
+    def run_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.model.eval()
+        rollout = self.collect()
+        t_gen = time.perf_counter() - t0
+        self.prepare(rollout)
+        self.model.train()
+        row: dict[str, Any] = {"step": self.step}
+        row.update(_rollout_stats(rollout))
+        row.update(self.update(rollout) if rollout.shape[0] else {"loss": 0.0})
+        seconds = time.perf_counter() - t0
+        generated = float(rollout.mask.sum())
+        row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self._reward_counts.get("excluded", 0))
+        return row
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        self._stop_requested = True
+
+    def _write_outputs(self, log: MetricsLog | None) -> None:
+        final = self.out / "final"
+        model = self.model.merge_and_unload() if hasattr(self.model, "merge_and_unload") else self.model
+        model.save_pretrained(final)
+        self.tokenizer.save_pretrained(final)
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+        if log is not None:
+            plot_rewards(log.rows, self.summary["evals"], self.out / "reward.png")
+
+
+def _rollout_stats(rollout: Rollout) -> dict[str, float]:
+    """Batch statistics logged every step."""
+    from groupwise.masked import group_std, masked_mean
+
+    if rollout.shape[0] == 0:
+        return {"groups": 0}
+    valid = rollout.group_valid  # [B,G]
+    rewards = torch.nan_to_num(rollout.rewards)  # [B,G]
+    lengths = rollout.mask.sum(-1).float()  # [B,G]
+    stats = {
+        "groups": rollout.shape[0],
+        "reward_mean": float(masked_mean(rewards, valid)),
+        "reward_std": float(rewards[valid].std()) if valid.sum() > 1 else 0.0,
+        "zero_std_frac": float((group_std(rewards, valid) == 0).float().mean()),
+        "completion_len": float(lengths[valid].mean()) if valid.any() else 0.0,
+        "truncated_frac": float(rollout.truncated.float().mean()),
+    }
+    if rollout.logp_ref is not None and rollout.logp_old is not None:
+        log_ratio = rollout.logp_ref - rollout.logp_old  # [B,G,T]
+        stats["kl"] = float(masked_mean(log_ratio.exp() - log_ratio - 1, rollout.row_mask))
+    return stats
+
+
+class _Quiet:
+    """Stand-in for the progress bar on ranks other than 0."""
+
+    def __enter__(self) -> "_Quiet":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def add_task(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        return None
