@@ -55,13 +55,18 @@ class Term(Protocol):
     ``out`` holds the grad quantities of the micro-batch: ``logp`` [b,G,T] (always), ``entropy``
     when a grad ``Need("entropy")`` is declared. ``agg`` names the aggregation (None = the
     objective's default). ``couples = "group"`` keeps groups whole across micro-batches (always
-    true here: micro-batches are sets of whole groups)."""
+    true here: micro-batches are sets of whole groups). Row-level values [b,G] count once per loss
+    token of their row, so a row term and the same value spread over its tokens aggregate alike;
+    token weights reach a row term only through the mask."""
 
     coef: float
     agg: str | None
     needs: tuple[Need, ...]
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor: ...
-    def metrics(self) -> dict[str, float]:  # optional: last micro-batch statistics (sums)
+    def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Optional: per-token [b,G,T] (or per-row [b,G]) values for logging, averaged by the
+        objective over the loss mask (e.g. clip fractions). A ratio term whose on-policy gradient
+        legitimately differs from REINFORCE sets ``on_policy_reinforce = False`` (contract tests)."""
         ...
 
 

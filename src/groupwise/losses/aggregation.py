@@ -1,0 +1,111 @@
+"""Loss aggregations: token mean (DAPO), sequence mean of token means (GRPO), constant (Dr.GRPO).
+
+- GRPO: Shao et al. 2024, "DeepSeekMath", https://arxiv.org/abs/2402.03300 — 1/G Σ_i 1/|o_i| Σ_t.
+- DAPO: Qiying Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
+  Scale", https://arxiv.org/abs/2503.14476 — token-level policy-gradient loss, 1/Σ_i|o_i| Σ_i Σ_t.
+- Dr.GRPO: Zichen Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+  Perspective", https://arxiv.org/abs/2503.20783 — a constant normaliser instead of 1/|o_i|.
+
+**Change vs GRPO**: ``seq_mean_token_mean`` is GRPO's; the other two remove its length bias
+(per-sequence 1/|o_i| favours short correct and long wrong answers).
+
+**Math** (``mask`` = loss tokens of the *whole step batch*; ``v`` = term values of a micro-batch)::
+
+    token_mean:           Σ_{rows,t} v·mask / Σ_{rows,t} mask
+    seq_mean_token_mean:  Σ_rows (Σ_t v·mask / Σ_t mask) / #rows with ≥ 1 loss token
+    constant:             Σ_{rows,t} v·mask / (#rows with ≥ 1 loss token · max_len)
+
+**Defaults**
+
+- ``constant.max_len = None`` → ``info.max_new_tokens`` [PAPER] Dr.GRPO divides by the generation
+  budget; [CODE] TRL ``loss_type="dr_grpo"`` uses ``max_completion_length``.
+
+**Notes**
+
+1. Contract: ``normalizer`` runs once per optimiser step on the whole step batch and returns only
+   *sums* over rows/tokens (int64 counts), so the trainer can all-reduce them with SUM; ``reduce``
+   on each micro-batch returns its share, and the shares add up to the whole-batch loss exactly.
+2. Row-level values ``v`` [b,G] (row mask = ``mask.any(-1)``) count once per loss token of their
+   row: a row term and the same value broadcast to its tokens aggregate identically everywhere.
+3. Rows are counted when they have at least one loss token, i.e. valid rows whose tokens were not
+   all removed by token weights. (TRL's ``dr_grpo`` divides by every row of the batch, including
+   rows removed by overlong filtering; the normaliser only sees the loss mask, so a row whose
+   every token has weight 0 cannot be told apart from a padding row of a ragged group.)
+4. Empty normalisers are clamped to 1: an all-masked batch gives loss 0, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from groupwise.masked import masked_mean, masked_sum
+from groupwise.registry import register
+from groupwise.types import StepInfo
+
+
+def _token_sum(values: Tensor, mask: Tensor) -> Tensor:
+    """Σ over loss tokens; a row value [b,G] counts once per loss token of its row."""
+    if values.dim() == 2:
+        n_tok = mask.sum(-1).to(values.dtype)  # [b,G]
+        return masked_sum(values * n_tok, mask.any(-1))  # []
+    return masked_sum(values, mask)  # []
+
+
+def _row_means(values: Tensor, mask: Tensor) -> Tensor:
+    """[b,G] token mean of each row (a row value is its own mean)."""
+    if values.dim() == 2:
+        return values  # [b,G]
+    return masked_mean(values, mask, dim=-1)  # [b,G]
+
+
+def _den(norm: Tensor, like: Tensor) -> Tensor:
+    return norm.to(like.dtype).clamp(min=1)  # []
+
+
+@register("aggregation", "token_mean")
+@dataclass
+class TokenMean:
+    """Mean over every loss token of the step batch (DAPO token-level loss, Yu et al. 2025)."""
+
+    def normalizer(self, mask: Tensor, info: StepInfo) -> dict[str, Tensor]:
+        return {"tokens": mask.sum()}  # [] int64
+
+    def reduce(self, values: Tensor, mask: Tensor, norm: dict[str, Tensor]) -> Tensor:
+        return _token_sum(values, mask) / _den(norm["tokens"], values)  # []
+
+
+@register("aggregation", "seq_mean_token_mean")
+@dataclass
+class SeqMeanTokenMean:
+    """Mean over rows of each row's token mean (GRPO, Shao et al. 2024)."""
+
+    def normalizer(self, mask: Tensor, info: StepInfo) -> dict[str, Tensor]:
+        return {"rows": mask.any(-1).sum()}  # [] int64
+
+    def reduce(self, values: Tensor, mask: Tensor, norm: dict[str, Tensor]) -> Tensor:
+        row_mean = _row_means(values, mask)  # [b,G]
+        return masked_sum(row_mean, mask.any(-1)) / _den(norm["rows"], values)  # []
+
+
+@register("aggregation", "constant")
+@dataclass
+class Constant:
+    """Token sum over rows × generation budget, no length normalisation (Dr.GRPO, Liu et al. 2025)."""
+
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_len is not None and self.max_len < 1:
+            raise ValueError(f"constant: max_len must be a positive int, got {self.max_len}")
+
+    def normalizer(self, mask: Tensor, info: StepInfo) -> dict[str, Tensor]:
+        max_len = self.max_len if self.max_len is not None else int(info.max_new_tokens)
+        if max_len < 1:
+            raise ValueError(f"constant aggregation needs max_len >= 1 (info.max_new_tokens={info.max_new_tokens})")
+        return {"slots": mask.any(-1).sum() * max_len}  # [] int64, Σ_rows max_len
+
+    def reduce(self, values: Tensor, mask: Tensor, norm: dict[str, Tensor]) -> Tensor:
+        return _token_sum(values, mask) / _den(norm["slots"], values)  # []

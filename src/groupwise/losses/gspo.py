@@ -1,0 +1,95 @@
+"""GSPO: sequence-level importance ratio, clipped per sequence (token form, GSPO-token).
+
+"Group Sequence Policy Optimization", Chujie Zheng, Shixuan Liu, Mingze Li, Xiong-Hui Chen,
+Bowen Yu, Chang Gao, Kai Dang, Yuqiong Liu, Rui Men, An Yang, Jingren Zhou, Junyang Lin, 2025.
+https://arxiv.org/abs/2507.18071
+
+**Change vs GRPO**
+
+- The importance ratio is the length-normalised sequence likelihood ratio (a geometric mean of
+  the token ratios), shared by every token of the row; clipping therefore keeps or drops whole
+  sequences.
+- Much narrower clip range (3e-4 / 4e-4 instead of 0.2).
+
+**Math** (``mask`` = completion tokens of valid rows, ``|y|`` = their count per row)::
+
+    log_s = Σ_t mask·(logp - logp_old) / |y|                          # [b,G]
+    ratio = exp(sg[log_s] + logp - sg[logp])   (GSPO-token: s_{i,t} = sg[s_i]·π_t / sg[π_t])
+    loss  = -min(ratio * adv, clip(ratio, 1 - eps_low, 1 + eps_high) * adv)   per token
+
+The value of ``ratio`` is s_i on every token, and ∇ratio_t = s_i ∇logp_t. Averaging the token
+losses of a row (aggregation ``seq_mean_token_mean``) gives the gradient
+s_i·adv·∇(1/|y| Σ_t logp_t) = adv·∇s_i, i.e. exactly GSPO's sequence objective when ``adv`` is a
+sequence advantage; token-level advantages are allowed as in the paper's GSPO-token.
+
+**Defaults**
+
+- ``eps_low = 3e-4``, ``eps_high = 4e-4`` [PAPER] the left/right clipping ranges of the experiments.
+- The paper optimises the sequence mean, 1/G Σ_i; use ``agg = "seq_mean_token_mean"`` to
+  reproduce it [PAPER]. With any aggregation whose weight is constant within a row (all three
+  built-ins) the token form and a broadcast sequence ratio (TRL ``importance_sampling_level=
+  "sequence"``) give the same gradient.
+
+**Notes**
+
+1. |y| counts ``rollout.mask`` tokens of the row, not token weights: the ratio is a property of
+   the sequence likelihood. A row with no tokens has log_s = 0.
+2. With one-token completions ``ratio`` equals PPO's token ratio in value and gradient, so
+   ``gspo`` equals ``ppo_clip`` with the same eps (tests/test_equivalences.py).
+3. On-policy, ratio = 1 and ∇ratio_t = ∇logp_t: the gradient is the token-level REINFORCE
+   gradient, which under ``seq_mean_token_mean`` is the sequence-level REINFORCE gradient
+   adv·∇mean_t(logp) that GSPO reduces to.
+4. Statistics are those of ``ppo_clip`` evaluated on the sequence ratio.
+5. ``seq_log_ratio`` is the shared primitive (specs/README ``seq_ratio``, in log space).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from groupwise.losses._common import masked_input, required, term_mask, token_advantages
+from groupwise.losses.ppo_clip import check_clip, clip_stats, clipped_surrogate
+from groupwise.masked import masked_mean
+from groupwise.registry import register
+from groupwise.types import Rollout, StepInfo
+
+
+def seq_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
+    """[b,G] length-normalised sequence log-ratio mean_t over mask of (logp − logp_old)."""
+    return masked_mean(logp - logp_old, mask, dim=-1)  # [b,G]
+
+
+@register("objective", "gspo")
+@dataclass
+class GSPO:
+    """Sequence-level ratio, clipped per sequence, in the GSPO-token form (GSPO, Zheng et al. 2025)."""
+
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+    coef: float = 1.0
+    agg: str | None = None
+
+    needs = ()
+
+    def __post_init__(self) -> None:
+        check_clip("gspo", self.eps_low, self.eps_high)
+
+    def _ratio_adv(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        mask = term_mask(mb)  # [b,G,T]
+        logp = masked_input(out["logp"], mask)  # [b,G,T]
+        logp_old = masked_input(required(mb, "logp_old", "gspo"), mask)  # [b,G,T]
+        log_s = seq_log_ratio(logp, logp_old, mask)  # [b,G]
+        ratio = torch.exp(log_s.detach()[..., None] + logp - logp.detach())  # [b,G,T]
+        adv = token_advantages(mb, mask, "gspo")  # [b,G,T]
+        return ratio, adv
+
+    def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
+        ratio, adv = self._ratio_adv(mb, out)  # [b,G,T], [b,G,T]
+        return clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)  # [b,G,T]
+
+    def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
+        ratio, adv = self._ratio_adv(mb, out)  # [b,G,T], [b,G,T]
+        return clip_stats(ratio, adv, self.eps_low, self.eps_high)

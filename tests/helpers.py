@@ -1,0 +1,179 @@
+"""Shared test fixtures: random rollouts, Need filling, row permutations.
+
+``make_rollout`` builds a small batch with every awkward case present by default: ragged groups
+(an invalid row), a NaN reward, a valid but fully masked row, a truncated row, and garbage
+(large finite values) in ``logp_old`` / ``logp_ref`` / token advantages outside the mask, so that
+a component that reads padding shows it in its outputs or gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from groupwise.objective import Objective
+from groupwise.registry import build
+from groupwise.types import Need, Rollout, StepInfo
+
+GROUP_FIELDS = {"prompt_ids", "prompt_index", "meta"}  # per-group fields; every other field is per row
+
+
+def info_for(T: int, step: int = 0) -> StepInfo:
+    return StepInfo(step=step, seed=0, max_new_tokens=T)
+
+
+def make_rollout(
+    B: int = 3,
+    G: int = 4,
+    T: int = 6,
+    seed: int = 0,
+    *,
+    binary: bool = False,
+    token_adv: bool = False,
+    awkward: bool = True,
+    garbage: float = 30.0,
+) -> Rollout:
+    """A random Rollout [B,G,T] with mask prefixes, rewards, logp_old/logp_ref and advantages.
+
+    ``awkward`` adds: row (B-1, G-1) invalid (ragged group), reward (min(1,B-1), 0) NaN, row
+    (0, G-1) valid but fully masked, row (0, 0) truncated (full length).
+    """
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B, G), generator=g)  # [B,G]
+    group_valid = torch.ones(B, G, dtype=torch.bool)  # [B,G]
+    if binary:
+        rewards = torch.randint(0, 2, (B, G), generator=g).float()  # [B,G]
+    else:
+        rewards = torch.randn(B, G, generator=g)  # [B,G]
+    if awkward:
+        lengths[0, 0] = T
+        group_valid[B - 1, G - 1] = False
+        rewards[B - 1, G - 1] = float("nan")
+        rewards[min(1, B - 1), 0] = float("nan")
+    mask = torch.arange(T)[None, None, :] < lengths[..., None]  # [B,G,T]
+    if awkward and G > 1:
+        mask[0, G - 1] = False
+    truncated = lengths >= T  # [B,G]
+    logp_old = -torch.rand(B, G, T, generator=g) * 3.0  # [B,G,T]
+    logp_ref = logp_old + 0.3 * torch.randn(B, G, T, generator=g)  # [B,G,T]
+    adv = torch.randn(B, G, T, generator=g) if token_adv else torch.randn(B, G, generator=g)  # [B,G(,T)]
+    if garbage:
+        junk = (torch.rand(B, G, T, generator=g) * 2 - 1) * garbage  # [B,G,T]
+        logp_old = torch.where(mask, logp_old, junk)
+        logp_ref = torch.where(mask, logp_ref, -junk)
+        if token_adv:
+            adv = torch.where(mask, adv, junk)
+    adv = torch.where(group_valid if adv.dim() == 2 else group_valid[..., None], adv, torch.zeros(()))
+    return Rollout(
+        prompt_ids=[[1, 2, b + 3] for b in range(B)],
+        actions=torch.randint(0, 50, (B, G, T), generator=g),
+        mask=mask,
+        group_valid=group_valid,
+        truncated=truncated,
+        prompt_index=torch.arange(B),
+        meta=[{"answer": str(b)} for b in range(B)],
+        completions=[[f"c{b}{i}" for i in range(G)] for b in range(B)],
+        rewards=rewards,
+        advantages=adv,
+        logp_old=logp_old,
+        logp_ref=logp_ref,
+        info=[[{"row": (b, i)} for i in range(G)] for b in range(B)],
+    )
+
+
+def make_logp(rollout: Rollout, seed: int = 1, scale: float = 0.3) -> Tensor:
+    """[B,G,T] leaf tensor (requires grad): the current policy's log-probs, near ``logp_old``."""
+    g = torch.Generator().manual_seed(seed)
+    B, G, T = rollout.shape
+    base = torch.where(rollout.mask, rollout.logp_old, -torch.rand(B, G, T, generator=g))  # [B,G,T]
+    return (base + scale * torch.randn(B, G, T, generator=g)).detach().requires_grad_(True)
+
+
+def fill_needs(rollout: Rollout, needs, seed: int = 7) -> dict[str, Tensor]:
+    """Satisfy every declared Need with random data; returns grad quantities for ``out``.
+
+    No-grad ``logp`` needs go to ``logp_ref`` / ``logp_old`` / ``logp_sampler`` by model; any other
+    no-grad quantity becomes a token-level extra named by the quantity (policy, default view) or
+    ``"<model>.<quantity>"``. Grad needs come back as ``out`` entries of the same names.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B, G, T = rollout.shape
+    out: dict[str, Tensor] = {}
+    for need in needs:
+        assert isinstance(need, Need), need
+        value = torch.rand(B, G, T, generator=g) * 2.0  # [B,G,T]
+        if need.quantity == "logp":
+            value = -value
+        key = need.quantity if (need.model == "policy" and need.view == "default") else f"{need.model}.{need.quantity}"
+        if need.grad:
+            out[key] = value.requires_grad_(True)
+        elif need.quantity == "logp" and need.view == "default":
+            slot = {"ref": "logp_ref", "policy": "logp_old", "old": "logp_old", "sampler": "logp_sampler"}.get(need.model)
+            if slot is None:
+                rollout.set_extra(key, value, "token")
+            elif getattr(rollout, slot) is None:
+                setattr(rollout, slot, value)
+        else:
+            rollout.set_extra(key, value, "token")
+    return out
+
+
+def permute_rows(rollout: Rollout, perm: Tensor) -> Rollout:
+    """A copy with the rows of group b reordered by ``perm[b]`` ([B,G] long) in every row field."""
+    B, G, _ = rollout.shape
+    out = {}
+    for f in dataclasses.fields(rollout):
+        v = getattr(rollout, f.name)
+        if f.name in GROUP_FIELDS or v is None:
+            out[f.name] = v
+        elif isinstance(v, Tensor):
+            out[f.name] = permute_tensor(v, perm)
+        elif f.name == "extras":
+            out[f.name] = {k: t if rollout.extra_levels[k] == "group" else permute_tensor(t, perm) for k, t in v.items()}
+        elif f.name == "extra_levels":
+            out[f.name] = dict(v)
+        elif isinstance(v, list):
+            out[f.name] = [[v[b][int(i)] for i in perm[b]] for b in range(B)] if v else []
+        else:
+            out[f.name] = v
+    return Rollout(**out)
+
+
+def permute_tensor(x: Tensor, perm: Tensor) -> Tensor:
+    """Row-permute a [B,G,...] tensor within each group."""
+    idx = perm.view(*perm.shape, *([1] * (x.dim() - 2))).expand_as(x)
+    return torch.gather(x, 1, idx)
+
+
+def random_perm(B: int, G: int, seed: int = 3) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(G, generator=g) for _ in range(B)])  # [B,G]
+
+
+def objective_for(terms: list, agg: str = "token_mean") -> Objective:
+    names = {agg} | {t.agg for t in terms if getattr(t, "agg", None)}
+    return Objective(terms=terms, aggregations={n: build("aggregation", n) for n in names}, default_agg=agg)
+
+
+def rollout_from(logp_old: Tensor, adv: Tensor | None = None, mask: Tensor | None = None, **fields) -> Rollout:
+    """A Rollout around given [B,G,T] log-probs (hand-computed tests); every row valid by default."""
+    B, G, T = logp_old.shape
+    mask = torch.ones(B, G, T, dtype=torch.bool) if mask is None else mask.bool()
+    base = dict(
+        prompt_ids=[[1] for _ in range(B)],
+        actions=torch.zeros(B, G, T, dtype=torch.long),
+        mask=mask,
+        group_valid=torch.ones(B, G, dtype=torch.bool),
+        truncated=torch.zeros(B, G, dtype=torch.bool),
+        prompt_index=torch.arange(B),
+        advantages=adv,
+        logp_old=logp_old,
+    )
+    base.update(fields)
+    return Rollout(**base)
+
+
+def leaf(x) -> Tensor:
+    return torch.as_tensor(x, dtype=torch.float32).clone().requires_grad_(True)

@@ -1,0 +1,282 @@
+"""Contract tests over every registry entry of the stages advantage, objective, weight,
+aggregation and kl (DESIGN §6). Components are built with their defaults, so a new variant is
+picked up automatically.
+
+Checked for each entry: output shapes and dtype; finite outputs on constant groups, NaN rewards,
+invalid rows and garbage padding; masked tokens get exactly zero gradient through the composed
+``Objective``; permuting a group's rows (every row field) permutes the outputs.
+
+On-policy reduction: an objective term whose output depends on ``logp_old`` (a ratio term) must,
+on-policy (``logp_old = logp.detach()``), have exactly the REINFORCE gradient −adv·∇logp under
+every aggregation. For ``gspo`` this is its GSPO-token form: the sequence-level REINFORCE gradient
+adv·∇mean_t(logp) it reduces to is the same thing once rows are token-averaged. A term whose
+on-policy gradient is legitimately different opts out with a class attribute
+``on_policy_reinforce = False`` (and says why in its docstring).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from groupwise.registry import build, entries
+from helpers import fill_needs, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm
+
+STAGES = ("advantage", "objective", "weight", "aggregation", "kl")
+ALL = [(s, n) for s, n, _ in entries() if s in STAGES]
+ADV = [n for s, n in ALL if s == "advantage"]
+TERMS = [n for s, n in ALL if s == "objective"]
+WEIGHTS = [n for s, n in ALL if s == "weight"]
+AGGS = [n for s, n in ALL if s == "aggregation"]
+KLS = [n for s, n in ALL if s == "kl"]
+
+B, G, T = 3, 4, 5
+
+
+def _term_setup(name, seed=0, **kw):
+    term = build("objective", name)
+    ro = make_rollout(B, G, T, seed=seed, **kw)
+    out = fill_needs(ro, getattr(term, "needs", ()), seed=seed + 10)
+    logp = make_logp(ro, seed=seed + 1)
+    out["logp"] = logp
+    return term, ro, out, logp
+
+
+def _grad_through_objective(terms, ro, out, logp, agg):
+    obj = objective_for(terms, agg)
+    info = info_for(T)
+    loss = obj.loss(ro, out, obj.normalizers(ro, info), info)
+    (grad,) = torch.autograd.grad(loss, logp, allow_unused=True)
+    return loss, (torch.zeros_like(logp) if grad is None else grad), obj.loss_mask(ro)
+
+
+def test_every_stage_has_entries():
+    for stage in STAGES:
+        assert [n for s, n in ALL if s == stage], f"no {stage} component registered"
+
+
+def test_docstrings_and_dataclass_fields():
+    import dataclasses
+
+    for stage, name, cls in entries():
+        if stage not in STAGES:
+            continue
+        assert dataclasses.is_dataclass(cls), name
+        assert (cls.__doc__ or "").strip().splitlines()[0], f"{name}: class docstring needs a first line"
+        mod = __import__(cls.__module__, fromlist=["_"])
+        for word in ("Change vs GRPO", "Math", "Defaults", "Notes"):
+            assert word in (mod.__doc__ or ""), f"{cls.__module__}: module docstring lacks {word!r}"
+
+
+# ---------------------------------------------------------------------------------------------- advantage
+@pytest.mark.parametrize("name", ADV)
+def test_advantage_shape_finite_and_invalid_rows_zero(name):
+    est = build("advantage", name)
+    ro = make_rollout(B, G, T, seed=1)
+    fill_needs(ro, getattr(est, "needs", ()))
+    adv = est(ro, info_for(T))
+    assert adv.dtype == torch.float32
+    assert tuple(adv.shape[:2]) == (B, G) and adv.dim() in (2, 3)
+    assert torch.isfinite(adv).all()
+    excluded = ~(ro.group_valid & torch.isfinite(ro.rewards))  # [B,G]
+    excl = excluded if adv.dim() == 2 else excluded[..., None].expand_as(adv)
+    assert (adv[excl] == 0).all()
+
+
+@pytest.mark.parametrize("name", ADV)
+def test_advantage_constant_and_degenerate_groups_finite(name):
+    est = build("advantage", name)
+    ro = make_rollout(4, G, T, seed=2, binary=True)
+    ro.rewards = torch.tensor([[1.0, 1, 1, 1], [0, 0, 0, 0], [0.3, 0.3, 0.3, 0.3], [1, 0, 1, 0]])
+    ro.group_valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    fill_needs(ro, getattr(est, "needs", ()))
+    adv = est(ro, info_for(T))
+    assert torch.isfinite(adv).all()
+    assert (adv[3] == 0).all()  # empty group
+    assert (adv[2, 1:] == 0).all()  # single-sample group: only its valid row may be non-zero
+
+
+@pytest.mark.parametrize("name", ADV)
+def test_advantage_row_permutation_equivariant(name):
+    est = build("advantage", name)
+    ro = make_rollout(B, G, T, seed=3)
+    fill_needs(ro, getattr(est, "needs", ()))
+    perm = random_perm(B, G)
+    adv = est(ro, info_for(T))
+    adv_p = est(permute_rows(ro, perm), info_for(T))
+    torch.testing.assert_close(adv_p, permute_tensor(adv, perm), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ADV)
+def test_advantage_feeds_objective_with_zero_grad_on_masked(name):
+    est = build("advantage", name)
+    ro = make_rollout(B, G, T, seed=4)
+    fill_needs(ro, getattr(est, "needs", ()))
+    ro.advantages = est(ro, info_for(T))
+    logp = make_logp(ro)
+    loss, grad, mask = _grad_through_objective([build("objective", "ppo_clip")], ro, {"logp": logp}, logp, "token_mean")
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[~mask] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------- objective
+@pytest.mark.parametrize("name", TERMS)
+@pytest.mark.parametrize("token_adv", [False, True])
+def test_term_shape_dtype_finite(name, token_adv):
+    term, ro, out, _ = _term_setup(name, token_adv=token_adv)
+    values = term(ro, out, info_for(T))
+    assert values.dtype == torch.float32
+    assert tuple(values.shape) in ((B, G, T), (B, G))
+    assert torch.isfinite(values).all()
+    for attr in ("coef", "agg"):
+        assert hasattr(term, attr), f"{name} lacks {attr}"
+    if hasattr(term, "stats"):
+        for key, v in term.stats(ro, out).items():
+            assert tuple(v.shape) in ((B, G, T), (B, G)), key
+            assert not v.requires_grad, key
+
+
+@pytest.mark.parametrize("name", TERMS)
+@pytest.mark.parametrize("agg", AGGS)
+def test_term_masked_tokens_get_zero_grad(name, agg):
+    term, ro, out, logp = _term_setup(name, seed=5, token_adv=True)
+    loss, grad, mask = _grad_through_objective([term], ro, out, logp, agg)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[~mask] == 0).all(), f"{name}/{agg}: gradient leaks to masked tokens"
+    assert (grad[mask] != 0).any(), f"{name}: no gradient at all"
+
+
+@pytest.mark.parametrize("name", TERMS)
+def test_term_row_permutation_equivariant(name):
+    term, ro, out, logp = _term_setup(name, seed=6)
+    perm = random_perm(B, G)
+    values = term(ro, out, info_for(T))
+    out_p = {k: permute_tensor(v, perm) for k, v in out.items()}
+    values_p = term(permute_rows(ro, perm), out_p, info_for(T))
+    mask = ro.row_mask if values.dim() == 3 else ro.row_mask.any(-1)
+    mask_p = permute_tensor(mask, perm)
+    torch.testing.assert_close(values_p[mask_p], permute_tensor(values, perm)[mask_p], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", TERMS)
+def test_term_constant_groups_finite(name):
+    term, ro, out, logp = _term_setup(name, seed=7)
+    ro.rewards = torch.ones(B, G)
+    ro.advantages = build("advantage", "grpo")(ro, info_for(T))  # all zero
+    loss, grad, mask = _grad_through_objective([term], ro, out, logp, "token_mean")
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("name", TERMS)
+def test_term_keeps_float32_under_bf16_logp(name):
+    term, ro, out, logp = _term_setup(name, seed=8)
+    rounded = logp.detach().to(torch.bfloat16)
+    v16 = term(ro, {**out, "logp": rounded}, info_for(T))
+    v32 = term(ro, {**out, "logp": rounded.float()}, info_for(T))
+    assert v16.dtype == torch.float32, f"{name}: losses must be float32 even for bf16 log-probs"
+    torch.testing.assert_close(v16, v32, atol=1e-6, rtol=1e-6)
+
+
+def _uses_logp_old(term, ro, out):
+    with torch.no_grad():
+        a = term(ro, out, info_for(T))
+        shifted = ro.select(list(range(B)))
+        shifted.logp_old = ro.logp_old + 0.5
+        b = term(shifted, out, info_for(T))
+    m = ro.row_mask if a.dim() == 3 else ro.row_mask.any(-1)
+    return not torch.equal(a[m], b[m])
+
+
+@pytest.mark.parametrize("name", TERMS)
+@pytest.mark.parametrize("agg", AGGS)
+def test_ratio_terms_on_policy_equal_reinforce(name, agg):
+    term, ro, out, logp = _term_setup(name, seed=9, token_adv=False)
+    if not _uses_logp_old(term, ro, out):
+        pytest.skip(f"{name} does not use logp_old (no ratio)")
+    if not getattr(term, "on_policy_reinforce", True):
+        pytest.skip(f"{name} opts out: on_policy_reinforce = False")
+    ro.logp_old = torch.where(ro.mask, logp.detach(), ro.logp_old)  # on-policy inside the mask
+    _, grad, mask = _grad_through_objective([term], ro, out, logp, agg)
+    _, grad_pg, _ = _grad_through_objective([build("objective", "reinforce")], ro, out, logp, agg)
+    torch.testing.assert_close(grad, grad_pg, atol=1e-7, rtol=1e-6)
+    assert (grad_pg[mask] != 0).any()
+
+
+# ---------------------------------------------------------------------------------------------- weight
+@pytest.mark.parametrize("name", WEIGHTS)
+def test_weight_shape_and_zero_grad(name):
+    w = build("weight", name)
+    ro = make_rollout(B, G, T, seed=11)
+    fill_needs(ro, getattr(w, "needs", ()))
+    weight = w(ro, info_for(T))
+    assert tuple(weight.shape) == (B, G, T) and weight.dtype == torch.float32
+    assert torch.isfinite(weight).all() and (weight >= 0).all()
+    ro.weight = weight
+    logp = make_logp(ro)
+    for agg in AGGS:
+        loss, grad, mask = _grad_through_objective([build("objective", "ppo_clip")], ro, {"logp": logp}, logp, agg)
+        assert torch.isfinite(grad).all()
+        assert (grad[(weight == 0) | ~ro.row_mask] == 0).all()
+        assert not mask[weight == 0].any()
+
+
+@pytest.mark.parametrize("name", WEIGHTS)
+def test_weight_row_permutation_equivariant(name):
+    w = build("weight", name)
+    ro = make_rollout(B, G, T, seed=12)
+    fill_needs(ro, getattr(w, "needs", ()))
+    perm = random_perm(B, G)
+    weight = w(ro, info_for(T))
+    weight_p = w(permute_rows(ro, perm), info_for(T))
+    mask_p = permute_tensor(ro.row_mask, perm)
+    torch.testing.assert_close(weight_p[mask_p], permute_tensor(weight, perm)[mask_p])
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+@pytest.mark.parametrize("name", AGGS)
+@pytest.mark.parametrize("level", ["token", "row"])
+def test_aggregation_scalar_sum_normaliser_and_invariance(name, level):
+    agg = build("aggregation", name)
+    ro = make_rollout(B, G, T, seed=13)
+    mask = ro.row_mask
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn((B, G, T) if level == "token" else (B, G), generator=g).requires_grad_(True)
+    norm = agg.normalizer(mask, info_for(T))
+    for key, v in norm.items():  # sums over rows: halves of the batch add up to the whole
+        lo, hi = agg.normalizer(mask[:1], info_for(T))[key], agg.normalizer(mask[1:], info_for(T))[key]
+        assert torch.equal(lo + hi, v), key
+    loss = agg.reduce(values, mask, norm)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    (grad,) = torch.autograd.grad(loss, values)
+    row_mask = mask if level == "token" else mask.any(-1)
+    assert (grad[~row_mask] == 0).all()
+    perm = random_perm(B, G)
+    loss_p = agg.reduce(permute_tensor(values, perm), permute_tensor(mask, perm), norm)
+    torch.testing.assert_close(loss_p, loss)
+    parts = agg.reduce(values[:1], mask[:1], norm) + agg.reduce(values[1:], mask[1:], norm)
+    torch.testing.assert_close(parts, loss)
+
+
+@pytest.mark.parametrize("name", AGGS)
+def test_aggregation_empty_mask_is_zero(name):
+    agg = build("aggregation", name)
+    mask = torch.zeros(2, 3, 4, dtype=torch.bool)
+    loss = agg.reduce(torch.randn(2, 3, 4), mask, agg.normalizer(mask, info_for(4)))
+    assert loss.item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- kl
+@pytest.mark.parametrize("name", KLS)
+def test_kl_estimator_elementwise_zero_at_equal_and_masked_grad(name):
+    est = build("kl", name)
+    ro = make_rollout(B, G, T, seed=14)
+    logp = make_logp(ro)
+    kl = est(logp, ro.logp_ref.float())
+    assert kl.shape == logp.shape
+    assert torch.equal(est(ro.logp_ref, ro.logp_ref), torch.zeros_like(ro.logp_ref))
+    perm = random_perm(B, G)
+    torch.testing.assert_close(est(permute_tensor(logp, perm), permute_tensor(ro.logp_ref, perm)), permute_tensor(kl, perm))
+    term = build("objective", "kl", estimator=name)
+    loss, grad, mask = _grad_through_objective([term], ro, {"logp": logp}, logp, "token_mean")
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[~mask] == 0).all() and (grad[mask] != 0).any()
