@@ -1,0 +1,104 @@
+"""A user reward function with TRL's signature, named by import path or file path.
+
+TRL's ``GRPOTrainer`` (https://huggingface.co/docs/trl/main/en/grpo_trainer#using-a-custom-reward-function)
+calls each custom reward function as ``fn(prompts=..., completions=..., **columns)`` and expects a
+list with one float (or ``None``) per completion. This component loads such a function so a config
+can name it, and calls it unchanged:
+
+    [[reward]]
+    name = "python"
+    fn = "my_project.rewards:length_reward"        # importable module
+    # fn = "/abs/path/rewards.py:length_reward"   # or a file
+
+The function receives ``prompts``, ``completions`` and every column as keyword arguments
+(dataset columns one value per completion, ``completion_lengths``, ``truncated``,
+``max_new_tokens``), so it should accept ``**kwargs`` as TRL's do. Its output is validated by
+:func:`groupwise.rewards.score`, which names it by its qualified name (``label``).
+
+Defaults: ``fn`` is required; ``weight=1.0``. A file is imported under a private module name
+(``groupwise_user_reward_<stem>_<hash>``) so it cannot shadow an installed module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from groupwise.registry import ConfigError, register
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """Resolve ``"package.module:function"`` or ``"/path/file.py:function"`` to the callable."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ConfigError(f"reward 'python': fn={spec!r} must look like 'package.module:function' or '/path/file.py:function'")
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise ConfigError(f"reward 'python': fn={spec!r} must look like 'package.module:function' or '/path/file.py:function'")
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    try:
+        module = _import_file(where) if is_file else importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"reward 'python': cannot import {where!r} for fn={spec!r}: {type(err).__name__}: {err}") from err
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"reward 'python': {where!r} has no attribute {attr!r} (fn={spec!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"reward 'python': fn={spec!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def _import_file(path: str) -> Any:
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise ConfigError(f"reward 'python': file {path!r} does not exist")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = f"groupwise_user_reward_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"reward 'python': cannot load {path!r} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses / pickling inside the user file look themselves up here
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+@register("reward", "python")
+@dataclass
+class Python:
+    """A user function ``fn(prompts, completions, **columns) -> list[float | None]`` (TRL's signature)."""
+
+    fn: str | Callable[..., Any] | None = None
+    weight: float = 1.0
+    _func: Callable[..., Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.fn is None:
+            raise ConfigError("reward 'python' needs `fn`, e.g. 'package.module:function' or '/path/file.py:function'")
+        self._func = self.fn if callable(self.fn) else load_function(self.fn)
+
+    @property
+    def label(self) -> str:
+        """The user function's qualified name, used in error messages and counts."""
+        if isinstance(self.fn, str) and self.fn.rpartition(":")[0].endswith(".py"):
+            return self.fn
+        module = getattr(self._func, "__module__", None)
+        qualname = getattr(self._func, "__qualname__", None) or type(self._func).__qualname__
+        return f"{module}.{qualname}" if module else qualname
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> Any:
+        return self._func(prompts=prompts, completions=completions, **columns)

@@ -1,0 +1,172 @@
+"""Run reward functions over a batch, validate what each returns, and combine them.
+
+Follows TRL's ``GRPOTrainer._calculate_rewards``
+(https://github.com/huggingface/trl/blob/main/trl/trainer/grpo_trainer.py): every function is
+called as ``fn(prompts=..., completions=..., **columns)``, ``None`` becomes NaN, and the total is
+``Σ_k weight_k · r_k``. Departures, all toward failing loudly:
+
+1. **Missing verdicts.** TRL sums with ``nansum``, so a ``None`` silently counts as 0. Here, by
+   default (``missing="exclude"``), a sample for which ANY function returns ``None``, NaN or ±inf
+   is excluded: its ``total`` is NaN, ``excluded`` is True, and it is counted. Downstream stages
+   drop excluded rows from group statistics. ``missing="zero"`` opts into TRL's behaviour (no
+   verdict counts as 0 in the total; ``parts`` still hold NaN and the count is still kept).
+2. **Contract violations are errors naming the function** (its registry name, or for ``python``
+   and plain callables the user function's qualified name): a wrong length (expected and got), a
+   result that is not a list/tuple, or an element that is not a real number or ``None``. These
+   always raise: they are bugs that would otherwise corrupt every step.
+3. **Failures.** A function that raises becomes :class:`RewardError` naming it, chained to the
+   original exception. With ``timeout_s`` each call runs in a daemon thread and one that does not
+   return in time is a failure too (Python cannot stop the thread; it is abandoned — rewards that
+   may hang should isolate themselves in a subprocess, as ``math`` does). With
+   ``on_error="exclude"`` a failed function's samples are all excluded and counted instead.
+
+``counts`` has ``"excluded"`` (samples with total NaN) and, per function label,
+``"<label>/missing"`` (its None/NaN/inf values) and ``"<label>/error"`` (samples lost to its
+failure). Two functions with the same label are told apart as ``label``, ``label[1]``, ….
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from groupwise.rewards._common import RewardError
+
+__all__ = ["score", "ScoreResult", "RewardError", "reward_label"]
+
+
+@dataclass
+class ScoreResult:
+    total: Tensor  # [N] float32, Σ_k weight_k · r_k; NaN where excluded
+    parts: Tensor  # [N,K] float32, r_k per function; NaN where it gave no verdict or failed
+    excluded: Tensor  # [N] bool
+    counts: dict[str, int]
+
+
+def reward_label(fn: Any) -> str:
+    """How errors and counts name a reward: ``label`` (python rewards), registry name, or qualname."""
+    label = getattr(fn, "label", None)
+    if isinstance(label, str) and label:
+        return label
+    name = getattr(type(fn), "registry_name", None)
+    if isinstance(name, str):
+        return name
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{qualname}" if module else qualname
+
+
+def score(
+    reward_fns: Sequence[Callable[..., Any]],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    columns: dict[str, Any],
+    *,
+    on_error: str = "raise",
+    missing: str = "exclude",
+    timeout_s: float | None = None,
+) -> ScoreResult:
+    """Score ``N`` completions with ``K`` reward functions; see the module docstring."""
+    if on_error not in ("raise", "exclude"):
+        raise ValueError(f"on_error must be 'raise' or 'exclude', got {on_error!r}")
+    if missing not in ("exclude", "zero"):
+        raise ValueError(f"missing must be 'exclude' or 'zero', got {missing!r}")
+    if not reward_fns:
+        raise ValueError("score needs at least one reward function")
+    N, K = len(completions), len(reward_fns)
+    if len(prompts) != N:
+        raise ValueError(f"score got {len(prompts)} prompts for {N} completions; repeat each prompt once per completion")
+    for key, values in columns.items():
+        if isinstance(values, (list, tuple)) and len(values) != N:
+            raise ValueError(f"column {key!r} has {len(values)} values for {N} completions")
+
+    labels = _unique_labels([reward_label(fn) for fn in reward_fns])
+    counts = {"excluded": 0}
+    parts = torch.full((N, K), float("nan"), dtype=torch.float64)  # [N,K]
+    failed = torch.zeros(N, dtype=torch.bool)  # [N] samples lost to a failed function
+    for k, (fn, label) in enumerate(zip(reward_fns, labels)):
+        counts[f"{label}/missing"] = 0
+        counts[f"{label}/error"] = 0
+        try:
+            values = _call(fn, label, prompts, completions, columns, timeout_s)
+        except RewardError:
+            if on_error == "raise":
+                raise
+            failed[:] = True
+            counts[f"{label}/error"] = N
+            continue
+        parts[:, k] = torch.tensor(_validate(values, label, N), dtype=torch.float64)
+        counts[f"{label}/missing"] = int(parts[:, k].isnan().sum())
+
+    weights = torch.tensor([float(getattr(fn, "weight", 1.0)) for fn in reward_fns], dtype=torch.float64)  # [K]
+    no_verdict = parts.isnan()  # [N,K]
+    weighted = torch.where(no_verdict, torch.zeros((), dtype=torch.float64), parts * weights)  # [N,K]
+    total = weighted.sum(dim=1)  # [N]
+    excluded = (failed | no_verdict.any(dim=1)) if missing == "exclude" else failed.clone()  # [N]
+    total = torch.where(excluded, torch.full_like(total, float("nan")), total)  # [N]
+    counts["excluded"] = int(excluded.sum())
+    return ScoreResult(total=total.float(), parts=parts.float(), excluded=excluded, counts=counts)
+
+
+def _unique_labels(labels: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        n = seen.get(label, 0)
+        seen[label] = n + 1
+        out.append(label if n == 0 else f"{label}[{n}]")
+    return out
+
+
+def _call(fn: Callable[..., Any], label: str, prompts, completions, columns, timeout_s: float | None) -> Any:
+    """Call one reward function; any failure becomes a RewardError naming it."""
+    if timeout_s is None:
+        try:
+            return fn(prompts=prompts, completions=completions, **columns)
+        except Exception as err:
+            raise RewardError(f"reward {label!r} raised {type(err).__name__}: {err}") from err
+
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(prompts=prompts, completions=completions, **columns)
+        except BaseException as err:  # handed to the caller's thread below
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name=f"reward:{label}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        err = TimeoutError(f"no result after {timeout_s} s")
+        raise RewardError(f"reward {label!r} did not return within timeout_s={timeout_s} s (its thread is abandoned)") from err
+    if "error" in box:
+        err = box["error"]
+        if not isinstance(err, Exception):
+            raise err
+        raise RewardError(f"reward {label!r} raised {type(err).__name__}: {err}") from err
+    return box["value"]
+
+
+def _validate(values: Any, label: str, n: int) -> list[float]:
+    """One float per completion, NaN for no verdict; a contract violation raises naming ``label``."""
+    if not isinstance(values, (list, tuple)):
+        raise RewardError(f"reward {label!r} returned a {type(values).__name__}; expected a list of {n} floats (one per completion, None for no verdict)")
+    if len(values) != n:
+        raise RewardError(f"reward {label!r} returned {len(values)} values for {n} completions (expected {n}, got {len(values)})")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+        elif isinstance(v, numbers.Real):
+            x = float(v)
+            out.append(x if math.isfinite(x) else math.nan)
+        else:
+            raise RewardError(f"reward {label!r} returned {v!r} ({type(v).__name__}) at index {i}; expected a float or None")
+    return out
