@@ -47,12 +47,28 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
 
 
 def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-shaped [b,...] tensors of every rank along dim 0."""
+    """Concatenate every rank's [b_r,...] tensor along dim 0 (the b_r may differ)."""
     if world_size() == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
+    if x.dtype == torch.bool:  # gloo has no bool all_gather
+        return all_gather_rows(x.to(torch.uint8)).bool()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([x.shape[0]]))
+    longest = int(max(sizes).item())
+    padded = torch.zeros(longest, *x.shape[1:], dtype=x.dtype)
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(world_size())]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[: int(n.item())] for part, n in zip(parts, sizes)])
+
+
+def rank_offset(n_local: int) -> int:
+    """Where this rank's rows start in :func:`all_gather_rows`' output."""
+    if world_size() == 1:
+        return 0
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([n_local]))
+    return int(sum(int(n.item()) for n in sizes[: dist.get_rank()]))
 
 
 def barrier() -> None:

@@ -82,9 +82,12 @@ class Objective:
             self.stat_sums[key] = self.stat_sums.get(key, 0.0) + float(value.float()[m].sum())
             self.stat_counts[key] = self.stat_counts.get(key, 0.0) + float(m.sum())
 
-    def pop_stats(self) -> dict[str, float]:
-        """Token-mean of every term statistic since the last call (e.g. clip fractions)."""
-        out = {k: self.stat_sums[k] / max(self.stat_counts[k], 1.0) for k in self.stat_sums}
+    def pop_stats(self, all_reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, float]:
+        """Token-mean of every term statistic since the last call (e.g. clip fractions), over all ranks."""
+        keys = sorted(self.stat_sums)
+        sums = torch.tensor([[self.stat_sums[k], self.stat_counts[k]] for k in keys], dtype=torch.float64).reshape(-1, 2)  # [K,2]
+        if all_reduce is not None:
+            sums = all_reduce(sums)
         self.stat_sums.clear()
         self.stat_counts.clear()
-        return out
+        return {k: float(total / max(count, 1.0)) for k, (total, count) in zip(keys, sums.tolist())}

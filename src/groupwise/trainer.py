@@ -59,10 +59,10 @@ class Trainer:
         self.weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
         self.objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg)
 
+        self.updater = build_spec("update", cfg.update)
         self.needs = self._collect_needs()
         self.reference = Reference(self.model) if any(n.model == "ref" for n in self.needs) else None
         self.on_policy = cfg.train.epochs == 1 and cfg.train.minibatches == 1
-        self.updater = build_spec("update", cfg.update)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.updater.bind(self.params, cfg.train.steps * cfg.train.epochs * cfg.train.minibatches)
         self.step = 0
@@ -167,8 +167,8 @@ class Trainer:
         valid = dist.all_gather_rows(rollout.group_valid)  # [W*b,G]
         everyone = Rollout([], torch.zeros(*rewards.shape, 1, dtype=torch.long), valid[..., None], valid, torch.zeros_like(valid), torch.zeros(rewards.shape[0], dtype=torch.long), rewards=rewards)
         adv = self.estimator(everyone, self._info())  # [W*b,G]
-        b = rollout.rewards.shape[0]
-        return adv[self.rank * b : (self.rank + 1) * b]
+        b, start = rollout.rewards.shape[0], dist.rank_offset(rollout.rewards.shape[0])
+        return adv[start : start + b]
 
     # ------------------------------------------------------------------ stage 5–6: μ epochs of micro-batched updates
     def update(self, rollout: Rollout) -> dict[str, float]:
@@ -183,12 +183,15 @@ class Trainer:
                 norms = self.objective.normalizers(batch, self._info(), dist.all_reduce_sum if self.world > 1 else None)
                 stats.append(self.updater.step(lambda: self._accumulate_gradients(batch, norms)))
         row = {key: float(np.mean([s[key] for s in stats])) for key in stats[0]} if stats else {}
-        row.update(self.objective.pop_stats())
-        row["entropy"] = self._entropy[0] / max(self._entropy[1], 1.0)
+        reduce = dist.all_reduce_sum if self.world > 1 else None
+        row.update(self.objective.pop_stats(reduce))
+        entropy = torch.tensor(self._entropy, dtype=torch.float64)  # [2] masked sum, count
+        entropy = reduce(entropy) if reduce else entropy
+        row["entropy"] = float(entropy[0] / entropy[1].clamp(min=1.0))
         return row
 
     def _accumulate_gradients(self, batch: Rollout, norms: dict) -> torch.Tensor:
-        size = self.cfg.train.micro_batch_groups or batch.shape[0]
+        size = self.cfg.train.micro_batch_groups or max(1, batch.shape[0])
         total = torch.zeros(())
         for start in range(0, batch.shape[0], size):
             mb = batch.select(list(range(start, min(start + size, batch.shape[0]))))
@@ -307,7 +310,8 @@ class Trainer:
         self.model.train()
         row: dict[str, Any] = {"step": self.step}
         row.update(_rollout_stats(rollout))
-        row.update(self.update(rollout) if rollout.shape[0] else {"loss": 0.0})
+        groups_everywhere = int(dist.all_reduce_sum(torch.tensor(rollout.shape[0])))
+        row.update(self.update(rollout) if groups_everywhere else {"loss": 0.0, "skipped": 1.0})  # nothing kept: no step
         seconds = time.perf_counter() - t0
         generated = float(rollout.mask.sum())
         row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self._reward_counts.get("excluded", 0))
@@ -321,31 +325,32 @@ class Trainer:
         model = self.model.merge_and_unload() if hasattr(self.model, "merge_and_unload") else self.model
         model.save_pretrained(final)
         self.tokenizer.save_pretrained(final)
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+        finite = {k: (None if isinstance(v, float) and v != v else v) for k, v in self.summary.items()}  # NaN is not JSON
+        (self.out / "summary.json").write_text(json.dumps(finite, indent=2) + "\n")
         if log is not None:
             plot_rewards(log.rows, self.summary["evals"], self.out / "reward.png")
 
 
 def _rollout_stats(rollout: Rollout) -> dict[str, float]:
-    """Batch statistics logged every step."""
+    """Batch statistics logged every step, over the groups of every rank."""
     from groupwise.masked import group_std, masked_mean
 
-    if rollout.shape[0] == 0:
-        return {"groups": 0}
-    valid = rollout.group_valid  # [B,G]
-    rewards = torch.nan_to_num(rollout.rewards)  # [B,G]
-    lengths = rollout.mask.sum(-1).float()  # [B,G]
+    valid = dist.all_gather_rows(rollout.group_valid)  # [B,G]
+    rewards = torch.nan_to_num(dist.all_gather_rows(rollout.rewards))  # [B,G]
+    lengths = dist.all_gather_rows(rollout.mask.sum(-1)).float()  # [B,G]
     stats = {
-        "groups": rollout.shape[0],
+        "groups": valid.shape[0],
         "reward_mean": float(masked_mean(rewards, valid)),
         "reward_std": float(rewards[valid].std()) if valid.sum() > 1 else 0.0,
         "zero_std_frac": float((group_std(rewards, valid) == 0).float().mean()),
         "completion_len": float(lengths[valid].mean()) if valid.any() else 0.0,
-        "truncated_frac": float(rollout.truncated.float().mean()),
+        "truncated_frac": float(dist.all_gather_rows(rollout.truncated).float().mean()),
     }
     if rollout.logp_ref is not None and rollout.logp_old is not None:
         log_ratio = rollout.logp_ref - rollout.logp_old  # [B,G,T]
-        stats["kl"] = float(masked_mean(log_ratio.exp() - log_ratio - 1, rollout.row_mask))
+        k3 = (log_ratio.exp() - log_ratio - 1)[rollout.row_mask]  # [n]
+        total = dist.all_reduce_sum(torch.stack([k3.sum(), torch.tensor(float(k3.numel()))]))  # [2]
+        stats["kl"] = float(total[0] / total[1].clamp(min=1))
     return stats
 
 

@@ -26,6 +26,9 @@ def resolve_model_path(path: str) -> str:
 def load_policy(path: str, dtype: str = "float32", lora: dict | None = None) -> tuple[Any, Any]:
     """Model + tokenizer from a local folder (or a hub id when a network exists)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
 
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")

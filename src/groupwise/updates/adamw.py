@@ -1,27 +1,23 @@
-"""AdamW with global-norm gradient clipping and a warm-up + constant/linear/cosine schedule.
+"""AdamW (Loshchilov & Hutter 2019, arXiv 1711.05101): the standard GRPO updater.
 
-The standard updater of GRPO implementations (DeepSeekMath, TRL, verl). Defaults: ``lr=1e-6``
-[PAPER: DeepSeekMath], ``betas=(0.9, 0.99)`` [CODE: TRL GRPOConfig], ``weight_decay=0.0`` and
-``max_grad_norm=1.0`` [CODE: TRL]. A step whose gradient is not finite is skipped (counted in
-``skipped``), so a NaN never reaches the weights.
+Defaults: ``lr=1e-6`` [PAPER: DeepSeekMath §4.2], ``betas=(0.9, 0.99)`` [CODE: TRL GRPOConfig],
+``weight_decay=0.0`` and ``max_grad_norm=1.0`` [CODE: TRL GRPOConfig]. Warm-up, schedule,
+clipping and the non-finite skip come from ``updates/_base.py``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
 
 import torch
 
-from groupwise.registry import ConfigError, register
-
-SCHEDULES = ("constant", "linear", "cosine")
+from groupwise.registry import register
+from groupwise.updates._base import TorchUpdater
 
 
 @register("update", "adamw")
 @dataclass
-class AdamW:
+class AdamW(TorchUpdater):
     """AdamW + grad-norm clipping + warm-up/decay schedule; skips non-finite steps."""
 
     lr: float = 1e-6
@@ -31,49 +27,6 @@ class AdamW:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
     schedule: str = "constant"
-    skipped: int = field(default=0, init=False)
 
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"update.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-
-    def bind(self, params: list[torch.nn.Parameter], total_steps: int) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: self._lr_factor(s, total_steps))
-
-    def _lr_factor(self, step: int, total: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, total - self.warmup_steps)
-        if self.schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if self.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-        return 1.0
-
-    def step(self, closure: Callable[[], torch.Tensor]) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = closure()
-        if self.max_grad_norm and self.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        else:
-            grads = [p.grad.norm() for p in self.params if p.grad is not None]
-            grad_norm = torch.stack(grads).norm() if grads else torch.zeros(())
-        lr = self.scheduler.get_last_lr()[0]
-        if not (torch.isfinite(grad_norm) and torch.isfinite(loss)):
-            self.skipped += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            return {"loss": float(loss), "grad_norm": float("nan"), "lr": lr, "skipped": 1.0}
-        self.optimizer.step()
-        self.scheduler.step()
-        return {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "skipped": self.skipped}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.skipped = state["skipped"]
+    def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)

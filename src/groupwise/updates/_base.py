@@ -1,0 +1,70 @@
+"""Shared mechanics of updaters that wrap a ``torch.optim`` optimiser: warm-up + decay schedule,
+global-norm gradient clipping, and skipping a step whose loss or gradient is not finite (counted in
+``skipped``), so a NaN never reaches the weights."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from groupwise.registry import ConfigError
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+class TorchUpdater:
+    lr: float
+    max_grad_norm: float
+    warmup_steps: int
+    schedule: str
+
+    def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"update.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        self.skipped = 0
+
+    def bind(self, params: list[torch.nn.Parameter], total_steps: int) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer = self.make_optimizer(self.params)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: self._lr_factor(s, total_steps))
+
+    def _lr_factor(self, step: int, total: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, total - self.warmup_steps)
+        if self.schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if self.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    def step(self, closure: Callable[[], torch.Tensor]) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = closure()
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)  # pre-clip norm
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        lr = self.scheduler.get_last_lr()[0]
+        if not (torch.isfinite(grad_norm) and torch.isfinite(loss)):
+            self.skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            return {"loss": float(loss), "grad_norm": float("nan"), "lr": lr, "skipped": 1.0}
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped = state["skipped"]

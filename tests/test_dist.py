@@ -1,0 +1,41 @@
+"""Data parallel: one optimiser step over 2 ranks (torchrun, gloo) equals one process over the same
+global batch — same loss, same gradient (SGD with lr 1 makes the weight change the gradient)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+ARGS = [
+    "train",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "train.steps=1",
+    "eval.size=0",
+    'update={name="sgd", lr=1.0}',
+    'objective.terms=["ppo_clip", {name="kl", coef=0.1}]',
+    'advantage.estimator={name="grpo", scale="batch"}',  # needs every rank's rewards
+    "threads=1",
+]
+
+
+def run(cmd, out):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([*cmd, *ARGS, f"out={out}"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), load_file(out / "final" / "model.safetensors")
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    single_row, single = run([sys.executable, "-m", "groupwise"], tmp_path / "one")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"]
+    ddp_row, ddp = run(torchrun, tmp_path / "two")
+    assert single_row["reward_mean"] != 0.0 or single_row["reward_std"] > 0  # a step with signal
+    assert abs(single_row["loss"] - ddp_row["loss"]) < 1e-6, (single_row["loss"], ddp_row["loss"])
+    assert abs(single_row["grad_norm"] - ddp_row["grad_norm"]) < 1e-5 * max(1.0, single_row["grad_norm"])
+    for name, weight in single.items():
+        torch.testing.assert_close(ddp[name], weight, atol=1e-6, rtol=1e-5, msg=name)
