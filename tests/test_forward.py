@@ -1,0 +1,167 @@
+"""completion_logprobs: packed forward == padded forward == naive per-row forward, rows isolated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from groupwise.policy.forward import completion_logprobs
+
+V = 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on shared cores a second OpenMP thread
+    waiting for a descheduled peer makes each op 10-100x slower; restore the setting afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(arch: str = "qwen3", attn: str = "sdpa"):
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, initializer_range=0.2)
+    config = transformers.Qwen3Config(head_dim=16, **common) if arch == "qwen3" else transformers.LlamaConfig(**common)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def batch(seed: int = 0):
+    """B=2 groups, G=3 rows, T=6: lengths [[6,2,0],[4,1,3]]; row (1,1) not scored; row (0,2) empty."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    actions = torch.randint(0, V, (2, 3, 6), generator=g)  # [B,G,T]
+    lengths = torch.tensor([[6, 2, 0], [4, 1, 3]])  # [B,G]
+    mask = torch.arange(6) < lengths[..., None]  # [B,G,T]
+    actions = actions.masked_fill(~mask, 0)  # pad after the end, as the engine returns it
+    rows = torch.tensor([[True, True, True], [True, False, True]])  # [B,G]
+    return prompts, actions, mask, rows
+
+
+def naive(model, prompts, actions, mask, rows):
+    """Per-row reference: one plain forward per row, full logits, log_softmax, gather; entropy likewise."""
+    B, G, T = actions.shape
+    logp, entropy = torch.zeros(B, G, T), torch.zeros(B, G, T)  # [B,G,T] each
+    for b in range(B):
+        for g in range(G):
+            L = int(mask[b, g].sum())
+            if not rows[b, g] or L == 0:
+                continue
+            seq = torch.tensor([prompts[b] + actions[b, g, :L].tolist()])  # [1,P+L]
+            P = len(prompts[b])
+            logp_all = model(seq).logits[0, P - 1 : P - 1 + L].float().log_softmax(-1)  # [L,V]
+            logp[b, g, :L] = logp_all.gather(1, seq[0, P:, None])[:, 0]
+            entropy[b, g, :L] = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen3", "sdpa"), ("qwen3", "eager"), ("llama", "sdpa")])
+def test_packed_equals_padded_equals_naive(arch, attn):
+    model = tiny_model(arch, attn)
+    prompts, actions, mask, rows = batch()
+    with torch.no_grad():
+        packed = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True)
+        padded = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, packed=False)
+        ref_logp, ref_entropy = naive(model, prompts, actions, mask, rows)
+    assert packed["logp"].dtype == torch.float32 and packed["logp"].shape == (2, 3, 6)
+    assert torch.allclose(packed["logp"], padded["logp"], atol=1e-5)
+    assert torch.allclose(packed["entropy"], padded["entropy"], atol=1e-5)
+    assert torch.allclose(packed["logp"], ref_logp, atol=1e-5)
+    assert torch.allclose(packed["entropy"], ref_entropy, atol=1e-5)
+    scored = mask & rows[..., None]  # [B,G,T]
+    assert (packed["logp"][scored] < 0).all() and (packed["entropy"][scored] > 0).all()
+    assert (packed["logp"][~scored] == 0).all() and (packed["entropy"][~scored] == 0).all()
+    assert "entropy" not in completion_logprobs(model, prompts, actions, mask, rows)
+
+
+def test_rows_cannot_see_each_other():
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    with torch.no_grad():
+        base = completion_logprobs(model, prompts, actions, mask, rows)["logp"]  # [B,G,T]
+        # Row (0,0) comes first in the pack: if attention leaked forward, every later row would move.
+        edited = actions.clone()
+        edited[0, 0, :6] = (edited[0, 0, :6] + 7) % V
+        after = completion_logprobs(model, prompts, edited, mask, rows)["logp"]  # [B,G,T]
+        # ... and the last row comes last: editing it must not move the earlier rows either.
+        edited_last = actions.clone()
+        edited_last[1, 2, :3] = (edited_last[1, 2, :3] + 7) % V
+        after_last = completion_logprobs(model, prompts, edited_last, mask, rows)["logp"]  # [B,G,T]
+        # Control: the same edit DOES move row (0,1) when the rows share one causal context.
+        seq = lambda a: torch.tensor([prompts[0] + a[0, 0].tolist() + prompts[0] + a[0, 1, :2].tolist()])  # [1,S]
+        leak = (model(seq(actions)).logits[0, -3:-1] - model(seq(edited)).logits[0, -3:-1]).abs().max()
+    assert not torch.allclose(after[0, 0], base[0, 0])
+    assert torch.allclose(after[:, 1:], base[:, 1:], atol=1e-6) and torch.allclose(after[1], base[1], atol=1e-6)
+    assert not torch.allclose(after_last[1, 2], base[1, 2])
+    assert torch.allclose(after_last[0], base[0], atol=1e-6) and torch.allclose(after_last[1, :2], base[1, :2], atol=1e-6)
+    assert leak > 1e-3
+
+
+def test_gradient_matches_padded_path():
+    model = tiny_model()
+    prompts, actions, mask, rows = batch(seed=1)
+    grads = []
+    for packed in (True, False):
+        model.zero_grad()
+        out = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, packed=packed)
+        (out["logp"].sum() + 0.1 * out["entropy"].sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4), name
+    assert sum(g.abs().sum() for g in grads[0].values()) > 0
+
+
+def test_lm_head_runs_only_at_completion_positions():
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(tuple(inputs[0].shape)))
+    with torch.no_grad():
+        completion_logprobs(model, prompts, actions, mask, rows)
+    handle.remove()
+    n_tokens = int((mask & rows[..., None]).sum())  # 6 + 2 + 4 + 3 = 15
+    assert seen == [(1, n_tokens, 64)]
+
+
+def test_edge_cases():
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    none = completion_logprobs(model, prompts, actions, mask, torch.zeros(2, 3, dtype=torch.bool), want_entropy=True)
+    assert (none["logp"] == 0).all() and (none["entropy"] == 0).all()  # nothing to score: no forward at all
+    with torch.no_grad():
+        assert not completion_logprobs(model, prompts, actions, mask, rows)["logp"].requires_grad
+    assert completion_logprobs(model, prompts, actions, mask, rows)["logp"].requires_grad
+    holey = mask.clone()
+    holey[0, 0, 2] = False  # a hole inside a completion
+    with pytest.raises(ValueError, match="prefix"):
+        completion_logprobs(model, prompts, actions, holey, rows)
+    one = torch.zeros(2, 3, dtype=torch.bool)
+    one[1, 2] = True  # a single scored row: the pack holds one sequence, plain causal attention
+    with torch.no_grad():
+        single = completion_logprobs(model, prompts, actions, mask, one)["logp"]
+        full = completion_logprobs(model, prompts, actions, mask, rows)["logp"]
+    assert torch.allclose(single[1, 2], full[1, 2], atol=1e-6) and (single[0] == 0).all()
+
+
+def test_lora_model_is_packed_and_sliced_too():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model(), peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"],
+                                                              init_lora_weights=False))  # random adapters: not a no-op
+    prompts, actions, mask, rows = batch()
+    seen = []
+    handle = model.get_base_model().lm_head.register_forward_hook(lambda module, inputs, output: seen.append(tuple(inputs[0].shape)))
+    out = completion_logprobs(model, prompts, actions, mask, rows)["logp"]  # [B,G,T]
+    handle.remove()
+    assert seen == [(1, int((mask & rows[..., None]).sum()), 64)]  # the wrapper still forwards logits_to_keep
+    with torch.no_grad():
+        ref_logp, _ = naive(model, prompts, actions, mask, rows)
+        with model.disable_adapter():
+            base_logp, _ = naive(model, prompts, actions, mask, rows)
+    assert torch.allclose(out, ref_logp, atol=1e-5) and not torch.allclose(out, base_logp, atol=1e-3)
+    out.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
