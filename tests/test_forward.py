@@ -7,7 +7,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from groupwise.policy.forward import completion_logprobs
+from groupwise.policy.forward import completion_logprobs, pack_bins
 
 V = 64
 
@@ -125,7 +125,7 @@ def test_lm_head_runs_only_at_completion_positions():
         completion_logprobs(model, prompts, actions, mask, rows)
     handle.remove()
     n_tokens = int((mask & rows[..., None]).sum())  # 6 + 2 + 4 + 3 = 15
-    assert seen == [(1, n_tokens, 64)]
+    assert seen == [(n_tokens, 64)]
 
 
 def test_edge_cases():
@@ -157,7 +157,7 @@ def test_lora_model_is_packed_and_sliced_too():
     handle = model.get_base_model().lm_head.register_forward_hook(lambda module, inputs, output: seen.append(tuple(inputs[0].shape)))
     out = completion_logprobs(model, prompts, actions, mask, rows)["logp"]  # [B,G,T]
     handle.remove()
-    assert seen == [(1, int((mask & rows[..., None]).sum()), 64)]  # the wrapper still forwards logits_to_keep
+    assert seen == [(int((mask & rows[..., None]).sum()), 64)]  # the head runs on completion positions only
     with torch.no_grad():
         ref_logp, _ = naive(model, prompts, actions, mask, rows)
         with model.disable_adapter():
@@ -165,3 +165,20 @@ def test_lora_model_is_packed_and_sliced_too():
     assert torch.allclose(out, ref_logp, atol=1e-5) and not torch.allclose(out, base_logp, atol=1e-3)
     out.sum().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_pack_bins_first_fit_decreasing():
+    # lengths 5,3,8,2,4 with capacity 8: sorted 8,5,4,3,2 → [8] [5,3] [4,2]
+    assert pack_bins([5, 3, 8, 2, 4], 8) == [[2], [0, 1], [4, 3]]
+    assert pack_bins([9, 1], 4) == [[0], [1]]  # capacity grows to the longest row
+
+
+@pytest.mark.parametrize("pack_tokens", [1, 12, 10_000])
+def test_bins_of_any_size_match_the_padded_path(pack_tokens):
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    with torch.no_grad():
+        binned = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, pack_tokens=pack_tokens)
+        padded = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, packed=False)
+    torch.testing.assert_close(binned["logp"], padded["logp"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(binned["entropy"], padded["entropy"], atol=1e-5, rtol=1e-5)
