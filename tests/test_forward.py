@@ -182,3 +182,32 @@ def test_bins_of_any_size_match_the_padded_path(pack_tokens):
         padded = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, packed=False)
     torch.testing.assert_close(binned["logp"], padded["logp"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(binned["entropy"], padded["entropy"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pack_tokens", [1, 40, 10_000])
+def test_shared_prefix_tree_matches_padded_path_with_gradients(pack_tokens):
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    shared = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, share_prefix=True, pack_tokens=pack_tokens)
+    padded = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, packed=False)
+    torch.testing.assert_close(shared["logp"], padded["logp"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared["entropy"], padded["entropy"], atol=1e-5, rtol=1e-5)
+    shared["logp"].sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    padded["logp"].sum().backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prefix_rows_do_not_see_each_other():
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    other = actions.clone()
+    other[0, 1] = (other[0, 1] + 1) % 64  # change one row of group 0
+    with torch.no_grad():
+        a = completion_logprobs(model, prompts, actions, mask, rows, share_prefix=True)["logp"]
+        b = completion_logprobs(model, prompts, other, mask, rows, share_prefix=True)["logp"]
+    torch.testing.assert_close(a[0, 0], b[0, 0])  # its sibling is unchanged
+    torch.testing.assert_close(a[1], b[1])  # and so is the other group
+    assert not torch.allclose(a[0, 1], b[0, 1])

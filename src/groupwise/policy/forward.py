@@ -107,6 +107,56 @@ def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], co
     return _head(model, hidden.reshape(-1, hidden.shape[-1])[predict_at.to(device)])  # [K,V]
 
 
+def _shared_prefix_logits(model, prompts: list[Tensor], groups: list[int], completions: list[Tensor], pack_tokens: int = 256) -> Tensor:
+    """[K,V] logits predicting every completion token, in row order, with each group's prompt
+    computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G`` and a custom
+    attention mask lets completion k see the prompt and its own earlier tokens only (a tree).
+    Position ids restart at the prompt length for every completion, so each row is computed exactly
+    as if it stood alone. Groups are packed into bins as rows are in ``_packed_logits``."""
+    members: dict[int, list[int]] = {}
+    for r, b in enumerate(groups):
+        members.setdefault(b, []).append(r)
+    order = list(members)
+    sizes = [len(prompts[b]) + sum(len(completions[r]) for r in members[b]) for b in order]
+    bins = pack_bins(sizes, pack_tokens)
+    width = max(sum(sizes[i] for i in items) for items in bins)
+    input_ids = torch.zeros(len(bins), width, dtype=torch.long)  # [n_bins,width]
+    position_ids = torch.zeros(len(bins), width, dtype=torch.long)  # [n_bins,width]
+    tree = torch.full((len(bins), width), -1, dtype=torch.long)  # [n_bins,width] group slot, -1 = padding
+    branch = torch.zeros(len(bins), width, dtype=torch.long)  # [n_bins,width] 0 = prompt, k+1 = completion k
+    predict_at = [None] * len(completions)
+    for n, items in enumerate(bins):
+        at = 0
+        for slot, i in enumerate(items):
+            b = order[i]
+            P = len(prompts[b])
+            input_ids[n, at : at + P] = prompts[b]
+            position_ids[n, at : at + P] = torch.arange(P)
+            tree[n, at : at + P] = slot
+            last_prompt = n * width + at + P - 1
+            at += P
+            for k, r in enumerate(members[b]):
+                c = len(completions[r])
+                input_ids[n, at : at + c] = completions[r]
+                position_ids[n, at : at + c] = torch.arange(P, P + c)
+                tree[n, at : at + c] = slot
+                branch[n, at : at + c] = k + 1
+                # token 0 is predicted from the prompt's last token, token j from the row's token j-1
+                predict_at[r] = torch.cat([torch.tensor([last_prompt]), n * width + at + torch.arange(c - 1)])
+                at += c
+    index = torch.arange(width)
+    same_tree = (tree[:, :, None] == tree[:, None, :]) & (tree[:, :, None] >= 0)  # [n_bins,q,k]
+    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])  # [n_bins,q,k] prompt or own branch
+    causal = index[None, :, None] >= index[None, None, :]  # [1,q,k]
+    allowed = (same_tree & visible & causal) | torch.eye(width, dtype=torch.bool)[None]  # [n_bins,q,k] padding sees itself
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]  # [n_bins,1,q,k]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.get_decoder()(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=additive.to(device), use_cache=False).last_hidden_state  # [n_bins,width,H]
+    return _head(model, hidden.reshape(-1, hidden.shape[-1])[torch.cat(predict_at).to(device)])  # [K,V]
+
+
 def _padded_logits(model, sequences: list[Tensor], prompt_lengths: list[int], completion_lengths: list[int]) -> Tensor:
     """[K,V] logits as ``_packed_logits`` but from a right-padded batch with an attention mask (reference)."""
     N, width = len(sequences), max(len(s) for s in sequences)
@@ -135,12 +185,16 @@ def completion_logprobs(
     want_entropy: bool = False,
     packed: bool = True,
     pack_tokens: int = 256,
+    share_prefix: bool | None = None,
 ) -> dict[str, Tensor]:
     """Per-token log-probs of ``actions`` [B,G,T] given each group's prompt, scattered back to [B,G,T].
 
     Returns ``{"logp": [B,G,T] float32}`` (0 where ``mask`` is False or the row is not in ``rows`` [B,G])
     and ``"entropy"`` [B,G,T] float32 when asked. Autograd flows to the model's parameters unless the
-    caller runs it under ``torch.no_grad()``. ``packed=False`` is the padded reference path.
+    caller runs it under ``torch.no_grad()``. ``share_prefix`` computes each group's prompt once
+    (tree attention); ``None`` chooses it when it saves at least a quarter of the tokens and groups
+    stay short (the tree mask is quadratic in a group's length). ``packed=False`` is the padded
+    reference path.
     """
     B, G, T = actions.shape
     rows = rows.bool()  # [B,G]
@@ -166,7 +220,14 @@ def completion_logprobs(
                  for b, g, c in zip(groups.tolist(), members.tolist(), completion_lengths)]
     targets = torch.cat([s[p:] for s, p in zip(sequences, prompt_lengths)]).to(device)  # [K] the completion tokens
 
-    if packed:
+    if share_prefix is None:
+        total = sum(len(s) for s in sequences)
+        saved = total - sum(len(s) - p for s, p in zip(sequences, prompt_lengths)) - sum(len(prompts[b]) for b in set(groups.tolist()))
+        share_prefix = saved >= 0.25 * total and total / len(set(groups.tolist())) <= 1024
+    if packed and share_prefix:
+        completions = [s[p:] for s, p in zip(sequences, prompt_lengths)]
+        logits = _shared_prefix_logits(model, prompts, groups.tolist(), completions, pack_tokens)  # [K,V]
+    elif packed:
         logits = _packed_logits(model, sequences, prompt_lengths, completion_lengths, pack_tokens)  # [K,V]
     else:
         logits = _padded_logits(model, sequences, prompt_lengths, completion_lengths)  # [K,V]
