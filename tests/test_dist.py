@@ -20,6 +20,7 @@ ARGS = [
     'objective.terms=["ppo_clip", {name="kl", coef=0.1}]',
     'advantage.estimator={name="grpo", scale="batch"}',  # needs every rank's rewards
     "threads=1",
+    f'model.path="{os.environ.get("GROUPWISE_TEST_MODEL", "default")}"',
 ]
 
 

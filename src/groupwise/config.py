@@ -50,6 +50,14 @@ class RolloutCfg:
 
 
 @dataclass
+class RewardCfg:
+    on_error: str = "raise"  # raise: a reward function that raises stops the run; exclude: its samples are excluded and counted
+    missing: str = "exclude"  # None/NaN verdicts: exclude the sample (counted) or count as zero (TRL's nansum)
+    timeout_s: float = 0.0  # per reward-function call (0 = none)
+    max_error_rate: float = 0.1  # with on_error=exclude: abort when more than this share of a step's samples failed
+
+
+@dataclass
 class AdvantageCfg:
     estimator: Any = "grpo"
     shapers: list = field(default_factory=list)
@@ -69,6 +77,7 @@ class TrainCfg:
     minibatches: int = 1  # optimiser steps per pass
     micro_batch_groups: int = 0  # groups per forward/backward (0 = the whole mini-batch)
     max_seconds: float = 0.0  # stop early after this wall time (0 = no limit)
+    max_skipped_in_row: int = 5  # abort after this many optimiser steps skipped for non-finite loss/gradients
 
 
 @dataclass
@@ -95,12 +104,20 @@ class Config:
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
     sampling: Any = "uniform"
     rewards: list = field(default_factory=list)  # empty = the task's default reward
+    reward: RewardCfg = field(default_factory=RewardCfg)  # how reward failures are handled
     advantage: AdvantageCfg = field(default_factory=AdvantageCfg)
     objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)
     update: Any = field(default_factory=lambda: {"name": "adamw"})
     train: TrainCfg = field(default_factory=TrainCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
+
+    def __post_init__(self) -> None:
+        # `update.lr=...` alone names no component: keep the default one
+        if isinstance(self.update, dict) and "name" not in self.update:
+            self.update = {"name": "adamw", **self.update}
+        if isinstance(self.sampling, dict) and "name" not in self.sampling:
+            self.sampling = {"name": "uniform", **self.sampling}
 
     @property
     def out_dir(self) -> Path:

@@ -68,6 +68,7 @@ class Trainer:
         self.step = 0
         self.summary: dict[str, Any] = {}
         self._stop_requested = False
+        self._skipped_in_row = 0
 
     # ------------------------------------------------------------------ set-up helpers
     def _components(self) -> list[Any]:
@@ -88,7 +89,11 @@ class Trainer:
     def _prompt_ids(self, split: str, rows: list[dict], index: int) -> list[int]:
         key = (split, index)
         if key not in self._prompt_cache:
-            self._prompt_cache[key] = encode_prompt(self.tokenizer, rows[index]["prompt"])
+            ids = encode_prompt(self.tokenizer, rows[index]["prompt"])
+            context = getattr(self.model.config, "max_position_embeddings", None)
+            if context and len(ids) + self.cfg.rollout.max_new_tokens > context:
+                raise ValueError(f"{split} row {index + 1}: prompt of {len(ids)} tokens + max_new_tokens={self.cfg.rollout.max_new_tokens} exceeds the model's context of {context}")
+            self._prompt_cache[key] = ids
         return self._prompt_cache[key]
 
     # ------------------------------------------------------------------ stage 1–3: collect a scored rollout
@@ -127,7 +132,11 @@ class Trainer:
         columns = {key: [meta.get(key) for meta in rollout.meta for _ in range(G)] for key in rollout.meta[0] if key != "prompt"} if B else {}
         columns.update(completion_lengths=lengths.flatten().tolist(), truncated=rollout.truncated.flatten().tolist(), max_new_tokens=self.cfg.rollout.max_new_tokens)
         text_rewards = [r for r in self.rewards if not hasattr(r, "score_rollout")]
-        result = score(text_rewards, prompts, [t for row in texts for t in row], columns)
+        policy = self.cfg.reward
+        result = score(text_rewards, prompts, [t for row in texts for t in row], columns, on_error=policy.on_error, missing=policy.missing, timeout_s=policy.timeout_s or None)
+        errors = sum(v for k, v in result.counts.items() if k.endswith("/error"))
+        if errors > policy.max_error_rate * max(1, B * G):
+            raise RuntimeError(f"reward functions failed on {errors} of {B * G} samples this step (reward.max_error_rate={policy.max_error_rate}): {result.counts}")
         rollout.rewards = result.total.view(B, G)  # [B,G] float32, NaN where excluded
         rollout.reward_parts = result.parts.view(B, G, -1)  # [B,G,K]
         rollout.group_valid = rollout.group_valid & torch.isfinite(rollout.rewards)  # [B,G]
@@ -180,9 +189,14 @@ class Trainer:
             order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step * 101 + epoch)) if cfg.epochs > 1 or cfg.minibatches > 1 else torch.arange(B)
             for mb_groups in torch.tensor_split(order, cfg.minibatches):
                 batch = rollout.select(mb_groups)
+                if not int(dist.all_reduce_sum(self.objective.loss_mask(batch).sum())):
+                    stats.append({"loss": 0.0, "skipped": 1.0})  # no token gets loss anywhere: leave the weights alone
+                    continue
                 norms = self.objective.normalizers(batch, self._info(), dist.all_reduce_sum if self.world > 1 else None)
                 stats.append(self.updater.step(lambda: self._accumulate_gradients(batch, norms)))
-        row = {key: float(np.mean([s[key] for s in stats])) for key in stats[0]} if stats else {}
+        row = {key: float(np.nanmean([s.get(key, float("nan")) for s in stats])) for key in stats[0]} if stats else {}
+        row["skipped"] = float(sum(s.get("skipped", 0.0) for s in stats))
+        row["nonfinite"] = float(sum(s.get("nonfinite", 0.0) for s in stats))
         reduce = dist.all_reduce_sum if self.world > 1 else None
         row.update(self.objective.pop_stats(reduce))
         entropy = torch.tensor(self._entropy, dtype=torch.float64)  # [2] masked sum, count
@@ -277,6 +291,9 @@ class Trainer:
             task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
             while self.step < cfg.train.steps and not self._stop_requested:
                 row = self.run_step()
+                self._skipped_in_row = self._skipped_in_row + 1 if row.get("nonfinite") else 0
+                if self._skipped_in_row >= cfg.train.max_skipped_in_row:
+                    raise RuntimeError(f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss or gradient (train.max_skipped_in_row); stopping before anything non-finite is saved")
                 if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0:
                     row["eval_accuracy"] = self.evaluate()
                     self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))

@@ -56,10 +56,10 @@ class TorchUpdater:
             self.skipped += 1
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-            return {"loss": float(loss), "grad_norm": float("nan"), "lr": lr, "skipped": 1.0}
+            return {"loss": float(loss), "grad_norm": float("nan"), "lr": lr, "skipped": 1.0, "nonfinite": 1.0}
         self.optimizer.step()
         self.scheduler.step()
-        return {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0}
+        return {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0, "nonfinite": 0.0}
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "skipped": self.skipped}
