@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import torch
 
 MARKER = "COMPLETE"
+FAULT_ENV = "GROUPWISE_FAULT"  # test hook: SIGKILL this process at the named point of a save
 _NAME = re.compile(r"^step_(\d+)$")
 
 
@@ -22,6 +24,11 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fault(point: str) -> None:
+    if os.environ.get(FAULT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path:
@@ -36,11 +43,13 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
         torch.save(state, fh)
         fh.flush()
         os.fsync(fh.fileno())
+    _fault("checkpoint.before_marker")
     with open(tmp / MARKER, "w") as fh:  # written last: its presence means everything above is on disk
         fh.write(f"{step}\n")
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(tmp)
+    _fault("checkpoint.before_rename")
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
