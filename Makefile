@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install sandbox demo test test-slow bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,13 +17,18 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# bubblewrap: the sandbox of the code-execution reward (Debian package)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; }
+
 demo: $(STAMP)
 	$(BIN)/groupwise train demo out=runs/demo
 
-test: $(STAMP)
+test: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
 
 clean:

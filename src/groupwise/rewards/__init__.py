@@ -6,7 +6,8 @@ one value per completion, ``None`` meaning "no verdict" (the sample is excluded 
 scored 0). ``columns`` holds the dataset columns repeated per completion plus
 ``completion_lengths``, ``truncated`` and ``max_new_tokens``. Every scorer has ``weight``.
 
-Built in: ``exact``, ``math``, ``format``, ``overlong``, ``python`` (one module each).
+Built in: ``exact``, ``math``, ``format``, ``overlong``, ``python``, ``code`` (sandboxed execution), and the
+rollout scorer ``kl_penalty`` (one module each).
 :func:`score` (``score.py``) runs a list of scorers over a batch, validates what each returns and
 combines them.
 
