@@ -15,14 +15,6 @@ from groupwise.engines.seeds import noise_at, reference_uniform, row_seeds, samp
 PAD, EOS = 0, 1
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on shared cores a second OpenMP thread
-    waiting for a descheduled peer makes each op 10-100x slower; restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(arch: str = "qwen3", vocab: int = 64, attn: str = "sdpa", seed: int = 0):

@@ -12,14 +12,6 @@ from groupwise.policy.forward import completion_logprobs, pack_bins
 V = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on shared cores a second OpenMP thread
-    waiting for a descheduled peer makes each op 10-100x slower; restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(arch: str = "qwen3", attn: str = "sdpa"):
