@@ -28,8 +28,17 @@ demo: $(STAMP)
 test: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+BENCH_STAMP := $(VENV)/.bench-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[bench]'
+	@rm -f $(VENV)/.bench-* && touch $@
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
 test-slow: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache bench/runs

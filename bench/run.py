@@ -1,0 +1,468 @@
+"""``make bench``: groupwise against TRL's ``GRPOTrainer`` on the same models, prompts, reward and settings.
+
+    python bench/run.py                  # the full matrix + time to accuracy (< 20 min on 2 quiet cores)
+    python bench/run.py --quick          # smoke run: 2 small cells, 2 timed steps, short time to accuracy
+    python bench/run.py --cells tiny-4x8 --pairs 3 --skip-tta
+    python bench/run.py --cells small:16x8:64:grpo:0.04:2   # an ad-hoc cell preset:BxG:L[:loss[:beta[:mu]]]
+    python bench/run.py --ablation       # groupwise alone with each optimisation switched off in turn
+
+Every measurement is a fresh worker process (``bench/worker.py``) that imports one framework only, so
+the peak RSS it reports is that framework's. For each cell the two frameworks run as A/B pairs
+(groupwise, TRL, groupwise, TRL, ...): ``--pairs`` of them (default 2) for the three cheapest cells, one
+for the others (per-cell caps, ``--no-cap``). Each worker runs ``warmup`` untimed steps then ``steps`` timed
+ones; we report medians and, per pair, ratio = TRL seconds per step / groupwise seconds per step
+(> 1: groupwise is faster). See bench/README.md for the exact configuration mapping.
+
+Outputs: ``bench/results.json`` (one entry per cell), ``bench/run_info.json`` (machine, GEMM
+FLOP/s, time to accuracy) and the tables in ``docs/performance.md`` between the ``bench:*`` markers.
+``--quick`` writes under ``bench/runs/quick/`` instead and leaves ``docs/`` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import BENCH, DOC, OFFLINE_ENV, RESULTS, ROOT, RUNS, Cell, gemm_flops, machine, matrix, parse_cell, quick_matrix, select  # noqa: E402
+
+DEFAULT_TTA_MODEL = ROOT / "src" / "groupwise" / "models" / "default"
+WORKER = BENCH / "worker.py"
+WORKER_TIMEOUT_S = 1800
+
+ABLATIONS: list[tuple[str, dict[str, str]]] = [
+    ("all optimisations (default)", {}),
+    ("engine: no shared prompt prefill", {"GW_BENCH_ENGINE_SHARE_PREFIX": "0"}),
+    ("engine: keep finished rows", {"GW_BENCH_ENGINE_DROP_FINISHED": "0"}),
+    ("forward: never share prefix", {"GW_BENCH_FORWARD_SHARE_PREFIX": "0"}),
+    ("forward: always share prefix", {"GW_BENCH_FORWARD_SHARE_PREFIX": "1"}),
+    ("forward: padded, not packed", {"GW_BENCH_FORWARD_PACKED": "0", "GW_BENCH_FORWARD_SHARE_PREFIX": "0"}),
+]
+ABLATION_CELLS = "tiny-4x8-L16,tiny-64x8-L16,small-4x8-L128"
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Workers
+# ------------------------------------------------------------------------------------------------
+def worker_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GW_BENCH_")}
+    env.update(OFFLINE_ENV)
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH), src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra or {})
+    return env
+
+
+def run_worker(argv: list[str], out: Path, logfile: Path, threads: int, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``worker.py argv`` in a fresh interpreter; its JSON result, or ``{"error": ...}``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        out.unlink()
+    command = [sys.executable, str(WORKER), *argv, "--threads", str(threads), "--out", str(out)]
+    started = time.perf_counter()
+    with open(logfile, "w") as fh:
+        fh.write(" ".join(command) + "\n")
+        fh.flush()
+        try:
+            proc = subprocess.run(command, stdout=fh, stderr=subprocess.STDOUT, env=worker_env(threads, extra_env),
+                                  cwd=str(ROOT), timeout=WORKER_TIMEOUT_S)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    wall = time.perf_counter() - started
+    if code != 0 or not out.exists():
+        tail = logfile.read_text().splitlines()[-15:]
+        log(f"worker failed ({code}); log {logfile}:\n    " + "\n    ".join(tail))
+        return {"error": f"exit {code}", "log": str(logfile), "wall_seconds": wall}
+    result = json.loads(out.read_text())
+    result["wall_seconds"] = wall
+    return result
+
+
+def measure_cell(cell: Cell, pairs: int, threads: int, rundir: Path, frameworks=("groupwise", "trl"),
+                 extra_env: dict[str, str] | None = None, tag: str = "") -> list[dict[str, dict]]:
+    """``pairs`` rounds of one fresh worker per framework, alternating A B A B."""
+    model = str(BENCH / "models" / cell.preset)
+    rounds = []
+    for pair in range(pairs):
+        results = {}
+        for framework in frameworks:
+            stem = f"{cell.name}{tag}-{framework}-{pair}"
+            result = run_worker(["measure", "--framework", framework, "--cell", cell.to_json(), "--model", model],
+                                rundir / "raw" / f"{stem}.json", rundir / "logs" / f"{stem}.log", threads, extra_env)
+            results[framework] = result
+            if "error" not in result:
+                steps = ", ".join(f"{s:.3g}" for s in result["step_seconds"])
+                log(f"  {cell.name}{tag} pair {pair + 1}/{pairs} {framework:9s}: steps [{steps}] s, "
+                    f"peak RSS {result['peak_rss_mb']:.0f} MB, process {result['wall_seconds']:.1f} s")
+        rounds.append(results)
+    return rounds
+
+
+# ------------------------------------------------------------------------------------------------
+# Summaries
+# ------------------------------------------------------------------------------------------------
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(cell: Cell, rounds: list[dict[str, dict]], flops_per_s: float, threads: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {"cell": cell.name, **{k: v for k, v in asdict(cell).items() if k != "max_pairs"},
+                             "micro_groups": cell.micro, "pairs": len(rounds), "threads": threads, "gemm_flops": flops_per_s}
+    per_fw: dict[str, dict[str, Any]] = {}
+    for fw in ("groupwise", "trl"):
+        ok = [r[fw] for r in rounds if fw in r and "error" not in r[fw]]
+        errors = [r[fw]["error"] for r in rounds if fw in r and "error" in r[fw]]
+        if errors:
+            entry[f"{fw}_errors"] = errors
+        if not ok:
+            per_fw[fw] = {}
+            continue
+        pair_medians = [statistics.median(r["step_seconds"]) for r in ok]
+        step = statistics.median(pair_medians)
+        generated = statistics.median([t for r in ok for t in r["generated_tokens"]])
+        trained = statistics.median([t for r in ok for t in r["trained_tokens"]])
+        n = ok[0]["params_non_embedding"]
+        entry.update({
+            f"{fw}_step_s": step,
+            f"{fw}_steps_raw": [r["step_seconds"] for r in ok],
+            f"{fw}_gen_tok_s": generated / step,
+            f"{fw}_train_tok_s": trained / step,
+            f"{fw}_rss_mb": statistics.median([r["peak_rss_mb"] for r in ok]),
+            f"{fw}_flop_efficiency": (2 * n * generated + 6 * n * trained) / (step * flops_per_s),
+            f"{fw}_completion_len": statistics.median([r["notes"]["mean_completion_len"] for r in ok]),
+            f"{fw}_setup_s": statistics.median([r["setup_seconds"] for r in ok]),
+            f"{fw}_warmup_s": [r.get("warmup_seconds", []) for r in ok],
+        })
+        if fw == "groupwise":
+            entry["groupwise_generation_s"] = _median([statistics.median(r["generation_seconds"]) for r in ok])
+        else:
+            entry["trl_step_s_inside_callbacks"] = _median([statistics.median(r["notes"]["step_seconds_inside_callbacks"]) for r in ok])
+            entry["trl_resolved_config"] = ok[0]["notes"]["resolved"]
+        entry["params_non_embedding"], entry["params_total"] = n, ok[0]["params_total"]
+        entry["generated_tokens_per_step"], entry["trained_tokens_per_step"] = generated, trained
+        per_fw[fw] = {"pair_medians": pair_medians}
+    pair_ratios = []
+    for r in rounds:
+        if all(fw in r and "error" not in r[fw] for fw in ("groupwise", "trl")):
+            pair_ratios.append(statistics.median(r["trl"]["step_seconds"]) / statistics.median(r["groupwise"]["step_seconds"]))
+    entry["pair_ratios"] = pair_ratios
+    entry["ratio"] = _median(pair_ratios)
+    entry["flop_efficiency"] = entry.get("groupwise_flop_efficiency")
+    return entry
+
+
+# ------------------------------------------------------------------------------------------------
+# Time to accuracy
+# ------------------------------------------------------------------------------------------------
+def recipe_threads(recipe: str) -> int:
+    """The ``threads`` a shipped groupwise recipe asks for (0: none)."""
+    import tomllib
+
+    from groupwise.config import resolve_recipe
+
+    with open(resolve_recipe(recipe), "rb") as fh:
+        return int(tomllib.load(fh).get("threads", 0) or 0)
+
+
+def first_reach(curve: list[list[float]], target: float) -> float | None:
+    return next((t for t, _, acc in curve if acc >= target - 1e-9), None)
+
+
+def time_to_accuracy(model: Path, seconds: float, eval_every: float, eval_size: int, threads: int, rundir: Path) -> dict[str, Any]:
+    common = ["--model", str(model), "--seconds", str(seconds), "--eval-every", str(eval_every), "--eval-size", str(eval_size)]
+    log(f"time to accuracy: TRL for {seconds:.0f} s of training from {model}, {threads} torch thread(s) in both runs")
+    trl = run_worker(["tta", "--framework", "trl", *common], rundir / "raw" / "tta-trl.json", rundir / "logs" / "tta-trl.log", threads)
+    if "error" in trl:
+        return {"error": "TRL time-to-accuracy run failed", "trl": trl}
+    target = trl["curve"][-1][2]
+    log(f"  TRL: accuracy {trl['curve'][0][2]:.3f} -> {target:.3f} in {trl['curve'][-1][0]:.0f} s "
+        f"({trl['curve'][-1][1]} steps); groupwise runs until it reaches {target:.3f} (or {seconds:.0f} s)")
+    gw = run_worker(["tta", "--framework", "groupwise", *common, "--target", str(target)], rundir / "raw" / "tta-groupwise.json",
+                    rundir / "logs" / "tta-groupwise.log", threads)
+    if "error" in gw:
+        return {"error": "groupwise time-to-accuracy run failed", "trl": trl, "groupwise": gw}
+    trl_first, gw_first = first_reach(trl["curve"], target), first_reach(gw["curve"], target)
+    result = {
+        "model": str(model), "budget_seconds": seconds, "eval_every_seconds": eval_every, "eval_size": trl["eval_size"],
+        "algorithm": trl["algorithm"], "target_accuracy": target,
+        "trl_curve": trl["curve"], "groupwise_curve": gw["curve"],
+        "trl_seconds": trl["curve"][-1][0], "trl_first_reach_seconds": trl_first,
+        "groupwise_reach_seconds": gw_first, "groupwise_final_accuracy": gw["curve"][-1][2],
+        "time_ratio": (trl["curve"][-1][0] / gw_first) if gw_first else None,
+        "time_ratio_first_reach": (trl_first / gw_first) if (gw_first and trl_first) else None,
+        "trl_rss_mb": trl["peak_rss_mb"], "groupwise_rss_mb": gw["peak_rss_mb"], "threads": threads,
+        "trl_steps_per_s": trl["curve"][-1][1] / trl["curve"][-1][0] if trl["curve"][-1][0] else None,
+        "groupwise_steps_per_s": gw["curve"][-1][1] / gw["curve"][-1][0] if gw["curve"][-1][0] else None,
+    }
+    reached = f"in {gw_first:.0f} s" if gw_first else f"not within {seconds:.0f} s (final {gw['curve'][-1][2]:.3f})"
+    log(f"  groupwise: reached {target:.3f} {reached}")
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+def _f(value: Any, fmt: str = "{:.3g}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def results_table(entries: list[dict[str, Any]]) -> str:
+    head = ("| cell | params (non-emb.) | groupwise s/step | TRL s/step | speed-up (TRL/gw) | per-pair | "
+            "gen tok/s gw / TRL | trained tok/s gw / TRL | peak RSS MB gw / TRL | FLOP eff. gw / TRL |")
+    lines = [head, "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for e in entries:
+        pairs = ", ".join(f"{r:.2f}" for r in e.get("pair_ratios", [])) or "–"
+        lines.append(
+            f"| {e['cell']} | {_f(e.get('params_non_embedding'), '{:,}')} | {_f(e.get('groupwise_step_s'))} | "
+            f"{_f(e.get('trl_step_s'))} | **{_f(e.get('ratio'), '{:.2f}×')}** | {pairs} | "
+            f"{_f(e.get('groupwise_gen_tok_s'), '{:,.0f}')} / {_f(e.get('trl_gen_tok_s'), '{:,.0f}')} | "
+            f"{_f(e.get('groupwise_train_tok_s'), '{:,.0f}')} / {_f(e.get('trl_train_tok_s'), '{:,.0f}')} | "
+            f"{_f(e.get('groupwise_rss_mb'), '{:,.0f}')} / {_f(e.get('trl_rss_mb'), '{:,.0f}')} | "
+            f"{_f(e.get('groupwise_flop_efficiency'), '{:.1%}')} / {_f(e.get('trl_flop_efficiency'), '{:.1%}')} |")
+    return "\n".join(lines)
+
+
+def tta_section(tta: dict[str, Any] | None) -> str:
+    if not tta:
+        return "_Time to accuracy was not run (`--skip-tta`, or no warm-started model)._"
+    if "error" in tta:
+        return f"_Time to accuracy failed: {tta['error']} (see the worker logs)._"
+    a = tta["algorithm"]
+    lines = [
+        f"Model `{Path(tta['model']).relative_to(ROOT) if Path(tta['model']).is_relative_to(ROOT) else tta['model']}`; "
+        f"the `{a['recipe']}` recipe's algorithm: {a['prompts']} prompts × G = {a['group']}, {a['length']} new tokens, "
+        f"lr {a['lr']:g}, clip ε = {a['epsilon']:g}, loss `{a['loss']}`, β = {a['beta']:g}, μ = {a['mu']}. "
+        f"Held-out greedy accuracy on {tta['eval_size']} test prompts every {tta['eval_every_seconds']:g} s of training "
+        f"time (evaluation time excluded), same evaluation code for both; {tta.get('threads', '?')} torch thread(s) in both runs.",
+        "",
+        f"- TRL: {tta['trl_curve'][0][2]:.3f} → **{tta['target_accuracy']:.3f}** after {tta['trl_seconds']:.0f} s "
+        f"({tta['trl_curve'][-1][1]} optimiser steps); first reached at {_f(tta['trl_first_reach_seconds'], '{:.0f}')} s.",
+        f"- groupwise: reached {tta['target_accuracy']:.3f} at **{_f(tta['groupwise_reach_seconds'], '{:.0f} s')}** "
+        f"({tta['groupwise_curve'][-1][1]} optimiser steps; final accuracy {tta['groupwise_final_accuracy']:.3f}).",
+        f"- Time ratio (TRL's {tta['trl_seconds']:.0f} s / groupwise's time to the same accuracy): "
+        f"**{_f(tta['time_ratio'], '{:.2f}×')}**; first-reach ratio {_f(tta['time_ratio_first_reach'], '{:.2f}×')} "
+        f"(accuracy curves are noisy: a single run each, evaluated every {tta['eval_every_seconds']:g} s).",
+        f"- Optimiser steps per training second: groupwise {_f(tta.get('groupwise_steps_per_s'), '{:.2f}')}, "
+        f"TRL {_f(tta.get('trl_steps_per_s'), '{:.2f}')} (same batch; completions end at EOS here, unlike the fixed-length matrix).",
+        "",
+        "| training s (TRL) | steps | accuracy | | training s (groupwise) | steps | accuracy |",
+        "|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    trl, gw = tta["trl_curve"], tta["groupwise_curve"]
+    for i in range(max(len(trl), len(gw))):
+        left = f"{trl[i][0]:.0f} | {trl[i][1]} | {trl[i][2]:.3f}" if i < len(trl) else " | | "
+        right = f"{gw[i][0]:.0f} | {gw[i][1]} | {gw[i][2]:.3f}" if i < len(gw) else " | | "
+        lines.append(f"| {left} | | {right} |")
+    return "\n".join(lines)
+
+
+def machine_section(info: dict[str, Any], flops: dict[str, float], command: str, wall: float | None) -> str:
+    load = info.get("load_average_at_start")
+    return "\n".join([
+        f"- CPU: {info['cpu']} ({info['logical_cores']} logical cores, {info['cores_available']} available to the run)",
+        f"- torch {info['torch']} with **torch threads = {info['torch_threads']}** in every worker; transformers {info['transformers']}, "
+        f"TRL {info['trl']}, accelerate {info['accelerate']}, Python {info['python']}",
+        f"- fp32 GEMM (1024³ matmul, best of repeats, threads = {info['torch_threads']}): "
+        f"{flops['used'] / 1e9:.1f} GFLOP/s (before the matrix {flops['before'] / 1e9:.1f}, after {flops['after'] / 1e9:.1f}; the larger is used)",
+        f"- load average at start: {', '.join(f'{x:.2f}' for x in load) if load else 'n/a'}; date {info['date']}",
+        f"- command: `{command}`" + (f"; total wall time {wall / 60:.1f} min" if wall else ""),
+    ])
+
+
+def replace_between(text: str, name: str, body: str) -> str:
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    if begin not in text or end not in text:
+        return text.rstrip() + f"\n\n{begin}\n{body}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def write_doc(path: Path, sections: dict[str, str]) -> None:
+    """Replace each ``bench:<name>`` marker block of ``path`` (a new file starts from docs/performance.md)."""
+    text = path.read_text() if path.exists() else (DOC.read_text() if DOC.exists() else "# Performance\n")
+    for name, body in sections.items():
+        text = replace_between(text, name, body)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def ablation_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| cell | variant | groupwise s/step (median) | vs default | generation s | peak RSS MB |", "|---|---|---:|---:|---:|---:|"]
+    base: dict[str, float] = {}
+    for r in rows:
+        if r["variant"] == ABLATIONS[0][0] and r.get("step_s"):
+            base[r["cell"]] = r["step_s"]
+    for r in rows:
+        rel = r["step_s"] / base[r["cell"]] if r.get("step_s") and r["cell"] in base else None
+        lines.append(f"| {r['cell']} | {r['variant']} | {_f(r.get('step_s'))} | {_f(rel, '{:.2f}×')} | "
+                     f"{_f(r.get('generation_s'))} | {_f(r.get('rss_mb'), '{:,.0f}')} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 small cells, 1 warm-up + 2 timed steps, 1 pair, 30 s time to accuracy")
+    parser.add_argument("--cells", default="all", help="comma list of name substrings of matrix cells (e.g. tiny-4x8,small-64x8-L16) "
+                        "or ad-hoc cells preset:BxG:L[:loss[:beta[:mu]]]")
+    parser.add_argument("--pairs", type=int, default=None, help="A/B pairs per cell (default 2, --quick 1); cells with max_pairs "
+                        "(all but the short-step ones) are capped at it unless --no-cap")
+    parser.add_argument("--no-cap", action="store_true", help="ignore the per-cell pair caps")
+    parser.add_argument("--steps", type=int, default=None, help="override the timed steps of every cell")
+    parser.add_argument("--warmup", type=int, default=None, help="override the warm-up steps of every cell")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in every worker (default: the cores available)")
+    parser.add_argument("--tta-model", type=Path, default=DEFAULT_TTA_MODEL, help="warm-started model folder for time to accuracy")
+    parser.add_argument("--tta-seconds", type=float, default=None, help="TRL's training time budget (default 300, --quick 30)")
+    parser.add_argument("--tta-eval-every", type=float, default=None, help="training seconds between evaluations (default 15, --quick 10)")
+    parser.add_argument("--tta-eval-size", type=int, default=0, help="held-out prompts per evaluation (0 = the whole test split, 500)")
+    parser.add_argument("--tta-threads", type=int, default=None, help="torch threads for both time-to-accuracy runs "
+                        "(default: the demo recipe's `threads` if it sets one, else --threads)")
+    parser.add_argument("--skip-tta", action="store_true")
+    parser.add_argument("--skip-matrix", action="store_true")
+    parser.add_argument("--ablation", action="store_true", help=f"groupwise-only ablation of its optimisations on {ABLATION_CELLS} (or --cells)")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where results go (default bench/, --quick bench/runs/quick/)")
+    parser.add_argument("--doc", type=Path, default=None, help="markdown file to update (default docs/performance.md; --quick: none)")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    pairs = args.pairs or (1 if args.quick else 2)
+    out_dir = args.out_dir or (RUNS / "quick" if args.quick else BENCH)
+    doc = args.doc if args.doc is not None else (None if args.quick else DOC)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    rundir = RUNS / stamp
+    rundir.mkdir(parents=True, exist_ok=True)
+    command = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    if args.ablation:
+        pool = matrix()
+        cells = select(pool, args.cells if args.cells != "all" else ABLATION_CELLS)
+        cells = [c for c in cells if (c.loss, c.beta, c.mu) == ("dapo", 0.0, 1)]
+    else:
+        pool = quick_matrix() if args.quick else matrix()
+        tokens = [t.strip() for t in args.cells.split(",") if t.strip()]
+        specs, patterns = [t for t in tokens if ":" in t], [t for t in tokens if ":" not in t]
+        cells = select(pool, ",".join(patterns)) if patterns else ([] if specs else list(pool))
+        cells += [parse_cell(s) for s in specs]
+    if args.steps is not None or args.warmup is not None:
+        cells = [replace(c, steps=args.steps if args.steps is not None else c.steps,
+                         warmup=args.warmup if args.warmup is not None else c.warmup) for c in cells]
+
+    import importlib.util
+
+    missing = [m for m in ("trl", "accelerate", "datasets") if importlib.util.find_spec(m) is None and not args.ablation]
+    if missing:
+        parser.error(f"missing {', '.join(missing)}: pip install -e '.[bench]' (TRL 1.16)")
+
+    import torch  # noqa: F401 (after argument parsing: --help stays fast)
+
+    from build_models import build
+
+    info = machine(threads)
+    info["date"] = _dt.datetime.now().isoformat(timespec="seconds")
+    log(f"{info['cpu']}, {info['cores_available']} cores available, {threads} torch threads per worker; "
+        f"torch {info['torch']}, transformers {info['transformers']}, TRL {info['trl']}")
+    log("TRL settings made explicit (its defaults are wrong for this CPU comparison): bf16=False, fp16=False, "
+        "gradient_checkpointing=False, use_cpu=True, learning_rate=<cell lr>, lr_scheduler_type=constant, adam_beta2=0.99, "
+        "use_bias_correction_kl=False; logging/saving/eval off, dataloader_num_workers=0")
+    for preset in sorted({c.preset for c in cells}):
+        build(preset)
+    flops_before = gemm_flops(threads)
+    log(f"fp32 GEMM: {flops_before / 1e9:.1f} GFLOP/s at {threads} threads")
+
+    entries: list[dict[str, Any]] = []
+    ablation_rows: list[dict[str, Any]] = []
+    if not args.skip_matrix and cells:
+        if args.ablation:
+            for cell in cells:
+                for index, (variant, env) in enumerate(ABLATIONS):
+                    log(f"ablation {cell.name}: {variant}")
+                    rounds = measure_cell(cell, pairs if args.no_cap else min(pairs, cell.max_pairs or pairs), threads, rundir, ("groupwise",), env,
+                                          tag=f"-ablation{index}")
+                    ok = [r["groupwise"] for r in rounds if "error" not in r["groupwise"]]
+                    ablation_rows.append({"cell": cell.name, "variant": variant, "env": env,
+                                          "step_s": _median([statistics.median(r["step_seconds"]) for r in ok]),
+                                          "generation_s": _median([statistics.median(r["generation_seconds"]) for r in ok]),
+                                          "rss_mb": _median([r["peak_rss_mb"] for r in ok]),
+                                          "raw": [r["step_seconds"] for r in ok]})
+        else:
+            workers = sum(2 * (min(pairs, c.max_pairs) if c.max_pairs and not args.no_cap else pairs) for c in cells)
+            log(f"{len(cells)} cells, {workers} worker processes (up to {pairs} A/B pairs per cell): " + ", ".join(c.name for c in cells))
+            for i, cell in enumerate(cells, 1):
+                n_pairs = min(pairs, cell.max_pairs) if cell.max_pairs and not args.no_cap else pairs
+                log(f"cell {i}/{len(cells)} {cell.name}: {cell.warmup} warm-up + {cell.steps} timed steps, "
+                    f"{n_pairs} pair(s), micro-batch {cell.micro} groups")
+                rounds = measure_cell(cell, n_pairs, threads, rundir)
+                entries.append({"rounds": rounds, "cell": cell})
+    flops_after = gemm_flops(threads)
+    flops = {"before": flops_before, "after": flops_after, "used": max(flops_before, flops_after)}
+    summaries = [summarize(e["cell"], e["rounds"], flops["used"], threads) for e in entries]
+    for s in summaries:
+        log(f"{s['cell']}: groupwise {_f(s.get('groupwise_step_s'))} s/step, TRL {_f(s.get('trl_step_s'))} s/step, "
+            f"speed-up {_f(s.get('ratio'), '{:.2f}x')}")
+
+    tta = None
+    if not args.skip_tta and not args.ablation:
+        if (args.tta_model / "config.json").exists():
+            tta_threads = args.tta_threads or recipe_threads("demo") or threads
+            tta = time_to_accuracy(args.tta_model.resolve(), args.tta_seconds or (30.0 if args.quick else 300.0),
+                                   args.tta_eval_every or (10.0 if args.quick else 15.0), args.tta_eval_size, tta_threads, rundir)
+        else:
+            log(f"time to accuracy skipped: no model at {args.tta_model} (pass --tta-model DIR)")
+            tta = {"error": f"no warm-started model at {args.tta_model}"}
+
+    wall = time.perf_counter() - started
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.ablation:
+        (out_dir / "ablation.json").write_text(json.dumps(ablation_rows, indent=1) + "\n")
+        log("ablation:\n" + ablation_table(ablation_rows))
+    else:
+        if summaries:
+            (out_dir / RESULTS.name).write_text(json.dumps(summaries, indent=1) + "\n")
+        (out_dir / "run_info.json").write_text(json.dumps({"machine": info, "gemm_flops": flops, "command": command,
+                                                           "wall_seconds": wall, "rundir": str(rundir), "tta": tta}, indent=1) + "\n")
+        if summaries:
+            log("results:\n" + results_table(summaries))
+        if tta:
+            log("time to accuracy:\n" + tta_section(tta))
+    sections: dict[str, str] = {}
+    if args.ablation:
+        sections["ablation"] = ablation_table(ablation_rows) + f"\n\n_{command}; threads = {threads}; {info['date']}_"
+    else:
+        sections["machine"] = machine_section(info, flops, command, wall)
+        if summaries:
+            sections["results"] = results_table(summaries)
+        if tta is not None:
+            sections["tta"] = tta_section(tta)
+    if doc is not None:
+        write_doc(doc, sections)
+        log(f"wrote {doc}")
+    else:
+        quick_doc = out_dir / "performance.md"
+        write_doc(quick_doc, sections)
+        log(f"wrote {quick_doc} (docs/performance.md untouched)")
+    log(f"done in {wall / 60:.1f} min; raw results and logs in {rundir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

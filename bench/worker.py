@@ -1,0 +1,462 @@
+"""One measurement in a fresh process: one framework, one cell (or one time-to-accuracy run).
+
+    python bench/worker.py measure --framework {groupwise,trl} --cell JSON --model DIR --threads T --out FILE
+    python bench/worker.py tta --framework {groupwise,trl} --model DIR --threads T --seconds S \
+        --eval-every S [--target ACC] --out FILE
+
+Only the framework measured is imported, so the process's peak RSS (``ru_maxrss``) is that
+framework's: interpreter + torch + the framework + model + optimiser state + activations.
+
+Step time is wall time of one *rollout step*: generate ``prompts x G`` completions, score them, and
+run the ``mu`` optimiser steps that use them. groupwise: ``Trainer.run_step()`` called in a tight
+loop. TRL: the time between consecutive ``on_step_end`` callbacks (so it includes TRL's data
+loading, generation, scoring, loss, backward, clipping, optimiser and scheduler steps, and its
+per-step bookkeeping), summed over the ``mu`` optimiser steps of each rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from common import OFFLINE_ENV, REWARD_FN, Cell, Measurement, greedy_accuracy, heldout_rows, parameter_counts, peak_rss_mb, train_rows
+
+for _key, _value in OFFLINE_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+# ------------------------------------------------------------------------------------------------
+# The configuration mapping (documented in bench/README.md)
+# ------------------------------------------------------------------------------------------------
+LOSS_TO_AGG = {"dapo": "token_mean", "grpo": "seq_mean_token_mean"}
+ADAM_BETAS = (0.9, 0.99)  # groupwise adamw's default; TRL's adam_beta2 default is 0.999, so we set it
+MAX_GRAD_NORM = 1.0
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, group: int, length: int, loss: str,
+                        beta: float, mu: int, lr: float, epsilon: float, micro_groups: int, steps: int) -> list[str]:
+    """groupwise ``key=value`` overrides for one configuration (used with no recipe or on top of one)."""
+    terms: list[Any] = [{"name": "ppo_clip", "eps_low": epsilon, "eps_high": epsilon}]
+    if beta > 0:
+        terms.append({"name": "kl", "coef": beta, "estimator": "k3"})
+    values = {
+        "name": "bench",
+        "seed": 0,
+        "out": out,
+        "threads": threads,
+        "model.path": model,
+        "model.dtype": "float32",
+        "data.task": "arithmetic",
+        "rollout.group_size": group,
+        "rollout.prompts_per_step": prompts,
+        "rollout.max_new_tokens": length,
+        "rollout.temperature": 1.0,
+        "rollout.top_p": 1.0,
+        "rollout.top_k": 0,
+        "sampling": "uniform",
+        "rewards": [{"name": "python", "fn": REWARD_FN}],
+        "advantage.estimator": {"name": "grpo", "scale": "group"},
+        "objective.agg": LOSS_TO_AGG[loss],
+        "objective.terms": terms,
+        "update": {"name": "adamw", "lr": lr, "betas": list(ADAM_BETAS), "weight_decay": 0.0,
+                   "max_grad_norm": MAX_GRAD_NORM, "warmup_steps": 0, "schedule": "constant"},
+        "train.steps": steps,
+        "train.epochs": mu,
+        "train.minibatches": 1,
+        "train.micro_batch_groups": micro_groups,
+        "eval.size": 0,
+        "checkpoint.every": 0,
+    }
+    return [f"{key}={_toml(value)}" for key, value in values.items()]
+
+
+def trl_config(*, out: str, prompts: int, group: int, length: int, loss: str, beta: float, mu: int, lr: float,
+               epsilon: float, micro_groups: int, max_steps: int, seed: int = 0):
+    """The ``GRPOConfig`` equivalent to :func:`groupwise_overrides` (see bench/README.md for each line)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    accumulation = prompts // micro_groups
+    kwargs: dict[str, Any] = dict(
+        output_dir=out,
+        seed=seed,
+        # TRL defaults that are wrong for this comparison on a CPU, set explicitly:
+        use_cpu=True,
+        bf16=False,  # TRL default: True (bf16 autocast); both frameworks run fp32 here
+        fp16=False,
+        gradient_checkpointing=False,  # TRL default: True (recomputes activations: slower)
+        learning_rate=lr,  # TRL default: 1e-6
+        # batch geometry: one generation round of prompts*G completions feeds exactly one optimiser step (mu = 1)
+        num_generations=group,
+        per_device_train_batch_size=micro_groups * group,  # completions per micro-batch
+        gradient_accumulation_steps=accumulation,  # micro-batches per optimiser step
+        steps_per_generation=accumulation,  # => generation_batch_size = prompts*G
+        max_completion_length=length,
+        num_iterations=mu,
+        # objective
+        loss_type=loss,
+        beta=beta,
+        use_bias_correction_kl=False,  # TRL 1.16 default True multiplies the KL by the ratio; groupwise's k3 term does not
+        epsilon=epsilon,
+        epsilon_high=epsilon,
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        importance_sampling_level="token",
+        # sampling: plain temperature-1 sampling over the whole vocabulary
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        # optimiser = groupwise adamw: AdamW(betas 0.9/0.99, eps 1e-8, no decay), clip 1.0, constant lr, no warm-up
+        adam_beta1=ADAM_BETAS[0],
+        adam_beta2=ADAM_BETAS[1],
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=MAX_GRAD_NORM,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=max_steps,
+        # no logging, saving or evaluation overheads
+        report_to=[],
+        logging_strategy="no",
+        logging_steps=10**9,
+        save_strategy="no",
+        eval_strategy="no",
+        log_completions=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        shuffle_dataset=True,
+    )
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    if "activation_checkpointing" in names:  # transformers >= 5.x: the new name of gradient_checkpointing
+        kwargs["activation_checkpointing"] = False
+    return GRPOConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# groupwise
+# ------------------------------------------------------------------------------------------------
+def _groupwise_ablation() -> dict[str, str]:
+    """Toggle groupwise's optimisations from the environment by patching defaults in this process only.
+
+    GW_BENCH_ENGINE_SHARE_PREFIX=0|1, GW_BENCH_ENGINE_DROP_FINISHED=0|1 (generation engine);
+    GW_BENCH_FORWARD_SHARE_PREFIX=auto|0|1, GW_BENCH_FORWARD_PACKED=0|1 (training log-prob forward).
+    """
+    import functools
+
+    import groupwise.engines.cpu as engine_module
+    import groupwise.policy.forward as forward_module
+    import groupwise.trainer as trainer_module
+
+    applied: dict[str, str] = {}
+    engine_kwargs: dict[str, bool] = {}
+    for env, key in (("GW_BENCH_ENGINE_SHARE_PREFIX", "share_prefix"), ("GW_BENCH_ENGINE_DROP_FINISHED", "drop_finished")):
+        if os.environ.get(env, "") in ("0", "1"):
+            engine_kwargs[key] = os.environ[env] == "1"
+            applied[env] = os.environ[env]
+    if engine_kwargs:
+        original = engine_module.CPUEngine
+        trainer_module.CPUEngine = functools.partial(original, **engine_kwargs)
+    forward_kwargs: dict[str, Any] = {}
+    share = os.environ.get("GW_BENCH_FORWARD_SHARE_PREFIX", "")
+    if share in ("0", "1"):
+        forward_kwargs["share_prefix"] = share == "1"
+        applied["GW_BENCH_FORWARD_SHARE_PREFIX"] = share
+    packed = os.environ.get("GW_BENCH_FORWARD_PACKED", "")
+    if packed in ("0", "1"):
+        forward_kwargs["packed"] = packed == "1"
+        applied["GW_BENCH_FORWARD_PACKED"] = packed
+    if forward_kwargs:
+        trainer_module.completion_logprobs = functools.partial(forward_module.completion_logprobs, **forward_kwargs)
+    return applied
+
+
+def groupwise_trainer(overrides: list[str], recipe: str | None = None):
+    from groupwise.config import load_config
+    from groupwise.trainer import Trainer
+
+    cfg, _ = load_config(recipe, overrides)
+    return Trainer(cfg)
+
+
+def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Measurement:
+    import torch
+
+    t0 = time.perf_counter()
+    ablation = _groupwise_ablation()
+    overrides = groupwise_overrides(model=model, threads=threads, out=workdir, prompts=cell.prompts, group=cell.group,
+                                    length=cell.length, loss=cell.loss, beta=cell.beta, mu=cell.mu, lr=cell.lr,
+                                    epsilon=cell.epsilon, micro_groups=cell.micro, steps=cell.warmup + cell.steps)
+    trainer = groupwise_trainer(overrides)
+    m = Measurement("groupwise", cell.name, threads=torch.get_num_threads(), **parameter_counts(trainer.model))
+    m.setup_seconds = time.perf_counter() - t0
+    lengths = []
+    for i in range(cell.warmup + cell.steps):
+        start = time.perf_counter()
+        row = trainer.run_step()
+        seconds = time.perf_counter() - start
+        trainer.step += 1
+        if i < cell.warmup:
+            m.warmup_seconds.append(seconds)
+        else:
+            generated = row["tokens_per_s"] * row["step_seconds"]  # completion tokens of this rollout
+            m.step_seconds.append(seconds)
+            m.generation_seconds.append(row["generation_seconds"])
+            m.generated_tokens.append(round(generated))
+            m.trained_tokens.append(round(generated) * cell.mu)
+            lengths.append(row["completion_len"])
+    m.peak_rss_mb = peak_rss_mb()
+    m.notes = {"ablation": ablation, "mean_completion_len": sum(lengths) / len(lengths), "torch_threads_after": torch.get_num_threads(),
+               "micro_batch_groups": cell.micro,
+               "engine": {"share_prefix": trainer.engine.share_prefix, "drop_finished": trainer.engine.drop_finished}}
+    return m
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL
+# ------------------------------------------------------------------------------------------------
+def _trl_trainer(args, model_dir: str, callbacks: list):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    from rewards import exact_answer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer.padding_side = "left"
+    if getattr(tokenizer, "chat_template", None):
+        raise SystemExit(f"{model_dir}: the tokenizer has a chat template; the comparison assumes raw-text prompts")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True)
+    dataset = Dataset.from_list(train_rows())  # columns: prompt (plain text: no chat template), answer
+    trainer = GRPOTrainer(model=model, reward_funcs=[exact_answer], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=callbacks)
+    flag = "is_activation_checkpointing" if hasattr(type(trainer.model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    if getattr(trainer.model, flag, False):
+        raise SystemExit("TRL enabled gradient checkpointing despite gradient_checkpointing=False")
+    return trainer
+
+
+def _step_timer():
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """Wall time between consecutive optimiser-step ends, and inside each step (begin -> end)."""
+
+        def __init__(self) -> None:
+            self.intervals: list[float] = []
+            self.inside: list[float] = []
+            self.lengths: list[float] = []
+            self.trainer = None
+            self._last = self._begin = 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._last = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.intervals.append(now - self._last)
+            self.inside.append(now - self._begin)
+            lengths = self.trainer._metrics["train"].get("completions/mean_length", []) if self.trainer else []
+            self.lengths.append(lengths[-1] if lengths else float("nan"))
+            self._last = time.perf_counter()
+
+    return StepTimer()
+
+
+def measure_trl(cell: Cell, model: str, threads: int, workdir: str) -> Measurement:
+    import torch
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    args = trl_config(out=workdir, prompts=cell.prompts, group=cell.group, length=cell.length, loss=cell.loss,
+                      beta=cell.beta, mu=cell.mu, lr=cell.lr, epsilon=cell.epsilon, micro_groups=cell.micro,
+                      max_steps=(cell.warmup + cell.steps) * cell.mu)
+    timer = _step_timer()
+    trainer = _trl_trainer(args, model, [timer])
+    timer.trainer = trainer
+    m = Measurement("trl", cell.name, threads=torch.get_num_threads(), **parameter_counts(trainer.model))
+    m.setup_seconds = time.perf_counter() - t0
+    trainer.train()
+    mu = cell.mu
+    rollouts = len(timer.intervals) // mu
+    m.warmup_seconds = [sum(timer.intervals[r * mu:(r + 1) * mu]) for r in range(min(cell.warmup, rollouts))]
+    for r in range(cell.warmup, rollouts):
+        chunk = slice(r * mu, (r + 1) * mu)
+        m.step_seconds.append(sum(timer.intervals[chunk]))
+        length = timer.lengths[r * mu]  # generation happens on the first optimiser step of each rollout
+        generated = length * cell.prompts * cell.group
+        m.generated_tokens.append(round(generated))
+        m.trained_tokens.append(round(generated) * mu)
+    inside = [sum(timer.inside[r * mu:(r + 1) * mu]) for r in range(cell.warmup, rollouts)]
+    m.peak_rss_mb = peak_rss_mb()
+    a = trainer.args
+    m.notes = {
+        "step_seconds_inside_callbacks": inside,
+        "torch_threads_after": torch.get_num_threads(),
+        "mean_completion_len": sum(timer.lengths[cell.warmup * mu::mu]) / max(1, len(timer.lengths[cell.warmup * mu::mu])),
+        "resolved": {k: str(getattr(a, k)) for k in (
+            "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
+            "num_generations", "num_iterations", "max_completion_length", "loss_type", "beta", "bf16", "fp16",
+            "gradient_checkpointing", "learning_rate", "lr_scheduler_type", "optim", "adam_beta2", "use_cpu")},
+        "device": str(trainer.model.device),
+        "model_dtype": str(trainer.model.dtype),
+    }
+    return m
+
+
+# ------------------------------------------------------------------------------------------------
+# Time to accuracy
+# ------------------------------------------------------------------------------------------------
+def _demo_algorithm(recipe: str) -> dict[str, Any]:
+    """The algorithm settings of a groupwise recipe, in the bench's terms (so TRL can be configured alike)."""
+    from groupwise.config import load_config
+
+    cfg, _ = load_config(recipe, [])
+    terms = [t if isinstance(t, dict) else {"name": t} for t in cfg.objective.terms]
+    clip = next(t for t in terms if t["name"] == "ppo_clip")
+    if clip.get("eps_low", 0.2) != clip.get("eps_high", 0.2):
+        raise SystemExit("time-to-accuracy: asymmetric clipping is not mapped")
+    kl = next((t for t in terms if t["name"] == "kl"), None)
+    loss = {v: k for k, v in LOSS_TO_AGG.items()}[cfg.objective.agg]
+    update = cfg.update if isinstance(cfg.update, dict) else {"name": cfg.update}
+    return {
+        "prompts": cfg.rollout.prompts_per_step,
+        "group": cfg.rollout.group_size,
+        "length": cfg.rollout.max_new_tokens,
+        "loss": loss,
+        "beta": float(kl.get("coef", 0.04)) if kl else 0.0,
+        "mu": cfg.train.epochs,
+        "lr": float(update.get("lr", 1e-6)),
+        "epsilon": float(clip.get("eps_low", 0.2)),
+        "micro_groups": cfg.rollout.prompts_per_step,  # the recipe trains the whole batch at once
+        "recipe": recipe,
+    }
+
+
+def tta(framework: str, model: str, threads: int, seconds: float, eval_every: float, target: float | None,
+        eval_size: int, recipe: str, workdir: str) -> dict[str, Any]:
+    """Train for ``seconds`` of training time (evaluation excluded), evaluating held-out greedy accuracy
+    every ``eval_every`` training seconds; stop early once accuracy >= ``target`` (if given)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    algo = _demo_algorithm(recipe)
+    rows = heldout_rows(eval_size)
+    curve: list[tuple[float, int, float]] = []  # (training seconds, optimiser steps, accuracy)
+    t_setup = time.perf_counter()
+
+    if framework == "groupwise":
+        overrides = groupwise_overrides(model=model, threads=threads, out=workdir, prompts=algo["prompts"], group=algo["group"],
+                                        length=algo["length"], loss=algo["loss"], beta=algo["beta"], mu=algo["mu"],
+                                        lr=algo["lr"], epsilon=algo["epsilon"], micro_groups=0, steps=10**6)
+        trainer = groupwise_trainer(overrides)
+        setup = time.perf_counter() - t_setup
+        clock, steps = 0.0, 0
+        curve.append((0.0, 0, greedy_accuracy(trainer.model, trainer.tokenizer, rows, algo["length"])))
+        next_eval = eval_every
+        while clock < seconds:
+            start = time.perf_counter()
+            trainer.run_step()
+            clock += time.perf_counter() - start
+            trainer.step += 1
+            steps += algo["mu"]
+            if clock >= next_eval or clock >= seconds:
+                curve.append((clock, steps, greedy_accuracy(trainer.model, trainer.tokenizer, rows, algo["length"])))
+                next_eval += eval_every * (1 + int((clock - next_eval) // eval_every))
+                if target is not None and curve[-1][2] >= target:
+                    break
+    else:
+        from transformers import TrainerCallback
+
+        class Clock(TrainerCallback):
+            def __init__(self) -> None:
+                self.clock, self.next_eval, self.trainer = 0.0, eval_every, None
+                self._last = 0.0
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                curve.append((0.0, 0, greedy_accuracy(kwargs["model"], self.trainer.processing_class, rows, algo["length"])))
+                self._last = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self.clock += time.perf_counter() - self._last
+                if self.clock >= self.next_eval or self.clock >= seconds:
+                    accuracy = greedy_accuracy(kwargs["model"], self.trainer.processing_class, rows, algo["length"])
+                    curve.append((self.clock, state.global_step, accuracy))
+                    self.next_eval += eval_every * (1 + int((self.clock - self.next_eval) // eval_every))
+                    if self.clock >= seconds or (target is not None and accuracy >= target):
+                        control.should_training_stop = True
+                self._last = time.perf_counter()  # evaluation time is not training time
+                return control
+
+        args = trl_config(out=workdir, prompts=algo["prompts"], group=algo["group"], length=algo["length"], loss=algo["loss"],
+                          beta=algo["beta"], mu=algo["mu"], lr=algo["lr"], epsilon=algo["epsilon"],
+                          micro_groups=algo["prompts"], max_steps=10**6)
+        clock_cb = Clock()
+        trainer = _trl_trainer(args, model, [clock_cb])
+        clock_cb.trainer = trainer
+        setup = time.perf_counter() - t_setup
+        trainer.train()
+    return {"framework": framework, "curve": curve, "setup_seconds": setup, "algorithm": algo, "threads": threads,
+            "eval_size": len(rows), "target": target, "budget_seconds": seconds, "eval_every": eval_every,
+            "peak_rss_mb": peak_rss_mb()}
+
+
+# ------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--framework", choices=("groupwise", "trl"), required=True)
+    m.add_argument("--cell", required=True, help="Cell as JSON")
+    t = sub.add_parser("tta")
+    t.add_argument("--framework", choices=("groupwise", "trl"), required=True)
+    t.add_argument("--seconds", type=float, default=300.0)
+    t.add_argument("--eval-every", type=float, default=15.0)
+    t.add_argument("--eval-size", type=int, default=0)
+    t.add_argument("--target", type=float, default=None)
+    t.add_argument("--recipe", default="demo")
+    for p in (m, t):
+        p.add_argument("--model", required=True)
+        p.add_argument("--threads", type=int, required=True)
+        p.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix=f"bench-{args.framework}-") as workdir:
+        if args.mode == "measure":
+            cell = Cell.from_json(args.cell)
+            fn = measure_groupwise if args.framework == "groupwise" else measure_trl
+            result: Any = asdict(fn(cell, args.model, args.threads, workdir))
+        else:
+            result = tta(args.framework, args.model, args.threads, args.seconds, args.eval_every, args.target,
+                         args.eval_size, args.recipe, workdir)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
