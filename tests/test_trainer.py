@@ -87,6 +87,10 @@ def test_run_writes_outputs_and_resumes_exactly(tmp_path):
     first.train()
     again = make_trainer(tmp_path / "resumed", "train.steps=4", "checkpoint.every=1")
     again.train()
+    from groupwise import checkpoint
+
+    kept = checkpoint.complete(tmp_path / "resumed")
+    assert [p.name for p in kept] == ["step_000003", "step_000004"]  # keep_last=2 pruned steps 1 and 2
     for (name, p), q in zip(straight.model.named_parameters(), again.model.parameters()):
         assert torch.equal(p, q), f"{name} differs after resume"
     resumed_rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
