@@ -25,8 +25,8 @@ import pytest
 
 from groupwise.registry import ConfigError, build, names
 from groupwise.rewards import RewardError, score
-from groupwise.rewards import _sandbox
-from groupwise.rewards._sandbox import SANDBOX_ENV, Sandbox, SandboxUnavailable
+from groupwise.sandbox import bwrap as _sandbox
+from groupwise.sandbox.bwrap import SANDBOX_ENV, Sandbox, SandboxUnavailable
 from groupwise.rewards.code import Case, Code, _decode, canonical, extract_code, parse_tests, verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,7 +159,7 @@ def test_canonical_is_type_strict():
 
 
 def test_verdict_rules_without_sandbox():
-    from groupwise.rewards._sandbox import RunResult
+    from groupwise.sandbox.bwrap import RunResult
 
     call = Case("call", call="f()", expected=canonical(4))
     good = RunResult(ready=True, exit_code=0, records=[{"kind": "result", "ok": True, "value": ["int", "4"]}])
@@ -658,7 +658,7 @@ def test_unsafe_local_warns_and_still_limits(monkeypatch):
 SMOKE = """
 import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _sandbox import Limits, Sandbox
+from bwrap import Limits, Sandbox
 s = Sandbox()
 s.check()
 def value(code, **kw):
@@ -697,7 +697,7 @@ def test_unprivileged_user_path():
     work = tempfile.mkdtemp(prefix="gw-unpriv-")
     try:
         os.chmod(work, 0o755)
-        for name in ("_sandbox.py", "_sandbox_harness.py"):
+        for name in ("bwrap.py", "harness.py"):
             shutil.copyfile(os.path.join(os.path.dirname(_sandbox.__file__), name), os.path.join(work, name))
         with open(os.path.join(work, "smoke.py"), "w") as f:
             f.write(SMOKE)

@@ -97,27 +97,19 @@ def test_run_writes_outputs_and_resumes_exactly(tmp_path):
     assert [r["reward_mean"] for r in resumed_rows] == [r["reward_mean"] for r in rows]
 
 
-def test_reward_that_raises_is_named(tmp_path):
-    (tmp_path / "bad_reward.py").write_text("def broken(prompts, completions, **kw):\n    raise RuntimeError('boom')\n")
+@pytest.mark.parametrize("name,body", [
+    ("broken", "raise RuntimeError('boom')"),  # raises
+    ("short", "return [1.0]"),  # wrong length: one value for 16 completions
+], ids=["raises", "wrong-length"])
+def test_broken_reward_is_named(tmp_path, name, body):
+    module = f"reward_{name}"
+    (tmp_path / f"{module}.py").write_text(f"def {name}(prompts, completions, **kw):\n    {body}\n")
     import sys
 
     sys.path.insert(0, str(tmp_path))
     try:
-        trainer = make_trainer(tmp_path / "run", 'rewards=[{name="python", fn="bad_reward:broken"}]')
-        with pytest.raises(RewardError, match="broken"):
-            trainer.collect()
-    finally:
-        sys.path.remove(str(tmp_path))
-
-
-def test_reward_wrong_length_is_named(tmp_path):
-    (tmp_path / "short_reward.py").write_text("def short(prompts, completions, **kw):\n    return [1.0]\n")
-    import sys
-
-    sys.path.insert(0, str(tmp_path))
-    try:
-        trainer = make_trainer(tmp_path / "run", 'rewards=[{name="python", fn="short_reward:short"}]')
-        with pytest.raises(RewardError, match="short"):
+        trainer = make_trainer(tmp_path / "run", f'rewards=[{{name="python", fn="{module}:{name}"}}]')
+        with pytest.raises(RewardError, match=f"reward '{module}.{name}' (raised RuntimeError|returned 1 values for 16)"):
             trainer.collect()
     finally:
         sys.path.remove(str(tmp_path))

@@ -1,6 +1,6 @@
 """Code-execution reward: the fraction of a row's tests that the model-written Python passes.
 
-Each test case runs in its OWN fresh sandbox (``_sandbox.py``: bubblewrap namespaces, read-only
+Each test case runs in its OWN fresh sandbox (``groupwise/sandbox/bwrap.py``: bubblewrap namespaces, read-only
 file system with a scratch tmpfs, no network, scrubbed environment, rlimits, wall-clock kill of the
 whole process tree, capped output). The verdict is computed here, in the trusted parent, from what
 crossed the sandbox boundary; the expected answers never enter the sandbox. Threat model,
@@ -80,8 +80,8 @@ from typing import Any, Sequence
 
 from groupwise.registry import ConfigError, register
 from groupwise.rewards._common import RewardError, get_column
-from groupwise.rewards._sandbox import Limits, RunResult, Sandbox, SandboxUnavailable
-from groupwise.rewards._sandbox_harness import MAX_DEPTH, Unsupported, encode
+from groupwise.sandbox.bwrap import Limits, RunResult, Sandbox, SandboxUnavailable
+from groupwise.sandbox.harness import MAX_DEPTH, Unsupported, encode
 
 __all__ = ["Code", "SandboxUnavailable", "extract_code", "parse_tests", "Case"]
 

@@ -54,7 +54,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-HARNESS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_harness.py")
+HARNESS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
 HARNESS_IN_SANDBOX = "/opt/groupwise/harness.py"
 STARTUP_TIMEOUT_S = 30.0  # bwrap + interpreter start-up; a sandbox not ready by then is an infrastructure failure
 KILL_GRACE_S = 5.0  # how long to wait for a killed sandbox's namespace to empty before giving up on it

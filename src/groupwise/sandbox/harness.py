@@ -1,7 +1,7 @@
-"""Runs ONE test case of untrusted Python inside the sandbox (started by ``_sandbox.py``).
+"""Runs ONE test case of untrusted Python inside the sandbox (started by ``bwrap.py``).
 
 Usage (inside the sandbox): ``python -s -B harness.py CONFIG_FD RESULT_FD``. Standard library only;
-never imports ``groupwise``. The parent (``_sandbox.py``) computes the verdict; this file only
+never imports ``groupwise``. The parent (``bwrap.py``) computes the verdict; this file only
 reports what happened, one JSON line per record on ``RESULT_FD``::
 
     {"nonce": N, "kind": "ready"}                       limits applied, about to run candidate code
