@@ -40,13 +40,18 @@ DEFAULT_TTA_MODEL = ROOT / "src" / "groupwise" / "models" / "default"
 WORKER = BENCH / "worker.py"
 WORKER_TIMEOUT_S = 1800
 
+# Each ablation switches techniques off through groupwise's own `perf` / `update` settings (passed to
+# the worker as extra overrides); the last row is the plain reference path with everything off.
 ABLATIONS: list[tuple[str, dict[str, str]]] = [
     ("all optimisations (default)", {}),
-    ("engine: no shared prompt prefill", {"GW_BENCH_ENGINE_SHARE_PREFIX": "0"}),
-    ("engine: keep finished rows", {"GW_BENCH_ENGINE_DROP_FINISHED": "0"}),
-    ("forward: never share prefix", {"GW_BENCH_FORWARD_SHARE_PREFIX": "0"}),
-    ("forward: always share prefix", {"GW_BENCH_FORWARD_SHARE_PREFIX": "1"}),
-    ("forward: padded, not packed", {"GW_BENCH_FORWARD_PACKED": "0", "GW_BENCH_FORWARD_SHARE_PREFIX": "0"}),
+    ("model's own HF forward (no functional decoder / training forward)", {"GW_BENCH_OVERRIDES": "perf.functional=false"}),
+    ("no shared prompt (prefill per row, no tree attention)", {"GW_BENCH_OVERRIDES": "perf.share_prefix=false"}),
+    ("keep finished rows in the decode batch", {"GW_BENCH_OVERRIDES": "perf.drop_finished=false"}),
+    ("padded training forward, not packed", {"GW_BENCH_OVERRIDES": "perf.packed=false"}),
+    ("AdamW without the fused kernel", {"GW_BENCH_OVERRIDES": "update.fused=false"}),
+    ("plain path: all of the above off", {"GW_BENCH_OVERRIDES": ";".join(["perf.functional=false", "perf.share_prefix=false",
+                                                                          "perf.drop_finished=false", "perf.packed=false",
+                                                                          "update.fused=false"])}),
 ]
 ABLATION_CELLS = "tiny-4x8-L16,tiny-64x8-L16,small-4x8-L128"
 

@@ -158,39 +158,9 @@ def trl_config(*, out: str, prompts: int, group: int, length: int, loss: str, be
 # ------------------------------------------------------------------------------------------------
 # groupwise
 # ------------------------------------------------------------------------------------------------
-def _groupwise_ablation() -> dict[str, str]:
-    """Toggle groupwise's optimisations from the environment by patching defaults in this process only.
-
-    GW_BENCH_ENGINE_SHARE_PREFIX=0|1, GW_BENCH_ENGINE_DROP_FINISHED=0|1 (generation engine);
-    GW_BENCH_FORWARD_SHARE_PREFIX=auto|0|1, GW_BENCH_FORWARD_PACKED=0|1 (training log-prob forward).
-    """
-    import functools
-
-    import groupwise.engines.cpu as engine_module
-    import groupwise.policy.forward as forward_module
-    import groupwise.trainer as trainer_module
-
-    applied: dict[str, str] = {}
-    engine_kwargs: dict[str, bool] = {}
-    for env, key in (("GW_BENCH_ENGINE_SHARE_PREFIX", "share_prefix"), ("GW_BENCH_ENGINE_DROP_FINISHED", "drop_finished")):
-        if os.environ.get(env, "") in ("0", "1"):
-            engine_kwargs[key] = os.environ[env] == "1"
-            applied[env] = os.environ[env]
-    if engine_kwargs:
-        original = engine_module.CPUEngine
-        trainer_module.CPUEngine = functools.partial(original, **engine_kwargs)
-    forward_kwargs: dict[str, Any] = {}
-    share = os.environ.get("GW_BENCH_FORWARD_SHARE_PREFIX", "")
-    if share in ("0", "1"):
-        forward_kwargs["share_prefix"] = share == "1"
-        applied["GW_BENCH_FORWARD_SHARE_PREFIX"] = share
-    packed = os.environ.get("GW_BENCH_FORWARD_PACKED", "")
-    if packed in ("0", "1"):
-        forward_kwargs["packed"] = packed == "1"
-        applied["GW_BENCH_FORWARD_PACKED"] = packed
-    if forward_kwargs:
-        trainer_module.completion_logprobs = functools.partial(forward_module.completion_logprobs, **forward_kwargs)
-    return applied
+def _groupwise_ablation() -> list[str]:
+    """Extra groupwise overrides for an ablation run: ``GW_BENCH_OVERRIDES="perf.functional=false;..."``."""
+    return [o.strip() for o in os.environ.get("GW_BENCH_OVERRIDES", "").split(";") if o.strip()]
 
 
 def groupwise_trainer(overrides: list[str], recipe: str | None = None):
@@ -209,7 +179,7 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
     overrides = groupwise_overrides(model=model, threads=threads, out=workdir, prompts=cell.prompts, group=cell.group,
                                     length=cell.length, loss=cell.loss, beta=cell.beta, mu=cell.mu, lr=cell.lr,
                                     epsilon=cell.epsilon, micro_groups=cell.micro, steps=cell.warmup + cell.steps)
-    trainer = groupwise_trainer(overrides)
+    trainer = groupwise_trainer(overrides + ablation)
     m = Measurement("groupwise", cell.name, threads=torch.get_num_threads(), **parameter_counts(trainer.model))
     m.setup_seconds = time.perf_counter() - t0
     lengths = []
@@ -230,7 +200,7 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
     m.peak_rss_mb = peak_rss_mb()
     m.notes = {"ablation": ablation, "mean_completion_len": sum(lengths) / len(lengths), "torch_threads_after": torch.get_num_threads(),
                "micro_batch_groups": cell.micro,
-               "engine": {"share_prefix": trainer.engine.share_prefix, "drop_finished": trainer.engine.drop_finished}}
+               "perf": dict(vars(trainer.cfg.perf)), "functional_engine": trainer.engine.functional}
     return m
 
 

@@ -94,6 +94,17 @@ class CheckpointCfg:
 
 
 @dataclass
+class PerfCfg:
+    """Speed techniques; each one leaves the maths unchanged (tests/test_plain_path.py), so turning
+    all of them off gives the plain reference path."""
+
+    functional: bool = True  # Llama-family float32 models: groupwise's functional decoder and training forward
+    share_prefix: bool = True  # a prompt's KV once per group in generation; tree attention in training where it pays
+    packed: bool = True  # training forward on packed rows (no padding); false = one padded batch
+    drop_finished: bool = True  # finished rows leave the decode batch
+
+
+@dataclass
 class Config:
     name: str = "grpo"
     seed: int = 0
@@ -111,6 +122,7 @@ class Config:
     train: TrainCfg = field(default_factory=TrainCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
+    perf: PerfCfg = field(default_factory=PerfCfg)
 
     def __post_init__(self) -> None:
         # `update.lr=...` alone names no component: keep the default one

@@ -40,7 +40,9 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.out = cfg.out_dir
         self.model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, cfg.model.lora or None)
-        self.engine = CPUEngine(self.model, eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id)
+        perf = cfg.perf
+        self.engine = CPUEngine(self.model, eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
+                                share_prefix=perf.share_prefix, drop_finished=perf.drop_finished, functional=perf.functional)
         self.train_rows, self.eval_rows, task_reward = load_splits(cfg.data, cfg.seed)
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
 
@@ -144,7 +146,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ no-grad needs, scorers, advantages, weights
     def forward(self, model: Any, rollout: Rollout, want_entropy: bool) -> dict[str, torch.Tensor]:
-        return completion_logprobs(model, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid, want_entropy=want_entropy)
+        perf = self.cfg.perf
+        return completion_logprobs(model, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid, want_entropy=want_entropy,
+                                   packed=perf.packed, share_prefix=None if perf.share_prefix else False, functional=perf.functional)
 
     def prepare(self, rollout: Rollout) -> None:
         wanted = {(n.quantity, n.model) for n in self.needs if not n.grad}

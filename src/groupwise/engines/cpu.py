@@ -9,6 +9,10 @@ One call samples ``n`` completions for each of ``B`` prompts, all ``B*n`` rows d
 3. a row that emits EOS is finished (it emits pad from then on); finished rows are dropped from the
    cache once enough of them pile up, and the loop stops when every row is finished.
 
+The model runs through ``policy.functional.DecodeState`` (fused weights, a preallocated KV cache
+written in place) when it is a float32 Llama-family model, else through its own forward and a
+``DynamicCache`` (``_HFState``); both give the same logits to float rounding.
+
 ``logp`` is the log-probability of each sampled token under the model's raw distribution
 (``log_softmax`` of float32 logits, temperature 1): on-policy training uses it as ``logp_sampler``.
 """
@@ -23,6 +27,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from groupwise.engines.seeds import noise_at
+from groupwise.policy.functional import DecodeState, unsupported_reason
 
 # Sampling works on blocks of rows so that the [rows, V] noise buffers stay ~32 MB with a big vocab.
 _SAMPLE_BLOCK_ELEMENTS = 1 << 22
@@ -145,20 +150,58 @@ class _Sampler:
         return tokens, logp
 
 
+# --------------------------------------------------------------------------- model backends
+class _HFState:
+    """A batch being decoded through the model's own forward and a ``DynamicCache`` (any HF causal LM).
+
+    Same interface as ``policy.functional.DecodeState``: ``prefill``, ``step``, ``select``."""
+
+    def __init__(self, model, cache_arg: str, can_keep_last: bool):
+        self.model, self.cache_arg, self.can_keep_last = model, cache_arg, can_keep_last
+        self.cache = DynamicCache(config=model.config)
+        self.attention = torch.empty(0)
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        kwargs = {self.cache_arg: self.cache, "use_cache": True}
+        if self.can_keep_last:
+            kwargs["logits_to_keep"] = 1  # the lm_head runs on the last position only
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return out.logits[:, -1, :].float()  # [N,V]
+
+    def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int) -> Tensor:
+        B, W = input_ids.shape
+        self.attention = torch.zeros(B * repeat, capacity, dtype=torch.long, device=input_ids.device)  # [R,C]
+        self.attention[:, :W] = real.repeat_interleave(repeat, dim=0)
+        logits = self._forward(input_ids, real.long(), positions)  # [B,V]
+        self.cache.batch_repeat_interleave(repeat)
+        return logits
+
+    def step(self, tokens: Tensor, positions: Tensor, column: int) -> Tensor:
+        self.attention[:, column] = 1  # the token joins the context
+        return self._forward(tokens[:, None], self.attention[:, : column + 1], positions[:, None])  # [A,V]
+
+    def select(self, keep: Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.attention = self.attention[keep]
+
+
 # --------------------------------------------------------------------------- engine
 class CPUEngine:
     """Batched sampling with a shared-prefix KV cache for any HF causal LM.
 
     ``share_prefix=False`` runs every row's prompt separately (the reference the test compares with);
-    ``drop_finished=False`` keeps finished rows in the batch until the end.
+    ``drop_finished=False`` keeps finished rows in the batch until the end; ``functional=False``
+    decodes through the model's own forward even when ``policy.functional`` supports the model.
     """
 
-    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, share_prefix: bool = True, drop_finished: bool = True):
+    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, share_prefix: bool = True, drop_finished: bool = True,
+                 functional: bool = True):
         self.model = model
         self.eos_token_ids = torch.tensor(list(eos_token_ids), dtype=torch.long)
         self.pad_token_id = int(pad_token_id)
         self.share_prefix = share_prefix
         self.drop_finished = drop_finished
+        self.functional = functional and unsupported_reason(model) is None
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT forwards kwargs to it
         params = inspect.signature(base.forward).parameters
         # transformers 5.x renamed `past_key_values` to `cache`; accept either spelling.
@@ -169,13 +212,11 @@ class CPUEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: DynamicCache) -> Tensor:
-        """[N,V] float32 logits of the last position; the cache grows in place."""
-        kwargs = {self._cache_arg: cache, "use_cache": True}
-        if self._can_keep_last:
-            kwargs["logits_to_keep"] = 1  # the lm_head runs on the last position only
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        return out.logits[:, -1, :].float()  # [N,V]
+    def _new_state(self):
+        """Decoding state for one call; the functional one snapshots the current weights."""
+        if self.functional and unsupported_reason(self.model) is None:  # hooks may come and go
+            return DecodeState(self.model)
+        return _HFState(self.model, self._cache_arg, self._can_keep_last)
 
     def _left_pad(self, prompt_ids: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
         """(input_ids [B,L], attention_mask [B,L] bool, prompt lengths [B]) with prompts left-padded."""
@@ -216,6 +257,33 @@ class CPUEngine:
         finally:
             self.model.train(was_training)
 
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        row_seeds: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        greedy: bool = False,
+    ) -> GenerationOutput:
+        """Sample ``n`` completions per prompt; ``row_seeds`` [B*n] names each row's randomness."""
+        B, device = len(prompt_ids), self.device
+        R = B * n  # rows
+        if row_seeds.shape != (R,):
+            raise ValueError(f"row_seeds must have shape [{R}] (B*n), got {tuple(row_seeds.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
+            return self._generate(prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling)
+        finally:
+            self.model.train(was_training)
+
     def _generate(self, prompt_ids: list[list[int]], n: int, seeds: Tensor, max_new_tokens: int, sampling: dict) -> GenerationOutput:
         device = seeds.device
         B, R = len(prompt_ids), len(prompt_ids) * n
@@ -224,22 +292,19 @@ class CPUEngine:
         positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp_(min=0)  # [B,L] 0 at each first real token
 
         # ---- prefill: each prompt once, then n copies of its KV cache (rows b*n .. b*n+n-1)
-        cache = DynamicCache(config=self.model.config)
+        state = self._new_state()
         if self.share_prefix:
-            logits = self._next_logits(input_ids, prompt_mask.long(), positions, cache)  # [B,V]
+            logits = state.prefill(input_ids, positions, prompt_mask, n, width + max_new_tokens)  # [B,V]
             logits = logits.repeat_interleave(n, dim=0)  # [R,V]
-            cache.batch_repeat_interleave(n)
         else:
-            logits = self._next_logits(input_ids.repeat_interleave(n, dim=0), prompt_mask.long().repeat_interleave(n, dim=0),
-                                       positions.repeat_interleave(n, dim=0), cache)  # [R,V]
+            logits = state.prefill(input_ids.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0),
+                                   prompt_mask.repeat_interleave(n, dim=0), 1, width + max_new_tokens)  # [R,V]
 
         sample = _Sampler(logits.shape[-1], R, device=device, **sampling)  # V from the logits (vocab may be padded)
 
         # ---- per-live-row state (compacted together when finished rows are dropped)
         live = torch.arange(R, device=device)  # [A] output row of each live row
         live_seeds = seeds  # [A]
-        attention = torch.zeros(R, width + max_new_tokens, dtype=torch.long, device=device)  # [A,L+M]
-        attention[:, :width] = prompt_mask.repeat_interleave(n, dim=0)
         next_position = prompt_lengths.repeat_interleave(n)  # [A] position of completion token 0
         finished = torch.zeros(R, dtype=torch.bool, device=device)  # [A]
         eos_ids = self.eos_token_ids.to(device)  # [E]
@@ -264,12 +329,10 @@ class CPUEngine:
                 break
             if self.drop_finished and n_finished >= max(1, _DROP_FRACTION * len(live)):
                 keep = (~finished).nonzero().squeeze(1)  # [A'] rows still generating
-                cache.batch_select_indices(keep)
-                live, live_seeds, attention = live[keep], live_seeds[keep], attention[keep]  # [A'],[A'],[A',L+M]
+                state.select(keep)
+                live, live_seeds = live[keep], live_seeds[keep]  # [A'] each
                 next_position, tokens, finished = next_position[keep], tokens[keep], finished[keep]  # [A'] each
-            attention[:, width + t] = 1  # the token just sampled joins the context
-            logits = self._next_logits(tokens[:, None], attention[:, : width + t + 1],
-                                       (next_position + t)[:, None], cache)  # [A,V]
+            logits = state.step(tokens, next_position + t, width + t)  # [A,V] the token just sampled joins the context
 
         lengths = torch.where(end_step >= 0, end_step + 1, torch.full_like(end_step, steps))  # [R]
         return GenerationOutput(

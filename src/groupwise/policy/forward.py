@@ -20,6 +20,9 @@ import inspect
 import torch
 from torch import Tensor
 
+from groupwise.policy import functional as functional_forward
+from groupwise.policy.functional import unsupported_reason
+
 
 def _completion_lengths(mask: Tensor, rows: Tensor) -> Tensor:
     """[B,G] completion length of each row (0 for rows not scored); checks that ``mask`` is a prefix."""
@@ -80,7 +83,8 @@ def _head(model, hidden: Tensor) -> Tensor:
     return logits
 
 
-def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 256) -> Tensor:
+def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 256,
+                   functional: bool = True) -> Tensor:
     """[K,V] logits predicting every completion token of the rows, in row order, from bins of
     packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and for
     each bin's padding tail), so every row attends only to itself."""
@@ -101,13 +105,19 @@ def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], co
     # completion token j of a row sits at start + P + j and is predicted from start + P + j - 1
     predict_at = torch.cat([torch.arange(c) + flat_start[i] + p - 1 for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths))])  # [K]
     device = next(model.parameters()).device
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.get_decoder()
-    hidden = decoder(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=None, use_cache=False).last_hidden_state  # [n_bins,width,H]
+    if functional and unsupported_reason(model) is None:
+        segment = (position_ids == 0).cumsum(dim=-1)  # [n_bins,width] a new row starts where positions restart
+        index = torch.arange(width)
+        allowed = (segment[:, :, None] == segment[:, None, :]) & (index[:, None] >= index[None, :])  # [n_bins,q,k] own row, causal
+        hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device))  # [n_bins,width,H]
+    else:  # transformers reads the position restarts as packed sequences and builds the same mask
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        hidden = base.get_decoder()(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=None, use_cache=False).last_hidden_state  # [n_bins,width,H]
     return _head(model, hidden.reshape(-1, hidden.shape[-1])[predict_at.to(device)])  # [K,V]
 
 
-def _shared_prefix_logits(model, prompts: list[Tensor], groups: list[int], completions: list[Tensor], pack_tokens: int = 256) -> Tensor:
+def _shared_prefix_logits(model, prompts: list[Tensor], groups: list[int], completions: list[Tensor], pack_tokens: int = 256,
+                          functional: bool = True) -> Tensor:
     """[K,V] logits predicting every completion token, in row order, with each group's prompt
     computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G`` and a custom
     attention mask lets completion k see the prompt and its own earlier tokens only (a tree).
@@ -150,6 +160,9 @@ def _shared_prefix_logits(model, prompts: list[Tensor], groups: list[int], compl
     causal = index[None, :, None] >= index[None, None, :]  # [1,q,k]
     allowed = (same_tree & visible & causal) | torch.eye(width, dtype=torch.bool)[None]  # [n_bins,q,k] padding sees itself
     device = next(model.parameters()).device
+    if functional and unsupported_reason(model) is None:
+        hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device))  # [n_bins,width,H]
+        return _head(model, hidden.reshape(-1, hidden.shape[-1])[torch.cat(predict_at).to(device)])  # [K,V]
     dtype = next(model.parameters()).dtype
     additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]  # [n_bins,1,q,k]
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -186,6 +199,7 @@ def completion_logprobs(
     packed: bool = True,
     pack_tokens: int = 256,
     share_prefix: bool | None = None,
+    functional: bool = True,
 ) -> dict[str, Tensor]:
     """Per-token log-probs of ``actions`` [B,G,T] given each group's prompt, scattered back to [B,G,T].
 
@@ -194,7 +208,8 @@ def completion_logprobs(
     caller runs it under ``torch.no_grad()``. ``share_prefix`` computes each group's prompt once
     (tree attention); ``None`` chooses it when it saves at least a quarter of the tokens and groups
     stay short (the tree mask is quadratic in a group's length). ``packed=False`` is the padded
-    reference path.
+    reference path. ``functional`` runs supported (Llama-family, float32) models through
+    ``policy.functional.hidden_states`` instead of their own forward (same values, fewer ops).
     """
     B, G, T = actions.shape
     rows = rows.bool()  # [B,G]
@@ -226,9 +241,9 @@ def completion_logprobs(
         share_prefix = saved >= 0.25 * total and total / len(set(groups.tolist())) <= 1024
     if packed and share_prefix:
         completions = [s[p:] for s, p in zip(sequences, prompt_lengths)]
-        logits = _shared_prefix_logits(model, prompts, groups.tolist(), completions, pack_tokens)  # [K,V]
+        logits = _shared_prefix_logits(model, prompts, groups.tolist(), completions, pack_tokens, functional)  # [K,V]
     elif packed:
-        logits = _packed_logits(model, sequences, prompt_lengths, completion_lengths, pack_tokens)  # [K,V]
+        logits = _packed_logits(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional)  # [K,V]
     else:
         logits = _padded_logits(model, sequences, prompt_lengths, completion_lengths)  # [K,V]
     logp, entropy = _token_stats(logits, targets, want_entropy)  # [K], [K]

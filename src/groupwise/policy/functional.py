@@ -1,0 +1,260 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as plain torch functions, for the hot loops.
+
+Why: on a CPU a small model's step is dominated by overhead, not arithmetic. Each Hugging Face
+decode step walks dozens of modules (hooks, keyword plumbing, mask building) and its dynamic KV
+cache grows by ``torch.cat`` every token, copying the whole cache (quadratic in the length: 0.8 s of
+a 2.4 s step at 32 rows x 128 tokens). Here the same function is a few torch ops per layer:
+
+* ``DecodeState`` (generation, no autograd): weights snapshotted once per rollout into fused,
+  transposed matrices (q|k|v in one GEMM, gate|up in one, residual adds folded into ``addmm``) and a
+  KV cache preallocated for the whole completion, written in place.
+* ``hidden_states`` (training, autograd): the same layer maths on the model's own parameters, with
+  a caller-given attention mask (packed rows or a prompt-sharing tree).
+
+Both reproduce the model's own forward to float rounding (``tests/test_functional.py``); models
+outside the family, adapters (PEFT), sliding windows or non-float32 weights take the Hugging Face
+path (``unsupported_reason`` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model`` cannot use the functional path, or None when it can."""
+    if hasattr(model, "get_base_model") or hasattr(model, "peft_config"):
+        return "a PEFT-wrapped model (adapters change the layer maths)"
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILY:
+        return f"model_type {model_type!r} is not one of {', '.join(FAMILY)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (the family uses silu)"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "sliding-window layers"
+    if getattr(config, "sliding_window", None) and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        return "a sliding attention window"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return "weights that are not float32"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "forward hooks on its modules (the functional path would skip them)"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return "an unexpected module layout"
+    return None
+
+
+def _rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotary embedding: ``x*cos + rotate_half(x)*sin``, with ``rotate_half(x) = roll(x)`` times the
+    sign pattern folded into ``sin_signed`` = ``[-sin_1, sin_2]`` (one op fewer than slicing and cat)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def _signed(sin: Tensor) -> Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotary(model, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """(cos, sin_signed) [..., head_dim] for integer ``positions`` [...] from the model's own rotary module
+    (so every rope type and scaling the model supports applies)."""
+    flat = positions.reshape(1, -1)  # [1,N]
+    cos, sin = model.model.rotary_emb(model.model.embed_tokens.weight[:1], flat)  # [1,N,hd] each
+    shape = (*positions.shape, cos.shape[-1])
+    return cos.reshape(shape), _signed(sin).reshape(shape)
+
+
+def _linear(x: Tensor, module) -> Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+# --------------------------------------------------------------------------- training (autograd)
+def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor) -> Tensor:
+    """[N,W,D] final-norm hidden states for ``input_ids`` [N,W] at ``positions`` [N,W]; ``allowed``
+    [N,W,W] bool says which key each query sees (every query must see at least itself).
+
+    Gradients flow to the model's parameters; the maths is the model's own layer by layer."""
+    inner = model.model
+    x = inner.embed_tokens(input_ids)  # [N,W,D]
+    cos, sin_signed = rotary(model, positions)  # [N,W,hd] each
+    cos, sin_signed = cos[:, None], sin_signed[:, None]  # [N,1,W,hd] broadcast over heads
+    mask = allowed[:, None]  # [N,1,W,W]
+    N, W, _ = x.shape
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        hd = attn.head_dim
+        h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
+        q = _linear(h, attn.q_proj).view(N, W, -1, hd)  # [N,W,H,hd]
+        k = _linear(h, attn.k_proj).view(N, W, -1, hd)  # [N,W,K,hd]
+        v = _linear(h, attn.v_proj).view(N, W, -1, hd).transpose(1, 2)  # [N,K,W,hd]
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q = F.rms_norm(q, (hd,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
+            k = F.rms_norm(k, (hd,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
+        q = _rotate(q.transpose(1, 2), cos, sin_signed)  # [N,H,W,hd]
+        k = _rotate(k.transpose(1, 2), cos, sin_signed)  # [N,K,W,hd]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
+                                             enable_gqa=q.shape[1] != k.shape[1])  # [N,H,W,hd]
+        x = x + _linear(out.transpose(1, 2).reshape(N, W, -1), attn.o_proj)  # [N,W,D]
+        h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)  # [N,W,D]
+    return F.rms_norm(x, (x.shape[-1],), inner.norm.weight, inner.norm.variance_epsilon)  # [N,W,D]
+
+
+# --------------------------------------------------------------------------- generation (no autograd)
+@dataclass
+class _LayerWeights:
+    """One layer's weights for decoding: fused, transposed ([in, out]) and contiguous."""
+
+    norm_in: Tensor  # [D]
+    eps_in: float
+    qkv_t: Tensor  # [D,(H+2K)*hd] q | k | v projections side by side
+    qkv_bias: Tensor | None  # [(H+2K)*hd]
+    qk_norm: Tensor | None  # [H+K,hd] Qwen3's per-head norms, q's weight repeated H times then k's K times
+    eps_qk: float
+    o_t: Tensor  # [H*hd,D]
+    o_bias: Tensor | None
+    norm_post: Tensor  # [D]
+    eps_post: float
+    gate_up_t: Tensor  # [D,2I]
+    gate_up_bias: Tensor | None
+    down_t: Tensor  # [I,D]
+    down_bias: Tensor | None
+
+
+def _cat_bias(*modules) -> Tensor | None:
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(m.weight.shape[0]) for b, m in zip(biases, modules)])
+
+
+class DecodeState:
+    """A batch being decoded: weight snapshot + a KV cache preallocated for ``capacity`` columns.
+
+    Rows are left-padded prompts followed by their completions; every row writes its next token in
+    the same column, so a step is one column. ``key_bias`` [R,capacity] is 0 where a column holds a
+    real token and -inf on prompt padding.
+    """
+
+    @torch.no_grad()
+    def __init__(self, model):
+        self.model = model
+        inner = model.model
+        first = inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.heads = first.q_proj.weight.shape[0] // self.head_dim
+        self.kv_heads = first.k_proj.weight.shape[0] // self.head_dim
+        self.scaling = first.scaling
+        self.gqa = self.heads != self.kv_heads
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qk_norm = None
+            if hasattr(attn, "q_norm"):
+                qk_norm = torch.cat([attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)]).contiguous()
+            self.layers.append(_LayerWeights(
+                norm_in=layer.input_layernorm.weight.detach().clone(), eps_in=layer.input_layernorm.variance_epsilon,
+                qkv_t=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t().contiguous(),
+                qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                qk_norm=qk_norm, eps_qk=attn.q_norm.variance_epsilon if qk_norm is not None else 0.0,
+                o_t=attn.o_proj.weight.t().contiguous(), o_bias=attn.o_proj.bias,
+                norm_post=layer.post_attention_layernorm.weight.detach().clone(), eps_post=layer.post_attention_layernorm.variance_epsilon,
+                gate_up_t=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous(),
+                gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                down_t=mlp.down_proj.weight.t().contiguous(), down_bias=mlp.down_proj.bias))
+        self.embed = inner.embed_tokens.weight.detach()  # [V,D] read-only lookups: no copy
+        self.final_norm, self.eps_final = inner.norm.weight.detach().clone(), inner.norm.variance_epsilon
+        self.head_t = model.lm_head.weight.t().contiguous()  # [D,V]
+        self.head_bias = getattr(model.lm_head, "bias", None)
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.key_bias = torch.empty(0)
+
+    # ------------------------------------------------------------------ one layer
+    def _layer(self, w: _LayerWeights, x: Tensor, cos: Tensor, sin_signed: Tensor, attend) -> Tensor:
+        """x [R,S,D] -> [R,S,D]; ``attend(q [R,H,S,hd], k, v [R,K,S,hd]) -> [R,H,S,hd]`` owns the cache."""
+        R, S, D = x.shape
+        H, K, hd = self.heads, self.kv_heads, self.head_dim
+        h = F.rms_norm(x, (D,), w.norm_in, w.eps_in).view(R * S, D)  # [R*S,D]
+        qkv = h @ w.qkv_t if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv_t)  # [R*S,(H+2K)*hd]
+        qkv = qkv.view(R, S, H + 2 * K, hd)
+        qk = qkv[:, :, : H + K]  # [R,S,H+K,hd]
+        if w.qk_norm is not None:
+            qk = F.rms_norm(qk, (hd,), None, w.eps_qk).mul_(w.qk_norm)  # [R,S,H+K,hd]
+        qk = _rotate(qk.transpose(1, 2), cos, sin_signed)  # [R,H+K,S,hd]
+        out = attend(qk[:, :H], qk[:, H:], qkv[:, :, H + K :].transpose(1, 2))  # [R,H,S,hd]
+        x = x.view(R * S, D)
+        x = torch.addmm(x, out.transpose(1, 2).reshape(R * S, H * hd), w.o_t)  # [R*S,D] residual folded in
+        if w.o_bias is not None:
+            x = x + w.o_bias
+        h = F.rms_norm(x, (D,), w.norm_post, w.eps_post)  # [R*S,D]
+        gate_up = h @ w.gate_up_t if w.gate_up_bias is None else torch.addmm(w.gate_up_bias, h, w.gate_up_t)  # [R*S,2I]
+        gate, up = gate_up.chunk(2, dim=-1)  # [R*S,I] each
+        x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [R*S,D]
+        if w.down_bias is not None:
+            x = x + w.down_bias
+        return x.view(R, S, D)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        h = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps_final)  # [R,D]
+        return h @ self.head_t if self.head_bias is None else torch.addmm(self.head_bias, h, self.head_t)  # [R,V]
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int) -> Tensor:
+        """Run left-padded prompts ``input_ids`` [B,W] (``real`` [B,W] bool marks tokens, ``positions``
+        [B,W] their positions), keep their KV ``repeat`` times per prompt (rows ``b*repeat+i``) in a
+        cache of ``capacity`` >= W columns, and return the last column's logits [B,V] float32."""
+        B, W = input_ids.shape
+        causal = torch.ones(W, W, dtype=torch.bool).tril_()  # [W,W]
+        # a padding query sees itself too, so no softmax row is empty (its output is never used)
+        allowed = ((causal & real[:, None, :]) | torch.eye(W, dtype=torch.bool))[:, None]  # [B,1,W,W]
+        # one rotary table for every position this batch can reach; decode steps index it
+        self.cos, self.sin_signed = rotary(self.model, torch.arange(int(positions.max()) + capacity - W + 1))  # [P,hd] each
+        cos, sin_signed = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [B,1,W,hd] each
+        R = B * repeat
+        self.keys = [torch.empty(R, self.kv_heads, capacity, self.head_dim) for _ in self.layers]  # [R,K,C,hd] each
+        self.values = [torch.empty(R, self.kv_heads, capacity, self.head_dim) for _ in self.layers]
+        self.key_bias = torch.zeros(R, capacity)  # [R,C]
+        self.key_bias[:, :W] = torch.zeros(B, W).masked_fill_(~real, float("-inf")).repeat_interleave(repeat, dim=0)
+        x = self.embed[input_ids]  # [B,W,D]
+        for i, w in enumerate(self.layers):
+            def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:
+                self.keys[i][:, :, :W] = k.repeat_interleave(repeat, dim=0)
+                self.values[i][:, :, :W] = v.repeat_interleave(repeat, dim=0)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling,
+                                                      enable_gqa=self.gqa)  # [B,H,W,hd]
+            x = self._layer(w, x, cos, sin_signed, attend)
+        return self._logits(x[:, -1]).float()  # [B,V]
+
+    # ------------------------------------------------------------------ one decode step
+    @torch.no_grad()
+    def step(self, tokens: Tensor, positions: Tensor, column: int) -> Tensor:
+        """Append ``tokens`` [A] (at ``positions`` [A]) in cache column ``column``; logits [A,V] float32."""
+        seen = column + 1
+        bias = self.key_bias[:, None, None, :seen]  # [A,1,1,seen]
+        cos, sin_signed = self.cos[positions][:, None, None], self.sin_signed[positions][:, None, None]  # [A,1,1,hd] each
+        x = self.embed[tokens][:, None]  # [A,1,D]
+        for i, w in enumerate(self.layers):
+            def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:
+                self.keys[i][:, :, column] = k[:, :, 0]
+                self.values[i][:, :, column] = v[:, :, 0]
+                return F.scaled_dot_product_attention(q, self.keys[i][:, :, :seen], self.values[i][:, :, :seen], attn_mask=bias,
+                                                      scale=self.scaling, enable_gqa=self.gqa)  # [A,H,1,hd]
+            x = self._layer(w, x, cos, sin_signed, attend)
+        return self._logits(x[:, 0]).float()  # [A,V]
+
+    def select(self, keep: Tensor) -> None:
+        """Keep only rows ``keep`` [A'] (finished rows leave the batch)."""
+        self.keys = [k[keep] for k in self.keys]
+        self.values = [v[keep] for v in self.values]
+        self.key_bias = self.key_bias[keep]
