@@ -18,6 +18,7 @@ path (``unsupported_reason`` says why).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,21 @@ FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def unsupported_reason(model) -> str | None:
-    """Why ``model`` cannot use the functional path, or None when it can."""
+    """Why ``model`` cannot use the functional path, or None when it can. Hooks are checked on every
+    call (they come and go); the rest once per model and dtype."""
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "forward hooks on its modules (the functional path would skip them)"
+    dtype = next(model.parameters()).dtype  # a model moved to another dtype is checked again
+    cached = _STATIC_REASONS.get(model)
+    if cached is None or cached[0] != dtype:
+        cached = _STATIC_REASONS[model] = (dtype, _static_reason(model))
+    return cached[1]
+
+
+_STATIC_REASONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (dtype, reason)
+
+
+def _static_reason(model) -> str | None:
     if hasattr(model, "get_base_model") or hasattr(model, "peft_config"):
         return "a PEFT-wrapped model (adapters change the layer maths)"
     config = getattr(model, "config", None)
@@ -41,12 +56,15 @@ def unsupported_reason(model) -> str | None:
         return "sliding-window layers"
     if getattr(config, "sliding_window", None) and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
         return "a sliding attention window"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout (not applied by the functional maths)"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return "a rope type whose frequencies change with the sequence length"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
     if any(p.dtype != torch.float32 for p in model.parameters()):
         return "weights that are not float32"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
-        return "forward hooks on its modules (the functional path would skip them)"
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
         return "an unexpected module layout"
@@ -130,11 +148,15 @@ class _LayerWeights:
     down_bias: Tensor | None
 
 
+def _clone(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
 def _cat_bias(*modules) -> Tensor | None:
     biases = [m.bias for m in modules]
     if all(b is None for b in biases):
         return None
-    return torch.cat([b if b is not None else torch.zeros(m.weight.shape[0]) for b, m in zip(biases, modules)])
+    return torch.cat([b if b is not None else m.weight.new_zeros(m.weight.shape[0]) for b, m in zip(biases, modules)])
 
 
 class DecodeState:
@@ -166,15 +188,15 @@ class DecodeState:
                 qkv_t=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t().contiguous(),
                 qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
                 qk_norm=qk_norm, eps_qk=attn.q_norm.variance_epsilon if qk_norm is not None else 0.0,
-                o_t=attn.o_proj.weight.t().contiguous(), o_bias=attn.o_proj.bias,
+                o_t=attn.o_proj.weight.t().contiguous(), o_bias=_clone(attn.o_proj.bias),
                 norm_post=layer.post_attention_layernorm.weight.detach().clone(), eps_post=layer.post_attention_layernorm.variance_epsilon,
                 gate_up_t=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous(),
                 gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-                down_t=mlp.down_proj.weight.t().contiguous(), down_bias=mlp.down_proj.bias))
+                down_t=mlp.down_proj.weight.t().contiguous(), down_bias=_clone(mlp.down_proj.bias)))
         self.embed = inner.embed_tokens.weight.detach()  # [V,D] read-only lookups: no copy
         self.final_norm, self.eps_final = inner.norm.weight.detach().clone(), inner.norm.variance_epsilon
         self.head_t = model.lm_head.weight.t().contiguous()  # [D,V]
-        self.head_bias = getattr(model.lm_head, "bias", None)
+        self.head_bias = _clone(getattr(model.lm_head, "bias", None))
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self.key_bias = torch.empty(0)

@@ -1,0 +1,247 @@
+"""policy.functional against the models' own Hugging Face forward: hidden states and gradients, KV-cache
+decoding, the CPU engine on both paths, and the cases that must fall back to Hugging Face."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+import transformers
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from groupwise.engines.cpu import CPUEngine
+from groupwise.engines.seeds import row_seeds
+from groupwise.policy.functional import DecodeState, hidden_states, unsupported_reason
+
+PAD, EOS = 0, 1
+V = 64
+ARCHS = ["llama", "llama_bias", "mistral", "qwen2", "qwen3"]
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [17], [18, 19, 20, 21, 22]]
+
+# Tolerances. Both paths do the same float32 maths in a different order (fused q|k|v and gate|up GEMMs,
+# residual adds folded into addmm, F.rms_norm vs x*rsqrt(mean+eps), roll vs cat in rotate_half).
+# Rounding is ~1e-7 relative per op. Measured worst differences: hidden states (O(1) after the final norm)
+# 3e-6, logits 7e-6, gradients 1.2e-6 of their largest entry; so 1e-5 (hidden), 1e-4 (logits) and 1e-5
+# relative (gradients) leave a 3-15x margin, while a real mistake (a missing bias, a wrong position, a
+# leaked padding key) moves values by 1e-2 or more.
+HIDDEN_ATOL = 1e-5
+GRAD_RTOL = 1e-5  # of the largest gradient entry
+LOGIT_ATOL = 1e-4
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    """A random tiny float32 decoder of one of the supported families; biases (when present) non-zero."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+    common.update(overrides)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+    elif arch == "llama_bias":
+        config = transformers.LlamaConfig(attention_bias=True, mlp_bias=True, **common)
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**{"sliding_window": None, **common})
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common)  # q, k, v biases by default
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, **common)
+    else:
+        raise ValueError(arch)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():  # HF initialises biases to zero, which would hide a bias the functional path forgot
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def bias_names(model) -> list[str]:
+    return [name for name, _ in model.named_parameters() if name.endswith(".bias")]
+
+
+def test_bias_architectures_really_have_biases():
+    assert bias_names(tiny_model("llama")) == []
+    names = bias_names(tiny_model("llama_bias"))
+    assert any("o_proj" in n for n in names) and any("down_proj" in n for n in names)
+    names = bias_names(tiny_model("qwen2"))
+    assert any("q_proj" in n for n in names) and not any("o_proj" in n for n in names)
+
+
+# --------------------------------------------------------------------------- hidden_states (training path)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hidden_states_of_packed_rows_equal_each_sequence_alone(arch):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(2, V, (n,), generator=g) for n in (5, 7, 11)]
+    W = 14
+    # row 0: seq 0 (5) + seq 1 (7) + 2 padding; row 1: seq 2 (11) + 3 padding
+    layout = [[0, 1], [2]]
+    input_ids = torch.full((2, W), PAD, dtype=torch.long)  # [N,W]
+    positions = torch.zeros(2, W, dtype=torch.long)  # [N,W] padding at position 0
+    segment = torch.full((2, W), -1, dtype=torch.long)  # [N,W] -1 on padding
+    spans = []  # (row, start, seq index)
+    for row, members in enumerate(layout):
+        start = 0
+        for s in members:
+            n = len(seqs[s])
+            input_ids[row, start:start + n] = seqs[s]
+            positions[row, start:start + n] = torch.arange(n)  # restart at 0 for each sequence
+            segment[row, start:start + n] = s
+            spans.append((row, start, s))
+            start += n
+    causal = torch.ones(W, W, dtype=torch.bool).tril()  # [W,W]
+    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)  # [N,W,W]
+    allowed = (same & causal) | torch.eye(W, dtype=torch.bool)  # [N,W,W] padding sees only itself
+
+    params = [model.model.layers[0].self_attn.q_proj.weight, model.model.norm.weight,
+              model.model.layers[1].mlp.down_proj.weight, model.model.embed_tokens.weight]
+    if model.model.layers[0].self_attn.q_proj.bias is not None:
+        params.append(model.model.layers[0].self_attn.q_proj.bias)
+    probe = torch.randn(2, W, 64, generator=g)  # [N,W,D] fixed weights turning hidden states into a scalar loss
+
+    out = hidden_states(model, input_ids, positions, allowed)  # [N,W,D]
+    assert out.shape == (2, W, 64)
+    loss = sum((out[row, start:start + len(seqs[s])] * probe[row, start:start + len(seqs[s])]).sum() for row, start, s in spans)
+    grads = torch.autograd.grad(loss, params)
+
+    ref_loss = 0.0
+    for row, start, s in spans:
+        n = len(seqs[s])
+        ref = model.model(input_ids=seqs[s][None]).last_hidden_state[0]  # [n,D]
+        assert torch.allclose(out[row, start:start + n], ref, atol=HIDDEN_ATOL), (arch, s, (out[row, start:start + n] - ref).abs().max())
+        ref_loss = ref_loss + (ref * probe[row, start:start + n]).sum()
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    for p, got, want in zip(params, grads, ref_grads):
+        scale = want.abs().max()  # gradients reach 10-100 here (sums over every position and probe dim)
+        assert scale > 1e-3  # the parameter really matters to the loss
+        # float32 rounding of such sums is ~1e-6 of their size (measured: <= 1.2e-6; in float64 with HF's
+        # float32 RMSNorm upcast disabled the paths agree to 1e-13 relative), so compare relative to the scale
+        assert (got - want).abs().max() <= GRAD_RTOL * scale, (arch, p.shape, (got - want).abs().max() / scale)
+
+
+# --------------------------------------------------------------------------- DecodeState (generation path)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_state_matches_full_forward_at_every_step(arch):
+    model = tiny_model(arch)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15, 16, 17]]
+    B, W, repeat, steps = len(prompts), 6, 2, 4
+    input_ids = torch.full((B, W), PAD, dtype=torch.long)  # [B,W]
+    for b, p in enumerate(prompts):
+        input_ids[b, W - len(p):] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in prompts])  # [B]
+    real = torch.arange(W) >= (W - lengths)[:, None]  # [B,W]
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [B,W]
+    fed = torch.tensor([[2 + (7 * t + 5 * r) % 60 for r in range(B * repeat)] for t in range(steps)])  # [steps,R] rows differ
+
+    @torch.no_grad()
+    def reference(row: int, t: int) -> torch.Tensor:
+        """HF logits [V] at the last position of row's prompt + its first t fed tokens, run unpadded."""
+        seq = prompts[row // repeat] + fed[:t, row].tolist()
+        return model(torch.tensor([seq])).logits[0, -1]  # [V]
+
+    state = DecodeState(model)
+    logits = state.prefill(input_ids, positions, real, repeat, W + 5)  # [B,V]
+    assert logits.shape == (B, V)
+    for b in range(B):
+        assert torch.allclose(logits[b], reference(b * repeat, 0), atol=LOGIT_ATOL), (arch, b)
+
+    live = torch.arange(B * repeat)  # [A] original row of each live row
+    for t in range(steps):
+        if t == 2:  # rows 1 and 4 finish: one copy of prompt 0 and one of prompt 2 leave
+            keep = torch.tensor([0, 2, 3, 5])  # [A']
+            state.select(keep)
+            live = live[keep]
+        tokens = fed[t, live]  # [A]
+        logits = state.step(tokens, lengths[live // repeat] + t, W + t)  # [A,V]
+        assert logits.shape == (len(live), V)
+        for a, row in enumerate(live.tolist()):
+            ref = reference(row, t + 1)  # [V]
+            assert torch.allclose(logits[a], ref, atol=LOGIT_ATOL), (arch, t, row, (logits[a] - ref).abs().max())
+    # the two copies of one prompt were fed different tokens: their logits must differ (the rows are independent)
+    assert not torch.allclose(logits[0], logits[1], atol=1e-2)
+
+
+# --------------------------------------------------------------------------- engine: functional vs HF
+def eos_prone_model(arch: str = "llama_bias"):
+    """A model whose lm_head has a bias making EOS likely (both paths read lm_head.bias): ragged lengths."""
+    model = tiny_model(arch, seed=3)
+    old = model.lm_head
+    head = nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        head.bias[EOS] = 3.0
+    model.lm_head = head
+    return model
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+@pytest.mark.parametrize("sampling", [dict(), dict(top_k=5, top_p=0.9), dict(greedy=True)], ids=["plain", "topk_topp", "greedy"])
+def test_engine_functional_equals_hf_path(sampling, share_prefix):
+    model = eos_prone_model()
+    n = 3
+    seeds = row_seeds(4, 1, list(range(len(PROMPTS))), n)  # [B*n]
+    outs = []
+    for functional in (True, False):
+        engine = CPUEngine(model, [EOS], PAD, share_prefix=share_prefix, functional=functional)
+        assert engine.functional == functional  # each engine really takes its path
+        outs.append(engine.generate(PROMPTS, n, seeds, 10, **sampling))
+    fun, hf = outs
+    assert torch.equal(fun.tokens, hf.tokens)
+    assert torch.equal(fun.lengths, hf.lengths) and torch.equal(fun.truncated, hf.truncated)
+    assert torch.allclose(fun.logp, hf.logp, atol=LOGIT_ATOL)
+    assert len(set(fun.lengths.flatten().tolist())) > 1  # ragged: rows ended at different steps (dropping exercised)
+
+
+# --------------------------------------------------------------------------- fallbacks
+@pytest.mark.parametrize("arch", ARCHS)
+def test_supported_models_have_no_unsupported_reason(arch):
+    assert unsupported_reason(tiny_model(arch)) is None
+
+
+def _hooked():
+    model = tiny_model("qwen3")
+    model.model.layers[0].mlp.register_forward_hook(lambda module, inputs, out: out)
+    return model
+
+
+def _lora():
+    return peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"]))
+
+
+@pytest.mark.parametrize("make", [
+    _hooked,
+    lambda: tiny_model("qwen3").to(torch.bfloat16),
+    lambda: AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=V)),
+    _lora,
+    lambda: tiny_model("mistral", sliding_window=16),
+], ids=["forward_hook", "bfloat16", "gpt2", "peft_lora", "mistral_sliding_window"])
+def test_unsupported_models_say_why(make):
+    reason = unsupported_reason(make())
+    assert isinstance(reason, str) and reason
+
+
+def test_engine_falls_back_to_hf_when_a_hook_appears():
+    model = tiny_model("qwen3")
+    seeds = row_seeds(0, 0, [0, 1, 2, 3], 2)  # [B*n]
+    functional = CPUEngine(model, [EOS], PAD, functional=True)
+    assert functional.functional  # no hook yet: the functional path is chosen at construction
+    plain = functional.generate(PROMPTS, 2, seeds, 6, greedy=True)
+
+    def favour(module, inputs, logits):  # a hook that changes the logits: skipping it would show
+        logits = logits.clone()
+        logits[..., 40] += 5.0
+        return logits
+
+    handle = model.lm_head.register_forward_hook(favour)
+    try:
+        assert unsupported_reason(model) is not None
+        hooked = functional.generate(PROMPTS, 2, seeds, 6, greedy=True)
+        reference = CPUEngine(model, [EOS], PAD, functional=False).generate(PROMPTS, 2, seeds, 6, greedy=True)
+    finally:
+        handle.remove()
+    assert torch.equal(hooked.tokens, reference.tokens) and torch.equal(hooked.lengths, reference.lengths)
+    assert torch.allclose(hooked.logp, reference.logp, atol=LOGIT_ATOL)
+    assert not torch.equal(hooked.tokens, plain.tokens)  # the hook mattered, so the fallback really ran
+    assert unsupported_reason(model) is None  # hook gone: the functional path is usable again
