@@ -5,8 +5,8 @@ decode step walks dozens of modules (hooks, keyword plumbing, mask building) and
 cache grows by ``torch.cat`` every token, copying the whole cache (quadratic in the length: 0.8 s of
 a 2.4 s step at 32 rows x 128 tokens). Here the same function is a few torch ops per layer:
 
-* ``DecodeState`` (generation, no autograd): weights snapshotted once per rollout into fused,
-  transposed matrices (q|k|v in one GEMM, gate|up in one, residual adds folded into ``addmm``) and a
+* ``DecodeState`` (generation, no autograd): weights snapshotted once per rollout into fused
+  matrices (q|k|v in one GEMM, gate|up in one, residual adds folded into ``addmm``) and a
   KV cache preallocated for the whole completion, written in place.
 * ``hidden_states`` (training, autograd): the same layer maths on the model's own parameters, with
   a caller-given attention mask (packed rows or a prompt-sharing tree).
@@ -130,21 +130,22 @@ def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor) 
 # --------------------------------------------------------------------------- generation (no autograd)
 @dataclass
 class _LayerWeights:
-    """One layer's weights for decoding: fused, transposed ([in, out]) and contiguous."""
+    """One layer's weights for decoding, fused and contiguous, [out, in] like ``nn.Linear`` (MKL reads
+    that layout as fast as [in, out] for small batches, and up to 20% faster for wide matrices)."""
 
     norm_in: Tensor  # [D]
     eps_in: float
-    qkv_t: Tensor  # [D,(H+2K)*hd] q | k | v projections side by side
+    qkv: Tensor  # [(H+2K)*hd,D] q | k | v projections stacked
     qkv_bias: Tensor | None  # [(H+2K)*hd]
     qk_norm: Tensor | None  # [H+K,hd] Qwen3's per-head norms, q's weight repeated H times then k's K times
     eps_qk: float
-    o_t: Tensor  # [H*hd,D]
+    o: Tensor  # [D,H*hd]
     o_bias: Tensor | None
     norm_post: Tensor  # [D]
     eps_post: float
-    gate_up_t: Tensor  # [D,2I]
+    gate_up: Tensor  # [2I,D]
     gate_up_bias: Tensor | None
-    down_t: Tensor  # [I,D]
+    down: Tensor  # [D,I]
     down_bias: Tensor | None
 
 
@@ -185,17 +186,17 @@ class DecodeState:
                 qk_norm = torch.cat([attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)]).contiguous()
             self.layers.append(_LayerWeights(
                 norm_in=layer.input_layernorm.weight.detach().clone(), eps_in=layer.input_layernorm.variance_epsilon,
-                qkv_t=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t().contiguous(),
+                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                 qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
                 qk_norm=qk_norm, eps_qk=attn.q_norm.variance_epsilon if qk_norm is not None else 0.0,
-                o_t=attn.o_proj.weight.t().contiguous(), o_bias=_clone(attn.o_proj.bias),
+                o=attn.o_proj.weight.detach().clone(), o_bias=_clone(attn.o_proj.bias),
                 norm_post=layer.post_attention_layernorm.weight.detach().clone(), eps_post=layer.post_attention_layernorm.variance_epsilon,
-                gate_up_t=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous(),
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                 gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-                down_t=mlp.down_proj.weight.t().contiguous(), down_bias=_clone(mlp.down_proj.bias)))
+                down=mlp.down_proj.weight.detach().clone(), down_bias=_clone(mlp.down_proj.bias)))
         self.embed = inner.embed_tokens.weight.detach()  # [V,D] read-only lookups: no copy
         self.final_norm, self.eps_final = inner.norm.weight.detach().clone(), inner.norm.variance_epsilon
-        self.head_t = model.lm_head.weight.t().contiguous()  # [D,V]
+        self.head = model.lm_head.weight.detach().clone()  # [V,D]
         self.head_bias = _clone(getattr(model.lm_head, "bias", None))
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
@@ -207,7 +208,7 @@ class DecodeState:
         R, S, D = x.shape
         H, K, hd = self.heads, self.kv_heads, self.head_dim
         h = F.rms_norm(x, (D,), w.norm_in, w.eps_in).view(R * S, D)  # [R*S,D]
-        qkv = h @ w.qkv_t if w.qkv_bias is None else torch.addmm(w.qkv_bias, h, w.qkv_t)  # [R*S,(H+2K)*hd]
+        qkv = F.linear(h, w.qkv, w.qkv_bias)  # [R*S,(H+2K)*hd]
         qkv = qkv.view(R, S, H + 2 * K, hd)
         qk = qkv[:, :, : H + K]  # [R,S,H+K,hd]
         if w.qk_norm is not None:
@@ -215,20 +216,20 @@ class DecodeState:
         qk = _rotate(qk.transpose(1, 2), cos, sin_signed)  # [R,H+K,S,hd]
         out = attend(qk[:, :H], qk[:, H:], qkv[:, :, H + K :].transpose(1, 2))  # [R,H,S,hd]
         x = x.view(R * S, D)
-        x = torch.addmm(x, out.transpose(1, 2).reshape(R * S, H * hd), w.o_t)  # [R*S,D] residual folded in
+        x = torch.addmm(x, out.transpose(1, 2).reshape(R * S, H * hd), w.o.t())  # [R*S,D] residual folded in
         if w.o_bias is not None:
             x = x + w.o_bias
         h = F.rms_norm(x, (D,), w.norm_post, w.eps_post)  # [R*S,D]
-        gate_up = h @ w.gate_up_t if w.gate_up_bias is None else torch.addmm(w.gate_up_bias, h, w.gate_up_t)  # [R*S,2I]
+        gate_up = F.linear(h, w.gate_up, w.gate_up_bias)  # [R*S,2I]
         gate, up = gate_up.chunk(2, dim=-1)  # [R*S,I] each
-        x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [R*S,D]
+        x = torch.addmm(x, F.silu(gate).mul_(up), w.down.t())  # [R*S,D]
         if w.down_bias is not None:
             x = x + w.down_bias
         return x.view(R, S, D)
 
     def _logits(self, x: Tensor) -> Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps_final)  # [R,D]
-        return h @ self.head_t if self.head_bias is None else torch.addmm(self.head_bias, h, self.head_t)  # [R,V]
+        return F.linear(h, self.head, self.head_bias)  # [R,V]
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
@@ -263,6 +264,7 @@ class DecodeState:
     def step(self, tokens: Tensor, positions: Tensor, column: int) -> Tensor:
         """Append ``tokens`` [A] (at ``positions`` [A]) in cache column ``column``; logits [A,V] float32."""
         seen = column + 1
+        A, H, K, hd = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
         bias = self.key_bias[:, None, None, :seen]  # [A,1,1,seen]
         cos, sin_signed = self.cos[positions][:, None, None], self.sin_signed[positions][:, None, None]  # [A,1,1,hd] each
         x = self.embed[tokens][:, None]  # [A,1,D]
@@ -270,8 +272,12 @@ class DecodeState:
             def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:
                 self.keys[i][:, :, column] = k[:, :, 0]
                 self.values[i][:, :, column] = v[:, :, 0]
-                return F.scaled_dot_product_attention(q, self.keys[i][:, :, :seen], self.values[i][:, :, :seen], attn_mask=bias,
-                                                      scale=self.scaling, enable_gqa=self.gqa)  # [A,H,1,hd]
+                keys, values = self.keys[i][:, :, :seen], self.values[i][:, :, :seen]  # [A,K,seen,hd] each
+                if A * K < 64:  # few rows: SDPA's one call wins; more rows: two batched GEMMs win (measured)
+                    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.scaling, enable_gqa=self.gqa)  # [A,H,1,hd]
+                # GQA without repeating the cache: the H/K query heads of each kv head share one matmul
+                scores = torch.matmul(q.reshape(A, K, H // K, hd), keys.transpose(-1, -2)).mul_(self.scaling).add_(bias)  # [A,K,H/K,seen]
+                return torch.matmul(scores.softmax(dim=-1), values).view(A, H, 1, hd)  # [A,H,1,hd]
             x = self._layer(w, x, cos, sin_signed, attend)
         return self._logits(x[:, 0]).float()  # [A,V]
 
