@@ -233,15 +233,16 @@ def parameter_counts(model: Any) -> dict[str, int]:
     return {"params_total": total, "params_non_embedding": non_embedding}
 
 
-def gemm_flops(threads: int, n: int = 1024, seconds: float = 2.0) -> float:
-    """Peak-ish fp32 GEMM FLOP/s: the best of repeated ``n x n @ n x n`` matmuls at ``threads`` threads."""
+def gemm_flops(threads: int, n: int = 1024, seconds: float = 2.0, dtype: str = "float32") -> float:
+    """Peak-ish GEMM FLOP/s: the best of repeated ``n x n @ n x n`` matmuls at ``threads`` threads."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        c = torch.empty(n, n)
+        kind = getattr(torch, dtype)
+        a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
+        c = torch.empty(n, n, dtype=kind)
         for _ in range(3):
             torch.matmul(a, b, out=c)
         best = float("inf")

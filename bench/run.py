@@ -287,6 +287,9 @@ def machine_section(info: dict[str, Any], flops: dict[str, float], command: str,
         f"TRL {info['trl']}, accelerate {info['accelerate']}, Python {info['python']}",
         f"- fp32 GEMM (1024³ matmul, best of repeats, threads = {info['torch_threads']}): "
         f"{flops['used'] / 1e9:.1f} GFLOP/s (before the matrix {flops['before'] / 1e9:.1f}, after {flops['after'] / 1e9:.1f}; the larger is used)",
+        *([f"- bf16 GEMM (512³, threads = {info['torch_threads']}): {flops['bf16'] / 1e9:.1f} GFLOP/s"
+           + (" — slower than fp32 on this CPU (no bf16 matrix units), so every run here is fp32" if flops["bf16"] < flops["used"] else "")]
+          if flops.get("bf16") else []),
         f"- load average at start: {', '.join(f'{x:.2f}' for x in load) if load else 'n/a'}; date {info['date']}",
         f"- command: `{command}`" + (f"; total wall time {wall / 60:.1f} min" if wall else ""),
     ])
@@ -419,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                 rounds = measure_cell(cell, n_pairs, threads, rundir)
                 entries.append({"rounds": rounds, "cell": cell})
     flops_after = gemm_flops(threads)
-    flops = {"before": flops_before, "after": flops_after, "used": max(flops_before, flops_after)}
+    # bf16 matmuls are a speed lever only where the CPU has bf16 units (AMX, AVX512-BF16): measure, do not assume
+    flops = {"before": flops_before, "after": flops_after, "used": max(flops_before, flops_after),
+             "bf16": gemm_flops(threads, n=512, seconds=1.0, dtype="bfloat16")}
     summaries = [summarize(e["cell"], e["rounds"], flops["used"], threads) for e in entries]
     for s in summaries:
         log(f"{s['cell']}: groupwise {_f(s.get('groupwise_step_s'))} s/step, TRL {_f(s.get('trl_step_s'))} s/step, "
