@@ -271,3 +271,18 @@ def test_top_p_matches_a_brute_force_nucleus(spread):
             assert torch.equal(kept[row], expected)
     sizes = (~torch.isinf(filter_logits(logits, top_p=0.9))).sum(-1)  # [N]
     assert (sizes > 256).all() if spread == 0.5 else (sizes < 256).all()  # each regime is really exercised
+
+
+def test_noise_spans_draw_the_same_samples_as_per_token_noise(monkeypatch):
+    """Plain sampling reads Gumbel noise from multi-position spans; the per-token path (used when a
+    span would not fit the noise budget) must give the very same tokens."""
+    import groupwise.engines.cpu as cpu
+
+    model = tiny_model()
+    seeds = row_seeds(4, 0, [0, 1, 2, 3], 4)
+    spans = CPUEngine(model, [EOS], PAD).generate(PROMPTS, 4, seeds, 10, temperature=0.7)
+    monkeypatch.setattr(cpu, "_SAMPLE_BLOCK_ELEMENTS", 64 * 8)  # 16 rows x 64 vocab no longer fit: per-token noise
+    per_token = CPUEngine(model, [EOS], PAD).generate(PROMPTS, 4, seeds, 10, temperature=0.7)
+    assert torch.equal(spans.tokens, per_token.tokens) and torch.equal(spans.lengths, per_token.lengths)
+    torch.testing.assert_close(spans.logp, per_token.logp, atol=1e-5, rtol=0)
+    assert len(set(spans.tokens.flatten().tolist())) > 8  # really sampled, not a constant

@@ -56,9 +56,18 @@ def _shift_right(z: Tensor, bits: int) -> Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def _position_constants(positions: range, device=None) -> Tensor:
+    """[P] int64: what each position adds to a row seed before the finaliser (exact 64-bit maths in Python)."""
+    return torch.tensor([_signed(_splitmix64(p) + _GOLDEN) for p in positions], dtype=torch.long, device=device)
+
+
 def _mix_rows(row_seeds: Tensor, position: int) -> Tensor:
     """[N] int64 key per (row seed, position): a full splitmix64 finaliser over N values (cheap)."""
-    z = row_seeds.to(torch.long) + _signed(_splitmix64(position) + _GOLDEN)  # [N] wraps
+    return _finalise(row_seeds.to(torch.long) + _signed(_splitmix64(position) + _GOLDEN))  # [N]
+
+
+def _finalise(z: Tensor) -> Tensor:
+    """splitmix64's finaliser, elementwise on int64 bit patterns (multiplication wraps mod 2^64)."""
     z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)  # [N]
     z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)  # [N]
     return z ^ _shift_right(z, 31)  # [N]
@@ -86,6 +95,17 @@ def noise_at(row_seeds: Tensor, position: int, token_ids: Tensor, out: Tensor | 
     top = torch.bitwise_right_shift(z, 64 - _UNIFORM_BITS, out=shifted).bitwise_and_((1 << _UNIFORM_BITS) - 1)  # [N,K]
     out = torch.empty(shape, dtype=torch.float32, device=keys.device) if out is None else out
     return out.copy_(top).add_(1.0).mul_(_UNIFORM_SCALE)  # [N,K] strictly inside (0,1)
+
+
+def gumbel_span(row_seeds: Tensor, start: int, width: int, vocab: int) -> Tensor:
+    """[N,width,V] float32 Gumbel noise ``-log(-log u)`` for positions ``start .. start+width-1`` in one
+    vectorised pass, with ``u`` exactly ``uniform_noise(row_seeds, position, vocab)`` (the same integer ops)."""
+    keys = _finalise(row_seeds.to(torch.long)[:, None] + _position_constants(range(start, start + width), row_seeds.device)[None, :])  # [N,W]
+    z = keys[:, :, None] + torch.arange(vocab, device=row_seeds.device) * _signed(_GOLDEN)  # [N,W,V] wraps
+    for bits, multiplier in ((30, _MIX1), (27, _MIX2)):
+        z = z.bitwise_xor_(_shift_right(z, bits)).mul_(_signed(multiplier))  # [N,W,V]
+    top = _shift_right(z, 64 - _UNIFORM_BITS)  # [N,W,V]
+    return top.float().add_(1.0).mul_(_UNIFORM_SCALE).log_().neg_().log_().neg_()  # [N,W,V]
 
 
 def uniform_noise(row_seeds: Tensor, position: int, vocab: int) -> Tensor:
