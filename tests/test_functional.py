@@ -121,11 +121,12 @@ def test_hidden_states_of_packed_rows_equal_each_sequence_alone(arch):
 
 
 # --------------------------------------------------------------------------- DecodeState (generation path)
-@pytest.mark.parametrize("arch", ARCHS)
-def test_decode_state_matches_full_forward_at_every_step(arch):
+@pytest.mark.parametrize("arch, repeat", [(arch, 2) for arch in ARCHS] + [("qwen3", 12), ("llama_bias", 12)])
+def test_decode_state_matches_full_forward_at_every_step(arch, repeat):
+    # repeat=12: 36 rows x 2 kv heads >= 64 takes the batched-GEMM attention instead of SDPA
     model = tiny_model(arch)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15, 16, 17]]
-    B, W, repeat, steps = len(prompts), 6, 2, 4
+    B, W, steps = len(prompts), 6, 4
     input_ids = torch.full((B, W), PAD, dtype=torch.long)  # [B,W]
     for b, p in enumerate(prompts):
         input_ids[b, W - len(p):] = torch.tensor(p)
@@ -149,7 +150,7 @@ def test_decode_state_matches_full_forward_at_every_step(arch):
     live = torch.arange(B * repeat)  # [A] original row of each live row
     for t in range(steps):
         if t == 2:  # rows 1 and 4 finish: one copy of prompt 0 and one of prompt 2 leave
-            keep = torch.tensor([0, 2, 3, 5])  # [A']
+            keep = torch.tensor([r for r in range(B * repeat) if r not in (1, 4)])  # [A']
             state.select(keep)
             live = live[keep]
         tokens = fed[t, live]  # [A]

@@ -140,12 +140,14 @@ class _LayerWeights:
     qk_norm: Tensor | None  # [H+K,hd] Qwen3's per-head norms, q's weight repeated H times then k's K times
     eps_qk: float
     o: Tensor  # [D,H*hd]
+    o_t: Tensor  # [H*hd,D] a transposed view of `o` (for addmm; no copy)
     o_bias: Tensor | None
     norm_post: Tensor  # [D]
     eps_post: float
     gate_up: Tensor  # [2I,D]
     gate_up_bias: Tensor | None
     down: Tensor  # [D,I]
+    down_t: Tensor  # [I,D] view
     down_bias: Tensor | None
 
 
@@ -184,16 +186,17 @@ class DecodeState:
             qk_norm = None
             if hasattr(attn, "q_norm"):
                 qk_norm = torch.cat([attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)]).contiguous()
+            o, down = attn.o_proj.weight.detach().clone(), mlp.down_proj.weight.detach().clone()
             self.layers.append(_LayerWeights(
                 norm_in=layer.input_layernorm.weight.detach().clone(), eps_in=layer.input_layernorm.variance_epsilon,
                 qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                 qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
                 qk_norm=qk_norm, eps_qk=attn.q_norm.variance_epsilon if qk_norm is not None else 0.0,
-                o=attn.o_proj.weight.detach().clone(), o_bias=_clone(attn.o_proj.bias),
+                o=o, o_t=o.t(), o_bias=_clone(attn.o_proj.bias),
                 norm_post=layer.post_attention_layernorm.weight.detach().clone(), eps_post=layer.post_attention_layernorm.variance_epsilon,
                 gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                 gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-                down=mlp.down_proj.weight.detach().clone(), down_bias=_clone(mlp.down_proj.bias)))
+                down=down, down_t=down.t(), down_bias=_clone(mlp.down_proj.bias)))
         self.embed = inner.embed_tokens.weight.detach()  # [V,D] read-only lookups: no copy
         self.final_norm, self.eps_final = inner.norm.weight.detach().clone(), inner.norm.variance_epsilon
         self.head = model.lm_head.weight.detach().clone()  # [V,D]
@@ -216,13 +219,13 @@ class DecodeState:
         qk = _rotate(qk.transpose(1, 2), cos, sin_signed)  # [R,H+K,S,hd]
         out = attend(qk[:, :H], qk[:, H:], qkv[:, :, H + K :].transpose(1, 2))  # [R,H,S,hd]
         x = x.view(R * S, D)
-        x = torch.addmm(x, out.transpose(1, 2).reshape(R * S, H * hd), w.o.t())  # [R*S,D] residual folded in
+        x = torch.addmm(x, out.transpose(1, 2).reshape(R * S, H * hd), w.o_t)  # [R*S,D] residual folded in
         if w.o_bias is not None:
             x = x + w.o_bias
         h = F.rms_norm(x, (D,), w.norm_post, w.eps_post)  # [R*S,D]
         gate_up = F.linear(h, w.gate_up, w.gate_up_bias)  # [R*S,2I]
         gate, up = gate_up.chunk(2, dim=-1)  # [R*S,I] each
-        x = torch.addmm(x, F.silu(gate).mul_(up), w.down.t())  # [R*S,D]
+        x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [R*S,D]
         if w.down_bias is not None:
             x = x + w.down_bias
         return x.view(R, S, D)
@@ -262,24 +265,41 @@ class DecodeState:
     # ------------------------------------------------------------------ one decode step
     @torch.no_grad()
     def step(self, tokens: Tensor, positions: Tensor, column: int) -> Tensor:
-        """Append ``tokens`` [A] (at ``positions`` [A]) in cache column ``column``; logits [A,V] float32."""
+        """Append ``tokens`` [A] (at ``positions`` [A]) in cache column ``column``; logits [A,V] float32.
+
+        The prefill's layer maths specialised to one token per row: 2-D activations, views by
+        ``narrow``/``select`` (the per-op cost, not arithmetic, bounds a small decode step)."""
         seen = column + 1
-        A, H, K, hd = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
+        A, H, K, hd, D = tokens.shape[0], self.heads, self.kv_heads, self.head_dim, self.embed.shape[1]
+        few_rows = A * K < 64  # few rows: SDPA's one call wins; more rows: two batched GEMMs win (measured)
         bias = self.key_bias[:, None, None, :seen]  # [A,1,1,seen]
-        cos, sin_signed = self.cos[positions][:, None, None], self.sin_signed[positions][:, None, None]  # [A,1,1,hd] each
-        x = self.embed[tokens][:, None]  # [A,1,D]
-        for i, w in enumerate(self.layers):
-            def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:
-                self.keys[i][:, :, column] = k[:, :, 0]
-                self.values[i][:, :, column] = v[:, :, 0]
-                keys, values = self.keys[i][:, :, :seen], self.values[i][:, :, :seen]  # [A,K,seen,hd] each
-                if A * K < 64:  # few rows: SDPA's one call wins; more rows: two batched GEMMs win (measured)
-                    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.scaling, enable_gqa=self.gqa)  # [A,H,1,hd]
-                # GQA without repeating the cache: the H/K query heads of each kv head share one matmul
-                scores = torch.matmul(q.reshape(A, K, H // K, hd), keys.transpose(-1, -2)).mul_(self.scaling).add_(bias)  # [A,K,H/K,seen]
-                return torch.matmul(scores.softmax(dim=-1), values).view(A, H, 1, hd)  # [A,H,1,hd]
-            x = self._layer(w, x, cos, sin_signed, attend)
-        return self._logits(x[:, 0]).float()  # [A,V]
+        cos, sin_signed = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [A,1,hd] each
+        x = self.embed[tokens]  # [A,D]
+        for w, keys, values in zip(self.layers, self.keys, self.values):
+            h = F.rms_norm(x, (D,), w.norm_in, w.eps_in)  # [A,D]
+            qkv = F.linear(h, w.qkv, w.qkv_bias).view(A, H + 2 * K, hd)  # [A,H+2K,hd]
+            qk = qkv.narrow(1, 0, H + K)  # [A,H+K,hd]
+            if w.qk_norm is not None:
+                qk = F.rms_norm(qk, (hd,), None, w.eps_qk).mul_(w.qk_norm)
+            qk = _rotate(qk, cos, sin_signed)  # [A,H+K,hd]
+            keys.select(2, column).copy_(qk.narrow(1, H, K))  # cache [A,K,C,hd] <- [A,K,hd]
+            values.select(2, column).copy_(qkv.narrow(1, H + K, K))
+            past_keys, past_values = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)  # [A,K,seen,hd] each
+            q = qk.narrow(1, 0, H)  # [A,H,hd]
+            if few_rows:
+                out = F.scaled_dot_product_attention(q.unsqueeze(2), past_keys, past_values, attn_mask=bias, scale=self.scaling,
+                                                     enable_gqa=self.gqa)  # [A,H,1,hd]
+            else:  # GQA without repeating the cache: the H/K query heads of each kv head share one matmul
+                scores = torch.matmul(q.reshape(A, K, H // K, hd), past_keys.transpose(-1, -2)).mul_(self.scaling).add_(bias)  # [A,K,H/K,seen]
+                out = torch.matmul(scores.softmax(dim=-1), past_values)  # [A,K,H/K,hd]
+            x = torch.addmm(x, out.reshape(A, H * hd), w.o_t)  # [A,D] residual folded in
+            if w.o_bias is not None:
+                x = x + w.o_bias
+            gate, up = F.linear(F.rms_norm(x, (D,), w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [A,I] each
+            x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [A,D]
+            if w.down_bias is not None:
+                x = x + w.down_bias
+        return self._logits(x).float()  # [A,V]
 
     def select(self, keep: Tensor) -> None:
         """Keep only rows ``keep`` [A'] (finished rows leave the batch)."""
