@@ -106,24 +106,26 @@ def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor) 
     cos, sin_signed = rotary(model, positions)  # [N,W,hd] each
     cos, sin_signed = cos[:, None], sin_signed[:, None]  # [N,1,W,hd] broadcast over heads
     mask = allowed[:, None]  # [N,1,W,W]
-    N, W, _ = x.shape
+    N, W, D = x.shape
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         hd = attn.head_dim
-        h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
-        q = _linear(h, attn.q_proj).view(N, W, -1, hd)  # [N,W,H,hd]
-        k = _linear(h, attn.k_proj).view(N, W, -1, hd)  # [N,W,K,hd]
-        v = _linear(h, attn.v_proj).view(N, W, -1, hd).transpose(1, 2)  # [N,K,W,hd]
+        H, K = attn.q_proj.weight.shape[0] // hd, attn.k_proj.weight.shape[0] // hd
+        h = F.rms_norm(x, (D,), layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
+        # one GEMM for q|k|v and one for gate|up: fewer, larger products (their backward splits the gradient)
+        qkv = F.linear(h, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                       _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)).view(N, W, H + 2 * K, hd)  # [N,W,H+2K,hd]
+        q, k, v = qkv.split([H, K, K], dim=2)  # [N,W,H|K|K,hd]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q = F.rms_norm(q, (hd,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k = F.rms_norm(k, (hd,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q = _rotate(q.transpose(1, 2), cos, sin_signed)  # [N,H,W,hd]
         k = _rotate(k.transpose(1, 2), cos, sin_signed)  # [N,K,W,hd]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
-                                             enable_gqa=q.shape[1] != k.shape[1])  # [N,H,W,hd]
-        x = x + _linear(out.transpose(1, 2).reshape(N, W, -1), attn.o_proj)  # [N,W,D]
-        h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-        x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)  # [N,W,D]
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K)  # [N,H,W,hd]
+        x = x + _linear(out.transpose(1, 2).reshape(N, W, H * hd), attn.o_proj)  # [N,W,D]
+        h = F.rms_norm(x, (D,), layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        gate, up = F.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj)).chunk(2, dim=-1)  # [N,W,I] each
+        x = x + _linear(F.silu(gate) * up, mlp.down_proj)  # [N,W,D]
     return F.rms_norm(x, (x.shape[-1],), inner.norm.weight, inner.norm.variance_epsilon)  # [N,W,D]
 
 
