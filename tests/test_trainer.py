@@ -143,3 +143,26 @@ def test_dataset_row_missing_answer_names_file_and_row(tmp_path):
 def test_unknown_config_key_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="group_size"):
         make_trainer(tmp_path, "rollout.groupsize=3")
+
+
+def test_old_logprobs_from_the_first_pass_equal_a_separate_pass(tmp_path):
+    """μ = 2 with one mini-batch: epoch 0's own forward (detached) stands in for the no-grad pass
+    over the old policy; the result must be the same as computing that pass separately."""
+    sgd = 'update={name="sgd", lr=0.1}'
+    reuse = make_trainer(tmp_path / "a", "train.epochs=2", sgd)
+    separate = make_trainer(tmp_path / "b", "train.epochs=2", sgd)
+    separate.old_from_first_pass = False  # the explicit no-grad pass in prepare()
+    rollout = reuse.collect()
+    ra, rb = copy.deepcopy(rollout), copy.deepcopy(rollout)
+    reuse.prepare(ra)
+    separate.prepare(rb)
+    assert ra.logp_old is None and rb.logp_old is not None
+    assert ra.advantages.abs().sum() > 0, "a rollout with no learning signal tests nothing"
+    grads_a, stats_a = grads_after_one_update(reuse, ra)
+    grads_b, stats_b = grads_after_one_update(separate, rb)
+    torch.testing.assert_close(ra.logp_old, rb.logp_old, atol=1e-6, rtol=0)  # recorded by epoch 0
+    assert stats_a["loss"] == pytest.approx(stats_b["loss"], rel=1e-6, abs=1e-7)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-6, rtol=1e-5)
+    for (name, p), q in zip(reuse.model.named_parameters(), separate.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)

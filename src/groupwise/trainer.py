@@ -64,7 +64,9 @@ class Trainer:
         self.updater = build_spec("update", cfg.update)
         self.needs = self._collect_needs()
         self.reference = Reference(self.model) if any(n.model == "ref" for n in self.needs) else None
-        self.on_policy = cfg.train.epochs == 1 and cfg.train.minibatches == 1
+        # With one mini-batch per epoch, the first epoch's forward runs on the weights that sampled the
+        # rollout: its detached log-probs ARE the old log-probs (no extra no-grad pass; ratio 1 in epoch 0).
+        self.old_from_first_pass = cfg.train.minibatches == 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.updater.bind(self.params, cfg.train.steps * cfg.train.epochs * cfg.train.minibatches)
         self.step = 0
@@ -152,7 +154,7 @@ class Trainer:
 
     def prepare(self, rollout: Rollout) -> None:
         wanted = {(n.quantity, n.model) for n in self.needs if not n.grad}
-        if wanted & {("logp", "policy")} or not self.on_policy or wanted & {("entropy", "policy")}:
+        if wanted & {("logp", "policy"), ("entropy", "policy")} or not self.old_from_first_pass:
             with torch.no_grad():
                 out = self.forward(self.model, rollout, want_entropy=("entropy", "policy") in wanted)
             rollout.logp_old = out["logp"]  # [B,G,T]
@@ -189,15 +191,23 @@ class Trainer:
         B = rollout.shape[0]
         stats: list[dict[str, float]] = []
         self._entropy = [0.0, 0.0]  # masked sum, count: logged every step
+        self._first_pass_logp = None
         for epoch in range(cfg.epochs):
             order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step * 101 + epoch)) if cfg.epochs > 1 or cfg.minibatches > 1 else torch.arange(B)
+            if epoch == 1 and rollout.logp_old is None:
+                rollout.logp_old = self._first_pass_logp  # [B,G,T] recorded by epoch 0
             for mb_groups in torch.tensor_split(order, cfg.minibatches):
                 batch = rollout.select(mb_groups)
+                if batch.logp_old is None:  # epoch 0 of a single mini-batch: its own forward gives the old log-probs
+                    self._first_pass_logp = torch.zeros_like(rollout.mask, dtype=torch.float32)  # [B,G,T]
+                    self._first_pass_groups = mb_groups
                 if not int(dist.all_reduce_sum(self.objective.loss_mask(batch).sum())):
                     stats.append({"loss": 0.0, "skipped": 1.0})  # no token gets loss anywhere: leave the weights alone
                     continue
                 norms = self.objective.normalizers(batch, self._info(), dist.all_reduce_sum if self.world > 1 else None)
                 stats.append(self.updater.step(lambda: self._accumulate_gradients(batch, norms)))
+        if rollout.logp_old is None and self._first_pass_logp is not None:
+            rollout.logp_old = self._first_pass_logp  # [B,G,T] for the step's statistics
         row = {key: float(np.nanmean([s.get(key, float("nan")) for s in stats])) for key in stats[0]} if stats else {}
         row["skipped"] = float(sum(s.get("skipped", 0.0) for s in stats))
         row["nonfinite"] = float(sum(s.get("nonfinite", 0.0) for s in stats))
@@ -217,8 +227,9 @@ class Trainer:
             with torch.no_grad():
                 self._entropy[0] += float(out["entropy"][mb.row_mask].sum())
                 self._entropy[1] += float(mb.row_mask.sum())
-            if self.on_policy:
-                mb.logp_old = out["logp"].detach()  # [b,G,T] on-policy: ratio = 1, no extra forward
+            if mb.logp_old is None:
+                mb.logp_old = out["logp"].detach()  # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
+                self._first_pass_logp[self._first_pass_groups[start : start + size]] = mb.logp_old
             loss = self.objective.loss(mb, out, norms, self._info())
             if loss.requires_grad:
                 loss.backward()
@@ -324,15 +335,19 @@ class Trainer:
 
     def run_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.model.eval()
+        switch_modes = not self.engine.functional  # the functional maths has no dropout: skip two module-tree walks
+        if switch_modes:
+            self.model.eval()
         rollout = self.collect()
         t_gen = time.perf_counter() - t0
         self.prepare(rollout)
-        self.model.train()
+        if switch_modes:
+            self.model.train()
         row: dict[str, Any] = {"step": self.step}
-        row.update(_rollout_stats(rollout))
         groups_everywhere = int(dist.all_reduce_sum(torch.tensor(rollout.shape[0])))
-        row.update(self.update(rollout) if groups_everywhere else {"loss": 0.0, "skipped": 1.0})  # nothing kept: no step
+        update = self.update(rollout) if groups_everywhere else {"loss": 0.0, "skipped": 1.0}  # nothing kept: no step
+        row.update(_rollout_stats(rollout))  # after the update: the old log-probs may come from its first pass
+        row.update(update)
         seconds = time.perf_counter() - t0
         generated = float(rollout.mask.sum())
         row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self._reward_counts.get("excluded", 0))
