@@ -1,12 +1,14 @@
 """Log-probs (and entropies) of completion tokens from one packed forward pass.
 
-Every scored row's ``prompt + completion`` is laid end to end in bins of about ``pack_tokens``
-tokens (first-fit decreasing), an input ``[n_bins, width]`` whose ``position_ids`` restart at 0
-for each row and ``attention_mask=None``. transformers 5.x reads the restarts as packed sequences
-(``masking_utils.find_packed_sequence_indices``) and builds the block-diagonal causal mask itself,
-for sdpa, eager and flex attention alike. Bins bound the quadratic cost of that dense mask (one
-packed sequence of all rows was 3.5x slower than padding for 256 rows of 13 tokens); padding is
-limited to each bin's tail.
+Every scored row's ``prompt + completion`` is laid end to end in bins no longer than the longest
+row (first-fit decreasing), an input ``[n_bins, width]`` whose ``position_ids`` restart at 0 for
+each row. Supported models run ``policy.functional.hidden_states`` with the block-diagonal causal
+mask built here; others get ``attention_mask=None`` and transformers 5.x reads the restarts as
+packed sequences (``masking_utils.find_packed_sequence_indices``). Attention kernels compute the
+dense (masked) square of a bin, so bins stay as short as the longest row: short rows share a bin,
+nothing is widened (256-token bins of 22-token rows cost 1.7x the forward + backward of 22-token
+bins on the small bench model). Or each group is laid out as one prompt and its G completions
+under a tree mask, when ``_layout_cost`` says the saved prompt tokens outweigh the wider square.
 
 Logits are computed only where they are needed: the decoder's hidden states at position ``p-1``
 for every completion token ``p`` go through the output head (plus the logit scaling or
@@ -48,10 +50,10 @@ def _keeps_index_tensor(model) -> bool:
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
-def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
+def pack_bins(lengths: list[int], capacity: int = 0) -> list[list[int]]:
     """First-fit decreasing: row indices per bin, each bin's total length at most
-    ``max(capacity, longest row)``. Attention inside a bin is quadratic in its length, so bins keep
-    the packed sequence short while leaving almost no padding."""
+    ``max(capacity, longest row)``. Attention inside a bin is quadratic in its length, so bins as
+    short as the longest row (the default) pack short rows together without widening anything."""
     capacity = max(capacity, max(lengths))
     bins: list[list[int]] = []
     room: list[int] = []
@@ -65,6 +67,23 @@ def pack_bins(lengths: list[int], capacity: int) -> list[list[int]]:
             bins.append([i])
             room.append(capacity - lengths[i])
     return bins
+
+
+# CPU attention kernels do a (query, key) pair's 4·hidden FLOPs several times slower than a GEMM does
+# a token's (measured: SDPA's flash kernel at head dim 32 vs MKL GEMMs, forward + backward).
+_ATTENTION_SLOWDOWN = 4.0
+
+
+def _layout_cost(model, sizes: list[int], capacity: int) -> float:
+    """Relative cost of one forward over segments of ``sizes`` packed into bins: every bin is padded to
+    the widest, GEMMs scale with the tokens, dense masked attention with the width squared."""
+    bins = pack_bins(sizes, capacity)
+    width = max(sum(sizes[i] for i in items) for items in bins)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    hidden = getattr(config, "hidden_size", 1)
+    layer_params = 4 * hidden * hidden + 3 * hidden * getattr(config, "intermediate_size", 4 * hidden)  # attention + gated MLP
+    return len(bins) * (width * 2 * layer_params + _ATTENTION_SLOWDOWN * 4 * hidden * width * width)
 
 
 def _head(model, hidden: Tensor) -> Tensor:
@@ -83,7 +102,7 @@ def _head(model, hidden: Tensor) -> Tensor:
     return logits
 
 
-def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 256,
+def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 0,
                    functional: bool = True) -> Tensor:
     """[K,V] logits predicting every completion token of the rows, in row order, from bins of
     packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and for
@@ -116,7 +135,7 @@ def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], co
     return _head(model, hidden.reshape(-1, hidden.shape[-1])[predict_at.to(device)])  # [K,V]
 
 
-def _shared_prefix_logits(model, prompts: list[Tensor], groups: list[int], completions: list[Tensor], pack_tokens: int = 256,
+def _shared_prefix_logits(model, prompts: list[Tensor], groups: list[int], completions: list[Tensor], pack_tokens: int = 0,
                           functional: bool = True) -> Tensor:
     """[K,V] logits predicting every completion token, in row order, with each group's prompt
     computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G`` and a custom
@@ -197,7 +216,7 @@ def completion_logprobs(
     rows: Tensor,
     want_entropy: bool = False,
     packed: bool = True,
-    pack_tokens: int = 256,
+    pack_tokens: int = 0,
     share_prefix: bool | None = None,
     functional: bool = True,
 ) -> dict[str, Tensor]:
@@ -206,9 +225,10 @@ def completion_logprobs(
     Returns ``{"logp": [B,G,T] float32}`` (0 where ``mask`` is False or the row is not in ``rows`` [B,G])
     and ``"entropy"`` [B,G,T] float32 when asked. Autograd flows to the model's parameters unless the
     caller runs it under ``torch.no_grad()``. ``share_prefix`` computes each group's prompt once
-    (tree attention); ``None`` chooses it when it saves at least a quarter of the tokens and groups
-    stay short (the tree mask is quadratic in a group's length). ``packed=False`` is the padded
-    reference path. ``functional`` runs supported (Llama-family, float32) models through
+    (tree attention); ``None`` chooses the layout with the lower estimated cost (``_layout_cost``:
+    the tree saves prompt tokens but its mask is quadratic in a whole group's length).
+    ``pack_tokens`` caps a bin's length (0: the longest row or group). ``packed=False`` is the
+    padded reference path. ``functional`` runs supported (Llama-family, float32) models through
     ``policy.functional.hidden_states`` instead of their own forward (same values, fewer ops).
     """
     B, G, T = actions.shape
@@ -236,9 +256,9 @@ def completion_logprobs(
     targets = torch.cat([s[p:] for s, p in zip(sequences, prompt_lengths)]).to(device)  # [K] the completion tokens
 
     if share_prefix is None:
-        total = sum(len(s) for s in sequences)
-        saved = total - sum(len(s) - p for s, p in zip(sequences, prompt_lengths)) - sum(len(prompts[b]) for b in set(groups.tolist()))
-        share_prefix = saved >= 0.25 * total and total / len(set(groups.tolist())) <= 1024
+        group_ids = groups.tolist()
+        tree_sizes = [len(prompts[b]) + sum(len(s) - p for s, p, g in zip(sequences, prompt_lengths, group_ids) if g == b) for b in dict.fromkeys(group_ids)]
+        share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, [len(s) for s in sequences], pack_tokens)
     if packed and share_prefix:
         completions = [s[p:] for s, p in zip(sequences, prompt_lengths)]
         logits = _shared_prefix_logits(model, prompts, groups.tolist(), completions, pack_tokens, functional)  # [K,V]
