@@ -39,20 +39,6 @@ ADAM_BETAS = (0.9, 0.99)  # groupwise adamw's default; TRL's adam_beta2 default 
 MAX_GRAD_NORM = 1.0
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
 def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, group: int, length: int, loss: str,
                         beta: float, mu: int, lr: float, epsilon: float, micro_groups: int, steps: int) -> list[str]:
     """groupwise ``key=value`` overrides for one configuration (used with no recipe or on top of one)."""
@@ -87,7 +73,9 @@ def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, gro
         "eval.size": 0,
         "checkpoint.every": 0,
     }
-    return [f"{key}={_toml(value)}" for key, value in values.items()]
+    from groupwise.config import toml_value  # here, not at import: the TRL worker must not load groupwise
+
+    return [f"{key}={toml_value(value)}" for key, value in values.items()]
 
 
 def trl_config(*, out: str, prompts: int, group: int, length: int, loss: str, beta: float, mu: int, lr: float,

@@ -210,15 +210,16 @@ def to_toml(data: dict) -> str:
     scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
     tables = {k: v for k, v in data.items() if isinstance(v, dict)}
     for key, value in scalars.items():
-        lines.append(f"{key} = {_toml_value(value)}")
+        lines.append(f"{key} = {toml_value(value)}")
     for key, table in tables.items():
         lines.append(f"\n[{key}]")
         for sub, value in table.items():
-            lines.append(f"{sub} = {_toml_value(value)}")
+            lines.append(f"{sub} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """One value as TOML (also what `key=value` overrides take)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -226,9 +227,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     if value is None:
         return '""'
     raise ConfigError(f"cannot write {value!r} to TOML")
