@@ -55,17 +55,23 @@ def pack_bins(lengths: list[int], capacity: int = 0) -> list[list[int]]:
     ``max(capacity, longest row)``. Attention inside a bin is quadratic in its length, so bins as
     short as the longest row (the default) pack short rows together without widening anything."""
     capacity = max(capacity, max(lengths))
+    shortest = min(lengths)
     bins: list[list[int]] = []
     room: list[int] = []
+    open_bins: list[int] = []  # bins that can still take the shortest row, in creation order
     for i in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
+        for slot, b in enumerate(open_bins):
+            if lengths[i] <= room[b]:
                 bins[b].append(i)
                 room[b] -= lengths[i]
+                if room[b] < shortest:  # full for good: later rows are no shorter than the shortest
+                    del open_bins[slot]
                 break
         else:
             bins.append([i])
             room.append(capacity - lengths[i])
+            if room[-1] >= shortest:
+                open_bins.append(len(bins) - 1)
     return bins
 
 
@@ -102,27 +108,29 @@ def _head(model, hidden: Tensor) -> Tensor:
     return logits
 
 
-def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 0,
+def _packed_logits(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 0,
                    functional: bool = True) -> Tensor:
     """[K,V] logits predicting every completion token of the rows, in row order, from bins of
     packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and for
     each bin's padding tail), so every row attends only to itself."""
     bins = pack_bins([len(s) for s in sequences], pack_tokens)
     width = max(sum(len(sequences[i]) for i in rows) for rows in bins)
-    input_ids = torch.zeros(len(bins), width, dtype=torch.long)  # [n_bins,width]
-    position_ids = torch.zeros(len(bins), width, dtype=torch.long)  # [n_bins,width]
+    ids: list[int] = []  # assembled as Python ints, converted once (per-row tensor ops cost more here)
+    positions: list[int] = []
     flat_start = [0] * len(sequences)  # where each row starts in the flattened [n_bins*width]
     for b, rows in enumerate(bins):
-        at = 0
         for i in rows:
-            n = len(sequences[i])
-            input_ids[b, at : at + n] = sequences[i]
-            position_ids[b, at : at + n] = torch.arange(n)
-            flat_start[i] = b * width + at
-            at += n
-        position_ids[b, at:] = torch.arange(width - at)  # the padding tail is a segment of its own
+            flat_start[i] = len(positions)
+            ids += sequences[i]
+            positions += range(len(sequences[i]))
+        tail = (b + 1) * width - len(positions)
+        ids += [0] * tail
+        positions += range(tail)  # the padding tail is a segment of its own
+    input_ids = torch.tensor(ids, dtype=torch.long).view(len(bins), width)  # [n_bins,width]
+    position_ids = torch.tensor(positions, dtype=torch.long).view(len(bins), width)  # [n_bins,width]
     # completion token j of a row sits at start + P + j and is predicted from start + P + j - 1
-    predict_at = torch.cat([torch.arange(c) + flat_start[i] + p - 1 for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths))])  # [K]
+    predict_at = torch.tensor([flat_start[i] + p - 1 + j for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)) for j in range(c)],
+                              dtype=torch.long)  # [K]
     device = next(model.parameters()).device
     if functional and unsupported_reason(model) is None:
         segment = (position_ids == 0).cumsum(dim=-1)  # [n_bins,width] a new row starts where positions restart
@@ -135,7 +143,7 @@ def _packed_logits(model, sequences: list[Tensor], prompt_lengths: list[int], co
     return _head(model, hidden.reshape(-1, hidden.shape[-1])[predict_at.to(device)])  # [K,V]
 
 
-def _shared_prefix_logits(model, prompts: list[Tensor], groups: list[int], completions: list[Tensor], pack_tokens: int = 0,
+def _shared_prefix_logits(model, prompts: list[list[int]], groups: list[int], completions: list[list[int]], pack_tokens: int = 0,
                           functional: bool = True) -> Tensor:
     """[K,V] logits predicting every completion token, in row order, with each group's prompt
     computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G`` and a custom
@@ -149,54 +157,61 @@ def _shared_prefix_logits(model, prompts: list[Tensor], groups: list[int], compl
     sizes = [len(prompts[b]) + sum(len(completions[r]) for r in members[b]) for b in order]
     bins = pack_bins(sizes, pack_tokens)
     width = max(sum(sizes[i] for i in items) for items in bins)
-    input_ids = torch.zeros(len(bins), width, dtype=torch.long)  # [n_bins,width]
-    position_ids = torch.zeros(len(bins), width, dtype=torch.long)  # [n_bins,width]
-    tree = torch.full((len(bins), width), -1, dtype=torch.long)  # [n_bins,width] group slot, -1 = padding
-    branch = torch.zeros(len(bins), width, dtype=torch.long)  # [n_bins,width] 0 = prompt, k+1 = completion k
-    predict_at = [None] * len(completions)
+    # assembled as Python ints and converted once: per-row tensor ops would cost more than the rest
+    ids: list[int] = []
+    positions: list[int] = []
+    tree: list[int] = []  # group slot within its bin, -1 = padding
+    branch: list[int] = []  # 0 = prompt, k+1 = completion k
+    predict_at: list[list[int]] = [[] for _ in completions]
     for n, items in enumerate(bins):
-        at = 0
         for slot, i in enumerate(items):
             b = order[i]
             P = len(prompts[b])
-            input_ids[n, at : at + P] = prompts[b]
-            position_ids[n, at : at + P] = torch.arange(P)
-            tree[n, at : at + P] = slot
-            last_prompt = n * width + at + P - 1
-            at += P
+            ids += prompts[b]
+            positions += range(P)
+            tree += [slot] * P
+            branch += [0] * P
+            last_prompt = len(ids) - 1
             for k, r in enumerate(members[b]):
                 c = len(completions[r])
-                input_ids[n, at : at + c] = completions[r]
-                position_ids[n, at : at + c] = torch.arange(P, P + c)
-                tree[n, at : at + c] = slot
-                branch[n, at : at + c] = k + 1
                 # token 0 is predicted from the prompt's last token, token j from the row's token j-1
-                predict_at[r] = torch.cat([torch.tensor([last_prompt]), n * width + at + torch.arange(c - 1)])
-                at += c
+                predict_at[r] = [last_prompt, *range(len(ids), len(ids) + c - 1)]
+                ids += completions[r]
+                positions += range(P, P + c)
+                tree += [slot] * c
+                branch += [k + 1] * c
+        tail = (n + 1) * width - len(ids)
+        ids += [0] * tail
+        positions += [0] * tail
+        tree += [-1] * tail
+        branch += [0] * tail
+    shape = (len(bins), width)
+    input_ids = torch.tensor(ids, dtype=torch.long).view(shape)  # [n_bins,width]
+    position_ids = torch.tensor(positions, dtype=torch.long).view(shape)  # [n_bins,width]
+    tree_t = torch.tensor(tree, dtype=torch.long).view(shape)  # [n_bins,width]
+    branch_t = torch.tensor(branch, dtype=torch.long).view(shape)  # [n_bins,width]
+    gather_at = torch.tensor([i for row in predict_at for i in row], dtype=torch.long)  # [K]
     index = torch.arange(width)
-    same_tree = (tree[:, :, None] == tree[:, None, :]) & (tree[:, :, None] >= 0)  # [n_bins,q,k]
-    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])  # [n_bins,q,k] prompt or own branch
+    same_tree = (tree_t[:, :, None] == tree_t[:, None, :]) & (tree_t[:, :, None] >= 0)  # [n_bins,q,k]
+    visible = (branch_t[:, None, :] == 0) | (branch_t[:, :, None] == branch_t[:, None, :])  # [n_bins,q,k] prompt or own branch
     causal = index[None, :, None] >= index[None, None, :]  # [1,q,k]
     allowed = (same_tree & visible & causal) | torch.eye(width, dtype=torch.bool)[None]  # [n_bins,q,k] padding sees itself
     device = next(model.parameters()).device
     if functional and unsupported_reason(model) is None:
         hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device))  # [n_bins,width,H]
-        return _head(model, hidden.reshape(-1, hidden.shape[-1])[torch.cat(predict_at).to(device)])  # [K,V]
+        return _head(model, hidden.reshape(-1, hidden.shape[-1])[gather_at.to(device)])  # [K,V]
     dtype = next(model.parameters()).dtype
     additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]  # [n_bins,1,q,k]
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = base.get_decoder()(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=additive.to(device), use_cache=False).last_hidden_state  # [n_bins,width,H]
-    return _head(model, hidden.reshape(-1, hidden.shape[-1])[torch.cat(predict_at).to(device)])  # [K,V]
+    return _head(model, hidden.reshape(-1, hidden.shape[-1])[gather_at.to(device)])  # [K,V]
 
 
-def _padded_logits(model, sequences: list[Tensor], prompt_lengths: list[int], completion_lengths: list[int]) -> Tensor:
+def _padded_logits(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int]) -> Tensor:
     """[K,V] logits as ``_packed_logits`` but from a right-padded batch with an attention mask (reference)."""
     N, width = len(sequences), max(len(s) for s in sequences)
-    input_ids = torch.zeros(N, width, dtype=torch.long)  # [N,L] pad id is irrelevant: it is masked
-    attention_mask = torch.zeros(N, width, dtype=torch.long)  # [N,L]
-    for r, s in enumerate(sequences):  # once per row, building the input
-        input_ids[r, : len(s)] = s
-        attention_mask[r, : len(s)] = 1
+    input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long)  # [N,L] pad id is irrelevant: it is masked
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long)  # [N,L]
     keep = width - min(prompt_lengths) + 1  # the last `keep` positions hold every completion-predicting one
     row_index = torch.cat([torch.full((c,), r) for r, c in enumerate(completion_lengths)])  # [K]
     col_index = torch.cat([torch.arange(c) + p - 1 for p, c in zip(prompt_lengths, completion_lengths)]) - (width - keep)  # [K]
@@ -245,23 +260,26 @@ def completion_logprobs(
 
     # Row order here (b, g row-major, tokens in order) is the order of out_mask's True entries.
     groups, members = scored.nonzero(as_tuple=True)  # [N], [N]
-    prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompt_ids]
-    actions = actions.to("cpu", torch.long)  # [B,G,T] inputs are assembled on the host, moved once
-    prompt_lengths = [len(prompt_ids[b]) for b in groups.tolist()]
+    group_ids, member_ids = groups.tolist(), members.tolist()
+    prompts = [p.tolist() if isinstance(p, Tensor) else list(p) for p in prompt_ids]
+    prompt_lengths = [len(prompts[b]) for b in group_ids]
     if min(prompt_lengths) == 0:
         raise ValueError("a scored row has an empty prompt: its first token has nothing to condition on")
     completion_lengths = lengths[groups, members].tolist()
-    sequences = [torch.cat([prompts[b], actions[b, g, :c]])
-                 for b, g, c in zip(groups.tolist(), members.tolist(), completion_lengths)]
-    targets = torch.cat([s[p:] for s, p in zip(sequences, prompt_lengths)]).to(device)  # [K] the completion tokens
+    action_ids = actions.tolist()  # [B][G][T] host ints: inputs are assembled on the host, moved once
+    completions = [action_ids[b][g][:c] for b, g, c in zip(group_ids, member_ids, completion_lengths)]
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)  # [K] the completion tokens
 
     if share_prefix is None:
-        group_ids = groups.tolist()
-        tree_sizes = [len(prompts[b]) + sum(len(s) - p for s, p, g in zip(sequences, prompt_lengths, group_ids) if g == b) for b in dict.fromkeys(group_ids)]
-        share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, [len(s) for s in sequences], pack_tokens)
+        completed: dict[int, int] = {}
+        for b, c in zip(group_ids, completion_lengths):
+            completed[b] = completed.get(b, 0) + c
+        tree_sizes = [len(prompts[b]) + c for b, c in completed.items()]
+        row_sizes = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
+        share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, row_sizes, pack_tokens)
+    sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row
     if packed and share_prefix:
-        completions = [s[p:] for s, p in zip(sequences, prompt_lengths)]
-        logits = _shared_prefix_logits(model, prompts, groups.tolist(), completions, pack_tokens, functional)  # [K,V]
+        logits = _shared_prefix_logits(model, prompts, group_ids, completions, pack_tokens, functional)  # [K,V]
     elif packed:
         logits = _packed_logits(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional)  # [K,V]
     else:

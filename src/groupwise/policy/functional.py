@@ -111,17 +111,21 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        # Elementwise passes over [...,I] are memory-bound here, so they are kept few: 8 instead of 12 + a cat.
         gate_up, weight = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)  # [...,I] each
-        sig = torch.sigmoid(gate)
+        sig = torch.sigmoid(gate)  # [...,I]
         silu = gate * sig  # [...,I]
-        product = silu * up  # [...,I] recomputed
+        flat_grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [N,D]
+        grad_weight = flat_grad_out.t() @ (silu * up).reshape(-1, up.shape[-1])  # [D,I] product recomputed, freed at once
+        grad_bias = flat_grad_out.sum(0) if ctx.has_bias else None  # [D]
         grad_product = grad_out @ weight  # [...,I]
-        grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t() @ product.reshape(-1, product.shape[-1])  # [D,I]
-        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None  # [D]
-        grad_up = grad_product * silu
-        grad_gate = grad_product.mul_(up).mul_(sig * (1 + gate * (1 - sig)))  # silu'(g) = σ(g)(1 + g(1 − σ(g)))
-        return torch.cat([grad_gate, grad_up], dim=-1), grad_weight, grad_bias
+        grad_gate_up = torch.empty_like(gate_up)  # [...,2I] written in place of a cat
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)  # [...,I] views
+        torch.mul(grad_product, silu, out=grad_up)
+        silu_grad = silu.addcmul_(silu, sig, value=-1).add_(sig)  # silu'(g) = σ + silu·(1 − σ), in silu's storage
+        torch.mul(grad_product.mul_(up), silu_grad, out=grad_gate)
+        return grad_gate_up, grad_weight, grad_bias
 
 
 def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor) -> Tensor:
