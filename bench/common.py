@@ -257,8 +257,45 @@ def gemm_flops(threads: int, n: int = 1024, seconds: float = 2.0, dtype: str = "
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size (Linux ``ru_maxrss`` is in KiB)."""
+    """Peak resident set size (MB) since the last :func:`reset_peak_rss`, or since the process started:
+    Linux ``VmHWM`` (which ``/proc/self/clear_refs`` resets), else ``ru_maxrss`` (KiB on Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window for the next cell measured in this process: collect garbage, hand freed
+    heap memory back to the OS (``malloc_trim``) so the previous cell's leftovers do not count, then
+    reset Linux's high-water mark to the current RSS. False where the high-water mark cannot be reset."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_mb() -> float:
+    """Current resident set size (MB; 0 where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
 
 
 def machine(threads: int) -> dict[str, Any]:
@@ -305,7 +342,9 @@ class Measurement:
     generation_seconds: list[float] = field(default_factory=list)  # groupwise only (TRL has no hook there)
     generated_tokens: list[float] = field(default_factory=list)  # completion tokens generated per timed step
     trained_tokens: list[float] = field(default_factory=list)  # completion tokens trained per timed step (x mu)
-    peak_rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0  # peak resident memory while this cell ran (the process's, from the cell's start)
+    rss_at_start_mb: float = 0.0  # resident before the cell (interpreter, imports, leftovers of earlier cells)
+    cell_index: int = 0  # position of the cell in its worker process (0 = first)
     threads: int = 0
     params_total: int = 0
     params_non_embedding: int = 0

@@ -6,11 +6,12 @@
     python bench/run.py --cells small:16x8:64:grpo:0.04:2   # an ad-hoc cell preset:BxG:L[:loss[:beta[:mu]]]
     python bench/run.py --ablation       # groupwise alone with each optimisation switched off in turn
 
-Every measurement is a fresh worker process (``bench/worker.py``) that imports one framework only, so
-the peak RSS it reports is that framework's. For each cell the two frameworks run as A/B pairs
-(groupwise, TRL, groupwise, TRL, ...): ``--pairs`` of them (default 2) for the three cheapest cells, one
-for the others (per-cell caps, ``--no-cap``). Each worker runs ``warmup`` untimed steps then ``steps`` timed
-ones; we report medians and, per pair, ratio = TRL seconds per step / groupwise seconds per step
+Measurements run in fresh worker processes (``bench/worker.py``) that import one framework only, so
+the memory they report is that framework's; the cells of one model preset share a worker (smallest
+first; each cell's peak RSS is measured from its own start). The two frameworks' workers alternate as A/B
+pairs (groupwise, TRL, groupwise, TRL, ...): ``--pairs`` of them (default 2) for the three cheapest
+cells, one for the others (per-cell caps, ``--no-cap``). Each cell runs ``warmup`` untimed steps then
+``steps`` timed ones; we report medians and, per pair, ratio = TRL seconds per step / groupwise seconds per step
 (> 1: groupwise is faster). See bench/README.md for the exact configuration mapping.
 
 Outputs: ``bench/results.json`` (one entry per cell), ``bench/run_info.json`` (machine, GEMM
@@ -38,7 +39,7 @@ from common import BENCH, DOC, OFFLINE_ENV, RESULTS, ROOT, RUNS, Cell, gemm_flop
 
 DEFAULT_TTA_MODEL = ROOT / "src" / "groupwise" / "models" / "default"
 WORKER = BENCH / "worker.py"
-WORKER_TIMEOUT_S = 1800
+WORKER_TIMEOUT_S = 1800  # per cell in a worker
 
 # Each ablation switches techniques off through groupwise's own `perf` / `update` settings (passed to
 # the worker as extra overrides); the last row is the plain reference path with everything off.
@@ -73,7 +74,8 @@ def worker_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, s
     return env
 
 
-def run_worker(argv: list[str], out: Path, logfile: Path, threads: int, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_worker(argv: list[str], out: Path, logfile: Path, threads: int, extra_env: dict[str, str] | None = None,
+               timeout: float = WORKER_TIMEOUT_S) -> Any:
     """Run ``worker.py argv`` in a fresh interpreter; its JSON result, or ``{"error": ...}``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     logfile.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +88,7 @@ def run_worker(argv: list[str], out: Path, logfile: Path, threads: int, extra_en
         fh.flush()
         try:
             proc = subprocess.run(command, stdout=fh, stderr=subprocess.STDOUT, env=worker_env(threads, extra_env),
-                                  cwd=str(ROOT), timeout=WORKER_TIMEOUT_S)
+                                  cwd=str(ROOT), timeout=timeout)
             code = proc.returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
@@ -96,27 +98,53 @@ def run_worker(argv: list[str], out: Path, logfile: Path, threads: int, extra_en
         log(f"worker failed ({code}); log {logfile}:\n    " + "\n    ".join(tail))
         return {"error": f"exit {code}", "log": str(logfile), "wall_seconds": wall}
     result = json.loads(out.read_text())
-    result["wall_seconds"] = wall
+    if isinstance(result, dict):
+        result["wall_seconds"] = wall
     return result
 
 
-def measure_cell(cell: Cell, pairs: int, threads: int, rundir: Path, frameworks=("groupwise", "trl"),
-                 extra_env: dict[str, str] | None = None, tag: str = "") -> list[dict[str, dict]]:
-    """``pairs`` rounds of one fresh worker per framework, alternating A B A B."""
-    model = str(BENCH / "models" / cell.preset)
-    rounds = []
-    for pair in range(pairs):
-        results = {}
+def footprint(cell: Cell) -> tuple[int, int, int]:
+    """Order of cells inside a worker: smallest memory first, so leftovers of an earlier cell stay below
+    the next cell's own peak (tokens in flight, then the extra passes of KL and mu > 1)."""
+    return (cell.prompts * cell.group * cell.length, int(cell.beta > 0) + cell.mu, cell.group)
+
+
+def worker_groups(cells: list[Cell], pairs_of: dict[str, int]) -> list[tuple[int, list[Cell]]]:
+    """(pair index, cells) per worker process: for each A/B round, the cells that still need a pair,
+    one process per model preset (same-size models share a process), smallest footprint first."""
+    groups = []
+    for pair in range(max(pairs_of.values(), default=0)):
+        wanted = [c for c in cells if pairs_of[c.name] > pair]
+        for preset in dict.fromkeys(c.preset for c in wanted):
+            groups.append((pair, sorted((c for c in wanted if c.preset == preset), key=footprint)))
+    return groups
+
+
+def measure_cells(cells: list[Cell], pairs_of: dict[str, int], threads: int, rundir: Path, frameworks=("groupwise", "trl"),
+                  extra_env: dict[str, str] | None = None, tag: str = "") -> dict[str, list[dict[str, dict]]]:
+    """Rounds of A/B worker pairs (groupwise, TRL, groupwise, TRL, ...), each worker a fresh process that
+    runs a group of cells (``worker_groups``); per cell name, one ``{framework: measurement}`` per pair."""
+    rounds: dict[str, list[dict[str, dict]]] = {c.name: [] for c in cells}
+    groups = worker_groups(cells, pairs_of)
+    for g, (pair, group) in enumerate(groups, 1):
+        log(f"worker group {g}/{len(groups)} (pair {pair + 1}): {', '.join(c.name for c in group)}")
+        by_framework = {}
         for framework in frameworks:
-            stem = f"{cell.name}{tag}-{framework}-{pair}"
-            result = run_worker(["measure", "--framework", framework, "--cell", cell.to_json(), "--model", model],
-                                rundir / "raw" / f"{stem}.json", rundir / "logs" / f"{stem}.log", threads, extra_env)
-            results[framework] = result
-            if "error" not in result:
-                steps = ", ".join(f"{s:.3g}" for s in result["step_seconds"])
-                log(f"  {cell.name}{tag} pair {pair + 1}/{pairs} {framework:9s}: steps [{steps}] s, "
-                    f"peak RSS {result['peak_rss_mb']:.0f} MB, process {result['wall_seconds']:.1f} s")
-        rounds.append(results)
+            stem = f"{group[0].preset}{tag}-{framework}-{pair}"
+            result = run_worker(["measure", "--framework", framework, "--cells", json.dumps([asdict(c) for c in group]),
+                                 "--models-dir", str(BENCH / "models")],
+                                rundir / "raw" / f"{stem}.json", rundir / "logs" / f"{stem}.log", threads, extra_env,
+                                timeout=WORKER_TIMEOUT_S * len(group))
+            measured = result if isinstance(result, list) else [{"cell": c.name, **result} for c in group]
+            by_framework[framework] = {m["cell"]: m for m in measured}
+            for m in measured:
+                if "error" not in m:
+                    steps = ", ".join(f"{s:.3g}" for s in m["step_seconds"])
+                    log(f"  {m['cell']}{tag} pair {pair + 1} {framework:9s}: steps [{steps}] s, peak RSS {m['peak_rss_mb']:.0f} MB")
+                else:
+                    log(f"  {m['cell']}{tag} pair {pair + 1} {framework:9s}: FAILED {m['error']}")
+        for cell in group:
+            rounds[cell.name].append({fw: by_framework[fw].get(cell.name, {"error": "missing"}) for fw in frameworks})
     return rounds
 
 
@@ -400,27 +428,25 @@ def main(argv: list[str] | None = None) -> int:
     entries: list[dict[str, Any]] = []
     ablation_rows: list[dict[str, Any]] = []
     if not args.skip_matrix and cells:
+        pairs_of = {c.name: (min(pairs, c.max_pairs) if c.max_pairs and not args.no_cap else pairs) for c in cells}
         if args.ablation:
-            for cell in cells:
-                for index, (variant, env) in enumerate(ABLATIONS):
-                    log(f"ablation {cell.name}: {variant}")
-                    rounds = measure_cell(cell, pairs if args.no_cap else min(pairs, cell.max_pairs or pairs), threads, rundir, ("groupwise",), env,
-                                          tag=f"-ablation{index}")
-                    ok = [r["groupwise"] for r in rounds if "error" not in r["groupwise"]]
+            for index, (variant, env) in enumerate(ABLATIONS):
+                log(f"ablation: {variant}")
+                rounds = measure_cells(cells, pairs_of, threads, rundir, ("groupwise",), env, tag=f"-ablation{index}")
+                for cell in cells:
+                    ok = [r["groupwise"] for r in rounds[cell.name] if "error" not in r["groupwise"]]
                     ablation_rows.append({"cell": cell.name, "variant": variant, "env": env,
                                           "step_s": _median([statistics.median(r["step_seconds"]) for r in ok]),
                                           "generation_s": _median([statistics.median(r["generation_seconds"]) for r in ok]),
                                           "rss_mb": _median([r["peak_rss_mb"] for r in ok]),
                                           "raw": [r["step_seconds"] for r in ok]})
+            ablation_rows.sort(key=lambda row: [c.name for c in cells].index(row["cell"]))
         else:
-            workers = sum(2 * (min(pairs, c.max_pairs) if c.max_pairs and not args.no_cap else pairs) for c in cells)
-            log(f"{len(cells)} cells, {workers} worker processes (up to {pairs} A/B pairs per cell): " + ", ".join(c.name for c in cells))
-            for i, cell in enumerate(cells, 1):
-                n_pairs = min(pairs, cell.max_pairs) if cell.max_pairs and not args.no_cap else pairs
-                log(f"cell {i}/{len(cells)} {cell.name}: {cell.warmup} warm-up + {cell.steps} timed steps, "
-                    f"{n_pairs} pair(s), micro-batch {cell.micro} groups")
-                rounds = measure_cell(cell, n_pairs, threads, rundir)
-                entries.append({"rounds": rounds, "cell": cell})
+            workers = len(worker_groups(cells, pairs_of)) * 2
+            log(f"{len(cells)} cells, {workers} worker processes (up to {pairs} A/B pairs per cell; cells of one model "
+                f"preset share a process): " + ", ".join(f"{c.name} ({c.warmup}+{c.steps} steps, {pairs_of[c.name]} pair(s))" for c in cells))
+            rounds = measure_cells(cells, pairs_of, threads, rundir)
+            entries = [{"rounds": rounds[cell.name], "cell": cell} for cell in cells]
     flops_after = gemm_flops(threads)
     # bf16 matmuls are a speed lever only where the CPU has bf16 units (AMX, AVX512-BF16): measure, do not assume
     flops = {"before": flops_before, "after": flops_after, "used": max(flops_before, flops_after),

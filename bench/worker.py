@@ -1,11 +1,15 @@
-"""One measurement in a fresh process: one framework, one cell (or one time-to-accuracy run).
+"""Measurements in a fresh process: one framework, a list of cells run one after another (or one
+time-to-accuracy run).
 
-    python bench/worker.py measure --framework {groupwise,trl} --cell JSON --model DIR --threads T --out FILE
+    python bench/worker.py measure --framework {groupwise,trl} --cells JSON_LIST --models-dir DIR --threads T --out FILE
     python bench/worker.py tta --framework {groupwise,trl} --model DIR --threads T --seconds S \
         --eval-every S [--target ACC] --out FILE
 
-Only the framework measured is imported, so the process's peak RSS (``ru_maxrss``) is that
-framework's: interpreter + torch + the framework + model + optimiser state + activations.
+Only the framework measured is imported, so the process's memory is that framework's: interpreter +
+torch + the framework + model + optimiser state + activations. Each cell's peak RSS is Linux's
+high-water mark reset at the cell's start (after the previous cell's objects are collected and freed
+heap memory is handed back to the OS: ``common.reset_peak_rss``); ``rss_at_start_mb`` records what was
+resident then. Running several cells per process saves ~10 s of imports and set-up per cell.
 
 Step time is wall time of one *rollout step*: generate ``prompts x G`` completions, score them, and
 run the ``mu`` optimiser steps that use them. groupwise: ``Trainer.run_step()`` called in a tight
@@ -26,7 +30,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from common import OFFLINE_ENV, REWARD_FN, Cell, Measurement, greedy_accuracy, heldout_rows, parameter_counts, peak_rss_mb, train_rows
+from common import (OFFLINE_ENV, REWARD_FN, Cell, Measurement, greedy_accuracy, heldout_rows, parameter_counts, peak_rss_mb,
+                    reset_peak_rss, rss_mb, train_rows)
 
 for _key, _value in OFFLINE_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -386,12 +391,39 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
 
 
 # ------------------------------------------------------------------------------------------------
+def measure_cells(cells: list[Cell], framework: str, models_dir: str, threads: int) -> list[dict[str, Any]]:
+    """Each cell in turn, in this process: its measurement, or ``{"cell", "error"}`` if it failed (the
+    cells after it still run)."""
+    import traceback
+
+    fn = measure_groupwise if framework == "groupwise" else measure_trl
+    results: list[dict[str, Any]] = []
+    for index, cell in enumerate(cells):
+        exact_peak = reset_peak_rss()
+        before = rss_mb()
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"bench-{framework}-") as workdir:
+                m = fn(cell, str(Path(models_dir) / cell.preset), threads, workdir)
+        except Exception as exc:  # one failed cell must not cost the others
+            traceback.print_exc()
+            results.append({"cell": cell.name, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        m.rss_at_start_mb, m.cell_index = before, index
+        m.notes["peak_rss_window"] = "cell" if exact_peak else "process"
+        results.append(asdict(m))
+        print(f"{cell.name}: steps {[round(s, 4) for s in m.step_seconds]} s, peak RSS {m.peak_rss_mb:.0f} MB "
+              f"({before:.0f} MB at start)", flush=True)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     m = sub.add_parser("measure")
     m.add_argument("--framework", choices=("groupwise", "trl"), required=True)
-    m.add_argument("--cell", required=True, help="Cell as JSON")
+    m.add_argument("--cells", required=True, help="JSON list of cells, run in this order")
+    m.add_argument("--models-dir", required=True, help="folder holding one model folder per preset")
     t = sub.add_parser("tta")
     t.add_argument("--framework", choices=("groupwise", "trl"), required=True)
     t.add_argument("--seconds", type=float, default=300.0)
@@ -399,17 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval-size", type=int, default=0)
     t.add_argument("--target", type=float, default=None)
     t.add_argument("--recipe", default="demo")
+    t.add_argument("--model", required=True)
     for p in (m, t):
-        p.add_argument("--model", required=True)
         p.add_argument("--threads", type=int, required=True)
         p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix=f"bench-{args.framework}-") as workdir:
-        if args.mode == "measure":
-            cell = Cell.from_json(args.cell)
-            fn = measure_groupwise if args.framework == "groupwise" else measure_trl
-            result: Any = asdict(fn(cell, args.model, args.threads, workdir))
-        else:
+    if args.mode == "measure":
+        result: Any = measure_cells([Cell(**c) for c in json.loads(args.cells)], args.framework, args.models_dir, args.threads)
+    else:
+        with tempfile.TemporaryDirectory(prefix=f"bench-{args.framework}-") as workdir:
             result = tta(args.framework, args.model, args.threads, args.seconds, args.eval_every, args.target,
                          args.eval_size, args.recipe, workdir)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
