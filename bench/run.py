@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cap", action="store_true", help="ignore the per-cell pair caps")
     parser.add_argument("--steps", type=int, default=None, help="override the timed steps of every cell")
     parser.add_argument("--warmup", type=int, default=None, help="override the warm-up steps of every cell")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads in every worker (default: the cores available)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every worker (default 1: the tiny and small models' "
+                        "matmuls gain little from a second thread, and on a shared 2-core VM OpenMP barriers made them several times slower)")
     parser.add_argument("--tta-model", type=Path, default=DEFAULT_TTA_MODEL, help="warm-started model folder for time to accuracy")
     parser.add_argument("--tta-seconds", type=float, default=None, help="TRL's training time budget (default 300, --quick 30)")
     parser.add_argument("--tta-eval-every", type=float, default=None, help="training seconds between evaluations (default 15, --quick 10)")
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    threads = args.threads
     pairs = args.pairs or (1 if args.quick else 2)
     out_dir = args.out_dir or (RUNS / "quick" if args.quick else BENCH)
     doc = args.doc if args.doc is not None else (None if args.quick else DOC)

@@ -124,13 +124,10 @@ class Trainer:
         B, G, T = rollout.shape
         lengths = rollout.mask.sum(-1)  # [B,G]
         eos = set(self.engine.eos_token_ids)
-        texts = []
-        for b in range(B):
-            row_texts = []
-            for g in range(G):
-                tokens = rollout.actions[b, g, : int(lengths[b, g])].tolist()
-                row_texts.append(self.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True))
-            texts.append(row_texts)
+        actions, counts = rollout.actions.tolist(), lengths.tolist()  # [B][G][T], [B][G] host ints, converted once
+        tokens = [[t for t in actions[b][g][: counts[b][g]] if t not in eos] for b in range(B) for g in range(G)]
+        flat = self.tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokens else []
+        texts = [flat[b * G : (b + 1) * G] for b in range(B)]
         rollout.completions = texts
         prompts = [meta["prompt"] for meta in rollout.meta for _ in range(G)]
         columns = {key: [meta.get(key) for meta in rollout.meta for _ in range(G)] for key in rollout.meta[0] if key != "prompt"} if B else {}
