@@ -7,8 +7,9 @@
     python bench/run.py --ablation       # groupwise alone with each optimisation switched off in turn
 
 Measurements run in fresh worker processes (``bench/worker.py``) that import one framework only, so
-the memory they report is that framework's; the cells of one model preset share a worker (smallest
-first; each cell's peak RSS is measured from its own start). The two frameworks' workers alternate as A/B
+the memory they report is that framework's; one worker per framework and A/B round runs its cells one
+after another (smaller models first, smallest footprint first; each cell's peak RSS is measured from
+its own start). The two frameworks' workers alternate as A/B
 pairs (groupwise, TRL, groupwise, TRL, ...): ``--pairs`` of them (default 2) for the three cheapest
 cells, one for the others (per-cell caps, ``--no-cap``). Each cell runs ``warmup`` untimed steps then
 ``steps`` timed ones; we report medians and, per pair, ratio = TRL seconds per step / groupwise seconds per step
@@ -104,19 +105,20 @@ def run_worker(argv: list[str], out: Path, logfile: Path, threads: int, extra_en
 
 
 def footprint(cell: Cell) -> tuple[int, int, int]:
-    """Order of cells inside a worker: smallest memory first, so leftovers of an earlier cell stay below
-    the next cell's own peak (tokens in flight, then the extra passes of KL and mu > 1)."""
+    """Order of cells of one model inside a worker: smallest memory first, so leftovers of an earlier cell
+    stay below the next cell's own peak (tokens in flight, then the extra passes of KL and mu > 1)."""
     return (cell.prompts * cell.group * cell.length, int(cell.beta > 0) + cell.mu, cell.group)
 
 
 def worker_groups(cells: list[Cell], pairs_of: dict[str, int]) -> list[tuple[int, list[Cell]]]:
-    """(pair index, cells) per worker process: for each A/B round, the cells that still need a pair,
-    one process per model preset (same-size models share a process), smallest footprint first."""
+    """(pair index, cells) per worker process: one process per framework for each A/B round, holding the
+    cells that still need a pair, model by model in the order the models first appear in ``cells``
+    (smaller models first in the matrix), smallest footprint first within a model."""
     groups = []
     for pair in range(max(pairs_of.values(), default=0)):
         wanted = [c for c in cells if pairs_of[c.name] > pair]
-        for preset in dict.fromkeys(c.preset for c in wanted):
-            groups.append((pair, sorted((c for c in wanted if c.preset == preset), key=footprint)))
+        presets = list(dict.fromkeys(c.preset for c in wanted))
+        groups.append((pair, sorted(wanted, key=lambda c: (presets.index(c.preset), footprint(c)))))
     return groups
 
 
@@ -130,7 +132,7 @@ def measure_cells(cells: list[Cell], pairs_of: dict[str, int], threads: int, run
         log(f"worker group {g}/{len(groups)} (pair {pair + 1}): {', '.join(c.name for c in group)}")
         by_framework = {}
         for framework in frameworks:
-            stem = f"{group[0].preset}{tag}-{framework}-{pair}"
+            stem = f"round{pair}{tag}-{framework}"
             result = run_worker(["measure", "--framework", framework, "--cells", json.dumps([asdict(c) for c in group]),
                                  "--models-dir", str(BENCH / "models")],
                                 rundir / "raw" / f"{stem}.json", rundir / "logs" / f"{stem}.log", threads, extra_env,
@@ -444,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
             ablation_rows.sort(key=lambda row: [c.name for c in cells].index(row["cell"]))
         else:
             workers = len(worker_groups(cells, pairs_of)) * 2
-            log(f"{len(cells)} cells, {workers} worker processes (up to {pairs} A/B pairs per cell; cells of one model "
-                f"preset share a process): " + ", ".join(f"{c.name} ({c.warmup}+{c.steps} steps, {pairs_of[c.name]} pair(s))" for c in cells))
+            log(f"{len(cells)} cells, {workers} worker processes (up to {pairs} A/B pairs per cell; one process per framework "
+                f"and round): " + ", ".join(f"{c.name} ({c.warmup}+{c.steps} steps, {pairs_of[c.name]} pair(s))" for c in cells))
             rounds = measure_cells(cells, pairs_of, threads, rundir)
             entries = [{"rounds": rounds[cell.name], "cell": cell} for cell in cells]
     flops_after = gemm_flops(threads)

@@ -1,0 +1,56 @@
+"""The benchmark's process plan and per-cell memory window (bench/run.py, bench/common.py).
+
+These run no framework: they check which cells share a worker process, in which order, and that a
+cell's peak RSS is measured from its own start, not from the process's.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import common  # noqa: E402
+import run  # noqa: E402
+
+
+def test_worker_groups_one_process_per_round_every_pair_once_small_models_first():
+    cells = common.matrix()
+    pairs_of = {c.name: (min(2, c.max_pairs) if c.max_pairs else 2) for c in cells}
+    groups = run.worker_groups(cells, pairs_of)
+    assert [pair for pair, _ in groups] == [0, 1]
+    seen = Counter(c.name for _, group in groups for c in group)
+    assert seen == Counter(pairs_of)  # every cell measured exactly as many times as it has pairs
+    assert [c.name for c in groups[1][1]] == ["tiny-1x8-L16", "tiny-4x8-L16", "small-1x8-L16"]
+    first_round = groups[0][1]
+    presets = [c.preset for c in first_round]
+    assert presets == sorted(presets, key=["tiny", "small", "medium"].index)  # model by model, smaller first
+    for preset in ("tiny", "small"):
+        sizes = [run.footprint(c) for c in first_round if c.preset == preset]
+        assert sizes == sorted(sizes)  # smallest memory first within a model
+    assert first_round[0].name == "tiny-1x8-L16" and first_round[-1].name == "medium-4x8-L128"
+
+
+def test_footprint_orders_by_tokens_in_flight_then_extra_passes():
+    base = common.Cell("tiny", 4, 8, 16)
+    assert run.footprint(base) < run.footprint(common.Cell("tiny", 4, 8, 16, beta=0.04))
+    assert run.footprint(common.Cell("tiny", 4, 8, 16, beta=0.04, mu=2)) < run.footprint(common.Cell("tiny", 1, 8, 128))
+    assert run.footprint(common.Cell("tiny", 64, 8, 16)) == (64 * 8 * 16, 1, 8)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_peak_rss_window_restarts_at_each_cell():
+    if not common.reset_peak_rss():
+        pytest.skip("this kernel does not let the process reset its high-water mark")
+    block = bytearray(200 * 1024 * 1024)  # 200 MB, touched: resident
+    block[:: 4096] = b"x" * len(block[:: 4096])
+    peak_with_block = common.peak_rss_mb()
+    del block
+    assert common.reset_peak_rss()
+    after = common.peak_rss_mb()
+    assert peak_with_block - after > 150  # the freed block no longer counts
+    assert abs(after - common.rss_mb()) < 20  # the new window starts at what is resident now
