@@ -256,16 +256,22 @@ def gemm_flops(threads: int, n: int = 1024, seconds: float = 2.0, dtype: str = "
         torch.set_num_threads(previous)
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size (MB) since the last :func:`reset_peak_rss`, or since the process started:
-    Linux ``VmHWM`` (which ``/proc/self/clear_refs`` resets), else ``ru_maxrss`` (KiB on Linux)."""
+def _status_mb(field: str) -> float | None:
+    """A memory field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``: kB) in MB; None where unreadable."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size (MB) since the last :func:`reset_peak_rss`, or since the process started:
+    Linux ``VmHWM`` (which ``/proc/self/clear_refs`` resets), else ``ru_maxrss`` (KiB on Linux)."""
+    peak = _status_mb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def reset_peak_rss() -> bool:
@@ -289,13 +295,7 @@ def reset_peak_rss() -> bool:
 
 def rss_mb() -> float:
     """Current resident set size (MB; 0 where /proc is missing)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return 0.0
+    return _status_mb("VmRSS") or 0.0
 
 
 def machine(threads: int) -> dict[str, Any]:
