@@ -277,13 +277,14 @@ def completion_logprobs(
         tree_sizes = [len(prompts[b]) + c for b, c in completed.items()]
         row_sizes = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
         share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, row_sizes, pack_tokens)
-    sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row
     if packed and share_prefix:
         logits = _shared_prefix_logits(model, prompts, group_ids, completions, pack_tokens, functional)  # [K,V]
-    elif packed:
-        logits = _packed_logits(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional)  # [K,V]
     else:
-        logits = _padded_logits(model, sequences, prompt_lengths, completion_lengths)  # [K,V]
+        sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row
+        if packed:
+            logits = _packed_logits(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional)  # [K,V]
+        else:
+            logits = _padded_logits(model, sequences, prompt_lengths, completion_lengths)  # [K,V]
     logp, entropy = _token_stats(logits, targets, want_entropy)  # [K], [K]
     result["logp"] = result["logp"].masked_scatter(out_mask, logp)  # [B,G,T]
     if want_entropy:
