@@ -27,7 +27,8 @@ from groupwise.registry import ConfigError, build, names
 from groupwise.rewards import RewardError, score
 from groupwise.sandbox import bwrap as _sandbox
 from groupwise.sandbox.bwrap import SANDBOX_ENV, Sandbox, SandboxUnavailable
-from groupwise.rewards.code import Case, Code, _decode, canonical, extract_code, parse_tests, verdict
+from groupwise.rewards._code_cases import Case, _decode, canonical, parse_tests, verdict
+from groupwise.rewards.code import Code, extract_code
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

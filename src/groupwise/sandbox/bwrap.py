@@ -2,7 +2,7 @@
 
 ``Sandbox().run(code=..., mode="stdio"|"call", ...)`` starts ONE fresh process tree for ONE test
 case and returns a :class:`RunResult` with everything the trusted parent needs to decide the
-verdict (``code.py`` decides; nothing here interprets the candidate's claims). Standard library
+verdict (``rewards/_code_cases.py`` decides; nothing here interprets the candidate's claims). Standard library
 only. Threat model, guarantees and the tests proving each: ``docs/sandbox.md``.
 
 Isolation, in the default (sandboxed) mode, via bubblewrap (``bwrap``):
