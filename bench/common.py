@@ -8,12 +8,11 @@ never loads the other framework's code (its peak RSS is its own).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -69,13 +68,6 @@ class Cell:
         while self.prompts % m:
             m -= 1
         return m
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Cell":
-        return cls(**json.loads(text))
 
 
 def matrix() -> list[Cell]:

@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=None, help="markdown file to update (default docs/performance.md; --quick: none)")
     args = parser.parse_args(argv)
 
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     started = time.perf_counter()
     threads = args.threads
     pairs = args.pairs or (1 if args.quick else 2)
