@@ -11,7 +11,6 @@ import json
 import random
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
