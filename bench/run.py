@@ -51,9 +51,10 @@ ABLATIONS: list[tuple[str, dict[str, str]]] = [
     ("keep finished rows in the decode batch", {"GW_BENCH_OVERRIDES": "perf.drop_finished=false"}),
     ("padded training forward, not packed", {"GW_BENCH_OVERRIDES": "perf.packed=false"}),
     ("AdamW without the fused kernel", {"GW_BENCH_OVERRIDES": "update.fused=false"}),
+    ("freed memory handed back to the OS (glibc defaults)", {"GW_BENCH_OVERRIDES": "perf.keep_freed_memory=false"}),
     ("plain path: all of the above off", {"GW_BENCH_OVERRIDES": ";".join(["perf.functional=false", "perf.share_prefix=false",
                                                                           "perf.drop_finished=false", "perf.packed=false",
-                                                                          "update.fused=false"])}),
+                                                                          "update.fused=false", "perf.keep_freed_memory=false"])}),
 ]
 ABLATION_CELLS = "tiny-4x8-L16,tiny-64x8-L16,small-4x8-L128"
 

@@ -10,7 +10,7 @@ import torch
 
 from test_trainer import grads_after_one_update, make_trainer
 
-PLAIN = ["perf.functional=false", "perf.share_prefix=false", "perf.packed=false", "perf.drop_finished=false"]
+PLAIN = ["perf.functional=false", "perf.share_prefix=false", "perf.packed=false", "perf.drop_finished=false", "perf.keep_freed_memory=false"]
 
 
 @pytest.mark.parametrize("extra", [[], ['objective.terms=["ppo_clip", {name="kl", coef=0.1}]', "train.epochs=2"]])

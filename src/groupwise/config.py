@@ -102,6 +102,7 @@ class PerfCfg:
     share_prefix: bool = True  # a prompt's KV once per group in generation; tree attention in training where it pays
     packed: bool = True  # training forward on packed rows (no padding); false = one padded batch
     drop_finished: bool = True  # finished rows leave the decode batch
+    keep_freed_memory: bool = True  # glibc keeps freed blocks for reuse instead of page-faulting fresh ones (engines/memory.py)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from groupwise import checkpoint, dist
 from groupwise.config import Config, to_dict, to_toml
 from groupwise.engines.cpu import CPUEngine
+from groupwise.engines.memory import keep_freed_memory
 from groupwise.logging import MetricsLog, plot_rewards, progress_bar
 from groupwise.objective import Objective
 from groupwise.policy.forward import completion_logprobs
@@ -37,6 +38,8 @@ class Trainer:
         self.rank, self.world = dist.init()
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
+        if cfg.perf.keep_freed_memory:
+            keep_freed_memory()  # process-wide: activation-sized blocks are reused, not faulted in afresh each step
         self.out = cfg.out_dir
         self.model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, cfg.model.lora or None)
         perf = cfg.perf
