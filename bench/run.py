@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH, DOC, OFFLINE_ENV, RESULTS, ROOT, RUNS, Cell, gemm_flops, machine, matrix, parse_cell, quick_matrix, select  # noqa: E402
+from floor import gemm_floors, prompt_tokens  # noqa: E402
 
 DEFAULT_TTA_MODEL = ROOT / "src" / "groupwise" / "models" / "default"
 WORKER = BENCH / "worker.py"
@@ -159,9 +160,10 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(cell: Cell, rounds: list[dict[str, dict]], flops_per_s: float, threads: int) -> dict[str, Any]:
+def summarize(cell: Cell, rounds: list[dict[str, dict]], flops_per_s: float, threads: int, floor_s: float | None = None) -> dict[str, Any]:
     entry: dict[str, Any] = {"cell": cell.name, **{k: v for k, v in asdict(cell).items() if k != "max_pairs"},
-                             "micro_groups": cell.micro, "pairs": len(rounds), "threads": threads, "gemm_flops": flops_per_s}
+                             "micro_groups": cell.micro, "pairs": len(rounds), "threads": threads, "gemm_flops": flops_per_s,
+                             "gemm_floor_s": floor_s}
     per_fw: dict[str, dict[str, Any]] = {}
     for fw in ("groupwise", "trl"):
         ok = [r[fw] for r in rounds if fw in r and "error" not in r[fw]]
@@ -202,6 +204,9 @@ def summarize(cell: Cell, rounds: list[dict[str, dict]], flops_per_s: float, thr
     entry["pair_ratios"] = pair_ratios
     entry["ratio"] = _median(pair_ratios)
     entry["flop_efficiency"] = entry.get("groupwise_flop_efficiency")
+    if floor_s and entry.get("trl_step_s") and entry.get("groupwise_step_s"):
+        entry["speedup_ceiling"] = entry["trl_step_s"] / floor_s  # no implementation on this BLAS can beat TRL by more
+        entry["groupwise_gemm_share"] = floor_s / entry["groupwise_step_s"]
     return entry
 
 
@@ -262,8 +267,9 @@ def _f(value: Any, fmt: str = "{:.3g}") -> str:
 
 def results_table(entries: list[dict[str, Any]]) -> str:
     head = ("| cell | params (non-emb.) | groupwise s/step | TRL s/step | speed-up (TRL/gw) | per-pair | "
-            "gen tok/s gw / TRL | trained tok/s gw / TRL | peak RSS MB gw / TRL | FLOP eff. gw / TRL |")
-    lines = [head, "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+            "gen tok/s gw / TRL | trained tok/s gw / TRL | peak RSS MB gw / TRL | FLOP eff. gw / TRL | "
+            "GEMM floor s (share of gw step) | ceiling TRL/floor |")
+    lines = [head, "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for e in entries:
         pairs = ", ".join(f"{r:.2f}" for r in e.get("pair_ratios", [])) or "–"
         lines.append(
@@ -272,7 +278,8 @@ def results_table(entries: list[dict[str, Any]]) -> str:
             f"{_f(e.get('groupwise_gen_tok_s'), '{:,.0f}')} / {_f(e.get('trl_gen_tok_s'), '{:,.0f}')} | "
             f"{_f(e.get('groupwise_train_tok_s'), '{:,.0f}')} / {_f(e.get('trl_train_tok_s'), '{:,.0f}')} | "
             f"{_f(e.get('groupwise_rss_mb'), '{:,.0f}')} / {_f(e.get('trl_rss_mb'), '{:,.0f}')} | "
-            f"{_f(e.get('groupwise_flop_efficiency'), '{:.1%}')} / {_f(e.get('trl_flop_efficiency'), '{:.1%}')} |")
+            f"{_f(e.get('groupwise_flop_efficiency'), '{:.1%}')} / {_f(e.get('trl_flop_efficiency'), '{:.1%}')} | "
+            f"{_f(e.get('gemm_floor_s'))} ({_f(e.get('groupwise_gemm_share'), '{:.0%}')}) | {_f(e.get('speedup_ceiling'), '{:.2f}×')} |")
     return "\n".join(lines)
 
 
@@ -453,11 +460,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"and round): " + ", ".join(f"{c.name} ({c.warmup}+{c.steps} steps, {pairs_of[c.name]} pair(s))" for c in cells))
             rounds = measure_cells(cells, pairs_of, threads, rundir)
             entries = [{"rounds": rounds[cell.name], "cell": cell} for cell in cells]
+    floors: dict[str, float] = {}
+    if entries:
+        floors = gemm_floors([e["cell"] for e in entries], {p: json.loads((BENCH / "models" / p / "config.json").read_text())
+                                                            for p in {e["cell"].preset for e in entries}}, prompt_tokens(), threads)
+        log("GEMM floors (weight products alone, s/step): " + ", ".join(f"{name} {sec:.3g}" for name, sec in floors.items()))
     flops_after = gemm_flops(threads)
     # bf16 matmuls are a speed lever only where the CPU has bf16 units (AMX, AVX512-BF16): measure, do not assume
     flops = {"before": flops_before, "after": flops_after, "used": max(flops_before, flops_after),
              "bf16": gemm_flops(threads, n=512, seconds=1.0, dtype="bfloat16")}
-    summaries = [summarize(e["cell"], e["rounds"], flops["used"], threads) for e in entries]
+    summaries = [summarize(e["cell"], e["rounds"], flops["used"], threads, floors.get(e["cell"].name)) for e in entries]
     for s in summaries:
         log(f"{s['cell']}: groupwise {_f(s.get('groupwise_step_s'))} s/step, TRL {_f(s.get('trl_step_s'))} s/step, "
             f"speed-up {_f(s.get('ratio'), '{:.2f}x')}")

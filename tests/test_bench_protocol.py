@@ -54,3 +54,39 @@ def test_peak_rss_window_restarts_at_each_cell():
     after = common.peak_rss_mb()
     assert peak_with_block - after > 150  # the freed block no longer counts
     assert abs(after - common.rss_mb()) < 20  # the new window starts at what is resident now
+
+
+TOY = {"hidden_size": 4, "head_dim": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 6,
+       "num_hidden_layers": 1, "vocab_size": 10}
+
+
+def test_gemm_floor_counts_the_products_one_step_needs_worked_by_hand():
+    import floor
+
+    # 1 prompt of 5 tokens, G=2, 3 tokens each, one micro-batch: prefill 5 tokens, 2 decode steps of 2
+    # rows, training on 5 + 2*3 = 11 tokens with the head on the 6 completion tokens
+    products = floor.step_products(common.Cell("tiny", 1, 2, 3), TOY, prompt_tokens=5)
+    assert products[(5, 4, 8)] == 1  # prefill q|k|v: (2 + 2*1) heads * 2 = 8 outputs
+    assert products[(1, 4, 10)] == 1  # the head on the prompt's last position
+    assert products[(2, 4, 12)] == 2  # decode gate|up, once per decode step
+    assert products[(2, 4, 10)] == 2  # decode head
+    assert products[(11, 4, 12)] == 1  # training forward gate|up
+    assert products[(11, 12, 4)] == 1 and products[(12, 11, 4)] == 1  # its input and weight gradients
+    assert products[(11, 4, 4)] == 2  # o's forward [11,4]x[4,4] and its input gradient have the same shape
+    assert products[(6, 4, 10)] == 1 and products[(6, 10, 4)] == 1 and products[(10, 6, 4)] == 1  # head fwd + 2 grads
+    assert sum(products.values()) == 5 + 2 * 5 + 3 * 5  # prefill, decode, training forward + two grads each
+
+    both = floor.step_products(common.Cell("tiny", 1, 2, 3, beta=0.04, mu=2), TOY, prompt_tokens=5)
+    assert both[(11, 4, 12)] == 2 * 1 + 1  # two epochs of training + the reference model's forward
+    assert sum(both.values()) == 5 + 2 * 5 + 2 * 3 * 5 + 5
+
+
+def test_gemm_floor_sums_timed_products(monkeypatch):
+    import floor
+
+    monkeypatch.setattr(floor, "time_product", lambda m, k, n: m * k * n * 1e-9)  # a machine at 1 GMAC/s
+    cell = common.Cell("tiny", 1, 2, 3)
+    seconds = floor.gemm_floors([cell], {"tiny": TOY}, prompt_tokens=5, threads=1)[cell.name]
+    macs = sum(m * k * n * count for (m, k, n), count in floor.step_products(cell, TOY, 5).items())
+    assert seconds == pytest.approx(macs * 1e-9)
+    assert macs == 5 * (8 + 4 + 12 + 6) * 4 + 4 * 10 + 2 * (2 * (8 + 4 + 12 + 6) * 4 + 2 * 4 * 10) + 3 * (11 * (8 + 4 + 12 + 6) * 4 + 6 * 4 * 10)
