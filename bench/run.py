@@ -375,14 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cap", action="store_true", help="ignore the per-cell pair caps")
     parser.add_argument("--steps", type=int, default=None, help="override the timed steps of every cell")
     parser.add_argument("--warmup", type=int, default=None, help="override the warm-up steps of every cell")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in every worker (default 1: the tiny and small models' "
-                        "matmuls gain little from a second thread, and on a shared 2-core VM OpenMP barriers made them several times slower)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in every worker (default 0: torch's own default, "
+                        "one per core, as a user gets; 1 is steadier on a machine shared with other jobs)")
     parser.add_argument("--tta-model", type=Path, default=DEFAULT_TTA_MODEL, help="warm-started model folder for time to accuracy")
     parser.add_argument("--tta-seconds", type=float, default=None, help="TRL's training time budget (default 300, --quick 30)")
     parser.add_argument("--tta-eval-every", type=float, default=None, help="training seconds between evaluations (default 15, --quick 10)")
     parser.add_argument("--tta-eval-size", type=int, default=0, help="held-out prompts per evaluation (0 = the whole test split, 500)")
     parser.add_argument("--tta-threads", type=int, default=None, help="torch threads for both time-to-accuracy runs "
-                        "(default: the demo recipe's `threads` if it sets one, else --threads)")
+                        "(default: the demo recipe's `threads` if it sets one above 0, else the workers' thread count)")
     parser.add_argument("--skip-tta", action="store_true")
     parser.add_argument("--skip-matrix", action="store_true")
     parser.add_argument("--ablation", action="store_true", help=f"groupwise-only ablation of its optimisations on {ABLATION_CELLS} (or --cells)")
@@ -390,10 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=None, help="markdown file to update (default docs/performance.md; --quick: none)")
     args = parser.parse_args(argv)
 
-    if args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
+    if args.threads < 0:
+        parser.error(f"--threads must be 0 (torch's default) or more, got {args.threads}")
     started = time.perf_counter()
-    threads = args.threads
     pairs = args.pairs or (1 if args.quick else 2)
     out_dir = args.out_dir or (RUNS / "quick" if args.quick else BENCH)
     doc = args.doc if args.doc is not None else (None if args.quick else DOC)
@@ -422,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error(f"missing {', '.join(missing)}: pip install -e '.[bench]' (TRL 1.16)")
 
-    import torch  # noqa: F401 (after argument parsing: --help stays fast)
+    import torch  # after argument parsing: --help stays fast
+
+    threads = args.threads or torch.get_num_threads()  # torch's default: one thread per core (or OMP_NUM_THREADS)
 
     from build_models import build
 
