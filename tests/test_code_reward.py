@@ -634,7 +634,7 @@ def test_expected_values_never_enter_the_sandbox(reward, monkeypatch):
 def test_unsafe_local_warns_and_still_limits(monkeypatch):
     monkeypatch.setenv("GROUPWISE_TEST_SECRET", "xyz")
     with pytest.warns(UserWarning, match="WITHOUT a sandbox"):
-        r = Code(unsafe_local=True, timeout_s=1.0)
+        r = Code(unsafe_local=True, timeout_s=2.5)  # room for a slow interpreter start on a loaded 2-core machine
     marker = "gwunsafe" + secrets.token_hex(6)
     daemon = textwrap.dedent(f"""
         import os, sys
@@ -650,7 +650,7 @@ def test_unsafe_local_warns_and_still_limits(monkeypatch):
     t0 = time.monotonic()
     out = r([""] * 3, [ADD, "def add(a, b):\n    while True:\n        pass\n", daemon], tests=[ADD_TESTS[:1]] * 3)
     assert out == [1.0, 0.0, 1.0]  # env scrubbed in unsafe mode too
-    assert time.monotonic() - t0 < 1.0 + 3.0
+    assert time.monotonic() - t0 < 2.5 + 4.0  # the endless loop is cut at the timeout, not waited out
     assert _host_pids_with(marker) == []  # swept: by the run's own uid (root) or its environment marker
 
 
