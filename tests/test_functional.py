@@ -270,3 +270,37 @@ def test_swiglu_down_recomputes_exact_gradients():
     grads_plain = torch.autograd.grad(plain, (g32, w32), upstream)
     for a, b in zip(grads_fused, grads_plain):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- RMSNorm in fewer ops
+@pytest.mark.parametrize("shape", [(5, 16), (3, 4, 2, 8)])
+def test_rms_norm_matches_torch_and_its_gradient_is_exact(shape):
+    from groupwise.policy.functional import rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    weight = (torch.rand(shape[-1], dtype=torch.float64) + 0.5).requires_grad_()
+    eps = 1e-6
+    ref = torch.nn.functional.rms_norm(x, (shape[-1],), weight, eps)
+    out = rms_norm(x, weight, eps)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)  # the same function, other op order
+    assert torch.autograd.gradcheck(lambda a, w: rms_norm(a, w, eps), (x, weight))  # the hand-written backward
+    g = torch.randn(*shape, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (x, weight), g)
+    ref_grads = torch.autograd.grad(ref, (x, weight), g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    with torch.no_grad():  # the no-grad path (decoding) computes the same values
+        torch.testing.assert_close(rms_norm(x, weight, eps), ref, atol=1e-12, rtol=1e-12)
+
+
+def test_rms_norm_of_a_zero_row_is_zero_with_finite_gradients():
+    from groupwise.policy.functional import rms_norm
+
+    x = torch.zeros(2, 4, requires_grad=True)
+    weight = torch.ones(4, requires_grad=True)
+    out = rms_norm(x, weight, 1e-6)  # eps keeps the denominator at sqrt(eps), as in the model's module
+    assert torch.equal(out, torch.zeros(2, 4))
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(weight.grad).all()
+    torch.testing.assert_close(x.grad, torch.full((2, 4), 1e3))  # d/dx (x / sqrt(eps)) = 1 / sqrt(1e-6)

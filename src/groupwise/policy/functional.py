@@ -18,6 +18,7 @@ path (``unsupported_reason`` says why).
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -95,6 +96,54 @@ def _linear(x: Tensor, module) -> Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
+# --------------------------------------------------------------------------- RMSNorm in fewer ops
+# ``F.rms_norm`` on the CPU runs ~7 ops (pow, mean, add, rsqrt, two muls, a cast) and autograd records
+# each of them. Here ``rms = hypot(‖x‖, sqrt(D·eps)) / sqrt(D)``, which is sqrt(mean(x²) + eps)
+# exactly, so the forward is a norm, a hypot, a scale and two products, and the backward is written
+# out. Forward + backward measured 1.6-2.4x faster on [1536,128] to [8576,256]; same values to rounding.
+_HYPOT_FLOORS: dict[tuple[int, float], Tensor] = {}
+
+
+def _rms(x: Tensor, eps: float) -> Tensor:
+    """[...,1] sqrt(mean(x²) + eps) over the last dim of ``x``."""
+    D = x.shape[-1]
+    floor = _HYPOT_FLOORS.get((D, eps))
+    if floor is None:
+        floor = _HYPOT_FLOORS[(D, eps)] = torch.tensor(math.sqrt(D * eps))  # hypot(‖x‖, floor)² = Σx² + D·eps
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True).hypot_(floor).mul_(1.0 / math.sqrt(D))  # [...,1]
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``x / rms(x) * weight``, keeping only ``x̂ = x / rms`` and ``rms`` for the backward:
+    ``dx = (g·w − x̂·mean(g·w·x̂)) / rms`` and ``dw = Σ g·x̂``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        rms = _rms(x, eps)  # [...,1]
+        normed = x / rms  # [...,D]
+        ctx.save_for_backward(normed, rms, weight)
+        return normed * weight  # [...,D]
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        normed, rms, weight = ctx.saved_tensors
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_out * normed).reshape(-1, *weight.shape).sum(0)  # weight's shape ([D], or per head [H,D])
+        grad_normed = grad_out * weight  # [...,D]
+        along = (grad_normed * normed).mean(dim=-1, keepdim=True)  # [...,1] the part of the gradient along x̂
+        grad_x = grad_normed.sub_(normed * along).div_(rms)  # [...,D]
+        return grad_x, grad_weight, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of ``x`` [...,D] with ``weight`` [D] (or per head, broadcastable),
+    as the Llama-family module computes it in float32; differentiable in both inputs."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return torch.div(x, _rms(x, eps)).mul_(weight)  # [...,D]
+
+
 # --------------------------------------------------------------------------- training (autograd)
 class _SwiGLUDown(torch.autograd.Function):
     """``down(silu(gate) * up)`` from ``gate_up`` = [gate | up], keeping only ``gate_up`` for the
@@ -143,22 +192,22 @@ def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor) 
         attn, mlp = layer.self_attn, layer.mlp
         hd = attn.head_dim
         H, K = attn.q_proj.weight.shape[0] // hd, attn.k_proj.weight.shape[0] // hd
-        h = F.rms_norm(x, (D,), layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
+        h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
         # one GEMM for q|k|v and one for gate|up: fewer, larger products (their backward splits the gradient)
         qkv = F.linear(h, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                        _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)).view(N, W, H + 2 * K, hd)  # [N,W,H+2K,hd]
         q, k, v = qkv.split([H, K, K], dim=2)  # [N,W,H|K|K,hd]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
-            q = F.rms_norm(q, (hd,), attn.q_norm.weight, attn.q_norm.variance_epsilon)
-            k = F.rms_norm(k, (hd,), attn.k_norm.weight, attn.k_norm.variance_epsilon)
+            q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+            k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q = _rotate(q.transpose(1, 2), cos, sin_signed)  # [N,H,W,hd]
         k = _rotate(k.transpose(1, 2), cos, sin_signed)  # [N,K,W,hd]
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K)  # [N,H,W,hd]
         x = x + _linear(out.transpose(1, 2).reshape(N, W, H * hd), attn.o_proj)  # [N,W,D]
-        h = F.rms_norm(x, (D,), layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         gate_up = F.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj))  # [N,W,2I]
         x = x + _SwiGLUDown.apply(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)  # [N,W,D]
-    return F.rms_norm(x, (x.shape[-1],), inner.norm.weight, inner.norm.variance_epsilon)  # [N,W,D]
+    return rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)  # [N,W,D]
 
 
 # --------------------------------------------------------------------------- generation (no autograd)
@@ -244,19 +293,19 @@ class DecodeState:
         """x [R,S,D] -> [R,S,D]; ``attend(q [R,H,S,hd], k, v [R,K,S,hd]) -> [R,H,S,hd]`` owns the cache."""
         R, S, D = x.shape
         H, K, hd = self.heads, self.kv_heads, self.head_dim
-        h = F.rms_norm(x, (D,), w.norm_in, w.eps_in).view(R * S, D)  # [R*S,D]
+        h = rms_norm(x, w.norm_in, w.eps_in).view(R * S, D)  # [R*S,D]
         qkv = F.linear(h, w.qkv, w.qkv_bias)  # [R*S,(H+2K)*hd]
         qkv = qkv.view(R, S, H + 2 * K, hd)
         qk = qkv[:, :, : H + K]  # [R,S,H+K,hd]
         if w.qk_norm is not None:
-            qk = F.rms_norm(qk, (hd,), None, w.eps_qk).mul_(w.qk_norm)  # [R,S,H+K,hd]
+            qk = rms_norm(qk, w.qk_norm, w.eps_qk)  # [R,S,H+K,hd]
         qk = _rotate(qk.transpose(1, 2), cos, sin_signed)  # [R,H+K,S,hd]
         out = attend(qk[:, :H], qk[:, H:], qkv[:, :, H + K :].transpose(1, 2))  # [R,H,S,hd]
         x = x.view(R * S, D)
         x = torch.addmm(x, out.transpose(1, 2).reshape(R * S, H * hd), w.o_t)  # [R*S,D] residual folded in
         if w.o_bias is not None:
             x = x + w.o_bias
-        h = F.rms_norm(x, (D,), w.norm_post, w.eps_post)  # [R*S,D]
+        h = rms_norm(x, w.norm_post, w.eps_post)  # [R*S,D]
         gate_up = F.linear(h, w.gate_up, w.gate_up_bias)  # [R*S,2I]
         gate, up = gate_up.chunk(2, dim=-1)  # [R*S,I] each
         x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [R*S,D]
@@ -265,7 +314,7 @@ class DecodeState:
         return x.view(R, S, D)
 
     def _logits(self, x: Tensor) -> Tensor:
-        h = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps_final)  # [R,D]
+        h = rms_norm(x, self.final_norm, self.eps_final)  # [R,D]
         return F.linear(h, self.head, self.head_bias)  # [R,V]
 
     # ------------------------------------------------------------------ prefill
@@ -304,17 +353,17 @@ class DecodeState:
         The prefill's layer maths specialised to one token per row: 2-D activations, views by
         ``narrow``/``select`` (the per-op cost, not arithmetic, bounds a small decode step)."""
         seen = column + 1
-        A, H, K, hd, D = tokens.shape[0], self.heads, self.kv_heads, self.head_dim, self.embed.shape[1]
+        A, H, K, hd = tokens.shape[0], self.heads, self.kv_heads, self.head_dim
         few_rows = A * K < 64  # few rows: SDPA's one call wins; more rows: two batched GEMMs win (measured)
         bias = self.key_bias[:, None, None, :seen]  # [A,1,1,seen]
         cos, sin_signed = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [A,1,hd] each
         x = self.embed[tokens]  # [A,D]
         for w, keys, values in zip(self.layers, self.keys, self.values):
-            h = F.rms_norm(x, (D,), w.norm_in, w.eps_in)  # [A,D]
+            h = rms_norm(x, w.norm_in, w.eps_in)  # [A,D]
             qkv = F.linear(h, w.qkv, w.qkv_bias).view(A, H + 2 * K, hd)  # [A,H+2K,hd]
             qk = qkv.narrow(1, 0, H + K)  # [A,H+K,hd]
             if w.qk_norm is not None:
-                qk = F.rms_norm(qk, (hd,), None, w.eps_qk).mul_(w.qk_norm)
+                qk = rms_norm(qk, w.qk_norm, w.eps_qk)  # [A,H+K,hd]
             qk = _rotate(qk, cos, sin_signed)  # [A,H+K,hd]
             keys.select(2, column).copy_(qk.narrow(1, H, K))  # cache [A,K,C,hd] <- [A,K,hd]
             values.select(2, column).copy_(qkv.narrow(1, H + K, K))
@@ -329,7 +378,7 @@ class DecodeState:
             x = torch.addmm(x, out.reshape(A, H * hd), w.o_t)  # [A,D] residual folded in
             if w.o_bias is not None:
                 x = x + w.o_bias
-            gate, up = F.linear(F.rms_norm(x, (D,), w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [A,I] each
+            gate, up = F.linear(rms_norm(x, w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [A,I] each
             x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [A,D]
             if w.down_bias is not None:
                 x = x + w.down_bias
