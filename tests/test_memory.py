@@ -43,9 +43,3 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     assert min(default["faults"]) > pages // 2, default  # each use maps the block afresh: every page faults
     assert max(kept["faults"]) < pages // 20, kept  # the same block comes back from the heap
 
-
-def test_keep_freed_memory_is_idempotent():
-    from groupwise.engines.memory import keep_freed_memory
-
-    first = keep_freed_memory()
-    assert keep_freed_memory() == first
