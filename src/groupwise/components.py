@@ -4,6 +4,13 @@ Every component is a dataclass registered with ``@register(stage, name)``; its f
 hyper-parameters. A component that needs model outputs beyond the policy's log-probs declares
 ``needs: tuple[Need, ...]`` (a class attribute or property). Stateful components add
 ``state_dict()`` / ``load_state_dict()`` so a resumed run equals the uninterrupted one.
+
+Whole-batch scope: every component that reads a rollout outside the micro-batched loss (samplers'
+``keep``, rollout scorers, advantage estimators and shapers, token weights, schedules, observers)
+sees the step's WHOLE batch, gathered from every rank, identical on every rank; the trainer slices
+each rank's share afterwards. Any component may define ``observe(rollout, info)``: it is called once
+per step, after the update, with that whole batch (rewards, advantages and weights filled), in the
+order the components are configured. ``info.prompt_stats`` is the run's shared ``PromptStats``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,28 @@ class Sampler(Protocol):
     max_rounds: int  # how many draw/generate/score rounds a step may take to fill the batch
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Observer(Protocol):
+    """Any component: sees the step's whole scored batch once, after the update (curricula, trackers)."""
+
+    def observe(self, rollout: Rollout, info: StepInfo) -> None: ...
+
+
+class Schedule(Protocol):
+    """A coefficient that follows the step or a batch statistic (``groupwise.schedules``)."""
+
+    def start(self) -> float: ...
+    def __call__(self, info: StepInfo, rollout: Rollout) -> float: ...
+
+
+class View(Protocol):
+    """An edited context that rows are re-scored under (``Need(view=NAME)``). ``apply`` returns a
+    Rollout whose token axis is the original one (same ``actions``/``mask`` positions; a view that
+    edits completion tokens maps them back), typically with new ``prompt_ids``. ``encode`` turns a
+    prompt text into the policy's prompt token ids."""
+
+    def apply(self, rollout: Rollout, encode: Any) -> Rollout: ...
 
 
 class Reward(Protocol):

@@ -31,6 +31,9 @@ STAGES = (
     "aggregation",  # how per-token losses become a scalar
     "update",  # how the gradient moves the weights
     "pipeline",  # several models, roles or phases
+    "schedule",  # coefficients that follow the step or a batch statistic
+    "view",  # edited contexts that rows are re-scored under (Need.view)
+    "provider",  # quantities the trainer computes for Needs (Need.quantity)
 )
 
 _REGISTRY: dict[str, dict[str, type]] = {stage: {} for stage in STAGES}
@@ -66,7 +69,7 @@ def load_all() -> None:
     _LOADED = True
     import groupwise
 
-    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "pipelines", "tasks"):
+    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "schedules", "views", "providers", "tasks"):
         pkg = importlib.import_module(f"groupwise.{sub}")
         for info in pkgutil.iter_modules(pkg.__path__):
             if not info.name.startswith("_"):
@@ -96,7 +99,11 @@ def param_names(cls: type) -> list[str]:
 
 
 def build(stage: str, name: str, **params: Any) -> Any:
-    """Construct component ``name`` of ``stage``; unknown parameters are an error naming the valid ones."""
+    """Construct component ``name`` of ``stage``; unknown parameters are an error naming the valid ones.
+
+    A parameter given as a table with a ``schedule`` key (``coef = {schedule = "linear", end = 0.04}``)
+    becomes a schedule (``groupwise.schedules``): the component is constructed with its start value
+    and the schedule is kept in ``component.schedules[param]``, resolved by the trainer every step."""
     cls = lookup(stage, name)
     valid = param_names(cls)
     for key in params:
@@ -104,7 +111,16 @@ def build(stage: str, name: str, **params: Any) -> Any:
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{stage} {name!r} has no parameter {key!r}{hint}; valid: {', '.join(valid) or 'none'}")
-    return cls(**params)
+    schedules = {}
+    for key, value in list(params.items()):
+        if isinstance(value, dict) and "schedule" in value:
+            spec = dict(value)
+            schedules[key] = build("schedule", spec.pop("schedule"), **spec)
+            params[key] = schedules[key].start()
+    component = cls(**params)
+    if schedules:
+        component.schedules = schedules
+    return component
 
 
 def build_spec(stage: str, spec: Any) -> Any:

@@ -21,15 +21,43 @@ _LEAD = {"group": 1, "row": 2, "token": 3}
 class Need:
     """An input a component asks the trainer to compute.
 
-    ``quantity``: ``logp`` or ``entropy`` (per completion token); ``model``: a role name
-    (``policy``, ``ref``, ``old``); ``grad``: computed inside each micro-batch with autograd
-    (``True``) or once per step on the whole batch before micro-batching (``False``).
+    ``quantity``: a registered provider's name with an optional argument, per completion token:
+    ``logp``, ``entropy``, ``topk(k)`` (the k largest log-probs [.., k]), ``kl_to(VIEW)`` (full-vocabulary
+    KL(π(·|ctx) ‖ π(·|VIEW ctx)) per token), ``hidden(l)`` (hidden state after layer l [.., H]).
+    ``model``: a role name (``policy``, ``ref``); ``view``: a registered ``View`` that re-scores the
+    rows under an edited context (``default`` = as sampled); ``grad``: computed inside each
+    micro-batch with autograd (``True``) or once per step on the whole batch before micro-batching
+    (``False``). An unknown quantity, model or view is a build error naming what exists.
+
+    No-grad results land in the rollout under :attr:`key`: the policy's default ``logp`` is
+    ``logp_old``, the reference's is ``logp_ref``; everything else is a token-level extra.
     """
 
     quantity: str
     model: str = "policy"
     view: str = "default"
     grad: bool = False
+
+    @property
+    def name(self) -> str:
+        """The provider name: ``topk(5)`` -> ``topk``."""
+        return self.quantity.split("(", 1)[0]
+
+    @property
+    def arg(self) -> str | None:
+        """The provider argument: ``topk(5)`` -> ``"5"``; ``None`` without parentheses."""
+        if "(" not in self.quantity:
+            return None
+        if not self.quantity.endswith(")"):
+            raise ValueError(f"need quantity {self.quantity!r} must look like name or name(arg)")
+        return self.quantity.split("(", 1)[1][:-1]
+
+    @property
+    def key(self) -> str:
+        """Where the result lives: ``logp``/``entropy``/... for the policy's default view,
+        ``ref.logp``, ``policy@ground_truth.logp`` otherwise."""
+        owner = self.model if self.view == "default" else f"{self.model}@{self.view}"
+        return self.quantity if owner == "policy" else f"{owner}.{self.quantity}"
 
 
 @dataclass
@@ -42,6 +70,9 @@ class StepInfo:
     world_size: int = 1
     rank: int = 0
     round: int = 0  # refill round within a step (dynamic sampling); part of the sample seeds
+    total_steps: int = 0  # rollouts in the phase (train.steps); 0 when unknown
+    phase: str = "rl"  # the phase this step belongs to
+    prompt_stats: Any = None  # the run's shared PromptStats table (groupwise.stats), or None
 
 
 @dataclass
