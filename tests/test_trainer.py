@@ -10,6 +10,7 @@ from groupwise.config import load_config
 from groupwise.registry import ConfigError
 from groupwise.rewards._common import RewardError
 from groupwise.trainer import Trainer
+from groupwise.types import Need
 
 SMALL = [
     "rollout.prompts_per_step=4",
@@ -125,7 +126,7 @@ def test_none_rewards_are_excluded_and_counted(tmp_path):
     try:
         trainer = make_trainer(tmp_path / "run", 'rewards=[{name="python", fn="partial_reward:partial"}]')
         rollout = trainer.collect()
-        assert trainer._reward_counts["excluded"] == 4  # one row in each of the 4 groups
+        assert trainer.reward_stage.excluded == 4  # one row in each of the 4 groups
         assert not rollout.group_valid[:, 0].any() and rollout.group_valid[:, 1:].all()
         trainer.prepare(rollout)
         assert torch.isfinite(rollout.advantages).all() and (rollout.advantages[:, 0] == 0).all()
@@ -151,7 +152,7 @@ def test_old_logprobs_from_the_first_pass_equal_a_separate_pass(tmp_path):
     sgd = 'update={name="sgd", lr=0.1}'
     reuse = make_trainer(tmp_path / "a", "train.epochs=2", sgd)
     separate = make_trainer(tmp_path / "b", "train.epochs=2", sgd)
-    separate.old_from_first_pass = False  # the explicit no-grad pass in prepare()
+    separate.step_needs = [Need("logp")]  # the explicit no-grad pass in prepare()
     rollout = reuse.collect()
     ra, rb = copy.deepcopy(rollout), copy.deepcopy(rollout)
     reuse.prepare(ra)

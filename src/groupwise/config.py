@@ -124,6 +124,7 @@ class Config:
     eval: EvalCfg = field(default_factory=EvalCfg)
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
     perf: PerfCfg = field(default_factory=PerfCfg)
+    views: dict = field(default_factory=dict)  # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
 
     def __post_init__(self) -> None:
         # `update.lr=...` alone names no component: keep the default one

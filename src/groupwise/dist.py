@@ -79,3 +79,52 @@ def barrier() -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_gather_objects(items: list) -> list:
+    """Concatenate every rank's Python list (rank order)."""
+    if world_size() == 1:
+        return items
+    parts: list = [None] * world_size()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def all_max(n: int) -> int:
+    """The largest ``n`` over ranks."""
+    if world_size() == 1:
+        return n
+    x = torch.tensor([n], dtype=torch.long)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return int(x.item())
+
+
+def gather_rollout(local):
+    """The step's whole batch from every rank's share: each field gathered along the group axis by
+    its level (tensors; token-level ones padded to the longest T over ranks), list fields as
+    objects. Identical on every rank; the identity at world size 1."""
+    if world_size() == 1:
+        return local
+    from groupwise.types import Rollout
+
+    T = all_max(local.shape[2])
+    padded = local.pad_tokens(T)
+    fields = {}
+    for name, value in padded.fields():
+        if isinstance(value, torch.Tensor):
+            fields[name] = all_gather_rows(value)
+        elif isinstance(value, list):
+            fields[name] = all_gather_objects(value)
+        elif name == "extras":
+            fields[name] = {k: all_gather_rows(v) for k, v in sorted(value.items())}
+        else:
+            fields[name] = value
+    return Rollout(**fields)
+
+
+def shard_bounds(n: int) -> tuple[int, int]:
+    """This rank's [start, stop) of ``n`` groups split as evenly as possible, in rank order."""
+    W, r = world_size(), dist.get_rank() if world_size() > 1 else 0
+    base, extra = divmod(n, W)
+    start = r * base + min(r, extra)
+    return start, start + base + (1 if r < extra else 0)

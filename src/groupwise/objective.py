@@ -60,8 +60,9 @@ class Objective:
             norms[name] = norm
         return norms
 
-    def loss(self, mb: Rollout, out: dict[str, Tensor], norms: dict[str, dict[str, Tensor]], info: StepInfo) -> Tensor:
-        """Scalar loss of one micro-batch: its share of the whole step's loss."""
+    def loss(self, mb: Rollout, out: dict[str, Tensor], norms: dict[str, dict[str, Tensor]], info: StepInfo, record: bool = True) -> Tensor:
+        """Scalar loss of one micro-batch: its share of the whole step's loss. ``record``: accumulate
+        the terms' statistics (the trainer records them on the first call of a closure only)."""
         mask = self.loss_mask(mb)  # [b,G,T]
         total = out["logp"].new_zeros(())
         for term in self.terms:
@@ -70,7 +71,7 @@ class Objective:
                 values = values * mb.weight  # [b,G,T]
             agg = self._agg_name(term)
             total = total + term.coef * self.aggregations[agg].reduce(values, mask, norms[agg])
-            if hasattr(term, "stats"):
+            if record and hasattr(term, "stats"):
                 with torch.no_grad():
                     self._accumulate(term.stats(mb, out), mask)
         return total

@@ -11,25 +11,27 @@ import json
 import random
 import signal
 import time
+import contextlib
 from typing import Any
 
 import numpy as np
 import torch
 
-from groupwise import checkpoint, dist
+from groupwise import checkpoint, dist, schedules
 from groupwise.config import Config, to_dict, to_toml
 from groupwise.engines.cpu import CPUEngine
 from groupwise.engines.memory import keep_freed_memory
 from groupwise.logging import MetricsLog, plot_rewards, progress_bar
+from groupwise.needs import NeedResolver
 from groupwise.objective import Objective
 from groupwise.policy.forward import completion_logprobs
 from groupwise.policy.lm import Reference, encode_prompt, eos_ids, load_policy
 from groupwise.registry import ConfigError, build, build_spec
 from groupwise.rewards.score import score
+from groupwise.rewards.stage import RewardStage
+from groupwise.stats import PromptStats
 from groupwise.tasks import load_splits
 from groupwise.types import Need, Rollout, StepInfo
-
-NO_GRAD_QUANTITIES = {("logp", "ref"), ("logp", "policy"), ("entropy", "policy")}
 
 
 class Trainer:
@@ -55,20 +57,26 @@ class Trainer:
         self.strategy = build("rollout", ro.name, **ro.params)
         self.sampler = build_spec("sampling", cfg.sampling)
         self.sampler.bind(len(self.train_rows), cfg.seed)
-        reward_specs = cfg.rewards or [task_reward]
-        self.rewards = [build_spec("reward", spec) for spec in reward_specs]
+        self.reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, self.tokenizer, self.engine.eos_token_ids, ro.max_new_tokens)
         self.eval_reward = build_spec("reward", cfg.eval.reward or task_reward)
         self.estimator = build_spec("advantage", cfg.advantage.estimator)
         self.shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
         self.weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
         self.objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg)
-
         self.updater = build_spec("update", cfg.update)
-        self.needs = self._collect_needs()
-        self.reference = Reference(self.model) if any(n.model == "ref" for n in self.needs) else None
+        self.prompt_stats = PromptStats()
+
         # With one mini-batch per epoch, the first epoch's forward runs on the weights that sampled the
         # rollout: its detached log-probs ARE the old log-probs (no extra no-grad pass; ratio 1 in epoch 0).
         self.old_from_first_pass = cfg.train.minibatches == 1
+        needs = [n for c in self._components() for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
+        self.reference = Reference(self.model) if any(n.model == "ref" for n in needs) else None
+        models = {"policy": lambda: contextlib.nullcontext(self.model), "ref": lambda: self.reference.model()}
+        self.needs = NeedResolver(needs, models, cfg.views, self.forward, lambda prompt: encode_prompt(self.tokenizer, prompt))
+        scorer_needs = set(self.reward_stage.needs)
+        self.round_needs = [n for n in needs if not n.grad and n in scorer_needs]  # before dynamic sampling's keep
+        self.step_needs = [n for n in needs if not n.grad]
+        self.grad_quantities = sorted({n.quantity for n in needs if n.grad} | {"entropy"})  # entropy is logged
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.updater.bind(self.params, cfg.train.steps * cfg.train.epochs * cfg.train.minibatches)
         self.step = 0
@@ -78,19 +86,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up helpers
     def _components(self) -> list[Any]:
-        return [self.strategy, self.sampler, *self.rewards, self.estimator, *self.shapers, *self.weights, *self.objective.terms, self.updater]
-
-    def _collect_needs(self) -> list[Need]:
-        needs = [n for c in self._components() for n in getattr(c, "needs", ())]
-        for n in needs:
-            if not n.grad and (n.quantity, n.model) not in NO_GRAD_QUANTITIES:
-                raise ConfigError(f"no component can provide {n}; available: {sorted(NO_GRAD_QUANTITIES)}")
-            if n.grad and (n.quantity not in ("logp", "entropy") or n.model != "policy"):
-                raise ConfigError(f"a grad need must be the policy's logp or entropy, got {n}")
-        return needs
+        return [self.strategy, self.sampler, *self.reward_stage.scorers, self.estimator, *self.shapers, *self.weights, *self.objective.terms, self.updater]
 
     def _info(self, round_: int = 0) -> StepInfo:
-        return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_)
+        return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
+                        total_steps=self.cfg.train.steps, phase="rl", prompt_stats=self.prompt_stats)
 
     def _prompt_ids(self, split: str, rows: list[dict], index: int) -> list[int]:
         key = (split, index)
@@ -102,87 +102,71 @@ class Trainer:
             self._prompt_cache[key] = ids
         return self._prompt_cache[key]
 
-    # ------------------------------------------------------------------ stage 1–3: collect a scored rollout
+    def _share(self, batch: Rollout) -> Rollout:
+        """This rank's groups of the whole batch (the batch itself at world size 1)."""
+        if self.world == 1:
+            return batch
+        start, stop = dist.shard_bounds(batch.shape[0])
+        return batch.select(list(range(start, stop)))
+
+    # ------------------------------------------------------------------ stage 1–3: collect the step's whole scored batch
     def collect(self) -> Rollout:
+        """Draw → generate (each rank its share) → score → keep, in rounds until the batch is full.
+        Every round is gathered, so ``keep`` decides on the whole batch and every rank's sampler
+        draws the same number of times. Returns the whole batch, identical on every rank."""
         cfg = self.cfg.rollout
-        local_b = cfg.prompts_per_step // self.world
         parts, kept = [], 0
         for round_ in range(max(1, getattr(self.sampler, "max_rounds", 1))):
             info = self._info(round_)
             ids = self.sampler.draw(cfg.prompts_per_step, info)  # same on every rank
-            local = ids[self.rank * local_b : (self.rank + 1) * local_b]
+            start, stop = dist.shard_bounds(len(ids))
+            local = ids[start:stop]
             prompt_ids = [self._prompt_ids("train", self.train_rows, i) for i in local]
             rollout = self.strategy(self.engine, prompt_ids, local, cfg.group_size, cfg.max_new_tokens, self.sampling_params, info)
             rollout.meta = [self.train_rows[i] for i in local]
-            self.score_text(rollout)
-            keep = self.sampler.keep(rollout)  # [B] bool
-            parts.append(rollout.select(keep.nonzero().flatten()))
+            self.reward_stage.score_local(rollout)
+            self.needs.fill(rollout, self.round_needs)
+            batch = dist.gather_rollout(rollout)
+            self.reward_stage.finish(batch, info)
+            keep = self.sampler.keep(batch)  # [B] bool
+            parts.append(batch.select(keep.nonzero().flatten()))
             kept += int(keep.sum())
-            if kept >= local_b:
+            if kept >= cfg.prompts_per_step:
                 break
-        return Rollout.concat(parts).select(list(range(min(kept, local_b))))
+        return Rollout.concat(parts).select(list(range(min(kept, cfg.prompts_per_step))))
 
-    def score_text(self, rollout: Rollout) -> None:
-        B, G, T = rollout.shape
-        lengths = rollout.mask.sum(-1)  # [B,G]
-        eos = set(self.engine.eos_token_ids)
-        actions, counts = rollout.actions.tolist(), lengths.tolist()  # [B][G][T], [B][G] host ints, converted once
-        tokens = [[t for t in actions[b][g][: counts[b][g]] if t not in eos] for b in range(B) for g in range(G)]
-        flat = self.tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokens else []
-        texts = [flat[b * G : (b + 1) * G] for b in range(B)]
-        rollout.completions = texts
-        prompts = [meta["prompt"] for meta in rollout.meta for _ in range(G)]
-        columns = {key: [meta.get(key) for meta in rollout.meta for _ in range(G)] for key in rollout.meta[0] if key != "prompt"} if B else {}
-        columns.update(completion_lengths=lengths.flatten().tolist(), truncated=rollout.truncated.flatten().tolist(), max_new_tokens=self.cfg.rollout.max_new_tokens)
-        text_rewards = [r for r in self.rewards if not hasattr(r, "score_rollout")]
-        policy = self.cfg.reward
-        result = score(text_rewards, prompts, [t for row in texts for t in row], columns, on_error=policy.on_error, missing=policy.missing, timeout_s=policy.timeout_s or None)
-        errors = sum(v for k, v in result.counts.items() if k.endswith("/error"))
-        if errors > policy.max_error_rate * max(1, B * G):
-            raise RuntimeError(f"reward functions failed on {errors} of {B * G} samples this step (reward.max_error_rate={policy.max_error_rate}): {result.counts}")
-        rollout.rewards = result.total.view(B, G)  # [B,G] float32, NaN where excluded
-        rollout.reward_parts = result.parts.view(B, G, -1)  # [B,G,K]
-        rollout.group_valid = rollout.group_valid & torch.isfinite(rollout.rewards)  # [B,G]
-        self._reward_counts = result.counts
-
-    # ------------------------------------------------------------------ no-grad needs, scorers, advantages, weights
-    def forward(self, model: Any, rollout: Rollout, want_entropy: bool) -> dict[str, torch.Tensor]:
+    # ------------------------------------------------------------------ no-grad needs, schedules, advantages, weights
+    def forward(self, model: Any, rollout: Rollout, want_entropy: bool = False, quantities=()) -> dict[str, torch.Tensor]:
         perf = self.cfg.perf
         return completion_logprobs(model, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid, want_entropy=want_entropy,
-                                   packed=perf.packed, share_prefix=None if perf.share_prefix else False, functional=perf.functional)
+                                   packed=perf.packed, share_prefix=None if perf.share_prefix else False, functional=perf.functional, quantities=quantities)
 
-    def prepare(self, rollout: Rollout) -> None:
-        wanted = {(n.quantity, n.model) for n in self.needs if not n.grad}
-        if wanted & {("logp", "policy"), ("entropy", "policy")} or not self.old_from_first_pass:
-            with torch.no_grad():
-                out = self.forward(self.model, rollout, want_entropy=("entropy", "policy") in wanted)
-            rollout.logp_old = out["logp"]  # [B,G,T]
-            if "entropy" in out:
-                rollout.set_extra("entropy", out["entropy"], "token")
-        if ("logp", "ref") in wanted:
-            with torch.no_grad(), self.reference.model() as ref:
-                rollout.logp_ref = self.forward(ref, rollout, want_entropy=False)["logp"]  # [B,G,T]
-        for scorer in (r for r in self.rewards if hasattr(r, "score_rollout")):
-            rollout.rewards = rollout.rewards + scorer.weight * scorer.score_rollout(rollout, self._info())  # [B,G]
-        rollout.advantages = self._estimate_advantages(rollout)
+    def prepare(self, batch: Rollout) -> Rollout:
+        """The no-grad needs (each rank scores its share, then the whole batch is gathered again),
+        this step's scheduled coefficients, advantages, shapers and token weights, all on the whole
+        batch. Returns the whole batch."""
+        local = self._share(batch)
+        self.needs.fill(local, self.step_needs)
+        batch = dist.gather_rollout(local)
+        info = self._info()
+        self._coefficients = schedules.resolve(self._components(), info, batch)
+        batch.advantages = self.estimator(batch, info)  # [B,G] or [B,G,T]
         for shaper in self.shapers:
-            rollout.advantages = shaper(rollout, self._info())
+            batch.advantages = shaper(batch, info)
         if self.weights:
-            weight = torch.ones_like(rollout.mask, dtype=torch.float32)  # [B,G,T]
+            weight = torch.ones_like(batch.mask, dtype=torch.float32)  # [B,G,T]
             for component in self.weights:
-                weight = weight * component(rollout, self._info())  # [B,G,T]
-            rollout.weight = weight
+                weight = weight * component(batch, info)  # [B,G,T]
+            batch.weight = weight
+        return batch
 
-    def _estimate_advantages(self, rollout: Rollout) -> torch.Tensor:
-        if self.world == 1:
-            return self.estimator(rollout, self._info())
-        # batch-level statistics must see every rank's groups: estimate on the gathered rewards
-        rewards = dist.all_gather_rows(rollout.rewards)  # [W*b,G]
-        valid = dist.all_gather_rows(rollout.group_valid)  # [W*b,G]
-        everyone = Rollout([], torch.zeros(*rewards.shape, 1, dtype=torch.long), valid[..., None], valid, torch.zeros_like(valid), torch.zeros(rewards.shape[0], dtype=torch.long), rewards=rewards)
-        adv = self.estimator(everyone, self._info())  # [W*b,G]
-        b, start = rollout.rewards.shape[0], dist.rank_offset(rollout.rewards.shape[0])
-        return adv[start : start + b]
+    def observe(self, batch: Rollout) -> None:
+        """After the update: every component that observes, then the shared per-prompt table."""
+        info = self._info()
+        for component in self._components():
+            if hasattr(component, "observe"):
+                component.observe(batch, info)
+        self.prompt_stats.update(batch, info)
 
     # ------------------------------------------------------------------ stage 5–6: μ epochs of micro-batched updates
     def update(self, rollout: Rollout) -> dict[str, float]:
@@ -190,23 +174,17 @@ class Trainer:
         B = rollout.shape[0]
         stats: list[dict[str, float]] = []
         self._entropy = [0.0, 0.0]  # masked sum, count: logged every step
-        self._first_pass_logp = None
         for epoch in range(cfg.epochs):
             order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step * 101 + epoch)) if cfg.epochs > 1 or cfg.minibatches > 1 else torch.arange(B)
-            if epoch == 1 and rollout.logp_old is None:
-                rollout.logp_old = self._first_pass_logp  # [B,G,T] recorded by epoch 0
             for mb_groups in torch.tensor_split(order, cfg.minibatches):
                 batch = rollout.select(mb_groups)
-                if batch.logp_old is None:  # epoch 0 of a single mini-batch: its own forward gives the old log-probs
-                    self._first_pass_logp = torch.zeros_like(rollout.mask, dtype=torch.float32)  # [B,G,T]
-                    self._first_pass_groups = mb_groups
                 if not int(dist.all_reduce_sum(self.objective.loss_mask(batch).sum())):
                     stats.append({"loss": 0.0, "skipped": 1.0})  # no token gets loss anywhere: leave the weights alone
                     continue
                 norms = self.objective.normalizers(batch, self._info(), dist.all_reduce_sum if self.world > 1 else None)
-                stats.append(self.updater.step(lambda: self._accumulate_gradients(batch, norms)))
-        if rollout.logp_old is None and self._first_pass_logp is not None:
-            rollout.logp_old = self._first_pass_logp  # [B,G,T] for the step's statistics
+                stats.append(self.updater.step(self._closure(batch, norms)))
+                if rollout.logp_old is None and batch.logp_old is not None:  # epoch 0 of one mini-batch filled them
+                    rollout.logp_old = torch.zeros_like(batch.logp_old).index_copy(0, mb_groups, batch.logp_old)  # [B,G,T]
         row = {key: float(np.nanmean([s.get(key, float("nan")) for s in stats])) for key in stats[0]} if stats else {}
         row["skipped"] = float(sum(s.get("skipped", 0.0) for s in stats))
         row["nonfinite"] = float(sum(s.get("nonfinite", 0.0) for s in stats))
@@ -217,19 +195,38 @@ class Trainer:
         row["entropy"] = float(entropy[0] / entropy[1].clamp(min=1.0))
         return row
 
-    def _accumulate_gradients(self, batch: Rollout, norms: dict) -> torch.Tensor:
+    def _closure(self, batch: Rollout, norms: dict):
+        """The micro-batched forward/backward of one mini-batch, safe to call any number of times:
+        the old log-probs are taken once (by the first call, on the weights that sampled the rollout),
+        and statistics are recorded by the first call only, so a second call after an optimiser step
+        sees ratio ≠ 1 and counts nothing twice."""
+        calls = 0
+
+        def closure() -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            return self._accumulate_gradients(batch, norms, first=calls == 1)
+
+        return closure
+
+    def _accumulate_gradients(self, batch: Rollout, norms: dict, first: bool) -> torch.Tensor:
         size = self.cfg.train.micro_batch_groups or max(1, batch.shape[0])
+        take_old = batch.logp_old is None  # epoch 0 of a single mini-batch: its own forward gives the old log-probs
+        if take_old:
+            batch.logp_old = torch.zeros_like(batch.mask, dtype=torch.float32)  # [b,G,T] filled below
         total = torch.zeros(())
         for start in range(0, batch.shape[0], size):
-            mb = batch.select(list(range(start, min(start + size, batch.shape[0]))))
-            out = self.forward(self.model, mb, want_entropy=True)  # entropy is logged; cheap next to the logits
-            with torch.no_grad():
-                self._entropy[0] += float(out["entropy"][mb.row_mask].sum())
-                self._entropy[1] += float(mb.row_mask.sum())
-            if mb.logp_old is None:
+            groups = list(range(start, min(start + size, batch.shape[0])))
+            mb = batch.select(groups)
+            out = self.forward(self.model, mb, quantities=self.grad_quantities)
+            if first:
+                with torch.no_grad():
+                    self._entropy[0] += float(out["entropy"][mb.row_mask].sum())
+                    self._entropy[1] += float(mb.row_mask.sum())
+            if take_old:
                 mb.logp_old = out["logp"].detach()  # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
-                self._first_pass_logp[self._first_pass_groups[start : start + size]] = mb.logp_old
-            loss = self.objective.loss(mb, out, norms, self._info())
+                batch.logp_old[start : start + len(groups)] = mb.logp_old
+            loss = self.objective.loss(mb, out, norms, self._info(), record=first)
             if loss.requires_grad:
                 loss.backward()
             total = total + loss.detach()
@@ -248,11 +245,9 @@ class Trainer:
             chunk = list(range(start, min(start + 256, len(rows))))
             prompt_ids = [self._prompt_ids("eval", self.eval_rows, i) for i in chunk]
             gen = self.engine.generate(prompt_ids, 1, torch.zeros(len(chunk), dtype=torch.long), self.cfg.rollout.max_new_tokens, greedy=True)
-            eos = set(self.engine.eos_token_ids)
-            texts = [self.tokenizer.decode([t for t in gen.tokens[i, 0, : int(gen.lengths[i, 0])].tolist() if t not in eos], skip_special_tokens=True) for i in range(len(chunk))]
+            texts = self.reward_stage.decode([gen.tokens[i, 0, : int(gen.lengths[i, 0])].tolist() for i in range(len(chunk))])
             sub = [rows[i] for i in chunk]
-            columns = {k: [r.get(k) for r in sub] for k in sub[0] if k != "prompt"}
-            columns.update(completion_lengths=gen.lengths[:, 0].tolist(), truncated=gen.truncated[:, 0].tolist(), max_new_tokens=self.cfg.rollout.max_new_tokens)
+            columns = self.reward_stage.columns(sub, 1, gen.lengths[:, 0].tolist(), gen.truncated[:, 0].tolist())
             values = score([self.eval_reward], [r["prompt"] for r in sub], texts, columns, on_error="exclude").total
             correct += int((values >= 1.0 - 1e-6).sum())
         return correct / len(rows)
@@ -263,6 +258,8 @@ class Trainer:
             "step": self.step,
             "model": self.model.state_dict(),
             "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in self._components()],
+            "schedules": [s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(self._components())],
+            "prompt_stats": self.prompt_stats.state_dict(),
             "reference": self.reference.state_dict() if self.reference else {},
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "summary": self.summary,
@@ -274,6 +271,11 @@ class Trainer:
         for component, sub in zip(self._components(), state["components"]):
             if sub is not None:
                 component.load_state_dict(sub)
+        for schedule, sub in zip(schedules.all_schedules(self._components()), state.get("schedules", [])):
+            if sub is not None:
+                schedule.load_state_dict(sub)
+        if "prompt_stats" in state:
+            self.prompt_stats.load_state_dict(state["prompt_stats"])
         if self.reference:
             self.reference.load_state_dict(state["reference"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -337,19 +339,21 @@ class Trainer:
         switch_modes = not self.engine.functional  # the functional maths has no dropout: skip two module-tree walks
         if switch_modes:
             self.model.eval()
-        rollout = self.collect()
+        batch = self.collect()  # the whole batch, identical on every rank
         t_gen = time.perf_counter() - t0
-        self.prepare(rollout)
+        batch = self.prepare(batch)
         if switch_modes:
             self.model.train()
+        local = self._share(batch)
         row: dict[str, Any] = {"step": self.step}
-        groups_everywhere = int(dist.all_reduce_sum(torch.tensor(rollout.shape[0])))
-        update = self.update(rollout) if groups_everywhere else {"loss": 0.0, "skipped": 1.0}  # nothing kept: no step
-        row.update(_rollout_stats(rollout))  # after the update: the old log-probs may come from its first pass
+        update = self.update(local) if batch.shape[0] else {"loss": 0.0, "skipped": 1.0}  # nothing kept: no step
+        row.update(_rollout_stats(local))  # after the update: the old log-probs may come from its first pass
         row.update(update)
+        row.update(self._coefficients)
+        self.observe(batch)
         seconds = time.perf_counter() - t0
-        generated = float(rollout.mask.sum())
-        row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self._reward_counts.get("excluded", 0))
+        generated = float(dist.all_reduce_sum(local.mask.sum()))
+        row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self.reward_stage.excluded)
         return row
 
     def _request_stop(self, signum: int, frame: Any) -> None:

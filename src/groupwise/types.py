@@ -142,6 +142,23 @@ class Rollout:
                 out[f.name] = v
         return Rollout(**out)
 
+    def fields(self) -> list[tuple[str, Any]]:
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    def pad_tokens(self, T: int) -> "Rollout":
+        """A copy whose token-level fields are padded (zeros / False) to ``T`` steps."""
+        if self.actions.shape[2] == T:
+            return self
+        out = {}
+        for name, v in self.fields():
+            if isinstance(v, Tensor):
+                out[name] = _pad_t(v, T, name)
+            elif name == "extras":
+                out[name] = {k: _pad_level(t, T, self.extra_levels[k]) for k, t in v.items()}
+            else:
+                out[name] = v
+        return Rollout(**out)
+
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
         """Concatenate along the group axis, padding T to the longest part."""

@@ -108,11 +108,54 @@ def _head(model, hidden: Tensor) -> Tensor:
     return logits
 
 
-def _packed_logits(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 0,
-                   functional: bool = True) -> Tensor:
-    """[K,V] logits predicting every completion token of the rows, in row order, from bins of
-    packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and for
-    each bin's padding tail), so every row attends only to itself."""
+class _LayerTap:
+    """Residual-stream states of the model's own decoder (forward hooks): 0 = embeddings, l = after
+    decoder layer l, as [n_bins,width,H]. Used when ``hidden(l)`` is requested off the functional path."""
+
+    def __init__(self, model, wanted: set[int]):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        decoder = base.get_decoder()
+        self.states: dict[int, Tensor] = {}
+        self.handles = []
+        for l in sorted(wanted):
+            module = decoder.embed_tokens if l == 0 else decoder.layers[l - 1]
+            self.handles.append(module.register_forward_hook(lambda m, i, o, l=l: self.states.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
+
+    def __enter__(self) -> dict[int, Tensor]:
+        return self.states
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _decoder_hidden(model, input_ids: Tensor, position_ids: Tensor, allowed: Tensor | None, attention_mask, layers: set[int],
+                    functional: bool) -> tuple[Tensor, dict[int, Tensor]]:
+    """([n,W,H] final-norm hidden states, {l: [n,W,H]}) from the functional decoder or the model's own."""
+    device = next(model.parameters()).device
+    if functional and unsupported_reason(model) is None:
+        kept: dict[int, Tensor] = dict.fromkeys(layers)
+        hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device), kept if layers else None)
+        return hidden, kept
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with _LayerTap(model, layers) as kept:
+        hidden = base.get_decoder()(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=attention_mask,
+                                    use_cache=False).last_hidden_state  # [n,W,H]
+    return hidden, dict(kept)
+
+
+def _gather(hidden: Tensor, layers: dict[int, Tensor], at: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
+    """Rows ``at`` [K] of the flattened [n*W,H] states: ([K,H], {l: [K,H]})."""
+    at = at.to(hidden.device)
+    flat = lambda x: x.reshape(-1, x.shape[-1])[at]  # noqa: E731  [K,H]
+    return flat(hidden), {l: flat(x) for l, x in layers.items()}
+
+
+def _packed_hidden(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 0,
+                   functional: bool = True, layers: set[int] = frozenset()) -> tuple[Tensor, dict[int, Tensor]]:
+    """([K,H], {l: [K,H]}) hidden states predicting every completion token of the rows, in row order,
+    from bins of packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and
+    for each bin's padding tail), so every row attends only to itself."""
     bins = pack_bins([len(s) for s in sequences], pack_tokens)
     width = max(sum(len(sequences[i]) for i in rows) for rows in bins)
     ids: list[int] = []  # assembled as Python ints, converted once (per-row tensor ops cost more here)
@@ -131,25 +174,23 @@ def _packed_logits(model, sequences: list[list[int]], prompt_lengths: list[int],
     # completion token j of a row sits at start + P + j and is predicted from start + P + j - 1
     predict_at = torch.tensor([flat_start[i] + p - 1 + j for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)) for j in range(c)],
                               dtype=torch.long)  # [K]
-    device = next(model.parameters()).device
+    allowed = None
     if functional and unsupported_reason(model) is None:
         segment = (position_ids == 0).cumsum(dim=-1)  # [n_bins,width] a new row starts where positions restart
         index = torch.arange(width)
         allowed = (segment[:, :, None] == segment[:, None, :]) & (index[:, None] >= index[None, :])  # [n_bins,q,k] own row, causal
-        hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device))  # [n_bins,width,H]
-    else:  # transformers reads the position restarts as packed sequences and builds the same mask
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        hidden = base.get_decoder()(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=None, use_cache=False).last_hidden_state  # [n_bins,width,H]
-    return _head(model, hidden.reshape(-1, hidden.shape[-1])[predict_at.to(device)])  # [K,V]
+    # off the functional path transformers reads the position restarts as packed sequences and builds the same mask
+    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, None, layers, functional)  # [n_bins,width,H]
+    return _gather(hidden, kept, predict_at)
 
 
-def _shared_prefix_logits(model, prompts: list[list[int]], groups: list[int], completions: list[list[int]], pack_tokens: int = 0,
-                          functional: bool = True) -> Tensor:
-    """[K,V] logits predicting every completion token, in row order, with each group's prompt
-    computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G`` and a custom
-    attention mask lets completion k see the prompt and its own earlier tokens only (a tree).
-    Position ids restart at the prompt length for every completion, so each row is computed exactly
-    as if it stood alone. Groups are packed into bins as rows are in ``_packed_logits``."""
+def _shared_prefix_hidden(model, prompts: list[list[int]], groups: list[int], completions: list[list[int]], pack_tokens: int = 0,
+                          functional: bool = True, layers: set[int] = frozenset()) -> tuple[Tensor, dict[int, Tensor]]:
+    """([K,H], {l: [K,H]}) hidden states predicting every completion token, in row order, with each
+    group's prompt computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G``
+    and a custom attention mask lets completion k see the prompt and its own earlier tokens only (a
+    tree). Position ids restart at the prompt length for every completion, so each row is computed
+    exactly as if it stood alone. Groups are packed into bins as rows are in ``_packed_hidden``."""
     members: dict[int, list[int]] = {}
     for r, b in enumerate(groups):
         members.setdefault(b, []).append(r)
@@ -196,31 +237,47 @@ def _shared_prefix_logits(model, prompts: list[list[int]], groups: list[int], co
     visible = (branch_t[:, None, :] == 0) | (branch_t[:, :, None] == branch_t[:, None, :])  # [n_bins,q,k] prompt or own branch
     causal = index[None, :, None] >= index[None, None, :]  # [1,q,k]
     allowed = (same_tree & visible & causal) | torch.eye(width, dtype=torch.bool)[None]  # [n_bins,q,k] padding sees itself
-    device = next(model.parameters()).device
-    if functional and unsupported_reason(model) is None:
-        hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device))  # [n_bins,width,H]
-        return _head(model, hidden.reshape(-1, hidden.shape[-1])[gather_at.to(device)])  # [K,V]
-    dtype = next(model.parameters()).dtype
-    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]  # [n_bins,1,q,k]
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = base.get_decoder()(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=additive.to(device), use_cache=False).last_hidden_state  # [n_bins,width,H]
-    return _head(model, hidden.reshape(-1, hidden.shape[-1])[gather_at.to(device)])  # [K,V]
+    additive = None
+    if not (functional and unsupported_reason(model) is None):
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None].to(device)  # [n_bins,1,q,k]
+    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, additive, layers, functional)  # [n_bins,width,H]
+    return _gather(hidden, kept, gather_at)
 
 
-def _padded_logits(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int]) -> Tensor:
-    """[K,V] logits as ``_packed_logits`` but from a right-padded batch with an attention mask (reference)."""
+def _padded_hidden(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int],
+                   layers: set[int] = frozenset()) -> tuple[Tensor, dict[int, Tensor]]:
+    """As ``_packed_hidden`` but from a right-padded batch with an attention mask through the model's
+    own decoder (the reference path)."""
     N, width = len(sequences), max(len(s) for s in sequences)
     input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long)  # [N,L] pad id is irrelevant: it is masked
     attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long)  # [N,L]
-    keep = width - min(prompt_lengths) + 1  # the last `keep` positions hold every completion-predicting one
-    row_index = torch.cat([torch.full((c,), r) for r, c in enumerate(completion_lengths)])  # [K]
-    col_index = torch.cat([torch.arange(c) + p - 1 for p, c in zip(prompt_lengths, completion_lengths)]) - (width - keep)  # [K]
+    at = torch.tensor([r * width + p - 1 + j for r, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)) for j in range(c)], dtype=torch.long)  # [K]
     device = next(model.parameters()).device
-    kwargs = {"logits_to_keep": keep} if _keeps_index_tensor(model) else {}
-    out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                position_ids=torch.arange(width, device=device).expand(N, width), use_cache=False, **kwargs)
-    logits = out.logits[:, -keep:]  # [N,keep,V]
-    return logits[row_index.to(device), col_index.to(device)]  # [K,V]
+    hidden, kept = _decoder_hidden(model, input_ids, torch.arange(width).expand(N, width), None, attention_mask.to(device), layers, functional=False)
+    return _gather(hidden, kept, at)
+
+
+def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
+    """(hidden layers, top-k sizes, entropy wanted, final hidden wanted) from quantity strings."""
+    layers, topks, entropy, last = set(), [], False, False
+    for q in quantities:
+        name, _, arg = q.partition("(")
+        arg = arg.rstrip(")")
+        if name == "logp":
+            continue
+        if name == "entropy":
+            entropy = True
+        elif name == "topk" and arg.isdigit() and int(arg) > 0:
+            topks.append(int(arg))
+        elif name == "hidden" and arg.isdigit():
+            layers.add(int(arg))
+        elif name == "last_hidden":
+            last = True
+        else:
+            raise ValueError(f"the packed forward cannot compute {q!r}; it computes logp, entropy, topk(k), hidden(l), last_hidden")
+    return layers, topks, entropy, last
 
 
 def completion_logprobs(
@@ -234,18 +291,25 @@ def completion_logprobs(
     pack_tokens: int = 0,
     share_prefix: bool | None = None,
     functional: bool = True,
+    quantities=(),
 ) -> dict[str, Tensor]:
     """Per-token log-probs of ``actions`` [B,G,T] given each group's prompt, scattered back to [B,G,T].
 
     Returns ``{"logp": [B,G,T] float32}`` (0 where ``mask`` is False or the row is not in ``rows`` [B,G])
-    and ``"entropy"`` [B,G,T] float32 when asked. Autograd flows to the model's parameters unless the
-    caller runs it under ``torch.no_grad()``. ``share_prefix`` computes each group's prompt once
-    (tree attention); ``None`` chooses the layout with the lower estimated cost (``_layout_cost``:
-    the tree saves prompt tokens but its mask is quadratic in a whole group's length).
-    ``pack_tokens`` caps a bin's length (0: the longest row or group). ``packed=False`` is the
-    padded reference path. ``functional`` runs supported (Llama-family, float32) models through
-    ``policy.functional.hidden_states`` instead of their own forward (same values, fewer ops).
+    plus every requested quantity under its own name: ``"entropy"`` [B,G,T] (also with
+    ``want_entropy``), ``"topk(k)"`` [B,G,T,k] (the k largest log-probs, descending), ``"hidden(l)"``
+    [B,G,T,H] (residual stream after layer l, 0 = embeddings), ``"last_hidden"`` [B,G,T,H] (final-norm
+    states the head reads), all at the position that predicts token t and 0 elsewhere. Autograd flows
+    to the model's parameters unless the caller runs it under ``torch.no_grad()``. ``share_prefix``
+    computes each group's prompt once (tree attention); ``None`` chooses the layout with the lower
+    estimated cost (``_layout_cost``: the tree saves prompt tokens but its mask is quadratic in a whole
+    group's length). ``pack_tokens`` caps a bin's length (0: the longest row or group).
+    ``packed=False`` is the padded reference path. ``functional`` runs supported (Llama-family,
+    float32) models through ``policy.functional.hidden_states`` instead of their own forward (same
+    values, fewer ops).
     """
+    layers, topks, entropy_wanted, last_wanted = parse_quantities(quantities)
+    want_entropy = want_entropy or entropy_wanted
     B, G, T = actions.shape
     rows = rows.bool()  # [B,G]
     lengths = _completion_lengths(mask.bool(), rows)  # [B,G]
@@ -255,6 +319,13 @@ def completion_logprobs(
     result = {"logp": torch.zeros(B, G, T, dtype=torch.float32, device=device)}  # [B,G,T]
     if want_entropy:
         result["entropy"] = torch.zeros(B, G, T, dtype=torch.float32, device=device)  # [B,G,T]
+    width = _hidden_size(model)
+    for k in topks:
+        result[f"topk({k})"] = torch.zeros(B, G, T, k, dtype=torch.float32, device=device)  # [B,G,T,k]
+    for l in layers:
+        result[f"hidden({l})"] = torch.zeros(B, G, T, width, dtype=torch.float32, device=device)  # [B,G,T,H]
+    if last_wanted:
+        result["last_hidden"] = torch.zeros(B, G, T, width, dtype=torch.float32, device=device)  # [B,G,T,H]
     if not bool(scored.any()):
         return result
 
@@ -278,15 +349,54 @@ def completion_logprobs(
         row_sizes = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
         share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, row_sizes, pack_tokens)
     if packed and share_prefix:
-        logits = _shared_prefix_logits(model, prompts, group_ids, completions, pack_tokens, functional)  # [K,V]
+        hidden, kept = _shared_prefix_hidden(model, prompts, group_ids, completions, pack_tokens, functional, layers)  # [K,H]
     else:
         sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row
         if packed:
-            logits = _packed_logits(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional)  # [K,V]
+            hidden, kept = _packed_hidden(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional, layers)  # [K,H]
         else:
-            logits = _padded_logits(model, sequences, prompt_lengths, completion_lengths)  # [K,V]
+            hidden, kept = _padded_hidden(model, sequences, prompt_lengths, completion_lengths, layers)  # [K,H]
+    logits = _head(model, hidden)  # [K,V]
     logp, entropy = _token_stats(logits, targets, want_entropy)  # [K], [K]
     result["logp"] = result["logp"].masked_scatter(out_mask, logp)  # [B,G,T]
     if want_entropy:
         result["entropy"] = result["entropy"].masked_scatter(out_mask, entropy)  # [B,G,T]
+    for k in topks:
+        top = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1).values  # [K,k']
+        top = torch.nn.functional.pad(top, (0, k - top.shape[-1]), value=float("-inf"))  # [K,k]
+        result[f"topk({k})"] = _scatter_rows(result[f"topk({k})"], out_mask, top)  # [B,G,T,k]
+    for l, states in kept.items():
+        result[f"hidden({l})"] = _scatter_rows(result[f"hidden({l})"], out_mask, states.float())  # [B,G,T,H]
+    if last_wanted:
+        result["last_hidden"] = _scatter_rows(result["last_hidden"], out_mask, hidden.float())  # [B,G,T,H]
     return result
+
+
+def _scatter_rows(into: Tensor, mask: Tensor, values: Tensor) -> Tensor:
+    """[B,G,T,D] with ``values`` [K,D] written at the True entries of ``mask`` [B,G,T], in order."""
+    flat = into.reshape(-1, into.shape[-1])  # [B*G*T,D]
+    index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
+    return flat.index_copy(0, index, values.to(flat.dtype)).view_as(into)  # [B,G,T,D]
+
+
+def _hidden_size(model) -> int:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return int(base.config.hidden_size)
+
+
+def token_kl(model, hidden_p: Tensor, hidden_q: Tensor, mask: Tensor, chunk_tokens: int = 1024) -> Tensor:
+    """[B,G,T] full-vocabulary KL(p ‖ q) per token, where p and q are the model's next-token
+    distributions read from final-norm hidden states ``hidden_p``, ``hidden_q`` [B,G,T,H] (the
+    ``last_hidden`` quantity under two contexts). The head runs on ``chunk_tokens`` tokens at a time,
+    so no [tokens, V] tensor larger than [chunk_tokens, V] ever exists. 0 outside ``mask``."""
+    index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
+    flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])[index]  # [K,H]
+    flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])[index]  # [K,H]
+    parts = []
+    for start in range(0, flat_p.shape[0], chunk_tokens):
+        logp = torch.log_softmax(_head(model, flat_p[start : start + chunk_tokens]).float(), dim=-1)  # [c,V]
+        logq = torch.log_softmax(_head(model, flat_q[start : start + chunk_tokens]).float(), dim=-1)  # [c,V]
+        parts.append((logp.exp() * (logp - logq)).sum(-1))  # [c]
+    kl = torch.cat(parts) if parts else hidden_p.new_zeros(0)  # [K]
+    out = torch.zeros(mask.numel(), dtype=torch.float32, device=hidden_p.device)  # [B*G*T]
+    return out.index_copy(0, index, kl.float()).view(mask.shape)  # [B,G,T]

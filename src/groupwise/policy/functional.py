@@ -177,18 +177,22 @@ class _SwiGLUDown(torch.autograd.Function):
         return grad_gate_up, grad_weight, grad_bias
 
 
-def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor) -> Tensor:
+def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, layers: dict[int, Tensor] | None = None) -> Tensor:
     """[N,W,D] final-norm hidden states for ``input_ids`` [N,W] at ``positions`` [N,W]; ``allowed``
     [N,W,W] bool says which key each query sees (every query must see at least itself).
+    ``layers``: a dict whose keys name residual-stream states to keep (0 = the embeddings, l = after
+    decoder layer l); they are written into it as [N,W,D].
 
     Gradients flow to the model's parameters; the maths is the model's own layer by layer."""
     inner = model.model
     x = inner.embed_tokens(input_ids)  # [N,W,D]
+    if layers is not None and 0 in layers:
+        layers[0] = x
     cos, sin_signed = rotary(model, positions)  # [N,W,hd] each
     cos, sin_signed = cos[:, None], sin_signed[:, None]  # [N,1,W,hd] broadcast over heads
     mask = allowed[:, None]  # [N,1,W,W]
     N, W, D = x.shape
-    for layer in inner.layers:
+    for index, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         hd = attn.head_dim
         H, K = attn.q_proj.weight.shape[0] // hd, attn.k_proj.weight.shape[0] // hd
@@ -207,6 +211,8 @@ def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor) 
         h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         gate_up = F.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj))  # [N,W,2I]
         x = x + _SwiGLUDown.apply(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)  # [N,W,D]
+        if layers is not None and index + 1 in layers:
+            layers[index + 1] = x
     return rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)  # [N,W,D]
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from groupwise.rewards._common import RewardError
 
-__all__ = ["score", "ScoreResult", "RewardError", "reward_label"]
+__all__ = ["score", "score_parts", "combine", "ScoreResult", "RewardError", "reward_label"]
 
 
 @dataclass
@@ -86,6 +86,17 @@ def score(
         if isinstance(values, (list, tuple)) and len(values) != N:
             raise ValueError(f"column {key!r} has {len(values)} values for {N} completions")
 
+    parts, failed, counts = score_parts(reward_fns, prompts, completions, columns, on_error=on_error, timeout_s=timeout_s)
+    weights = [float(getattr(fn, "weight", 1.0)) for fn in reward_fns]
+    total, excluded = combine(parts, weights, failed, missing)
+    counts["excluded"] = int(excluded.sum())
+    return ScoreResult(total=total, parts=parts.float(), excluded=excluded, counts=counts)
+
+
+def score_parts(reward_fns, prompts, completions, columns, *, on_error: str = "raise", timeout_s: float | None = None) -> tuple[Tensor, Tensor, dict[str, int]]:
+    """(parts [N,K] float64 with NaN = no verdict, failed [N] bool, counts): each function's own
+    values, unweighted; ``failed`` marks samples lost to a function that raised (``on_error="exclude"``)."""
+    N, K = len(completions), len(reward_fns)
     labels = _unique_labels([reward_label(fn) for fn in reward_fns])
     counts = {"excluded": 0}
     parts = torch.full((N, K), float("nan"), dtype=torch.float64)  # [N,K]
@@ -103,15 +114,20 @@ def score(
             continue
         parts[:, k] = torch.tensor(_validate(values, label, N), dtype=torch.float64)
         counts[f"{label}/missing"] = int(parts[:, k].isnan().sum())
+    return parts, failed, counts
 
-    weights = torch.tensor([float(getattr(fn, "weight", 1.0)) for fn in reward_fns], dtype=torch.float64)  # [K]
-    no_verdict = parts.isnan()  # [N,K]
-    weighted = torch.where(no_verdict, torch.zeros((), dtype=torch.float64), parts * weights)  # [N,K]
-    total = weighted.sum(dim=1)  # [N]
-    excluded = (failed | no_verdict.any(dim=1)) if missing == "exclude" else failed.clone()  # [N]
-    total = torch.where(excluded, torch.full_like(total, float("nan")), total)  # [N]
-    counts["excluded"] = int(excluded.sum())
-    return ScoreResult(total=total.float(), parts=parts.float(), excluded=excluded, counts=counts)
+
+def combine(parts: Tensor, weights: list[float], failed: Tensor, missing: str = "exclude") -> tuple[Tensor, Tensor]:
+    """The one place reward weights are applied: (total [...] float32 = Σ_k weight_k · parts[..., k],
+    NaN where excluded; excluded [...] bool). ``parts`` [..., K] with NaN = no verdict; ``failed``
+    [...] samples lost to a failed function; ``missing`` as in :func:`score`."""
+    parts = parts.double()  # [...,K]
+    w = torch.tensor(weights, dtype=torch.float64)  # [K]
+    no_verdict = parts.isnan()  # [...,K]
+    total = torch.where(no_verdict, torch.zeros((), dtype=torch.float64), parts * w).sum(dim=-1)  # [...]
+    excluded = (failed | no_verdict.any(dim=-1)) if missing == "exclude" else failed.clone()  # [...]
+    total = torch.where(excluded, torch.full_like(total, float("nan")), total)  # [...]
+    return total.float(), excluded
 
 
 def _unique_labels(labels: list[str]) -> list[str]:

@@ -1,0 +1,84 @@
+"""The reward stage: decode completions, run every scorer, apply the weights once.
+
+Two kinds of scorer share one list (``rewards = [...]`` in the config), in order:
+
+- **text scorers** (TRL's signature ``f(prompts, completions, **columns)``, one value per row) run on
+  each rank's own rows, right after generation (:meth:`RewardStage.score_local`), where they are
+  cheap to parallelise (the code sandbox, the math verifier);
+- **rollout scorers** (``score_rollout(rollout, info) -> [B,G]``, e.g. ``kl_penalty``) run on the
+  step's whole batch (:meth:`RewardStage.finish`) after the no-grad needs they declare.
+
+Each contributes one column of ``rollout.reward_parts`` [B,G,K] (unweighted, NaN = no verdict), and
+:func:`groupwise.rewards.score.combine` turns them into ``rollout.rewards`` in one place, so every
+consumer (dynamic sampling's ``keep``, the estimator, the logged ``reward_mean``) sees the same total.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from groupwise.registry import build_spec
+from groupwise.rewards.score import combine, score_parts
+from groupwise.types import Need, Rollout, StepInfo
+
+
+class RewardStage:
+    def __init__(self, specs: list, policy: Any, tokenizer: Any, eos_ids: list[int], max_new_tokens: int):
+        self.scorers = [build_spec("reward", spec) for spec in specs]
+        self.text = [s for s in self.scorers if not hasattr(s, "score_rollout")]
+        self.tensor = [s for s in self.scorers if hasattr(s, "score_rollout")]
+        self.policy, self.tokenizer, self.eos, self.max_new_tokens = policy, tokenizer, set(eos_ids), max_new_tokens
+        self.counts: dict[str, int] = {}
+
+    @property
+    def needs(self) -> list[Need]:
+        return [n for s in self.scorers for n in getattr(s, "needs", ())]
+
+    # ------------------------------------------------------------------ decoding
+    def decode(self, tokens: list[list[int]]) -> list[str]:
+        """Completion texts of token lists (EOS removed, special tokens skipped)."""
+        cleaned = [[t for t in row if t not in self.eos] for row in tokens]
+        return self.tokenizer.batch_decode(cleaned, skip_special_tokens=True) if cleaned else []
+
+    def columns(self, meta: list[dict], repeat: int, lengths: list[int], truncated: list[bool]) -> dict[str, Any]:
+        """Dataset columns repeated per completion, plus ``completion_lengths``, ``truncated``, ``max_new_tokens``."""
+        columns = {key: [m.get(key) for m in meta for _ in range(repeat)] for key in meta[0] if key != "prompt"} if meta else {}
+        columns.update(completion_lengths=lengths, truncated=truncated, max_new_tokens=self.max_new_tokens)
+        return columns
+
+    # ------------------------------------------------------------------ scoring
+    def score_local(self, rollout: Rollout) -> None:
+        """Decode this rank's rows and run the text scorers: ``completions``, ``reward_parts``."""
+        B, G, T = rollout.shape
+        lengths = rollout.mask.sum(-1)  # [B,G]
+        actions, counts = rollout.actions.tolist(), lengths.tolist()  # host ints, converted once
+        flat = self.decode([actions[b][g][: counts[b][g]] for b in range(B) for g in range(G)])
+        rollout.completions = [flat[b * G : (b + 1) * G] for b in range(B)]
+        failed = torch.zeros(B * G, dtype=torch.bool)  # [B*G]
+        parts = torch.zeros(B * G, 0, dtype=torch.float64)  # [B*G,0]
+        self.counts = {}
+        if self.text:
+            prompts = [m["prompt"] for m in rollout.meta for _ in range(G)]
+            columns = self.columns(rollout.meta, G, lengths.flatten().tolist(), rollout.truncated.flatten().tolist())
+            parts, failed, self.counts = score_parts(self.text, prompts, flat, columns, on_error=self.policy.on_error, timeout_s=self.policy.timeout_s or None)
+            errors = sum(v for k, v in self.counts.items() if k.endswith("/error"))
+            if errors > self.policy.max_error_rate * max(1, B * G):
+                raise RuntimeError(f"reward functions failed on {errors} of {B * G} samples this step (reward.max_error_rate={self.policy.max_error_rate}): {self.counts}")
+        rollout.reward_parts = parts.view(B, G, -1)  # [B,G,K_text] float64 until finish
+        rollout.set_extra("reward_failed", failed.view(B, G), "row")
+
+    def finish(self, batch: Rollout, info: StepInfo) -> None:
+        """On the whole batch: the rollout scorers, then the weighted total (the one place weights apply)."""
+        columns = [batch.reward_parts.double()]  # [B,G,K_text]
+        for scorer in self.tensor:
+            columns.append(scorer.score_rollout(batch, info).double()[..., None])  # [B,G,1]
+        parts = torch.cat(columns, dim=-1)  # [B,G,K]
+        weights = [float(getattr(s, "weight", 1.0)) for s in self.text + self.tensor]
+        total, excluded = combine(parts, weights, batch.extras.pop("reward_failed"), self.policy.missing)  # [B,G]
+        batch.extra_levels.pop("reward_failed", None)
+        batch.rewards = total  # [B,G] float32, NaN where excluded
+        batch.reward_parts = parts.float()  # [B,G,K] in the order text scorers, rollout scorers
+        batch.group_valid = batch.group_valid & torch.isfinite(total)  # [B,G]
+        self.excluded = int(excluded.sum())
