@@ -203,3 +203,72 @@ def test_shared_prefix_rows_do_not_see_each_other():
     torch.testing.assert_close(a[0, 0], b[0, 0])  # its sibling is unchanged
     torch.testing.assert_close(a[1], b[1])  # and so is the other group
     assert not torch.allclose(a[0, 1], b[0, 1])
+
+
+# ---------------------------------------------------------------------------------------------- quantities
+def naive_quantities(model, prompts, actions, mask, rows, k: int, layer: int):
+    """Per-row reference for topk(k), hidden(layer) and the full next-token distribution: one plain
+    forward per row with output_hidden_states (hidden_states[l] = after layer l, 0 = embeddings)."""
+    B, G, T = actions.shape
+    H = model.config.hidden_size
+    topk, hidden, logprobs = torch.zeros(B, G, T, k), torch.zeros(B, G, T, H), torch.zeros(B, G, T, V)
+    for b in range(B):
+        for g in range(G):
+            L = int(mask[b, g].sum())
+            if not rows[b, g] or L == 0:
+                continue
+            seq = torch.tensor([prompts[b] + actions[b, g, :L].tolist()])  # [1,P+L]
+            P = len(prompts[b])
+            out = model(seq, output_hidden_states=True)
+            logp_all = out.logits[0, P - 1 : P - 1 + L].float().log_softmax(-1)  # [L,V]
+            topk[b, g, :L] = logp_all.topk(k, dim=-1).values
+            hidden[b, g, :L] = out.hidden_states[layer][0, P - 1 : P - 1 + L]
+            logprobs[b, g, :L] = logp_all
+    return topk, hidden, logprobs
+
+
+@pytest.mark.parametrize("packed,share_prefix,functional", [(True, False, True), (True, True, True), (True, False, False), (False, False, False)])
+def test_requested_quantities_match_the_naive_forward(packed, share_prefix, functional):
+    """topk(k) and hidden(l) on every path (functional packed, tree, the model's own packed forward,
+    padded) equal a per-row forward of the model; hidden(1) is a layer inside the stack."""
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    with torch.no_grad():
+        out = completion_logprobs(model, prompts, actions, mask, rows, packed=packed, share_prefix=share_prefix, functional=functional,
+                                  quantities=["logp", "topk(3)", "hidden(1)", "hidden(0)"])
+        ref_topk, ref_hidden, _ = naive_quantities(model, prompts, actions, mask, rows, k=3, layer=1)
+        _, ref_embed, _ = naive_quantities(model, prompts, actions, mask, rows, k=3, layer=0)
+    assert out["topk(3)"].shape == (2, 3, 6, 3) and out["hidden(1)"].shape == (2, 3, 6, 64)
+    torch.testing.assert_close(out["topk(3)"], ref_topk, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out["hidden(1)"], ref_hidden, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out["hidden(0)"], ref_embed, atol=0, rtol=0)
+    assert (out["topk(3)"][..., 0] >= out["topk(3)"][..., 1]).all()  # descending
+    assert (out["hidden(1)"][~(mask & rows[..., None])] == 0).all()  # nothing outside the scored tokens
+
+
+def test_full_vocabulary_kl_between_two_contexts_matches_materialised_logits():
+    """token_kl on the final-norm hidden states of two contexts, head in chunks of 2 tokens, equals
+    KL(p ‖ q) = Σ_y p (log p − log q) from the fully materialised [N,T,V] distributions."""
+    from groupwise.policy.forward import token_kl
+
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    edited = [[9, 9] + p for p in prompts]  # a second context: a prefix added to each group's prompt
+    with torch.no_grad():
+        own = completion_logprobs(model, prompts, actions, mask, rows, quantities=["last_hidden"])
+        other = completion_logprobs(model, edited, actions, mask, rows, quantities=["last_hidden"])
+        scored = mask & rows[..., None]  # [B,G,T]
+        kl = token_kl(model, own["last_hidden"], other["last_hidden"], scored, chunk_tokens=2)  # [B,G,T]
+        _, _, logp = naive_quantities(model, prompts, actions, mask, rows, k=1, layer=0)
+        _, _, logq = naive_quantities(model, edited, actions, mask, rows, k=1, layer=0)
+    expected = (logp.exp() * (logp - logq)).sum(-1) * scored  # [B,G,T]
+    torch.testing.assert_close(kl, expected, atol=1e-5, rtol=1e-4)
+    assert (kl[scored] > 0).all()  # a different context changes every distribution here
+    assert (kl[~scored] == 0).all()
+
+
+def test_unknown_quantity_is_an_error_naming_the_known_ones():
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    with pytest.raises(ValueError, match="topk"):
+        completion_logprobs(model, prompts, actions, mask, rows, quantities=["attention(2)"])

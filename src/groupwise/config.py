@@ -8,6 +8,7 @@ component is built.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import tomllib
@@ -165,16 +166,73 @@ def parse_value(text: str) -> Any:
 
 
 def apply_override(data: dict, dotted: str) -> None:
+    """Set one dotted ``key=value`` in the raw config dict.
+
+    Inside a list of component entries (``objective.terms``, ``rewards``, ``advantage.shapers``, ...)
+    a path part picks one entry, by position (``objective.terms.0.eps_high=0.28``) or by its ``key``
+    or registry ``name`` (``objective.terms.ppo_clip.eps_high=0.28``), so one parameter changes and
+    the other entries stay. A name that no entry has appends ``{name = ...}`` (``objective.terms.kl.coef=0.1``
+    adds a KL term); a name two entries share is an error asking for ``key`` or a position."""
     if "=" not in dotted:
         raise ConfigError(f"override {dotted!r} must look like key=value (e.g. train.steps=50)")
     key, text = dotted.split("=", 1)
     parts = key.strip().split(".")
-    node = data
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = _list_entry(node, part, ".".join(parts[:depth]))
+            continue
+        if part not in node:
+            default = _default_at(parts[: depth + 1])
+            node[part] = default if isinstance(default, list) else {}
+        node = node[part]
+        if not isinstance(node, (dict, list)):
             raise ConfigError(f"override {key!r}: {part!r} is not a table")
+    if isinstance(node, list):
+        raise ConfigError(f"override {key!r}: name an entry's parameter, e.g. {key}.coef=..., or set the whole list")
     node[parts[-1]] = parse_value(text.strip())
+
+
+def _entry_key(entry: Any) -> Any:
+    return entry if isinstance(entry, str) else entry.get("key", entry.get("name")) if isinstance(entry, dict) else None
+
+
+def _list_entry(entries: list, part: str, where: str) -> dict:
+    """The entry of a component list that ``part`` names (made a table so a parameter can be set)."""
+    if part.isdigit():
+        index = int(part)
+        if index >= len(entries):
+            raise ConfigError(f"override {where}.{part}: {where} has {len(entries)} entries")
+    else:
+        matches = [i for i, entry in enumerate(entries) if _entry_key(entry) == part]
+        if len(matches) > 1:
+            raise ConfigError(f"override {where}.{part}: entries {matches} are all named {part!r}; give them distinct `key`s or use a position")
+        if not matches:
+            entries.append({"name": part})
+            matches = [len(entries) - 1]
+        index = matches[0]
+    if isinstance(entries[index], str):
+        entries[index] = {"name": entries[index]}
+    if not isinstance(entries[index], dict):
+        raise ConfigError(f"override {where}.{part}: entry {entries[index]!r} is not a component table")
+    return entries[index]
+
+
+def _default_at(parts: list[str]) -> Any:
+    """The dataclass default at a dotted path of ``Config`` (None where there is none)."""
+    cls: Any = Config
+    value: Any = None
+    for part in parts:
+        if not dataclasses.is_dataclass(cls):
+            return None
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            return None
+        f = fields[part]
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        sub = f.type if not isinstance(f.type, str) else globals().get(f.type)
+        cls = sub
+    return copy.deepcopy(value)
 
 
 def resolve_recipe(name_or_path: str | None) -> Path | None:

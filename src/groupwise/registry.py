@@ -130,7 +130,7 @@ def build_spec(stage: str, spec: Any) -> Any:
     if isinstance(spec, dict):
         if "name" not in spec:
             raise ConfigError(f"a {stage} entry needs a 'name' key, got {spec!r}")
-        params = {k: v for k, v in spec.items() if k != "name"}
+        params = {k: v for k, v in spec.items() if k not in ("name", "key")}  # `key` only names the entry for overrides
         return build(stage, spec["name"], **params)
     raise ConfigError(f"a {stage} entry must be a name or a table with 'name', got {spec!r}")
 
