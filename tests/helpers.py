@@ -106,7 +106,7 @@ def fill_needs(rollout: Rollout, needs, seed: int = 7) -> dict[str, Tensor]:
         value = torch.rand(B, G, T, generator=g) * 2.0  # [B,G,T]
         if need.quantity == "logp":
             value = -value
-        key = need.quantity if (need.model == "policy" and need.view == "default") else f"{need.model}.{need.quantity}"
+        key = need.key
         if need.grad:
             out[key] = value.requires_grad_(True)
         elif need.quantity == "logp" and need.view == "default":

@@ -40,8 +40,8 @@ class NeedResolver:
     """Every need of the run, checked at build; ``fill`` computes the missing no-grad ones."""
 
     def __init__(self, needs: list[Need], models: dict[str, Callable[[], contextlib.AbstractContextManager]],
-                 view_params: dict[str, dict], forward: Callable[..., dict], encode: Callable[[Any], list[int]]):
-        self.models, self.forward, self.encode, self.view_params = models, forward, encode, view_params
+                 view_params: dict[str, dict], forward: Callable[..., dict], encode: Callable[[Any], list[int]], context: int | None = None):
+        self.models, self.forward, self.encode, self.view_params, self.context = models, forward, encode, view_params, context
         self.providers: dict[str, Any] = {}
         self.views: dict[str, Any] = {}
         for need in needs:
@@ -94,7 +94,7 @@ class NeedResolver:
             rows = rollout
             if view != "default":
                 rows = self.views[view].apply(rollout, self.encode)
-                check_view_rollout(view, rollout, rows)
+                check_view_rollout(view, rollout, rows, self.context)
             with self._scoring(model_name) as model:
                 out = self.forward(model, rows, quantities=sorted(quantities))
             out["scored"] = rows.row_mask.bool()  # [B,G,T]
@@ -106,7 +106,11 @@ class NeedResolver:
                 store(rollout, need, self.providers[need.name].finish(need, results, model))
 
 
-def check_view_rollout(view_name: str, before: Rollout, after: Rollout) -> None:
-    """A view must keep the token axis: same actions shape and mask."""
+def check_view_rollout(view_name: str, before: Rollout, after: Rollout, context: int | None = None) -> None:
+    """A view must keep the token axis (same actions shape and mask) and fit the model's context."""
     if after.actions.shape != before.actions.shape or not torch.equal(after.mask, before.mask):
         raise ValueError(f"view {view_name!r} changed the token axis; a view edits the context and maps positions back")
+    longest = max((len(p) for p in after.prompt_ids), default=0) + after.shape[2]
+    if context and longest > context:
+        raise ValueError(f"view {view_name!r}: an edited prompt plus the completion is {longest} tokens, more than the model's context of {context}; "
+                         f"shorten the view's template (views.{view_name}.template) or rollout.max_new_tokens")

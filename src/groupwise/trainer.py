@@ -72,7 +72,8 @@ class Trainer:
         needs = [n for c in self._components() for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
         self.reference = Reference(self.model) if any(n.model == "ref" for n in needs) else None
         models = {"policy": lambda: contextlib.nullcontext(self.model), "ref": lambda: self.reference.model()}
-        self.needs = NeedResolver(needs, models, cfg.views, self.forward, lambda prompt: encode_prompt(self.tokenizer, prompt))
+        self.needs = NeedResolver(needs, models, cfg.views, self.forward, lambda prompt: encode_prompt(self.tokenizer, prompt),
+                                  context=getattr(self.model.config, "max_position_embeddings", None))
         scorer_needs = set(self.reward_stage.needs)
         self.round_needs = [n for n in needs if not n.grad and n in scorer_needs]  # before dynamic sampling's keep
         self.step_needs = [n for n in needs if not n.grad]

@@ -1,0 +1,66 @@
+"""Driver for tests/test_dist_scope.py (run as a script, alone or under torchrun).
+
+For every registered advantage estimator and shaper, token weight and sampler, it trains two steps
+on the embedded model and records, per step, what the whole-batch components produced (advantages,
+token weights, the kept prompt ids), the loss and gradient norm, and the sampler's state. Each rank
+writes its own file, so the test can check that ranks agree with each other and with one process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from groupwise import dist
+from groupwise.config import load_config
+from groupwise.registry import entries
+from groupwise.trainer import Trainer
+
+BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "eval.size=0", "threads=1",
+        "train.steps=2", 'update={name="sgd", lr=0.5}', "perf.keep_freed_memory=false", 'objective.terms=["ppo_clip", {name="kl", coef=0.1}]']
+
+
+def configurations() -> dict[str, list[str]]:
+    configs: dict[str, list[str]] = {}
+    for stage, name, cls in entries():
+        if stage == "advantage":
+            key = "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"  # shapers run after grpo
+            configs[f"advantage:{name}"] = [f'{key}=["{name}"]' if key.endswith("shapers") else f'{key}="{name}"']
+        elif stage == "weight":
+            configs[f"weight:{name}"] = [f'objective.weights=["{name}"]']
+        elif stage == "sampling":
+            configs[f"sampling:{name}"] = [f'sampling={{name="{name}"}}', 'advantage.estimator={name="grpo", scale="batch"}']
+    return configs
+
+
+def main(out_dir: str, only: str = "") -> None:
+    results = {}
+    for label, extra in configurations().items():
+        if only and only not in label:
+            continue
+        cfg, _ = load_config(None, [*BASE, *extra, f'out="{out_dir}/{label.replace(":", "_")}/rank{os.environ.get("RANK", "0")}"'])
+        trainer = Trainer(cfg)
+        steps = []
+        seen = {}
+        observe = trainer.observe
+
+        def recording(batch, seen=seen, observe=observe):
+            seen["advantages"] = batch.advantages.clone()
+            seen["weight"] = None if batch.weight is None else batch.weight.clone()
+            seen["prompts"] = batch.prompt_index.clone()
+            observe(batch)
+
+        trainer.observe = recording
+        for _ in range(cfg.train.steps):
+            row = trainer.run_step()
+            steps.append({**seen, "loss": row["loss"], "grad_norm": row.get("grad_norm", float("nan")), "sampler": trainer.sampler.state_dict()})
+            trainer.step += 1
+        results[label] = steps
+    torch.save(results, f"{out_dir}/result_rank{os.environ.get('RANK', '0')}_world{dist.world_size()}.pt")
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
