@@ -30,7 +30,8 @@ def nasty_groups(n: int, G: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 def test_no_non_finite_advantage_from_1e5_random_groups(name):
     rewards, valid = nasty_groups(100_000, 8)
     B, G = rewards.shape
-    rollout = Rollout([[1]] * B, torch.zeros(B, G, 1, dtype=torch.long), torch.ones(B, G, 1, dtype=torch.bool), valid, torch.zeros(B, G, dtype=torch.bool), torch.arange(B), rewards=rewards)
+    rollout = Rollout(prompt_ids=[[1]] * B, actions=torch.zeros(B, G, 1, dtype=torch.long), mask=torch.ones(B, G, 1, dtype=torch.bool), group_valid=valid,
+                      truncated=torch.zeros(B, G, dtype=torch.bool), prompt_index=torch.arange(B), rewards=rewards)
     component = build("advantage", name)
     if getattr(component, "shaper", False):  # a shaper reshapes an estimator's output
         rollout.advantages = build("advantage", "grpo")(rollout, StepInfo(0, 0, 1))

@@ -1,9 +1,12 @@
-"""Masked reductions shared by every component. Group statistics reduce over ``dim=1`` (the group)."""
+"""Masked reductions and group primitives shared by every component. Group statistics reduce over
+``dim=1`` (the group); the primitives force exact zeros for invalid rows and constant groups."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+GROUP_SCALES = ("group", "batch", "none")
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
@@ -42,3 +45,44 @@ def batch_std(x: Tensor, valid: Tensor, ddof: int = 1) -> Tensor:
 
 def finite_or_zero(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
+
+
+def valid_rows(rollout) -> tuple[Tensor, Tensor]:
+    """(rewards [B,G] float32, valid [B,G] bool): the rows that enter group statistics."""
+    if rollout.rewards is None:
+        raise ValueError("advantage estimators need rollout.rewards; run the reward stage first")
+    r = rollout.rewards.float()  # [B,G]
+    if r.dim() != 2:
+        raise ValueError(f"advantage estimators expect rewards [B,G], got {tuple(r.shape)}")
+    valid = rollout.group_valid.bool() & torch.isfinite(r)  # [B,G]
+    return r, valid
+
+
+def constant_group(r: Tensor, valid: Tensor) -> Tensor:
+    """[B,1] bool: the group's valid rewards are all equal (true for 0 or 1 valid rows)."""
+    hi = torch.where(valid, r, torch.full_like(r, -torch.inf)).amax(1, keepdim=True)  # [B,1]
+    lo = torch.where(valid, r, torch.full_like(r, torch.inf)).amin(1, keepdim=True)  # [B,1]
+    return ~(hi > lo)  # [B,1]
+
+
+def group_center(r: Tensor, valid: Tensor) -> Tensor:
+    """[B,G] r - mean_g(r) over valid rows; exactly 0 for invalid rows and constant groups."""
+    centred = r - group_mean(r, valid)  # [B,G]
+    keep = valid & ~constant_group(r, valid)  # [B,G]
+    return torch.where(keep, centred, torch.zeros((), dtype=r.dtype))  # [B,G]
+
+
+def group_normalize(r: Tensor, valid: Tensor, scale: str | None = "group", ddof: int = 1, eps: float = 1e-4) -> Tensor:
+    """[B,G] -> [B,G] centred by the group mean, divided by the group / batch std (+eps) or not at all."""
+    centred = group_center(r, valid)  # [B,G]
+    if scale in (None, "none"):
+        return centred
+    if scale == "group":
+        std = group_std(r, valid, ddof)  # [B,1]
+    elif scale == "batch":
+        std = batch_std(r, valid, ddof)  # []
+    else:
+        raise ValueError(f"scale must be one of {GROUP_SCALES}, got {scale!r}")
+    denom = std + eps  # [B,1] or []
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))  # eps=0 and std=0 only for constant groups (centred 0)
+    return centred / denom  # [B,G]

@@ -69,6 +69,7 @@ def load_all() -> None:
     _LOADED = True
     import groupwise
 
+    importlib.import_module("groupwise.kl_estimators")
     for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "schedules", "views", "providers", "tasks"):
         pkg = importlib.import_module(f"groupwise.{sub}")
         for info in pkgutil.iter_modules(pkg.__path__):

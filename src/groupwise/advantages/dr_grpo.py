@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.advantages.grpo import group_normalize, valid_rows
+from groupwise.masked import group_normalize, valid_rows
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

@@ -28,8 +28,9 @@ Zhihong Shao, Peiyi Wang, Qihao Zhu et al., 2024. https://arxiv.org/abs/2402.033
    centred value is forced to 0 instead of relying on ``r - mean`` rounding to 0.
 3. ``scale="batch"`` takes the std of every valid reward of the step batch (all groups, not the
    centred values), computed once per step before micro-batching as DESIGN §2 requires.
-4. ``group_normalize`` is the shared primitive (specs/README "Group statistics") other
-   estimators import; ``dr_grpo`` and ``rloo`` are built on ``group_center``.
+4. ``group_normalize`` is the shared primitive (specs/README "Group statistics", in
+   ``groupwise.masked`` with ``valid_rows``, ``constant_group`` and ``group_center``); ``dr_grpo`` and
+   ``rloo`` are built on it too.
 """
 
 from __future__ import annotations
@@ -39,53 +40,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.masked import batch_std, group_mean, group_std
+from groupwise.masked import GROUP_SCALES, constant_group, group_center, group_normalize, valid_rows  # noqa: F401  (the shared primitives, re-exported)
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 _DDOF = {"unbiased": 1, "population": 0}
-_SCALES = ("group", "batch", "none")
-
-
-def valid_rows(rollout: Rollout) -> tuple[Tensor, Tensor]:
-    """(rewards [B,G] float32, valid [B,G] bool): the rows that enter group statistics."""
-    if rollout.rewards is None:
-        raise ValueError("advantage estimators need rollout.rewards; run the reward stage first")
-    r = rollout.rewards.float()  # [B,G]
-    if r.dim() != 2:
-        raise ValueError(f"advantage estimators expect rewards [B,G], got {tuple(r.shape)}")
-    valid = rollout.group_valid.bool() & torch.isfinite(r)  # [B,G]
-    return r, valid
-
-
-def constant_group(r: Tensor, valid: Tensor) -> Tensor:
-    """[B,1] bool: the group's valid rewards are all equal (true for 0 or 1 valid rows)."""
-    hi = torch.where(valid, r, torch.full_like(r, -torch.inf)).amax(1, keepdim=True)  # [B,1]
-    lo = torch.where(valid, r, torch.full_like(r, torch.inf)).amin(1, keepdim=True)  # [B,1]
-    return ~(hi > lo)  # [B,1]
-
-
-def group_center(r: Tensor, valid: Tensor) -> Tensor:
-    """[B,G] r - mean_g(r) over valid rows; exactly 0 for invalid rows and constant groups."""
-    centred = r - group_mean(r, valid)  # [B,G]
-    keep = valid & ~constant_group(r, valid)  # [B,G]
-    return torch.where(keep, centred, torch.zeros((), dtype=r.dtype))  # [B,G]
-
-
-def group_normalize(r: Tensor, valid: Tensor, scale: str | None = "group", ddof: int = 1, eps: float = 1e-4) -> Tensor:
-    """[B,G] -> [B,G] centred by the group mean, divided by the group / batch std (+eps) or not at all."""
-    centred = group_center(r, valid)  # [B,G]
-    if scale in (None, "none"):
-        return centred
-    if scale == "group":
-        std = group_std(r, valid, ddof)  # [B,1]
-    elif scale == "batch":
-        std = batch_std(r, valid, ddof)  # []
-    else:
-        raise ValueError(f"scale must be one of {_SCALES}, got {scale!r}")
-    denom = std + eps  # [B,1] or []
-    denom = torch.where(denom > 0, denom, torch.ones_like(denom))  # eps=0 and std=0 only for constant groups (centred 0)
-    return centred / denom  # [B,G]
 
 
 @register("advantage", "grpo")
@@ -98,8 +57,8 @@ class GRPOAdvantage:
     eps: float = 1e-4
 
     def __post_init__(self) -> None:
-        if self.scale not in _SCALES:
-            raise ValueError(f"grpo: scale must be one of {_SCALES}, got {self.scale!r}")
+        if self.scale not in GROUP_SCALES:
+            raise ValueError(f"grpo: scale must be one of {GROUP_SCALES}, got {self.scale!r}")
         if self.std not in _DDOF:
             raise ValueError(f"grpo: std must be one of {tuple(_DDOF)}, got {self.std!r}")
         if self.eps < 0:

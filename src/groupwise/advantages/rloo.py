@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.advantages.grpo import group_center, valid_rows
+from groupwise.masked import group_center, valid_rows
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

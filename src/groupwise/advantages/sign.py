@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.advantages.grpo import constant_group, valid_rows
+from groupwise.masked import constant_group, valid_rows
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

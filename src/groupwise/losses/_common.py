@@ -42,3 +42,43 @@ def required(mb: Rollout, field: str, who: str) -> Tensor:
     if value is None:
         raise ValueError(f"objective term {who!r} needs rollout.{field}, which the trainer did not fill")
     return value
+
+
+def ratio_and_adv(mb: Rollout, out: dict[str, Tensor], who: str) -> tuple[Tensor, Tensor]:
+    """([b,G,T] token ratio exp(logp − logp_old), [b,G,T] token advantages), both 0-safe outside the mask."""
+    mask = term_mask(mb)  # [b,G,T]
+    logp = masked_input(out["logp"], mask)  # [b,G,T]
+    logp_old = masked_input(required(mb, "logp_old", who), mask)  # [b,G,T]
+    ratio = torch.exp(logp - logp_old)  # [b,G,T]
+    return ratio, token_advantages(mb, mask, who)
+
+
+def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None) -> Tensor:
+    """Per-token PPO loss −min(ratio·adv, clip(ratio)·adv), optionally dual-clipped for adv < 0."""
+    surr = ratio * adv  # [b,G,T]
+    surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv  # [b,G,T]
+    loss = -torch.minimum(surr, surr_clipped)  # [b,G,T]
+    if dual_clip is not None:
+        cap = -dual_clip * adv  # [b,G,T]
+        loss = torch.where((adv < 0) & (loss > cap), cap, loss)  # [b,G,T]
+    return loss
+
+
+def clip_stats(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None) -> dict[str, Tensor]:
+    """Per-token clip indicators (float 0/1) and the ratio, for logging."""
+    ratio = ratio.detach()  # [b,G,T]
+    stats = {
+        "clip_low": ((ratio < 1.0 - eps_low) & (adv < 0)).float(),  # [b,G,T]
+        "clip_high": ((ratio > 1.0 + eps_high) & (adv > 0)).float(),  # [b,G,T]
+        "ratio": ratio,  # [b,G,T]
+    }
+    if dual_clip is not None:
+        stats["clip_dual"] = ((ratio > dual_clip) & (adv < 0)).float()  # [b,G,T]
+    return stats
+
+
+def check_clip(who: str, eps_low: float, eps_high: float) -> None:
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"{who}: eps_low must be in [0, 1), got {eps_low}")
+    if eps_high < 0.0:
+        raise ValueError(f"{who}: eps_high must be >= 0, got {eps_high}")

@@ -50,8 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import masked_input, required, term_mask, token_advantages
-from groupwise.losses.ppo_clip import check_clip, clip_stats, clipped_surrogate
+from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, masked_input, required, term_mask, token_advantages
 from groupwise.masked import masked_mean
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo

@@ -5,8 +5,9 @@ http://joschu.net/blog/kl-approx.html — the term as used by GRPO: "DeepSeekMat
 2024, https://arxiv.org/abs/2402.03300 (eq. 4, unbiased estimator with β = 0.04).
 
 **Change vs GRPO**: none (GRPO adds β·KL(π_θ ‖ π_ref) to the loss with the k3 estimator); the
-estimator is selectable, and stage ``kl`` holds every estimator so other components (the
-``kl_penalty`` reward, adaptive-KL variants) reuse them by name.
+estimator is selectable: stage ``kl`` (module ``groupwise.kl_estimators``) holds every estimator so
+other components (the ``kl_penalty`` reward, adaptive-KL variants) reuse them by name without
+importing the loss.
 
 **Math** (elementwise, samples drawn from π_θ, ``d = logp_ref - logp`` = log(π_ref / π_θ))::
 
@@ -36,47 +37,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-from groupwise.losses._common import masked_input, required, term_mask
+from groupwise.kl_estimators import token_kl
+from groupwise.losses._common import required, term_mask
 from groupwise.registry import build, register
 from groupwise.types import Need, Rollout, StepInfo
-
-
-@register("kl", "k1")
-@dataclass
-class K1:
-    """Naive KL estimator logp − logp_ref (k1, Schulman 2020)."""
-
-    def __call__(self, logp: Tensor, logp_ref: Tensor) -> Tensor:
-        return logp - logp_ref  # [...]
-
-
-@register("kl", "k2")
-@dataclass
-class K2:
-    """Squared log-ratio KL estimator ½(logp − logp_ref)² (k2, Schulman 2020)."""
-
-    def __call__(self, logp: Tensor, logp_ref: Tensor) -> Tensor:
-        return 0.5 * (logp - logp_ref) ** 2  # [...]
-
-
-@register("kl", "k3")
-@dataclass
-class K3:
-    """Unbiased non-negative KL estimator e^d − d − 1, d = logp_ref − logp (k3, Schulman 2020; GRPO)."""
-
-    def __call__(self, logp: Tensor, logp_ref: Tensor) -> Tensor:
-        d = logp_ref - logp  # [...]
-        return torch.exp(d) - d - 1.0  # [...]
-
-
-def token_kl(estimator, logp: Tensor, logp_ref: Tensor, mask: Tensor) -> Tensor:
-    """[b,G,T] float32 per-token KL estimate, exactly 0 outside ``mask``."""
-    logp = masked_input(logp, mask)  # [b,G,T]
-    logp_ref = masked_input(logp_ref, mask)  # [b,G,T]
-    return estimator(logp, logp_ref)  # [b,G,T]
 
 
 @register("objective", "kl")

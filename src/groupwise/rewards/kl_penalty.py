@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses.kl import token_kl
+from groupwise.kl_estimators import token_kl
 from groupwise.registry import build, register
 from groupwise.types import Need, Rollout, StepInfo
 

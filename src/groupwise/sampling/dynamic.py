@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.advantages.grpo import constant_group
+from groupwise.masked import constant_group
 from groupwise.registry import register
 from groupwise.sampling.uniform import UniformSampler
 from groupwise.types import Rollout
