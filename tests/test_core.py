@@ -264,3 +264,31 @@ def test_prompt_stats_by_hand():
     again = PromptStats()
     again.load_state_dict(copy.deepcopy(stats.state_dict()))
     assert again.state_dict() == stats.state_dict() and again.last_mean(404, 0.25) == 0.25
+
+
+RESUMABLE = [
+    ["sampling={name=\"dynamic\"}", 'objective.terms=["ppo_clip", {name="kl", coef={schedule="linear", start_value=0.0, end=0.2, steps=4}}]'],
+]
+
+
+@pytest.mark.parametrize("extra", RESUMABLE)
+def test_stateful_components_resume_exactly(tmp_path, extra):
+    """Four steps straight equal two steps, a checkpoint, a new process-like Trainer and two more:
+    same weights, sampler state, schedules and prompt table (in-process; the process-killing
+    version is tests/test_resume.py under make test-slow)."""
+    common = ["train.steps=4", "eval.size=0", "checkpoint.every=2", *extra]
+    straight = make_trainer(tmp_path / "a", *common)
+    straight.train()
+    first = make_trainer(tmp_path / "b", *common)
+    first.cfg.train.steps = 2  # stop half-way (the updater's schedule was bound for 4 steps, as in a real interruption)
+    first.train()
+    resumed = make_trainer(tmp_path / "b", *common)
+    resumed.train()
+    assert resumed.step == straight.step == 4
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+    assert straight.sampler.state_dict() == resumed.sampler.state_dict()
+    assert straight.prompt_stats.state_dict() == resumed.prompt_stats.state_dict()
+    for a, b in zip(straight._components(), resumed._components()):
+        if hasattr(a, "state_dict") and a is not straight.updater:
+            assert repr(a.state_dict()) == repr(b.state_dict()), type(a).__name__
