@@ -1,10 +1,40 @@
 """Quantities read from one packed forward pass: ``logp``, ``entropy``, ``topk(k)``, ``hidden(l)``.
 
+Standard practice, no paper: GRPO's ratio and KL terms need the per-token log-probs of the sampled
+completion under the policy and the reference model (DeepSeekMath, Shao et al. 2024,
+https://arxiv.org/abs/2402.03300). The other quantities come from the same forward pass, for the
+variants that read them.
+
+**Change vs GRPO**: none — ``logp`` is the quantity GRPO uses; ``entropy``, ``topk(k)`` and
+``hidden(l)`` only add outputs of the same forward (e.g. the ``top_entropy`` token weight reads
+``entropy``).
+
+**Math** (``logq = log_softmax(logits.float())``, the output head at the position that predicts
+completion token ``y_t``, i.e. given the prefix ``context, y_<t``)::
+
+    logp[b,g,t]      = logq[y_t]                                    # [B,G,T]
+    entropy[b,g,t]   = -Σ_v exp(logq[v]) · logq[v]                  # [B,G,T]
+    topk(k)[b,g,t]   = the k largest logq[v], descending            # [B,G,T,k]
+    hidden(l)[b,g,t] = residual stream after decoder layer l         # [B,G,T,H]   (0 = embeddings)
+
 Each is the value at completion token t computed from the position that predicts it (the prefix
-``context, y_<t``), under the need's model and view, float32, 0 outside the mask. ``topk(k)`` is the
-k largest log-probs of the next-token distribution [B,G,T,k] (descending); ``hidden(l)`` the residual
-stream after decoder layer l (0 = the embeddings) [B,G,T,H]. ``hidden`` takes the model's own
-forward off the functional path only where the functional decoder does not run.
+``context, y_<t``), under the need's model and view, float32, 0 outside the mask.
+
+**Defaults**: none; the providers have no fields. ``topk`` and ``hidden`` take their argument from
+the need's name: ``topk(k)`` with an integer k ≥ 1, ``hidden(l)`` with l ≥ 0.
+
+**Notes**
+
+1. ``hidden`` takes the model's own forward off the functional path only where the functional
+   decoder does not run.
+2. The logits are the raw model's (temperature 1, after the architecture's own logit scaling or
+   soft-capping): the rollout's sampling temperature does not enter.
+3. ``topk(k)`` with k larger than the vocabulary pads the missing entries with ``-inf``.
+4. ``check`` runs at build time: a missing or non-integer argument of ``topk``/``hidden`` (or one
+   below its minimum), or any argument given to ``logp``/``entropy``, is a ``ConfigError``.
+5. ``grad_ok = True``: these may be computed with autograd inside a micro-batch, but only as the
+   policy's own default-view quantities (``needs.NeedResolver.check``). ``plan`` asks the forward
+   of the need's ``(model, view)`` for the quantity, and all quantities of one pair share one pass.
 """
 
 from __future__ import annotations

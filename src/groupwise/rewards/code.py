@@ -12,6 +12,19 @@ guarantees, residual risks and the tests proving them: ``docs/sandbox.md``.
     timeout_s = 5.0           # per test case, wall clock
     all_or_nothing = false    # true: 1.0 only when every test passes
 
+**Change vs GRPO**: none — standard practice for code RL, a verifiable execution reward (open-r1's
+``code_reward`` also scores the fraction of test cases passed); it only fills the reward column
+that GRPO's advantage estimator then centres and scales.
+
+**Math** (per row: ``code = extract_code(completion)``, ``cases = parse_tests(tests)``; the cases run
+in order, ``ok_k = verdict(case_k, run_case(code, case_k))`` is True, False or None)::
+
+    score = None                      if cases is None or empty (no tests)
+    score = None                      at the first ok_k that is None (infrastructure failure)
+    score = 0.0                       at the first ok_k that is False    (all_or_nothing=True)
+    score = 1.0                       if every ok_k is True              (all_or_nothing=True)
+    score = passed / len(cases)       otherwise                          (all_or_nothing=False)
+
 **The code** is the last fenced block marked ```` ```python ```` (or ``py``/``python3``) in the
 completion, else the whole completion.
 
@@ -49,20 +62,46 @@ it is counted in ``stats["infra_error"]`` and its message kept in ``last_errors`
 Reward = passed / total (``all_or_nothing=True``: 1.0 only if all pass, stopping at the first
 failure).
 
-**Fail closed.** Construction runs a probe program in the sandbox; without a working ``bwrap`` it
-raises :class:`SandboxUnavailable` explaining how to install it — unless ``unsafe_local=True``,
-which runs the same harness as a plain subprocess (rlimits, own session, timeout and group kill,
-scrubbed environment) with NO namespace isolation: network, host files and escaped daemons are
-then the candidate's to use. Only for code you trust.
+**Defaults** [INFERRED: the values asked for in the issue, not tuned], unless tagged otherwise:
 
-Defaults: ``column="tests"``; ``timeout_s=5.0`` (per test case, from the moment the interpreter in
-the sandbox is ready); ``memory_mb=512`` (RLIMIT_AS, per process); ``max_output_bytes=65536`` (per
-stream); ``max_processes=16`` (RLIMIT_NPROC: processes and threads); ``all_or_nothing=False``;
-``unsafe_local=False``; ``workers=2`` (samples scored concurrently, each in its own processes);
-``weight=1.0``. The scratch ``/tmp`` (and ``/dev/shm``) is a 64 MiB tmpfs, 64 MiB is also the
-largest file (RLIMIT_FSIZE); 64 open files. [INFERRED: the values asked for in the issue, not
-tuned.] Limits are per process, so one test case may use up to ``max_processes × memory_mb`` of
+- ``column = "tests"``.
+- ``timeout_s = 5.0`` per test case, from the moment the interpreter in the sandbox is ready
+  (open-r1's ``code_reward`` also allows 5 s per case [CODE]).
+- ``memory_mb = 512`` (RLIMIT_AS, per process).
+- ``max_output_bytes = 65536`` (per stream).
+- ``max_processes = 16`` (RLIMIT_NPROC: processes and threads).
+- ``all_or_nothing = False`` (fractional, as open-r1's ``code_reward`` [CODE]).
+- ``unsafe_local = False`` (fail closed).
+- ``workers = 2`` (samples scored concurrently, each in its own processes).
+- ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+- Fixed, not fields: the scratch ``/tmp`` (and ``/dev/shm``) is a 64 MiB tmpfs, 64 MiB is also the
+  largest file (RLIMIT_FSIZE); 64 open files; 30 s for the sandbox to become ready.
+
+Limits are per process, so one test case may use up to ``max_processes × memory_mb`` of
 address space; measured timeout overrun and every residual risk: ``docs/sandbox.md``.
+
+**Notes**
+
+1. **Fail closed.** Construction runs a probe program in the sandbox; without a working ``bwrap``
+   it raises :class:`SandboxUnavailable` explaining how to install it — unless
+   ``unsafe_local=True``, which runs the same harness as a plain subprocess (rlimits, own session,
+   timeout and group kill, scrubbed environment) with NO namespace isolation: network, host files
+   and escaped daemons are then the candidate's to use. Only for code you trust (it warns).
+2. "All of one file": every case of a row runs the same extracted code. The three case forms may be
+   mixed in one row, and a single case given as a dict counts as a one-case list.
+3. The fence match is case-insensitive and needs a line break after the language tag. A
+   conversational completion (a list of ``{"role", "content"}`` messages, as TRL passes them)
+   uses the content of its last message.
+4. Stdout normalisation applies to both sides and also turns a lone ``\\r`` into ``\\n``; a
+   function-call case passes only if the result channel holds exactly one record, a successful
+   result. Every case also fails on a timeout, capped output or a non-zero exit.
+5. ``stats`` counts ``runs``, ``passed``, ``failed``, ``timeout``, ``output_capped``,
+   ``infra_error`` and ``no_tests`` over the reward's life; ``last_errors`` holds the
+   infrastructure messages of the last call only.
+6. Samples are scored by a thread pool of ``min(workers, number of completions)`` threads.
+   Invalid settings (``timeout_s`` outside (0, 3600], ``memory_mb < 64``,
+   ``max_output_bytes < 1024``, ``max_processes < 2``, ``workers < 1``, an empty ``column``) are a
+   ``ConfigError`` at build time.
 """
 
 from __future__ import annotations

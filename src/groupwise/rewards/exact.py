@@ -1,16 +1,39 @@
 """Exact-match reward: 1.0 when the completion equals the gold answer, else 0.0.
 
-The simplest verifiable reward, as in TinyZero-style arithmetic tasks and the "exact match"
-scorers of lm-evaluation-harness (https://github.com/EleutherAI/lm-evaluation-harness). The
-completion is cut at the first ``stop`` string (if given), both sides are whitespace-stripped
-(``strip=True``) and compared as strings; a non-string gold value is compared as ``str(value)``.
+Standard practice, no paper: the simplest verifiable reward, as in TinyZero-style arithmetic tasks
+and the "exact match" scorers of lm-evaluation-harness
+(https://github.com/EleutherAI/lm-evaluation-harness).
 
-Defaults: ``column="answer"`` (the column name our tasks and GSM8K use) [INFERRED];
-``strip=True`` [INFERRED: models end with a newline or space]; ``stop=None`` (no cut);
-``weight=1.0``.
+**Change vs GRPO**: none — a rule-based outcome reward; it only fills the reward column that
+GRPO's advantage estimator then centres and scales. Nothing else in the loop changes.
 
-A row whose gold value is ``None`` gets ``None`` (no verdict). A missing column is an error that
-names the column.
+**Math** (per completion ``text`` and the gold value ``gold`` of its row in ``column``)::
+
+    score = None                                 if gold is None   (no verdict)
+    text  = text.split(stop, 1)[0]               if stop           (cut at the first stop string)
+    gold  = str(gold)
+    text, gold = text.strip(), gold.strip()      if strip          (whitespace at both ends)
+    score = 1.0 if text == gold else 0.0
+
+**Defaults**
+
+- ``column = "answer"`` [INFERRED] the column name our tasks and GSM8K use.
+- ``strip = True`` [INFERRED] models end with a newline or space.
+- ``stop = None`` (no cut) [INFERRED] nothing is cut unless asked.
+- ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+
+**Notes**
+
+1. A row whose gold value is ``None`` gets ``None`` (no verdict); the reward stage then excludes
+   or zeroes it (``reward.missing``).
+2. A missing column is an error that names the column (``RewardError`` from ``get_column``, which
+   also rejects a column without one value per completion).
+3. A non-string gold value is compared as ``str(value)``: ``42`` matches ``"42"``, but ``42.0``
+   becomes ``"42.0"`` and does not match ``"42"``.
+4. ``stop`` cuts the completion only, never the gold, and only when it is a non-empty string
+   (``stop=""`` cuts nothing).
+5. Nothing else is normalised: the comparison is case-sensitive, and whitespace inside the strings
+   counts.
 """
 
 from __future__ import annotations

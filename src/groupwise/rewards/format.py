@@ -1,18 +1,36 @@
 """Format reward: 1.0 when the completion matches a regular expression, else 0.0.
 
-DeepSeek-R1 (DeepSeek-AI 2025, https://arxiv.org/abs/2501.12948) adds a "format reward" for
-putting the reasoning between ``<think>`` tags; TRL's and open-r1's ``format_reward``
-(https://github.com/huggingface/open-r1, ``src/open_r1/rewards.py``) implement it as a regex
-match over the whole completion. Here the pattern is the user's:
+DeepSeek-R1 ("DeepSeek-R1: Incentivizing Reasoning Capability in LLMs via Reinforcement
+Learning", DeepSeek-AI, 2025, https://arxiv.org/abs/2501.12948) adds a "format reward" for
+putting the reasoning between ``<think>`` tags; open-r1's ``format_reward``
+(https://github.com/huggingface/open-r1, ``src/open_r1/rewards.py``) and TRL's
+``think_format_reward`` (``trl/rewards/format_rewards.py``) implement it as a regex match over the
+completion. Here the pattern is the user's.
 
-    score = 1.0 if re.fullmatch(pattern, completion, re.DOTALL) else 0.0     (search=False)
-    score = 1.0 if re.search(pattern, completion, re.DOTALL) else 0.0        (search=True)
+**Change vs GRPO**: none — standard practice (R1's format reward), a rule-based reward; it only
+fills the reward column that GRPO's advantage estimator then centres and scales.
 
-Defaults: ``pattern`` is required (no default) — e.g. R1's
-``r"<think>.*?</think>\\s*<answer>.*?</answer>"``; ``search=False`` (whole completion must match,
-as in open-r1) [CODE]; ``re.DOTALL`` always, so ``.`` crosses lines [CODE]; ``weight=1.0``.
+**Math** (``regex = re.compile(pattern, re.DOTALL)``, compiled once at build time)::
 
-A missing or invalid pattern is an error at build time, naming the pattern.
+    score = 1.0 if regex.fullmatch(completion) else 0.0     (search=False)
+    score = 1.0 if regex.search(completion) else 0.0        (search=True)
+
+**Defaults**
+
+- ``pattern``: required, no default — e.g. R1's
+  ``r"<think>.*?</think>\\s*<answer>.*?</answer>"``.
+- ``search = False`` (the whole completion must match) [CODE] open-r1's ``format_reward`` and TRL's
+  ``think_format_reward`` anchor their patterns at both ends (``^…$``).
+- ``re.DOTALL`` always, so ``.`` crosses lines [CODE] open-r1 and TRL pass ``re.DOTALL`` too.
+- ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+
+**Notes**
+
+1. A missing or invalid pattern is an error at build time, naming the pattern: ``None``, a
+   non-string or an empty string, or one that does not compile (``ConfigError``).
+2. ``re.MULTILINE`` is not set. open-r1 and TRL set it, under which their ``$`` may match at any line
+   end; with ``fullmatch`` text after the last tag makes the completion score 0.
+3. Every completion gets a verdict (never ``None``); dataset columns are ignored.
 """
 
 from __future__ import annotations

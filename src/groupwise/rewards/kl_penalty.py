@@ -7,7 +7,8 @@ Wu et al., 2019, https://arxiv.org/abs/1909.08593 (reward r − β·KL); estimat
 **Change vs GRPO**: GRPO puts the KL in the loss (objective term ``kl``); this scorer puts it in
 the reward instead, so it is centred and scaled with the task reward by the advantage estimator.
 
-**Math** (``logp_old`` = the sampling policy's log-probs, filled by the trainer before scorers run)::
+**Math** (``logp_old`` = the sampling policy's log-probs, filled by the trainer before scorers run;
+``mask = rollout.row_mask``, the completion tokens of valid rows)::
 
     score = -coef * Σ_t mask · kl(logp_old, logp_ref)          # [B,G]
 
@@ -16,7 +17,8 @@ the reward instead, so it is centred and scaled with the task reward by the adva
 - ``coef = 0.05`` [CODE] TRL ``PPOConfig.kl_coef``.
 - ``estimator = "k1"`` [CODE] TRL ``PPOConfig.kl_estimator``: k1 is unbiased for the sequence KL
   and its per-token sum is the log-ratio of the sequence, which is what a reward should carry.
-- ``weight = 1.0`` (the trainer multiplies every reward component by its weight).
+- ``weight = 1.0`` (the trainer multiplies every reward component by its weight) [CODE] TRL
+  ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
 
 **Notes**
 
@@ -25,6 +27,8 @@ the reward instead, so it is centred and scaled with the task reward by the adva
 2. Invalid rows (``group_valid`` False) score 0; tokens outside ``rollout.mask`` contribute 0,
    whatever their log-probs hold.
 3. No gradient: the log-probs are no-grad needs computed once per step.
+4. ``estimator`` is any name of stage ``kl`` (``k1``, ``k2``, ``k3``), built at construction; a
+   rollout without ``logp_old`` or ``logp_ref`` is a ``ValueError``.
 """
 
 from __future__ import annotations

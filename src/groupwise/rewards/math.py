@@ -5,6 +5,20 @@ Checks a completion's final answer against the gold answer with Hugging Face's m
 (numeric, symbolic, set/interval and string equivalence). This is the accuracy reward of open-r1
 (https://github.com/huggingface/open-r1, ``src/open_r1/rewards.py``) and TRL's math examples.
 
+**Change vs GRPO**: none — standard practice, the rule-based accuracy reward of R1-style GRPO
+training; it only fills the reward column that GRPO's advantage estimator then centres and scales.
+
+**Math** (per completion ``i``; ``golds = columns[column]``)::
+
+    gold   = gold_answer(golds[i])                 (None -> score None, not sent to a worker)
+    text   = completion_answer_text(completions[i])
+    parsed = parse("\\boxed{" + gold + "}")        (LaTeX and plain-expression extraction)
+    score  = None                                  if parsed is empty (the gold does not parse)
+    score  = 0.0                                   if parse(text) is empty (no answer found)
+    score  = 1.0 if verify(parsed, parse(text)) else 0.0
+    score  = None                                  if the item runs past timeout_s, math-verify
+                                                   raises, or the worker crashes
+
 Gold answers (the ``column``, default ``answer``) are extracted by :func:`gold_answer`:
 
 1. MATH / MATH-500 (Hendrycks et al. 2021): the content of the last ``\\boxed{...}`` (braces
@@ -14,33 +28,42 @@ Gold answers (the ``column``, default ``answer``) are extracted by :func:`gold_a
 3. The text after ``The answer is:`` (MetaMath-style tails).
 4. Anything else is taken as the bare answer (``"82"``, ``"\\frac{1}{2}"``).
 
-A box is looked for first so that a Markdown ``####`` heading in a boxed solution is not taken
-for GSM8K's marker.
+The completion is parsed with math-verify's default extraction (LaTeX and plain expressions,
+``\\boxed`` first); if it has no ``\\boxed`` but contains GSM8K's ``####`` marker, only the text
+after the last one is parsed (:func:`completion_answer_text`).
 
-The extracted gold is parsed as ``\\boxed{gold}``. The completion is parsed with math-verify's
-default extraction (LaTeX and plain expressions, ``\\boxed`` first); if it has no ``\\boxed`` but
-contains GSM8K's ``####`` marker, only the text after the last one is parsed [INFERRED: a model
-trained on GSM8K solutions answers in that format; without this, 4 of the 1,319 GSM8K test
-reference solutions fail to verify against their own answer].
+**Defaults**
 
-Scores: 1.0 equivalent, 0.0 not (or no answer found), ``None`` (no verdict) when the gold does not
-parse, when the row's gold is ``None``, or when verification runs out of time.
+- ``column = "answer"`` [INFERRED].
+- ``timeout_s = 5.0`` [CODE] math-verify's default ``timeout_seconds`` (``verify``).
+- ``num_workers = 1`` [INFERRED] one core per worker; raise it on large hosts.
+- ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
 
-**Never hangs.** Some answers make verification run for ever: with ``\\boxed{9^{9^{9^{9}}}}``
-SymPy tries to evaluate the power tower. math-verify's own timeout uses ``signal.alarm``, which
-works only on the main thread (elsewhere it raises), fires only when control returns to the
-interpreter (not inside C extensions that never check for signals), and scores a timeout 0.0
-rather than "no verdict". Verification therefore runs in persistent worker processes with
-math-verify's timeouts off (``_math_worker.py``), fed whole batches to amortise the IPC
-(``_math_pool.py``); each item gets ``timeout_s`` of wall-clock time, and on expiry the worker is
-killed (SIGKILL), the item scores ``None``, the worker is restarted (~1 s, not counted against any
-item) and the rest of its batch resent. ``timeouts`` counts these items. Workers are fresh
-interpreters (as with multiprocessing's "spawn", but never re-running the caller's ``__main__``)
-and die with the parent (Linux ``PR_SET_PDEATHSIG``).
+**Notes**
 
-Defaults: ``column="answer"`` [INFERRED]; ``timeout_s=5.0`` [CODE: math-verify's default
-``timeout_seconds``]; ``num_workers=1`` [INFERRED: one core per worker; raise it on large hosts];
-``weight=1.0``.
+1. A box is looked for first so that a Markdown ``####`` heading in a boxed solution is not taken
+   for GSM8K's marker.
+2. The ``####`` rule for completions is [INFERRED]: a model trained on GSM8K solutions answers in
+   that format; without this, 4 of the 1,319 GSM8K test reference solutions fail to verify against
+   their own answer.
+3. Scores: 1.0 equivalent, 0.0 not (or no answer found), ``None`` (no verdict) when the gold does
+   not parse, when the row's gold is ``None``, or when verification runs out of time.
+4. **Never hangs.** Some answers make verification run for ever: with ``\\boxed{9^{9^{9^{9}}}}``
+   SymPy tries to evaluate the power tower. math-verify's own timeout uses ``signal.alarm``, which
+   works only on the main thread (elsewhere it raises), fires only when control returns to the
+   interpreter (not inside C extensions that never check for signals), and scores a timeout 0.0
+   rather than "no verdict". Verification therefore runs in persistent worker processes with
+   math-verify's timeouts off (``_math_worker.py``), fed whole batches to amortise the IPC
+   (``_math_pool.py``); each item gets ``timeout_s`` of wall-clock time, and on expiry the worker
+   is killed (SIGKILL), the item scores ``None``, the worker is restarted (~1 s, not counted
+   against any item) and the rest of its batch resent. ``timeouts`` counts these items.
+5. Workers are fresh interpreters (as with multiprocessing's "spawn", but never re-running the
+   caller's ``__main__``) and die with the parent (Linux ``PR_SET_PDEATHSIG``). They start on the
+   first call; ``close()`` stops them, and a copy or unpickled reward starts its own.
+6. :func:`verify_in_process` scores one pair in the calling process WITHOUT a timeout (tests,
+   notebooks).
+7. ``timeout_s <= 0`` or ``num_workers < 1`` is a ``ConfigError`` at build time; a missing column
+   is an error that names it.
 """
 
 from __future__ import annotations

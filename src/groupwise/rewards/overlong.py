@@ -1,25 +1,40 @@
 """Soft overlong punishment: a length penalty that ramps from 0 to -1 over the last tokens.
 
-Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
-https://arxiv.org/abs/2503.14476 (Sec. 3.4, Eq. 13). With ``L_max`` the generation budget and
-``L_cache`` the punishment buffer, for a completion of ``length`` tokens::
+"DAPO: An Open-Source LLM Reinforcement Learning System at Scale", Qiying Yu et al., 2025,
+https://arxiv.org/abs/2503.14476 (Sec. 3.4, Eq. 13).
+
+**Change vs GRPO**: GRPO has no length term. This reward adds DAPO's soft overlong punishment, a
+penalty that grows as a completion runs into the generation budget, to the task reward.
+
+**Math** (``L_max`` the generation budget, ``L_cache`` the punishment buffer, ``length`` the
+completion's tokens; ``L_expected = L_max - L_cache`` the longest length with no penalty)::
 
     penalty = 0                                      if length <= L_max - L_cache
     penalty = (L_max - L_cache - length) / L_cache   if L_max - L_cache < length <= L_max
     penalty = -1                                     if length > L_max
 
-It is added to the task reward (so give it ``weight=1.0`` next to e.g. ``math``). A completion
-cut at the budget has ``length == L_max`` and gets -1.
+**Defaults**
 
-Defaults:
-  * ``L_max`` = ``max_new_tokens`` from the columns [PAPER: the maximum number of generated
-    tokens]; ``max_length`` overrides it.
-  * ``overlong_buffer`` (``L_cache``) = 4 tokens [INFERRED: sized for the tiny CPU runs of this
-    library]. DAPO used ``L_cache = 4096`` with ``L_max = 20480`` [PAPER], i.e. 20% of the budget;
-    set ``overlong_buffer`` accordingly at scale.
-  * ``weight=1.0`` [PAPER: added unscaled].
+- ``L_max`` = ``max_new_tokens`` from the columns [PAPER] the maximum number of generated tokens;
+  ``max_length`` (default ``None``) overrides it.
+- ``overlong_buffer`` (``L_cache``) = 4 tokens [INFERRED] sized for the tiny CPU runs of this
+  library. DAPO used ``L_cache = 4096`` with ``L_max = 20480`` [PAPER], i.e. 20% of the budget;
+  set ``overlong_buffer`` accordingly at scale.
+- ``weight = 1.0`` [PAPER] added unscaled.
 
-Lengths come from the ``completion_lengths`` column (tokens generated per completion).
+**Notes**
+
+1. It is added to the task reward (so give it ``weight=1.0`` next to e.g. ``math``).
+2. A completion cut at the budget has ``length == L_max`` and gets -1 when ``overlong_buffer > 0``.
+   With ``overlong_buffer = 0`` the ramp is empty: every ``length <= L_max`` scores 0 and only
+   ``length > L_max`` scores -1.
+3. Lengths come from the ``completion_lengths`` column (tokens generated per completion, the EOS
+   token included when one was generated). A ``None`` length scores ``None``.
+4. ``overlong_buffer < 0`` or ``max_length <= 0`` is a ``ConfigError`` at build time;
+   ``overlong_buffer > L_max`` is a ``RewardError`` when scoring, and so is a missing
+   ``completion_lengths`` column or ``max_new_tokens`` value (the message names it).
+5. The penalty depends on the length only, not on whether the answer is right. DAPO's other
+   length fix, overlong filtering, is the ``mask_truncated`` token weight.
 """
 
 from __future__ import annotations

@@ -10,13 +10,34 @@ can name it, and calls it unchanged:
     fn = "my_project.rewards:length_reward"        # importable module
     # fn = "/abs/path/rewards.py:length_reward"   # or a file
 
-The function receives ``prompts``, ``completions`` and every column as keyword arguments
-(dataset columns one value per completion, ``completion_lengths``, ``truncated``,
-``max_new_tokens``), so it should accept ``**kwargs`` as TRL's do. Its output is validated by
-:func:`groupwise.rewards.score`, which names it by its qualified name (``label``).
+**Change vs GRPO**: none — plumbing, no method: the user's function decides the reward, which
+GRPO's advantage estimator then centres and scales like any other.
 
-Defaults: ``fn`` is required; ``weight=1.0``. A file is imported under a private module name
-(``groupwise_user_reward_<stem>_<hash>``) so it cannot shadow an installed module.
+**Math**::
+
+    func   = load_function(fn)          (at build time; ``fn`` may also be a callable, used as is)
+    scores = func(prompts=prompts, completions=completions, **columns)     (returned unchanged)
+
+**Defaults**
+
+- ``fn``: required, no default (``None`` is a ``ConfigError``).
+- ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+
+**Notes**
+
+1. The function receives ``prompts``, ``completions`` and every column as keyword arguments
+   (dataset columns one value per completion, except ``prompt``, which arrives as ``prompts``;
+   ``completion_lengths``, ``truncated``, ``max_new_tokens``), so it should accept ``**kwargs`` as
+   TRL's do.
+2. Its output is validated by :func:`groupwise.rewards.score`, which names it by ``label``: its
+   qualified name ``module.qualname``, or for a ``/path/file.py:function`` spec the spec itself.
+3. A file is imported under a private module name (``groupwise_user_reward_<stem>_<hash>``, the
+   hash from the absolute path) so it cannot shadow an installed module. It is imported once per
+   process (kept in ``sys.modules``; removed again if its import fails).
+4. The spec is ``where:attr``, split at the last ``:``. ``where`` is a file when it ends in ``.py``
+   or contains a path separator, else an importable module. ``attr`` may be dotted
+   (``module:Class.method``) and must name a callable. Every failure is a ``ConfigError`` that
+   names the spec.
 """
 
 from __future__ import annotations

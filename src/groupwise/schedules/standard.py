@@ -10,16 +10,27 @@ decays, or an auxiliary loss switched on gradually.
 ``u = min(s / max(S, 1), 1)``)::
 
     constant:  value
-    linear:    start + (end - start) * u
-    cosine:    end + (start - end) * (1 + cos(pi * u)) / 2
+    linear:    start_value + (end - start_value) * u
+    cosine:    end + (start_value - end) * (1 + cos(pi * u)) / 2
     warmup:    value * min(1, (s + 1) / warmup_steps)
 
-**Defaults**: ``steps = 0`` (the phase's length) [INFERRED] a schedule spans the run unless told.
+**Defaults** (all [INFERRED]: no paper prescribes them; each names the obvious shape)
+
+- ``steps = 0`` (the phase's length) [INFERRED] a schedule spans the run unless told.
+- constant: ``value = 0.0`` [INFERRED].
+- linear: ``start_value = 0.0``, ``end = 1.0`` [INFERRED] a ramp up.
+- cosine: ``start_value = 1.0``, ``end = 0.0`` [INFERRED] a decay, like ``CosineAnnealingLR``.
+- warmup: ``value = 1.0``, ``warmup_steps = 1`` [INFERRED] (1: full value from step 0).
 
 **Notes**
 
 1. Values are read once per step (``schedules.resolve``); they never depend on the batch.
 2. ``start()`` is the value at step 0, used to construct the component before training starts.
+3. ``info.total_steps`` is ``train.steps``. When both it and ``steps`` are 0 (unknown length),
+   ``S`` counts as 1, so linear and cosine reach ``end`` at step 1. Past ``S`` the value stays at
+   ``end``.
+4. ``warmup`` reaches ``value`` at step ``warmup_steps - 1``. ``steps < 0`` or
+   ``warmup_steps < 1`` is a ``ValueError`` at build time.
 """
 
 from __future__ import annotations

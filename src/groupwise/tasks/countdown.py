@@ -20,6 +20,27 @@ are shown and which of its solutions is the reference ``answer``.
 
 Rows: ``{"prompt", "answer", "nums", "target"}``; the default reward is ``countdown``
 (:class:`CountdownReward`), which reads the ``nums`` and ``target`` columns.
+
+**Change vs GRPO**: none; a verifiable task and its rule-based reward (the TinyZero Countdown
+recipe's setting), scored like any other reward.
+
+**Math** (reward of one completion, ``expr`` = its first non-empty line, an optional ``= N`` with
+``N == target`` allowed at the end)::
+
+    r = 1   if expr uses only + - * ( ) and the given numbers (each exactly once, or at most once
+            with use_all=False) and its value == target
+    r = 0   otherwise;   None when the row's nums/target cannot be read (no verdict)
+
+**Defaults**
+
+- ``use_all = True`` [CODE] TinyZero's countdown reward requires every number once.
+- ``weight = 1.0`` [INFERRED] the reward as is.
+
+**Notes**
+
+1. Expressions are parsed with ``ast`` and evaluated by walking the tree, never with ``eval``:
+   only integer literals, ``+ - *`` and parentheses are accepted.
+2. The problem set is enumerated, so every problem has a solution (see above).
 """
 
 from __future__ import annotations
