@@ -68,3 +68,45 @@ class TorchUpdater:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped = state["skipped"]
+
+
+# ---------------------------------------------------------------------------- helpers for multi-pass updaters
+class OptimizerSnapshot:
+    """A copy of an optimiser's per-parameter state (Adam moments, step counters, momentum buffers)
+    that ``restore()`` writes back in place: state created after the snapshot is dropped, so an
+    optimiser that had taken no step returns to its lazy, empty state. Hyper-parameters
+    (``param_groups``) are not copied: a multi-pass updater does not change them mid-step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.state = {p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for p, s in optimizer.state.items()}
+
+    def restore(self) -> None:
+        live = self.optimizer.state
+        for p in [p for p in live if p not in self.state]:
+            del live[p]
+        for p, saved in self.state.items():
+            now = live[p]
+            for k in [k for k in now if k not in saved]:
+                del now[k]
+            for k, v in saved.items():
+                if isinstance(v, torch.Tensor) and isinstance(now.get(k), torch.Tensor) and now[k].shape == v.shape:
+                    now[k].copy_(v)
+                else:
+                    now[k] = v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def grads_of(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Copies of the current (pre-clip) gradients; zeros where a parameter has none."""
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_grad_norm: float) -> tuple[torch.Tensor, float]:
+    """Global-norm clip in place (off when ``max_grad_norm <= 0``); returns the pre-clip norm and the
+    factor the gradients were multiplied by, ``min(1, max_norm / (norm + 1e-6))`` as torch applies it."""
+    if max_grad_norm and max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # pre-clip norm
+        coef = min(1.0, max_grad_norm / (float(norm) + 1e-6)) if torch.isfinite(norm) else 1.0
+        return norm, coef
+    grads = [p.grad for p in params if p.grad is not None]
+    return (torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())), 1.0
