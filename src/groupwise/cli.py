@@ -1,4 +1,4 @@
-"""The ``groupwise`` command: train, list, explain, eval, warmstart.
+"""The ``groupwise`` command: train, list, explain, eval, warmstart, compare, claims.
 
 Imports stay light: torch and transformers load only for the commands that run a model.
 """
@@ -120,13 +120,29 @@ def cmd_warmstart(args: list[str]) -> int:
     return warmstart_main(args) or 0
 
 
-COMMANDS = {"train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval": cmd_eval, "warmstart": cmd_warmstart}
+def cmd_compare(args: list[str]) -> int:
+    """``groupwise compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...]``."""
+    from groupwise.claims.commands import cmd_compare as run
+
+    return run(args)
+
+
+def cmd_claims(args: list[str]) -> int:
+    """``groupwise claims [NAMES...] [--seeds N] [--out DIR]``: run claim files, rewrite docs/claims.md."""
+    from groupwise.claims.commands import cmd_claims as run
+
+    return run(args)
+
+
+COMMANDS = {"train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval": cmd_eval, "warmstart": cmd_warmstart,
+            "compare": cmd_compare, "claims": cmd_claims}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...]")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...] | "
+                        "compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

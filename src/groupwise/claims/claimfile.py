@@ -1,0 +1,149 @@
+"""Claim files ``claims/<NN-slug>.toml``: a seeded comparison plus the direction the paper claims.
+
+Keys (see ``docs/claims.md``): ``paper``, ``claim``, ``metric`` (one of ``METRICS``), ``target``
+(required for ``*_to_target``), ``direction`` (greater | less), ``seeds`` (default 3),
+``baseline`` (a config label), ``claimed`` (optional: one label, or a list; default every config
+but the baseline), ``common`` (overrides for every config), ``[[configs]]`` (``label``,
+``recipe``, ``overrides``). Every error names the file and the bad key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from groupwise.claims.compare import LABEL_RE, METRICS, TARGET_METRICS, ConfigSpec, resolved_key
+from groupwise.registry import ConfigError
+
+KEYS = ("paper", "claim", "metric", "target", "direction", "seeds", "baseline", "claimed", "common", "configs")
+CONFIG_KEYS = ("label", "recipe", "overrides")
+REQUIRED = ("paper", "claim", "metric", "direction", "baseline", "configs")
+
+
+class ClaimError(ConfigError):
+    """A claim file that cannot run; the message names the file and the key."""
+
+
+@dataclass
+class Claim:
+    slug: str
+    path: Path
+    paper: str
+    claim: str
+    metric: str
+    direction: str
+    baseline: str
+    configs: list[ConfigSpec]
+    claimed: list[str]
+    target: float | None = None
+    seeds: int = 3
+    common: list[str] = field(default_factory=list)
+    sha: str = ""
+
+    def spec(self, label: str) -> ConfigSpec:
+        return next(c for c in self.configs if c.label == label)
+
+
+def _unknown(where: str, keys: list[str], valid: tuple[str, ...]) -> None:
+    for key in keys:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ClaimError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(valid)}")
+
+
+def _overrides(where: str, key: str, value: object) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and "=" in v for v in value):
+        raise ClaimError(f"{where}: {key} must be a list of 'key=value' strings, got {value!r}")
+    return list(value)
+
+
+def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
+    """Parse and validate a claim file; ``check_configs`` also resolves every config (no training)."""
+    path = Path(path)
+    where = str(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ClaimError(f"{where}: not valid TOML: {err}") from None
+    _unknown(where, list(data), KEYS)
+    for key in REQUIRED:
+        if key not in data:
+            raise ClaimError(f"{where}: missing required key {key!r}")
+    for key in ("paper", "claim"):
+        if not isinstance(data[key], str) or not data[key].strip():
+            raise ClaimError(f"{where}: {key} must be a non-empty string")
+    metric = data["metric"]
+    if metric not in METRICS:
+        close = difflib.get_close_matches(str(metric), METRICS, n=1)
+        raise ClaimError(f"{where}: metric = {metric!r} is not a metric" + (f" (did you mean {close[0]!r}?)" if close else "") + f"; valid: {', '.join(METRICS)}")
+    if data["direction"] not in ("greater", "less"):
+        raise ClaimError(f"{where}: direction = {data['direction']!r} must be 'greater' or 'less'")
+    target = data.get("target")
+    if metric in TARGET_METRICS and target is None:
+        raise ClaimError(f"{where}: metric {metric!r} needs key 'target' (the held-out accuracy to reach)")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1):
+        raise ClaimError(f"{where}: target = {target!r} must be a held-out accuracy in (0, 1]")
+    seeds = data.get("seeds", 3)
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ClaimError(f"{where}: seeds = {seeds!r} must be an integer >= 1")
+    common = _overrides(where, "common", data.get("common", []))
+    if not isinstance(data["configs"], list) or len(data["configs"]) < 2:
+        raise ClaimError(f"{where}: configs must be at least two [[configs]] tables (a baseline and a claimed one)")
+    configs: list[ConfigSpec] = []
+    for i, entry in enumerate(data["configs"]):
+        at = f"{where}: configs[{i}]"
+        if not isinstance(entry, dict):
+            raise ClaimError(f"{at} must be a table")
+        _unknown(at, list(entry), CONFIG_KEYS)
+        for key in ("label", "recipe"):
+            if not isinstance(entry.get(key), str) or not entry[key]:
+                raise ClaimError(f"{at}: missing or empty {key!r}")
+        if not LABEL_RE.match(entry["label"]):
+            raise ClaimError(f"{at}: label {entry['label']!r} must be letters, digits and _ . + - (it names a folder)")
+        if any(c.label == entry["label"] for c in configs):
+            raise ClaimError(f"{at}: label {entry['label']!r} is used twice")
+        configs.append(ConfigSpec(entry["label"], entry["recipe"], _overrides(at, "overrides", entry.get("overrides", []))))
+    labels = [c.label for c in configs]
+    if data["baseline"] not in labels:
+        raise ClaimError(f"{where}: baseline = {data['baseline']!r} is not a config label; labels: {', '.join(labels)}")
+    claimed = data.get("claimed", [c for c in labels if c != data["baseline"]])
+    claimed = [claimed] if isinstance(claimed, str) else claimed
+    if not isinstance(claimed, list) or not claimed:
+        raise ClaimError(f"{where}: claimed must be a config label or a list of them")
+    for label in claimed:
+        if label not in labels or label == data["baseline"]:
+            raise ClaimError(f"{where}: claimed label {label!r} is not a non-baseline config label; labels: {', '.join(labels)}")
+    claim = Claim(path.stem, path, data["paper"], data["claim"], metric, data["direction"], data["baseline"], configs,
+                  list(claimed), None if target is None else float(target), seeds, common, hashlib.sha256(path.read_bytes()).hexdigest()[:16])
+    if check_configs:
+        for spec in configs:
+            try:
+                key = resolved_key(spec, [*common, *spec.overrides], where)
+            except ConfigError as err:
+                raise ClaimError(str(err)) from None
+            if metric in TARGET_METRICS and not key["config"]["eval"]["every"]:
+                raise ClaimError(f"{where}: metric {metric!r} needs held-out evaluations during training: set 'eval.every' (in common or in config {spec.label!r})")
+    return claim
+
+
+def find_claims(names: list[str], folder: Path) -> list[Path]:
+    """Claim files by name (``48-sign``), number prefix (``48``) or path; all of ``folder`` when none."""
+    available = sorted(folder.glob("*.toml"))
+    if not names:
+        return available
+    found = []
+    for name in names:
+        path = Path(name)
+        if path.suffix == ".toml" and path.exists():
+            found.append(path)
+            continue
+        matches = [p for p in available if p.stem == name] or [p for p in available if p.stem.startswith(f"{name}-")]
+        if len(matches) != 1:
+            what = "no claim file" if not matches else "several claim files"
+            raise ClaimError(f"claims: {what} named {name!r} in {folder}/; available: {', '.join(p.stem for p in available) or '(none)'}")
+        found.append(matches[0])
+    return found

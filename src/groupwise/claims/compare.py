@@ -1,0 +1,342 @@
+"""``groupwise compare``: the same comparison over N seeds, each seed a normal run folder.
+
+Every run goes through the normal trainer in a subprocess (``python -m groupwise train``), so a
+crash is reported and the other runs go on. A run folder ``OUT/<label>/seed<k>`` that already has
+``summary.json`` for the same resolved config (``run.json`` holds it) is skipped, so an
+interrupted compare continues where it stopped; a folder holding another config is replaced.
+
+**Per-run metrics** (from ``summary.json`` and ``metrics.jsonl``)
+
+- ``final_accuracy``: ``accuracy_after``, the held-out greedy accuracy after training.
+- ``steps_to_target``: the first evaluated step count whose accuracy is >= target (the
+  ``evals`` list: step 0 = before training); ``None`` = not reached.
+- ``seconds_to_target``: ``Σ step_seconds`` of the steps before it (training time; evaluation
+  time excluded, it depends only on ``eval.size``).
+- ``reward_area``: mean of ``reward_mean`` over all logged steps.
+- ``last_reward``: mean of ``reward_mean`` over the last 10 % of the steps (at least one).
+
+A run that never reached the target counts, in every statistic, as its budget (all its steps /
+all its training seconds): a lower bound, printed with ``≥`` and the count reached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from groupwise.claims.intervals import Interval, mean_interval
+from groupwise.registry import ConfigError
+
+METRICS = ("final_accuracy", "steps_to_target", "seconds_to_target", "reward_area", "last_reward")
+TARGET_METRICS = ("steps_to_target", "seconds_to_target")
+BUDGET = {"steps_to_target": "step_budget", "seconds_to_target": "seconds_budget"}
+DIGITS = {"final_accuracy": 3, "steps_to_target": 1, "seconds_to_target": 1, "reward_area": 3, "last_reward": 3, "wall_seconds": 1}
+LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+@dataclass
+class ConfigSpec:
+    """One configuration of a comparison: a recipe (shipped name or path) plus its own overrides."""
+
+    label: str
+    recipe: str
+    overrides: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return " ".join([self.recipe, *self.overrides])
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def _config_keys() -> set[str]:
+    from groupwise.config import Config
+
+    return {f.name for f in dataclasses.fields(Config)}
+
+
+def split_configs(words: list[str]) -> tuple[list[ConfigSpec], list[str]]:
+    """``RECIPE`` / ``LABEL=RECIPE`` words → configs; ``key=value`` (a config key) → shared overrides."""
+    keys, specs, shared = _config_keys(), [], []
+    for word in words:
+        head, sep, rest = word.partition("=")
+        if sep and head.split(".")[0].strip() in keys:
+            shared.append(word)
+        elif sep:
+            specs.append(ConfigSpec(head, rest))
+        else:
+            specs.append(ConfigSpec(Path(word).stem if word.endswith(".toml") else word, word))
+    return specs, shared
+
+
+def check_specs(specs: list[ConfigSpec], where: str = "compare") -> None:
+    if not specs:
+        raise ConfigError(f"{where}: no configuration given (RECIPE or LABEL=RECIPE)")
+    seen: set[str] = set()
+    for spec in specs:
+        if not LABEL_RE.match(spec.label):
+            raise ConfigError(f"{where}: label {spec.label!r} must be letters, digits and _ . + - (it names a folder)")
+        if spec.label in seen:
+            raise ConfigError(f"{where}: two configurations are labelled {spec.label!r}; name them LABEL=RECIPE")
+        seen.add(spec.label)
+
+
+def run_overrides(spec: ConfigSpec, shared: list[str], seed: int, folder: Path) -> list[str]:
+    """Shared overrides, then the config's own (more specific wins), then seed and run folder."""
+    from groupwise.config import toml_value
+
+    return [*shared, *spec.overrides, f"seed={seed}", f"out={toml_value(str(folder))}"]
+
+
+def resolved_key(spec: ConfigSpec, overrides: list[str], where: str) -> dict:
+    """The resolved config (minus ``out``) that identifies a run folder's contents."""
+    from groupwise.config import load_config, resolve_recipe, to_dict
+
+    try:
+        path = resolve_recipe(spec.recipe)
+        cfg, _ = load_config(str(path), overrides)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: config {spec.label!r} ({spec.describe()}): {err}") from None
+    data = json.loads(json.dumps(to_dict(cfg), default=str))
+    data.pop("out", None)
+    return {"recipe": str(Path(path).resolve()), "config": data}
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def run_state(folder: Path, key: dict) -> str:
+    """``done`` (summary for this config), ``partial`` (this config, unfinished), ``stale`` or ``new``."""
+    marker = folder / "run.json"
+    if not folder.exists():
+        return "new"
+    if marker.exists():
+        try:
+            same = json.loads(marker.read_text()).get("key") == key
+        except json.JSONDecodeError:
+            same = False
+        if same:
+            return "done" if (folder / "summary.json").exists() else "partial"
+        return "stale"
+    if (folder / "config.toml").exists() or (folder / "summary.json").exists():
+        return "stale"  # a run folder of unknown config
+    if any(folder.iterdir()):
+        raise ConfigError(f"compare: {folder} exists and is not a run folder; move it or choose another --out")
+    return "new"
+
+
+def launch_subprocess(argv: list[str], log_path: Path) -> int:
+    with open(log_path, "w") as log:
+        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+
+
+def read_run(folder: Path, target: float | None) -> dict[str, Any]:
+    """The metrics of one finished run folder (see the module docstring)."""
+    summary = json.loads((folder / "summary.json").read_text())
+    rows = []
+    if (folder / "metrics.jsonl").exists():
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
+    evals = sorted((int(s), float(a)) for s, a in summary.get("evals", []) if a is not None)
+    if not evals:  # an older summary without the list: rebuild it from the log
+        evals = [(0, summary["accuracy_before"])] * ("accuracy_before" in summary)
+        evals += [(int(r["step"]) + 1, r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+    tail = max(1, math.ceil(0.1 * len(rewards))) if rewards else 0
+    step_seconds = [float(r.get("step_seconds") or 0.0) for r in sorted(rows, key=lambda r: r["step"])]
+    out = {
+        "accuracy_before": summary.get("accuracy_before"),
+        "final_accuracy": summary.get("accuracy_after"),
+        "steps": summary.get("steps", len(rows)),
+        "wall_seconds": summary.get("wall_seconds"),
+        "reward_area": sum(rewards) / len(rewards) if rewards else None,
+        "last_reward": sum(rewards[-tail:]) / tail if rewards else None,
+        "step_budget": summary.get("steps", len(rows)),
+        "seconds_budget": sum(step_seconds),
+        "steps_to_target": None,
+        "seconds_to_target": None,
+        "evals": evals,
+        "curve": [(int(r["step"]), r.get("reward_mean")) for r in rows],
+    }
+    if target is not None:
+        hit = next((s for s, a in evals if a >= target), None)
+        if hit is not None:
+            out["steps_to_target"] = hit
+            out["seconds_to_target"] = sum(step_seconds[:hit])
+    return out
+
+
+def metric_values(runs: list[dict], metric: str) -> tuple[dict[int, float], set[int]]:
+    """Per-seed values of ``metric`` over the finished runs, and the seeds whose value is censored
+    (target never reached: the run's budget stands in, a lower bound)."""
+    values, censored = {}, set()
+    for run in runs:
+        if run["status"] != "ok":
+            continue
+        value = run["metrics"].get(metric)
+        if value is None and metric in BUDGET:
+            value = run["metrics"][BUDGET[metric]]
+            censored.add(run["seed"])
+        if value is not None:
+            values[run["seed"]] = float(value)
+    return values, censored
+
+
+def format_metric(metric: str, interval: Interval, censored: int = 0) -> str:
+    digits = DIGITS.get(metric, 3)
+    if metric in TARGET_METRICS:
+        reached = interval.n - censored
+        if interval.n and reached == 0:
+            return f"not reached (0/{interval.n})"
+        text = interval.format(digits)
+        return f"≥ {text} (reached {reached}/{interval.n})" if censored else f"{text} ({reached}/{interval.n})"
+    return interval.format(digits)
+
+
+def summarise(runs: list[dict], target: float | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for metric in (*METRICS, "wall_seconds"):
+        if metric in TARGET_METRICS and target is None:
+            continue
+        values, censored = metric_values(runs, metric)
+        interval = mean_interval(list(values.values()))
+        out[metric] = {**interval.to_dict(), "censored": len(censored), "text": format_metric(metric, interval, len(censored))}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the comparison
+def compare(
+    specs: list[ConfigSpec],
+    seeds: int,
+    out: Path,
+    shared: list[str] = (),
+    target: float | None = None,
+    console: Any = None,
+    launch: Callable[[list[str], Path], int] = launch_subprocess,
+    title: str | None = None,
+) -> dict[str, Any]:
+    """Run every config × seed (resuming), then write ``compare.json``, ``compare.md``, ``curves.png``."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = console or Console(stderr=True)
+    check_specs(specs)
+    if seeds < 1:
+        raise ConfigError(f"compare: --seeds must be >= 1, got {seeds}")
+    if target is not None and not 0 < target <= 1:
+        raise ConfigError(f"compare: --target is a held-out accuracy in (0, 1], got {target}")
+    out, shared = Path(out), list(shared)
+    plan = []
+    for seed in range(seeds):  # seed-major: an interrupted compare still has paired seeds
+        for spec in specs:
+            folder = out / spec.label / f"seed{seed}"
+            overrides = run_overrides(spec, shared, seed, folder)
+            plan.append((spec, seed, folder, overrides, resolved_key(spec, overrides, "compare")))
+    runs: dict[str, list[dict]] = {spec.label: [] for spec in specs}
+    width = len(str(len(plan)))
+    for i, (spec, seed, folder, overrides, key) in enumerate(plan, 1):
+        tag = f"[{i:>{width}}/{len(plan)}] {spec.label} seed{seed}"
+        state = run_state(folder, key)
+        record = {"seed": seed, "folder": str(folder), "status": "ok", "skipped": state == "done"}
+        if state == "stale":
+            console.print(f"{tag}: [yellow]folder holds another config, replacing it[/]", soft_wrap=True)
+            shutil.rmtree(folder)
+        if state != "done":
+            folder.mkdir(parents=True, exist_ok=True)
+            argv = [sys.executable, "-m", "groupwise", "train", key["recipe"], *overrides]
+            (folder / "run.json").write_text(json.dumps({"key": key, "argv": argv[1:]}, indent=1) + "\n")
+            t0 = time.perf_counter()
+            with console.status(f"{tag} running"):
+                rc = launch(argv, folder / "train.log")
+            elapsed = time.perf_counter() - t0
+            meta = json.loads((folder / "run.json").read_text())
+            (folder / "run.json").write_text(json.dumps({**meta, "returncode": rc, "process_seconds": elapsed}, indent=1) + "\n")
+            if rc != 0 or not (folder / "summary.json").exists():
+                record.update(status="failed", returncode=rc, error=_last_error(folder / "train.log"))
+        meta = json.loads((folder / "run.json").read_text())
+        record["process_seconds"] = meta.get("process_seconds")
+        if record["status"] == "ok":
+            record["metrics"] = read_run(folder, target)
+            m = record["metrics"]
+            planned = key["config"].get("train", {}).get("steps")
+            if planned is not None and m["steps"] is not None and m["steps"] < planned:
+                record["short"] = f"stopped at {m['steps']}/{planned} steps (train.max_seconds?)"
+                console.print(f"{tag}: [yellow]{record['short']}: its numbers are not those of the planned run[/]", soft_wrap=True)
+            acc = f"acc {_fmt(m['accuracy_before'])}→{_fmt(m['final_accuracy'])}"
+            hit = "" if target is None else f", to {target}: " + (f"{m['steps_to_target']} steps" if m["steps_to_target"] is not None else "not reached")
+            how = "[dim]done before, skipped[/]" if record["skipped"] else f"{record['process_seconds']:.1f} s"
+            console.print(f"{tag}: [green]ok[/] {acc}, reward area {_fmt(m['reward_area'])}{hit} · {how}", soft_wrap=True)
+        else:
+            console.print(f"{tag}: [red]FAILED[/] (exit {record.get('returncode')}): {escape(record['error'])} · log {folder / 'train.log'}", highlight=False, soft_wrap=True)
+        runs[spec.label].append(record)
+    result = {
+        "title": title or " vs ".join(s.label for s in specs),
+        "seeds": seeds,
+        "shared": shared,
+        "target": target,
+        "configs": [{"label": s.label, "recipe": s.recipe, "overrides": s.overrides, "runs": runs[s.label], "summary": summarise(runs[s.label], target)} for s in specs],
+    }
+    write_outputs(result, out)
+    return result
+
+
+def _fmt(x: Any) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def _last_error(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    return lines[-1][:300] if lines else "no output"
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    from groupwise.claims.plot import plot_curves
+
+    out.mkdir(parents=True, exist_ok=True)
+    slim = json.loads(json.dumps(result))
+    for config in slim["configs"]:
+        for run in config["runs"]:
+            run.get("metrics", {}).pop("curve", None)  # the curves live in the run folders
+    (out / "compare.json").write_text(json.dumps(slim, indent=1) + "\n")
+    (out / "compare.md").write_text(compare_markdown(result))
+    plot_curves(result, out / "curves.png")
+
+
+def compare_markdown(result: dict) -> str:
+    target = result["target"]
+    head = ["config", "recipe + overrides", "runs ok", "final accuracy"]
+    keys = ["final_accuracy"]
+    if target is not None:
+        head += [f"steps to {target}", f"seconds to {target}"]
+        keys += list(TARGET_METRICS)
+    head += ["reward area", "last reward", "wall s / run"]
+    keys += ["reward_area", "last_reward", "wall_seconds"]
+    lines = [f"# compare: {result['title']}", "",
+             f"Seeds 0..{result['seeds'] - 1}; shared overrides: `{' '.join(result['shared']) or '(none)'}`"
+             + ("" if target is None else f"; target held-out accuracy {target}") + ".", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in result["configs"]:
+        ok = sum(r["status"] == "ok" for r in c["runs"])
+        cells = [c["label"], "`" + " ".join([c["recipe"], *c["overrides"]]) + "`", f"{ok}/{len(c['runs'])}"]
+        cells += [c["summary"][k]["text"] for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Mean ± 95 % Student-t interval over seeds (n − 1 degrees of freedom). Steps / seconds to "
+              "target: a run that never reached it counts as its whole budget, so `≥` marks a lower bound. "
+              "Reward area: mean batch reward over all steps; last reward: over the last 10 % of steps. "
+              "Seconds are training time (`step_seconds`), evaluation excluded.", "", "![curves](curves.png)", "",
+              "## Runs", "", "| config | seed | status | acc before | acc after | steps to target | reward area | wall s | folder |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in result["configs"]:
+        for r in c["runs"]:
+            if r["status"] != "ok":
+                lines.append(f"| {c['label']} | {r['seed']} | FAILED (exit {r.get('returncode')}): {r['error']} | | | | | | `{r['folder']}` |")
+                continue
+            m = r["metrics"]
+            hit = "–" if target is None else (str(m["steps_to_target"]) if m["steps_to_target"] is not None else "not reached")
+            wall = "–" if m["wall_seconds"] is None else f"{m['wall_seconds']:.1f}"
+            status = "ok" + (" (resumed: done before)" if r["skipped"] else "") + (f", **{r['short']}**" if r.get("short") else "")
+            lines.append(f"| {c['label']} | {r['seed']} | {status} | {_fmt(m['accuracy_before'])} | {_fmt(m['final_accuracy'])} | {hit} | {_fmt(m['reward_area'])} | {wall} | `{r['folder']}` |")
+    return "\n".join(lines) + "\n"

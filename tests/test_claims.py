@@ -1,0 +1,418 @@
+"""The claims runner: t intervals, paired effects and verdicts, run metrics, claim files, docs,
+and the resume logic of ``groupwise compare``, all without training (a fake launcher writes run
+folders); one real end-to-end compare is ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from groupwise.claims.claimfile import ClaimError, find_claims, load_claim
+from groupwise.claims.compare import ConfigSpec, compare, metric_values, read_run, run_state, split_configs
+from groupwise.claims.intervals import T975, Interval, mean_interval, paired_effect, t975, verdict
+from groupwise.claims.report import PLACEHOLDER, readings, regenerate, run_claim, save_record
+from groupwise.registry import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------- t quantiles
+@pytest.mark.parametrize("dof,expected", [(1, 12.706), (2, 4.303), (3, 3.182), (5, 2.571), (10, 2.228), (20, 2.086), (30, 2.042),
+                                          (40, 2.021), (60, 2.000), (120, 1.980)])
+def test_t975_known_values(dof, expected):
+    # printed t-tables, 0.975 column (two-sided 95 %); ν > 30 comes from the Cornish–Fisher expansion
+    assert t975(dof) == pytest.approx(expected, abs=6e-4)
+
+
+def test_t975_tends_to_the_normal_quantile_and_decreases():
+    values = [t975(v) for v in range(1, 400)]
+    assert all(a > b for a, b in zip(values, values[1:]))
+    assert t975(10**6) == pytest.approx(1.959964, abs=1e-5)
+
+
+@pytest.mark.parametrize("dof", range(1, 31))
+def test_t975_table_is_the_quantile_of_the_t_density(dof):
+    # ∫_0^q f_ν(x) dx must be 0.475 (f symmetric); Simpson's rule on 4000 intervals
+    q, n = T975[dof - 1], 4000
+    c = math.gamma((dof + 1) / 2) / (math.sqrt(dof * math.pi) * math.gamma(dof / 2))
+    f = lambda x: c * (1 + x * x / dof) ** (-(dof + 1) / 2)  # noqa: E731
+    h = q / n
+    area = h / 3 * (f(0) + f(q) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, n)))
+    assert area == pytest.approx(0.475, abs=2e-6)
+
+
+@pytest.mark.parametrize("dof", [0, -1, 2.5])
+def test_t975_rejects_bad_dof(dof):
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t975(dof)
+
+
+# ---------------------------------------------------------------------------------------------- intervals
+def test_mean_interval_by_hand():
+    # [0.5, 0.6, 0.7]: mean 0.6; s² = (0.01 + 0 + 0.01) / 2 = 0.01 → s = 0.1; t(2) = 4.303
+    # half = 4.302653 · 0.1 / √3 = 0.24841
+    iv = mean_interval([0.5, 0.6, 0.7])
+    assert iv.mean == pytest.approx(0.6)
+    assert iv.sd == pytest.approx(0.1)
+    assert iv.half == pytest.approx(0.24841, abs=1e-5)
+    assert (iv.low, iv.high) == (pytest.approx(0.35159, abs=1e-5), pytest.approx(0.84841, abs=1e-5))
+    assert iv.format() == "0.600 ± 0.248"
+
+
+def test_mean_interval_one_and_zero_values():
+    one = mean_interval([0.42])
+    assert (one.mean, one.half, one.n) == (0.42, None, 1)
+    assert one.format() == "0.420 (n=1, no interval)"
+    assert mean_interval([]).format() == "no runs"
+    with pytest.raises(ValueError, match="non-finite"):
+        mean_interval([0.1, float("nan")])
+
+
+def test_paired_effect_by_hand():
+    # pairs by seed, not by position; seed 3 has no baseline and is dropped
+    baseline = {0: 0.5, 1: 0.6, 2: 0.7}
+    claimed = {2: 0.9, 0: 0.6, 1: 0.8, 3: 0.1}
+    # d = [0.1, 0.2, 0.2]: mean 0.16667; s² = (0.06667² + 2·0.03333²) / 2 = 0.0033333 → s = 0.057735
+    # half = 4.302653 · 0.057735 / √3 = 0.14342
+    eff = paired_effect(claimed, baseline)
+    assert eff.n == 3
+    assert eff.mean == pytest.approx(1 / 6)
+    assert eff.sd == pytest.approx(0.057735, abs=1e-6)
+    assert eff.half == pytest.approx(0.14342, abs=1e-5)
+    # unpaired, the same numbers would have a far wider spread: pairing removes the seed effect
+    assert mean_interval([0.6, 0.8, 0.9]).half > eff.half
+
+
+def _iv(low, high, n=3):
+    return Interval((low + high) / 2, (high - low) / 2, n)
+
+
+@pytest.mark.parametrize("low,high,direction,expected", [
+    (0.01, 0.2, "greater", "held"),
+    (-0.2, -0.01, "greater", "contradicted"),
+    (-0.2, -0.01, "less", "held"),
+    (0.01, 0.2, "less", "contradicted"),
+    (-0.1, 0.2, "greater", "inconclusive"),
+    (-0.1, 0.2, "less", "inconclusive"),
+    (0.0, 0.2, "greater", "inconclusive"),  # touching 0 does not exclude it
+])
+def test_verdict_branches(low, high, direction, expected):
+    assert verdict(_iv(low, high), direction)[0] == expected
+
+
+def test_verdict_single_pair_and_bad_direction():
+    word, reason = verdict(Interval(0.3, None, 1), "greater")
+    assert word == "inconclusive" and "n=1" in reason
+    with pytest.raises(ValueError, match="direction"):
+        verdict(_iv(0.1, 0.2), "bigger")
+
+
+def test_verdict_censoring_downgrades_only_the_undoable_side():
+    fast = _iv(-30.0, -10.0)  # claimed reaches the target 10..30 steps sooner
+    assert verdict(fast, "less", baseline_censored=2)[0] == "held"  # true baseline even later: still held
+    word, reason = verdict(fast, "less", claimed_censored=1)
+    assert word == "inconclusive" and "claimed" in reason  # true claimed value may be larger
+    slow = _iv(10.0, 30.0)
+    assert verdict(slow, "less", claimed_censored=1)[0] == "contradicted"
+    assert verdict(slow, "less", baseline_censored=1)[0] == "inconclusive"
+
+
+# ---------------------------------------------------------------------------------------------- run folders
+def _write_run(folder: Path, evals, rewards, step_seconds=0.5, wall=20.0):
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = {"accuracy_before": evals[0][1], "evals": evals, "accuracy_after": evals[-1][1], "steps": len(rewards), "wall_seconds": wall}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    rows = []
+    for step, r in enumerate(rewards):
+        row = {"step": step, "reward_mean": r, "step_seconds": step_seconds}
+        acc = [a for s, a in evals if s == step + 1]
+        if acc:
+            row["eval_accuracy"] = acc[0]
+        rows.append(json.dumps(row))
+    (folder / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+
+
+def test_steps_and_seconds_to_target(tmp_path):
+    evals = [(0, 0.2), (10, 0.5), (20, 0.7), (30, 0.65)]
+    _write_run(tmp_path, evals, [0.1] * 10 + [0.3] * 10 + [0.5] * 10)
+    m = read_run(tmp_path, target=0.6)
+    # first evaluation ≥ 0.6 is after 20 steps; 20 steps × 0.5 s = 10 s of training
+    assert (m["steps_to_target"], m["seconds_to_target"]) == (20, 10.0)
+    assert m["final_accuracy"] == 0.65
+    # reward area: (10·0.1 + 10·0.3 + 10·0.5) / 30 = 0.3; last 10 % = the last 3 steps = 0.5
+    assert m["reward_area"] == pytest.approx(0.3)
+    assert m["last_reward"] == pytest.approx(0.5)
+    assert read_run(tmp_path, target=0.2)["steps_to_target"] == 0  # already there before training
+    never = read_run(tmp_path, target=0.9)
+    assert never["steps_to_target"] is None and never["seconds_to_target"] is None
+    assert (never["step_budget"], never["seconds_budget"]) == (30, 15.0)
+
+
+def test_to_target_falls_back_to_the_metrics_log(tmp_path):
+    _write_run(tmp_path, [(0, 0.2), (2, 0.4), (4, 0.8)], [0.1, 0.2, 0.3, 0.4])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    del summary["evals"]  # an older summary: rebuild from eval_accuracy in metrics.jsonl
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    m = read_run(tmp_path, target=0.7)
+    assert (m["steps_to_target"], m["seconds_to_target"]) == (4, 2.0)
+
+
+def test_not_reached_counts_as_the_budget():
+    runs = [{"seed": 0, "status": "ok", "metrics": {"steps_to_target": 10, "step_budget": 30}},
+            {"seed": 1, "status": "ok", "metrics": {"steps_to_target": None, "step_budget": 30}},
+            {"seed": 2, "status": "failed"}]
+    values, censored = metric_values(runs, "steps_to_target")
+    assert values == {0: 10.0, 1: 30.0} and censored == {1}
+
+
+def test_split_configs_tells_labels_from_overrides():
+    specs, shared = split_configs(["demo", "fast=sign", "x/y.toml", "train.steps=3", "seed=1", "threads=1"])
+    assert [(s.label, s.recipe) for s in specs] == [("demo", "demo"), ("fast", "sign"), ("y", "x/y.toml")]
+    assert shared == ["train.steps=3", "seed=1", "threads=1"]
+
+
+# ---------------------------------------------------------------------------------------------- compare, with a fake trainer
+class FakeTrainer:
+    """Stands in for ``python -m groupwise train``: writes a run folder whose numbers depend on
+    the label and seed; ``fail`` names (label, seed) pairs that crash."""
+
+    def __init__(self, fail=()):
+        self.calls: list[tuple[str, int]] = []
+        self.fail = set(fail)
+
+    def __call__(self, argv, log_path):
+        folder = log_path.parent
+        label, seed = folder.parent.name, int(folder.name.removeprefix("seed"))
+        assert f"seed={seed}" in argv and argv[1:4] == ["-m", "groupwise", "train"]
+        self.calls.append((label, seed))
+        if (label, seed) in self.fail:
+            log_path.write_text("Traceback ...\nRuntimeError: boom\n")
+            return 1
+        bonus = 0.1 if label == "better" else 0.0
+        acc = 0.3 + bonus + 0.01 * seed
+        _write_run(folder, [(0, 0.3), (2, acc), (4, acc + 0.05)], [0.2 + bonus, 0.3 + bonus, 0.4 + bonus, 0.5 + bonus])
+        log_path.write_text("ok\n")
+        return 0
+
+
+def _quiet():
+    from rich.console import Console
+
+    return Console(file=open("/dev/null", "w"))
+
+
+SPECS = [ConfigSpec("base", "demo"), ConfigSpec("better", "demo", ["update.lr=3e-4"])]
+
+
+def test_compare_writes_reports(tmp_path):
+    fake = FakeTrainer()
+    result = compare(SPECS, 2, tmp_path, ["train.steps=4"], 0.34, _quiet(), fake)
+    assert fake.calls == [("base", 0), ("better", 0), ("base", 1), ("better", 1)]  # seed-major
+    better = result["configs"][1]["summary"]
+    assert better["final_accuracy"]["mean"] == pytest.approx(0.455)  # (0.45 + 0.46) / 2
+    # base reaches 0.34 only at step 4 (0.35, 0.36); better at step 2
+    assert result["configs"][0]["summary"]["steps_to_target"]["mean"] == 4
+    assert better["steps_to_target"]["mean"] == 2
+    for name in ("compare.md", "compare.json", "curves.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    md = (tmp_path / "compare.md").read_text()
+    assert "| better | `demo update.lr=3e-4` | 2/2 | 0.455 ± 0.064 |" in md  # s = 0.00707, t(1)·s/√2 = 0.0635
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert data["configs"][0]["runs"][0]["metrics"]["final_accuracy"] == pytest.approx(0.35)
+
+
+def test_compare_resumes_skips_and_replaces(tmp_path):
+    fake = FakeTrainer(fail={("better", 1)})
+    result = compare(SPECS, 2, tmp_path, ["train.steps=4"], None, _quiet(), fake)
+    failed = result["configs"][1]["runs"][1]
+    assert failed["status"] == "failed" and "boom" in failed["error"]  # reported, the other runs went on
+    assert len(fake.calls) == 4
+    assert "FAILED (exit 1): RuntimeError: boom" in (tmp_path / "compare.md").read_text()
+    # second call: the three finished seeds are skipped, the crashed one is run again
+    fake2 = FakeTrainer()
+    again = compare(SPECS, 2, tmp_path, ["train.steps=4"], None, _quiet(), fake2)
+    assert fake2.calls == [("better", 1)]
+    assert all(r["status"] == "ok" for c in again["configs"] for r in c["runs"])
+    assert again["configs"][0]["runs"][0]["skipped"]
+    # a changed shared override is another config: every folder is replaced and rerun
+    fake3 = FakeTrainer()
+    compare(SPECS, 2, tmp_path, ["train.steps=5"], None, _quiet(), fake3)
+    assert len(fake3.calls) == 4
+
+
+def test_compare_flags_runs_cut_short(tmp_path):
+    # the fake trainer always stops after 4 steps: planned 10 (as train.max_seconds would do)
+    result = compare(SPECS[:1], 1, tmp_path, ["train.steps=10"], None, _quiet(), FakeTrainer())
+    assert result["configs"][0]["runs"][0]["short"] == "stopped at 4/10 steps (train.max_seconds?)"
+    assert "**stopped at 4/10 steps" in (tmp_path / "compare.md").read_text()
+
+
+def test_run_state(tmp_path):
+    key = {"recipe": "/r/demo.toml", "config": {"seed": 0}}
+    folder = tmp_path / "a" / "seed0"
+    assert run_state(folder, key) == "new"
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps({"key": key}))
+    assert run_state(folder, key) == "partial"  # interrupted: the trainer resumes from its checkpoint
+    (folder / "summary.json").write_text("{}")
+    assert run_state(folder, key) == "done"
+    assert run_state(folder, {**key, "config": {"seed": 1}}) == "stale"
+    other = tmp_path / "b"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a run folder"):
+        run_state(other, key)
+
+
+def test_compare_rejects_duplicate_labels_and_bad_configs(tmp_path):
+    with pytest.raises(ConfigError, match="two configurations are labelled 'demo'"):
+        compare([ConfigSpec("demo", "demo"), ConfigSpec("demo", "sign")], 1, tmp_path, console=_quiet(), launch=FakeTrainer())
+    with pytest.raises(ConfigError, match="config 'b'.*trian"):
+        compare([ConfigSpec("a", "demo"), ConfigSpec("b", "demo", ["trian.steps=3"])], 1, tmp_path, console=_quiet(), launch=FakeTrainer())
+
+
+# ---------------------------------------------------------------------------------------------- claim files
+GOOD = """\
+paper = "99 Test — a paper"
+claim = "better beats base"
+metric = "final_accuracy"
+direction = "greater"
+seeds = 2
+baseline = "base"
+common = ["train.steps=4", "eval.every=2"]
+[[configs]]
+label = "base"
+recipe = "demo"
+[[configs]]
+label = "better"
+recipe = "demo"
+overrides = ["update.lr=3e-4"]
+"""
+
+
+def _claim(tmp_path, text, name="99-test.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_claim_file_loads(tmp_path):
+    claim = load_claim(_claim(tmp_path, GOOD))
+    assert (claim.slug, claim.metric, claim.baseline, claim.claimed, claim.seeds) == ("99-test", "final_accuracy", "base", ["better"], 2)
+    assert claim.spec("better").overrides == ["update.lr=3e-4"]
+
+
+@pytest.mark.parametrize("edit,match", [
+    (('metric = "final_accuracy"', 'metric = "final_acc"'), r"metric = 'final_acc' is not a metric \(did you mean 'final_accuracy'\?\)"),
+    (('baseline = "base"', 'baseline = "grpo"'), r"baseline = 'grpo' is not a config label; labels: base, better"),
+    (('metric = "final_accuracy"', 'metric = "steps_to_target"'), r"needs key 'target'"),
+    (('metric = "final_accuracy"', 'metric = "seconds_to_target"\ntarget = 0.5'), None),
+    (('direction = "greater"', 'direction = "up"'), r"direction = 'up'"),
+    (('seeds = 2', 'seeds = 0'), r"seeds = 0"),
+    (('seeds = 2', 'sedes = 2'), r"unknown key 'sedes' \(did you mean 'seeds'\?\)"),
+    (('overrides = ["update.lr=3e-4"]', 'overides = []'), r"configs\[1\]: unknown key 'overides'"),
+    (('label = "better"', 'label = "base"'), r"label 'base' is used twice"),
+    (('label = "better"', 'label = "a b"'), r"label 'a b'"),
+    (('"update.lr=3e-4"', '"update.lr"'), r"overrides must be a list of 'key=value'"),
+    (('"update.lr=3e-4"', '"trian.steps=3"'), r"config 'better'.*unknown config key 'trian'"),
+    (('recipe = "demo"\n[[configs]]', 'recipe = "no-such-recipe"\n[[configs]]'), r"no-such-recipe"),
+    (('paper = "99 Test — a paper"\n', ''), r"missing required key 'paper'"),
+])
+def test_claim_file_errors_name_the_key(tmp_path, edit, match):
+    old, new = edit
+    assert old in GOOD
+    path = _claim(tmp_path, GOOD.replace(old, new, 1))
+    if match is None:  # eval.every is set in common: a valid *_to_target claim
+        assert load_claim(path).target == 0.5
+        return
+    with pytest.raises(ClaimError, match=match):
+        load_claim(path)
+
+
+def test_to_target_claim_needs_eval_every(tmp_path):
+    text = GOOD.replace('metric = "final_accuracy"', 'metric = "steps_to_target"\ntarget = 0.5').replace(', "eval.every=2"', "")
+    with pytest.raises(ClaimError, match="eval.every"):
+        load_claim(_claim(tmp_path, text))
+
+
+def test_find_claims(tmp_path):
+    for name in ("48-sign", "05-cgpo", "055-x"):
+        (tmp_path / f"{name}.toml").write_text("")
+    assert [p.stem for p in find_claims([], tmp_path)] == ["05-cgpo", "055-x", "48-sign"]
+    assert [p.stem for p in find_claims(["48", "05-cgpo"], tmp_path)] == ["48-sign", "05-cgpo"]
+    with pytest.raises(ClaimError, match="no claim file named '7'.*available: 05-cgpo"):
+        find_claims(["7"], tmp_path)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "claims").glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_claim_files_are_valid(path):
+    claim = load_claim(path)
+    assert claim.slug[:2].isdigit(), "claim files are named NN-slug.toml"
+
+
+# ---------------------------------------------------------------------------------------------- claims + docs
+def test_run_claim_judges_and_docs_keep_readings(tmp_path):
+    claims_dir, docs = tmp_path / "claims", tmp_path / "docs" / "claims.md"
+    claims_dir.mkdir()
+    claim = load_claim(_claim(claims_dir, GOOD))
+    _claim(claims_dir, GOOD.replace("99 Test", "98 Other"), "98-other.toml")  # never run
+    _claim(claims_dir, "paper = 1\n", "97-broken.toml")
+    record = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=FakeTrainer())
+    (effect,) = record["effects"]
+    # better − base per seed: 0.45 − 0.35 = 0.46 − 0.36 = 0.1 → s = 0, interval [0.1, 0.1] → held
+    assert effect["effect"]["mean"] == pytest.approx(0.1)
+    assert effect["verdict"] == "held"
+    save_record(record, docs)
+    assert (docs.parent / "claims" / "99-test.png").exists()
+    text = regenerate(claims_dir, docs)
+    assert "| [99 Test — a paper](#99-test) | better beats base | final_accuracy (greater) | 0.355 ± 0.064 | 0.455 ± 0.064 | +0.100 ± 0.000 | **held** | 2 |" in text
+    assert "not run yet" in text and "invalid claim file" in text
+    assert "![99-test curves](claims/99-test.png)" in text
+    assert text.count(PLACEHOLDER) == 3
+    # a human writes a reading; regenerating (with a changed claim file) keeps it
+    mine = "Held, but the two configs differ only by learning rate.\n\nSecond paragraph."
+    docs.write_text(text.replace(f"<!-- reading:99-test -->\n{PLACEHOLDER}", f"<!-- reading:99-test -->\n{mine}"))
+    (claims_dir / "99-test.toml").write_text(GOOD.replace("better beats base", "better beats base clearly"))
+    again = regenerate(claims_dir, docs)
+    assert readings(again)["99-test"] == mine
+    assert again.count(PLACEHOLDER) == 2
+    assert "claim file changed since this run" in again
+
+
+def test_judge_to_target_with_censoring(tmp_path):
+    text = GOOD.replace('metric = "final_accuracy"', 'metric = "steps_to_target"\ntarget = 0.44').replace('direction = "greater"', 'direction = "less"')
+    claim = load_claim(_claim(tmp_path, text))
+    record = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=FakeTrainer())
+    (effect,) = record["effects"]
+    # base never reaches 0.44 (0.35/0.36 at step 4): censored at its budget of 4 steps; better reaches
+    # it at step 4 (seed 0: 0.45) and 2 (seed 1: 0.41 < 0.44 → step 4: 0.46) → d = [0, 0]
+    assert effect["censored"] == {"claimed": [], "baseline": [0, 1]}
+    assert effect["baseline_text"] == "not reached (0/2)"
+    assert effect["verdict"] == "inconclusive"
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_compare_end_to_end(tmp_path):
+    tiny = ["train.steps=3", "eval.size=16", "eval.every=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "threads=1"]
+    # two shipped recipes (demo: GRPO; sign: A = 2r − 1, constant aggregation), shrunk by the shared overrides
+    cmd = [sys.executable, "-m", "groupwise", "compare", "grpo=demo", "sign", "--seeds", "2", "--out", str(tmp_path), "--target", "0.3", *tiny]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert [c["label"] for c in data["configs"]] == ["grpo", "sign"]
+    for config in data["configs"]:
+        assert [r["status"] for r in config["runs"]] == ["ok", "ok"]
+        for run in config["runs"]:
+            summary = json.loads((Path(run["folder"]) / "summary.json").read_text())
+            assert run["metrics"]["final_accuracy"] == summary["accuracy_after"] and summary["steps"] == 3
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    # a rerun finds every seed done and runs nothing
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 0 and again.stderr.count("done before, skipped") == 4
