@@ -248,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads; 1 is fastest for this tiny model on a shared CPU, and keeps "
                         "results identical across machines")
+    parser.add_argument("--hint-rate", type=float, default=0.0,
+                        help="add this share of the fine-tuning rows a second time with the answer written into the prompt (--hint-template)")
+    parser.add_argument("--hint-template", default="Reference solution: {answer}\n{prompt}",
+                        help="prompt of a hinted row, formatted with the row's columns (the ground_truth view's default)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     return parser
 
@@ -292,6 +296,9 @@ def _warm_start(args: argparse.Namespace, command: str) -> dict:
     if args.train_size > 0:
         sft_rows = sft_rows[: args.train_size]
     sft_rows = sft_rows + load_rows(task_names[1:], "train", args.train_size, args.seed)
+    if args.hint_rate > 0:  # rows that also show the answer in the context: a model that can read a hint (GEAR's teacher view)
+        pick = random.Random(args.seed + 1)
+        sft_rows = sft_rows + [dict(row, prompt=args.hint_template.format(**row)) for row in sft_rows if pick.random() < args.hint_rate]
     test_rows = load_rows([primary], "test", args.test_size, args.seed)
 
     # Tokenizer and model.

@@ -15,11 +15,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_model_path(path: str) -> str:
-    """``"default"`` is the tiny model shipped in the package; anything else is a local folder or hub id."""
+    """``"default"`` is the tiny model shipped in the package, and another bare name of a folder in
+    ``groupwise/models/`` (``"hinted"``) is that shipped model; anything else is a local folder or hub id."""
     if path == "default":
         if not (DEFAULT_MODEL / "config.json").exists():
             raise FileNotFoundError(f"the embedded default model is missing at {DEFAULT_MODEL}; rebuild it with `groupwise warmstart`")
         return str(DEFAULT_MODEL)
+    shipped = DEFAULT_MODEL.parent / path
+    if "/" not in path and not Path(path).exists() and (shipped / "config.json").exists():
+        return str(shipped)
     return path
 
 
