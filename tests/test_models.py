@@ -199,3 +199,27 @@ def test_short_warmstart_runs_end_to_end(tmp_path: Path):
 
     AutoTokenizer.from_pretrained(out, local_files_only=True)
     AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+
+def test_shipped_models_resolve_by_name_and_the_hinted_one_reads_a_hint(tmp_path):
+    """`model.path="hinted"` is the shipped hint-trained model; a bare name that is no shipped folder
+    stays a hub id / path; the hinted model scores the right answer higher with the hint than without."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from groupwise.policy.lm import DEFAULT_MODEL, resolve_model_path
+
+    assert resolve_model_path("hinted") == str(DEFAULT_MODEL.parent / "hinted")
+    assert resolve_model_path("not-a-shipped-model") == "not-a-shipped-model"
+    path = resolve_model_path("hinted")
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+    def answer_logp(prompt: str, answer: str) -> float:
+        p, a = tok(prompt)["input_ids"], tok(answer)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([p + a])).logits[0, len(p) - 1 : len(p) + len(a) - 1].log_softmax(-1)
+        return float(logits.gather(1, torch.tensor(a)[:, None]).sum())
+
+    plain = answer_logp("37+45=", "82")
+    hinted = answer_logp("Reference solution: 82\n37+45=", "82")
+    assert hinted > plain + 0.5, (plain, hinted)
