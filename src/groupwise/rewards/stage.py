@@ -11,6 +11,8 @@ Two kinds of scorer share one list (``rewards = [...]`` in the config), in order
 Each contributes one column of ``rollout.reward_parts`` [B,G,K] (unweighted, NaN = no verdict), and
 :func:`groupwise.rewards.score.combine` turns them into ``rollout.rewards`` in one place, so every
 consumer (dynamic sampling's ``keep``, the estimator, the logged ``reward_mean``) sees the same total.
+The weights travel as the group-level extra ``reward_weights`` [B,K] for estimators that combine the
+parts themselves (normalise each reward, then sum).
 """
 
 from __future__ import annotations
@@ -80,5 +82,6 @@ class RewardStage:
         batch.extra_levels.pop("reward_failed", None)
         batch.rewards = total  # [B,G] float32, NaN where excluded
         batch.reward_parts = parts.float()  # [B,G,K] in the order text scorers, rollout scorers
+        batch.set_extra("reward_weights", torch.tensor(weights, dtype=torch.float32).expand(parts.shape[0], -1).clone(), "group")  # [B,K]
         batch.group_valid = batch.group_valid & torch.isfinite(total)  # [B,G]
         self.excluded = int(excluded.sum())
