@@ -80,3 +80,27 @@ def test_mask_truncated_by_hand_and_through_objective():
     loss.backward()
     assert loss.item() == pytest.approx(1.0)
     assert logp.grad[0, 0].abs().sum() == 0 and torch.allclose(logp.grad[0, 1], torch.full((3,), -1 / 3))
+
+
+def test_top_entropy_keeps_the_full_token_count_like_the_paper_and_trl():
+    """One row, 5 tokens, entropies [5,1,4,2,3], rho = 0.4 → the top 2 kept (tokens 0 and 2).
+    Terms: REINFORCE −adv·logp with adv = 1, logp = −2 → 2 per token; KL k2 = ½(logp − logp_ref)²
+    with logp_ref = −1 → ½·1² = 0.5 per token, coef 1. Aggregation token_mean.
+    scope="loss" (paper, TRL): policy (2 + 2) / 5 = 0.8; KL on all 5 tokens 2.5 / 5 = 0.5 → 1.3.
+    scope="token" (removed): policy (2 + 2) / 2 = 2.0; KL on the 2 kept tokens 1.0 / 2 = 0.5 → 2.5."""
+    from groupwise.objective import token_weights
+
+    H = torch.tensor([[[5.0, 1.0, 4.0, 2.0, 3.0]]])  # [1,1,5]
+    results = {}
+    for scope in ("loss", "token"):
+        ro = _with_entropy(H)
+        ro.advantages = torch.ones(1, 1)
+        ro.logp_ref = torch.full((1, 1, 5), -1.0)
+        top = build("weight", "top_entropy", rho=0.4, scope=scope)
+        ro.weight, counted = token_weights([top], ro, info_for(5))
+        ro.set_extra("counted", counted, "token")
+        assert ro.weight.tolist() == [[[1.0, 0.0, 1.0, 0.0, 0.0]]]
+        obj = objective_for([build("objective", "reinforce"), build("objective", "kl", coef=1.0, estimator="k2")], "token_mean")
+        logp = torch.full((1, 1, 5), -2.0)
+        results[scope] = float(obj.loss(ro, {"logp": logp}, obj.normalizers(ro, info_for(5)), info_for(5)))
+    assert results["loss"] == pytest.approx(1.3) and results["token"] == pytest.approx(2.5)

@@ -1,8 +1,9 @@
 """The composed objective: ``loss = Σ_k coef_k · aggregate_k(term_k)``.
 
 Each term returns losses per token ``[b,G,T]`` or per row ``[b,G]`` for one micro-batch. Token
-weights (stage ``weight``) multiply every term, and a zero weight removes the token from the
-mask. Normalisers are computed once per optimiser step on the whole step batch (and summed over
+weights (stage ``weight``, combined by :func:`token_weights`) multiply every term that takes them
+(``weighted = True``, the default; the KL term does not, as in TRL), and a token removed by a weight
+of scope ``"token"`` leaves the loss and every normaliser (``rollout.extras["counted"]``). Normalisers are computed once per optimiser step on the whole step batch (and summed over
 ranks) by :meth:`Objective.normalizers`, so that the micro-batch losses add up exactly to the loss
 of the whole batch: loss and gradient do not depend on the micro-batch split or world size.
 """
@@ -42,9 +43,12 @@ class Objective:
         return getattr(term, "agg", None) or self.default_agg
 
     def loss_mask(self, rollout: Rollout) -> Tensor:
-        """[B,G,T] bool: the tokens that receive loss (valid rows, mask, non-zero weight)."""
+        """[B,G,T] bool: the tokens that receive loss and count in every normaliser: valid rows, mask,
+        and not removed by a token weight (``extras["counted"]``; without it, non-zero ``weight``)."""
         mask = rollout.row_mask  # [B,G,T]
-        if rollout.weight is not None:
+        if "counted" in rollout.extras:
+            mask = mask & rollout.extras["counted"]  # [B,G,T]
+        elif rollout.weight is not None:
             mask = mask & (rollout.weight != 0)  # [B,G,T]
         return mask
 
@@ -67,7 +71,7 @@ class Objective:
         total = out["logp"].new_zeros(())
         for term in self.terms:
             values = term(mb, out, info)  # [b,G,T] or [b,G]
-            if values.dim() == 3 and mb.weight is not None:
+            if values.dim() == 3 and mb.weight is not None and getattr(term, "weighted", True):
                 values = values * mb.weight  # [b,G,T]
             agg = self._agg_name(term)
             total = total + term.coef * self.aggregations[agg].reduce(values, mask, norms[agg])
@@ -92,3 +96,23 @@ class Objective:
         self.stat_sums.clear()
         self.stat_counts.clear()
         return {k: float(total / max(count, 1.0)) for k, (total, count) in zip(keys, sums.tolist())}
+
+
+def token_weights(components: list[Any], rollout: Rollout, info: StepInfo) -> tuple[Tensor, Tensor]:
+    """(weight [B,G,T] float32, counted [B,G,T] bool) from the token-weight components, on the whole batch.
+
+    ``weight`` is the product of every component's output; it multiplies the terms that take weights.
+    A component of ``scope = "token"`` (the default) also removes its zero-weight tokens from the loss
+    of every term and from every normaliser (overlong filtering); one of ``scope = "loss"`` only scales
+    the terms, so its zero-weight tokens still count in the normalisers (the 80/20 rule's token count)."""
+    weight = torch.ones_like(rollout.mask, dtype=torch.float32)  # [B,G,T]
+    counted = torch.ones_like(rollout.mask, dtype=torch.bool)  # [B,G,T]
+    for component in components:
+        w = component(rollout, info)  # [B,G,T]
+        weight = weight * w  # [B,G,T]
+        scope = getattr(component, "scope", "token")
+        if scope not in ("token", "loss"):
+            raise ValueError(f"{getattr(component, 'registry_name', component)}: scope must be 'token' or 'loss', got {scope!r}")
+        if scope == "token":
+            counted = counted & (w != 0)  # [B,G,T]
+    return weight, counted

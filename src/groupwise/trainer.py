@@ -23,7 +23,7 @@ from groupwise.engines.cpu import CPUEngine
 from groupwise.engines.memory import keep_freed_memory
 from groupwise.logging import MetricsLog, plot_rewards, progress_bar
 from groupwise.needs import NeedResolver
-from groupwise.objective import Objective
+from groupwise.objective import Objective, token_weights
 from groupwise.policy.forward import completion_logprobs
 from groupwise.policy.lm import Reference, encode_prompt, eos_ids, load_policy
 from groupwise.registry import ConfigError, build, build_spec
@@ -155,10 +155,8 @@ class Trainer:
         for shaper in self.shapers:
             batch.advantages = shaper(batch, info)
         if self.weights:
-            weight = torch.ones_like(batch.mask, dtype=torch.float32)  # [B,G,T]
-            for component in self.weights:
-                weight = weight * component(batch, info)  # [B,G,T]
-            batch.weight = weight
+            batch.weight, counted = token_weights(self.weights, batch, info)  # [B,G,T], [B,G,T]
+            batch.set_extra("counted", counted, "token")
         return batch
 
     def observe(self, batch: Rollout) -> None:

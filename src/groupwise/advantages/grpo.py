@@ -4,8 +4,9 @@
 Zhihong Shao, Peiyi Wang, Qihao Zhu et al., 2024. https://arxiv.org/abs/2402.03300
 
 **Change vs GRPO**: this *is* GRPO's advantage (outcome supervision, §4.1.2 of the paper); the
-``scale`` option also gives the batch-std variant (REINFORCE++-baseline style, TRL
-``scale_rewards="batch"``) and the no-std variant of Dr.GRPO (``scale="none"``).
+``scale`` option also gives the batch-std variant (TRL ``scale_rewards="batch"``: group mean
+centring, std of the whole batch's rewards; REINFORCE++-baseline is a different estimator, which
+whitens the centred values) and the no-std variant of Dr.GRPO (``scale="none"``).
 
 **Math** (``valid = group_valid & isfinite(r)``; every statistic over valid rows only)::
 

@@ -26,9 +26,11 @@ sequence advantage; token-level advantages are allowed as in the paper's GSPO-to
 
 - ``eps_low = 3e-4``, ``eps_high = 4e-4`` [PAPER] the left/right clipping ranges of the experiments.
 - The paper optimises the sequence mean, 1/G Σ_i; use ``agg = "seq_mean_token_mean"`` to
-  reproduce it [PAPER]. With any aggregation whose weight is constant within a row (all three
-  built-ins) the token form and a broadcast sequence ratio (TRL ``importance_sampling_level=
-  "sequence"``) give the same gradient.
+  reproduce it [PAPER]. The token form and a broadcast sequence ratio (TRL ``importance_sampling_level=
+  "sequence"``) have the same value; their gradients agree only when the advantage is constant
+  within each row (a sequence advantage) and the aggregation weighs a row's tokens equally (all
+  built-ins do). With token-level advantages they differ: the token form weighs ∇logp_t by its own
+  A_t, the broadcast ratio by the row's mean-weighted sum.
 
 **Notes**
 

@@ -55,6 +55,7 @@ class KLTerm:
     agg: str | None = None
 
     needs = (Need("logp", model="ref"),)
+    weighted = False  # token weights (top-entropy, IS corrections) scale the policy-gradient terms only, as in TRL
 
     def __post_init__(self) -> None:
         self._kl = build("kl", self.estimator)

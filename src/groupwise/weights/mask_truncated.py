@@ -36,6 +36,7 @@ class MaskTruncated:
     """Zero weight for every token of a truncated completion (DAPO overlong filtering, Yu et al. 2025)."""
 
     needs = ()
+    scope = "token"  # a truncated row leaves the loss and every normaliser (DAPO, TRL mask_truncated_completions)
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         keep = ~rollout.truncated.bool()  # [B,G]

@@ -4,8 +4,10 @@
 LLM Reasoning", Shenzhi Wang, Le Yu, Chang Gao et al., 2025. https://arxiv.org/abs/2506.01939
 
 **Change vs GRPO**: the policy-gradient loss is restricted to the ρ fraction of completion tokens
-with the highest entropy in the batch; the other tokens get weight 0, so they leave the loss and
-every normaliser.
+with the highest entropy in the batch; the other tokens get weight 0. As in the paper and TRL
+(``top_entropy_quantile``), they still count in the normalisers and the KL term still covers them
+(``scope = "loss"``); ``scope = "token"`` removes them from every term and normaliser instead, which
+makes the gradient about 1/ρ larger (5x at ρ = 0.2) under a token- or sequence-mean aggregation.
 
 **Math** (``H`` = entropy of the policy's next-token distribution at each completion token)::
 
@@ -17,6 +19,9 @@ every normaliser.
 **Defaults**
 
 - ``rho = 0.2`` [PAPER] the top 20 % of tokens.
+- ``scope = "loss"`` [PAPER] [CODE] TRL ``GRPOTrainer`` multiplies the per-token policy loss by the
+  entropy mask and keeps ``completion_mask`` as the normaliser, then adds the KL on every token;
+  ``"token"`` [INFERRED] is groupwise's earlier behaviour, kept as an option.
 
 **Notes**
 
@@ -47,12 +52,15 @@ class TopEntropy:
     """Keep only the top-ρ highest-entropy tokens of the batch (80/20 forking tokens, Wang et al. 2025)."""
 
     rho: float = 0.2
+    scope: str = "loss"  # "loss": masked tokens stay in the normalisers (paper, TRL) | "token": they leave everything
 
     needs = (Need("entropy"),)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.rho <= 1.0:
             raise ValueError(f"top_entropy: rho must be in (0, 1], got {self.rho}")
+        if self.scope not in ("loss", "token"):
+            raise ValueError(f"top_entropy: scope must be 'loss' or 'token', got {self.scope!r}")
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if "entropy" not in rollout.extras:
