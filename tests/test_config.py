@@ -68,3 +68,46 @@ def test_resolved_config_round_trips_through_toml():
     cfg, _ = load_config("dapo", ["train.steps=3"])
     again = _from_dict(Config, tomllib.loads(to_toml(to_dict(cfg))), "")
     assert again == cfg
+
+
+@pytest.mark.parametrize("override,words", [
+    ('rollout.group_size="eight"', ["rollout.group_size", "an integer", "'eight'"]),
+    ("rollout.group_size=0", ["rollout.group_size=0", ">= 1"]),
+    ("rollout.temperature=0", ["rollout.temperature=0", "> 0"]),
+    ("rollout.temperature=-1.5", ["rollout.temperature=-1.5"]),
+    ("train.steps=true", ["train.steps", "an integer", "True"]),
+    ("checkpoint.keep_last=0", ["checkpoint.keep_last=0"]),
+])
+def test_bad_values_name_the_key_the_value_and_what_is_allowed(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_component_parameters_are_type_checked():
+    with pytest.raises(ConfigError, match=r"update 'adamw' parameter lr must be a number, got '1e-4' \(str\)"):
+        build_spec("update", {"name": "adamw", "lr": "1e-4"})
+    with pytest.raises(ConfigError, match="eps_high must be a number"):
+        build_spec("objective", {"name": "ppo_clip", "eps_high": True})
+    assert build_spec("update", {"name": "adamw", "lr": 1}).lr == 1  # an integer is a number
+    assert build_spec("objective", {"name": "ppo_clip", "dual_clip": None}).dual_clip is None
+    assert build_spec("objective", {"name": "kl", "coef": {"schedule": "linear", "end": 0.1}}).coef == 0.0  # a schedule table is allowed
+
+
+def test_group_size_one_with_a_group_relative_advantage_is_refused(tmp_path):
+    from test_trainer import make_trainer
+
+    with pytest.raises(ConfigError, match="group_size=1 with the group-relative advantage 'grpo'"):
+        make_trainer(tmp_path, "rollout.group_size=1")
+    make_trainer(tmp_path, "rollout.group_size=1", 'advantage.estimator="sign"')  # a fixed reference needs no group
+
+
+def test_a_missing_model_is_one_line_naming_model_path(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "groupwise", "train", "model.path=/no/such/model", "train.steps=1", f"out={tmp_path}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "model.path='/no/such/model' is not a local model folder" in result.stderr and "default" in result.stderr

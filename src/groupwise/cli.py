@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"groupwise: config error: {err}", file=sys.stderr)
         return 2
+    except FileNotFoundError as err:  # a model, recipe or data file that is not there: one line, not a traceback
+        print(f"groupwise: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -153,8 +153,63 @@ def _from_dict(cls: type, data: dict, where: str) -> Any:
             if not isinstance(value, dict):
                 raise ConfigError(f"config key {where}{key} must be a table, got {value!r}")
             value = _from_dict(sub_cls, value, f"{where}{key}.")
+        else:
+            check_type(f"config key {where}{key}", fields[key].type, value)
         kwargs[key] = value
-    return cls(**kwargs)
+    cfg = cls(**kwargs)
+    for key, (test, allowed) in _RANGES.get(cls.__name__, {}).items():
+        if not test(getattr(cfg, key)):
+            raise ConfigError(f"config key {where}{key}={getattr(cfg, key)!r} is out of range; allowed: {allowed}")
+    return cfg
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,), "list": (list,)}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "dict": "a table", "list": "an array", "None": "none"}
+
+
+def check_type(what: str, annotation: Any, value: Any) -> None:
+    """Raise a ConfigError naming ``what`` when ``value`` does not fit a simple annotation
+    (``int``, ``float``, ``str``, ``bool``, ``dict``, ``list``, their ``X | None`` unions, ``tuple[...]``);
+    other annotations are not checked. A number is never a bool and a bool is never a number."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    options = [t.strip() for t in text.split("|")]
+    if any(o not in _TYPES and o != "None" and not o.startswith("tuple[") for o in options):
+        return
+    for option in options:
+        if option == "None" and value is None:
+            return
+        if option.startswith("tuple["):
+            if isinstance(value, (list, tuple)):
+                return
+            continue
+        kinds = _TYPES.get(option, ())
+        if isinstance(value, bool) and option != "bool":
+            continue
+        if isinstance(value, kinds):
+            return
+    wanted = " or ".join(_TYPE_WORDS.get(o, "an array" if o.startswith("tuple[") else o) for o in options)
+    raise ConfigError(f"{what} must be {wanted}, got {value!r} ({type(value).__name__})")
+
+
+_RANGES: dict[str, dict[str, tuple[Any, str]]] = {
+    "RolloutCfg": {
+        "group_size": (lambda v: v >= 1, "an integer >= 1 (G completions per prompt; >= 2 for a group-relative advantage)"),
+        "prompts_per_step": (lambda v: v >= 1, "an integer >= 1"),
+        "max_new_tokens": (lambda v: v >= 1, "an integer >= 1"),
+        "temperature": (lambda v: v > 0, "a number > 0 (greedy decoding is eval's, not the rollout's)"),
+        "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "top_k": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    },
+    "TrainCfg": {
+        "steps": (lambda v: v >= 0, "an integer >= 0"),
+        "epochs": (lambda v: v >= 1, "an integer >= 1"),
+        "minibatches": (lambda v: v >= 1, "an integer >= 1"),
+        "micro_batch_groups": (lambda v: v >= 0, "an integer >= 0 (0 = the whole mini-batch)"),
+        "max_seconds": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
+    },
+    "EvalCfg": {"size": (lambda v: v >= 0, "an integer >= 0"), "every": (lambda v: v >= 0, "an integer >= 0")},
+    "CheckpointCfg": {"every": (lambda v: v >= 0, "an integer >= 0"), "keep_last": (lambda v: v >= 1, "an integer >= 1")},
+}
 
 
 def parse_value(text: str) -> Any:

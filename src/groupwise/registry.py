@@ -118,6 +118,11 @@ def build(stage: str, name: str, **params: Any) -> Any:
             spec = dict(value)
             schedules[key] = build("schedule", spec.pop("schedule"), **spec)
             params[key] = schedules[key].start()
+    from groupwise.config import check_type  # config imports this module: import at call time
+
+    annotations = {f.name: f.type for f in dataclasses.fields(cls)}
+    for key, value in params.items():
+        check_type(f"{stage} {name!r} parameter {key}", annotations[key], value)
     component = cls(**params)
     if schedules:
         component.schedules = schedules

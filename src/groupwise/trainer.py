@@ -60,6 +60,9 @@ class Trainer:
         self.reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, self.tokenizer, self.engine.eos_token_ids, ro.max_new_tokens)
         self.eval_reward = build_spec("reward", cfg.eval.reward or task_reward)
         self.estimator = build_spec("advantage", cfg.advantage.estimator)
+        if ro.group_size < 2 and getattr(self.estimator, "group_relative", False):
+            raise ConfigError(f"rollout.group_size={ro.group_size} with the group-relative advantage {self.estimator.registry_name!r}: "
+                              f"every advantage would be 0; use group_size >= 2")
         self.shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
         self.weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
         self.objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg)

@@ -40,6 +40,8 @@ from groupwise.types import Rollout, StepInfo
 class DrGRPOAdvantage:
     """Group-mean-centred advantage without std scaling (Dr.GRPO, Liu et al. 2025)."""
 
+    group_relative = True  # needs G >= 2: with one row per group every advantage is 0
+
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
         adv = group_normalize(r, valid, scale=None)  # [B,G]

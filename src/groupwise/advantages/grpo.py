@@ -53,6 +53,8 @@ _DDOF = {"unbiased": 1, "population": 0}
 class GRPOAdvantage:
     """Group-relative advantage, mean/std normalised (DeepSeekMath, Shao et al. 2024)."""
 
+    group_relative = True  # needs G >= 2: with one row per group every advantage is 0
+
     scale: str = "group"  # "group" | "batch" | "none"
     std: str = "unbiased"  # "unbiased" (Bessel, torch.std) | "population"
     eps: float = 1e-4

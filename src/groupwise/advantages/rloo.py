@@ -42,6 +42,8 @@ from groupwise.types import Rollout, StepInfo
 class RLOOAdvantage:
     """Leave-one-out baseline advantage r_i − mean_{j≠i} r_j (RLOO, Ahmadian et al. 2024)."""
 
+    group_relative = True  # needs G >= 2: with one row per group every advantage is 0
+
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
         n = valid.sum(1, keepdim=True).to(r.dtype)  # [B,1]

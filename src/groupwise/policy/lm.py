@@ -38,10 +38,15 @@ def load_policy(path: str, dtype: str = "float32", lora: dict | None = None) -> 
         raise ValueError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     path = resolve_model_path(path)
     local = Path(path).exists()
-    if not local and os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise FileNotFoundError(f"model {path!r} is not a local folder and the hub is offline")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=local, attn_implementation="sdpa")
+    shipped = ", ".join(sorted(p.name for p in DEFAULT_MODEL.parent.iterdir() if (p / "config.json").exists()))
+    if not local and (os.environ.get("HF_HUB_OFFLINE") == "1" or path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise FileNotFoundError(f"model.path={path!r} is not a local model folder (shipped models: {shipped}; or a folder with config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=local, attn_implementation="sdpa")
+    except OSError as err:
+        raise FileNotFoundError(f"model.path={path!r}: no model could be loaded ({type(err).__name__}); it is neither a local model folder "
+                                f"nor a reachable hub id (shipped models: {shipped})") from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if lora:
