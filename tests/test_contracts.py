@@ -48,8 +48,11 @@ def _grad_through_objective(terms, ro, out, logp, agg):
     obj = objective_for(terms, agg)
     info = info_for(T)
     loss = obj.loss(ro, out, obj.normalizers(ro, info), info)
-    (grad,) = torch.autograd.grad(loss, logp, allow_unused=True)
-    return loss, (torch.zeros_like(logp) if grad is None else grad), obj.loss_mask(ro)
+    # every grad input of the terms (logp, and entropy for an entropy bonus) counts
+    inputs = [logp] + [v for v in out.values() if v is not logp and v.requires_grad and v.shape == logp.shape]
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    grad = sum(torch.zeros_like(logp) if g is None else g for g in grads)
+    return loss, grad, obj.loss_mask(ro)
 
 
 def test_every_stage_has_entries():

@@ -292,3 +292,19 @@ def test_stateful_components_resume_exactly(tmp_path, extra):
     for a, b in zip(straight._components(), resumed._components()):
         if hasattr(a, "state_dict") and a is not straight.updater:
             assert repr(a.state_dict()) == repr(b.state_dict()), type(a).__name__
+
+
+@pytest.mark.parametrize("coef", ['{schedule="adaptive_kl", target=0.01, horizon=100}', '{schedule="linear", start_value=0.1, end=0.5, steps=4}'])
+def test_a_scheduled_reward_coefficient_resumes_exactly(tmp_path, coef):
+    """A reward scorer runs before the step's schedules are resolved, so after a resume it must see
+    the value the uninterrupted run had in force (the last step's), not the schedule's start."""
+    common = ["train.steps=4", "eval.size=0", "checkpoint.every=2", SGD, f'rewards=["exact", {{name="kl_penalty", coef={coef}}}]']
+    straight = make_trainer(tmp_path / "a", *common)
+    straight.train()
+    first = make_trainer(tmp_path / "b", *common)
+    first.cfg.train.steps = 2
+    first.train()
+    resumed = make_trainer(tmp_path / "b", *common)
+    resumed.train()
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name

@@ -72,7 +72,8 @@ class Trainer:
         # With one mini-batch per epoch, the first epoch's forward runs on the weights that sampled the
         # rollout: its detached log-probs ARE the old log-probs (no extra no-grad pass; ratio 1 in epoch 0).
         self.old_from_first_pass = cfg.train.minibatches == 1
-        needs = [n for c in self._components() for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
+        owners = [*self._components(), *schedules.all_schedules(self._components())]
+        needs = [n for c in owners for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
         self.reference = Reference(self.model) if any(n.model == "ref" for n in needs) else None
         models = {"policy": lambda: contextlib.nullcontext(self.model), "ref": lambda: self.reference.model()}
         self.needs = NeedResolver(needs, models, cfg.views, self.forward, lambda prompt: encode_prompt(self.tokenizer, prompt),
@@ -160,6 +161,11 @@ class Trainer:
         if self.weights:
             batch.weight, counted = token_weights(self.weights, batch, info)  # [B,G,T], [B,G,T]
             batch.set_extra("counted", counted, "token")
+        for component in self._components():
+            if hasattr(component, "prepare"):  # whole-batch statistics a term needs in every micro-batch (micro-batch invariance)
+                component.prepare(batch, info)
+            if hasattr(component, "step_stats"):
+                self._coefficients.update(component.step_stats())
         return batch
 
     def observe(self, batch: Rollout) -> None:
@@ -276,6 +282,11 @@ class Trainer:
         for schedule, sub in zip(schedules.all_schedules(self._components()), state.get("schedules", [])):
             if sub is not None:
                 schedule.load_state_dict(sub)
+        # the values in force before the resumed run's first resolve (a reward scored before it): the last step's
+        last = StepInfo(max(self.step - 1, 0), self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, total_steps=self.cfg.train.steps)
+        for component in self._components():
+            for attr, schedule in schedules.scheduled(component).items():
+                setattr(component, attr, schedule.start() if hasattr(schedule, "state_dict") else schedule(last, None))
         if "prompt_stats" in state:
             self.prompt_stats.load_state_dict(state["prompt_stats"])
         if self.reference:

@@ -1,24 +1,31 @@
-"""Loss aggregations: token mean (DAPO), sequence mean of token means (GRPO), constant (Dr.GRPO).
+"""Loss aggregations: token mean (DAPO), sequence mean of token means (GRPO), constant (Dr.GRPO),
+sequence mean of token sums (verl).
 
 - GRPO: Shao et al. 2024, "DeepSeekMath", https://arxiv.org/abs/2402.03300 — 1/G Σ_i 1/|o_i| Σ_t.
 - DAPO: Qiying Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
   Scale", https://arxiv.org/abs/2503.14476 — token-level policy-gradient loss, 1/Σ_i|o_i| Σ_i Σ_t.
 - Dr.GRPO: Zichen Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
   Perspective", https://arxiv.org/abs/2503.20783 — a constant normaliser instead of 1/|o_i|.
+- verl (Sheng et al. 2024, "HybridFlow", https://arxiv.org/abs/2409.19256), code
+  ``verl/trainer/ppo/core_algos.py`` ``agg_loss`` — ``loss_agg_mode = "seq-mean-token-sum"``; TRL 1.16
+  ``loss_type="luspo"`` (``GRPOTrainer._compute_loss``) aggregates the same way.
 
-**Change vs GRPO**: ``seq_mean_token_mean`` is GRPO's; the other two remove its length bias
-(per-sequence 1/|o_i| favours short correct and long wrong answers).
+**Change vs GRPO**: ``seq_mean_token_mean`` is GRPO's; ``token_mean`` and ``constant`` remove its
+length bias (per-sequence 1/|o_i| favours short correct and long wrong answers);
+``seq_mean_token_sum`` drops the 1/|o_i| altogether, so a row's loss grows with its length.
 
 **Math** (``mask`` = loss tokens of the *whole step batch*; ``v`` = term values of a micro-batch)::
 
     token_mean:           Σ_{rows,t} v·mask / Σ_{rows,t} mask
     seq_mean_token_mean:  Σ_rows (Σ_t v·mask / Σ_t mask) / #rows with ≥ 1 loss token
     constant:             Σ_{rows,t} v·mask / (#rows with ≥ 1 loss token · max_len)
+    seq_mean_token_sum:   Σ_rows (Σ_t v·mask) / #rows with ≥ 1 loss token
 
 **Defaults**
 
 - ``constant.max_len = None`` → ``info.max_new_tokens`` [PAPER] Dr.GRPO divides by the generation
   budget; [CODE] TRL ``loss_type="dr_grpo"`` uses ``max_completion_length``.
+- ``seq_mean_token_sum``: no parameters [CODE] verl ``agg_loss``.
 
 **Notes**
 
@@ -32,6 +39,13 @@
    rows removed by overlong filtering; the normaliser only sees the loss mask, so a row whose
    every token has weight 0 cannot be told apart from a padding row of a ragged group.)
 4. Empty normalisers are clamped to 1: an all-masked batch gives loss 0, never NaN.
+5. verl's four ``loss_agg_mode`` values map to: ``token-mean`` → ``token_mean``,
+   ``seq-mean-token-mean`` → ``seq_mean_token_mean``, ``seq-mean-token-sum`` →
+   ``seq_mean_token_sum``, ``seq-mean-token-sum-norm`` (Σ / (rows · ``loss_scale_factor``, default the
+   padded response length)) → ``constant`` with ``max_len`` = that length. verl has no ``token-sum``
+   mode, so none is registered here.
+6. ``seq_mean_token_sum`` counts rows as verl does (``seq_mask = Σ_t mask > 0``); TRL's ``luspo``
+   divides by every row of its batch, including rows without loss tokens (see note 3).
 """
 
 from __future__ import annotations
@@ -109,3 +123,15 @@ class Constant:
 
     def reduce(self, values: Tensor, mask: Tensor, norm: dict[str, Tensor]) -> Tensor:
         return _token_sum(values, mask) / _den(norm["slots"], values)  # []
+
+
+@register("aggregation", "seq_mean_token_sum")
+@dataclass
+class SeqMeanTokenSum:
+    """Mean over rows of each row's token sum (verl ``loss_agg_mode="seq-mean-token-sum"``)."""
+
+    def normalizer(self, mask: Tensor, info: StepInfo) -> dict[str, Tensor]:
+        return {"rows": mask.any(-1).sum()}  # [] int64
+
+    def reduce(self, values: Tensor, mask: Tensor, norm: dict[str, Tensor]) -> Tensor:
+        return _token_sum(values, mask) / _den(norm["rows"], values)  # []
