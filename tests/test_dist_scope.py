@@ -51,7 +51,8 @@ def test_two_ranks_see_what_one_process_sees(results):
                 _close(a[key], b[key], f"{where} {key} (1 vs 2 ranks)")
                 _close(b[key], c[key], f"{where} {key} (rank 0 vs rank 1)")
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and b["loss"] == c["loss"], where
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-7, nan_ok=True), where
+            # 1e-4: weights built from no-grad log-probs (sampler_is) see each rank pack its own share, rounding differs
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4, abs=1e-7, nan_ok=True), where
             assert a["sampler"] == b["sampler"] == c["sampler"], where
 
 
