@@ -134,11 +134,12 @@ class Trainer:
             batch = dist.gather_rollout(rollout)
             self.reward_stage.finish(batch, info)
             keep = self.sampler.keep(batch)  # [B] bool
-            parts.append(batch.select(keep.nonzero().flatten()))
+            parts.append(batch if bool(keep.all()) else batch.select(keep.nonzero().flatten()))  # no copy when every group is kept
             kept += int(keep.sum())
             if kept >= cfg.prompts_per_step:
                 break
-        return Rollout.concat(parts).select(list(range(min(kept, cfg.prompts_per_step))))
+        batch = Rollout.concat(parts)
+        return batch if kept == cfg.prompts_per_step else batch.select(list(range(min(kept, cfg.prompts_per_step))))
 
     # ------------------------------------------------------------------ no-grad needs, schedules, advantages, weights
     def forward(self, model: Any, rollout: Rollout, want_entropy: bool = False, quantities=()) -> dict[str, torch.Tensor]:
