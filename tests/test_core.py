@@ -281,7 +281,7 @@ def test_stateful_components_resume_exactly(tmp_path, extra):
     first.cfg.train.steps = 2  # stop half-way (the updater's schedule was bound for 4 steps, as in a real interruption)
     first.train()
     resumed = make_trainer(tmp_path / "b", *common)
-    resumed.train()
+    resumed.train(resume_allow=["train.steps"])
     assert resumed.step == straight.step == 4
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
@@ -303,6 +303,6 @@ def test_a_scheduled_reward_coefficient_resumes_exactly(tmp_path, coef):
     first.cfg.train.steps = 2
     first.train()
     resumed = make_trainer(tmp_path / "b", *common)
-    resumed.train()
+    resumed.train(resume_allow=["train.steps"])
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name

@@ -425,7 +425,7 @@ def _train(tmp_path, *overrides):
 
     cfg, _ = load_config(None, [*E2E, f'out="{tmp_path}"', *overrides])
     trainer = Trainer(cfg)
-    summary = trainer.train()
+    summary = trainer.train(resume_allow=["train.steps"])  # the resume test extends a finished 2-step run
     assert summary["steps"] == cfg.train.steps
     return trainer
 

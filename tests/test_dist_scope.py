@@ -48,7 +48,13 @@ def test_two_ranks_see_what_one_process_sees(results):
             where = f"{label} step {step}"
             assert torch.equal(a["prompts"], b["prompts"]) and torch.equal(b["prompts"], c["prompts"]), where
             for key in ("advantages", "weight"):
-                _close(a[key], b[key], f"{where} {key} (1 vs 2 ranks)")
+                if step > 0 and key == "weight" and label.startswith("weight:top_entropy"):
+                    # after one update the 1-rank and 2-rank weights differ by summation rounding, and a
+                    # token whose entropy sits at the threshold can flip: allow a few, never a different rule
+                    flips = int((a[key] != b[key]).sum())
+                    assert flips <= max(2, a[key].numel() // 200), f"{where} {key}: {flips} of {a[key].numel()} tokens differ (1 vs 2 ranks)"
+                else:
+                    _close(a[key], b[key], f"{where} {key} (1 vs 2 ranks)")
                 _close(b[key], c[key], f"{where} {key} (rank 0 vs rank 1)")
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and b["loss"] == c["loss"], where
             # 1e-4: weights built from no-grad log-probs (sampler_is) see each rank pack its own share, rounding differs

@@ -1,5 +1,6 @@
 """Numerical guards: 10^5 random reward groups — constant, near-constant, single-sample, empty,
-NaN/inf-containing — give finite advantages from every registered estimator."""
+NaN/inf-containing, and spread over float32's whole range — give finite advantages from every
+registered estimator, and from every shaper after a scaled (grpo) and an unscaled (dr_grpo) one."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from helpers import fill_needs
 
 def nasty_groups(n: int, G: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    kind = torch.randint(0, 6, (n,), generator=gen)  # [n] one pathology per group
+    kind = torch.randint(0, 8, (n,), generator=gen)  # [n] one pathology per group
     r = torch.rand(n, G, generator=gen)  # [n,G]
     r[kind == 0] = 1.0  # constant
     r[kind == 1] = 0.5 + 1e-7 * torch.randn(int((kind == 1).sum()), G, generator=gen)  # near-constant
@@ -23,18 +24,32 @@ def nasty_groups(n: int, G: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
     valid = torch.ones(n, G, dtype=torch.bool)
     valid[kind == 4, 1:] = False  # single valid sample
     valid[kind == 5] = False  # empty group
+    wide = kind == 6
+    r[wide] = (torch.rand(int(wide.sum()), G, generator=gen) * 2 - 1) * 3.4e38  # up to float32's largest
+    edge = kind == 7
+    picks = torch.tensor([3e38, -3e38, 1e20, -1e20, 0.0])[torch.randint(0, 5, (int(edge.sum()), G), generator=gen)]
+    r[edge] = picks  # sums and squares that overflow float32
     return r, valid
 
 
-@pytest.mark.parametrize("name", names("advantage"))
-def test_no_non_finite_advantage_from_1e5_random_groups(name):
+def _cases() -> list[tuple[str, str | None]]:
+    """(name, upstream estimator): a shaper after grpo (scaled) and dr_grpo (unscaled, huge values)."""
+    out = []
+    for name in names("advantage"):
+        shaper = getattr(build("advantage", name), "shaper", False)
+        out += [(name, up) for up in ("grpo", "dr_grpo")] if shaper else [(name, None)]
+    return out
+
+
+@pytest.mark.parametrize("name,upstream", _cases(), ids=[f"{n}+{u}" if u else n for n, u in _cases()])
+def test_no_non_finite_advantage_from_1e5_random_groups(name, upstream):
     rewards, valid = nasty_groups(100_000, 8)
     B, G = rewards.shape
     rollout = Rollout(prompt_ids=[[1]] * B, actions=torch.zeros(B, G, 1, dtype=torch.long), mask=torch.ones(B, G, 1, dtype=torch.bool), group_valid=valid,
                       truncated=torch.zeros(B, G, dtype=torch.bool), prompt_index=torch.arange(B), rewards=rewards)
     component = build("advantage", name)
-    if getattr(component, "shaper", False):  # a shaper reshapes an estimator's output
-        rollout.advantages = build("advantage", "grpo")(rollout, StepInfo(0, 0, 1))
+    if upstream is not None:  # a shaper reshapes an estimator's output
+        rollout.advantages = build("advantage", upstream)(rollout, StepInfo(0, 0, 1))
         fill_needs(rollout, component.needs)
     adv = component(rollout, StepInfo(0, 0, 1))
     bad = int((~torch.isfinite(adv)).sum())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -351,3 +352,76 @@ def test_score_empty_batch_and_duplicate_labels():
     assert res.total.shape == (0,) and res.parts.shape == (0, 2) and res.excluded.shape == (0,)
     # the second `exact` is told apart in counts
     assert set(res.counts) == {"excluded", "exact/missing", "exact/error", "exact[1]/missing", "exact[1]/error"}
+
+
+# ----------------------------------------------------------------------------- exits (issue #12 item 11)
+
+
+def _exits(exc, name):
+    def fn(prompts, completions, **kwargs):
+        raise exc
+
+    fn.__qualname__, fn.__module__ = name, "tests"
+    return fn
+
+
+EXITS = [
+    (SystemExit(0), r"SystemExit\(0\)"),  # sys.exit(0): before, the trainer ended with status 0
+    (SystemExit(None), r"SystemExit\(None\)"),  # bare sys.exit()
+    (SystemExit(3), r"SystemExit\(3\)"),
+    (SystemExit("bye"), r"SystemExit\('bye'\)"),
+    (KeyboardInterrupt(), r"KeyboardInterrupt"),
+]
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0], ids=["direct", "thread"])
+@pytest.mark.parametrize("on_error", ["raise", "exclude"])
+@pytest.mark.parametrize("exc, what", EXITS, ids=["exit0", "exitNone", "exit3", "exitstr", "ctrlc"])
+def test_score_reward_exit_stops_the_run_naming_it(exc, what, on_error, timeout_s):
+    from groupwise.rewards.score import RewardAborted, score_parts
+
+    quitter = _exits(exc, "quitter")
+    with pytest.raises(RewardAborted, match=rf"reward 'tests.quitter' raised {what}; .*run is stopped") as info:
+        score_parts([Exact(), quitter], P3, C3, {"answer": C3}, on_error=on_error, timeout_s=timeout_s)
+    assert info.value.__cause__ is exc
+    # a RuntimeError, never a RewardError: on_error="exclude" must not turn it into excluded samples
+    assert isinstance(info.value, RuntimeError) and not isinstance(info.value, RewardError)
+    with pytest.raises(RewardAborted, match="tests.quitter"):
+        score([quitter], P3, C3, {}, on_error=on_error, timeout_s=timeout_s)
+
+
+def test_rollout_scorer_exit_stops_the_run_naming_it():
+    from groupwise.rewards.score import RewardAborted
+    from groupwise.rewards.stage import RewardStage
+    from helpers import info_for, make_rollout
+
+    class Quits:
+        weight = 1.0
+
+        def score_rollout(self, rollout, info):
+            raise SystemExit(0)
+
+    stage = RewardStage([], SimpleNamespace(missing="exclude"), None, eos_ids=[], max_new_tokens=3)
+    stage.tensor = [Quits()]
+    ro = make_rollout(B=1, G=2, T=3, awkward=False)
+    ro.reward_parts = torch.zeros(1, 2, 0, dtype=torch.float64)
+    ro.set_extra("reward_failed", torch.zeros(1, 2, dtype=torch.bool), "row")
+    with pytest.raises(RewardAborted, match=r"reward '.*Quits' raised SystemExit\(0\)"):
+        stage.finish(ro, info_for(3))
+
+
+def test_reward_exit_zero_gives_nonzero_status_in_a_process():
+    import subprocess
+    import sys
+
+    script = textwrap.dedent("""
+        import sys
+        from groupwise.rewards import score
+        def quitter(prompts, completions, **kw):
+            sys.exit(0)
+        score([quitter], ["p"], ["c"], {}, on_error="exclude")
+        print("scored")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "scored" not in proc.stdout
+    assert "RewardAborted: reward '__main__.quitter' raised SystemExit(0)" in proc.stderr

@@ -87,11 +87,11 @@ def test_run_writes_outputs_and_resumes_exactly(tmp_path):
     first = make_trainer(tmp_path / "resumed", "train.steps=2", "checkpoint.every=1")
     first.train()
     again = make_trainer(tmp_path / "resumed", "train.steps=4", "checkpoint.every=1")
-    again.train()
+    again.train(resume_allow=["train.steps"])  # a changed setting is refused unless allowed
     from groupwise import checkpoint
 
     kept = checkpoint.complete(tmp_path / "resumed")
-    assert [p.name for p in kept] == ["step_000003", "step_000004"]  # keep_last=2 pruned steps 1 and 2
+    assert [p.name for p in kept] == ["step_000003", "step_000004_r1"]  # keep_last=2 pruned steps 1 and 2; the final save superseded step 4's
     for (name, p), q in zip(straight.model.named_parameters(), again.model.parameters()):
         assert torch.equal(p, q), f"{name} differs after resume"
     resumed_rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]

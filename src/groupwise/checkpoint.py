@@ -1,21 +1,47 @@
-"""Atomic, complete checkpoints: written to a temporary folder, fsynced, marked complete, then
-renamed into place. Only folders carrying the marker are ever loaded; old ones are pruned only
-after a new one is complete."""
+"""Atomic, self-verifying checkpoints.
+
+A save writes ``state.pt`` to a temporary folder, then ``MANIFEST.json`` (the step and each file's
+size and sha256), then the ``COMPLETE`` marker holding the manifest's own sha256, fsyncing each,
+and renames the folder into place. A load checks all three against each other, so a bit flip, a
+zeroed page, a truncation or an edited field is found and named before anything is unpickled;
+:func:`latest_intact` then falls back to the previous complete checkpoint.
+
+No moment of a save leaves a run without a complete checkpoint: a second save of the same step
+gets a new revision name (``step_000010_r1``) instead of replacing the folder, and old folders are
+pruned only after the new one is published. A full disk is found before writing where possible
+(free space against the state's size) and otherwise when the write fails; either way the error
+names the path and the bytes needed, and the temporary folder is removed.
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import re
 import shutil
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+STATE = "state.pt"
 FAULT_ENV = "GROUPWISE_FAULT"  # test hook: SIGKILL this process at the named point of a save
-_NAME = re.compile(r"^step_(\d+)$")
+_NAME = re.compile(r"^step_(\d+)(?:_r(\d+))?$")
+_CHUNK = 1 << 20
+
+
+class CheckpointCorrupt(RuntimeError):
+    """A checkpoint folder whose files do not match its manifest (the message names file and check)."""
+
+
+class CheckpointSpace(OSError):
+    """The disk cannot hold the checkpoint; the message names the path, the bytes needed and free."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -31,52 +57,170 @@ def _fault(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+class _Writes:
+    """A file for ``torch.save`` that keeps the first ``OSError`` of a write (ENOSPC, EDQUOT)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.error = fh, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _next_name(root: Path, step: int) -> Path:
+    """``step_N`` or, if a checkpoint of this step exists already, its next revision ``step_N_rK``."""
+    revisions = [int(m.group(2) or 0) for p in root.iterdir() if (m := _NAME.match(p.name)) and int(m.group(1)) == step]
+    base = f"step_{step:06d}"
+    return root / (base if not revisions else f"{base}_r{max(revisions) + 1}")
+
+
 def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path:
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
+    needed = _tensor_bytes(state) + (1 << 16)  # tensors dominate; 64 KiB for the pickled rest
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise CheckpointSpace(errno.ENOSPC, f"no space for the step-{step} checkpoint in {root}: it needs about {needed:,} bytes, "
+                              f"{free:,} are free; free some space (or lower checkpoint.keep_last) and rerun the same command to resume "
+                              f"from the last complete checkpoint")
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    with open(tmp / "state.pt", "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fault("checkpoint.before_marker")
-    with open(tmp / MARKER, "w") as fh:  # written last: its presence means everything above is on disk
-        fh.write(f"{step}\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+        with open(tmp / STATE, "wb") as fh:
+            writer = _Writes(fh)
+            try:
+                torch.save(state, writer)
+            except RuntimeError as err:  # torch's writer hides the OSError behind its own message
+                raise (writer.error or err) from err
+            fh.flush()
+            os.fsync(fh.fileno())
+        # hashed as read back: the manifest describes the bytes the disk holds
+        manifest = {"step": step, "files": {STATE: {"bytes": (tmp / STATE).stat().st_size, "sha256": _sha256(tmp / STATE)}}}
+        manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        _write(tmp / MANIFEST, manifest_bytes)
+        _fault("checkpoint.before_marker")
+        _write(tmp / MARKER, f"{step} {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode())  # last: everything above is on disk
+        _fsync_dir(tmp)
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointSpace(err.errno, f"disk full while writing the step-{step} checkpoint to {tmp}: it needs about {needed:,} bytes; "
+                                  f"the partial folder was removed, earlier checkpoints are intact; free some space and rerun to resume") from err
+        raise
     _fault("checkpoint.before_rename")
-    if final.exists():
-        shutil.rmtree(final)
+    final = _next_name(root, step)
     os.rename(tmp, final)
     _fsync_dir(root)
-    for old in complete(run_dir)[:-keep_last] if keep_last > 0 else []:
+    _fault("checkpoint.before_prune")
+    done = complete(run_dir)
+    superseded = [p for p in done if p != final and _NAME.match(p.name).group(1) == _NAME.match(final.name).group(1)]  # same step, older revision
+    others = [p for p in done if p not in superseded]
+    for old in superseded + (others[:-keep_last] if keep_last > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def complete(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Checkpoint folders carrying the marker, oldest first (by step, then revision). Not verified."""
     root = Path(run_dir) / "checkpoints"
     if not root.exists():
         return []
     found = []
     for path in root.iterdir():
         match = _NAME.match(path.name)
-        if match and (path / MARKER).exists() and (path / "state.pt").exists():
-            found.append((int(match.group(1)), path))
-    return [p for _, p in sorted(found)]
+        if match and (path / MARKER).exists() and (path / STATE).exists():
+            found.append((int(match.group(1)), int(match.group(2) or 0), path))
+    return [p for _, _, p in sorted(found)]
+
+
+def verify(path: Path) -> None:
+    """Raise :class:`CheckpointCorrupt` naming the file and the failed check, unless the marker,
+    the manifest and every listed file agree (sizes and sha256)."""
+    path = Path(path)
+    match = _NAME.match(path.name)
+    try:
+        marker = (path / MARKER).read_text().split()
+        manifest_bytes = (path / MANIFEST).read_bytes()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointCorrupt(f"{path}: cannot read {MARKER}/{MANIFEST} ({err})") from err
+    if len(marker) != 2 or not marker[0].isdigit():
+        raise CheckpointCorrupt(f"{path / MARKER}: malformed marker {' '.join(marker)[:80]!r}")
+    if hashlib.sha256(manifest_bytes).hexdigest() != marker[1]:
+        raise CheckpointCorrupt(f"{path / MANIFEST}: sha256 differs from the one recorded in {MARKER} (edited or damaged)")
+    manifest = json.loads(manifest_bytes)
+    if match is None or int(marker[0]) != manifest["step"] or int(match.group(1)) != manifest["step"]:
+        raise CheckpointCorrupt(f"{path}: folder name, {MARKER} ({marker[0]}) and {MANIFEST} (step {manifest['step']}) disagree")
+    for name, expect in manifest["files"].items():
+        file = path / name
+        if not file.exists():
+            raise CheckpointCorrupt(f"{file}: listed in {MANIFEST} but missing")
+        size = file.stat().st_size
+        if size != expect["bytes"]:
+            raise CheckpointCorrupt(f"{file}: {size:,} bytes, {MANIFEST} says {expect['bytes']:,} (truncated or extended)")
+        if _sha256(file) != expect["sha256"]:
+            raise CheckpointCorrupt(f"{file}: sha256 differs from {MANIFEST} (bit flip or overwritten bytes)")
 
 
 def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder, unverified (see :func:`latest_intact`)."""
     done = complete(run_dir)
     return done[-1] if done else None
 
 
+def latest_intact(run_dir: Path) -> Path | None:
+    """The newest checkpoint that passes :func:`verify`; each damaged newer one is named in a warning.
+    None when the run has no checkpoint; :class:`CheckpointCorrupt` when every one is damaged."""
+    done = complete(run_dir)
+    problems = []
+    for path in reversed(done):
+        try:
+            verify(path)
+        except CheckpointCorrupt as err:
+            problems.append(str(err))
+            warnings.warn(f"skipping damaged checkpoint: {err}", RuntimeWarning, stacklevel=2)
+            continue
+        return path
+    if problems:
+        raise CheckpointCorrupt(f"no intact checkpoint in {Path(run_dir) / 'checkpoints'}: " + "; ".join(problems))
+    return None
+
+
 def load(path: Path) -> dict[str, Any]:
-    with open(Path(path) / "state.pt", "rb") as fh:
+    """The state of a checkpoint folder, verified against its manifest first."""
+    verify(path)
+    with open(Path(path) / STATE, "rb") as fh:
         return torch.load(fh, weights_only=False)

@@ -24,8 +24,20 @@ def cmd_train(args: list[str]) -> int:
     from rich.console import Console
 
     from groupwise.config import load_config, to_dict, to_toml
+    from groupwise.registry import ConfigError
 
-    recipe, overrides = _split_recipe(args)
+    allow: list[str] = []
+    rest = []
+    items = iter(args)
+    for item in items:  # --resume-allow KEY[,KEY] (repeatable) or --resume-allow=KEY[,KEY]
+        if item == "--resume-allow" or item.startswith("--resume-allow="):
+            value = item.partition("=")[2] if "=" in item else next(items, "")
+            if not value:
+                raise ConfigError("--resume-allow needs the config keys that may differ from the stored run, e.g. --resume-allow train.steps,eval.every")
+            allow += [k.strip() for k in value.split(",") if k.strip()]
+        else:
+            rest.append(item)
+    recipe, overrides = _split_recipe(rest)
     cfg, _ = load_config(recipe, overrides)
     if not cfg.out:
         cfg.out = f"runs/{cfg.name}"
@@ -36,7 +48,7 @@ def cmd_train(args: list[str]) -> int:
     if trainer.rank == 0:
         console.print(f"[bold]groupwise train[/] recipe={recipe} → {cfg.out_dir}")
         console.print(to_toml(to_dict(cfg)), markup=False, highlight=False)
-    summary = trainer.train()
+    summary = trainer.train(resume_allow=allow)
     if trainer.rank == 0:
         shown = {k: v for k, v in summary.items() if k != "evals"}
         console.print_json(json.dumps(shown))
@@ -141,7 +153,7 @@ COMMANDS = {"train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval"
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...] | "
+    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...] | "
                         "compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -159,6 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:  # a model, recipe or data file that is not there: one line, not a traceback
         print(f"groupwise: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # the run folder's refusals and a reward that exits: one line naming what to do
+        from groupwise.checkpoint import CheckpointCorrupt, CheckpointSpace
+        from groupwise.rewards.score import RewardAborted
+        from groupwise.runfolder import RunLocked
+
+        if not isinstance(err, (RunLocked, CheckpointCorrupt, CheckpointSpace, RewardAborted)):
+            raise
+        print(f"groupwise: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ class RolloutCfg:
 class RewardCfg:
     on_error: str = "raise"  # raise: a reward function that raises stops the run; exclude: its samples are excluded and counted
     missing: str = "exclude"  # None/NaN verdicts: exclude the sample (counted) or count as zero (TRL's nansum)
-    timeout_s: float = 0.0  # per reward-function call (0 = none)
+    timeout_s: float = 300.0  # per reward-function call: a hung reward fails the step after this (0 = no limit)
     max_error_rate: float = 0.1  # with on_error=exclude: abort when more than this share of a step's samples failed
+    max_empty_steps: int = 3  # abort after this many steps in a row in which no sample had a finite reward
 
 
 @dataclass
@@ -90,7 +91,8 @@ class EvalCfg:
 
 @dataclass
 class CheckpointCfg:
-    every: int = 0  # steps between checkpoints (0 = only at the end)
+    every: int = 0  # steps between checkpoints (0 = by time only)
+    minutes: float = 5.0  # also checkpoint when this many minutes passed since the last one (0 = off)
     keep_last: int = 2
 
 
@@ -207,8 +209,10 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "micro_batch_groups": (lambda v: v >= 0, "an integer >= 0 (0 = the whole mini-batch)"),
         "max_seconds": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
     },
+    "RewardCfg": {"timeout_s": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"), "max_empty_steps": (lambda v: v >= 1, "an integer >= 1")},
     "EvalCfg": {"size": (lambda v: v >= 0, "an integer >= 0"), "every": (lambda v: v >= 0, "an integer >= 0")},
-    "CheckpointCfg": {"every": (lambda v: v >= 0, "an integer >= 0"), "keep_last": (lambda v: v >= 1, "an integer >= 1")},
+    "CheckpointCfg": {"every": (lambda v: v >= 0, "an integer >= 0"), "minutes": (lambda v: v >= 0, "a number >= 0 (0 = off)"),
+                      "keep_last": (lambda v: v >= 1, "an integer >= 1")},
 }
 
 

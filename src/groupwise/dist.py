@@ -7,6 +7,7 @@ summed over ranks, so one optimiser step over W ranks equals one process over th
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -15,10 +16,34 @@ import torch.distributed as dist
 def init() -> tuple[int, int]:
     """(rank, world_size); initialises the process group when launched by torchrun."""
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+        _die_with_launcher()
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _die_with_launcher() -> None:
+    """A worker gets SIGTERM when its launcher dies, however it dies (Linux ``PR_SET_PDEATHSIG``):
+    the ranks then stop together at the end of the step and checkpoint; none is left running."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the launcher's own signal forwarding is all there is
+        return
+    if os.getppid() == 1:  # the launcher died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def agree(flags: list[bool]) -> list[bool]:
+    """Each flag true on every rank if it is true on any: a decision (stop, checkpoint) all ranks share."""
+    if world_size() == 1:
+        return [bool(f) for f in flags]
+    votes = torch.tensor([int(bool(f)) for f in flags], dtype=torch.long)  # [F]
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+    return [bool(v > 0) for v in votes.tolist()]
 
 
 def world_size() -> int:

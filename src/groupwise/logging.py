@@ -4,28 +4,51 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from groupwise.runfolder import write_atomic
+
 
 class MetricsLog:
+    """``metrics.jsonl``: one JSON line per step, appended and fsynced as each step ends.
+
+    Opening it for a resumed run keeps the steps up to the checkpoint (the resumed run writes the
+    rest again, identically) and rewrites the file atomically: a kill at any moment leaves either
+    the old file or the new one. A torn last line (power loss, full disk) is dropped, and a step
+    logged twice keeps its last line, so no step appears twice whatever was killed when."""
+
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
-        kept: list[str] = []
+        by_step: dict[int, dict[str, Any]] = {}
         if resume_step is not None and path.exists():
-            # a resumed run's log must equal the uninterrupted run's: drop lines after the checkpoint
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-        path.write_text("".join(line + "\n" for line in kept))
-        self.rows = [json.loads(line) for line in kept]
+            for line in path.read_bytes().split(b"\n"):
+                row = _parse(line)
+                if row is not None and row["step"] <= resume_step:
+                    by_step[row["step"]] = row
+        self.rows = [by_step[s] for s in sorted(by_step)]
+        write_atomic(path, "".join(json.dumps(row) + "\n" for row in self.rows))
 
     def write(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.rows.append(clean)
         with open(self.path, "a") as fh:
             fh.write(json.dumps(clean) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """A logged row, or None for a blank, torn or foreign line."""
+    try:
+        row = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
 def progress_bar(console: Console | None = None) -> Progress:

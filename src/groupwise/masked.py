@@ -1,5 +1,9 @@
 """Masked reductions and group primitives shared by every component. Group statistics reduce over
-``dim=1`` (the group); the primitives force exact zeros for invalid rows and constant groups."""
+``dim=1`` (the group); the primitives force exact zeros for invalid rows and constant groups.
+
+The group primitives (``valid_rows``, ``group_*``, ``batch_std``) work in float64: in float32 the
+squared deviations overflow once |r| exceeds about 1.8e19, and a group's sum once it exceeds 3.4e38.
+Estimators cast their advantages back with :func:`to_float32`."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import torch
 from torch import Tensor
 
 GROUP_SCALES = ("group", "batch", "none")
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
@@ -20,14 +25,21 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     return masked_sum(x, mask, dim) / n.clamp(min=1).to(x.dtype)
 
 
+def to_float32(x: Tensor) -> Tensor:
+    """float64 advantages -> float32, saturating at ±3.4e38 (float32's largest) instead of becoming
+    ±inf: an unscaled advantage of huge rewards (r − mean, 2r − 1) may not fit in float32."""
+    return x.clamp(-_F32_MAX, _F32_MAX).float()
+
+
 def group_mean(x: Tensor, valid: Tensor) -> Tensor:
-    """[B,G] -> [B,1] mean over each group's valid rows (0 for an empty group)."""
-    return masked_mean(x, valid, dim=1)[:, None]
+    """[B,G] -> [B,1] float64 mean over each group's valid rows (0 for an empty group)."""
+    return masked_mean(x.double(), valid, dim=1)[:, None]
 
 
 def group_std(x: Tensor, valid: Tensor, ddof: int = 1) -> Tensor:
-    """[B,G] -> [B,1] std over valid rows. ``ddof=1`` is Bessel-corrected (torch.std, TRL, verl);
-    ``ddof=0`` the population std (numpy). Groups with ``n <= ddof`` get std 0, never NaN."""
+    """[B,G] -> [B,1] float64 std over valid rows. ``ddof=1`` is Bessel-corrected (torch.std, TRL,
+    verl); ``ddof=0`` the population std (numpy). Groups with ``n <= ddof`` get std 0, never NaN."""
+    x = x.double()  # [B,G]
     n = valid.sum(1, keepdim=True).to(x.dtype)  # [B,1]
     dev = torch.where(valid, x - group_mean(x, valid), torch.zeros((), dtype=x.dtype))  # [B,G]
     var = (dev**2).sum(1, keepdim=True) / (n - ddof).clamp(min=1)  # [B,1]
@@ -35,7 +47,8 @@ def group_std(x: Tensor, valid: Tensor, ddof: int = 1) -> Tensor:
 
 
 def batch_std(x: Tensor, valid: Tensor, ddof: int = 1) -> Tensor:
-    """Scalar std over every valid entry of the batch."""
+    """Scalar float64 std over every valid entry of the batch."""
+    x = x.double()  # [...]
     n = valid.sum().to(x.dtype)
     mean = masked_mean(x, valid)
     dev = torch.where(valid, x - mean, torch.zeros((), dtype=x.dtype))
@@ -48,10 +61,10 @@ def finite_or_zero(x: Tensor) -> Tensor:
 
 
 def valid_rows(rollout) -> tuple[Tensor, Tensor]:
-    """(rewards [B,G] float32, valid [B,G] bool): the rows that enter group statistics."""
+    """(rewards [B,G] float64, valid [B,G] bool): the rows that enter group statistics."""
     if rollout.rewards is None:
         raise ValueError("advantage estimators need rollout.rewards; run the reward stage first")
-    r = rollout.rewards.float()  # [B,G]
+    r = rollout.rewards.double()  # [B,G] exact copy of the float32 rewards
     if r.dim() != 2:
         raise ValueError(f"advantage estimators expect rewards [B,G], got {tuple(r.shape)}")
     valid = rollout.group_valid.bool() & torch.isfinite(r)  # [B,G]
@@ -66,14 +79,15 @@ def constant_group(r: Tensor, valid: Tensor) -> Tensor:
 
 
 def group_center(r: Tensor, valid: Tensor) -> Tensor:
-    """[B,G] r - mean_g(r) over valid rows; exactly 0 for invalid rows and constant groups."""
+    """[B,G] float64 r - mean_g(r) over valid rows; exactly 0 for invalid rows and constant groups."""
+    r = r.double()  # [B,G]
     centred = r - group_mean(r, valid)  # [B,G]
     keep = valid & ~constant_group(r, valid)  # [B,G]
     return torch.where(keep, centred, torch.zeros((), dtype=r.dtype))  # [B,G]
 
 
 def group_normalize(r: Tensor, valid: Tensor, scale: str | None = "group", ddof: int = 1, eps: float = 1e-4) -> Tensor:
-    """[B,G] -> [B,G] centred by the group mean, divided by the group / batch std (+eps) or not at all."""
+    """[B,G] -> [B,G] float64, centred by the group mean, divided by the group / batch std (+eps) or not at all."""
     centred = group_center(r, valid)  # [B,G]
     if scale in (None, "none"):
         return centred

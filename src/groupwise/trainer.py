@@ -8,16 +8,20 @@ extra input a component needs is declared as a ``Need`` and computed here once.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
+import sys
 import time
+import tomllib
 import contextlib
 from typing import Any
 
 import numpy as np
 import torch
 
-from groupwise import checkpoint, dist, schedules
+from groupwise import checkpoint, dist, runfolder, schedules
 from groupwise.config import Config, to_dict, to_toml
 from groupwise.engines.cpu import CPUEngine
 from groupwise.engines.memory import keep_freed_memory
@@ -32,6 +36,7 @@ from groupwise.rewards.stage import RewardStage
 from groupwise.stats import PromptStats
 from groupwise.tasks import load_splits
 from groupwise.types import Need, Rollout, StepInfo
+from groupwise.updates._base import all_finite
 
 
 class Trainer:
@@ -86,12 +91,29 @@ class Trainer:
         self.updater.bind(self.params, cfg.train.steps * cfg.train.epochs * cfg.train.minibatches)
         self.step = 0
         self.summary: dict[str, Any] = {}
-        self._stop_requested = False
-        self._skipped_in_row = 0
+        self._stop_requested: str | None = None  # the signal's name once SIGTERM / SIGINT arrived
+        self._skipped_in_row = 0  # optimiser steps in a row with a non-finite loss, gradient or result
+        self._empty_in_row = 0  # steps in a row in which no sample had a finite reward
 
     # ------------------------------------------------------------------ set-up helpers
     def _components(self) -> list[Any]:
         return [self.strategy, self.sampler, *self.reward_stage.scorers, self.estimator, *self.shapers, *self.weights, *self.objective.terms, self.updater]
+
+    def _named_components(self) -> dict[str, Any]:
+        """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
+        named: dict[str, Any] = {}
+        for component in self._components():
+            key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
+            k, n = key, 1
+            while k in named:
+                n += 1
+                k = f"{key}#{n}"
+            named[k] = component
+        return named
+
+    def _say(self, message: str) -> None:
+        if self.rank == 0:
+            (self.console.print if self.console is not None else lambda m: print(m, file=sys.stderr))(message)
 
     def _info(self, round_: int = 0) -> StepInfo:
         return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
@@ -120,7 +142,7 @@ class Trainer:
         Every round is gathered, so ``keep`` decides on the whole batch and every rank's sampler
         draws the same number of times. Returns the whole batch, identical on every rank."""
         cfg = self.cfg.rollout
-        parts, kept = [], 0
+        parts, kept, finite, scored = [], 0, 0, 0
         for round_ in range(max(1, getattr(self.sampler, "max_rounds", 1))):
             info = self._info(round_)
             ids = self.sampler.draw(cfg.prompts_per_step, info)  # same on every rank
@@ -133,11 +155,13 @@ class Trainer:
             self.needs.fill(rollout, self.round_needs)
             batch = dist.gather_rollout(rollout)
             self.reward_stage.finish(batch, info)
+            finite, scored = finite + int(torch.isfinite(batch.rewards).sum()), scored + batch.rewards.numel()
             keep = self.sampler.keep(batch)  # [B] bool
             parts.append(batch if bool(keep.all()) else batch.select(keep.nonzero().flatten()))  # no copy when every group is kept
             kept += int(keep.sum())
             if kept >= cfg.prompts_per_step:
                 break
+        self._finite_reward_frac = finite / max(1, scored)  # before keep: a step whose groups were all dropped still had rewards
         batch = Rollout.concat(parts)
         return batch if kept == cfg.prompts_per_step else batch.select(list(range(min(kept, cfg.prompts_per_step))))
 
@@ -266,20 +290,24 @@ class Trainer:
         return {
             "step": self.step,
             "model": self.model.state_dict(),
-            "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in self._components()],
+            "components": {key: c.state_dict() for key, c in self._named_components().items() if hasattr(c, "state_dict")},
             "schedules": [s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(self._components())],
             "prompt_stats": self.prompt_stats.state_dict(),
             "reference": self.reference.state_dict() if self.reference else {},
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "summary": self.summary,
+            "in_row": {"skipped": self._skipped_in_row, "empty": self._empty_in_row},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
         self.model.load_state_dict(state["model"])
-        for component, sub in zip(self._components(), state["components"]):
-            if sub is not None:
-                component.load_state_dict(sub)
+        named = {key: c for key, c in self._named_components().items() if hasattr(c, "state_dict")}
+        if sorted(named) != sorted(state["components"]):
+            raise ConfigError(f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
+                              f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=...")
+        for key, component in named.items():
+            component.load_state_dict(state["components"][key])
         for schedule, sub in zip(schedules.all_schedules(self._components()), state.get("schedules", [])):
             if sub is not None:
                 schedule.load_state_dict(sub)
@@ -296,57 +324,107 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         self.summary = state["summary"]
+        self._skipped_in_row, self._empty_in_row = state["in_row"]["skipped"], state["in_row"]["empty"]
 
     def save_checkpoint(self) -> None:
+        if not all_finite([p for p in self.model.parameters()]):  # the updater rolls such steps back; never write one
+            raise RuntimeError(f"refusing to checkpoint step {self.step}: the model has non-finite weights")
         if self.rank == 0:
             checkpoint.save(self.out, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
         dist.barrier()
 
     # ------------------------------------------------------------------ the run
-    def train(self) -> dict[str, Any]:
-        cfg = self.cfg
+    def train(self, resume_allow: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+        """The whole run in its folder, which it holds locked: resume (or start), train until done,
+        stopped (SIGTERM / Ctrl-C: checkpoint, then return) or out of time, evaluate, write outputs."""
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
-            (self.out / "config.toml").write_text(to_toml(to_dict(cfg)))
-        resume = checkpoint.latest(self.out)
+        lock = runfolder.RunLock(self.out).acquire() if self.rank == 0 else None
+        try:
+            return self._train(list(resume_allow))
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _resume(self, allow: list[str]) -> None:
+        """Load the newest intact checkpoint if there is one, after checking the configuration is the
+        one the run started with (else refused, naming each changed key); then record the config."""
+        current = tomllib.loads(to_toml(to_dict(self.cfg)))  # as stored: compared like for like
+        resume = checkpoint.latest_intact(self.out)
+        stored = self.out / "config.toml"
+        if resume is not None and stored.exists():
+            runfolder.check_resume({**tomllib.loads(stored.read_text()), "out": None}, {**current, "out": None}, allow)
         if resume is not None:
             self.load_state_dict(checkpoint.load(resume))
-        log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if resume else None) if self.rank == 0 else None
-        previous = signal.signal(signal.SIGTERM, self._request_stop)
-        start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
-        if "accuracy_before" not in self.summary:
-            self.summary["accuracy_before"] = self.evaluate()
-            self.summary["evals"] = [(0, self.summary["accuracy_before"])]
-        with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
-            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
-            while self.step < cfg.train.steps and not self._stop_requested:
-                row = self.run_step()
-                self._skipped_in_row = self._skipped_in_row + 1 if row.get("nonfinite") else 0
-                if self._skipped_in_row >= cfg.train.max_skipped_in_row:
-                    raise RuntimeError(f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss or gradient (train.max_skipped_in_row); stopping before anything non-finite is saved")
-                if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0:
-                    row["eval_accuracy"] = self.evaluate()
-                    self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
-                if log:
-                    log.write(row)
-                bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
-                self.step += 1
-                self.summary["wall_seconds"] = time.perf_counter() - start
-                over_time = cfg.train.max_seconds and self.summary["wall_seconds"] > cfg.train.max_seconds
-                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self._stop_requested or over_time:
-                    self.save_checkpoint()
-                if over_time:
-                    break
-        signal.signal(signal.SIGTERM, previous)
-        if self._stop_requested:
+            self._say(f"resuming {self.out} from step {self.step} (checkpoint {resume.relative_to(self.out)})")
+        if self.rank == 0:
+            runfolder.write_atomic(stored, to_toml(to_dict(self.cfg)))
+
+    def _finished(self) -> bool:
+        out_of_time = bool(self.cfg.train.max_seconds) and self.summary.get("wall_seconds", 0.0) > self.cfg.train.max_seconds
+        return bool(self.summary.get("finished")) and (self.step >= self.cfg.train.steps or out_of_time)
+
+    def _train(self, allow: list[str]) -> dict[str, Any]:
+        cfg = self.cfg
+        self._resume(allow)
+        if self._finished():
+            self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train further, raise "
+                      f"train.steps and add --resume-allow train.steps; for a new run, pick another out=")
+            return self.summary
+        log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if self.step else None) if self.rank == 0 else None
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
+            if "accuracy_before" not in self.summary:
+                self.summary["accuracy_before"] = self.evaluate()
+                self.summary["evals"] = [(0, self.summary["accuracy_before"])]
+            last_save = time.perf_counter()
+            stop, out_of_time = dist.agree([self._stop_requested is not None, False])
+            with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
+                task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
+                while self.step < cfg.train.steps and not (stop or out_of_time):
+                    row = self.run_step()
+                    self._check_health(row)
+                    if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0:
+                        row["eval_accuracy"] = self.evaluate()
+                        self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
+                    if log:
+                        log.write(row)
+                    bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
+                    self.step += 1
+                    self.summary["wall_seconds"] = time.perf_counter() - start
+                    # decided together: every rank stops, and checkpoints, at the same step
+                    ck = cfg.checkpoint
+                    due = (ck.every and self.step % ck.every == 0) or (ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes)
+                    stop, out_of_time, due = dist.agree([self._stop_requested is not None, bool(cfg.train.max_seconds) and self.summary["wall_seconds"] > cfg.train.max_seconds, bool(due)])
+                    if due or stop or out_of_time:
+                        self.save_checkpoint()
+                        last_save = time.perf_counter()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if stop:
+            self._say(f"stopped by {self._stop_requested or 'another rank'} after step {self.step}; checkpoint written. Rerun the same command to resume.")
             return self.summary
         self.summary["accuracy_after"] = self.evaluate()
         self.summary["evals"].append((self.step, self.summary["accuracy_after"]))
-        self.summary.update(steps=self.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(self.updater, "skipped", 0))
+        self.summary.update(steps=self.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(self.updater, "skipped", 0), finished=True)
         self.save_checkpoint()
         if self.rank == 0:
             self._write_outputs(log)
         return self.summary
+
+    def _check_health(self, row: dict[str, Any]) -> None:
+        """Abort (before anything is saved) a run that cannot learn: optimiser steps that keep going
+        non-finite, or steps in which no sample has a finite reward."""
+        cfg = self.cfg
+        self._skipped_in_row = self._skipped_in_row + 1 if row.get("nonfinite") else 0
+        if self._skipped_in_row >= cfg.train.max_skipped_in_row:
+            raise RuntimeError(f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss, gradient or result and were skipped or "
+                               f"rolled back (train.max_skipped_in_row={cfg.train.max_skipped_in_row}); check update.lr and the rewards")
+        self._empty_in_row = self._empty_in_row + 1 if row.get("reward_finite_frac", 1.0) == 0 else 0
+        if self._empty_in_row >= cfg.reward.max_empty_steps:
+            raise RuntimeError(f"{self._empty_in_row} steps in a row had no sample with a finite reward (every reward None, NaN or inf; "
+                               f"reward.max_empty_steps={cfg.reward.max_empty_steps}): nothing can be learned; check the reward functions")
 
     def run_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -367,19 +445,26 @@ class Trainer:
         self.observe(batch)
         seconds = time.perf_counter() - t0
         generated = float(dist.all_reduce_sum(local.mask.sum()))
-        row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self.reward_stage.excluded)
+        row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self.reward_stage.excluded,
+                   reward_finite_frac=self._finite_reward_frac)
         return row
 
     def _request_stop(self, signum: int, frame: Any) -> None:
-        self._stop_requested = True
+        if self._stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: leave now, without waiting for the step's checkpoint
+        self._stop_requested = signal.Signals(signum).name
 
     def _write_outputs(self, log: MetricsLog | None) -> None:
-        final = self.out / "final"
+        """``final/`` (written aside, then swapped in as a whole), ``summary.json`` (atomic), the curve."""
+        staging = self.out / f".final.tmp{os.getpid()}"
+        if staging.exists():
+            shutil.rmtree(staging)
         model = self.model.merge_and_unload() if hasattr(self.model, "merge_and_unload") else self.model
-        model.save_pretrained(final)
-        self.tokenizer.save_pretrained(final)
+        model.save_pretrained(staging)
+        self.tokenizer.save_pretrained(staging)
+        runfolder.publish_dir(staging, self.out / "final")
         finite = {k: (None if isinstance(v, float) and v != v else v) for k, v in self.summary.items()}  # NaN is not JSON
-        (self.out / "summary.json").write_text(json.dumps(finite, indent=2) + "\n")
+        runfolder.write_atomic(self.out / "summary.json", json.dumps(finite, indent=2) + "\n")
         if log is not None:
             plot_rewards(log.rows, self.summary["evals"], self.out / "reward.png")
 
@@ -389,7 +474,7 @@ def _rollout_stats(rollout: Rollout) -> dict[str, float]:
     from groupwise.masked import group_std, masked_mean
 
     valid = dist.all_gather_rows(rollout.group_valid)  # [B,G]
-    rewards = torch.nan_to_num(dist.all_gather_rows(rollout.rewards))  # [B,G]
+    rewards = torch.nan_to_num(dist.all_gather_rows(rollout.rewards)).double()  # [B,G] float64: rewards near 3e38 square to inf in float32
     lengths = dist.all_gather_rows(rollout.mask.sum(-1)).float()  # [B,G]
     stats = {
         "groups": valid.shape[0],

@@ -21,6 +21,7 @@ Penghui Qi, Tianyu Pang, Chao Du, Wee Sun Lee, Min Lin, 2025. https://arxiv.org/
 1. Identical to ``grpo(scale="none")`` by construction: both call ``group_normalize(scale=None)``;
    ``tests/test_equivalences.py`` checks it bit for bit.
 2. Invalid rows and constant groups get exactly 0.
+3. Computed in float64; a value beyond float32's range (|r − mean| > 3.4e38) saturates at ±3.4e38.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.masked import group_normalize, valid_rows
+from groupwise.masked import group_normalize, to_float32, valid_rows
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
@@ -44,5 +45,5 @@ class DrGRPOAdvantage:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
-        adv = group_normalize(r, valid, scale=None)  # [B,G]
-        return torch.where(valid, adv, torch.zeros((), dtype=adv.dtype))  # [B,G]
+        adv = group_normalize(r, valid, scale=None)  # [B,G] float64
+        return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

@@ -37,6 +37,7 @@ https://arxiv.org/abs/2605.11853 (spec: specs/32; abstract + summary only, no co
 2. A sequence with σ_d = 0 (all divergences equal, or one valid token) gets z = 0, so w = 1.
    Non-finite d or H count as z = 0 / no boundary and do not enter μ_d, σ_d or the quantile.
 3. Rows with ``group_valid`` False or a non-finite reward, masked tokens and A_i = 0 get exactly 0.
+   A_i·w_t beyond float32's range (huge unscaled advantages) saturates at ±3.4e38.
 4. Token advantages [B,G,T] from an earlier shaper are accepted: sgn then follows each token's sign.
 5. Anchors are −1 outside the mask; ``gear_weights`` reads the mask from ``anchor >= 0``.
 6. Whole-batch scope: the entropy quantile is over every valid token of the step batch.
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.masked import finite_or_zero, masked_mean
+from groupwise.masked import finite_or_zero, masked_mean, to_float32
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 
@@ -185,5 +186,5 @@ class GEAR:
         anchor = gear_segments(d, H, mask.reshape(B * G, T), self.kappa, h_tau, self.segments, self.gap_is_boundary)  # [N,T]
         seq_adv = adv.reshape(B * G) if adv.dim() == 2 else adv.reshape(B * G, T)  # [N] or [N,T]
         w = gear_weights(d, anchor, seq_adv, self.alpha, self.w_min, self.w_max, self.renorm)  # [N,T]
-        out = (seq_adv if seq_adv.dim() == 2 else seq_adv[:, None]) * w  # [N,T]
+        out = to_float32((seq_adv if seq_adv.dim() == 2 else seq_adv[:, None]).double() * w.double())  # [N,T] A·w ≤ 3·A can pass 3.4e38
         return torch.where(mask, out.reshape(B, G, T), torch.zeros((), dtype=out.dtype))  # [B,G,T]

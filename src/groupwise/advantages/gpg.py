@@ -22,6 +22,7 @@ gradient by rows that carry no signal.
 1. α is a whole-batch statistic (the estimator sees every rank's groups), as verl computes it over
    its batch. verl's ``alpha`` argument is overwritten by this formula in its code; so it is here.
 2. Invalid rows get 0 and are not counted in N or M; a constant group of more than one row gets 0.
+3. Computed in float64; a value beyond float32's range saturates at ±3.4e38.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.masked import constant_group, group_mean, valid_rows
+from groupwise.masked import constant_group, group_mean, to_float32, valid_rows
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
@@ -56,4 +57,4 @@ class GPGAdvantage:
         mean = torch.where(single, torch.zeros(()), group_mean(r0, valid).double())  # [B,1]
         centred = torch.where(constant_group(r, valid) & ~single, torch.zeros(()), r0 - mean)  # [B,G]
         adv = alpha * centred / self.f_norm  # [B,G]
-        return torch.where(valid, adv, torch.zeros(())).float()  # [B,G]
+        return to_float32(torch.where(valid, adv, torch.zeros(())))  # [B,G]

@@ -24,7 +24,8 @@ whitens the centred values) and the no-std variant of Dr.GRPO (``scale="none"``)
 **Notes**
 
 1. Invalid rows (``group_valid`` False or a NaN/inf reward) get exactly 0 and do not enter any
-   statistic; the output is never NaN or inf.
+   statistic; the output is never NaN or inf. The statistics are float64, so rewards up to
+   float32's largest (3.4e38) normalise correctly; ``scale="none"`` values beyond it saturate.
 2. A group whose valid rewards are all equal (including a single valid row) gets exactly 0 — the
    centred value is forced to 0 instead of relying on ``r - mean`` rounding to 0.
 3. ``scale="batch"`` takes the std of every valid reward of the step batch (all groups, not the
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.masked import GROUP_SCALES, constant_group, group_center, group_normalize, valid_rows  # noqa: F401  (the shared primitives, re-exported)
+from groupwise.masked import GROUP_SCALES, constant_group, group_center, group_normalize, to_float32, valid_rows  # noqa: F401  (the shared primitives, re-exported)
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
@@ -69,5 +70,5 @@ class GRPOAdvantage:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
-        adv = group_normalize(r, valid, self.scale, _DDOF[self.std], self.eps)  # [B,G]
-        return torch.where(valid, adv, torch.zeros((), dtype=adv.dtype))  # [B,G]
+        adv = group_normalize(r, valid, self.scale, _DDOF[self.std], self.eps)  # [B,G] float64
+        return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

@@ -19,6 +19,7 @@ variance-optimal baseline when the gradient norm grows with length), and there i
 1. Invalid rows (``group_valid`` False, NaN reward) get 0 and do not enter the baseline.
 2. A group whose valid rows all have length 0 falls back to the plain mean (verl would divide by 0).
 3. A constant group gets exactly 0 (b equals the common reward).
+4. Computed in float64; a value beyond float32's range saturates at ±3.4e38.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.masked import constant_group, group_mean, valid_rows
+from groupwise.masked import constant_group, group_mean, to_float32, valid_rows
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
@@ -49,4 +50,4 @@ class OPO:
         baseline = torch.where(total > 0, weighted, group_mean(r0, valid).double())  # [B,1]
         baseline = torch.where(valid.sum(1, keepdim=True) == 1, torch.zeros(()), baseline)  # [B,1]
         adv = torch.where(constant_group(r, valid) & (valid.sum(1, keepdim=True) > 1), torch.zeros(()), r0 - baseline)  # [B,G]
-        return torch.where(valid, adv, torch.zeros(())).float()  # [B,G]
+        return to_float32(torch.where(valid, adv, torch.zeros(())))  # [B,G]

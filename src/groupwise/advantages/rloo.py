@@ -23,6 +23,7 @@ Pietquin, Ahmet Üstün, Sara Hooker, 2024. https://arxiv.org/abs/2402.14740
    arithmetic and to float32 rounding in practice.
 2. A group with fewer than 2 valid rows has no leave-one-out baseline: its rows get 0.
 3. Invalid rows and constant groups get exactly 0.
+4. Computed in float64; a value beyond float32's range saturates at ±3.4e38.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.masked import group_center, valid_rows
+from groupwise.masked import group_center, to_float32, valid_rows
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
@@ -48,5 +49,5 @@ class RLOOAdvantage:
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
         n = valid.sum(1, keepdim=True).to(r.dtype)  # [B,1]
         factor = torch.where(n > 1, n / (n - 1).clamp(min=1), torch.zeros_like(n))  # [B,1]
-        adv = factor * group_center(r, valid)  # [B,G]
-        return torch.where(valid, adv, torch.zeros((), dtype=adv.dtype))  # [B,G]
+        adv = factor * group_center(r, valid)  # [B,G] float64
+        return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

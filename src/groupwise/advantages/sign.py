@@ -21,7 +21,8 @@ PPO clip [INFERRED, specs/48]: use ``aggregation = "constant"`` in a recipe.
 **Notes**
 
 1. For non-binary r in [0, 1] the same affine map 2r − 1 is used [INFERRED, specs/48].
-2. Invalid rows (``group_valid`` False or a NaN reward) get exactly 0.
+2. Invalid rows (``group_valid`` False or a NaN reward) get exactly 0; |2r − 1| beyond float32's
+   range (r > 1.7e38) saturates at ±3.4e38.
 3. ``degeneracy_rate`` counts only groups with at least one valid (finite) reward; a group with a
    single valid row is degenerate (all its rewards are equal).
 """
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.masked import constant_group, valid_rows
+from groupwise.masked import constant_group, to_float32, valid_rows
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
@@ -59,5 +60,5 @@ class SignAdvantage:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
-        adv = 2.0 * r - 1.0  # [B,G]
-        return torch.where(valid, adv, torch.zeros((), dtype=adv.dtype))  # [B,G]
+        adv = 2.0 * r - 1.0  # [B,G] float64: 2r overflows float32 for r > 1.7e38
+        return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

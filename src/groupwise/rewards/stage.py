@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from groupwise.registry import build_spec
-from groupwise.rewards.score import combine, score_parts
+from groupwise.rewards.score import RewardAborted, combine, reward_label, score_parts
 from groupwise.types import Need, Rollout, StepInfo
 
 
@@ -75,7 +75,11 @@ class RewardStage:
         """On the whole batch: the rollout scorers, then the weighted total (the one place weights apply)."""
         columns = [batch.reward_parts.double()]  # [B,G,K_text]
         for scorer in self.tensor:
-            columns.append(scorer.score_rollout(batch, info).double()[..., None])  # [B,G,1]
+            try:
+                values = scorer.score_rollout(batch, info)  # [B,G]
+            except (SystemExit, KeyboardInterrupt) as err:  # as for text scorers: never a silent exit
+                raise RewardAborted.of(reward_label(scorer), err) from err
+            columns.append(values.double()[..., None])  # [B,G,1]
         parts = torch.cat(columns, dim=-1)  # [B,G,K]
         weights = [float(getattr(s, "weight", 1.0)) for s in self.text + self.tensor]
         total, excluded = combine(parts, weights, batch.extras.pop("reward_failed"), self.policy.missing)  # [B,G]

@@ -1,6 +1,8 @@
 """Shared mechanics of updaters that wrap a ``torch.optim`` optimiser: warm-up + decay schedule,
-global-norm gradient clipping, and skipping a step whose loss or gradient is not finite (counted in
-``skipped``), so a NaN never reaches the weights."""
+global-norm gradient clipping, skipping a step whose loss or gradient is not finite, and rolling
+back a step whose *result* is not finite (``lr=1e39`` on finite gradients): the weights and the
+optimiser state return to what they were before it. Both are counted in ``skipped``, so nothing
+non-finite ever reaches the weights."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class TorchUpdater:
     max_grad_norm: float
     warmup_steps: int
     schedule: str
+    rollback_nonfinite: bool = True  # copy weights + optimiser state before each step to undo a non-finite result
 
     def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         raise NotImplementedError
@@ -43,7 +46,23 @@ class TorchUpdater:
             return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
         return 1.0
 
+    def torch_optim(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
     def step(self, closure: Callable[[], torch.Tensor]) -> dict[str, float]:
+        """One update (``_step``); if it leaves any weight non-finite, undo it and count it skipped."""
+        if not self.rollback_nonfinite:
+            return self._step(closure)
+        backup = self._backup = getattr(self, "_backup", None) or WeightBackup(self.params)
+        backup.capture(self.torch_optim())
+        out = self._step(closure)
+        if out.get("skipped") or all_finite(self.params):
+            return out
+        backup.restore()
+        self.skipped += 1
+        return {**out, "skipped": 1.0, "nonfinite": 1.0, "rolled_back": 1.0}
+
+    def _step(self, closure: Callable[[], torch.Tensor]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         loss = closure()
         if self.max_grad_norm and self.max_grad_norm > 0:
@@ -94,6 +113,34 @@ class OptimizerSnapshot:
                     now[k].copy_(v)
                 else:
                     now[k] = v.clone() if isinstance(v, torch.Tensor) else v
+
+
+class WeightBackup:
+    """The weights (into buffers kept across steps) and the optimiser's state before a step, so a
+    step whose result is not finite can be undone exactly."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.buffers = [p.detach().clone() for p in params]  # per parameter [*p.shape]
+        self.optimizer: OptimizerSnapshot | None = None
+
+    def capture(self, optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self.buffers, [p.detach() for p in self.params])
+        self.optimizer = OptimizerSnapshot(optimizer)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.params], self.buffers)
+        if self.optimizer is not None:
+            self.optimizer.restore()
+
+
+def all_finite(params: list[torch.nn.Parameter]) -> bool:
+    """Every weight is finite (one host sync for all parameters)."""
+    if not params:
+        return True
+    return bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all())
 
 
 def grads_of(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -75,6 +75,7 @@ class AdamW(TorchUpdater):
     warmup_steps: int = 0
     schedule: str = "constant"
     fused: bool = True  # the fused kernel where torch has one (same update, fewer passes over memory)
+    rollback_nonfinite: bool = True  # undo a step that leaves any weight non-finite (costs one copy of weights + state)
 
     def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         # The fused kernel updates each tensor in one pass (6x faster than the per-op loop on a CPU);

@@ -171,6 +171,7 @@ class GXPO(TorchUpdater):
     fallback_window: int = 10
     gate_warmup: int = 50
     gate_ddof: int = 0
+    rollback_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -207,7 +208,10 @@ class GXPO(TorchUpdater):
         self.scheduler.step()
         return {**out, "skipped": 1.0, "nonfinite": 1.0}
 
-    def step(self, closure: Callable[[], Tensor]) -> dict[str, float]:
+    def torch_optim(self) -> torch.optim.Optimizer:
+        return self.torch_optimizer
+
+    def _step(self, closure: Callable[[], Tensor]) -> dict[str, float]:
         params, opt, s = self.params, self.torch_optimizer, self.t
         self.t += 1
         lr = self.scheduler.get_last_lr()[0]

@@ -50,6 +50,7 @@ class SGD(TorchUpdater):
     max_grad_norm: float = 0.0
     warmup_steps: int = 0
     schedule: str = "constant"
+    rollback_nonfinite: bool = True  # undo a step that leaves any weight non-finite (costs one copy of weights + state)
 
     def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
