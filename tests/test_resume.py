@@ -3,8 +3,10 @@ crash in the middle of a checkpoint write all end with final weights bit-identic
 uninterrupted run. Slow (many process starts): `make test-slow`."""
 
 import hashlib
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -30,9 +32,39 @@ def final_sha(out):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
+    t0 = time.monotonic()
     proc = start(out)
+    while proc.poll() is None and not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
+        time.sleep(0.02)
+    first_step = time.monotonic() - t0
     assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
+    TIMING.update(first_step=first_step, training=time.monotonic() - t0 - first_step)
     return final_sha(out)
+
+
+TIMING: dict[str, float] = {}  # the uninterrupted run on this machine: start-up to its first step, then the training
+
+
+def kill_at_random_moment(proc, out, rng) -> bool:
+    """SIGKILL ``proc`` at a seeded random moment: a third of the time during start-up (loading,
+    resuming), otherwise within the step after the next one is logged (generation, backward,
+    checkpointing), so each launch advances about a step and ten kills land before the run ends on
+    any machine (a fixed 3–9 s let a fast CPU finish after two). False if it ended first."""
+    log = out / "metrics.jsonl"
+    if rng.random() < 1 / 3:
+        deadline = time.monotonic() + rng.uniform(0.3, TIMING["first_step"])
+    else:
+        seen = log.read_text().count("\n") if log.exists() else 0
+        while proc.poll() is None and not (log.exists() and log.read_text().count("\n") > seen):
+            time.sleep(0.01)
+        deadline = time.monotonic() + rng.uniform(0.0, TIMING["training"] / 12)  # within about one step
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return True
 
 
 def test_sigkill_at_random_moments(tmp_path, reference):
@@ -41,15 +73,9 @@ def test_sigkill_at_random_moments(tmp_path, reference):
     while True:
         proc = start(tmp_path)
         launches += 1
-        if kills < 10:
-            delay = rng.uniform(3.0, 9.0)  # past start-up (imports), into generation / backward / checkpointing
-            try:
-                proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                kills += 1
-                continue
+        if kills < 10 and kill_at_random_moment(proc, tmp_path, rng):
+            kills += 1
+            continue
         assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
         if (tmp_path / "final" / "model.safetensors").exists():
             break
@@ -87,4 +113,57 @@ def test_crash_while_saving_never_loads_a_partial_checkpoint(tmp_path, reference
     assert not list((tmp_path / "checkpoints").glob("step_*")), "nothing was published"
     proc = start(tmp_path)
     assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
+    assert final_sha(tmp_path) == reference
+
+
+def test_ctrl_c_checkpoints_and_the_rerun_says_it_resumes(tmp_path):
+    """SIGINT (Ctrl-C) does what SIGTERM does; the rerun of the same command names the step and the
+    checkpoint it resumes from. Before: Ctrl-C raised KeyboardInterrupt mid-step and lost the steps
+    since the last checkpoint (with checkpoint.every=0, the whole run)."""
+    args = [*ARGS, "train.steps=200", "checkpoint.every=0", f"out={tmp_path}"]  # long enough to be interrupted mid-run
+    proc = subprocess.Popen([sys.executable, "-m", "groupwise", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    while proc.poll() is None and not ((tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0
+    assert re.search(r"stopped by SIGINT at step (\d+)", proc.stderr.read().decode())
+    stopped = checkpoint_step(tmp_path)
+    assert 2 <= stopped < 200
+    proc = subprocess.Popen([sys.executable, "-m", "groupwise", *args[:-2], "train.steps=200", "checkpoint.every=0", "train.max_seconds=3", f"out={tmp_path}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    assert proc.wait(timeout=600) == 2  # max_seconds differs from the stored run: refused, naming it
+    assert re.search(r"train.max_seconds: 170 -> 3\b", proc.stderr.read().decode())
+    proc = subprocess.Popen([sys.executable, "-m", "groupwise", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    while proc.poll() is None and not (tmp_path / "metrics.jsonl").read_text().count("\n") > stopped:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    assert re.search(rf"resuming .* from step {stopped} \(checkpoint checkpoints/step_0*{stopped}\)", proc.stderr.read().decode())
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps))) and len(steps) > stopped  # every step once, in order
+
+
+def checkpoint_step(out):
+    from groupwise import checkpoint
+
+    return checkpoint.load(checkpoint.latest_intact(out))["step"]
+
+
+def test_sigkill_with_keep_last_one(tmp_path, reference):
+    """keep_last=1 keeps one checkpoint: killed at random moments (saves included) it must still
+    resume, never restart from step 0. Before: the final save deleted the step's checkpoint before
+    publishing its replacement."""
+    rng = random.Random(20261203)
+    kills = 0
+    while True:
+        proc = subprocess.Popen([sys.executable, "-m", "groupwise", *ARGS, "checkpoint.keep_last=1", f"out={tmp_path}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+        if kills < 6 and kill_at_random_moment(proc, tmp_path, rng):
+            kills += 1
+            continue
+        assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
+        if (tmp_path / "final" / "model.safetensors").exists():
+            break
+    print(f"keep_last=1: {kills} SIGKILLs survived")
+    assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 1
     assert final_sha(tmp_path) == reference

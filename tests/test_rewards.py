@@ -15,6 +15,7 @@ import torch
 
 from groupwise.registry import ConfigError, build, names, param_names
 from groupwise.rewards import RewardError, ScoreResult, reward_label, score
+from groupwise.rewards.score import score_parts
 from groupwise.rewards.exact import Exact
 from groupwise.rewards.format import Format
 from groupwise.rewards.overlong import Overlong
@@ -425,3 +426,25 @@ def test_reward_exit_zero_gives_nonzero_status_in_a_process():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "scored" not in proc.stdout
     assert "RewardAborted: reward '__main__.quitter' raised SystemExit(0)" in proc.stderr
+
+
+def test_the_timeout_keeps_the_reward_on_the_main_thread():
+    """With the default reward.timeout_s, TRL-style rewards that use math-verify (whose own timeout
+    is a signal.alarm, main thread only) still work; a Python loop that never returns is cut at
+    the deadline. Before: every timed call ran in a thread, where math-verify refuses to run."""
+    import math_verify
+
+    def accuracy(prompts, completions, **kwargs):
+        return [float(math_verify.verify(math_verify.parse("$4$"), math_verify.parse(c))) for c in completions]
+
+    parts, failed, _ = score_parts([accuracy], ["p", "q"], ["$4$", "$5$"], {}, timeout_s=30.0)
+    assert parts[:, 0].tolist() == [1.0, 0.0] and not failed.any()
+
+    def spin(prompts, completions, **kwargs):
+        while True:
+            pass
+
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match="did not return within timeout_s=0.3"):
+        score_parts([spin], ["p"], ["x"], {}, timeout_s=0.3)
+    assert time.monotonic() - t0 < 2.0

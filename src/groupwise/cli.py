@@ -49,6 +49,10 @@ def cmd_train(args: list[str]) -> int:
         console.print(f"[bold]groupwise train[/] recipe={recipe} → {cfg.out_dir}")
         console.print(to_toml(to_dict(cfg)), markup=False, highlight=False)
     summary = trainer.train(resume_allow=allow)
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # everything is written: a late signal need not cut the exit short
+        signal.signal(sig, signal.SIG_IGN)
     if trainer.rank == 0:
         shown = {k: v for k, v in summary.items() if k != "evals"}
         console.print_json(json.dumps(shown))

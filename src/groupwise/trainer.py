@@ -113,7 +113,10 @@ class Trainer:
 
     def _say(self, message: str) -> None:
         if self.rank == 0:
-            (self.console.print if self.console is not None else lambda m: print(m, file=sys.stderr))(message)
+            if self.console is not None:
+                self.console.print(message, soft_wrap=True, markup=False, highlight=False)  # one line: greppable
+            else:
+                print(message, file=sys.stderr)
 
     def _info(self, round_: int = 0) -> StepInfo:
         return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
@@ -364,7 +367,6 @@ class Trainer:
         return bool(self.summary.get("finished")) and (self.step >= self.cfg.train.steps or out_of_time)
 
     def _train(self, allow: list[str]) -> dict[str, Any]:
-        cfg = self.cfg
         self._resume(allow)
         if self._finished():
             self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train further, raise "
@@ -372,38 +374,44 @@ class Trainer:
             return self.summary
         log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if self.step else None) if self.rank == 0 else None
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
-            if "accuracy_before" not in self.summary:
-                self.summary["accuracy_before"] = self.evaluate()
-                self.summary["evals"] = [(0, self.summary["accuracy_before"])]
-            last_save = time.perf_counter()
-            stop, out_of_time = dist.agree([self._stop_requested is not None, False])
-            with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
-                task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
-                while self.step < cfg.train.steps and not (stop or out_of_time):
-                    row = self.run_step()
-                    self._check_health(row)
-                    if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0:
-                        row["eval_accuracy"] = self.evaluate()
-                        self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
-                    if log:
-                        log.write(row)
-                    bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
-                    self.step += 1
-                    self.summary["wall_seconds"] = time.perf_counter() - start
-                    # decided together: every rank stops, and checkpoints, at the same step
-                    ck = cfg.checkpoint
-                    due = (ck.every and self.step % ck.every == 0) or (ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes)
-                    stop, out_of_time, due = dist.agree([self._stop_requested is not None, bool(cfg.train.max_seconds) and self.summary["wall_seconds"] > cfg.train.max_seconds, bool(due)])
-                    if due or stop or out_of_time:
-                        self.save_checkpoint()
-                        last_save = time.perf_counter()
+        try:  # the handlers stay until the outputs are written: a signal during the final evaluation waits for it
+            return self._steps(log)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _steps(self, log: MetricsLog | None) -> dict[str, Any]:
+        """Evaluate (once), train until done / stopped / out of time with the checkpoints due, then
+        the final evaluation and outputs (not after a stop: the rerun continues)."""
+        cfg = self.cfg
+        start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
+        if "accuracy_before" not in self.summary:
+            self.summary["accuracy_before"] = self.evaluate()
+            self.summary["evals"] = [(0, self.summary["accuracy_before"])]
+        last_save = time.perf_counter()
+        stop, out_of_time = dist.agree([self._stop_requested is not None, False])
+        with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
+            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
+            while self.step < cfg.train.steps and not (stop or out_of_time):
+                row = self.run_step()
+                self._check_health(row)
+                if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0:
+                    row["eval_accuracy"] = self.evaluate()
+                    self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
+                if log:
+                    log.write(row)
+                bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
+                self.step += 1
+                self.summary["wall_seconds"] = time.perf_counter() - start
+                # decided together: every rank stops, and checkpoints, at the same step
+                ck = cfg.checkpoint
+                due = (ck.every and self.step % ck.every == 0) or (ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes)
+                stop, out_of_time, due = dist.agree([self._stop_requested is not None, bool(cfg.train.max_seconds) and self.summary["wall_seconds"] > cfg.train.max_seconds, bool(due)])
+                if due or stop or out_of_time:
+                    self.save_checkpoint()
+                    last_save = time.perf_counter()
         if stop:
-            self._say(f"stopped by {self._stop_requested or 'another rank'} after step {self.step}; checkpoint written. Rerun the same command to resume.")
+            self._say(f"stopped by {self._stop_requested or 'another rank'} at step {self.step} (checkpointed). Rerun the same command to resume.")
             return self.summary
         self.summary["accuracy_after"] = self.evaluate()
         self.summary["evals"].append((self.step, self.summary["accuracy_after"]))

@@ -178,7 +178,8 @@ def parse_tests(tests: Any, where: str = "row") -> list[Case] | None:
 
 
 def _normalize(text: str) -> str:
-    lines = [line.rstrip() for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
+    # only ASCII spaces and tabs: str.rstrip() would also forgive \x1c-\x1f, \x85, U+2028, U+3000...
+    lines = [line.rstrip(" \t\r\n") for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
     while lines and not lines[-1]:
         lines.pop()
     return "\n".join(lines)

@@ -9,7 +9,7 @@ guarantees, residual risks and the tests proving them: ``docs/sandbox.md``.
     [[reward]]
     name = "code"
     column = "tests"          # dataset column holding each row's tests
-    timeout_s = 5.0           # per test case, wall clock
+    timeout_s = 5.0           # per test case: CPU time of the whole run (wall-clock backstop 2 x)
     all_or_nothing = false    # true: 1.0 only when every test passes
 
 **Change vs GRPO**: none — standard practice for code RL, a verifiable execution reward (open-r1's
@@ -33,8 +33,9 @@ list of cases, each one of:
 
 * ``{"input": "1 2\\n", "output": "3\\n"}`` — stdin/stdout: the code runs as ``__main__`` with
   ``input`` on stdin; it passes when it exits with status 0 and its stdout equals ``output`` after
-  normalising line ends (``\\r\\n`` → ``\\n``), trailing whitespace of each line and trailing blank
-  lines. Nothing else is forgiven (no case folding, no numeric tolerance).
+  normalising line ends (``\\r\\n`` → ``\\n``), trailing spaces and tabs of each line and trailing
+  blank lines. Nothing else is forgiven (no other Unicode whitespace, no case folding, no numeric
+  tolerance). ``sys.exit(n)`` with a non-zero ``n`` is a non-zero status even when ``n % 256 == 0``.
 * ``{"call": "add(1, 2)", "expected": "3"}`` — function call: the code is executed as module
   ``solution`` (so ``if __name__ == "__main__":`` blocks do not run), then the expression ``call``
   is evaluated in its namespace. ``expected`` is the source of a Python literal (``"3"``,
@@ -65,28 +66,41 @@ failure).
 **Defaults** [INFERRED: the values asked for in the issue, not tuned], unless tagged otherwise:
 
 - ``column = "tests"``.
-- ``timeout_s = 5.0`` per test case, from the moment the interpreter in the sandbox is ready
-  (open-r1's ``code_reward`` also allows 5 s per case [CODE]).
-- ``memory_mb = 512`` (RLIMIT_AS, per process).
+- ``timeout_s = 5.0`` per test case: the CPU time of all the run's processes together, from the
+  moment the interpreter in the sandbox is ready (open-r1's ``code_reward`` also allows 5 s per
+  case [CODE], as wall clock). Judging CPU time means a busy neighbour in the same batch cannot make
+  a correct program time out.
+- ``wall_timeout_s = None``: the wall-clock backstop (for programs that sleep or block), ``2 x
+  timeout_s`` when None.
+- ``memory_mb = 512``: RLIMIT_AS per process, and the run's total memory (RAM, shared memory,
+  tmpfs, kernel memory) where a per-run memory cgroup works.
 - ``max_output_bytes = 65536`` (per stream).
 - ``max_processes = 16`` (RLIMIT_NPROC: processes and threads).
 - ``all_or_nothing = False`` (fractional, as open-r1's ``code_reward`` [CODE]).
 - ``unsafe_local = False`` (fail closed).
+- ``python = None``: the interpreter that runs candidates (None: the trainer's own).
+- ``cgroup = "auto"``: per-run cgroups where this process may create them; ``"off"``; or the path
+  of a delegated cgroup v2 directory. What each case gives: docs/sandbox.md.
 - ``workers = 2`` (samples scored concurrently, each in its own processes).
 - ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
-- Fixed, not fields: the scratch ``/tmp`` (and ``/dev/shm``) is a 64 MiB tmpfs, 64 MiB is also the
-  largest file (RLIMIT_FSIZE); 64 open files; 30 s for the sandbox to become ready.
+- Fixed, not fields: the scratch ``/tmp`` (and ``/dev/shm``) is a 64 MiB tmpfs (as root one tmpfs for
+  both, capped at 16384 inodes), 64 MiB is also the largest file (RLIMIT_FSIZE); 64 open files;
+  30 s for the sandbox to become ready.
 
-Limits are per process, so one test case may use up to ``max_processes × memory_mb`` of
-address space; measured timeout overrun and every residual risk: ``docs/sandbox.md``.
+Where no memory cgroup works the limits are per process, so one test case may use up to
+``max_processes × memory_mb`` of address space; measured timeout overrun and every residual risk:
+``docs/sandbox.md``.
 
 **Notes**
 
 1. **Fail closed.** Construction runs a probe program in the sandbox; without a working ``bwrap``
    it raises :class:`SandboxUnavailable` explaining how to install it — unless
    ``unsafe_local=True``, which runs the same harness as a plain subprocess (rlimits, own session,
-   timeout and group kill, scrubbed environment) with NO namespace isolation: network, host files
-   and escaped daemons are then the candidate's to use. Only for code you trust (it warns).
+   timeouts, the run's cgroup, scrubbed environment, a fresh uid whose processes are all killed
+   afterwards) with NO namespaces and NO seccomp: the network and every world-readable host file
+   are then the candidate's to use. It needs root and an interpreter an unprivileged uid may run
+   (else ``SandboxUnavailable``); candidates never run as root or as the trainer's uid. Only for
+   code you trust (it warns).
 2. "All of one file": every case of a row runs the same extracted code. The three case forms may be
    mixed in one row, and a single case given as a dict counts as a one-case list.
 3. The fence match is case-insensitive and needs a line break after the language tag. A
@@ -99,14 +113,16 @@ address space; measured timeout overrun and every residual risk: ``docs/sandbox.
    ``infra_error`` and ``no_tests`` over the reward's life; ``last_errors`` holds the
    infrastructure messages of the last call only.
 6. Samples are scored by a thread pool of ``min(workers, number of completions)`` threads.
-   Invalid settings (``timeout_s`` outside (0, 3600], ``memory_mb < 64``,
-   ``max_output_bytes < 1024``, ``max_processes < 2``, ``workers < 1``, an empty ``column``) are a
+   Invalid settings (``timeout_s`` outside (0, 3600], ``wall_timeout_s`` below ``timeout_s``,
+   ``memory_mb < 64``, ``max_output_bytes < 1024``, ``max_processes < 2``, ``workers < 1``, an empty
+   ``column``, a ``cgroup`` that is neither "auto", "off" nor a cgroup v2 directory) are a
    ``ConfigError`` at build time.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 import warnings
@@ -154,6 +170,9 @@ class Code:
     all_or_nothing: bool = False
     unsafe_local: bool = False
     workers: int = 2
+    wall_timeout_s: float | None = None
+    python: str | None = None
+    cgroup: str = "auto"
     weight: float = 1.0
     stats: Counter = field(init=False, repr=False, compare=False, default_factory=Counter)
     last_errors: list = field(init=False, repr=False, compare=False, default_factory=list)
@@ -167,32 +186,32 @@ class Code:
             ("max_output_bytes", isinstance(self.max_output_bytes, int) and self.max_output_bytes >= 1024, "an int >= 1024"),
             ("max_processes", isinstance(self.max_processes, int) and self.max_processes >= 2, "an int >= 2 (the sandbox's init counts)"),
             ("workers", isinstance(self.workers, int) and self.workers >= 1, "an int >= 1"),
+            ("wall_timeout_s", self.wall_timeout_s is None or (isinstance(self.wall_timeout_s, (int, float)) and math.isfinite(self.wall_timeout_s)
+                                                               and self.timeout_s <= self.wall_timeout_s <= 7200), "None or in [timeout_s, 7200]"),
+            ("cgroup", self.cgroup in ("auto", "off") or (isinstance(self.cgroup, str) and os.path.isfile(os.path.join(self.cgroup, "cgroup.controllers"))),
+             '"auto", "off" or a cgroup v2 directory (one holding cgroup.controllers)'),
+            ("python", self.python is None or (isinstance(self.python, str) and os.access(self.python, os.X_OK)), "None or an executable interpreter"),
         ]
         for name, ok, want in checks:
             if not ok:
                 raise ConfigError(f"reward 'code': {name}={getattr(self, name)!r} must be {want}")
         if not isinstance(self.column, str) or not self.column:
             raise ConfigError(f"reward 'code': column={self.column!r} must be a column name")
-        self._sandbox = Sandbox(unsafe_local=self.unsafe_local)
+        self._sandbox = Sandbox(unsafe_local=self.unsafe_local, python=self.python, cgroup=self.cgroup)
         self._sandbox.check()  # fail closed, now rather than mid-training
         if self.unsafe_local:
-            as_root = (
-                " As root, and with an interpreter other users cannot run, candidates run AS ROOT: RLIMIT_NPROC is "
-                "not enforced for root and nothing stops them from changing the machine."
-                if self._sandbox.unsafe_as_root
-                else ""
-            )
             warnings.warn(
-                "reward 'code' with unsafe_local=True runs model-written code WITHOUT a sandbox (no namespaces: "
-                "it can use the network, read your files and leave processes behind); use it only for trusted code "
-                "or on a throw-away machine." + as_root,
+                "reward 'code' with unsafe_local=True runs model-written code WITHOUT a sandbox (no namespaces, no seccomp: "
+                "as a fresh unprivileged uid it can use the network and read every world-readable file, e.g. a dataset "
+                "with the expected answers); use it only for trusted code or on a throw-away machine.",
                 UserWarning,
                 stacklevel=3,
             )
 
     @property
     def limits(self) -> Limits:
-        return Limits(timeout_s=float(self.timeout_s), memory_mb=self.memory_mb, max_output_bytes=self.max_output_bytes, max_processes=self.max_processes)
+        return Limits(timeout_s=float(self.timeout_s), memory_mb=self.memory_mb, max_output_bytes=self.max_output_bytes,
+                      max_processes=self.max_processes, wall_timeout_s=self.wall_timeout_s)
 
     def run_case(self, code: str, case: Case) -> RunResult:
         """Run one case of ``code`` in a fresh sandbox (exposed for tests and debugging)."""

@@ -1,6 +1,8 @@
 """Runs ONE test case of untrusted Python inside the sandbox (started by ``bwrap.py``).
 
-Usage (inside the sandbox): ``python -s -B harness.py CONFIG_FD RESULT_FD``. Standard library only;
+Usage (inside the sandbox): ``python -s -B harness.py CONFIG_FD RESULT_FD``. In unsafe mode the
+config may name a ``go_fd``: the harness waits for one byte on it (the parent is moving it into the
+run's cgroup) before it applies its limits. Standard library only;
 never imports ``groupwise``. The parent (``bwrap.py``) computes the verdict; this file only
 reports what happened, one JSON line per record on ``RESULT_FD``::
 
@@ -8,6 +10,9 @@ reports what happened, one JSON line per record on ``RESULT_FD``::
     {"nonce": N, "kind": "result", "ok": true, "value": TREE}   (mode "call")
     {"nonce": N, "kind": "result", "ok": false, "error": "..."} (mode "call")
     {"nonce": N, "kind": "done", "code": RC}            (mode "stdio", informational only)
+
+In mode "stdio" the process exits with the program's status, except that a non-zero
+``SystemExit`` code whose low 8 bits are 0 (``sys.exit(256)``) exits with 1 instead of wrapping to 0.
 
 Nothing here is trusted by the parent after "ready": the candidate runs in this same process and
 can read or overwrite anything of the harness (its memory, the nonce, the result fd). What the
@@ -87,7 +92,9 @@ def _apply_limits(cfg: dict) -> None:
     for name, value in cfg["rlimits"].items():
         what = getattr(resource, name)
         soft, hard = value, value + 1 if name == "RLIMIT_CPU" else value  # CPU: SIGXCPU, then SIGKILL a second later
-        _, cur_hard = resource.getrlimit(what)
+        cur_soft, cur_hard = resource.getrlimit(what)
+        if (cur_soft, cur_hard) == (soft, hard):  # set from outside already (RLIMIT_CORE: seccomp forbids changing it)
+            continue
         if cur_hard != resource.RLIM_INFINITY:  # never above what we were given (raising a hard limit fails)
             soft, hard = min(soft, cur_hard), min(hard, cur_hard)
         resource.setrlimit(what, (soft, hard))
@@ -114,6 +121,10 @@ def _main() -> None:
     with os.fdopen(cfg_fd, "rb") as f:
         cfg = json.loads(f.read().decode())
     nonce = cfg["nonce"]
+    if cfg.get("go_fd") is not None:  # unsafe mode: wait until the parent has put us in the run's cgroup
+        if os.read(cfg["go_fd"], 1) != b"1":
+            _exit(70)  # the parent gave up: no "ready", an infrastructure failure
+        os.close(cfg["go_fd"])
     _apply_limits(cfg)
     # everything before this line is infrastructure; from here on, failures are the candidate's
     _record(res_fd, nonce, kind="ready")
@@ -132,8 +143,12 @@ def _main() -> None:
             exec(compile(code, "main.py", "exec"), module.__dict__)
         except SystemExit as stop:
             c = stop.code
-            rc = 0 if c is None else c if _type(c) is int else 1
-            if _type(c) not in (int, type(None)):
+            # a status is 8 bits: a plain int would wrap (sys.exit(256) -> 0); any non-zero code stays non-zero
+            if _type(c) in (int, bool):
+                rc = 0 if c == 0 else (c & 0xFF) or 1
+            else:
+                rc = 0 if c is None else 1
+            if _type(c) not in (int, bool, type(None)):
                 try:
                     sys.stderr.write(f"{c}\n")
                 except BaseException:

@@ -116,31 +116,45 @@ class OptimizerSnapshot:
 
 
 class WeightBackup:
-    """The weights (into buffers kept across steps) and the optimiser's state before a step, so a
-    step whose result is not finite can be undone exactly."""
+    """The weights and the optimiser's per-parameter state before a step, copied into buffers kept
+    across steps (no allocation per step), so a step whose result is not finite can be undone
+    exactly: state the step created (Adam's moments on its first step) is dropped again."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
         self.buffers = [p.detach().clone() for p in params]  # per parameter [*p.shape]
-        self.optimizer: OptimizerSnapshot | None = None
+        self.state: dict[Any, dict[str, Any]] = {}  # parameter -> its optimiser state as captured
 
     def capture(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
         with torch.no_grad():
             torch._foreach_copy_(self.buffers, [p.detach() for p in self.params])
-        self.optimizer = OptimizerSnapshot(optimizer)
+            kept: dict[Any, dict[str, Any]] = {}
+            for p, live in optimizer.state.items():
+                old = self.state.get(p, {})
+                kept[p] = {k: (old[k].copy_(v) if isinstance(v, torch.Tensor) and isinstance(old.get(k), torch.Tensor) and old[k].shape == v.shape
+                               else v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in live.items()}
+            self.state = kept
 
     def restore(self) -> None:
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in self.params], self.buffers)
-        if self.optimizer is not None:
-            self.optimizer.restore()
+            live = self.optimizer.state
+            for p in [p for p in live if p not in self.state]:
+                del live[p]
+            for p, saved in self.state.items():
+                live[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in saved.items()}
 
 
 def all_finite(params: list[torch.nn.Parameter]) -> bool:
-    """Every weight is finite (one host sync for all parameters)."""
+    """Every weight is finite. Fast path: one sum per tensor (NaN and inf propagate); only if that
+    overflows or is non-finite are the elements checked one by one (huge finite weights can overflow the sum)."""
     if not params:
         return True
-    return bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all())
+    with torch.no_grad():
+        if bool(torch.stack([p.detach().sum() for p in params]).sum().isfinite()):
+            return True
+        return all(bool(torch.isfinite(p.detach()).all()) for p in params)
 
 
 def grads_of(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

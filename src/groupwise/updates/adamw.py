@@ -22,6 +22,7 @@ included), ``k`` = 1, 2, … the steps AdamW actually took)::
 
 A step whose loss or pre-clip gradient norm is not finite is skipped: no parameter moves, the
 gradients are dropped, the schedule still advances, and ``skipped`` counts it.
+A step whose *result* is not finite (``lr = 1e39``) is rolled back the same way (``rollback_nonfinite``).
 
 **Defaults**
 
@@ -37,6 +38,9 @@ gradients are dropped, the schedule still advances, and ``skipped`` counts it.
   ``lr_scheduler_type = "linear"`` (decay to 0 after the warm-up), whose decay
   ``schedule = "linear"`` matches (transformers' warm-up starts from 0, this one from 1/W).
 - ``fused = True`` [CODE] transformers' default optimiser is ``adamw_torch_fused`` for torch ≥ 2.8.
+- ``rollback_nonfinite = True`` [INFERRED] groupwise's guard, not a paper's: weights and optimiser state
+  are copied before each step and restored if the step leaves any weight non-finite (counted in
+  ``skipped``); ``false`` saves that copy for models too large to hold twice.
 
 **Notes**
 

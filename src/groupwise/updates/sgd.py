@@ -15,7 +15,8 @@ compare gradients through whole runs (e.g. one step over 2 ranks against one pro
     buf ← momentum · buf + g                                afterwards   (momentum > 0 only)
     p   ← p − lr_k · (buf if momentum > 0 else g)
 
-A step whose loss or pre-clip gradient norm is not finite is skipped (counted in ``skipped``).
+A step whose loss or pre-clip gradient norm is not finite is skipped, and one whose result is not
+finite is rolled back (both counted in ``skipped``).
 
 **Defaults**
 
@@ -23,6 +24,9 @@ A step whose loss or pre-clip gradient norm is not finite is skipped (counted in
 - ``momentum = 0`` [INFERRED] no paper prescribes it here (torch's default too).
 - ``max_grad_norm = 0.0`` (no clipping) [INFERRED] so the update is the raw gradient times ``lr``.
 - ``warmup_steps = 0``, ``schedule = "constant"`` [INFERRED] a constant step size, for exact tests.
+- ``rollback_nonfinite = True`` [INFERRED] groupwise's guard, not a paper's: weights and optimiser state
+  are copied before each step and restored if the step leaves any weight non-finite (counted in
+  ``skipped``); ``false`` saves that copy for models too large to hold twice.
 
 **Notes**
 
