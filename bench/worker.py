@@ -193,7 +193,7 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
     m.peak_rss_mb = peak_rss_mb()
     m.notes = {"ablation": ablation, "mean_completion_len": sum(lengths) / len(lengths), "torch_threads_after": torch.get_num_threads(),
                "micro_batch_groups": cell.micro,
-               "perf": dict(vars(trainer.cfg.perf)), "functional_engine": trainer.engine.functional}
+               "perf": dict(vars(trainer.cfg.perf)), "functional_engine": trainer.policy.engine.functional}
     return m
 
 

@@ -18,7 +18,7 @@ def test_optimised_and_plain_paths_agree(tmp_path, extra):
     sgd = 'update={name="sgd", lr=0.1}'  # SGD: the weight change is the gradient itself
     fast = make_trainer(tmp_path / "fast", *extra, sgd, "rollout.max_new_tokens=12")
     plain = make_trainer(tmp_path / "plain", *extra, sgd, "rollout.max_new_tokens=12", *PLAIN)
-    assert fast.engine.functional and not plain.engine.functional
+    assert fast.policy.engine.functional and not plain.policy.engine.functional
 
     rollout_fast, rollout_plain = fast.collect(), plain.collect()
     # Same tokens: every row's sample depends only on its seed and the (equal) logits.

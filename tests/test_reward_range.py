@@ -183,14 +183,14 @@ class _Policy:
     on_error, missing, timeout_s, max_error_rate = "raise", "exclude", 0.0, 0.1
 
 
-class _Tokenizer:
-    def batch_decode(self, rows, skip_special_tokens=True):
-        return [" ".join(map(str, row)) for row in rows]
+def _decode(rollout):
+    B, G, _ = rollout.shape
+    return [[" ".join(map(str, rollout.actions[b, g][rollout.mask[b, g]].tolist())) for g in range(G)] for b in range(B)]
 
 
 def test_reward_stage_counts_overflow_in_excluded():
     # what the trainer logs as reward_excluded: 2 groups × 2 rows; row (0,0) scores 3e38 twice → 6e38
-    stage = RewardStage([], _Policy(), _Tokenizer(), eos_ids=[], max_new_tokens=3)
+    stage = RewardStage([], _Policy(), _decode, max_new_tokens=3)
     big = _const([3e38, 1.0, 0.0, 1.0], "big")
     stage.text = [big, big]
     ro = make_rollout(B=2, G=2, T=3, awkward=False)

@@ -402,7 +402,7 @@ def test_rollout_scorer_exit_stops_the_run_naming_it():
         def score_rollout(self, rollout, info):
             raise SystemExit(0)
 
-    stage = RewardStage([], SimpleNamespace(missing="exclude"), None, eos_ids=[], max_new_tokens=3)
+    stage = RewardStage([], SimpleNamespace(missing="exclude"), None, max_new_tokens=3)
     stage.tensor = [Quits()]
     ro = make_rollout(B=1, G=2, T=3, awkward=False)
     ro.reward_parts = torch.zeros(1, 2, 0, dtype=torch.float64)

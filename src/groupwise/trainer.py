@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 import tomllib
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -23,19 +22,18 @@ import torch
 
 from groupwise import checkpoint, dist, runfolder, schedules
 from groupwise.config import Config, to_dict, to_toml
-from groupwise.engines.cpu import CPUEngine
 from groupwise.engines.memory import keep_freed_memory
 from groupwise.logging import MetricsLog, plot_rewards, progress_bar
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective, token_weights
-from groupwise.policy.forward import completion_logprobs
-from groupwise.policy.lm import Reference, encode_prompt, eos_ids, load_policy
+from groupwise.policy.lm import LMPolicy
 from groupwise.registry import ConfigError, build, build_spec
 from groupwise.rewards.score import score
 from groupwise.rewards.stage import RewardStage
+from groupwise.rollout.context import RolloutContext
 from groupwise.stats import PromptStats
 from groupwise.tasks import load_splits
-from groupwise.types import Need, Rollout, StepInfo
+from groupwise.types import Need, Request, Rollout, StepInfo
 from groupwise.updates._base import all_finite
 
 
@@ -48,21 +46,18 @@ class Trainer:
         if cfg.perf.keep_freed_memory:
             keep_freed_memory()  # process-wide: activation-sized blocks are reused, not faulted in afresh each step
         self.out = cfg.out_dir
-        self.model, self.tokenizer = load_policy(cfg.model.path, cfg.model.dtype, cfg.model.lora or None)
-        perf = cfg.perf
-        self.engine = CPUEngine(self.model, eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
-                                share_prefix=perf.share_prefix, drop_finished=perf.drop_finished, functional=perf.functional)
+        self.policy = LMPolicy(cfg.model, cfg.perf)
         self.train_rows, self.eval_rows, task_reward = load_splits(cfg.data, cfg.seed)
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
 
         ro = cfg.rollout
         if ro.prompts_per_step % self.world:
             raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide by the world size {self.world}")
-        self.sampling_params = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
+        self.sampling_params = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k, "max_new_tokens": ro.max_new_tokens}
         self.strategy = build("rollout", ro.name, **ro.params)
         self.sampler = build_spec("sampling", cfg.sampling)
         self.sampler.bind(len(self.train_rows), cfg.seed)
-        self.reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, self.tokenizer, self.engine.eos_token_ids, ro.max_new_tokens)
+        self.reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, self.policy.decode, ro.max_new_tokens)
         self.eval_reward = build_spec("reward", cfg.eval.reward or task_reward)
         self.estimator = build_spec("advantage", cfg.advantage.estimator)
         if ro.group_size < 2 and getattr(self.estimator, "group_relative", False):
@@ -79,15 +74,14 @@ class Trainer:
         self.old_from_first_pass = cfg.train.minibatches == 1
         owners = [*self._components(), *schedules.all_schedules(self._components())]
         needs = [n for c in owners for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
-        self.reference = Reference(self.model) if any(n.model == "ref" for n in needs) else None
-        models = {"policy": lambda: contextlib.nullcontext(self.model), "ref": lambda: self.reference.model()}
-        self.needs = NeedResolver(needs, models, cfg.views, self.forward, lambda prompt: encode_prompt(self.tokenizer, prompt),
-                                  context=getattr(self.model.config, "max_position_embeddings", None))
+        models = self.policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
+        self.needs = NeedResolver(needs, models, cfg.views, lambda module, rows, quantities: self.policy.forward(rows, quantities, module=module),
+                                  self.policy.encode, context=self.policy.context)
         scorer_needs = set(self.reward_stage.needs)
         self.round_needs = [n for n in needs if not n.grad and n in scorer_needs]  # before dynamic sampling's keep
         self.step_needs = [n for n in needs if not n.grad]
         self.grad_quantities = sorted({n.quantity for n in needs if n.grad} | {"entropy"})  # entropy is logged
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = self.policy.parameters()
         self.updater.bind(self.params, cfg.train.steps * cfg.train.epochs * cfg.train.minibatches)
         self.step = 0
         self.summary: dict[str, Any] = {}
@@ -96,6 +90,15 @@ class Trainer:
         self._empty_in_row = 0  # steps in a row in which no sample had a finite reward
 
     # ------------------------------------------------------------------ set-up helpers
+    @property
+    def model(self) -> Any:
+        """The trained module (``policy.module``)."""
+        return self.policy.module
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer
+
     def _components(self) -> list[Any]:
         return [self.strategy, self.sampler, *self.reward_stage.scorers, self.estimator, *self.shapers, *self.weights, *self.objective.terms, self.updater]
 
@@ -125,10 +128,8 @@ class Trainer:
     def _prompt_ids(self, split: str, rows: list[dict], index: int) -> list[int]:
         key = (split, index)
         if key not in self._prompt_cache:
-            ids = encode_prompt(self.tokenizer, rows[index]["prompt"])
-            context = getattr(self.model.config, "max_position_embeddings", None)
-            if context and len(ids) + self.cfg.rollout.max_new_tokens > context:
-                raise ValueError(f"{split} row {index + 1}: prompt of {len(ids)} tokens + max_new_tokens={self.cfg.rollout.max_new_tokens} exceeds the model's context of {context}")
+            ids = self.policy.encode(rows[index]["prompt"])
+            self.policy.check_fits(ids, self.cfg.rollout.max_new_tokens, f"{split} row {index + 1}")
             self._prompt_cache[key] = ids
         return self._prompt_cache[key]
 
@@ -141,39 +142,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ stage 1–3: collect the step's whole scored batch
     def collect(self) -> Rollout:
-        """Draw → generate (each rank its share) → score → keep, in rounds until the batch is full.
-        Every round is gathered, so ``keep`` decides on the whole batch and every rank's sampler
-        draws the same number of times. Returns the whole batch, identical on every rank."""
-        cfg = self.cfg.rollout
-        parts, kept, finite, scored = [], 0, 0, 0
-        for round_ in range(max(1, getattr(self.sampler, "max_rounds", 1))):
-            info = self._info(round_)
-            ids = self.sampler.draw(cfg.prompts_per_step, info)  # same on every rank
-            start, stop = dist.shard_bounds(len(ids))
-            local = ids[start:stop]
-            prompt_ids = [self._prompt_ids("train", self.train_rows, i) for i in local]
-            rollout = self.strategy(self.engine, prompt_ids, local, cfg.group_size, cfg.max_new_tokens, self.sampling_params, info)
-            rollout.meta = [self.train_rows[i] for i in local]
-            self.reward_stage.score_local(rollout)
-            self.needs.fill(rollout, self.round_needs)
-            batch = dist.gather_rollout(rollout)
-            self.reward_stage.finish(batch, info)
-            finite, scored = finite + int(torch.isfinite(batch.rewards).sum()), scored + batch.rewards.numel()
-            keep = self.sampler.keep(batch)  # [B] bool
-            parts.append(batch if bool(keep.all()) else batch.select(keep.nonzero().flatten()))  # no copy when every group is kept
-            kept += int(keep.sum())
-            if kept >= cfg.prompts_per_step:
-                break
-        self._finite_reward_frac = finite / max(1, scored)  # before keep: a step whose groups were all dropped still had rewards
-        batch = Rollout.concat(parts)
-        return batch if kept == cfg.prompts_per_step else batch.select(list(range(min(kept, cfg.prompts_per_step))))
+        """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
+        ro = self.cfg.rollout
+        ctx = RolloutContext(self.policy, self.sampler, self.reward_stage, lambda rollout: self.needs.fill(rollout, self.round_needs),
+                             lambda i: self._prompt_ids("train", self.train_rows, i), lambda i: self.train_rows[i], self._info,
+                             self.sampling_params, ro.prompts_per_step, ro.group_size)
+        batch = self.strategy(ctx)
+        self._finite_reward_frac = ctx.finite_fraction  # over every scored round: a step whose groups were all dropped still had rewards
+        return batch
 
     # ------------------------------------------------------------------ no-grad needs, schedules, advantages, weights
-    def forward(self, model: Any, rollout: Rollout, want_entropy: bool = False, quantities=()) -> dict[str, torch.Tensor]:
-        perf = self.cfg.perf
-        return completion_logprobs(model, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid, want_entropy=want_entropy,
-                                   packed=perf.packed, share_prefix=None if perf.share_prefix else False, functional=perf.functional, quantities=quantities)
-
     def prepare(self, batch: Rollout) -> Rollout:
         """The no-grad needs (each rank scores its share, then the whole batch is gathered again),
         this step's scheduled coefficients, advantages, shapers and token weights, all on the whole
@@ -254,7 +232,7 @@ class Trainer:
         for start in range(0, batch.shape[0], size):
             groups = list(range(start, min(start + size, batch.shape[0])))
             mb = batch.select(groups)
-            out = self.forward(self.model, mb, quantities=self.grad_quantities)
+            out = self.policy.forward(mb, self.grad_quantities)
             if first:
                 with torch.no_grad():
                     self._entropy[0] += float(out["entropy"][mb.row_mask].sum())
@@ -276,14 +254,14 @@ class Trainer:
         rows = self.eval_rows[: self.cfg.eval.size]
         if not rows:
             return float("nan")
-        correct = 0
+        correct, info = 0, self._info()
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
-            prompt_ids = [self._prompt_ids("eval", self.eval_rows, i) for i in chunk]
-            gen = self.engine.generate(prompt_ids, 1, torch.zeros(len(chunk), dtype=torch.long), self.cfg.rollout.max_new_tokens, greedy=True)
-            texts = self.reward_stage.decode([gen.tokens[i, 0, : int(gen.lengths[i, 0])].tolist() for i in range(len(chunk))])
+            requests = [Request(key=i, n=1, prompt=self._prompt_ids("eval", self.eval_rows, i)) for i in chunk]
+            gen = self.policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
+            texts = [group[0] for group in self.policy.decode(gen)]
             sub = [rows[i] for i in chunk]
-            columns = self.reward_stage.columns(sub, 1, gen.lengths[:, 0].tolist(), gen.truncated[:, 0].tolist())
+            columns = self.reward_stage.columns(sub, 1, gen.mask[:, 0].sum(-1).tolist(), gen.truncated[:, 0].tolist())
             values = score([self.eval_reward], [r["prompt"] for r in sub], texts, columns, on_error="exclude").total
             correct += int((values >= 1.0 - 1e-6).sum())
         return correct / len(rows)
@@ -292,11 +270,11 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
+            "model": self.policy.module.state_dict(),
             "components": {key: c.state_dict() for key, c in self._named_components().items() if hasattr(c, "state_dict")},
             "schedules": [s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(self._components())],
             "prompt_stats": self.prompt_stats.state_dict(),
-            "reference": self.reference.state_dict() if self.reference else {},
+            "reference": self.policy.state_dict()["reference"],
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "summary": self.summary,
             "in_row": {"skipped": self._skipped_in_row, "empty": self._empty_in_row},
@@ -304,7 +282,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self.model.load_state_dict(state["model"])
+        self.policy.load_state_dict({"model": state["model"], "reference": state["reference"]})
         named = {key: c for key, c in self._named_components().items() if hasattr(c, "state_dict")}
         if sorted(named) != sorted(state["components"]):
             raise ConfigError(f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
@@ -321,8 +299,6 @@ class Trainer:
                 setattr(component, attr, schedule.start() if hasattr(schedule, "state_dict") else schedule(last, None))
         if "prompt_stats" in state:
             self.prompt_stats.load_state_dict(state["prompt_stats"])
-        if self.reference:
-            self.reference.load_state_dict(state["reference"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
@@ -330,7 +306,7 @@ class Trainer:
         self._skipped_in_row, self._empty_in_row = state["in_row"]["skipped"], state["in_row"]["empty"]
 
     def save_checkpoint(self) -> None:
-        if not all_finite([p for p in self.model.parameters()]):  # the updater rolls such steps back; never write one
+        if not all_finite(list(self.policy.module.parameters())):  # the updater rolls such steps back; never write one
             raise RuntimeError(f"refusing to checkpoint step {self.step}: the model has non-finite weights")
         if self.rank == 0:
             checkpoint.save(self.out, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
@@ -436,14 +412,11 @@ class Trainer:
 
     def run_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        switch_modes = not self.engine.functional  # the functional maths has no dropout: skip two module-tree walks
-        if switch_modes:
-            self.model.eval()
+        self.policy.eval()
         batch = self.collect()  # the whole batch, identical on every rank
         t_gen = time.perf_counter() - t0
         batch = self.prepare(batch)
-        if switch_modes:
-            self.model.train()
+        self.policy.train()
         local = self._share(batch)
         row: dict[str, Any] = {"step": self.step}
         update = self.update(local) if batch.shape[0] else {"loss": 0.0, "skipped": 1.0}  # nothing kept: no step
@@ -467,9 +440,7 @@ class Trainer:
         staging = self.out / f".final.tmp{os.getpid()}"
         if staging.exists():
             shutil.rmtree(staging)
-        model = self.model.merge_and_unload() if hasattr(self.model, "merge_and_unload") else self.model
-        model.save_pretrained(staging)
-        self.tokenizer.save_pretrained(staging)
+        self.policy.save(staging)
         runfolder.publish_dir(staging, self.out / "final")
         finite = {k: (None if isinstance(v, float) and v != v else v) for k, v in self.summary.items()}  # NaN is not JSON
         runfolder.write_atomic(self.out / "summary.json", json.dumps(finite, indent=2) + "\n")

@@ -60,6 +60,19 @@ class Need:
         return self.quantity if owner == "policy" else f"{owner}.{self.quantity}"
 
 
+@dataclass(frozen=True)
+class Request:
+    """One prompt's generation request (a group): ``n`` rows of dataset row ``key``. Row ``j`` takes
+    its randomness from ``(seed, step, key, offset + j)``, so a later request for the same prompt in
+    the same step (a refill round, an allocation round) continues at ``offset`` with fresh samples.
+    ``prompt`` is the policy's encoding of the row's prompt (filled by the rollout context)."""
+
+    key: int
+    n: int
+    offset: int = 0
+    prompt: Any = None
+
+
 @dataclass
 class StepInfo:
     """What a component may know about where the run is."""

@@ -102,3 +102,124 @@ class Reference:
     def load_state_dict(self, state: dict) -> None:
         if state and not self.uses_adapter:
             self._model.load_state_dict(state)
+
+
+class LMPolicy:
+    """A Hugging Face causal LM as the trainer's policy: everything language-model-specific lives
+    here — loading, the sampling engine, prompt encoding and the context check, EOS, decoding, the
+    packed training forward and the frozen reference snapshot. The trainer sees only the ``Policy``
+    protocol (``components.py``)."""
+
+    trainable = True
+
+    def __init__(self, model_cfg: Any, perf: Any):
+        from groupwise.engines.cpu import CPUEngine
+
+        self.module, self.tokenizer = load_policy(model_cfg.path, model_cfg.dtype, model_cfg.lora or None)
+        self.perf = perf
+        self.eos = eos_ids(self.module, self.tokenizer)
+        self.engine = CPUEngine(self.module, self.eos, self.tokenizer.pad_token_id, share_prefix=perf.share_prefix,
+                                drop_finished=perf.drop_finished, functional=perf.functional)
+        self.context: int | None = getattr(self.module.config, "max_position_embeddings", None)
+        self.reference: Reference | None = None
+
+    # ------------------------------------------------------------------ text
+    def encode(self, prompt: Any) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt)
+
+    def check_fits(self, ids: list[int], max_new_tokens: int, where: str) -> None:
+        if self.context and len(ids) + max_new_tokens > self.context:
+            raise ValueError(f"{where}: prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of {self.context}")
+
+    def decode(self, rollout: Any) -> list[list[str]]:
+        """[B][G] completion texts (EOS removed, special tokens skipped)."""
+        B, G, T = rollout.shape
+        counts, actions = rollout.mask.sum(-1).tolist(), rollout.actions.tolist()  # host ints, converted once
+        eos = set(self.eos)
+        rows = [[t for t in actions[b][g][: counts[b][g]] if t not in eos] for b in range(B) for g in range(G)]
+        flat = self.tokenizer.batch_decode(rows, skip_special_tokens=True) if rows else []
+        return [flat[b * G : (b + 1) * G] for b in range(B)]
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, requests: list[Any], sampling: dict, info: Any) -> Any:
+        """One group per request, ``request.n`` rows each (rows past a request's n are padding with
+        ``group_valid`` False). Row j of a request draws its randomness from
+        ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch."""
+        from groupwise.engines.seeds import sample_seed
+        from groupwise.types import Rollout
+
+        sampling = dict(sampling)
+        max_new, greedy = sampling.pop("max_new_tokens"), sampling.pop("greedy", False)
+        parts = {}
+        for n in sorted({r.n for r in requests}):  # one engine call per distinct group size (usually one)
+            chosen = [i for i, r in enumerate(requests) if r.n == n]
+            seeds = [sample_seed(info.seed, info.step, requests[i].key, requests[i].offset + j) for i in chosen for j in range(n)]
+            parts[n] = (chosen, self.engine.generate([requests[i].prompt for i in chosen], n, torch.tensor(seeds, dtype=torch.long), max_new,
+                                                     greedy=greedy, **sampling))
+        B, G = len(requests), max(r.n for r in requests)
+        T = max(gen.tokens.shape[2] for _, gen in parts.values())
+        tokens = torch.full((B, G, T), int(self.tokenizer.pad_token_id), dtype=torch.long)  # [B,G,T]
+        lengths = torch.zeros(B, G, dtype=torch.long)  # [B,G]
+        truncated = torch.zeros(B, G, dtype=torch.bool)  # [B,G]
+        logp = torch.zeros(B, G, T)  # [B,G,T]
+        for n, (chosen, gen) in parts.items():
+            if len(parts) == 1:  # the common case: the engine's tensors as they are
+                tokens, lengths, truncated, logp = gen.tokens, gen.lengths, gen.truncated, gen.logp
+                break
+            index, t = torch.tensor(chosen), gen.tokens.shape[2]
+            tokens[index, :n, :t], lengths[index, :n], truncated[index, :n], logp[index, :n, :t] = gen.tokens, gen.lengths, gen.truncated, gen.logp
+        sizes = torch.tensor([r.n for r in requests])  # [B]
+        return Rollout(
+            prompt_ids=[r.prompt for r in requests],
+            actions=tokens,  # [B,G,T]
+            mask=torch.arange(tokens.shape[2])[None, None, :] < lengths[..., None],  # [B,G,T]
+            group_valid=torch.arange(G)[None, :] < sizes[:, None],  # [B,G] padding rows of ragged groups are not valid
+            truncated=truncated,  # [B,G]
+            prompt_index=torch.tensor([r.key for r in requests], dtype=torch.long),  # [B]
+            logp_sampler=logp,  # [B,G,T]
+        )
+
+    # ------------------------------------------------------------------ scoring and training
+    def forward(self, rollout: Any, quantities: Any = ("logp",), module: Any = None, want_entropy: bool = False) -> dict:
+        """Per-token quantities of the rollout's completions under ``module`` (default: this policy's
+        own weights), one packed forward; differentiable when grad is enabled."""
+        from groupwise.policy.forward import completion_logprobs
+
+        perf = self.perf
+        return completion_logprobs(self.module if module is None else module, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid,
+                                   want_entropy=want_entropy, packed=perf.packed, share_prefix=None if perf.share_prefix else False,
+                                   functional=perf.functional, quantities=quantities)
+
+    def scoring_models(self, with_reference: bool) -> dict[str, Any]:
+        """The modules needs are read from, by role: this policy and (built on request) its frozen reference."""
+        if with_reference and self.reference is None:
+            self.reference = Reference(self.module)
+        models = {"policy": lambda: contextlib.nullcontext(self.module)}
+        if self.reference is not None:
+            models["ref"] = self.reference.model
+        return models
+
+    def parameters(self) -> list[Any]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def train(self) -> None:
+        if not self.engine.functional:  # the functional maths has no dropout: skip two module-tree walks
+            self.module.train()
+
+    def eval(self) -> None:
+        if not self.engine.functional:
+            self.module.eval()
+
+    def state_dict(self) -> dict:
+        return {"model": self.module.state_dict(), "reference": self.reference.state_dict() if self.reference else {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        if self.reference is not None:
+            self.reference.load_state_dict(state["reference"])
+
+    def save(self, folder: Any) -> None:
+        """A loadable model folder (LoRA adapters merged)."""
+        model = self.module.merge_and_unload() if hasattr(self.module, "merge_and_unload") else self.module
+        model.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)

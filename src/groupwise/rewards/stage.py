@@ -27,23 +27,18 @@ from groupwise.types import Need, Rollout, StepInfo
 
 
 class RewardStage:
-    def __init__(self, specs: list, policy: Any, tokenizer: Any, eos_ids: list[int], max_new_tokens: int):
+    def __init__(self, specs: list, policy: Any, decode: Any, max_new_tokens: int):
         self.scorers = [build_spec("reward", spec) for spec in specs]
         self.text = [s for s in self.scorers if not hasattr(s, "score_rollout")]
         self.tensor = [s for s in self.scorers if hasattr(s, "score_rollout")]
-        self.policy, self.tokenizer, self.eos, self.max_new_tokens = policy, tokenizer, set(eos_ids), max_new_tokens
+        self.policy, self.decode, self.max_new_tokens = policy, decode, max_new_tokens  # decode(rollout) -> [B][G] texts
         self.counts: dict[str, int] = {}
 
     @property
     def needs(self) -> list[Need]:
         return [n for s in self.scorers for n in getattr(s, "needs", ())]
 
-    # ------------------------------------------------------------------ decoding
-    def decode(self, tokens: list[list[int]]) -> list[str]:
-        """Completion texts of token lists (EOS removed, special tokens skipped)."""
-        cleaned = [[t for t in row if t not in self.eos] for row in tokens]
-        return self.tokenizer.batch_decode(cleaned, skip_special_tokens=True) if cleaned else []
-
+    # ------------------------------------------------------------------ dataset columns
     def columns(self, meta: list[dict], repeat: int, lengths: list[int], truncated: list[bool]) -> dict[str, Any]:
         """Dataset columns repeated per completion, plus ``completion_lengths``, ``truncated``, ``max_new_tokens``."""
         columns = {key: [m.get(key) for m in meta for _ in range(repeat)] for key in meta[0] if key != "prompt"} if meta else {}
@@ -55,9 +50,8 @@ class RewardStage:
         """Decode this rank's rows and run the text scorers: ``completions``, ``reward_parts``."""
         B, G, T = rollout.shape
         lengths = rollout.mask.sum(-1)  # [B,G]
-        actions, counts = rollout.actions.tolist(), lengths.tolist()  # host ints, converted once
-        flat = self.decode([actions[b][g][: counts[b][g]] for b in range(B) for g in range(G)])
-        rollout.completions = [flat[b * G : (b + 1) * G] for b in range(B)]
+        rollout.completions = self.decode(rollout)  # [B][G]
+        flat = [text for group in rollout.completions for text in group]
         failed = torch.zeros(B * G, dtype=torch.bool)  # [B*G]
         parts = torch.zeros(B * G, 0, dtype=torch.float64)  # [B*G,0]
         self.counts = {}

@@ -1,66 +1,68 @@
-"""The standard rollout: G independent samples per prompt from the policy (GRPO, Shao et al. 2024).
+"""The standard rollout: G independent samples per prompt from the policy (GRPO, Shao et al. 2024),
+in refill rounds when the sampler drops groups (dynamic sampling, DAPO, Yu et al. 2025).
 
 "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models", Zhihong Shao,
 Peiyi Wang, Qihao Zhu et al., 2024, https://arxiv.org/abs/2402.03300 (GRPO samples a group of G
-outputs per question from the old policy).
+outputs per question from the old policy). "DAPO: An Open-Source LLM Reinforcement Learning System
+at Scale", Qiying Yu et al., 2025, https://arxiv.org/abs/2503.14476 (§3.2: over-sample and filter
+out groups whose accuracy is 0 or 1, until the batch is full).
 
-**Change vs GRPO**: none — this is GRPO's sampling step: G completions per prompt, drawn
-independently, one engine call for the whole batch.
+**Change vs GRPO**: none with the default sampler — one round: draw B prompts, G rows each, keep
+every group. With a sampler that drops groups (``sampling.name = "dynamic"``) this is DAPO's
+refill loop: further rounds draw new prompts until B groups are kept or ``max_rounds`` is reached.
 
-**Math** (``G = group_size``; row ``b*G + j`` is sample ``j`` of prompt ``b``)::
+**Math** (``B = rollout.prompts_per_step``, ``G = rollout.group_size``)::
 
-    seeds[b*G + j] = sample_seed(info.seed, info.step, prompt_index[b], info.round * G + j)   # [B*G]
-    gen  = engine.generate(prompt_ids, G, seeds, max_new_tokens, **sampling)
-    mask = arange(T)[None, None, :] < gen.lengths[..., None]                                # [B,G,T]
-    Rollout(prompt_ids, actions=gen.tokens, mask, group_valid=ones(B, G),
-            truncated=gen.truncated, prompt_index, logp_sampler=gen.logp)
+    kept = []
+    for round in 0 .. max_rounds-1:
+        ids   = ctx.draw(B, round)                                  # the sampler, same on every rank
+        batch = ctx.rollout([Request(key=i, n=G, offset=round*G) for i in ids], round)   # scored, whole
+        kept += groups of batch where ctx.keep(batch)               # [B] bool, on the whole batch
+        stop when |kept| >= B
+    return the first min(|kept|, B) kept groups
 
-**Defaults**: none; ``Sample`` has no fields. Its inputs come from the ``rollout`` config:
-``group_size = 8`` [CODE] TRL ``GRPOConfig.num_generations = 8``; ``sampling`` =
-``temperature = 1.0``, ``top_p = 1.0``, ``top_k = 0`` [CODE] TRL ``GRPOConfig`` defaults.
+Row ``j`` of prompt ``i`` in round ``r`` samples with ``sample_seed(seed, step, i, r*G + j)``
+(the policy's ``generate``); its mask covers the generated tokens, EOS included.
+
+**Defaults**: none; ``Sample`` has no fields. ``group_size = 8`` [CODE] TRL
+``GRPOConfig.num_generations = 8``; ``temperature = 1.0``, ``top_p = 1.0``, ``top_k = 0`` [CODE]
+TRL ``GRPOConfig`` defaults (the ``rollout`` config).
 
 **Notes**
 
-1. Each row's randomness depends only on its key (seed, step, dataset row id, sample index), not
-   on the batch it shares or the rank that generates it. A refill round (dynamic sampling) shifts
-   the sample index by ``round * G``, so it draws fresh samples of a prompt already seen this step.
-   The same prompt drawn twice in one round gets the same seeds, and so the same completions.
-2. ``T`` is the longest completion actually generated; ``mask`` covers each row's generated
-   tokens, the EOS token included when one was generated. Every row starts valid (``group_valid``
-   all True); the reward stage clears it where a row's total reward is NaN.
-3. ``logp_sampler`` is the engine's raw-model (temperature 1) log-prob of each sampled token, 0
-   after the row's end.
+1. Each row's randomness depends only on its key, not on the batch it shares or the rank that
+   generates it. A refill round shifts the sample index by ``round * G``, so it draws fresh samples
+   of a prompt already seen this step; the same prompt drawn twice in one round gets the same seeds.
+2. Every round is scored and gathered before ``keep`` decides, so the sampler sees the whole batch
+   and every rank's sampler draws the same number of times.
+3. A batch with fewer than B kept groups after ``max_rounds`` trains on what was kept (possibly
+   nothing: the step is then skipped).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-
-from groupwise.engines.seeds import sample_seed
 from groupwise.registry import register
-from groupwise.types import Rollout, StepInfo
+from groupwise.rollout.context import RolloutContext
+from groupwise.types import Request, Rollout
 
 
 @register("rollout", "sample")
 @dataclass
 class Sample:
-    """G independent samples per prompt, one engine call for the whole batch (GRPO)."""
+    """G independent samples per prompt; refill rounds when the sampler drops groups (GRPO, DAPO)."""
 
-    def __call__(self, engine: Any, prompt_ids: list[list[int]], prompt_index: list[int], group_size: int, max_new_tokens: int, sampling: dict, info: StepInfo) -> Rollout:
-        seeds = [sample_seed(info.seed, info.step, p, info.round * group_size + j) for p in prompt_index for j in range(group_size)]
-        gen = engine.generate(prompt_ids, group_size, torch.tensor(seeds, dtype=torch.long), max_new_tokens, **sampling)
-        B, G, T = gen.tokens.shape
-        positions = torch.arange(T)  # [T]
-        mask = positions[None, None, :] < gen.lengths[..., None]  # [B,G,T]
-        return Rollout(
-            prompt_ids=prompt_ids,
-            actions=gen.tokens,  # [B,G,T]
-            mask=mask,  # [B,G,T]
-            group_valid=torch.ones(B, G, dtype=torch.bool),  # [B,G]
-            truncated=gen.truncated,  # [B,G]
-            prompt_index=torch.tensor(prompt_index, dtype=torch.long),  # [B]
-            logp_sampler=gen.logp,  # [B,G,T]
-        )
+    def __call__(self, ctx: RolloutContext) -> Rollout:
+        B, G = ctx.batch_size, ctx.group_size
+        parts, kept = [], 0
+        for round_ in range(ctx.max_rounds):
+            ids = ctx.draw(B, round_)
+            batch = ctx.rollout([Request(key=i, n=G, offset=round_ * G) for i in ids], round_)
+            keep = ctx.keep(batch)  # [B] bool
+            parts.append(batch if bool(keep.all()) else batch.select(keep.nonzero().flatten()))  # no copy when every group is kept
+            kept += int(keep.sum())
+            if kept >= B:
+                break
+        batch = Rollout.concat(parts)
+        return batch if kept == B else batch.select(list(range(min(kept, B))))
