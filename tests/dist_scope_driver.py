@@ -25,6 +25,8 @@ BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_t
 def configurations() -> dict[str, list[str]]:
     configs: dict[str, list[str]] = {}
     for stage, name, cls in entries():
+        if getattr(cls, "modality", "text") != "text":  # this driver trains the text policy
+            continue
         if stage == "advantage":
             key = "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"  # shapers run after grpo
             configs[f"advantage:{name}"] = [f'{key}=["{name}"]' if key.endswith("shapers") else f'{key}="{name}"']

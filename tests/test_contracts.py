@@ -25,7 +25,7 @@ from groupwise.registry import build, entries
 from helpers import fill_needs, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm
 
 STAGES = ("advantage", "objective", "weight", "aggregation", "kl")
-ALL = [(s, n) for s, n, _ in entries() if s in STAGES]
+ALL = [(s, n) for s, n, c in entries() if s in STAGES and getattr(c, "modality", "text") == "text"]  # the sweeps build text rollouts
 ADV = [n for s, n in ALL if s == "advantage"]
 TERMS = [n for s, n in ALL if s == "objective"]
 WEIGHTS = [n for s, n in ALL if s == "weight"]

@@ -70,7 +70,7 @@ def load_all() -> None:
     import groupwise
 
     importlib.import_module("groupwise.kl_estimators")
-    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "schedules", "views", "providers", "tasks"):
+    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "schedules", "views", "providers", "tasks", "modalities"):
         pkg = importlib.import_module(f"groupwise.{sub}")
         for info in pkgutil.iter_modules(pkg.__path__):
             if not info.name.startswith("_"):

@@ -7,6 +7,7 @@ extra input a component needs is declared as a ``Need`` and computed here once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -26,9 +27,8 @@ from groupwise.engines.memory import keep_freed_memory
 from groupwise.logging import MetricsLog, plot_rewards, progress_bar
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective, token_weights
-from groupwise.policy.lm import LMPolicy
+from groupwise.policy import build_policy
 from groupwise.registry import ConfigError, build, build_spec
-from groupwise.rewards.score import score
 from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.context import RolloutContext
 from groupwise.stats import PromptStats
@@ -46,7 +46,7 @@ class Trainer:
         if cfg.perf.keep_freed_memory:
             keep_freed_memory()  # process-wide: activation-sized blocks are reused, not faulted in afresh each step
         self.out = cfg.out_dir
-        self.policy = LMPolicy(cfg.model, cfg.perf)
+        self.policy = build_policy(cfg.model, cfg.perf)
         self.train_rows, self.eval_rows, task_reward = load_splits(cfg.data, cfg.seed)
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
 
@@ -58,7 +58,9 @@ class Trainer:
         self.sampler = build_spec("sampling", cfg.sampling)
         self.sampler.bind(len(self.train_rows), cfg.seed)
         self.reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, self.policy.decode, ro.max_new_tokens)
-        self.eval_reward = build_spec("reward", cfg.eval.reward or task_reward)
+        # held-out scoring never stops a run: a failed eval reward excludes its sample (counted as wrong)
+        self.eval_stage = RewardStage([cfg.eval.reward or task_reward], dataclasses.replace(cfg.reward, on_error="exclude", max_error_rate=1.0),
+                                      self.policy.decode, ro.max_new_tokens)
         self.estimator = build_spec("advantage", cfg.advantage.estimator)
         if ro.group_size < 2 and getattr(self.estimator, "group_relative", False):
             raise ConfigError(f"rollout.group_size={ro.group_size} with the group-relative advantage {self.estimator.registry_name!r}: "
@@ -75,8 +77,11 @@ class Trainer:
         owners = [*self._components(), *schedules.all_schedules(self._components())]
         needs = [n for c in owners for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
         models = self.policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
-        self.needs = NeedResolver(needs, models, cfg.views, lambda module, rows, quantities: self.policy.forward(rows, quantities, module=module),
-                                  self.policy.encode, context=self.policy.context)
+        self.needs = NeedResolver(needs, models, cfg.views, self.policy.score, self.policy.encode, context=self.policy.context)
+        for component in owners + self.eval_stage.scorers:  # a component made for another modality's rollouts fails here, not mid-run
+            if getattr(component, "modality", self.policy.modality) != self.policy.modality:
+                raise ConfigError(f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r} works on {component.modality} policies; "
+                                  f"this run's policy is {self.policy.modality} (model.policy={cfg.model.policy!r})")
         scorer_needs = set(self.reward_stage.needs)
         self.round_needs = [n for n in needs if not n.grad and n in scorer_needs]  # before dynamic sampling's keep
         self.step_needs = [n for n in needs if not n.grad]
@@ -259,22 +264,20 @@ class Trainer:
             chunk = list(range(start, min(start + 256, len(rows))))
             requests = [Request(key=i, n=1, prompt=self._prompt_ids("eval", self.eval_rows, i)) for i in chunk]
             gen = self.policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
-            texts = [group[0] for group in self.policy.decode(gen)]
-            sub = [rows[i] for i in chunk]
-            columns = self.reward_stage.columns(sub, 1, gen.mask[:, 0].sum(-1).tolist(), gen.truncated[:, 0].tolist())
-            values = score([self.eval_reward], [r["prompt"] for r in sub], texts, columns, on_error="exclude").total
-            correct += int((values >= 1.0 - 1e-6).sum())
+            gen.meta = [rows[i] for i in chunk]
+            self.eval_stage.score_local(gen)
+            self.eval_stage.finish(gen, info)
+            correct += int((gen.rewards[:, 0] >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
         return correct / len(rows)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "model": self.policy.module.state_dict(),
+            "policy": self.policy.state_dict(),
             "components": {key: c.state_dict() for key, c in self._named_components().items() if hasattr(c, "state_dict")},
             "schedules": [s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(self._components())],
             "prompt_stats": self.prompt_stats.state_dict(),
-            "reference": self.policy.state_dict()["reference"],
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "summary": self.summary,
             "in_row": {"skipped": self._skipped_in_row, "empty": self._empty_in_row},
@@ -282,7 +285,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self.policy.load_state_dict({"model": state["model"], "reference": state["reference"]})
+        self.policy.load_state_dict(state["policy"])
         named = {key: c for key, c in self._named_components().items() if hasattr(c, "state_dict")}
         if sorted(named) != sorted(state["components"]):
             raise ConfigError(f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
@@ -306,7 +309,7 @@ class Trainer:
         self._skipped_in_row, self._empty_in_row = state["in_row"]["skipped"], state["in_row"]["empty"]
 
     def save_checkpoint(self) -> None:
-        if not all_finite(list(self.policy.module.parameters())):  # the updater rolls such steps back; never write one
+        if not all_finite(self.policy.parameters()):  # the updater rolls such steps back; never write one
             raise RuntimeError(f"refusing to checkpoint step {self.step}: the model has non-finite weights")
         if self.rank == 0:
             checkpoint.save(self.out, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
@@ -461,7 +464,7 @@ def _rollout_stats(rollout: Rollout) -> dict[str, float]:
         "reward_std": float(rewards[valid].std()) if valid.sum() > 1 else 0.0,
         "zero_std_frac": float((group_std(rewards, valid) == 0).float().mean()),
         "completion_len": float(lengths[valid].mean()) if valid.any() else 0.0,
-        "truncated_frac": float(dist.all_gather_rows(rollout.truncated).float().mean()),
+        "truncated_frac": float(dist.all_gather_rows(rollout.truncated)[valid].float().mean()) if valid.any() else 0.0,
     }
     if rollout.logp_ref is not None and rollout.logp_old is not None:
         log_ratio = rollout.logp_ref - rollout.logp_old  # [B,G,T]

@@ -194,7 +194,43 @@ class Rollout:
         return Rollout(**out)
 
 
+    def join_rows(self, more: "Rollout", groups: list[int]) -> "Rollout":
+        """This batch with ``more``'s rows appended to its groups: group ``k`` of ``more`` holds further
+        rows of group ``groups[k]`` of this batch (the same prompt). Every group gets ``more``'s G
+        new row slots; those of groups ``more`` does not cover are padding (``group_valid`` False,
+        no tokens). Fields are joined by level: group-level ones (prompts, meta, group extras) are
+        this batch's; row- and token-level ones are concatenated along the row axis."""
+        B, G2 = self.shape[0], more.shape[1]
+        T = max(self.shape[2], more.shape[2])
+        a, b = self.pad_tokens(T), more.pad_tokens(T)
+        index = torch.as_tensor(groups, dtype=torch.long)  # [B2]
+
+        def spread(v: Tensor) -> Tensor:  # [B2,G2,...] -> [B,G2,...] with zeros for uncovered groups
+            out = torch.zeros(B, *v.shape[1:], dtype=v.dtype)
+            out[index] = v
+            return out
+
+        out: dict[str, Any] = {}
+        for name, v in a.fields():
+            w = getattr(b, name)
+            if name in _GROUP_FIELDS or name in ("meta", "extra_levels"):
+                out[name] = v
+            elif isinstance(v, Tensor) and isinstance(w, Tensor):
+                out[name] = torch.cat([v, spread(w)], dim=1)
+            elif isinstance(v, Tensor) or isinstance(w, Tensor):
+                raise ValueError(f"join_rows: field {name!r} is set on one batch only")
+            elif name in ("completions", "info") and (v or w):
+                extra = {g: w[k] for k, g in enumerate(groups)} if w else {}
+                out[name] = [list(v[g]) + list(extra.get(g, [None if name == "info" else ""] * G2)) for g in range(B)]
+            elif name == "extras":
+                out[name] = {key: (t if a.extra_levels[key] == "group" else torch.cat([t, spread(b.extras[key])], dim=1)) for key, t in v.items()}
+            else:
+                out[name] = v
+        return Rollout(**out)
+
+
 _TOKEN_FIELDS = {"actions", "mask", "logp_old", "logp_ref", "logp_sampler", "weight"}
+_GROUP_FIELDS = {"prompt_ids", "prompt_index"}
 
 
 def _pad_t(v: Tensor, T: int, name: str) -> Tensor:

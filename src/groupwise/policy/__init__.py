@@ -1,1 +1,29 @@
+"""Policies: what the trainer samples from and trains, behind one protocol (``components.Policy``).
 
+``model.policy`` names the kind: ``lm`` (a Hugging Face causal LM, ``policy/lm.py``) or ``flow``
+(the 2-D flow-matching toy, ``modalities/flow.py``, built from ``model.params``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from groupwise.registry import ConfigError
+
+KINDS = ("lm", "flow")
+
+
+def build_policy(model_cfg: Any, perf: Any) -> Any:
+    if model_cfg.policy == "lm":
+        from groupwise.policy.lm import LMPolicy
+
+        return LMPolicy(model_cfg, perf)
+    if model_cfg.policy == "flow":
+        from groupwise.modalities.flow import FlowPolicy
+
+        try:
+            return FlowPolicy(**model_cfg.params)
+        except TypeError as err:
+            raise ConfigError(f"model.params for the flow policy: {err}") from None
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    raise ConfigError(f"model.policy={model_cfg.policy!r} is not a policy kind; kinds: {', '.join(KINDS)}")

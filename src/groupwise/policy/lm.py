@@ -111,6 +111,7 @@ class LMPolicy:
     protocol (``components.py``)."""
 
     trainable = True
+    modality = "text"
 
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.engines.cpu import CPUEngine
@@ -198,6 +199,10 @@ class LMPolicy:
         if self.reference is not None:
             models["ref"] = self.reference.model
         return models
+
+    def score(self, module: Any, rollout: Any, quantities: Any) -> dict:
+        """Quantities of ``rollout`` under one of :meth:`scoring_models`' modules (no-grad needs)."""
+        return self.forward(rollout, quantities, module=module)
 
     def parameters(self) -> list[Any]:
         return [p for p in self.module.parameters() if p.requires_grad]

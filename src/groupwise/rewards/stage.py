@@ -58,10 +58,17 @@ class RewardStage:
         if self.text:
             prompts = [m["prompt"] for m in rollout.meta for _ in range(G)]
             columns = self.columns(rollout.meta, G, lengths.flatten().tolist(), rollout.truncated.flatten().tolist())
-            parts, failed, self.counts = score_parts(self.text, prompts, flat, columns, on_error=self.policy.on_error, timeout_s=self.policy.timeout_s or None)
+            rows = rollout.group_valid.flatten().nonzero().flatten()  # [R] padding rows of ragged groups are not scored
+            if len(rows) < B * G:
+                keep = rows.tolist()
+                prompts, flat = [prompts[i] for i in keep], [flat[i] for i in keep]
+                columns = {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in columns.items()}
+            scored, scored_failed, self.counts = score_parts(self.text, prompts, flat, columns, on_error=self.policy.on_error, timeout_s=self.policy.timeout_s or None)
+            parts = torch.full((B * G, scored.shape[1]), float("nan"), dtype=torch.float64).index_copy_(0, rows, scored)  # [B*G,K]
+            failed = failed.index_copy_(0, rows, scored_failed)  # [B*G]
             errors = sum(v for k, v in self.counts.items() if k.endswith("/error"))
-            if errors > self.policy.max_error_rate * max(1, B * G):
-                raise RuntimeError(f"reward functions failed on {errors} of {B * G} samples this step (reward.max_error_rate={self.policy.max_error_rate}): {self.counts}")
+            if errors > self.policy.max_error_rate * max(1, len(rows)):
+                raise RuntimeError(f"reward functions failed on {errors} of {len(rows)} samples this step (reward.max_error_rate={self.policy.max_error_rate}): {self.counts}")
         rollout.reward_parts = parts.view(B, G, -1)  # [B,G,K_text] float64 until finish
         rollout.set_extra("reward_failed", failed.view(B, G), "row")
 
@@ -81,5 +88,5 @@ class RewardStage:
         batch.rewards = total  # [B,G] float32, NaN where excluded
         batch.reward_parts = parts.float()  # [B,G,K] in the order text scorers, rollout scorers
         batch.set_extra("reward_weights", torch.tensor(weights, dtype=torch.float32).expand(parts.shape[0], -1).clone(), "group")  # [B,K]
+        self.excluded = int((excluded & batch.group_valid).sum())  # real rows only: padding of ragged groups is not a lost sample
         batch.group_valid = batch.group_valid & torch.isfinite(total)  # [B,G]
-        self.excluded = int(excluded.sum())

@@ -45,8 +45,8 @@ class RolloutContext:
         self.reward_stage.score_local(local)
         self.fill_needs(local)
         batch = dist.gather_rollout(local)
+        real = batch.group_valid.clone()  # [B,G] rows that exist (not the padding of ragged groups)
         self.reward_stage.finish(batch, info)
-        real = batch.group_valid | ~torch.isfinite(batch.rewards)  # [B,G] rows that exist (padding of ragged groups is NaN and invalid)
         self.finite += int((torch.isfinite(batch.rewards) & real).sum())
         self.scored += int(real.sum())
         return batch

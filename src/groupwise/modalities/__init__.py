@@ -1,0 +1,1 @@
+"""Non-text policies (flow matching, ...) that implement the trainer's Policy protocol."""

@@ -1,0 +1,321 @@
+"""A 2-D flow-matching generator as a trainer policy, with Flow-GRPO's SDE step and its log-prob.
+
+Flow-GRPO: "Flow-GRPO: Training Flow Matching Models via Online RL", Jie Liu, Gongye Liu, Jiajun
+Liang et al., 2025, https://arxiv.org/abs/2505.05470. Flash-GRPO (one SDE step per rollout,
+iso-temporal): arXiv 2605.15980, code https://github.com/Shredded-Pork/Flash-GRPO
+(``flow_grpo/diffusers_patch/wan2_1_pipeline_with_logprob2.py``), spec 14-flash-grpo.md.
+
+**Change vs GRPO**: the "tokens" are denoising steps. A rollout row is one 2-D sample drawn by an
+Euler sampler from x ~ N(0, I) at σ = 1 down to σ = 0; the steps run as SDE steps (stochastic,
+with a Gaussian log-prob: the policy's actions) are the trained ones, the others are ODE steps.
+
+**Math** (step i: ``σ = sigmas[i]``, ``σ' = sigmas[i+1]``, ``dt = σ' − σ < 0``; D = 2 dims)::
+
+    sigmas  = shift·u / (1 + (shift − 1)·u),   u = linspace(1, 0, steps + 1)
+    ODE:      x' = x + v_θ(x, σ, label)·dt
+    SDE:      std_t = σ_min + (σ_max − σ_min)·σ          σ_max = sigmas[1], σ_min = sigmas[-1]
+              mean  = x(1 + std_t²/(2σ)·dt) + v_θ(1 + std_t²(1−σ)/(2σ))·dt
+              x'    = mean + std_t·√(−dt)·ε,   ε ~ N(0, I)
+              logp  = mean_d[ −(x'−mean)²/(2 std_t² (−dt)) − log(std_t √(−dt)) − log √(2π) ]
+    c(t)    = √(−dt)/std_t + std_t √(−dt)(1−σ)/(2σ) = |∂logp/∂v| · D / |ε|     (coe = 1/c)
+
+**Defaults**
+
+- ``steps = 10`` [INFERRED] the toy's Euler steps (specs/README Toy-Flow-2D: K = 10); Flash-GRPO
+  samples Wan with 20 [CODE].
+- ``shift = 1.0`` (linear sigmas) [INFERRED] for the toy; Wan uses ``shift = 3`` [CODE] ``config/dgx.py``
+  (with it, 20 steps reproduce the authors' 1/c table to 0.15 %, ``tests/test_flash_grpo.py``).
+- ``sde = "one_shared"`` [CODE] Flash-GRPO; ``"all"`` is Flow-GRPO (every step SDE and trained);
+  ``"one_per_row"`` [INFERRED] is the spec's ablation (b); ``"none"`` (all ODE, T = 0) is for evaluation.
+- ``sde_window = steps // 2`` [CODE] the index is uniform over the first 10 of 20 steps.
+- ``hidden = 64``, ``layers = 3`` (2→64→64→2 plus σ and label features) [INFERRED] specs/README toy.
+
+**Notes**
+
+1. Seeds: row j of a request samples with ``torch.Generator(sample_seed(seed, step, key, offset + j))``
+   (x_1, then ε for every step, then the row's index for ``one_per_row``); the shared index of
+   ``one_shared`` uses ``sample_seed(seed, step, key, −1 − offset)`` (negative indices never name a
+   row). A request's samples do not depend on the rest of the batch.
+2. Contract with weights (token extras [B,G,T(,2)] float32, 0 where ``mask`` is False):
+   ``flow_x`` (x before the trained step), ``flow_x_next`` (after it), ``flow_sigma`` (σ),
+   ``flow_sigma_next`` (σ'), ``flow_std`` (std_t); ``flow_step`` (int64 step index i). Row extra
+   ``x_final`` [B,G,2]: the sample at σ = 0. ``logp_sampler`` holds the log-probs of sampling.
+3. ``forward`` recomputes logp of the stored x' given the stored x under the current net (the
+   spec's one trainable forward per sample at the selected step); ``x'`` is data, never differentiated.
+   The net and the step maths run in float64 and the trajectory is stored in float32 after each
+   step, so the recomputation sees exactly the sampler's inputs: in float32 the matmuls round
+   differently for different batch sizes, which moved a float32 recomputation's logp by 1.2e-6 at
+   σ = 0.2 (noise scale std·√(−dt) = 0.057).
+4. ``sampling`` (temperature, max_new_tokens, ...) is ignored: the SDE noise is fixed by the schedule.
+   ``encode(label) -> [label]`` and ``decode(rollout) -> [B][G] "x,y"`` mirror the LM policy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from groupwise.engines.seeds import sample_seed
+from groupwise.types import Request, Rollout, StepInfo
+
+SDE_MODES = ("all", "one_shared", "one_per_row", "none")
+TOKEN_EXTRAS = ("flow_x", "flow_x_next", "flow_sigma", "flow_sigma_next", "flow_std", "flow_step")
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def flow_sigmas(steps: int, shift: float = 1.0) -> Tensor:
+    """[steps+1] float32 noise levels from 1 down to 0, time-shifted (SD3 / Wan ``shift``)."""
+    u = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)  # [K+1]
+    return (shift * u / (1 + (shift - 1) * u)).float()  # [K+1]
+
+
+def noise_std(sigma: Tensor, sigma_min: float, sigma_max: float) -> Tensor:
+    """std_t = σ_min + (σ_max − σ_min)·σ (Flash-GRPO's noise level)."""
+    return sigma_min + (sigma_max - sigma_min) * sigma
+
+
+def rectification_coefficient(sigma: Tensor, sigma_prev: Tensor, std_t: Tensor) -> Tensor:
+    """c(t) = √(−dt)/std_t + std_t √(−dt)(1−σ)/(2σ), the scale of ∂logp/∂v; coe = 1/c."""
+    sqrt_neg_dt = torch.sqrt(sigma - sigma_prev)
+    return sqrt_neg_dt / std_t + std_t * sqrt_neg_dt * (1 - sigma) / (2 * sigma)
+
+
+def sde_step_with_logprob(v: Tensor, x: Tensor, sigma: Tensor | float, sigma_prev: Tensor | float, sigma_min: float, sigma_max: float,
+                          prev_sample: Tensor | None = None, noise: Tensor | None = None) -> tuple[Tensor, ...]:
+    """One SDE step from σ to σ_prev (< σ) for v, x [N,D]; σ, σ_prev scalars or [N].
+
+    Returns ``(x_prev [N,D], logp [N], mean [N,D], std_t [N], sqrt_neg_dt [N], coe [N])`` in x's
+    dtype; the maths runs in float64. Give ``prev_sample`` to score a stored transition, else
+    ``noise`` ε [N,D] to draw one (x_prev is rounded to x's dtype before it is scored)."""
+    N, out = x.shape[0], x.dtype
+    s = torch.as_tensor(sigma, dtype=torch.float64).expand(N)[:, None]  # [N,1]
+    sp = torch.as_tensor(sigma_prev, dtype=torch.float64).expand(N)[:, None]  # [N,1]
+    if not bool(((s > 0) & (sp >= 0) & (sp < s)).all()):
+        raise ValueError("sde_step_with_logprob: need 0 <= sigma_prev < sigma for every row (sampling runs from sigma 1 down to 0)")
+    dt = sp - s  # [N,1] < 0
+    sqrt_neg_dt = torch.sqrt(-dt)  # [N,1]
+    std = noise_std(s, sigma_min, sigma_max)  # [N,1]
+    x64, v64 = x.double(), v.double()  # [N,D]
+    mean = x64 * (1 + std**2 / (2 * s) * dt) + v64 * (1 + std**2 * (1 - s) / (2 * s)) * dt  # [N,D]
+    if prev_sample is None:
+        if noise is None:
+            raise ValueError("sde_step_with_logprob: give prev_sample (to score a transition) or noise (to draw one)")
+        prev_sample = (mean + std * sqrt_neg_dt * noise.double()).to(out)  # [N,D] as it will be stored
+    prev_sample = prev_sample.detach()  # the action is data: only the mean carries gradient
+    logp = (-((prev_sample.double() - mean) ** 2) / (2 * std**2 * (-dt)) - torch.log(std * sqrt_neg_dt) - _LOG_SQRT_2PI).mean(-1)  # [N]
+    coe = 1 / rectification_coefficient(s, sp, std)  # [N,1]
+    return prev_sample, logp.to(out), mean.to(out), std[:, 0].to(out), sqrt_neg_dt[:, 0].to(out), coe[:, 0].to(out)
+
+
+class VelocityMLP(nn.Module):
+    """v_θ(x [N,2], σ [N], label [N]) -> [N,2]: an MLP on x and Fourier features of σ, plus a label embedding."""
+
+    def __init__(self, n_labels: int, hidden: int = 64, layers: int = 3, freqs: int = 4):
+        super().__init__()
+        if n_labels < 1 or hidden < 1 or layers < 2:
+            raise ValueError(f"VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2; got {n_labels}, {hidden}, {layers}")
+        self.n_labels = n_labels
+        self.register_buffer("freqs", math.pi * torch.arange(1, freqs + 1, dtype=torch.float32))  # [F]
+        self.inp = nn.Linear(3 + 2 * freqs, hidden)
+        self.label = nn.Embedding(n_labels, hidden)
+        self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
+        self.out = nn.Linear(hidden, 2)
+
+    def forward(self, x: Tensor, sigma: Tensor, label: Tensor) -> Tensor:
+        x, sigma = x.to(self.freqs.dtype), sigma.to(self.freqs.dtype)  # the parameters' dtype
+        f = sigma[:, None] * self.freqs  # [N,F]
+        feats = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f)], dim=-1)  # [N,3+2F]
+        h = nn.functional.silu(self.inp(feats) + self.label(label))  # [N,H]
+        for layer in self.hidden:
+            h = nn.functional.silu(layer(h))  # [N,H]
+        return self.out(h)  # [N,2]
+
+
+class FlowPolicy:
+    """Euler flow sampler over 2-D points conditioned on a label, SDE steps per ``sde`` (Flow-/Flash-GRPO)."""
+
+    def __init__(self, n_labels: int = 4, hidden: int = 64, layers: int = 3, steps: int = 10, sde: str = "one_shared",
+                 sde_window: int | None = None, shift: float = 1.0, init_seed: int = 0):
+        if sde not in SDE_MODES:
+            raise ValueError(f"FlowPolicy: sde must be one of {', '.join(SDE_MODES)}, got {sde!r}")
+        window = steps // 2 if sde_window is None else sde_window
+        if steps < 1 or not 1 <= window <= steps or shift <= 0:
+            raise ValueError(f"FlowPolicy: need steps >= 1, 1 <= sde_window <= steps, shift > 0; got {steps}, {window}, {shift}")
+        self.config = {"n_labels": n_labels, "hidden": hidden, "layers": layers, "steps": steps, "shift": shift}
+        self.sde, self.window, self.steps = sde, window, steps
+        self.sigmas = flow_sigmas(steps, shift)  # [K+1]
+        self.sigma_max, self.sigma_min = float(self.sigmas[1]), float(self.sigmas[-1])
+        with torch.random.fork_rng(devices=[]):  # seeded init that leaves the global stream alone
+            torch.manual_seed(init_seed)
+            self.net = VelocityMLP(n_labels, hidden, layers).double()  # float64: see Note 3
+        self.trainable = True
+        self.modality = "flow"
+
+        self.reference: FlowPolicy | None = None
+        self.context = None  # no context length: a label is the whole prompt
+
+    @property
+    def T(self) -> int:
+        return self._steps_trained(self.sde)
+
+    def _steps_trained(self, sde: str) -> int:
+        return {"all": self.steps, "none": 0}.get(sde, 1)
+
+    def check_fits(self, ids: list[int], max_new_tokens: int, where: str) -> None:
+        """Nothing to check: the sampler's length is ``steps``, not a token budget."""
+
+    # ------------------------------------------------------------------ sampling
+    def encode(self, prompt: Any) -> list[int]:
+        """A dataset prompt (a label, or ``[label]``) as the policy's prompt ids ``[label]``."""
+        label = prompt[0] if isinstance(prompt, (list, tuple)) and len(prompt) == 1 else prompt
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < self.net.n_labels:
+            raise ValueError(f"FlowPolicy: a prompt must be a label in [0, {self.net.n_labels}), got {prompt!r}")
+        return [label]
+
+    def decode(self, rollout: Rollout) -> list[list[str]]:
+        """[B][G] texts of the final samples, ``"x,y"`` ("" for padding rows), for logs and text rewards."""
+        finals, valid = rollout.extras["x_final"].tolist(), rollout.group_valid.tolist()
+        return [[f"{x:.4f},{y:.4f}" if ok else "" for (x, y), ok in zip(row, oks)] for row, oks in zip(finals, valid)]
+
+    def _draws(self, requests: Sequence[Request], info: StepInfo, G: int) -> tuple[Tensor, Tensor, Tensor]:
+        """x_1 [B,G,2], ε [B,G,K,2] and the SDE step index [B,G] of every row, from its own seed."""
+        B, K = len(requests), self.steps
+        x1, eps, idx = torch.zeros(B, G, 2), torch.zeros(B, G, K, 2), torch.zeros(B, G, dtype=torch.long)
+        for b, req in enumerate(requests):
+            offset = getattr(req, "offset", 0)
+            shared = torch.Generator().manual_seed(sample_seed(info.seed, info.step, req.key, -1 - offset))
+            group_idx = torch.randint(self.window, (1,), generator=shared)
+            for j in range(req.n):
+                g = torch.Generator().manual_seed(sample_seed(info.seed, info.step, req.key, offset + j))
+                x1[b, j], eps[b, j] = torch.randn(2, generator=g), torch.randn(K, 2, generator=g)
+                idx[b, j] = torch.randint(self.window, (1,), generator=g) if self.sde == "one_per_row" else group_idx
+        return x1, eps, idx
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[Request], sampling: dict, info: StepInfo) -> Rollout:
+        if not requests or any(r.n < 1 for r in requests):
+            raise ValueError("FlowPolicy.generate needs at least one request, each with n >= 1")
+        labels = torch.tensor([self.encode(r.prompt)[0] for r in requests])  # [B]
+        sde = "none" if sampling.get("greedy") else self.sde  # evaluation: the deterministic ODE
+        B, G, K, T = len(requests), max(r.n for r in requests), self.steps, self._steps_trained(sde)
+        valid = torch.arange(G)[None, :] < torch.tensor([r.n for r in requests])[:, None]  # [B,G]
+        x1, eps, idx = self._draws(requests, info, G)  # [B,G,2], [B,G,K,2], [B,G]
+        N = B * G
+        x, lab, idx, eps = x1.view(N, 2), labels.repeat_interleave(G), idx.view(N), eps.view(N, K, 2)
+        rec = {k: torch.zeros(N, T, 2) for k in ("flow_x", "flow_x_next")}
+        rec.update({k: torch.zeros(N, T) for k in ("flow_sigma", "flow_sigma_next", "flow_std", "logp")})
+        rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
+        for i in range(K):
+            s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
+            v = self.net(x, s, lab)  # [N,2]
+            sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
+            x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,2] ODE step
+            if sde_rows.any():
+                x_sde, logp, _, std, _, _ = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, noise=eps[:, i])
+                x_next = torch.where(sde_rows[:, None], x_sde, x_next)  # [N,2]
+                t = i if sde == "all" else 0
+                r = sde_rows.nonzero()[:, 0]  # rows whose trained step is i
+                for key, value in (("flow_x", x), ("flow_x_next", x_next), ("flow_sigma", s), ("flow_sigma_next", sp), ("flow_std", std), ("logp", logp)):
+                    rec[key][r, t] = value[r]
+                rec["flow_step"][r, t] = i
+            x = x_next
+        mask = valid[..., None].expand(B, G, T).clone()  # [B,G,T] every trained step of a real row
+        finals = x.view(B, G, 2)  # [B,G,2]
+        out = Rollout(
+            prompt_ids=[[int(label)] for label in labels],
+            actions=torch.zeros(B, G, T, dtype=torch.long),  # [B,G,T] continuous actions live in the extras
+            mask=mask,
+            group_valid=valid,
+            truncated=torch.zeros(B, G, dtype=torch.bool),
+            prompt_index=torch.tensor([r.key for r in requests], dtype=torch.long),
+            meta=[{"prompt": int(label)} for label in labels],
+            logp_sampler=rec.pop("logp").view(B, G, T) * mask,  # [B,G,T]
+        )
+        for key, value in rec.items():
+            value = value.view(B, G, T, *value.shape[2:])  # [B,G,T(,2)]
+            out.set_extra(key, value * mask.view(B, G, T, *[1] * (value.dim() - 3)), "token")
+        out.set_extra("x_final", torch.where(valid[..., None], finals, torch.zeros(())), "row")  # [B,G,2]
+        out.completions = self.decode(out)
+        return out
+
+    # ------------------------------------------------------------------ scoring and training
+    def forward(self, rollout: Rollout, quantities: Sequence[str] = ("logp",)) -> dict[str, Tensor]:
+        """``{"logp": [B,G,T] float32}``: log-prob of each stored SDE transition under the current net;
+        ``"entropy"`` on request: the Gaussian step's entropy per dimension, ½·log(2πe) + log(std_t·√−dt)
+        (fixed by the schedule, logged like an LM's token entropy)."""
+        unknown = [q for q in quantities if q not in ("logp", "entropy")]
+        if unknown:
+            raise ValueError(f"FlowPolicy.forward computes 'logp' and 'entropy', not {unknown}")
+        missing = [k for k in TOKEN_EXTRAS if k not in rollout.extras]
+        if missing:
+            raise ValueError(f"FlowPolicy.forward needs the token extras {missing}, written by FlowPolicy.generate")
+        sel = rollout.mask.bool()  # [B,G,T]
+        labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long)  # [B]
+        lab = labels[:, None, None].expand(sel.shape)[sel]  # [M]
+        x, x_next = rollout.extras["flow_x"][sel], rollout.extras["flow_x_next"][sel]  # [M,2], [M,2]
+        s, sp = rollout.extras["flow_sigma"][sel], rollout.extras["flow_sigma_next"][sel]  # [M], [M]
+        logp = torch.zeros(sel.shape)  # [B,G,T]
+        if sel.any():
+            v = self.net(x, s, lab)  # [M,2]
+            logp[sel] = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, prev_sample=x_next)[1]  # [M]
+        out = {"logp": logp}
+        if "entropy" in quantities:
+            scale = rollout.extras["flow_std"] * (rollout.extras["flow_sigma"] - rollout.extras["flow_sigma_next"]).clamp(min=0).sqrt()  # [B,G,T]
+            out["entropy"] = torch.where(sel, 0.5 * math.log(2 * math.pi * math.e) + scale.clamp(min=1e-30).log(), torch.zeros(()))  # [B,G,T]
+        return out
+
+    def scoring_models(self, with_reference: bool) -> dict[str, Any]:
+        """The policies needs are read from, by role: this one and (built on request) a frozen snapshot."""
+        if with_reference and self.reference is None:
+            self.reference = self.snapshot()
+        models = {"policy": lambda: contextlib.nullcontext(self)}
+        if self.reference is not None:
+            models["ref"] = lambda: contextlib.nullcontext(self.reference)
+        return models
+
+    def score(self, handle: "FlowPolicy", rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]:
+        return handle.forward(rollout, quantities)
+
+    def save(self, folder: Any) -> None:
+        """``flow_policy.pt`` (config + weights) in ``folder``: ``FlowPolicy(**config)`` then ``load_state_dict``."""
+        from pathlib import Path
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), Path(folder) / "flow_policy.pt")
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def snapshot(self) -> "FlowPolicy":
+        reference, self.reference = self.reference, None  # a snapshot holds no snapshot of its own
+        twin = copy.deepcopy(self)
+        self.reference = reference
+        for p in twin.net.parameters():
+            p.requires_grad_(False)
+        twin.trainable = False
+        twin.net.eval()
+        return twin
+
+    def state_dict(self) -> dict:
+        state = {"config": dict(self.config), "net": {k: v.clone() for k, v in self.net.state_dict().items()}}
+        if self.reference is not None:
+            state["reference"] = {k: v.clone() for k, v in self.reference.net.state_dict().items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("config") != self.config:
+            raise ValueError(f"FlowPolicy.load_state_dict: the state was saved from {state.get('config')}, this policy is {self.config}")
+        self.net.load_state_dict(state["net"])
+        if self.reference is not None and "reference" in state:
+            self.reference.net.load_state_dict(state["reference"])
+
+    def train(self) -> None:
+        self.net.train()
+
+    def eval(self) -> None:
+        self.net.eval()
