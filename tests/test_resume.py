@@ -21,8 +21,8 @@ ARGS = ["train", "demo", "train.steps=12", "checkpoint.every=1", "eval.size=20",
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def start(out, **env):
-    return subprocess.Popen([sys.executable, "-m", "groupwise", *ARGS, f"out={out}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**ENV, **env})
+def start(out, *extra, **env):
+    return subprocess.Popen([sys.executable, "-m", "groupwise", *ARGS, *extra, f"out={out}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**ENV, **env})
 
 
 def final_sha(out):
@@ -120,8 +120,8 @@ def test_ctrl_c_checkpoints_and_the_rerun_says_it_resumes(tmp_path):
     """SIGINT (Ctrl-C) does what SIGTERM does; the rerun of the same command names the step and the
     checkpoint it resumes from. Before: Ctrl-C raised KeyboardInterrupt mid-step and lost the steps
     since the last checkpoint (with checkpoint.every=0, the whole run)."""
-    args = [*ARGS, "train.steps=200", "checkpoint.every=0", f"out={tmp_path}"]  # long enough to be interrupted mid-run
-    proc = subprocess.Popen([sys.executable, "-m", "groupwise", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    long_run = ("train.steps=200", "checkpoint.every=0")  # long enough to be interrupted mid-run
+    proc = start(tmp_path, *long_run)
     while proc.poll() is None and not ((tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 2):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
@@ -129,11 +129,10 @@ def test_ctrl_c_checkpoints_and_the_rerun_says_it_resumes(tmp_path):
     assert re.search(r"stopped by SIGINT at step (\d+)", proc.stderr.read().decode())
     stopped = checkpoint_step(tmp_path)
     assert 2 <= stopped < 200
-    proc = subprocess.Popen([sys.executable, "-m", "groupwise", *args[:-2], "train.steps=200", "checkpoint.every=0", "train.max_seconds=3", f"out={tmp_path}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    proc = start(tmp_path, *long_run, "train.max_seconds=3")
     assert proc.wait(timeout=600) == 2  # max_seconds differs from the stored run: refused, naming it
     assert re.search(r"train.max_seconds: 170 -> 3\b", proc.stderr.read().decode())
-    proc = subprocess.Popen([sys.executable, "-m", "groupwise", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    proc = start(tmp_path, *long_run)
     while proc.poll() is None and not (tmp_path / "metrics.jsonl").read_text().count("\n") > stopped:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -156,8 +155,7 @@ def test_sigkill_with_keep_last_one(tmp_path, reference):
     rng = random.Random(20261203)
     kills = 0
     while True:
-        proc = subprocess.Popen([sys.executable, "-m", "groupwise", *ARGS, "checkpoint.keep_last=1", f"out={tmp_path}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+        proc = start(tmp_path, "checkpoint.keep_last=1")
         if kills < 6 and kill_at_random_moment(proc, tmp_path, rng):
             kills += 1
             continue
