@@ -111,3 +111,20 @@ def test_a_missing_model_is_one_line_naming_model_path(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "model.path='/no/such/model' is not a local model folder" in result.stderr and "default" in result.stderr
+
+
+def test_the_reward_tables_the_docs_show_parse(tmp_path):
+    """Before: `explain code` and docs/sandbox.md showed `[[reward]]`, which the config refuses; the
+    shown block, as written, must load."""
+    import re
+    from pathlib import Path
+
+    import groupwise.rewards.code as code_module
+
+    block = re.search(r"(\[\[rewards\]\]\n(?:    .*\n)+)", code_module.__doc__).group(1)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "t"\n' + "\n".join(line.removeprefix("    ") for line in block.splitlines()) + "\n")
+    cfg, _ = load_config(str(recipe), [])
+    assert cfg.rewards[0]["name"] == "code" and cfg.rewards[0]["column"] == "tests"
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "sandbox.md").read_text()
+    assert "[[reward]]" not in docs and "[[rewards]]" in docs

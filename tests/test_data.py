@@ -34,7 +34,7 @@ def test_gsm8k_jsonl_with_column_mapping():
     assert isinstance(result, LoadResult)
     assert len(result.rows) == 1319 and result.skipped == 0 and result.problems == []
     row = result.rows[0]
-    assert set(row) == {"prompt", "answer"}  # 'question' was renamed to 'prompt'
+    assert set(row) == {"prompt", "answer", "question"}  # 'question' is mapped to 'prompt' and kept under its own name
     assert row["prompt"] == first["question"]
     assert row["prompt"].startswith("Janet’s ducks lay 16 eggs per day.")
     assert row["answer"].endswith("#### 18")
@@ -64,8 +64,8 @@ def test_mapping_keeps_other_columns_and_converts_numeric_answers(tmp_path):
     )
     result = load_rows(path, columns={"prompt": "q", "answer": "gold", "uid": "id"})
     assert result.rows == [
-        {"prompt": "2+2=", "answer": "4", "uid": 7, "tags": ["easy"]},
-        {"prompt": "1+0.5=", "answer": "1.5", "uid": 8, "tags": []},
+        {"prompt": "2+2=", "answer": "4", "uid": 7, "tags": ["easy"], "q": "2+2=", "gold": 4, "id": 7},  # the source's names stay too
+        {"prompt": "1+0.5=", "answer": "1.5", "uid": 8, "tags": [], "q": "1+0.5=", "gold": 1.5, "id": 8},
     ]
 
 
@@ -80,8 +80,8 @@ def test_parquet_round_trip(tmp_path):
     pq.write_table(pa.Table.from_pylist(original), path)
     result = load_rows(str(path), columns={"prompt": "question"})
     assert result.rows == [
-        {"prompt": "sort 5 2 9:", "answer": "2 5 9", "nums": [5, 2, 9]},
-        {"prompt": "3 5 7 -> 22:", "answer": "3*5+7", "nums": [3, 5, 7]},
+        {"prompt": "sort 5 2 9:", "answer": "2 5 9", "nums": [5, 2, 9], "question": "sort 5 2 9:"},
+        {"prompt": "3 5 7 -> 22:", "answer": "3*5+7", "nums": [3, 5, 7], "question": "3 5 7 -> 22:"},
     ]
 
 
@@ -100,7 +100,7 @@ def test_datasets_folder(tmp_path):
     rows = [{"question": "1+1=", "answer": "2", "level": 1}, {"question": "2+3=", "answer": "5", "level": 2}]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     result = load_rows(tmp_path / "ds", columns={"prompt": "question"})
-    assert result.rows == [{"prompt": "1+1=", "answer": "2", "level": 1}, {"prompt": "2+3=", "answer": "5", "level": 2}]
+    assert result.rows == [{"prompt": "1+1=", "answer": "2", "level": 1, "question": "1+1="}, {"prompt": "2+3=", "answer": "5", "level": 2, "question": "2+3="}]
 
 
 def test_datasets_dict_folder_picks_the_split(tmp_path):
@@ -266,3 +266,19 @@ def test_jsonl_does_not_import_datasets_or_pyarrow(tmp_path):
         "assert 'datasets' not in sys.modules and 'pyarrow' not in sys.modules, 'eager import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_trl_reward_reads_the_datasets_own_column_names(tmp_path):
+    """Before: with columns = {answer = "target"} the row had only 'answer', and a TRL reward reading
+    kwargs["target"] raised KeyError."""
+    from groupwise.rewards.score import score
+
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"question": "1+1=", "target": "2"})])
+    rows = load_rows(path, columns={"prompt": "question", "answer": "target"}).rows
+
+    def by_target(prompts, completions, target, **kwargs):
+        return [float(c.strip() == t) for c, t in zip(completions, target)]
+
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    assert score([by_target], [rows[0]["prompt"]], ["2"], columns).total.tolist() == [1.0]
+    assert rows[0]["answer"] == "2" and rows[0]["target"] == "2"

@@ -409,3 +409,21 @@ def test_a_reward_that_exits_stops_the_command_with_non_zero_status(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "groupwise", "train", "demo", f"out={tmp_path / 'run'}", "train.steps=1", "eval.size=0",
                            f'model.path="{MODEL}"', 'rewards=[{name="python", fn="odd_reward:odd"}]'], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1 and "odd_reward.odd" in proc.stderr and "SystemExit(0)" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_no_held_out_split_writes_valid_json_saying_so(tmp_path):
+    """Before: eval.size=0 wrote NaN into summary.json's evals (not JSON)."""
+    run = tmp_path / "run"
+    make_trainer(run, "train.steps=1", "eval.size=0", "eval.every=1").train()
+    text = (run / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"))
+    assert summary["accuracy_before"] is None and summary["accuracy_after"] is None and summary["evals"] == []
+    assert summary["eval_note"].startswith("no held-out evaluation: eval.size=0 and ")
+
+
+def test_a_run_cut_short_by_the_time_limit_says_so(tmp_path, capsys):
+    """Before: the demo's train.max_seconds ended a longer run without a word."""
+    trainer = make_trainer(tmp_path / "run", "train.steps=5", "eval.size=0", "train.max_seconds=1e-9")
+    summary = trainer.train()
+    assert trainer.step == 1 and summary["stopped_early"] == "train.max_seconds=1e-09 reached after step 1 of 5"
+    assert "raise train.max_seconds (0 = no limit) to train longer" in capsys.readouterr().err

@@ -141,6 +141,23 @@ def test_dataset_row_missing_answer_names_file_and_row(tmp_path):
         make_trainer(tmp_path / "run", f'data.path="{data}"', 'data.columns={prompt="question"}')
 
 
+def test_own_rewards_need_no_answer_column(tmp_path):
+    """Before: every training row needed an 'answer' even when the run's rewards never read it."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1+1="}\n{"question": "2+2="}\n')
+    (tmp_path / "length_reward.py").write_text("def short(prompts, completions, **kw):\n    return [float(len(c) < 3) for c in completions]\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        trainer = make_trainer(tmp_path / "run", f'data.path="{data}"', 'data.columns={prompt="question"}', "eval.size=0",
+                               'rewards=[{name="python", fn="length_reward:short"}]')
+        assert [r["answer"] for r in trainer.train_rows] == [None, None]
+        assert torch.isfinite(trainer.collect().rewards).all()
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
 def test_unknown_config_key_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="group_size"):
         make_trainer(tmp_path, "rollout.groupsize=3")

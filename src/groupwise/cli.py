@@ -1,4 +1,4 @@
-"""The ``groupwise`` command: train, list, explain, eval, warmstart, compare, claims.
+"""The ``groupwise`` command: train, cp, list, explain, eval, warmstart, compare, claims.
 
 Imports stay light: torch and transformers load only for the commands that run a model.
 """
@@ -20,7 +20,31 @@ def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
     return DEFAULT_RECIPE, args
 
 
+TRAIN_HELP = """usage: groupwise train [RECIPE] [key=value ...] [--resume-allow KEY[,KEY]]
+
+Train in the run folder `out` (default runs/<name>). RECIPE is a TOML file or a shipped recipe
+({recipes}); each key=value overrides one config key (`rollout.group_size=4`,
+`objective.terms.ppo_clip.eps_high=0.28`, `update={{name="sgd", lr=0.1}}`). Rerunning the same
+command resumes from the last intact checkpoint; --resume-allow names the config keys (or
+sections) that may differ from the stored run. `groupwise list` shows the components,
+`groupwise explain NAME` one of them; docs/reliability.md what a run folder guarantees."""
+
+EVAL_HELP = """usage: groupwise eval [MODEL] [key=value ...]
+
+Held-out greedy accuracy of a model folder (default: the shipped `default` model) on the task of
+`data.task` / `data.path` (key=value overrides as for train, e.g. data.task=countdown eval.size=500)."""
+
+
+def _shipped_recipes() -> str:
+    from groupwise.config import RECIPES
+
+    return ", ".join(sorted(p.stem for p in RECIPES.glob("*.toml")))
+
+
 def cmd_train(args: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        print(TRAIN_HELP.format(recipes=_shipped_recipes()))
+        return 0
     from rich.console import Console
 
     from groupwise.config import load_config, to_dict, to_toml
@@ -118,6 +142,9 @@ def cmd_eval(args: list[str]) -> int:
     """``groupwise eval [MODEL] [key=value ...]``: held-out greedy accuracy of a model folder."""
     from groupwise.config import load_config
 
+    if any(a in ("-h", "--help") for a in args):
+        print(EVAL_HELP)
+        return 0
     model = "default"
     if args and "=" not in args[0]:
         model, args = args[0], args[1:]
@@ -150,14 +177,45 @@ def cmd_claims(args: list[str]) -> int:
     return run(args)
 
 
-COMMANDS = {"train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval": cmd_eval, "warmstart": cmd_warmstart,
+def cmd_cp(args: list[str]) -> int:
+    """``groupwise cp RECIPE PATH [--force]``: copy a shipped recipe to edit."""
+    import shutil
+    from pathlib import Path
+
+    from groupwise.config import RECIPES
+
+    force = "--force" in args
+    args = [a for a in args if a != "--force"]
+    usage = f"usage: groupwise cp RECIPE PATH [--force]   (recipes: {_shipped_recipes()})"
+    if args[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
+    if len(args) != 2:
+        print(usage, file=sys.stderr)
+        return 2
+    source = RECIPES / f"{args[0]}.toml"
+    if not source.exists():
+        print(f"groupwise: no shipped recipe {args[0]!r}; shipped recipes: {_shipped_recipes()}", file=sys.stderr)
+        return 2
+    target = Path(args[1])
+    if target.is_dir():
+        target = target / source.name
+    if target.exists() and not force:
+        print(f"groupwise: {target} exists; add --force to overwrite it", file=sys.stderr)
+        return 2
+    shutil.copyfile(source, target)
+    print(f"copied recipe {args[0]!r} to {target}; train with: groupwise train {target}")
+    return 0
+
+
+COMMANDS = {"cp": cmd_cp, "train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval": cmd_eval, "warmstart": cmd_warmstart,
             "compare": cmd_compare, "claims": cmd_claims}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...] | "
+    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...] | "
                         "compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -47,7 +47,7 @@ class Trainer:
             keep_freed_memory()  # process-wide: activation-sized blocks are reused, not faulted in afresh each step
         self.out = cfg.out_dir
         self.policy = build_policy(cfg.model, cfg.perf)
-        self.train_rows, self.eval_rows, task_reward = load_splits(cfg.data, cfg.seed)
+        self.train_rows, self.eval_rows, task_reward = load_splits(cfg.data, cfg.seed, own_rewards=bool(cfg.rewards))
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
 
         ro = cfg.rollout
@@ -365,8 +365,8 @@ class Trainer:
         cfg = self.cfg
         start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
         if "accuracy_before" not in self.summary:
-            self.summary["accuracy_before"] = self.evaluate()
-            self.summary["evals"] = [(0, self.summary["accuracy_before"])]
+            self.summary["evals"] = []
+            self._record_eval("accuracy_before", 0)
         last_save = time.perf_counter()
         stop, out_of_time = dist.agree([self._stop_requested is not None, False])
         with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
@@ -374,7 +374,7 @@ class Trainer:
             while self.step < cfg.train.steps and not (stop or out_of_time):
                 row = self.run_step()
                 self._check_health(row)
-                if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0:
+                if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.eval_rows:
                     row["eval_accuracy"] = self.evaluate()
                     self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
                 if log:
@@ -392,13 +392,25 @@ class Trainer:
         if stop:
             self._say(f"stopped by {self._stop_requested or 'another rank'} at step {self.step} (checkpointed). Rerun the same command to resume.")
             return self.summary
-        self.summary["accuracy_after"] = self.evaluate()
-        self.summary["evals"].append((self.step, self.summary["accuracy_after"]))
+        if out_of_time and self.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
+            self.summary["stopped_early"] = f"train.max_seconds={cfg.train.max_seconds:g} reached after step {self.step} of {cfg.train.steps}"
+            self._say(f"{self.summary['stopped_early']}; raise train.max_seconds (0 = no limit) to train longer")
+        self._record_eval("accuracy_after", self.step)
         self.summary.update(steps=self.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(self.updater, "skipped", 0), finished=True)
         self.save_checkpoint()
         if self.rank == 0:
             self._write_outputs(log)
         return self.summary
+
+    def _record_eval(self, key: str, step: int) -> None:
+        """A held-out accuracy into the summary; without held-out rows, ``None`` and a note saying why."""
+        accuracy = self.evaluate()
+        if accuracy != accuracy:  # NaN: nothing to evaluate on
+            self.summary[key] = None
+            self.summary["eval_note"] = f"no held-out evaluation: eval.size={self.cfg.eval.size} and {len(self.eval_rows)} held-out rows"
+            return
+        self.summary[key] = accuracy
+        self.summary["evals"].append((step, accuracy))
 
     def _check_health(self, row: dict[str, Any]) -> None:
         """Abort (before anything is saved) a run that cannot learn: optimiser steps that keep going
@@ -445,8 +457,7 @@ class Trainer:
             shutil.rmtree(staging)
         self.policy.save(staging)
         runfolder.publish_dir(staging, self.out / "final")
-        finite = {k: (None if isinstance(v, float) and v != v else v) for k, v in self.summary.items()}  # NaN is not JSON
-        runfolder.write_atomic(self.out / "summary.json", json.dumps(finite, indent=2) + "\n")
+        runfolder.write_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, allow_nan=False) + "\n")
         if log is not None:
             plot_rewards(log.rows, self.summary["evals"], self.out / "reward.png")
 

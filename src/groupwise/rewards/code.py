@@ -6,7 +6,7 @@ whole process tree, capped output). The verdict is computed here, in the trusted
 crossed the sandbox boundary; the expected answers never enter the sandbox. Threat model,
 guarantees, residual risks and the tests proving them: ``docs/sandbox.md``.
 
-    [[reward]]
+    [[rewards]]
     name = "code"
     column = "tests"          # dataset column holding each row's tests
     timeout_s = 5.0           # per test case: CPU time of the whole run (wall-clock backstop 2 x)

@@ -5,7 +5,7 @@ calls each custom reward function as ``fn(prompts=..., completions=..., **column
 list with one float (or ``None``) per completion. This component loads such a function so a config
 can name it, and calls it unchanged:
 
-    [[reward]]
+    [[rewards]]
     name = "python"
     fn = "my_project.rewards:length_reward"        # importable module
     # fn = "/abs/path/rewards.py:length_reward"   # or a file

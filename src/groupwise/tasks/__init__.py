@@ -40,13 +40,15 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def load_splits(data_cfg, seed: int) -> tuple[list[dict], list[dict], str]:
-    """(train rows, held-out rows, default reward name) for a run's ``[data]`` section."""
+def load_splits(data_cfg, seed: int, own_rewards: bool = False) -> tuple[list[dict], list[dict], str]:
+    """(train rows, held-out rows, default reward name) for a run's ``[data]`` section. A run that
+    scores training with its own rewards (``own_rewards``) needs no ``answer`` column in its
+    training rows; the held-out rows keep it (the default eval reward compares with it)."""
     if data_cfg.path:
         from groupwise.tasks.data import load_rows
 
         columns = dict(data_cfg.columns) or None
-        train = load_rows(data_cfg.path, columns=columns, on_bad_row=data_cfg.on_bad_row).rows
+        train = load_rows(data_cfg.path, columns=columns, on_bad_row=data_cfg.on_bad_row, require_answer=not own_rewards).rows
         held = load_rows(data_cfg.eval_path, columns=columns, on_bad_row=data_cfg.on_bad_row).rows if data_cfg.eval_path else []
         if data_cfg.train_size > 0:
             train = train[: data_cfg.train_size]

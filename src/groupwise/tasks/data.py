@@ -25,8 +25,9 @@ objects keyed by split, hub names); a plain file is taken whole. ``datasets`` an
 imported only when a source needs them.
 
 Columns: ``columns`` maps our names to the source's, e.g. ``{"prompt": "question"}``; each mapped
-column is renamed (the source name disappears; if the source also has a column with our name, the
-mapped one wins), unmapped names map to themselves, and every other column is kept as it is.
+column is available under our name (if the source also has a column with our name, the mapped one
+wins) AND under its own, so a TRL reward function reading ``kwargs["target"]`` works unchanged
+with ``columns = {answer = "target"}``; unmapped names map to themselves, every other column is kept.
 Result rows always have ``prompt`` (a non-empty string) and ``answer`` (a string; an int or float
 gold answer is converted with ``str``; ``None`` when ``require_answer=False`` and the row has none).
 
@@ -293,8 +294,7 @@ def _check_row(
     else:
         answer = None
 
-    renamed = set(columns.values())
-    out = {k: v for k, v in row.items() if k not in renamed}
+    out = dict(row)  # the source's own names stay: reward functions written for the dataset read them
     for ours, theirs in columns.items():
         if theirs in row:
             out[ours] = row[theirs]

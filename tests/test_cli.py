@@ -1,0 +1,27 @@
+"""The command line a new user meets first: `train --help`, `eval --help` and `cp` (issue 13)."""
+
+from __future__ import annotations
+
+from groupwise import cli
+from groupwise.config import RECIPES, load_config
+
+
+def test_train_and_eval_help(capsys):
+    """Before: `--help` was taken for a recipe name / a model path and failed."""
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: groupwise train [RECIPE]") and "--resume-allow" in out and "flash_grpo" in out
+    assert cli.main(["eval", "-h"]) == 0
+    assert capsys.readouterr().out.startswith("usage: groupwise eval [MODEL]")
+
+
+def test_cp_copies_a_shipped_recipe_that_then_loads(tmp_path, capsys):
+    target = tmp_path / "mine.toml"
+    assert cli.main(["cp", "demo", str(target)]) == 0
+    assert target.read_text() == (RECIPES / "demo.toml").read_text()
+    cfg, _ = load_config(str(target), [])
+    assert cfg.name == "demo"
+    assert cli.main(["cp", "demo", str(target)]) == 2  # never overwrites without --force
+    assert "exists; add --force" in capsys.readouterr().err
+    assert cli.main(["cp", "demo", str(tmp_path)]) == 0 and (tmp_path / "demo.toml").exists()  # a folder: keeps the name
+    assert cli.main(["cp", "nope", str(target)]) == 2 and "shipped recipes:" in capsys.readouterr().err
