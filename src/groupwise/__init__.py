@@ -1,3 +1,52 @@
-"""groupwise: GRPO and its published variants as composable components of one trainer."""
+"""groupwise: GRPO and its published variants as composable components of one trainer.
+
+The Python API (``docs/python-api.md``)::
+
+    import groupwise
+
+    summary = groupwise.train("demo", ["train.steps=20", "out=runs/mine"])   # a recipe + overrides
+    cfg = groupwise.load_config("demo", ["rollout.group_size=4"])             # the Config dataclass
+    trainer = groupwise.Trainer(cfg)                                          # the loop, step by step
+
+Importing the package loads nothing heavy: torch and transformers come with the first call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
 
 __version__ = "0.1.0"
+__all__ = ["Trainer", "load_config", "train"]
+
+
+def load_config(recipe: str | None = None, overrides: Sequence[str] = ()) -> Any:
+    """The run's ``Config``: a recipe (a shipped name or a TOML path; None = the defaults) with
+    ``key=value`` overrides applied, checked the way ``groupwise train`` checks them."""
+    from groupwise.config import load_config as load
+
+    return load(recipe, list(overrides))[0]
+
+
+def train(recipe: str | None = "demo", overrides: Sequence[str] = (), resume_allow: Sequence[str] = ()) -> dict:
+    """Train as ``groupwise train RECIPE key=value ...`` does and return the run summary
+    (``accuracy_before``, ``accuracy_after``, ``steps``, ``wall_seconds``, ...)."""
+    from groupwise.trainer import Trainer as _Trainer
+
+    cfg = load_config(recipe, overrides)
+    if not cfg.out:
+        cfg.out = f"runs/{cfg.name}"
+    trainer = _Trainer(cfg)
+    try:
+        return trainer.train(resume_allow=list(resume_allow))
+    finally:
+        from groupwise import dist
+
+        dist.shutdown()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Trainer":  # imported on first use: `import groupwise` stays light
+        from groupwise.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'groupwise' has no attribute {name!r}")

@@ -60,7 +60,7 @@ def progress_bar(console: Console | None = None) -> Progress:
         TextColumn("{task.fields[speed]:.0f} tok/s"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        console=console,
+        console=console if console is not None else Console(stderr=True),  # stdout stays the caller's (the Python API, pipes)
         transient=False,
     )
 
