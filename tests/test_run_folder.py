@@ -427,3 +427,16 @@ def test_a_run_cut_short_by_the_time_limit_says_so(tmp_path, capsys):
     summary = trainer.train()
     assert trainer.step == 1 and summary["stopped_early"] == "train.max_seconds=1e-09 reached after step 1 of 5"
     assert "raise train.max_seconds (0 = no limit) to train longer" in capsys.readouterr().err
+
+
+def test_sample_completions_are_logged_and_cut_back_on_resume(tmp_path):
+    run = tmp_path / "run"
+    trainer = _stopped_run(run, "log.samples=3", "log.samples_every=1")  # stopped after step 0, checkpoint at step 1
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 0, 0] and set(rows[0]) == {"step", "prompt", "completion", "reward", "advantage"}
+    assert all(isinstance(r["completion"], str) and r["prompt"].endswith("=") for r in rows)
+    with open(run / "samples.jsonl", "a") as fh:  # a step logged by a run killed before its checkpoint
+        fh.write(json.dumps({"step": 1, "prompt": "x"}) + "\n")
+    make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "log.samples=3", "log.samples_every=1").train()
+    steps = [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert steps == [0, 0, 0, 1, 1, 1] and trainer.step == 1

@@ -184,3 +184,22 @@ def test_old_logprobs_from_the_first_pass_equal_a_separate_pass(tmp_path):
         torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-6, rtol=1e-5)
     for (name, p), q in zip(reuse.model.named_parameters(), separate.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_each_reward_function_has_its_own_mean_in_the_log(tmp_path):
+    (tmp_path / "const_rewards.py").write_text(
+        "def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+        "def quarter(prompts, completions, **kw):\n    return [0.25 if i % 2 else None for i in range(len(completions))]\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        trainer = make_trainer(tmp_path / "run", "train.steps=1", "eval.size=0", 'reward.missing="zero"',
+                               'rewards=[{name="python", fn="const_rewards:one", weight=2.0}, {name="python", fn="const_rewards:quarter"}]')
+        trainer.train()
+    finally:
+        sys.path.remove(str(tmp_path))
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["reward/const_rewards.one"] == 1.0  # unweighted
+    assert row["reward/const_rewards.quarter"] == 0.25  # over the rows with a verdict (None rows left out)
+    assert row["reward_mean"] == pytest.approx(2.0 + 0.25 / 2)  # weighted total, None counted as 0 (missing="zero")

@@ -89,6 +89,8 @@ class EvalCfg:
     size: int = 200  # held-out prompts scored greedily before and after training (0 = skip)
     every: int = 0  # also evaluate every N steps (0 = only before/after)
     reward: str = ""  # reward used for accuracy (default: the task's)
+    samples: int = 0  # also sample n completions per held-out prompt (rollout temperature): mean@n and pass@k (0 = greedy only)
+    pass_at: list = field(default_factory=list)  # the k of pass@k (each 1..samples; empty = [1, samples])
 
 
 @dataclass
@@ -96,6 +98,12 @@ class CheckpointCfg:
     every: int = 0  # steps between checkpoints (0 = by time only)
     minutes: float = 5.0  # also checkpoint when this many minutes passed since the last one (0 = off)
     keep_last: int = 2
+
+
+@dataclass
+class LogCfg:
+    samples: int = 4  # completions per logged step written to samples.jsonl (prompt, completion, reward, advantage); 0 = off
+    samples_every: int = 10  # steps between logged samples
 
 
 @dataclass
@@ -128,6 +136,7 @@ class Config:
     train: TrainCfg = field(default_factory=TrainCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
+    log: LogCfg = field(default_factory=LogCfg)
     perf: PerfCfg = field(default_factory=PerfCfg)
     views: dict = field(default_factory=dict)  # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
 
@@ -211,8 +220,10 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "micro_batch_groups": (lambda v: v >= 0, "an integer >= 0 (0 = the whole mini-batch)"),
         "max_seconds": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
     },
+    "LogCfg": {"samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"), "samples_every": (lambda v: v >= 1, "an integer >= 1")},
     "RewardCfg": {"timeout_s": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"), "max_empty_steps": (lambda v: v >= 1, "an integer >= 1")},
-    "EvalCfg": {"size": (lambda v: v >= 0, "an integer >= 0"), "every": (lambda v: v >= 0, "an integer >= 0")},
+    "EvalCfg": {"size": (lambda v: v >= 0, "an integer >= 0"), "every": (lambda v: v >= 0, "an integer >= 0"),
+                "samples": (lambda v: v >= 0, "an integer >= 0 (0 = greedy accuracy only)")},
     "CheckpointCfg": {"every": (lambda v: v >= 0, "an integer >= 0"), "minutes": (lambda v: v >= 0, "a number >= 0 (0 = off)"),
                       "keep_last": (lambda v: v >= 1, "an integer >= 1")},
 }

@@ -51,6 +51,42 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
+def sample_rows(batch: Any, step: int, n: int) -> list[dict[str, Any]]:
+    """Up to ``n`` rows of the step's batch for ``samples.jsonl``: the first row of each group in turn
+    (then the second, ...), with prompt, completion, reward and the row's (mean) advantage."""
+    B, G, _ = batch.shape
+    out: list[dict[str, Any]] = []
+    for g, b in ((g, b) for g in range(G) for b in range(B)):
+        if len(out) == n:
+            break
+        if not bool(batch.group_valid[b, g]):
+            continue
+        advantage = None
+        if batch.advantages is not None:
+            adv, mask = batch.advantages[b, g], batch.mask[b, g]  # [] or [T], [T]
+            advantage = float(adv) if adv.dim() == 0 else float(adv[mask].mean()) if mask.any() else None
+        reward = float(batch.rewards[b, g])
+        out.append({"step": step, "prompt": batch.meta[b].get("prompt") if batch.meta else None,
+                    "completion": batch.completions[b][g] if batch.completions else None,
+                    "reward": reward if math.isfinite(reward) else None, "advantage": advantage})
+    return out
+
+
+def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "a") as fh:
+        fh.write("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def cut_back(path: Path, resume_step: int | None) -> None:
+    """Keep the rows of ``path`` (JSON lines with a ``step``) up to ``resume_step`` (none for a fresh
+    run), rewritten atomically: a resumed run appends the later steps again, so none appears twice."""
+    if not path.exists():
+        return
+    rows = [row for row in map(_parse, path.read_bytes().split(b"\n")) if row is not None]
+    keep = [] if resume_step is None else [row for row in rows if row["step"] <= resume_step]
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in keep))
+
+
 def progress_bar(console: Console | None = None) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),

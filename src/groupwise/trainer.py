@@ -24,7 +24,8 @@ import torch
 from groupwise import checkpoint, dist, runfolder, schedules
 from groupwise.config import Config, to_dict, to_toml
 from groupwise.engines.memory import keep_freed_memory
-from groupwise.logging import MetricsLog, plot_rewards, progress_bar
+from groupwise.evaluation import pass_at_k
+from groupwise.logging import MetricsLog, append_jsonl, cut_back, plot_rewards, progress_bar, sample_rows
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective, token_weights
 from groupwise.policy import build_policy
@@ -270,6 +271,29 @@ class Trainer:
             correct += int((gen.rewards[:, 0] >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
         return correct / len(rows)
 
+    @torch.no_grad()
+    def evaluate_sampled(self) -> dict[str, float]:
+        """``mean@n`` and unbiased ``pass@k`` (``groupwise.evaluation``) over the held-out prompts, from
+        ``eval.samples = n`` samples each at the rollout's sampling settings. The samples take their
+        noise from step −1, so before and after training see the same noise and differ by the weights."""
+        n, rows = self.cfg.eval.samples, self.eval_rows[: self.cfg.eval.size]
+        ks = sorted(set(self.cfg.eval.pass_at or [1, n]))
+        if not rows or not n:
+            return {}
+        if any(not 1 <= k <= n for k in ks):
+            raise ConfigError(f"eval.pass_at={ks}: every k must be in 1..eval.samples={n}")
+        info, correct = dataclasses.replace(self._info(), step=-1), []
+        for start in range(0, len(rows), max(1, 256 // n)):
+            chunk = list(range(start, min(start + max(1, 256 // n), len(rows))))
+            gen = self.policy.generate([Request(key=i, n=n, prompt=self._prompt_ids("eval", self.eval_rows, i)) for i in chunk], self.sampling_params, info)
+            gen.meta = [rows[i] for i in chunk]
+            self.eval_stage.score_local(gen)
+            self.eval_stage.finish(gen, info)
+            correct += ((gen.rewards >= 1.0 - 1e-6) & gen.group_valid).sum(1).tolist()  # [b] correct samples per prompt
+        out = {f"mean@{n}": sum(correct) / (n * len(rows))}
+        out.update({f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(rows) for k in ks})
+        return out
+
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -352,6 +376,8 @@ class Trainer:
                       f"train.steps and add --resume-allow train.steps; for a new run, pick another out=")
             return self.summary
         log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if self.step else None) if self.rank == 0 else None
+        if self.rank == 0:
+            cut_back(self.out / "samples.jsonl", self.step - 1 if self.step else None)
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:  # the handlers stay until the outputs are written: a signal during the final evaluation waits for it
             return self._steps(log)
@@ -379,6 +405,8 @@ class Trainer:
                     self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
                 if log:
                     log.write(row)
+                    if cfg.log.samples and self.step % cfg.log.samples_every == 0:
+                        append_jsonl(self.out / "samples.jsonl", sample_rows(self._last_batch, self.step, cfg.log.samples))
                 bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
                 self.step += 1
                 self.summary["wall_seconds"] = time.perf_counter() - start
@@ -403,7 +431,10 @@ class Trainer:
         return self.summary
 
     def _record_eval(self, key: str, step: int) -> None:
-        """A held-out accuracy into the summary; without held-out rows, ``None`` and a note saying why."""
+        """A held-out accuracy (and, with ``eval.samples``, the sampled metrics as ``<key>_sampled``)
+        into the summary; without held-out rows, ``None`` and a note saying why."""
+        if self.cfg.eval.samples:
+            self.summary[f"{key}_sampled"] = self.evaluate_sampled()
         accuracy = self.evaluate()
         if accuracy != accuracy:  # NaN: nothing to evaluate on
             self.summary[key] = None
@@ -436,9 +467,11 @@ class Trainer:
         row: dict[str, Any] = {"step": self.step}
         update = self.update(local) if batch.shape[0] else {"loss": 0.0, "skipped": 1.0}  # nothing kept: no step
         row.update(_rollout_stats(local))  # after the update: the old log-probs may come from its first pass
+        row.update(_reward_means(batch, self.reward_stage.labels))
         row.update(update)
         row.update(self._coefficients)
         self.observe(batch)
+        self._last_batch = batch  # for samples.jsonl
         seconds = time.perf_counter() - t0
         generated = float(dist.all_reduce_sum(local.mask.sum()))
         row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self.reward_stage.excluded,
@@ -483,6 +516,17 @@ def _rollout_stats(rollout: Rollout) -> dict[str, float]:
         total = dist.all_reduce_sum(torch.stack([k3.sum(), torch.tensor(float(k3.numel()))]))  # [2]
         stats["kl"] = float(total[0] / total[1].clamp(min=1))
     return stats
+
+
+def _reward_means(batch: Rollout, labels: list[str]) -> dict[str, float]:
+    """``reward/<label>``: each reward function's own (unweighted) mean over the step's rows with a verdict."""
+    out = {}
+    real = batch.group_valid | ~torch.isfinite(batch.rewards)  # [B,G] excluded rows too: their other parts count
+    for k, label in enumerate(labels):
+        part = batch.reward_parts[..., k]  # [B,G]
+        seen = real & torch.isfinite(part)  # [B,G]
+        out[f"reward/{label}"] = float(part[seen].double().mean()) if seen.any() else float("nan")
+    return out
 
 
 class _Quiet:

@@ -118,7 +118,7 @@ def score_parts(reward_fns, prompts, completions, columns, *, on_error: str = "r
     """(parts [N,K] float64 with NaN = no verdict, failed [N] bool, counts): each function's own
     values, unweighted; ``failed`` marks samples lost to a function that raised (``on_error="exclude"``)."""
     N, K = len(completions), len(reward_fns)
-    labels = _unique_labels([reward_label(fn) for fn in reward_fns])
+    labels = unique_labels([reward_label(fn) for fn in reward_fns])
     counts = {"excluded": 0}
     parts = torch.full((N, K), float("nan"), dtype=torch.float64)  # [N,K]
     failed = torch.zeros(N, dtype=torch.bool)  # [N] samples lost to a failed function
@@ -152,7 +152,7 @@ def combine(parts: Tensor, weights: list[float], failed: Tensor, missing: str = 
     return total.float(), excluded
 
 
-def _unique_labels(labels: list[str]) -> list[str]:
+def unique_labels(labels: list[str]) -> list[str]:
     seen: dict[str, int] = {}
     out = []
     for label in labels:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from groupwise.registry import build_spec
-from groupwise.rewards.score import RewardAborted, combine, reward_label, score_parts
+from groupwise.rewards.score import RewardAborted, unique_labels, combine, reward_label, score_parts
 from groupwise.types import Need, Rollout, StepInfo
 
 
@@ -33,6 +33,11 @@ class RewardStage:
         self.tensor = [s for s in self.scorers if hasattr(s, "score_rollout")]
         self.policy, self.decode, self.max_new_tokens = policy, decode, max_new_tokens  # decode(rollout) -> [B][G] texts
         self.counts: dict[str, int] = {}
+
+    @property
+    def labels(self) -> list[str]:
+        """One name per column of ``reward_parts`` (text scorers, then rollout scorers), repeats told apart."""
+        return unique_labels([reward_label(s) for s in self.text + self.tensor])
 
     @property
     def needs(self) -> list[Need]:
