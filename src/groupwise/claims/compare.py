@@ -8,6 +8,8 @@ interrupted compare continues where it stopped; a folder holding another config 
 **Per-run metrics** (from ``summary.json`` and ``metrics.jsonl``)
 
 - ``final_accuracy``: ``accuracy_after``, the held-out greedy accuracy after training.
+- ``final_pass_at_k``: the unbiased pass@k after training for the largest k of ``eval.pass_at``
+  (needs ``eval.samples``; ``summary.json``'s ``accuracy_after_sampled``).
 - ``steps_to_target``: the first evaluated step count whose accuracy is >= target (the
   ``evals`` list: step 0 = before training); ``None`` = not reached.
 - ``seconds_to_target``: ``Σ step_seconds`` of the steps before it (training time; evaluation
@@ -36,10 +38,10 @@ from typing import Any, Callable
 from groupwise.claims.intervals import Interval, mean_interval
 from groupwise.registry import ConfigError
 
-METRICS = ("final_accuracy", "steps_to_target", "seconds_to_target", "reward_area", "last_reward")
+METRICS = ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward")
 TARGET_METRICS = ("steps_to_target", "seconds_to_target")
 BUDGET = {"steps_to_target": "step_budget", "seconds_to_target": "seconds_budget"}
-DIGITS = {"final_accuracy": 3, "steps_to_target": 1, "seconds_to_target": 1, "reward_area": 3, "last_reward": 3, "wall_seconds": 1}
+DIGITS = {"final_accuracy": 3, "final_pass_at_k": 3, "steps_to_target": 1, "seconds_to_target": 1, "reward_area": 3, "last_reward": 3, "wall_seconds": 1}
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -151,6 +153,8 @@ def read_run(folder: Path, target: float | None) -> dict[str, Any]:
     out = {
         "accuracy_before": summary.get("accuracy_before"),
         "final_accuracy": summary.get("accuracy_after"),
+        "final_pass_at_k": max(((int(k.split("@")[1]), v) for k, v in (summary.get("accuracy_after_sampled") or {}).items() if k.startswith("pass@")),
+                               default=(0, None))[1],
         "steps": summary.get("steps", len(rows)),
         "wall_seconds": summary.get("wall_seconds"),
         "reward_area": sum(rewards) / len(rewards) if rewards else None,
@@ -203,6 +207,8 @@ def summarise(runs: list[dict], target: float | None) -> dict[str, Any]:
         if metric in TARGET_METRICS and target is None:
             continue
         values, censored = metric_values(runs, metric)
+        if metric == "final_pass_at_k" and not values:  # only runs with a sampled evaluation have it
+            continue
         interval = mean_interval(list(values.values()))
         out[metric] = {**interval.to_dict(), "censored": len(censored), "text": format_metric(metric, interval, len(censored))}
     return out

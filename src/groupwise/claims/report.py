@@ -33,7 +33,8 @@ embedded tiny model, with the direction the paper says the difference goes. `mak
 
 How to read the table:
 
-- **metric**: `final_accuracy` (held-out greedy accuracy after training), `steps_to_target` /
+- **metric**: `final_accuracy` (held-out greedy accuracy after training), `final_pass_at_k` (unbiased
+  pass@k of sampled completions after training, the largest k of `eval.pass_at`), `steps_to_target` /
   `seconds_to_target` (first evaluation at or above the target accuracy; training seconds, evaluation
   excluded; a run that never reaches it counts as its whole budget, shown `≥`, a lower bound),
   `reward_area` (mean batch reward over all steps), `last_reward` (mean batch reward over the last
@@ -161,7 +162,7 @@ def _section(claim: Claim, record: dict | None) -> list[str]:
     extra = f" with extra overrides `{' '.join(record['extra'])}`" if record.get("extra") else ""
     out += [f"Run {record['date']}{extra}: {record['runs']} runs ({record['failed']} failed), {record['minutes']:.1f} min, folder `{record['folder']}` "
             "(`compare.md` there has every run).", ""]
-    names = [k for k in ("final_accuracy", "steps_to_target", "seconds_to_target", "reward_area", "last_reward", "wall_seconds")
+    names = [k for k in ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward", "wall_seconds")
              if any(k in v for v in record["summaries"].values())]
     out += ["| config | " + " | ".join(n.replace("_", " ") for n in names) + " |", "|---|" + "---|" * len(names)]
     out += [f"| {label} | " + " | ".join(_cell(texts.get(n, "")) for n in names) + " |" for label, texts in record["summaries"].items()]
