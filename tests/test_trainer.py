@@ -203,3 +203,36 @@ def test_each_reward_function_has_its_own_mean_in_the_log(tmp_path):
     assert row["reward/const_rewards.one"] == 1.0  # unweighted
     assert row["reward/const_rewards.quarter"] == 0.25  # over the rows with a verdict (None rows left out)
     assert row["reward_mean"] == pytest.approx(2.0 + 0.25 / 2)  # weighted total, None counted as 0 (missing="zero")
+
+
+def test_reference_sync_mixes_the_policy_into_the_reference(tmp_path):
+    """model.ref_sync_every=2: after step 1 (the 2nd), ref = 0.6·policy + 0.4·ref, exactly (TRL's formula)."""
+    trainer = make_trainer(tmp_path / "run", "train.steps=2", "eval.size=0", "model.ref_sync_every=2",
+                           'objective.terms=["ppo_clip", {name="kl", coef=0.1}]')
+    ref = trainer.policy.reference._model
+    initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    trainer.step = 0
+    trainer.run_step()  # step 0: no sync
+    assert all(torch.equal(p, initial[n]) for n, p in ref.named_parameters())
+    trainer.step = 1
+    trainer.run_step()  # step 1: sync
+    for (name, p), live in zip(ref.named_parameters(), trainer.model.parameters()):
+        torch.testing.assert_close(p, 0.6 * live.detach() + 0.4 * initial[name], rtol=1e-6, atol=1e-7)  # float32 rounding of the in-place mix
+    with pytest.raises(ConfigError, match="no component reads the reference model"):
+        make_trainer(tmp_path / "other", "model.ref_sync_every=2")
+
+
+def test_lora_trains_only_the_adapters_and_saves_a_merged_model(tmp_path):
+    """The documented LoRA example (README): PEFT adapters on q/v, the KL reference is the base with the adapters off."""
+    lora = 'model.lora={r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=false}'
+    trainer = make_trainer(tmp_path / "run", "train.steps=2", "eval.size=0", lora, 'objective.terms=["ppo_clip", {name="kl", coef=0.05}]')
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.train()
+    assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if n in base)  # the base is frozen
+    assert trainer.policy.reference.uses_adapter  # no second copy of the model for the reference
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    assert not any("lora" in n for n, _ in merged.named_parameters())  # adapters merged into plain weights

@@ -28,6 +28,8 @@ class ModelCfg:
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
     policy: str = "lm"  # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy (arguments in `params`)
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}
+    ref_sync_every: int = 0  # every N steps mix the policy into the reference: ref = α·policy + (1−α)·ref (TR-DPO; TRL sync_ref_model); 0 = never
+    ref_sync_alpha: float = 0.6  # α of that mix [CODE] TRL ref_model_mixup_alpha = 0.6
 
 
 @dataclass
@@ -220,6 +222,7 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "micro_batch_groups": (lambda v: v >= 0, "an integer >= 0 (0 = the whole mini-batch)"),
         "max_seconds": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
     },
+    "ModelCfg": {"ref_sync_every": (lambda v: v >= 0, "an integer >= 0 (0 = never)"), "ref_sync_alpha": (lambda v: 0 < v <= 1, "a number in (0, 1]")},
     "LogCfg": {"samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"), "samples_every": (lambda v: v >= 1, "an integer >= 1")},
     "RewardCfg": {"timeout_s": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"), "max_empty_steps": (lambda v: v >= 1, "an integer >= 1")},
     "EvalCfg": {"size": (lambda v: v >= 0, "an integer >= 0"), "every": (lambda v: v >= 0, "an integer >= 0"),

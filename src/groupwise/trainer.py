@@ -471,6 +471,8 @@ class Trainer:
         row.update(update)
         row.update(self._coefficients)
         self.observe(batch)
+        if hasattr(self.policy, "end_step"):  # a policy's own per-step upkeep (the reference sync)
+            self.policy.end_step(self.step)
         self._last_batch = batch  # for samples.jsonl
         seconds = time.perf_counter() - t0
         generated = float(dist.all_reduce_sum(local.mask.sum()))

@@ -123,6 +123,7 @@ class LMPolicy:
                                 drop_finished=perf.drop_finished, functional=perf.functional)
         self.context: int | None = getattr(self.module.config, "max_position_embeddings", None)
         self.reference: Reference | None = None
+        self.ref_sync_every, self.ref_sync_alpha = model_cfg.ref_sync_every, model_cfg.ref_sync_alpha
 
     # ------------------------------------------------------------------ text
     def encode(self, prompt: Any) -> list[int]:
@@ -193,8 +194,14 @@ class LMPolicy:
 
     def scoring_models(self, with_reference: bool) -> dict[str, Any]:
         """The modules needs are read from, by role: this policy and (built on request) its frozen reference."""
+        from groupwise.registry import ConfigError
+
+        if self.ref_sync_every and not with_reference:
+            raise ConfigError(f"model.ref_sync_every={self.ref_sync_every}: no component reads the reference model (add a kl term or a ref need)")
         if with_reference and self.reference is None:
             self.reference = Reference(self.module)
+            if self.ref_sync_every and self.reference.uses_adapter:
+                raise ConfigError("model.ref_sync_every needs a reference copy; with LoRA the reference is the base model with adapters off")
         models = {"policy": lambda: contextlib.nullcontext(self.module)}
         if self.reference is not None:
             models["ref"] = self.reference.model
@@ -203,6 +210,15 @@ class LMPolicy:
     def score(self, module: Any, rollout: Any, quantities: Any) -> dict:
         """Quantities of ``rollout`` under one of :meth:`scoring_models`' modules (no-grad needs)."""
         return self.forward(rollout, quantities, module=module)
+
+    def end_step(self, step: int) -> None:
+        """After step ``step``'s update: every ``ref_sync_every`` steps the reference moves toward the
+        policy, ``ref ← α·policy + (1 − α)·ref`` (TR-DPO, Gorbatovski et al. 2024; TRL's
+        ``SyncRefModelCallback``, which counts optimiser steps where this counts trainer steps)."""
+        if self.ref_sync_every and (step + 1) % self.ref_sync_every == 0:
+            with torch.no_grad():
+                for ref, live in zip(self.reference._model.parameters(), self.module.parameters(), strict=True):
+                    ref.mul_(1.0 - self.ref_sync_alpha).add_(live.detach(), alpha=self.ref_sync_alpha)
 
     def parameters(self) -> list[Any]:
         return [p for p in self.module.parameters() if p.requires_grad]
