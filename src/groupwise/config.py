@@ -121,6 +121,23 @@ class PerfCfg:
 
 
 @dataclass
+class RoleCfg:
+    """A further trainable model, trained on the policy's rollouts (``roles.NAME``): CoDistill's
+    large model. It shares the policy's tokenizer; its components' needs of ``model="policy"``
+    are read from this role's own model."""
+
+    model: ModelCfg = field(default_factory=ModelCfg)
+    objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)
+    update: Any = field(default_factory=lambda: {"name": "adamw"})
+    advantage: AdvantageCfg = field(default_factory=AdvantageCfg)
+    rewards: list = field(default_factory=list)  # labels of the reward functions whose weighted sum is this role's reward (empty: the policy's total)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.update, dict) and "name" not in self.update:
+            self.update = {"name": "adamw", **self.update}
+
+
+@dataclass
 class Config:
     name: str = "grpo"
     seed: int = 0
@@ -141,6 +158,7 @@ class Config:
     log: LogCfg = field(default_factory=LogCfg)
     perf: PerfCfg = field(default_factory=PerfCfg)
     views: dict = field(default_factory=dict)  # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
+    roles: dict = field(default_factory=dict)  # further trainable models by name: {teacher = {model = {...}, objective = {...}, update = {...}}}
 
     def __post_init__(self) -> None:
         # `update.lr=...` alone names no component: keep the default one
@@ -148,6 +166,11 @@ class Config:
             self.update = {"name": "adamw", **self.update}
         if isinstance(self.sampling, dict) and "name" not in self.sampling:
             self.sampling = {"name": "uniform", **self.sampling}
+        for name, role in list(self.roles.items()):
+            if name in ("policy", "ref"):
+                raise ConfigError(f"roles.{name}: 'policy' and 'ref' are the trained policy and its reference; name the role otherwise")
+            if isinstance(role, dict):
+                self.roles[name] = _from_dict(RoleCfg, role, f"roles.{name}.")
 
     @property
     def out_dir(self) -> Path:

@@ -1,5 +1,7 @@
-"""The GRPO loop: sample prompts → generate G completions each → score → advantages → μ epochs of
-micro-batched updates of the composed objective → log → checkpoint.
+"""The GRPO step: the rollout strategy collects a scored batch → no-grad needs, advantages, token
+weights → μ epochs of micro-batched updates of the composed objective (the policy, then every
+further role) → observers. The run around it (folder, resume, signals, checkpoints, outputs) is
+``run.py``.
 
 The trainer names no variant: every choice is a component built from the config, and every
 extra input a component needs is declared as a ``Need`` and computed here once.
@@ -8,37 +10,29 @@ extra input a component needs is declared as a ``Need`` and computed here once.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import random
-import shutil
-import signal
-import sys
 import time
-import tomllib
 from typing import Any
 
 import numpy as np
 import torch
 
-from groupwise import checkpoint, dist, runfolder, schedules
-from groupwise.config import Config, to_dict, to_toml
+from groupwise import dist, roles, schedules
+from groupwise.config import Config
 from groupwise.engines.memory import keep_freed_memory
 from groupwise.evaluation import pass_at_k
-from groupwise.logging import MetricsLog, append_jsonl, cut_back, plot_rewards, progress_bar, sample_rows
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective, token_weights
 from groupwise.policy import build_policy
 from groupwise.registry import ConfigError, build, build_spec
 from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.context import RolloutContext
+from groupwise.run import RunLoop
 from groupwise.stats import PromptStats
 from groupwise.tasks import load_splits
 from groupwise.types import Need, Request, Rollout, StepInfo
-from groupwise.updates._base import all_finite
 
 
-class Trainer:
+class Trainer(RunLoop):
     def __init__(self, cfg: Config, console: Any = None):
         self.cfg, self.console = cfg, console
         self.rank, self.world = dist.init()
@@ -71,13 +65,17 @@ class Trainer:
         self.objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg)
         self.updater = build_spec("update", cfg.update)
         self.prompt_stats = PromptStats()
+        total_updates = cfg.train.steps * cfg.train.epochs * cfg.train.minibatches
+        self.roles = [roles.build_role(name, rc, cfg, self.policy, self.reward_stage.labels, total_updates) for name, rc in cfg.roles.items()]
 
         # With one mini-batch per epoch, the first epoch's forward runs on the weights that sampled the
         # rollout: its detached log-probs ARE the old log-probs (no extra no-grad pass; ratio 1 in epoch 0).
         self.old_from_first_pass = cfg.train.minibatches == 1
         owners = [*self._components(), *schedules.all_schedules(self._components())]
         needs = [n for c in owners for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
+        needs += [n for role in self.roles for n in roles.role_needs(role)]
         models = self.policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
+        models.update({role.name: role.policy.scoring_models(with_reference=False)["policy"] for role in self.roles})
         self.needs = NeedResolver(needs, models, cfg.views, self.policy.score, self.policy.encode, context=self.policy.context)
         for component in owners + self.eval_stage.scorers:  # a component made for another modality's rollouts fails here, not mid-run
             if getattr(component, "modality", self.policy.modality) != self.policy.modality:
@@ -88,7 +86,7 @@ class Trainer:
         self.step_needs = [n for n in needs if not n.grad]
         self.grad_quantities = sorted({n.quantity for n in needs if n.grad} | {"entropy"})  # entropy is logged
         self.params = self.policy.parameters()
-        self.updater.bind(self.params, cfg.train.steps * cfg.train.epochs * cfg.train.minibatches)
+        self.updater.bind(self.params, total_updates)
         self.step = 0
         self.summary: dict[str, Any] = {}
         self._stop_requested: str | None = None  # the signal's name once SIGTERM / SIGINT arrived
@@ -105,27 +103,13 @@ class Trainer:
     def tokenizer(self) -> Any:
         return self.policy.tokenizer
 
+    @property
+    def main(self) -> roles.Trainable:
+        """The trainer's own policy as a trainable role (built from the current attributes)."""
+        return roles.Trainable("policy", self.policy, self.objective, self.updater, self.grad_quantities)
+
     def _components(self) -> list[Any]:
         return [self.strategy, self.sampler, *self.reward_stage.scorers, self.estimator, *self.shapers, *self.weights, *self.objective.terms, self.updater]
-
-    def _named_components(self) -> dict[str, Any]:
-        """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
-        named: dict[str, Any] = {}
-        for component in self._components():
-            key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
-            k, n = key, 1
-            while k in named:
-                n += 1
-                k = f"{key}#{n}"
-            named[k] = component
-        return named
-
-    def _say(self, message: str) -> None:
-        if self.rank == 0:
-            if self.console is not None:
-                self.console.print(message, soft_wrap=True, markup=False, highlight=False)  # one line: greppable
-            else:
-                print(message, file=sys.stderr)
 
     def _info(self, round_: int = 0) -> StepInfo:
         return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
@@ -170,6 +154,9 @@ class Trainer:
         batch.advantages = self.estimator(batch, info)  # [B,G] or [B,G,T]
         for shaper in self.shapers:
             batch.advantages = shaper(batch, info)
+        for role in self.roles:  # each further role's own advantages, on the whole batch
+            adv = roles.advantages(role, batch, info)  # [B,G] or [B,G,T]
+            batch.set_extra(f"{role.name}.advantages", adv, "row" if adv.dim() == 2 else "token")
         if self.weights:
             batch.weight, counted = token_weights(self.weights, batch, info)  # [B,G,T], [B,G,T]
             batch.set_extra("counted", counted, "token")
@@ -189,7 +176,9 @@ class Trainer:
         self.prompt_stats.update(batch, info)
 
     # ------------------------------------------------------------------ stage 5–6: μ epochs of micro-batched updates
-    def update(self, rollout: Rollout) -> dict[str, float]:
+    def update(self, rollout: Rollout, role: Any = None) -> dict[str, float]:
+        """μ epochs of micro-batched updates of ``role`` (default: the trainer's own policy) on this rank's share."""
+        role = role or self.main
         cfg = self.cfg.train
         B = rollout.shape[0]
         stats: list[dict[str, float]] = []
@@ -198,24 +187,24 @@ class Trainer:
             order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step * 101 + epoch)) if cfg.epochs > 1 or cfg.minibatches > 1 else torch.arange(B)
             for mb_groups in torch.tensor_split(order, cfg.minibatches):
                 batch = rollout.select(mb_groups)
-                if not int(dist.all_reduce_sum(self.objective.loss_mask(batch).sum())):
+                if not int(dist.all_reduce_sum(role.objective.loss_mask(batch).sum())):
                     stats.append({"loss": 0.0, "skipped": 1.0})  # no token gets loss anywhere: leave the weights alone
                     continue
-                norms = self.objective.normalizers(batch, self._info(), dist.all_reduce_sum if self.world > 1 else None)
-                stats.append(self.updater.step(self._closure(batch, norms)))
+                norms = role.objective.normalizers(batch, self._info(), dist.all_reduce_sum if self.world > 1 else None)
+                stats.append(role.updater.step(self._closure(batch, norms, role)))
                 if rollout.logp_old is None and batch.logp_old is not None:  # epoch 0 of one mini-batch filled them
                     rollout.logp_old = torch.zeros_like(batch.logp_old).index_copy(0, mb_groups, batch.logp_old)  # [B,G,T]
         row = {key: float(np.nanmean([s.get(key, float("nan")) for s in stats])) for key in stats[0]} if stats else {}
         row["skipped"] = float(sum(s.get("skipped", 0.0) for s in stats))
         row["nonfinite"] = float(sum(s.get("nonfinite", 0.0) for s in stats))
         reduce = dist.all_reduce_sum if self.world > 1 else None
-        row.update(self.objective.pop_stats(reduce))
+        row.update(role.objective.pop_stats(reduce))
         entropy = torch.tensor(self._entropy, dtype=torch.float64)  # [2] masked sum, count
         entropy = reduce(entropy) if reduce else entropy
         row["entropy"] = float(entropy[0] / entropy[1].clamp(min=1.0))
         return row
 
-    def _closure(self, batch: Rollout, norms: dict):
+    def _closure(self, batch: Rollout, norms: dict, role: Any):
         """The micro-batched forward/backward of one mini-batch, safe to call any number of times:
         the old log-probs are taken once (by the first call, on the weights that sampled the rollout),
         and statistics are recorded by the first call only, so a second call after an optimiser step
@@ -225,11 +214,11 @@ class Trainer:
         def closure() -> torch.Tensor:
             nonlocal calls
             calls += 1
-            return self._accumulate_gradients(batch, norms, first=calls == 1)
+            return self._accumulate_gradients(batch, norms, role, first=calls == 1)
 
         return closure
 
-    def _accumulate_gradients(self, batch: Rollout, norms: dict, first: bool) -> torch.Tensor:
+    def _accumulate_gradients(self, batch: Rollout, norms: dict, role: Any, first: bool) -> torch.Tensor:
         size = self.cfg.train.micro_batch_groups or max(1, batch.shape[0])
         take_old = batch.logp_old is None  # epoch 0 of a single mini-batch: its own forward gives the old log-probs
         if take_old:
@@ -238,7 +227,7 @@ class Trainer:
         for start in range(0, batch.shape[0], size):
             groups = list(range(start, min(start + size, batch.shape[0])))
             mb = batch.select(groups)
-            out = self.policy.forward(mb, self.grad_quantities)
+            out = role.policy.forward(mb, role.grad_quantities)
             if first:
                 with torch.no_grad():
                     self._entropy[0] += float(out["entropy"][mb.row_mask].sum())
@@ -246,17 +235,18 @@ class Trainer:
             if take_old:
                 mb.logp_old = out["logp"].detach()  # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
                 batch.logp_old[start : start + len(groups)] = mb.logp_old
-            loss = self.objective.loss(mb, out, norms, self._info(), record=first)
+            loss = role.objective.loss(mb, out, norms, self._info(), record=first)
             if loss.requires_grad:
                 loss.backward()
             total = total + loss.detach()
-        dist.all_reduce_grads(self.params)
+        dist.all_reduce_grads(role.params)
         return dist.all_reduce_sum(total)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1)."""
+    def evaluate(self, policy: Any = None) -> float:
+        """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1) of ``policy`` (default: the trained policy)."""
+        policy = policy or self.policy
         rows = self.eval_rows[: self.cfg.eval.size]
         if not rows:
             return float("nan")
@@ -264,7 +254,7 @@ class Trainer:
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
             requests = [Request(key=i, n=1, prompt=self._prompt_ids("eval", self.eval_rows, i)) for i in chunk]
-            gen = self.policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
+            gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
             gen.meta = [rows[i] for i in chunk]
             self.eval_stage.score_local(gen)
             self.eval_stage.finish(gen, info)
@@ -294,168 +284,6 @@ class Trainer:
         out.update({f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(rows) for k in ks})
         return out
 
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "policy": self.policy.state_dict(),
-            "components": {key: c.state_dict() for key, c in self._named_components().items() if hasattr(c, "state_dict")},
-            "schedules": [s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(self._components())],
-            "prompt_stats": self.prompt_stats.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            "summary": self.summary,
-            "in_row": {"skipped": self._skipped_in_row, "empty": self._empty_in_row},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = state["step"]
-        self.policy.load_state_dict(state["policy"])
-        named = {key: c for key, c in self._named_components().items() if hasattr(c, "state_dict")}
-        if sorted(named) != sorted(state["components"]):
-            raise ConfigError(f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
-                              f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=...")
-        for key, component in named.items():
-            component.load_state_dict(state["components"][key])
-        for schedule, sub in zip(schedules.all_schedules(self._components()), state.get("schedules", [])):
-            if sub is not None:
-                schedule.load_state_dict(sub)
-        # the values in force before the resumed run's first resolve (a reward scored before it): the last step's
-        last = StepInfo(max(self.step - 1, 0), self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, total_steps=self.cfg.train.steps)
-        for component in self._components():
-            for attr, schedule in schedules.scheduled(component).items():
-                setattr(component, attr, schedule.start() if hasattr(schedule, "state_dict") else schedule(last, None))
-        if "prompt_stats" in state:
-            self.prompt_stats.load_state_dict(state["prompt_stats"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        self.summary = state["summary"]
-        self._skipped_in_row, self._empty_in_row = state["in_row"]["skipped"], state["in_row"]["empty"]
-
-    def save_checkpoint(self) -> None:
-        if not all_finite(self.policy.parameters()):  # the updater rolls such steps back; never write one
-            raise RuntimeError(f"refusing to checkpoint step {self.step}: the model has non-finite weights")
-        if self.rank == 0:
-            checkpoint.save(self.out, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
-        dist.barrier()
-
-    # ------------------------------------------------------------------ the run
-    def train(self, resume_allow: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-        """The whole run in its folder, which it holds locked: resume (or start), train until done,
-        stopped (SIGTERM / Ctrl-C: checkpoint, then return) or out of time, evaluate, write outputs."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        lock = runfolder.RunLock(self.out).acquire() if self.rank == 0 else None
-        try:
-            return self._train(list(resume_allow))
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _resume(self, allow: list[str]) -> None:
-        """Load the newest intact checkpoint if there is one, after checking the configuration is the
-        one the run started with (else refused, naming each changed key); then record the config."""
-        current = tomllib.loads(to_toml(to_dict(self.cfg)))  # as stored: compared like for like
-        resume = checkpoint.latest_intact(self.out)
-        stored = self.out / "config.toml"
-        if resume is not None and stored.exists():
-            runfolder.check_resume({**tomllib.loads(stored.read_text()), "out": None}, {**current, "out": None}, allow)
-        if resume is not None:
-            self.load_state_dict(checkpoint.load(resume))
-            self._say(f"resuming {self.out} from step {self.step} (checkpoint {resume.relative_to(self.out)})")
-        if self.rank == 0:
-            runfolder.write_atomic(stored, to_toml(to_dict(self.cfg)))
-
-    def _finished(self) -> bool:
-        out_of_time = bool(self.cfg.train.max_seconds) and self.summary.get("wall_seconds", 0.0) > self.cfg.train.max_seconds
-        return bool(self.summary.get("finished")) and (self.step >= self.cfg.train.steps or out_of_time)
-
-    def _train(self, allow: list[str]) -> dict[str, Any]:
-        self._resume(allow)
-        if self._finished():
-            self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train further, raise "
-                      f"train.steps and add --resume-allow train.steps; for a new run, pick another out=")
-            return self.summary
-        log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if self.step else None) if self.rank == 0 else None
-        if self.rank == 0:
-            cut_back(self.out / "samples.jsonl", self.step - 1 if self.step else None)
-        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:  # the handlers stay until the outputs are written: a signal during the final evaluation waits for it
-            return self._steps(log)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _steps(self, log: MetricsLog | None) -> dict[str, Any]:
-        """Evaluate (once), train until done / stopped / out of time with the checkpoints due, then
-        the final evaluation and outputs (not after a stop: the rerun continues)."""
-        cfg = self.cfg
-        start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
-        if "accuracy_before" not in self.summary:
-            self.summary["evals"] = []
-            self._record_eval("accuracy_before", 0)
-        last_save = time.perf_counter()
-        stop, out_of_time = dist.agree([self._stop_requested is not None, False])
-        with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
-            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
-            while self.step < cfg.train.steps and not (stop or out_of_time):
-                row = self.run_step()
-                self._check_health(row)
-                if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.eval_rows:
-                    row["eval_accuracy"] = self.evaluate()
-                    self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
-                if log:
-                    log.write(row)
-                    if cfg.log.samples and self.step % cfg.log.samples_every == 0:
-                        append_jsonl(self.out / "samples.jsonl", sample_rows(self._last_batch, self.step, cfg.log.samples))
-                bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
-                self.step += 1
-                self.summary["wall_seconds"] = time.perf_counter() - start
-                # decided together: every rank stops, and checkpoints, at the same step
-                ck = cfg.checkpoint
-                due = (ck.every and self.step % ck.every == 0) or (ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes)
-                stop, out_of_time, due = dist.agree([self._stop_requested is not None, bool(cfg.train.max_seconds) and self.summary["wall_seconds"] > cfg.train.max_seconds, bool(due)])
-                if due or stop or out_of_time:
-                    self.save_checkpoint()
-                    last_save = time.perf_counter()
-        if stop:
-            self._say(f"stopped by {self._stop_requested or 'another rank'} at step {self.step} (checkpointed). Rerun the same command to resume.")
-            return self.summary
-        if out_of_time and self.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
-            self.summary["stopped_early"] = f"train.max_seconds={cfg.train.max_seconds:g} reached after step {self.step} of {cfg.train.steps}"
-            self._say(f"{self.summary['stopped_early']}; raise train.max_seconds (0 = no limit) to train longer")
-        self._record_eval("accuracy_after", self.step)
-        self.summary.update(steps=self.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(self.updater, "skipped", 0), finished=True)
-        self.save_checkpoint()
-        if self.rank == 0:
-            self._write_outputs(log)
-        return self.summary
-
-    def _record_eval(self, key: str, step: int) -> None:
-        """A held-out accuracy (and, with ``eval.samples``, the sampled metrics as ``<key>_sampled``)
-        into the summary; without held-out rows, ``None`` and a note saying why."""
-        if self.cfg.eval.samples:
-            self.summary[f"{key}_sampled"] = self.evaluate_sampled()
-        accuracy = self.evaluate()
-        if accuracy != accuracy:  # NaN: nothing to evaluate on
-            self.summary[key] = None
-            self.summary["eval_note"] = f"no held-out evaluation: eval.size={self.cfg.eval.size} and {len(self.eval_rows)} held-out rows"
-            return
-        self.summary[key] = accuracy
-        self.summary["evals"].append((step, accuracy))
-
-    def _check_health(self, row: dict[str, Any]) -> None:
-        """Abort (before anything is saved) a run that cannot learn: optimiser steps that keep going
-        non-finite, or steps in which no sample has a finite reward."""
-        cfg = self.cfg
-        self._skipped_in_row = self._skipped_in_row + 1 if row.get("nonfinite") else 0
-        if self._skipped_in_row >= cfg.train.max_skipped_in_row:
-            raise RuntimeError(f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss, gradient or result and were skipped or "
-                               f"rolled back (train.max_skipped_in_row={cfg.train.max_skipped_in_row}); check update.lr and the rewards")
-        self._empty_in_row = self._empty_in_row + 1 if row.get("reward_finite_frac", 1.0) == 0 else 0
-        if self._empty_in_row >= cfg.reward.max_empty_steps:
-            raise RuntimeError(f"{self._empty_in_row} steps in a row had no sample with a finite reward (every reward None, NaN or inf; "
-                               f"reward.max_empty_steps={cfg.reward.max_empty_steps}): nothing can be learned; check the reward functions")
-
     def run_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         self.policy.eval()
@@ -469,6 +297,10 @@ class Trainer:
         row.update(_rollout_stats(local))  # after the update: the old log-probs may come from its first pass
         row.update(_reward_means(batch, self.reward_stage.labels))
         row.update(update)
+        for role in self.roles:  # further roles learn from the same rollouts, behaviour = the policy's log-probs
+            behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)  # [B,G,T]
+            stats = self.update(self._share(roles.view(role, batch, behaviour, self._info())), role)
+            row.update({f"{role.name}/{k}": v for k, v in stats.items()})
         row.update(self._coefficients)
         self.observe(batch)
         if hasattr(self.policy, "end_step"):  # a policy's own per-step upkeep (the reference sync)
@@ -479,23 +311,6 @@ class Trainer:
         row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self.reward_stage.excluded,
                    reward_finite_frac=self._finite_reward_frac)
         return row
-
-    def _request_stop(self, signum: int, frame: Any) -> None:
-        if self._stop_requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: leave now, without waiting for the step's checkpoint
-        self._stop_requested = signal.Signals(signum).name
-
-    def _write_outputs(self, log: MetricsLog | None) -> None:
-        """``final/`` (written aside, then swapped in as a whole), ``summary.json`` (atomic), the curve."""
-        staging = self.out / f".final.tmp{os.getpid()}"
-        if staging.exists():
-            shutil.rmtree(staging)
-        self.policy.save(staging)
-        runfolder.publish_dir(staging, self.out / "final")
-        runfolder.write_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, allow_nan=False) + "\n")
-        if log is not None:
-            plot_rewards(log.rows, self.summary["evals"], self.out / "reward.png")
-
 
 def _rollout_stats(rollout: Rollout) -> dict[str, float]:
     """Batch statistics logged every step, over the groups of every rank."""
@@ -529,19 +344,3 @@ def _reward_means(batch: Rollout, labels: list[str]) -> dict[str, float]:
         seen = real & torch.isfinite(part)  # [B,G]
         out[f"reward/{label}"] = float(part[seen].double().mean()) if seen.any() else float("nan")
     return out
-
-
-class _Quiet:
-    """Stand-in for the progress bar on ranks other than 0."""
-
-    def __enter__(self) -> "_Quiet":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def add_task(self, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        return None

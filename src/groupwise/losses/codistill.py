@@ -8,7 +8,11 @@ https://arxiv.org/abs/2605.08873 — spec 44. Only the abstract was available; n
 **Change vs GRPO**: two policies train at once and only the small one (student, π_s) generates.
 The student's reward gains a KD term from the large model (teacher, π_L); the teacher's loss is
 GRPO's clipped surrogate on the student's rollouts, re-weighted by a truncated importance weight
-π_L,old / π_s. Pure functions only: not a registered component (it needs a second trained model).
+π_L,old / π_s. In groupwise: the student is the trainer's policy; the reward ``codistill_kd``
+below adds the KD term; the teacher is a role (``roles.teacher``, ``roles.py``) whose objective is
+``ppo_clip`` with the weight ``sampler_is(mode="token_truncate", hi=C)`` and the ``token_mean``
+aggregation, which is ``codistill_teacher_loss`` (``tests/test_codistill.py`` checks the two
+agree); recipe ``codistill``.
 
 **Math** (per completion i and token t; ``mask`` selects the completion tokens)::
 
@@ -46,12 +50,15 @@ GRPO's clipped surrogate on the student's rollouts, re-weighted by a truncated i
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from groupwise.losses._common import check_clip, clipped_surrogate, masked_input
 from groupwise.masked import masked_mean, masked_sum
+from groupwise.registry import register
+from groupwise.types import Need, Rollout, StepInfo
 
 IS_LEVELS = ("token", "seq")
 
@@ -126,3 +133,22 @@ def teacher_is_stats(teacher_old_logp: Tensor, student_logp: Tensor, mask: Tenso
         "is_weight_mean": float(masked_mean(w, m)),
         "is_truncated_frac": float(masked_mean((w_raw > C).float(), m)),
     }
+
+
+@register("reward", "codistill_kd")
+@dataclass
+class CoDistillKD:
+    """On-policy KD reward mean_t[log π_teacher − log π_student] from a trained role (CoDistill-GRPO, Kwon et al. 2026)."""
+
+    teacher: str = "teacher"  # the role whose log-probs are the teacher's
+    weight: float = 1.0  # λ_kd [INFERRED]
+
+    @property
+    def needs(self) -> tuple[Need, ...]:
+        return (Need("logp"), Need("logp", model=self.teacher))
+
+    def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
+        teacher = rollout.extras.get(Need("logp", model=self.teacher).key)
+        if teacher is None or rollout.logp_old is None:
+            raise ValueError(f"codistill_kd needs the policy's and role {self.teacher!r}'s log-probs; declare roles.{self.teacher} in the config")
+        return kd_reward(rollout.logp_old, teacher, rollout.row_mask)  # [B,G]

@@ -1,0 +1,112 @@
+"""Trainable roles: what one optimiser trains — a policy, its objective, its updater.
+
+The trainer holds its own policy as the role ``policy`` and, for each ``roles.NAME`` of the
+config, a further role trained on the same rollouts (CoDistill-GRPO's large model learns from the
+small model's samples). Such a role shares the policy's tokenizer; it does not sample. Each step,
+after the policy's update, it trains on a *view* of the step's batch:
+
+- ``rewards``: the weighted sum of the reward functions it names (``roles.NAME.rewards``; all of
+  them by default), so a reward that only the policy should see (a KD term) can be left out;
+- ``advantages``: its own estimator on those rewards (computed on the whole batch in ``prepare``);
+- ``logp_old``: its own no-grad log-probs (``Need("logp", model=NAME)``);
+- ``logp_sampler``: the policy's log-probs — the behaviour policy that sampled the rows — so an
+  importance weight (``sampler_is``) corrects for learning off-policy.
+
+Its components' needs of ``model="policy"`` are read from its own model; ``ref`` is not offered.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from groupwise.objective import Objective, token_weights
+from groupwise.policy import build_policy
+from groupwise.registry import ConfigError, build_spec
+from groupwise.rewards.score import combine
+from groupwise.types import Need, Rollout, StepInfo
+
+
+@dataclass
+class Trainable:
+    """What one optimiser step trains (the trainer's own policy is one too)."""
+
+    name: str
+    policy: Any
+    objective: Objective
+    updater: Any
+    grad_quantities: list[str]
+    estimator: Any = None
+    weights: list = field(default_factory=list)
+    reward_columns: list[int] | None = None  # columns of reward_parts that make its reward (None: the policy's total)
+
+    @property
+    def params(self) -> list:
+        return self.policy.parameters()
+
+    @property
+    def components(self) -> list:
+        return [self.estimator, *self.weights, *self.objective.terms, self.updater]
+
+
+def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_labels: list[str], total_updates: int) -> Trainable:
+    policy = build_policy(cfg.model, run_cfg.perf)
+    if getattr(policy, "tokenizer", None) is not None and policy.tokenizer.get_vocab() != main_policy.tokenizer.get_vocab():
+        raise ConfigError(f"roles.{name}: model {cfg.model.path!r} has another tokenizer than the policy's; a role scores the policy's tokens")
+    unknown = [r for r in cfg.rewards if r not in reward_labels]
+    if unknown:
+        raise ConfigError(f"roles.{name}.rewards names {unknown}; the run's reward functions are {reward_labels}")
+    role = Trainable(name, policy, Objective.from_config(cfg.objective.terms, cfg.objective.agg), build_spec("update", cfg.update), [],
+                     build_spec("advantage", cfg.advantage.estimator), [build_spec("weight", spec) for spec in cfg.objective.weights],
+                     [reward_labels.index(r) for r in cfg.rewards] or None)
+    own = [n for c in role.components for n in getattr(c, "needs", ())]
+    if any(n.model == "ref" for n in own):
+        raise ConfigError(f"roles.{name}: its components ask for the reference model, which a role does not have")
+    role.grad_quantities = sorted({n.quantity for n in own if n.grad} | {"entropy"})
+    role.updater.bind(role.params, total_updates)
+    return role
+
+
+def role_needs(role: Trainable) -> list[Need]:
+    """The role's no-grad needs, ``policy`` meaning the role's own model, and its old log-probs."""
+    own = [n for c in role.components for n in getattr(c, "needs", ()) if not n.grad]
+    return [dataclasses.replace(n, model=role.name) if n.model == "policy" else n for n in own] + [Need("logp", model=role.name)]
+
+
+def role_rewards(role: Trainable, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards [B,G], valid [B,G]) of the role: its reward columns, weighted, or the policy's total."""
+    if role.reward_columns is None:
+        return batch.rewards, batch.group_valid
+    cols = role.reward_columns
+    weights = batch.extras["reward_weights"][0, cols].tolist()
+    total, excluded = combine(batch.reward_parts[..., cols], weights, torch.zeros(batch.group_valid.shape, dtype=torch.bool))  # [B,G], [B,G]
+    return total, batch.group_valid & ~excluded
+
+
+def advantages(role: Trainable, batch: Rollout, info: StepInfo) -> torch.Tensor:
+    """The role's advantages on the whole batch (its estimator on its own rewards)."""
+    view = copy.copy(batch)
+    view.rewards, view.group_valid = role_rewards(role, batch)
+    return role.estimator(view, info)  # [B,G] or [B,G,T]
+
+
+def view(role: Trainable, batch: Rollout, behaviour_logp: torch.Tensor, info: StepInfo) -> Rollout:
+    """The step's batch as the role trains on it (see the module docstring)."""
+    out = copy.copy(batch)
+    out.extras, out.extra_levels = dict(batch.extras), dict(batch.extra_levels)
+    out.rewards, out.group_valid = role_rewards(role, batch)
+    out.advantages = batch.extras[f"{role.name}.advantages"]
+    out.logp_old, out.logp_sampler, out.logp_ref, out.weight = batch.extras[f"{role.name}.logp"], behaviour_logp, None, None
+    for need in role_needs(role):  # its components read "policy" quantities under their usual keys
+        if need.model == role.name and need.quantity != "logp":
+            out.set_extra(dataclasses.replace(need, model="policy").key, batch.extras[need.key], "token")
+    out.extras.pop("counted", None)  # the policy's token weights are not the role's
+    out.extra_levels.pop("counted", None)
+    if role.weights:
+        out.weight, counted = token_weights(role.weights, out, info)  # [B,G,T], [B,G,T]
+        out.set_extra("counted", counted, "token")
+    return out

@@ -1,0 +1,263 @@
+"""The run around the step (``Trainer`` inherits it): the run folder held locked, resume from the
+newest intact checkpoint (refused under another configuration), SIGTERM / Ctrl-C, time limits and
+checkpoints decided by every rank together, the final evaluation and the outputs. The step itself —
+collect, prepare, update, observe — is ``trainer.py``; the guarantees are ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+import tomllib
+from typing import Any
+
+import numpy as np
+import torch
+
+from groupwise import checkpoint, dist, runfolder, schedules
+from groupwise.config import to_dict, to_toml
+from groupwise.logging import MetricsLog, append_jsonl, cut_back, plot_rewards, progress_bar, sample_rows
+from groupwise.registry import ConfigError
+from groupwise.types import StepInfo
+from groupwise.updates._base import all_finite
+
+
+class RunLoop:
+    """Mixed into ``Trainer``: uses its ``cfg``, ``policy``, ``roles``, components and ``run_step``."""
+
+    def _named_components(self) -> dict[str, Any]:
+        """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
+        named: dict[str, Any] = {}
+        for component in self._components():
+            key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
+            k, n = key, 1
+            while k in named:
+                n += 1
+                k = f"{key}#{n}"
+            named[k] = component
+        return named
+
+
+    def _say(self, message: str) -> None:
+        if self.rank == 0:
+            if self.console is not None:
+                self.console.print(message, soft_wrap=True, markup=False, highlight=False)  # one line: greppable
+            else:
+                print(message, file=sys.stderr)
+
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "policy": self.policy.state_dict(),
+            "components": {key: c.state_dict() for key, c in self._named_components().items() if hasattr(c, "state_dict")},
+            "schedules": [s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(self._components())],
+            "prompt_stats": self.prompt_stats.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "summary": self.summary,
+            "in_row": {"skipped": self._skipped_in_row, "empty": self._empty_in_row},
+            "roles": {r.name: {"policy": r.policy.state_dict(), "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in r.components]}
+                      for r in self.roles},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.policy.load_state_dict(state["policy"])
+        named = {key: c for key, c in self._named_components().items() if hasattr(c, "state_dict")}
+        if sorted(named) != sorted(state["components"]):
+            raise ConfigError(f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
+                              f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=...")
+        for key, component in named.items():
+            component.load_state_dict(state["components"][key])
+        for schedule, sub in zip(schedules.all_schedules(self._components()), state.get("schedules", [])):
+            if sub is not None:
+                schedule.load_state_dict(sub)
+        # the values in force before the resumed run's first resolve (a reward scored before it): the last step's
+        last = StepInfo(max(self.step - 1, 0), self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, total_steps=self.cfg.train.steps)
+        for component in self._components():
+            for attr, schedule in schedules.scheduled(component).items():
+                setattr(component, attr, schedule.start() if hasattr(schedule, "state_dict") else schedule(last, None))
+        if "prompt_stats" in state:
+            self.prompt_stats.load_state_dict(state["prompt_stats"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self.summary = state["summary"]
+        self._skipped_in_row, self._empty_in_row = state["in_row"]["skipped"], state["in_row"]["empty"]
+        if sorted(state.get("roles", {})) != sorted(r.name for r in self.roles):
+            raise ConfigError(f"the checkpoint holds roles {sorted(state.get('roles', {}))}, this configuration builds {[r.name for r in self.roles]}")
+        for role in self.roles:
+            saved = state["roles"][role.name]
+            role.policy.load_state_dict(saved["policy"])
+            for component, sub in zip(role.components, saved["components"], strict=True):
+                if sub is not None:
+                    component.load_state_dict(sub)
+
+    def save_checkpoint(self) -> None:
+        if not all_finite([p for t in (self.main, *self.roles) for p in t.params]):  # the updater rolls such steps back; never write one
+            raise RuntimeError(f"refusing to checkpoint step {self.step}: the model has non-finite weights")
+        if self.rank == 0:
+            checkpoint.save(self.out, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
+        dist.barrier()
+
+
+    # ------------------------------------------------------------------ the run
+    def train(self, resume_allow: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+        """The whole run in its folder, which it holds locked: resume (or start), train until done,
+        stopped (SIGTERM / Ctrl-C: checkpoint, then return) or out of time, evaluate, write outputs."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock = runfolder.RunLock(self.out).acquire() if self.rank == 0 else None
+        try:
+            return self._train(list(resume_allow))
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _resume(self, allow: list[str]) -> None:
+        """Load the newest intact checkpoint if there is one, after checking the configuration is the
+        one the run started with (else refused, naming each changed key); then record the config."""
+        current = tomllib.loads(to_toml(to_dict(self.cfg)))  # as stored: compared like for like
+        resume = checkpoint.latest_intact(self.out)
+        stored = self.out / "config.toml"
+        if resume is not None and stored.exists():
+            runfolder.check_resume({**tomllib.loads(stored.read_text()), "out": None}, {**current, "out": None}, allow)
+        if resume is not None:
+            self.load_state_dict(checkpoint.load(resume))
+            self._say(f"resuming {self.out} from step {self.step} (checkpoint {resume.relative_to(self.out)})")
+        if self.rank == 0:
+            runfolder.write_atomic(stored, to_toml(to_dict(self.cfg)))
+
+    def _finished(self) -> bool:
+        out_of_time = bool(self.cfg.train.max_seconds) and self.summary.get("wall_seconds", 0.0) > self.cfg.train.max_seconds
+        return bool(self.summary.get("finished")) and (self.step >= self.cfg.train.steps or out_of_time)
+
+    def _train(self, allow: list[str]) -> dict[str, Any]:
+        self._resume(allow)
+        if self._finished():
+            self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train further, raise "
+                      f"train.steps and add --resume-allow train.steps; for a new run, pick another out=")
+            return self.summary
+        log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if self.step else None) if self.rank == 0 else None
+        if self.rank == 0:
+            cut_back(self.out / "samples.jsonl", self.step - 1 if self.step else None)
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:  # the handlers stay until the outputs are written: a signal during the final evaluation waits for it
+            return self._steps(log)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _steps(self, log: MetricsLog | None) -> dict[str, Any]:
+        """Evaluate (once), train until done / stopped / out of time with the checkpoints due, then
+        the final evaluation and outputs (not after a stop: the rerun continues)."""
+        cfg = self.cfg
+        start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
+        if "accuracy_before" not in self.summary:
+            self.summary["evals"] = []
+            self._record_eval("accuracy_before", 0)
+        last_save = time.perf_counter()
+        stop, out_of_time = dist.agree([self._stop_requested is not None, False])
+        with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
+            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
+            while self.step < cfg.train.steps and not (stop or out_of_time):
+                row = self.run_step()
+                self._check_health(row)
+                if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.eval_rows:
+                    row["eval_accuracy"] = self.evaluate()
+                    self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
+                if log:
+                    log.write(row)
+                    if cfg.log.samples and self.step % cfg.log.samples_every == 0:
+                        append_jsonl(self.out / "samples.jsonl", sample_rows(self._last_batch, self.step, cfg.log.samples))
+                bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
+                self.step += 1
+                self.summary["wall_seconds"] = time.perf_counter() - start
+                # decided together: every rank stops, and checkpoints, at the same step
+                ck = cfg.checkpoint
+                due = (ck.every and self.step % ck.every == 0) or (ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes)
+                stop, out_of_time, due = dist.agree([self._stop_requested is not None, bool(cfg.train.max_seconds) and self.summary["wall_seconds"] > cfg.train.max_seconds, bool(due)])
+                if due or stop or out_of_time:
+                    self.save_checkpoint()
+                    last_save = time.perf_counter()
+        if stop:
+            self._say(f"stopped by {self._stop_requested or 'another rank'} at step {self.step} (checkpointed). Rerun the same command to resume.")
+            return self.summary
+        if out_of_time and self.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
+            self.summary["stopped_early"] = f"train.max_seconds={cfg.train.max_seconds:g} reached after step {self.step} of {cfg.train.steps}"
+            self._say(f"{self.summary['stopped_early']}; raise train.max_seconds (0 = no limit) to train longer")
+        self._record_eval("accuracy_after", self.step)
+        self.summary.update(steps=self.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(self.updater, "skipped", 0), finished=True)
+        self.save_checkpoint()
+        if self.rank == 0:
+            self._write_outputs(log)
+        return self.summary
+
+    def _record_eval(self, key: str, step: int) -> None:
+        """A held-out accuracy (and, with ``eval.samples``, the sampled metrics as ``<key>_sampled``)
+        into the summary; without held-out rows, ``None`` and a note saying why."""
+        if self.cfg.eval.samples:
+            self.summary[f"{key}_sampled"] = self.evaluate_sampled()
+        for role in self.roles:  # each further trained model on the same held-out prompts
+            value = self.evaluate(role.policy)
+            self.summary[f"{role.name}/{key}"] = None if value != value else value
+        accuracy = self.evaluate()
+        if accuracy != accuracy:  # NaN: nothing to evaluate on
+            self.summary[key] = None
+            self.summary["eval_note"] = f"no held-out evaluation: eval.size={self.cfg.eval.size} and {len(self.eval_rows)} held-out rows"
+            return
+        self.summary[key] = accuracy
+        self.summary["evals"].append((step, accuracy))
+
+    def _check_health(self, row: dict[str, Any]) -> None:
+        """Abort (before anything is saved) a run that cannot learn: optimiser steps that keep going
+        non-finite, or steps in which no sample has a finite reward."""
+        cfg = self.cfg
+        self._skipped_in_row = self._skipped_in_row + 1 if row.get("nonfinite") else 0
+        if self._skipped_in_row >= cfg.train.max_skipped_in_row:
+            raise RuntimeError(f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss, gradient or result and were skipped or "
+                               f"rolled back (train.max_skipped_in_row={cfg.train.max_skipped_in_row}); check update.lr and the rewards")
+        self._empty_in_row = self._empty_in_row + 1 if row.get("reward_finite_frac", 1.0) == 0 else 0
+        if self._empty_in_row >= cfg.reward.max_empty_steps:
+            raise RuntimeError(f"{self._empty_in_row} steps in a row had no sample with a finite reward (every reward None, NaN or inf; "
+                               f"reward.max_empty_steps={cfg.reward.max_empty_steps}): nothing can be learned; check the reward functions")
+
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        if self._stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: leave now, without waiting for the step's checkpoint
+        self._stop_requested = signal.Signals(signum).name
+
+    def _write_outputs(self, log: MetricsLog | None) -> None:
+        """``final/`` (written aside, then swapped in as a whole), ``summary.json`` (atomic), the curve."""
+        staging = self.out / f".final.tmp{os.getpid()}"
+        if staging.exists():
+            shutil.rmtree(staging)
+        self.policy.save(staging)
+        for role in self.roles:
+            role.policy.save(staging / role.name)
+        runfolder.publish_dir(staging, self.out / "final")
+        runfolder.write_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, allow_nan=False) + "\n")
+        if log is not None:
+            plot_rewards(log.rows, self.summary["evals"], self.out / "reward.png")
+
+
+class _Quiet:
+    """Stand-in for the progress bar on ranks other than 0."""
+
+    def __enter__(self) -> "_Quiet":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def add_task(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        return None
