@@ -109,3 +109,17 @@ def test_role_configuration_errors(tmp_path):
         load_config("codistill", ['roles.ref={model={path="hinted"}}'])
     with pytest.raises(ConfigError, match=r"roles.teacher.rewards names \['nope'\]; the run's reward functions are \['exact', 'codistill_kd'\]"):
         codistill(tmp_path / "x", 'roles.teacher.rewards=["nope"]')
+
+
+def test_a_role_identical_to_the_policy_takes_identical_steps(tmp_path):
+    """The role's update path is the policy's: a teacher that starts as the same model, with the same
+    objective and no IS weight, sees the same batch, rewards and advantages (the models stay equal,
+    so the IS ratio would be 1 anyway) and must end every step with bit-identical weights."""
+    trainer = codistill(tmp_path / "run", 'rewards=["exact"]', f'roles.teacher.model.path="{MODEL}"',
+                        'roles.teacher.objective={agg="seq_mean_token_mean", terms=[{name="ppo_clip", eps_low=0.2, eps_high=0.2}], weights=[]}')
+    for step in range(3):
+        trainer.step = step
+        row = trainer.run_step()
+        assert row["teacher/loss"] == row["loss"] and row["teacher/grad_norm"] == row["grad_norm"]
+        for p, q in zip(trainer.model.parameters(), trainer.roles[0].policy.module.parameters()):
+            assert torch.equal(p, q)
