@@ -45,19 +45,19 @@ def reference(tmp_path_factory):
 TIMING: dict[str, float] = {}  # the uninterrupted run on this machine: start-up to its first step, then the training
 
 
-def kill_at_random_moment(proc, out, rng) -> bool:
+def kill_at_random_moment(proc, out, rng, timing=TIMING) -> bool:
     """SIGKILL ``proc`` at a seeded random moment: a third of the time during start-up (loading,
     resuming), otherwise within the step after the next one is logged (generation, backward,
     checkpointing), so each launch advances about a step and ten kills land before the run ends on
     any machine (a fixed 3–9 s let a fast CPU finish after two). False if it ended first."""
     log = out / "metrics.jsonl"
     if rng.random() < 1 / 3:
-        deadline = time.monotonic() + rng.uniform(0.3, TIMING["first_step"])
+        deadline = time.monotonic() + rng.uniform(0.3, timing["first_step"])
     else:
         seen = log.read_text().count("\n") if log.exists() else 0
         while proc.poll() is None and not (log.exists() and log.read_text().count("\n") > seen):
             time.sleep(0.01)
-        deadline = time.monotonic() + rng.uniform(0.0, TIMING["training"] / 12)  # within about one step
+        deadline = time.monotonic() + rng.uniform(0.0, timing["training"] / 12)  # within about one step
     try:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         return False
@@ -165,3 +165,35 @@ def test_sigkill_with_keep_last_one(tmp_path, reference):
     print(f"keep_last=1: {kills} SIGKILLs survived")
     assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 1
     assert final_sha(tmp_path) == reference
+
+
+def test_sigkill_with_two_trained_models(tmp_path):
+    """CoDistill's student and teacher both resume bit for bit after SIGKILLs at random moments (the
+    checkpoint holds every role's model, optimiser and component states)."""
+    args = ["train", "codistill", "train.steps=12", "checkpoint.every=1", "eval.size=0", "rollout.prompts_per_step=8",
+            "rollout.group_size=4", "threads=1", f'model.path="{MODEL}"']
+
+    def launch(out):
+        return subprocess.Popen([sys.executable, "-m", "groupwise", *args, f"out={out}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+
+    def shas(out):
+        return [hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "final" / "model.safetensors", out / "final" / "teacher" / "model.safetensors")]
+
+    t0 = time.monotonic()
+    proc = launch(tmp_path / "straight")
+    while proc.poll() is None and not ((tmp_path / "straight" / "metrics.jsonl").exists() and (tmp_path / "straight" / "metrics.jsonl").read_text()):
+        time.sleep(0.02)
+    first = time.monotonic() - t0
+    assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
+    timing = {"first_step": first, "training": time.monotonic() - t0 - first}
+    rng, kills, out = random.Random(20261204), 0, tmp_path / "killed"
+    while True:
+        proc = launch(out)
+        if kills < 6 and kill_at_random_moment(proc, out, rng, timing):
+            kills += 1
+            continue
+        assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
+        if (out / "final" / "teacher" / "model.safetensors").exists():
+            break
+    print(f"two trained models: {kills} SIGKILLs survived")
+    assert kills == 6 and shas(out) == shas(tmp_path / "straight")
