@@ -77,7 +77,7 @@ class Trainer(RunLoop):
         models = self.policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
         models.update({role.name: role.policy.scoring_models(with_reference=False)["policy"] for role in self.roles})
         self.needs = NeedResolver(needs, models, cfg.views, self.policy.score, self.policy.encode, context=self.policy.context)
-        for component in owners + self.eval_stage.scorers:  # a component made for another modality's rollouts fails here, not mid-run
+        for component in owners + self.eval_stage.scorers + [c for r in self.roles for c in r.components]:  # another modality's component fails here, not mid-run
             if getattr(component, "modality", self.policy.modality) != self.policy.modality:
                 raise ConfigError(f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r} works on {component.modality} policies; "
                                   f"this run's policy is {self.policy.modality} (model.policy={cfg.model.policy!r})")
