@@ -236,3 +236,16 @@ def test_lora_trains_only_the_adapters_and_saves_a_merged_model(tmp_path):
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert not any("lora" in n for n, _ in merged.named_parameters())  # adapters merged into plain weights
+
+
+def test_on_bad_row_skip_drops_prompts_too_long_for_the_context(tmp_path):
+    """Before: data.on_bad_row="skip" stopped at the first over-long prompt (the docs said skipped)."""
+    data = tmp_path / "data.jsonl"
+    long_prompt = "1+" * 80 + "1="  # 162 characters: far past the embedded model's 128 positions
+    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n" + json.dumps({"question": long_prompt, "answer": "81"}) + "\n")
+    with pytest.raises(ValueError, match="exceeds the model's context of 128"):
+        make_trainer(tmp_path / "a", f'data.path="{data}"', 'data.columns={prompt="question"}', "eval.size=0").collect()
+    trainer = make_trainer(tmp_path / "b", f'data.path="{data}"', 'data.columns={prompt="question"}', "eval.size=0", 'data.on_bad_row="skip"')
+    assert [r["prompt"] for r in trainer.train_rows] == ["1+1="] and trainer.rows_skipped == {"train": 1}
+    assert trainer.summary["rows_skipped"] == {"train": 1}
+    assert torch.isfinite(trainer.collect().rewards).all()

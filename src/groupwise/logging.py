@@ -93,6 +93,7 @@ def progress_bar(console: Console | None = None) -> Progress:
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("reward {task.fields[reward]:.3f}"),
+        TextColumn("{task.fields[kl]}"),
         TextColumn("{task.fields[speed]:.0f} tok/s"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),

@@ -164,7 +164,7 @@ class RunLoop:
         last_save = time.perf_counter()
         stop, out_of_time = dist.agree([self._stop_requested is not None, False])
         with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
-            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0)
+            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0, kl="")
             while self.step < cfg.train.steps and not (stop or out_of_time):
                 row = self.run_step()
                 self._check_health(row)
@@ -175,7 +175,8 @@ class RunLoop:
                     log.write(row)
                     if cfg.log.samples and self.step % cfg.log.samples_every == 0:
                         append_jsonl(self.out / "samples.jsonl", sample_rows(self._last_batch, self.step, cfg.log.samples))
-                bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0))
+                bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0),
+                           kl=f"kl {row['kl']:.4f}" if row.get("kl") is not None else "")  # the KL to the reference, when one is measured
                 self.step += 1
                 self.summary["wall_seconds"] = time.perf_counter() - start
                 # decided together: every rank stops, and checkpoints, at the same step

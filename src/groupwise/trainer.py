@@ -10,6 +10,7 @@ extra input a component needs is declared as a ``Need`` and computed here once.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -44,6 +45,9 @@ class Trainer(RunLoop):
         self.policy = build_policy(cfg.model, cfg.perf)
         self.train_rows, self.eval_rows, task_reward = load_splits(cfg.data, cfg.seed, own_rewards=bool(cfg.rewards))
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
+        self.rows_skipped: dict[str, int] = {}
+        if cfg.data.on_bad_row == "skip":  # a prompt that cannot fit the model's context is a bad row too
+            self.train_rows, self.eval_rows = (self._fitting(split, rows) for split, rows in (("train", self.train_rows), ("eval", self.eval_rows)))
 
         ro = cfg.rollout
         if ro.prompts_per_step % self.world:
@@ -88,7 +92,7 @@ class Trainer(RunLoop):
         self.params = self.policy.parameters()
         self.updater.bind(self.params, total_updates)
         self.step = 0
-        self.summary: dict[str, Any] = {}
+        self.summary: dict[str, Any] = {"rows_skipped": self.rows_skipped} if self.rows_skipped else {}
         self._stop_requested: str | None = None  # the signal's name once SIGTERM / SIGINT arrived
         self._skipped_in_row = 0  # optimiser steps in a row with a non-finite loss, gradient or result
         self._empty_in_row = 0  # steps in a row in which no sample had a finite reward
@@ -122,6 +126,23 @@ class Trainer(RunLoop):
             self.policy.check_fits(ids, self.cfg.rollout.max_new_tokens, f"{split} row {index + 1}")
             self._prompt_cache[key] = ids
         return self._prompt_cache[key]
+
+    def _fitting(self, split: str, rows: list[dict]) -> list[dict]:
+        """The rows whose prompt plus ``max_new_tokens`` fits the policy's context (``data.on_bad_row="skip"``)."""
+        kept = []
+        for row in rows:
+            try:
+                self.policy.check_fits(self.policy.encode(row["prompt"]), self.cfg.rollout.max_new_tokens, split)
+                kept.append(row)
+            except ValueError:
+                continue
+        if len(kept) < len(rows):
+            self.rows_skipped[split] = len(rows) - len(kept)
+            print(f"groupwise: data.on_bad_row=skip: {len(rows) - len(kept)} {split} rows skipped (prompt + max_new_tokens longer than "
+                  f"the model's context of {self.policy.context})", file=sys.stderr)
+        if not kept and rows:
+            raise ConfigError(f"every {split} prompt is longer than the model's context allows with rollout.max_new_tokens={self.cfg.rollout.max_new_tokens}")
+        return kept
 
     def _share(self, batch: Rollout) -> Rollout:
         """This rank's groups of the whole batch (the batch itself at world size 1)."""
