@@ -128,3 +128,17 @@ def test_the_reward_tables_the_docs_show_parse(tmp_path):
     assert cfg.rewards[0]["name"] == "code" and cfg.rewards[0]["column"] == "tests"
     docs = (Path(__file__).resolve().parents[1] / "docs" / "sandbox.md").read_text()
     assert "[[reward]]" not in docs and "[[rewards]]" in docs
+
+
+def test_the_config_reference_is_current():
+    """docs/config.md is generated from the dataclasses (`groupwise config > docs/config.md`): every
+    key is there with its default and a meaning, and the page matches the code."""
+    from pathlib import Path
+
+    from groupwise.config import reference_markdown
+
+    text = reference_markdown()
+    assert (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text().strip() == text.strip(), "regenerate: groupwise config > docs/config.md"
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) > 60 and all(not line.endswith("|  |") for line in rows), [line for line in rows if line.endswith("|  |")]
+    assert "| `group_size` | `int` | `8` |" in text and "## `[roles.NAME]`" in text

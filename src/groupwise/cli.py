@@ -1,4 +1,4 @@
-"""The ``groupwise`` command: train, cp, list, explain, eval, warmstart, compare, claims.
+"""The ``groupwise`` command: train, cp, config, list, explain, eval, warmstart, compare, claims.
 
 Imports stay light: torch and transformers load only for the commands that run a model.
 """
@@ -177,6 +177,14 @@ def cmd_claims(args: list[str]) -> int:
     return run(args)
 
 
+def cmd_config(args: list[str]) -> int:
+    """``groupwise config``: every config section and key with its type, default and meaning."""
+    from groupwise.config import reference_markdown
+
+    print(reference_markdown())
+    return 0
+
+
 def cmd_cp(args: list[str]) -> int:
     """``groupwise cp RECIPE PATH [--force]``: copy a shipped recipe to edit."""
     import shutil
@@ -208,14 +216,14 @@ def cmd_cp(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"cp": cmd_cp, "train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval": cmd_eval, "warmstart": cmd_warmstart,
+COMMANDS = {"config": cmd_config, "cp": cmd_cp, "train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval": cmd_eval, "warmstart": cmd_warmstart,
             "compare": cmd_compare, "claims": cmd_claims}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...] | "
+    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...] | "
                         "compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

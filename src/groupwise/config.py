@@ -47,10 +47,10 @@ class RolloutCfg:
     name: str = "sample"  # rollout strategy
     group_size: int = 8  # G completions per prompt
     prompts_per_step: int = 16  # B prompts per optimiser step (over all ranks)
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: int = 16  # generation budget per completion (tokens)
+    temperature: float = 1.0  # sampling temperature of the rollouts (greedy evaluation ignores it)
+    top_p: float = 1.0  # nucleus sampling (1 = off)
+    top_k: int = 0  # top-k sampling (0 = off)
     params: dict = field(default_factory=dict)  # extra parameters of the rollout strategy
 
 
@@ -65,14 +65,14 @@ class RewardCfg:
 
 @dataclass
 class AdvantageCfg:
-    estimator: Any = "grpo"
-    shapers: list = field(default_factory=list)
+    estimator: Any = "grpo"  # the advantage estimator (a component of stage advantage)
+    shapers: list = field(default_factory=list)  # advantage shapers applied after the estimator, in order
 
 
 @dataclass
 class ObjectiveCfg:
     agg: str = "seq_mean_token_mean"  # default aggregation of every term
-    terms: list = field(default_factory=lambda: ["ppo_clip"])
+    terms: list = field(default_factory=lambda: ["ppo_clip"])  # objective terms (components of stage objective), summed
     weights: list = field(default_factory=list)  # token-weight components
 
 
@@ -99,7 +99,7 @@ class EvalCfg:
 class CheckpointCfg:
     every: int = 0  # steps between checkpoints (0 = by time only)
     minutes: float = 5.0  # also checkpoint when this many minutes passed since the last one (0 = off)
-    keep_last: int = 2
+    keep_last: int = 2  # complete checkpoints kept (older ones pruned after a new one is published)
 
 
 @dataclass
@@ -126,10 +126,10 @@ class RoleCfg:
     large model. It shares the policy's tokenizer; its components' needs of ``model="policy"``
     are read from this role's own model."""
 
-    model: ModelCfg = field(default_factory=ModelCfg)
-    objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)
-    update: Any = field(default_factory=lambda: {"name": "adamw"})
-    advantage: AdvantageCfg = field(default_factory=AdvantageCfg)
+    model: ModelCfg = field(default_factory=ModelCfg)  # the role's model, as [model]
+    objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)  # the role's objective, as [objective]
+    update: Any = field(default_factory=lambda: {"name": "adamw"})  # the role's updater (a component of stage update)
+    advantage: AdvantageCfg = field(default_factory=AdvantageCfg)  # the role's advantage estimator, as [advantage]
     rewards: list = field(default_factory=list)  # labels of the reward functions whose weighted sum is this role's reward (empty: the policy's total)
 
     def __post_init__(self) -> None:
@@ -139,19 +139,19 @@ class RoleCfg:
 
 @dataclass
 class Config:
-    name: str = "grpo"
-    seed: int = 0
+    name: str = "grpo"  # run name (default run folder runs/<name>)
+    seed: int = 0  # run seed: prompts drawn, sample noise, initialisation
     out: str = ""  # run folder (default runs/<name>)
     threads: int = 0  # torch threads (0 = torch's default)
     model: ModelCfg = field(default_factory=ModelCfg)
     data: DataCfg = field(default_factory=DataCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
-    sampling: Any = "uniform"
+    sampling: Any = "uniform"  # prompt sampler (a component of stage sampling)
     rewards: list = field(default_factory=list)  # empty = the task's default reward
     reward: RewardCfg = field(default_factory=RewardCfg)  # how reward failures are handled
     advantage: AdvantageCfg = field(default_factory=AdvantageCfg)
     objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)
-    update: Any = field(default_factory=lambda: {"name": "adamw"})
+    update: Any = field(default_factory=lambda: {"name": "adamw"})  # the policy's updater (a component of stage update; `update.lr=...` keeps adamw)
     train: TrainCfg = field(default_factory=TrainCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
@@ -391,3 +391,46 @@ def toml_value(value: Any) -> str:
     if value is None:
         return '""'
     raise ConfigError(f"cannot write {value!r} to TOML")
+
+
+def reference_markdown() -> str:
+    """The config reference (``docs/config.md``, ``groupwise config``): every section and key with
+    its type, default and the comment beside its field, read from the dataclasses so it cannot drift."""
+    import inspect
+
+    def comments(cls: type) -> dict[str, str]:
+        out = {}
+        for line in inspect.getsource(cls).splitlines():
+            name, _, rest = line.strip().partition(":")
+            if "#" in rest and name.isidentifier():
+                out[name] = rest.split("#", 1)[1].strip()
+        return out
+
+    def default(f: dataclasses.Field) -> str:
+        if f.default is not dataclasses.MISSING:
+            return repr(f.default)
+        value = f.default_factory()  # type: ignore[misc]
+        return "(section)" if dataclasses.is_dataclass(value) else repr(value)
+
+    lines = ["# Configuration reference", "", "Generated from `src/groupwise/config.py` (`groupwise config` prints it; `tests/test_config.py`",
+             "checks this page is current). Every key can be set in a recipe's TOML or as `key=value` on the command",
+             "line (`rollout.group_size=4`, `objective.terms.ppo_clip.eps_high=0.28`); component parameters are",
+             "documented by `groupwise explain NAME`.", ""]
+    sections = [("(top level)", Config)] + [(f.name, globals()[f.type] if isinstance(f.type, str) else f.type)
+                                            for f in dataclasses.fields(Config) if isinstance(f.type, str) and f.type in globals()
+                                            and dataclasses.is_dataclass(globals()[f.type])]
+    sections.append(("roles.NAME", RoleCfg))
+    for title, cls in sections:
+        notes = comments(cls)
+        lines += [f"## `[{title}]`" if title != "(top level)" else "## Top level", ""]
+        doc = inspect.getdoc(cls)
+        if doc and cls is not Config and not doc.startswith(f"{cls.__name__}("):  # not the generated signature
+            lines += [" ".join(doc.split()), ""]
+        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            if title == "(top level)" and isinstance(f.type, str) and f.type in globals() and dataclasses.is_dataclass(globals()[f.type]):
+                continue  # a section of its own below
+            meaning = notes.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{f.name}` | `{f.type}` | `{default(f)}` | {meaning} |")
+        lines.append("")
+    return "\n".join(lines)
