@@ -12,7 +12,7 @@ def test_train_and_eval_help(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: groupwise train [RECIPE]") and "--resume-allow" in out and "flash_grpo" in out
     assert cli.main(["eval", "-h"]) == 0
-    assert capsys.readouterr().out.startswith("usage: groupwise eval [MODEL]")
+    assert capsys.readouterr().out.startswith("usage: groupwise eval [MODEL | RUN]")
 
 
 def test_cp_copies_a_shipped_recipe_that_then_loads(tmp_path, capsys):
@@ -25,3 +25,18 @@ def test_cp_copies_a_shipped_recipe_that_then_loads(tmp_path, capsys):
     assert "exists; add --force" in capsys.readouterr().err
     assert cli.main(["cp", "demo", str(tmp_path)]) == 0 and (tmp_path / "demo.toml").exists()  # a folder: keeps the name
     assert cli.main(["cp", "nope", str(target)]) == 2 and "shipped recipes:" in capsys.readouterr().err
+
+
+def test_eval_of_a_run_folder_uses_the_runs_settings_and_final_model(tmp_path, capsys):
+    """Before: `groupwise eval runs/x` treated the folder as a model path and evaluated on the default task."""
+    import json
+
+    from test_trainer import make_trainer
+
+    run = tmp_path / "run"
+    summary = make_trainer(run, "train.steps=2", "eval.size=12", 'data.task="countdown"', "rollout.max_new_tokens=8").train()
+    capsys.readouterr()
+    assert cli.main(["eval", str(run)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["task"] == "countdown" and result["eval_size"] == 12
+    assert result["accuracy"] == summary["accuracy_after"]  # the same model on the same held-out rows

@@ -29,10 +29,12 @@ command resumes from the last intact checkpoint; --resume-allow names the config
 sections) that may differ from the stored run. `groupwise list` shows the components,
 `groupwise explain NAME` one of them; docs/reliability.md what a run folder guarantees."""
 
-EVAL_HELP = """usage: groupwise eval [MODEL] [key=value ...]
+EVAL_HELP = """usage: groupwise eval [MODEL | RUN] [key=value ...]
 
 Held-out greedy accuracy of a model folder (default: the shipped `default` model) on the task of
-`data.task` / `data.path` (key=value overrides as for train, e.g. data.task=countdown eval.size=500)."""
+`data.task` / `data.path` (key=value overrides as for train, e.g. data.task=countdown eval.size=500).
+Given a run folder (runs/demo), its final model on the run's own data, reward and eval settings;
+with eval.samples=n also mean@n and pass@k."""
 
 
 def _shipped_recipes() -> str:
@@ -139,21 +141,31 @@ def cmd_explain(args: list[str]) -> int:
 
 
 def cmd_eval(args: list[str]) -> int:
-    """``groupwise eval [MODEL] [key=value ...]``: held-out greedy accuracy of a model folder."""
+    """``groupwise eval [MODEL | RUN] [key=value ...]``: held-out greedy accuracy of a model folder or a run's final model."""
     from groupwise.config import load_config
+    from groupwise.registry import ConfigError
 
     if any(a in ("-h", "--help") for a in args):
         print(EVAL_HELP)
         return 0
+    from pathlib import Path
+
     model = "default"
     if args and "=" not in args[0]:
         model, args = args[0], args[1:]
-    cfg, _ = load_config(None, [f'model.path="{model}"', "train.steps=0", *args])
+    run = Path(model)
+    if (run / "config.toml").exists() and (run / "final").is_dir():  # a run folder: its own data, reward and eval settings, its final model
+        cfg, _ = load_config(str(run / "config.toml"), [f'model.path="{run / "final"}"', "model.lora={}", "roles={}", "train.steps=0", *args])
+        if cfg.model.policy != "lm":
+            raise ConfigError(f"groupwise eval reads language-model folders; {run} trained a {cfg.model.policy!r} policy (its summary.json has its accuracy)")
+    else:
+        cfg, _ = load_config(None, [f'model.path="{model}"', "train.steps=0", *args])
     from groupwise.trainer import Trainer
 
     trainer = Trainer(cfg)
-    accuracy = trainer.evaluate()
-    print(json.dumps({"model": model, "task": cfg.data.path or cfg.data.task, "eval_size": min(cfg.eval.size, len(trainer.eval_rows)), "accuracy": accuracy}))
+    result = {"model": model, "task": cfg.data.path or cfg.data.task, "eval_size": min(cfg.eval.size, len(trainer.eval_rows)), "accuracy": trainer.evaluate()}
+    result.update(trainer.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
+    print(json.dumps(result))
     return 0
 
 
