@@ -79,7 +79,7 @@ def role_needs(role: Trainable) -> list[Need]:
 
 def role_rewards(role: Trainable, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
     """(rewards [B,G], valid [B,G]) of the role: its reward columns, weighted, or the policy's total."""
-    if role.reward_columns is None:
+    if role.reward_columns is None or batch.shape[0] == 0:  # the policy's total (or nothing kept this step)
         return batch.rewards, batch.group_valid
     cols = role.reward_columns
     weights = batch.extras["reward_weights"][0, cols].tolist()

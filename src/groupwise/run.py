@@ -42,14 +42,12 @@ class RunLoop:
             named[k] = component
         return named
 
-
     def _say(self, message: str) -> None:
         if self.rank == 0:
             if self.console is not None:
                 self.console.print(message, soft_wrap=True, markup=False, highlight=False)  # one line: greppable
             else:
                 print(message, file=sys.stderr)
-
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -105,7 +103,6 @@ class RunLoop:
         if self.rank == 0:
             checkpoint.save(self.out, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
         dist.barrier()
-
 
     # ------------------------------------------------------------------ the run
     def train(self, resume_allow: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
@@ -227,7 +224,6 @@ class RunLoop:
         if self._empty_in_row >= cfg.reward.max_empty_steps:
             raise RuntimeError(f"{self._empty_in_row} steps in a row had no sample with a finite reward (every reward None, NaN or inf; "
                                f"reward.max_empty_steps={cfg.reward.max_empty_steps}): nothing can be learned; check the reward functions")
-
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         if self._stop_requested and signum == signal.SIGINT:

@@ -318,7 +318,7 @@ class Trainer(RunLoop):
         row.update(_rollout_stats(local))  # after the update: the old log-probs may come from its first pass
         row.update(_reward_means(batch, self.reward_stage.labels))
         row.update(update)
-        for role in self.roles:  # further roles learn from the same rollouts, behaviour = the policy's log-probs
+        for role in self.roles if batch.shape[0] else ():  # further roles learn from the same rollouts, behaviour = the policy's log-probs
             behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)  # [B,G,T]
             stats = self.update(self._share(roles.view(role, batch, behaviour, self._info())), role)
             row.update({f"{role.name}/{k}": v for k, v in stats.items()})
