@@ -166,7 +166,7 @@ GOOD = json.dumps({"prompt": "fine", "answer": "1"})
         (json.dumps({"prompt": "q", "answer": ["1", "2"]}), {}, ["'answer' is list"]),
         (json.dumps({"prompt": "  \n", "answer": "1"}), {}, ["'prompt' is empty"]),
         (json.dumps({"prompt": 12, "answer": "1"}), {}, ["'prompt' is int, expected a string"]),
-        (json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}), {}, ["'prompt' is list"]),
+        (json.dumps({"prompt": [{"role": "user"}], "answer": "1"}), {}, ["'prompt' is a list but not of"]),  # chat messages need role and content
         (
             json.dumps({"prompt": "x" * 11, "answer": "1"}),
             {"max_prompt_chars": 10},
@@ -282,3 +282,11 @@ def test_a_trl_reward_reads_the_datasets_own_column_names(tmp_path):
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
     assert score([by_target], [rows[0]["prompt"]], ["2"], columns).total.tolist() == [1.0]
     assert rows[0]["answer"] == "2" and rows[0]["target"] == "2"
+
+
+def test_conversational_prompts_load_and_bad_messages_are_named(tmp_path):
+    chat = [{"role": "user", "content": "1+1="}]
+    path = write_lines(tmp_path / "c.jsonl", [json.dumps({"prompt": chat, "answer": "2"}), json.dumps({"prompt": [{"role": "user"}], "answer": "3"})])
+    result = load_rows(path, on_bad_row="skip")
+    assert result.rows[0]["prompt"] == chat and result.skipped == 1
+    assert "line 2" in result.problems[0] and "messages" in result.problems[0]

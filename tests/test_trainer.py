@@ -249,3 +249,14 @@ def test_on_bad_row_skip_drops_prompts_too_long_for_the_context(tmp_path):
     assert [r["prompt"] for r in trainer.train_rows] == ["1+1="] and trainer.rows_skipped == {"train": 1}
     assert trainer.summary["rows_skipped"] == {"train": 1}
     assert torch.isfinite(trainer.collect().rewards).all()
+
+
+def test_chat_prompts_and_system_prompt_use_the_chat_template(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
+    trainer = make_trainer(tmp_path / "run", f'data.path="{data}"', "eval.size=0", 'data.system_prompt="add:"')
+    with pytest.raises(ValueError, match="chat template"):  # the embedded tokenizer has none
+        trainer._prompt_ids("train", trainer.train_rows, 0)
+    trainer.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"  # a minimal template
+    ids = trainer._prompt_ids("train", trainer.train_rows, 0)
+    assert trainer.tokenizer.decode(ids) == "<system>add:<user>1+1="

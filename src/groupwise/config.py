@@ -40,6 +40,7 @@ class DataCfg:
     eval_path: str = ""  # held-out data for user data (default: none)
     train_size: int = 0  # rows of the train split to use (0 = all)
     on_bad_row: str = "raise"  # raise | skip
+    system_prompt: str = ""  # a system message put before every prompt (needs a tokenizer with a chat template)
 
 
 @dataclass

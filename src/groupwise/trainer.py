@@ -122,7 +122,10 @@ class Trainer(RunLoop):
     def _prompt_ids(self, split: str, rows: list[dict], index: int) -> list[int]:
         key = (split, index)
         if key not in self._prompt_cache:
-            ids = self.policy.encode(rows[index]["prompt"])
+            prompt, system = rows[index]["prompt"], self.cfg.data.system_prompt
+            if system:  # conversational form: the chat template renders the system message
+                prompt = [{"role": "system", "content": system}, *(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])]
+            ids = self.policy.encode(prompt)
             self.policy.check_fits(ids, self.cfg.rollout.max_new_tokens, f"{split} row {index + 1}")
             self._prompt_cache[key] = ids
         return self._prompt_cache[key]

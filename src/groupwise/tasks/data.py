@@ -28,7 +28,8 @@ Columns: ``columns`` maps our names to the source's, e.g. ``{"prompt": "question
 column is available under our name (if the source also has a column with our name, the mapped one
 wins) AND under its own, so a TRL reward function reading ``kwargs["target"]`` works unchanged
 with ``columns = {answer = "target"}``; unmapped names map to themselves, every other column is kept.
-Result rows always have ``prompt`` (a non-empty string) and ``answer`` (a string; an int or float
+Result rows always have ``prompt`` (a non-empty string, or a conversation: a list of
+``{"role", "content"}`` messages that the tokenizer's chat template renders) and ``answer`` (a string; an int or float
 gold answer is converted with ``str``; ``None`` when ``require_answer=False`` and the row has none).
 
 Bad rows (unparseable JSON line, bad UTF-8, not an object, missing prompt/answer column, prompt
@@ -272,13 +273,19 @@ def _check_row(
     if columns["prompt"] not in row:
         raise missing("prompt")
     prompt = row[columns["prompt"]]
-    if not isinstance(prompt, str):
-        raise _BadRow(f"{where}: column {describe('prompt')} is {type(prompt).__name__}, expected a string")
-    if not prompt.strip():
+    if isinstance(prompt, list):  # a conversation: [{"role": ..., "content": ...}, ...], rendered by the chat template
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
+            raise _BadRow(f"{where}: column {describe('prompt')} is a list but not of {{'role': str, 'content': str}} messages")
+        text = "".join(m["content"] for m in prompt)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise _BadRow(f"{where}: column {describe('prompt')} is {type(prompt).__name__}, expected a string or a list of chat messages")
+    if not text.strip():
         raise _BadRow(f"{where}: column {describe('prompt')} is empty")
-    if max_prompt_chars is not None and len(prompt) > max_prompt_chars:
+    if max_prompt_chars is not None and len(text) > max_prompt_chars:
         raise _BadRow(
-            f"{where}: column {describe('prompt')} has {len(prompt)} characters, more than max_prompt_chars={max_prompt_chars}"
+            f"{where}: column {describe('prompt')} has {len(text)} characters, more than max_prompt_chars={max_prompt_chars}"
         )
 
     if columns["answer"] in row and row[columns["answer"]] is not None:
