@@ -120,6 +120,16 @@ def fill_needs(rollout: Rollout, needs, seed: int = 7) -> dict[str, Tensor]:
     return out
 
 
+def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]:
+    """``fill_needs`` for the component's needs, plus a random group-level value [B] for each extra
+    it reads from the rollout strategy (``rollout_extras``, e.g. ReMax's ``baseline_reward``)."""
+    out = fill_needs(rollout, getattr(component, "needs", ()), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for key in getattr(component, "rollout_extras", ()):
+        rollout.set_extra(key, torch.rand(rollout.shape[0], generator=g), "group")
+    return out
+
+
 def permute_rows(rollout: Rollout, perm: Tensor) -> Rollout:
     """A copy with the rows of group b reordered by ``perm[b]`` ([B,G] long) in every row field."""
     B, G, _ = rollout.shape

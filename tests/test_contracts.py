@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from groupwise.registry import build, entries
-from helpers import fill_needs, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm
+from helpers import fill_inputs, fill_needs, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm
 
 STAGES = ("advantage", "objective", "weight", "aggregation", "kl")
 ALL = [(s, n) for s, n, c in entries() if s in STAGES and getattr(c, "modality", "text") == "text"]  # the sweeps build text rollouts
@@ -120,7 +120,7 @@ def test_docstrings_and_dataclass_fields():
 def test_advantage_shape_finite_and_invalid_rows_zero(name):
     est = build("advantage", name)
     ro = make_rollout(B, G, T, seed=1)
-    fill_needs(ro, getattr(est, "needs", ()))
+    fill_inputs(ro, est)
     adv = est(ro, info_for(T))
     assert adv.dtype == torch.float32
     assert tuple(adv.shape[:2]) == (B, G) and adv.dim() in (2, 3)
@@ -136,7 +136,7 @@ def test_advantage_constant_and_degenerate_groups_finite(name):
     ro = make_rollout(4, G, T, seed=2, binary=True)
     ro.rewards = torch.tensor([[1.0, 1, 1, 1], [0, 0, 0, 0], [0.3, 0.3, 0.3, 0.3], [1, 0, 1, 0]])
     ro.group_valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
-    fill_needs(ro, getattr(est, "needs", ()))
+    fill_inputs(ro, est)
     adv = est(ro, info_for(T))
     assert torch.isfinite(adv).all()
     assert (adv[3] == 0).all()  # empty group
@@ -147,7 +147,7 @@ def test_advantage_constant_and_degenerate_groups_finite(name):
 def test_advantage_row_permutation_equivariant(name):
     est = build("advantage", name)
     ro = make_rollout(B, G, T, seed=3)
-    fill_needs(ro, getattr(est, "needs", ()))
+    fill_inputs(ro, est)
     perm = random_perm(B, G)
     adv = est(ro, info_for(T))
     adv_p = est(permute_rows(ro, perm), info_for(T))
@@ -158,7 +158,7 @@ def test_advantage_row_permutation_equivariant(name):
 def test_advantage_feeds_objective_with_zero_grad_on_masked(name):
     est = build("advantage", name)
     ro = make_rollout(B, G, T, seed=4)
-    fill_needs(ro, getattr(est, "needs", ()))
+    fill_inputs(ro, est)
     ro.advantages = est(ro, info_for(T))
     logp = make_logp(ro)
     loss, grad, mask = _grad_through_objective([build("objective", "ppo_clip")], ro, {"logp": logp}, logp, "token_mean")

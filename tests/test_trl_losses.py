@@ -494,3 +494,22 @@ def test_trl_parity_vespo_gamma_weights_with_sampler_is(mode):
     assert (phi_trl - 1).abs().max() > 0.1  # the IS ratio moved the weights
     if mode == "token_mask":
         assert (phi_trl < 1e-6).any()  # a zeroed IS ratio → log 1e-8 → φ ≈ 0
+
+
+def test_trl_delta_is_ppo_clip_dual_clip():
+    # TRL's `delta` (two-sided GRPO, INTELLECT-2) clamps the ratio at δ before the min: for A < 0 and
+    # ratio > δ, min(δ·A, (1+ε)·A) = δ·A, our dual clip c = δ; for A > 0 the clip at 1+ε < δ binds first.
+    B, G, T = 3, 4, 7
+    ro = make_rollout(B, G, T, seed=41, awkward=False)
+    logp = make_logp(ro, seed=42, scale=0.6)
+    ratio = (logp.detach() - ro.logp_old).exp()  # [B,G,T]
+    hit = (ratio > 1.3) & (ro.advantages[..., None] < 0) & ro.row_mask  # tokens the dual clip bounds
+    assert hit.sum() >= 3, "the comparison must reach the dual clip"
+    N = B * G
+    _, trl_loss, _ = _trl_compute_loss("grpo", logp.reshape(N, T), ro.logp_old.reshape(N, T), ro.advantages.reshape(N), ro.mask.reshape(N, T), delta=1.3)
+    (trl_grad,) = torch.autograd.grad(trl_loss, logp, retain_graph=True)
+    loss, grad, _ = _agg_loss_grad(build("objective", "ppo_clip", dual_clip=1.3), ro, logp, "seq_mean_token_mean")
+    print(f"TRL parity ppo_clip dual_clip=1.3 vs delta=1.3: loss {abs(loss - trl_loss.detach()):.2e}, grad {(grad - trl_grad).abs().max():.2e}")
+    assert abs(loss - trl_loss.detach()) < 1e-6 and (grad - trl_grad).abs().max() < 1e-6
+    undual, _, _ = _agg_loss_grad(build("objective", "ppo_clip"), ro, logp, "seq_mean_token_mean")
+    assert abs(undual - loss) > 1e-4  # without the dual clip the loss differs: the test can fail

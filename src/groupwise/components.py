@@ -34,6 +34,40 @@ class Sampler(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Policy(Protocol):
+    """What the trainer samples from and trains (``groupwise.policy``): an LM (``policy/lm.py``) or
+    the flow toy (``modalities/flow.py``). ``generate`` turns requests into one group each (rows past
+    a request's ``n`` are padding); ``forward`` gives per-token quantities of a rollout's actions
+    (differentiable under grad); ``scoring_models`` / ``score`` serve no-grad needs by model name.
+    ``request_options`` are the sampling keys a ``Request.sampling`` may set; ``modality`` must match
+    every component's own (``"text"`` when a component declares none)."""
+
+    modality: str
+    trainable: bool
+    request_options: frozenset[str]
+    context: int | None  # the longest prompt + completion, or None
+    def generate(self, requests: Sequence[Any], sampling: dict, info: StepInfo) -> Rollout: ...
+    def forward(self, rollout: Rollout, quantities: Sequence[str] = ("logp",)) -> dict[str, Tensor]: ...
+    def scoring_models(self, with_reference: bool) -> dict[str, Any]: ...
+    def score(self, handle: Any, rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]: ...
+    def encode(self, prompt: Any) -> list[int]: ...
+    def decode(self, rollout: Rollout) -> list[list[str]]: ...
+    def check_fits(self, ids: list[int], max_new_tokens: int, where: str) -> None: ...
+    def parameters(self) -> list[Any]: ...
+    def save(self, folder: Any) -> None: ...
+
+
+class RolloutStrategy(Protocol):
+    """Stages 1–3 together: ``strategy(ctx) -> Rollout`` collects the step's whole scored batch
+    through ``rollout.context.RolloutContext``. ``request_options`` are the ``Request.sampling`` keys
+    it uses (checked against the policy's at build); ``collects`` names the extras it fills, which
+    other components list in their ``rollout_extras`` (checked at build)."""
+
+    request_options: tuple[str, ...]
+    collects: tuple[str, ...]
+    def __call__(self, ctx: Any) -> Rollout: ...
+
+
 class Observer(Protocol):
     """Any component: sees the step's whole scored batch once, after the update (curricula, trackers)."""
 
@@ -65,7 +99,8 @@ class Reward(Protocol):
 
 class Advantage(Protocol):
     """Stage 4. An estimator reads ``rollout.rewards`` [B,G]; a shaper reads ``rollout.advantages``.
-    Returns [B,G] or [B,G,T] float32. Invalid rows (``group_valid`` False) get 0."""
+    Returns [B,G] or [B,G,T] float32. Invalid rows (``group_valid`` False) get 0. One that reads an
+    extra only a rollout strategy collects lists it in ``rollout_extras`` (ReMax's greedy baseline)."""
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor: ...
 

@@ -26,7 +26,7 @@ from groupwise.objective import Objective, token_weights
 from groupwise.policy import build_policy
 from groupwise.registry import ConfigError, build, build_spec
 from groupwise.rewards.stage import RewardStage
-from groupwise.rollout.context import RolloutContext
+from groupwise.rollout.context import RolloutContext, check_strategy
 from groupwise.run import RunLoop
 from groupwise.stats import PromptStats
 from groupwise.tasks import load_splits
@@ -85,6 +85,7 @@ class Trainer(RunLoop):
             if getattr(component, "modality", self.policy.modality) != self.policy.modality:
                 raise ConfigError(f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r} works on {component.modality} policies; "
                                   f"this run's policy is {self.policy.modality} (model.policy={cfg.model.policy!r})")
+        check_strategy(self.strategy, self.policy, owners)  # sampling options it asks for, extras others read
         scorer_needs = set(self.reward_stage.needs)
         self.round_needs = [n for n in needs if not n.grad and n in scorer_needs]  # before dynamic sampling's keep
         self.step_needs = [n for n in needs if not n.grad]

@@ -65,12 +65,15 @@ class Request:
     """One prompt's generation request (a group): ``n`` rows of dataset row ``key``. Row ``j`` takes
     its randomness from ``(seed, step, key, offset + j)``, so a later request for the same prompt in
     the same step (a refill round, an allocation round) continues at ``offset`` with fresh samples.
-    ``prompt`` is the policy's encoding of the row's prompt (filled by the rollout context)."""
+    ``prompt`` is the policy's encoding of the row's prompt (filled by the rollout context);
+    ``sampling`` overrides the step's sampling settings for this request (ReMax's greedy baseline:
+    ``{"greedy": True}``), with keys from the policy's ``request_options``."""
 
     key: int
     n: int
     offset: int = 0
     prompt: Any = None
+    sampling: dict[str, Any] | None = None
 
 
 @dataclass

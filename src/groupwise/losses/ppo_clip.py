@@ -19,7 +19,9 @@ clip-higher; ``dual_clip = c`` bounds the loss of negative-advantage tokens whos
 
 - ``eps_low = eps_high = 0.2`` [PAPER] PPO's ε = 0.2 (Schulman et al. 2017); [CODE] TRL
   ``epsilon=0.2``. DAPO uses ``eps_high = 0.28`` [PAPER].
-- ``dual_clip = None`` (off) [CODE] TRL has no dual clip; verl's ``clip_ratio_c`` default is 3.0.
+- ``dual_clip = None`` (off) [CODE] TRL ``delta = None``: TRL's ``delta`` clamps the ratio at δ
+  before the min (two-sided GRPO), which for δ > 1 + eps_high is this dual clip with c = δ
+  (``tests/test_trl_losses.py``, max difference 0); verl's ``clip_ratio_c`` default is 3.0.
 
 **Notes**
 

@@ -155,6 +155,7 @@ class FlowPolicy:
             self.net = VelocityMLP(n_labels, hidden, layers).double()  # float64: see Note 3
         self.trainable = True
         self.modality = "flow"
+        self.request_options = frozenset({"greedy"})  # greedy = the deterministic ODE (Request.sampling)
 
         self.reference: FlowPolicy | None = None
         self.context = None  # no context length: a label is the whole prompt

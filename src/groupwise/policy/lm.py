@@ -112,6 +112,7 @@ class LMPolicy:
 
     trainable = True
     modality = "text"
+    request_options = frozenset({"greedy", "temperature", "top_p", "top_k", "max_new_tokens"})  # what Request.sampling may set
 
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.engines.cpu import CPUEngine
@@ -130,8 +131,11 @@ class LMPolicy:
         return encode_prompt(self.tokenizer, prompt)
 
     def check_fits(self, ids: list[int], max_new_tokens: int, where: str) -> None:
+        from groupwise.registry import ConfigError
+
         if self.context and len(ids) + max_new_tokens > self.context:
-            raise ValueError(f"{where}: prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's context of {self.context}")
+            raise ConfigError(f"{where}: prompt of {len(ids)} tokens + rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
+                              f"{self.context}; lower rollout.max_new_tokens, or set data.on_bad_row=\"skip\" to drop such prompts")
 
     def decode(self, rollout: Any) -> list[list[str]]:
         """[B][G] completion texts (EOS removed, special tokens skipped)."""

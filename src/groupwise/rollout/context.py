@@ -10,6 +10,11 @@ keep; the context does the mechanics the same way for every strategy:
   (``rewards`` [B,G], ``group_valid``); identical on every rank;
 - ``keep(batch)`` — the sampler's whole-batch verdict per group ([B] bool), ``max_rounds``.
 
+A request may override the step's sampling settings (``Request.sampling``, e.g. ``{"greedy":
+True}``): requests with the same overrides are generated together, and the rows come back in the
+order requested. ``check_strategy`` fails the build when a strategy uses a sampling key the policy
+does not offer, or a component reads an extra no strategy collects.
+
 It also counts, over every batch it scored, how many rows had a finite reward (``finite_fraction``),
 which the trainer uses to stop a run whose rewards are never finite.
 """
@@ -21,7 +26,25 @@ from typing import Any, Callable
 import torch
 
 from groupwise import dist
+from groupwise.registry import ConfigError
 from groupwise.types import Request, Rollout, StepInfo
+
+
+def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
+    """At build: the strategy's ``request_options`` are offered by the policy, and every extra a
+    component lists in ``rollout_extras`` is one the strategy ``collects``."""
+    name = getattr(strategy, "registry_name", type(strategy).__name__)
+    missing = set(getattr(strategy, "request_options", ())) - set(getattr(policy, "request_options", ()))
+    if missing:
+        raise ConfigError(f"rollout strategy {name!r} asks for sampling options {sorted(missing)} that the {policy.modality} policy does not offer "
+                          f"(it offers {sorted(getattr(policy, 'request_options', ()))})")
+    collected = set(getattr(strategy, "collects", ()))
+    for component in components:
+        for extra in getattr(component, "rollout_extras", ()):
+            if extra not in collected:
+                who = f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r}"
+                raise ConfigError(f"{who} reads {extra!r}, which the rollout strategy {name!r} does not collect (it collects {sorted(collected) or 'nothing'}); "
+                                  f"pick a strategy that does, e.g. rollout.name='remax' for 'baseline_reward'")
 
 
 class RolloutContext:
@@ -39,8 +62,8 @@ class RolloutContext:
     def rollout(self, requests: list[Request], round_: int = 0) -> Rollout:
         info = self.info(round_)
         start, stop = dist.shard_bounds(len(requests))
-        mine = [Request(r.key, r.n, r.offset, self.prompt(r.key)) for r in requests[start:stop]]
-        local = self.policy.generate(mine, self.sampling, info)
+        mine = [Request(r.key, r.n, r.offset, self.prompt(r.key), r.sampling) for r in requests[start:stop]]
+        local = self._generate(mine, info)
         local.meta = [self.meta(r.key) for r in mine]
         self.reward_stage.score_local(local)
         self.fill_needs(local)
@@ -50,6 +73,26 @@ class RolloutContext:
         self.finite += int((torch.isfinite(batch.rewards) & real).sum())
         self.scored += int(real.sum())
         return batch
+
+    def _generate(self, requests: list[Request], info: StepInfo) -> Rollout:
+        """One policy call per distinct sampling override (usually one call), rows in request order."""
+        by_override: dict[tuple, list[int]] = {}
+        offered = getattr(self.policy, "request_options", frozenset())
+        for i, r in enumerate(requests):
+            if set(r.sampling or ()) - offered:
+                raise ValueError(f"Request.sampling keys {sorted(set(r.sampling) - offered)} are not offered by the policy (it offers {sorted(offered)})")
+            by_override.setdefault(tuple(sorted((r.sampling or {}).items())), []).append(i)
+        if len(by_override) == 1:
+            override = dict(next(iter(by_override)))
+            return self.policy.generate(requests, {**self.sampling, **override}, info)
+        if len({max(requests[i].n for i in index) for index in by_override.values()}) > 1:
+            raise ValueError("requests with different sampling overrides in one rollout call must have the same largest n; make one call per override")
+        parts, order = [], []
+        for override, index in by_override.items():
+            parts.append(self.policy.generate([requests[i] for i in index], {**self.sampling, **dict(override)}, info))
+            order += index
+        joined = Rollout.concat(parts)
+        return joined.select(torch.tensor(order).argsort())  # back to the order requested
 
     def keep(self, batch: Rollout) -> torch.Tensor:
         return self.sampler.keep(batch)  # [B] bool
