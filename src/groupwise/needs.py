@@ -108,6 +108,9 @@ class NeedResolver:
 
 def check_view_rollout(view_name: str, before: Rollout, after: Rollout, context: int | None = None) -> None:
     """A view must keep the token axis (same actions shape and mask) and fit the model's context."""
+    if before.ctx:
+        raise ValueError(f"view {view_name!r} edits the group's prompt, but these rows have their own contexts (rollout.ctx); "
+                         f"a view cannot re-score them")
     if after.actions.shape != before.actions.shape or not torch.equal(after.mask, before.mask):
         raise ValueError(f"view {view_name!r} changed the token axis; a view edits the context and maps positions back")
     longest = max((len(p) for p in after.prompt_ids), default=0) + after.shape[2]

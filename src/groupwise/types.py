@@ -97,6 +97,13 @@ class Rollout:
 
     Required: ``prompt_ids`` (list of B token lists), ``actions`` [B,G,T] long, ``mask`` [B,G,T] bool.
     ``group_valid`` [B,G] marks real rows (ragged groups, rows excluded for a broken reward).
+
+    Row contexts: by default every row of group b is trained and scored under ``prompt_ids[b]``.
+    ``ctx`` ([B][G] token lists), when set, gives each row its own context (FBOS-RL's feedback-
+    augmented prompts, GROW's local states); the training forward computes each distinct context
+    once. Two masks: ``mask`` is the sequence (a prefix: the tokens that exist and are fed to the
+    model); ``loss_mask``, when set, marks the tokens among them that are the policy's own actions
+    (holes for environment tokens). ``row_mask`` combines both with ``group_valid``.
     """
 
     prompt_ids: list[list[int]]  # B prompts, token ids (chat template applied)
@@ -117,6 +124,8 @@ class Rollout:
     extras: dict[str, Tensor] = field(default_factory=dict)
     extra_levels: dict[str, Level] = field(default_factory=dict)
     info: list[list[dict[str, Any]]] = field(default_factory=list)  # [B][G] side outputs
+    ctx: list[list[list[int]]] = field(default_factory=list)  # [B][G] each row's context; empty = the group's prompt
+    loss_mask: Tensor | None = None  # [B,G,T] bool, the policy's own tokens within mask; None = all of mask
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -126,8 +135,16 @@ class Rollout:
 
     @property
     def row_mask(self) -> Tensor:
-        """[B,G,T] bool: ``mask`` restricted to valid rows."""
-        return self.mask & self.group_valid[..., None]
+        """[B,G,T] bool: the policy's tokens (``mask``, less ``loss_mask``'s holes) of valid rows."""
+        mask = self.mask & self.group_valid[..., None]  # [B,G,T]
+        return mask if self.loss_mask is None else mask & self.loss_mask
+
+    def row_contexts(self) -> list[list[list[int]]]:
+        """[B][G] the context of every row: ``ctx`` when set, else the group's prompt."""
+        if self.ctx:
+            return self.ctx
+        G = self.actions.shape[1]
+        return [[list(p)] * G for p in self.prompt_ids]
 
     def set_extra(self, key: str, value: Tensor, level: Level) -> None:
         lead = _LEAD[level]
@@ -180,6 +197,7 @@ class Rollout:
         """Concatenate along the group axis, padding T to the longest part."""
         if len(parts) == 1:
             return parts[0]
+        parts = _same_optional_fields(parts)
         T = max(p.actions.shape[2] for p in parts)
         out: dict[str, Any] = {}
         for f in dataclasses.fields(parts[0]):
@@ -199,13 +217,17 @@ class Rollout:
 
     def join_rows(self, more: "Rollout", groups: list[int]) -> "Rollout":
         """This batch with ``more``'s rows appended to its groups: group ``k`` of ``more`` holds further
-        rows of group ``groups[k]`` of this batch (the same prompt). Every group gets ``more``'s G
+        rows of group ``groups[k]`` of this batch; rows that ``more`` sampled under another context
+        than their group's prompt keep that context (``ctx``). Every group gets ``more``'s G
         new row slots; those of groups ``more`` does not cover are padding (``group_valid`` False,
         no tokens). Fields are joined by level: group-level ones (prompts, meta, group extras) are
         this batch's; row- and token-level ones are concatenated along the row axis."""
         B, G2 = self.shape[0], more.shape[1]
         T = max(self.shape[2], more.shape[2])
-        a, b = self.pad_tokens(T), more.pad_tokens(T)
+        own = [self.prompt_ids[g] for g in groups]
+        if self.ctx or more.ctx or any(list(p) != list(q) for p, q in zip(more.prompt_ids, own)):
+            more = dataclasses.replace(more, ctx=more.row_contexts())  # the new rows keep the context they were sampled under
+        a, b = _same_optional_fields([self.pad_tokens(T), more.pad_tokens(T)])
         index = torch.as_tensor(groups, dtype=torch.long)  # [B2]
 
         def spread(v: Tensor) -> Tensor:  # [B2,G2,...] -> [B,G2,...] with zeros for uncovered groups
@@ -222,9 +244,10 @@ class Rollout:
                 out[name] = torch.cat([v, spread(w)], dim=1)
             elif isinstance(v, Tensor) or isinstance(w, Tensor):
                 raise ValueError(f"join_rows: field {name!r} is set on one batch only")
-            elif name in ("completions", "info") and (v or w):
+            elif name in ("completions", "info", "ctx") and (v or w):
                 extra = {g: w[k] for k, g in enumerate(groups)} if w else {}
-                out[name] = [list(v[g]) + list(extra.get(g, [None if name == "info" else ""] * G2)) for g in range(B)]
+                pad = {"info": None, "completions": "", "ctx": []}[name]
+                out[name] = [list(v[g]) + list(extra.get(g, [pad] * G2)) for g in range(B)]
             elif name == "extras":
                 out[name] = {key: (t if a.extra_levels[key] == "group" else torch.cat([t, spread(b.extras[key])], dim=1)) for key, t in v.items()}
             else:
@@ -232,7 +255,17 @@ class Rollout:
         return Rollout(**out)
 
 
-_TOKEN_FIELDS = {"actions", "mask", "logp_old", "logp_ref", "logp_sampler", "weight"}
+_TOKEN_FIELDS = {"actions", "mask", "logp_old", "logp_ref", "logp_sampler", "weight", "loss_mask"}
+
+
+def _same_optional_fields(parts: list["Rollout"]) -> list["Rollout"]:
+    """Parts to join where some set ``ctx`` or ``loss_mask`` and others do not: the unset ones get
+    their defaults (each group's prompt; the whole ``mask``), so nothing is dropped."""
+    if any(p.ctx for p in parts) and not all(p.ctx for p in parts):
+        parts = [p if p.ctx else dataclasses.replace(p, ctx=p.row_contexts()) for p in parts]
+    if any(p.loss_mask is not None for p in parts) and any(p.loss_mask is None for p in parts):
+        parts = [p if p.loss_mask is not None else dataclasses.replace(p, loss_mask=p.mask.clone()) for p in parts]
+    return parts
 _GROUP_FIELDS = {"prompt_ids", "prompt_index"}
 
 

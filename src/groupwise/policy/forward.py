@@ -292,8 +292,11 @@ def completion_logprobs(
     share_prefix: bool | None = None,
     functional: bool = True,
     quantities=(),
+    row_prompts: list[list[list[int]]] | None = None,
 ) -> dict[str, Tensor]:
     """Per-token log-probs of ``actions`` [B,G,T] given each group's prompt, scattered back to [B,G,T].
+    With ``row_prompts`` ([B][G] token lists: row contexts) each row is conditioned on its own
+    context instead, and ``share_prefix`` computes each distinct context once.
 
     Returns ``{"logp": [B,G,T] float32}`` (0 where ``mask`` is False or the row is not in ``rows`` [B,G])
     plus every requested quantity under its own name: ``"entropy"`` [B,G,T] (also with
@@ -332,13 +335,18 @@ def completion_logprobs(
     # Row order here (b, g row-major, tokens in order) is the order of out_mask's True entries.
     groups, members = scored.nonzero(as_tuple=True)  # [N], [N]
     group_ids, member_ids = groups.tolist(), members.tolist()
+    row_groups = group_ids  # [N] each scored row's group, where its actions are
     prompts = [p.tolist() if isinstance(p, Tensor) else list(p) for p in prompt_ids]
+    if row_prompts is not None:  # a table of the distinct row contexts; a row's "group" is its context id
+        table: dict[tuple[int, ...], int] = {}
+        group_ids = [table.setdefault(tuple(row_prompts[b][g]), len(table)) for b, g in zip(group_ids, member_ids)]
+        prompts = [list(p) for p in table]
     prompt_lengths = [len(prompts[b]) for b in group_ids]
     if min(prompt_lengths) == 0:
         raise ValueError("a scored row has an empty prompt: its first token has nothing to condition on")
     completion_lengths = lengths[groups, members].tolist()
     action_ids = actions.tolist()  # [B][G][T] host ints: inputs are assembled on the host, moved once
-    completions = [action_ids[b][g][:c] for b, g, c in zip(group_ids, member_ids, completion_lengths)]
+    completions = [action_ids[b][g][:c] for b, g, c in zip(row_groups, member_ids, completion_lengths)]
     targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)  # [K] the completion tokens
 
     if share_prefix is None:

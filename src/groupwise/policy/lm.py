@@ -194,7 +194,7 @@ class LMPolicy:
         perf = self.perf
         return completion_logprobs(self.module if module is None else module, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid,
                                    want_entropy=want_entropy, packed=perf.packed, share_prefix=None if perf.share_prefix else False,
-                                   functional=perf.functional, quantities=quantities)
+                                   functional=perf.functional, quantities=quantities, row_prompts=rollout.ctx or None)
 
     def scoring_models(self, with_reference: bool) -> dict[str, Any]:
         """The modules needs are read from, by role: this policy and (built on request) its frozen reference."""

@@ -4,7 +4,8 @@ A strategy decides which prompts to ask for, how many rows each, in how many rou
 keep; the context does the mechanics the same way for every strategy:
 
 - ``draw(n, round)`` — the next ``n`` prompt ids from the sampler (identical on every rank);
-- ``rollout(requests, round)`` — the whole scored batch for these requests: each rank generates
+- ``rollout(requests, round)`` — the whole scored batch for these requests (a request's own
+  ``prompt``, when set, is its context; otherwise its dataset row's prompt): each rank generates
   its share with the policy, the text rewards and the round's no-grad needs run on that share, the
   shares are gathered, and the rollout scorers and the weighted total run on the whole batch
   (``rewards`` [B,G], ``group_valid``); identical on every rank;
@@ -62,7 +63,7 @@ class RolloutContext:
     def rollout(self, requests: list[Request], round_: int = 0) -> Rollout:
         info = self.info(round_)
         start, stop = dist.shard_bounds(len(requests))
-        mine = [Request(r.key, r.n, r.offset, self.prompt(r.key), r.sampling) for r in requests[start:stop]]
+        mine = [Request(r.key, r.n, r.offset, self._context(r), r.sampling) for r in requests[start:stop]]
         local = self._generate(mine, info)
         local.meta = [self.meta(r.key) for r in mine]
         self.reward_stage.score_local(local)
@@ -73,6 +74,13 @@ class RolloutContext:
         self.finite += int((torch.isfinite(batch.rewards) & real).sum())
         self.scored += int(real.sum())
         return batch
+
+    def _context(self, request: Request) -> Any:
+        """The request's own context (checked against the model's length), else its dataset row's prompt."""
+        if request.prompt is None:
+            return self.prompt(request.key)
+        self.policy.check_fits(request.prompt, self.sampling["max_new_tokens"], f"a request's own context for row {request.key}")
+        return request.prompt
 
     def _generate(self, requests: list[Request], info: StepInfo) -> Rollout:
         """One policy call per distinct sampling override (usually one call), rows in request order."""
