@@ -172,14 +172,6 @@ def test_batched_greedy_matches_generate(shipped_model, shipped_tokenizer):
 # ------------------------------------------------------------------------------------------ warm start
 
 
-def test_completion_loss_ignores_prompt_tokens(tokenizer):
-    examples = warmstart.encode_rows(tokenizer, [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+20=", "answer": "30"}])
-    input_ids, attention_mask, labels = warmstart.collate(examples, tokenizer.pad_token_id)
-    assert labels[0].tolist() == [-100] * 4 + [tokenizer.encode("3")[0], tokenizer.eos_token_id] + [-100] * 3
-    assert attention_mask.sum().item() == 6 + 9
-    assert (labels != -100).sum().item() == 2 + 3
-
-
 def test_short_warmstart_runs_end_to_end(tmp_path: Path):
     out = tmp_path / "model"
     record = warmstart.run(

@@ -160,6 +160,7 @@ class Config:
     perf: PerfCfg = field(default_factory=PerfCfg)
     views: dict = field(default_factory=dict)  # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
     roles: dict = field(default_factory=dict)  # further trainable models by name: {teacher = {model = {...}, objective = {...}, update = {...}}}
+    phases: list = field(default_factory=list)  # what runs before the RL steps, in order (components of stage phase): [{name = "sft", steps = 200}]
 
     def __post_init__(self) -> None:
         # `update.lr=...` alone names no component: keep the default one

@@ -34,6 +34,8 @@ STAGES = (
     "schedule",  # coefficients that follow the step or a batch statistic
     "view",  # edited contexts that rows are re-scored under (Need.view)
     "provider",  # quantities the trainer computes for Needs (Need.quantity)
+    "phase",  # what runs before the RL steps: sft, offline jobs producing artifacts (groupwise.phases)
+    "env",  # multi-turn environments a rollout strategy plays (rollout/env.py)
 )
 
 _REGISTRY: dict[str, dict[str, type]] = {stage: {} for stage in STAGES}
@@ -70,7 +72,7 @@ def load_all() -> None:
     import groupwise
 
     importlib.import_module("groupwise.kl_estimators")
-    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "schedules", "views", "providers", "tasks", "modalities"):
+    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "schedules", "views", "providers", "tasks", "modalities", "phases"):
         pkg = importlib.import_module(f"groupwise.{sub}")
         for info in pkgutil.iter_modules(pkg.__path__):
             if not info.name.startswith("_"):

@@ -21,6 +21,7 @@ import torch
 
 from groupwise import checkpoint, dist, runfolder, schedules
 from groupwise.config import to_dict, to_toml
+from groupwise.phases import PhaseContext, inject, run_phases
 from groupwise.logging import MetricsLog, append_jsonl, cut_back, plot_rewards, progress_bar, sample_rows
 from groupwise.registry import ConfigError
 from groupwise.types import StepInfo
@@ -134,8 +135,19 @@ class RunLoop:
         out_of_time = bool(self.cfg.train.max_seconds) and self.summary.get("wall_seconds", 0.0) > self.cfg.train.max_seconds
         return bool(self.summary.get("finished")) and (self.step >= self.cfg.train.steps or out_of_time)
 
+    def _run_phases(self) -> None:
+        """The phases before the RL steps (``groupwise.phases``), done or loaded; their artifacts injected."""
+        if not self.phases:
+            return
+        ctx = PhaseContext(self.policy, self.train_rows, self.eval_rows, self.cfg.seed, self._prompt_ids,
+                           lambda policy, rows, split: self.evaluate(policy, rows, split), self._say)
+        artifacts = run_phases(self.phases, ctx, self.out / "phases", rl_started=self.step > 0, rank=self.rank)
+        inject(artifacts, [*self._components(), *schedules.all_schedules(self._components())])
+        self.summary.setdefault("phases", {}).update(ctx.summary)
+
     def _train(self, allow: list[str]) -> dict[str, Any]:
         self._resume(allow)
+        self._run_phases()
         if self._finished():
             self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train further, raise "
                       f"train.steps and add --resume-allow train.steps; for a new run, pick another out=")

@@ -23,6 +23,7 @@ from groupwise.engines.memory import keep_freed_memory
 from groupwise.evaluation import pass_at_k
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective, token_weights
+from groupwise.phases import build_phases, check_artifacts
 from groupwise.policy import build_policy
 from groupwise.registry import ConfigError, build, build_spec
 from groupwise.rewards.stage import RewardStage
@@ -86,6 +87,8 @@ class Trainer(RunLoop):
                 raise ConfigError(f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r} works on {component.modality} policies; "
                                   f"this run's policy is {self.policy.modality} (model.policy={cfg.model.policy!r})")
         check_strategy(self.strategy, self.policy, owners)  # sampling options it asks for, extras others read
+        self.phases = build_phases(cfg.phases)  # what runs before the RL steps (run.py), and the artifacts it makes
+        check_artifacts(self.phases, owners)
         scorer_needs = set(self.reward_stage.needs)
         self.round_needs = [n for n in needs if not n.grad and n in scorer_needs]  # before dynamic sampling's keep
         self.step_needs = [n for n in needs if not n.grad]
@@ -269,16 +272,17 @@ class Trainer(RunLoop):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, policy: Any = None) -> float:
-        """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1) of ``policy`` (default: the trained policy)."""
+    def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval") -> float:
+        """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1) of ``policy`` (default: the
+        trained policy) on ``rows`` (default: the first ``eval.size`` held-out rows; ``split`` names them)."""
         policy = policy or self.policy
-        rows = self.eval_rows[: self.cfg.eval.size]
+        rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
         if not rows:
             return float("nan")
         correct, info = 0, self._info()
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
-            requests = [Request(key=i, n=1, prompt=self._prompt_ids("eval", self.eval_rows, i)) for i in chunk]
+            requests = [Request(key=i, n=1, prompt=self._prompt_ids(split, rows, i)) for i in chunk]
             gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
             gen.meta = [rows[i] for i in chunk]
             self.eval_stage.score_local(gen)

@@ -2,7 +2,8 @@
 
 Trains the tokenizer (:func:`groupwise.models.build.train_tokenizer`), builds the ``tiny``
 Qwen3, and fine-tunes it with supervised learning on ``prompt + answer + <|endoftext|>`` rows of
-the task's train split (loss on the answer and EOS tokens only). Every ``--eval-every`` steps it
+the task's train split (loss on the answer and EOS tokens only) — the ``sft`` phase
+(:mod:`groupwise.phases.sft`), here on a freshly built model. Every ``--eval-every`` steps it
 measures greedy exact-match accuracy on a validation slice carved out of the train split (never
 trained on) and stops as soon as that accuracy reaches ``--target-accuracy``: the point is a model
 that *almost* knows the task, so that GRPO has room to improve it. It then measures greedy accuracy,
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from groupwise.models.build import (
     DEFAULT_VOCAB_SIZE,
@@ -39,51 +39,11 @@ from groupwise.models.build import (
 )
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "default"
-IGNORE = -100  # label value that receives no loss
 
 
 # --------------------------------------------------------------------------------------------
 # Data
 # --------------------------------------------------------------------------------------------
-
-
-def encode_rows(tokenizer, rows: Sequence[dict]) -> list[tuple[list[int], int]]:
-    """Token ids of ``prompt + answer + EOS`` for each row, with the number of prompt tokens.
-
-    Prompt and answer are encoded separately and concatenated, exactly as a rollout sees them
-    (the prompt's ids, then generated ids).
-    """
-    examples = []
-    for row in rows:
-        prompt_ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        answer_ids = tokenizer.encode(row["answer"], add_special_tokens=False)
-        examples.append((prompt_ids + answer_ids + [tokenizer.eos_token_id], len(prompt_ids)))
-    return examples
-
-
-def collate(examples: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad a batch of examples.
-
-    Returns ``input_ids`` [N, L], ``attention_mask`` [N, L] and ``labels`` [N, L], where labels are
-    the input ids on answer and EOS positions and :data:`IGNORE` on prompt and pad positions.
-    """
-    length = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # [N, L]
-    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # [N, L]
-    labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)  # [N, L]
-    for row, (ids, n_prompt) in enumerate(examples):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
-        labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
-    return input_ids, attention_mask, labels
-
-
-def completion_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled (answer + EOS) positions."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [N, L, V]
-    predicted = logits[:, :-1]  # [N, L-1, V]: position t predicts token t+1
-    targets = labels[:, 1:]  # [N, L-1]
-    return F.cross_entropy(predicted.reshape(-1, predicted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
 
 
 def load_rows(task_names: Sequence[str], split: str, n: int, seed: int) -> list[dict]:
@@ -308,39 +268,28 @@ def _warm_start(args: argparse.Namespace, command: str) -> dict:
     log(f"tokenizer: {len(tokenizer)} tokens; model: {args.preset}, {n_params:,} parameters; "
         f"{len(sft_rows)} fine-tuning rows, {len(val_rows)} validation rows, {len(test_rows)} test rows")
 
-    examples = encode_rows(tokenizer, sft_rows)
+    # Fine-tuning is the sft phase (groupwise.phases.sft) on a policy around the fresh model.
+    import tempfile
+
+    from groupwise.config import ModelCfg, PerfCfg
+    from groupwise.phases.sft import SFT
+    from groupwise.policy.lm import LMPolicy
+
     max_new = max_answer_tokens(tokenizer, val_rows + test_rows) + 2
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, args.warmup_steps)))
-    order_generator = torch.Generator().manual_seed(args.seed)
-    order: list[int] = []
-    history: list[dict] = []
-    val_accuracy = 0.0
-    reached = False
-    step = 0
-    model.train()
+    phase = SFT(steps=args.max_steps, batch_size=args.batch_size, target_accuracy=args.target_accuracy, eval_every=args.eval_every,
+                fine_eval_every=args.fine_eval_every, val_size=len(val_rows),
+                update={"name": "adamw", "lr": args.lr, "betas": [0.9, 0.98], "weight_decay": args.weight_decay,
+                        "warmup_steps": args.warmup_steps, "max_grad_norm": 1.0})
+    with tempfile.TemporaryDirectory() as fresh:
+        save_pretrained(model, tokenizer, Path(fresh))
+        policy = LMPolicy(ModelCfg(path=fresh), PerfCfg())
     with log.progress(args.max_steps) as advance:
-        while step < args.max_steps:
-            if len(order) < args.batch_size:  # next epoch, in a seeded order
-                order += torch.randperm(len(examples), generator=order_generator).tolist()
-            batch_indices, order = order[: args.batch_size], order[args.batch_size :]
-            input_ids, attention_mask, labels = collate([examples[i] for i in batch_indices], tokenizer.pad_token_id)
-            loss = completion_loss(model, input_ids, attention_mask, labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            step += 1
-            advance(loss.item(), val_accuracy)
-            eval_every = args.eval_every if val_accuracy < args.target_accuracy / 2 else args.fine_eval_every
-            if step % eval_every == 0:
-                val_accuracy = greedy_accuracy(model, tokenizer, val_rows, max_new)
-                history.append({"step": step, "loss": round(loss.item(), 4), "val_accuracy": val_accuracy})
-                log(f"step {step:5d}  loss {loss.item():.4f}  validation greedy accuracy {val_accuracy:.1%}")
-                if val_accuracy >= args.target_accuracy:
-                    reached = True
-                    break
+        result = phase.fit(policy, sft_rows, val_rows, args.seed, lambda split, rows, i: policy.encode(rows[i]["prompt"]),
+                           lambda p, rows, split: greedy_accuracy(p.module, tokenizer, rows, max_new),
+                           on_step=lambda step, loss, accuracy: advance(loss, accuracy))
+    model, step, val_accuracy, reached, history = policy.module, result["steps"], result["val_accuracy"], result["reached_target"], result["history"]
+    for row in history:
+        log(f"step {row['step']:5d}  loss {row['loss']:.4f}  validation greedy accuracy {row['val_accuracy']:.1%}")
     train_seconds = time.perf_counter() - started
     if not reached:
         log(f"warning: validation accuracy {val_accuracy:.1%} did not reach {args.target_accuracy:.1%} in {step} steps")

@@ -130,6 +130,10 @@ class LMPolicy:
     def encode(self, prompt: Any) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
+    def encode_completion(self, text: str) -> list[int]:
+        """Token ids of a completion as the policy would write it: the text, then EOS (supervised phases)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos[0]]
+
     def check_fits(self, ids: list[int], max_new_tokens: int, where: str) -> None:
         from groupwise.registry import ConfigError
 

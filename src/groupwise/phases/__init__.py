@@ -1,0 +1,138 @@
+"""Phases: what a run does before its RL steps (core-2 §2 G).
+
+A run is ``phases`` (each a component of stage ``phase``, in order) and then the RL steps of
+``[train]``. A phase is one of two kinds:
+
+- ``kind = "sft"`` trains the policy itself (supervised warm start); its weights carry into RL;
+- ``kind = "offline"`` produces a named **artifact** (a dict of tensors and numbers: a trained
+  probe, a table) without changing the policy. A component that lists the name in its
+  ``artifacts`` gets it through ``use_artifact(name, value)`` before the first RL step; a listed
+  name that no configured phase produces is a build error.
+
+``phase(ctx) -> dict | None`` is called with a :class:`PhaseContext`. Every phase's output is
+saved in the run folder as it completes — ``phases/<name>.pt`` (the policy's state after an sft
+phase, the artifact of an offline one) written atomically with a ``.sha256`` beside it — so a run
+killed in a later phase does not redo it, and a resumed run loads the artifacts it injects (a
+damaged file is an error naming it). Once an RL checkpoint exists the sft phases are done: their
+weights are in it. A phase killed midway starts again from its beginning (phases are short).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from groupwise import dist, runfolder
+from groupwise.registry import ConfigError, build_spec
+
+KINDS = ("sft", "offline")
+
+
+@dataclass
+class PhaseContext:
+    """What a phase may use: the policy (trained by an sft phase), the task's rows, the run's seed,
+    ``prompt(split, rows, i)`` (the policy's prompt ids of a row, checked against its context),
+    ``accuracy(policy, rows, split)`` (greedy accuracy under the eval reward), ``say`` (one line
+    to the console), and the artifacts of the phases before it."""
+
+    policy: Any
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    seed: int
+    prompt: Callable[[str, list[dict], int], list[int]]
+    accuracy: Callable[..., float]
+    say: Callable[[str], None]
+    artifacts: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)  # what each phase reports, under its name, into summary.json
+
+
+def build_phases(specs: list) -> list[Any]:
+    """The configured phases; each needs a ``kind`` of sft or offline and a unique name."""
+    phases, seen = [], set()
+    for spec in specs:
+        phase = build_spec("phase", spec)
+        kind, name = getattr(phase, "kind", None), phase_name(phase)
+        if kind not in KINDS:
+            raise ConfigError(f"phase {name!r} has kind {kind!r}; a phase is one of {KINDS}")
+        if name in seen:
+            raise ConfigError(f"two phases are named {name!r}; give one an `artifact = \"...\"` name")
+        seen.add(name)
+        phases.append(phase)
+    return phases
+
+
+def phase_name(phase: Any) -> str:
+    """A phase's name: its ``artifact`` field when set, else its registry name."""
+    return getattr(phase, "artifact", "") or phase.registry_name
+
+
+def check_artifacts(phases: list[Any], components: list[Any]) -> None:
+    """Every artifact a component lists is produced by an offline phase configured before RL."""
+    made = {phase_name(p) for p in phases if p.kind == "offline"}
+    for component in components:
+        for name in getattr(component, "artifacts", ()):
+            if name not in made:
+                who = f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r}"
+                raise ConfigError(f"{who} needs the artifact {name!r}, which no offline phase produces (offline phases: {sorted(made) or 'none'}); "
+                                  f"add one to `phases`, e.g. phases = [{{name = \"...\", artifact = \"{name}\"}}]")
+
+
+def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: bool, rank: int) -> dict[str, Any]:
+    """Run (or load) every phase in order; returns the artifacts by name."""
+    for phase in phases:
+        name = phase_name(phase)
+        path = folder / f"{name}.pt"
+        if phase.kind == "sft" and rl_started:
+            continue  # its weights are in the RL checkpoint the run resumed from
+        if path.exists():
+            saved = load_output(path)
+            if phase.kind == "sft":
+                ctx.policy.load_state_dict(saved["policy"])
+            else:
+                ctx.artifacts[name] = saved["artifact"]
+            ctx.summary[name] = saved.get("summary", {})
+            ctx.say(f"phase {name!r}: done already ({path}), loaded")
+            continue
+        if rl_started:  # an artifact computed now would see the RL-trained policy, not the one the run began RL with
+            raise RuntimeError(f"phase {name!r}: its output {path} is missing, but the run's RL steps have begun; restore the file or train into a new folder")
+        ctx.say(f"phase {name!r} ({phase.kind}) ...")
+        out = phase(ctx) or {}
+        ctx.summary[name] = out.pop("summary", {}) if isinstance(out, dict) else {}
+        if phase.kind == "offline":
+            ctx.artifacts[name] = out
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            state = {"policy": ctx.policy.state_dict()} if phase.kind == "sft" else {"artifact": out}
+            save_output(path, {**state, "summary": ctx.summary[name]})
+        dist.barrier()
+    return ctx.artifacts
+
+
+def inject(artifacts: dict[str, Any], components: list[Any]) -> None:
+    for component in components:
+        for name in getattr(component, "artifacts", ()):
+            component.use_artifact(name, artifacts[name])
+
+
+def save_output(path: Path, obj: dict) -> None:
+    """``path`` and ``path.sha256`` (of its bytes), each replaced atomically; the digest last, so a
+    file without a matching digest is never taken for a finished one."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    runfolder.write_atomic(path, data)
+    runfolder.write_atomic(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest() + "\n")
+
+
+def load_output(path: Path) -> dict:
+    digest = path.with_suffix(".sha256")
+    data = path.read_bytes()
+    if not digest.exists() or digest.read_text().strip() != hashlib.sha256(data).hexdigest():
+        raise RuntimeError(f"{path}: the phase output is incomplete or damaged (its sha256 does not match {digest.name}); "
+                           f"delete it to run that phase again")
+    return torch.load(io.BytesIO(data), weights_only=False)
