@@ -55,3 +55,19 @@ def test_join_rows_keeps_the_context_a_row_was_sampled_under():
     assert out.ctx[1] == [list(base.prompt_ids[1])] * 2 + [[5, 6]]
     assert out.ctx[0][:2] == [list(base.prompt_ids[0])] * 2 and out.ctx[0][2] == [] and not out.group_valid[0, 2]
     assert out.row_contexts() is out.ctx
+
+
+def test_regroup_gathers_rows_into_new_groups_with_their_contexts():
+    base = make_rollout(3, 2, 4, seed=2)
+    base.ctx = [[[1], [2]], [[3], [4]], [[5], [6]]]
+    base.set_extra("tag", torch.tensor([10.0, 20.0, 30.0]), "group")
+    base.completions = [["a", "b"], ["c", "d"], ["e", "f"]]
+    out = base.regroup([[(0, 1), (2, 0)], [(1, 0)]])  # group 0: rows (0,1) and (2,0); group 1: row (1,0) and a padding row
+    assert out.shape[:2] == (2, 2)
+    assert torch.equal(out.actions[0, 0], base.actions[0, 1]) and torch.equal(out.actions[0, 1], base.actions[2, 0])
+    assert out.group_valid.tolist() == [[bool(base.group_valid[0, 1]), bool(base.group_valid[2, 0])], [bool(base.group_valid[1, 0]), False]]
+    assert not out.mask[1, 1].any()  # the padding row has no tokens
+    assert out.ctx == [[[2], [5]], [[3], []]]
+    assert out.prompt_index.tolist() == [int(base.prompt_index[0]), int(base.prompt_index[1])]
+    assert out.extras["tag"].tolist() == [10.0, 20.0]  # group-level: from each new group's first row
+    assert out.completions == [["b", "e"], ["c", ""]]

@@ -255,6 +255,47 @@ class Rollout:
         return Rollout(**out)
 
 
+    def regroup(self, rows: list[list[tuple[int, int]]]) -> "Rollout":
+        """A new batch whose group ``k`` holds the rows ``rows[k]`` (``(b, g)`` pairs of this batch),
+        padded to the longest with invalid rows. Group-level fields (prompt, dataset row, meta, group
+        extras) come from the group of each new group's first row; every row keeps the context it
+        had (``ctx`` is set when some row's context is not its new group's prompt)."""
+        if not rows or any(not r for r in rows):
+            raise ValueError("regroup needs at least one row in every new group")
+        K, J = len(rows), max(len(r) for r in rows)
+        first = [r[0][0] for r in rows]
+        bi = torch.tensor([[b for b, _ in r] + [r[0][0]] * (J - len(r)) for r in rows])  # [K,J]
+        gi = torch.tensor([[g for _, g in r] + [r[0][1]] * (J - len(r)) for r in rows])  # [K,J]
+        real = torch.tensor([[True] * len(r) + [False] * (J - len(r)) for r in rows])  # [K,J]
+        lead = torch.tensor(first)  # [K]
+
+        def take(v: Tensor, level: str) -> Tensor:
+            if level == "group":
+                return v[lead]
+            out = v[bi, gi]  # [K,J,...]
+            pad = ~real.reshape(K, J, *([1] * (out.dim() - 2)))
+            return torch.where(pad, torch.zeros((), dtype=out.dtype), out)
+
+        out: dict[str, Any] = {}
+        contexts = self.row_contexts()
+        for name, v in self.fields():
+            if isinstance(v, Tensor):
+                out[name] = take(v, "group" if name in _GROUP_FIELDS else "row")
+            elif name in ("prompt_ids", "meta"):
+                out[name] = [v[b] for b in first] if v else []
+            elif name in ("completions", "info"):
+                out[name] = [[v[b][g] for b, g in r] + [None if name == "info" else ""] * (J - len(r)) for r in rows] if v else []
+            elif name == "ctx":
+                own = [[contexts[b][g] for b, g in r] + [[]] * (J - len(r)) for r in rows]
+                differs = any(list(c) != list(self.prompt_ids[r[0][0]]) for k, r in enumerate(rows) for c in own[k][: len(r)])
+                out[name] = own if differs else []
+            elif name == "extras":
+                out[name] = {key: take(t, self.extra_levels[key]) for key, t in v.items()}
+            else:
+                out[name] = v
+        return Rollout(**out)
+
+
 _TOKEN_FIELDS = {"actions", "mask", "logp_old", "logp_ref", "logp_sampler", "weight", "loss_mask"}
 
 
