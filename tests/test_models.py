@@ -179,6 +179,10 @@ def test_short_warmstart_runs_end_to_end(tmp_path: Path):
          "--val-size", "16", "--test-size", "16", "--k", "2", "--seed", "1", "--quiet"]
     )
     assert record["steps"] <= 6
+    twin = warmstart.run(["--out", str(tmp_path / "twin"), "--max-steps", "6", "--eval-every", "3", "--batch-size", "8", "--train-size", "64",
+                          "--val-size", "16", "--test-size", "16", "--k", "2", "--seed", "1", "--quiet"])
+    assert twin["steps"] == record["steps"]
+    assert (tmp_path / "twin" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()  # deterministic
     assert warmstart.main(["--out", str(tmp_path / "again"), "--max-steps", "1", "--train-size", "8", "--val-size", "4",
                            "--test-size", "4", "--k", "1", "--quiet"]) == 0
     saved = json.loads((out / "warmstart.json").read_text())
