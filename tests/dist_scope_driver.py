@@ -30,6 +30,10 @@ def configurations() -> dict[str, list[str]]:
         if stage == "advantage":
             key = "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"  # shapers run after grpo
             configs[f"advantage:{name}"] = [f'{key}=["{name}"]' if key.endswith("shapers") else f'{key}="{name}"']
+            wanted = set(getattr(cls, "rollout_extras", ()))
+            if wanted:  # an estimator that reads what only some strategy collects (ReMax's greedy baseline) runs with it
+                strategy = next(n for s, n, c in entries() if s == "rollout" and wanted <= set(getattr(c, "collects", ())))
+                configs[f"advantage:{name}"].append(f'rollout.name="{strategy}"')
         elif stage == "weight":
             configs[f"weight:{name}"] = [f'objective.weights=["{name}"]']
         elif stage == "sampling":

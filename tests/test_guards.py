@@ -51,6 +51,8 @@ def test_no_non_finite_advantage_from_1e5_random_groups(name, upstream):
     if upstream is not None:  # a shaper reshapes an estimator's output
         rollout.advantages = build("advantage", upstream)(rollout, StepInfo(0, 0, 1))
         fill_needs(rollout, component.needs)
+    for key in getattr(component, "rollout_extras", ()):  # ReMax's greedy baseline: a reward from the same nasty draw
+        rollout.set_extra(key, rewards[:, 0].clone(), "group")
     adv = component(rollout, StepInfo(0, 0, 1))
     bad = int((~torch.isfinite(adv)).sum())
     print(f"{name}: {bad} non-finite of {adv.numel()}")

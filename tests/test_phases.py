@@ -64,38 +64,46 @@ def test_a_damaged_phase_output_is_refused_naming_it(tmp_path):
         load_output(path)
 
 
-@register("phase", "_test_table")
-@dataclass
-class _Table:
-    """Test offline phase: an artifact holding the number of train rows."""
+@pytest.fixture
+def artifact_components():
+    """A test offline phase making the artifact ``table`` and a token weight reading it, registered
+    for one test only (other tests iterate over every registered component)."""
+    from groupwise import registry
 
-    kind = "offline"
-    artifact: str = "table"
+    @register("phase", "_test_table")
+    @dataclass
+    class Table:
+        """Test offline phase: an artifact holding the number of train rows."""
 
-    def __call__(self, ctx):
-        return {"rows": len(ctx.train_rows)}
+        kind = "offline"
+        artifact: str = "table"
+
+        def __call__(self, ctx):
+            return {"rows": len(ctx.train_rows)}
+
+    @register("weight", "_test_reads_table")
+    @dataclass
+    class ReadsTable:
+        """Test token weight that needs the artifact ``table``."""
+
+        needs = ()
+        artifacts = ("table",)
+        seen = None
+
+        def use_artifact(self, name, value):
+            type(self).seen = (name, value)
+
+        def __call__(self, rollout, info):
+            return torch.ones_like(rollout.mask, dtype=torch.float32)
+
+    yield ReadsTable
+    del registry._REGISTRY["phase"]["_test_table"], registry._REGISTRY["weight"]["_test_reads_table"]
 
 
-@register("weight", "_test_reads_table")
-@dataclass
-class _ReadsTable:
-    """Test token weight that needs the artifact ``table``."""
-
-    needs = ()
-    artifacts = ("table",)
-    seen = None
-
-    def use_artifact(self, name, value):
-        type(self).seen = (name, value)
-
-    def __call__(self, rollout, info):
-        return torch.ones_like(rollout.mask, dtype=torch.float32)
-
-
-def test_an_artifact_no_phase_makes_is_a_build_error_and_a_made_one_is_injected(tmp_path):
+def test_an_artifact_no_phase_makes_is_a_build_error_and_a_made_one_is_injected(tmp_path, artifact_components):
     with pytest.raises(ConfigError, match="needs the artifact 'table', which no offline phase produces"):
         make_trainer(tmp_path / "a", 'objective.weights=["_test_reads_table"]')
     trainer = make_trainer(tmp_path / "b", 'objective.weights=["_test_reads_table"]', 'phases=["_test_table"]', "train.steps=1", "eval.size=0")
     trainer.train()
-    assert _ReadsTable.seen == ("table", {"rows": len(trainer.train_rows)})
+    assert artifact_components.seen == ("table", {"rows": len(trainer.train_rows)})
     assert load_output(tmp_path / "b" / "phases" / "table.pt")["artifact"] == {"rows": len(trainer.train_rows)}

@@ -45,6 +45,8 @@ def _every_advantage(rewards, T=3):
         comp = build("advantage", name)
         ro = make_rollout(B=len(rewards), G=len(rewards[0]), T=T, awkward=False)
         ro.rewards = torch.tensor(rewards, dtype=torch.float32)
+        for key in getattr(comp, "rollout_extras", ()):  # ReMax's greedy baseline: the group's first reward
+            ro.set_extra(key, ro.rewards[:, 0].clone(), "group")
         if getattr(comp, "shaper", False):
             for upstream in ("grpo", "dr_grpo"):  # dr_grpo hands on unscaled, huge advantages
                 ro.advantages = build("advantage", upstream)(ro, info_for(T))

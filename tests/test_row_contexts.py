@@ -71,3 +71,13 @@ def test_regroup_gathers_rows_into_new_groups_with_their_contexts():
     assert out.prompt_index.tolist() == [int(base.prompt_index[0]), int(base.prompt_index[1])]
     assert out.extras["tag"].tolist() == [10.0, 20.0]  # group-level: from each new group's first row
     assert out.completions == [["b", "e"], ["c", ""]]
+
+
+def test_concat_pads_the_row_axis_with_invalid_rows():
+    a, b = make_rollout(1, 3, 4, seed=3), make_rollout(2, 2, 4, seed=4)
+    b.ctx = [[[1], [2]], [[3], [4]]]
+    out = type(a).concat([a, b])
+    assert out.shape[:2] == (3, 3)
+    assert out.group_valid[1:, 2].tolist() == [False, False] and not out.mask[1:, 2].any()
+    assert torch.allclose(out.rewards[1:, :2], b.rewards, equal_nan=True)  # make_rollout puts NaN (excluded) rewards in
+    assert out.ctx[1] == [[1], [2], []]

@@ -53,7 +53,9 @@ def _parse(line: bytes) -> dict[str, Any] | None:
 
 def sample_rows(batch: Any, step: int, n: int) -> list[dict[str, Any]]:
     """Up to ``n`` rows of the step's batch for ``samples.jsonl``: the first row of each group in turn
-    (then the second, ...), with prompt, completion, reward and the row's (mean) advantage."""
+    (then the second, ...), with prompt, completion, reward and the row's (mean) advantage, and under
+    ``"extra"`` the columns reward functions logged for the row with ``log_extra`` (only when there are
+    any; a value JSON cannot hold is written as its ``str``, a non-finite float as ``null``)."""
     B, G, _ = batch.shape
     out: list[dict[str, Any]] = []
     for g, b in ((g, b) for g in range(G) for b in range(B)):
@@ -69,7 +71,24 @@ def sample_rows(batch: Any, step: int, n: int) -> list[dict[str, Any]]:
         out.append({"step": step, "prompt": batch.meta[b].get("prompt") if batch.meta else None,
                     "completion": batch.completions[b][g] if batch.completions else None,
                     "reward": reward if math.isfinite(reward) else None, "advantage": advantage})
+        info = batch.info[b][g] if batch.info else None
+        if isinstance(info, dict) and info.get("extra"):
+            out[-1]["extra"] = {str(k): _jsonable(v) for k, v in info["extra"].items()}
     return out
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if v is None or isinstance(v, (str, int, bool)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if hasattr(v, "tolist"):  # numpy / torch values
+        return _jsonable(v.tolist())
+    return str(v)
 
 
 def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:

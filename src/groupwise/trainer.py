@@ -285,7 +285,7 @@ class Trainer(RunLoop):
             requests = [Request(key=i, n=1, prompt=self._prompt_ids(split, rows, i)) for i in chunk]
             gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
             gen.meta = [rows[i] for i in chunk]
-            self.eval_stage.score_local(gen)
+            self.eval_stage.score_local(gen, info)
             self.eval_stage.finish(gen, info)
             correct += int((gen.rewards[:, 0] >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
         return correct / len(rows)
@@ -306,7 +306,7 @@ class Trainer(RunLoop):
             chunk = list(range(start, min(start + max(1, 256 // n), len(rows))))
             gen = self.policy.generate([Request(key=i, n=n, prompt=self._prompt_ids("eval", self.eval_rows, i)) for i in chunk], self.sampling_params, info)
             gen.meta = [rows[i] for i in chunk]
-            self.eval_stage.score_local(gen)
+            self.eval_stage.score_local(gen, info)
             self.eval_stage.finish(gen, info)
             correct += ((gen.rewards >= 1.0 - 1e-6) & gen.group_valid).sum(1).tolist()  # [b] correct samples per prompt
         out = {f"mean@{n}": sum(correct) / (n * len(rows))}
@@ -325,6 +325,7 @@ class Trainer(RunLoop):
         update = self.update(local) if batch.shape[0] else {"loss": 0.0, "skipped": 1.0}  # nothing kept: no step
         row.update(_rollout_stats(local))  # after the update: the old log-probs may come from its first pass
         row.update(_reward_means(batch, self.reward_stage.labels))
+        row.update(self.reward_stage.pop_metrics())  # reward functions' log_metric values, averaged over the step and ranks
         row.update(update)
         for role in self.roles if batch.shape[0] else ():  # further roles learn from the same rollouts, behaviour = the policy's log-probs
             behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)  # [B,G,T]

@@ -192,12 +192,35 @@ class Rollout:
                 out[name] = v
         return Rollout(**out)
 
+    def pad_rows(self, G: int) -> "Rollout":
+        """A copy with ``G`` row slots per group, the new ones padding (``group_valid`` False, no tokens)."""
+        extra = G - self.actions.shape[1]
+        if extra <= 0:
+            return self
+
+        def pad(v: Tensor) -> Tensor:
+            return torch.cat([v, torch.zeros(v.shape[0], extra, *v.shape[2:], dtype=v.dtype)], dim=1)
+
+        out: dict[str, Any] = {}
+        for name, v in self.fields():
+            if isinstance(v, Tensor):
+                out[name] = v if name in _GROUP_FIELDS else pad(v)
+            elif name in ("completions", "info", "ctx") and v:
+                out[name] = [list(rows) + [{"completions": "", "info": None, "ctx": []}[name]] * extra for rows in v]
+            elif name == "extras":
+                out[name] = {k: (t if self.extra_levels[k] == "group" else pad(t)) for k, t in v.items()}
+            else:
+                out[name] = v
+        return Rollout(**out)
+
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
-        """Concatenate along the group axis, padding T to the longest part."""
+        """Concatenate along the group axis, padding T (and G, with invalid rows) to the longest part."""
         if len(parts) == 1:
             return parts[0]
         parts = _same_optional_fields(parts)
+        G = max(p.actions.shape[1] for p in parts)
+        parts = [p.pad_rows(G) for p in parts]
         T = max(p.actions.shape[2] for p in parts)
         out: dict[str, Any] = {}
         for f in dataclasses.fields(parts[0]):

@@ -28,7 +28,13 @@ GRPO's advantage estimator then centres and scales like any other.
 1. The function receives ``prompts``, ``completions`` and every column as keyword arguments
    (dataset columns one value per completion, except ``prompt``, which arrives as ``prompts``;
    ``completion_lengths``, ``truncated``, ``max_new_tokens``), so it should accept ``**kwargs`` as
-   TRL's do.
+   TRL's do. If it takes ``**kwargs`` (or names them) it also gets TRL's ``completion_ids`` (the
+   token ids of each completion), ``log_extra(column, values)`` (one value per completion; in the
+   trainer each row's value lands in ``rollout.info[b][g]["extra"][column]`` and in its
+   ``samples.jsonl`` row under ``"extra"``) and ``log_metric(name, value)`` (averaged over the step
+   and over ranks, logged as ``reward_metric/<name>`` in ``metrics.jsonl``), and ``trainer_state``
+   (``global_step`` only) where the caller gives the step to ``RewardStage.score_local(rollout,
+   info)``. See ``rewards/_hooks.py``.
 2. Its output is validated by :func:`groupwise.rewards.score`, which names it by ``label``: its
    qualified name ``module.qualname``, or for a ``/path/file.py:function`` spec the spec itself.
 3. A file is imported under a private module name (``groupwise_user_reward_<stem>_<hash>``, the
@@ -38,6 +44,9 @@ GRPO's advantage estimator then centres and scales like any other.
    or contains a path separator, else an importable module. ``attr`` may be dotted
    (``module:Class.method``) and must name a callable. Every failure is a ``ConfigError`` that
    names the spec.
+5. ``fn`` may be ``async def`` (or a callable whose ``__call__`` is): the async rewards of a batch
+   run concurrently on one event loop in a daemon thread, each within ``reward.timeout_s``
+   (``rewards/_async.py``), as TRL runs them with ``asyncio.gather``.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from groupwise.registry import ConfigError, register
+from groupwise.rewards._async import is_async_callable
+from groupwise.rewards._hooks import signature_accepts
 
 
 def load_function(spec: str) -> Callable[..., Any]:
@@ -120,6 +131,15 @@ class Python:
         module = getattr(self._func, "__module__", None)
         qualname = getattr(self._func, "__qualname__", None) or type(self._func).__qualname__
         return f"{module}.{qualname}" if module else qualname
+
+    @property
+    def is_async(self) -> bool:
+        """Whether the user function is a coroutine function (its calls are awaited concurrently)."""
+        return is_async_callable(self._func)
+
+    def accepts_kwarg(self, name: str) -> bool:
+        """Whether the user function takes keyword ``name`` (``**kwargs`` or by name)."""
+        return signature_accepts(self._func, name)
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> Any:
         return self._func(prompts=prompts, completions=completions, **columns)

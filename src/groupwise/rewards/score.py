@@ -26,6 +26,18 @@ called as ``fn(prompts=..., completions=..., **columns)``, ``None`` becomes NaN,
 5. **Overflow.** A weighted total beyond float32's range (3.4e38) is excluded and counted like a
    missing verdict, in both ``missing`` modes: as a float32 reward it would be ±inf.
 
+6. **Async functions** (``async def``, TRL's ``is_async_callable``) run after the sync ones, all
+   at once on one persistent event loop in a daemon thread (``rewards/_async.py``), as TRL runs
+   them with ``asyncio.gather``; ``timeout_s`` bounds them together, and a timeout, an exception or
+   an exit is the same error as for a sync function (points 3–4). A sync function that returns a
+   coroutine is awaited there too.
+7. **Keyword arguments.** Each function gets ``prompts``, ``completions`` and ``**columns``; one
+   that takes ``**kwargs`` (TRL's form; for ``python`` rewards, the user function) also gets TRL's
+   ``log_extra(column, values)``, ``log_metric(name, value)`` and, when the caller has them,
+   ``completion_ids`` and ``trainer_state`` (a ``TrainerState`` with ``global_step`` only)
+   (``rewards/_hooks.py``; built-in rewards get none). What they log comes back in
+   ``ScoreResult.extra`` / ``.metrics`` (or the ``log`` given to :func:`score_parts`).
+
 ``counts`` has ``"excluded"`` (samples with total NaN, overflowing ones included) and, per function label,
 ``"<label>/missing"`` (its None/NaN/inf values) and ``"<label>/error"`` (samples lost to its
 failure). Two functions with the same label are told apart as ``label``, ``label[1]``, ….
@@ -33,18 +45,21 @@ failure). Two functions with the same label are told apart as ``label``, ``label
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from groupwise.rewards._async import call_all as _call_async, is_async_callable
 from groupwise.rewards._call import RewardAborted, call as _call
 from groupwise.rewards._common import RewardError
+from groupwise.rewards._hooks import Recorder, RewardLog
 
-__all__ = ["score", "score_parts", "combine", "ScoreResult", "RewardError", "RewardAborted", "reward_label"]
+__all__ = ["score", "score_parts", "combine", "ScoreResult", "RewardError", "RewardAborted", "RewardLog", "reward_label"]
 
 
 @dataclass
@@ -53,7 +68,8 @@ class ScoreResult:
     parts: Tensor  # [N,K] float32, r_k per function; NaN where it gave no verdict or failed
     excluded: Tensor  # [N] bool
     counts: dict[str, int]
-
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra: column -> N values
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # log_metric: name -> values logged
 
 def reward_label(fn: Any) -> str:
     """How errors and counts name a reward: ``label`` (python rewards), registry name, or qualname."""
@@ -77,6 +93,8 @@ def score(
     on_error: str = "raise",
     missing: str = "exclude",
     timeout_s: float | None = None,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: Any = None,
 ) -> ScoreResult:
     """Score ``N`` completions with ``K`` reward functions; see the module docstring."""
     if on_error not in ("raise", "exclude"):
@@ -92,35 +110,75 @@ def score(
         if isinstance(values, (list, tuple)) and len(values) != N:
             raise ValueError(f"column {key!r} has {len(values)} values for {N} completions")
 
-    parts, failed, counts = score_parts(reward_fns, prompts, completions, columns, on_error=on_error, timeout_s=timeout_s)
+    log = RewardLog()
+    parts, failed, counts = score_parts(reward_fns, prompts, completions, columns, on_error=on_error, timeout_s=timeout_s,
+                                        completion_ids=completion_ids, trainer_state=trainer_state, log=log)
     weights = [float(getattr(fn, "weight", 1.0)) for fn in reward_fns]
     total, excluded = combine(parts, weights, failed, missing)
     counts["excluded"] = int(excluded.sum())
-    return ScoreResult(total=total, parts=parts.float(), excluded=excluded, counts=counts)
+    return ScoreResult(total=total, parts=parts.float(), excluded=excluded, counts=counts, extra=log.extra, metrics=log.metrics)
 
 
-def score_parts(reward_fns, prompts, completions, columns, *, on_error: str = "raise", timeout_s: float | None = None) -> tuple[Tensor, Tensor, dict[str, int]]:
+def score_parts(reward_fns, prompts, completions, columns, *, on_error: str = "raise", timeout_s: float | None = None,
+                completion_ids: list[list[int]] | None = None, trainer_state: Any = None,
+                log: RewardLog | None = None) -> tuple[Tensor, Tensor, dict[str, int]]:
     """(parts [N,K] float64 with NaN = no verdict, failed [N] bool, counts): each function's own
-    values, unweighted; ``failed`` marks samples lost to a function that raised (``on_error="exclude"``)."""
+    values, unweighted; ``failed`` marks samples lost to a function that raised (``on_error="exclude"``).
+    What the functions log (point 7) is added to ``log``."""
     N, K = len(completions), len(reward_fns)
     labels = unique_labels([reward_label(fn) for fn in reward_fns])
+    log = log if log is not None else RewardLog()
     counts = {"excluded": 0}
     parts = torch.full((N, K), float("nan"), dtype=torch.float64)  # [N,K]
     failed = torch.zeros(N, dtype=torch.bool)  # [N] samples lost to a failed function
+    given = {k: v for k, v in (("completion_ids", completion_ids), ("trainer_state", trainer_state)) if v is not None}
+
+    def settle(k: int, label: str, recorder: Recorder, outcome: Any) -> None:
+        recorder.close()
+        if isinstance(outcome, RewardAborted):
+            raise outcome
+        if recorder.error is not None:  # a log_extra / log_metric violation, whatever on_error says
+            raise recorder.error
+        if isinstance(outcome, RewardError):
+            if on_error == "raise":
+                raise outcome
+            failed[:] = True
+            counts[f"{label}/error"] = N
+            return
+        parts[:, k] = torch.tensor(_validate(outcome, label, N), dtype=torch.float64)
+        counts[f"{label}/missing"] = int(parts[:, k].isnan().sum())
+        recorder.commit(log)
+
+    later = []  # async functions: awaited together after the sync ones (point 6)
     for k, (fn, label) in enumerate(zip(reward_fns, labels)):
         counts[f"{label}/missing"] = 0
         counts[f"{label}/error"] = 0
-        try:
-            values = _call(fn, label, prompts, completions, columns, timeout_s)
-        except RewardError:
-            if on_error == "raise":
-                raise
-            failed[:] = True
-            counts[f"{label}/error"] = N
+        recorder = Recorder(label, N)
+        kwargs = {**columns, **recorder.hooks(fn, given)}
+        if _is_async(fn):
+            later.append((k, label, recorder, fn, kwargs))
             continue
-        parts[:, k] = torch.tensor(_validate(values, label, N), dtype=torch.float64)
-        counts[f"{label}/missing"] = int(parts[:, k].isnan().sum())
+        try:
+            outcome = _call(fn, label, prompts, completions, kwargs, timeout_s)
+        except RewardError as err:
+            outcome = err
+        except BaseException:  # RewardAborted, or an interrupt of the caller
+            recorder.close()
+            raise
+        if inspect.isawaitable(outcome):  # a sync function that returned a coroutine
+            later.append((k, label, recorder, lambda value=outcome, **_: value, kwargs))
+            continue
+        settle(k, label, recorder, outcome)
+    if later:
+        outcomes = _call_async([(fn, label, kwargs) for _, label, _, fn, kwargs in later], prompts, completions, timeout_s)
+        for (k, label, recorder, _, _), outcome in zip(later, outcomes):
+            settle(k, label, recorder, outcome)
     return parts, failed, counts
+
+
+def _is_async(fn: Any) -> bool:
+    own = getattr(fn, "is_async", None)  # python rewards answer for their user function
+    return own if isinstance(own, bool) else is_async_callable(fn)
 
 
 def combine(parts: Tensor, weights: list[float], failed: Tensor, missing: str = "exclude") -> tuple[Tensor, Tensor]:

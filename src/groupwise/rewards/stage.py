@@ -13,6 +13,13 @@ Each contributes one column of ``rollout.reward_parts`` [B,G,K] (unweighted, NaN
 consumer (dynamic sampling's ``keep``, the estimator, the logged ``reward_mean``) sees the same total.
 The weights travel as the group-level extra ``reward_weights`` [B,K] for estimators that combine the
 parts themselves (normalise each reward, then sum).
+
+What text scorers log through TRL's hooks (``rewards/_hooks.py``): ``log_extra`` columns land per
+row in ``rollout.info[b][g]["extra"][column]`` (``info`` is filled with one dict per row whenever
+there are text scorers, so it concatenates and gathers like any list field); ``log_metric``
+values are summed and counted over the step's scoring calls (refill rounds, a greedy baseline
+too) and :meth:`RewardStage.pop_metrics` averages them over ranks as ``reward_metric/<name>``,
+the prefix keeping them apart from the trainer's own keys.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from typing import Any
 
 import torch
 
+from groupwise import dist
 from groupwise.registry import build_spec
+from groupwise.rewards._hooks import RewardLog, TrainerState, accepts
 from groupwise.rewards.score import RewardAborted, unique_labels, combine, reward_label, score_parts
 from groupwise.types import Need, Rollout, StepInfo
 
@@ -33,6 +42,7 @@ class RewardStage:
         self.tensor = [s for s in self.scorers if hasattr(s, "score_rollout")]
         self.policy, self.decode, self.max_new_tokens = policy, decode, max_new_tokens  # decode(rollout) -> [B][G] texts
         self.counts: dict[str, int] = {}
+        self.metrics: dict[str, list[float]] = {}  # log_metric name -> [sum, count] since the last pop_metrics
 
     @property
     def labels(self) -> list[str]:
@@ -51,8 +61,9 @@ class RewardStage:
         return columns
 
     # ------------------------------------------------------------------ scoring
-    def score_local(self, rollout: Rollout) -> None:
-        """Decode this rank's rows and run the text scorers: ``completions``, ``reward_parts``."""
+    def score_local(self, rollout: Rollout, info: StepInfo | None = None) -> None:
+        """Decode this rank's rows and run the text scorers: ``completions``, ``reward_parts``. With
+        ``info``, scorers that take it get ``trainer_state`` (``global_step = info.step``)."""
         B, G, T = rollout.shape
         lengths = rollout.mask.sum(-1)  # [B,G]
         rollout.completions = self.decode(rollout)  # [B][G]
@@ -68,7 +79,14 @@ class RewardStage:
                 keep = rows.tolist()
                 prompts, flat = [prompts[i] for i in keep], [flat[i] for i in keep]
                 columns = {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in columns.items()}
-            scored, scored_failed, self.counts = score_parts(self.text, prompts, flat, columns, on_error=self.policy.on_error, timeout_s=self.policy.timeout_s or None)
+            ids = None
+            if any(accepts(s, "completion_ids") for s in self.text):  # TRL's completion_ids: only built when a scorer takes it
+                ids = [rollout.actions[i // G, i % G][rollout.mask[i // G, i % G]].tolist() for i in rows.tolist()]
+            log = RewardLog()
+            scored, scored_failed, self.counts = score_parts(self.text, prompts, flat, columns, on_error=self.policy.on_error,
+                                                             timeout_s=self.policy.timeout_s or None, completion_ids=ids,
+                                                             trainer_state=TrainerState(info.step) if info is not None else None, log=log)
+            self._keep_log(rollout, rows.tolist(), log)
             parts = torch.full((B * G, scored.shape[1]), float("nan"), dtype=torch.float64).index_copy_(0, rows, scored)  # [B*G,K]
             failed = failed.index_copy_(0, rows, scored_failed)  # [B*G]
             errors = sum(v for k, v in self.counts.items() if k.endswith("/error"))
@@ -76,6 +94,35 @@ class RewardStage:
                 raise RuntimeError(f"reward functions failed on {errors} of {len(rows)} samples this step (reward.max_error_rate={self.policy.max_error_rate}): {self.counts}")
         rollout.reward_parts = parts.view(B, G, -1)  # [B,G,K_text] float64 until finish
         rollout.set_extra("reward_failed", failed.view(B, G), "row")
+
+    def _keep_log(self, rollout: Rollout, rows: list[int], log: RewardLog) -> None:
+        """``log_extra`` values into each scored row's ``info[b][g]["extra"]``; ``log_metric`` into the step's sums."""
+        B, G, _ = rollout.shape
+        if not rollout.info:
+            rollout.info = [[{} for _ in range(G)] for _ in range(B)]
+        for column, values in log.extra.items():
+            for i, value in zip(rows, values):
+                b, g = divmod(i, G)
+                if rollout.info[b][g] is None:
+                    rollout.info[b][g] = {}
+                rollout.info[b][g].setdefault("extra", {})[column] = value
+        for name, values in log.metrics.items():
+            total = self.metrics.setdefault(name, [0.0, 0.0])
+            total[0] += sum(values)
+            total[1] += len(values)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``reward_metric/<name>``: the mean of every ``log_metric`` value since the last call, over
+        all ranks (sum and count all-reduced; call it on every rank). Resets the sums."""
+        if not self.text:  # the same on every rank: no text scorer, nothing logged, no collective
+            return {}
+        names = sorted(set(dist.all_gather_objects(list(self.metrics))))  # every rank reduces the same names in the same order
+        if not names:
+            return {}
+        local = torch.tensor([self.metrics.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64).reshape(-1, 2)  # [M,2] sum, count
+        total = dist.all_reduce_sum(local)  # [M,2]
+        self.metrics = {}
+        return {f"reward_metric/{n}": float(total[m, 0] / total[m, 1]) if total[m, 1] else float("nan") for m, n in enumerate(names)}
 
     def finish(self, batch: Rollout, info: StepInfo) -> None:
         """On the whole batch: the rollout scorers, then the weighted total (the one place weights apply)."""
