@@ -142,3 +142,13 @@ def test_the_config_reference_is_current():
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) > 60 and all(not line.endswith("|  |") for line in rows), [line for line in rows if line.endswith("|  |")]
     assert "| `group_size` | `int` | `8` |" in text and "## `[roles.NAME]`" in text
+
+
+def test_strings_with_newlines_and_control_characters_survive_the_stored_config():
+    # a run folder's config.toml must read back as the config it was written from (FBOS's template has "\n")
+    import tomllib
+
+    from groupwise.config import toml_value
+
+    for text in ["{completion}: {feedback}\n{prompt}", "tab\there", 'say "hi"', "back\\slash", "bell\x07", "crlf\r\n"]:
+        assert tomllib.loads("k = " + toml_value(text))["k"] == text

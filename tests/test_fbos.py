@@ -23,7 +23,7 @@ def test_feedback_text_by_mode_and_the_reward_logs_it():
     reward = build("reward", "exact_feedback")
     scores = reward(["1+2="], ["3 "], answer=["3"], log_extra=lambda column, values: logged.update({column: values}))
     assert scores == [1.0] and logged == {"feedback": [""]}
-    with pytest.raises(ConfigError, match="modes: hint, answer, verdict"):
+    with pytest.raises(ConfigError, match="modes: hint, answer, verdict, reference"):
         build("reward", "exact_feedback", mode="loud")
 
 

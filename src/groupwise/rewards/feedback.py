@@ -17,12 +17,16 @@ rollout strategy may read between generation rounds.
              = "wrong: expected {len(a)} digits, the last one is {a[-1]}"   mode = "hint"   (spec's example)
              = "wrong: the answer is {a}"                                   mode = "answer"
              = "wrong"                                                      mode = "verdict"
+             = a                                                            mode = "reference" (the answer itself)
 
 **Defaults**
 
 - ``mode = "hint"`` [INFERRED] spec 02's example feedback ("wrong: expected last digit 7");
   the paper's wording is not known.
 - ``column = "answer"``, ``weight = 1.0`` as ``exact``.
+
+- ``mode = "reference"`` [INFERRED] for the toy's ``hinted`` model, which was trained to read a
+  "Reference solution: {answer}" line (``models/README.md``): feedback that gives the answer away.
 
 **Notes**
 
@@ -38,7 +42,7 @@ from typing import Any, Sequence
 from groupwise.registry import ConfigError, register
 from groupwise.rewards._common import get_column
 
-MODES = ("hint", "answer", "verdict")
+MODES = ("hint", "answer", "verdict", "reference")
 
 
 def feedback_text(text: str, gold: str, mode: str) -> str:
@@ -46,6 +50,8 @@ def feedback_text(text: str, gold: str, mode: str) -> str:
     text, gold = text.strip(), gold.strip()
     if text == gold:
         return ""
+    if mode == "reference":  # the strongest feedback: the answer itself, as a hint-reading model expects it
+        return gold
     if not any(c.isdigit() for c in text):
         return "the answer is not a number"
     if mode == "answer":
