@@ -123,3 +123,38 @@ def test_a_role_identical_to_the_policy_takes_identical_steps(tmp_path):
         assert row["teacher/loss"] == row["loss"] and row["teacher/grad_norm"] == row["grad_norm"]
         for p, q in zip(trainer.model.parameters(), trainer.roles[0].policy.module.parameters()):
             assert torch.equal(p, q)
+
+
+def test_a_frozen_role_serves_needs_and_is_never_trained(tmp_path):
+    # a fixed teacher (roles.teacher.frozen = true): its log-probs feed the KD reward, its weights never move,
+    # nothing of it is trained, logged or checkpointed
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from groupwise.losses.codistill import kd_reward
+    from groupwise.policy.lm import resolve_model_path
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(tmp_path, 'rewards=["exact", {name="codistill_kd", teacher="teacher"}]', 'roles.teacher={model={path="hinted"}, frozen=true}',
+                           "train.steps=2", "eval.size=0", "checkpoint.every=1")
+    assert trainer.roles == [] and list(trainer.frozen) == ["teacher"]
+    seen = {}
+    prepare = trainer.prepare
+    trainer.prepare = lambda batch: seen.setdefault("batch", prepare(batch))
+    trainer.train()
+    batch = seen["batch"]
+    shipped = AutoModelForCausalLM.from_pretrained(resolve_model_path("hinted")).eval()
+    with torch.no_grad():
+        teacher_logp = trainer.policy.forward(batch, ("logp",), module=shipped)["logp"]  # [B,G,T]
+    torch.testing.assert_close(batch.extras["teacher.logp"], teacher_logp, atol=1e-5, rtol=1e-5)
+    B, G, T = batch.shape
+    want = kd_reward(batch.logp_old.reshape(B * G, T), teacher_logp.reshape(B * G, T), batch.row_mask.reshape(B * G, T)).view(B, G)
+    got = batch.reward_parts[..., 1]  # [B,G] the KD column
+    torch.testing.assert_close(got[batch.group_valid], want[batch.group_valid], atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(trainer.frozen["teacher"].module.named_parameters(), shipped.parameters()):
+        assert torch.equal(p, q), name  # the frozen teacher never moved
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not any(k.startswith("teacher/") for k in rows[-1])
+    from groupwise import checkpoint
+    assert checkpoint.load(checkpoint.latest_intact(tmp_path))["roles"] == {}

@@ -123,17 +123,20 @@ class PerfCfg:
 
 @dataclass
 class RoleCfg:
-    """A further trainable model, trained on the policy's rollouts (``roles.NAME``): CoDistill's
-    large model. It shares the policy's tokenizer; its components' needs of ``model="policy"``
-    are read from this role's own model."""
+    """A further model (``roles.NAME``): trained on the policy's rollouts (CoDistill's large model),
+    or with ``frozen = true`` a fixed model that only serves needs (``Need(model=NAME)``: a frozen
+    teacher, judge or embedder). It shares the policy's tokenizer."""
 
     model: ModelCfg = field(default_factory=ModelCfg)  # the role's model, as [model]
     objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)  # the role's objective, as [objective]
     update: Any = field(default_factory=lambda: {"name": "adamw"})  # the role's updater (a component of stage update)
     advantage: AdvantageCfg = field(default_factory=AdvantageCfg)  # the role's advantage estimator, as [advantage]
     rewards: list = field(default_factory=list)  # labels of the reward functions whose weighted sum is this role's reward (empty: the policy's total)
+    frozen: bool = False  # a fixed model that is never trained: it only serves needs of model=NAME (objective, update, advantage, rewards unused)
 
     def __post_init__(self) -> None:
+        if self.frozen and self.rewards:
+            raise ConfigError("a frozen role is not trained: roles.NAME.rewards has no use there; remove it or set frozen = false")
         if isinstance(self.update, dict) and "name" not in self.update:
             self.update = {"name": "adamw", **self.update}
 

@@ -13,6 +13,10 @@ after the policy's update, it trains on a *view* of the step's batch:
   importance weight (``sampler_is``) corrects for learning off-policy.
 
 Its components' needs of ``model="policy"`` are read from its own model; ``ref`` is not offered.
+
+A role with ``frozen = true`` is not trained and has no components: its model only serves the needs
+that name it (``Need("logp", model="teacher")``: a fixed teacher, a judge, an embedder), and it is
+not checkpointed (it never changes; a resumed run loads it from ``model.path`` again).
 """
 
 from __future__ import annotations
@@ -53,10 +57,24 @@ class Trainable:
         return [self.estimator, *self.weights, *self.objective.terms, self.updater]
 
 
-def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_labels: list[str], total_updates: int) -> Trainable:
+def build_frozen(name: str, cfg: Any, run_cfg: Any, main_policy: Any) -> Any:
+    """A frozen role's policy: built, checked, set to eval and never given to an optimiser."""
     policy = build_policy(cfg.model, run_cfg.perf)
+    _check_tokenizer(name, cfg, policy, main_policy)
+    for p in policy.parameters():
+        p.requires_grad_(False)
+    policy.eval()
+    return policy
+
+
+def _check_tokenizer(name: str, cfg: Any, policy: Any, main_policy: Any) -> None:
     if getattr(policy, "tokenizer", None) is not None and policy.tokenizer.get_vocab() != main_policy.tokenizer.get_vocab():
         raise ConfigError(f"roles.{name}: model {cfg.model.path!r} has another tokenizer than the policy's; a role scores the policy's tokens")
+
+
+def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_labels: list[str], total_updates: int) -> Trainable:
+    policy = build_policy(cfg.model, run_cfg.perf)
+    _check_tokenizer(name, cfg, policy, main_policy)
     unknown = [r for r in cfg.rewards if r not in reward_labels]
     if unknown:
         raise ConfigError(f"roles.{name}.rewards names {unknown}; the run's reward functions are {reward_labels}")

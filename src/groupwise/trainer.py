@@ -71,7 +71,8 @@ class Trainer(RunLoop):
         self.updater = build_spec("update", cfg.update)
         self.prompt_stats = PromptStats()
         total_updates = cfg.train.steps * cfg.train.epochs * cfg.train.minibatches
-        self.roles = [roles.build_role(name, rc, cfg, self.policy, self.reward_stage.labels, total_updates) for name, rc in cfg.roles.items()]
+        self.roles = [roles.build_role(name, rc, cfg, self.policy, self.reward_stage.labels, total_updates) for name, rc in cfg.roles.items() if not rc.frozen]
+        self.frozen = {name: roles.build_frozen(name, rc, cfg, self.policy) for name, rc in cfg.roles.items() if rc.frozen}  # serve needs only
 
         # With one mini-batch per epoch, the first epoch's forward runs on the weights that sampled the
         # rollout: its detached log-probs ARE the old log-probs (no extra no-grad pass; ratio 1 in epoch 0).
@@ -80,7 +81,8 @@ class Trainer(RunLoop):
         needs = [n for c in owners for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
         needs += [n for role in self.roles for n in roles.role_needs(role)]
         models = self.policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
-        models.update({role.name: role.policy.scoring_models(with_reference=False)["policy"] for role in self.roles})
+        models.update({name: policy.scoring_models(with_reference=False)["policy"] for name, policy in
+                       [*((role.name, role.policy) for role in self.roles), *self.frozen.items()]})
         self.needs = NeedResolver(needs, models, cfg.views, self.policy.score, self.policy.encode, context=self.policy.context)
         for component in owners + self.eval_stage.scorers + [c for r in self.roles for c in r.components]:  # another modality's component fails here, not mid-run
             if getattr(component, "modality", self.policy.modality) != self.policy.modality:
