@@ -96,3 +96,23 @@ def test_remax_trains_on_the_samples_with_the_greedy_reward_as_baseline(tmp_path
     want = batch.rewards - batch.extras["baseline_reward"][:, None]  # [B,G]
     assert torch.equal(batch.advantages, want.float())
     assert not math.isnan(float(batch.advantages.abs().sum()))
+
+
+def test_remax_equals_verls_outcome_advantage_broadcast_over_the_tokens():
+    # verl core_algos.compute_remax_outcome_advantage: token_level_rewards hold the outcome at the last
+    # response token; returns = reverse cumsum; advantages = returns − baseline · mask. Re-derived here.
+    g = torch.Generator().manual_seed(3)
+    ro = make_rollout(4, 3, 5, seed=4, awkward=False)
+    ro.rewards = torch.rand(4, 3, generator=g) * 2 - 1  # [B,G]
+    baseline = torch.rand(4, generator=g)  # [B]
+    ro.set_extra("baseline_reward", baseline, "group")
+    ours = build("advantage", "remax")(ro, info_for(5))  # [B,G]
+    mask = ro.row_mask.float().reshape(12, 5)  # [N,T]
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()  # [N,T] the last response token
+    token_rewards = torch.where(last, ro.rewards.reshape(12, 1).expand(12, 5), torch.zeros(()))  # [N,T]
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [N,T]
+    verl = returns - baseline.repeat_interleave(3)[:, None] * mask  # [N,T]
+    mine = (ours.reshape(12, 1) * mask)  # [N,T] our row value on each response token
+    print(f"verl parity remax: max |diff| = {(verl - mine).abs().max():.2e}")
+    torch.testing.assert_close(mine, verl, atol=1e-6, rtol=0)
+    assert verl.abs().sum() > 0
