@@ -107,6 +107,13 @@ class CheckpointCfg:
 class LogCfg:
     samples: int = 4  # completions per logged step written to samples.jsonl (prompt, completion, reward, advantage); 0 = off
     samples_every: int = 10  # steps between logged samples
+    table_every: int = 100  # steps between console tables of log.samples completions with their rewards and advantages (0 = off)
+    backends: list = field(default_factory=list)  # also log each step's metrics to: tensorboard, wandb, trackio (offline; pip install 'groupwise[NAME]'); metrics.jsonl is always written
+
+    def __post_init__(self) -> None:
+        from groupwise.tracking import check_backends
+
+        check_backends(self.backends)
 
 
 @dataclass
@@ -251,7 +258,8 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "max_seconds": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
     },
     "ModelCfg": {"ref_sync_every": (lambda v: v >= 0, "an integer >= 0 (0 = never)"), "ref_sync_alpha": (lambda v: 0 < v <= 1, "a number in (0, 1]")},
-    "LogCfg": {"samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"), "samples_every": (lambda v: v >= 1, "an integer >= 1")},
+    "LogCfg": {"samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"), "samples_every": (lambda v: v >= 1, "an integer >= 1"),
+               "table_every": (lambda v: v >= 0, "an integer >= 0 (0 = off)")},
     "RewardCfg": {"timeout_s": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"), "max_empty_steps": (lambda v: v >= 1, "an integer >= 1")},
     "EvalCfg": {"size": (lambda v: v >= 0, "an integer >= 0"), "every": (lambda v: v >= 0, "an integer >= 0"),
                 "samples": (lambda v: v >= 0, "an integer >= 0 (0 = greedy accuracy only)")},

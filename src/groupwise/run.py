@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from groupwise import checkpoint, dist, runfolder, schedules
+from groupwise import checkpoint, dist, runfolder, schedules, tracking
 from groupwise.config import to_dict, to_toml
 from groupwise.phases import PhaseContext, inject, run_phases
 from groupwise.logging import MetricsLog, append_jsonl, cut_back, plot_rewards, progress_bar, sample_rows
@@ -155,14 +155,17 @@ class RunLoop:
         log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if self.step else None) if self.rank == 0 else None
         if self.rank == 0:
             cut_back(self.out / "samples.jsonl", self.step - 1 if self.step else None)
+        # TensorBoard / wandb / trackio (rank 0): the resumed steps replace what a killed run logged after its checkpoint
+        trackers = tracking.open_trackers(self.cfg.log.backends, self.out, self.step, to_dict(self.cfg)) if self.rank == 0 else tracking.Trackers()
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:  # the handlers stay until the outputs are written: a signal during the final evaluation waits for it
-            return self._steps(log)
+            return self._steps(log, trackers)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            trackers.close()
 
-    def _steps(self, log: MetricsLog | None) -> dict[str, Any]:
+    def _steps(self, log: MetricsLog | None, trackers: tracking.Trackers) -> dict[str, Any]:
         """Evaluate (once), train until done / stopped / out of time with the checkpoints due, then
         the final evaluation and outputs (not after a stop: the rerun continues)."""
         cfg = self.cfg
@@ -182,8 +185,8 @@ class RunLoop:
                     self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
                 if log:
                     log.write(row)
-                    if cfg.log.samples and self.step % cfg.log.samples_every == 0:
-                        append_jsonl(self.out / "samples.jsonl", sample_rows(self._last_batch, self.step, cfg.log.samples))
+                    trackers.log(row, self.step)
+                    self._log_samples(bar.console)
                 bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0),
                            kl=f"kl {row['kl']:.4f}" if row.get("kl") is not None else "")  # the KL to the reference, when one is measured
                 self.step += 1
@@ -207,6 +210,19 @@ class RunLoop:
         if self.rank == 0:
             self._write_outputs(log)
         return self.summary
+
+    def _log_samples(self, console: Any) -> None:
+        """The step's sampled completions: to ``samples.jsonl`` every ``log.samples_every`` steps, as a
+        table above the progress bar every ``log.table_every`` steps."""
+        n, step = self.cfg.log.samples, self.step
+        to_file = n and step % self.cfg.log.samples_every == 0
+        to_console = n and self.cfg.log.table_every and step % self.cfg.log.table_every == 0
+        if to_file or to_console:
+            rows = sample_rows(self._last_batch, step, n)
+            if to_file:
+                append_jsonl(self.out / "samples.jsonl", rows)
+            if to_console and rows:
+                console.print(tracking.sample_table(rows))
 
     def _record_eval(self, key: str, step: int) -> None:
         """A held-out accuracy (and, with ``eval.samples``, the sampled metrics as ``<key>_sampled``)
