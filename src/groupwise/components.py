@@ -68,6 +68,17 @@ class RolloutStrategy(Protocol):
     def __call__(self, ctx: Any) -> Rollout: ...
 
 
+class Env(Protocol):
+    """A multi-turn environment (``@register("env", NAME)``, a dataclass; ``rollout/env.py`` plays
+    it): one instance plays one episode. ``reset(row, seed)`` starts it on a dataset row and returns
+    the first observation text; ``step(action)`` applies an action text and returns (observation,
+    reward, done). Optional: ``action_value(row, action) -> float``, the best return reachable after
+    one action from the row's first state (reward ``env_return`` scores a lone completion with it)."""
+
+    def reset(self, row: dict, seed: int) -> str: ...
+    def step(self, action: str) -> tuple[str, float, bool]: ...
+
+
 class Observer(Protocol):
     """Any component: sees the step's whole scored batch once, after the update (curricula, trackers)."""
 

@@ -46,7 +46,7 @@ def plot_curves(result: dict, path: Path) -> None:
         ax_r.plot(steps, mean, color=colour, label=label)
         ax_r.fill_between(steps, low, high, color=colour, alpha=0.18, linewidth=0)
         steps, mean, low, high = _by_step([run["metrics"]["evals"] for run in ok])
-        yerr = [[m - lo for m, lo in zip(mean, low)], [hi - m for m, hi in zip(mean, high)]]
+        yerr = [[max(0.0, m - lo) for m, lo in zip(mean, low)], [max(0.0, hi - m) for m, hi in zip(mean, high)]]  # equal seeds: the float mean may pass them by 1 ulp
         ax_a.errorbar(steps, mean, yerr=yerr, color=colour, marker="o", capsize=3, label=label)
     ax_r.set_title(f"batch reward ({k}-step moving average), mean over seeds, band min–max" if k > 1 else "batch reward, mean over seeds, band min–max", fontsize=9)
     ax_a.set_title("held-out greedy accuracy, mean over seeds, bars min–max", fontsize=9)

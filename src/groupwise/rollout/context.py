@@ -9,7 +9,11 @@ keep; the context does the mechanics the same way for every strategy:
   its share with the policy, the text rewards and the round's no-grad needs run on that share, the
   shares are gathered, and the rollout scorers and the weighted total run on the whole batch
   (``rewards`` [B,G], ``group_valid``); identical on every rank;
-- ``keep(batch)`` — the sampler's whole-batch verdict per group ([B] bool), ``max_rounds``.
+- ``keep(batch)`` — the sampler's whole-batch verdict per group ([B] bool), ``max_rounds``;
+- ``generate(requests, round)`` — the generated rows only (decoded ``completions``, no rewards, no
+  needs), each rank its share, gathered: for strategies that assemble their rows themselves (the
+  env runner, ``rollout/env.py``), which then hand the assembled batch, its text reward columns
+  filled, to ``finish(batch, round)``: the round's needs, the rollout scorers and the weighted total.
 
 A request may override the step's sampling settings (``Request.sampling``, e.g. ``{"greedy":
 True}``): requests with the same overrides are generated together, and the rows come back in the
@@ -39,6 +43,8 @@ def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
     if missing:
         raise ConfigError(f"rollout strategy {name!r} asks for sampling options {sorted(missing)} that the {policy.modality} policy does not offer "
                           f"(it offers {sorted(getattr(policy, 'request_options', ()))})")
+    if hasattr(strategy, "check"):  # a strategy's own build-time check of the run's components (env runs: their rewards)
+        strategy.check(components)
     collected = set(getattr(strategy, "collects", ()))
     for component in components:
         for extra in getattr(component, "rollout_extras", ()):
@@ -66,11 +72,33 @@ class RolloutContext:
         mine = [Request(r.key, r.n, r.offset, self._context(r), r.sampling) for r in requests[start:stop]]
         local = self._generate(mine, info)
         local.meta = [self.meta(r.key) for r in mine]
-        self.reward_stage.score_local(local)
+        self.reward_stage.score_local(local, info)
         self.fill_needs(local)
         batch = dist.gather_rollout(local)
         real = batch.group_valid.clone()  # [B,G] rows that exist (not the padding of ragged groups)
         self.reward_stage.finish(batch, info)
+        self.finite += int((torch.isfinite(batch.rewards) & real).sum())
+        self.scored += int(real.sum())
+        return batch
+
+    def generate(self, requests: list[Request], round_: int = 0) -> Rollout:
+        """The generated rows of these requests with their decoded ``completions`` and dataset
+        ``meta``, NOT scored: each rank generates its share, the shares are gathered."""
+        info = self.info(round_)
+        start, stop = dist.shard_bounds(len(requests))
+        mine = [Request(r.key, r.n, r.offset, self._context(r), r.sampling) for r in requests[start:stop]]
+        local = self._generate(mine, info)
+        local.meta = [self.meta(r.key) for r in mine]
+        local.completions = self.policy.decode(local)  # [B][G]
+        return dist.gather_rollout(local)
+
+    def finish(self, batch: Rollout, round_: int = 0) -> Rollout:
+        """Score a batch the strategy assembled (whole, identical on every rank) whose text reward
+        columns it filled itself (``reward_parts`` [B,G,K_text], extra ``reward_failed`` [B,G]): the
+        round's no-grad needs, the rollout scorers and the weighted total, as ``rollout`` does."""
+        real = batch.group_valid.clone()  # [B,G]
+        self.fill_needs(batch)
+        self.reward_stage.finish(batch, self.info(round_))
         self.finite += int((torch.isfinite(batch.rewards) & real).sum())
         self.scored += int(real.sum())
         return batch

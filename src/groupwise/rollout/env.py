@@ -1,0 +1,190 @@
+"""The Env runner: play ``n`` episodes of a multi-turn environment per dataset row through the
+rollout context, one generation call per turn for every live episode together.
+
+An env (``@register("env", NAME)``, protocol ``components.Env``) is a dataclass; one copy plays one
+episode: ``reset(row, seed) -> observation``, ``step(action) -> (observation, reward, done)``. The
+rollout strategies built on this runner are ``grow`` (every turn a sample under its local state)
+and ``episodes`` (one row per episode, the whole transcript); both fill reward ``env_return``.
+
+Per turn ``t`` of episode ``e`` of row ``key`` (``e < n``, ``t < max_turns``)::
+
+    context = encode(o_t)                                        (local: the current observation)
+            | encode(o_0) + Σ_{i<t} (a_i + encode(separator + o_{i+1}))   (history: the transcript)
+    a_t     = the policy's sample for Request(key, n=1, offset=e·max_turns + t, prompt=context)
+    o_{t+1}, r_t, done = env.step(decode(a_t))
+
+Randomness: ``reset`` gets ``sample_seed(seed, step, key, ENV_STREAM + e)`` and the action of
+``(e, t)`` samples with ``sample_seed(seed, step, key, e·max_turns + t)``: an episode depends only
+on (seed, step, row, episode), never on the batch it shares or the rank that generates it.
+
+Cuts (the per-group bounds): an episode stops at ``done``, after ``max_turns`` actions
+(``cut = "max_turns"``), or in history mode before a turn whose context plus
+``rollout.max_new_tokens`` would pass ``min(model context, max_context)`` (``cut = "context"``).
+A cut episode keeps the rewards it got (the reach game's: 0, it never reached the goal).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from groupwise.engines.seeds import sample_seed
+from groupwise.registry import ConfigError, build
+from groupwise.rollout.context import RolloutContext
+from groupwise.types import Request, Rollout
+
+ENV_STREAM = 1 << 40  # reset seeds live apart from the sample indices of the actions
+
+
+@dataclass
+class Episode:
+    """One played episode: ``observations`` o_0..o_k, and per action its context, tokens, text, reward."""
+
+    key: int
+    index: int
+    observations: list[str]
+    contexts: list[list[int]] = field(default_factory=list)  # the prompt ids each action was generated under
+    actions: list[list[int]] = field(default_factory=list)  # each action's generated token ids (EOS included)
+    texts: list[str] = field(default_factory=list)  # each action decoded
+    rewards: list[float] = field(default_factory=list)  # r_t
+    rows: list[int] = field(default_factory=list)  # each action's group in Played.turns
+    env_tokens: list[list[int]] = field(default_factory=list)  # history mode: encode(separator + o_{t+1}) after each non-final action
+    done: bool = False
+    cut: str = ""  # "" (done or still live), "max_turns", "context"
+
+    @property
+    def ret(self) -> float:
+        return float(sum(self.rewards))
+
+
+@dataclass
+class Played:
+    episodes: list[list[Episode]]  # [B][n]
+    turns: Rollout  # every action: one group of one row (its own context), in the order played
+
+
+def env_name(env: str | None, row: dict, who: str) -> str:
+    name = env or row.get("env")
+    if not name:
+        raise ConfigError(f"rollout {who}: no env to play: set rollout.params.env (a registered env) or use a task whose rows name one "
+                          f"in an 'env' column (data.task='reach')")
+    return name
+
+
+def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = None, env_params: dict | None = None, *,
+         history: bool = False, separator: str = " ", max_context: int | None = None, who: str = "env", sampling: dict | None = None) -> Played:
+    """Play ``n`` episodes of each row in ``keys`` (see the module docstring)."""
+    if max_turns < 1 or n < 1:
+        raise ConfigError(f"rollout {who}: need max_turns >= 1 and group_size >= 1, got max_turns={max_turns}, group_size={n}")
+    info, encode = ctx.info(0), _cached(ctx.policy.encode)
+    limit = min(x for x in (getattr(ctx.policy, "context", None), max_context, 1 << 62) if x)
+    budget = ctx.sampling["max_new_tokens"]
+    protos: dict[str, Any] = {}
+    episodes, envs = [], {}
+    for key in keys:
+        row = ctx.meta(key)
+        name = env_name(env, row, who)
+        if name not in protos:
+            protos[name] = build("env", name, **(env_params or {}))
+        group = []
+        for e in range(n):
+            instance = copy.deepcopy(protos[name])
+            ep = Episode(key, e, [instance.reset(row, sample_seed(info.seed, info.step, key, ENV_STREAM + e))])
+            envs[id(ep)] = instance
+            group.append(ep)
+        episodes.append(group)
+    parts, seen = [], 0
+    for t in range(max_turns):
+        requests, chosen = [], []
+        for ep in (ep for group in episodes for ep in group if not ep.done and not ep.cut):
+            if history:
+                context = encode(ep.observations[0]) + [x for a, o in zip(ep.actions, ep.env_tokens) for x in a + o]
+            else:
+                context = encode(ep.observations[-1])
+            if len(context) + budget > limit:
+                ep.cut = "context"
+                continue
+            requests.append(Request(key=ep.key, n=1, offset=ep.index * max_turns + t, prompt=context, sampling=sampling))
+            chosen.append((ep, context))
+        if not requests:
+            break
+        gen = ctx.generate(requests, 0)  # [R,1,T] gathered, in request order
+        lengths = gen.mask[:, 0].sum(-1).tolist()  # [R]
+        for i, (ep, context) in enumerate(chosen):
+            text = gen.completions[i][0]
+            obs, reward, done = envs[id(ep)].step(text)
+            ep.contexts.append(context)
+            ep.actions.append(gen.actions[i, 0, : lengths[i]].tolist())
+            ep.texts.append(text)
+            ep.rewards.append(float(reward))
+            ep.observations.append(obs)
+            ep.rows.append(seen + i)
+            ep.done = bool(done)
+            if history and not ep.done:
+                ep.env_tokens.append(encode(separator + obs))
+        parts.append(gen)
+        seen += len(chosen)
+    for ep in (ep for group in episodes for ep in group if not ep.done and not ep.cut):
+        ep.cut = "max_turns"
+    if not parts:
+        raise ConfigError(f"rollout {who}: no episode could take a single turn (the first observation plus rollout.max_new_tokens={budget} "
+                          f"exceeds the context limit {limit}); raise max_context or shorten the observations")
+    return Played(episodes, Rollout.concat(parts))
+
+
+class _Rows(RolloutContext):
+    """A rollout context over a list of rows, for held-out play: only what ``play`` uses."""
+
+    def __init__(self, policy: Any, rows: list[dict], sampling: dict, info: Any):
+        self.policy, self.sampling = policy, sampling
+        self.info, self.meta = (lambda round_=0: info), rows.__getitem__
+
+
+def greedy_success(policy: Any, rows: list[dict], sampling: dict, info: Any, max_turns: int = 16, **play_options: Any) -> float:
+    """The share of ``rows`` whose greedy closed-loop episode (one per row) ends with a positive
+    return: the held-out success of a multi-turn policy (``play_options`` as for ``play``)."""
+    played = play(_Rows(policy, rows, sampling, info), list(range(len(rows))), 1, max_turns, sampling={"greedy": True}, **play_options)
+    return sum(g[0].ret > 0 for g in played.episodes) / max(1, len(rows))
+
+
+def _cached(encode):
+    table: dict[str, list[int]] = {}
+
+    def cached(text: str) -> list[int]:
+        if text not in table:
+            table[text] = list(encode(text))
+        return list(table[text])
+
+    return cached
+
+
+# ---------------------------------------------------------------------------------------------- rewards
+def check_env_rewards(components: list[Any], who: str) -> None:
+    """At build: an env run's text rewards are all ``env_return`` (there is one, at least)."""
+    from groupwise.rewards.env_return import EnvReturn
+
+    text = [c for c in components if getattr(c, "stage", "") == "reward" and not hasattr(c, "score_rollout")]
+    others = sorted({getattr(c, "registry_name", type(c).__name__) for c in text if not isinstance(c, EnvReturn)})
+    if others:
+        raise ConfigError(f"rollout strategy {who!r} plays an environment: its rows are scored by the env's return (reward 'env_return'), "
+                          f"so the text rewards {others} have nothing to score; use rewards=['env_return'] (rollout scorers such as "
+                          f"'kl_penalty' may be added)")
+    if not text:
+        raise ConfigError(f"rollout strategy {who!r} plays an environment but no reward is 'env_return': add it (rewards=['env_return'], "
+                          f"the env tasks' default)")
+
+
+def score_returns(ctx: Any, batch: Rollout, returns: torch.Tensor, who: str = "env") -> Rollout:
+    """Each row's return ``returns`` [B,G] into every ``env_return`` column, then ``ctx.finish``
+    (needs, rollout scorers, the weighted total)."""
+    stage = ctx.reward_stage
+    check_env_rewards(stage.text, who)
+    B, G, _ = batch.shape
+    parts = returns.double()[..., None].expand(B, G, len(stage.text)).clone()  # [B,G,K_text]
+    parts[~batch.group_valid] = float("nan")  # padding rows: no verdict, as the text scorers leave them
+    batch.reward_parts = parts
+    batch.set_extra("reward_failed", torch.zeros(B, G, dtype=torch.bool), "row")
+    return ctx.finish(batch, 0)

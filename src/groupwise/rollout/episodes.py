@@ -1,0 +1,125 @@
+"""Trajectory-level GRPO for multi-turn environments: one row per episode, the whole transcript.
+
+The baseline GROW is compared with (spec 04, comparison (a): "trajectory-level GRPO with full
+history in context"); the standard way multi-turn agents are trained with GRPO (one trajectory =
+one sample, environment tokens masked out of the loss), as multi-turn RL frameworks do (e.g.
+slime's ``MultiTurnLossMaskGenerator``, ``slime/utils/mask_utils.py``: loss on assistant tokens only).
+
+**Change vs GRPO**: the G completions of a prompt are G episodes: each row's tokens are the
+policy's actions AND the environment's observations between them, generated turn by turn with the
+whole transcript as context; ``loss_mask`` is False on the environment tokens (holes), so only the
+actions are trained. Reward = the episode's outcome; the advantage is the configured estimator.
+
+**Math** (episode e of task τ, played by ``rollout/env.py`` in history mode)::
+
+    prompt  = encode(o_0)
+    row     = a_0 ‖ encode(sep + o_1) ‖ a_1 ‖ … ‖ a_last        (mask: a prefix, as always)
+    loss_mask = 1 on the tokens of every a_t, 0 on every encode(sep + o_t)
+    reward  = R_e = Σ_t r_t
+
+**Defaults**
+
+- ``max_turns = 16`` [INFERRED] as ``grow``'s, so both strategies play the same episodes' length.
+- ``separator = " "`` [INFERRED] one space between an action and the next observation.
+- ``max_context = None`` [INFERRED] the model's own context (128 positions for the embedded
+  model); a smaller value emulates a shorter window (the spec's truncating-context test).
+- ``env = None`` [INFERRED] the row's ``env`` column; ``env_params = {}`` the env's defaults.
+
+**Notes**
+
+1. Truncation rule: a turn is played only if its context (prompt + transcript so far) plus
+   ``rollout.max_new_tokens`` fits ``min(model context, max_context)``; otherwise the episode stops
+   there (``truncated`` True, ``info["cut"] = "context"``) with the rewards it has (0 in the reach
+   game). The row then fits the model: prompt + row tokens ≤ the limit.
+2. A row's ``T`` is the transcript's length, so it can exceed ``rollout.max_new_tokens``
+   (``StepInfo.max_new_tokens``, Dr.GRPO's constant normaliser, still reads the config value).
+3. Transcripts are plain text (``policy.encode`` of each observation): chat-format transcripts
+   (a template per turn) are not implemented.
+4. ``logp_sampler`` is the sampler's log-prob at action tokens and 0 at environment tokens (holes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from groupwise.registry import ConfigError, register
+from groupwise.rollout.env import Played, check_env_rewards, play, score_returns
+from groupwise.types import Rollout
+
+
+def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Tensor]:
+    """(batch [B, n, T], outcome [B, n]): one row per episode, its actions and the env tokens between them."""
+    B, n = len(played.episodes), max(len(g) for g in played.episodes)
+    logp_of = played.turns.logp_sampler  # [R,1,T'] the sampler's log-probs of every action
+    rows = []
+    for group in played.episodes:
+        for ep in group:
+            tokens, own, logp = [], [], []
+            for t, action in enumerate(ep.actions):
+                tokens += action
+                own += [True] * len(action)
+                logp += logp_of[ep.rows[t], 0, : len(action)].tolist() if logp_of is not None else [0.0] * len(action)
+                if t < len(ep.actions) - 1:  # the observation the next action saw; none after the last
+                    tokens += ep.env_tokens[t]
+                    own += [False] * len(ep.env_tokens[t])
+                    logp += [0.0] * len(ep.env_tokens[t])
+            rows.append((tokens, own, logp))
+    T = max(1, max(len(r[0]) for r in rows))
+    actions = torch.zeros(B, n, T, dtype=torch.long)  # [B,n,T]
+    mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
+    loss_mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
+    logp = torch.zeros(B, n, T)  # [B,n,T]
+    for i, (tok, own, lp) in enumerate(rows):
+        b, e = divmod(i, n)
+        actions[b, e, : len(tok)], mask[b, e, : len(tok)] = torch.tensor(tok, dtype=torch.long), True
+        loss_mask[b, e, : len(tok)], logp[b, e, : len(tok)] = torch.tensor(own), torch.tensor(lp)
+    firsts = [[ep.contexts[0] if ep.contexts else [] for ep in g] for g in played.episodes]
+    prompts = [list(next((c for c in f if c), [])) for f in firsts]
+    meta = played.turns.meta
+    first_row = {ep.key: ep.rows[0] for g in played.episodes for ep in g if ep.rows}
+    batch = Rollout(
+        prompt_ids=prompts,
+        actions=actions,
+        mask=mask,
+        group_valid=mask.any(-1),  # [B,n] an episode cut before its first action has nothing to train
+        truncated=torch.tensor([[ep.cut == "context" for ep in g] for g in played.episodes]),  # [B,n]
+        prompt_index=torch.tensor([g[0].key for g in played.episodes], dtype=torch.long),  # [B]
+        meta=[meta[first_row[g[0].key]] if g[0].key in first_row else {} for g in played.episodes],
+        completions=[["".join(a + (separator + ep.observations[t + 1] if t < len(ep.texts) - 1 else "") for t, a in enumerate(ep.texts)) for ep in g]
+                     for g in played.episodes],
+        info=[[{"actions": list(ep.texts), "return": ep.ret, "cut": ep.cut} for ep in g] for g in played.episodes],
+        ctx=firsts if any(f != p for fs, p in zip(firsts, prompts) for f in fs) else [],  # a random reset: each row its own prompt
+        loss_mask=loss_mask,
+        logp_sampler=logp,
+    )
+    outcome = torch.tensor([[ep.ret for ep in g] for g in played.episodes], dtype=torch.float64)  # [B,n]
+    return batch, outcome
+
+
+@register("rollout", "episodes")
+@dataclass
+class Episodes:
+    """One row per episode: the whole multi-turn transcript, environment tokens masked out of the loss (trajectory-level GRPO)."""
+
+    max_turns: int = 16
+    separator: str = " "
+    max_context: int | None = None
+    env: str | None = None
+    env_params: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or (self.max_context is not None and self.max_context < 2):
+            raise ConfigError(f"rollout episodes: need max_turns >= 1 and max_context >= 2 or None, got max_turns={self.max_turns}, max_context={self.max_context}")
+
+    def check(self, components: list) -> None:
+        check_env_rewards(components, "episodes")
+
+    def __call__(self, ctx) -> Rollout:
+        played = play(ctx, ctx.draw(ctx.batch_size), ctx.group_size, self.max_turns, self.env, self.env_params, history=True,
+                      separator=self.separator, max_context=self.max_context, who="episodes")
+        batch, outcome = transcripts(played, self.separator)
+        score_returns(ctx, batch, outcome, "episodes")
+        keep = ctx.keep(batch)  # [B] bool
+        return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
