@@ -27,6 +27,8 @@ def configurations() -> dict[str, list[str]]:
     for stage, name, cls in entries():
         if getattr(cls, "modality", "text") != "text":  # this driver trains the text policy
             continue
+        if getattr(cls, "artifacts", ()):  # needs an offline phase's artifact (ProFIL's probe); its filter is per row
+            continue
         if stage == "advantage":
             key = "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"  # shapers run after grpo
             configs[f"advantage:{name}"] = [f'{key}=["{name}"]' if key.endswith("shapers") else f'{key}="{name}"']

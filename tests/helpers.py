@@ -104,6 +104,8 @@ def fill_needs(rollout: Rollout, needs, seed: int = 7) -> dict[str, Tensor]:
     for need in needs:
         assert isinstance(need, Need), need
         value = torch.rand(B, G, T, generator=g) * 2.0  # [B,G,T]
+        if need.name == "hidden":  # a hidden state per token [B,G,T,H]
+            value = torch.randn(B, G, T, HIDDEN, generator=g)
         if need.quantity == "logp":
             value = -value
         key = need.key
@@ -120,10 +122,32 @@ def fill_needs(rollout: Rollout, needs, seed: int = 7) -> dict[str, Tensor]:
     return out
 
 
+HIDDEN = 8  # hidden size of a filled hidden(l) need
+
+
+def _example_probe(seed: int) -> dict:
+    """A seeded ProFIL probe on HIDDEN-dim states (layer 1); ids divisible by 3 end a step (';')."""
+    from groupwise.advantages.profil import AttnProbe
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        probe = AttnProbe(HIDDEN, 2)
+    return {"state": probe.state_dict(), "layer": 1, "d_model": HIDDEN, "n_heads": 2, "d_head": probe.d_head, "sep": ";",
+            "token_text": [";" if i % 3 == 0 else "x" for i in range(50)]}
+
+
+# what a component listing an artifact in ``artifacts`` gets in the sweeps (an offline phase makes the real one)
+EXAMPLE_ARTIFACTS = {"probe": _example_probe, "table": lambda seed: {"rows": 0}}
+
+
 def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]:
-    """``fill_needs`` for the component's needs, plus a random group-level value [B] for each extra
-    it reads from the rollout strategy (``rollout_extras``, e.g. ReMax's ``baseline_reward``)."""
+    """``fill_needs`` for the component's needs, an example of each artifact it lists (``artifacts``),
+    plus a random group-level value [B] for each extra it reads from the rollout strategy
+    (``rollout_extras``, e.g. ReMax's ``baseline_reward``)."""
     out = fill_needs(rollout, getattr(component, "needs", ()), seed)
+    for name in getattr(component, "artifacts", ()):
+        assert name in EXAMPLE_ARTIFACTS, f"add an example of the artifact {name!r} to tests/helpers.py EXAMPLE_ARTIFACTS"
+        component.use_artifact(name, EXAMPLE_ARTIFACTS[name](seed))
     g = torch.Generator().manual_seed(seed + 1)
     for key in getattr(component, "rollout_extras", ()):
         rollout.set_extra(key, torch.rand(rollout.shape[0], generator=g), "group")

@@ -16,7 +16,7 @@ import torch
 from groupwise.registry import build, names
 from groupwise.rewards.score import combine, score
 from groupwise.rewards.stage import RewardStage
-from helpers import fill_needs, info_for, make_rollout, rollout_from
+from helpers import fill_inputs, info_for, make_rollout, rollout_from
 
 A = float(torch.tensor(3e38))  # the float32 value nearest 3e38
 E20 = float(torch.tensor(1e20))
@@ -50,7 +50,7 @@ def _every_advantage(rewards, T=3):
         if getattr(comp, "shaper", False):
             for upstream in ("grpo", "dr_grpo"):  # dr_grpo hands on unscaled, huge advantages
                 ro.advantages = build("advantage", upstream)(ro, info_for(T))
-                fill_needs(ro, comp.needs)
+                fill_inputs(ro, comp)
                 yield f"{upstream}+{name}", comp(ro, info_for(T))
         else:
             yield name, comp(ro, info_for(T))

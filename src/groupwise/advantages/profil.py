@@ -24,7 +24,7 @@ offline labelling pass).
 - probe trained once on the frozen base model; verifier-derived labels; filtering of the
   advantage [ABSTRACT].
 - label rule from forced answers, attention-pooling probe form, newline step segmentation
-  [INFERRED].
+  (``sep`` option) [INFERRED].
 - ``mode = "mean_flag"``, ``tau = 0.5``, ``only_positive = False`` [INFERRED].
 - ``n_heads = 4``, ``d_head = d_model // n_heads`` [INFERRED].
 
@@ -37,7 +37,8 @@ offline labelling pass).
    nor on tokens outside the step (``step_ids == -1`` belongs to no step).
 3. ``segment_steps``: a step is a line with visible text (its trailing newline included); blank
    lines belong to no step. A token takes the step of its first visible character, or of its
-   first character when it has none.
+   first character when it has none. ``sep`` replaces the newline (``";"`` for the ``theater``
+   toy): a step is then a ``sep``-terminated segment (or the tail) with visible text besides it.
 4. A NaN rollout score never filters (NaN > tau is false).
 """
 
@@ -127,8 +128,9 @@ def rollout_score(p: Tensor, mode: str = "mean_flag", threshold: float = 0.5) ->
     return torch.where(n > 0, s, torch.zeros((), dtype=s.dtype)).float()  # [N]
 
 
-def segment_steps(tokens: list[str] | str, offsets: list[tuple[int, int]] | None = None, pad_to: int | None = None) -> Tensor:
-    """step_ids [T] int64 by newline boundaries (module note 3); -1 = no step (and padding).
+def segment_steps(tokens: list[str] | str, offsets: list[tuple[int, int]] | None = None, pad_to: int | None = None,
+                  sep: str = "\n") -> Tensor:
+    """step_ids [T] int64 by ``sep`` boundaries (module note 3; default newlines); -1 = no step (and padding).
 
     ``tokens``: the decoded text of each token, or the completion text with ``offsets`` (a
     tokenizer's character spans per token); a bare string without offsets is one token per character.
@@ -143,9 +145,16 @@ def segment_steps(tokens: list[str] | str, offsets: list[tuple[int, int]] | None
         for t in tokens:
             spans.append((at, at + len(t)))
             at += len(t)
+    if not sep:
+        raise ValueError("segment_steps: sep must be a non-empty string")
+    ends, at = [], text.find(sep)
+    while at >= 0:
+        ends.append(at + len(sep))
+        at = text.find(sep, at + len(sep))
     char_step, step, line_start = [-1] * len(text), -1, 0
-    for end in [i + 1 for i, c in enumerate(text) if c == "\n"] + [len(text)]:
-        if text[line_start:end].strip():  # a line with visible text is a step, its newline included
+    for end in ends + [len(text)]:
+        body = text[line_start:end]
+        if (body[: -len(sep)] if body.endswith(sep) else body).strip():  # visible text besides sep: a step, its sep included
             step += 1
             char_step[line_start:end] = [step] * (end - line_start)
         line_start = end

@@ -15,6 +15,8 @@ phase, the artifact of an offline one) written atomically with a ``.sha256`` bes
 killed in a later phase does not redo it, and a resumed run loads the artifacts it injects (a
 damaged file is an error naming it). Once an RL checkpoint exists the sft phases are done: their
 weights are in it. A phase killed midway starts again from its beginning (phases are short).
+After an sft phase (run or loaded) the policy's frozen reference is reset to the trained weights:
+RL's reference is the policy RL starts from.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
             saved = load_output(path)
             if phase.kind == "sft":
                 ctx.policy.load_state_dict(saved["policy"])
+                rebase_reference(ctx.policy)
             else:
                 ctx.artifacts[name] = saved["artifact"]
             ctx.summary[name] = saved.get("summary", {})
@@ -102,6 +105,8 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
             raise RuntimeError(f"phase {name!r}: its output {path} is missing, but the run's RL steps have begun; restore the file or train into a new folder")
         ctx.say(f"phase {name!r} ({phase.kind}) ...")
         out = phase(ctx) or {}
+        if phase.kind == "sft":
+            rebase_reference(ctx.policy)
         ctx.summary[name] = out.pop("summary", {}) if isinstance(out, dict) else {}
         if phase.kind == "offline":
             ctx.artifacts[name] = out
@@ -111,6 +116,13 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
             save_output(path, {**state, "summary": ctx.summary[name]})
         dist.barrier()
     return ctx.artifacts
+
+
+def rebase_reference(policy: Any) -> None:
+    """After an sft phase the frozen reference (KL terms, ``Need(model="ref")``) is the policy RL
+    starts from, not the weights the run loaded: the policy's ``rebase_reference`` when it has one."""
+    if hasattr(policy, "rebase_reference"):
+        policy.rebase_reference()
 
 
 def inject(artifacts: dict[str, Any], components: list[Any]) -> None:

@@ -215,6 +215,18 @@ class LMPolicy:
             models["ref"] = self.reference.model
         return models
 
+    def rebase_reference(self) -> None:
+        """The frozen reference becomes a copy of the current weights (called after an sft phase).
+        With LoRA the reference is the base with adapters off, which an sft phase does not move: refused."""
+        if self.reference is None:
+            return
+        if self.reference.uses_adapter:
+            from groupwise.registry import ConfigError
+
+            raise ConfigError("an sft phase with model.lora: the reference (the base with adapters off) would not be the fine-tuned policy; "
+                              "drop model.lora or the components that read the reference")
+        self.reference.load_state_dict(self.module.state_dict())
+
     def score(self, module: Any, rollout: Any, quantities: Any) -> dict:
         """Quantities of ``rollout`` under one of :meth:`scoring_models`' modules (no-grad needs)."""
         return self.forward(rollout, quantities, module=module)
