@@ -172,6 +172,8 @@ def test_sigkill_with_keep_last_one(tmp_path, reference):
 SETUPS = {
     "two_roles": (["codistill", "rollout.prompts_per_step=8", "rollout.group_size=4"], ["model.safetensors", "teacher/model.safetensors"], 6),
     "phases": (["demo", "rollout.prompts_per_step=8", "rollout.group_size=4", 'phases=[{name="sft", steps=40, batch_size=16}]'], ["model.safetensors"], 6),
+    # multi-turn episodes in an environment: env tokens as loss-mask holes, per-episode seeds
+    "env": (["grow", "rollout.prompts_per_step=8", "rollout.group_size=4", 'rollout.name="episodes"', "rollout.params={max_turns=16}", "train.max_seconds=0"], ["model.safetensors"], 6),
 }
 
 
