@@ -5,9 +5,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+import groupwise.models
 
 ARGS = [
     "train",
@@ -40,3 +43,24 @@ def test_two_ranks_equal_one_process(tmp_path):
     assert abs(single_row["grad_norm"] - ddp_row["grad_norm"]) < 1e-5 * max(1.0, single_row["grad_norm"])
     for name, weight in single.items():
         torch.testing.assert_close(ddp[name], weight, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_two_trained_roles_under_two_ranks_equal_one_process(tmp_path):
+    """A run with a second trained model (CoDistill's teacher: its own rollouts, rewards, advantage,
+    objective and optimiser) over 2 ranks equals one process: both models' weights after one SGD step."""
+    roles = ["codistill", 'roles.teacher.update={name="sgd", lr=1.0}', 'roles.teacher.objective={terms=["ppo_clip"]}']
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+    def run_roles(cmd, out):
+        args = [ARGS[0], *roles, *ARGS[1:]]
+        result = subprocess.run([*cmd, *args, f"out={out}"], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [load_file(out / "final" / f) for f in ("model.safetensors", "teacher/model.safetensors")]
+
+    single = run_roles([sys.executable, "-m", "groupwise"], tmp_path / "one")
+    ddp = run_roles([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"], tmp_path / "two")
+    teacher_start = load_file(Path(groupwise.models.__file__).parent / "hinted" / "model.safetensors")
+    assert any(not torch.equal(single[1][n], w) for n, w in teacher_start.items())  # the teacher took a step: the comparison means something
+    for one, two in zip(single, ddp):
+        for name, weight in one.items():
+            torch.testing.assert_close(two[name], weight, atol=1e-6, rtol=1e-5, msg=name)
