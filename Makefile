@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 TORCH  ?= torch==2.13.0
 
-.PHONY: install sandbox demo test test-slow bench claims clean
+.PHONY: install sandbox demo test test-slow test-gpu bench claims clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ claims: $(STAMP)
 
 test-slow: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
+
+# On a machine with a CUDA build of torch (not the CPU build .venv gets): the CUDA suite, tests/test_gpu.py
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=src $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 
 clean:
 	rm -rf runs .pytest_cache bench/runs

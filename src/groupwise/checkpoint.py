@@ -223,4 +223,4 @@ def load(path: Path) -> dict[str, Any]:
     """The state of a checkpoint folder, verified against its manifest first."""
     verify(path)
     with open(Path(path) / STATE, "rb") as fh:
-        return torch.load(fh, weights_only=False)
+        return torch.load(fh, map_location="cpu", weights_only=False)  # a GPU run resumes anywhere; load_state_dict moves back

@@ -25,6 +25,7 @@ RECIPES = Path(__file__).resolve().parent / "recipes"
 class ModelCfg:
     path: str = "default"  # "default" = the tiny model shipped in the package; or a folder / hub id
     dtype: str = "float32"  # float32 | bfloat16 (matmul dtype; log-probs, ratios, advantages stay float32)
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda when available); under torchrun each rank takes cuda:LOCAL_RANK
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
     policy: str = "lm"  # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy (arguments in `params`)
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}

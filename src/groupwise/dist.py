@@ -1,4 +1,4 @@
-"""Data parallelism over torch.distributed (gloo on CPU, NCCL on GPU), started by torchrun.
+"""Data parallelism over torch.distributed (gloo for CPU tensors, NCCL for CUDA ones), started by torchrun.
 
 Each rank generates and trains on its share of the step's groups. Normalisers and gradients are
 summed over ranks, so one optimiser step over W ranks equals one process over the global batch.
@@ -17,7 +17,8 @@ def init() -> tuple[int, int]:
     """(rank, world_size); initialises the process group when launched by torchrun."""
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         _die_with_launcher()
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # CPU tensors (rollouts, rewards, statistics) always go over gloo; CUDA tensors (a GPU run's gradients) over NCCL
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

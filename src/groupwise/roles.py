@@ -59,7 +59,7 @@ class Trainable:
 
 def build_frozen(name: str, cfg: Any, run_cfg: Any, main_policy: Any) -> Any:
     """A frozen role's policy: built, checked, set to eval and never given to an optimiser."""
-    policy = build_policy(cfg.model, run_cfg.perf)
+    policy = build_policy(_on_policy_device(cfg.model, run_cfg.model), run_cfg.perf)
     _check_tokenizer(name, cfg, policy, main_policy)
     for p in policy.parameters():
         p.requires_grad_(False)
@@ -72,8 +72,15 @@ def _check_tokenizer(name: str, cfg: Any, policy: Any, main_policy: Any) -> None
         raise ConfigError(f"roles.{name}: model {cfg.model.path!r} has another tokenizer than the policy's; a role scores the policy's tokens")
 
 
+def _on_policy_device(model_cfg: Any, main_cfg: Any) -> Any:
+    """A role's model lives where the policy's does unless its own ``model.device`` names another than cpu."""
+    import dataclasses
+
+    return dataclasses.replace(model_cfg, device=main_cfg.device) if getattr(model_cfg, "device", "cpu") == "cpu" else model_cfg
+
+
 def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_labels: list[str], total_updates: int) -> Trainable:
-    policy = build_policy(cfg.model, run_cfg.perf)
+    policy = build_policy(_on_policy_device(cfg.model, run_cfg.model), run_cfg.perf)
     _check_tokenizer(name, cfg, policy, main_policy)
     unknown = [r for r in cfg.rewards if r not in reward_labels]
     if unknown:

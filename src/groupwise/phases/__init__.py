@@ -147,4 +147,4 @@ def load_output(path: Path) -> dict:
     if not digest.exists() or digest.read_text().strip() != hashlib.sha256(data).hexdigest():
         raise RuntimeError(f"{path}: the phase output is incomplete or damaged (its sha256 does not match {digest.name}); "
                            f"delete it to run that phase again")
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)

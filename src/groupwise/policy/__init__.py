@@ -20,6 +20,8 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
     if model_cfg.policy == "flow":
         from groupwise.modalities.flow import FlowPolicy
 
+        if getattr(model_cfg, "device", "cpu") not in ("cpu", "auto"):
+            raise ConfigError(f"model.device={model_cfg.device!r}: the flow toy runs on the CPU; use model.device=\"cpu\"")
         try:
             return FlowPolicy(**model_cfg.params)
         except TypeError as err:

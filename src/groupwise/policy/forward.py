@@ -398,13 +398,14 @@ def token_kl(model, hidden_p: Tensor, hidden_q: Tensor, mask: Tensor, chunk_toke
     ``last_hidden`` quantity under two contexts). The head runs on ``chunk_tokens`` tokens at a time,
     so no [tokens, V] tensor larger than [chunk_tokens, V] ever exists. 0 outside ``mask``."""
     index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
-    flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])[index]  # [K,H]
-    flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])[index]  # [K,H]
+    weight = next(model.parameters())  # the head runs where the model lives, in its dtype (states are kept float32)
+    flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])[index.to(hidden_p.device)].to(weight.device, weight.dtype)  # [K,H]
+    flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])[index.to(hidden_q.device)].to(weight.device, weight.dtype)  # [K,H]
     parts = []
     for start in range(0, flat_p.shape[0], chunk_tokens):
         logp = torch.log_softmax(_head(model, flat_p[start : start + chunk_tokens]).float(), dim=-1)  # [c,V]
         logq = torch.log_softmax(_head(model, flat_q[start : start + chunk_tokens]).float(), dim=-1)  # [c,V]
         parts.append((logp.exp() * (logp - logq)).sum(-1))  # [c]
-    kl = torch.cat(parts) if parts else hidden_p.new_zeros(0)  # [K]
-    out = torch.zeros(mask.numel(), dtype=torch.float32, device=hidden_p.device)  # [B*G*T]
+    kl = torch.cat(parts).to(mask.device) if parts else torch.zeros(0, device=mask.device)  # [K]
+    out = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # [B*G*T] beside the mask (the host's rollout)
     return out.index_copy(0, index, kl.float()).view(mask.shape)  # [B,G,T]

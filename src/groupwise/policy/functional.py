@@ -34,7 +34,10 @@ def unsupported_reason(model) -> str | None:
     call (they come and go); the rest once per model and dtype."""
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks on its modules (the functional path would skip them)"
-    dtype = next(model.parameters()).dtype  # a model moved to another dtype is checked again
+    weight = next(model.parameters())
+    if weight.device.type != "cpu":  # written and measured for CPU kernels; a GPU runs the model's own forward (SDPA)
+        return f"weights on {weight.device.type} (the functional path is CPU-only)"
+    dtype = weight.dtype  # a model moved to another dtype is checked again
     cached = _STATIC_REASONS.get(model)
     if cached is None or cached[0] != dtype:
         cached = _STATIC_REASONS[model] = (dtype, _static_reason(model))

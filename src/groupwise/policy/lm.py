@@ -27,6 +27,26 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+def resolve_device(name: str) -> torch.device:
+    """``model.device``: ``cpu``; ``cuda`` (this rank's GPU: ``cuda:LOCAL_RANK`` under torchrun);
+    ``cuda:N``; ``auto`` = ``cuda`` when a GPU is visible, else ``cpu``."""
+    from groupwise.registry import ConfigError
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"config key model.device: {name!r} but torch sees no CUDA device (torch {torch.__version__}); "
+                              f"use model.device=\"cpu\" or \"auto\", or install a CUDA build of torch")
+        index = int(name.split(":", 1)[1]) if ":" in name else int(os.environ.get("LOCAL_RANK", 0))
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"config key model.device: cuda:{index} does not exist ({torch.cuda.device_count()} visible)")
+        return torch.device("cuda", index)
+    raise ConfigError(f"config key model.device: {name!r}; allowed: cpu, cuda, cuda:N, auto")
+
+
 def load_policy(path: str, dtype: str = "float32", lora: dict | None = None) -> tuple[Any, Any]:
     """Model + tokenizer from a local folder (or a hub id when a network exists)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -117,7 +137,11 @@ class LMPolicy:
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.engines.cpu import CPUEngine
 
+        self.device = resolve_device(getattr(model_cfg, "device", "cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL and the default CUDA stream of this rank
         self.module, self.tokenizer = load_policy(model_cfg.path, model_cfg.dtype, model_cfg.lora or None)
+        self.module.to(self.device)
         self.perf = perf
         self.eos = eos_ids(self.module, self.tokenizer)
         self.engine = CPUEngine(self.module, self.eos, self.tokenizer.pad_token_id, share_prefix=perf.share_prefix,
@@ -196,9 +220,12 @@ class LMPolicy:
         from groupwise.policy.forward import completion_logprobs
 
         perf = self.perf
-        return completion_logprobs(self.module if module is None else module, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid,
-                                   want_entropy=want_entropy, packed=perf.packed, share_prefix=None if perf.share_prefix else False,
-                                   functional=perf.functional, quantities=quantities, row_prompts=rollout.ctx or None)
+        out = completion_logprobs(self.module if module is None else module, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid,
+                                  want_entropy=want_entropy, packed=perf.packed, share_prefix=None if perf.share_prefix else False,
+                                  functional=perf.functional, quantities=quantities, row_prompts=rollout.ctx or None)
+        if self.device.type != "cpu":  # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
+            out = {key: value.to("cpu", non_blocking=False) for key, value in out.items()}
+        return out
 
     def scoring_models(self, with_reference: bool) -> dict[str, Any]:
         """The modules needs are read from, by role: this policy and (built on request) its frozen reference."""
