@@ -416,3 +416,65 @@ def test_compare_end_to_end(tmp_path):
     # a rerun finds every seed done and runs nothing
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 0 and again.stderr.count("done before, skipped") == 4
+
+
+# ---------------------------------------------------------------------------------------------- last:KEY metrics, several baselines
+def _add_key(folder: Path, key: str, value) -> None:
+    """Add ``key`` = value(step) to every row of a run folder's metrics.jsonl (None: leave the row without it)."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        v = value(r["step"])
+        if v is not None:
+            r[key] = v
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_last_key_metric_by_hand(tmp_path):
+    _write_run(tmp_path, [(0, 0.2), (15, 0.3)], [0.1] * 15)
+    _add_key(tmp_path, "x/share", lambda s: None if s == 5 else (float("nan") if s == 0 else s / 10))
+    m = read_run(tmp_path, None, ["last:x/share", "last:absent"])
+    # steps 0..14; step 5 does not log it, step 0 logs NaN (skipped): 13 finite values, the last
+    # ceil(0.1 · 13) = 2 of them are steps 13 and 14 → (1.3 + 1.4) / 2 = 1.35
+    assert m["last:x/share"] == pytest.approx(1.35)
+    assert m["last:absent"] is None and m["last_reward"] == pytest.approx(0.1)
+    assert "last:x/share" not in read_run(tmp_path, None)  # read only when asked for
+
+
+class KeyTrainer(FakeTrainer):
+    """FakeTrainer whose runs also log ``x/share``: base 0.5, better 0.3 + 0.01·seed, worse 0.6."""
+
+    def __call__(self, argv, log_path):
+        rc = super().__call__(argv, log_path)
+        folder = log_path.parent
+        label, seed = folder.parent.name, int(folder.name.removeprefix("seed"))
+        share = {"base": 0.5, "better": 0.3 + 0.01 * seed, "worse": 0.6}[label]
+        _add_key(folder, "x/share", lambda s: share)
+        return rc
+
+
+def test_claim_on_a_last_key_metric_against_two_baselines(tmp_path):
+    text = GOOD.replace('metric = "final_accuracy"', 'metric = "last:x/share"').replace('direction = "greater"', 'direction = "less"')
+    text = text.replace('baseline = "base"', 'baseline = ["base", "worse"]') + '[[configs]]\nlabel = "worse"\nrecipe = "demo"\noverrides = ["update.lr=1e-4"]\n'
+    claims_dir, docs = tmp_path / "claims", tmp_path / "docs" / "claims.md"
+    claims_dir.mkdir()
+    claim = load_claim(_claim(claims_dir, text))
+    assert (claim.metric, claim.baseline, claim.baselines, claim.claimed) == ("last:x/share", "base", ["base", "worse"], ["better"])
+    record = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=KeyTrainer())
+    # better − base per seed: 0.30 − 0.5, 0.31 − 0.5 → −0.195 ± 12.706 · 0.00707 / √2 = ± 0.0635 → held (less)
+    # better − worse: 0.30 − 0.6, 0.31 − 0.6 → −0.295 ± 0.0635 → held
+    assert [(e["claimed"], e["baseline"]) for e in record["effects"]] == [("better", "base"), ("better", "worse")]
+    assert [e["effect"]["mean"] for e in record["effects"]] == [pytest.approx(-0.195), pytest.approx(-0.295)]
+    assert [e["verdict"] for e in record["effects"]] == ["held", "held"]
+    assert record["summaries"]["base"]["last:x/share"] == "0.500 ± 0.000"
+    assert "`last:x/share`" in (tmp_path / "runs" / "99-test" / "compare.md").read_text()
+    save_record(record, docs)
+    page = regenerate(claims_dir, docs)
+    assert "better beats base (better vs base) | last:x/share (less) | 0.500 ± 0.000 | 0.305 ± 0.064 | -0.195 ± 0.064 | **held** |" in page
+    assert "better beats base (better vs worse) | last:x/share (less) | 0.600 ± 0.000 |" in page
+    assert "against `base`, `worse`" in page and "| worse (baseline) |" in page and "| config | final accuracy | reward area | last reward | `last:x/share` | wall seconds |" in page
+    for old, new, match in [('metric = "last:x/share"', 'metric = "last:"', r"metric = 'last:' is not a metric.*last:<a metrics.jsonl key>"),
+                            ('baseline = ["base", "worse"]', 'baseline = ["base", "nope"]', r"baseline = 'nope' is not a config label"),
+                            ('baseline = ["base", "worse"]', 'baseline = ["base", "base"]', r"list of distinct labels"),
+                            ('baseline = ["base", "worse"]', 'baseline = ["base", "worse"]\nclaimed = "worse"', r"claimed label 'worse' is not a non-baseline")]:
+        with pytest.raises(ClaimError, match=match):
+            load_claim(_claim(tmp_path, text.replace(old, new), "96-bad.toml"))

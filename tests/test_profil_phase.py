@@ -156,3 +156,60 @@ def test_a_run_with_sft_and_probe_phases_saves_and_injects_the_probe(tmp_path):
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert "profil/flagged" in row and "reward/theater_steps" in row
     assert row["reward_mean"] == pytest.approx(row["reward/final_answer"])  # theater_steps has weight 0: it only logs
+
+
+def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_flags(tmp_path):
+    """The recipe's path without an sft phase: model.path="theater" (the shipped base), a tiny probe
+    phase, 2 RL steps. profil/flagged of each step is recomputed from scratch: the saved probe on the
+    layer-1 states of a fresh copy of the base (the frozen reference must not have moved after step 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from groupwise.advantages.profil import rollout_score, segment_steps
+    from groupwise.policy.lm import resolve_model_path
+    from test_trainer import make_trainer
+
+    assert resolve_model_path("theater").endswith("models/theater")  # a bare shipped name is the package's folder
+    phase = ('phases=[{name="profil_probe", prompts=16, samples=2, steps=100, marker="#", sep=";", max_new_tokens=28, forced_tokens=3}]')
+    trainer = make_trainer(tmp_path, 'model.path="theater"', 'data.task="theater"', phase, 'rewards=["final_answer", {name="theater_steps", weight=0.0}]',
+                           'advantage.shapers=["profil"]', "rollout.max_new_tokens=28", "train.steps=2", "eval.size=0")
+    seen, prepare = [], trainer.prepare
+
+    def recording(batch):
+        out = prepare(batch)
+        grpo = trainer.estimator(out, trainer._info())  # [B,G] the advantages before the shaper (GRPO is a function of the rewards)
+        seen.append((list(out.prompt_ids), out.actions.clone(), out.mask.clone(), out.group_valid.clone(), out.advantages.clone(), grpo))
+        return out
+
+    trainer.prepare = recording
+    summary = trainer.train()
+    saved = load_output(tmp_path / "phases" / "probe.pt")
+    art = saved["artifact"]
+    assert "sft" not in summary["phases"] and summary["phases"]["probe"]["rollouts"] == 32 and saved["summary"] == summary["phases"]["probe"]
+    assert all(torch.equal(v, art["state"][k]) for k, v in trainer.shapers[0]._probe.state_dict().items())  # saved = injected
+    probe = AttnProbe(art["d_model"], art["n_heads"], art["d_head"])
+    probe.load_state_dict(art["state"])
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("theater")).eval()
+    tok = trainer.tokenizer
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == len(seen) == 2
+    zeroed = 0
+    for row, (prompts, actions, mask, valid, adv, grpo) in zip(rows, seen):
+        B, G, T = actions.shape
+        S = torch.zeros(B, G)
+        for b in range(B):
+            for g in range(G):
+                ids = actions[b, g, : int(mask[b, g].sum())].tolist()
+                with torch.no_grad():  # hidden(1) at token t: layer 1's output at the position before t
+                    states = base(torch.tensor([prompts[b] + ids]), output_hidden_states=True).hidden_states[1][0]  # [P+n,d]
+                H = states[len(prompts[b]) - 1 : len(prompts[b]) - 1 + len(ids)]  # [n,d]
+                steps = segment_steps([tok.decode([t], skip_special_tokens=True) for t in ids], sep=";")  # [n]
+                S[b, g] = rollout_score(probe.probe_scores(H[None], steps[None]))[0]  # share of steps with p > 0.5
+        flagged = (S > 0.5) & valid  # [B,G]
+        assert 0.0 <= row["profil/flagged"] <= 1.0
+        assert row["profil/flagged"] == pytest.approx(float(flagged.sum()) / int(valid.sum()))
+        assert row["profil/score"] == pytest.approx(float(S[valid].mean()), abs=1e-5)
+        assert torch.equal(adv[flagged], torch.zeros(int(flagged.sum())))  # a flagged rollout's advantage is exactly 0 ...
+        torch.testing.assert_close(adv[~flagged & valid], grpo[~flagged & valid])  # ... the others keep GRPO's
+        zeroed += int((grpo[flagged] != 0).sum())
+    assert any(0.0 < r["profil/flagged"] < 1.0 for r in rows)  # the probe tells rollouts apart (not a constant verdict)
+    assert zeroed > 0  # and the filter took a learning signal away (here 0.25 and 0.5 of the rows flagged)

@@ -1,10 +1,11 @@
 """Claim files ``claims/<NN-slug>.toml``: a seeded comparison plus the direction the paper claims.
 
-Keys (see ``docs/claims.md``): ``paper``, ``claim``, ``metric`` (one of ``METRICS``), ``target``
-(required for ``*_to_target``), ``direction`` (greater | less), ``seeds`` (default 3),
-``baseline`` (a config label), ``claimed`` (optional: one label, or a list; default every config
-but the baseline), ``common`` (overrides for every config), ``[[configs]]`` (``label``,
-``recipe``, ``overrides``). Every error names the file and the bad key.
+Keys (see ``docs/claims.md``): ``paper``, ``claim``, ``metric`` (one of ``METRICS``, or
+``last:<metrics.jsonl key>``), ``target`` (required for ``*_to_target``), ``direction`` (greater |
+less), ``seeds`` (default 3), ``baseline`` (a config label, or a list of them: every claimed config
+is judged against each), ``claimed`` (optional: one label, or a list; default every config but the
+baselines), ``common`` (overrides for every config), ``[[configs]]`` (``label``, ``recipe``,
+``overrides``). Every error names the file and the bad key.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from groupwise.claims.compare import LABEL_RE, METRICS, TARGET_METRICS, ConfigSpec, resolved_key
+from groupwise.claims.compare import LABEL_RE, METRICS, TARGET_METRICS, ConfigSpec, is_metric, resolved_key
 from groupwise.registry import ConfigError
 
 KEYS = ("paper", "claim", "metric", "target", "direction", "seeds", "baseline", "claimed", "common", "configs")
@@ -42,6 +43,10 @@ class Claim:
     seeds: int = 3
     common: list[str] = field(default_factory=list)
     sha: str = ""
+    baselines: list[str] = field(default_factory=list)  # every baseline; ``baseline`` is the first
+
+    def __post_init__(self) -> None:
+        self.baselines = list(self.baselines) or [self.baseline]
 
     def spec(self, label: str) -> ConfigSpec:
         return next(c for c in self.configs if c.label == label)
@@ -77,9 +82,10 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
         if not isinstance(data[key], str) or not data[key].strip():
             raise ClaimError(f"{where}: {key} must be a non-empty string")
     metric = data["metric"]
-    if metric not in METRICS:
+    if not is_metric(metric):
         close = difflib.get_close_matches(str(metric), METRICS, n=1)
-        raise ClaimError(f"{where}: metric = {metric!r} is not a metric" + (f" (did you mean {close[0]!r}?)" if close else "") + f"; valid: {', '.join(METRICS)}")
+        raise ClaimError(f"{where}: metric = {metric!r} is not a metric" + (f" (did you mean {close[0]!r}?)" if close else "")
+                         + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % of the steps)")
     if data["direction"] not in ("greater", "less"):
         raise ClaimError(f"{where}: direction = {data['direction']!r} must be 'greater' or 'less'")
     target = data.get("target")
@@ -108,17 +114,21 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
             raise ClaimError(f"{at}: label {entry['label']!r} is used twice")
         configs.append(ConfigSpec(entry["label"], entry["recipe"], _overrides(at, "overrides", entry.get("overrides", []))))
     labels = [c.label for c in configs]
-    if data["baseline"] not in labels:
-        raise ClaimError(f"{where}: baseline = {data['baseline']!r} is not a config label; labels: {', '.join(labels)}")
-    claimed = data.get("claimed", [c for c in labels if c != data["baseline"]])
+    baselines = [data["baseline"]] if isinstance(data["baseline"], str) else data["baseline"]
+    if not isinstance(baselines, list) or not baselines or len(set(map(str, baselines))) != len(baselines):
+        raise ClaimError(f"{where}: baseline must be a config label or a list of distinct labels, got {data['baseline']!r}")
+    for label in baselines:
+        if label not in labels:
+            raise ClaimError(f"{where}: baseline = {label!r} is not a config label; labels: {', '.join(labels)}")
+    claimed = data.get("claimed", [c for c in labels if c not in baselines])
     claimed = [claimed] if isinstance(claimed, str) else claimed
     if not isinstance(claimed, list) or not claimed:
         raise ClaimError(f"{where}: claimed must be a config label or a list of them")
     for label in claimed:
-        if label not in labels or label == data["baseline"]:
+        if label not in labels or label in baselines:
             raise ClaimError(f"{where}: claimed label {label!r} is not a non-baseline config label; labels: {', '.join(labels)}")
-    claim = Claim(path.stem, path, data["paper"], data["claim"], metric, data["direction"], data["baseline"], configs,
-                  list(claimed), None if target is None else float(target), seeds, common, hashlib.sha256(path.read_bytes()).hexdigest()[:16])
+    claim = Claim(path.stem, path, data["paper"], data["claim"], metric, data["direction"], baselines[0], configs,
+                  list(claimed), None if target is None else float(target), seeds, common, hashlib.sha256(path.read_bytes()).hexdigest()[:16], baselines)
     if check_configs:
         for spec in configs:
             try:

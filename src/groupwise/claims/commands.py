@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-COMPARE_USAGE = "groupwise compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...]"
+COMPARE_USAGE = "groupwise compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [--metric last:KEY ...] [key=value ...]"
 CLAIMS_USAGE = "groupwise claims [NAMES...] [--seeds N] [--out DIR] [--claims-dir DIR] [--docs FILE] [--docs-only] [key=value ...]"
 
 
@@ -20,10 +20,11 @@ def cmd_compare(args: list[str]) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     parser.add_argument("--target", type=float, default=None, help="held-out accuracy for steps/seconds to target")
+    parser.add_argument("--metric", action="append", default=[], help="also summarise last:KEY (a metrics.jsonl key over the last 10 %% of steps); repeatable")
     ns = parser.parse_intermixed_args(args)
     specs, shared = split_configs(ns.words)
     console = Console(stderr=True)
-    compare(specs, ns.seeds, Path(ns.out), shared, ns.target, console)
+    compare(specs, ns.seeds, Path(ns.out), shared, ns.target, console, metrics=ns.metric)
     console.print(f"wrote {Path(ns.out) / 'compare.md'}, compare.json, curves.png")
     print((Path(ns.out) / "compare.md").read_text())
     return 0
@@ -55,7 +56,7 @@ def cmd_claims(args: list[str]) -> int:
             record = run_claim(claim, Path(ns.out), ns.seeds, extra, console)
             save_record(record, docs)
             for e in record["effects"]:
-                console.print(f"[bold]{claim.slug}[/] {claim.metric}: {e['claimed']} − {claim.baseline} = {e['effect_text']} → [bold]{e['verdict']}[/] ({e['reason']})", soft_wrap=True)
+                console.print(f"[bold]{claim.slug}[/] {claim.metric}: {e['claimed']} − {e['baseline']} = {e['effect_text']} → [bold]{e['verdict']}[/] ({e['reason']})", soft_wrap=True)
     regenerate(Path(ns.claims_dir), docs)
     console.print(f"wrote {docs}")
     return 0

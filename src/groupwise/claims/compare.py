@@ -16,6 +16,9 @@ interrupted compare continues where it stopped; a folder holding another config 
   time excluded, it depends only on ``eval.size``).
 - ``reward_area``: mean of ``reward_mean`` over all logged steps.
 - ``last_reward``: mean of ``reward_mean`` over the last 10 % of the steps (at least one).
+- ``last:<key>``: the same for any key of ``metrics.jsonl`` (``last:reward/theater_steps``, a
+  component's ``profil/flagged``): the mean of its finite values over the last 10 % of the steps
+  that log it (at least one); ``None`` if no step logs it.
 
 A run that never reached the target counts, in every statistic, as its budget (all its steps /
 all its training seconds): a lower bound, printed with ``≥`` and the count reached.
@@ -40,6 +43,7 @@ from groupwise.registry import ConfigError
 
 METRICS = ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward")
 TARGET_METRICS = ("steps_to_target", "seconds_to_target")
+LAST = "last:"  # prefix of a metric read from any metrics.jsonl key (module docstring)
 BUDGET = {"steps_to_target": "step_budget", "seconds_to_target": "seconds_budget"}
 DIGITS = {"final_accuracy": 3, "final_pass_at_k": 3, "steps_to_target": 1, "seconds_to_target": 1, "reward_area": 3, "last_reward": 3, "wall_seconds": 1}
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -55,6 +59,21 @@ class ConfigSpec:
 
     def describe(self) -> str:
         return " ".join([self.recipe, *self.overrides])
+
+
+def is_metric(name: object) -> bool:
+    """One of ``METRICS``, or ``last:<metrics.jsonl key>``."""
+    return isinstance(name, str) and (name in METRICS or (name.startswith(LAST) and bool(name[len(LAST):].strip())))
+
+
+def last_of(rows: list[dict], key: str) -> float | None:
+    """Mean of the finite values of ``key`` over the last 10 % (at least one) of the rows logging it."""
+    values = [float(r[key]) for r in sorted(rows, key=lambda r: r.get("step", 0))
+              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    if not values:
+        return None
+    tail = max(1, math.ceil(0.1 * len(values)))
+    return sum(values[-tail:]) / tail
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -137,8 +156,8 @@ def launch_subprocess(argv: list[str], log_path: Path) -> int:
         return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
 
 
-def read_run(folder: Path, target: float | None) -> dict[str, Any]:
-    """The metrics of one finished run folder (see the module docstring)."""
+def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+    """The metrics of one finished run folder (see the module docstring); ``metrics`` adds ``last:<key>`` ones."""
     summary = json.loads((folder / "summary.json").read_text())
     rows = []
     if (folder / "metrics.jsonl").exists():
@@ -166,6 +185,9 @@ def read_run(folder: Path, target: float | None) -> dict[str, Any]:
         "evals": evals,
         "curve": [(int(r["step"]), r.get("reward_mean")) for r in rows],
     }
+    for name in metrics:
+        if name.startswith(LAST):
+            out[name] = last_of(rows, name[len(LAST):])
     if target is not None:
         hit = next((s for s, a in evals if a >= target), None)
         if hit is not None:
@@ -201,9 +223,9 @@ def format_metric(metric: str, interval: Interval, censored: int = 0) -> str:
     return interval.format(digits)
 
 
-def summarise(runs: list[dict], target: float | None) -> dict[str, Any]:
+def summarise(runs: list[dict], target: float | None, metrics: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for metric in (*METRICS, "wall_seconds"):
+    for metric in (*METRICS, *[m for m in metrics if m not in METRICS], "wall_seconds"):
         if metric in TARGET_METRICS and target is None:
             continue
         values, censored = metric_values(runs, metric)
@@ -224,8 +246,10 @@ def compare(
     console: Any = None,
     launch: Callable[[list[str], Path], int] = launch_subprocess,
     title: str | None = None,
+    metrics: tuple[str, ...] | list[str] = (),
 ) -> dict[str, Any]:
-    """Run every config × seed (resuming), then write ``compare.json``, ``compare.md``, ``curves.png``."""
+    """Run every config × seed (resuming), then write ``compare.json``, ``compare.md``, ``curves.png``;
+    ``metrics``: extra ``last:<key>`` metrics to read and summarise (a column each)."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -235,6 +259,10 @@ def compare(
         raise ConfigError(f"compare: --seeds must be >= 1, got {seeds}")
     if target is not None and not 0 < target <= 1:
         raise ConfigError(f"compare: --target is a held-out accuracy in (0, 1], got {target}")
+    metrics = [m for m in metrics if m not in METRICS]
+    for name in metrics:
+        if not is_metric(name):
+            raise ConfigError(f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key>")
     out, shared = Path(out), list(shared)
     plan = []
     for seed in range(seeds):  # seed-major: an interrupted compare still has paired seeds
@@ -266,7 +294,7 @@ def compare(
         meta = json.loads((folder / "run.json").read_text())
         record["process_seconds"] = meta.get("process_seconds")
         if record["status"] == "ok":
-            record["metrics"] = read_run(folder, target)
+            record["metrics"] = read_run(folder, target, metrics)
             m = record["metrics"]
             planned = key["config"].get("train", {}).get("steps")
             if planned is not None and m["steps"] is not None and m["steps"] < planned:
@@ -284,7 +312,9 @@ def compare(
         "seeds": seeds,
         "shared": shared,
         "target": target,
-        "configs": [{"label": s.label, "recipe": s.recipe, "overrides": s.overrides, "runs": runs[s.label], "summary": summarise(runs[s.label], target)} for s in specs],
+        "metrics": metrics,
+        "configs": [{"label": s.label, "recipe": s.recipe, "overrides": s.overrides, "runs": runs[s.label], "summary": summarise(runs[s.label], target, metrics)}
+                    for s in specs],
     }
     write_outputs(result, out)
     return result
@@ -319,8 +349,8 @@ def compare_markdown(result: dict) -> str:
     if target is not None:
         head += [f"steps to {target}", f"seconds to {target}"]
         keys += list(TARGET_METRICS)
-    head += ["reward area", "last reward", "wall s / run"]
-    keys += ["reward_area", "last_reward", "wall_seconds"]
+    head += ["reward area", "last reward", *[f"`{m}`" for m in result.get("metrics", [])], "wall s / run"]
+    keys += ["reward_area", "last_reward", *result.get("metrics", []), "wall_seconds"]
     lines = [f"# compare: {result['title']}", "",
              f"Seeds 0..{result['seeds'] - 1}; shared overrides: `{' '.join(result['shared']) or '(none)'}`"
              + ("" if target is None else f"; target held-out accuracy {target}") + ".", "",
@@ -332,7 +362,8 @@ def compare_markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Mean ± 95 % Student-t interval over seeds (n − 1 degrees of freedom). Steps / seconds to "
               "target: a run that never reached it counts as its whole budget, so `≥` marks a lower bound. "
-              "Reward area: mean batch reward over all steps; last reward: over the last 10 % of steps. "
+              "Reward area: mean batch reward over all steps; last reward: over the last 10 % of steps "
+              "(`last:KEY`: the same for the metrics.jsonl key KEY). "
               "Seconds are training time (`step_seconds`), evaluation excluded.", "", "![curves](curves.png)", "",
               "## Runs", "", "| config | seed | status | acc before | acc after | steps to target | reward area | wall s | folder |", "|---|---|---|---|---|---|---|---|---|"]
     for c in result["configs"]:

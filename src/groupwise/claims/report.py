@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from groupwise.claims.claimfile import Claim, ClaimError, load_claim
-from groupwise.claims.compare import DIGITS, compare, launch_subprocess, metric_values
+from groupwise.claims.compare import DIGITS, LAST, compare, launch_subprocess, metric_values
 from groupwise.claims.intervals import paired_differences, paired_effect, verdict
 
 READING_RE = re.compile(r"<!-- reading:(?P<slug>[^ >]+) -->\n?(?P<text>.*?)\n?<!-- /reading -->", re.S)
@@ -38,7 +38,8 @@ How to read the table:
   `seconds_to_target` (first evaluation at or above the target accuracy; training seconds, evaluation
   excluded; a run that never reaches it counts as its whole budget, shown `≥`, a lower bound),
   `reward_area` (mean batch reward over all steps), `last_reward` (mean batch reward over the last
-  10 % of the steps).
+  10 % of the steps), `last:KEY` (the same for any logged metric KEY of `metrics.jsonl`, e.g.
+  `last:reward/theater_steps`). A claim with several baselines has a row per claimed × baseline pair.
 - **baseline / claimed**: mean over seeds ± the 95 % Student-t half-width (n − 1 degrees of freedom).
 - **effect**: claimed − baseline, paired by seed (same seed = same prompts drawn and same
   initialisation), mean of the per-seed differences ± its 95 % t half-width.
@@ -61,18 +62,19 @@ def _signed(interval, digits: int) -> str:
 
 
 def judge(claim: Claim, result: dict) -> list[dict[str, Any]]:
-    """Paired effect and verdict of every claimed config against the baseline."""
+    """Paired effect and verdict of every claimed config against every baseline."""
     configs = {c["label"]: c for c in result["configs"]}
-    base_values, base_censored = metric_values(configs[claim.baseline]["runs"], claim.metric)
     effects = []
-    for label in claim.claimed:
+    for label, baseline in [(c, b) for c in claim.claimed for b in claim.baselines]:
+        base_values, base_censored = metric_values(configs[baseline]["runs"], claim.metric)
         values, censored = metric_values(configs[label]["runs"], claim.metric)
         effect = paired_effect(values, base_values)
         pairs = paired_differences(values, base_values)
         word, reason = verdict(effect, claim.direction, len(censored & pairs.keys()), len(base_censored & pairs.keys()))
         effects.append({
             "claimed": label,
-            "baseline_text": configs[claim.baseline]["summary"][claim.metric]["text"],
+            "baseline": baseline,
+            "baseline_text": configs[baseline]["summary"][claim.metric]["text"],
             "claimed_text": configs[label]["summary"][claim.metric]["text"],
             "effect": effect.to_dict(),
             "effect_text": _signed(effect, DIGITS.get(claim.metric, 3)),
@@ -90,12 +92,13 @@ def run_claim(claim: Claim, out: Path, seeds: int | None = None, extra: list[str
     seeds = seeds or claim.seeds
     folder = Path(out) / claim.slug
     configs = [type(c)(c.label, c.recipe, list(c.overrides)) for c in claim.configs]
-    result = compare(configs, seeds, folder, [*claim.common, *extra], claim.target, console, launch, title=f"{claim.slug}: {claim.claim}")
+    result = compare(configs, seeds, folder, [*claim.common, *extra], claim.target, console, launch, title=f"{claim.slug}: {claim.claim}",
+                     metrics=[claim.metric])
     runs = [r for c in result["configs"] for r in c["runs"]]
     seconds = sum(r.get("process_seconds") or (r.get("metrics") or {}).get("wall_seconds") or 0.0 for r in runs)
     return {
         "slug": claim.slug, "paper": claim.paper, "claim": claim.claim, "metric": claim.metric, "target": claim.target,
-        "direction": claim.direction, "baseline": claim.baseline, "seeds": seeds, "common": claim.common, "extra": list(extra),
+        "direction": claim.direction, "baseline": claim.baseline, "baselines": claim.baselines, "seeds": seeds, "common": claim.common, "extra": list(extra),
         "configs": [{"label": c.label, "recipe": c.recipe, "overrides": c.overrides} for c in claim.configs],
         "claim_sha": claim.sha, "folder": str(folder), "minutes": seconds / 60.0,
         "failed": sum(r["status"] != "ok" for r in runs), "runs": len(runs), "short": sum(bool(r.get("short")) for r in runs),
@@ -142,7 +145,7 @@ def render(claims: list[Claim | tuple[str, str]], records: dict[str, dict], kept
                 stale += f" (⚠ {record['short']} run(s) stopped before their planned steps)" if record.get("short") else ""
                 stale += f" (⚠ {record['failed']} run(s) failed)" if record.get("failed") else ""
                 for e in record["effects"]:
-                    who = f" ({e['claimed']} vs {record['baseline']})" if len(record["effects"]) > 1 else ""
+                    who = f" ({e['claimed']} vs {e.get('baseline', record['baseline'])})" if len(record["effects"]) > 1 else ""
                     lines.append(f"| [{_cell(item.paper)}](#{slug}) | {_cell(item.claim)}{who} | {metric} ({item.direction}) | {e['baseline_text']} | "
                                  f"{e['claimed_text']} | {e['effect_text']} | **{e['verdict']}**{stale} | {record['seeds']} | {record['minutes']:.1f} |")
             sections += _section(item, record)
@@ -153,9 +156,9 @@ def render(claims: list[Claim | tuple[str, str]], records: dict[str, dict], kept
 def _section(claim: Claim, record: dict | None) -> list[str]:
     out = [f'<a id="{claim.slug}"></a>', f"## {claim.slug}", "", f"**{claim.paper}**: {claim.claim}", "",
            f"File `claims/{claim.path.name}`; metric `{claim.metric}`" + (f", target {claim.target}" if claim.target is not None else "")
-           + f", claimed direction `{claim.direction}` against `{claim.baseline}`; common overrides `{' '.join(claim.common) or '(none)'}`.", "",
+           + f", claimed direction `{claim.direction}` against `{'`, `'.join(claim.baselines)}`; common overrides `{' '.join(claim.common) or '(none)'}`.", "",
            "| config | recipe + overrides |", "|---|---|"]
-    out += [f"| {c.label}{' (baseline)' if c.label == claim.baseline else ''} | `{_cell(' '.join([c.recipe, *c.overrides]))}` |" for c in claim.configs]
+    out += [f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | `{_cell(' '.join([c.recipe, *c.overrides]))}` |" for c in claim.configs]
     out.append("")
     if record is None:
         return out + ["Not run yet: `groupwise claims " + claim.slug + "`.", ""]
@@ -164,12 +167,13 @@ def _section(claim: Claim, record: dict | None) -> list[str]:
             "(`compare.md` there has every run).", ""]
     names = [k for k in ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward", "wall_seconds")
              if any(k in v for v in record["summaries"].values())]
-    out += ["| config | " + " | ".join(n.replace("_", " ") for n in names) + " |", "|---|" + "---|" * len(names)]
+    names[-1:-1] = [k for k in dict.fromkeys(k for v in record["summaries"].values() for k in v) if k.startswith(LAST)]  # last:KEY before wall seconds
+    out += ["| config | " + " | ".join(f"`{n}`" if n.startswith(LAST) else n.replace("_", " ") for n in names) + " |", "|---|" + "---|" * len(names)]
     out += [f"| {label} | " + " | ".join(_cell(texts.get(n, "")) for n in names) + " |" for label, texts in record["summaries"].items()]
     out.append("")
     for e in record["effects"]:
         pairs = ", ".join(f"seed {k}: {v:+.4g}" for k, v in e["pairs"].items())
-        out += [f"- `{e['claimed']}` − `{record['baseline']}`: {e['effect_text']} → **{e['verdict']}** ({e['reason']}). Per seed: {pairs or 'none'}."]
+        out += [f"- `{e['claimed']}` − `{e.get('baseline', record['baseline'])}`: {e['effect_text']} → **{e['verdict']}** ({e['reason']}). Per seed: {pairs or 'none'}."]
     out += ["", f"![{claim.slug} curves](claims/{claim.slug}.png)", ""]
     return out
 
