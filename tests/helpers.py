@@ -143,7 +143,8 @@ EXAMPLE_ARTIFACTS = {"probe": _example_probe, "table": lambda seed: {"rows": 0}}
 def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]:
     """``fill_needs`` for the component's needs, an example of each artifact it lists (``artifacts``),
     plus a random group-level value [B] for each extra it reads from the rollout strategy
-    (``rollout_extras``, e.g. ReMax's ``baseline_reward``)."""
+    (``rollout_extras``, e.g. ReMax's ``baseline_reward``), decoded texts for one that
+    ``reads_completions`` and a value per row for each ``row_info`` column (EDAS's answers)."""
     out = fill_needs(rollout, getattr(component, "needs", ()), seed)
     for name in getattr(component, "artifacts", ()):
         assert name in EXAMPLE_ARTIFACTS, f"add an example of the artifact {name!r} to tests/helpers.py EXAMPLE_ARTIFACTS"
@@ -151,6 +152,12 @@ def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]
     g = torch.Generator().manual_seed(seed + 1)
     for key in getattr(component, "rollout_extras", ()):
         rollout.set_extra(key, torch.rand(rollout.shape[0], generator=g), "group")
+    B, G, _ = rollout.shape
+    if getattr(component, "reads_completions", False) and not rollout.completions:  # decoded texts, few distinct (EDAS's answers)
+        rollout.completions = [[str(v) for v in row] for row in torch.randint(0, 3, (B, G), generator=g).tolist()]
+    for column in getattr(component, "row_info", ()):  # a reward's log_extra column per row, few distinct values
+        values = torch.randint(0, 3, (B, G), generator=g).tolist()
+        rollout.info = [[{**((rollout.info[b][i] or {}) if rollout.info else {}), "extra": {column: str(values[b][i])}} for i in range(G)] for b in range(B)]
     return out
 
 

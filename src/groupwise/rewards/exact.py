@@ -21,6 +21,7 @@ GRPO's advantage estimator then centres and scales. Nothing else in the loop cha
 - ``strip = True`` [INFERRED] models end with a newline or space.
 - ``stop = None`` (no cut) [INFERRED] nothing is cut unless asked.
 - ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+- ``log_answer = False`` [INFERRED] nothing is logged unless asked.
 
 **Notes**
 
@@ -34,6 +35,9 @@ GRPO's advantage estimator then centres and scales. Nothing else in the loop cha
    (``stop=""`` cuts nothing).
 5. Nothing else is normalised: the comparison is case-sensitive, and whitespace inside the strings
    counts.
+6. ``log_answer = True`` logs each completion's compared ``text`` (after ``stop`` and ``strip``)
+   through ``log_extra("final_answer", ...)``, so it lands in ``rollout.info[b][g]["extra"]
+   ["final_answer"]`` for components that read a row's final answer (EDAS, ``advantages/edas.py``).
 """
 
 from __future__ import annotations
@@ -54,18 +58,26 @@ class Exact:
     strip: bool = True
     stop: str | None = None
     weight: float = 1.0
+    log_answer: bool = False  # log each compared text as info extra "final_answer" (Note 6)
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]:
+    def accepts_kwarg(self, name: str) -> bool:
+        return self.log_answer and name == "log_extra"
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], log_extra: Any = None, **columns: Any) -> list[float | None]:
         answers = get_column(columns, self.column, len(completions), "exact")
         scores: list[float | None] = []
+        finals: list[str] = []
         for text, gold in zip(completions, answers):
+            if self.stop:
+                text = text.split(self.stop, 1)[0]
+            finals.append(text.strip() if self.strip else text)
             if gold is None:
                 scores.append(None)
                 continue
-            if self.stop:
-                text = text.split(self.stop, 1)[0]
             gold = str(gold)
             if self.strip:
                 text, gold = text.strip(), gold.strip()
             scores.append(1.0 if text == gold else 0.0)
+        if self.log_answer and log_extra is not None:
+            log_extra("final_answer", finals)
         return scores

@@ -38,6 +38,7 @@ after the last one is parsed (:func:`completion_answer_text`).
 - ``timeout_s = 5.0`` [CODE] math-verify's default ``timeout_seconds`` (``verify``).
 - ``num_workers = 1`` [INFERRED] one core per worker; raise it on large hosts.
 - ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+- ``log_answer = False`` [INFERRED] nothing is logged unless asked.
 
 **Notes**
 
@@ -64,6 +65,10 @@ after the last one is parsed (:func:`completion_answer_text`).
    notebooks).
 7. ``timeout_s <= 0`` or ``num_workers < 1`` is a ``ConfigError`` at build time; a missing column
    is an error that names it.
+8. ``log_answer = True`` logs each completion's final answer (:func:`final_answer`: the last
+   ``\\boxed{}``, else the text after GSM8K's last ``####``, else the stripped completion) through
+   ``log_extra("final_answer", ...)`` into ``rollout.info[b][g]["extra"]["final_answer"]``, for
+   components that read a row's final answer (EDAS, ``advantages/edas.py``).
 """
 
 from __future__ import annotations
@@ -155,6 +160,16 @@ def completion_answer_text(completion: str) -> str:
     return completion
 
 
+def final_answer(completion: str) -> str:
+    """A completion's final answer as text: the last ``\\boxed{}``, else GSM8K's ``####`` tail, else
+    the whole completion, stripped (what ``log_answer`` logs; not what math-verify parses)."""
+    for extract in (last_boxed, gsm8k_answer):
+        found = extract(completion)
+        if found is not None:
+            return found.strip()
+    return completion.strip()
+
+
 def verify_in_process(gold: str, completion: str) -> float | None:
     """Score one pair in this process, WITHOUT a timeout (tests, notebooks). ``gold`` is a solution
     or bare answer; returns 1.0, 0.0 or None like the reward."""
@@ -176,6 +191,7 @@ class Math:
     timeout_s: float = 5.0
     num_workers: int = 1
     weight: float = 1.0
+    log_answer: bool = False  # log each final answer as info extra "final_answer" (Note 8)
     _pool: MathVerifierPool | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -194,8 +210,13 @@ class Math:
     def timeouts(self) -> int:
         return self._pool.timeouts if self._pool is not None else 0
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]:
+    def accepts_kwarg(self, name: str) -> bool:
+        return self.log_answer and name == "log_extra"
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], log_extra: Any = None, **columns: Any) -> list[float | None]:
         golds = get_column(columns, self.column, len(completions), "math")
+        if self.log_answer and log_extra is not None:
+            log_extra("final_answer", [final_answer(c) for c in completions])
         extracted = [gold_answer(g) for g in golds]
         todo = [i for i, g in enumerate(extracted) if g is not None]
         verdicts = self.pool.verify([(extracted[i], completion_answer_text(completions[i])) for i in todo])
