@@ -218,3 +218,23 @@ def rollout_from(logp_old: Tensor, adv: Tensor | None = None, mask: Tensor | Non
 
 def leaf(x) -> Tensor:
     return torch.as_tensor(x, dtype=torch.float32).clone().requires_grad_(True)
+
+
+def train_recorded(tmp_path, objective: str, *overrides: str, steps: int = 2) -> tuple[list[dict], list[Rollout]]:
+    """Train ``steps`` steps of the embedded model with ``objective`` (+ a k3 KL term) and
+    ``overrides``; returns the metrics.jsonl rows and each step's whole batch as observed (after
+    its advantages), having checked the objective is the one asked for and every loss is finite."""
+    import json
+    import math
+
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(tmp_path, f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', *overrides, f"train.steps={steps}", "eval.size=0")
+    assert trainer.objective.terms[0].registry_name == objective
+    seen: list[Rollout] = []
+    observe = trainer.observe
+    trainer.observe = lambda batch: (seen.append(batch), observe(batch))
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == steps and all(math.isfinite(r["loss"]) for r in rows)
+    return rows, seen

@@ -10,15 +10,12 @@
 
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 import torch
 
 from groupwise.advantages.agpo import agpo_advantages
 from groupwise.registry import ConfigError, build
-from helpers import info_for, objective_for, permute_rows, permute_tensor, random_perm, rollout_from
+from helpers import info_for, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded
 
 SPEC = [[1.0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
 WANT = [[1.732051, -1, -1, -1], [1, 1, -1, -1], [0.577350, 0.577350, 0.577350, -1], [0, 0, 0, 0], [-1, -1, -1, -1]]
@@ -93,17 +90,7 @@ def test_errors():
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    from test_trainer import make_trainer
-
-    trainer = make_trainer(tmp_path, f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', 'advantage.estimator="agpo"',
-                           "train.steps=2", "eval.size=0", "rollout.group_size=8", "rollout.prompts_per_step=8")
-    assert trainer.objective.terms[0].registry_name == objective
-    seen = []
-    observe = trainer.observe
-    trainer.observe = lambda batch: (seen.append(batch), observe(batch))
-    trainer.train()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    rows, seen = train_recorded(tmp_path, objective, 'advantage.estimator="agpo"', "rollout.group_size=8", "rollout.prompts_per_step=8")
     for row, batch in zip(rows, seen):
         valid = batch.group_valid & torch.isfinite(batch.rewards)
         torch.testing.assert_close(batch.advantages, agpo_advantages(batch.rewards.double(), valid).float())  # AGPO's, not GRPO's

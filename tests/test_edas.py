@@ -23,9 +23,6 @@ Branch B, all '3' (β = 0.2): Δ = −.2 · .645496 = −0.129099 → A_wrong = 
 
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 import torch
 
@@ -33,7 +30,7 @@ from groupwise.advantages.edas import answer_classes, edas_shape
 from groupwise.registry import ConfigError, build
 from groupwise.rewards.exact import Exact
 from groupwise.rewards.math import final_answer
-from helpers import info_for, make_rollout, objective_for, permute_rows, permute_tensor, random_perm, rollout_from
+from helpers import info_for, make_rollout, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded
 
 A_POS, A_NEG = 1.290992, -0.645496
 
@@ -199,18 +196,8 @@ def test_rewards_log_the_final_answer():
 # ---------------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    from test_trainer import make_trainer
-
-    trainer = make_trainer(tmp_path, f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', 'rewards=[{name="exact", log_answer=true}]',
-                           'advantage.estimator={name="grpo", eps=1e-6}', 'advantage.shapers=[{name="edas", answers="info:final_answer"}]',
-                           "train.steps=2", "eval.size=0", "rollout.group_size=8", "rollout.prompts_per_step=8")
-    assert trainer.objective.terms[0].registry_name == objective
-    seen = []
-    observe = trainer.observe
-    trainer.observe = lambda batch: (seen.append(batch), observe(batch))
-    trainer.train()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    rows, seen = train_recorded(tmp_path, objective, 'rewards=[{name="exact", log_answer=true}]', 'advantage.estimator={name="grpo", eps=1e-6}',
+                                'advantage.shapers=[{name="edas", answers="info:final_answer"}]', "rollout.group_size=8", "rollout.prompts_per_step=8")
     changed = 0
     for row, batch in zip(rows, seen):
         B, G, _ = batch.shape
