@@ -107,9 +107,9 @@ def edas_shape(adv: Tensor, wrong: Tensor, answers: list[list[Any]], alpha: floa
     n_w = wrong.sum(1, keepdim=True).double()  # [B,1]
     shaped = wrong & (n_w >= 2)  # [B,G] branch A (N_w <= 1) keeps its advantages
     S = torch.where(wrong, adv.abs(), 0.0).sum(1, keepdim=True) / n_w.clamp(min=1)  # [B,1] mean |A| over W
-    info = torch.where(wrong, -(size / n_w.clamp(min=1)).log(), 0.0)  # [B,G] I_i = −ln p_i
-    H = info.sum(1, keepdim=True) / n_w.clamp(min=1)  # [B,1] entropy = mean_W I_i
-    C = (info - H) / n_w.clamp(min=2).log()  # [B,G] in [−1, 1], zero-sum over W
+    surprisal = torch.where(wrong, -(size / n_w.clamp(min=1)).log(), 0.0)  # [B,G] I_i = −ln p_i
+    H = surprisal.sum(1, keepdim=True) / n_w.clamp(min=1)  # [B,1] entropy = mean_W I_i
+    C = (surprisal - H) / n_w.clamp(min=2).log()  # [B,G] in [−1, 1], zero-sum over W
     delta = torch.where(K == 1, -beta * S, alpha * S * C)  # [B,G] branch B | branch C
     cap = adv.abs() / kappa  # [B,G]
     out = torch.where(shaped, adv + delta.sign() * torch.minimum(delta.abs(), cap), adv)  # [B,G] sign kept for kappa > 1
