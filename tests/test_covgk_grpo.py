@@ -12,8 +12,6 @@ Spec unit test (4 valid tokens, population std)::
 
 from __future__ import annotations
 
-import json
-import math
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ import torch
 from groupwise.registry import build
 from groupwise.types import Need
 from groupwise.weights.covgk_grpo import cov_gaussian_weights
-from helpers import info_for, rollout_from
+from helpers import info_for, rollout_from, train_recorded
 
 LOGP = [[-0.1, -2.0], [-0.5, -1.0]]  # rows: A = +1, A = −1
 W = [[0.3925, 0.3925], [0.9373, 0.9373]]
@@ -159,17 +157,7 @@ def test_declaration_and_errors():
 # ---------------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    from test_trainer import make_trainer
-
-    trainer = make_trainer(tmp_path, f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', 'objective.weights=["covgk_grpo"]',
-                           "train.steps=2", "eval.size=0", "rollout.group_size=8")
-    assert trainer.objective.terms[0].registry_name == objective
-    seen = []
-    observe = trainer.observe
-    trainer.observe = lambda batch: (seen.append(batch), observe(batch))
-    trainer.train()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    rows, seen = train_recorded(tmp_path, objective, 'objective.weights=["covgk_grpo"]', "rollout.group_size=8")
     acted = False
     for row, batch in zip(rows, seen):
         want = build("weight", "covgk_grpo")(batch, info_for(batch.shape[2]))  # recomputed from the batch's logp_old and A

@@ -12,7 +12,6 @@ Spec unit test (population std over all B·G rows)::
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 
 from groupwise.advantages.slas import slas_advantages
 from groupwise.registry import build
-from helpers import info_for, rollout_from
+from helpers import info_for, rollout_from, train_recorded
 
 SPEC = [[0.0, 1.0, 1.0, 2.0], [3.0, 3.0, 3.0, 5.0]]
 
@@ -141,17 +140,7 @@ def test_function_matches_component():
 # ---------------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    from test_trainer import make_trainer
-
-    trainer = make_trainer(tmp_path, f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', 'advantage.estimator={name="slas", gamma=1.0}',
-                           "train.steps=2", "eval.size=0", "rollout.group_size=8")
-    assert trainer.objective.terms[0].registry_name == objective
-    seen = []
-    observe = trainer.observe
-    trainer.observe = lambda batch: (seen.append(batch), observe(batch))
-    trainer.train()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    rows, seen = train_recorded(tmp_path, objective, 'advantage.estimator={name="slas", gamma=1.0}', "rollout.group_size=8")
     for row, batch in zip(rows, seen):
         r, valid = batch.rewards.double(), batch.group_valid & torch.isfinite(batch.rewards)
         want, std, _ = slas_advantages(r, valid, gamma=1.0)
