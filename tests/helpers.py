@@ -136,6 +136,9 @@ def _example_probe(seed: int) -> dict:
             "token_text": [";" if i % 3 == 0 else "x" for i in range(50)]}
 
 
+# what a component defining ``use_vocabulary`` gets in the sweeps: a text per token id of make_rollout's actions (0..49)
+EXAMPLE_VOCABULARY = ["", "[", "]", ",", ">", "A", "B", "C", "x", " "] * 5
+
 # what a component listing an artifact in ``artifacts`` gets in the sweeps (an offline phase makes the real one)
 EXAMPLE_ARTIFACTS = {"probe": _example_probe, "table": lambda seed: {"rows": 0}}
 
@@ -146,6 +149,8 @@ def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]
     (``rollout_extras``, e.g. ReMax's ``baseline_reward``), decoded texts for one that
     ``reads_completions`` and a value per row for each ``row_info`` column (EDAS's answers)."""
     out = fill_needs(rollout, getattr(component, "needs", ()), seed)
+    if hasattr(component, "use_vocabulary"):  # token texts of a text policy (role / phase maps from tags)
+        component.use_vocabulary(EXAMPLE_VOCABULARY)
     for name in getattr(component, "artifacts", ()):
         assert name in EXAMPLE_ARTIFACTS, f"add an example of the artifact {name!r} to tests/helpers.py EXAMPLE_ARTIFACTS"
         component.use_artifact(name, EXAMPLE_ARTIFACTS[name](seed))

@@ -50,7 +50,7 @@ def test_no_non_finite_advantage_from_1e5_random_groups(name, upstream):
     component = build("advantage", name)
     if upstream is not None:  # a shaper reshapes an estimator's output
         rollout.advantages = build("advantage", upstream)(rollout, StepInfo(0, 0, 1))
-        fill_inputs(rollout, component)
+    fill_inputs(rollout, component)  # needs, artifacts, vocabulary (estimators too: F-GRPO's phase map)
     for key in getattr(component, "rollout_extras", ()):  # ReMax's greedy baseline: a reward from the same nasty draw
         rollout.set_extra(key, rewards[:, 0].clone(), "group")
     adv = component(rollout, StepInfo(0, 0, 1))

@@ -53,6 +53,7 @@ def _every_advantage(rewards, T=3):
                 fill_inputs(ro, comp)
                 yield f"{upstream}+{name}", comp(ro, info_for(T))
         else:
+            fill_inputs(ro, comp)  # needs, artifacts, vocabulary (F-GRPO's phase map)
             yield name, comp(ro, info_for(T))
 
 

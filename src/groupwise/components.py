@@ -11,6 +11,11 @@ sees the step's WHOLE batch, gathered from every rank, identical on every rank; 
 each rank's share afterwards. Any component may define ``observe(rollout, info)``: it is called once
 per step, after the update, with that whole batch (rewards, advantages and weights filled), in the
 order the components are configured. ``info.prompt_stats`` is the run's shared ``PromptStats``.
+
+Token texts: a component that maps token positions to spans of the completion text (a phase or
+role map from tags) defines ``use_vocabulary(token_text: list[str])``; the trainer calls it once at
+build with the policy's ``token_texts()`` (text of each token id). A policy without token texts
+(the flow toy) fails such a run at build.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Protocol, Sequence
 
 from torch import Tensor
 
+from groupwise.registry import ConfigError
 from groupwise.types import Need, Rollout, StepInfo
 
 
@@ -162,3 +168,16 @@ class Updater(Protocol):
     def step(self, closure) -> dict[str, float]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def bind_vocabulary(components: list[Any], policy: Any) -> None:
+    """Give every component that reads token texts (``use_vocabulary``) the policy's vocabulary."""
+    readers = [c for c in components if hasattr(c, "use_vocabulary")]
+    if not readers:
+        return
+    if not hasattr(policy, "token_texts"):
+        names = ", ".join(f"{getattr(c, 'stage', '')} {getattr(c, 'registry_name', type(c).__name__)!r}" for c in readers)
+        raise ConfigError(f"{names} read token texts, which a {policy.modality} policy does not have; use a text policy (model.policy)")
+    texts = policy.token_texts()
+    for component in readers:
+        component.use_vocabulary(texts)

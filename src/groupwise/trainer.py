@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from groupwise import dist, roles, schedules
+from groupwise.components import bind_vocabulary
 from groupwise.config import Config
 from groupwise.engines.memory import keep_freed_memory
 from groupwise.evaluation import pass_at_k
@@ -89,6 +90,7 @@ class Trainer(RunLoop):
                 raise ConfigError(f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r} works on {component.modality} policies; "
                                   f"this run's policy is {self.policy.modality} (model.policy={cfg.model.policy!r})")
         check_strategy(self.strategy, self.policy, owners)  # sampling options it asks for, extras others read
+        bind_vocabulary(owners + [c for r in self.roles for c in r.components], self.policy)  # token texts for phase / role maps
         self.phases = build_phases(cfg.phases)  # what runs before the RL steps (run.py), and the artifacts it makes
         check_artifacts(self.phases, owners)
         scorer_needs = set(self.reward_stage.needs)

@@ -148,6 +148,7 @@ class LMPolicy:
                                 drop_finished=perf.drop_finished, functional=perf.functional)
         self.context: int | None = getattr(self.module.config, "max_position_embeddings", None)
         self.reference: Reference | None = None
+        self._token_texts: list[str] | None = None  # built on first use (token_texts)
         self.ref_sync_every, self.ref_sync_alpha = model_cfg.ref_sync_every, model_cfg.ref_sync_alpha
 
     # ------------------------------------------------------------------ text
@@ -164,6 +165,14 @@ class LMPolicy:
         if self.context and len(ids) + max_new_tokens > self.context:
             raise ConfigError(f"{where}: prompt of {len(ids)} tokens + rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
                               f"{self.context}; lower rollout.max_new_tokens, or set data.on_bad_row=\"skip\" to drop such prompts")
+
+    def token_texts(self) -> list[str]:
+        """The text of each token id as ``decode`` writes it (special tokens are ""): what components
+        that map token positions to spans of the completion text read (``use_vocabulary``)."""
+        if self._token_texts is None:
+            special = set(self.tokenizer.all_special_ids)
+            self._token_texts = ["" if i in special else self.tokenizer.decode([i]) for i in range(len(self.tokenizer))]
+        return self._token_texts
 
     def decode(self, rollout: Any) -> list[list[str]]:
         """[B][G] completion texts (EOS removed, special tokens skipped)."""
