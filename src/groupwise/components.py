@@ -16,6 +16,11 @@ Token texts: a component that maps token positions to spans of the completion te
 role map from tags) defines ``use_vocabulary(token_text: list[str])``; the trainer calls it once at
 build with the policy's ``token_texts()`` (text of each token id). A policy without token texts
 (the flow toy) fails such a run at build.
+
+Dataset rows: a component that draws from the run's training rows (a view that swaps in another
+row's passage) defines ``use_rows(rows: list[dict])``; the trainer calls it once at build with the
+train split (the same on every rank), so what it draws does not depend on the batch or world size.
+Views get both calls too, when they are built.
 """
 
 from __future__ import annotations
@@ -100,11 +105,14 @@ class Schedule(Protocol):
 
 class View(Protocol):
     """An edited context that rows are re-scored under (``Need(view=NAME)``). ``apply`` returns a
-    Rollout whose token axis is the original one (same ``actions``/``mask`` positions; a view that
-    edits completion tokens maps them back), typically with new ``prompt_ids``. ``encode`` turns a
-    prompt text into the policy's prompt token ids."""
+    Rollout whose token axis is the original one (same ``actions``/``mask`` positions), typically with
+    new ``prompt_ids``; a view that edits completion tokens returns ``views.Remapped(rows, positions)``
+    instead, ``positions`` [B,G,T] giving each original token's index in the edited rows (−1: none),
+    and the resolver maps every quantity back to the original axis (0 where −1). ``encode`` turns a
+    prompt text into the policy's prompt token ids. Optional ``prompt(meta, key)``: the edited prompt
+    of one dataset row (``key`` its index), for views that edit only the prompt (``eval.views``)."""
 
-    def apply(self, rollout: Rollout, encode: Any) -> Rollout: ...
+    def apply(self, rollout: Rollout, encode: Any) -> Any: ...
 
 
 class Reward(Protocol):
@@ -181,3 +189,10 @@ def bind_vocabulary(components: list[Any], policy: Any) -> None:
     texts = policy.token_texts()
     for component in readers:
         component.use_vocabulary(texts)
+
+
+def bind_rows(components: list[Any], rows: list[dict]) -> None:
+    """Give every component that draws from the training rows (``use_rows``) the run's train split."""
+    for component in components:
+        if hasattr(component, "use_rows"):
+            component.use_rows(rows)

@@ -19,6 +19,7 @@ import torch
 
 from groupwise.registry import ConfigError, build, lookup, names
 from groupwise.types import Need, Rollout
+from groupwise.views import Remapped
 
 SLOTS = {("logp", "policy", "default"): "logp_old", ("logp", "ref", "default"): "logp_ref"}
 
@@ -40,8 +41,10 @@ class NeedResolver:
     """Every need of the run, checked at build; ``fill`` computes the missing no-grad ones."""
 
     def __init__(self, needs: list[Need], models: dict[str, Callable[[], contextlib.AbstractContextManager]],
-                 view_params: dict[str, dict], forward: Callable[..., dict], encode: Callable[[Any], list[int]], context: int | None = None):
+                 view_params: dict[str, dict], forward: Callable[..., dict], encode: Callable[[Any], list[int]], context: int | None = None,
+                 bind_view: Callable[[Any], None] | None = None):
         self.models, self.forward, self.encode, self.view_params, self.context = models, forward, encode, view_params, context
+        self.bind_view = bind_view  # called once on each view built (the trainer gives it token texts and the train rows)
         self.providers: dict[str, Any] = {}
         self.views: dict[str, Any] = {}
         for need in needs:
@@ -49,7 +52,6 @@ class NeedResolver:
 
     def check(self, need: Need) -> None:
         """Build-time validation of one need (also builds its provider and views)."""
-        view_params = self.view_params
         if need.name not in self.providers:
             try:
                 lookup("provider", need.name)
@@ -66,9 +68,18 @@ class NeedResolver:
                 raise ConfigError(f"{need} names model {model!r}; models: {', '.join(sorted(self.models))}")
             if view != "default" and view not in self.views:
                 try:
-                    self.views[view] = build("view", view, **view_params.get(view, {}))
+                    self.view(view)
                 except ConfigError as err:
                     raise ConfigError(f"{need} names view {view!r}: {err}") from None
+
+    def view(self, name: str) -> Any:
+        """The run's view ``name`` (built once with its ``views.NAME`` parameters; shared by needs and ``eval.views``)."""
+        if name not in self.views:
+            view = build("view", name, **self.view_params.get(name, {}))
+            if self.bind_view is not None:
+                self.bind_view(view)
+            self.views[name] = view
+        return self.views[name]
 
     def plan(self, needs: list[Need]) -> dict[tuple[str, str], set[str]]:
         merged: dict[tuple[str, str], set[str]] = {}
@@ -91,13 +102,18 @@ class NeedResolver:
             self.check(need)
         results: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         for (model_name, view), quantities in self.plan(missing).items():
-            rows = rollout
+            rows, positions = rollout, None
             if view != "default":
                 rows = self.views[view].apply(rollout, self.encode)
-                check_view_rollout(view, rollout, rows, self.context)
+                if isinstance(rows, Remapped):
+                    rows, positions = rows.rows, rows.positions
+                check_view_rollout(view, rollout, rows, self.context, positions)
             with self._scoring(model_name) as model:
                 out = self.forward(model, rows, quantities=sorted(quantities))
-            out["scored"] = rows.row_mask.bool()  # [B,G,T]
+            if positions is None:
+                out["scored"] = rows.row_mask.bool()  # [B,G,T]
+            else:  # the view edited the completions: every quantity back on the original token axis
+                out = remap_back(out, positions, rollout.row_mask.bool())
             results[(model_name, view)] = out
             if (model_name, view) == ("policy", "default"):
                 rollout.logp_old = out["logp"]  # [B,G,T] the sampling policy's log-probs
@@ -106,13 +122,51 @@ class NeedResolver:
                 store(rollout, need, self.providers[need.name].finish(need, results, model))
 
 
-def check_view_rollout(view_name: str, before: Rollout, after: Rollout, context: int | None = None) -> None:
-    """A view must keep the token axis (same actions shape and mask) and fit the model's context."""
+def remap_back(out: dict[str, torch.Tensor], positions: torch.Tensor, row_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Token quantities [B,G,T',...] of a view's edited rows -> [B,G,T,...] on the original axis:
+    token t takes the value at ``positions[b,g,t]``; 0 where it has no counterpart (−1) or is off
+    ``row_mask``. ``scored`` [B,G,T] marks the tokens that got a value."""
+    scored = row_mask & (positions >= 0)  # [B,G,T]
+    index = positions.clamp(min=0)  # [B,G,T]
+    back = {}
+    for key, value in out.items():
+        idx = index.view(*index.shape, *([1] * (value.dim() - 3))).expand(*index.shape, *value.shape[3:])  # [B,G,T,...]
+        got = value.gather(2, idx.to(value.device))  # [B,G,T,...]
+        keep = scored.view(*scored.shape, *([1] * (value.dim() - 3))).to(value.device)  # [B,G,T,1..]
+        back[key] = torch.where(keep, got, torch.zeros((), dtype=value.dtype, device=value.device))
+    back["scored"] = scored
+    return back
+
+
+def check_view_rollout(view_name: str, before: Rollout, after: Rollout, context: int | None = None,
+                       positions: torch.Tensor | None = None) -> None:
+    """A view must keep the token axis (same actions shape and mask) and fit the model's context. A view
+    that edits completions (``positions`` given) must keep the groups and rows, and map each original
+    token either to the same token id inside the edited row's mask or to −1."""
     if before.ctx:
         raise ValueError(f"view {view_name!r} edits the group's prompt, but these rows have their own contexts (rollout.ctx); "
                          f"a view cannot re-score them")
-    if after.actions.shape != before.actions.shape or not torch.equal(after.mask, before.mask):
-        raise ValueError(f"view {view_name!r} changed the token axis; a view edits the context and maps positions back")
+    if positions is None:
+        if after.actions.shape != before.actions.shape or not torch.equal(after.mask, before.mask):
+            raise ValueError(f"view {view_name!r} changed the token axis; a view edits the context, or returns views.Remapped "
+                             f"with the position of each original token in its edited rows")
+    else:
+        B, G, T = before.shape
+        T2 = after.shape[2]
+        if tuple(after.actions.shape[:2]) != (B, G) or tuple(positions.shape) != (B, G, T) or positions.dtype != torch.long:
+            raise ValueError(f"view {view_name!r}: edited rows {tuple(after.actions.shape)} and positions {tuple(positions.shape)} "
+                             f"({positions.dtype}) must keep the {B} groups x {G} rows and give a long index per original token [{B},{G},{T}]")
+        mapped = (positions >= 0) & before.mask  # [B,G,T]
+        if bool(((positions >= 0) & ~before.mask).any()) or bool((positions >= T2).any()):
+            raise ValueError(f"view {view_name!r}: positions map padding tokens, or point past the edited rows' {T2} tokens")
+        index = positions.clamp(min=0, max=max(T2 - 1, 0))  # [B,G,T]
+        if T2 == 0:
+            same = ~mapped
+        else:
+            same = (after.actions.gather(2, index) == before.actions) & after.mask.gather(2, index)  # [B,G,T]
+        if bool((mapped & ~same).any()):
+            raise ValueError(f"view {view_name!r}: a mapped token is not the same token inside the edited row's mask; "
+                             f"positions must point at the original token's copy")
     longest = max((len(p) for p in after.prompt_ids), default=0) + after.shape[2]
     if context and longest > context:
         raise ValueError(f"view {view_name!r}: an edited prompt plus the completion is {longest} tokens, more than the model's context of {context}; "

@@ -182,6 +182,7 @@ class RunLoop:
                 self._check_health(row)
                 if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.eval_rows:
                     row["eval_accuracy"] = self.evaluate()
+                    row.update(self._view_accuracies(row["eval_accuracy"]))
                     self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
                 if log:
                     log.write(row)
@@ -239,6 +240,19 @@ class RunLoop:
             return
         self.summary[key] = accuracy
         self.summary["evals"].append((step, accuracy))
+        for name, value in self._view_accuracies(accuracy).items():
+            if name.startswith("eval_accuracy@"):
+                self.summary[f"{key}@{name.split('@', 1)[1]}"] = value
+
+    def _view_accuracies(self, accuracy: float) -> dict[str, float]:
+        """Held-out accuracy under each of ``eval.views`` (``eval_accuracy@VIEW``) and its gap to the
+        plain ``accuracy`` (``eval_gap@VIEW`` = accuracy − eval_accuracy@VIEW)."""
+        out = {}
+        for name in self.cfg.eval.views:
+            value = self.evaluate(view=name)
+            out[f"eval_accuracy@{name}"] = value
+            out[f"eval_gap@{name}"] = accuracy - value
+        return out
 
     def _check_health(self, row: dict[str, Any]) -> None:
         """Abort (before anything is saved) a run that cannot learn: optimiser steps that keep going

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from groupwise import dist, roles, schedules
-from groupwise.components import bind_vocabulary
+from groupwise.components import bind_rows, bind_vocabulary
 from groupwise.config import Config
 from groupwise.engines.memory import keep_freed_memory
 from groupwise.evaluation import pass_at_k
@@ -84,7 +84,8 @@ class Trainer(RunLoop):
         models = self.policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
         models.update({name: policy.scoring_models(with_reference=False)["policy"] for name, policy in
                        [*((role.name, role.policy) for role in self.roles), *self.frozen.items()]})
-        self.needs = NeedResolver(needs, models, cfg.views, self.policy.score, self.policy.encode, context=self.policy.context)
+        self.needs = NeedResolver(needs, models, cfg.views, self.policy.score, self.policy.encode, context=self.policy.context, bind_view=self._bind_view)
+        self.eval_views = {name: self._eval_view(name) for name in cfg.eval.views}  # held-out prompts also scored under these
         for component in owners + self.eval_stage.scorers + [c for r in self.roles for c in r.components]:  # another modality's component fails here, not mid-run
             if getattr(component, "modality", self.policy.modality) != self.policy.modality:
                 raise ConfigError(f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r} works on {component.modality} policies; "
@@ -123,18 +124,32 @@ class Trainer(RunLoop):
     def _components(self) -> list[Any]:
         return [self.strategy, self.sampler, *self.reward_stage.scorers, self.estimator, *self.shapers, *self.weights, *self.objective.terms, self.updater]
 
+    def _bind_view(self, view: Any) -> None:
+        """What a view reads besides the rollout: the policy's token texts, the train rows."""
+        bind_vocabulary([view], self.policy)
+        bind_rows([view], self.train_rows)
+
+    def _eval_view(self, name: str) -> Any:
+        view = self.needs.view(name)
+        if not hasattr(view, "prompt"):
+            raise ConfigError(f"eval.views: view {name!r} edits more than the prompt (no prompt(meta, key)); held-out prompts can only be "
+                              f"scored under views that edit the prompt, e.g. corrupt_context or ground_truth")
+        return view
+
     def _info(self, round_: int = 0) -> StepInfo:
         return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
                         total_steps=self.cfg.train.steps, phase="rl", prompt_stats=self.prompt_stats)
 
-    def _prompt_ids(self, split: str, rows: list[dict], index: int) -> list[int]:
-        key = (split, index)
+    def _prompt_ids(self, split: str, rows: list[dict], index: int, view: str | None = None) -> list[int]:
+        """The policy's prompt ids of ``rows[index]`` (under ``eval.views`` view ``view`` when given), cached."""
+        key = (split if view is None else f"{split}@{view}", index)
         if key not in self._prompt_cache:
-            prompt, system = rows[index]["prompt"], self.cfg.data.system_prompt
+            prompt = rows[index]["prompt"] if view is None else self.eval_views[view].prompt(rows[index], index)
+            system = self.cfg.data.system_prompt
             if system:  # conversational form: the chat template renders the system message
                 prompt = [{"role": "system", "content": system}, *(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])]
             ids = self.policy.encode(prompt)
-            self.policy.check_fits(ids, self.cfg.rollout.max_new_tokens, f"{split} row {index + 1}")
+            self.policy.check_fits(ids, self.cfg.rollout.max_new_tokens, f"{split} row {index + 1}" + (f" under view {view!r}" if view else ""))
             self._prompt_cache[key] = ids
         return self._prompt_cache[key]
 
@@ -276,9 +291,11 @@ class Trainer(RunLoop):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval") -> float:
+    def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval", view: str | None = None) -> float:
         """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1) of ``policy`` (default: the
-        trained policy) on ``rows`` (default: the first ``eval.size`` held-out rows; ``split`` names them)."""
+        trained policy) on ``rows`` (default: the first ``eval.size`` held-out rows; ``split`` names them),
+        with each prompt edited by ``view`` (one of ``eval.views``) when given; the reward still
+        compares with the row's own answer."""
         policy = policy or self.policy
         rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
         if not rows:
@@ -286,7 +303,7 @@ class Trainer(RunLoop):
         correct, info = 0, self._info()
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
-            requests = [Request(key=i, n=1, prompt=self._prompt_ids(split, rows, i)) for i in chunk]
+            requests = [Request(key=i, n=1, prompt=self._prompt_ids(split, rows, i, view)) for i in chunk]
             gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
             gen.meta = [rows[i] for i in chunk]
             self.eval_stage.score_local(gen, info)

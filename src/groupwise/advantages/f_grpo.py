@@ -39,7 +39,7 @@ the two-phase sequence-level loss: ``losses/f_grpo.py``.
    phase reward is NaN get exactly 0; a phase's constant group gets 0 (``group_normalize``).
 4. ``step_stats``: ``f_grpo/gen_share`` (share of loss tokens in the generation phase) and
    ``f_grpo/disagree`` (share of valid rows where sign(A_gen) ≠ sign(A_rank), both non-zero).
-5. ``phase_ids`` is the shared phase map; the loss ``f_grpo`` computes the same map in ``prepare``.
+5. ``phase_ids`` is the shared phase map (built on ``textspans.label_tokens``); the loss ``f_grpo`` computes the same map in ``prepare``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from torch import Tensor
 
 from groupwise.masked import group_normalize, to_float32, valid_rows
 from groupwise.registry import ConfigError, register
-from groupwise.rewards.ranking import check_tags, phase_boundary
+from groupwise.rewards.ranking import phase_boundary
+from groupwise.textspans import check_tags, label_tokens
 from groupwise.types import Rollout, StepInfo
 
 _DDOF = {"unbiased": 1, "population": 0}
@@ -60,17 +61,12 @@ _DDOF = {"unbiased": 1, "population": 0}
 
 def phase_ids(actions: Tensor, mask: Tensor, token_text: Sequence[str], cand_tags: Sequence[str]) -> Tensor:
     """actions, mask [N,T] -> [N,T] long: 0 generation phase, 1 ranking phase, −1 outside the mask."""
-    N, T = actions.shape
-    out = torch.full((N, T), -1, dtype=torch.long)  # [N,T]
-    counts, ids = mask.bool().sum(-1).tolist(), actions.tolist()
-    for r in range(N):
-        texts = [token_text[t] if 0 <= t < len(token_text) else "" for t in ids[r][: counts[r]]]
-        cut = phase_boundary("".join(texts), cand_tags)
-        start = 0
-        for t, text in enumerate(texts):
-            out[r, t] = 0 if cut is None or start < cut else 1
-            start += len(text)
-    return torch.where(mask.bool(), out, torch.full_like(out, -1))  # [N,T]
+
+    def label(text: str, starts: list[int]) -> list[int]:
+        cut = phase_boundary(text, cand_tags)
+        return [0 if cut is None or start < cut else 1 for start in starts]
+
+    return label_tokens(actions, mask, token_text, label)  # [N,T]
 
 
 def fgrpo_token_adv(A_gen: Tensor, A_rank: Tensor, m_gen: Tensor, m_rank: Tensor) -> Tensor:

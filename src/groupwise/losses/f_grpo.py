@@ -53,7 +53,7 @@ from groupwise.advantages.f_grpo import phase_ids
 from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, masked_input, required, term_mask, token_advantages
 from groupwise.masked import masked_mean
 from groupwise.registry import ConfigError, register
-from groupwise.rewards.ranking import check_tags
+from groupwise.textspans import check_tags
 from groupwise.types import Rollout, StepInfo
 
 PHASE_KEY = "f_grpo.phase"

@@ -10,6 +10,8 @@ GRPO's advantage estimator then centres and scales. Nothing else in the loop cha
 **Math** (per completion ``text`` and the gold value ``gold`` of its row in ``column``)::
 
     score = None                                 if gold is None   (no verdict)
+    score = 0.0                                  if start and start not in text
+    text  = text.split(start, 1)[1]              if start          (what follows the first start string)
     text  = text.split(stop, 1)[0]               if stop           (cut at the first stop string)
     gold  = str(gold)
     text, gold = text.strip(), gold.strip()      if strip          (whitespace at both ends)
@@ -20,6 +22,8 @@ GRPO's advantage estimator then centres and scales. Nothing else in the loop cha
 - ``column = "answer"`` [INFERRED] the column name our tasks and GSM8K use.
 - ``strip = True`` [INFERRED] models end with a newline or space.
 - ``stop = None`` (no cut) [INFERRED] nothing is cut unless asked.
+- ``start = None`` (no cut) [INFERRED]; with ``start="<a>", stop="</a>"`` the reward compares the
+  text of a tagged answer (``<p>…</p><r>…</r><a>12</a>`` → ``12``: the ``evidence`` task).
 - ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
 - ``log_answer = False`` [INFERRED] nothing is logged unless asked.
 
@@ -31,8 +35,9 @@ GRPO's advantage estimator then centres and scales. Nothing else in the loop cha
    also rejects a column without one value per completion).
 3. A non-string gold value is compared as ``str(value)``: ``42`` matches ``"42"``, but ``42.0``
    becomes ``"42.0"`` and does not match ``"42"``.
-4. ``stop`` cuts the completion only, never the gold, and only when it is a non-empty string
-   (``stop=""`` cuts nothing).
+4. ``stop`` and ``start`` cut the completion only, never the gold, and only when they are non-empty
+   strings (``stop=""`` cuts nothing). ``start`` is looked for first; ``stop`` is then looked for in
+   what follows it.
 5. Nothing else is normalised: the comparison is case-sensitive, and whitespace inside the strings
    counts.
 6. ``log_answer = True`` logs each completion's compared ``text`` (after ``stop`` and ``strip``)
@@ -52,11 +57,12 @@ from groupwise.rewards._common import get_column
 @register("reward", "exact")
 @dataclass
 class Exact:
-    """1.0 if the completion (up to ``stop``, stripped) equals the gold ``column``, else 0.0."""
+    """1.0 if the completion (after ``start``, up to ``stop``, stripped) equals the gold ``column``, else 0.0."""
 
     column: str = "answer"
     strip: bool = True
     stop: str | None = None
+    start: str | None = None
     weight: float = 1.0
     log_answer: bool = False  # log each compared text as info extra "final_answer" (Note 6)
 
@@ -68,6 +74,12 @@ class Exact:
         scores: list[float | None] = []
         finals: list[str] = []
         for text, gold in zip(completions, answers):
+            if self.start:
+                if self.start not in text:
+                    finals.append("")
+                    scores.append(None if gold is None else 0.0)
+                    continue
+                text = text.split(self.start, 1)[1]
             if self.stop:
                 text = text.split(self.stop, 1)[0]
             finals.append(text.strip() if self.strip else text)

@@ -61,15 +61,9 @@ from torch import Tensor
 
 from groupwise.registry import ConfigError, register
 from groupwise.rewards._common import get_column
+from groupwise.textspans import check_tags
 
 _SEP = re.compile(r"[,>\s]+")
-
-
-def check_tags(tags: Sequence[str], who: str, need_open: bool) -> tuple[str, str]:
-    if isinstance(tags, str) or len(tags) != 2 or not all(isinstance(t, str) for t in tags) or (need_open and not (tags[0] and tags[1])):
-        want = "two non-empty strings" if need_open else "two strings (empty = none)"
-        raise ConfigError(f"{who} must be [open, close], {want}; got {tags!r}")
-    return tags[0], tags[1]
 
 
 def phase_boundary(text: str, cand_tags: Sequence[str]) -> int | None:

@@ -15,7 +15,7 @@ class Task:
     name: str
     description: str
     rows: Callable[[str, int, int], list[dict]]  # (split, n, seed) -> rows
-    reward: str = "exact"  # default reward component name
+    reward: str | dict = "exact"  # default reward: a component name, or a table {name = ..., <params>}
 
 
 TASKS: dict[str, Task] = {}
@@ -29,7 +29,7 @@ def register_task(task: Task) -> Task:
 
 
 def get_task(name: str) -> Task:
-    for mod in ("arithmetic", "countdown", "sorting", "mixed", "flow2d", "reach", "theater", "ranking", "addition_orders"):
+    for mod in ("arithmetic", "countdown", "sorting", "mixed", "flow2d", "reach", "theater", "ranking", "addition_orders", "evidence"):
         try:
             importlib.import_module(f"groupwise.tasks.{mod}")
         except ModuleNotFoundError as err:

@@ -36,7 +36,6 @@ and the token axis T are untouched, so token t still predicts the same completio
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import string
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any, Callable
 
 from groupwise.registry import register
 from groupwise.types import Rollout
+from groupwise.views import edit_user_text
 
 DEFAULT_TEMPLATE = "Reference solution: {answer}\n{prompt}"
 SPEC_TEMPLATE = "{prompt}Reference solution: {answer}"  # the spec's x ⊕ "Reference solution: " ⊕ gt
@@ -77,16 +77,7 @@ class GroundTruthView:
             if meta.get(col) is None:
                 raise ValueError(f"ground_truth view: template {self.template!r} needs column {col!r}, "
                                f"which group {group} lacks; its columns are {sorted(meta)}")
-        prompt = meta["prompt"]
-        if isinstance(prompt, str):
-            return self.template.format(**meta)
-        messages = copy.deepcopy(list(prompt))
-        users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
-        if not users:
-            raise ValueError(f"ground_truth view: group {group}'s prompt is neither a string nor chat messages with a user turn")
-        last = messages[users[-1]]
-        last["content"] = self.template.format(**{**meta, "prompt": last["content"]})
-        return messages
+        return edit_user_text(meta["prompt"], lambda text: self.template.format(**{**meta, "prompt": text}), "ground_truth view", group)
 
     def apply(self, rollout: Rollout, encode: Callable[[Any], list[int]]) -> Rollout:
         B = len(rollout.prompt_ids)
