@@ -10,8 +10,8 @@ Conventions:
 - A row's text is the concatenation of its tokens' texts (``token_text[id]``; an id outside the
   vocabulary, and a special token, is ""), over the row's ``mask`` prefix.
 - A token belongs to the span in which its FIRST character lies (``starts[t]``, the character
-  offset where token t begins). An empty token (EOS) starts where the next one would, so it
-  belongs to the span that contains that offset.
+  offset where token t begins). An empty token (EOS) starts where the next one would; at the end
+  of the text it lies in no segment.
 - A tagged segment is the text strictly between an open tag and the next close tag after it; the
   tags themselves are outside it. An open tag with no close tag after it opens a segment that runs
   to the end of the text (a completion cut by the length limit). Segments do not overlap: the
