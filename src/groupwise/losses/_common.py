@@ -19,6 +19,13 @@ def term_mask(mb: Rollout) -> Tensor:
     return mb.row_mask.bool()  # [b,G,T]
 
 
+def loss_tokens(mb: Rollout) -> Tensor:
+    """[b,G,T] bool: ``term_mask`` less the tokens a token weight removed (``extras["counted"]``), as
+    ``Objective.loss_mask``: the tokens the aggregations count."""
+    mask = term_mask(mb)  # [b,G,T]
+    return mask & mb.extras["counted"].bool() if "counted" in mb.extras else mask
+
+
 def masked_input(x: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
     """[b,G,T] float32 copy of ``x`` with ``fill`` outside ``mask`` (gradient flows only inside)."""
     x = x.float()  # [b,G,T]
