@@ -243,3 +243,19 @@ def train_recorded(tmp_path, objective: str, *overrides: str, steps: int = 2) ->
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == steps and all(math.isfinite(r["loss"]) for r in rows)
     return rows, seen
+
+
+def check_micro_batching(obj: Objective, ro: Rollout, split: list[list[int]], info: StepInfo, seed: int = 1) -> tuple[Tensor, Tensor]:
+    """Assert that the micro-batches ``split`` (whole groups) of ``ro``, with normalisers from the whole
+    batch, add up to the whole batch's loss and gradient; returns (whole loss, its gradient [B,G,T])."""
+    norms = obj.normalizers(ro, info)  # once, on the whole step batch
+    logp = make_logp(ro, seed=seed)
+    whole = obj.loss(ro, {"logp": logp}, norms, info)
+    (grad_whole,) = torch.autograd.grad(whole, logp)
+    logp2 = logp.detach().clone().requires_grad_(True)
+    total = sum(obj.loss(ro.select(idx), {"logp": logp2[idx]}, norms, info) for idx in split)
+    total.backward()
+    torch.testing.assert_close(total.detach(), whole.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(logp2.grad, grad_whole, atol=1e-6, rtol=1e-6)
+    assert grad_whole.abs().sum() > 0 and (grad_whole[~obj.loss_mask(ro)] == 0).all()
+    return whole.detach(), grad_whole
