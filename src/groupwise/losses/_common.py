@@ -11,12 +11,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from groupwise.masked import masked_mean
 from groupwise.types import Rollout
 
 
 def term_mask(mb: Rollout) -> Tensor:
     """[b,G,T] bool: completion tokens of valid rows (weights are applied later by the objective)."""
     return mb.row_mask.bool()  # [b,G,T]
+
+
+def loss_tokens(mb: Rollout) -> Tensor:
+    """[b,G,T] bool: ``term_mask`` less the tokens a token weight removed (``extras["counted"]``),
+    i.e. ``Objective.loss_mask``: the tokens a sequence-level quantity (a mean over a row) is taken over."""
+    mask = term_mask(mb)  # [b,G,T]
+    if "counted" in mb.extras:
+        mask = mask & mb.extras["counted"]  # [b,G,T]
+    return mask
 
 
 def masked_input(x: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
@@ -35,6 +45,11 @@ def token_advantages(mb: Rollout, mask: Tensor, who: str) -> Tensor:
     elif adv.dim() != 3:
         raise ValueError(f"{who}: advantages must be [B,G] or [B,G,T], got {tuple(adv.shape)}")
     return masked_input(adv, mask)  # [b,G,T]
+
+
+def row_advantages(mb: Rollout, mask: Tensor, who: str) -> Tensor:
+    """[b,G] float32 sequence advantage: the mean over ``mask`` of the token advantages (a [B,G] one as given)."""
+    return masked_mean(token_advantages(mb, mask, who), mask, dim=-1)  # [b,G]
 
 
 def required(mb: Rollout, field: str, who: str) -> Tensor:
