@@ -243,3 +243,25 @@ def train_recorded(tmp_path, objective: str, *overrides: str, steps: int = 2) ->
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == steps and all(math.isfinite(r["loss"]) for r in rows)
     return rows, seen
+
+
+def assert_micro_batch_invariant(term, agg: str, ro: Rollout, logp: Tensor, split=([0, 4], [1], [2, 3, 5])) -> None:
+    """The loss and gradient of ``term`` under ``agg`` on the whole batch equal the sum over micro-batches
+    of whole groups (``split``), with the normalisers — and the term's ``prepare``, if any — computed once
+    on the whole batch, as the trainer does; the gradient must not be all zero."""
+    T = ro.shape[2]
+    info = info_for(T)
+    if hasattr(term, "prepare"):
+        term.prepare(ro, info)
+    obj = objective_for([term], agg)
+    norms = obj.normalizers(ro, info)
+    logp = logp.detach()
+    whole_logp = logp.clone().requires_grad_(True)
+    whole = obj.loss(ro, {"logp": whole_logp}, norms, info)
+    (grad_whole,) = torch.autograd.grad(whole, whole_logp)
+    parts_logp = logp.clone().requires_grad_(True)
+    total = sum(obj.loss(ro.select(list(idx)), {"logp": parts_logp[list(idx)]}, norms, info) for idx in split)
+    (grad_parts,) = torch.autograd.grad(total, parts_logp)
+    torch.testing.assert_close(total, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad_parts, grad_whole, atol=1e-6, rtol=1e-6)
+    assert grad_whole.abs().sum() > 0
