@@ -29,12 +29,12 @@ def loss_tokens(mb: Rollout) -> Tensor:
     return mask
 
 
-def group_members(mb: Rollout, mask: Tensor) -> Tensor:
+def group_members(mask: Tensor, rewards: Tensor | None) -> Tensor:
     """[b,G] bool: the rows a group-level term compares — rows with a loss token and, when the batch
     is scored, a finite reward (a row without a verdict is in no comparison)."""
     members = mask.any(-1)  # [b,G]
-    if mb.rewards is not None:
-        members = members & torch.isfinite(mb.rewards)  # [b,G]
+    if rewards is not None:
+        members = members & torch.isfinite(rewards)  # [b,G]
     return members
 
 

@@ -134,7 +134,7 @@ class LPO:
         else:
             lam = masked_sum(logp - logp_old, mask, dim=-1)  # [b,G]
         adv = row_advantages(mb, mask, "lpo")  # [b,G]
-        _, parts = lpo_loss(lam, torch.zeros_like(lam), adv, self.tau, self.divergence, group_members(mb, mask))
+        _, parts = lpo_loss(lam, torch.zeros_like(lam), adv, self.tau, self.divergence, group_members(mask, mb.rewards))
         return parts["group_loss"][:, None].expand(lam.shape), parts  # [b,G]
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
