@@ -26,6 +26,15 @@ def loss_tokens(mb: Rollout) -> Tensor:
     return mask & mb.extras["counted"].bool() if "counted" in mb.extras else mask
 
 
+def group_members(mask: Tensor, rewards: Tensor | None) -> Tensor:
+    """[b,G] bool: the rows a group-level term compares — rows with a loss token and, when the batch
+    is scored, a finite reward (a row without a verdict is in no comparison)."""
+    members = mask.any(-1)  # [b,G]
+    if rewards is not None:
+        members = members & torch.isfinite(rewards)  # [b,G]
+    return members
+
+
 def masked_input(x: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
     """[b,G,T] float32 copy of ``x`` with ``fill`` outside ``mask`` (gradient flows only inside)."""
     x = x.float()  # [b,G,T]
