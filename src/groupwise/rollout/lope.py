@@ -13,7 +13,7 @@ before the question), ``n_per`` rollouts each (G' = ``num_perturbation · n_per`
 resamples replace failed rows of the group (at least one original failure is kept), and are trained
 as if sampled under the **original** prompt; each carries ``real_rollout = False`` (a row extra) so
 that the objective term ``lope`` gives it the shaped, unclipped ratio ρ/(ρ+γ), and every rescued
-group carries the rewards of its other G + G' − G samples (a group extra) for the advantage
+group carries the rewards of those of its G + G' samples that are not its rows (a group extra) for the advantage
 estimator ``lope`` (mean/std over the full G + G' reward vector). The strategy works with any
 estimator and objective; without those two components the swapped rows are ordinary GRPO rows.
 
