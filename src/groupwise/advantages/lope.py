@@ -35,8 +35,9 @@ Spec 61's example: base ``[0, 0, 0, 0]`` plus 24 resamples of which 6 are right,
    move the group's mean and std. Non-finite entries (NaN padding, an excluded resample) are left out.
 2. A group extra of shape [B] (one extra reward per group) is read as [B, 1].
 3. Statistics are float64 (``groupwise.masked``), so rewards up to float32's largest stay finite.
-4. With ``shaping`` the estimator reads ``lope_extra_rewards`` (``rollout_extras``): a run whose
-   rollout strategy does not collect it (anything but ``rollout.name = "lope"``) fails at build.
+4. The estimator reads ``lope_extra_rewards`` (``rollout_extras``): a run whose rollout strategy does
+   not collect it (anything but ``rollout.name = "lope"``) fails at build, also with ``shaping =
+   False`` (the ablation inside a LoPE run; elsewhere use ``grpo`` with ``eps = 1e-6``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class LoPEAdvantage:
     """GRPO whose group mean/std include the strategy's extra rewards: the full G + G' vector of a rescued group (LoPE)."""
 
     group_relative = True
+    rollout_extras = (EXTRA,)  # collected by rollout.name = "lope" only (note 4)
 
     shaping: bool = True
     std: str = "unbiased"
@@ -70,10 +72,6 @@ class LoPEAdvantage:
             raise ConfigError(f"advantage lope: std={self.std!r} must be one of {tuple(_DDOF)}")
         if not self.eps >= 0:
             raise ConfigError(f"advantage lope: eps={self.eps} must be >= 0")
-
-    @property
-    def rollout_extras(self) -> tuple[str, ...]:
-        return (EXTRA,) if self.shaping else ()
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G] float64, [B,G]
