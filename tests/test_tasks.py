@@ -13,7 +13,7 @@ from groupwise.tasks.countdown import CountdownReward, check_countdown
 from groupwise.tasks.countdown import format_row as countdown_row
 from groupwise.tasks.sorting import format_row as sorting_row
 
-TASK_NAMES = ("arithmetic", "countdown", "sorting")
+TASK_NAMES = ("arithmetic", "countdown", "sorting", "evidence")
 
 
 # ---------------------------------------------------------------- every task
