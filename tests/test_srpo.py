@@ -117,6 +117,9 @@ def test_weights_multiply_the_ppo_clip_advantage():
     # clip: d = [10, 0], c = [0, 0]: b = 2.5, s − b = [7.5, −2.5, −2.5, −2.5] → clip [3, −2.5, −2.5, −2.5]
     # exp = [20.0855, .082085 ×3], mean 5.08292 → [3.951553, .016149 ×3]
     ({}, (10.0, 0.0), (0.0, 0.0), [3.951553, 0.016149, 0.016149, 0.016149]),
+    # clip on both sides, driven by a reasoning contrast: d = [0, 0], c = [0, −20]: b = −5, s − b = [5, 5, 5, −15]
+    # → clip [3, 3, 3, −3]; exp = [20.0855 ×3, .049787], mean 15.0766 → [1.332233 ×3, .003302]
+    ({}, (0.0, 0.0), (0.0, -20.0), [1.332233, 1.332233, 1.332233, 0.003302]),
     # role_norm: z(d=[2,0]) = [1,−1] (mean 1, pop std 1), z(c=[1,−1]) = [1,−1]; b = 0 → e^±1 / cosh 1
     ({"role_norm": True}, (2.0, 0.0), (1.0, -1.0), [1.761594, 0.238406, 1.761594, 0.238406]),
 ])
@@ -143,6 +146,21 @@ def test_edge_cases_no_roles_masked_invalid_nan_and_one_token():
     _close(w[0, 3], [1.0] * 12)  # NaN contrasts fall back to 1
     _close(w[0, 4], [0.0] * 12)  # invalid row → exactly 0
     _close(w[0, 0, P + R], SPEC_W)  # the other rows do not move the first one's weights
+
+
+def test_role_masks_from_tags_on_a_hand_made_vocabulary():
+    w = _weight()
+    actions = torch.tensor([SEQ, [3, 9, 4, 1, 7, 2, 5, 11, 6, 0, 0, 0]])  # row 1: reasoning before perception
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 10:] = False
+    perc, reas = w.role_masks(actions, mask)
+    assert perc[0].nonzero().flatten().tolist() == P and reas[0].nonzero().flatten().tolist() == R
+    assert perc[1].nonzero().flatten().tolist() == [4] and reas[1].nonzero().flatten().tolist() == [1]
+    assert not (perc & reas).any()
+    seg = segment_ids(actions, mask, VOCAB, [["<p>", "</p>"], ["<r>", "</r>"]])
+    assert seg[0].tolist() == [0, 1, 1, 0, 0, 2, 2, 0, 0, 0, 0, 0] and seg[1].tolist() == [0, 2, 0, 0, 1, 0, 0, 0, 0, 0, -1, -1]
+    with pytest.raises(ValueError, match="no vocabulary"):
+        build("weight", "srpo", **SHORT).role_masks(actions, mask)
 
 
 def test_an_unclosed_segment_runs_to_the_end_and_a_straddling_token_belongs_where_it_starts():
