@@ -29,7 +29,7 @@ def register_task(task: Task) -> Task:
 
 
 def get_task(name: str) -> Task:
-    for mod in ("arithmetic", "countdown", "sorting", "mixed", "flow2d", "reach", "theater", "ranking", "addition_orders"):
+    for mod in ("arithmetic", "countdown", "sorting", "mixed", "flow2d", "reach", "theater", "ranking", "addition_orders", "sum_pairs"):
         try:
             importlib.import_module(f"groupwise.tasks.{mod}")
         except ModuleNotFoundError as err:
