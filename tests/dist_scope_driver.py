@@ -1,6 +1,7 @@
 """Driver for tests/test_dist_scope.py (run as a script, alone or under torchrun).
 
-For every registered advantage estimator and shaper, token weight and sampler, it trains two steps
+For every registered advantage estimator and shaper, token weight, sampler and objective term with
+whole-batch state (``prepare``), it trains two steps
 on the embedded model and records, per step, what the whole-batch components produced (advantages,
 token weights, the kept prompt ids), the loss and gradient norm, and the sampler's state. Each rank
 writes its own file, so the test can check that ranks agree with each other and with one process.
@@ -38,6 +39,8 @@ def configurations() -> dict[str, list[str]]:
                 configs[f"advantage:{name}"].append(f'rollout.name="{strategy}"')
         elif stage == "weight":
             configs[f"weight:{name}"] = [f'objective.weights=["{name}"]']
+        elif stage == "objective" and hasattr(cls, "prepare"):  # a term with whole-batch state computed once per step
+            configs[f"objective:{name}"] = [f'objective.terms=["{name}", {{name="kl", coef=0.1}}]']
         elif stage == "sampling":
             configs[f"sampling:{name}"] = [f'sampling={{name="{name}"}}', 'advantage.estimator={name="grpo", scale="batch"}']
     return configs

@@ -243,3 +243,35 @@ def train_recorded(tmp_path, objective: str, *overrides: str, steps: int = 2) ->
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == steps and all(math.isfinite(r["loss"]) for r in rows)
     return rows, seen
+
+
+def _split_equals_whole(obj: Objective, ro: Rollout, logp: Tensor, split, info: StepInfo) -> tuple[Tensor, Tensor]:
+    """Assert the micro-batches ``split`` (whole groups) of ``ro``, with normalisers from the whole batch,
+    add up to the whole batch's loss and gradient; returns (whole loss, its gradient [B,G,T])."""
+    norms = obj.normalizers(ro, info)  # once, on the whole step batch
+    whole_logp = logp.detach().clone().requires_grad_(True)
+    whole = obj.loss(ro, {"logp": whole_logp}, norms, info)
+    (grad_whole,) = torch.autograd.grad(whole, whole_logp)
+    parts_logp = logp.detach().clone().requires_grad_(True)
+    total = sum(obj.loss(ro.select(list(idx)), {"logp": parts_logp[list(idx)]}, norms, info) for idx in split)
+    (grad_parts,) = torch.autograd.grad(total, parts_logp)
+    torch.testing.assert_close(total.detach(), whole.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad_parts, grad_whole, atol=1e-6, rtol=1e-6)
+    assert grad_whole.abs().sum() > 0
+    return whole.detach(), grad_whole
+
+
+def check_micro_batching(obj: Objective, ro: Rollout, split: list[list[int]], info: StepInfo, seed: int = 1) -> tuple[Tensor, Tensor]:
+    """``_split_equals_whole`` on seeded log-probs; padding gets exactly zero gradient."""
+    whole, grad_whole = _split_equals_whole(obj, ro, make_logp(ro, seed=seed), split, info)
+    assert (grad_whole[~obj.loss_mask(ro)] == 0).all()
+    return whole, grad_whole
+
+
+def assert_micro_batch_invariant(term, agg: str, ro: Rollout, logp: Tensor, split=([0, 4], [1], [2, 3, 5])) -> None:
+    """``_split_equals_whole`` for one term under ``agg``, with the term's ``prepare`` (if any) run once on
+    the whole batch first, as the trainer does."""
+    info = info_for(ro.shape[2])
+    if hasattr(term, "prepare"):
+        term.prepare(ro, info)
+    _split_equals_whole(objective_for([term], agg), ro, logp, split, info)

@@ -113,6 +113,19 @@ def test_verdict_single_pair_and_bad_direction():
         verdict(_iv(0.1, 0.2), "bigger")
 
 
+def test_verdict_non_inferiority_margin():
+    worse_a_little = _iv(-0.04, 0.01)  # the claimed config is at most 0.04 worse
+    assert verdict(worse_a_little, "greater")[0] == "inconclusive"
+    word, reason = verdict(worse_a_little, "greater", margin=0.05)
+    assert word == "held" and "-0.05" in reason and "margin 0.05" in reason
+    assert verdict(_iv(-0.2, -0.06), "greater", margin=0.05)[0] == "contradicted"  # worse by more than the margin
+    assert verdict(_iv(-0.07, -0.01), "greater", margin=0.05)[0] == "inconclusive"  # the interval straddles -0.05
+    assert verdict(_iv(-0.01, 0.04), "less", margin=0.05)[0] == "held"  # at most 0.04 slower, within +0.05
+    assert verdict(_iv(0.06, 0.1), "less", margin=0.05)[0] == "contradicted"
+    with pytest.raises(ValueError, match="margin"):
+        verdict(worse_a_little, "greater", margin=-1)
+
+
 def test_verdict_censoring_downgrades_only_the_undoable_side():
     fast = _iv(-30.0, -10.0)  # claimed reaches the target 10..30 steps sooner
     assert verdict(fast, "less", baseline_censored=2)[0] == "held"  # true baseline even later: still held
@@ -306,6 +319,7 @@ def test_claim_file_loads(tmp_path):
     claim = load_claim(_claim(tmp_path, GOOD))
     assert (claim.slug, claim.metric, claim.baseline, claim.claimed, claim.seeds) == ("99-test", "final_accuracy", "base", ["better"], 2)
     assert claim.spec("better").overrides == ["update.lr=3e-4"]
+    assert claim.margin == 0.0 and load_claim(_claim(tmp_path, GOOD.replace("seeds = 2", "seeds = 2\nmargin = 0.05"))).margin == 0.05
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -315,6 +329,7 @@ def test_claim_file_loads(tmp_path):
     (('metric = "final_accuracy"', 'metric = "seconds_to_target"\ntarget = 0.5'), None),
     (('direction = "greater"', 'direction = "up"'), r"direction = 'up'"),
     (('seeds = 2', 'seeds = 0'), r"seeds = 0"),
+    (('seeds = 2', 'seeds = 2\nmargin = -0.1'), r"margin = -0.1 must be a number >= 0"),
     (('seeds = 2', 'sedes = 2'), r"unknown key 'sedes' \(did you mean 'seeds'\?\)"),
     (('overrides = ["update.lr=3e-4"]', 'overides = []'), r"configs\[1\]: unknown key 'overides'"),
     (('label = "better"', 'label = "base"'), r"label 'base' is used twice"),

@@ -40,3 +40,17 @@ def test_eval_of_a_run_folder_uses_the_runs_settings_and_final_model(tmp_path, c
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["task"] == "countdown" and result["eval_size"] == 12
     assert result["accuracy"] == summary["accuracy_after"]  # the same model on the same held-out rows
+
+
+def test_a_reader_that_leaves_early_is_not_an_error(monkeypatch):
+    import io
+    import os
+
+    # `groupwise explain X | head -1` once head has exited: every write to stdout is a broken pipe
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    closed = io.TextIOWrapper(io.FileIO(write_end, "w"), line_buffering=True)
+    monkeypatch.setattr("sys.stdout", closed)
+    assert cli.main(["explain", "grpo"]) == 0
+    closed.write("x\n")  # the fd now points at /dev/null: the interpreter's last flush cannot fail
+    closed.close()

@@ -64,3 +64,14 @@ def test_two_trained_roles_under_two_ranks_equal_one_process(tmp_path):
     for one, two in zip(single, ddp):
         for name, weight in one.items():
             torch.testing.assert_close(two[name], weight, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_every_process_reduces_the_normalizers_in_one_order():
+    """The normalizers are all-reduced one tensor per aggregation, in dict order: that order must not
+    follow the per-process string hash (a set), or two ranks sum one aggregation's row count into the
+    other's group count (ConSPO's group_mean next to the KL term's seq_mean_token_mean did at world size 2)."""
+    code = ("from groupwise.objective import Objective; "
+            "print(list(Objective.from_config(['conspo', 'lpo', {'name': 'kl', 'agg': 'token_mean'}], 'seq_mean_token_mean').aggregations))")
+    orders = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip() for seed in range(6)}
+    assert orders == {str(["group_mean", "seq_mean_token_mean", "token_mean"])}, orders

@@ -1,6 +1,7 @@
 """Whole-batch scope under data parallelism (core-2.md §1 defects 2 and 3): at world size 2 every
-registered advantage estimator and shaper, token weight and sampler sees the same whole batch as one
-process, so advantages, token weights, kept groups, losses, gradient norms and sampler states are
+registered advantage estimator and shaper, token weight, sampler and objective term with whole-batch
+state (``prepare``: ConSPO's group count, Clip-Cov's selection, F-GRPO's phases) sees the same whole
+batch as one process, so advantages, token weights, kept groups, losses, gradient norms and sampler states are
 the same. Today's code failed it: estimators saw a synthetic batch (no completions, T = 1), token
 weights (``top_entropy``'s threshold) ran per rank, and dynamic sampling left the samplers at
 different positions on each rank."""
@@ -43,6 +44,7 @@ def test_two_ranks_see_what_one_process_sees(results):
     one, rank0, rank1 = results["result_rank0_world1.pt"], results["result_rank0_world2.pt"], results["result_rank1_world2.pt"]
     assert set(one) == set(rank0) == set(rank1)
     assert any(k.startswith("weight:top_entropy") for k in one) and any(k == "sampling:dynamic" for k in one)
+    assert {"objective:conspo", "objective:clip_cov"} <= set(one)  # the terms with whole-batch state are swept
     for label in one:
         for step, (a, b, c) in enumerate(zip(one[label], rank0[label], rank1[label])):
             where = f"{label} step {step}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 
 DEFAULT_RECIPE = "demo"
@@ -250,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"groupwise: config error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `groupwise explain X | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush must not fail too
+        return 0
     except FileNotFoundError as err:  # a model, recipe or data file that is not there: one line, not a traceback
         print(f"groupwise: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,23 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     return masked_sum(x, mask, dim) / n.clamp(min=1).to(x.dtype)
 
 
+def masked_logsumexp(x: Tensor, mask: Tensor, dim: int) -> Tensor:
+    """log Σ over ``mask`` of exp(x) along ``dim`` (kept), −inf where nothing is selected; the
+    gradient is exactly 0 outside ``mask`` and finite everywhere (no NaN from an empty selection)."""
+    has = mask.any(dim, keepdim=True)
+    z = torch.where(mask, x, torch.full((), -torch.inf, dtype=x.dtype))
+    z = torch.where(has, z, torch.zeros((), dtype=x.dtype))  # an empty selection: a constant, no gradient
+    lse = torch.logsumexp(z, dim, keepdim=True)
+    return torch.where(has, lse, torch.full((), -torch.inf, dtype=x.dtype))
+
+
+def group_log_softmax(x: Tensor, members: Tensor) -> Tensor:
+    """[B,G] log-softmax over each group's ``members`` (dim 1); 0 outside them (a distribution on
+    the group's members: one member has log-probability 0)."""
+    out = x - masked_logsumexp(x, members, dim=1)  # [B,G]
+    return torch.where(members, out, torch.zeros((), dtype=x.dtype))  # [B,G]
+
+
 def to_float32(x: Tensor) -> Tensor:
     """float64 advantages -> float32, saturating at ±3.4e38 (float32's largest) instead of becoming
     ±inf: an unscaled advantage of huge rewards (r − mean, 2r − 1) may not fit in float32."""

@@ -32,7 +32,9 @@ class Objective:
     def from_config(cls, term_specs: list, default_agg: str) -> "Objective":
         terms = [build_spec("objective", spec) for spec in term_specs]
         agg_names = {default_agg} | {t.agg for t in terms if getattr(t, "agg", None)}
-        aggregations = {name: build("aggregation", name) for name in agg_names}
+        # sorted: normalizers all-reduce one tensor per aggregation in this order, which must be the same
+        # on every rank (a set's order follows the per-process string hash)
+        aggregations = {name: build("aggregation", name) for name in sorted(agg_names)}
         return cls(terms, aggregations, default_agg)
 
     @property

@@ -2,7 +2,8 @@
 
 Keys (see ``docs/claims.md``): ``paper``, ``claim``, ``metric`` (one of ``METRICS``, or
 ``last:<metrics.jsonl key>``), ``target`` (required for ``*_to_target``), ``direction`` (greater |
-less), ``seeds`` (default 3), ``baseline`` (a config label, or a list of them: every claimed config
+less), ``margin`` (optional, >= 0: a non-inferiority margin for a claim of parity — held when the
+effect's interval lies above −margin for "greater", below +margin for "less"), ``seeds`` (default 3), ``baseline`` (a config label, or a list of them: every claimed config
 is judged against each), ``claimed`` (optional: one label, or a list; default every config but the
 baselines), ``common`` (overrides for every config), ``[[configs]]`` (``label``, ``recipe``,
 ``overrides``). Every error names the file and the bad key.
@@ -19,7 +20,7 @@ from pathlib import Path
 from groupwise.claims.compare import LABEL_RE, METRICS, TARGET_METRICS, ConfigSpec, is_metric, resolved_key
 from groupwise.registry import ConfigError
 
-KEYS = ("paper", "claim", "metric", "target", "direction", "seeds", "baseline", "claimed", "common", "configs")
+KEYS = ("paper", "claim", "metric", "target", "direction", "margin", "seeds", "baseline", "claimed", "common", "configs")
 CONFIG_KEYS = ("label", "recipe", "overrides")
 REQUIRED = ("paper", "claim", "metric", "direction", "baseline", "configs")
 
@@ -44,6 +45,7 @@ class Claim:
     common: list[str] = field(default_factory=list)
     sha: str = ""
     baselines: list[str] = field(default_factory=list)  # every baseline; ``baseline`` is the first
+    margin: float = 0.0  # non-inferiority margin (0: the plain direction test)
 
     def __post_init__(self) -> None:
         self.baselines = list(self.baselines) or [self.baseline]
@@ -93,6 +95,9 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
         raise ClaimError(f"{where}: metric {metric!r} needs key 'target' (the held-out accuracy to reach)")
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1):
         raise ClaimError(f"{where}: target = {target!r} must be a held-out accuracy in (0, 1]")
+    margin = data.get("margin", 0.0)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0:
+        raise ClaimError(f"{where}: margin = {margin!r} must be a number >= 0 (the non-inferiority margin, in the metric's units)")
     seeds = data.get("seeds", 3)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ClaimError(f"{where}: seeds = {seeds!r} must be an integer >= 1")
@@ -128,7 +133,8 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
         if label not in labels or label in baselines:
             raise ClaimError(f"{where}: claimed label {label!r} is not a non-baseline config label; labels: {', '.join(labels)}")
     claim = Claim(path.stem, path, data["paper"], data["claim"], metric, data["direction"], baselines[0], configs,
-                  list(claimed), None if target is None else float(target), seeds, common, hashlib.sha256(path.read_bytes()).hexdigest()[:16], baselines)
+                  list(claimed), None if target is None else float(target), seeds, common, hashlib.sha256(path.read_bytes()).hexdigest()[:16], baselines,
+                  float(margin))
     if check_configs:
         for spec in configs:
             try:

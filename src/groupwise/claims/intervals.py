@@ -12,6 +12,7 @@
                                     contradicted  if mean(d) + half(d) < 0
                                     inconclusive  otherwise (and whenever n < 2)
     (direction "less" swaps held and contradicted)
+    with a non-inferiority ``margin`` m > 0, 0 above is −m (greater) or +m (less)
 
 **Notes**
 
@@ -103,23 +104,31 @@ def paired_effect(claimed: dict[int, float], baseline: dict[int, float]) -> Inte
     return mean_interval(list(paired_differences(claimed, baseline).values()))
 
 
-def verdict(effect: Interval, direction: str, claimed_censored: int = 0, baseline_censored: int = 0) -> tuple[str, str]:
-    """``(held | contradicted | inconclusive, reason)`` for a claimed ``direction`` (greater | less)."""
+def verdict(effect: Interval, direction: str, claimed_censored: int = 0, baseline_censored: int = 0,
+            margin: float = 0.0) -> tuple[str, str]:
+    """``(held | contradicted | inconclusive, reason)`` for a claimed ``direction`` (greater | less).
+
+    ``margin`` > 0 turns the test into non-inferiority (a paper claiming parity): the interval is
+    compared with −margin (direction greater) or +margin (less) instead of 0."""
     if direction not in ("greater", "less"):
         raise ValueError(f"verdict: direction must be 'greater' or 'less', got {direction!r}")
+    if margin < 0:
+        raise ValueError(f"verdict: margin must be >= 0, got {margin}")
     if effect.n < 2 or effect.half is None:
         return "inconclusive", f"n={effect.n} paired seed(s): no interval"
-    if effect.low > 0:
+    bound = -margin if direction == "greater" else margin
+    where = "0" if margin == 0 else f"{bound:+g} (non-inferiority margin {margin:g})"
+    if effect.low > bound:
         side = "greater"
-    elif effect.high < 0:
+    elif effect.high < bound:
         side = "less"
     else:
-        return "inconclusive", "the interval contains 0"
+        return "inconclusive", f"the interval contains {where}"
     # censored values are lower bounds: a claimed one can raise the true d, a baseline one lower it
     if side == "greater" and baseline_censored:
-        return "inconclusive", f"interval above 0, but {baseline_censored} baseline run(s) never reached the target (their true values may be larger)"
+        return "inconclusive", f"interval above {where}, but {baseline_censored} baseline run(s) never reached the target (their true values may be larger)"
     if side == "less" and claimed_censored:
-        return "inconclusive", f"interval below 0, but {claimed_censored} claimed run(s) never reached the target (their true values may be larger)"
+        return "inconclusive", f"interval below {where}, but {claimed_censored} claimed run(s) never reached the target (their true values may be larger)"
     if side == direction:
-        return "held", f"the interval excludes 0 on the claimed side ({direction})"
-    return "contradicted", f"the interval excludes 0 on the other side (claimed {direction})"
+        return "held", f"the interval excludes {where} on the claimed side ({direction})"
+    return "contradicted", f"the interval excludes {where} on the other side (claimed {direction})"

@@ -45,7 +45,9 @@ How to read the table:
   initialisation), mean of the per-seed differences ± its 95 % t half-width.
 - **verdict**: `held` if that interval excludes 0 on the claimed side, `contradicted` if it excludes 0
   on the other side, `inconclusive` otherwise (always with a single paired seed, or when runs that
-  never reached the target could undo the sign).
+  never reached the target could undo the sign). A claim of parity sets a non-inferiority `margin`
+  m: then the interval is compared with −m (claimed `greater`) or +m (`less`) instead of 0, and
+  `held` means "no worse than m".
 - **minutes**: total process time of all the claim's runs.
 
 These are toy-scale checks (a ~1M-parameter model, a minute per run on a CPU): a verdict says what
@@ -70,7 +72,7 @@ def judge(claim: Claim, result: dict) -> list[dict[str, Any]]:
         values, censored = metric_values(configs[label]["runs"], claim.metric)
         effect = paired_effect(values, base_values)
         pairs = paired_differences(values, base_values)
-        word, reason = verdict(effect, claim.direction, len(censored & pairs.keys()), len(base_censored & pairs.keys()))
+        word, reason = verdict(effect, claim.direction, len(censored & pairs.keys()), len(base_censored & pairs.keys()), claim.margin)
         effects.append({
             "claimed": label,
             "baseline": baseline,
@@ -98,7 +100,7 @@ def run_claim(claim: Claim, out: Path, seeds: int | None = None, extra: list[str
     seconds = sum(r.get("process_seconds") or (r.get("metrics") or {}).get("wall_seconds") or 0.0 for r in runs)
     return {
         "slug": claim.slug, "paper": claim.paper, "claim": claim.claim, "metric": claim.metric, "target": claim.target,
-        "direction": claim.direction, "baseline": claim.baseline, "baselines": claim.baselines, "seeds": seeds, "common": claim.common, "extra": list(extra),
+        "direction": claim.direction, "margin": claim.margin, "baseline": claim.baseline, "baselines": claim.baselines, "seeds": seeds, "common": claim.common, "extra": list(extra),
         "configs": [{"label": c.label, "recipe": c.recipe, "overrides": c.overrides} for c in claim.configs],
         "claim_sha": claim.sha, "folder": str(folder), "minutes": seconds / 60.0,
         "failed": sum(r["status"] != "ok" for r in runs), "runs": len(runs), "short": sum(bool(r.get("short")) for r in runs),
@@ -156,7 +158,7 @@ def render(claims: list[Claim | tuple[str, str]], records: dict[str, dict], kept
 def _section(claim: Claim, record: dict | None) -> list[str]:
     out = [f'<a id="{claim.slug}"></a>', f"## {claim.slug}", "", f"**{claim.paper}**: {claim.claim}", "",
            f"File `claims/{claim.path.name}`; metric `{claim.metric}`" + (f", target {claim.target}" if claim.target is not None else "")
-           + f", claimed direction `{claim.direction}` against `{'`, `'.join(claim.baselines)}`; common overrides `{' '.join(claim.common) or '(none)'}`.", "",
+           + f", claimed direction `{claim.direction}`" + (f" within a non-inferiority margin of {claim.margin:g}" if claim.margin else "") + f" against `{'`, `'.join(claim.baselines)}`; common overrides `{' '.join(claim.common) or '(none)'}`.", "",
            "| config | recipe + overrides |", "|---|---|"]
     out += [f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | `{_cell(' '.join([c.recipe, *c.overrides]))}` |" for c in claim.configs]
     out.append("")

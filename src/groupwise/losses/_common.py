@@ -19,6 +19,22 @@ def term_mask(mb: Rollout) -> Tensor:
     return mb.row_mask.bool()  # [b,G,T]
 
 
+def loss_tokens(mb: Rollout) -> Tensor:
+    """[b,G,T] bool: ``term_mask`` less the tokens a token weight removed (``extras["counted"]``), as
+    ``Objective.loss_mask``: the tokens the aggregations count."""
+    mask = term_mask(mb)  # [b,G,T]
+    return mask & mb.extras["counted"].bool() if "counted" in mb.extras else mask
+
+
+def group_members(mask: Tensor, rewards: Tensor | None) -> Tensor:
+    """[b,G] bool: the rows a group-level term compares — rows with a loss token and, when the batch
+    is scored, a finite reward (a row without a verdict is in no comparison)."""
+    members = mask.any(-1)  # [b,G]
+    if rewards is not None:
+        members = members & torch.isfinite(rewards)  # [b,G]
+    return members
+
+
 def masked_input(x: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
     """[b,G,T] float32 copy of ``x`` with ``fill`` outside ``mask`` (gradient flows only inside)."""
     x = x.float()  # [b,G,T]
@@ -82,3 +98,24 @@ def check_clip(who: str, eps_low: float, eps_high: float) -> None:
         raise ValueError(f"{who}: eps_low must be in [0, 1), got {eps_low}")
     if eps_high < 0.0:
         raise ValueError(f"{who}: eps_high must be >= 0, got {eps_high}")
+
+
+def row_advantages(mb: Rollout, mask: Tensor, who: str) -> Tensor:
+    """[b,G] float32 advantages per row: a sequence advantage as is, a token-level one averaged over ``mask``."""
+    adv = token_advantages(mb, mask, who)  # [b,G,T], 0 outside mask
+    if mb.advantages.dim() == 2:
+        return torch.where(mask.any(-1), mb.advantages.float(), torch.zeros(()))  # [b,G]
+    return adv.sum(-1) / mask.sum(-1).clamp(min=1).to(adv.dtype)  # [b,G]
+
+
+def seq_ref_log_ratio(mb: Rollout, out: dict[str, Tensor], who: str) -> Tensor:
+    """[b,G] float32 Σ_t mask·(logp − logp_ref): the row's sequence log-ratio to the reference (0 for an empty row)."""
+    mask = term_mask(mb)  # [b,G,T]
+    logp = masked_input(out["logp"], mask)  # [b,G,T]
+    logp_ref = masked_input(required(mb, "logp_ref", who), mask)  # [b,G,T]
+    return (logp - logp_ref).sum(-1)  # [b,G]
+
+
+def scored_rows(mb: Rollout, scores: Tensor) -> Tensor:
+    """[b,G] bool: rows with at least one loss token (``loss_tokens``) and a finite score."""
+    return loss_tokens(mb).any(-1) & torch.isfinite(scores)  # [b,G]

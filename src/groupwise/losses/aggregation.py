@@ -1,5 +1,5 @@
 """Loss aggregations: token mean (DAPO), sequence mean of token means (GRPO), constant (Dr.GRPO),
-sequence mean of token sums (verl).
+sequence mean of token sums (verl), group mean (per-prompt mean of the group-level losses).
 
 - GRPO: Shao et al. 2024, "DeepSeekMath", https://arxiv.org/abs/2402.03300 — 1/G Σ_i 1/|o_i| Σ_t.
 - DAPO: Qiying Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
@@ -9,10 +9,14 @@ sequence mean of token sums (verl).
 - verl (Sheng et al. 2024, "HybridFlow", https://arxiv.org/abs/2409.19256), code
   ``verl/trainer/ppo/core_algos.py`` ``agg_loss`` — ``loss_agg_mode = "seq-mean-token-sum"``; TRL 1.16
   ``loss_type="luspo"`` (``GRPOTrainer._compute_loss``) aggregates the same way.
+- group mean: the per-prompt mean of a group-level objective, e.g. LPO's divergence per prompt
+  (specs/57, Qu et al. 2026, https://arxiv.org/abs/2605.06139) and ConSPO's InfoNCE per group
+  (specs/25, https://arxiv.org/abs/2605.12969).
 
 **Change vs GRPO**: ``seq_mean_token_mean`` is GRPO's; ``token_mean`` and ``constant`` remove its
 length bias (per-sequence 1/|o_i| favours short correct and long wrong answers);
-``seq_mean_token_sum`` drops the 1/|o_i| altogether, so a row's loss grows with its length.
+``seq_mean_token_sum`` drops the 1/|o_i| altogether, so a row's loss grows with its length;
+``group_mean`` weighs every prompt alike, whatever the number of its rows.
 
 **Math** (``mask`` = loss tokens of the *whole step batch*; ``v`` = term values of a micro-batch)::
 
@@ -20,12 +24,14 @@ length bias (per-sequence 1/|o_i| favours short correct and long wrong answers);
     seq_mean_token_mean:  Σ_rows (Σ_t v·mask / Σ_t mask) / #rows with ≥ 1 loss token
     constant:             Σ_{rows,t} v·mask / (#rows with ≥ 1 loss token · max_len)
     seq_mean_token_sum:   Σ_rows (Σ_t v·mask) / #rows with ≥ 1 loss token
+    group_mean:           Σ_groups mean_{rows with ≥ 1 loss token} (Σ_t v·mask / Σ_t mask) / #groups with one
 
 **Defaults**
 
 - ``constant.max_len = None`` → ``info.max_new_tokens`` [PAPER] Dr.GRPO divides by the generation
   budget; [CODE] TRL ``loss_type="dr_grpo"`` uses ``max_completion_length``.
 - ``seq_mean_token_sum``: no parameters [CODE] verl ``agg_loss``.
+- ``group_mean``: no parameters [INFERRED] the specs' "per-prompt mean" (LPO's interface).
 
 **Notes**
 
@@ -46,6 +52,10 @@ length bias (per-sequence 1/|o_i| favours short correct and long wrong answers);
    mode, so none is registered here.
 6. ``seq_mean_token_sum`` counts rows as verl does (``seq_mask = Σ_t mask > 0``); TRL's ``luspo``
    divides by every row of its batch, including rows without loss tokens (see note 3).
+7. ``group_mean`` is for group-level terms that give each row its group's loss (a value broadcast
+   over the group): the group's row mean is then that loss, and the batch loss the mean over prompts.
+   A group counts when one of its rows has a loss token; micro-batches hold whole groups, so the
+   shares add up exactly.
 """
 
 from __future__ import annotations
@@ -123,6 +133,19 @@ class Constant:
 
     def reduce(self, values: Tensor, mask: Tensor, norm: dict[str, Tensor]) -> Tensor:
         return _token_sum(values, mask) / _den(norm["slots"], values)  # []
+
+
+@register("aggregation", "group_mean")
+@dataclass
+class GroupMean:
+    """Mean over groups of the mean over their rows of each row's token mean (per-prompt mean)."""
+
+    def normalizer(self, mask: Tensor, info: StepInfo) -> dict[str, Tensor]:
+        return {"groups": mask.any(-1).any(-1).sum()}  # [] int64
+
+    def reduce(self, values: Tensor, mask: Tensor, norm: dict[str, Tensor]) -> Tensor:
+        group = masked_mean(_row_means(values, mask), mask.any(-1), dim=-1)  # [b]
+        return group.sum() / _den(norm["groups"], values)  # []
 
 
 @register("aggregation", "seq_mean_token_sum")

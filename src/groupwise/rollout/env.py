@@ -21,13 +21,19 @@ Cuts (the per-group bounds): an episode stops at ``done``, after ``max_turns`` a
 (``cut = "max_turns"``), or in history mode before a turn whose context plus
 ``rollout.max_new_tokens`` would pass ``min(model context, max_context)`` (``cut = "context"``).
 A cut episode keeps the rewards it got (the reach game's: 0, it never reached the goal).
+
+Group hook: ``on_step(group, k) -> "continue" | "cut"`` (optional) is called after every turn, with
+``k`` the number of actions played so far, for each group (a row's ``n`` episodes) in which some
+episode played its ``k``-th action in that turn. ``"cut"`` stops the group's live episodes there
+(``cut = "gate"``) and marks the group in ``Played.gated``; the strategy decides what a gated group
+becomes (selective rollout drops it from the batch, ``rollout/selective.py``).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,7 +59,7 @@ class Episode:
     rows: list[int] = field(default_factory=list)  # each action's group in Played.turns
     env_tokens: list[list[int]] = field(default_factory=list)  # history mode: encode(separator + o_{t+1}) after each non-final action
     done: bool = False
-    cut: str = ""  # "" (done or still live), "max_turns", "context"
+    cut: str = ""  # "" (done or still live), "max_turns", "context", "gate" (the group hook)
 
     @property
     def ret(self) -> float:
@@ -64,6 +70,12 @@ class Episode:
 class Played:
     episodes: list[list[Episode]]  # [B][n]
     turns: Rollout  # every action: one group of one row (its own context), in the order played
+    gated: list[bool] = field(default_factory=list)  # [B] the group hook cut the group
+
+    @property
+    def actions(self) -> int:
+        """Actions played (environment steps) over every episode."""
+        return sum(len(ep.actions) for group in self.episodes for ep in group)
 
 
 def env_name(env: str | None, row: dict, who: str) -> str:
@@ -75,8 +87,9 @@ def env_name(env: str | None, row: dict, who: str) -> str:
 
 
 def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = None, env_params: dict | None = None, *,
-         history: bool = False, separator: str = " ", max_context: int | None = None, who: str = "env", sampling: dict | None = None) -> Played:
-    """Play ``n`` episodes of each row in ``keys`` (see the module docstring)."""
+         history: bool = False, separator: str = " ", max_context: int | None = None, who: str = "env", sampling: dict | None = None,
+         on_step: Callable[[list[Episode], int], str] | None = None) -> Played:
+    """Play ``n`` episodes of each row in ``keys`` (see the module docstring; ``on_step``: the group hook)."""
     if max_turns < 1 or n < 1:
         raise ConfigError(f"rollout {who}: need max_turns >= 1 and group_size >= 1, got max_turns={max_turns}, group_size={n}")
     info, encode = ctx.info(0), _cached(ctx.policy.encode)
@@ -96,7 +109,7 @@ def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = No
             envs[id(ep)] = instance
             group.append(ep)
         episodes.append(group)
-    parts, seen = [], 0
+    parts, seen, gated = [], 0, [False] * len(episodes)
     for t in range(max_turns):
         requests, chosen = [], []
         for ep in (ep for group in episodes for ep in group if not ep.done and not ep.cut):
@@ -127,12 +140,29 @@ def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = No
                 ep.env_tokens.append(encode(separator + obs))
         parts.append(gen)
         seen += len(chosen)
+        if on_step is not None:
+            _group_hook(episodes, gated, {id(ep) for ep, _ in chosen}, t + 1, on_step, who)
     for ep in (ep for group in episodes for ep in group if not ep.done and not ep.cut):
         ep.cut = "max_turns"
     if not parts:
         raise ConfigError(f"rollout {who}: no episode could take a single turn (the first observation plus rollout.max_new_tokens={budget} "
                           f"exceeds the context limit {limit}); raise max_context or shorten the observations")
-    return Played(episodes, Rollout.concat(parts))
+    return Played(episodes, Rollout.concat(parts), gated)
+
+
+def _group_hook(episodes: list[list[Episode]], gated: list[bool], acted: set[int], k: int, on_step: Callable, who: str) -> None:
+    """After turn ``k``: ``on_step`` for every group with an episode that played its k-th action now; a cut stops its live episodes."""
+    for b, group in enumerate(episodes):
+        if gated[b] or not any(id(ep) in acted for ep in group):
+            continue
+        verdict = on_step(group, k)
+        if verdict not in ("continue", "cut"):
+            raise ValueError(f"rollout {who}: on_step must return 'continue' or 'cut', got {verdict!r}")
+        if verdict == "cut":
+            gated[b] = True
+            for ep in group:
+                if not ep.done and not ep.cut:
+                    ep.cut = "gate"
 
 
 class _Rows(RolloutContext):

@@ -36,6 +36,9 @@ actions are trained. Reward = the episode's outcome; the advantage is the config
 3. Transcripts are plain text (``policy.encode`` of each observation): chat-format transcripts
    (a template per turn) are not implemented.
 4. ``logp_sampler`` is the sampler's log-prob at action tokens and 0 at environment tokens (holes).
+5. ``step_stats``: ``episodes/env_steps`` (actions played this step, every episode: the generation
+   cost), ``episodes/action_tokens`` (their tokens) and ``episodes/gated_frac`` (share of groups a
+   group hook cut, 0 here; ``selective_rollout`` sets the hook). Gated groups leave the batch.
 """
 
 from __future__ import annotations
@@ -113,13 +116,24 @@ class Episodes:
         if self.max_turns < 1 or (self.max_context is not None and self.max_context < 2):
             raise ConfigError(f"rollout episodes: need max_turns >= 1 and max_context >= 2 or None, got max_turns={self.max_turns}, max_context={self.max_context}")
 
+    on_step = None  # a group hook for rollout/env.py's play (``selective_rollout`` defines its gate here); None: none
+
     def check(self, components: list) -> None:
-        check_env_rewards(components, "episodes")
+        check_env_rewards(components, self._who)
+
+    @property
+    def _who(self) -> str:
+        return getattr(self, "registry_name", "episodes")
 
     def __call__(self, ctx) -> Rollout:
         played = play(ctx, ctx.draw(ctx.batch_size), ctx.group_size, self.max_turns, self.env, self.env_params, history=True,
-                      separator=self.separator, max_context=self.max_context, who="episodes")
+                      separator=self.separator, max_context=self.max_context, who=self._who, on_step=self.on_step)
         batch, outcome = transcripts(played, self.separator)
-        score_returns(ctx, batch, outcome, "episodes")
-        keep = ctx.keep(batch)  # [B] bool
+        score_returns(ctx, batch, outcome, self._who)
+        self._stats = {"episodes/env_steps": float(played.actions), "episodes/action_tokens": float(played.turns.mask.sum()),
+                       "episodes/gated_frac": sum(played.gated) / max(1, len(played.gated))}
+        keep = ctx.keep(batch) & ~torch.tensor(played.gated, dtype=torch.bool)  # [B] bool: a gated group leaves the batch
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
+
+    def step_stats(self) -> dict[str, float]:
+        return dict(getattr(self, "_stats", {}))

@@ -1,8 +1,9 @@
-"""Step schedules for any coefficient: constant, linear, cosine, and warm-up-then-constant.
+"""Step schedules for any coefficient: constant, linear, cosine, polynomial, step, and warm-up-then-constant.
 
-Standard practice (no single paper): the linear and cosine shapes are the learning-rate schedules
-of ``torch.optim.lr_scheduler`` applied to an arbitrary coefficient, e.g. a KL coefficient that
-decays, or an auxiliary loss switched on gradually.
+Standard practice (no single paper): the linear, cosine and polynomial shapes are the learning-rate
+schedules of ``torch.optim.lr_scheduler`` (``LinearLR``, ``CosineAnnealingLR``, ``PolynomialLR``)
+applied to an arbitrary coefficient, e.g. a KL coefficient that decays, an auxiliary loss switched
+on gradually, HölderPO's annealed order p (specs/30) or ConSPO's curriculum margin (specs/25).
 
 **Change vs GRPO**: none by default; GRPO's coefficients are constants.
 
@@ -12,6 +13,10 @@ decays, or an auxiliary loss switched on gradually.
     constant:  value
     linear:    start_value + (end - start_value) * u
     cosine:    end + (start_value - end) * (1 + cos(pi * u)) / 2
+    polynomial: start_value + (end - start_value) * f(u)
+               f(u) = u ** power                                     (centered = false)
+               f(u) = (1 + sgn(2u - 1) * |2u - 1| ** power) / 2      (centered = true)
+    step:      start_value while u < 1, then end
     warmup:    value * min(1, (s + 1) / warmup_steps)
 
 **Defaults** (all [INFERRED]: no paper prescribes them; each names the obvious shape)
@@ -20,6 +25,10 @@ decays, or an auxiliary loss switched on gradually.
 - constant: ``value = 0.0`` [INFERRED].
 - linear: ``start_value = 0.0``, ``end = 1.0`` [INFERRED] a ramp up.
 - cosine: ``start_value = 1.0``, ``end = 0.0`` [INFERRED] a decay, like ``CosineAnnealingLR``.
+- polynomial: ``start_value = 0.0``, ``end = 1.0``, ``power = 2.0``, ``centered = false``
+  [INFERRED] a quadratic ramp up; ``centered = true`` with ``power = 3`` is HölderPO's ``cubic``
+  shape, mid + amp·(2u − 1)³ (specs/30 [CODE]).
+- step: ``start_value = 0.0``, ``end = 1.0`` [INFERRED] a switch at the end of the span.
 - warmup: ``value = 1.0``, ``warmup_steps = 1`` [INFERRED] (1: full value from step 0).
 
 **Notes**
@@ -29,8 +38,12 @@ decays, or an auxiliary loss switched on gradually.
 3. ``info.total_steps`` is ``train.steps``. When both it and ``steps`` are 0 (unknown length),
    ``S`` counts as 1, so linear and cosine reach ``end`` at step 1. Past ``S`` the value stays at
    ``end``.
-4. ``warmup`` reaches ``value`` at step ``warmup_steps - 1``. ``steps < 0`` or
-   ``warmup_steps < 1`` is a ``ValueError`` at build time.
+4. ``warmup`` reaches ``value`` at step ``warmup_steps - 1``. ``steps < 0``,
+   ``warmup_steps < 1`` or ``power <= 0`` is a ``ValueError`` at build time.
+5. ``polynomial`` with ``power = 1`` is ``linear``; centred, f(1/2) = 1/2 (the midpoint is reached
+   half-way whatever the power) and f is odd-symmetric about it: f(u) + f(1 − u) = 1.
+6. ``step`` jumps exactly at step ``S`` (u = 1). With ``steps = 0`` that is step ``train.steps``,
+   one past the last: the run stays at ``start_value`` (give ``steps`` for a switch).
 """
 
 from __future__ import annotations
@@ -61,10 +74,9 @@ class ConstantSchedule:
         return self.value
 
 
-@register("schedule", "linear")
 @dataclass
-class LinearSchedule:
-    """Linear ramp from ``start_value`` to ``end`` over ``steps`` (default: the whole run)."""
+class _Span:
+    """The shared part of the schedules that go from ``start_value`` to ``end`` over ``steps``."""
 
     start_value: float = 0.0
     end: float = 1.0
@@ -72,35 +84,66 @@ class LinearSchedule:
 
     def __post_init__(self) -> None:
         if self.steps < 0:
-            raise ValueError(f"linear schedule: steps must be >= 0, got {self.steps}")
+            raise ValueError(f"{self.registry_name} schedule: steps must be >= 0 (0 = the whole run), got {self.steps}")
 
     def start(self) -> float:
-        return self.start_value
+        return self.start_value  # every shape starts at u = 0 on start_value
+
+    def _u(self, info: StepInfo) -> float:
+        return _progress(info.step, self.steps, info.total_steps)
+
+
+@register("schedule", "linear")
+@dataclass
+class LinearSchedule(_Span):
+    """Linear ramp from ``start_value`` to ``end`` over ``steps`` (default: the whole run)."""
 
     def __call__(self, info: StepInfo, rollout: Rollout | None = None) -> float:
-        u = _progress(info.step, self.steps, info.total_steps)
-        return self.start_value + (self.end - self.start_value) * u
+        return self.start_value + (self.end - self.start_value) * self._u(info)
 
 
 @register("schedule", "cosine")
 @dataclass
-class CosineSchedule:
+class CosineSchedule(_Span):
     """Half-cosine from ``start_value`` to ``end`` over ``steps`` (default: the whole run)."""
 
     start_value: float = 1.0
     end: float = 0.0
-    steps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"cosine schedule: steps must be >= 0, got {self.steps}")
-
-    def start(self) -> float:
-        return self.start_value
 
     def __call__(self, info: StepInfo, rollout: Rollout | None = None) -> float:
-        u = _progress(info.step, self.steps, info.total_steps)
-        return self.end + (self.start_value - self.end) * (1.0 + math.cos(math.pi * u)) / 2.0
+        return self.end + (self.start_value - self.end) * (1.0 + math.cos(math.pi * self._u(info))) / 2.0
+
+
+@register("schedule", "polynomial")
+@dataclass
+class PolynomialSchedule(_Span):
+    """Polynomial ramp ``start_value → end`` in ``u ** power`` (or centred, odd about the midpoint) over ``steps``."""
+
+    power: float = 2.0
+    centered: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.power > 0:
+            raise ValueError(f"polynomial schedule: power must be > 0 (1 = linear), got {self.power}")
+
+    def __call__(self, info: StepInfo, rollout: Rollout | None = None) -> float:
+        u = self._u(info)
+        if self.centered:
+            x = 2.0 * u - 1.0
+            f = (1.0 + math.copysign(abs(x) ** self.power, x)) / 2.0
+        else:
+            f = u**self.power
+        return self.start_value + (self.end - self.start_value) * f
+
+
+@register("schedule", "step")
+@dataclass
+class StepSchedule(_Span):
+    """``start_value`` until ``steps`` (default: the whole run), then ``end``."""
+
+    def __call__(self, info: StepInfo, rollout: Rollout | None = None) -> float:
+        return self.end if self._u(info) >= 1.0 else self.start_value
 
 
 @register("schedule", "warmup")

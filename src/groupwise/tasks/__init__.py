@@ -4,6 +4,7 @@ disjoint ``train`` and ``test`` (held-out) splits, and names its default reward.
 from __future__ import annotations
 
 import importlib
+import random
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,6 +27,20 @@ def register_task(task: Task) -> Task:
         raise ConfigError(f"task {task.name!r} is registered twice")
     TASKS[task.name] = task
     return task
+
+
+def split_pool(items: list, split: str, n: int, seed: int, test_size: int, task: str) -> list:
+    """The items of ``split`` of a generated task: the first ``test_size`` are 'test' (fixed order), the
+    rest 'train'; ``n > 0`` train items are a ``seed``-shuffled sample, ``n <= 0`` the whole split."""
+    if split == "test":
+        pool = list(items[:test_size])
+    elif split == "train":
+        pool = list(items[test_size:])
+        if n > 0:
+            random.Random(seed).shuffle(pool)
+    else:
+        raise ValueError(f"{task} has splits 'train' and 'test', not {split!r}")
+    return pool[:n] if n > 0 else pool
 
 
 def get_task(name: str) -> Task:

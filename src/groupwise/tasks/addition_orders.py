@@ -29,7 +29,7 @@ import random
 from functools import lru_cache
 
 from groupwise.rollout.dgao import SLOT
-from groupwise.tasks import Task, register_task
+from groupwise.tasks import Task, register_task, split_pool
 
 TOP = 100
 TEST_SIZE = 300
@@ -53,16 +53,7 @@ def format_row(a: int, b: int) -> dict:
 
 def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     """``n`` rows of ``split`` ('train' or 'test'); ``n <= 0`` means the whole split."""
-    pairs = _pairs()
-    if split == "test":
-        pool = list(pairs[:TEST_SIZE])
-    elif split == "train":
-        pool = list(pairs[TEST_SIZE:])
-        if n > 0:
-            random.Random(seed).shuffle(pool)
-    else:
-        raise ValueError(f"addition_orders has splits 'train' and 'test', not {split!r}")
-    return [format_row(a, b) for a, b in (pool[:n] if n > 0 else pool)]
+    return [format_row(a, b) for a, b in split_pool(_pairs(), split, n, seed, TEST_SIZE, "addition_orders")]
 
 
 register_task(Task("addition_orders", "two-number addition whose operands may come in any order: '37+45=' -> '82' (rows carry elements/template)",

@@ -56,7 +56,7 @@ from typing import Any, Sequence
 
 from groupwise.registry import register
 from groupwise.rewards._common import get_column
-from groupwise.tasks import Task, register_task
+from groupwise.tasks import Task, register_task, split_pool
 
 N_NUMBERS = 3
 LOW, HIGH = 1, 9
@@ -138,16 +138,7 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
 
     The test split is always in its fixed order; ``n`` train rows are a ``seed``-shuffled sample.
     """
-    problems = _problems()
-    if split == "test":
-        pool = list(problems[:TEST_SIZE])
-    elif split == "train":
-        pool = list(problems[TEST_SIZE:])
-        if n > 0:
-            random.Random(seed).shuffle(pool)
-    else:
-        raise ValueError(f"countdown has splits 'train' and 'test', not {split!r}")
-    pool = pool[:n] if n > 0 else pool
+    pool = split_pool(_problems(), split, n, seed, TEST_SIZE, "countdown")
     return [format_row(nums, target, ref) for nums, target, ref in pool]
 
 

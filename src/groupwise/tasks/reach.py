@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from groupwise.registry import ConfigError, register
-from groupwise.tasks import Task, register_task
+from groupwise.tasks import Task, register_task, split_pool
 
 MAX_MOVE = 4
 SLACK = 0
@@ -131,16 +131,7 @@ def _problems(task: str) -> tuple[tuple[int, int], ...]:
 def _rows(task: str):
     def rows(split: str, n: int, seed: int = 0) -> list[dict]:
         """``n`` rows of ``split`` ('train' or 'test'); ``n <= 0`` means the whole split."""
-        pairs = _problems(task)
-        if split == "test":
-            pool = list(pairs[:TEST_SIZE])
-        elif split == "train":
-            pool = list(pairs[TEST_SIZE:])
-            if n > 0:
-                random.Random(seed).shuffle(pool)
-        else:
-            raise ValueError(f"{task} has splits 'train' and 'test', not {split!r}")
-        return [format_row(s, g) for s, g in (pool[:n] if n > 0 else pool)]
+        return [format_row(s, g) for s, g in split_pool(_problems(task), split, n, seed, TEST_SIZE, task)]
 
     return rows
 

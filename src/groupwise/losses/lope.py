@@ -1,0 +1,128 @@
+"""LoPE policy shaping: swapped-in resamples get the unclipped shaped ratio ρ/(ρ+γ); real rollouts keep
+the base objective (PPO clip by default).
+
+"Nonsense Helps: Prompt Space Perturbation Broadens Reasoning Exploration", Langlin Huang, Chengsong
+Huang, Jinyuan Li, Donghong Cai, Yuyi Yang, Jiaxin Huang, 2026. https://arxiv.org/abs/2605.05566 —
+spec 61. Code read: https://github.com/shrango/LoPE ``verl/trainer/core_algos.py``
+``compute_policy_loss`` (``policy_shaping``, ``policy_shaping_gamma``, ``real_rollout``).
+
+**Change vs GRPO**: the rows the rollout strategy ``lope`` swapped into a group
+(``extras["real_rollout"]`` False) were sampled under a Lorem-perturbed prompt δ ⊕ x but are trained
+under x. Their importance ratio compares the current policy on x with the behaviour policy on δ ⊕ x,
+is reshaped to ρ' = ρ/(ρ+γ) and is **not clipped**. Every other row gets the ``base`` term's loss
+unchanged: this term wraps ``ppo_clip`` (default), ``gspo`` or any other policy term.
+
+**Math** (``mask`` = the loss tokens; ``logp_sampler`` = the sampler's log-probs, under δ ⊕ x)::
+
+    log_rho = logp − logp_sampler                                  level = "token"
+            = mean_t(mask · (logp − logp_sampler))  (every token)  level = "sequence" (GSPO's ratio)
+    rho     = exp(clamp(log_rho, −20, 20))
+    shaped  = rho / (rho + gamma)                  d shaped / d logp = rho·gamma / (rho + gamma)²
+    loss    = −adv · shaped                        real_rollout False
+            = base(mb, out)                        real_rollout True (row losses spread over their tokens)
+
+``shaped`` is at most 1 and its gradient peaks (0.25) at rho = gamma: a swapped-in token the policy
+now finds unlikely gets the largest push. ρ = 1 → 0.909091 (gradient 0.082645), ρ = 0.1 → 0.5
+(0.25), ρ = 2 → 0.952381 (0.045351).
+
+**Defaults**
+
+- ``gamma = 0.1`` [CODE] ``policy_shaping_gamma = 0.1``.
+- ``base = "ppo_clip"``, ``base_params = {}`` [CODE] the default ``loss_type``, with dual clip
+  supported through ``base_params``; the dual clip never binds on a shaped row (ρ' < 1 < c).
+- ``level = "token"`` [CODE] the ratio of the default loss type; ``"sequence"`` shapes the GSPO
+  sequence ratio, as the code does with ``loss_type = "gspo"``.
+- ``coef = 1.0``, ``agg = None`` (the objective's aggregation) [INFERRED] as every term.
+
+**Notes**
+
+1. Without the row extra ``real_rollout`` (any other rollout strategy), or when every row is real,
+   the term is exactly its base, so it passes every contract of the base term (on-policy it is the
+   REINFORCE gradient); on swapped rows the on-policy gradient is adv·ρ'(1 − ρ')·∇logp instead.
+2. The behaviour log-prob is ``logp_sampler`` (the policy's log-probs at sampling time, raw
+   temperature-1 distribution, the weights that sampled the rollout): the paper's π_old(o | δ ⊕ x),
+   computed before the perturbed prompt is swapped for the original. A rollout without
+   ``logp_sampler`` and with swapped rows is an error naming it.
+3. ``log_rho`` is zeroed outside the mask before ``exp`` and clamped to ±20 (the code's clamp), so
+   padding never overflows and masked tokens get exactly zero gradient.
+4. ``stats``: the base term's, plus ``lope_shaped`` (the share of loss tokens on swapped rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from groupwise.losses._common import masked_input, required, term_mask, token_advantages
+from groupwise.registry import ConfigError, build, register
+from groupwise.rollout.lope import REAL
+from groupwise.types import Rollout, StepInfo
+
+LEVELS = ("token", "sequence")
+
+
+def shaped_ratio(log_ratio: Tensor, gamma: float = 0.1) -> Tensor:
+    """ρ/(ρ+γ) of ρ = exp(clamp(log_ratio, −20, 20)), elementwise (differentiable)."""
+    rho = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    return rho / (rho + gamma)
+
+
+@register("objective", "lope")
+@dataclass
+class LoPEShaping:
+    """Swapped-in resamples: unclipped ρ/(ρ+γ) against the perturbed-prompt behaviour; other rows: the base term (LoPE)."""
+
+    gamma: float = 0.1
+    base: str = "ppo_clip"
+    base_params: dict = field(default_factory=dict)
+    level: str = "token"
+    coef: float = 1.0
+    agg: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.gamma > 0:
+            raise ConfigError(f"objective lope: gamma={self.gamma} must be > 0 (the paper's 0.1)")
+        if self.level not in LEVELS:
+            raise ConfigError(f"objective lope: level={self.level!r} must be one of {LEVELS}")
+        if self.base == "lope":
+            raise ConfigError("objective lope: base='lope' would wrap itself; use a policy term such as 'ppo_clip' or 'gspo'")
+        self.inner = build("objective", self.base, **self.base_params)
+        if getattr(self.inner, "coef", 1.0) != 1.0 or getattr(self.inner, "agg", None) is not None:
+            raise ConfigError(f"objective lope: set coef and agg on the lope term, not in base_params (got coef={self.inner.coef}, agg={self.inner.agg!r})")
+
+    @property
+    def needs(self) -> tuple:
+        return tuple(getattr(self.inner, "needs", ()))
+
+    @property
+    def weighted(self) -> bool:
+        return getattr(self.inner, "weighted", True)
+
+    @property
+    def on_policy_reinforce(self) -> bool:
+        return getattr(self.inner, "on_policy_reinforce", True)
+
+    def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
+        values = self.inner(mb, out, info)  # [b,G,T] or [b,G]
+        real = mb.extras.get(REAL)
+        if real is None or bool(real.all()):
+            return values
+        mask = term_mask(mb)  # [b,G,T]
+        if values.dim() == 2:
+            values = torch.where(mask, values[..., None], torch.zeros((), dtype=values.dtype))  # [b,G,T] a row loss on each of its tokens
+        log_rho = masked_input(out["logp"], mask) - masked_input(required(mb, "logp_sampler", "lope"), mask)  # [b,G,T]
+        if self.level == "sequence":
+            seq = log_rho.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [b,G,1]
+            log_rho = torch.where(mask, seq.expand_as(log_rho), torch.zeros((), dtype=log_rho.dtype))  # [b,G,T]
+        shaped = -token_advantages(mb, mask, "lope") * shaped_ratio(log_rho, self.gamma)  # [b,G,T]
+        swapped = ~real.bool()[..., None] & mask  # [b,G,T]
+        return torch.where(swapped, shaped, values)  # [b,G,T]
+
+    def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
+        stats = dict(self.inner.stats(mb, out)) if hasattr(self.inner, "stats") else {}
+        real = mb.extras.get(REAL)
+        swapped = torch.zeros(mb.shape[:2], dtype=torch.bool) if real is None else ~real.bool()  # [b,G]
+        stats["lope_shaped"] = swapped.float()  # [b,G]
+        return stats
