@@ -254,7 +254,7 @@ def test_ratio_terms_on_policy_equal_reinforce(name, agg):
 def test_weight_shape_and_zero_grad(name):
     w = build("weight", name)
     ro = make_rollout(B, G, T, seed=11)
-    fill_needs(ro, getattr(w, "needs", ()))
+    fill_inputs(ro, w)  # needs, and token texts for a weight that maps roles from tags (srpo)
     weight = w(ro, info_for(T))
     assert tuple(weight.shape) == (B, G, T) and weight.dtype == torch.float32
     assert torch.isfinite(weight).all() and (weight >= 0).all()
@@ -271,7 +271,7 @@ def test_weight_shape_and_zero_grad(name):
 def test_weight_row_permutation_equivariant(name):
     w = build("weight", name)
     ro = make_rollout(B, G, T, seed=12)
-    fill_needs(ro, getattr(w, "needs", ()))
+    fill_inputs(ro, w)  # needs, and token texts for a weight that maps roles from tags (srpo)
     perm = random_perm(B, G)
     weight = w(ro, info_for(T))
     weight_p = w(permute_rows(ro, perm), info_for(T))

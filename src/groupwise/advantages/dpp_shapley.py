@@ -1,0 +1,91 @@
+"""Shapley values of a DPP log-volume game (GCPO's combinatorics, specs/35; see ``advantages/gcpo.py``).
+
+Players are rows of ``phi`` [G,d] (reward-weighted embeddings); the team value of a coalition S is
+
+    v(S) = log det(I_|S| + Φ_S Φ_Sᵀ),   v(∅) = 0
+
+computed from the Cholesky factor of ``I + K_SS`` (K = Φ Φᵀ, float64): ``v = 2 Σ log diag(L)``.
+
+- exact: v of every subset of the non-null players at once (a batch of masked matrices
+  ``I + K ⊙ m mᵀ``: a left-out player's row and column are the identity's, adding log 1 = 0), then
+  ψ_i = Σ_{S ∌ i} |S|!(n−|S|−1)!/n! · (v(S ∪ i) − v(S)) over the n non-null players.
+- Monte-Carlo: M random orders; in one order the leading principal minors of the permuted
+  ``I + K`` are the prefix coalitions, so one Cholesky gives every marginal contribution,
+  v(prefix_k) − v(prefix_{k−1}) = 2 log L_kk. ψ_i = the mean over orders. Each order's
+  contributions sum to v(N), so the estimate is efficient (Σψ = v(N)) up to rounding.
+
+Null players (a zero row of ``phi``: a wrong, invalid or empty rollout) add nothing to any
+coalition, so the game is solved over the non-null players only and nulls get exactly 0 (this
+is what keeps exact solving cheap when few rollouts of a large group are correct). Players with
+identical rows are symmetric and get the mean of their values, so duplicates tie bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+
+def dpp_logvol(phi: Tensor) -> Tensor:
+    """v(S) = log det(I + Φ Φᵀ) of ``phi`` [S,d] (a float64 scalar; 0 for S = 0)."""
+    phi = phi.double()  # [S,d]
+    if phi.shape[0] == 0:
+        return torch.zeros((), dtype=torch.float64)
+    L = torch.linalg.cholesky(torch.eye(phi.shape[0], dtype=torch.float64) + phi @ phi.T)  # [S,S]
+    return 2 * L.diagonal().log().sum()
+
+
+@lru_cache(maxsize=16)
+def _subsets(n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(masks [2^n,n] bool, with_i [2^n,n] long: the index of mask ∪ {i}, weight [2^n,n] float64 of
+    the term v(mask ∪ i) − v(mask): |S|!(n−|S|−1)!/n! where i ∉ mask, else 0)."""
+    ids = torch.arange(2**n)  # [2^n]
+    bit = 2 ** torch.arange(n)  # [n]
+    masks = (ids[:, None] & bit[None, :]) > 0  # [2^n,n]
+    size = masks.sum(1)  # [2^n]
+    w = torch.tensor([math.factorial(s) * math.factorial(n - s - 1) / math.factorial(n) if s < n else 0.0 for s in range(n + 1)],
+                     dtype=torch.float64)  # [n+1]
+    weight = torch.where(masks, 0.0, w[size][:, None])  # [2^n,n]
+    return masks, ids[:, None] | bit[None, :], weight
+
+
+def _exact(K: Tensor) -> Tensor:
+    n = K.shape[0]
+    masks, with_i, weight = _subsets(n)
+    pair = masks[:, :, None] & masks[:, None, :]  # [2^n,n,n]
+    A = torch.eye(n, dtype=torch.float64) + torch.where(pair, K, 0.0)  # [2^n,n,n]
+    v = 2 * torch.linalg.cholesky(A).diagonal(dim1=-2, dim2=-1).log().sum(-1)  # [2^n]
+    return (weight * (v[with_i] - v[:, None])).sum(0)  # [n]
+
+
+def _monte_carlo(K: Tensor, n_perm: int, generator: torch.Generator) -> Tensor:
+    n = K.shape[0]
+    order = torch.rand(n_perm, n, generator=generator, dtype=torch.float64).argsort(1)  # [M,n] random orders
+    A = (torch.eye(n, dtype=torch.float64) + K)[order[:, :, None], order[:, None, :]]  # [M,n,n] permuted I + K
+    gain = 2 * torch.linalg.cholesky(A).diagonal(dim1=-2, dim2=-1).log()  # [M,n] gain[m,k] of player order[m,k]
+    psi = torch.zeros(n, dtype=torch.float64).index_add_(0, order.flatten(), gain.flatten())  # [n]
+    return psi / n_perm
+
+
+def shapley_values(phi: Tensor, exact: bool | None = None, n_perm: int = 256, seed: int = 0, exact_max: int = 10) -> Tensor:
+    """ψ [G] float64: Shapley values of the players ``phi`` [G,d] in the game v = ``dpp_logvol``.
+
+    ``exact`` True: over all subsets; False: ``n_perm`` seeded random orders; None: exact when at
+    most ``exact_max`` players are non-null. Null rows (all zero) get exactly 0."""
+    phi = phi.double()  # [G,d]
+    psi = torch.zeros(phi.shape[0], dtype=torch.float64)  # [G]
+    live = (phi != 0).any(1).nonzero().flatten()  # [n] the non-null players
+    if live.numel() == 0:
+        return psi
+    rows, cls = torch.unique(phi[live], dim=0, return_inverse=True)  # identical players (symmetric)
+    K = phi[live] @ phi[live].T  # [n,n]
+    if exact if exact is not None else live.numel() <= exact_max:
+        vals = _exact(K)  # [n]
+    else:
+        vals = _monte_carlo(K, n_perm, torch.Generator().manual_seed(seed))  # [n]
+    tied = torch.zeros(rows.shape[0], dtype=torch.float64).index_add_(0, cls, vals) / torch.bincount(cls).double()  # [u]
+    psi[live] = tied[cls]
+    return psi
