@@ -185,3 +185,15 @@ def test_hidden_embedding_through_the_trainer(tmp_path):
                                 "rollout.prompts_per_step=4", steps=1)
     key = Need("hidden(4)", model="ref").key
     assert seen[0].extras[key].shape[-1] == 128 and torch.isfinite(seen[0].advantages).all()
+
+
+def test_huge_rewards_keep_the_log_volume_finite_and_exact():
+    """Rewards near 3e38: I + K rounds to a singular matrix (1 + a² == a²), where Cholesky fails; the
+    eigenvalue fallback gives log det(I + K) = log(1 + 2a²) for two equal players, split in half."""
+    a = 1e38
+    phi = torch.tensor([[a], [a]], dtype=torch.float64)  # [2,1]
+    want = math.log(2.0) + 2 * math.log(a)
+    assert float(dpp_logvol(phi)) == pytest.approx(want, rel=1e-12)
+    for exact in (True, False):
+        psi = shapley_values(phi, exact=exact, n_perm=8)
+        torch.testing.assert_close(psi, torch.full((2,), want / 2, dtype=torch.float64), rtol=1e-12, atol=0.0)

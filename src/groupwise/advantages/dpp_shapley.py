@@ -34,8 +34,26 @@ def dpp_logvol(phi: Tensor) -> Tensor:
     phi = phi.double()  # [S,d]
     if phi.shape[0] == 0:
         return torch.zeros((), dtype=torch.float64)
-    L = torch.linalg.cholesky(torch.eye(phi.shape[0], dtype=torch.float64) + phi @ phi.T)  # [S,S]
-    return 2 * L.diagonal().log().sum()
+    return _prefix_gains(torch.eye(phi.shape[0], dtype=torch.float64) + phi @ phi.T).sum()
+
+
+def _prefix_gains(A: Tensor) -> Tensor:
+    """[...,n] log det(A[:k+1,:k+1]) − log det(A[:k,:k]) of a batch of matrices A = I + K (K a Gram matrix).
+
+    Cholesky: the gains are 2·log diag(L). Where rounding makes I + K numerically indefinite
+    (rewards near 3e38 put 1e77 beside the identity's 1), that matrix's prefixes are taken from the
+    eigenvalues of K instead, clamped at 0 (K is positive semi-definite in exact arithmetic)."""
+    L, info = torch.linalg.cholesky_ex(A)  # [...,n,n], [...]
+    gains = 2 * L.diagonal(dim1=-2, dim2=-1).log()  # [...,n]
+    bad = info != 0  # [...]
+    if bad.any():
+        n = A.shape[-1]
+        K = A[bad] - torch.eye(n, dtype=A.dtype)  # [m,n,n]
+        keep = torch.arange(n)[None, :] <= torch.arange(n)[:, None]  # [n,n] row k: the first k+1 players
+        prefix = K[:, None] * (keep[:, :, None] & keep[:, None, :])[None]  # [m,n,n,n] the k-th leading block, zero-padded
+        logdet = torch.linalg.eigvalsh(prefix).clamp(min=0.0).log1p().sum(-1)  # [m,n]
+        gains[bad] = torch.diff(logdet, dim=-1, prepend=torch.zeros_like(logdet[:, :1]))  # [m,n]
+    return gains
 
 
 @lru_cache(maxsize=16)
@@ -57,7 +75,7 @@ def _exact(K: Tensor) -> Tensor:
     masks, with_i, weight = _subsets(n)
     pair = masks[:, :, None] & masks[:, None, :]  # [2^n,n,n]
     A = torch.eye(n, dtype=torch.float64) + torch.where(pair, K, 0.0)  # [2^n,n,n]
-    v = 2 * torch.linalg.cholesky(A).diagonal(dim1=-2, dim2=-1).log().sum(-1)  # [2^n]
+    v = _prefix_gains(A).sum(-1)  # [2^n]
     return (weight * (v[with_i] - v[:, None])).sum(0)  # [n]
 
 
@@ -65,7 +83,7 @@ def _monte_carlo(K: Tensor, n_perm: int, generator: torch.Generator) -> Tensor:
     n = K.shape[0]
     order = torch.rand(n_perm, n, generator=generator, dtype=torch.float64).argsort(1)  # [M,n] random orders
     A = (torch.eye(n, dtype=torch.float64) + K)[order[:, :, None], order[:, None, :]]  # [M,n,n] permuted I + K
-    gain = 2 * torch.linalg.cholesky(A).diagonal(dim1=-2, dim2=-1).log()  # [M,n] gain[m,k] of player order[m,k]
+    gain = _prefix_gains(A)  # [M,n] gain[m,k] of player order[m,k]
     psi = torch.zeros(n, dtype=torch.float64).index_add_(0, order.flatten(), gain.flatten())  # [n]
     return psi / n_perm
 
