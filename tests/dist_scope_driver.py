@@ -51,7 +51,7 @@ def main(out_dir: str, only: str = "") -> None:
     for label, extra in configurations().items():
         if only and only not in label:
             continue
-        cfg, _ = load_config(None, [*BASE, *extra, f'out="{out_dir}/{label.replace(":", "_")}/rank{os.environ.get("RANK", "0")}"'])
+        cfg, _ = load_config(None, [*BASE, *extra, f'out="{out_dir}/{label.replace(":", "_")}/world{os.environ.get("WORLD_SIZE", "1")}_rank{os.environ.get("RANK", "0")}"'])
         trainer = Trainer(cfg)
         steps = []
         seen = {}
