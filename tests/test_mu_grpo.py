@@ -85,6 +85,11 @@ def test_without_a_trigger_it_is_ppo_clip_with_the_same_bounds():
     mine = build("objective", "mu_grpo", eps_low=0.2, eps_high=0.28, delta=1e-30)(ro, out, info_for(6))
     ppo = build("objective", "ppo_clip", eps_low=0.2, eps_high=0.28)(ro, out, info_for(6))
     torch.testing.assert_close(mine, ppo, atol=0, rtol=0)
+    # the relaxed [0, 5] too: ppo_clip accepts eps_low = 1 (no lower clip); the other clipping terms keep eps_low < 1
+    relaxed = build("objective", "mu_grpo", delta=1e-30)(ro, out, info_for(6))
+    torch.testing.assert_close(relaxed, build("objective", "ppo_clip", eps_low=1.0, eps_high=4.0)(ro, out, info_for(6)), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"eps_low must be in \[0, 1\)"):
+        build("objective", "gspo", eps_low=1.0)
 
 
 def test_micro_batch_invariant():

@@ -93,9 +93,11 @@ def clip_stats(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual
     return stats
 
 
-def check_clip(who: str, eps_low: float, eps_high: float) -> None:
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"{who}: eps_low must be in [0, 1), got {eps_low}")
+def check_clip(who: str, eps_low: float, eps_high: float, no_lower_clip: bool = False) -> None:
+    """``no_lower_clip``: the term clamps the ratio itself, so eps_low = 1 (lower bound 0: no lower clip)
+    is valid; the other clipping terms (sequence-level or log-space bounds) keep eps_low < 1."""
+    if not (0.0 <= eps_low <= 1.0 if no_lower_clip else 0.0 <= eps_low < 1.0):
+        raise ValueError(f"{who}: eps_low must be in [0, {'1]' if no_lower_clip else '1)'}, got {eps_low}")
     if eps_high < 0.0:
         raise ValueError(f"{who}: eps_high must be >= 0, got {eps_high}")
 

@@ -33,8 +33,8 @@ negative-advantage row, once some token's ratio π_θ/π_behav has collapsed bel
 2. Positive-advantage rows are never vetoed; a row without a trigger is plain PPO-clip.
 3. The veto is a 0/1 mask built from the detached ratio: it selects tokens, it carries no gradient.
    Vetoed tokens stay in the aggregation's denominator (their loss is 0, as the spec's "zero L_tok").
-4. ``eps_low = 1`` makes the lower bound 0, i.e. no lower clip (ratio ≥ 0); ``check`` allows it here
-   although PPO-clip's own check does not.
+4. ``eps_low = 1`` makes the lower bound 0, i.e. no lower clip (ratio ≥ 0); ``check_clip(...,
+   no_lower_clip=True)`` allows it (``ppo_clip`` too: the claim's no-veto arm is ppo_clip at [0, 5]).
 5. ``stats``: ``mu_grpo/vetoed`` (vetoed loss tokens per loss token), ``mu_grpo/triggered`` (tokens
    under ``delta`` in negative rows, per loss token) and the clip indicators of ``clip_stats``.
 """
@@ -46,16 +46,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import clip_stats, clipped_surrogate, ratio_and_adv, term_mask
+from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, ratio_and_adv, term_mask
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 SCOPES = ("suffix", "nontrigger_suffix", "sequence", "trigger")
 
 
+def triggers(ratio: Tensor, adv: Tensor, mask: Tensor, delta: float) -> Tensor:
+    """[b,G,T] bool: loss tokens of negative-advantage rows whose ratio collapsed under ``delta``."""
+    return (ratio.detach() < delta) & mask & (adv < 0)  # [b,G,T]
+
+
 def veto_keep(ratio: Tensor, adv: Tensor, mask: Tensor, delta: float, scope: str) -> Tensor:
     """[b,G,T] bool keep mask: False where the post-trigger veto of a negative-advantage row applies."""
-    trig = (ratio.detach() < delta) & mask & (adv < 0)  # [b,G,T]
+    trig = triggers(ratio, adv, mask, delta)  # [b,G,T]
     seen = trig.long().cumsum(-1)  # [b,G,T] triggers up to and including t
     after = (seen - trig.long()) > 0  # [b,G,T] strictly after the first trigger
     if scope == "suffix":
@@ -84,10 +89,7 @@ class MuGRPO:
     needs = ()
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.eps_low <= 1.0:
-            raise ValueError(f"mu_grpo: eps_low must be in [0, 1] (1 = no lower clip), got {self.eps_low}")
-        if self.eps_high < 0.0:
-            raise ValueError(f"mu_grpo: eps_high must be >= 0, got {self.eps_high}")
+        check_clip("mu_grpo", self.eps_low, self.eps_high, no_lower_clip=True)
         if not 0.0 < self.delta < 1.0:
             raise ValueError(f"mu_grpo: delta (the trigger ratio) must be in (0, 1), got {self.delta}")
         if self.scope not in SCOPES:
@@ -106,4 +108,4 @@ class MuGRPO:
         mask = term_mask(mb)  # [b,G,T]
         return {**clip_stats(ratio, adv, self.eps_low, self.eps_high),
                 "mu_grpo/vetoed": (~self._keep(mb, ratio, adv) & mask).float(),  # [b,G,T]
-                "mu_grpo/triggered": ((ratio.detach() < self.delta) & mask & (adv < 0)).float()}  # [b,G,T]
+                "mu_grpo/triggered": triggers(ratio, adv, mask, self.delta).float()}  # [b,G,T]
