@@ -15,6 +15,8 @@ clip-higher; ``dual_clip = c`` bounds the loss of negative-advantage tokens whos
     loss  = -min(ratio * adv, clip(ratio, 1 - eps_low, 1 + eps_high) * adv)
     loss  = min(loss, -dual_clip * adv)            where adv < 0   (dual clip, c > 1)
 
+``eps_low = 1`` removes the lower clip (the ratio's own bound 0: μ-GRPO's relaxed [0, 5]).
+
 **Defaults**
 
 - ``eps_low = eps_high = 0.2`` [PAPER] PPO's ε = 0.2 (Schulman et al. 2017); [CODE] TRL
