@@ -258,6 +258,57 @@ def time_to_accuracy(model: Path, seconds: float, eval_every: float, eval_size: 
     return result
 
 
+def learning_per_step(model: Path, steps: int, every: int, seeds: int, eval_size: int, threads: int, rundir: Path) -> dict[str, Any]:
+    """Held-out accuracy against optimiser steps for both frameworks over ``seeds`` seeds (the same
+    algorithm, model and reward; each seed seeds both), so per-step learning is compared apart from speed."""
+    common = ["--model", str(model), "--steps", str(steps), "--eval-every-steps", str(every), "--eval-size", str(eval_size)]
+    curves: dict[str, dict[int, list]] = {"groupwise": {}, "trl": {}}
+    for seed in range(seeds):
+        for fw in ("groupwise", "trl"):
+            log(f"learning per step: {fw}, seed {seed}, {steps} optimiser steps")
+            got = run_worker(["tta", "--framework", fw, *common, "--seed", str(seed)], rundir / "raw" / f"per-step-{fw}-{seed}.json",
+                             rundir / "logs" / f"per-step-{fw}-{seed}.log", threads)
+            if "error" in got:
+                return {"error": f"{fw} seed {seed} failed", "log": got.get("log")}
+            curves[fw][seed] = got["curve"]
+            algorithm = got["algorithm"]
+    from dataclasses import asdict
+
+    from groupwise.claims.intervals import mean_interval, paired_effect
+
+    def at(fw: str, step: int) -> dict[int, float]:
+        return {seed: next(acc for _, n, acc in curve if n == step) for seed, curve in curves[fw].items()}
+
+    every_curve = [curve for per_seed in curves.values() for curve in per_seed.values()]
+    points = sorted(set.intersection(*({n for _, n, _ in curve} for curve in every_curve)))  # steps evaluated in every run
+    rows = []
+    for n in points:
+        gw, trl = at("groupwise", n), at("trl", n)
+        rows.append({"step": n, "groupwise": asdict(mean_interval(list(gw.values()))), "trl": asdict(mean_interval(list(trl.values()))),
+                     "difference": asdict(paired_effect(gw, trl))})
+    return {"model": str(model), "steps": steps, "every": every, "seeds": seeds, "eval_size": eval_size, "threads": threads,
+            "algorithm": algorithm, "curves": curves, "rows": rows}
+
+
+def per_step_section(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return f"_Learning per step failed: {result['error']} (log {result.get('log')})._"
+    a = result["algorithm"]
+
+    def cell(iv: dict[str, Any], signed: bool = False) -> str:
+        mean = f"{iv['mean']:+.3f}" if signed else f"{iv['mean']:.3f}"
+        return f"{mean} ± {iv['half']:.3f}" if iv.get("half") is not None else mean
+
+    lines = [f"The `{a['recipe']}` recipe's algorithm on both ({a['prompts']} prompts × G = {a['group']}, {a['length']} new tokens, "
+             f"lr {a['lr']:g}, loss `{a['loss']}`, μ = {a['mu']}), {result['seeds']} seeds each (seed s seeds both frameworks), "
+             f"held-out greedy accuracy on {result['eval_size'] or 500} test prompts every {result['every']} optimiser steps; "
+             "mean ± 95 % t half-width over seeds; difference = groupwise − TRL, paired by seed.", "",
+             "| optimiser steps | TRL | groupwise | groupwise − TRL |", "|---:|---:|---:|---:|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['step']} | {cell(row['trl'])} | {cell(row['groupwise'])} | {cell(row['difference'], signed=True)} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------------
@@ -384,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tta-threads", type=int, default=None, help="torch threads for both time-to-accuracy runs "
                         "(default: the demo recipe's `threads` if it sets one above 0, else the workers' thread count)")
     parser.add_argument("--skip-tta", action="store_true")
+    parser.add_argument("--per-step", action="store_true", help="only the learning-per-step comparison: accuracy against optimiser "
+                        "steps for both frameworks over --per-step-seeds seeds (not part of the default run: ~15 min on 2 cores)")
+    parser.add_argument("--per-step-steps", type=int, default=500)
+    parser.add_argument("--per-step-every", type=int, default=50)
+    parser.add_argument("--per-step-seeds", type=int, default=3)
     parser.add_argument("--skip-matrix", action="store_true")
     parser.add_argument("--ablation", action="store_true", help=f"groupwise-only ablation of its optimisations on {ABLATION_CELLS} (or --cells)")
     parser.add_argument("--out-dir", type=Path, default=None, help="where results go (default bench/, --quick bench/runs/quick/)")
@@ -434,6 +490,17 @@ def main(argv: list[str] | None = None) -> int:
     log("TRL settings made explicit (its defaults are wrong for this CPU comparison): bf16=False, fp16=False, "
         "gradient_checkpointing=False, use_cpu=True, learning_rate=<cell lr>, lr_scheduler_type=constant, adam_beta2=0.99, "
         "use_bias_correction_kl=False; logging/saving/eval off, dataloader_num_workers=0")
+    if args.per_step:
+        result = learning_per_step(args.tta_model.resolve(), args.per_step_steps, args.per_step_every, args.per_step_seeds,
+                                   args.tta_eval_size, args.tta_threads or threads, rundir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "per_step.json").write_text(json.dumps(result, indent=1) + "\n")
+        log("learning per step:\n" + per_step_section(result))
+        if doc is not None:
+            write_doc(doc, {"per-step": per_step_section(result) + f"\n\n_{command}; {threads} torch thread(s); {info['date']}_"})
+            log(f"wrote {doc}")
+        return 0
+
     for preset in sorted({c.preset for c in cells}):
         build(preset)
     flops_before = gemm_flops(threads)

@@ -3,7 +3,7 @@ time-to-accuracy run).
 
     python bench/worker.py measure --framework {groupwise,trl} --cells JSON_LIST --models-dir DIR --threads T --out FILE
     python bench/worker.py tta --framework {groupwise,trl} --model DIR --threads T --seconds S \
-        --eval-every S [--target ACC] --out FILE
+        --eval-every S [--target ACC] [--steps N --eval-every-steps K --seed S] --out FILE
 
 Only the framework measured is imported, so the process's memory is that framework's: interpreter +
 torch + the framework + model + optimiser state + activations. Each cell's peak RSS is Linux's
@@ -45,14 +45,14 @@ MAX_GRAD_NORM = 1.0
 
 
 def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, group: int, length: int, loss: str,
-                        beta: float, mu: int, lr: float, epsilon: float, micro_groups: int, steps: int) -> list[str]:
+                        beta: float, mu: int, lr: float, epsilon: float, micro_groups: int, steps: int, seed: int = 0) -> list[str]:
     """groupwise ``key=value`` overrides for one configuration (used with no recipe or on top of one)."""
     terms: list[Any] = [{"name": "ppo_clip", "eps_low": epsilon, "eps_high": epsilon}]
     if beta > 0:
         terms.append({"name": "kl", "coef": beta, "estimator": "k3"})
     values = {
         "name": "bench",
-        "seed": 0,
+        "seed": seed,
         "out": out,
         "threads": threads,
         "model.path": model,
@@ -322,36 +322,60 @@ def _demo_algorithm(recipe: str) -> dict[str, Any]:
     }
 
 
+class Budget:
+    """When a time-to-accuracy run evaluates and when it stops: every ``every`` units of progress up to
+    ``limit``, where progress is training seconds, or optimiser steps when ``by_steps`` (learning per
+    step, independent of the machine's speed)."""
+
+    def __init__(self, limit: float, every: float, by_steps: bool) -> None:
+        self.limit, self.every, self.by_steps = limit, every, by_steps
+        self.next = every
+
+    def progress(self, clock: float, steps: int) -> float:
+        return float(steps) if self.by_steps else clock
+
+    def due(self, clock: float, steps: int) -> bool:
+        """Evaluate now? (advances the next evaluation point past the current progress)"""
+        x = self.progress(clock, steps)
+        if x < self.next and x < self.limit:
+            return False
+        self.next += self.every * (1 + int((x - self.next) // self.every))
+        return True
+
+    def done(self, clock: float, steps: int) -> bool:
+        return self.progress(clock, steps) >= self.limit
+
+
 def tta(framework: str, model: str, threads: int, seconds: float, eval_every: float, target: float | None,
-        eval_size: int, recipe: str, workdir: str) -> dict[str, Any]:
+        eval_size: int, recipe: str, workdir: str, steps: int = 0, eval_every_steps: int = 0, seed: int = 0) -> dict[str, Any]:
     """Train for ``seconds`` of training time (evaluation excluded), evaluating held-out greedy accuracy
-    every ``eval_every`` training seconds; stop early once accuracy >= ``target`` (if given)."""
+    every ``eval_every`` training seconds; stop early once accuracy >= ``target`` (if given). With
+    ``steps`` > 0 the budget is that many optimiser steps, evaluated every ``eval_every_steps``."""
     import torch
 
     torch.set_num_threads(threads)
     algo = _demo_algorithm(recipe)
     rows = heldout_rows(eval_size)
     curve: list[tuple[float, int, float]] = []  # (training seconds, optimiser steps, accuracy)
+    budget = Budget(steps, eval_every_steps, True) if steps > 0 else Budget(seconds, eval_every, False)
     t_setup = time.perf_counter()
 
     if framework == "groupwise":
         overrides = groupwise_overrides(model=model, threads=threads, out=workdir, prompts=algo["prompts"], group=algo["group"],
                                         length=algo["length"], loss=algo["loss"], beta=algo["beta"], mu=algo["mu"],
-                                        lr=algo["lr"], epsilon=algo["epsilon"], micro_groups=0, steps=10**6)
+                                        lr=algo["lr"], epsilon=algo["epsilon"], micro_groups=0, steps=10**6, seed=seed)
         trainer = groupwise_trainer(overrides)
         setup = time.perf_counter() - t_setup
-        clock, steps = 0.0, 0
+        clock, done_steps = 0.0, 0
         curve.append((0.0, 0, greedy_accuracy(trainer.model, trainer.tokenizer, rows, algo["length"])))
-        next_eval = eval_every
-        while clock < seconds:
+        while not budget.done(clock, done_steps):
             start = time.perf_counter()
             trainer.run_step()
             clock += time.perf_counter() - start
             trainer.step += 1
-            steps += algo["mu"]
-            if clock >= next_eval or clock >= seconds:
-                curve.append((clock, steps, greedy_accuracy(trainer.model, trainer.tokenizer, rows, algo["length"])))
-                next_eval += eval_every * (1 + int((clock - next_eval) // eval_every))
+            done_steps += algo["mu"]
+            if budget.due(clock, done_steps):
+                curve.append((clock, done_steps, greedy_accuracy(trainer.model, trainer.tokenizer, rows, algo["length"])))
                 if target is not None and curve[-1][2] >= target:
                     break
     else:
@@ -359,7 +383,7 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
 
         class Clock(TrainerCallback):
             def __init__(self) -> None:
-                self.clock, self.next_eval, self.trainer = 0.0, eval_every, None
+                self.clock, self.trainer = 0.0, None
                 self._last = 0.0
 
             def on_train_begin(self, args, state, control, **kwargs):
@@ -368,18 +392,17 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
 
             def on_step_end(self, args, state, control, **kwargs):
                 self.clock += time.perf_counter() - self._last
-                if self.clock >= self.next_eval or self.clock >= seconds:
+                if budget.due(self.clock, state.global_step):
                     accuracy = greedy_accuracy(kwargs["model"], self.trainer.processing_class, rows, algo["length"])
                     curve.append((self.clock, state.global_step, accuracy))
-                    self.next_eval += eval_every * (1 + int((self.clock - self.next_eval) // eval_every))
-                    if self.clock >= seconds or (target is not None and accuracy >= target):
+                    if budget.done(self.clock, state.global_step) or (target is not None and accuracy >= target):
                         control.should_training_stop = True
                 self._last = time.perf_counter()  # evaluation time is not training time
                 return control
 
         args = trl_config(out=workdir, prompts=algo["prompts"], group=algo["group"], length=algo["length"], loss=algo["loss"],
                           beta=algo["beta"], mu=algo["mu"], lr=algo["lr"], epsilon=algo["epsilon"],
-                          micro_groups=algo["prompts"], max_steps=10**6)
+                          micro_groups=algo["prompts"], max_steps=steps if steps > 0 else 10**6, seed=seed)
         clock_cb = Clock()
         trainer = _trl_trainer(args, model, [clock_cb])
         clock_cb.trainer = trainer
@@ -387,7 +410,7 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
         trainer.train()
     return {"framework": framework, "curve": curve, "setup_seconds": setup, "algorithm": algo, "threads": threads,
             "eval_size": len(rows), "target": target, "budget_seconds": seconds, "eval_every": eval_every,
-            "peak_rss_mb": peak_rss_mb()}
+            "budget_steps": steps, "eval_every_steps": eval_every_steps, "seed": seed, "peak_rss_mb": peak_rss_mb()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -431,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval-size", type=int, default=0)
     t.add_argument("--target", type=float, default=None)
     t.add_argument("--recipe", default="demo")
+    t.add_argument("--steps", type=int, default=0, help="budget in optimiser steps instead of --seconds (learning per step)")
+    t.add_argument("--eval-every-steps", type=int, default=50)
+    t.add_argument("--seed", type=int, default=0)
     t.add_argument("--model", required=True)
     for p in (m, t):
         p.add_argument("--threads", type=int, required=True)
@@ -441,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix=f"bench-{args.framework}-") as workdir:
             result = tta(args.framework, args.model, args.threads, args.seconds, args.eval_every, args.target,
-                         args.eval_size, args.recipe, workdir)
+                         args.eval_size, args.recipe, workdir, steps=args.steps, eval_every_steps=args.eval_every_steps,
+                         seed=args.seed)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

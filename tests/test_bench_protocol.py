@@ -90,3 +90,29 @@ def test_gemm_floor_sums_timed_products(monkeypatch):
     macs = sum(m * k * n * count for (m, k, n), count in floor.step_products(cell, TOY, 5).items())
     assert seconds == pytest.approx(macs * 1e-9)
     assert macs == 5 * (8 + 4 + 12 + 6) * 4 + 4 * 10 + 2 * (2 * (8 + 4 + 12 + 6) * 4 + 2 * 4 * 10) + 3 * (11 * (8 + 4 + 12 + 6) * 4 + 6 * 4 * 10)
+
+
+def test_budget_evaluates_every_k_units_and_at_the_limit():
+    import worker
+
+    by_steps = worker.Budget(limit=5, every=2, by_steps=True)
+    due = [n for n in range(1, 6) if by_steps.due(clock=99.0, steps=n)]  # the clock is ignored by steps
+    assert due == [2, 4, 5] and by_steps.done(0.0, 5) and not by_steps.done(0.0, 4)
+    by_time = worker.Budget(limit=10.0, every=3.0, by_steps=False)
+    # a late step (7.5 s, past 6) moves the next point past it (to 9), not to 6
+    assert [t for t in (1.0, 3.2, 7.5, 8.0, 9.1, 10.0) if by_time.due(clock=t, steps=0)] == [3.2, 7.5, 9.1, 10.0]
+
+
+def test_per_step_section_pairs_seeds_and_reports_the_difference():
+    from dataclasses import asdict
+
+    from groupwise.claims.intervals import mean_interval, paired_effect
+
+    gw, trl = {0: 0.5, 1: 0.7}, {0: 0.4, 1: 0.4}
+    row = {"step": 50, "groupwise": asdict(mean_interval(list(gw.values()))), "trl": asdict(mean_interval(list(trl.values()))),
+           "difference": asdict(paired_effect(gw, trl))}
+    result = {"algorithm": {"recipe": "demo", "prompts": 32, "group": 8, "length": 6, "lr": 2e-4, "loss": "grpo", "mu": 1},
+              "seeds": 2, "eval_size": 0, "every": 50, "rows": [row]}
+    text = run.per_step_section(result)
+    # differences 0.1 and 0.3: mean +0.2, sd 0.1414, t(1) = 12.706 -> half-width 12.706 * 0.1414 / sqrt 2 = 1.271
+    assert "| 50 | 0.400 ± 0.000 | 0.600 ± 1.271 | +0.200 ± 1.271 |" in text
