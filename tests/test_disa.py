@@ -250,6 +250,8 @@ def test_phase_q_equals_reference_at_temperature_one_and_a_frozen_role_proposal(
 
 
 def test_a_run_saves_the_artifact_and_a_rerun_loads_it_instead_of_sampling(tmp_path, capsys, monkeypatch):
+    with pytest.raises(ConfigError, match="needs the artifact 'logz', which no offline phase produces"):
+        make_trainer(tmp_path / "none", *PHASE, 'objective.terms=["disa"]')
     args = [*PHASE, 'objective.terms=["disa"]', 'phases=[{name="disa_logz", samples=4}]', "train.steps=1", "eval.size=0"]
     trainer = make_trainer(tmp_path, *args)
     summary = trainer.train()
