@@ -140,7 +140,13 @@ def _example_probe(seed: int) -> dict:
 EXAMPLE_VOCABULARY = ["", "[", "]", ",", ">", "A", "B", "C", "x", " "] * 5
 
 # what a component listing an artifact in ``artifacts`` gets in the sweeps (an offline phase makes the real one)
-EXAMPLE_ARTIFACTS = {"probe": _example_probe, "table": lambda seed: {"rows": 0}}
+def _example_logz(seed: int) -> dict:
+    """A DISA log Z table (beta 15, the objective's default) for prompt ids 0..63, no regressor."""
+    g = torch.Generator().manual_seed(seed)
+    return {"table": torch.randn(64, generator=g) * 3.0, "beta": 15.0, "regressor": None}
+
+
+EXAMPLE_ARTIFACTS = {"probe": _example_probe, "table": lambda seed: {"rows": 0}, "logz": _example_logz}
 
 
 def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]:

@@ -140,10 +140,22 @@ class RunLoop:
         if not self.phases:
             return
         ctx = PhaseContext(self.policy, self.train_rows, self.eval_rows, self.cfg.seed, self._prompt_ids,
-                           lambda policy, rows, split: self.evaluate(policy, rows, split), self._say)
+                           lambda policy, rows, split: self.evaluate(policy, rows, split), self._say,
+                           score=self._phase_score, advantage=lambda rollout, info: self.estimator(rollout, info),
+                           models=dict(self.frozen), max_new_tokens=self.cfg.rollout.max_new_tokens)
         artifacts = run_phases(self.phases, ctx, self.out / "phases", rl_started=self.step > 0, rank=self.rank)
         inject(artifacts, [*self._components(), *schedules.all_schedules(self._components())])
         self.summary.setdefault("phases", {}).update(ctx.summary)
+
+    def _phase_score(self, rollout: Any, info: StepInfo) -> Any:
+        """A phase's rollout scored as a step's is (text rewards, the round's needs, rollout scorers,
+        the weighted total); the reward metrics of the first RL step are not touched."""
+        metrics = {k: list(v) for k, v in self.reward_stage.metrics.items()}
+        self.reward_stage.score_local(rollout, info)
+        self.needs.fill(rollout, self.round_needs)
+        self.reward_stage.finish(rollout, info)
+        self.reward_stage.metrics = metrics
+        return rollout
 
     def _train(self, allow: list[str]) -> dict[str, Any]:
         self._resume(allow)

@@ -40,7 +40,12 @@ class PhaseContext:
     """What a phase may use: the policy (trained by an sft phase), the task's rows, the run's seed,
     ``prompt(split, rows, i)`` (the policy's prompt ids of a row, checked against its context),
     ``accuracy(policy, rows, split)`` (greedy accuracy under the eval reward), ``say`` (one line
-    to the console), and the artifacts of the phases before it."""
+    to the console), and the artifacts of the phases before it. For phases that sample and score
+    like an RL step: ``score(rollout, info)`` (the run's rewards into ``rollout.rewards`` [B,G],
+    ``rollout.meta`` set by the caller; the step's reward metrics are left as they were),
+    ``advantage(rollout, info)`` (the run's advantage estimator on a scored rollout), ``models``
+    (the frozen roles' policies by name: a proposal or teacher model) and ``max_new_tokens`` (the
+    run's generation budget)."""
 
     policy: Any
     train_rows: list[dict]
@@ -50,6 +55,10 @@ class PhaseContext:
     accuracy: Callable[..., float]
     say: Callable[[str], None]
     artifacts: dict[str, Any] = field(default_factory=dict)
+    score: Callable[..., Any] | None = None
+    advantage: Callable[..., Any] | None = None
+    models: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int = 0
     summary: dict[str, Any] = field(default_factory=dict)  # what each phase reports, under its name, into summary.json
 
 

@@ -409,3 +409,23 @@ def token_kl(model, hidden_p: Tensor, hidden_q: Tensor, mask: Tensor, chunk_toke
     kl = torch.cat(parts).to(mask.device) if parts else torch.zeros(0, device=mask.device)  # [K]
     out = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # [B*G*T] beside the mask (the host's rollout)
     return out.index_copy(0, index, kl.float()).view(mask.shape)  # [B,G,T]
+
+
+def tempered_logp(model, last_hidden: Tensor, actions: Tensor, mask: Tensor, temperature: float, chunk_tokens: int = 1024) -> Tensor:
+    """[B,G,T] log-prob of each token of ``actions`` under the model's next-token distribution at
+    ``temperature`` (``log_softmax(logits / temperature)``, no top-k / top-p), read from its final-norm
+    states ``last_hidden`` [B,G,T,H] (the ``last_hidden`` quantity); the head runs ``chunk_tokens`` at a
+    time. 0 outside ``mask``. At temperature 1 it equals the ``logp`` quantity."""
+    if not temperature > 0.0:
+        raise ValueError(f"tempered_logp: temperature must be > 0, got {temperature}")
+    index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
+    weight = next(model.parameters())
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])[index.to(last_hidden.device)].to(weight.device, weight.dtype)  # [K,H]
+    targets = actions.reshape(-1)[index].to(weight.device)  # [K]
+    parts = []
+    for start in range(0, flat.shape[0], chunk_tokens):
+        logits = _head(model, flat[start : start + chunk_tokens]).float() / temperature  # [c,V]
+        parts.append(logits.gather(1, targets[start : start + chunk_tokens, None]).squeeze(1) - torch.logsumexp(logits, dim=-1))  # [c]
+    logp = torch.cat(parts).to(mask.device) if parts else torch.zeros(0, device=mask.device)  # [K]
+    out = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # [B*G*T]
+    return out.index_copy(0, index, logp.float()).view(mask.shape)  # [B,G,T]
