@@ -1,7 +1,7 @@
 """Driver for tests/test_dist_scope.py (run as a script, alone or under torchrun).
 
 For every registered advantage estimator and shaper, token weight, sampler and objective term with
-whole-batch state (``prepare``), it trains two steps
+whole-batch state (``prepare``, or its own tokens and normaliser: ``token_subset``), it trains two steps
 on the embedded model and records, per step, what the whole-batch components produced (advantages,
 token weights, the kept prompt ids), the loss and gradient norm, and the sampler's state. Each rank
 writes its own file, so the test can check that ranks agree with each other and with one process.
@@ -22,6 +22,10 @@ from groupwise.trainer import Trainer
 BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "eval.size=0", "threads=1",
         "train.steps=2", 'update={name="sgd", lr=0.5}', "perf.keep_freed_memory=false", 'objective.terms=["ppo_clip", {name="kl", coef=0.1}]']
 
+# what a component gets in this driver's runs to have something to act on (the arithmetic task's completions are
+# digits: LA-GRPO's default functional tokens + - * never occur there, "1" often does)
+EXAMPLE_OVERRIDES = {"objective:la_grpo": ['objective.terms=[{name="la_grpo", tokens=["1"]}, {name="kl", coef=0.1}]']}
+
 
 def configurations() -> dict[str, list[str]]:
     configs: dict[str, list[str]] = {}
@@ -39,8 +43,8 @@ def configurations() -> dict[str, list[str]]:
                 configs[f"advantage:{name}"].append(f'rollout.name="{strategy}"')
         elif stage == "weight":
             configs[f"weight:{name}"] = [f'objective.weights=["{name}"]']
-        elif stage == "objective" and hasattr(cls, "prepare"):  # a term with whole-batch state computed once per step
-            configs[f"objective:{name}"] = [f'objective.terms=["{name}", {{name="kl", coef=0.1}}]']
+        elif stage == "objective" and (hasattr(cls, "prepare") or hasattr(cls, "token_subset")):  # whole-batch state once per step
+            configs[f"objective:{name}"] = EXAMPLE_OVERRIDES.get(f"objective:{name}", [f'objective.terms=["{name}", {{name="kl", coef=0.1}}]'])
         elif stage == "sampling":
             configs[f"sampling:{name}"] = [f'sampling={{name="{name}"}}', 'advantage.estimator={name="grpo", scale="batch"}']
     return configs

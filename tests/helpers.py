@@ -136,8 +136,9 @@ def _example_probe(seed: int) -> dict:
             "token_text": [";" if i % 3 == 0 else "x" for i in range(50)]}
 
 
-# what a component defining ``use_vocabulary`` gets in the sweeps: a text per token id of make_rollout's actions (0..49)
-EXAMPLE_VOCABULARY = ["", "[", "]", ",", ">", "A", "B", "C", "x", " "] * 5
+# what a component defining ``use_vocabulary`` gets in the sweeps: a text per token id of make_rollout's actions (0..49),
+# with the tags the defaults name: "[", "]" (F-GRPO's candidates) and "+", "-", "*" (LA-GRPO's functional tokens)
+EXAMPLE_VOCABULARY = ["", "[", "]", ",", ">", "+", "-", "*", "x", " "] * 5
 
 # what a component listing an artifact in ``artifacts`` gets in the sweeps (an offline phase makes the real one)
 def _example_logz(seed: int) -> dict:

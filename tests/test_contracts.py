@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from groupwise.registry import build, entries
-from helpers import EXAMPLE_ARTIFACTS, fill_inputs, fill_needs, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm
+from helpers import EXAMPLE_ARTIFACTS, fill_inputs, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm
 
 STAGES = ("advantage", "objective", "weight", "aggregation", "kl")
 ALL = [(s, n) for s, n, c in entries() if s in STAGES and getattr(c, "modality", "text") == "text"]  # the sweeps build text rollouts
@@ -38,7 +38,7 @@ B, G, T = 3, 4, 5
 def _term_setup(name, seed=0, **kw):
     term = build("objective", name)
     ro = make_rollout(B, G, T, seed=seed, **kw)
-    out = fill_needs(ro, getattr(term, "needs", ()), seed=seed + 10)
+    out = fill_inputs(ro, term, seed=seed + 10)  # needs, and token texts for a term that reads them (la_grpo's functional tokens)
     for artifact in getattr(term, "artifacts", ()):  # an offline phase's output (DISA's log Z table): the sweeps' example
         term.use_artifact(artifact, EXAMPLE_ARTIFACTS[artifact](seed))
     logp = make_logp(ro, seed=seed + 1)

@@ -146,7 +146,9 @@ class Term(Protocol):
     objective's default). ``couples = "group"`` keeps groups whole across micro-batches (always
     true here: micro-batches are sets of whole groups). Row-level values [b,G] count once per loss
     token of their row, so a row term and the same value spread over its tokens aggregate alike;
-    token weights reach a row term only through the mask."""
+    token weights reach a row term only through the mask. Optional ``token_subset(rollout) -> [B,G,T]
+    bool``: the term's own tokens; it is aggregated over them alone and its normaliser counts only
+    them (whole step batch, all ranks: ``objective.py``), e.g. LA-GRPO's functional-token anchor."""
 
     coef: float
     agg: str | None

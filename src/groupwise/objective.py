@@ -6,6 +6,11 @@ weights (stage ``weight``, combined by :func:`token_weights`) multiply every ter
 of scope ``"token"`` leaves the loss and every normaliser (``rollout.extras["counted"]``). Normalisers are computed once per optimiser step on the whole step batch (and summed over
 ranks) by :meth:`Objective.normalizers`, so that the micro-batch losses add up exactly to the loss
 of the whole batch: loss and gradient do not depend on the micro-batch split or world size.
+
+A term may define ``token_subset(rollout) -> [B,G,T] bool``: its own tokens. It is then aggregated
+over ``loss_mask & token_subset`` only, and its aggregation's normaliser counts only those tokens
+(computed with the others, once per optimiser step on the whole step batch and summed over ranks),
+e.g. a term on a sparse set of token positions averaged over their number (LA-GRPO's anchor).
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ class Objective:
     def _agg_name(self, term: Any) -> str:
         return getattr(term, "agg", None) or self.default_agg
 
+    def _norm_key(self, index: int, term: Any) -> str:
+        """Key of a term's normaliser: its aggregation's, or its own when it has a ``token_subset``."""
+        agg = self._agg_name(term)
+        return f"{agg}@term{index}" if hasattr(term, "token_subset") else agg
+
+    @staticmethod
+    def _term_mask(term: Any, mask: Tensor, rollout: Rollout) -> Tensor:
+        """[B,G,T] bool: ``mask`` restricted to the term's own tokens (``token_subset``), if it has some."""
+        return mask & term.token_subset(rollout).bool() if hasattr(term, "token_subset") else mask  # [B,G,T]
+
     def loss_mask(self, rollout: Rollout) -> Tensor:
         """[B,G,T] bool: the tokens that receive loss and count in every normaliser: valid rows, mask,
         and not removed by a token weight (``extras["counted"]``; without it, non-zero ``weight``)."""
@@ -64,6 +79,10 @@ class Objective:
             if all_reduce is not None:
                 norm = {k: all_reduce(v) for k, v in norm.items()}
             norms[name] = norm
+        for index, term in enumerate(self.terms):  # terms with their own tokens: in term order, the same on every rank
+            if hasattr(term, "token_subset"):
+                norm = self.aggregations[self._agg_name(term)].normalizer(self._term_mask(term, mask, rollout), info)
+                norms[self._norm_key(index, term)] = {k: all_reduce(v) for k, v in norm.items()} if all_reduce is not None else norm
         return norms
 
     def loss(self, mb: Rollout, out: dict[str, Tensor], norms: dict[str, dict[str, Tensor]], info: StepInfo, record: bool = True) -> Tensor:
@@ -71,12 +90,12 @@ class Objective:
         the terms' statistics (the trainer records them on the first call of a closure only)."""
         mask = self.loss_mask(mb)  # [b,G,T]
         total = out["logp"].new_zeros(())
-        for term in self.terms:
+        for index, term in enumerate(self.terms):
             values = term(mb, out, info)  # [b,G,T] or [b,G]
             if values.dim() == 3 and mb.weight is not None and getattr(term, "weighted", True):
                 values = values * mb.weight  # [b,G,T]
-            agg = self._agg_name(term)
-            total = total + term.coef * self.aggregations[agg].reduce(values, mask, norms[agg])
+            agg = self.aggregations[self._agg_name(term)]
+            total = total + term.coef * agg.reduce(values, self._term_mask(term, mask, mb), norms[self._norm_key(index, term)])
             if record and hasattr(term, "stats"):
                 with torch.no_grad():
                     self._accumulate(term.stats(mb, out), mask)
