@@ -40,7 +40,7 @@ L = .6·ln 1.2 + .4·ln .8 = 0.020136, ∂L/∂(log π_w, log π_l) = [−0.1, 0
 
 **Notes**
 
-1. Group-level term (``couples = "group"``): returns [b,G], every row carrying its group's mean pair
+1. Group-level term (``couples = "group"``, declared with LPO's in ``lpo.SimplexTerm``): returns [b,G], every row carrying its group's mean pair
    loss. A group without a pair (fewer than two valid rows) gives 0.
 2. A tied pair has c = (1, 1): its target is π_old on the pair, so at θ_old its loss and gradient are
    exactly 0 (``base + 0`` on both sides, bit for bit); later it pulls the pair back to π_old's ratio.
@@ -66,7 +66,7 @@ from torch import Tensor
 
 from groupwise.advantages.pair_grpo import PAIRINGS, pair_preference, rollout_pairs
 from groupwise.kl_estimators import K3
-from groupwise.losses.lpo import sequence_log_ratio, simplex_divergence
+from groupwise.losses.lpo import SimplexTerm, sequence_log_ratio, simplex_divergence
 from groupwise.masked import masked_mean
 from groupwise.registry import ConfigError, register
 from groupwise.types import Rollout, StepInfo
@@ -109,18 +109,12 @@ def hard_pair_loss(seq_logp: Tensor, old_seq_logp: Tensor, pairs: Tensor, eps_p:
 
 @register("objective", "hard_pair")
 @dataclass
-class HardPair:
+class HardPair(SimplexTerm):
     """KL from each pair's bounded local target to the policy renormalised on the pair (Hard-Pair-GRPO, Yu 2026)."""
 
     eps_p: float = 0.2
     pairing: str = "random"  # "random" | "all"
     clip_eps: float | None = None
-    coef: float = 1.0
-    agg: str | None = "group_mean"
-
-    needs = ()
-    couples = "group"
-    on_policy_reinforce = False  # Note 3: the projection's gradient, not REINFORCE
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_p < 1.0:

@@ -126,20 +126,27 @@ def sequence_log_ratio(mb: Rollout, out: dict[str, Tensor], who: str, length_nor
     return lam, logp_old.sum(-1), mask
 
 
-@register("objective", "lpo")
 @dataclass
-class LPO:
-    """Divergence between the policy on the group's responses and the softmax-of-advantages target (LPO, Qu et al. 2026)."""
+class SimplexTerm:
+    """What the group-simplex terms (``lpo``, ``hard_pair``) share: a group's loss on each of its rows,
+    a per-prompt mean, whole groups per micro-batch, and the projection's own on-policy gradient."""
 
-    tau: float = 1.0
-    divergence: str = "fkl"
-    length_norm: bool = False
     coef: float = 1.0
     agg: str | None = "group_mean"
 
     needs = ()
     couples = "group"
     on_policy_reinforce = False  # Note 3: the projection's gradient, not REINFORCE
+
+
+@register("objective", "lpo")
+@dataclass
+class LPO(SimplexTerm):
+    """Divergence between the policy on the group's responses and the softmax-of-advantages target (LPO, Qu et al. 2026)."""
+
+    tau: float = 1.0
+    divergence: str = "fkl"
+    length_norm: bool = False
 
     def __post_init__(self) -> None:
         if not self.tau > 0:
