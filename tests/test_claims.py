@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from groupwise.claims.claimfile import ClaimError, find_claims, load_claim
-from groupwise.claims.compare import ConfigSpec, compare, metric_values, read_run, run_state, split_configs
+from groupwise.claims.compare import ConfigSpec, compare, is_metric, metric_values, read_run, run_state, split_configs
 from groupwise.claims.intervals import T975, Interval, mean_interval, paired_effect, t975, verdict
 from groupwise.claims.report import PLACEHOLDER, readings, regenerate, run_claim, save_record
 from groupwise.registry import ConfigError
@@ -453,6 +453,15 @@ def test_last_key_metric_by_hand(tmp_path):
     assert m["last:x/share"] == pytest.approx(1.35)
     assert m["last:absent"] is None and m["last_reward"] == pytest.approx(0.1)
     assert "last:x/share" not in read_run(tmp_path, None)  # read only when asked for
+
+
+def test_std_key_metric_by_hand(tmp_path):
+    _write_run(tmp_path, [(0, 0.2), (4, 0.3)], [0.1] * 4)
+    _add_key(tmp_path, "grad_norm", lambda s: [1.0, 3.0, float("nan"), 5.0][s])
+    # steps 0..3, NaN skipped: values 1, 3, 5 → mean 3, squared deviations 4 + 0 + 4 = 8, / (3 − 1) → std 2
+    m = read_run(tmp_path, None, ["std:grad_norm", "std:absent"])
+    assert m["std:grad_norm"] == pytest.approx(2.0) and m["std:absent"] is None
+    assert is_metric("std:grad_norm") and not is_metric("std:") and not is_metric("var:grad_norm")
 
 
 class KeyTrainer(FakeTrainer):

@@ -49,3 +49,18 @@ def test_many_rows_have_mean_zero_and_std_sigma():
 def test_negative_sigma_is_refused():
     with pytest.raises(ValueError, match="sigma must be >= 0"):
         build("reward", "gaussian_noise", sigma=-1.0)
+
+
+def test_cauchy_is_a_ratio_of_two_seeded_normals_and_heavy_tailed():
+    ro = make_rollout(B=500, G=8, T=1)
+    ro.prompt_index = torch.arange(500)
+    ro.group_valid[:] = True
+    out = build("reward", "gaussian_noise", sigma=0.5, dist="cauchy").score_rollout(ro, info_for(1))  # [500,8]
+    info = info_for(1)
+    z = torch.randn(2, generator=torch.Generator().manual_seed(sample_seed(info.seed, info.step, 7, 3)), dtype=torch.float64)
+    assert out[7, 3].item() == pytest.approx(0.5 * float(z[0] / z[1]), rel=1e-6)
+    # standard Cauchy: median |ε| = 1 (tan(π/4)), P(|ε| > 10) = 1 − (2/π)·atan(10) = .063451
+    assert float(out.abs().median()) == pytest.approx(0.5, rel=0.06)
+    assert float((out.abs() > 5.0).float().mean()) == pytest.approx(0.063451, abs=0.015)
+    with pytest.raises(ValueError, match="dist"):
+        build("reward", "gaussian_noise", dist="laplace")

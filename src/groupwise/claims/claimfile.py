@@ -1,7 +1,7 @@
 """Claim files ``claims/<NN-slug>.toml``: a seeded comparison plus the direction the paper claims.
 
 Keys (see ``docs/claims.md``): ``paper``, ``claim``, ``metric`` (one of ``METRICS``, or
-``last:<metrics.jsonl key>``), ``target`` (required for ``*_to_target``), ``direction`` (greater |
+``last:<metrics.jsonl key>`` or ``std:<metrics.jsonl key>``), ``target`` (required for ``*_to_target``), ``direction`` (greater |
 less), ``margin`` (optional, >= 0: a non-inferiority margin for a claim of parity — held when the
 effect's interval lies above −margin for "greater", below +margin for "less"), ``seeds`` (default 3), ``baseline`` (a config label, or a list of them: every claimed config
 is judged against each), ``claimed`` (optional: one label, or a list; default every config but the
@@ -87,7 +87,7 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     if not is_metric(metric):
         close = difflib.get_close_matches(str(metric), METRICS, n=1)
         raise ClaimError(f"{where}: metric = {metric!r} is not a metric" + (f" (did you mean {close[0]!r}?)" if close else "")
-                         + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % of the steps)")
+                         + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % of the steps), std:<a metrics.jsonl key> (its std over the steps)")
     if data["direction"] not in ("greater", "less"):
         raise ClaimError(f"{where}: direction = {data['direction']!r} must be 'greater' or 'less'")
     target = data.get("target")

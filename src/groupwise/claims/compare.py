@@ -19,6 +19,9 @@ interrupted compare continues where it stopped; a folder holding another config 
 - ``last:<key>``: the same for any key of ``metrics.jsonl`` (``last:reward/theater_steps``, a
   component's ``profil/flagged``): the mean of its finite values over the last 10 % of the steps
   that log it (at least one); ``None`` if no step logs it.
+- ``std:<key>``: the standard deviation (n − 1) of a ``metrics.jsonl`` key's finite values over every
+  step that logs it (``std:grad_norm``: how much the gradient norm varies from step to step);
+  ``None`` with fewer than two values.
 
 A run that never reached the target counts, in every statistic, as its budget (all its steps /
 all its training seconds): a lower bound, printed with ``≥`` and the count reached.
@@ -44,6 +47,8 @@ from groupwise.registry import ConfigError
 METRICS = ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward")
 TARGET_METRICS = ("steps_to_target", "seconds_to_target")
 LAST = "last:"  # prefix of a metric read from any metrics.jsonl key (module docstring)
+STD = "std:"  # prefix of a metric's spread over the steps (module docstring)
+KEYED = (LAST, STD)  # the prefixes of a metric named by a metrics.jsonl key
 BUDGET = {"steps_to_target": "step_budget", "seconds_to_target": "seconds_budget"}
 DIGITS = {"final_accuracy": 3, "final_pass_at_k": 3, "steps_to_target": 1, "seconds_to_target": 1, "reward_area": 3, "last_reward": 3, "wall_seconds": 1}
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -62,8 +67,8 @@ class ConfigSpec:
 
 
 def is_metric(name: object) -> bool:
-    """One of ``METRICS``, or ``last:<metrics.jsonl key>``."""
-    return isinstance(name, str) and (name in METRICS or (name.startswith(LAST) and bool(name[len(LAST):].strip())))
+    """One of ``METRICS``, or ``last:<metrics.jsonl key>`` / ``std:<metrics.jsonl key>``."""
+    return isinstance(name, str) and (name in METRICS or any(name.startswith(p) and bool(name[len(p):].strip()) for p in KEYED))
 
 
 def last_of(rows: list[dict], key: str) -> float | None:
@@ -74,6 +79,15 @@ def last_of(rows: list[dict], key: str) -> float | None:
         return None
     tail = max(1, math.ceil(0.1 * len(values)))
     return sum(values[-tail:]) / tail
+
+
+def std_of(rows: list[dict], key: str) -> float | None:
+    """Standard deviation (n − 1) of the finite values of ``key`` over every row logging it; None with fewer than two."""
+    values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -188,6 +202,8 @@ def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list
     for name in metrics:
         if name.startswith(LAST):
             out[name] = last_of(rows, name[len(LAST):])
+        elif name.startswith(STD):
+            out[name] = std_of(rows, name[len(STD):])
     if target is not None:
         hit = next((s for s, a in evals if a >= target), None)
         if hit is not None:
@@ -262,7 +278,7 @@ def compare(
     metrics = [m for m in metrics if m not in METRICS]
     for name in metrics:
         if not is_metric(name):
-            raise ConfigError(f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key>")
+            raise ConfigError(f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key>, std:<a metrics.jsonl key>")
     out, shared = Path(out), list(shared)
     plan = []
     for seed in range(seeds):  # seed-major: an interrupted compare still has paired seeds
@@ -363,7 +379,7 @@ def compare_markdown(result: dict) -> str:
     lines += ["", "Mean ± 95 % Student-t interval over seeds (n − 1 degrees of freedom). Steps / seconds to "
               "target: a run that never reached it counts as its whole budget, so `≥` marks a lower bound. "
               "Reward area: mean batch reward over all steps; last reward: over the last 10 % of steps "
-              "(`last:KEY`: the same for the metrics.jsonl key KEY). "
+              "(`last:KEY`: the same for the metrics.jsonl key KEY; `std:KEY`: its standard deviation over the steps). "
               "Seconds are training time (`step_seconds`), evaluation excluded.", "", "![curves](curves.png)", "",
               "## Runs", "", "| config | seed | status | acc before | acc after | steps to target | reward area | wall s | folder |", "|---|---|---|---|---|---|---|---|---|"]
     for c in result["configs"]:

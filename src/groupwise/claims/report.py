@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from groupwise.claims.claimfile import Claim, ClaimError, load_claim
-from groupwise.claims.compare import DIGITS, LAST, compare, launch_subprocess, metric_values
+from groupwise.claims.compare import DIGITS, KEYED, compare, launch_subprocess, metric_values
 from groupwise.claims.intervals import paired_differences, paired_effect, verdict
 
 READING_RE = re.compile(r"<!-- reading:(?P<slug>[^ >]+) -->\n?(?P<text>.*?)\n?<!-- /reading -->", re.S)
@@ -39,7 +39,8 @@ How to read the table:
   excluded; a run that never reaches it counts as its whole budget, shown `≥`, a lower bound),
   `reward_area` (mean batch reward over all steps), `last_reward` (mean batch reward over the last
   10 % of the steps), `last:KEY` (the same for any logged metric KEY of `metrics.jsonl`, e.g.
-  `last:reward/theater_steps`). A claim with several baselines has a row per claimed × baseline pair.
+  `last:reward/theater_steps`), `std:KEY` (the standard deviation of KEY over the steps, e.g.
+  `std:grad_norm`). A claim with several baselines has a row per claimed × baseline pair.
 - **baseline / claimed**: mean over seeds ± the 95 % Student-t half-width (n − 1 degrees of freedom).
 - **effect**: claimed − baseline, paired by seed (same seed = same prompts drawn and same
   initialisation), mean of the per-seed differences ± its 95 % t half-width.
@@ -169,8 +170,8 @@ def _section(claim: Claim, record: dict | None) -> list[str]:
             "(`compare.md` there has every run).", ""]
     names = [k for k in ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward", "wall_seconds")
              if any(k in v for v in record["summaries"].values())]
-    names[-1:-1] = [k for k in dict.fromkeys(k for v in record["summaries"].values() for k in v) if k.startswith(LAST)]  # last:KEY before wall seconds
-    out += ["| config | " + " | ".join(f"`{n}`" if n.startswith(LAST) else n.replace("_", " ") for n in names) + " |", "|---|" + "---|" * len(names)]
+    names[-1:-1] = [k for k in dict.fromkeys(k for v in record["summaries"].values() for k in v) if k.startswith(KEYED)]  # last:KEY / std:KEY before wall seconds
+    out += ["| config | " + " | ".join(f"`{n}`" if n.startswith(KEYED) else n.replace("_", " ") for n in names) + " |", "|---|" + "---|" * len(names)]
     out += [f"| {label} | " + " | ".join(_cell(texts.get(n, "")) for n in names) + " |" for label, texts in record["summaries"].items()]
     out.append("")
     for e in record["effects"]:

@@ -56,6 +56,9 @@ At theta = theta_old every lam = 0 and p is uniform: the forward gradient is 1/n
    KL in tests/test_lpo.py). Autograd through log_softmax leaves −p*_i + p_i·Σ_j p*_j, which is not
    0 when Σ_j p*_j rounds off 1; with the advantages centred by their group maximum, a group of equal
    advantages at theta_old gives p = p_star bit for bit, so L and its gradient are exactly 0.
+8. ``simplex_divergence`` (the projection on a group's simplex, with an optional common ``base``
+   logit) and ``sequence_log_ratio`` (lam of a micro-batch) are shared with ``hard_pair``
+   (Hard-Pair-GRPO, specs/56), whose simplices are the 2-row pairs.
 """
 
 from __future__ import annotations
@@ -80,15 +83,15 @@ def lpo_target(adv: Tensor, tau: float = 1.0, valid: Tensor | None = None) -> Te
     return torch.where(valid, group_log_softmax(adv / tau, valid).exp(), torch.zeros(()))  # [B,G]
 
 
-def lpo_loss(seq_logp: Tensor, old_seq_logp: Tensor, adv: Tensor, tau: float = 1.0, divergence: str = "fkl",
-             valid: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """(per-prompt mean of the divergence [], metrics) from sequence log-probs [B,G] (spec interface).
-    metrics: ``group_loss`` [B] (differentiable in ``seq_logp``), ``p`` and ``p_star`` [B,G] on the valid rows."""
-    valid = torch.ones_like(adv, dtype=torch.bool) if valid is None else valid
-    lam = torch.where(valid, seq_logp - old_seq_logp, torch.zeros(()))  # [B,G]
-    top = torch.where(valid, adv, torch.full((), -torch.inf)).amax(1, keepdim=True)  # [B,1]
-    centred = torch.where(valid, adv - top, torch.zeros(())) / tau  # [B,G] equal advantages → exactly 0 (Note 7)
-    log_p, log_star = group_log_softmax(lam.detach(), valid), group_log_softmax(centred, valid)  # [B,G] x2
+def simplex_divergence(lam: Tensor, target: Tensor, valid: Tensor, divergence: str = "fkl", tau: float = 1.0,
+                       base: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The projection on each group's simplex (shared with ``hard_pair``): p = softmax_valid(base + lam),
+    p_star = softmax_valid(base + target / tau) ([B,G] logits; ``base`` 0 by default). Returns (the
+    divergence per group [B], with its closed-form gradient in ``lam`` (Note 7), p [B,G], p_star [B,G])."""
+    top = torch.where(valid, target, torch.full((), -torch.inf)).amax(1, keepdim=True)  # [B,1]
+    centred = torch.where(valid, target - top, torch.zeros(())) / tau  # [B,G] equal targets → exactly 0 (Note 7)
+    shift = torch.zeros(()) if base is None else torch.where(valid, base, torch.zeros(()))  # [B,G] or []
+    log_p, log_star = group_log_softmax(shift + lam.detach(), valid), group_log_softmax(shift + centred, valid)  # [B,G] x2
     p, p_star = torch.where(valid, log_p.exp(), 0.0), torch.where(valid, log_star.exp(), 0.0)  # [B,G] x2
     if divergence == "fkl":
         value = masked_sum(p_star * (log_star - log_p), valid, dim=1)  # [B]
@@ -98,26 +101,52 @@ def lpo_loss(seq_logp: Tensor, old_seq_logp: Tensor, adv: Tensor, tau: float = 1
         grad = torch.where(valid, p * (log_p - log_star - value[:, None]), 0.0)  # [B,G] ∂L/∂lam
     else:
         raise ValueError(f"lpo: divergence must be one of {', '.join(DIVERGENCES)}, got {divergence!r}")
-    group = value + (grad * (lam - lam.detach())).sum(1)  # [B] the value, with the closed-form gradient in lam
+    return value + (grad * (lam - lam.detach())).sum(1), p, p_star  # [B] the value, with the closed-form gradient in lam
+
+
+def lpo_loss(seq_logp: Tensor, old_seq_logp: Tensor, adv: Tensor, tau: float = 1.0, divergence: str = "fkl",
+             valid: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """(per-prompt mean of the divergence [], metrics) from sequence log-probs [B,G] (spec interface).
+    metrics: ``group_loss`` [B] (differentiable in ``seq_logp``), ``p`` and ``p_star`` [B,G] on the valid rows."""
+    valid = torch.ones_like(adv, dtype=torch.bool) if valid is None else valid
+    lam = torch.where(valid, seq_logp - old_seq_logp, torch.zeros(()))  # [B,G]
+    group, p, p_star = simplex_divergence(lam, adv, valid, divergence, tau)  # [B], [B,G] x2
     has = valid.any(1)  # [B]
     loss = masked_sum(group, has) / has.sum().clamp(min=1)  # []
     return loss, {"group_loss": group, "p": p, "p_star": p_star}
 
 
-@register("objective", "lpo")
-@dataclass
-class LPO:
-    """Divergence between the policy on the group's responses and the softmax-of-advantages target (LPO, Qu et al. 2026)."""
+def sequence_log_ratio(mb: Rollout, out: dict[str, Tensor], who: str, length_norm: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(lam [b,G] = Σ_t mask·(logp − logp_old) (mean_t with ``length_norm``), Σ_t mask·logp_old [b,G],
+    mask [b,G,T] = the loss tokens): the sequence quantities of the simplex terms (lpo, hard_pair)."""
+    mask = loss_tokens(mb)  # [b,G,T]
+    logp = masked_input(out["logp"], mask)  # [b,G,T]
+    logp_old = masked_input(required(mb, "logp_old", who), mask)  # [b,G,T]
+    lam = seq_log_ratio(logp, logp_old, mask) if length_norm else masked_sum(logp - logp_old, mask, dim=-1)  # [b,G]
+    return lam, logp_old.sum(-1), mask
 
-    tau: float = 1.0
-    divergence: str = "fkl"
-    length_norm: bool = False
+
+@dataclass
+class SimplexTerm:
+    """What the group-simplex terms (``lpo``, ``hard_pair``) share: a group's loss on each of its rows,
+    a per-prompt mean, whole groups per micro-batch, and the projection's own on-policy gradient."""
+
     coef: float = 1.0
     agg: str | None = "group_mean"
 
     needs = ()
     couples = "group"
     on_policy_reinforce = False  # Note 3: the projection's gradient, not REINFORCE
+
+
+@register("objective", "lpo")
+@dataclass
+class LPO(SimplexTerm):
+    """Divergence between the policy on the group's responses and the softmax-of-advantages target (LPO, Qu et al. 2026)."""
+
+    tau: float = 1.0
+    divergence: str = "fkl"
+    length_norm: bool = False
 
     def __post_init__(self) -> None:
         if not self.tau > 0:
@@ -126,13 +155,7 @@ class LPO:
             raise ValueError(f"lpo: divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
 
     def _parts(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        mask = loss_tokens(mb)  # [b,G,T]
-        logp = masked_input(out["logp"], mask)  # [b,G,T]
-        logp_old = masked_input(required(mb, "logp_old", "lpo"), mask)  # [b,G,T]
-        if self.length_norm:
-            lam = seq_log_ratio(logp, logp_old, mask)  # [b,G]
-        else:
-            lam = masked_sum(logp - logp_old, mask, dim=-1)  # [b,G]
+        lam, _, mask = sequence_log_ratio(mb, out, "lpo", self.length_norm)  # [b,G], _, [b,G,T]
         adv = row_advantages(mb, mask, "lpo")  # [b,G]
         _, parts = lpo_loss(lam, torch.zeros_like(lam), adv, self.tau, self.divergence, group_members(mask, mb.rewards))
         return parts["group_loss"][:, None].expand(lam.shape), parts  # [b,G]
