@@ -246,12 +246,15 @@ class RunLoop:
 
     def _view_accuracies(self, accuracy: float) -> dict[str, float]:
         """Held-out accuracy under each of ``eval.views`` (``eval_accuracy@VIEW``) and its gap to the
-        plain ``accuracy`` (``eval_gap@VIEW`` = accuracy − eval_accuracy@VIEW)."""
+        plain ``accuracy`` (``eval_gap@VIEW`` = accuracy − eval_accuracy@VIEW), and on each of
+        ``eval.tasks`` (``eval_accuracy@task:NAME``)."""
         out = {}
         for name in self.cfg.eval.views:
             value = self.evaluate(view=name)
             out[f"eval_accuracy@{name}"] = value
             out[f"eval_gap@{name}"] = accuracy - value
+        for name, (rows, stage) in self.eval_tasks.items():  # eval.tasks: another task's held-out accuracy
+            out[f"eval_accuracy@task:{name}"] = self.evaluate(rows=rows, split=f"task:{name}", stage=stage)
         return out
 
     def _check_health(self, row: dict[str, Any]) -> None:
