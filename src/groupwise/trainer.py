@@ -25,6 +25,7 @@ from groupwise.evaluation import pass_at_k
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective, token_weights
 from groupwise.phases import build_phases, check_artifacts
+from groupwise.phases.sft import teacher_forced
 from groupwise.policy import build_policy
 from groupwise.registry import ConfigError, build, build_spec
 from groupwise.rewards.stage import RewardStage
@@ -321,6 +322,23 @@ class Trainer(RunLoop):
             stage.finish(gen, info)
             correct += int((gen.rewards[:, 0] >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
         return correct / len(rows)
+
+    @torch.no_grad()
+    def answer_nll(self, rows: list[dict], split: str, policy: Any = None) -> float:
+        """Mean negative log-likelihood per token of each row's ``answer`` then EOS after its prompt,
+        teacher-forced (the ``sft`` phase's loss, over all the rows' tokens); NaN for a policy that
+        cannot encode an answer (``eval.tasks``: what training did to another task's likelihood)."""
+        policy = policy or self.policy
+        if not rows or not hasattr(policy, "encode_completion"):
+            return float("nan")
+        total, count = 0.0, 0
+        for start in range(0, len(rows), 256):
+            chunk = range(start, min(start + 256, len(rows)))
+            batch = teacher_forced([self._prompt_ids(split, rows, i) for i in chunk], [policy.encode_completion(str(rows[i]["answer"])) for i in chunk])
+            logp = policy.forward(batch, ("logp",))["logp"]  # [n,1,T]
+            total += float(-(logp * batch.mask).sum())
+            count += int(batch.mask.sum())
+        return total / count
 
     @torch.no_grad()
     def evaluate_sampled(self) -> dict[str, float]:
