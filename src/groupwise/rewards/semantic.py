@@ -152,12 +152,12 @@ def check_encoder(encoder: str) -> None:
     """A ConfigError naming the install command when the encoder cannot be loaded here."""
     missing = [m for m in ("sentence_transformers", ENCODERS.get(encoder)) if m and importlib.util.find_spec(m) is None]
     if missing:
-        raise ConfigError(f"reward 'semantic' needs {' and '.join(missing)} (encoder {encoder!r}), which is not installed; {INSTALL}")
+        raise ConfigError(f"reward 'semantic_reward' needs {' and '.join(missing)} (encoder {encoder!r}), which is not installed; {INSTALL}")
     if encoder not in ENCODERS and not Path(encoder).is_dir():
-        raise ConfigError(f"reward 'semantic': encoder {encoder!r} is neither a known name ({', '.join(ENCODERS)}) nor a local SentenceTransformer folder")
+        raise ConfigError(f"reward 'semantic_reward': encoder {encoder!r} is neither a known name ({', '.join(ENCODERS)}) nor a local SentenceTransformer folder")
 
 
-@register("reward", "semantic")
+@register("reward", "semantic_reward")
 @dataclass
 class Semantic:
     """lam_sim · max(0, (cos(E(y), E(ref)) − tau) / (1 − tau)) + lam_lang · [target-script share ≥ theta_lang]."""
@@ -177,11 +177,11 @@ class Semantic:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.tau < 1.0:
-            raise ConfigError(f"reward 'semantic': tau={self.tau} must be in [0, 1) (r_sim divides by 1 - tau)")
+            raise ConfigError(f"reward 'semantic_reward': tau={self.tau} must be in [0, 1) (r_sim divides by 1 - tau)")
         if not 0.0 <= self.theta_lang <= 1.0:
-            raise ConfigError(f"reward 'semantic': theta_lang={self.theta_lang} must be in [0, 1]")
+            raise ConfigError(f"reward 'semantic_reward': theta_lang={self.theta_lang} must be in [0, 1]")
         if self.batch_size < 1:
-            raise ConfigError(f"reward 'semantic': batch_size={self.batch_size} must be >= 1")
+            raise ConfigError(f"reward 'semantic_reward': batch_size={self.batch_size} must be >= 1")
         self._target = script_ranges(self.target)
         self._others = tuple(r for spec in self.others for r in script_ranges(spec))
         if self.embed_fn is None:
@@ -222,7 +222,7 @@ class Semantic:
         return name == "log_metric"
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], log_metric: Any = None, **columns: Any) -> list[float | None]:
-        refs = get_column(columns, self.column, len(completions), "semantic")
+        refs = get_column(columns, self.column, len(completions), "semantic_reward")
         todo = [i for i, r in enumerate(refs) if r is not None]
         scores: list[float | None] = [None] * len(completions)
         if not todo:
