@@ -244,7 +244,7 @@ class RunLoop:
             if name.startswith("eval_accuracy@"):
                 self.summary[f"{key}@{name.split('@', 1)[1]}"] = value
             elif name.startswith("eval_nll@"):  # accuracy_after -> nll_after@task:NAME
-                self.summary[f"nll_{key.split('_', 1)[1]}@{name.split('@', 1)[1]}"] = value
+                self.summary[f"nll_{key.split('_', 1)[1]}@{name.split('@', 1)[1]}"] = value if value == value else None  # NaN: no text policy
 
     def _view_accuracies(self, accuracy: float) -> dict[str, float]:
         """Held-out accuracy under each of ``eval.views`` (``eval_accuracy@VIEW``) and its gap to the
