@@ -255,15 +255,22 @@ class RunLoop:
         for name, value in self._view_accuracies(accuracy).items():
             if name.startswith("eval_accuracy@"):
                 self.summary[f"{key}@{name.split('@', 1)[1]}"] = value
+            elif name.startswith("eval_nll@"):  # accuracy_after -> nll_after@task:NAME
+                self.summary[f"nll_{key.split('_', 1)[1]}@{name.split('@', 1)[1]}"] = value if value == value else None  # NaN: no text policy
 
     def _view_accuracies(self, accuracy: float) -> dict[str, float]:
         """Held-out accuracy under each of ``eval.views`` (``eval_accuracy@VIEW``) and its gap to the
-        plain ``accuracy`` (``eval_gap@VIEW`` = accuracy − eval_accuracy@VIEW)."""
+        plain ``accuracy`` (``eval_gap@VIEW`` = accuracy − eval_accuracy@VIEW), and on each of
+        ``eval.tasks`` (``eval_accuracy@task:NAME``, and ``eval_nll@task:NAME``: the mean token NLL of its
+        answers, ``Trainer.answer_nll``)."""
         out = {}
         for name in self.cfg.eval.views:
             value = self.evaluate(view=name)
             out[f"eval_accuracy@{name}"] = value
             out[f"eval_gap@{name}"] = accuracy - value
+        for name, (rows, stage) in self.eval_tasks.items():  # eval.tasks: another task's held-out accuracy
+            out[f"eval_accuracy@task:{name}"] = self.evaluate(rows=rows, split=f"task:{name}", stage=stage)
+            out[f"eval_nll@task:{name}"] = self.answer_nll(rows, f"task:{name}")
         return out
 
     def _check_health(self, row: dict[str, Any]) -> None:

@@ -25,13 +25,14 @@ from groupwise.evaluation import pass_at_k
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective, token_weights
 from groupwise.phases import build_phases, check_artifacts
+from groupwise.phases.sft import teacher_forced
 from groupwise.policy import build_policy
 from groupwise.registry import ConfigError, build, build_spec
 from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.context import RolloutContext, check_strategy
 from groupwise.run import RunLoop
 from groupwise.stats import PromptStats
-from groupwise.tasks import load_splits
+from groupwise.tasks import get_task, load_splits
 from groupwise.types import Need, Request, Rollout, StepInfo
 
 
@@ -86,7 +87,9 @@ class Trainer(RunLoop):
                        [*((role.name, role.policy) for role in self.roles), *self.frozen.items()]})
         self.needs = NeedResolver(needs, models, cfg.views, self.policy.score, self.policy.encode, context=self.policy.context, bind_view=self._bind_view)
         self.eval_views = {name: self._eval_view(name) for name in cfg.eval.views}  # held-out prompts also scored under these
-        for component in owners + self.eval_stage.scorers + [c for r in self.roles for c in r.components]:  # another modality's component fails here, not mid-run
+        self.eval_tasks = {name: self._eval_task(name) for name in cfg.eval.tasks}  # (rows, reward stage) of further held-out tasks
+        task_scorers = [s for _, stage in self.eval_tasks.values() for s in stage.scorers]
+        for component in owners + self.eval_stage.scorers + task_scorers + [c for r in self.roles for c in r.components]:  # another modality's component fails here, not mid-run
             if getattr(component, "modality", self.policy.modality) != self.policy.modality:
                 raise ConfigError(f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r} works on {component.modality} policies; "
                                   f"this run's policy is {self.policy.modality} (model.policy={cfg.model.policy!r})")
@@ -135,6 +138,14 @@ class Trainer(RunLoop):
             raise ConfigError(f"eval.views: view {name!r} edits more than the prompt (no prompt(meta, key)); held-out prompts can only be "
                               f"scored under views that edit the prompt, e.g. corrupt_context or ground_truth")
         return view
+
+    def _eval_task(self, name: str) -> tuple[list[dict], RewardStage]:
+        """``eval.tasks`` entry ``name``: the built-in task's first ``eval.size`` held-out rows and a
+        reward stage of its own default reward (failures excluded and counted as wrong, as eval's)."""
+        task = get_task(name)
+        stage = RewardStage([task.reward], dataclasses.replace(self.cfg.reward, on_error="exclude", max_error_rate=1.0),
+                            self.policy.decode, self.cfg.rollout.max_new_tokens)
+        return task.rows("test", 0, self.cfg.seed)[: self.cfg.eval.size], stage
 
     def _info(self, round_: int = 0) -> StepInfo:
         return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
@@ -291,12 +302,13 @@ class Trainer(RunLoop):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval", view: str | None = None) -> float:
+    def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval", view: str | None = None,
+                 stage: RewardStage | None = None) -> float:
         """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1) of ``policy`` (default: the
         trained policy) on ``rows`` (default: the first ``eval.size`` held-out rows; ``split`` names them),
         with each prompt edited by ``view`` (one of ``eval.views``) when given; the reward still
-        compares with the row's own answer."""
-        policy = policy or self.policy
+        compares with the row's own answer. ``stage`` scores instead of the eval reward (``eval.tasks``)."""
+        policy, stage = policy or self.policy, stage or self.eval_stage
         rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
         if not rows:
             return float("nan")
@@ -306,10 +318,27 @@ class Trainer(RunLoop):
             requests = [Request(key=i, n=1, prompt=self._prompt_ids(split, rows, i, view)) for i in chunk]
             gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
             gen.meta = [rows[i] for i in chunk]
-            self.eval_stage.score_local(gen, info)
-            self.eval_stage.finish(gen, info)
+            stage.score_local(gen, info)
+            stage.finish(gen, info)
             correct += int((gen.rewards[:, 0] >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
         return correct / len(rows)
+
+    @torch.no_grad()
+    def answer_nll(self, rows: list[dict], split: str, policy: Any = None) -> float:
+        """Mean negative log-likelihood per token of each row's ``answer`` then EOS after its prompt,
+        teacher-forced (the ``sft`` phase's loss, over all the rows' tokens); NaN for a policy that
+        cannot encode an answer (``eval.tasks``: what training did to another task's likelihood)."""
+        policy = policy or self.policy
+        if not rows or not hasattr(policy, "encode_completion"):
+            return float("nan")
+        total, count = 0.0, 0
+        for start in range(0, len(rows), 256):
+            chunk = range(start, min(start + 256, len(rows)))
+            batch = teacher_forced([self._prompt_ids(split, rows, i) for i in chunk], [policy.encode_completion(str(rows[i]["answer"])) for i in chunk])
+            logp = policy.forward(batch, ("logp",))["logp"]  # [n,1,T]
+            total += float(-(logp * batch.mask).sum())
+            count += int(batch.mask.sum())
+        return total / count
 
     @torch.no_grad()
     def evaluate_sampled(self) -> dict[str, float]:

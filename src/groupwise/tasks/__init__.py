@@ -43,13 +43,16 @@ def split_pool(items: list, split: str, n: int, seed: int, test_size: int, task:
     return pool[:n] if n > 0 else pool
 
 
+def _task_modules() -> list[str]:
+    """Every module of this package except the file loader: each registers its tasks on import."""
+    import pkgutil
+
+    return [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_") and m.name != "data"]
+
+
 def get_task(name: str) -> Task:
-    for mod in ("arithmetic", "countdown", "sorting", "mixed", "flow2d", "reach", "theater", "ranking", "addition_orders", "evidence", "sum_pairs", "op_select"):
-        try:
-            importlib.import_module(f"groupwise.tasks.{mod}")
-        except ModuleNotFoundError as err:
-            if err.name != f"groupwise.tasks.{mod}":
-                raise
+    for mod in _task_modules():
+        importlib.import_module(f"groupwise.tasks.{mod}")
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))} (or give data.path)")
     return TASKS[name]
