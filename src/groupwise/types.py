@@ -67,13 +67,16 @@ class Request:
     the same step (a refill round, an allocation round) continues at ``offset`` with fresh samples.
     ``prompt`` is the policy's encoding of the row's prompt (filled by the rollout context);
     ``sampling`` overrides the step's sampling settings for this request (ReMax's greedy baseline:
-    ``{"greedy": True}``), with keys from the policy's ``request_options``."""
+    ``{"greedy": True}``), with keys from the policy's ``request_options``; ``hook`` perturbs the
+    model while it samples this request's rows (``groupwise.hooks``: a kind from the policy's
+    ``hooks``), never when they are trained or scored."""
 
     key: int
     n: int
     offset: int = 0
     prompt: Any = None
     sampling: dict[str, Any] | None = None
+    hook: Any = None
 
 
 @dataclass
