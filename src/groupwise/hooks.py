@@ -123,3 +123,17 @@ def row_hooks(hooks: Sequence[Any], n: int, prompt_lengths: Sequence[int], width
         else:
             raise ValueError(f"unknown generation hook {type(hook).__name__}; known kinds: {list(KINDS)}")
     return embed_add, (None if steer is None else (steer_layer, steer))
+
+
+def residual_module(model, layer: int):
+    """The module whose output is the residual stream after decoder layer ``layer`` (0: the input embeddings)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if layer == 0:
+        return base.get_input_embeddings()
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", base)
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    if layers is None:
+        raise ValueError(f"residual_add hook: no decoder layer list found on {type(base).__name__} (looked for .layers and .h)")
+    if not 1 <= layer <= len(layers):
+        raise ValueError(f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(layers)} (0: the embeddings)")
+    return layers[layer - 1]

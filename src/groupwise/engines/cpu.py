@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from groupwise.engines.seeds import gumbel_span, noise_at
 from groupwise.hooks import KINDS as HOOK_KINDS
-from groupwise.hooks import hook_kinds, row_hooks
+from groupwise.hooks import hook_kinds, residual_module, row_hooks
 from groupwise.policy.functional import DecodeState, unsupported_reason
 
 # Sampling works on blocks of rows so that the [rows, V] noise buffers stay ~32 MB with a big vocab.
@@ -197,7 +197,7 @@ class _HFState:
     def steer(self, layer: int, add: Tensor) -> None:
         """Add ``add`` [R,D] (one vector per row) to the residual stream after decoder layer ``layer`` (0: the embeddings)."""
         self.steer_add = add
-        module = _residual_module(self.model, layer)
+        module = residual_module(self.model, layer)
 
         def hook(_module, _inputs, output):
             if isinstance(output, tuple):
@@ -240,20 +240,6 @@ class _HFState:
         self.attention = self.attention[keep]
         if self.steer_add is not None:
             self.steer_add = self.steer_add[keep]
-
-
-def _residual_module(model, layer: int):
-    """The module whose output is the residual stream after decoder layer ``layer`` (0: the input embeddings)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if layer == 0:
-        return base.get_input_embeddings()
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", base)
-    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
-    if layers is None:
-        raise ValueError(f"residual_add hook: no decoder layer list found on {type(base).__name__} (looked for .layers and .h)")
-    if not 1 <= layer <= len(layers):
-        raise ValueError(f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(layers)} (0: the embeddings)")
-    return layers[layer - 1]
 
 
 # --------------------------------------------------------------------------- engine

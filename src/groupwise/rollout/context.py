@@ -8,7 +8,8 @@ keep; the context does the mechanics the same way for every strategy:
   ``prompt``, when set, is its context; otherwise its dataset row's prompt): each rank generates
   its share with the policy, the text rewards and the round's no-grad needs run on that share, the
   shares are gathered, and the rollout scorers and the weighted total run on the whole batch
-  (``rewards`` [B,G], ``group_valid``); identical on every rank;
+  (``rewards`` [B,G], ``group_valid``); identical on every rank. A request's ``extras`` (row
+  labels, e.g. a steering intensity) are set as row extras before anything is scored;
 - ``keep(batch)`` — the sampler's whole-batch verdict per group ([B] bool), ``max_rounds``;
 - ``generate(requests, round)`` — the generated rows only (decoded ``completions``, no rewards, no
   needs), each rank its share, gathered: for strategies that assemble their rows themselves (the
@@ -115,6 +116,18 @@ class RolloutContext:
         return request.prompt
 
     def _generate(self, requests: list[Request], info: StepInfo) -> Rollout:
+        """The requests' rows with their ``extras`` set (``_sample``)."""
+        out = self._sample(requests, info)
+        names = sorted({name for r in requests for name in (r.extras or {})})
+        for name in names:
+            values = torch.zeros(out.shape[0], out.shape[1])  # [B,G]
+            for b, r in enumerate(requests):
+                if r.extras and name in r.extras:
+                    values[b, : r.n] = torch.as_tensor(r.extras[name], dtype=torch.float32)
+            out.set_extra(name, values, "row")
+        return out
+
+    def _sample(self, requests: list[Request], info: StepInfo) -> Rollout:
         """One policy call per distinct sampling override (usually one call), rows in request order."""
         by_override: dict[tuple, list[int]] = {}
         offered = getattr(self.policy, "request_options", frozenset())
