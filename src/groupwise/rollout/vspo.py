@@ -38,8 +38,9 @@ self-distillation").
 
 **Notes**
 
-1. ``alphas`` must hold at least one non-zero value; a grid longer than G uses its first G entries
-   (round-robin from 0). Its length need not divide G.
+1. A grid longer than G uses its first G entries (round-robin from 0); its length need not divide
+   G. An all-zero grid (``alphas = [0.0]``) is the spec's control, reward-shaped GRPO: the same
+   rollout path with every row unsteered (``steer_coef`` 0).
 2. ``α = 0`` rows are exactly the clean model (the hook adds 0); their ``logp_sampler`` equals the
    clean old log-probs.
 3. Row extras ``steer_alpha`` and ``steer_coef`` [B,G] float32 are set on the rows before they are
@@ -52,6 +53,7 @@ self-distillation").
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -144,8 +146,8 @@ class VSPO:
     collects = (ALPHA, COEF)
 
     def __post_init__(self) -> None:
-        if not self.alphas or not all(isinstance(a, (int, float)) for a in self.alphas) or not any(a != 0 for a in self.alphas):
-            raise ConfigError(f"rollout vspo: alphas={self.alphas!r} must be a list of numbers with at least one non-zero intensity")
+        if not self.alphas or not all(isinstance(a, (int, float)) and math.isfinite(a) for a in self.alphas):
+            raise ConfigError(f"rollout vspo: alphas={self.alphas!r} must be a non-empty list of finite numbers (e.g. [-1, 0, 0, 1])")
         self._value: dict[str, Any] | None = None
         self._stats: dict[str, float] = {}
 
@@ -161,7 +163,7 @@ class VSPO:
         if self._value is None:
             raise ConfigError(f"rollout vspo: the artifact {self.artifact!r} was not given (add the offline phase steering_vector)")
         alpha = alpha_rows(self.alphas, G)  # [G]
-        coef = alpha / max(abs(float(a)) for a in self.alphas)  # [G]
+        coef = alpha / max(max(abs(float(a)) for a in self.alphas), 1e-30)  # [G] all-zero grid: 0
         return ResidualAdd(layer=int(self._value["layer"]), vector=self._value["vector"].float(), alpha=alpha), {ALPHA: alpha, COEF: coef}
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
