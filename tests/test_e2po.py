@@ -9,11 +9,9 @@ import math
 import pytest
 import torch
 
-from groupwise.config import load_config
 from groupwise.registry import ConfigError
 from groupwise.rollout.e2po import (CONDITION, E2PO, anchor_loss, diversity_loss, embedding_loss, eps_insensitive, learn_prompt_perturbations,
                                     mix_condition, noise_aware_gamma)
-from groupwise.trainer import Trainer
 from helpers import train_recorded
 
 
@@ -159,16 +157,3 @@ def test_rows_are_trained_on_the_original_prompt(tmp_path, objective):
         assert float(clean_gap) < 1e-4
         assert float(pert_gap) > 1e-2
     assert all(math.isfinite(r["e2po/reward_orig"]) and "e2po/group_std" in r for r in rows)
-
-
-def test_an_engine_without_hooks_refuses_e2po_at_build(tmp_path):
-    cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', 'rollout.name="e2po"', "eval.size=0"])
-    with pytest.raises(ConfigError, match=r"generation hooks \['embed_delta'\] that the flow policy's engine cannot apply"):
-        Trainer(cfg)
-
-
-def test_e2po_without_the_phase_is_a_build_error(tmp_path):
-    from test_trainer import make_trainer
-
-    with pytest.raises(ConfigError, match="needs the artifact 'e2po_perturbations', which no offline phase produces"):
-        make_trainer(tmp_path, 'rollout.name="e2po"', "eval.size=0")

@@ -163,3 +163,17 @@ def test_an_engine_that_cannot_apply_a_hook_refuses_at_build_and_at_run_time():
     ctx = RolloutContext(_NoHookPolicy(), None, None, None, None, None, None, {"max_new_tokens": 4}, 1, 2)
     with pytest.raises(ValueError, match="cannot be applied by the flow policy"):
         ctx._generate([Request(0, 2, hook=_hooks()[1])], StepInfo(0, 0, 4))
+
+
+@pytest.mark.parametrize("strategy, kind, artifact", [("e2po", "embed_delta", "e2po_perturbations"), ("vspo", "residual_add", "steering_vector")])
+def test_hooked_strategies_refuse_an_engine_without_hooks_and_need_their_phase(tmp_path, strategy, kind, artifact):
+    from test_trainer import make_trainer
+
+    from groupwise.config import load_config
+    from groupwise.trainer import Trainer
+
+    cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', f'rollout.name="{strategy}"', "eval.size=0"])
+    with pytest.raises(ConfigError, match=rf"generation hooks \['{kind}'\] that the flow policy's engine cannot apply"):
+        Trainer(cfg)
+    with pytest.raises(ConfigError, match=f"needs the artifact '{artifact}', which no offline phase produces"):
+        make_trainer(tmp_path / "text", f'rollout.name="{strategy}"', "eval.size=0")

@@ -11,10 +11,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from groupwise.config import load_config
 from groupwise.registry import ConfigError, build
 from groupwise.rollout.vspo import ALPHA, COEF, VSPO, alpha_rows, compute_steering_vector, residual_at_last, steering_hook, vspo_rewards
-from groupwise.trainer import Trainer
 from helpers import info_for, make_rollout, train_recorded
 
 
@@ -134,16 +132,3 @@ def test_steered_rows_are_trained_with_the_hook_off(tmp_path, objective):
         task = batch.reward_parts[..., 0]  # [B,G]
         torch.testing.assert_close(batch.rewards, task + 0.5 * batch.extras[COEF], atol=1e-6, rtol=0)
     assert all(math.isfinite(r["vspo/reward_at_0"]) for r in rows)
-
-
-def test_an_engine_without_hooks_refuses_vspo_at_build(tmp_path):
-    cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', 'rollout.name="vspo"', "eval.size=0"])
-    with pytest.raises(ConfigError, match=r"generation hooks \['residual_add'\] that the flow policy's engine cannot apply"):
-        Trainer(cfg)
-
-
-def test_vspo_without_the_phase_is_a_build_error(tmp_path):
-    from test_trainer import make_trainer
-
-    with pytest.raises(ConfigError, match="needs the artifact 'steering_vector', which no offline phase produces"):
-        make_trainer(tmp_path, 'rollout.name="vspo"', "eval.size=0")

@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from groupwise.hooks import EmbedDelta
+from groupwise.phases import ReadsArtifact
 from groupwise.registry import ConfigError, register
 from groupwise.rollout.context import RolloutContext
 from groupwise.rollout.sample import refill_rounds
@@ -160,7 +161,7 @@ def learn_prompt_perturbations(token_emb: Tensor, real: Tensor, content: Tensor,
 # --------------------------------------------------------------------------- the rollout strategy
 @register("rollout", "e2po")
 @dataclass
-class E2PO:
+class E2PO(ReadsArtifact):
     """Each group under the original prompt and K−1 learned prompt-embedding perturbations; trained on the original (E²PO)."""
 
     artifact: str = "e2po_perturbations"
@@ -168,26 +169,21 @@ class E2PO:
 
     hooks = ("embed_delta",)
     collects = (CONDITION,)
-    request_options = ()
+    phase_hint = "the offline phase e2po_perturbations"
 
     def __post_init__(self) -> None:
         if self.assign not in ("blocks", "round_robin"):
             raise ConfigError(f"rollout e2po: assign={self.assign!r} must be 'blocks' or 'round_robin'")
         self._table: dict[int, int] = {}
-        self._value: dict[str, Any] | None = None
         self._stats: dict[str, float] = {}
 
-    @property
-    def artifacts(self) -> tuple[str, ...]:
-        return (self.artifact,)
-
     def use_artifact(self, name: str, value: dict[str, Any]) -> None:
-        self._value = value
+        super().use_artifact(name, value)
         self._table = {int(k): j for j, k in enumerate(value["keys"].tolist())}
 
     def conditions_of(self, G: int) -> Tensor:
         """[G] int64: each row's condition (0 = the original prompt)."""
-        K = int(self._value["conditions"])
+        K = int(self.artifact_value()["conditions"])
         if G % K:
             raise ConfigError(f"rollout e2po: rollout.group_size={G} is not a multiple of the artifact's conditions={K}; "
                               f"set group_size to a multiple of {K} (or the phase's conditions to a divisor of {G})")
@@ -196,15 +192,14 @@ class E2PO:
 
     def hook(self, key: int, G: int) -> EmbedDelta:
         """The embedding perturbation of each of the G rows of train row ``key``."""
-        if self._value is None:
-            raise ConfigError(f"rollout e2po: the artifact {self.artifact!r} was not given (add the offline phase e2po_perturbations)")
+        value = self.artifact_value()
         if key not in self._table:
             raise ConfigError(f"rollout e2po: train row {key} has no learned perturbations in {self.artifact!r}; the phase covers "
                               f"{len(self._table)} rows: set the phase's rows = 0 (all train rows) or data.train_size to at most that")
         j = self._table[key]
-        positions = self._value["positions"][j]  # [L] (−1: padding)
+        positions = value["positions"][j]  # [L] (−1: padding)
         real = positions >= 0  # [L]
-        deltas = self._value["delta"][j][:, real]  # [K−1,P,d]
+        deltas = value["delta"][j][:, real]  # [K−1,P,d]
         cond = self.conditions_of(G)  # [G]
         table = torch.cat([torch.zeros_like(deltas[:1]), deltas])  # [K,P,d] condition 0: no perturbation
         return EmbedDelta(positions=positions[real], delta=table[cond])  # [P], [G,P,d]

@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from groupwise.hooks import ResidualAdd, residual_module
+from groupwise.phases import ReadsArtifact
 from groupwise.registry import ConfigError, register
 from groupwise.rollout.context import RolloutContext
 from groupwise.rollout.sample import refill_rounds
@@ -136,7 +137,7 @@ def compute_steering_vector(model: Any, layer: int, pos_prompts: list[list[int]]
 
 @register("rollout", "vspo")
 @dataclass
-class VSPO:
+class VSPO(ReadsArtifact):
     """Each group under a grid of steering intensities of a CAA behaviour vector; the unsteered policy is trained (VSPO)."""
 
     alphas: list = field(default_factory=lambda: [-4.0, -2.0, -1.0, 0.0, 0.0, 1.0, 2.0, 4.0])
@@ -144,27 +145,19 @@ class VSPO:
 
     hooks = ("residual_add",)
     collects = (ALPHA, COEF)
+    phase_hint = "the offline phase steering_vector"
 
     def __post_init__(self) -> None:
         if not self.alphas or not all(isinstance(a, (int, float)) and math.isfinite(a) for a in self.alphas):
             raise ConfigError(f"rollout vspo: alphas={self.alphas!r} must be a non-empty list of finite numbers (e.g. [-1, 0, 0, 1])")
-        self._value: dict[str, Any] | None = None
         self._stats: dict[str, float] = {}
-
-    @property
-    def artifacts(self) -> tuple[str, ...]:
-        return (self.artifact,)
-
-    def use_artifact(self, name: str, value: dict[str, Any]) -> None:
-        self._value = value
 
     def request_parts(self, G: int) -> tuple[ResidualAdd, dict[str, Tensor]]:
         """The hook of a group of G rows and its row labels (the same for every prompt)."""
-        if self._value is None:
-            raise ConfigError(f"rollout vspo: the artifact {self.artifact!r} was not given (add the offline phase steering_vector)")
+        value = self.artifact_value()
         alpha = alpha_rows(self.alphas, G)  # [G]
         coef = alpha / max(max(abs(float(a)) for a in self.alphas), 1e-30)  # [G] all-zero grid: 0
-        return ResidualAdd(layer=int(self._value["layer"]), vector=self._value["vector"].float(), alpha=alpha), {ALPHA: alpha, COEF: coef}
+        return ResidualAdd(layer=int(value["layer"]), vector=value["vector"].float(), alpha=alpha), {ALPHA: alpha, COEF: coef}
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
         G = ctx.group_size
