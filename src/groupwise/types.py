@@ -67,13 +67,19 @@ class Request:
     the same step (a refill round, an allocation round) continues at ``offset`` with fresh samples.
     ``prompt`` is the policy's encoding of the row's prompt (filled by the rollout context);
     ``sampling`` overrides the step's sampling settings for this request (ReMax's greedy baseline:
-    ``{"greedy": True}``), with keys from the policy's ``request_options``."""
+    ``{"greedy": True}``), with keys from the policy's ``request_options``; ``hook`` perturbs the
+    model while it samples this request's rows (``groupwise.hooks``: a kind from the policy's
+    ``hooks``), never when they are trained or scored; ``extras`` labels its rows before they are
+    scored (name -> [n] values, set as float32 row extras of the rollout, 0 on rows of requests
+    without the name), e.g. the steering intensity of each row for a reward that reads it."""
 
     key: int
     n: int
     offset: int = 0
     prompt: Any = None
     sampling: dict[str, Any] | None = None
+    hook: Any = None
+    extras: dict[str, Any] | None = None
 
 
 @dataclass

@@ -13,6 +13,11 @@ The model runs through ``policy.functional.DecodeState`` (fused weights, a preal
 written in place) when it is a float32 Llama-family model, else through its own forward and a
 ``DynamicCache`` (``_HFState``); both give the same logits to float rounding.
 
+Generation hooks (``groupwise.hooks``: prompt-embedding deltas, residual-stream additions) are
+applied per row on either path; a call with hooks the functional decoder does not support
+(``DecodeState.hooks``) falls back to the model's own forward. A hooked call prefills each row
+separately (no prompt sharing: each row's prompt keys and values differ).
+
 ``logp`` is the log-probability of each sampled token under the model's raw distribution
 (``log_softmax`` of float32 logits, temperature 1): on-policy training uses it as ``logp_sampler``.
 """
@@ -27,6 +32,8 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from groupwise.engines.seeds import gumbel_span, noise_at
+from groupwise.hooks import KINDS as HOOK_KINDS
+from groupwise.hooks import hook_kinds, residual_module, row_hooks
 from groupwise.policy.functional import DecodeState, unsupported_reason
 
 # Sampling works on blocks of rows so that the [rows, V] noise buffers stay ~32 MB with a big vocab.
@@ -174,25 +181,53 @@ class _Sampler:
 class _HFState:
     """A batch being decoded through the model's own forward and a ``DynamicCache`` (any HF causal LM).
 
-    Same interface as ``policy.functional.DecodeState``: ``prefill``, ``step``, ``select``."""
+    Same interface as ``policy.functional.DecodeState``: ``prefill``, ``step``, ``select``,
+    ``steer`` / ``close``. Generation hooks: ``embed_add`` enters the prefill as ``inputs_embeds``; a
+    steering addition is a forward hook on the layer's module, removed by ``close``."""
+
+    hooks = frozenset(HOOK_KINDS)
 
     def __init__(self, model, cache_arg: str, can_keep_last: bool):
         self.model, self.cache_arg, self.can_keep_last = model, cache_arg, can_keep_last
         self.cache = DynamicCache(config=model.config)
         self.attention = torch.empty(0)
+        self.steer_add: Tensor | None = None  # [A,D] what each live row adds after the steered layer
+        self._handle = None
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    def steer(self, layer: int, add: Tensor) -> None:
+        """Add ``add`` [R,D] (one vector per row) to the residual stream after decoder layer ``layer`` (0: the embeddings)."""
+        self.steer_add = add
+        module = residual_module(self.model, layer)
+
+        def hook(_module, _inputs, output):
+            if isinstance(output, tuple):
+                return (output[0] + self.steer_add[:, None, :].to(output[0].dtype), *output[1:])
+            return output + self.steer_add[:, None, :].to(output.dtype)  # [N,S,D]
+
+        self._handle = module.register_forward_hook(hook)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, embed_add: Tensor | None = None) -> Tensor:
         kwargs = {self.cache_arg: self.cache, "use_cache": True}
         if self.can_keep_last:
             kwargs["logits_to_keep"] = 1  # the lm_head runs on the last position only
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        if embed_add is None:
+            kwargs["input_ids"] = input_ids
+        else:
+            embeds = self.model.get_input_embeddings()(input_ids)  # [N,W,D]
+            kwargs["inputs_embeds"] = embeds + embed_add.to(embeds.device, embeds.dtype)
+        out = self.model(attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         return out.logits[:, -1, :].float()  # [N,V]
 
-    def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int) -> Tensor:
+    def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int, embed_add: Tensor | None = None) -> Tensor:
         B, W = input_ids.shape
         self.attention = torch.zeros(B * repeat, capacity, dtype=torch.long, device=input_ids.device)  # [R,C]
         self.attention[:, :W] = real.repeat_interleave(repeat, dim=0)
-        logits = self._forward(input_ids, real.long(), positions)  # [B,V]
+        logits = self._forward(input_ids, real.long(), positions, embed_add)  # [B,V]
         self.cache.batch_repeat_interleave(repeat)
         return logits
 
@@ -203,6 +238,8 @@ class _HFState:
     def select(self, keep: Tensor) -> None:
         self.cache.batch_select_indices(keep)
         self.attention = self.attention[keep]
+        if self.steer_add is not None:
+            self.steer_add = self.steer_add[keep]
 
 
 # --------------------------------------------------------------------------- engine
@@ -212,7 +249,10 @@ class CPUEngine:
     ``share_prefix=False`` runs every row's prompt separately (the reference the test compares with);
     ``drop_finished=False`` keeps finished rows in the batch until the end; ``functional=False``
     decodes through the model's own forward even when ``policy.functional`` supports the model.
+    ``hooks``: the generation hook kinds it can apply (``groupwise.hooks``), on either path.
     """
+
+    hooks = frozenset(HOOK_KINDS)
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, share_prefix: bool = True, drop_finished: bool = True,
                  functional: bool = True):
@@ -232,9 +272,10 @@ class CPUEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _new_state(self):
-        """Decoding state for one call; the functional one snapshots the current weights."""
-        if self.functional and unsupported_reason(self.model) is None:  # hooks may come and go
+    def _new_state(self, kinds: set[str] = frozenset()):
+        """Decoding state for one call; the functional one snapshots the current weights. Generation
+        hooks of a kind the functional decoder does not apply send the call down the model's own forward."""
+        if self.functional and unsupported_reason(self.model) is None and kinds <= DecodeState.hooks:  # module hooks may come and go
             return DecodeState(self.model)
         return _HFState(self.model, self._cache_arg, self._can_keep_last)
 
@@ -261,8 +302,10 @@ class CPUEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         greedy: bool = False,
+        hooks: list | None = None,
     ) -> GenerationOutput:
-        """Sample ``n`` completions per prompt; ``row_seeds`` [B*n] names each row's randomness."""
+        """Sample ``n`` completions per prompt; ``row_seeds`` [B*n] names each row's randomness;
+        ``hooks`` [B] (each None or a ``groupwise.hooks`` hook) perturb the rows of their prompt."""
         B, device = len(prompt_ids), self.device
         R = B * n  # rows
         if row_seeds.shape != (R,):
@@ -270,30 +313,45 @@ class CPUEngine:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
-        state = self._new_state()
+        if hooks is not None and len(hooks) != B:
+            raise ValueError(f"hooks must have one entry per prompt ({B}), got {len(hooks)}")
+        hooks = hooks if hooks is not None and any(h is not None for h in hooks) else None
+        kinds = hook_kinds(hooks or [])
+        if kinds - self.hooks:
+            raise ValueError(f"generation hooks {sorted(kinds - self.hooks)} cannot be applied by this engine (it applies {sorted(self.hooks)})")
+        state = self._new_state(kinds)
         if isinstance(state, DecodeState):  # no dropout in the functional maths: no train/eval switch (~1 ms per module tree walk)
-            return self._generate(state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling)
+            return self._generate(state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling, hooks)
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling)
+            return self._generate(state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling, hooks)
         finally:
+            state.close()
             self.model.train(was_training)
 
-    def _generate(self, state, prompt_ids: list[list[int]], n: int, seeds: Tensor, max_new_tokens: int, sampling: dict) -> GenerationOutput:
+    def _generate(self, state, prompt_ids: list[list[int]], n: int, seeds: Tensor, max_new_tokens: int, sampling: dict,
+                  hooks: list | None = None) -> GenerationOutput:
         device = seeds.device
         B, R = len(prompt_ids), len(prompt_ids) * n
         input_ids, prompt_mask, prompt_lengths = (t.to(device) for t in self._left_pad(prompt_ids))  # [B,L],[B,L],[B]
         width = input_ids.shape[1]
         positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp_(min=0)  # [B,L] 0 at each first real token
+        embed_add = None
+        if hooks is not None:  # per-row perturbations (groupwise.hooks)
+            dim = self.model.get_input_embeddings().weight.shape[1]
+            embed_add, steer = row_hooks(hooks, n, [len(p) for p in prompt_ids], width, dim)  # [R,W,D] | None, (layer, [R,D]) | None
+            embed_add = None if embed_add is None else embed_add.to(device)
+            if steer is not None:
+                state.steer(steer[0], steer[1].to(device))
 
         # ---- prefill: each prompt once, then n copies of its KV cache (rows b*n .. b*n+n-1)
-        if self.share_prefix:
+        if self.share_prefix and hooks is None:
             logits = state.prefill(input_ids, positions, prompt_mask, n, width + max_new_tokens)  # [B,V]
             logits = logits.repeat_interleave(n, dim=0)  # [R,V]
-        else:
+        else:  # every row's prompt separately (a hooked call: each row's prompt states differ)
             logits = state.prefill(input_ids.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0),
-                                   prompt_mask.repeat_interleave(n, dim=0), 1, width + max_new_tokens)  # [R,V]
+                                   prompt_mask.repeat_interleave(n, dim=0), 1, width + max_new_tokens, embed_add=embed_add)  # [R,V]
 
         sample = _Sampler(logits.shape[-1], R, device=device, row_seeds=seeds, horizon=max_new_tokens, **sampling)  # V from the logits (vocab may be padded)
 

@@ -260,7 +260,14 @@ class DecodeState:
     Rows are left-padded prompts followed by their completions; every row writes its next token in
     the same column, so a step is one column. ``key_bias`` [R,capacity] is 0 where a column holds a
     real token and -inf on prompt padding.
+
+    Generation hooks (``groupwise.hooks``, the kinds in ``hooks``): ``prefill(..., embed_add)`` adds
+    [R,W,D] to the prompt's input embeddings; ``steer(layer, add)`` adds ``add`` [R,D] (one vector
+    per row) to the residual stream after decoder layer ``layer`` (0: the embeddings) at every
+    position, in the prefill and every step.
     """
+
+    hooks = frozenset({"embed_delta", "residual_add"})
 
     @torch.no_grad()
     def __init__(self, model):
@@ -296,6 +303,16 @@ class DecodeState:
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self.key_bias = torch.empty(0)
+        self.steer_layer, self.steer_add = -1, None  # residual_add: the layer, [A,D] per live row
+
+    def steer(self, layer: int, add: Tensor) -> None:
+        """Add ``add`` [R,D] to the residual stream after decoder layer ``layer`` (0: the embeddings), every position."""
+        if not 0 <= layer <= len(self.layers):
+            raise ValueError(f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(self.layers)} (0: the embeddings)")
+        self.steer_layer, self.steer_add = layer, add
+
+    def close(self) -> None:
+        """Nothing to release (the interface of the engine's other decoding state)."""
 
     # ------------------------------------------------------------------ one layer
     def _layer(self, w: _LayerWeights, x: Tensor, cos: Tensor, sin_signed: Tensor, attend) -> Tensor:
@@ -328,10 +345,12 @@ class DecodeState:
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int) -> Tensor:
+    def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int, embed_add: Tensor | None = None) -> Tensor:
         """Run left-padded prompts ``input_ids`` [B,W] (``real`` [B,W] bool marks tokens, ``positions``
         [B,W] their positions), keep their KV ``repeat`` times per prompt (rows ``b*repeat+i``) in a
-        cache of ``capacity`` >= W columns, and return the last column's logits [B,V] float32."""
+        cache of ``capacity`` >= W columns, and return the last column's logits [B,V] float32.
+        ``embed_add`` [B,W,D] is added to the input embeddings (a generation hook); a steering
+        addition (``steer``) needs ``repeat = 1`` (one per row)."""
         B, W = input_ids.shape
         causal = torch.ones(W, W, dtype=torch.bool).tril_()  # [W,W]
         # a padding query sees itself too, so no softmax row is empty (its output is never used)
@@ -345,6 +364,13 @@ class DecodeState:
         self.key_bias = torch.zeros(R, capacity)  # [R,C]
         self.key_bias[:, :W] = torch.zeros(B, W).masked_fill_(~real, float("-inf")).repeat_interleave(repeat, dim=0)
         x = self.embed[input_ids]  # [B,W,D]
+        if embed_add is not None:
+            x = x + embed_add  # [B,W,D]
+        steer = None if self.steer_add is None else self.steer_add[:, None, :]  # [B,1,D]
+        if steer is not None and (repeat != 1 or steer.shape[0] != B):
+            raise ValueError("a steered prefill needs one prompt per row (repeat = 1)")
+        if self.steer_layer == 0:
+            x = x + steer
         for i, w in enumerate(self.layers):
             def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:
                 self.keys[i][:, :, :W] = k.repeat_interleave(repeat, dim=0)
@@ -352,6 +378,8 @@ class DecodeState:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling,
                                                       enable_gqa=self.gqa)  # [B,H,W,hd]
             x = self._layer(w, x, cos, sin_signed, attend)
+            if self.steer_layer == i + 1:
+                x = x + steer  # [B,W,D]
         return self._logits(x[:, -1]).float()  # [B,V]
 
     # ------------------------------------------------------------------ one decode step
@@ -367,7 +395,9 @@ class DecodeState:
         bias = self.key_bias[:, None, None, :seen]  # [A,1,1,seen]
         cos, sin_signed = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [A,1,hd] each
         x = self.embed[tokens]  # [A,D]
-        for w, keys, values in zip(self.layers, self.keys, self.values):
+        if self.steer_layer == 0:
+            x = x + self.steer_add  # [A,D]
+        for index, (w, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
             h = rms_norm(x, w.norm_in, w.eps_in)  # [A,D]
             qkv = F.linear(h, w.qkv, w.qkv_bias).view(A, H + 2 * K, hd)  # [A,H+2K,hd]
             qk = qkv.narrow(1, 0, H + K)  # [A,H+K,hd]
@@ -391,6 +421,8 @@ class DecodeState:
             x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [A,D]
             if w.down_bias is not None:
                 x = x + w.down_bias
+            if self.steer_layer == index + 1:
+                x = x + self.steer_add  # [A,D]
         return self._logits(x).float()  # [A,V]
 
     def select(self, keep: Tensor) -> None:
@@ -398,3 +430,5 @@ class DecodeState:
         self.keys = [k[keep] for k in self.keys]
         self.values = [v[keep] for v in self.values]
         self.key_bias = self.key_bias[keep]
+        if self.steer_add is not None:
+            self.steer_add = self.steer_add[keep]

@@ -151,6 +151,11 @@ class LMPolicy:
         self._token_texts: list[str] | None = None  # built on first use (token_texts)
         self.ref_sync_every, self.ref_sync_alpha = model_cfg.ref_sync_every, model_cfg.ref_sync_alpha
 
+    @property
+    def hooks(self) -> frozenset[str]:
+        """The generation hook kinds (``groupwise.hooks``) its engine applies to a ``Request.hook``."""
+        return self.engine.hooks
+
     # ------------------------------------------------------------------ text
     def encode(self, prompt: Any) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
@@ -197,8 +202,9 @@ class LMPolicy:
         for n in sorted({r.n for r in requests}):  # one engine call per distinct group size (usually one)
             chosen = [i for i, r in enumerate(requests) if r.n == n]
             seeds = [sample_seed(info.seed, info.step, requests[i].key, requests[i].offset + j) for i in chosen for j in range(n)]
+            hooks = [requests[i].hook for i in chosen]  # generation hooks (groupwise.hooks), None: the clean model
             parts[n] = (chosen, self.engine.generate([requests[i].prompt for i in chosen], n, torch.tensor(seeds, dtype=torch.long), max_new,
-                                                     greedy=greedy, **sampling))
+                                                     greedy=greedy, hooks=hooks if any(h is not None for h in hooks) else None, **sampling))
         B, G = len(requests), max(r.n for r in requests)
         T = max(gen.tokens.shape[2] for _, gen in parts.values())
         tokens = torch.full((B, G, T), int(self.tokenizer.pad_token_id), dtype=torch.long)  # [B,G,T]

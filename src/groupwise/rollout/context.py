@@ -8,7 +8,8 @@ keep; the context does the mechanics the same way for every strategy:
   ``prompt``, when set, is its context; otherwise its dataset row's prompt): each rank generates
   its share with the policy, the text rewards and the round's no-grad needs run on that share, the
   shares are gathered, and the rollout scorers and the weighted total run on the whole batch
-  (``rewards`` [B,G], ``group_valid``); identical on every rank;
+  (``rewards`` [B,G], ``group_valid``); identical on every rank. A request's ``extras`` (row
+  labels, e.g. a steering intensity) are set as row extras before anything is scored;
 - ``keep(batch)`` — the sampler's whole-batch verdict per group ([B] bool), ``max_rounds``;
 - ``generate(requests, round)`` — the generated rows only (decoded ``completions``, no rewards, no
   needs), each rank its share, gathered: for strategies that assemble their rows themselves (the
@@ -18,7 +19,8 @@ keep; the context does the mechanics the same way for every strategy:
 A request may override the step's sampling settings (``Request.sampling``, e.g. ``{"greedy":
 True}``): requests with the same overrides are generated together, and the rows come back in the
 order requested. ``check_strategy`` fails the build when a strategy uses a sampling key the policy
-does not offer, or a component reads an extra no strategy collects.
+does not offer, uses a generation hook (``Request.hook``, ``groupwise.hooks``) the policy's engine
+cannot apply, or a component reads an extra no strategy collects.
 
 It also counts, over every batch it scored, how many rows had a finite reward (``finite_fraction``),
 which the trainer uses to stop a run whose rewards are never finite.
@@ -26,11 +28,13 @@ which the trainer uses to stop a run whose rewards are never finite.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from groupwise import dist
+from groupwise.hooks import check_hooks
 from groupwise.registry import ConfigError
 from groupwise.types import Request, Rollout, StepInfo
 
@@ -43,6 +47,7 @@ def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
     if missing:
         raise ConfigError(f"rollout strategy {name!r} asks for sampling options {sorted(missing)} that the {policy.modality} policy does not offer "
                           f"(it offers {sorted(getattr(policy, 'request_options', ()))})")
+    check_hooks(strategy, policy)  # the generation hooks it samples under (groupwise.hooks)
     if hasattr(strategy, "check"):  # a strategy's own build-time check of the run's components (env runs: their rewards)
         strategy.check(components)
     collected = set(getattr(strategy, "collects", ()))
@@ -69,7 +74,7 @@ class RolloutContext:
     def rollout(self, requests: list[Request], round_: int = 0) -> Rollout:
         info = self.info(round_)
         start, stop = dist.shard_bounds(len(requests))
-        mine = [Request(r.key, r.n, r.offset, self._context(r), r.sampling) for r in requests[start:stop]]
+        mine = [dataclasses.replace(r, prompt=self._context(r)) for r in requests[start:stop]]
         local = self._generate(mine, info)
         local.meta = [self.meta(r.key) for r in mine]
         self.reward_stage.score_local(local, info)
@@ -86,7 +91,7 @@ class RolloutContext:
         ``meta``, NOT scored: each rank generates its share, the shares are gathered."""
         info = self.info(round_)
         start, stop = dist.shard_bounds(len(requests))
-        mine = [Request(r.key, r.n, r.offset, self._context(r), r.sampling) for r in requests[start:stop]]
+        mine = [dataclasses.replace(r, prompt=self._context(r)) for r in requests[start:stop]]
         local = self._generate(mine, info)
         local.meta = [self.meta(r.key) for r in mine]
         local.completions = self.policy.decode(local)  # [B][G]
@@ -111,10 +116,26 @@ class RolloutContext:
         return request.prompt
 
     def _generate(self, requests: list[Request], info: StepInfo) -> Rollout:
+        """The requests' rows with their ``extras`` set (``_sample``)."""
+        out = self._sample(requests, info)
+        names = sorted({name for r in requests for name in (r.extras or {})})
+        for name in names:
+            values = torch.zeros(out.shape[0], out.shape[1])  # [B,G]
+            for b, r in enumerate(requests):
+                if r.extras and name in r.extras:
+                    values[b, : r.n] = torch.as_tensor(r.extras[name], dtype=torch.float32)
+            out.set_extra(name, values, "row")
+        return out
+
+    def _sample(self, requests: list[Request], info: StepInfo) -> Rollout:
         """One policy call per distinct sampling override (usually one call), rows in request order."""
         by_override: dict[tuple, list[int]] = {}
         offered = getattr(self.policy, "request_options", frozenset())
+        hooks = set(getattr(self.policy, "hooks", ()))
         for i, r in enumerate(requests):
+            if r.hook is not None and r.hook.kind not in hooks:
+                raise ValueError(f"Request.hook of kind {r.hook.kind!r} cannot be applied by the {self.policy.modality} policy's engine "
+                                 f"(it applies {sorted(hooks) or 'none'})")
             if set(r.sampling or ()) - offered:
                 raise ValueError(f"Request.sampling keys {sorted(set(r.sampling) - offered)} are not offered by the policy (it offers {sorted(offered)})")
             by_override.setdefault(tuple(sorted((r.sampling or {}).items())), []).append(i)

@@ -42,6 +42,7 @@ TRL ``GRPOConfig`` defaults (the ``rollout`` config).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
@@ -54,15 +55,22 @@ class Sample:
     """G independent samples per prompt; refill rounds when the sampler drops groups (GRPO, DAPO)."""
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
-        B, G = ctx.batch_size, ctx.group_size
-        parts, kept = [], 0
-        for round_ in range(ctx.max_rounds):
-            ids = ctx.draw(B, round_)
-            batch = ctx.rollout([Request(key=i, n=G, offset=round_ * G) for i in ids], round_)
-            keep = ctx.keep(batch)  # [B] bool
-            parts.append(batch if bool(keep.all()) else batch.select(keep.nonzero().flatten()))  # no copy when every group is kept
-            kept += int(keep.sum())
-            if kept >= B:
-                break
-        batch = Rollout.concat(parts)
-        return batch if kept == B else batch.select(list(range(min(kept, B))))
+        return refill_rounds(ctx)
+
+
+def refill_rounds(ctx: RolloutContext, hook: Callable[[int, int], Any] | None = None, extras: dict[str, Any] | None = None) -> Rollout:
+    """The module's Math: rounds of B prompts, G rows each, until B groups are kept. ``hook(key, G)``
+    gives each request's generation hook (``groupwise.hooks``; strategies that sample under one),
+    ``extras`` the row labels of every request (``Request.extras``)."""
+    B, G = ctx.batch_size, ctx.group_size
+    parts, kept = [], 0
+    for round_ in range(ctx.max_rounds):
+        ids = ctx.draw(B, round_)
+        batch = ctx.rollout([Request(key=i, n=G, offset=round_ * G, hook=None if hook is None else hook(i, G), extras=extras) for i in ids], round_)
+        keep = ctx.keep(batch)  # [B] bool
+        parts.append(batch if bool(keep.all()) else batch.select(keep.nonzero().flatten()))  # no copy when every group is kept
+        kept += int(keep.sum())
+        if kept >= B:
+            break
+    batch = Rollout.concat(parts)
+    return batch if kept == B else batch.select(list(range(min(kept, B))))

@@ -1,0 +1,139 @@
+"""Generation hooks: perturbations the engine applies while it SAMPLES a request's rows, never while
+the policy is trained or scored.
+
+A rollout strategy that explores under a perturbed model (E²PO's prompt-embedding perturbations,
+VSPO's steering vectors) puts a hook on its ``Request`` (``Request.hook``); the policy's engine
+applies it to that request's rows only, and the rows come back as if sampled from the clean policy:
+``prompt_ids`` and ``actions`` are the clean prompt and the sampled tokens, ``logp_sampler`` the
+log-probs of the *hooked* model (the behaviour policy). Every later forward (old log-probs, needs,
+the training loss) runs the clean model on the clean prompt: the update is on the clean condition.
+
+Capabilities, checked at build: a strategy lists the hook kinds it uses in ``hooks`` (a tuple of
+names); a policy lists the kinds its engine can apply in ``hooks`` (a frozenset; a policy without
+the attribute applies none). ``rollout.context.check_strategy`` fails the build when the strategy
+uses a kind the policy cannot apply, and ``RolloutContext`` refuses a hooked request the same way at
+run time. The kinds:
+
+- ``embed_delta`` (:class:`EmbedDelta`): ``delta[j]`` [P,D] is added to the input embeddings of
+  the prompt tokens at ``positions`` [P] for row j of the request (the prefill only; generated
+  tokens embed as usual). A row whose delta is zero is the clean prompt.
+- ``residual_add`` (:class:`ResidualAdd`): ``alpha[j] · vector`` [D] is added to the residual
+  stream after decoder layer ``layer`` (0: to the embeddings) at every position, prompt and
+  generated tokens, for row j. ``alpha[j] = 0`` is the clean model.
+
+The text engine (``engines/cpu.py``) applies both on either decoding path: the functional decoder
+(``policy/functional.py``, which declares the kinds it supports in ``DecodeState.hooks``) adds them
+inside its own layer loop; a call whose hooks the functional decoder does not support falls back to
+the model's own forward, with ``inputs_embeds`` for ``embed_delta`` and a forward hook on the layer
+module for ``residual_add``. A hooked call prefills every row separately (its prompt's keys and
+values differ from row to row), so it does not share the prompt's KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+from torch import Tensor
+
+from groupwise.registry import ConfigError
+
+KINDS = ("embed_delta", "residual_add")
+
+
+@dataclass
+class EmbedDelta:
+    """Row j of the request samples with ``delta[j]`` added to the embeddings of its prompt tokens at ``positions``."""
+
+    kind: ClassVar[str] = "embed_delta"
+    positions: Tensor  # [P] int64, indices into the request's prompt ids
+    delta: Tensor  # [n,P,D] float32, one perturbation per row of the request
+
+    def __post_init__(self) -> None:
+        if self.positions.dim() != 1 or self.delta.dim() != 3 or self.delta.shape[1] != self.positions.shape[0]:
+            raise ValueError(f"EmbedDelta: positions [P] and delta [n,P,D] do not agree (positions {tuple(self.positions.shape)}, "
+                             f"delta {tuple(self.delta.shape)})")
+
+
+@dataclass
+class ResidualAdd:
+    """Row j of the request samples with ``alpha[j] * vector`` added to the residual stream after decoder layer ``layer``."""
+
+    kind: ClassVar[str] = "residual_add"
+    layer: int  # 0 = the embeddings, l = after decoder layer l (1-based, like policy.functional.hidden_states' layers)
+    vector: Tensor  # [D]
+    alpha: Tensor  # [n] float32
+
+    def __post_init__(self) -> None:
+        if self.layer < 0 or self.vector.dim() != 1 or self.alpha.dim() != 1:
+            raise ValueError(f"ResidualAdd: need layer >= 0, vector [D] and alpha [n]; got layer={self.layer}, vector "
+                             f"{tuple(self.vector.shape)}, alpha {tuple(self.alpha.shape)}")
+
+
+def hook_kinds(hooks: Sequence[Any]) -> set[str]:
+    """The kinds of the (non-None) hooks."""
+    return {h.kind for h in hooks if h is not None}
+
+
+def check_hooks(strategy: Any, policy: Any) -> None:
+    """At build: every hook kind ``strategy`` uses is one the policy's engine can apply."""
+    used = set(getattr(strategy, "hooks", ()))
+    unknown = used - set(KINDS)
+    name = getattr(strategy, "registry_name", type(strategy).__name__)
+    if unknown:
+        raise ConfigError(f"rollout strategy {name!r} declares unknown hook kinds {sorted(unknown)}; known: {list(KINDS)}")
+    offered = set(getattr(policy, "hooks", ()))
+    missing = used - offered
+    if missing:
+        raise ConfigError(f"rollout strategy {name!r} samples under generation hooks {sorted(missing)} that the {policy.modality} policy's "
+                          f"engine cannot apply (it applies {sorted(offered) or 'none'}); use a text policy (model.policy) or another rollout strategy")
+
+
+def row_hooks(hooks: Sequence[Any], n: int, prompt_lengths: Sequence[int], width: int, dim: int) -> tuple[Tensor | None, tuple[int, Tensor] | None]:
+    """The per-row form the decoders apply, for a call of ``B`` prompts with ``n`` rows each
+    (rows ``b*n .. b*n+n-1`` are prompt b), left-padded to ``width``:
+
+    ``embed_add`` [B*n,width,D] (None without an ``embed_delta``): what each row adds to its prompt's
+    input embeddings (prompt position p of prompt b sits in column ``width − len_b + p``);
+    ``steer`` = (layer, add [B*n,D]) (None without a ``residual_add``): what each row adds to the
+    residual stream after that layer. All ``residual_add`` hooks of one call must name one layer."""
+    embed_add, steer_layer, steer = None, None, None
+    R = len(hooks) * n
+    for b, hook in enumerate(hooks):
+        if hook is None:
+            continue
+        if isinstance(hook, EmbedDelta):
+            if hook.delta.shape[0] != n or hook.delta.shape[2] != dim:
+                raise ValueError(f"EmbedDelta of prompt {b}: delta {tuple(hook.delta.shape)} must be [n={n}, P, D={dim}]")
+            if bool((hook.positions < 0).any()) or bool((hook.positions >= prompt_lengths[b]).any()):
+                raise ValueError(f"EmbedDelta of prompt {b}: positions {hook.positions.tolist()} outside its {prompt_lengths[b]} prompt tokens")
+            if embed_add is None:
+                embed_add = torch.zeros(R, width, dim)  # [R,W,D]
+            columns = width - prompt_lengths[b] + hook.positions  # [P]
+            embed_add[b * n : (b + 1) * n, columns] = hook.delta.float()
+        elif isinstance(hook, ResidualAdd):
+            if hook.alpha.shape[0] != n or hook.vector.shape[0] != dim:
+                raise ValueError(f"ResidualAdd of prompt {b}: alpha {tuple(hook.alpha.shape)} must be [n={n}] and vector {tuple(hook.vector.shape)} [D={dim}]")
+            if steer_layer is not None and hook.layer != steer_layer:
+                raise ValueError(f"ResidualAdd hooks of one call name layers {steer_layer} and {hook.layer}; generate them in separate calls")
+            if steer is None:
+                steer_layer, steer = hook.layer, torch.zeros(R, dim)  # [R,D]
+            steer[b * n : (b + 1) * n] = hook.alpha.float()[:, None] * hook.vector.float()[None, :]
+        else:
+            raise ValueError(f"unknown generation hook {type(hook).__name__}; known kinds: {list(KINDS)}")
+    return embed_add, (None if steer is None else (steer_layer, steer))
+
+
+def residual_module(model, layer: int):
+    """The module whose output is the residual stream after decoder layer ``layer`` (0: the input embeddings)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if layer == 0:
+        return base.get_input_embeddings()
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", base)
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    if layers is None:
+        raise ValueError(f"residual_add hook: no decoder layer list found on {type(base).__name__} (looked for .layers and .h)")
+    if not 1 <= layer <= len(layers):
+        raise ValueError(f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(layers)} (0: the embeddings)")
+    return layers[layer - 1]

@@ -1,0 +1,59 @@
+"""A row extra as a reward: the value a rollout strategy attached to each row (``Request.extras``).
+
+Used by VSPO (spec 17, ``rollout/vspo.py``) for its cheap behaviour proxy ``beh_reward =
+"steer_coef"``: the steering coefficient ``α_g / α_max`` the row was sampled under, which the
+strategy labels every row with before it is scored.
+
+**Change vs GRPO**: none to the algorithm; listed beside a task reward it adds
+``weight · extras[key]`` to each row's total (the reward stage's weighted sum).
+
+**Math**::
+
+    score_{b,g} = rollout.extras[key][b, g]        (0 on invalid rows)
+
+**Defaults**
+
+- ``key = "steer_coef"`` [INFERRED] the extra VSPO's strategy collects.
+- ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+
+**Notes**
+
+1. A rollout scorer (``score_rollout``) that lists ``key`` in ``rollout_extras``: a run whose rollout
+   strategy does not collect that extra fails at build, naming it.
+2. Invalid rows (``group_valid`` False) score 0; a non-finite extra value is excluded (NaN verdict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from groupwise.registry import ConfigError, register
+from groupwise.types import Rollout, StepInfo
+
+
+@register("reward", "row_extra")
+@dataclass
+class RowExtra:
+    """The row extra ``key`` (set by the rollout strategy before scoring) as each row's score."""
+
+    key: str = "steer_coef"
+    weight: float = 1.0
+
+    needs = ()
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ConfigError("reward row_extra: key must name a row extra, e.g. key = \"steer_coef\" (rollout vspo)")
+
+    @property
+    def rollout_extras(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
+        if self.key not in rollout.extras:
+            raise KeyError(f"reward row_extra: the rollout has no extra {self.key!r} (extras: {sorted(rollout.extras)})")
+        value = rollout.extras[self.key].float()  # [B,G]
+        return torch.where(rollout.group_valid.bool(), value, torch.zeros(()))  # [B,G]
