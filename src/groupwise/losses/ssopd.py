@@ -147,6 +147,7 @@ class SSOPD:
     agg: str | None = "group_mean"
 
     couples = "group"
+    binary_rewards = True  # reads right/wrong verdicts (test fixtures give such terms 0/1 rewards)
     weighted = False  # Note 5
     on_policy_reinforce = False  # Note 6
 
