@@ -248,6 +248,31 @@ def test_view_errors():
         build("view", "sibling_hint", pick="random")
 
 
+# ---------------------------------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("packed,share_prefix,functional", [(True, False, True), (True, True, True), (True, False, False), (False, False, False)])
+def test_logprobs_quantity_is_the_whole_next_token_distribution(packed, share_prefix, functional):
+    """``logprobs`` [B,G,T,V] on every forward path equals a per-row forward's log_softmax; its entry at
+    the sampled token is ``logp``; 0 outside the scored tokens; differentiable (the student's grad need)."""
+    from test_forward import batch, naive_quantities, tiny_model
+
+    from groupwise.policy.forward import completion_logprobs
+
+    model = tiny_model()
+    prompts, actions, mask, rows = batch()
+    out = completion_logprobs(model, prompts, actions, mask, rows, packed=packed, share_prefix=share_prefix, functional=functional,
+                              quantities=["logp", "logprobs", "topk(2)"])
+    with torch.no_grad():
+        _, _, ref = naive_quantities(model, prompts, actions, mask, rows, k=1, layer=0)
+    scored = mask & rows[..., None]  # [B,G,T]
+    assert out["logprobs"].shape == (2, 3, 6, 64)
+    torch.testing.assert_close(out["logprobs"].detach(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out["logprobs"].gather(-1, actions[..., None])[..., 0].detach(), out["logp"].detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out["logprobs"].topk(2, dim=-1).values.detach()[scored], out["topk(2)"].detach()[scored], atol=1e-6, rtol=0)
+    assert (out["logprobs"][~scored] == 0).all()
+    out["logprobs"][scored].exp()[:, 0].sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("objective, estimator", [("ppo_clip", "grpo"), ("gspo", "sign")])
 def test_composes_with_objectives_and_estimators(tmp_path, objective, estimator):
