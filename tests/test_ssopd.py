@@ -106,6 +106,8 @@ def test_divergence_is_zero_outside_the_mask_even_for_nan():
     _close(ell, [KL_SPEC, 0.0])
     (grad,) = torch.autograd.grad(ell.sum(), p)
     _close(grad, [[-0.4, 0.4], [0.0, 0.0]])  # p − q inside, exactly 0 at the padding
+    one_hot = torch.tensor([[0.0, -float("inf")]])  # q = [1, 0]: 1·ln(1/.5) + 0·log 0 = ln 2
+    _close(token_divergence(torch.log(torch.tensor([[0.5, 0.5]])), one_hot, torch.ones(1, dtype=torch.bool)), [math.log(2.0)])
 
 
 # ---------------------------------------------------------------------------------------------- the term

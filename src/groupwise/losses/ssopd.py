@@ -49,7 +49,8 @@ teacher's under hint(x, y⁺) ⊕ y⁻_<t, no gradient)::
    no gradient. The student's are the grad need ``logprobs`` of the micro-batch, [b,G,T,V].
 4. Only y⁻'s tokens that are loss tokens (``loss_tokens``: mask, valid row, not removed by a token
    weight) count; inputs are neutralised outside them before any ``exp``, so padding — even NaN —
-   reaches neither the value nor the gradient. A y⁻ without tokens gives 0.
+   reaches neither the value nor the gradient. A y⁻ without tokens gives 0. A vocabulary entry of
+   probability 0 (log −inf) adds 0 (0 · log 0 = 0), not NaN.
 5. Group-level term (``couples = "group"``): every row of group b carries L[b]; under another
    aggregation a group weighs by its rows or tokens. Token weights do not scale it (``weighted =
    False``): the frontier weight is its own.
@@ -106,13 +107,17 @@ def token_divergence(logp: Tensor, logq: Tensor, mask: Tensor, kind: str = "fkl"
     logq = torch.log_softmax(logq / tau, dim=-1)  # [...,V] tempered teacher (padding -> uniform)
     logp = torch.log_softmax(logp, dim=-1)  # [...,V] a no-op on a log-distribution (padding -> uniform)
     p, q = logp.exp(), logq.exp()  # [...,V] x2
+
+    def plogp(w: Tensor, log_w: Tensor, log_other: Tensor) -> Tensor:  # Σ_v w (log w − log other), 0·log 0 = 0
+        return torch.where(w > 0, w * (log_w - log_other), torch.zeros((), dtype=w.dtype)).sum(-1)  # [...]
+
     if kind == "fkl":
-        ell = (q * (logq - logp)).sum(-1)  # [...]
+        ell = plogp(q, logq, logp)  # [...]
     elif kind == "rkl":
-        ell = (p * (logp - logq)).sum(-1)  # [...]
+        ell = plogp(p, logp, logq)  # [...]
     elif kind == "jsd":
         logm = torch.logaddexp(logp, logq) - math.log(2.0)  # [...,V]
-        ell = 0.5 * (q * (logq - logm)).sum(-1) + 0.5 * (p * (logp - logm)).sum(-1)  # [...]
+        ell = 0.5 * plogp(q, logq, logm) + 0.5 * plogp(p, logp, logm)  # [...]
     else:
         raise ValueError(f"ssopd: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     return torch.where(mask.bool(), ell, torch.zeros((), dtype=ell.dtype))  # [...]
