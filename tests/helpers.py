@@ -106,6 +106,8 @@ def fill_needs(rollout: Rollout, needs, seed: int = 7) -> dict[str, Tensor]:
         value = torch.rand(B, G, T, generator=g) * 2.0  # [B,G,T]
         if need.name == "hidden":  # a hidden state per token [B,G,T,H]
             value = torch.randn(B, G, T, HIDDEN, generator=g)
+        if need.name == "logprobs":  # a next-token log-distribution per token [B,G,T,V] over make_rollout's 50 ids
+            value = torch.log_softmax(2.0 * torch.randn(B, G, T, VOCAB, generator=g), dim=-1)
         if need.quantity == "logp":
             value = -value
         key = need.key
@@ -123,6 +125,7 @@ def fill_needs(rollout: Rollout, needs, seed: int = 7) -> dict[str, Tensor]:
 
 
 HIDDEN = 8  # hidden size of a filled hidden(l) need
+VOCAB = 50  # vocabulary of a filled logprobs need (make_rollout's actions are ids 0..49)
 
 
 def _example_probe(seed: int) -> dict:

@@ -37,6 +37,7 @@ B, G, T = 3, 4, 5
 
 def _term_setup(name, seed=0, **kw):
     term = build("objective", name)
+    kw.setdefault("binary", getattr(term, "binary_rewards", False))  # a term that reads right/wrong verdicts gets 0/1 rewards
     ro = make_rollout(B, G, T, seed=seed, **kw)
     out = fill_inputs(ro, term, seed=seed + 10)  # needs, and token texts for a term that reads them (la_grpo's functional tokens)
     for artifact in getattr(term, "artifacts", ()):  # an offline phase's output (DISA's log Z table): the sweeps' example
@@ -50,10 +51,11 @@ def _grad_through_objective(terms, ro, out, logp, agg):
     obj = objective_for(terms, agg)
     info = info_for(T)
     loss = obj.loss(ro, out, obj.normalizers(ro, info), info)
-    # every grad input of the terms (logp, and entropy for an entropy bonus) counts
-    inputs = [logp] + [v for v in out.values() if v is not logp and v.requires_grad and v.shape == logp.shape]
+    # every grad input of the terms counts: logp, entropy for an entropy bonus, and a per-token vector
+    # such as logprobs [B,G,T,V] (ssopd), reduced to its magnitude per token
+    inputs = [logp] + [v for v in out.values() if v is not logp and v.requires_grad and v.shape[:3] == logp.shape]
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    grad = sum(torch.zeros_like(logp) if g is None else g for g in grads)
+    grad = sum(torch.zeros_like(logp) if g is None else g if g.dim() == 3 else g.abs().flatten(3).sum(-1) for g in grads)
     return loss, grad, obj.loss_mask(ro)
 
 

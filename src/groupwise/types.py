@@ -22,7 +22,8 @@ class Need:
     """An input a component asks the trainer to compute.
 
     ``quantity``: a registered provider's name with an optional argument, per completion token:
-    ``logp``, ``entropy``, ``topk(k)`` (the k largest log-probs [.., k]), ``kl_to(VIEW)`` (full-vocabulary
+    ``logp``, ``logprobs`` (the whole next-token log-distribution [.., V]), ``entropy``, ``topk(k)``
+    (the k largest log-probs [.., k]), ``kl_to(VIEW)`` (full-vocabulary
     KL(π(·|ctx) ‖ π(·|VIEW ctx)) per token), ``hidden(l)`` (hidden state after layer l [.., H]).
     ``model``: a role name (``policy``, ``ref``); ``view``: a registered ``View`` that re-scores the
     rows under an edited context (``default`` = as sampled); ``grad``: computed inside each

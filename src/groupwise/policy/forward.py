@@ -265,7 +265,7 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
     for q in quantities:
         name, _, arg = q.partition("(")
         arg = arg.rstrip(")")
-        if name == "logp":
+        if name in ("logp", "logprobs"):  # logprobs: read by completion_logprobs itself
             continue
         if name == "entropy":
             entropy = True
@@ -276,7 +276,7 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
         elif name == "last_hidden":
             last = True
         else:
-            raise ValueError(f"the packed forward cannot compute {q!r}; it computes logp, entropy, topk(k), hidden(l), last_hidden")
+            raise ValueError(f"the packed forward cannot compute {q!r}; it computes logp, logprobs, entropy, topk(k), hidden(l), last_hidden")
     return layers, topks, entropy, last
 
 
@@ -300,7 +300,8 @@ def completion_logprobs(
 
     Returns ``{"logp": [B,G,T] float32}`` (0 where ``mask`` is False or the row is not in ``rows`` [B,G])
     plus every requested quantity under its own name: ``"entropy"`` [B,G,T] (also with
-    ``want_entropy``), ``"topk(k)"`` [B,G,T,k] (the k largest log-probs, descending), ``"hidden(l)"``
+    ``want_entropy``), ``"logprobs"`` [B,G,T,V] (the whole next-token log-distribution, in vocabulary
+    order), ``"topk(k)"`` [B,G,T,k] (the k largest log-probs, descending), ``"hidden(l)"``
     [B,G,T,H] (residual stream after layer l, 0 = embeddings), ``"last_hidden"`` [B,G,T,H] (final-norm
     states the head reads), all at the position that predicts token t and 0 elsewhere. Autograd flows
     to the model's parameters unless the caller runs it under ``torch.no_grad()``. ``share_prefix``
@@ -312,6 +313,7 @@ def completion_logprobs(
     values, fewer ops).
     """
     layers, topks, entropy_wanted, last_wanted = parse_quantities(quantities)
+    full_wanted = "logprobs" in quantities
     want_entropy = want_entropy or entropy_wanted
     B, G, T = actions.shape
     rows = rows.bool()  # [B,G]
@@ -329,6 +331,8 @@ def completion_logprobs(
         result[f"hidden({l})"] = torch.zeros(B, G, T, width, dtype=torch.float32, device=device)  # [B,G,T,H]
     if last_wanted:
         result["last_hidden"] = torch.zeros(B, G, T, width, dtype=torch.float32, device=device)  # [B,G,T,H]
+    if full_wanted:
+        result["logprobs"] = torch.zeros(B, G, T, _vocab_size(model), dtype=torch.float32, device=device)  # [B,G,T,V]
     if not bool(scored.any()):
         return result
 
@@ -377,6 +381,8 @@ def completion_logprobs(
         result[f"hidden({l})"] = _scatter_rows(result[f"hidden({l})"], out_mask, states.float())  # [B,G,T,H]
     if last_wanted:
         result["last_hidden"] = _scatter_rows(result["last_hidden"], out_mask, hidden.float())  # [B,G,T,H]
+    if full_wanted:
+        result["logprobs"] = _scatter_rows(result["logprobs"], out_mask, torch.log_softmax(logits.float(), dim=-1))  # [B,G,T,V]
     return result
 
 
@@ -385,6 +391,11 @@ def _scatter_rows(into: Tensor, mask: Tensor, values: Tensor) -> Tensor:
     flat = into.reshape(-1, into.shape[-1])  # [B*G*T,D]
     index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
     return flat.index_copy(0, index, values.to(flat.dtype)).view_as(into)  # [B,G,T,D]
+
+
+def _vocab_size(model) -> int:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return int(base.get_output_embeddings().weight.shape[0])
 
 
 def _hidden_size(model) -> int:

@@ -1,18 +1,19 @@
-"""Quantities read from one packed forward pass: ``logp``, ``entropy``, ``topk(k)``, ``hidden(l)``.
+"""Quantities read from one packed forward pass: ``logp``, ``logprobs``, ``entropy``, ``topk(k)``, ``hidden(l)``.
 
 Standard practice, no paper: GRPO's ratio and KL terms need the per-token log-probs of the sampled
 completion under the policy and the reference model (DeepSeekMath, Shao et al. 2024,
 https://arxiv.org/abs/2402.03300). The other quantities come from the same forward pass, for the
 variants that read them.
 
-**Change vs GRPO**: none — ``logp`` is the quantity GRPO uses; ``entropy``, ``topk(k)`` and
-``hidden(l)`` only add outputs of the same forward (e.g. the ``top_entropy`` token weight reads
-``entropy``).
+**Change vs GRPO**: none — ``logp`` is the quantity GRPO uses; ``logprobs``, ``entropy``, ``topk(k)``
+and ``hidden(l)`` only add outputs of the same forward (e.g. the ``top_entropy`` token weight reads
+``entropy``, the ``ssopd`` term reads ``logprobs`` under its own context and a hint view).
 
 **Math** (``logq = log_softmax(logits.float())``, the output head at the position that predicts
 completion token ``y_t``, i.e. given the prefix ``context, y_<t``)::
 
     logp[b,g,t]      = logq[y_t]                                    # [B,G,T]
+    logprobs[b,g,t]  = logq                                         # [B,G,T,V]  vocabulary order
     entropy[b,g,t]   = -Σ_v exp(logq[v]) · logq[v]                  # [B,G,T]
     topk(k)[b,g,t]   = the k largest logq[v], descending            # [B,G,T,k]
     hidden(l)[b,g,t] = residual stream after decoder layer l         # [B,G,T,H]   (0 = embeddings)
@@ -29,7 +30,11 @@ the need's name: ``topk(k)`` with an integer k ≥ 1, ``hidden(l)`` with l ≥ 0
    decoder does not run.
 2. The logits are the raw model's (temperature 1, after the architecture's own logit scaling or
    soft-capping): the rollout's sampling temperature does not enter.
-3. ``topk(k)`` with k larger than the vocabulary pads the missing entries with ``-inf``.
+3. ``topk(k)`` with k larger than the vocabulary pads the missing entries with ``-inf``. ``topk``
+   keeps only the values (sorted, no token ids); ``logprobs`` keeps the whole distribution in
+   vocabulary order, for a divergence between two contexts' distributions that needs a gradient (a
+   no-grad one is cheaper as ``kl_to(VIEW)``). It is [B,G,T,V] float32 on every row and token: fine
+   for a small vocabulary, 4·V bytes a token for a large one.
 4. ``check`` runs at build time: a missing or non-integer argument of ``topk``/``hidden`` (or one
    below its minimum), or any argument given to ``logp``/``entropy``, is a ``ConfigError``.
 5. ``grad_ok = True``: these may be computed with autograd inside a micro-batch, but only as the
@@ -77,6 +82,12 @@ class _ForwardQuantity:
 @dataclass
 class LogProb(_ForwardQuantity):
     """Log-probability of each sampled token [B,G,T]."""
+
+
+@register("provider", "logprobs")
+@dataclass
+class LogProbs(_ForwardQuantity):
+    """The whole next-token log-distribution at each completion token [B,G,T,V] (vocabulary order)."""
 
 
 @register("provider", "entropy")
