@@ -105,6 +105,19 @@ def test_groups_without_positives_or_negatives_give_exactly_zero():
     _close(_loss_grad(build("objective", "dgpo"), ro, logp)[0], 0.557749)
 
 
+def test_coherent_labels_above_the_mean_or_a_threshold():
+    # rewards [0.9, 0.5, 0.2, 0.1]: mean 0.425 → rows 0, 1 coherent: the spec's group
+    ro, logp = _group(S_SPEC, [0.9, 0.5, 0.2, 0.1])
+    _close(_loss_grad(build("objective", "dgpo"), ro, logp)[0], 0.611835)
+    # positive_at = 0.6: row 0 alone over rows 1..3: gaps 0, −0.1, 0.8 → (0.693147 + 0.744397 + 0.371101)/3 = 0.602882
+    _close(_loss_grad(build("objective", "dgpo", positive_at=0.6), ro, logp)[0], 0.602882)
+    ro, logp = _group(S_SPEC, [0.1] * 4)  # a constant non-binary group: no row above the mean, exactly 0
+    L, grad = _loss_grad(build("objective", "dgpo"), ro, logp)
+    assert L == 0 and torch.equal(grad, torch.zeros_like(grad))
+    # positive_at = 0.1 makes all four coherent: no inconsistent row, 0
+    assert _loss_grad(build("objective", "dgpo", positive_at=0.1), ro, logp)[0] == 0
+
+
 def test_invalid_nan_and_empty_rows_are_not_members():
     # the spec's group plus an invalid coherent row, a NaN-reward row and an empty completion: the spec's value, no gradient to them
     ro, logp = _group([*S_SPEC, 5.0, 5.0, 5.0], [*R_SPEC, 1.0, float("nan"), 0.0])
@@ -159,7 +172,7 @@ def test_advantages_are_not_read():
 
 def test_declaration_and_errors():
     term = build("objective", "dgpo")
-    assert (term.beta, term.gamma, term.lam_var, term.agg, term.rollout_extras) == (1.0, 0.2, 1.0, "group_mean", ())
+    assert (term.beta, term.gamma, term.lam_var, term.positive_at, term.agg, term.rollout_extras) == (1.0, 0.2, 1.0, None, "group_mean", ())
     assert build("objective", "dgpo", pool_directions=True).rollout_extras == ("direction",)
     for key, bad in (("beta", 0.0), ("gamma", -0.1), ("lam_var", -1.0), ("score", "logprob")):
         with pytest.raises(ValueError, match=key):

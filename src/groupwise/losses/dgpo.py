@@ -9,8 +9,8 @@ questions into one group.
 
 **Change vs GRPO**
 
-- No advantage and no ratio: the rows of a question group are labelled coherent (reward ≥
-  ``positive_at``) or inconsistent, and every coherent row's score must exceed every inconsistent
+- No advantage and no ratio: the rows of a question group are labelled coherent (a reward above
+  the question group's mean: the correct rows of a 0/1 reward) or inconsistent, and every coherent row's score must exceed every inconsistent
   row's by the margin ``gamma`` (a softplus hinge over all P × N pairs, not DPO's single pair).
 - ``lam_var`` · the variance of the coherent rows' scores keeps all correct paths comparably likely
   (the spec: preserves reasoning diversity).
@@ -21,7 +21,8 @@ questions into one group.
 
     s_i   = beta * Σ_t mask·logp / Σ_t mask                         score = "logp"         [b,G]
     s_i   = beta * Σ_t mask·(logp − logp_ref) / Σ_t mask            score = "ref"          [b,G]
-    P_q   = {i ∈ q : reward_i ≥ positive_at},  N_q = q \\ P_q
+    P_q   = {i ∈ q : Σ_{j∈q} (reward_i − reward_j) > 0}  (above q's mean),  N_q = q \\ P_q
+            (positive_at = c: P_q = {i ∈ q : reward_i ≥ c})
     L_q   = mean_{p∈P_q, n∈N_q} softplus(−(s_p − s_n − gamma)) + lam_var · Var_{p∈P_q}(s_p)   (population variance)
     L_q   = 0                                                         when P_q or N_q is empty
     loss  = mean over the question groups with a member of L_q     (agg "group_mean", Note 3)
@@ -34,7 +35,10 @@ questions into one group.
 - ``pool_directions = False`` [INFERRED]: groups as sampled; ``True`` [ABSTRACT] ("group forward QA
   and constructed reverse QA candidates for the same problem") pools the directions of a group
   (needs rollout ``directions``, checked at build).
-- ``positive_at = 1.0`` [INFERRED] a row is coherent when its reward reaches 1 (a correct answer).
+- ``positive_at = None`` [INFERRED]: a row is coherent when its reward is above its question group's
+  mean — for a 0/1 correctness reward exactly the correct rows of a mixed group (and no term in an
+  all-correct or all-wrong group), for any other reward a relative label. A number ``c`` labels
+  rows by the threshold reward ≥ c instead (an option).
 - ``agg = "group_mean"`` [INFERRED] the spec's per-group loss, each question group once.
 
 **Notes**
@@ -118,7 +122,7 @@ class DGPO:
     lam_var: float = 1.0
     score: str = "logp"
     pool_directions: bool = False
-    positive_at: float = 1.0
+    positive_at: float | None = None
     coef: float = 1.0
     agg: str | None = "group_mean"
 
@@ -146,13 +150,17 @@ class DGPO:
         s = self.beta * lp.sum(-1) / mask.sum(-1).clamp(min=1).to(lp.dtype)  # [b,G]
         rewards = required(mb, "rewards", "dgpo").float()  # [b,G]
         members = group_members(mask, rewards)  # [b,G]
-        pos = members & (rewards >= self.positive_at)  # [b,G]
         direction = mb.extras.get(DIRECTION)
         if direction is None or self.pool_directions:
             same = torch.ones(s.shape + s.shape[-1:], dtype=torch.bool)  # [b,G,G]
         else:
             same = direction[:, :, None] == direction[:, None, :]  # [b,G,G]
         same = same & members[:, :, None] & members[:, None, :]  # [b,G,G]
+        if self.positive_at is None:  # above the question group's mean; exactly none in a constant group
+            r = torch.where(members, rewards, 0.0).double()  # [b,G]
+            pos = members & (torch.where(same, r[:, :, None] - r[:, None, :], 0.0).sum(-1) > 0)  # [b,G]
+        else:
+            pos = members & (rewards >= self.positive_at)  # [b,G]
         loss, acc, has = question_losses(s, pos, members & ~pos, same, self.gamma, self.lam_var)  # [b,G] x3
         return s, loss, acc, has, same, members, mask
 
