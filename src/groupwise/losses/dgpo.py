@@ -10,8 +10,9 @@ questions into one group.
 **Change vs GRPO**
 
 - No advantage and no ratio: the rows of a question group are labelled coherent (a reward above
-  the question group's mean: the correct rows of a 0/1 reward) or inconsistent, and every coherent row's score must exceed every inconsistent
-  row's by the margin ``gamma`` (a softplus hinge over all P × N pairs, not DPO's single pair).
+  the question group's mean: the correct rows of a 0/1 reward) or inconsistent, and every coherent
+  row's score must exceed every inconsistent row's by the margin ``gamma`` (a softplus hinge over
+  all P × N pairs, not DPO's single pair).
 - ``lam_var`` · the variance of the coherent rows' scores keeps all correct paths comparably likely
   (the spec: preserves reasoning diversity).
 - Groups: each rollout group (one question and its direction), or, with ``pool_directions``, a
