@@ -293,3 +293,24 @@ def test_eval_by_direction(tmp_path):
         assert summary[key] == pytest.approx((summary[f"{key}/forward"] + summary[f"{key}/reverse"]) / 2)
     with pytest.raises(ConfigError, match="eval.by"):
         _trainer(tmp_path / "bad", 'eval.by="colour"', "eval.size=8", "train.steps=1").train()
+
+
+def test_sft_phase_task_trains_on_that_tasks_rows():
+    # the claim's shared warm start: an sft phase with task="fobar" on a run whose own rows are forward-only
+    from groupwise.phases import PhaseContext
+    from groupwise.phases.sft import SFT
+
+    seen = {}
+    phase = SFT(steps=1, task="fobar", train_size=6)
+    phase.fit = lambda policy, rows, val, seed, prompt, accuracy: seen.update(rows=rows) or {"steps": 0}
+    forward_only = get_task("fobar_forward").rows("train", 6, 3)
+    ctx = PhaseContext(None, forward_only, [], 3, lambda *a: [], lambda *a: 0.0, lambda line: None)
+    phase(ctx)
+    expected = get_task("fobar").rows("train", 6, 3)
+    assert sorted(map(str, seen["rows"])) == sorted(map(str, expected)) and {r["direction"] for r in seen["rows"]} == {"forward", "reverse"}
+    phase = SFT(steps=1)
+    phase.fit = lambda policy, rows, val, seed, prompt, accuracy: seen.update(rows=rows) or {"steps": 0}
+    phase(ctx)
+    assert sorted(map(str, seen["rows"])) == sorted(map(str, forward_only))  # without task: the run's rows
+    with pytest.raises(ConfigError, match="unknown task"):
+        SFT(steps=1, task="nope")(ctx)
