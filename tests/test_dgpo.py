@@ -314,3 +314,15 @@ def test_sft_phase_task_trains_on_that_tasks_rows():
     assert sorted(map(str, seen["rows"])) == sorted(map(str, forward_only))  # without task: the run's rows
     with pytest.raises(ConfigError, match="unknown task"):
         SFT(steps=1, task="nope")(ctx)
+
+
+def test_ref_score_in_a_run_reads_the_reference(tmp_path):
+    trainer = _trainer(tmp_path, 'objective.terms=[{name="dgpo", score="ref"}]', "train.steps=1", "eval.size=0")
+    rows, (batch,) = _observed(trainer)
+    assert batch.logp_ref is not None
+    # on step 0 the policy is the reference: every score is 0, so every pair loses softplus(gamma) = log(1 + e^0.2) = 0.798139
+    # and no variance; the loss is that times the share of groups with a term (group_mean counts every group)
+    members = batch.row_mask.any(-1) & torch.isfinite(batch.rewards)  # [B,G]
+    ok = batch.rewards >= 1.0
+    has = ((members & ok).any(-1) & (members & ~ok).any(-1)).float()  # [B]
+    assert rows[0]["loss"] == pytest.approx(0.798139 * float(has.mean()), abs=1e-5)
