@@ -326,3 +326,31 @@ def test_ref_score_in_a_run_reads_the_reference(tmp_path):
     ok = batch.rewards >= 1.0
     has = ((members & ok).any(-1) & (members & ~ok).any(-1)).float()  # [B]
     assert rows[0]["loss"] == pytest.approx(0.798139 * float(has.mean()), abs=1e-5)
+
+
+def test_directions_rollout_pairs_by_problem_and_samples_a_lone_row_alone():
+    from types import SimpleNamespace
+
+    from helpers import make_rollout
+
+    rows = [{"prompt": "1+2=", "problem": 7, "direction": "forward"}, {"prompt": "X+2=3;X=", "problem": 7, "direction": "reverse"},
+            {"prompt": "4+5=", "problem": 8, "direction": "forward"}]  # problem 8's reverse row was cut
+    strategy = build("rollout", "directions")
+    strategy.use_rows(rows)
+    asked = []
+
+    def rollout(requests):
+        asked.extend((r.key, r.n) for r in requests)
+        ro = make_rollout(len(requests), 2, 3, awkward=False)
+        ro.prompt_ids = [[10 + r.key] for r in requests]
+        return ro
+
+    ctx = SimpleNamespace(group_size=2, batch_size=3, draw=lambda n: [2, 1][:n], rollout=rollout, keep=lambda b: torch.ones(b.shape[0], dtype=torch.bool))
+    batch = strategy(ctx)  # ceil(3/2) = 2 drawn rows: 8's lone forward row, then 7's reverse row → 7's forward and reverse
+    assert asked == [(2, 2), (0, 2), (1, 2)]
+    assert batch.shape[:2] == (2, 4)
+    assert batch.group_valid.tolist() == [[True, True, False, False], [True] * 4]
+    assert batch.extras["direction"].tolist() == [[0, 0, 0, 0], [0, 0, 1, 1]]
+    assert batch.row_contexts()[1] == [[10], [10], [11], [11]] and batch.prompt_ids == [[12], [10]]
+    with pytest.raises(ConfigError, match="no column 'direction'"):
+        strategy.use_rows([{"prompt": "1+2=", "problem": 1}])
