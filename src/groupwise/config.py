@@ -95,6 +95,7 @@ class EvalCfg:
     reward: str = ""  # reward used for accuracy (default: the task's)
     samples: int = 0  # also sample n completions per held-out prompt (rollout temperature): mean@n and pass@k (0 = greedy only)
     pass_at: list = field(default_factory=list)  # the k of pass@k (each 1..samples; empty = [1, samples])
+    by: str = ""  # a held-out column (e.g. fobar's direction): also the accuracy of each of its values, eval_accuracy/VALUE at eval.every and accuracy_after/VALUE in summary.json
     views: list = field(default_factory=list)  # views the held-out prompts are also scored under (prompt views, e.g. corrupt_context): logs eval_accuracy@VIEW and eval_gap@VIEW (accuracy minus it) at eval.every, and accuracy_after@VIEW in summary.json
     tasks: list = field(default_factory=list)  # further built-in tasks whose first eval.size held-out prompts are also scored greedily, each with its own default reward (what training did to another skill): logs eval_accuracy@task:NAME and eval_nll@task:NAME (mean token NLL of its answers) at eval.every, and accuracy_after@task:NAME, nll_after@task:NAME in summary.json
 

@@ -195,6 +195,7 @@ class RunLoop:
                 if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.eval_rows:
                     row["eval_accuracy"] = self.evaluate()
                     row.update(self._view_accuracies(row["eval_accuracy"]))
+                    row.update(self._column_accuracies("eval_accuracy"))
                     self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
                 if log:
                     log.write(row)
@@ -252,11 +253,23 @@ class RunLoop:
             return
         self.summary[key] = accuracy
         self.summary["evals"].append((step, accuracy))
+        self.summary.update(self._column_accuracies(key))
         for name, value in self._view_accuracies(accuracy).items():
             if name.startswith("eval_accuracy@"):
                 self.summary[f"{key}@{name.split('@', 1)[1]}"] = value
             elif name.startswith("eval_nll@"):  # accuracy_after -> nll_after@task:NAME
                 self.summary[f"nll_{key.split('_', 1)[1]}@{name.split('@', 1)[1]}"] = value if value == value else None  # NaN: no text policy
+
+    def _column_accuracies(self, key: str) -> dict[str, float]:
+        """Held-out accuracy on the rows of each value of column ``eval.by`` (``KEY/VALUE``), over the
+        same first ``eval.size`` held-out rows as the plain accuracy; {} without ``eval.by``."""
+        by, rows = self.cfg.eval.by, self.eval_rows[: self.cfg.eval.size]
+        if not by or not rows:
+            return {}
+        if any(by not in r for r in rows):
+            raise ConfigError(f"eval.by={by!r}: not every held-out row has that column (columns: {sorted(rows[0])})")
+        values = list(dict.fromkeys(str(r[by]) for r in rows))
+        return {f"{key}/{v}": self.evaluate(rows=[r for r in rows if str(r[by]) == v], split=f"eval.by={v}") for v in values}
 
     def _view_accuracies(self, accuracy: float) -> dict[str, float]:
         """Held-out accuracy under each of ``eval.views`` (``eval_accuracy@VIEW``) and its gap to the

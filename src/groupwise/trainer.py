@@ -95,6 +95,7 @@ class Trainer(RunLoop):
                                   f"this run's policy is {self.policy.modality} (model.policy={cfg.model.policy!r})")
         check_strategy(self.strategy, self.policy, owners)  # sampling options it asks for, extras others read
         bind_vocabulary(owners + [c for r in self.roles for c in r.components], self.policy)  # token texts for phase / role maps
+        bind_rows(owners, self.train_rows)  # components that draw from or index the train rows (components.py)
         self.phases = build_phases(cfg.phases)  # what runs before the RL steps (run.py), and the artifacts it makes
         check_artifacts(self.phases, owners)
         scorer_needs = set(self.reward_stage.needs)

@@ -27,7 +27,10 @@ trained on) is measured, and the phase stops once it reaches ``target_accuracy``
 1. Needs a text policy (``encode_completion``); rows need an ``answer`` column.
 2. Reports ``steps``, ``val_accuracy`` and ``history`` ([step, accuracy] pairs) under the phase's
    name in ``summary.json``.
-3. The optimiser is the phase's own: its state does not carry into RL (RL's updater starts fresh,
+3. ``task`` (with ``train_size``) trains on a built-in task's train rows instead of the run's, so
+   runs on different data (a forward-only baseline and a forward + reverse run, claims/40) can
+   share one warm start; an unknown task fails at the phase's start with the list of tasks.
+4. The optimiser is the phase's own: its state does not carry into RL (RL's updater starts fresh,
    as it does after the shipped warm start).
 """
 
@@ -41,6 +44,7 @@ import torch
 
 from groupwise.phases import PhaseContext
 from groupwise.registry import ConfigError, build_spec, register
+from groupwise.tasks import get_task
 from groupwise.types import Rollout
 
 
@@ -58,6 +62,8 @@ class SFT:
     val_size: int = 500
     update: Any = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.98], "warmup_steps": 50, "max_grad_norm": 1.0})
     artifact: str = ""  # the phase's name in the run folder and summary (default "sft")
+    task: str = ""  # train on this built-in task's train rows instead of the run's (a warm start shared by runs on different data)
+    train_size: int = 0  # with task: that many of its train rows (0 = all)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -66,7 +72,7 @@ class SFT:
             raise ConfigError(f"phase sft: target_accuracy={self.target_accuracy} must be in [0, 1]")
 
     def __call__(self, ctx: PhaseContext) -> dict:
-        rows = list(ctx.train_rows)
+        rows = list(ctx.train_rows) if not self.task else get_task(self.task).rows("train", self.train_size, ctx.seed)
         random.Random(ctx.seed).shuffle(rows)
         val, rows = (rows[: self.val_size], rows[self.val_size :]) if self.target_accuracy else ([], rows)
         name = self.artifact or "sft"
