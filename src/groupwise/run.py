@@ -140,10 +140,17 @@ class RunLoop:
         if not self.phases:
             return
         ctx = PhaseContext(self.policy, self.train_rows, self.eval_rows, self.cfg.seed, self._prompt_ids,
-                           lambda policy, rows, split: self.evaluate(policy, rows, split), self._say)
+                           lambda policy, rows, split: self.evaluate(policy, rows, split), self._say, reward=self._phase_reward)
         artifacts = run_phases(self.phases, ctx, self.out / "phases", rl_started=self.step > 0, rank=self.rank)
         inject(artifacts, [*self._components(), *schedules.all_schedules(self._components())])
         self.summary.setdefault("phases", {}).update(ctx.summary)
+
+    def _phase_reward(self, rollout: Any, info: Any) -> None:
+        """A phase's rollout scored with the run's train rewards, as a step's batch is; the reward
+        functions' logged metrics are dropped (they would land in the first RL step's row)."""
+        self.reward_stage.score_local(rollout, info)
+        self.reward_stage.finish(rollout, info)
+        self.reward_stage.pop_metrics()
 
     def _train(self, allow: list[str]) -> dict[str, Any]:
         self._resume(allow)

@@ -40,7 +40,9 @@ class PhaseContext:
     """What a phase may use: the policy (trained by an sft phase), the task's rows, the run's seed,
     ``prompt(split, rows, i)`` (the policy's prompt ids of a row, checked against its context),
     ``accuracy(policy, rows, split)`` (greedy accuracy under the eval reward), ``say`` (one line
-    to the console), and the artifacts of the phases before it."""
+    to the console), the artifacts of the phases before it, and ``reward(rollout, info)``: scores a
+    rollout whose ``meta`` holds its dataset rows with the run's train rewards (fills ``rewards``,
+    ``reward_parts``, ``completions``; ``group_valid`` drops excluded rows), as an RL step does."""
 
     policy: Any
     train_rows: list[dict]
@@ -51,6 +53,7 @@ class PhaseContext:
     say: Callable[[str], None]
     artifacts: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)  # what each phase reports, under its name, into summary.json
+    reward: Callable[[Any, Any], None] | None = None  # the run's train rewards on a rollout (None: a caller without a reward stage)
 
 
 def build_phases(specs: list) -> list[Any]:

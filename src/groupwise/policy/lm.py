@@ -279,6 +279,10 @@ class LMPolicy:
     def parameters(self) -> list[Any]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
+    def parameter_names(self) -> list[str]:
+        """The names of :meth:`parameters`, in the same order."""
+        return [n for n, p in self.module.named_parameters() if p.requires_grad]
+
     def train(self) -> None:
         if not self.engine.functional:  # the functional maths has no dropout: skip two module-tree walks
             self.module.train()
