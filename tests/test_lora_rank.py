@@ -147,7 +147,7 @@ def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_p
     init = "" if arch == "qwen3" else "init_lora_weights=false, "  # the random Llama earns no reward: random adapters make the merge matter
     lora = f'model.lora={{r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], {init}rank_pattern={pattern}}}'
     trainer = make_trainer(tmp_path / "run", f'model.path="{path}"', lora, "eval.size=0", "train.steps=2",
-                           'update={name="lora_grad_profile", inner={name="adamw", lr=1e-2}}')
+                           'update={name="lora_rank_allocation", inner={name="adamw", lr=1e-2}}')
     assert_lora_param_count(trainer.model, sum(ranks) * (d_q + d_v))
     ids = torch.tensor([trainer.policy.encode("12+34=")])
     adapted, save = {}, trainer.policy.save
@@ -178,7 +178,7 @@ def test_profiler_metric_is_the_gradient_the_optimiser_steps_with(tmp_path):
     from test_trainer import make_trainer
 
     trainer = make_trainer(tmp_path / "run", 'model.lora={r=2, target_modules=["q_proj", "v_proj"]}', "eval.size=0", "train.steps=1",
-                           'update={name="lora_grad_profile", inner={name="adamw", lr=1e-3, max_grad_norm=0.0}}')
+                           'update={name="lora_rank_allocation", inner={name="adamw", lr=1e-3, max_grad_norm=0.0}}')
     names = dict(zip([id(p) for p in trainer.policy.parameters()], trainer.policy.parameter_names()))
     captured = {}
     trainer.updater.inner_updater.optimizer.register_step_pre_hook(

@@ -6,7 +6,7 @@ A negative result: allocating ranks in proportion to GRPO's gradient norms does 
 ranks at the same budget, so ``uniform`` is the default and the library ships the tools to
 reproduce the finding.
 
-**Change vs GRPO**: none to the update — ``lora_grad_profile`` wraps any updater (``inner``) and
+**Change vs GRPO**: none to the update — ``lora_rank_allocation`` wraps any updater (``inner``) and
 only measures: after each backward it logs each decoder layer's LoRA gradient norm. The allocation
 functions turn a profile into per-layer ranks and a PEFT ``rank_pattern`` for the next run.
 
@@ -155,7 +155,7 @@ def shares_from_metrics(path: str | Path, first: int = 0, last: int | None = Non
     rows = [r for r in rows if first <= r.get("step", 0) and (last is None or r.get("step", 0) < last)]
     keys = sorted({k for r in rows for k in r if k.startswith(METRIC)}, key=lambda k: int(k[len(METRIC):]))
     if not keys:
-        raise ValueError(f"{path}: no {METRIC}<l> metrics (train with update={{name=\"lora_grad_profile\", inner=...}})")
+        raise ValueError(f"{path}: no {METRIC}<l> metrics (train with update={{name=\"lora_rank_allocation\", inner=...}})")
     means = torch.tensor([sum(r[k] for r in rows if k in r) / max(1, sum(k in r for r in rows)) for k in keys], dtype=torch.float64)  # [L]
     return (means / means.sum()).tolist()
 
@@ -190,7 +190,7 @@ class GradNormProfiler:
         return imp / imp.sum()
 
 
-@register("update", "lora_grad_profile")
+@register("update", "lora_rank_allocation")
 @dataclass
 class LoraGradProfile(Wrapped):
     """Any updater, plus each decoder layer's LoRA gradient norm (Σ over modules of ‖∇A‖ + ‖∇B‖) logged every step."""
@@ -198,14 +198,14 @@ class LoraGradProfile(Wrapped):
     inner: Any = field(default_factory=lambda: {"name": "adamw"})
 
     def __post_init__(self) -> None:
-        self.inner_updater = build_inner(self.inner, "lora_grad_profile")
+        self.inner_updater = build_inner(self.inner, "lora_rank_allocation")
         self.profiler: GradNormProfiler | None = None
 
     def use_parameter_names(self, names: list[str]) -> None:
         super().use_parameter_names(names)
         self.profiler = GradNormProfiler(list(zip(names, self.params, strict=True)))
         if not self.profiler.items:
-            raise ConfigError("update lora_grad_profile: no trainable LoRA weight with a layer index; set model.lora")
+            raise ConfigError("update lora_rank_allocation: no trainable LoRA weight with a layer index; set model.lora")
 
     def step(self, closure: Callable[[], torch.Tensor]) -> dict[str, float]:
         seen: dict[str, float] = {}
