@@ -202,3 +202,23 @@ def test_a_rank_pattern_survives_the_stored_config():
     text = to_toml(data)
     assert '"model\\\\.layers\\\\.0\\\\.self_attn\\\\.q_proj" = 2' in text and "plain_key = 3" in text
     assert tomllib.loads(text) == data
+
+
+def test_the_claim_files_proportional_pattern_builds_the_ranks_it_says():
+    """claims/49: the proportional config's rank_pattern gives layers [14, 7, 7, 4] on all seven
+    projections; per layer Σ_m (d_in + d_out) = 256 + 192 + 192 + 256 + 512 + 512 + 512 = 2432, so
+    the adapters hold 32 * 2432 = 77 824 entries, as uniform r = 8 does."""
+    from pathlib import Path
+
+    from groupwise.claims.claimfile import load_claim
+    from groupwise.config import load_config
+    from groupwise.policy.lm import load_policy
+
+    claim = load_claim(Path(__file__).resolve().parent.parent / "claims" / "49-lora-rank-allocation.toml", check_configs=False)
+    counts = {}
+    for label in ("uniform", "proportional"):
+        cfg, _ = load_config(claim.spec(label).recipe, claim.spec(label).overrides)
+        model, _ = load_policy("default", lora=cfg.model.lora)
+        assert_lora_param_count(model, 32 * 2432)
+        counts[label] = {layer_of(n): p.shape[0] for n, p in model.named_parameters() if lora_side(n) == "A" and "down_proj" in n}
+    assert counts == {"uniform": {0: 8, 1: 8, 2: 8, 3: 8}, "proportional": {0: 14, 1: 7, 2: 7, 3: 4}}
