@@ -197,3 +197,29 @@ def test_composes_with_ppo_clip_and_gspo(tmp_path, objective):
     rows, _ = train_recorded(tmp_path, objective, LORA, 'phases=[{name="lora_placement_probe", probes=2, prompts=4, group_size=4}]',
                              'update={name="lora_placement", inner={name="adamw", lr=1e-2}}')
     assert all(r["skipped"] == 0.0 for r in rows)
+
+
+def test_sft_probe_mask_is_the_top_k_of_the_gradient_worked_out_apart(tmp_path):
+    """One SFT probe of 3 rows: the net score is |g| of the teacher-forced cross-entropy, so the
+    mask must be the top k of |∂loss/∂B| computed here independently (same rows: the phase's seeded draw)."""
+    from groupwise.phases import PhaseContext
+    from groupwise.phases.lora_placement_probe import LoraPlacementProbe
+    from groupwise.phases.sft import teacher_forced
+    from groupwise.updates._lora import lora_side
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(tmp_path / "run", LORA, "eval.size=0")
+    policy, rows = trainer.policy, trainer.train_rows
+    ctx = PhaseContext(policy, rows, [], 0, trainer._prompt_ids, None, lambda line: None)
+    out = LoraPlacementProbe(probes=1, prompts=3, objective="sft", k=20)(ctx)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))[:3].tolist()
+    batch = teacher_forced([trainer._prompt_ids("train", rows, i) for i in order], [policy.encode_completion(str(rows[i]["answer"])) for i in order])
+    logp = policy.forward(batch, ["logp"])["logp"]  # [3,1,T]
+    (-(logp * batch.mask).sum() / batch.mask.sum()).backward()
+    named = [(n, p) for n, p in zip(policy.parameter_names(), policy.parameters()) if lora_side(n) == "B"]
+    g = torch.cat([p.grad.reshape(-1) for _, p in named]).abs()  # [P]
+    expected = torch.zeros_like(g, dtype=torch.bool)
+    expected[torch.sort(-g.double(), stable=True).indices[:20]] = True
+    got = torch.cat([out["masks"][n].reshape(-1) for n, _ in named])
+    assert torch.equal(got, expected) and out["k"] == 20 and out["summary"]["objective"] == "sft"
+    assert out["summary"]["eff_rank"] == pytest.approx(1.0) and out["summary"]["mean_cos"] is None and out["summary"]["probe_reward"] is None  # one probe: rank 1

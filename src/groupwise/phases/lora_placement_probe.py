@@ -15,6 +15,7 @@ that the ``lora_placement`` updater (``updates/lora_placement.py``) trains under
         A         grpo advantage (group mean / std)                                  [B,G]
         loss      − mean_rows( A · mean_t logp )   the GRPO / PPO-clip loss at ratio 1
                   (its gradient), seq_mean_token_mean as the demo recipe             scalar
+        (objective = "sft": loss = − token mean of log π(answer + EOS | prompt) over the rows, no sampling)
         g^{(s)}   ∂loss/∂B for every LoRA-B entry, flattened                         [P]
     scores        placement_scores(G [S,P], score)                                   [P]
     mask          topk_mask(scores, k) with k = `k`, or round(fraction · P)          [P]
@@ -32,6 +33,10 @@ No weight moves (the probe gradients are dropped). The phase's summary: k, P, th
 - ``per_module = false`` [INFERRED] global top-k (the spec's default).
 - ``prompts = 32``, ``group_size = 8``, ``max_new_tokens = 6``, ``temperature = 1.0``
   [INFERRED] the demo recipe's batch.
+- ``objective = "grpo"`` [ABSTRACT] placement under GRPO; ``"sft"`` probes the cross-entropy of
+  the rows' answers instead (token mean): the abstract's contrast for the diagnostics (SFT
+  gradients low-rank and stable, GRPO's high-rank and near-orthogonal). A second probe phase
+  with another ``artifact`` name reports both in one run's summary.
 
 **Notes**
 
@@ -52,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from groupwise.phases import PhaseContext
+from groupwise.phases.sft import teacher_forced
 from groupwise.registry import ConfigError, build, register
 from groupwise.types import Request, StepInfo
 from groupwise.updates._lora import layer_of, lora_side, module_kind
@@ -74,8 +80,11 @@ class LoraPlacementProbe:
     group_size: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
+    objective: str = "grpo"  # "sft": cross-entropy on the rows' answers instead, the spec's SFT control of the diagnostics
 
     def __post_init__(self) -> None:
+        if self.objective not in ("grpo", "sft"):
+            raise ConfigError(f"phase lora_placement_probe: objective={self.objective!r}; allowed: grpo, sft")
         if self.score not in SCORES:
             raise ConfigError(f"phase lora_placement_probe: score={self.score!r}; allowed: {', '.join(SCORES)}")
         for key in ("probes", "prompts", "max_new_tokens"):
@@ -88,7 +97,7 @@ class LoraPlacementProbe:
 
     def __call__(self, ctx: PhaseContext) -> dict:
         t0, policy = time.perf_counter(), ctx.policy
-        if ctx.reward is None or not hasattr(policy, "parameter_names"):
+        if (ctx.reward is None and self.objective == "grpo") or not hasattr(policy, "parameter_names"):
             raise ConfigError("phase lora_placement_probe needs a text policy and the run's rewards")
         named = [(n, p) for n, p in zip(policy.parameter_names(), policy.parameters()) if lora_side(n) == "B"]
         if not named:
@@ -104,21 +113,27 @@ class LoraPlacementProbe:
         gen = torch.Generator().manual_seed(ctx.seed)
         for s in range(self.probes):
             order = torch.randperm(len(ctx.train_rows), generator=gen)[: self.prompts].tolist()
-            info = StepInfo(step=-3 - s, seed=ctx.seed, max_new_tokens=self.max_new_tokens, phase=self.artifact)
-            policy.eval()
-            with torch.no_grad():
-                roll = policy.generate([Request(key=i, n=self.group_size, prompt=ctx.prompt("train", ctx.train_rows, i)) for i in order], sampling, info)
-            roll.meta = [ctx.train_rows[i] for i in order]
-            ctx.reward(roll, info)
-            adv = estimator(roll, info)  # [B,G]
-            rewards.append(float(roll.rewards[roll.group_valid].mean()) if roll.group_valid.any() else float("nan"))
+            prompts = [ctx.prompt("train", ctx.train_rows, i) for i in order]
             for _, p in named:
                 p.grad = None
-            logp = policy.forward(roll, ["logp"])["logp"]  # [B,G,T]
-            mask = roll.mask & roll.group_valid[..., None]  # [B,G,T]
-            rows = mask.any(-1)  # [B,G]
-            row_mean = (logp * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B,G]
-            loss = -(adv * row_mean)[rows].sum() / rows.sum().clamp(min=1)
+            if self.objective == "sft":  # the control: cross-entropy on the rows' answers (token mean)
+                batch = teacher_forced(prompts, [policy.encode_completion(str(ctx.train_rows[i]["answer"])) for i in order])
+                logp = policy.forward(batch, ["logp"])["logp"]  # [B,1,T]
+                loss = -(logp * batch.mask).sum() / batch.mask.sum().clamp(min=1)
+            else:
+                info = StepInfo(step=-3 - s, seed=ctx.seed, max_new_tokens=self.max_new_tokens, phase=self.artifact)
+                policy.eval()
+                with torch.no_grad():
+                    roll = policy.generate([Request(key=i, n=self.group_size, prompt=prompt) for i, prompt in zip(order, prompts)], sampling, info)
+                roll.meta = [ctx.train_rows[i] for i in order]
+                ctx.reward(roll, info)
+                adv = estimator(roll, info)  # [B,G]
+                rewards.append(float(roll.rewards[roll.group_valid].mean()) if roll.group_valid.any() else float("nan"))
+                logp = policy.forward(roll, ["logp"])["logp"]  # [B,G,T]
+                mask = roll.mask & roll.group_valid[..., None]  # [B,G,T]
+                rows = mask.any(-1)  # [B,G]
+                row_mean = (logp * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B,G]
+                loss = -(adv * row_mean)[rows].sum() / rows.sum().clamp(min=1)
             if loss.requires_grad:
                 loss.backward()
             grads[s] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu() for _, p in named])  # [P]
@@ -133,10 +148,10 @@ class LoraPlacementProbe:
             kinds[module_kind(name)] += int(m.sum())
             layers[str(layer_of(name))] += int(m.sum())
             start += size
-        stats = grad_structure_stats(grads)
+        stats = {key: (None if value != value else value) for key, value in grad_structure_stats(grads).items()}  # NaN (one probe): None in summary.json
         summary = {"k": k, "entries": P, "score": self.score, "probes": self.probes, **stats,
-                   "probe_reward": sum(rewards) / len(rewards), "by_module": dict(sorted(kinds.items())), "by_layer": dict(sorted(layers.items())),
+                   "objective": self.objective, "probe_reward": sum(rewards) / len(rewards) if rewards else None, "by_module": dict(sorted(kinds.items())), "by_layer": dict(sorted(layers.items())),
                    "seconds": round(time.perf_counter() - t0, 1)}
         ctx.say(f"phase {self.artifact!r}: {k} of {P} LoRA-B entries by {self.score!r}; probe gradients eff_rank {stats['eff_rank']:.2f}, "
-                f"mean cos {stats['mean_cos']:.3f}; per module {dict(sorted(kinds.items()))}")
+                f"mean cos {stats['mean_cos'] if stats['mean_cos'] is not None else float('nan'):.3f}; per module {dict(sorted(kinds.items()))}")
         return {"masks": masks, "score": self.score, "k": k, "entries": P, "summary": summary}
