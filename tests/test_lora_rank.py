@@ -222,3 +222,20 @@ def test_the_claim_files_proportional_pattern_builds_the_ranks_it_says():
         assert_lora_param_count(model, 32 * 2432)
         counts[label] = {layer_of(n): p.shape[0] for n, p in model.named_parameters() if lora_side(n) == "A" and "down_proj" in n}
     assert counts == {"uniform": {0: 8, 1: 8, 2: 8, 3: 8}, "proportional": {0: 14, 1: 7, 2: 7, 3: 4}}
+
+
+def test_lora_initialisation_is_the_same_in_every_process():
+    """Before: PEFT drew LoRA's A from torch's unseeded global generator, so two runs of one config
+    differed (the placement claim's first seed-0 runs did). Now A comes from seed 0, the global
+    generator untouched."""
+    from groupwise.policy.lm import load_policy
+
+    lora = {"r": 2, "target_modules": TARGETS}
+    torch.manual_seed(123)
+    a = dict(load_policy("default", lora=lora)[0].named_parameters())
+    after = torch.rand(1)
+    torch.manual_seed(7)
+    b = dict(load_policy("default", lora=lora)[0].named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in a if lora_side(n) == "A")
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(1), after)  # the global generator is where it would be without the adapters
