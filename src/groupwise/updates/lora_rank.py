@@ -41,9 +41,11 @@ functions turn a profile into per-layer ranks and a PEFT ``rank_pattern`` for th
 1. Parameters whose name has no decoder-layer index or is no LoRA weight are not profiled.
 2. Metrics come from the first closure call of a step (a multi-pass updater's later passes are
    not counted twice); with several mini-batches a step the logged value is their mean.
-3. With B = 0 at initialisation ∇A = 0 at the first step; and ‖∇B‖ grows ≈ √r with the rank, so a
-   layer given more rank shows a larger share afterwards partly by construction (the spec's
-   "mechanical" part of the amplification).
+3. With B = 0 at initialisation ∇A = 0 at the first step. After a reallocation part of the share
+   shift is mechanical: at a fixed scaling ‖∇B‖ grows ≈ √r with the rank (the spec's note), but
+   PEFT scales the update by ``lora_alpha / r``, so with one ``lora_alpha`` for every module
+   (``rank_pattern`` alone) ‖∇B‖ ∝ α/√r *falls* with the rank; ``alpha_pattern`` (α_m ∝ r_m)
+   keeps the scaling of every module equal. Compare shares only under the same convention.
 4. PEFT's ``rank_pattern`` keys are regexes matched against the end of full module names;
    ``layer_rank_pattern`` writes every adapted module's exact (escaped) name, and
    ``assert_lora_param_count`` (``updates/_lora.py``) checks the built adapters hold
