@@ -223,3 +223,21 @@ def test_sft_probe_mask_is_the_top_k_of_the_gradient_worked_out_apart(tmp_path):
     got = torch.cat([out["masks"][n].reshape(-1) for n, _ in named])
     assert torch.equal(got, expected) and out["k"] == 20 and out["summary"]["objective"] == "sft"
     assert out["summary"]["eff_rank"] == pytest.approx(1.0) and out["summary"]["mean_cos"] is None and out["summary"]["probe_reward"] is None  # one probe: rank 1
+
+
+def test_a_resumed_placement_run_equals_the_uninterrupted_one(tmp_path):
+    """1 step, then resumed to 2 (the artifact and the inner AdamW state reloaded from the run folder)
+    against 2 steps in one go: the same merged weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    update = 'update={name="lora_placement", inner={name="adamw", lr=1e-2, weight_decay=0.1}}'
+    _run(tmp_path / "whole", update, "train.steps=2").train()
+    _run(tmp_path / "cut", update, "train.steps=1").train()
+    resumed = _run(tmp_path / "cut", update, "train.steps=2")
+    resumed.train(resume_allow=["train.steps"])
+    assert resumed.updater._placed and resumed.step == 2
+    whole, cut = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("whole", "cut"))
+    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+    first = json.loads((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()[1])
+    again = json.loads((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()[1])
+    assert first["loss"] == again["loss"] and first["grad_norm"] == again["grad_norm"]
