@@ -21,6 +21,11 @@ Dataset rows: a component that draws from the run's training rows (a view that s
 row's passage) defines ``use_rows(rows: list[dict])``; the trainer calls it once at build with the
 train split (the same on every rank), so what it draws does not depend on the batch or world size.
 Views get both calls too, when they are built.
+
+Parameter names: an updater that treats parameters by what they are (a LoRA-B mask, per-layer
+gradient norms) defines ``use_parameter_names(names: list[str])``; the trainer calls it once after
+``bind`` with the policy's ``parameter_names()``, the names of the parameters ``bind`` got, in
+the same order. A policy without names fails such a run at build.
 """
 
 from __future__ import annotations
@@ -198,3 +203,13 @@ def bind_rows(components: list[Any], rows: list[dict]) -> None:
     for component in components:
         if hasattr(component, "use_rows"):
             component.use_rows(rows)
+
+
+def bind_parameter_names(updater: Any, policy: Any) -> None:
+    """Give an updater that reads parameter names (``use_parameter_names``) the names of the parameters it was bound to."""
+    if not hasattr(updater, "use_parameter_names"):
+        return
+    if not hasattr(policy, "parameter_names"):
+        raise ConfigError(f"update {getattr(updater, 'registry_name', type(updater).__name__)!r} reads parameter names, which a "
+                          f"{policy.modality} policy does not give; use a text policy (model.policy)")
+    updater.use_parameter_names(policy.parameter_names())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,8 +390,14 @@ def to_toml(data: dict) -> str:
     for key, table in tables.items():
         lines.append(f"\n[{key}]")
         for sub, value in table.items():
-            lines.append(f"{sub} = {toml_value(value)}")
+            lines.append(f"{toml_key(sub)} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def toml_key(key: str) -> str:
+    """A key as TOML: bare when it may be (letters, digits, ``_``, ``-``), else a quoted string
+    (PEFT ``rank_pattern`` keys are module-name regexes: ``"model\\.layers\\.0\\.self_attn\\.q_proj"``)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", str(key)) else toml_value(str(key))
 
 
 def toml_value(value: Any) -> str:
@@ -405,7 +412,7 @@ def toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     if value is None:
         return '""'
     raise ConfigError(f"cannot write {value!r} to TOML")

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from groupwise.components import bind_parameter_names
 from groupwise.objective import Objective, token_weights
 from groupwise.policy import build_policy
 from groupwise.registry import ConfigError, build_spec
@@ -93,6 +94,7 @@ def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_label
         raise ConfigError(f"roles.{name}: its components ask for the reference model, which a role does not have")
     role.grad_quantities = sorted({n.quantity for n in own if n.grad} | {"entropy"})
     role.updater.bind(role.params, total_updates)
+    bind_parameter_names(role.updater, role.policy)
     return role
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from groupwise import dist, roles, schedules
-from groupwise.components import bind_rows, bind_vocabulary
+from groupwise.components import bind_parameter_names, bind_rows, bind_vocabulary
 from groupwise.config import Config
 from groupwise.engines.memory import keep_freed_memory
 from groupwise.evaluation import pass_at_k
@@ -104,6 +104,7 @@ class Trainer(RunLoop):
         self.grad_quantities = sorted({n.quantity for n in needs if n.grad} | {"entropy"})  # entropy is logged
         self.params = self.policy.parameters()
         self.updater.bind(self.params, total_updates)
+        bind_parameter_names(self.updater, self.policy)  # an updater that treats parameters by name (a LoRA-B mask)
         self.step = 0
         self.summary: dict[str, Any] = {"rows_skipped": self.rows_skipped} if self.rows_skipped else {}
         self._stop_requested: str | None = None  # the signal's name once SIGTERM / SIGINT arrived

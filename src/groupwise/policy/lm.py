@@ -48,7 +48,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_policy(path: str, dtype: str = "float32", lora: dict | None = None) -> tuple[Any, Any]:
-    """Model + tokenizer from a local folder (or a hub id when a network exists)."""
+    """Model + tokenizer from a local folder (or a hub id when a network exists); with ``lora`` (PEFT
+    ``LoraConfig`` arguments) the adapters are added, their random initialisation drawn from seed 0
+    (every run, and every seed of a comparison, starts from the same adapters, as from the same base)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -72,7 +74,9 @@ def load_policy(path: str, dtype: str = "float32", lora: dict | None = None) -> 
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+        with torch.random.fork_rng(devices=[]):  # the adapters' random init (LoRA's A) is the same in every process: a run is reproducible
+            torch.manual_seed(0)
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     return model, tokenizer
 
 
@@ -284,6 +288,10 @@ class LMPolicy:
 
     def parameters(self) -> list[Any]:
         return [p for p in self.module.parameters() if p.requires_grad]
+
+    def parameter_names(self) -> list[str]:
+        """The names of :meth:`parameters`, in the same order."""
+        return [n for n, p in self.module.named_parameters() if p.requires_grad]
 
     def train(self) -> None:
         if not self.engine.functional:  # the functional maths has no dropout: skip two module-tree walks
