@@ -1,0 +1,101 @@
+"""Held-out evaluation of the trained policy: greedy accuracy (under ``eval.views`` and on
+``eval.tasks``), the answer NLL of another task, and sampled ``mean@n`` / ``pass@k``.
+
+A mixin of the trainer: it reads the trainer's policy, config, held-out rows, eval reward stage and
+prompt cache (``_prompt_ids``), and changes nothing of the run's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from groupwise.evaluation import pass_at_k
+from groupwise.phases.sft import teacher_forced
+from groupwise.registry import ConfigError
+from groupwise.rewards.stage import RewardStage
+from groupwise.tasks import get_task
+from groupwise.types import Request
+
+
+class HeldOut:
+    """``evaluate``, ``answer_nll``, ``evaluate_sampled``, and the build of ``eval.views`` / ``eval.tasks``."""
+
+    def _eval_view(self, name: str) -> Any:
+        view = self.needs.view(name)
+        if not hasattr(view, "prompt"):
+            raise ConfigError(f"eval.views: view {name!r} edits more than the prompt (no prompt(meta, key)); held-out prompts can only be "
+                              f"scored under views that edit the prompt, e.g. corrupt_context or ground_truth")
+        return view
+
+    def _eval_task(self, name: str) -> tuple[list[dict], RewardStage]:
+        """``eval.tasks`` entry ``name``: the built-in task's first ``eval.size`` held-out rows and a
+        reward stage of its own default reward (failures excluded and counted as wrong, as eval's)."""
+        task = get_task(name)
+        stage = RewardStage([task.reward], dataclasses.replace(self.cfg.reward, on_error="exclude", max_error_rate=1.0),
+                            self.policy.decode, self.cfg.rollout.max_new_tokens)
+        return task.rows("test", 0, self.cfg.seed)[: self.cfg.eval.size], stage
+
+    @torch.no_grad()
+    def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval", view: str | None = None,
+                 stage: RewardStage | None = None) -> float:
+        """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1) of ``policy`` (default: the
+        trained policy) on ``rows`` (default: the first ``eval.size`` held-out rows; ``split`` names them),
+        with each prompt edited by ``view`` (one of ``eval.views``) when given; the reward still
+        compares with the row's own answer. ``stage`` scores instead of the eval reward (``eval.tasks``)."""
+        policy, stage = policy or self.policy, stage or self.eval_stage
+        rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
+        if not rows:
+            return float("nan")
+        correct, info = 0, self._info()
+        for start in range(0, len(rows), 256):
+            chunk = list(range(start, min(start + 256, len(rows))))
+            requests = [Request(key=i, n=1, prompt=self._prompt_ids(split, rows, i, view)) for i in chunk]
+            gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
+            gen.meta = [rows[i] for i in chunk]
+            stage.score_local(gen, info)
+            stage.finish(gen, info)
+            correct += int((gen.rewards[:, 0] >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
+        return correct / len(rows)
+
+    @torch.no_grad()
+    def answer_nll(self, rows: list[dict], split: str, policy: Any = None) -> float:
+        """Mean negative log-likelihood per token of each row's ``answer`` then EOS after its prompt,
+        teacher-forced (the ``sft`` phase's loss, over all the rows' tokens); NaN for a policy that
+        cannot encode an answer (``eval.tasks``: what training did to another task's likelihood)."""
+        policy = policy or self.policy
+        if not rows or not hasattr(policy, "encode_completion"):
+            return float("nan")
+        total, count = 0.0, 0
+        for start in range(0, len(rows), 256):
+            chunk = range(start, min(start + 256, len(rows)))
+            batch = teacher_forced([self._prompt_ids(split, rows, i) for i in chunk], [policy.encode_completion(str(rows[i]["answer"])) for i in chunk])
+            logp = policy.forward(batch, ("logp",))["logp"]  # [n,1,T]
+            total += float(-(logp * batch.mask).sum())
+            count += int(batch.mask.sum())
+        return total / count
+
+    @torch.no_grad()
+    def evaluate_sampled(self) -> dict[str, float]:
+        """``mean@n`` and unbiased ``pass@k`` (``groupwise.evaluation``) over the held-out prompts, from
+        ``eval.samples = n`` samples each at the rollout's sampling settings. The samples take their
+        noise from step −1, so before and after training see the same noise and differ by the weights."""
+        n, rows = self.cfg.eval.samples, self.eval_rows[: self.cfg.eval.size]
+        ks = sorted(set(self.cfg.eval.pass_at or [1, n]))
+        if not rows or not n:
+            return {}
+        if any(not 1 <= k <= n for k in ks):
+            raise ConfigError(f"eval.pass_at={ks}: every k must be in 1..eval.samples={n}")
+        info, correct = dataclasses.replace(self._info(), step=-1), []
+        for start in range(0, len(rows), max(1, 256 // n)):
+            chunk = list(range(start, min(start + max(1, 256 // n), len(rows))))
+            gen = self.policy.generate([Request(key=i, n=n, prompt=self._prompt_ids("eval", self.eval_rows, i)) for i in chunk], self.sampling_params, info)
+            gen.meta = [rows[i] for i in chunk]
+            self.eval_stage.score_local(gen, info)
+            self.eval_stage.finish(gen, info)
+            correct += ((gen.rewards >= 1.0 - 1e-6) & gen.group_valid).sum(1).tolist()  # [b] correct samples per prompt
+        out = {f"mean@{n}": sum(correct) / (n * len(rows))}
+        out.update({f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(rows) for k in ks})
+        return out
