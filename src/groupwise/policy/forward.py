@@ -260,12 +260,13 @@ def _padded_hidden(model, sequences: list[list[int]], prompt_lengths: list[int],
 
 
 def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
-    """(hidden layers, top-k sizes, entropy wanted, final hidden wanted) from quantity strings."""
+    """(hidden layers, top-k sizes, entropy wanted, final hidden wanted) from quantity strings
+    (``attn(l)`` is read by ``attention_layers``)."""
     layers, topks, entropy, last = set(), [], False, False
     for q in quantities:
         name, _, arg = q.partition("(")
         arg = arg.rstrip(")")
-        if name == "logp":
+        if name == "logp" or (name == "attn" and arg.isdigit() and int(arg) > 0):
             continue
         if name == "entropy":
             entropy = True
@@ -276,8 +277,41 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
         elif name == "last_hidden":
             last = True
         else:
-            raise ValueError(f"the packed forward cannot compute {q!r}; it computes logp, entropy, topk(k), hidden(l), last_hidden")
+            raise ValueError(f"the packed forward cannot compute {q!r}; it computes logp, entropy, topk(k), hidden(l), last_hidden, attn(l)")
     return layers, topks, entropy, last
+
+
+def attention_layers(quantities) -> set[int]:
+    """The layers l >= 1 of the ``attn(l)`` quantities asked for."""
+    return {int(q[5:-1]) for q in quantities if q.startswith("attn(") and q[5:-1].isdigit() and int(q[5:-1]) > 0}
+
+
+def _eager_attentions(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int],
+                      layers: set[int]) -> dict[int, Tensor]:
+    """{l: [K,heads,S]} the attention probabilities of decoder layer l (1-based) for the query at the
+    position predicting every completion token of the rows, in row order, over the key positions
+    0..S-1 of the row's own ``prompt + completion`` (S = the longest row; 0 past a row's end and at
+    future keys). The model's own forward on a right-padded batch with eager attention
+    (``output_attentions=True``; an SDPA or flash model is switched to eager for the call and back)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    n_layers = int(base.config.num_hidden_layers)
+    if max(layers) > n_layers:
+        raise ValueError(f"attn({max(layers)}) asked of a model with {n_layers} decoder layers; use attn(1)..attn({n_layers})")
+    N, width = len(sequences), max(len(s) for s in sequences)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)  # [N,S]
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)  # [N,S]
+    rows = torch.tensor([r for r, c in enumerate(completion_lengths) for _ in range(c)], dtype=torch.long, device=device)  # [K]
+    queries = torch.tensor([p - 1 + j for p, c in zip(prompt_lengths, completion_lengths) for j in range(c)], dtype=torch.long, device=device)  # [K]
+    before = base.config._attn_implementation
+    if before != "eager":
+        base.set_attn_implementation("eager")
+    try:
+        attentions = base(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True, use_cache=False).attentions  # L x [N,heads,S,S]
+    finally:
+        if before != "eager":
+            base.set_attn_implementation(before)
+    return {l: attentions[l - 1][rows, :, queries].float() for l in layers}  # [K,heads,S]
 
 
 def completion_logprobs(
@@ -302,7 +336,9 @@ def completion_logprobs(
     plus every requested quantity under its own name: ``"entropy"`` [B,G,T] (also with
     ``want_entropy``), ``"topk(k)"`` [B,G,T,k] (the k largest log-probs, descending), ``"hidden(l)"``
     [B,G,T,H] (residual stream after layer l, 0 = embeddings), ``"last_hidden"`` [B,G,T,H] (final-norm
-    states the head reads), all at the position that predicts token t and 0 elsewhere. Autograd flows
+    states the head reads), ``"attn(l)"`` [B,G,T,heads,S] (layer l's attention probabilities over the
+    key positions 0..S-1 of the row's prompt + completion, S = longest prompt + T; no packing: the
+    model's own eager forward, ``_eager_attentions``), all at the position that predicts token t and 0 elsewhere. Autograd flows
     to the model's parameters unless the caller runs it under ``torch.no_grad()``. ``share_prefix``
     computes each group's prompt once (tree attention); ``None`` chooses the layout with the lower
     estimated cost (``_layout_cost``: the tree saves prompt tokens but its mask is quadratic in a whole
@@ -312,6 +348,7 @@ def completion_logprobs(
     values, fewer ops).
     """
     layers, topks, entropy_wanted, last_wanted = parse_quantities(quantities)
+    attn_layers = attention_layers(quantities)
     want_entropy = want_entropy or entropy_wanted
     B, G, T = actions.shape
     rows = rows.bool()  # [B,G]
@@ -329,6 +366,12 @@ def completion_logprobs(
         result[f"hidden({l})"] = torch.zeros(B, G, T, width, dtype=torch.float32, device=device)  # [B,G,T,H]
     if last_wanted:
         result["last_hidden"] = torch.zeros(B, G, T, width, dtype=torch.float32, device=device)  # [B,G,T,H]
+    if attn_layers:
+        heads = int((model.get_base_model() if hasattr(model, "get_base_model") else model).config.num_attention_heads)
+        contexts = [c for g in row_prompts for c in g] if row_prompts is not None else list(prompt_ids)
+        keys = max((len(c) for c in contexts), default=0) + T  # S: every key position a row's prompt + completion can have
+        for l in attn_layers:
+            result[f"attn({l})"] = torch.zeros(B, G, T, heads, keys, dtype=torch.float32, device=device)  # [B,G,T,heads,S]
     if not bool(scored.any()):
         return result
 
@@ -377,6 +420,15 @@ def completion_logprobs(
         result[f"hidden({l})"] = _scatter_rows(result[f"hidden({l})"], out_mask, states.float())  # [B,G,T,H]
     if last_wanted:
         result["last_hidden"] = _scatter_rows(result["last_hidden"], out_mask, hidden.float())  # [B,G,T,H]
+    if attn_layers:
+        sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]
+        for l, rows_ in _eager_attentions(model, sequences, prompt_lengths, completion_lengths, attn_layers).items():  # [K,heads,S']
+            into = result[f"attn({l})"]  # [B,G,T,heads,S]
+            S = into.shape[-1]
+            rows_ = torch.nn.functional.pad(rows_, (0, S - rows_.shape[-1]))  # [K,heads,S]
+            flat = into.reshape(-1, *into.shape[3:])  # [B*G*T,heads,S]
+            index = out_mask.reshape(-1).nonzero().squeeze(1)  # [K]
+            result[f"attn({l})"] = flat.index_copy(0, index, rows_.to(flat.dtype)).view_as(into)  # [B,G,T,heads,S]
     return result
 
 
