@@ -238,3 +238,17 @@ def test_two_steps_with_the_probe_phase(tmp_path, objective):
         torch.testing.assert_close(batch.advantages, PairAdvantage()(batch, info_for(batch.shape[2])))
         assert (batch.advantages[~own] == 0).all()
         assert row["reward/pair"] == pytest.approx(float(batch.rewards[batch.group_valid].mean()), abs=1e-5)
+
+
+def test_attention_head_off_is_stage_two_on_s_bc_alone():
+    # attn_layers = (): a has no columns; stage 2 reads tclip(s_bc) only, so s_final is monotone in s_bc
+    spans, h, a = row_turn_features(torch.randn(4, 3), [], torch.tensor([True, False, True, True]), 2, 4)
+    assert spans == [(0, 1), (2, 4)] and a.shape == (2, 0)
+    g = torch.Generator().manual_seed(2)
+    H = torch.randn(60, 3, generator=g, dtype=torch.float64)
+    y = (H[:, 0] > 0).double()
+    s_bc, s_final = PairProbe(C=1.0).fit(H, torch.zeros(60, 0), y).score(H, torch.zeros(60, 0))
+    order = s_bc.argsort()
+    assert float(s_final.std()) > 0.01 and (s_final[order].diff() >= -1e-12).all()  # stage 2's weight on s_bc is positive here
+    assert auroc(s_final, y) == pytest.approx(auroc(s_bc, y), abs=1e-12)  # a monotone map keeps the ranking
+    assert [n.name for n in PairReward(attn_layers=[]).needs] == ["hidden"]
