@@ -100,16 +100,17 @@ def test_turn_spans_and_row_features_read_the_predicting_positions():
     assert turn_spans(torch.zeros(3, dtype=torch.bool)) == []
     # a row with prompt P = 2, completion n = 3: tokens 0, 1 are the turn, token 2 an env hole
     T, S, P = 3, 5, 2
-    hidden = torch.arange(T * 2, dtype=torch.float32).view(T, 2)  # [T,D]
-    attn = torch.zeros(T, 1, S)  # [T,heads,S]: token t's row is the query at position P + t − 1
-    attn[0, 0, :2] = torch.tensor([0.5, 0.5])  # query at position 1: all on the prompt
-    attn[1, 0, :3] = torch.tensor([0.2, 0.2, 0.6])  # query at position 2 (token 0): 0.6 on the turn's own key P + 0
+    hidden = torch.arange(T * 2, dtype=torch.float32).view(T, 2)  # [T,D] the state at each token
+    attn = torch.zeros(T, 1, S)  # [T,heads,S]: token t's row is the query at its own position P + t
+    attn[0, 0, :3] = torch.tensor([0.2, 0.2, 0.6])  # token 0 (position 2): 0.6 on its own key P + 0
+    attn[1, 0, :4] = torch.tensor([0.1, 0.1, 0.4, 0.4])  # token 1 (position 3)
+    attn[2, 0, :5] = 0.2  # the hole's row: not read
     spans, h, a = row_turn_features(hidden, [attn], torch.tensor([True, True, False]), P, 3)
     assert spans == [(0, 2)]
-    close(h, [[2.0, 3.0]])  # hidden at token e − 1 = 1
-    # keys 0..P+n−1 = 0..4; prefix keys < P + s = 2: (1.0 + 0.4)/2 = 0.7; self keys [2, 4): (0 + 0.6)/2 = 0.3
-    close(a[0, 2:], [0.7, 0.3])
-    close(a[0, 0], (0.5 + 0.6) / 2)
+    close(h, [[2.0, 3.0]])  # the state at the turn's last token e − 1 = 1
+    # keys 0..P+n−1 = 0..4; prefix keys < P + s = 2: (0.4 + 0.2)/2 = 0.3; self keys [2, 4): (0.6 + 0.8)/2 = 0.7
+    close(a[0, 2:], [0.3, 0.7])
+    close(a[0, 0], (0.6 + 0.4) / 2)  # mean over the two queries of the row max
 
 
 def test_fit_logistic_is_the_l2_optimum():
@@ -186,14 +187,14 @@ def test_reward_and_phase_validation():
     with pytest.raises(ConfigError, match="C > 0"):
         PairProbePhase(C=0.0)
     reward = PairReward(hidden_layer=4, attn_layers=[1, 2])
-    assert [n.name + f"({n.arg})" for n in reward.needs] == ["hidden(4)", "attn(1)", "attn(2)"]
+    assert [n.name + f"({n.arg})" for n in reward.needs] == ["hidden_at(4)", "attn_at(1)", "attn_at(2)"]
     with pytest.raises(ConfigError, match="same hidden_layer"):
         reward.use_artifact("pair_probe", {"hidden_layer": 4, "attn_layers": [1, 2, 3], "probe": {}})
     with pytest.raises(ValueError, match="no probe"):
         reward.score_rollout(_turn_rollout([0.0, 0.0], None), info_for(6))
 
 
-def test_attn_quantity_matches_the_models_eager_attention():
+def test_eager_quantities_match_the_models_own_forward():
     from groupwise.policy.forward import completion_logprobs
     from groupwise.policy.lm import load_policy
 
@@ -201,17 +202,23 @@ def test_attn_quantity_matches_the_models_eager_attention():
     prompts = [[5, 6, 7], [8, 9]]
     actions = torch.tensor([[[10, 11, 12], [13, 0, 0]], [[14, 15, 0], [16, 17, 18]]])  # [2,2,3]
     mask = torch.tensor([[[1, 1, 1], [1, 0, 0]], [[1, 1, 0], [1, 1, 1]]], dtype=torch.bool)
+    rows = torch.ones(2, 2, dtype=torch.bool)
     with torch.no_grad():
-        out = completion_logprobs(model, prompts, actions, mask, torch.ones(2, 2, dtype=torch.bool), quantities=["logp", "attn(2)"])
-        base = completion_logprobs(model, prompts, actions, mask, torch.ones(2, 2, dtype=torch.bool), quantities=["logp"])
+        out = completion_logprobs(model, prompts, actions, mask, rows, quantities=["logp", "attn_at(2)", "hidden_at(4)", "hidden(4)"])
+        alone = completion_logprobs(model, prompts, actions, mask, rows, quantities=["logp", "hidden_at(1)"])  # no attention asked
+        base = completion_logprobs(model, prompts, actions, mask, rows, quantities=["logp"])
         model.set_attn_implementation("eager")
-        ids = torch.tensor([prompts[1] + [14, 15]])
-        want = model(input_ids=ids, output_attentions=True).attentions[1][0]  # [heads,S,S] of layer 2
+        own = model(input_ids=torch.tensor([prompts[1] + [14, 15]]), output_attentions=True, output_hidden_states=True)
         model.set_attn_implementation("sdpa")
-    got = out["attn(2)"]  # [B,G,T,heads,S] with S = longest prompt 3 + T 3 = 6
+    got = out["attn_at(2)"]  # [B,G,T,heads,S] with S = longest prompt 3 + T 3 = 6
     assert got.shape == (2, 2, 3, 4, 6) and model.config._attn_implementation == "sdpa"
-    torch.testing.assert_close(got[1, 0, :2, :, :4], want[:, 1:3, :].transpose(0, 1), rtol=0, atol=1e-6)  # queries at positions 1, 2 (predicting 14, 15)
-    assert (got[1, 0, 2] == 0).all() and (got[0, 1, 1:] == 0).all()  # padding tokens: 0
+    # row (1, 0): prompt [8, 9], tokens 14, 15 at positions 2, 3: their own query rows of layer 2
+    torch.testing.assert_close(got[1, 0, :2, :, :4], own.attentions[1][0][:, 2:4, :].transpose(0, 1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["hidden_at(4)"][1, 0, :2], own.hidden_states[4][0, 2:4], rtol=0, atol=1e-5)  # after the final norm
+    torch.testing.assert_close(alone["hidden_at(1)"][1, 0, :2], own.hidden_states[1][0, 2:4], rtol=0, atol=1e-5)
+    # hidden(4) (before the norm, at the predicting position) of token 15 is not hidden_at(4) of token 14: different quantities
+    assert not torch.allclose(out["hidden(4)"][1, 0, 1], out["hidden_at(4)"][1, 0, 0])
+    assert (got[1, 0, 2] == 0).all() and (got[0, 1, 1:] == 0).all() and (out["hidden_at(4)"][0, 1, 1:] == 0).all()  # padding: 0
     torch.testing.assert_close(got[0, 0].sum(-1), torch.ones(3, 4), rtol=0, atol=1e-5)  # each row a distribution
     torch.testing.assert_close(out["logp"], base["logp"])  # logp unchanged by the extra pass
 
@@ -251,4 +258,4 @@ def test_attention_head_off_is_stage_two_on_s_bc_alone():
     order = s_bc.argsort()
     assert float(s_final.std()) > 0.01 and (s_final[order].diff() >= -1e-12).all()  # stage 2's weight on s_bc is positive here
     assert auroc(s_final, y) == pytest.approx(auroc(s_bc, y), abs=1e-12)  # a monotone map keeps the ranking
-    assert [n.name for n in PairReward(attn_layers=[]).needs] == ["hidden"]
+    assert [n.name for n in PairReward(attn_layers=[]).needs] == ["hidden_at"]

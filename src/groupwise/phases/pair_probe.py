@@ -5,8 +5,8 @@
 
 **Change vs GRPO**: none by itself. Before the RL steps it plays the policy as it is then (the
 frozen base) on the task's environment, labels every assistant turn clean (1) or contaminated (0),
-reads the turn features the ``pair`` reward reads (``rewards/pair.py``: ``hidden(L)`` at the
-turn's end, attention statistics of ``attn(l)``) from the same forward, and fits ``PairProbe``.
+reads the turn features the ``pair`` reward reads (``rewards/pair.py``: ``hidden_at(L)`` at the
+turn's last token, attention statistics of ``attn_at(l)``) from the same forward, and fits ``PairProbe``.
 Artifact ``pair_probe``: the probe's tensors and the layers it was fitted on.
 
 **Procedure**::
@@ -16,7 +16,7 @@ Artifact ``pair_probe``: the probe's tensors and the layers it was fitted on.
     label_t   1 if the episode can still be won after its turns 0..t (a search over `actions` from
               the env state, the env being deterministic), else 0: a turn after the first wrong
               one is contaminated even when it looks right locally
-    features  rewards.pair.row_turn_features on policy.forward(rows, [hidden(L), attn(l)...])
+    features  rewards.pair.row_turn_features on policy.forward(rows, [hidden_at(L), attn_at(l)...])
     balance   the majority class of the train turns down-sampled at random to the minority's size
     probe     PairProbe(C).fit(h, a, y): stage 1 on h, stage 2 on [a ; s_bc in-sample]
 
@@ -139,7 +139,7 @@ class PairProbePhase:
             played = play(_Rows(policy, rows, sampling, info), list(range(n)), self.samples, self.max_turns, self.env, self.env_params,
                           history=True, separator=self.separator, who=f"phase {self.artifact}")
             batch, _ = transcripts(played, self.separator)
-            quantities = ["logp", f"hidden({self.hidden_layer})", *(f"attn({l})" for l in self.attn_layers)]
+            quantities = ["logp", f"hidden_at({self.hidden_layer})", *(f"attn_at({l})" for l in self.attn_layers)]
             out = policy.forward(batch, quantities)
         protos, cache = {}, {}
         H, A, y, row_of = [], [], [], []
@@ -151,7 +151,7 @@ class PairProbePhase:
                 if not ep.actions:
                     continue
                 labels = turn_labels(proto, rows[ep.key], ep.texts, list(self.actions), 0, cache.setdefault(name, {}))
-                spans, h, a = row_turn_features(out[f"hidden({self.hidden_layer})"][b, g], [out[f"attn({l})"][b, g] for l in self.attn_layers],
+                spans, h, a = row_turn_features(out[f"hidden_at({self.hidden_layer})"][b, g], [out[f"attn_at({l})"][b, g] for l in self.attn_layers],
                                                 batch.row_mask[b, g], len(batch.prompt_ids[b]), int(lengths[b, g]))
                 if len(spans) != len(labels):
                     raise RuntimeError(f"phase {self.artifact}: episode {b}/{g} has {len(labels)} actions but {len(spans)} turns in its transcript")

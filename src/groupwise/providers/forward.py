@@ -1,4 +1,4 @@
-"""Quantities read from one forward pass: ``logp``, ``entropy``, ``topk(k)``, ``hidden(l)``, ``attn(l)``.
+"""Quantities read from one forward pass: ``logp``, ``entropy``, ``topk(k)``, ``hidden(l)``; ``attn_at(l)``, ``hidden_at(l)``.
 
 Standard practice, no paper: GRPO's ratio and KL terms need the per-token log-probs of the sampled
 completion under the policy and the reference model (DeepSeekMath, Shao et al. 2024,
@@ -16,9 +16,12 @@ completion token ``y_t``, i.e. given the prefix ``context, y_<t``)::
     entropy[b,g,t]   = -Σ_v exp(logq[v]) · logq[v]                  # [B,G,T]
     topk(k)[b,g,t]   = the k largest logq[v], descending            # [B,G,T,k]
     hidden(l)[b,g,t] = residual stream after decoder layer l         # [B,G,T,H]   (0 = embeddings)
-    attn(l)[b,g,t,h,k] = A_l[h, q, k], q = the position predicting y_t  # [B,G,T,heads,S]  (l >= 1)
+
+at the position OF completion token t (q = P + t, P the row's prompt length; extra eager pass):
+    attn_at(l)[b,g,t,h,k] = A_l[h, q, k]                             # [B,G,T,heads,S]  (l >= 1)
                        k = key position in the row's prompt + completion (0 = its first prompt token);
                        S = longest prompt + T; 0 at future keys and past the row's end
+    hidden_at(l)[b,g,t]   = the model's own hidden_states[l] at q    # [B,G,T,H]  (l = layers: after the final norm)
 
 Each is the value at completion token t computed from the position that predicts it (the prefix
 ``context, y_<t``), under the need's model and view, float32, 0 outside the mask.
@@ -33,12 +36,16 @@ the need's name: ``topk(k)`` with an integer k ≥ 1, ``hidden(l)`` with l ≥ 0
 2. The logits are the raw model's (temperature 1, after the architecture's own logit scaling or
    soft-capping): the rollout's sampling temperature does not enter.
 3. ``topk(k)`` with k larger than the vocabulary pads the missing entries with ``-inf``.
-   ``attn(l)``: the attention probabilities of decoder layer l (1-based), every head. They need
-   eager attention (``output_attentions=True``), so the forward runs the model's own decoder once
-   more on right-padded rows (``policy.forward._eager_attentions``), switching an SDPA model to eager
-   for the call: not packed, not on the functional path, no autograd (``grad_ok = False``). Memory
-   is ``[B,G,T,heads,S]`` per layer: meant for short multi-turn toys (first reader: PAIR, spec 03,
-   ``rewards/pair.py``). l above the model's layer count is a ``ValueError`` at the first forward.
+   ``attn_at(l)``: the attention probabilities of decoder layer l (1-based), every head, of the
+   query AT token t (attention describes the token's own row, as the spec-03 features read it; the
+   other quantities sit at the position predicting t). They need eager attention
+   (``output_attentions=True``), so the forward runs the model's own forward once more on
+   right-padded rows (``policy.forward._eager_states``), switching an SDPA model to eager for the
+   call: not packed, not on the functional path, no autograd (``grad_ok = False``). ``hidden_at(l)``
+   comes from the same pass (without attention outputs when asked alone): the state AT token t,
+   so the state after a turn's last token (its EOS) is readable. Memory is ``[B,G,T,heads,S]`` per
+   layer: meant for short multi-turn toys (first reader: PAIR, spec 03, ``rewards/pair.py``). A
+   layer above the model's count is a ``ValueError`` at the first forward.
 4. ``check`` runs at build time: a missing or non-integer argument of ``topk``/``hidden`` (or one
    below its minimum), or any argument given to ``logp``/``entropy``, is a ``ConfigError``.
 5. ``grad_ok = True``: these may be computed with autograd inside a micro-batch, but only as the
@@ -112,11 +119,21 @@ class Hidden(_ForwardQuantity):
     low = 0
 
 
-@register("provider", "attn")
+@register("provider", "attn_at")
 @dataclass
-class Attention(_ForwardQuantity):
-    """Layer l's attention probabilities (every head, every key position of the row) at the query predicting each token [B,G,T,heads,S]; no grad."""
+class AttentionAt(_ForwardQuantity):
+    """Layer l's attention probabilities (every head, every key position of the row) of the query at each token [B,G,T,heads,S]; no grad."""
 
     grad_ok = False
     takes_arg = True
     low = 1
+
+
+@register("provider", "hidden_at")
+@dataclass
+class HiddenAt(_ForwardQuantity):
+    """The model's own hidden_states[l] at each token's own position [B,G,T,H] (the eager pass); no grad."""
+
+    grad_ok = False
+    takes_arg = True
+    low = 0

@@ -13,10 +13,10 @@ The row's reward is ``Σ_t r_t``; the per-turn rewards go to the extra ``pair_tu
 ``pair`` advantage (``advantages/pair.py``: ``A_t = (r_t − mean_t r) + group-normalised total``).
 
 **Math** (turn t = completion tokens ``[s, e)``; ``P`` = the row's prompt length; the quantities
-``hidden(l)`` / ``attn(l)`` sit at the position *predicting* each token, ``providers/forward.py``)::
+``hidden_at(l)`` / ``attn_at(l)`` sit at each token's own position, ``providers/forward.py``)::
 
-    h_t      = hidden(hidden_layer)[e−1]                              # [D] the state after the turn's text
-    A_l      = attn(l)[s:e] as [heads, Q=e−s, K=P+n]  (queries predicting the turn's tokens, keys of the row)
+    h_t      = hidden_at(hidden_layer)[e−1]                           # [D] the state at the turn's last token
+    A_l      = attn_at(l)[s:e] as [heads, Q=e−s, K=P+n]  (the queries at the turn's tokens, keys of the row)
     stats_l  = [ mean_q max_k A, mean_q std_k A, mean_q Σ_{k<P+s} A / Σ_k A, mean_q Σ_{P+s≤k<P+e} A / Σ_k A ]
     a_t      = concat_l stats_l                                       # [4·heads·L]
     s_bc     = σ(w1ᵀ z1(h_t) + b1)                                    # stage 1 (z = standardised)
@@ -30,10 +30,9 @@ The row's reward is ``Σ_t r_t``; the per-turn rewards go to the extra ``pair_tu
 - ``alpha = 5.0``, ``temperature = 2.0``, ``eps = 0.05``, ``momentum = True``,
   ``clip_negative = False`` [CODE] (``PAIRMomentumReward``, paper Eq. 7).
 - features: last layer, last token of the turn; attention statistics over every layer [CODE].
-  ``hidden_layer = 4``, ``attn_layers = (1, 2, 3, 4)`` [INFERRED] the embedded model's 4 layers
-  (set them to the model's; they must equal the phase's, checked when the artifact arrives).
-  ``hidden(L)`` is the residual stream after the last layer, before the final norm [INFERRED]
-  (the spec's ``hidden_states[-1]`` is after it; the probe standardises its inputs either way).
+  ``hidden_layer = 4``, ``attn_layers = (1, 2, 3, 4)``: the embedded model's 4 layers, so
+  ``hidden_at(4)`` is its ``hidden_states[-1]`` (after the final norm) as in the code [CODE]; set
+  them to the model's (they must equal the phase's, checked when the artifact arrives).
 - ``attn_layers = ()`` turns the attention head off [INFERRED option]: stage 2 then sees tclip(s_bc) only.
 - ``weight = 1.0`` [INFERRED] the run's only weighted reward (``env_return`` logged at weight 0).
 
@@ -41,11 +40,10 @@ The row's reward is ``Σ_t r_t``; the per-turn rewards go to the extra ``pair_tu
 
 1. Turns are the maximal runs of ``rollout.row_mask`` (the policy's own tokens; ``episodes``
    transcripts leave the environment's tokens as holes); a row without holes is one turn.
-2. Position convention (one-token shift, [INFERRED]): the spec reads the state AT the turn's last
-   token and the attention rows of the queries AT its tokens; the providers give the state and the
-   rows at the position predicting each token, so here the queries are the positions ``P+s−1 ..
-   P+e−2`` and ``h`` is the state predicting the turn's last token (EOS for a finished turn). The
-   first query then attends only to keys before the turn (its prefix ratio is 1).
+2. Positions as the spec's: the state AT the turn's last token (its EOS for a finished turn) and
+   the attention rows of the queries AT its tokens. (A first version read ``hidden(l)``, the state
+   *predicting* each token: an empty turn, EOS alone, then showed the probe only the state before
+   the action, and 2 of 3 claim seeds collapsed to empty actions that the probe could not see.)
 3. ``std_k`` is the population std over the row's key positions ``0..P+n−1`` (future keys count as
    0, as in the spec's full-dialog matrix) [INFERRED]; ``self_ratio = 1 − prefix_ratio`` under
    causal attention, kept for the spec's feature layout.
@@ -199,8 +197,8 @@ class PairProbe:
 
 
 def row_turn_features(hidden: Tensor, attns: list[Tensor], row_mask: Tensor, prompt_length: int, length: int) -> tuple[list, Tensor, Tensor]:
-    """(spans, h [n,D], a [n,4·heads·L]) of one row's turns from its ``hidden(l)`` [T,D] and
-    ``attn(l)`` [T,heads,S] quantities (Notes 2-3); ``length`` = its completion tokens."""
+    """(spans, h [n,D], a [n,4·heads·L]) of one row's turns from its ``hidden_at(l)`` [T,D] and
+    ``attn_at(l)`` [T,heads,S] quantities (Notes 2-3); ``length`` = its completion tokens."""
     spans = turn_spans(row_mask)
     K = prompt_length + length
     h = torch.stack([hidden[e - 1].double() for _, e in spans]) if spans else torch.zeros(0, hidden.shape[-1], dtype=torch.float64)
@@ -238,7 +236,7 @@ class PairReward:
 
     @property
     def needs(self) -> tuple[Need, ...]:
-        return (Need(f"hidden({self.hidden_layer})"), *(Need(f"attn({l})") for l in self.attn_layers))
+        return (Need(f"hidden_at({self.hidden_layer})"), *(Need(f"attn_at({l})") for l in self.attn_layers))
 
     @property
     def artifacts(self) -> tuple[str, ...]:
@@ -247,8 +245,8 @@ class PairReward:
     def use_artifact(self, name: str, value: dict) -> None:
         made = (int(value["hidden_layer"]), tuple(int(l) for l in value["attn_layers"]))
         if made != (self.hidden_layer, self.attn_layers):
-            raise ConfigError(f"reward pair: the probe {name!r} was fitted on hidden({made[0]}) and attn{list(made[1])}, but the reward reads "
-                              f"hidden({self.hidden_layer}) and attn{list(self.attn_layers)}; give both the same hidden_layer and attn_layers")
+            raise ConfigError(f"reward pair: the probe {name!r} was fitted on hidden_at({made[0]}) and attn_at{list(made[1])}, but the reward reads "
+                              f"hidden_at({self.hidden_layer}) and attn_at{list(self.attn_layers)}; give both the same hidden_layer and attn_layers")
         self._probe = PairProbe.from_state(value["probe"])
         self._probe.temperature, self._probe.eps = self.temperature, self.eps
 
@@ -256,8 +254,8 @@ class PairReward:
         if self._probe is None:
             raise ValueError(f"reward pair: no probe; add the offline phase pair_probe (artifact {self.artifact!r}) to `phases`")
         B, G, T = rollout.shape
-        hidden = rollout.extras[f"hidden({self.hidden_layer})"]  # [B,G,T,D]
-        attns = [rollout.extras[f"attn({l})"] for l in self.attn_layers]  # each [B,G,T,heads,S]
+        hidden = rollout.extras[f"hidden_at({self.hidden_layer})"]  # [B,G,T,D]
+        attns = [rollout.extras[f"attn_at({l})"] for l in self.attn_layers]  # each [B,G,T,heads,S]
         row_mask = rollout.row_mask.bool()  # [B,G,T]
         lengths = rollout.mask.sum(-1).tolist()  # [B][G]
         turn_reward = torch.zeros(B, G, T, dtype=torch.float32)  # [B,G,T]
