@@ -41,9 +41,8 @@ The row's reward is ``Σ_t r_t``; the per-turn rewards go to the extra ``pair_tu
 1. Turns are the maximal runs of ``rollout.row_mask`` (the policy's own tokens; ``episodes``
    transcripts leave the environment's tokens as holes); a row without holes is one turn.
 2. Positions as the spec's: the state AT the turn's last token (its EOS for a finished turn) and
-   the attention rows of the queries AT its tokens. (A first version read ``hidden(l)``, the state
-   *predicting* each token: an empty turn, EOS alone, then showed the probe only the state before
-   the action, and 2 of 3 claim seeds collapsed to empty actions that the probe could not see.)
+   the attention rows of the queries AT its tokens (``hidden(l)``, the state *predicting* each
+   token, would show the probe only the state before an empty turn's EOS, never the action).
 3. ``std_k`` is the population std over the row's key positions ``0..P+n−1`` (future keys count as
    0, as in the spec's full-dialog matrix) [INFERRED]; ``self_ratio = 1 − prefix_ratio`` under
    causal attention, kept for the spec's feature layout.
@@ -51,6 +50,9 @@ The row's reward is ``Σ_t r_t``; the per-turn rewards go to the extra ``pair_tu
    float64; scores are finite for any finite features (standardisation guards a zero scale).
 5. No gradient: the needs are no-grad quantities of the policy's own forward (``model = "policy"``,
    the agent's current internals, as the authors' reward reads them).
+6. The probe is a learned reward fitted once: a policy can move to turns it over-rates. On the
+   reach toy it does (empty or garbage actions score near the clean first moves; docs/claims.md,
+   03-pair); keeping the outcome in the reward (``env_return`` at weight 1) is an option, not the paper's.
 """
 
 from __future__ import annotations
