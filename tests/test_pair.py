@@ -259,3 +259,15 @@ def test_attention_head_off_is_stage_two_on_s_bc_alone():
     assert float(s_final.std()) > 0.01 and (s_final[order].diff() >= -1e-12).all()  # stage 2's weight on s_bc is positive here
     assert auroc(s_final, y) == pytest.approx(auroc(s_bc, y), abs=1e-12)  # a monotone map keeps the ranking
     assert [n.name for n in PairReward(attn_layers=[]).needs] == ["hidden_at"]
+
+
+def test_eager_providers_check_their_argument():
+    from groupwise.types import Need
+
+    attn, hidden = build("provider", "attn_at"), build("provider", "hidden_at")
+    hidden.check(Need("hidden_at(0)"))  # 0 = the embeddings
+    attn.check(Need("attn_at(1)"))
+    for provider, bad in ((attn, "attn_at(0)"), (attn, "attn_at"), (hidden, "hidden_at(x)")):
+        with pytest.raises(ConfigError, match="integer"):
+            provider.check(Need(bad))
+    assert not attn.grad_ok and not hidden.grad_ok  # no autograd through the eager pass

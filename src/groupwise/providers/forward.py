@@ -119,21 +119,23 @@ class Hidden(_ForwardQuantity):
     low = 0
 
 
-@register("provider", "attn_at")
 @dataclass
-class AttentionAt(_ForwardQuantity):
-    """Layer l's attention probabilities (every head, every key position of the row) of the query at each token [B,G,T,heads,S]; no grad."""
+class _EagerQuantity(_ForwardQuantity):
+    """A quantity of the extra eager pass (Note 3): a layer argument, no autograd."""
 
     grad_ok = False
     takes_arg = True
+
+
+@register("provider", "attn_at")
+@dataclass
+class AttentionAt(_EagerQuantity):
+    """Layer l's attention probabilities (every head, every key position of the row) of the query at each token [B,G,T,heads,S]; no grad."""
+
     low = 1
 
 
 @register("provider", "hidden_at")
 @dataclass
-class HiddenAt(_ForwardQuantity):
+class HiddenAt(_EagerQuantity):
     """The model's own hidden_states[l] at each token's own position [B,G,T,H] (the eager pass); no grad."""
-
-    grad_ok = False
-    takes_arg = True
-    low = 0
