@@ -260,12 +260,13 @@ def _padded_hidden(model, sequences: list[list[int]], prompt_lengths: list[int],
 
 
 def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
-    """(hidden layers, top-k sizes, entropy wanted, final hidden wanted) from quantity strings."""
+    """(hidden layers, top-k sizes, entropy wanted, final hidden wanted) from quantity strings
+    (``attn_at(l)`` / ``hidden_at(l)`` are read by ``eager_quantities``)."""
     layers, topks, entropy, last = set(), [], False, False
     for q in quantities:
         name, _, arg = q.partition("(")
         arg = arg.rstrip(")")
-        if name in ("logp", "logprobs"):  # logprobs: read by completion_logprobs itself
+        if name in ("logp", "logprobs") or (name in EAGER and arg.isdigit()):  # logprobs: read by completion_logprobs itself
             continue
         if name == "entropy":
             entropy = True
@@ -276,8 +277,59 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
         elif name == "last_hidden":
             last = True
         else:
-            raise ValueError(f"the packed forward cannot compute {q!r}; it computes logp, logprobs, entropy, topk(k), hidden(l), last_hidden")
+            raise ValueError(f"the packed forward cannot compute {q!r}; it computes logp, logprobs, entropy, topk(k), hidden(l), last_hidden, attn_at(l), hidden_at(l)")
     return layers, topks, entropy, last
+
+
+EAGER = ("attn_at", "hidden_at")  # quantities of the extra eager pass, at each token's own position
+
+
+def eager_quantities(quantities) -> list[tuple[str, int]]:
+    """The (name, layer) of the ``attn_at(l)`` / ``hidden_at(l)`` quantities asked for."""
+    out = []
+    for q in quantities:
+        name, _, arg = q.partition("(")
+        if name in EAGER and arg.rstrip(")").isdigit():
+            out.append((name, int(arg.rstrip(")"))))
+    return sorted(set(out))
+
+
+def _eager_states(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int],
+                  wanted: list[tuple[str, int]]) -> dict[str, Tensor]:
+    """{"attn_at(l)": [K,heads,S], "hidden_at(l)": [K,H]} at the position OF every completion token
+    of the rows (the query at the token itself), in row order. ``attn_at(l)``: decoder layer l's
+    (1-based) attention probabilities over the key positions 0..S-1 of the row's own ``prompt +
+    completion`` (S = the longest row; 0 past a row's end and at future keys); ``hidden_at(l)``: the
+    model's own ``hidden_states[l]`` (0 = embeddings; l = the layer count: after the final norm). The
+    model's own forward on a right-padded batch with eager attention (``output_attentions=True``; an
+    SDPA or flash model is switched to eager for the call and back)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    n_layers = int(base.config.num_hidden_layers)
+    for name, l in wanted:
+        if l > n_layers or (name == "attn_at" and l < 1):
+            raise ValueError(f"{name}({l}) asked of a model with {n_layers} decoder layers; use attn_at(1..{n_layers}) or hidden_at(0..{n_layers})")
+    N, width = len(sequences), max(len(s) for s in sequences)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)  # [N,S]
+    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)  # [N,S]
+    rows = torch.tensor([r for r, c in enumerate(completion_lengths) for _ in range(c)], dtype=torch.long, device=device)  # [K]
+    at = torch.tensor([p + j for p, c in zip(prompt_lengths, completion_lengths) for j in range(c)], dtype=torch.long, device=device)  # [K]
+    attend = any(name == "attn_at" for name, _ in wanted)
+    before = base.config._attn_implementation
+    if attend and before != "eager":
+        base.set_attn_implementation("eager")
+    try:
+        out = base(input_ids=input_ids, attention_mask=attention_mask, output_attentions=attend, output_hidden_states=True, use_cache=False)
+    finally:
+        if attend and before != "eager":
+            base.set_attn_implementation(before)
+    result = {}
+    for name, l in wanted:
+        if name == "attn_at":
+            result[f"attn_at({l})"] = out.attentions[l - 1][rows, :, at].float()  # [K,heads,S]
+        else:
+            result[f"hidden_at({l})"] = out.hidden_states[l][rows, at].float()  # [K,H]
+    return result
 
 
 def completion_logprobs(
@@ -303,7 +355,11 @@ def completion_logprobs(
     ``want_entropy``), ``"logprobs"`` [B,G,T,V] (the whole next-token log-distribution, in vocabulary
     order), ``"topk(k)"`` [B,G,T,k] (the k largest log-probs, descending), ``"hidden(l)"``
     [B,G,T,H] (residual stream after layer l, 0 = embeddings), ``"last_hidden"`` [B,G,T,H] (final-norm
-    states the head reads), all at the position that predicts token t and 0 elsewhere. Autograd flows
+    states the head reads), all at the position that predicts token t and 0 elsewhere; and, at the
+    position OF token t (an extra eager, unpacked pass of the model's own forward, ``_eager_states``):
+    ``"attn_at(l)"`` [B,G,T,heads,S] (layer l's attention probabilities over the key positions
+    0..S-1 of the row's prompt + completion, S = longest prompt + T) and ``"hidden_at(l)"`` [B,G,T,H]
+    (the model's ``hidden_states[l]``). Autograd flows
     to the model's parameters unless the caller runs it under ``torch.no_grad()``. ``share_prefix``
     computes each group's prompt once (tree attention); ``None`` chooses the layout with the lower
     estimated cost (``_layout_cost``: the tree saves prompt tokens but its mask is quadratic in a whole
@@ -314,6 +370,7 @@ def completion_logprobs(
     """
     layers, topks, entropy_wanted, last_wanted = parse_quantities(quantities)
     full_wanted = "logprobs" in quantities
+    eager = eager_quantities(quantities)
     want_entropy = want_entropy or entropy_wanted
     B, G, T = actions.shape
     rows = rows.bool()  # [B,G]
@@ -333,6 +390,13 @@ def completion_logprobs(
         result["last_hidden"] = torch.zeros(B, G, T, width, dtype=torch.float32, device=device)  # [B,G,T,H]
     if full_wanted:
         result["logprobs"] = torch.zeros(B, G, T, _vocab_size(model), dtype=torch.float32, device=device)  # [B,G,T,V]
+    if eager:
+        heads = int((model.get_base_model() if hasattr(model, "get_base_model") else model).config.num_attention_heads)
+        contexts = [c for g in row_prompts for c in g] if row_prompts is not None else list(prompt_ids)
+        keys = max((len(c) for c in contexts), default=0) + T  # S: every key position a row's prompt + completion can have
+        for name, l in eager:
+            shape = (B, G, T, heads, keys) if name == "attn_at" else (B, G, T, width)
+            result[f"{name}({l})"] = torch.zeros(*shape, dtype=torch.float32, device=device)  # [B,G,T,heads,S] or [B,G,T,H]
     if not bool(scored.any()):
         return result
 
@@ -383,6 +447,15 @@ def completion_logprobs(
         result["last_hidden"] = _scatter_rows(result["last_hidden"], out_mask, hidden.float())  # [B,G,T,H]
     if full_wanted:
         result["logprobs"] = _scatter_rows(result["logprobs"], out_mask, torch.log_softmax(logits.float(), dim=-1))  # [B,G,T,V]
+    if eager:
+        sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]
+        for key, values in _eager_states(model, sequences, prompt_lengths, completion_lengths, eager).items():  # [K,...]
+            into = result[key]  # [B,G,T,...]
+            if values.dim() == 3:
+                values = torch.nn.functional.pad(values, (0, into.shape[-1] - values.shape[-1]))  # [K,heads,S]
+            flat = into.reshape(-1, *into.shape[3:])  # [B*G*T,...]
+            index = out_mask.reshape(-1).nonzero().squeeze(1)  # [K]
+            result[key] = flat.index_copy(0, index, values.to(flat.dtype)).view_as(into)  # [B,G,T,...]
     return result
 
 

@@ -1,4 +1,4 @@
-"""Quantities read from one packed forward pass: ``logp``, ``logprobs``, ``entropy``, ``topk(k)``, ``hidden(l)``.
+"""Quantities read from one forward pass: ``logp``, ``logprobs``, ``entropy``, ``topk(k)``, ``hidden(l)``; ``attn_at(l)``, ``hidden_at(l)``.
 
 Standard practice, no paper: GRPO's ratio and KL terms need the per-token log-probs of the sampled
 completion under the policy and the reference model (DeepSeekMath, Shao et al. 2024,
@@ -18,6 +18,12 @@ completion token ``y_t``, i.e. given the prefix ``context, y_<t``)::
     topk(k)[b,g,t]   = the k largest logq[v], descending            # [B,G,T,k]
     hidden(l)[b,g,t] = residual stream after decoder layer l         # [B,G,T,H]   (0 = embeddings)
 
+at the position OF completion token t (q = P + t, P the row's prompt length; extra eager pass):
+    attn_at(l)[b,g,t,h,k] = A_l[h, q, k]                             # [B,G,T,heads,S]  (l >= 1)
+                       k = key position in the row's prompt + completion (0 = its first prompt token);
+                       S = longest prompt + T; 0 at future keys and past the row's end
+    hidden_at(l)[b,g,t]   = the model's own hidden_states[l] at q    # [B,G,T,H]  (l = layers: after the final norm)
+
 Each is the value at completion token t computed from the position that predicts it (the prefix
 ``context, y_<t``), under the need's model and view, float32, 0 outside the mask.
 
@@ -35,9 +41,19 @@ the need's name: ``topk(k)`` with an integer k ≥ 1, ``hidden(l)`` with l ≥ 0
    vocabulary order, for a divergence between two contexts' distributions that needs a gradient (a
    no-grad one is cheaper as ``kl_to(VIEW)``). It is [B,G,T,V] float32 on every row and token: fine
    for a small vocabulary, 4·V bytes a token for a large one.
-4. ``check`` runs at build time: a missing or non-integer argument of ``topk``/``hidden`` (or one
+4. ``attn_at(l)``: the attention probabilities of decoder layer l (1-based), every head, of the
+   query AT token t (attention describes the token's own row, as the spec-03 features read it; the
+   other quantities sit at the position predicting t). They need eager attention
+   (``output_attentions=True``), so the forward runs the model's own forward once more on
+   right-padded rows (``policy.forward._eager_states``), switching an SDPA model to eager for the
+   call: not packed, not on the functional path, no autograd (``grad_ok = False``). ``hidden_at(l)``
+   comes from the same pass (without attention outputs when asked alone): the state AT token t,
+   so the state after a turn's last token (its EOS) is readable. Memory is ``[B,G,T,heads,S]`` per
+   layer: meant for short multi-turn toys (first reader: PAIR, spec 03, ``rewards/pair.py``). A
+   layer above the model's count is a ``ValueError`` at the first forward.
+5. ``check`` runs at build time: a missing or non-integer argument of ``topk``/``hidden`` (or one
    below its minimum), or any argument given to ``logp``/``entropy``, is a ``ConfigError``.
-5. ``grad_ok = True``: these may be computed with autograd inside a micro-batch, but only as the
+6. ``grad_ok = True``: these may be computed with autograd inside a micro-batch, but only as the
    policy's own default-view quantities (``needs.NeedResolver.check``). ``plan`` asks the forward
    of the need's ``(model, view)`` for the quantity, and all quantities of one pair share one pass.
 """
@@ -112,3 +128,25 @@ class Hidden(_ForwardQuantity):
 
     takes_arg = True
     low = 0
+
+
+@dataclass
+class _EagerQuantity(_ForwardQuantity):
+    """A quantity of the extra eager pass (Note 3): a layer argument, no autograd."""
+
+    grad_ok = False
+    takes_arg = True
+
+
+@register("provider", "attn_at")
+@dataclass
+class AttentionAt(_EagerQuantity):
+    """Layer l's attention probabilities (every head, every key position of the row) of the query at each token [B,G,T,heads,S]; no grad."""
+
+    low = 1
+
+
+@register("provider", "hidden_at")
+@dataclass
+class HiddenAt(_EagerQuantity):
+    """The model's own hidden_states[l] at each token's own position [B,G,T,H] (the eager pass); no grad."""
