@@ -290,6 +290,44 @@ def learning_per_step(model: Path, steps: int, every: int, seeds: int, eval_size
             "algorithm": algorithm, "curves": curves, "rows": rows}
 
 
+GEN_PRESETS = ("tiny", "small")  # the ~1M and ~8M models
+GEN_BATCHES = (8, 64, 512)
+
+
+def generation_throughput(threads: int, rundir: Path, length: int = 64, reps: int = 3) -> dict[str, Any]:
+    """Completion tokens/s of sampling alone, groupwise's engine vs Hugging Face ``generate``, per model and batch."""
+    from build_models import build
+
+    rows: list[dict[str, Any]] = []
+    for preset in GEN_PRESETS:
+        folder = build(preset)
+        got = {}
+        for fw in ("groupwise", "hf"):
+            log(f"generation alone: {fw}, {preset}, batches {list(GEN_BATCHES)} x {length} tokens")
+            got[fw] = run_worker(["gen", "--framework", fw, "--model", str(folder), "--batches", ",".join(map(str, GEN_BATCHES)),
+                                  "--length", str(length), "--reps", str(reps)], rundir / "raw" / f"gen-{fw}-{preset}.json",
+                                 rundir / "logs" / f"gen-{fw}-{preset}.log", threads)
+            if isinstance(got[fw], dict) and "error" in got[fw]:
+                return {"error": f"generation worker {fw} on {preset} failed", "log": got[fw].get("log")}
+        for gw, hf in zip(got["groupwise"], got["hf"]):
+            rows.append({"preset": preset, "batch": gw["batch"], "groupwise_tok_s": gw["tokens_per_s"], "hf_tok_s": hf["tokens_per_s"],
+                         "ratio": gw["tokens_per_s"] / hf["tokens_per_s"]})
+    return {"length": length, "reps": reps, "threads": threads, "rows": rows}
+
+
+def generation_section(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return f"_Generation throughput failed: {result['error']} (log {result.get('log')})._"
+    lines = [f"Sampling alone (no scoring or training): rows of exactly {result['length']} completion tokens (the bench models "
+             f"cannot emit EOS), batch = prompts × G = 8, temperature 1 over the whole vocabulary, median of {result['reps']} timed "
+             f"calls after one untimed; {result['threads']} torch thread(s). HF = `model.generate` (SDPA, KV cache) on the same "
+             "prompts, each repeated G times.", "",
+             "| model | batch (rows) | groupwise tok/s | HF generate tok/s | groupwise / HF |", "|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['preset']} | {r['batch']} | {r['groupwise_tok_s']:,.0f} | {r['hf_tok_s']:,.0f} | **{r['ratio']:.2f}×** |")
+    return "\n".join(lines)
+
+
 def per_step_section(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"_Learning per step failed: {result['error']} (log {result.get('log')})._"
@@ -435,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tta-threads", type=int, default=None, help="torch threads for both time-to-accuracy runs "
                         "(default: the demo recipe's `threads` if it sets one above 0, else the workers' thread count)")
     parser.add_argument("--skip-tta", action="store_true")
+    parser.add_argument("--skip-generation", action="store_true", help="skip the generation-alone throughput table")
+    parser.add_argument("--generation-only", action="store_true", help="only the generation-alone throughput table")
     parser.add_argument("--per-step", action="store_true", help="only the learning-per-step comparison: accuracy against optimiser "
                         "steps for both frameworks over --per-step-seeds seeds (not part of the default run: ~15 min on 2 cores)")
     parser.add_argument("--per-step-steps", type=int, default=500)
@@ -501,6 +541,15 @@ def main(argv: list[str] | None = None) -> int:
             log(f"wrote {doc}")
         return 0
 
+    if args.generation_only:
+        result = generation_throughput(threads, rundir, length=16 if args.quick else 64, reps=1 if args.quick else 3)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "generation.json").write_text(json.dumps(result, indent=1) + "\n")
+        log("generation alone:\n" + generation_section(result))
+        if doc is not None:
+            write_doc(doc, {"generation": generation_section(result) + f"\n\n_{command}; {info['date']}_"})
+            log(f"wrote {doc}")
+        return 0
     for preset in sorted({c.preset for c in cells}):
         build(preset)
     flops_before = gemm_flops(threads)
@@ -542,6 +591,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{s['cell']}: groupwise {_f(s.get('groupwise_step_s'))} s/step, TRL {_f(s.get('trl_step_s'))} s/step, "
             f"speed-up {_f(s.get('ratio'), '{:.2f}x')}")
 
+    gen = None
+    if not args.skip_generation and not args.ablation:
+        gen = generation_throughput(threads, rundir, length=16 if args.quick else 64, reps=1 if args.quick else 3)
+
     tta = None
     if not args.skip_tta and not args.ablation:
         if (args.tta_model / "config.json").exists():
@@ -561,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
         if summaries:
             (out_dir / RESULTS.name).write_text(json.dumps(summaries, indent=1) + "\n")
         (out_dir / "run_info.json").write_text(json.dumps({"machine": info, "gemm_flops": flops, "command": command,
-                                                           "wall_seconds": wall, "rundir": str(rundir), "tta": tta}, indent=1) + "\n")
+                                                           "wall_seconds": wall, "rundir": str(rundir), "tta": tta,
+                                                           "generation": gen}, indent=1) + "\n")
         if summaries:
             log("results:\n" + results_table(summaries))
         if tta:
@@ -575,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
             sections["results"] = results_table(summaries)
         if tta is not None:
             sections["tta"] = tta_section(tta)
+        if gen is not None:
+            sections["generation"] = generation_section(gen)
     if doc is not None:
         write_doc(doc, sections)
         log(f"wrote {doc}")

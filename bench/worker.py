@@ -2,6 +2,7 @@
 time-to-accuracy run).
 
     python bench/worker.py measure --framework {groupwise,trl} --cells JSON_LIST --models-dir DIR --threads T --out FILE
+    python bench/worker.py gen --framework {groupwise,hf} --model DIR --threads T [--batches 8,64,512 --length 64] --out FILE
     python bench/worker.py tta --framework {groupwise,trl} --model DIR --threads T --seconds S \
         --eval-every S [--target ACC] [--steps N --eval-every-steps K --seed S] --out FILE
 
@@ -414,6 +415,61 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
 
 
 # ------------------------------------------------------------------------------------------------
+def generation(framework: str, model: str, threads: int, batches: list[int], length: int, group: int, reps: int,
+               workdir: str) -> list[dict[str, Any]]:
+    """Generation alone: completion tokens per second of sampling ``batch`` rows (``batch / group``
+    prompts x ``group``) of exactly ``length`` tokens (the bench models cannot emit EOS), temperature 1,
+    full vocabulary; groupwise's engine (``policy.generate``) or Hugging Face ``generate`` on the same
+    prompts. One untimed call per batch size first, then ``reps`` timed calls (their median is reported)."""
+    import statistics
+
+    import torch
+
+    torch.set_num_threads(threads)
+    rows = train_rows()
+    out = []
+    if framework == "groupwise":
+        from groupwise.types import Request, StepInfo
+
+        trainer = groupwise_trainer(groupwise_overrides(model=model, threads=threads, out=workdir, prompts=max(batches) // group,
+                                                        group=group, length=length, loss="grpo", beta=0.0, mu=1, lr=1e-5,
+                                                        epsilon=0.2, micro_groups=0, steps=1) + _groupwise_ablation())
+        policy = trainer.policy
+
+        def sample(batch: int, call: int) -> int:
+            info = StepInfo(call, 0, length)
+            requests = [Request(key=i, n=group, prompt=policy.encode(rows[i]["prompt"])) for i in range(batch // group)]
+            gen = policy.generate(requests, trainer.sampling_params, info)
+            return int(gen.mask.sum())
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        tokenizer.padding_side = "left"
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True).eval()
+
+        def sample(batch: int, call: int) -> int:
+            torch.manual_seed(call)
+            prompts = [rows[i]["prompt"] for i in range(batch // group) for _ in range(group)]
+            ids = tokenizer(prompts, return_tensors="pt", padding=True)
+            with torch.no_grad():
+                seqs = hf.generate(**ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length,
+                                   min_new_tokens=length, pad_token_id=tokenizer.pad_token_id)
+            return int(seqs.shape[0] * (seqs.shape[1] - ids["input_ids"].shape[1]))
+    for batch in batches:
+        if batch % group:
+            raise SystemExit(f"batch {batch} is not a multiple of the group size {group}")
+        sample(batch, 0)  # warm-up: allocator, caches, first-call dispatch
+        seconds, tokens = [], []
+        for call in range(1, reps + 1):
+            start = time.perf_counter()
+            tokens.append(sample(batch, call))
+            seconds.append(time.perf_counter() - start)
+        out.append({"framework": framework, "batch": batch, "length": length, "seconds": seconds, "tokens": tokens,
+                    "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds))})
+    return out
+
+
 def measure_cells(cells: list[Cell], framework: str, models_dir: str, threads: int) -> list[dict[str, Any]]:
     """Each cell in turn, in this process: its measurement, or ``{"cell", "error"}`` if it failed (the
     cells after it still run)."""
@@ -458,12 +514,23 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval-every-steps", type=int, default=50)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--model", required=True)
-    for p in (m, t):
+    g = sub.add_parser("gen")
+    g.add_argument("--framework", choices=("groupwise", "hf"), required=True)
+    g.add_argument("--model", required=True)
+    g.add_argument("--batches", default="8,64,512")
+    g.add_argument("--length", type=int, default=64)
+    g.add_argument("--group", type=int, default=8)
+    g.add_argument("--reps", type=int, default=3)
+    for p in (m, t, g):
         p.add_argument("--threads", type=int, required=True)
         p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    if args.mode == "measure":
-        result: Any = measure_cells([Cell(**c) for c in json.loads(args.cells)], args.framework, args.models_dir, args.threads)
+    if args.mode == "gen":
+        with tempfile.TemporaryDirectory(prefix=f"bench-gen-{args.framework}-") as workdir:
+            result: Any = generation(args.framework, args.model, args.threads, [int(b) for b in args.batches.split(",")], args.length,
+                                     args.group, args.reps, workdir)
+    elif args.mode == "measure":
+        result = measure_cells([Cell(**c) for c in json.loads(args.cells)], args.framework, args.models_dir, args.threads)
     else:
         with tempfile.TemporaryDirectory(prefix=f"bench-{args.framework}-") as workdir:
             result = tta(args.framework, args.model, args.threads, args.seconds, args.eval_every, args.target,

@@ -116,3 +116,11 @@ def test_per_step_section_pairs_seeds_and_reports_the_difference():
     text = run.per_step_section(result)
     # differences 0.1 and 0.3: mean +0.2, sd 0.1414, t(1) = 12.706 -> half-width 12.706 * 0.1414 / sqrt 2 = 1.271
     assert "| 50 | 0.400 ± 0.000 | 0.600 ± 1.271 | +0.200 ± 1.271 |" in text
+
+
+def test_generation_section_reports_the_ratio_per_model_and_batch():
+    result = {"length": 64, "reps": 3, "threads": 2,
+              "rows": [{"preset": "tiny", "batch": 8, "groupwise_tok_s": 3000.0, "hf_tok_s": 1200.0, "ratio": 2.5}]}
+    text = run.generation_section(result)
+    assert "| tiny | 8 | 3,000 | 1,200 | **2.50×** |" in text and "exactly 64 completion tokens" in text
+    assert run.generation_section({"error": "boom", "log": "x.log"}).startswith("_Generation throughput failed: boom")
