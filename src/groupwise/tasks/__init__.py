@@ -44,7 +44,7 @@ def split_pool(items: list, split: str, n: int, seed: int, test_size: int, task:
 
 
 def get_task(name: str) -> Task:
-    for mod in ("arithmetic", "countdown", "sorting", "mixed", "flow2d", "reach", "theater", "ranking", "addition_orders", "evidence", "sum_pairs", "op_select"):
+    for mod in ("arithmetic", "countdown", "sorting", "mixed", "flow2d", "reach", "theater", "ranking", "addition_orders", "evidence", "sum_pairs", "op_select", "compile_fix"):
         try:
             importlib.import_module(f"groupwise.tasks.{mod}")
         except ModuleNotFoundError as err:
