@@ -42,7 +42,12 @@ for the multi-turn strategies (``episodes``, ``governed_episodes``).
    episode's failures depend only on (seed, step, row, episode), as every env of ``rollout/env.py``.
 3. ``compiled``/``semantic`` in ``outcome()`` describe the last program state (the last action):
    an ``env_fail`` episode reports both False and its own cause, which the governance reads.
-4. ``action_value(row, action)`` scores a lone completion (held-out evaluation: reward
+4. Under data parallelism every rank steps every episode (``rollout/env.py`` gathers the actions),
+   so every rank runs the same checks; the cache and the seeded injection keep them identical, but
+   a REAL sandbox failure on one rank only would make that rank's episode an ``env_fail`` alone
+   (the ranks would then disagree). Not guarded here: on one machine the sandbox either works for
+   every rank or fails the build.
+5. ``action_value(row, action)`` scores a lone completion (held-out evaluation: reward
    ``env_return``): 1 if it passes the semantic test, else 0.
 """
 
