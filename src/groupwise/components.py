@@ -89,7 +89,9 @@ class Env(Protocol):
     it): one instance plays one episode. ``reset(row, seed)`` starts it on a dataset row and returns
     the first observation text; ``step(action)`` applies an action text and returns (observation,
     reward, done). Optional: ``action_value(row, action) -> float``, the best return reachable after
-    one action from the row's first state (reward ``env_return`` scores a lone completion with it)."""
+    one action from the row's first state (reward ``env_return`` scores a lone completion with it);
+    ``outcome() -> dict``, what the finished episode came to (a termination cause, per-step scores),
+    stored in each row's ``info[b][g]["env"]`` by the env strategies."""
 
     def reset(self, row: dict, seed: int) -> str: ...
     def step(self, action: str) -> tuple[str, float, bool]: ...

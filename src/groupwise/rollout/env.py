@@ -22,6 +22,11 @@ Cuts (the per-group bounds): an episode stops at ``done``, after ``max_turns`` a
 ``rollout.max_new_tokens`` would pass ``min(model context, max_context)`` (``cut = "context"``).
 A cut episode keeps the rewards it got (the reach game's: 0, it never reached the goal).
 
+Episode facts: an env may define ``outcome() -> dict`` (what the episode came to: a termination
+cause, per-step scores); after play it is stored in ``Episode.facts`` and the strategies put it in
+each row's ``info[b][g]["env"]``. ``index_base`` numbers the episodes ``index_base + e`` (their seeds
+follow): a strategy that plays a row again (a resample) gives the new episodes fresh indices.
+
 Group hook: ``on_step(group, k) -> "continue" | "cut"`` (optional) is called after every turn, with
 ``k`` the number of actions played so far, for each group (a row's ``n`` episodes) in which some
 episode played its ``k``-th action in that turn. ``"cut"`` stops the group's live episodes there
@@ -60,6 +65,7 @@ class Episode:
     env_tokens: list[list[int]] = field(default_factory=list)  # history mode: encode(separator + o_{t+1}) after each non-final action
     done: bool = False
     cut: str = ""  # "" (done or still live), "max_turns", "context", "gate" (the group hook)
+    facts: dict = field(default_factory=dict)  # the env's ``outcome()`` after the episode (optional protocol method), else {}
 
     @property
     def ret(self) -> float:
@@ -88,7 +94,7 @@ def env_name(env: str | None, row: dict, who: str) -> str:
 
 def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = None, env_params: dict | None = None, *,
          history: bool = False, separator: str = " ", max_context: int | None = None, who: str = "env", sampling: dict | None = None,
-         on_step: Callable[[list[Episode], int], str] | None = None) -> Played:
+         on_step: Callable[[list[Episode], int], str] | None = None, index_base: int = 0) -> Played:
     """Play ``n`` episodes of each row in ``keys`` (see the module docstring; ``on_step``: the group hook)."""
     if max_turns < 1 or n < 1:
         raise ConfigError(f"rollout {who}: need max_turns >= 1 and group_size >= 1, got max_turns={max_turns}, group_size={n}")
@@ -105,7 +111,7 @@ def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = No
         group = []
         for e in range(n):
             instance = copy.deepcopy(protos[name])
-            ep = Episode(key, e, [instance.reset(row, sample_seed(info.seed, info.step, key, ENV_STREAM + e))])
+            ep = Episode(key, index_base + e, [instance.reset(row, sample_seed(info.seed, info.step, key, ENV_STREAM + index_base + e))])
             envs[id(ep)] = instance
             group.append(ep)
         episodes.append(group)
@@ -144,6 +150,9 @@ def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = No
             _group_hook(episodes, gated, {id(ep) for ep, _ in chosen}, t + 1, on_step, who)
     for ep in (ep for group in episodes for ep in group if not ep.done and not ep.cut):
         ep.cut = "max_turns"
+    for ep in (ep for group in episodes for ep in group):
+        outcome = getattr(envs[id(ep)], "outcome", None)
+        ep.facts = dict(outcome()) if outcome is not None else {}
     if not parts:
         raise ConfigError(f"rollout {who}: no episode could take a single turn (the first observation plus rollout.max_new_tokens={budget} "
                           f"exceeds the context limit {limit}); raise max_context or shorten the observations")

@@ -36,7 +36,10 @@ actions are trained. Reward = the episode's outcome; the advantage is the config
 3. Transcripts are plain text (``policy.encode`` of each observation): chat-format transcripts
    (a template per turn) are not implemented.
 4. ``logp_sampler`` is the sampler's log-prob at action tokens and 0 at environment tokens (holes).
-5. ``step_stats``: ``episodes/env_steps`` (actions played this step, every episode: the generation
+5. Step segmentation: the token extra ``step_of_token`` [B,n,T] (long) gives each action token its
+   turn ``t`` and every environment token (and padding) -1, for per-step token weights
+   (``weights/process_score.py``); ``info[b][g]["env"]`` holds the env's ``outcome()`` facts.
+6. ``step_stats``: ``episodes/env_steps`` (actions played this step, every episode: the generation
    cost), ``episodes/action_tokens`` (their tokens) and ``episodes/gated_frac`` (share of groups a
    group hook cut, 0 here; ``selective_rollout`` sets the hook). Gated groups leave the batch.
 """
@@ -59,25 +62,29 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
     rows = []
     for group in played.episodes:
         for ep in group:
-            tokens, own, logp = [], [], []
+            tokens, own, logp, step = [], [], [], []
             for t, action in enumerate(ep.actions):
                 tokens += action
                 own += [True] * len(action)
+                step += [t] * len(action)
                 logp += logp_of[ep.rows[t], 0, : len(action)].tolist() if logp_of is not None else [0.0] * len(action)
                 if t < len(ep.actions) - 1:  # the observation the next action saw; none after the last
                     tokens += ep.env_tokens[t]
                     own += [False] * len(ep.env_tokens[t])
                     logp += [0.0] * len(ep.env_tokens[t])
-            rows.append((tokens, own, logp))
+                    step += [-1] * len(ep.env_tokens[t])
+            rows.append((tokens, own, logp, step))
     T = max(1, max(len(r[0]) for r in rows))
     actions = torch.zeros(B, n, T, dtype=torch.long)  # [B,n,T]
     mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
     loss_mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
     logp = torch.zeros(B, n, T)  # [B,n,T]
-    for i, (tok, own, lp) in enumerate(rows):
+    step_of_token = torch.full((B, n, T), -1, dtype=torch.long)  # [B,n,T] the action (turn) each token belongs to; -1: env token or padding
+    for i, (tok, own, lp, st) in enumerate(rows):
         b, e = divmod(i, n)
         actions[b, e, : len(tok)], mask[b, e, : len(tok)] = torch.tensor(tok, dtype=torch.long), True
         loss_mask[b, e, : len(tok)], logp[b, e, : len(tok)] = torch.tensor(own), torch.tensor(lp)
+        step_of_token[b, e, : len(tok)] = torch.tensor(st, dtype=torch.long)
     firsts = [[ep.contexts[0] if ep.contexts else [] for ep in g] for g in played.episodes]
     prompts = [list(next((c for c in f if c), [])) for f in firsts]
     meta = played.turns.meta
@@ -92,11 +99,12 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
         meta=[meta[first_row[g[0].key]] if g[0].key in first_row else {} for g in played.episodes],
         completions=[["".join(a + (separator + ep.observations[t + 1] if t < len(ep.texts) - 1 else "") for t, a in enumerate(ep.texts)) for ep in g]
                      for g in played.episodes],
-        info=[[{"actions": list(ep.texts), "return": ep.ret, "cut": ep.cut} for ep in g] for g in played.episodes],
+        info=[[{"actions": list(ep.texts), "return": ep.ret, "cut": ep.cut, "env": dict(ep.facts)} for ep in g] for g in played.episodes],
         ctx=firsts if any(f != p for fs, p in zip(firsts, prompts) for f in fs) else [],  # a random reset: each row its own prompt
         loss_mask=loss_mask,
         logp_sampler=logp,
     )
+    batch.set_extra("step_of_token", step_of_token, "token")
     outcome = torch.tensor([[ep.ret for ep in g] for g in played.episodes], dtype=torch.float64)  # [B,n]
     return batch, outcome
 
