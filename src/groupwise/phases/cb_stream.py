@@ -76,8 +76,8 @@ def balanced_from_ce(ce: torch.Tensor, valid: torch.Tensor, decision_mask: torch
     denom = w_pos.sum()
     l_dec = (w_pos * ce0).sum() / denom if float(denom) > 0 else ce0.sum() * 0.0
     l_con = (ce0 * con).sum() / con.sum() if bool(con.any()) else ce0.sum() * 0.0
-    metrics = {"loss_dec": float(l_dec), "loss_content": float(l_con),
-               "plain_ce": float(ce0.sum() / (dec | con).sum().clamp(min=1))}
+    metrics = {"loss_dec": float(l_dec.detach()), "loss_content": float(l_con.detach()),
+               "plain_ce": float(ce0.detach().sum() / (dec | con).sum().clamp(min=1))}
     metrics.update({f"w_{c}": float(w) for c, w in enumerate(weights.tolist())})
     return l_dec + l_con, metrics
 
