@@ -135,15 +135,15 @@ def test_env_plays_the_stream_and_pays_the_return_at_the_end():
 
 def test_task_rows_are_decision_positions_with_disjoint_streams():
     assert decision_rows(3, 2, 5) == [
-        {"prompt": "?", "answer": ".", "decision": 0, "env": "clue_stream", "label": 3, "t_open": 2, "turns": 5},
-        {"prompt": "?.?", "answer": ".", "decision": 0, "env": "clue_stream", "label": 3, "t_open": 2, "turns": 5},
-        {"prompt": "?.?.3", "answer": "3", "decision": 1, "env": "clue_stream", "label": 3, "t_open": 2, "turns": 5}]
+        {"prompt": "?", "answer": ".", "decision": 0, "env": "streampro", "label": 3, "t_open": 2, "turns": 5},
+        {"prompt": "?.?", "answer": ".", "decision": 0, "env": "streampro", "label": 3, "t_open": 2, "turns": 5},
+        {"prompt": "?.?.3", "answer": "3", "decision": 1, "env": "streampro", "label": 3, "t_open": 2, "turns": 5}]
     train, test = rows("train", 0), rows("test", 0)
     assert all(r["decision"] == 1 for r in test) and len(test) == 40
     assert not {(r["label"], r["t_open"]) for r in train} & {(r["label"], r["t_open"]) for r in test}
     ratio = sum(1 - r["decision"] for r in train) / sum(r["decision"] for r in train)
     assert 15 < ratio < 18  # ≈ 16.5 silent decisions per answer
-    scores = build("reward", "env_return")(["?"] * 3, ["3", ".", "4"], env=["clue_stream"] * 3, answer=["3", ".", "3"])
+    scores = build("reward", "env_return")(["?"] * 3, ["3", ".", "4"], env=["streampro"] * 3, answer=["3", ".", "3"])
     assert scores == [1.0, 1.0, 0.0]
 
 

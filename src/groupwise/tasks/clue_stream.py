@@ -4,13 +4,17 @@ multi-grained (turn-level + trajectory-level) reward.
 Citation: "StreamPro: From Reactive Perception to Proactive Decision-Making in Streaming Video",
 Ao Li et al., 2026, https://arxiv.org/abs/2605.16381 (spec 42; abstract only, full paper not read).
 
+The env is ``streampro`` (``groupwise explain streampro``), its task ``clue_stream``; the paper's
+stage-1 loss is the ``sft`` phase's ``loss = "cb_stream"`` (``phases/cb_stream.py``), the recipe
+``streampro`` runs both stages.
+
 A stream hides a label ``y`` in 0..9. Turn ``t`` (0-indexed) shows one observation character:
 ``"?"`` while the label is not yet determinable (``t < t_open``), then the digit ``y`` from
 ``t_open`` on. At each turn the policy either stays silent (``"."``) or answers (one digit); an
 answer ends the episode, and so does the last turn ``T − 1``. Information arrives turn by turn and
 the model must answer at the right time: the streaming-video decision (silence ≫ response) in a
 form the embedded tiny model can play (``rollout.name = "episodes"``, ``separator = ""``: the
-transcript ``"???..3"`` reads ``? . ? . 3`` without spaces, one token an action).
+transcript of a stream shown at turn 2 reads ``"?.?.3"``, one token an action).
 
 **Change vs GRPO**: the reward. Instead of one outcome, an episode is scored with turn-level
 rewards (silence while undeterminable, a penalty for a false answer) and a trajectory-level reward
@@ -141,7 +145,7 @@ def observation(y: int, t_open: int, t: int) -> str:
     return str(y) if t >= t_open else HIDDEN
 
 
-@register("env", "clue_stream")
+@register("env", "streampro")
 @dataclass
 class ClueStream:
     """Streaming clues: stay silent (".") until the label is shown, then answer it; multi-grained StreamPro reward."""
@@ -162,7 +166,7 @@ class ClueStream:
     def reset(self, row: dict, seed: int) -> str:
         self.y, self.t_open, self.turns, self.events = int(row["label"]), int(row["t_open"]), int(row["turns"]), []
         if not 0 <= self.t_open < self.turns:
-            raise ConfigError(f"env clue_stream: a row needs 0 <= t_open < turns, got t_open={self.t_open}, turns={self.turns}")
+            raise ConfigError(f"env streampro: a row needs 0 <= t_open < turns, got t_open={self.t_open}, turns={self.turns}")
         return observation(self.y, self.t_open, 0)
 
     def step(self, action: str) -> tuple[str, float, bool]:
@@ -185,7 +189,7 @@ def decision_rows(y: int, t_open: int, turns: int = TURNS, respond_only: bool = 
         prefix += observation(y, t_open, t)
         answer = str(y) if t == t_open else SILENT
         if not respond_only or t == t_open:
-            rows.append({"prompt": prefix, "answer": answer, "decision": int(t == t_open), "env": "clue_stream", "label": y,
+            rows.append({"prompt": prefix, "answer": answer, "decision": int(t == t_open), "env": "streampro", "label": y,
                          "t_open": t_open, "turns": turns})
         prefix += answer
     return rows
