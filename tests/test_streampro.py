@@ -130,6 +130,15 @@ def test_env_plays_the_stream_and_pays_the_return_at_the_end():
         assert env.step("x")[2] is False
     obs, r, done = env.step(".")  # the last turn ends it: a miss
     assert done and math.isclose(r, 0.3 * (0.0 / 4) - 0.7 * 0.5)
+    assert (env.summary()["answered"], env.summary()["correct"]) == (0.0, 0.0)
+    assert math.isnan(env.summary()["response_turn"]) and math.isnan(env.summary()["delay"])
+    env.reset(row, 0)
+    env.step("."), env.step("."), env.step("."), env.step("4")
+    assert env.summary() == {"answered": 1.0, "correct": 1.0, "response_turn": 3.0, "delay": 1.0}
+    env.reset(row, 0)
+    env.step("9")  # a false alarm at turn 0
+    s = env.summary()
+    assert (s["answered"], s["correct"], s["response_turn"]) == (1.0, 0.0, 0.0) and math.isnan(s["delay"])
     assert [parse_action(a) for a in (".", "7", "77", "", "?")] == ["sil", 7, "invalid", "invalid", "invalid"]
 
 
@@ -155,8 +164,10 @@ STREAM = ['data.task="clue_stream"', 'rollout.name="episodes"', 'rollout.params=
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_reward_every_episode_with_the_multi_grained_return(tmp_path, objective):
     extra = ['phases=[{name="sft", loss="cb_stream", cb_beta=0.9, steps=2, batch_size=8}]'] if objective == "ppo_clip" else []
-    _, seen = train_recorded(tmp_path, objective, *STREAM, *extra)
-    for batch in seen:
+    logged, seen = train_recorded(tmp_path, objective, *STREAM, *extra)
+    for row, batch in zip(logged, seen):
+        answered = [any(isinstance(parse_action(a), int) for a in info["actions"]) for group in batch.info for info in group]
+        assert math.isclose(row["env/answered"], sum(answered) / len(answered), rel_tol=1e-6)  # the env's summary() means
         B, G = batch.rewards.shape
         for b in range(B):
             meta = batch.meta[b]

@@ -22,6 +22,11 @@ Cuts (the per-group bounds): an episode stops at ``done``, after ``max_turns`` a
 ``rollout.max_new_tokens`` would pass ``min(model context, max_context)`` (``cut = "context"``).
 A cut episode keeps the rewards it got (the reach game's: 0, it never reached the goal).
 
+Episode summaries: an env may define ``summary() -> dict[str, float]`` (optional), read once when
+its episode has ended (done or cut) into ``Episode.summary``; ``Played.summary_means()`` averages
+each key over the episodes whose value is finite (NaN = "not applicable to this episode"), which
+the strategies log as ``env/<key>`` step stats (e.g. the response turn of a streaming env).
+
 Group hook: ``on_step(group, k) -> "continue" | "cut"`` (optional) is called after every turn, with
 ``k`` the number of actions played so far, for each group (a row's ``n`` episodes) in which some
 episode played its ``k``-th action in that turn. ``"cut"`` stops the group's live episodes there
@@ -32,6 +37,7 @@ becomes (selective rollout drops it from the batch, ``rollout/selective.py``).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -60,6 +66,7 @@ class Episode:
     env_tokens: list[list[int]] = field(default_factory=list)  # history mode: encode(separator + o_{t+1}) after each non-final action
     done: bool = False
     cut: str = ""  # "" (done or still live), "max_turns", "context", "gate" (the group hook)
+    summary: dict = field(default_factory=dict)  # the env's ``summary()`` once the episode ended (optional contract)
 
     @property
     def ret(self) -> float:
@@ -71,6 +78,15 @@ class Played:
     episodes: list[list[Episode]]  # [B][n]
     turns: Rollout  # every action: one group of one row (its own context), in the order played
     gated: list[bool] = field(default_factory=list)  # [B] the group hook cut the group
+
+    def summary_means(self, prefix: str = "env/") -> dict[str, float]:
+        """Each episode-summary key's mean over the episodes where it is finite (NaN when none is)."""
+        keys = sorted({k for g in self.episodes for ep in g for k in ep.summary})
+        out = {}
+        for k in keys:
+            vals = [float(ep.summary[k]) for g in self.episodes for ep in g if k in ep.summary and math.isfinite(float(ep.summary[k]))]
+            out[prefix + k] = sum(vals) / len(vals) if vals else float("nan")
+        return out
 
     @property
     def actions(self) -> int:
@@ -144,6 +160,9 @@ def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = No
             _group_hook(episodes, gated, {id(ep) for ep, _ in chosen}, t + 1, on_step, who)
     for ep in (ep for group in episodes for ep in group if not ep.done and not ep.cut):
         ep.cut = "max_turns"
+    for ep in (ep for group in episodes for ep in group):
+        if hasattr(envs[id(ep)], "summary"):
+            ep.summary = dict(envs[id(ep)].summary())
     if not parts:
         raise ConfigError(f"rollout {who}: no episode could take a single turn (the first observation plus rollout.max_new_tokens={budget} "
                           f"exceeds the context limit {limit}); raise max_context or shorten the observations")

@@ -60,7 +60,10 @@ The env pays ``R`` at the episode's last step (0 before), so ``env_return`` (the
    last positions where the greedy policy answers the right digit (respond recall × correctness).
 4. ``action_value(row, action)`` = 1 when the action is the row's oracle action, else 0 (the
    single-turn score of ``env_return`` used by held-out evaluation).
-5. The seed of ``reset`` is unused: a stream is fixed by its row (the contract allows random envs).
+5. ``summary()`` (the env runner's optional episode summary) gives ``answered``, ``correct``,
+   ``response_turn`` and ``delay`` (turns after ``t_open`` of a correct answer): the ``episodes``
+   strategy logs their means as ``env/answered`` … ``env/delay``.
+6. The seed of ``reset`` is unused: a stream is fixed by its row (the contract allows random envs).
 """
 
 from __future__ import annotations
@@ -176,6 +179,15 @@ class ClueStream:
         done = isinstance(event, int) or t >= self.turns
         reward = episode_reward(self.events, self.y, self.t_open, self.turns, self.cfg) if done else 0.0
         return observation(self.y, self.t_open, min(t, self.turns - 1)), reward, done
+
+    def summary(self) -> dict[str, float]:
+        """The episode's decision statistics (logged as ``env/<key>`` step stats by the env strategies):
+        ``answered`` and ``correct`` (0/1), ``response_turn`` (0-indexed, NaN when never answered) and
+        ``delay`` = response turn − t_open of a correct answer (NaN otherwise)."""
+        t = next((i for i, e in enumerate(self.events) if isinstance(e, int)), None)
+        correct = t is not None and self.events[t] == self.y
+        return {"answered": float(t is not None), "correct": float(correct), "response_turn": float("nan") if t is None else float(t),
+                "delay": float(t - self.t_open) if correct else float("nan")}
 
     def action_value(self, row: dict, action: str) -> float:
         """1 when ``action`` is the row's oracle action (silence before ``t_open``, the label after), else 0."""
