@@ -74,6 +74,26 @@ def test_content_tokens_get_plain_ce_and_masked_tokens_exact_zero():
     torch.testing.assert_close(loss2, torch.tensor((0.5 * 0.1 + 1.5 * 2.0) / 2.0))
 
 
+def test_sft_balanced_loss_weighs_the_first_answer_token_as_the_decision():
+    from groupwise.phases.sft import _balanced_loss, teacher_forced
+
+    # rows: silence "." + EOS (ce 0.1, 0.2), silence (0.1, 0.2), respond "3" + EOS (2.0, 0.4)
+    ce = torch.tensor([[0.1, 0.2], [0.1, 0.2], [2.0, 0.4]])  # [N,T]
+    logp = (-ce)[:, None, :].clone().requires_grad_(True)  # [N,1,T]
+
+    class Fixed:
+        def forward(self, batch, wants):
+            return {"logp": logp}
+
+    batch = teacher_forced([[1], [1], [1]], [[5, 0], [5, 0], [6, 0]])
+    w = class_balanced_weights(torch.tensor([2, 1]), 0.9)  # E = (1.9, 1) → w ∝ (1/1.9, 1)
+    loss = _balanced_loss(Fixed(), batch, torch.tensor([0, 0, 1]), w)
+    w0, w1 = float(w[0]), float(w[1])
+    want = (2 * w0 * 0.1 + w1 * 2.0) / (2 * w0 + w1) + (0.2 + 0.2 + 0.4) / 3
+    torch.testing.assert_close(loss, torch.tensor(want), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logp.grad[2, 0, 0], torch.tensor(-w1 / (2 * w0 + w1)))  # d loss / d logp of the respond decision
+
+
 def test_bad_options_are_config_errors():
     with pytest.raises(ConfigError, match="beta=1.0"):
         class_balanced_weights(torch.tensor([1, 1]), 1.0)

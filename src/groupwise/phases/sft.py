@@ -137,7 +137,6 @@ class SFT:
         reached = bool(self.target_accuracy) and val_accuracy >= self.target_accuracy
         return {"steps": step, "val_accuracy": val_accuracy if self.target_accuracy else None, "reached_target": reached, "history": history}
 
-
     def _classes(self, rows: list[dict]) -> torch.Tensor | None:
         if self.loss != "cb_stream":
             return None
