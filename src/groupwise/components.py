@@ -84,7 +84,9 @@ class Env(Protocol):
     it): one instance plays one episode. ``reset(row, seed)`` starts it on a dataset row and returns
     the first observation text; ``step(action)`` applies an action text and returns (observation,
     reward, done). Optional: ``action_value(row, action) -> float``, the best return reachable after
-    one action from the row's first state (reward ``env_return`` scores a lone completion with it)."""
+    one action from the row's first state (reward ``env_return`` scores a lone completion with it);
+    ``summary() -> dict[str, float]``, read once the episode ended: the ``episodes`` strategy logs
+    each key's mean over the episodes where it is finite as step stat ``env/<key>``."""
 
     def reset(self, row: dict, seed: int) -> str: ...
     def step(self, action: str) -> tuple[str, float, bool]: ...
