@@ -90,8 +90,10 @@ class Env(Protocol):
     the first observation text; ``step(action)`` applies an action text and returns (observation,
     reward, done). Optional: ``action_value(row, action) -> float``, the best return reachable after
     one action from the row's first state (reward ``env_return`` scores a lone completion with it);
-    ``outcome() -> dict``, what the finished episode came to (a termination cause, per-step scores),
-    stored in each row's ``info[b][g]["env"]`` by the env strategies."""
+    ``outcome() -> dict``, what the finished episode came to (a termination cause, per-step scores,
+    the turn it answered on), stored in each row's ``info[b][g]["env"]`` by the env strategies; the
+    ``episodes`` strategy logs each numeric key's mean over the episodes where it is finite as step
+    stat ``env/<key>``."""
 
     def reset(self, row: dict, seed: int) -> str: ...
     def step(self, action: str) -> tuple[str, float, bool]: ...

@@ -21,6 +21,11 @@ trained on) is measured, and the phase stops once it reaches ``target_accuracy``
   ``eval_every = 25``, ``fine_eval_every = 5``, ``val_size = 500`` [CODE] ``groupwise warmstart``.
 - ``update = adamw(lr = 1e-3, betas = (0.9, 0.98), warmup_steps = 50, max_grad_norm = 1.0,
   weight_decay = 0)`` [CODE] ``groupwise warmstart``.
+- ``loss = "ce"`` (the token mean above). ``loss = "cb_stream"``: StreamPro's class-balanced loss
+  (spec 42, ``phases/cb_stream.py``): the first answer token of a row is its decision, of class
+  ``decision_column`` (an integer column, 0..num_classes − 1); decisions get effective-number
+  class weights (``cb_beta``, counted over the train rows with ``cb_counts = "dataset"`` or per
+  batch with ``"batch"``), the rest ordinary CE, ``L = L_dec + L_con`` [INFERRED] spec 42.
 
 **Notes**
 
@@ -43,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 from groupwise.phases import PhaseContext
+from groupwise.phases.cb_stream import COUNTS, balanced_from_ce, check_beta, class_balanced_weights
 from groupwise.registry import ConfigError, build_spec, register
 from groupwise.tasks import get_task
 from groupwise.types import Rollout
@@ -64,8 +70,19 @@ class SFT:
     artifact: str = ""  # the phase's name in the run folder and summary (default "sft")
     task: str = ""  # train on this built-in task's train rows instead of the run's (a warm start shared by runs on different data)
     train_size: int = 0  # with task: that many of its train rows (0 = all)
+    loss: str = "ce"  # "ce" (token mean) or "cb_stream" (class-balanced decisions, phases/cb_stream.py) [INFERRED] spec 42
+    cb_beta: float = 0.999  # cb_stream: the effective-number beta in [0, 1) [INFERRED] spec 42
+    cb_counts: str = "dataset"  # cb_stream: class counts over the train rows ("dataset") or each batch ("batch") [INFERRED] spec 42
+    decision_column: str = "decision"  # cb_stream: the rows' decision class column [INFERRED]
+    num_classes: int = 2  # cb_stream: decision classes (silence / respond) [ABSTRACT] spec 42
 
     def __post_init__(self) -> None:
+        if self.loss not in ("ce", "cb_stream"):
+            raise ConfigError(f"phase sft: loss={self.loss!r} is not one of 'ce', 'cb_stream'")
+        if self.loss == "cb_stream":
+            check_beta(self.cb_beta, "phase sft: cb_beta")
+            if self.cb_counts not in COUNTS or self.num_classes < 2:
+                raise ConfigError(f"phase sft: cb_counts={self.cb_counts!r} must be one of {COUNTS} and num_classes={self.num_classes} >= 2")
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError(f"phase sft: steps={self.steps} and batch_size={self.batch_size} must be >= 1")
         if not 0.0 <= self.target_accuracy <= 1.0:
@@ -91,6 +108,10 @@ class SFT:
             raise ConfigError("phase sft needs train rows with an `answer` column")
         prompts = [prompt("train", rows, i) for i in range(len(rows))]
         answers = [policy.encode_completion(str(r["answer"])) for r in rows]
+        classes = self._classes(rows)  # [N] decision class of each row (cb_stream), else None
+        weights = None
+        if classes is not None and self.cb_counts == "dataset":
+            weights = class_balanced_weights(torch.bincount(classes, minlength=self.num_classes), self.cb_beta)  # [C]
         updater = build_spec("update", self.update)
         updater.bind(policy.parameters(), self.steps)
         order_rng, order = torch.Generator().manual_seed(seed), []
@@ -101,7 +122,12 @@ class SFT:
                 order += torch.randperm(len(rows), generator=order_rng).tolist()
             picked, order = order[: self.batch_size], order[self.batch_size :]
             batch = teacher_forced([prompts[i] for i in picked], [answers[i] for i in picked])
-            loss = float(updater.step(lambda: _loss(policy, batch))["loss"])
+            if classes is None:
+                loss = float(updater.step(lambda: _loss(policy, batch))["loss"])
+            else:
+                picked_classes = classes[picked]  # [n]
+                w = weights if weights is not None else class_balanced_weights(torch.bincount(picked_classes, minlength=self.num_classes), self.cb_beta)
+                loss = float(updater.step(lambda: _balanced_loss(policy, batch, picked_classes, w))["loss"])
             step += 1
             every = self.eval_every if val_accuracy < self.target_accuracy / 2 else self.fine_eval_every
             if self.target_accuracy and step % every == 0:
@@ -116,6 +142,18 @@ class SFT:
         policy.eval()
         reached = bool(self.target_accuracy) and val_accuracy >= self.target_accuracy
         return {"steps": step, "val_accuracy": val_accuracy if self.target_accuracy else None, "reached_target": reached, "history": history}
+
+    def _classes(self, rows: list[dict]) -> torch.Tensor | None:
+        if self.loss != "cb_stream":
+            return None
+        try:
+            classes = torch.tensor([int(r[self.decision_column]) for r in rows], dtype=torch.long)  # [N]
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"phase sft: loss='cb_stream' needs an integer {self.decision_column!r} column in every train row "
+                              f"(the decision class; task 'clue_stream' has one); set decision_column") from None
+        if bool(((classes < 0) | (classes >= self.num_classes)).any()):
+            raise ConfigError(f"phase sft: column {self.decision_column!r} holds classes outside 0..{self.num_classes - 1}; set num_classes")
+        return classes
 
 
 def teacher_forced(prompts: list[list[int]], answers: list[list[int]]) -> Rollout:
@@ -134,5 +172,16 @@ def teacher_forced(prompts: list[list[int]], answers: list[list[int]]) -> Rollou
 def _loss(policy: Any, batch: Rollout) -> torch.Tensor:
     logp = policy.forward(batch, ("logp",))["logp"]  # [N,1,T]
     loss = -(logp * batch.mask).sum() / batch.mask.sum()  # token mean over the answers and EOS
+    loss.backward()
+    return loss.detach()
+
+
+def _balanced_loss(policy: Any, batch: Rollout, classes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """CB-Stream: the first answer token of each row is its decision (class ``classes`` [N])."""
+    logp = policy.forward(batch, ("logp",))["logp"][:, 0]  # [N,T]
+    valid = batch.mask[:, 0]  # [N,T]
+    decision = torch.zeros_like(valid)  # [N,T]
+    decision[:, 0] = True
+    loss, _ = balanced_from_ce(-logp, valid, decision, classes[:, None].expand_as(valid), weights)
     loss.backward()
     return loss.detach()

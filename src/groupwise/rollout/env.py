@@ -23,9 +23,11 @@ Cuts (the per-group bounds): an episode stops at ``done``, after ``max_turns`` a
 A cut episode keeps the rewards it got (the reach game's: 0, it never reached the goal).
 
 Episode facts: an env may define ``outcome() -> dict`` (what the episode came to: a termination
-cause, per-step scores); after play it is stored in ``Episode.facts`` and the strategies put it in
-each row's ``info[b][g]["env"]``. ``index_base`` numbers the episodes ``index_base + e`` (their seeds
-follow): a strategy that plays a row again (a resample) gives the new episodes fresh indices.
+cause, per-step scores, the turn it answered on); after play it is stored in ``Episode.facts``, the
+strategies put it in each row's ``info[b][g]["env"]``, and ``Played.fact_means()`` averages each
+numeric key over the episodes whose value is finite (NaN = "not applicable to this episode"), which
+``episodes`` logs as ``env/<key>`` step stats. ``index_base`` numbers the episodes ``index_base + e``
+(their seeds follow): a strategy that plays a row again (a resample) gives the new episodes fresh indices.
 
 Group hook: ``on_step(group, k) -> "continue" | "cut"`` (optional) is called after every turn, with
 ``k`` the number of actions played so far, for each group (a row's ``n`` episodes) in which some
@@ -37,6 +39,7 @@ becomes (selective rollout drops it from the batch, ``rollout/selective.py``).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -77,6 +80,19 @@ class Played:
     episodes: list[list[Episode]]  # [B][n]
     turns: Rollout  # every action: one group of one row (its own context), in the order played
     gated: list[bool] = field(default_factory=list)  # [B] the group hook cut the group
+
+    def fact_means(self, prefix: str = "env/") -> dict[str, float]:
+        """Each numeric ``outcome()`` key's mean over the episodes where it is finite (NaN when none is);
+        text and list facts (a cause, per-step scores) are left to the components that read them."""
+        def numeric(value: Any) -> bool:
+            return isinstance(value, (int, float))  # bools count (a share of episodes)
+
+        keys = sorted({k for g in self.episodes for ep in g for k, v in ep.facts.items() if numeric(v)})
+        out = {}
+        for k in keys:
+            vals = [float(ep.facts[k]) for g in self.episodes for ep in g if numeric(ep.facts.get(k)) and math.isfinite(float(ep.facts[k]))]
+            out[prefix + k] = sum(vals) / len(vals) if vals else float("nan")
+        return out
 
     @property
     def actions(self) -> int:

@@ -42,6 +42,7 @@ actions are trained. Reward = the episode's outcome; the advantage is the config
 6. ``step_stats``: ``episodes/env_steps`` (actions played this step, every episode: the generation
    cost), ``episodes/action_tokens`` (their tokens) and ``episodes/gated_frac`` (share of groups a
    group hook cut, 0 here; ``selective_rollout`` sets the hook). Gated groups leave the batch.
+   An env with ``outcome()`` adds ``env/<key>``: the means of its numeric facts (``rollout/env.py``).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class Episodes:
         batch, outcome = transcripts(played, self.separator)
         score_returns(ctx, batch, outcome, self._who)
         self._stats = {"episodes/env_steps": float(played.actions), "episodes/action_tokens": float(played.turns.mask.sum()),
-                       "episodes/gated_frac": sum(played.gated) / max(1, len(played.gated))}
+                       "episodes/gated_frac": sum(played.gated) / max(1, len(played.gated)), **played.fact_means()}
         keep = ctx.keep(batch) & ~torch.tensor(played.gated, dtype=torch.bool)  # [B] bool: a gated group leaves the batch
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
 
