@@ -2,7 +2,7 @@
 
 Part of RubricEM ("RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable
 Rewards", arXiv 2605.10899, spec 39; no code found, forms [INFERRED]). The stage-structured
-advantage ``ss_grpo`` (``advantages/ss_grpo.py``) reads one such reward per stage from
+advantage ``rubricem`` (``advantages/rubricem.py``) reads one such reward per stage from
 ``rollout.reward_parts``; listed alone (or several summed) it is an ordinary terminal reward.
 
 **Change vs GRPO**: none to the algorithm; a dense, per-stage judge in place of one verifier.

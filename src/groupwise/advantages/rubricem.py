@@ -1,4 +1,4 @@
-"""SS-GRPO: stage-structured group-relative advantages — each stage's tokens get their own stage's advantage.
+"""SS-GRPO (registered as ``rubricem``): stage-structured group-relative advantages — each stage's tokens get their own stage's advantage.
 
 "RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards", arXiv
 2605.10899, 2026 (spec 39; known from a summary, no code: every form is [INFERRED] from the spec).
@@ -44,8 +44,8 @@ without a verdict from stage k's judge do not enter its statistics; std populati
    SS-GRPO is then GRPO (population std) on every token.
 4. Tokens off ``row_mask`` (padding, env tokens) get exactly 0. Stage maps read token texts
    (``use_vocabulary``); the map is over the sequence ``mask`` (a prefix).
-5. Runs once per step on the whole batch (DESIGN §2). ``step_stats()``: ``ss_grpo/stage_frac``
-   (loss tokens inside a stage), ``ss_grpo/disagree`` (valid rows whose stage advantages do not all
+5. Runs once per step on the whole batch (DESIGN §2). ``step_stats()``: ``rubricem/stage_frac``
+   (loss tokens inside a stage), ``rubricem/disagree`` (valid rows whose stage advantages do not all
    share the final stage's sign, among rows with a non-zero final advantage).
 """
 
@@ -94,9 +94,9 @@ def stage_to_token_adv(adv: Tensor, masks: Tensor, outside: Tensor | None = None
     return torch.where(inside, tok, rest)  # [N,T]
 
 
-@register("advantage", "ss_grpo")
+@register("advantage", "rubricem")
 @dataclass
-class SSGRPOAdvantage:
+class RubricEMAdvantage:
     """Stage-structured GRPO: each stage's score normalised in its group, each stage's tokens get its advantage (RubricEM, spec 39)."""
 
     group_relative = True
@@ -113,22 +113,22 @@ class SSGRPOAdvantage:
 
     def __post_init__(self) -> None:
         if isinstance(self.stage_tags, str) or not self.stage_tags:
-            raise ConfigError(f"advantage ss_grpo: stage_tags must be a non-empty list of [open, close] pairs, got {self.stage_tags!r}")
+            raise ConfigError(f"advantage rubricem: stage_tags must be a non-empty list of [open, close] pairs, got {self.stage_tags!r}")
         for k, tags in enumerate(self.stage_tags):
-            check_tags(tags, f"advantage ss_grpo: stage_tags[{k}]", need_open=True)
+            check_tags(tags, f"advantage rubricem: stage_tags[{k}]", need_open=True)
         K = len(self.stage_tags)
         if self.stage_parts and (len(self.stage_parts) != K or not all(isinstance(c, int) and c >= 0 for c in self.stage_parts)):
-            raise ConfigError(f"advantage ss_grpo: stage_parts={self.stage_parts!r} must list one reward column index (>= 0) per stage ({K}), or be [] for 0..{K - 1}")
+            raise ConfigError(f"advantage rubricem: stage_parts={self.stage_parts!r} must list one reward column index (>= 0) per stage ({K}), or be [] for 0..{K - 1}")
         if not 0.0 <= self.mix_final <= 1.0:
-            raise ConfigError(f"advantage ss_grpo: mix_final={self.mix_final} must be in [0, 1]")
+            raise ConfigError(f"advantage rubricem: mix_final={self.mix_final} must be in [0, 1]")
         if not -K <= self.final < K:
-            raise ConfigError(f"advantage ss_grpo: final={self.final} must index one of the {K} stages (-{K}..{K - 1})")
+            raise ConfigError(f"advantage rubricem: final={self.final} must index one of the {K} stages (-{K}..{K - 1})")
         if self.outside not in OUTSIDE:
-            raise ConfigError(f"advantage ss_grpo: outside must be one of {OUTSIDE}, got {self.outside!r}")
+            raise ConfigError(f"advantage rubricem: outside must be one of {OUTSIDE}, got {self.outside!r}")
         if self.std not in _DDOF:
-            raise ConfigError(f"advantage ss_grpo: std must be one of {tuple(_DDOF)}, got {self.std!r}")
+            raise ConfigError(f"advantage rubricem: std must be one of {tuple(_DDOF)}, got {self.std!r}")
         if not self.eps >= 0:
-            raise ConfigError(f"advantage ss_grpo: eps must be >= 0, got {self.eps}")
+            raise ConfigError(f"advantage rubricem: eps must be >= 0, got {self.eps}")
 
     def use_vocabulary(self, token_text: list[str]) -> None:
         self._token_text = list(token_text)
@@ -143,14 +143,14 @@ class SSGRPOAdvantage:
             cols = list(self.stage_parts) or list(range(K))
             have = rollout.reward_parts.shape[-1]
             if max(cols) >= have:
-                raise ValueError(f"advantage ss_grpo: stage_parts {cols} need reward column {max(cols)}, but the run has {have} rewards; "
+                raise ValueError(f"advantage rubricem: stage_parts {cols} need reward column {max(cols)}, but the run has {have} rewards; "
                                  f"list one reward per stage (reward stage_rubric) in the order of stage_tags")
             scores = rollout.reward_parts[..., cols].double()  # [B,G,K]
         return scores, valid[..., None] & torch.isfinite(scores)  # [B,G,K]
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if self._token_text is None:
-            raise ValueError("advantage ss_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
+            raise ValueError("advantage rubricem has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
         B, G, T = rollout.shape
         K = len(self.stage_tags)
         scores, valid = self.stage_scores(rollout)  # [B,G,K]
@@ -165,8 +165,8 @@ class SSGRPOAdvantage:
         fin = adv[..., self.final]  # [B,G]
         rows = valid_rows(rollout)[1] & (fin != 0)  # [B,G]
         differ = ((adv * fin[..., None]) < 0).any(-1) & rows  # [B,G] a stage credited against the final sign
-        self._stats = {"ss_grpo/stage_frac": float(inside.sum()) / max(int(row_mask.sum()), 1),
-                       "ss_grpo/disagree": float(differ.sum()) / max(int(rows.sum()), 1)}
+        self._stats = {"rubricem/stage_frac": float(inside.sum()) / max(int(row_mask.sum()), 1),
+                       "rubricem/disagree": float(differ.sum()) / max(int(rows.sum()), 1)}
         return to_float32(out)  # [B,G,T]
 
     def step_stats(self) -> dict[str, float]:
