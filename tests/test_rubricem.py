@@ -185,3 +185,35 @@ def test_rubric_bank_and_meta_reward():
     assert meta_reward(True, 0.75, 0.5) == 0.25 and meta_reward(False, 0.75, 0.5) == 0.0 and meta_reward(True, 0.2, 0.5) == pytest.approx(-0.3)
     with pytest.raises(ValueError, match="capacity"):
         RubricBank(capacity=0)
+
+
+# ---------------------------------------------------------------------------------------------- composition
+@pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
+def test_stage_advantages_reach_the_surrogate_token_by_token(objective):
+    """On-policy (ratio 1, inside the clip) each token's loss gradient is −A_t: the stage advantage, not the row's."""
+    ro = _rollout()
+    ro.advantages = _component()(ro, info_for(8))  # [1,3,8]
+    logp = torch.full((1, 3, 8), -1.0, requires_grad=True)
+    ro.logp_old = logp.detach().clone()
+    values = build("objective", objective)(ro, {"logp": logp}, info_for(8))  # [1,3,8]
+    (grad,) = torch.autograd.grad((values * ro.row_mask).sum(), logp)
+    close(grad, -ro.advantages.double() * ro.row_mask, atol=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
+def test_trains_two_steps_with(tmp_path, objective):
+    from helpers import train_recorded
+
+    rewards = ('rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", tags=["<r>", "</r>"], label="compute"},'
+               ' {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]')
+    rows, seen = train_recorded(tmp_path, objective, 'data.task="evidence"', rewards, 'advantage.estimator="rubricem"', "rollout.max_new_tokens=12")
+    for row, batch in zip(rows, seen):
+        assert batch.reward_parts.shape[-1] == 3 and batch.advantages.shape == batch.actions.shape
+        assert (batch.advantages[~batch.row_mask] == 0).all()
+        # no tag in 12 tokens of the untrained model -> every token carries the answer stage's group z-score (outside = "final")
+        valid = batch.group_valid & torch.isfinite(batch.rewards)
+        z = group_normalize(torch.nan_to_num(batch.reward_parts[..., 2].double()), valid & torch.isfinite(batch.reward_parts[..., 2]), "group", 0, 1e-6)
+        inside = row["rubricem/stage_frac"] > 0
+        if not inside:
+            close(batch.advantages, (z[..., None] * batch.row_mask).float(), atol=1e-6)
+        assert "reward/plan" in row and "reward/answer" in row
