@@ -138,6 +138,17 @@ def test_without_reward_parts_it_is_population_grpo_on_every_token():
     z = 0.5 / (math.sqrt(0.5 / 3) + 1e-6)
     want = torch.tensor([z, -z, 0.0], dtype=torch.float64)[:, None] * ro.mask[0].double()
     close(out, want, atol=1e-6)
+    ro.reward_parts = ro.rewards[..., None].clone()  # one reward: the same
+    close(_component()(ro, info_for(8))[0], want, atol=1e-6)
+    ro.reward_parts = torch.stack([ro.rewards, ro.rewards], -1)  # [1,3,2] two rewards, three stages
+    with pytest.raises(ValueError, match="reward column 2"):
+        _three()(ro, info_for(8))
+
+
+def _three():
+    comp = build("advantage", "rubricem")
+    comp.use_vocabulary(VOCAB)
+    return comp
 
 
 def test_config_errors_name_the_value():

@@ -40,8 +40,9 @@ without a verdict from stage k's judge do not enter its statistics; std populati
    scores are all equal in a group (or that has one verdict) gives that stage 0 (``group_normalize``).
 2. A NaN stage score (no verdict) keeps that row out of stage k's statistics and gives it
    A_{i,k} = 0 (before the mix).
-3. A rollout without ``reward_parts`` (one reward) scores every stage with the total reward, so
-   SS-GRPO is then GRPO (population std) on every token.
+3. A rollout without ``reward_parts``, or with one reward and ``stage_parts = []``, scores every
+   stage with the total reward, so SS-GRPO is then GRPO (population std) on every token. An
+   explicit ``stage_parts`` naming a column the run lacks, or fewer rewards than stages, is an error.
 4. Tokens off ``row_mask`` (padding, env tokens) get exactly 0. Stage maps read token texts
    (``use_vocabulary``); the map is over the sequence ``mask`` (a prefix).
 5. Runs once per step on the whole batch (DESIGN §2). ``step_stats()``: ``rubricem/stage_frac``
@@ -137,7 +138,7 @@ class RubricEMAdvantage:
         """(scores [B,G,K] float64, valid [B,G,K] bool) from ``reward_parts`` (Note 3 without it)."""
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
         K = len(self.stage_tags)
-        if rollout.reward_parts is None:
+        if rollout.reward_parts is None or (rollout.reward_parts.shape[-1] == 1 and not self.stage_parts):  # one reward (Note 3)
             scores = r.double()[..., None].expand(*r.shape, K)  # [B,G,K]
         else:
             cols = list(self.stage_parts) or list(range(K))
