@@ -502,3 +502,18 @@ def test_claim_on_a_last_key_metric_against_two_baselines(tmp_path):
                             ('baseline = ["base", "worse"]', 'baseline = ["base", "worse"]\nclaimed = "worse"', r"claimed label 'worse' is not a non-baseline")]:
         with pytest.raises(ClaimError, match=match):
             load_claim(_claim(tmp_path, text.replace(old, new), "96-bad.toml"))
+
+
+def test_the_claims_page_has_one_section_and_one_clean_reading_per_claim_file():
+    """docs/claims.md as committed: every claim file has its section once, and no reading swallowed
+    another section (a merge that kept both sides of a conflict can do that silently)."""
+    from groupwise.claims.report import readings
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "claims.md").read_text()
+    slugs = sorted(p.stem for p in (root / "claims").glob("*.toml"))
+    headers = [line[3:] for line in page.splitlines() if line.startswith("## ")]
+    assert sorted(h for h in headers if h in slugs) == slugs
+    kept = readings(page)
+    assert sorted(kept) == slugs
+    assert [s for s, text in kept.items() if "<a id=" in text or "\n## " in f"\n{text}"] == []

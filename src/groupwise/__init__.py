@@ -36,11 +36,13 @@ def train(recipe: str | None = "demo", overrides: Sequence[str] = (), resume_all
     if not cfg.out:
         cfg.out = f"runs/{cfg.name}"
     trainer = _Trainer(cfg)
-    try:
-        return trainer.train(resume_allow=list(resume_allow))
-    finally:
-        from groupwise import dist
+    from groupwise import dist
 
+    try:
+        summary = trainer.train(resume_allow=list(resume_allow))
+        dist.barrier()  # every rank done with its collectives before the group is torn down
+        return summary
+    finally:
         dist.shutdown()
 
 

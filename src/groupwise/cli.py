@@ -85,6 +85,7 @@ def cmd_train(args: list[str]) -> int:
         console.print_json(json.dumps(shown))
     from groupwise import dist
 
+    dist.barrier()  # every rank done with its collectives before the group is torn down (gloo threads exit cleanly)
     dist.shutdown()
     return 0
 
