@@ -21,6 +21,11 @@ Dataset rows: a component that draws from the run's training rows (a view that s
 row's passage) defines ``use_rows(rows: list[dict])``; the trainer calls it once at build with the
 train split (the same on every rank), so what it draws does not depend on the batch or world size.
 Views get both calls too, when they are built.
+
+Frozen models: a component that calls a frozen role's model itself (a judge asked questions whose
+contexts are not the rollout's rows, as DVReward's) defines ``use_models(models: dict[str, Policy])``;
+the trainer calls it once at build with the policies of every ``roles.NAME`` with ``frozen = true``,
+which it then scores through the policy protocol (``scoring_models`` / ``score``), under no grad.
 """
 
 from __future__ import annotations
@@ -198,3 +203,10 @@ def bind_rows(components: list[Any], rows: list[dict]) -> None:
     for component in components:
         if hasattr(component, "use_rows"):
             component.use_rows(rows)
+
+
+def bind_models(components: list[Any], models: dict[str, Any]) -> None:
+    """Give every component that calls frozen roles' models (``use_models``) those policies by role name."""
+    for component in components:
+        if hasattr(component, "use_models"):
+            component.use_models(models)
