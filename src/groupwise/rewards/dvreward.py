@@ -146,12 +146,17 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 1.0
 
 
+def sc_pq(question_scores_sem: Sequence[float], question_scores_qual: Sequence[float]) -> tuple[float, float]:
+    """(SC, PQ): the means of the semantic and of the quality verdicts, 1.0 for an empty list."""
+    return _mean([float(c) for c in question_scores_sem]), _mean([float(c) for c in question_scores_qual])
+
+
 def dv_reward(question_scores_sem: Sequence[float], question_scores_qual: Sequence[float], method: str = "geometric") -> float:
     """Pool the semantic and quality verdicts: SC, PQ and the overall score of ``method``."""
     if method not in METHODS:
         raise ValueError(f"dv_reward: method={method!r}; methods: {', '.join(METHODS)}")
     sem, qual = [float(c) for c in question_scores_sem], [float(c) for c in question_scores_qual]
-    sc, pq = _mean(sem), _mean(qual)
+    sc, pq = sc_pq(sem, qual)
     if method == "geometric":
         return math.sqrt(sc * pq)
     if method == "mean":
