@@ -231,16 +231,20 @@ def test_number_attrs_task():
         keys = r["attrs"].split(",")
         assert r["prompt"] == "number " + " ".join(ATTRIBUTES[k][0] for k in keys) + "=" and satisfies(int(r["answer"]), keys)
     assert rows("train", 5, seed=1) != rows("train", 5, seed=2)
+    task_reward = build("reward", "dv_reward", method="holistic")  # the task's default: 1 exactly when every attribute holds
+    assert task_reward(["p"] * 3, ["52", "51", "152"], attrs=["even,gt50"] * 3) == [1.0, 0.0, 0.0]
 
 
 def test_yes_no_task_labels():
     from groupwise.tasks.yes_no import rows as yes_no_rows
 
     train, test = yes_no_rows("train", 0), yes_no_rows("test", 0)
-    assert len(train) == 640 and len(test) == 160 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert len(train) == 1280 and len(test) == 320 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     row = next(r for r in train + test if r["question"] == "Is 45 divisible by 3?")
     assert row == {"prompt": "Is 45 divisible by 3? Answer yes or no:", "answer": "yes", "question": "Is 45 divisible by 3?"}
     assert next(r for r in train + test if r["question"] == "Is 50 greater than 50?")["answer"] == "no"
+    three = [r for r in train + test if r["question"].endswith("a two-digit number?") and len(r["question"].split()[1]) == 3]
+    assert len(three) == 100 and all(r["answer"] == "no" for r in three)
 
 
 # ---------------------------------------------------------------------------------------------- FPR and advantages

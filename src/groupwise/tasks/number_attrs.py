@@ -9,8 +9,9 @@ Every consistent, non-empty attribute set is one problem (29: a set asking for `
 ``ends5`` has no answer and is left out); a fixed, seeded permutation puts the first ``TEST_SIZE``
 (9) in the held-out split and the other 20 in train. Rows: ``{"prompt", "attrs", "answer"}``
 (``attrs`` the comma-separated keys of ``rewards.dvreward.ATTRIBUTES``; ``answer`` the smallest
-two-digit number with all of them, an example only). The default reward is ``dv_reward`` with its
-programmatic judge.
+two-digit number with all of them, an example only). The default reward (and so the held-out
+accuracy) is ``dv_reward`` with its programmatic judge and ``method = "holistic"``: 1 exactly when the
+completion is a two-digit number with every asked attribute, else 0.
 """
 
 from __future__ import annotations
@@ -53,4 +54,4 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
 
 
 register_task(Task("number_attrs", "a two-digit number with the asked attributes ('number even >50=' -> '52'), 20 train / 9 test, "
-                   "dv_reward (programmatic judge)", rows, reward={"name": "dv_reward"}))
+                   "dv_reward (programmatic judge, holistic: every attribute)", rows, reward={"name": "dv_reward", "method": "holistic"}))

@@ -3,8 +3,10 @@
 The programmatic labels the shipped ``judge`` model (``models/judge``, spec 27) was fine-tuned on,
 so that a tiny causal LM can serve as DVReward's frozen judge role: every question template of
 ``rewards.dvreward`` (``ATTRIBUTES`` and ``QUALITY``), in the reward's default judge prompt
-(``"{question} Answer yes or no:"``), asked of every number 0..99 (800 problems). A fixed, seeded
-permutation puts the first ``TEST_SIZE`` (160) in the held-out split and the other 640 in train.
+(``"{question} Answer yes or no:"``), asked of every number 0..99 and of 100 three-digit numbers
+(a fixed, seeded draw from 100..999, the same for every template: a policy asked for two digits
+often writes three) — 1,600 problems. A fixed, seeded permutation puts the first ``TEST_SIZE``
+(320) in the held-out split and the other 1,280 in train.
 Rows: ``{"prompt", "answer", "question"}``; the answer is the programmatic truth (the attribute's
 margin > 0), and the default reward is ``exact``.
 """
@@ -16,15 +18,16 @@ import random
 from groupwise.rewards.dvreward import ATTRIBUTES, QUALITY
 from groupwise.tasks import Task, register_task, split_pool
 
-TEST_SIZE = 160
+TEST_SIZE = 320
 _SPLIT_SEED = 2728
 TEMPLATE = "{question} Answer yes or no:"
 
 
 def problems() -> list[tuple[str, bool]]:
-    """(question, truth) for every template and number 0..99, in a fixed order."""
+    """(question, truth) for every template and number (0..99 and 100 drawn from 100..999), in a fixed order."""
     templates = [(q, m) for _, q, m in ATTRIBUTES.values()] + list(QUALITY.values())
-    return [(q.format(n=n), m(n) > 0) for q, m in templates for n in range(100)]
+    numbers = list(range(100)) + sorted(random.Random(_SPLIT_SEED).sample(range(100, 1000), 100))
+    return [(q.format(n=n), m(n) > 0) for q, m in templates for n in numbers]
 
 
 def format_row(problem: tuple[str, bool]) -> dict:
@@ -39,5 +42,5 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [format_row(p) for p in split_pool(pool, split, n, seed, TEST_SIZE, "yes_no")]
 
 
-register_task(Task("yes_no", "yes/no questions about a number 0..99 ('Is 52 even? Answer yes or no:' -> 'yes'), 640 train / 160 test, "
+register_task(Task("yes_no", "yes/no questions about a number ('Is 52 even? Answer yes or no:' -> 'yes'), 1280 train / 320 test, "
                    "exact-match reward (the judge model's fine-tuning labels)", rows, reward="exact"))
