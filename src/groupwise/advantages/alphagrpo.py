@@ -111,6 +111,7 @@ class AlphaGRPOAdvantage:
     """Per-prompt (r − baseline)/(std + eps), baseline the mean, a stage-1 reward or their max; optional FPR (AlphaGRPO, spec 27)."""
 
     group_relative = True
+    rollout_extras = ()  # (the instance's: ``stage1`` when fpr or a stage-1 baseline reads it, Note 4)
     baseline: str = "group"
     fpr: bool = False
     by: str = "prompt"
@@ -124,10 +125,8 @@ class AlphaGRPOAdvantage:
             raise ValueError(f"alphagrpo: by={self.by!r}; use 'prompt' (the per-prompt tracker) or 'group'")
         if not self.eps > 0:
             raise ValueError(f"alphagrpo: eps={self.eps} must be > 0 (the std may be 0)")
+        self.rollout_extras = (self.stage1,) if self.fpr or self.baseline != "group" else ()
 
-    @property
-    def rollout_extras(self) -> tuple[str, ...]:
-        return (self.stage1,) if self.fpr or self.baseline != "group" else ()
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G] float64, [B,G]
