@@ -26,6 +26,11 @@ Parameter names: an updater that treats parameters by what they are (a LoRA-B ma
 gradient norms) defines ``use_parameter_names(names: list[str])``; the trainer calls it once after
 ``bind`` with the policy's ``parameter_names()``, the names of the parameters ``bind`` got, in
 the same order. A policy without names fails such a run at build.
+
+Frozen models: a component that calls a frozen role's model itself (a judge asked questions whose
+contexts are not the rollout's rows, as DVReward's) defines ``use_models(models: dict[str, Policy])``;
+the trainer calls it once at build with the policies of every ``roles.NAME`` with ``frozen = true``,
+which it then scores through the policy protocol (``scoring_models`` / ``score``), under no grad.
 """
 
 from __future__ import annotations
@@ -217,3 +222,10 @@ def bind_parameter_names(updater: Any, policy: Any) -> None:
         raise ConfigError(f"update {getattr(updater, 'registry_name', type(updater).__name__)!r} reads parameter names, which a "
                           f"{policy.modality} policy does not give; use a text policy (model.policy)")
     updater.use_parameter_names(policy.parameter_names())
+
+
+def bind_models(components: list[Any], models: dict[str, Any]) -> None:
+    """Give every component that calls frozen roles' models (``use_models``) those policies by role name."""
+    for component in components:
+        if hasattr(component, "use_models"):
+            component.use_models(models)

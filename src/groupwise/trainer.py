@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from groupwise import dist, roles, schedules
-from groupwise.components import bind_parameter_names, bind_rows, bind_vocabulary
+from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
 from groupwise.config import Config
 from groupwise.engines.memory import keep_freed_memory
 from groupwise.heldout import HeldOut
@@ -95,6 +95,7 @@ class Trainer(RunLoop, HeldOut):
         check_strategy(self.strategy, self.policy, owners)  # sampling options it asks for, extras others read
         bind_vocabulary(owners + [c for r in self.roles for c in r.components], self.policy)  # token texts for phase / role maps
         bind_rows(owners, self.train_rows)  # components that draw from or index the train rows (components.py)
+        bind_models(owners + self.eval_stage.scorers + task_scorers, self.frozen)  # frozen roles' policies for components that call them (a judge)
         self.phases = build_phases(cfg.phases)  # what runs before the RL steps (run.py), and the artifacts it makes
         check_artifacts(self.phases, owners)
         scorer_needs = set(self.reward_stage.needs)
