@@ -315,3 +315,14 @@ def test_soft_gradient_is_a_positive_multiple_of_grpo_to_first_order(tmp_path):
     print(f"cosine(Soft-Pair, GRPO) = {statistics.mean(cos):.3f} {[round(c, 2) for c in cos]}; shuffled: {statistics.mean(guard):.3f}")
     assert statistics.mean(cos) > 0.3 and sum(c > 0 for c in cos) >= 5
     assert statistics.mean(cos) > statistics.mean(guard) + 0.3
+
+
+def test_hard_pair_reads_the_reward_not_the_advantage(tmp_path):
+    """Hard-Pair's target comes from the pair's reward winner, so the advantage estimator does not
+    change its training: grpo and sign give the same losses step for step (the composition the issue asks)."""
+    runs = {}
+    for estimator in ("grpo", "sign"):
+        rows, _ = train_recorded(tmp_path / estimator, "hard_pair", f'advantage.estimator="{estimator}"', "rollout.group_size=8",
+                                 "rollout.prompts_per_step=8")
+        runs[estimator] = [r["loss"] for r in rows]
+    assert runs["grpo"] == runs["sign"] and runs["grpo"][0] != 0.0
