@@ -150,15 +150,10 @@ def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_p
                            'update={name="lora_rank_allocation", inner={name="adamw", lr=1e-2}}')
     assert_lora_param_count(trainer.model, sum(ranks) * (d_q + d_v))
     ids = torch.tensor([trainer.policy.encode("12+34=")])
-    adapted, save = {}, trainer.policy.save
-
-    def save_after_reading(folder):  # the trained adapted model's logits, before saving merges the adapters
-        with torch.no_grad():
-            adapted["logits"] = trainer.model(ids).logits
-        save(folder)
-
-    trainer.policy.save = save_after_reading
     trainer.train()
+    assert any("lora" in n for n, _ in trainer.model.named_parameters())  # saving merged a copy: the live model keeps its adapters
+    with torch.no_grad():
+        adapted = trainer.model(ids).logits
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(sorted(k for k in r if k.startswith("lora_grad/")) == [f"lora_grad/L{l}" for l in range(layers)] for r in rows)
     if arch == "qwen3":  # the warm-started model earns rewards: every layer's adapters get a gradient
@@ -168,7 +163,7 @@ def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_p
     assert not any("lora" in n for n, _ in merged.named_parameters())
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path(path))
     with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, adapted["logits"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-4, atol=1e-5)
         assert (merged(ids).logits - base(ids).logits).abs().max() > 1e-3  # the adapters are in the saved weights
 
 

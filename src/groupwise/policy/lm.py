@@ -310,7 +310,7 @@ class LMPolicy:
             self.reference.load_state_dict(state["reference"])
 
     def save(self, folder: Any) -> None:
-        """A loadable model folder (LoRA adapters merged)."""
-        model = self.module.merge_and_unload() if hasattr(self.module, "merge_and_unload") else self.module
+        """A loadable model folder (LoRA adapters merged into a copy: the live model keeps its adapters)."""
+        model = copy.deepcopy(self.module).merge_and_unload() if hasattr(self.module, "merge_and_unload") else self.module
         model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
