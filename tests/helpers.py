@@ -188,6 +188,8 @@ def permute_rows(rollout: Rollout, perm: Tensor) -> Rollout:
             out[f.name] = permute_tensor(v, perm)
         elif f.name == "extras":
             out[f.name] = {k: t if rollout.extra_levels[k] == "group" else permute_tensor(t, perm) for k, t in v.items()}
+        elif f.name == "row_flags":
+            out[f.name] = {k: permute_tensor(t, perm) for k, t in v.items()}
         elif f.name == "extra_levels":
             out[f.name] = dict(v)
         elif isinstance(v, list):
