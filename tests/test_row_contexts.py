@@ -182,3 +182,41 @@ def test_the_behaviour_view_scores_rows_under_their_sampling_context(tmp_path):
     plain = dataclasses.replace(ro, behav_ctx=[], extras={}, extra_levels={})  # a GRPO batch: the view is the default one
     trainer.needs.fill(plain, [need])
     torch.testing.assert_close(plain.extras[need.key][m], under_x[m], atol=1e-6, rtol=0)
+
+
+GATHER = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from groupwise import dist
+from test_row_contexts import _with_row_fields
+
+rank, world = dist.init()
+ro = _with_row_fields(1, 2, 3 + 2 * rank, seed=rank, S=1 + rank)  # rank 1: longer rows and one more segment
+batch = dist.gather_rollout(ro)
+x = batch.extras["env/x"]
+with open(f"{sys.argv[2]}/rank{rank}.json", "w") as fh:
+    json.dump({"shape": list(batch.shape), "injected": batch.row_flags["injected"].tolist(), "behav": batch.behav_ctx,
+               "seg_pad": batch.segment_id[0, :, 3:].tolist(), "x": torch.nan_to_num(x, nan=-9.0).tolist()}, fh)
+dist.shutdown()
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_gather_flags_behaviour_contexts_and_segments(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "driver.py").write_text(GATHER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(tmp_path / "driver.py"), str(Path(__file__).parent), str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert got[0] == got[1]  # the same whole batch on every rank
+    want_x = [[[0.0, -9.0], [10.0, -9.0]], [[0.0, 1.0], [10.0, 11.0]]]  # rank 0's one segment padded with NaN to rank 1's two
+    assert got[0]["shape"] == [2, 2, 5] and got[0]["x"] == want_x
+    assert got[0]["injected"] == [[False, True], [False, True]] and got[0]["behav"] == [[[], [100, 1]], [[], [100, 1]]]
+    assert got[0]["seg_pad"] == [[-1, -1], [-1, -1]]  # rank 0's rows padded from 3 to 5 tokens: no segment
