@@ -13,7 +13,7 @@ import torch
 
 from groupwise.registry import build
 from groupwise.types import Need, Rollout
-from helpers import info_for, leaf, make_rollout, objective_for, rollout_from
+from helpers import info_for, leaf, make_rollout, objective_for, rollout_from, run_two_ranks
 from test_trainer import make_trainer
 
 
@@ -204,17 +204,7 @@ dist.shutdown()
 
 @pytest.mark.slow
 def test_two_ranks_gather_flags_behaviour_contexts_and_segments(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    (tmp_path / "driver.py").write_text(GATHER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(tmp_path / "driver.py"), str(Path(__file__).parent), str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    got = run_two_ranks(GATHER, tmp_path)
     assert got[0] == got[1]  # the same whole batch on every rank
     want_x = [[[0.0, -9.0], [10.0, -9.0]], [[0.0, 1.0], [10.0, 11.0]]]  # rank 0's one segment padded with NaN to rank 1's two
     assert got[0]["shape"] == [2, 2, 5] and got[0]["x"] == want_x
