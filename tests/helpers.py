@@ -188,6 +188,8 @@ def permute_rows(rollout: Rollout, perm: Tensor) -> Rollout:
             out[f.name] = permute_tensor(v, perm)
         elif f.name == "extras":
             out[f.name] = {k: t if rollout.extra_levels[k] == "group" else permute_tensor(t, perm) for k, t in v.items()}
+        elif f.name == "row_flags":
+            out[f.name] = {k: permute_tensor(t, perm) for k, t in v.items()}
         elif f.name == "extra_levels":
             out[f.name] = dict(v)
         elif isinstance(v, list):
@@ -285,3 +287,19 @@ def assert_micro_batch_invariant(term, agg: str, ro: Rollout, logp: Tensor, spli
     if hasattr(term, "prepare"):
         term.prepare(ro, info)
     _split_equals_whole(objective_for([term], agg), ro, logp, split, info)
+
+
+def run_two_ranks(driver: str, tmp_path) -> list:
+    """Run the script ``driver`` under torchrun with two processes (argv: the tests folder, ``tmp_path``);
+    each rank writes ``tmp_path/rank{r}.json``, returned in rank order."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "driver.py").write_text(driver)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(tmp_path / "driver.py"), str(Path(__file__).parent), str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -82,6 +82,10 @@ def test_fbos_batch_by_hand_and_the_epa_advantage():
     assert batch.rewards[0].tolist() == [0.0, 0.0, 1.0, 0.0]
     assert batch.rewards[1, :2].tolist() == [1.0, 0.0] and batch.group_valid[1].tolist() == [True, True, False, False]
     assert batch.ctx[0] == [[1, 2]] * 4 and batch.ctx[1][:2] == [r.prompt for r in guided]
+    # the EPA group's guided rows were sampled under their FAPs and are flagged injected; the ECC rows are trained under the FAP they were sampled under
+    assert batch.behav_ctx[0] == [[], [], guided[0].prompt, guided[1].prompt] and batch.behav_ctx[1] == [[]] * 4
+    assert batch.row_flags["injected"].tolist() == [[False, False, True, True], [False] * 4]
+    assert batch.behaviour_contexts()[1][:2] == batch.ctx[1][:2]
     # spec 02's unit test: population-std GRPO on [0, 0, 1, 0]: mean 0.25, std 0.433 → [−0.577, −0.577, 1.732, −0.577]
     adv = build("advantage", "grpo", std="population", eps=0.0)(batch, ctx.info())
     torch.testing.assert_close(adv[0], torch.tensor([-1 / 3**0.5, -1 / 3**0.5, 3**0.5, -1 / 3**0.5]))
@@ -93,7 +97,7 @@ def test_fbos_batch_by_hand_and_the_epa_advantage():
 def test_alternate_mode_trains_epa_on_even_steps_and_ecc_on_odd_steps():
     even = build("rollout", "fbos", initial=2, feedback_rows=2, mode="alternate")(Scripted(step=0))
     odd = build("rollout", "fbos", initial=2, feedback_rows=2, mode="alternate")(Scripted(step=1))
-    assert even.rewards.tolist() == [[0.0, 0.0, 1.0, 0.0]] and not even.ctx
+    assert even.rewards.tolist() == [[0.0, 0.0, 1.0, 0.0]] and not even.ctx and even.row_flags["injected"].tolist() == [[False, False, True, True]]
     assert odd.rewards.tolist() == [[1.0, 0.0]] and len(odd.ctx[0]) == 2
 
 

@@ -11,8 +11,8 @@ import torch
 
 from groupwise.losses.lope import shaped_ratio
 from groupwise.registry import ConfigError, build
-from groupwise.rollout.lope import EXTRA, REAL, TAIL, load_words, lope_regroup, lorem_prompt, lorem_words, make_lorem_prompt
-from groupwise.types import Rollout, StepInfo
+from groupwise.rollout.lope import EXTRA, TAIL, load_words, lope_regroup, lorem_prompt, lorem_words, make_lorem_prompt
+from groupwise.types import INJECTED, Need, Rollout, StepInfo
 from helpers import info_for, objective_for, rollout_from, train_recorded
 from test_trainer import make_trainer
 
@@ -134,7 +134,7 @@ def _term_case():
     logp = torch.log(torch.tensor([[[0.4, 0.4], [0.4, 0.4]]])).requires_grad_(True)  # [1,2,2]
     ro = rollout_from(torch.log(torch.tensor([[[0.2, 0.2], [0.2, 0.2]]])), adv=torch.tensor([[1.0, 2.0]]))
     ro.logp_sampler = torch.log(torch.tensor([[[0.4, 0.4], [4.0, 0.2]]]))  # row 1: ρ = 0.1 at token 0, ρ = 2 at token 1
-    ro.set_extra(REAL, torch.tensor([[True, False]]), "row")
+    ro.set_flag(INJECTED, torch.tensor([[False, True]]))
     return ro, logp
 
 
@@ -156,7 +156,7 @@ def test_the_term_shapes_swapped_rows_and_clips_real_ones():
 
 def test_the_term_is_its_base_without_swapped_rows_and_checks_its_inputs():
     ro, logp = _term_case()
-    ro.extras[REAL] = torch.ones(1, 2, dtype=torch.bool)
+    ro.row_flags[INJECTED] = torch.zeros(1, 2, dtype=torch.bool)
     for base in ("ppo_clip", "gspo"):
         wrapped = build("objective", "lope", base=base)
         torch.testing.assert_close(wrapped(ro, {"logp": logp}, info_for(2)), build("objective", base)(ro, {"logp": logp}, info_for(2)))
@@ -225,7 +225,10 @@ def test_lope_batch_by_hand():
         assert r.prompt == [ord(c) for c in " ".join(words) + " 5+1="]
     # 2 correct (< G = 4): slots 0 and 1 take resamples 1 and 3; slots 2, 3 keep original failures
     assert batch.rewards.tolist() == [[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
-    assert batch.extras[REAL].tolist() == [[False, False, True, True], [True] * 4]
+    assert batch.row_flags[INJECTED].tolist() == [[True, True, False, False], [False] * 4]
+    # the swapped rows were sampled under their perturbed prompts (resample 1 of perturbation j: asked[j]); the others under their own
+    assert batch.behav_ctx == [[asked[0].prompt, asked[1].prompt, [], []], [[]] * 4]
+    assert batch.behaviour_contexts()[0] == [asked[0].prompt, asked[1].prompt, [1], [1]]
     assert batch.actions[0, :, 0].tolist() == [21, 21, 22, 23]  # resample r = 1 of each perturbation (token 20 + r)
     assert batch.logp_sampler[0, :, 0].tolist() == [-3.0, -3.0, -1.0, -1.0]  # the swapped rows keep their perturbed-prompt log-probs
     assert batch.prompt_ids == [[1], [2]] and not batch.ctx  # trained under the original prompt
@@ -242,12 +245,12 @@ def test_lope_batch_by_hand():
 def test_lope_keeps_one_failure_when_at_least_g_resamples_are_right():
     ctx = Scripted([[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]])  # 5 of 6 right ≥ G = 4
     batch = build("rollout", "lope", num_perturbation=3, n_per=2, n_min=0, n_max=0, tail="")(ctx)
-    assert batch.rewards[0].tolist() == [1.0, 1.0, 1.0, 0.0] and batch.extras[REAL][0].tolist() == [False, False, False, True]
+    assert batch.rewards[0].tolist() == [1.0, 1.0, 1.0, 0.0] and batch.row_flags[INJECTED][0].tolist() == [True, True, True, False]
     assert [r.prompt for r in ctx.requests[1]] == [[ord(c) for c in "5+1="]] * 3  # 0 words, no tail: the original prompt
     extra = batch.extras[EXTRA][0]
     assert sorted(extra.tolist()) == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # 3 replaced originals (0), the 3 resamples not chosen (2 right, 1 wrong)
     nothing = build("rollout", "lope", num_perturbation=1, n_per=2)(Scripted([[0.0, 0.0]]))
-    assert nothing.extras[REAL].all() and nothing.rewards[0].tolist() == [0.0] * 4  # no success: the group stays as it was
+    assert not nothing.row_flags[INJECTED].any() and not nothing.behav_ctx and nothing.rewards[0].tolist() == [0.0] * 4  # no success: the group stays as it was
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -270,8 +273,10 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
         out = prepare(batch)
         sampled = out.select(list(range(out.shape[0])))  # re-score every row under "+" + its prompt, before the update moves the weights
         sampled.ctx = [[trainer.policy.encode("+" + m["prompt"])] * out.shape[1] for m in out.meta]
+        probe = out.select(list(range(out.shape[0])))
+        trainer.needs.fill(probe, [Need("logp", view="behaviour")])  # the behaviour view: each row under the context it was sampled under
         with torch.no_grad():
-            seen.append((out, trainer.policy.forward(sampled)["logp"], trainer.policy.forward(out)["logp"]))
+            seen.append((out, trainer.policy.forward(sampled)["logp"], trainer.policy.forward(out)["logp"], probe.extras["policy@behaviour.logp"]))
         return out
 
     trainer.prepare = prepare
@@ -280,8 +285,13 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
         rows.append(trainer.run_step())
         trainer.step += 1
     assert any(r["lope/rescued_frac"] > 0 for r in rows), "the seed must rescue a group"
-    for row, (batch, perturbed, original) in zip(rows, seen):
-        swapped = ~batch.extras[REAL]  # [B,G]
+    for row, (batch, perturbed, original, behaviour) in zip(rows, seen):
+        swapped = batch.row_flags[INJECTED]  # [B,G]
+        prompts = [trainer.policy.encode("+" + m["prompt"]) for m in batch.meta]  # the one perturbed prompt of this vocabulary
+        assert all(c == (prompts[b] if swapped[b, g] else []) for b, row_ in enumerate(batch.behav_ctx) for g, c in enumerate(row_)) or not swapped.any()
+        own = batch.row_mask  # [B,G,T]
+        torch.testing.assert_close(behaviour[own & swapped[..., None]], perturbed[own & swapped[..., None]], atol=1e-5, rtol=0)  # = a direct forward under δ ⊕ x
+        torch.testing.assert_close(behaviour[own & ~swapped[..., None]], original[own & ~swapped[..., None]], atol=1e-5, rtol=0)  # = under x
         assert row["lope/rescued_frac"] == float(swapped.any(1).float().mean())
         for b in swapped.any(1).nonzero().flatten().tolist():  # every rescued group: ≥ 1 success (the swapped rows) and ≥ 1 original failure
             assert (batch.rewards[b][swapped[b]] == 1).all() and ((batch.rewards[b] == 0) & ~swapped[b]).any()
@@ -302,6 +312,18 @@ def test_two_steps_with_ppo_clip_and_gspo(tmp_path, objective):
     for batch in seen:
         torch.testing.assert_close(batch.advantages, build("advantage", "lope")(batch, info_for(6)))  # the shaped advantage, not GRPO's
         assert batch.shape[1] == 4 and batch.extras[EXTRA].shape[1] == 8
+
+
+def test_the_term_reads_the_behaviour_view(tmp_path):
+    rows, seen = train_recorded(tmp_path, "lope", *PLUS, _plus_params(tmp_path), 'advantage.estimator="lope"',
+                                'objective.terms=[{name="lope", behaviour="view"}]')
+    assert any(r["lope_shaped"] > 0 for r in rows)
+    for batch in seen:  # the re-scored behaviour log-probs are the sampler's up to the engine's numerics
+        m = batch.row_mask & batch.row_flags[INJECTED][..., None]  # [B,G,T]
+        torch.testing.assert_close(batch.extras["policy@behaviour.logp"][m], batch.logp_sampler[m], atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="behaviour"):
+        build("objective", "lope", behaviour="old")
+    assert Need("logp", view="behaviour") in build("objective", "lope", behaviour="view").needs
 
 
 def test_two_steps_of_the_shaping_term_around_gspo(tmp_path):

@@ -57,10 +57,7 @@ def _turn_rollout(rewards, turns, valid=None):
     if valid is not None:
         ro.group_valid = torch.tensor([valid])
     if turns is not None:
-        extra = torch.zeros(1, 2, T)
-        for g, (r0, r1) in enumerate(turns):
-            extra[0, g, 0:2], extra[0, g, 3:5] = r0, r1
-        ro.set_extra(TURN_REWARD, extra, "token")
+        ro.set_extra(TURN_REWARD, torch.tensor([turns]), "segment")  # [1,2,2] r_t of turn t
     return ro
 
 
@@ -98,6 +95,9 @@ def test_attention_ratio_features_by_hand():
 def test_turn_spans_and_row_features_read_the_predicting_positions():
     assert turn_spans(torch.tensor([1, 1, 0, 1, 0, 0, 1], dtype=torch.bool)) == [(0, 2), (3, 4), (6, 7)]
     assert turn_spans(torch.zeros(3, dtype=torch.bool)) == []
+    # with segment ids: two turns that touch are still two, a hole inside a turn splits it only without ids
+    ids = torch.tensor([0, 0, 1, 1, -1, 2, 2])
+    assert turn_spans(torch.tensor([1, 1, 1, 1, 0, 1, 1], dtype=torch.bool), ids) == [(0, 2), (2, 4), (5, 7)]
     # a row with prompt P = 2, completion n = 3: tokens 0, 1 are the turn, token 2 an env hole
     T, S, P = 3, 5, 2
     hidden = torch.arange(T * 2, dtype=torch.float32).view(T, 2)  # [T,D] the state at each token
@@ -235,13 +235,17 @@ def test_two_steps_with_the_probe_phase(tmp_path, objective):
     assert 0.0 <= summary["val_auroc_final"] <= 1.0 and summary["turns"] > 48
     assert (tmp_path / "phases" / "pair_probe.pt").exists()
     for row, batch in zip(rows, seen):
-        turns = batch.extras[TURN_REWARD]  # [B,G,T]
+        turns = batch.extras[TURN_REWARD]  # [B,G,S]
         own = batch.row_mask
-        assert ((turns > 0.0) & (turns < 1.0))[own].all() and (turns[~own] == 0).all()  # r_t ∈ (0, 1) on own tokens
+        assert batch.extra_levels[TURN_REWARD] == "segment"
         # the row's reward is Σ_t r_t (env_return has weight 0) and the advantage is the per-turn composition
         for b, g in batch.group_valid.nonzero().tolist():
-            r = [float(turns[b, g, s]) for s, _ in turn_spans(own[b, g])]
-            assert float(batch.rewards[b, g]) == pytest.approx(sum(r), abs=1e-5)
+            spans = turn_spans(own[b, g], batch.segment_id[b, g])
+            assert spans == turn_spans(own[b, g])  # an action per segment, holes between them: the same turns either way
+            assert [int(batch.segment_id[b, g, s]) for s, _ in spans] == list(range(len(spans)))
+            r = turns[b, g, : len(spans)]  # [n]
+            assert ((r > 0.0) & (r < 1.0)).all() and torch.isnan(turns[b, g, len(spans):]).all()  # r_t ∈ (0, 1) on its turns, NaN past them
+            assert float(batch.rewards[b, g]) == pytest.approx(float(r.sum()), abs=1e-5)
         torch.testing.assert_close(batch.advantages, PairAdvantage()(batch, info_for(batch.shape[2])))
         assert (batch.advantages[~own] == 0).all()
         assert row["reward/pair"] == pytest.approx(float(batch.rewards[batch.group_valid].mean()), abs=1e-5)

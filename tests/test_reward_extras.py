@@ -20,7 +20,7 @@ from groupwise.rewards.python import Python
 from groupwise.rewards.score import RewardAborted, RewardError, score
 from groupwise.rewards.stage import RewardStage
 
-from helpers import info_for, make_rollout
+from helpers import info_for, make_rollout, run_two_ranks
 from test_trainer import make_trainer
 
 P3, C3 = ["p", "q", "r"], ["a", "bb", "ccc"]
@@ -246,15 +246,7 @@ dist.shutdown()
 
 @pytest.mark.slow
 def test_two_ranks_average_metrics_and_gather_extras(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    (tmp_path / "driver.py").write_text(DRIVER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(tmp_path / "driver.py"), str(Path(__file__).parent), str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    got = run_two_ranks(DRIVER, tmp_path)
     # both: rank 0 logs 2, rank 1 logs 4 and 4 -> (2 + 4 + 4) / 3 = 10/3; rows gathered in rank order
     want = [{"reward_metric/both": pytest.approx(10 / 3), "reward_metric/only1": 7.0}, [[0, 0], [1, 1]]]
-    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [want, want]
+    assert got == [want, want]

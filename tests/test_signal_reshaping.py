@@ -128,8 +128,13 @@ def test_governed_episodes_drop_env_fail_and_segment_steps():
     assert batch.group_valid.tolist() == [[True, True, True, False]]
     assert [x["env"]["cause"] for x in batch.info[0]] == ["success", "policy_fail", "policy_fail", "env_fail"]
     # step segmentation: "8" (step 0) + " 3+4=" (env: -1) + "8" (step 1)
-    assert batch.extras["step_of_token"][0, 1].tolist()[:7] == [0, -1, -1, -1, -1, -1, 1]
-    assert batch.extras["step_of_token"][0, 0].tolist()[:1] == [0] and batch.extras["step_of_token"][0, 0, 1:].eq(-1).all()
+    assert batch.segment_id[0, 1].tolist()[:7] == [0, -1, -1, -1, -1, -1, 1]
+    assert batch.segment_id[0, 0].tolist()[:1] == [0] and batch.segment_id[0, 0, 1:].eq(-1).all()
+    # the per-step scores as segment values, (compiled + semantic) / 2 per step: row 0 "7" (1), row 1 "8" "8" (0.5, 0.5), row 2 "x" "x" (0, 0); row 3: the crash scored nothing
+    steps = batch.extras["env/step_scores"]  # [B,G,S]
+    assert batch.extra_levels["env/step_scores"] == "segment" and steps.shape == (1, 4, 2)
+    torch.testing.assert_close(steps[0, :3], torch.tensor([[1.0, float("nan")], [0.5, 0.5], [0.0, 0.0]]), equal_nan=True)
+    assert torch.isnan(steps[0, 3]).all()
     ro = dataclasses.replace(batch)
     ro.advantages = build("advantage", "grpo", std="population", eps=0.0)(ro, info_for(7))
     torch.testing.assert_close(ro.advantages, torch.tensor([[1.224745, 0.0, -1.224745, 0.0]]), atol=1e-6, rtol=0)

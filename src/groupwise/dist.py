@@ -134,14 +134,15 @@ def gather_rollout(local):
     from groupwise.types import Rollout
 
     T = all_max(local.shape[2])
-    padded = local.pad_tokens(T)
+    S = all_max(max((v.shape[2] for k, v in local.extras.items() if local.extra_levels[k] == "segment"), default=0))
+    padded = local.pad_tokens(T).pad_segments(S)
     fields = {}
     for name, value in padded.fields():
         if isinstance(value, torch.Tensor):
             fields[name] = all_gather_rows(value)
         elif isinstance(value, list):
             fields[name] = all_gather_objects(value)
-        elif name == "extras":
+        elif name in ("extras", "row_flags"):  # dicts of tensors: every rank sets the same keys
             fields[name] = {k: all_gather_rows(v) for k, v in sorted(value.items())}
         else:
             fields[name] = value

@@ -140,10 +140,11 @@ def remap_back(out: dict[str, torch.Tensor], positions: torch.Tensor, row_mask: 
 
 def check_view_rollout(view_name: str, before: Rollout, after: Rollout, context: int | None = None,
                        positions: torch.Tensor | None = None) -> None:
-    """A view must keep the token axis (same actions shape and mask) and fit the model's context. A view
+    """A view must keep the token axis (same actions shape and mask) and fit the model's context; one that
+    edits the groups' prompts cannot re-score rows with their own contexts (it may set ``ctx`` itself). A view
     that edits completions (``positions`` given) must keep the groups and rows, and map each original
     token either to the same token id inside the edited row's mask or to −1."""
-    if before.ctx:
+    if before.ctx and after.ctx == before.ctx and after.prompt_ids != before.prompt_ids:
         raise ValueError(f"view {view_name!r} edits the group's prompt, but these rows have their own contexts (rollout.ctx); "
                          f"a view cannot re-score them")
     if positions is None:
@@ -167,7 +168,7 @@ def check_view_rollout(view_name: str, before: Rollout, after: Rollout, context:
         if bool((mapped & ~same).any()):
             raise ValueError(f"view {view_name!r}: a mapped token is not the same token inside the edited row's mask; "
                              f"positions must point at the original token's copy")
-    longest = max((len(p) for p in after.prompt_ids), default=0) + after.shape[2]
+    longest = max((len(c) for row in after.row_contexts() for c in row), default=0) + after.shape[2]
     if context and longest > context:
         raise ValueError(f"view {view_name!r}: an edited prompt plus the completion is {longest} tokens, more than the model's context of {context}; "
                          f"shorten the view's template (views.{view_name}.template) or rollout.max_new_tokens")

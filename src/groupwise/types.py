@@ -6,6 +6,7 @@ Every row field has ``[B, G, ...]`` leading dims so that a group's rows travel t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -13,8 +14,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-Level = Literal["group", "row", "token"]
-_LEAD = {"group": 1, "row": 2, "token": 3}
+Level = Literal["group", "row", "token", "segment"]
+_LEAD = {"group": 1, "row": 2, "token": 3, "segment": 2}  # a segment extra is [B,G,S]: its S is the batch's own
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,22 @@ class Rollout:
     Row contexts: by default every row of group b is trained and scored under ``prompt_ids[b]``.
     ``ctx`` ([B][G] token lists), when set, gives each row its own context (FBOS-RL's feedback-
     augmented prompts, GROW's local states); the training forward computes each distinct context
-    once. Two masks: ``mask`` is the sequence (a prefix: the tokens that exist and are fed to the
-    model); ``loss_mask``, when set, marks the tokens among them that are the policy's own actions
-    (holes for environment tokens). ``row_mask`` combines both with ``group_valid``.
+    once. ``behav_ctx`` ([B][G]), when set, is the context a row was SAMPLED under where that is not
+    its training context (``[]`` = the same): LoPE's Lorem-perturbed prompts and FBOS-RL's feedback
+    prompts of rows trained under the original prompt (``under_prompts``); the view ``behaviour``
+    scores rows under it. Two masks: ``mask`` is the sequence (a prefix: the tokens that exist and
+    are fed to the model); ``loss_mask``, when set, marks the tokens among them that are the
+    policy's own actions (holes for environment tokens). ``row_mask`` combines both with ``group_valid``.
+
+    ``row_flags``: named [B,G] bool flags, each set by the strategy that knows it and read by the
+    components it concerns; ``injected`` (:data:`INJECTED`) marks rows not sampled by the policy under
+    their training context (LoPE's swapped-in resamples, FBOS-RL's guided rows in EPA groups). A
+    batch whose parts set different flags gets ``False`` for a flag a part lacks.
+
+    Segments: ``segment_id`` [B,G,T] long numbers the segments of a row (a multi-turn episode's
+    turns, 0..S−1), −1 on tokens in no segment (padding, environment tokens); ``segment``-level
+    extras [B,G,S] hold one value per segment (NaN where a row has fewer), e.g. an env's per-turn
+    scores. Every field is sliced, padded and joined by its level, never by a list of names.
     """
 
     prompt_ids: list[list[int]]  # B prompts, token ids (chat template applied)
@@ -133,6 +147,9 @@ class Rollout:
     info: list[list[dict[str, Any]]] = field(default_factory=list)  # [B][G] side outputs
     ctx: list[list[list[int]]] = field(default_factory=list)  # [B][G] each row's context; empty = the group's prompt
     loss_mask: Tensor | None = None  # [B,G,T] bool, the policy's own tokens within mask; None = all of mask
+    behav_ctx: list[list[list[int]]] = field(default_factory=list)  # [B][G] the context each row was sampled under; [] = its training context
+    row_flags: dict[str, Tensor] = field(default_factory=dict)  # name -> [B,G] bool
+    segment_id: Tensor | None = None  # [B,G,T] int64 segment of each token (a turn), -1 in none
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -153,10 +170,37 @@ class Rollout:
         G = self.actions.shape[1]
         return [[list(p)] * G for p in self.prompt_ids]
 
+    def behaviour_contexts(self) -> list[list[list[int]]]:
+        """[B][G] the context every row was sampled under: its ``behav_ctx`` entry when non-empty, else its training context."""
+        train = self.row_contexts()
+        if not self.behav_ctx:
+            return train
+        return [[list(c) if c else list(t) for c, t in zip(row, own)] for row, own in zip(self.behav_ctx, train)]
+
+    def under_prompts(self) -> "Rollout":
+        """This batch with every row trained and scored under its group's prompt (``ctx`` cleared); a
+        row whose context was another keeps it as the context it was sampled under (``behav_ctx``)."""
+        if not self.ctx:
+            return self
+        sampled = self.behaviour_contexts()
+        behav = [[list(c) if list(c) != list(p) else [] for c in row] for row, p in zip(sampled, self.prompt_ids)]
+        return dataclasses.replace(self, ctx=[], behav_ctx=behav if any(c for row in behav for c in row) else [])
+
+    def flag(self, name: str) -> Tensor:
+        """[B,G] bool: the row flag ``name``, all False when the batch does not set it."""
+        value = self.row_flags.get(name)
+        return torch.zeros(self.actions.shape[:2], dtype=torch.bool) if value is None else value.bool()
+
+    def set_flag(self, name: str, value: Tensor) -> None:
+        if tuple(value.shape) != tuple(self.actions.shape[:2]) or value.dtype != torch.bool:
+            raise ValueError(f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} bool tensor, got {tuple(value.shape)} {value.dtype}")
+        self.row_flags[name] = value
+
     def set_extra(self, key: str, value: Tensor, level: Level) -> None:
         lead = _LEAD[level]
-        if tuple(value.shape[:lead]) != self.actions.shape[:lead]:
-            raise ValueError(f"extra {key!r} at level {level} needs leading shape {tuple(self.actions.shape[:lead])}, got {tuple(value.shape)}")
+        if tuple(value.shape[:lead]) != self.actions.shape[:lead] or (level == "segment" and value.dim() != 3):
+            raise ValueError(f"extra {key!r} at level {level} needs leading shape {tuple(self.actions.shape[:lead])}"
+                             f"{' and one segment axis [B,G,S]' if level == 'segment' else ''}, got {tuple(value.shape)}")
         self.extras[key] = value
         self.extra_levels[key] = level
 
@@ -164,29 +208,26 @@ class Rollout:
         """A new Rollout with only the given groups (every field sliced by its level, never by name)."""
         idx = torch.as_tensor(groups, dtype=torch.long)
         ids = idx.tolist()
+        for key in self.extras:
+            if key not in self.extra_levels:
+                raise KeyError(f"extra {key!r} has no declared level")
         out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
+        for name, v in self.fields():
             if isinstance(v, Tensor):
-                out[f.name] = v[idx]
+                out[name] = v[idx]
             elif isinstance(v, list):
-                out[f.name] = [v[i] for i in ids] if v else []
-            elif f.name == "extras":
-                for key in v:
-                    if key not in self.extra_levels:
-                        raise KeyError(f"extra {key!r} has no declared level")
-                out[f.name] = {k: t[idx] for k, t in v.items()}
-            elif f.name == "extra_levels":
-                out[f.name] = dict(v)
+                out[name] = [v[i] for i in ids] if v else []
+            elif isinstance(v, dict) and _LEVELS[name][0] in ("row", "any"):  # a dict of tensors: row flags, extras
+                out[name] = {k: t[idx] for k, t in v.items()}
             else:
-                out[f.name] = v
+                out[name] = dict(v) if isinstance(v, dict) else v
         return Rollout(**out)
 
     def fields(self) -> list[tuple[str, Any]]:
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
 
     def pad_tokens(self, T: int) -> "Rollout":
-        """A copy whose token-level fields are padded (zeros / False) to ``T`` steps."""
+        """A copy whose token-level fields are padded (zeros / False, −1 for ``segment_id``) to ``T`` steps."""
         if self.actions.shape[2] == T:
             return self
         out = {}
@@ -199,30 +240,40 @@ class Rollout:
                 out[name] = v
         return Rollout(**out)
 
+    def pad_segments(self, S: int) -> "Rollout":
+        """A copy whose segment-level extras are padded (NaN) to ``S`` segments."""
+        if all(t.shape[2] >= S for k, t in self.extras.items() if self.extra_levels[k] == "segment"):
+            return self
+        extras = {k: _pad_last(t, S, float("nan")) if self.extra_levels[k] == "segment" else t for k, t in self.extras.items()}
+        return dataclasses.replace(self, extras=extras, extra_levels=dict(self.extra_levels))
+
     def pad_rows(self, G: int) -> "Rollout":
         """A copy with ``G`` row slots per group, the new ones padding (``group_valid`` False, no tokens)."""
         extra = G - self.actions.shape[1]
         if extra <= 0:
             return self
 
-        def pad(v: Tensor) -> Tensor:
-            return torch.cat([v, torch.zeros(v.shape[0], extra, *v.shape[2:], dtype=v.dtype)], dim=1)
+        def pad(v: Tensor, fill: Any = 0) -> Tensor:
+            return torch.cat([v, torch.full((v.shape[0], extra, *v.shape[2:]), fill, dtype=v.dtype)], dim=1)
 
         out: dict[str, Any] = {}
         for name, v in self.fields():
+            level, fill = _LEVELS[name]
             if isinstance(v, Tensor):
-                out[name] = v if name in _GROUP_FIELDS else pad(v)
-            elif name in ("completions", "info", "ctx") and v:
-                out[name] = [list(rows) + [{"completions": "", "info": None, "ctx": []}[name]] * extra for rows in v]
+                out[name] = v if level == "group" else pad(v, fill)
+            elif level == "row" and isinstance(v, list):
+                out[name] = [list(rows) + [copy.copy(fill)] * extra for rows in v] if v else []
+            elif name == "row_flags":
+                out[name] = {k: pad(t) for k, t in v.items()}
             elif name == "extras":
-                out[name] = {k: (t if self.extra_levels[k] == "group" else pad(t)) for k, t in v.items()}
+                out[name] = {k: (t if self.extra_levels[k] == "group" else pad(t, _EXTRA_FILL[self.extra_levels[k]])) for k, t in v.items()}
             else:
                 out[name] = v
         return Rollout(**out)
 
     @staticmethod
     def concat(parts: list["Rollout"]) -> "Rollout":
-        """Concatenate along the group axis, padding T (and G, with invalid rows) to the longest part."""
+        """Concatenate along the group axis, padding T, S (and G, with invalid rows) to the longest part."""
         if len(parts) == 1:
             return parts[0]
         parts = _same_optional_fields(parts)
@@ -238,6 +289,8 @@ class Rollout:
                 out[f.name] = None
             elif isinstance(vals[0], list):
                 out[f.name] = [x for v in vals for x in v]
+            elif f.name == "row_flags":
+                out[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
             elif f.name == "extras":
                 out[f.name] = {k: torch.cat([_pad_level(p.extras[k], T, p.extra_levels[k]) for p in parts]) for k in vals[0]}
             elif f.name == "extra_levels":
@@ -260,26 +313,29 @@ class Rollout:
         a, b = _same_optional_fields([self.pad_tokens(T), more.pad_tokens(T)])
         index = torch.as_tensor(groups, dtype=torch.long)  # [B2]
 
-        def spread(v: Tensor) -> Tensor:  # [B2,G2,...] -> [B,G2,...] with zeros for uncovered groups
-            out = torch.zeros(B, *v.shape[1:], dtype=v.dtype)
+        def spread(v: Tensor, fill: Any = 0) -> Tensor:  # [B2,G2,...] -> [B,G2,...] with padding rows for uncovered groups
+            out = torch.full((B, *v.shape[1:]), fill, dtype=v.dtype)
             out[index] = v
             return out
 
         out: dict[str, Any] = {}
         for name, v in a.fields():
             w = getattr(b, name)
-            if name in _GROUP_FIELDS or name in ("meta", "extra_levels"):
+            level, fill = _LEVELS[name]
+            if level == "group" or name == "extra_levels":
                 out[name] = v
             elif isinstance(v, Tensor) and isinstance(w, Tensor):
-                out[name] = torch.cat([v, spread(w)], dim=1)
+                out[name] = torch.cat([v, spread(w, fill)], dim=1)
             elif isinstance(v, Tensor) or isinstance(w, Tensor):
                 raise ValueError(f"join_rows: field {name!r} is set on one batch only")
-            elif name in ("completions", "info", "ctx") and (v or w):
+            elif level == "row" and isinstance(v, list) and (v or w):
                 extra = {g: w[k] for k, g in enumerate(groups)} if w else {}
-                pad = {"info": None, "completions": "", "ctx": []}[name]
-                out[name] = [list(v[g]) + list(extra.get(g, [pad] * G2)) for g in range(B)]
+                out[name] = [list(v[g]) + list(extra.get(g, [copy.copy(fill)] * G2)) for g in range(B)]
+            elif name == "row_flags":
+                out[name] = {key: torch.cat([t, spread(b.row_flags[key])], dim=1) for key, t in v.items()}
             elif name == "extras":
-                out[name] = {key: (t if a.extra_levels[key] == "group" else torch.cat([t, spread(b.extras[key])], dim=1)) for key, t in v.items()}
+                out[name] = {key: (t if a.extra_levels[key] == "group" else
+                                   torch.cat([t, spread(b.extras[key], _EXTRA_FILL[a.extra_levels[key]])], dim=1)) for key, t in v.items()}
             else:
                 out[name] = v
         return Rollout(**out)
@@ -289,7 +345,8 @@ class Rollout:
         """A new batch whose group ``k`` holds the rows ``rows[k]`` (``(b, g)`` pairs of this batch),
         padded to the longest with invalid rows. Group-level fields (prompt, dataset row, meta, group
         extras) come from the group of each new group's first row; every row keeps the context it
-        had (``ctx`` is set when some row's context is not its new group's prompt)."""
+        had (``ctx`` is set when some row's context is not its new group's prompt), the context it
+        was sampled under (``behav_ctx``), its flags and segments."""
         if not rows or any(not r for r in rows):
             raise ValueError("regroup needs at least one row in every new group")
         K, J = len(rows), max(len(r) for r in rows)
@@ -299,58 +356,88 @@ class Rollout:
         real = torch.tensor([[True] * len(r) + [False] * (J - len(r)) for r in rows])  # [K,J]
         lead = torch.tensor(first)  # [K]
 
-        def take(v: Tensor, level: str) -> Tensor:
+        def take(v: Tensor, level: str, fill: Any = 0) -> Tensor:
             if level == "group":
                 return v[lead]
             out = v[bi, gi]  # [K,J,...]
             pad = ~real.reshape(K, J, *([1] * (out.dim() - 2)))
-            return torch.where(pad, torch.zeros((), dtype=out.dtype), out)
+            return torch.where(pad, torch.full((), fill, dtype=out.dtype), out)
 
         out: dict[str, Any] = {}
         contexts = self.row_contexts()
         for name, v in self.fields():
+            level, fill = _LEVELS[name]
             if isinstance(v, Tensor):
-                out[name] = take(v, "group" if name in _GROUP_FIELDS else "row")
-            elif name in ("prompt_ids", "meta"):
+                out[name] = take(v, level, fill)
+            elif level == "group" and isinstance(v, list):
                 out[name] = [v[b] for b in first] if v else []
-            elif name in ("completions", "info"):
-                out[name] = [[v[b][g] for b, g in r] + [None if name == "info" else ""] * (J - len(r)) for r in rows] if v else []
             elif name == "ctx":
                 own = [[contexts[b][g] for b, g in r] + [[]] * (J - len(r)) for r in rows]
                 differs = any(list(c) != list(self.prompt_ids[r[0][0]]) for k, r in enumerate(rows) for c in own[k][: len(r)])
                 out[name] = own if differs else []
+            elif level == "row" and isinstance(v, list):
+                out[name] = [[v[b][g] for b, g in r] + [copy.copy(fill)] * (J - len(r)) for r in rows] if v else []
+            elif name == "row_flags":
+                out[name] = {key: take(t, "row", False) for key, t in v.items()}
             elif name == "extras":
-                out[name] = {key: take(t, self.extra_levels[key]) for key, t in v.items()}
+                out[name] = {key: take(t, self.extra_levels[key], _EXTRA_FILL[self.extra_levels[key]]) for key, t in v.items()}
             else:
                 out[name] = v
         return Rollout(**out)
 
 
-_TOKEN_FIELDS = {"actions", "mask", "logp_old", "logp_ref", "logp_sampler", "weight", "loss_mask"}
+INJECTED = "injected"  # row flag: a row not sampled by the policy under its training context (a swapped-in or guided row)
+
+# Each field's level and the value of its padding (a padding row, or a padding token of a token field).
+# "auto": row-level [B,G] or token-level [B,G,T] by the tensor's rank (advantages). Dicts of tensors
+# (row_flags, extras) are handled by their own levels; extra_levels is their declaration.
+_LEVELS: dict[str, tuple[str, Any]] = {
+    "prompt_ids": ("group", None), "prompt_index": ("group", 0), "meta": ("group", None),
+    "actions": ("token", 0), "mask": ("token", False), "loss_mask": ("token", False), "segment_id": ("token", -1),
+    "logp_old": ("token", 0), "logp_ref": ("token", 0), "logp_sampler": ("token", 0), "weight": ("token", 0),
+    "advantages": ("auto", 0),
+    "group_valid": ("row", False), "truncated": ("row", False), "rewards": ("row", 0), "reward_parts": ("row", 0),
+    "completions": ("row", ""), "info": ("row", None), "ctx": ("row", []), "behav_ctx": ("row", []),
+    "row_flags": ("row", False), "extras": ("any", None), "extra_levels": ("declaration", None),
+}
+_EXTRA_FILL = {"group": 0, "row": 0, "token": 0, "segment": float("nan")}  # a padding row's value in an extra of each level
 
 
 def _same_optional_fields(parts: list["Rollout"]) -> list["Rollout"]:
-    """Parts to join where some set ``ctx`` or ``loss_mask`` and others do not: the unset ones get
-    their defaults (each group's prompt; the whole ``mask``), so nothing is dropped."""
+    """Parts to join where some set an optional field and others do not: the unset ones get its
+    default, so nothing is dropped — ``ctx``: each group's prompt; ``loss_mask``: the whole ``mask``;
+    ``segment_id``: −1 (no segment); another row list (``behav_ctx``, ``completions``, ``info``): its
+    padding value per row; a row flag: False; a segment extra: padded (NaN) to the longest S."""
     if any(p.ctx for p in parts) and not all(p.ctx for p in parts):
         parts = [p if p.ctx else dataclasses.replace(p, ctx=p.row_contexts()) for p in parts]
+    for name, (level, fill) in _LEVELS.items():
+        if level == "row" and name != "ctx" and isinstance(getattr(parts[0], name), list):
+            if any(getattr(p, name) for p in parts) and not all(getattr(p, name) for p in parts):
+                parts = [p if getattr(p, name) else dataclasses.replace(p, **{name: [[copy.copy(fill) for _ in range(p.shape[1])] for _ in range(p.shape[0])]})
+                         for p in parts]
     if any(p.loss_mask is not None for p in parts) and any(p.loss_mask is None for p in parts):
         parts = [p if p.loss_mask is not None else dataclasses.replace(p, loss_mask=p.mask.clone()) for p in parts]
-    return parts
-_GROUP_FIELDS = {"prompt_ids", "prompt_index"}
+    if any(p.segment_id is not None for p in parts) and any(p.segment_id is None for p in parts):
+        parts = [p if p.segment_id is not None else dataclasses.replace(p, segment_id=torch.full(p.shape, -1, dtype=torch.long)) for p in parts]
+    flags = sorted({k for p in parts for k in p.row_flags})
+    if any(set(p.row_flags) != set(flags) for p in parts):
+        parts = [dataclasses.replace(p, row_flags={k: p.flag(k) for k in flags}) for p in parts]
+    S = max((t.shape[2] for p in parts for k, t in p.extras.items() if p.extra_levels[k] == "segment"), default=0)
+    return [p.pad_segments(S) for p in parts]
 
 
 def _pad_t(v: Tensor, T: int, name: str) -> Tensor:
-    is_token = name in _TOKEN_FIELDS or (name == "advantages" and v.dim() == 3)
-    return _pad_last(v, T) if is_token else v
+    level, fill = _LEVELS[name]
+    is_token = level == "token" or (level == "auto" and v.dim() == 3)
+    return _pad_last(v, T, fill) if is_token else v
 
 
 def _pad_level(v: Tensor, T: int, level: str) -> Tensor:
     return _pad_last(v, T) if level == "token" else v
 
 
-def _pad_last(v: Tensor, T: int) -> Tensor:
-    if v.shape[2] == T:
+def _pad_last(v: Tensor, T: int, fill: Any = 0) -> Tensor:
+    if v.shape[2] >= T:
         return v
-    pad = torch.zeros(*v.shape[:2], T - v.shape[2], *v.shape[3:], dtype=v.dtype)
+    pad = torch.full((*v.shape[:2], T - v.shape[2], *v.shape[3:]), fill, dtype=v.dtype)
     return torch.cat([v, pad], dim=2)

@@ -21,8 +21,9 @@ total: ``Σ_t r_t`` when ``pair`` is the only weighted reward)::
 
 **Notes**
 
-1. Turns are the maximal runs of ``rollout.row_mask`` (``rewards.pair.turn_spans``); ``r_t`` is
-   the extra's value on turn t's tokens. A rollout without the extra (no ``pair`` reward) has no
+1. Turns are ``rewards.pair.turn_spans``: the segments of ``rollout.segment_id`` within
+   ``row_mask``, or without segments the maximal runs of ``row_mask``; ``r_t`` is entry t of the
+   segment extra. A rollout without the extra (no ``pair`` reward) has no
    per-turn rewards: each row is then one turn with ``r_0 = R``, so ``A`` is the group-normalised
    total on every token (GRPO with population std and this eps), which keeps the estimator usable
    with any reward [INFERRED].
@@ -79,14 +80,14 @@ class PairAdvantage:
         B, G, T = rollout.shape
         row_mask = rollout.row_mask.bool() & valid[..., None]  # [B,G,T]
         out = torch.where(row_mask, adv[..., None], torch.zeros((), dtype=torch.float64))  # [B,G,T]
-        turns = rollout.extras.get(TURN_REWARD)  # [B,G,T] r_t on turn t's tokens, or None (Note 1)
+        turns = rollout.extras.get(TURN_REWARD)  # [B,G,S] r_t of turn t, or None (Note 1)
         if turns is not None:
-            turns = turns.double()  # [B,G,T]
+            turns = turns.double()  # [B,G,S]
             for b, g in valid.nonzero().tolist():
-                spans = turn_spans(row_mask[b, g])
+                spans = turn_spans(row_mask[b, g], rollout.segment_id[b, g] if rollout.segment_id is not None else None)
                 if not spans:
                     continue
-                r = torch.stack([turns[b, g, s] for s, _ in spans])  # [n]
+                r = turns[b, g, : len(spans)]  # [n]
                 centred = r - r.mean()  # [n]
                 for (s, e), c in zip(spans, centred):
                     out[b, g, s:e] += c

@@ -6,20 +6,22 @@ Huang, Jinyuan Li, Donghong Cai, Yuyi Yang, Jiaxin Huang, 2026. https://arxiv.or
 spec 61. Code read: https://github.com/shrango/LoPE ``verl/trainer/core_algos.py``
 ``compute_policy_loss`` (``policy_shaping``, ``policy_shaping_gamma``, ``real_rollout``).
 
-**Change vs GRPO**: the rows the rollout strategy ``lope`` swapped into a group
-(``extras["real_rollout"]`` False) were sampled under a Lorem-perturbed prompt δ ⊕ x but are trained
+**Change vs GRPO**: the rows the rollout strategy ``lope`` swapped into a group (the row flag
+``injected``, the code's ``real_rollout = False``) were sampled under a Lorem-perturbed prompt δ ⊕ x
+(their ``behav_ctx``) but are trained
 under x. Their importance ratio compares the current policy on x with the behaviour policy on δ ⊕ x,
 is reshaped to ρ' = ρ/(ρ+γ) and is **not clipped**. Every other row gets the ``base`` term's loss
 unchanged: this term wraps ``ppo_clip`` (default), ``gspo`` or any other policy term.
 
-**Math** (``mask`` = the loss tokens; ``logp_sampler`` = the sampler's log-probs, under δ ⊕ x)::
+**Math** (``mask`` = the loss tokens; ``behav`` = the behaviour log-probs under δ ⊕ x: ``logp_sampler``,
+the sampler's, or with ``behaviour = "view"`` the need ``Need("logp", view="behaviour")``)::
 
-    log_rho = logp − logp_sampler                                  level = "token"
-            = mean_t(mask · (logp − logp_sampler))  (every token)  level = "sequence" (GSPO's ratio)
+    log_rho = logp − behav                                         level = "token"
+            = mean_t(mask · (logp − behav))         (every token)  level = "sequence" (GSPO's ratio)
     rho     = exp(clamp(log_rho, −20, 20))
     shaped  = rho / (rho + gamma)                  d shaped / d logp = rho·gamma / (rho + gamma)²
-    loss    = −adv · shaped                        real_rollout False
-            = base(mb, out)                        real_rollout True (row losses spread over their tokens)
+    loss    = −adv · shaped                        injected rows
+            = base(mb, out)                        other rows (row losses spread over their tokens)
 
 ``shaped`` is at most 1 and its gradient peaks (0.25) at rho = gamma: a swapped-in token the policy
 now finds unlikely gets the largest push. ρ = 1 → 0.909091 (gradient 0.082645), ρ = 0.1 → 0.5
@@ -32,17 +34,23 @@ now finds unlikely gets the largest push. ρ = 1 → 0.909091 (gradient 0.082645
   supported through ``base_params``; the dual clip never binds on a shaped row (ρ' < 1 < c).
 - ``level = "token"`` [CODE] the ratio of the default loss type; ``"sequence"`` shapes the GSPO
   sequence ratio, as the code does with ``loss_type = "gspo"``.
+- ``behaviour = "sampler"`` [INFERRED] the sampler's log-probs under δ ⊕ x (free: the engine
+  reports them); ``"view"`` re-scores every row under its behaviour context with the old weights
+  (one more no-grad forward a step), which is what the code's actor does before the swap; both are
+  the same policy on the same context, equal up to the engine's numerics (1e-4 on the tiny model).
 - ``coef = 1.0``, ``agg = None`` (the objective's aggregation) [INFERRED] as every term.
 
 **Notes**
 
-1. Without the row extra ``real_rollout`` (any other rollout strategy), or when every row is real,
-   the term is exactly its base, so it passes every contract of the base term (on-policy it is the
-   REINFORCE gradient); on swapped rows the on-policy gradient is adv·ρ'(1 − ρ')·∇logp instead.
-2. The behaviour log-prob is ``logp_sampler`` (the policy's log-probs at sampling time, raw
-   temperature-1 distribution, the weights that sampled the rollout): the paper's π_old(o | δ ⊕ x),
-   computed before the perturbed prompt is swapped for the original. A rollout without
-   ``logp_sampler`` and with swapped rows is an error naming it.
+1. Without the row flag ``injected`` (a strategy that injects no rows), or when no row is
+   injected, the term is exactly its base, so it passes every contract of the base term (on-policy
+   it is the REINFORCE gradient); on injected rows the on-policy gradient is adv·ρ'(1 − ρ')·∇logp
+   instead. Any strategy that flags injected rows gets the shaping (``fbos``'s guided EPA rows too).
+2. The behaviour log-prob (``behaviour = "sampler"``) is ``logp_sampler`` (the policy's log-probs
+   at sampling time, raw temperature-1 distribution, the weights that sampled the rollout): the
+   paper's π_old(o | δ ⊕ x). A rollout without ``logp_sampler`` and with injected rows is an error
+   naming it. ``behaviour = "view"`` reads ``policy@behaviour.logp`` (views/behaviour.py), the old
+   weights' forward under ``behav_ctx``, so it holds for engines that report no log-probs.
 3. ``log_rho`` is zeroed outside the mask before ``exp`` and clamped to ±20 (the code's clamp), so
    padding never overflows and masked tokens get exactly zero gradient.
 4. ``stats``: the base term's, plus ``lope_shaped`` (the share of loss tokens on swapped rows).
@@ -57,10 +65,11 @@ from torch import Tensor
 
 from groupwise.losses._common import masked_input, required, term_mask, token_advantages
 from groupwise.registry import ConfigError, build, register
-from groupwise.rollout.lope import REAL
-from groupwise.types import Rollout, StepInfo
+from groupwise.types import INJECTED, Need, Rollout, StepInfo
 
 LEVELS = ("token", "sequence")
+BEHAVIOURS = ("sampler", "view")
+BEHAVIOUR_NEED = Need("logp", view="behaviour")  # key policy@behaviour.logp
 
 
 def shaped_ratio(log_ratio: Tensor, gamma: float = 0.1) -> Tensor:
@@ -78,6 +87,7 @@ class LoPEShaping:
     base: str = "ppo_clip"
     base_params: dict = field(default_factory=dict)
     level: str = "token"
+    behaviour: str = "sampler"
     coef: float = 1.0
     agg: str | None = None
 
@@ -86,6 +96,8 @@ class LoPEShaping:
             raise ConfigError(f"objective lope: gamma={self.gamma} must be > 0 (the paper's 0.1)")
         if self.level not in LEVELS:
             raise ConfigError(f"objective lope: level={self.level!r} must be one of {LEVELS}")
+        if self.behaviour not in BEHAVIOURS:
+            raise ConfigError(f"objective lope: behaviour={self.behaviour!r} must be one of {BEHAVIOURS} (the sampler's log-probs, or the behaviour view's)")
         if self.base == "lope":
             raise ConfigError("objective lope: base='lope' would wrap itself; use a policy term such as 'ppo_clip' or 'gspo'")
         self.inner = build("objective", self.base, **self.base_params)
@@ -94,7 +106,8 @@ class LoPEShaping:
 
     @property
     def needs(self) -> tuple:
-        return tuple(getattr(self.inner, "needs", ()))
+        own = (BEHAVIOUR_NEED,) if self.behaviour == "view" else ()
+        return tuple(getattr(self.inner, "needs", ())) + own
 
     @property
     def weighted(self) -> bool:
@@ -106,23 +119,24 @@ class LoPEShaping:
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         values = self.inner(mb, out, info)  # [b,G,T] or [b,G]
-        real = mb.extras.get(REAL)
-        if real is None or bool(real.all()):
+        injected = mb.flag(INJECTED)  # [b,G]
+        if not bool(injected.any()):
             return values
         mask = term_mask(mb)  # [b,G,T]
         if values.dim() == 2:
             values = torch.where(mask, values[..., None], torch.zeros((), dtype=values.dtype))  # [b,G,T] a row loss on each of its tokens
-        log_rho = masked_input(out["logp"], mask) - masked_input(required(mb, "logp_sampler", "lope"), mask)  # [b,G,T]
+        behav = required(mb, "logp_sampler", "lope") if self.behaviour == "sampler" else mb.extras.get(BEHAVIOUR_NEED.key)  # [b,G,T]
+        if behav is None:
+            raise ValueError(f"objective lope (behaviour='view') reads {BEHAVIOUR_NEED.key!r}, which this batch lacks; the trainer fills it from the term's needs")
+        log_rho = masked_input(out["logp"], mask) - masked_input(behav, mask)  # [b,G,T]
         if self.level == "sequence":
             seq = log_rho.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [b,G,1]
             log_rho = torch.where(mask, seq.expand_as(log_rho), torch.zeros((), dtype=log_rho.dtype))  # [b,G,T]
         shaped = -token_advantages(mb, mask, "lope") * shaped_ratio(log_rho, self.gamma)  # [b,G,T]
-        swapped = ~real.bool()[..., None] & mask  # [b,G,T]
+        swapped = injected[..., None] & mask  # [b,G,T]
         return torch.where(swapped, shaped, values)  # [b,G,T]
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
         stats = dict(self.inner.stats(mb, out)) if hasattr(self.inner, "stats") else {}
-        real = mb.extras.get(REAL)
-        swapped = torch.zeros(mb.shape[:2], dtype=torch.bool) if real is None else ~real.bool()  # [b,G]
-        stats["lope_shaped"] = swapped.float()  # [b,G]
+        stats["lope_shaped"] = mb.flag(INJECTED).float()  # [b,G]
         return stats

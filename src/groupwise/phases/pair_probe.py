@@ -152,7 +152,7 @@ class PairProbePhase:
                     continue
                 labels = turn_labels(proto, rows[ep.key], ep.texts, list(self.actions), 0, cache.setdefault(name, {}))
                 spans, h, a = row_turn_features(out[f"hidden_at({self.hidden_layer})"][b, g], [out[f"attn_at({l})"][b, g] for l in self.attn_layers],
-                                                batch.row_mask[b, g], len(batch.prompt_ids[b]), int(lengths[b, g]))
+                                                batch.row_mask[b, g], len(batch.prompt_ids[b]), int(lengths[b, g]), batch.segment_id[b, g])
                 if len(spans) != len(labels):
                     raise RuntimeError(f"phase {self.artifact}: episode {b}/{g} has {len(labels)} actions but {len(spans)} turns in its transcript")
                 H.append(h)

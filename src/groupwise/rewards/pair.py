@@ -9,8 +9,8 @@ spec's transcription (formulas only; this is our own code).
 policy's own tokens between environment holes) is scored by a two-stage linear probe, fitted once
 offline on the frozen base (phase ``pair_probe``, artifact ``pair_probe``), as clean (1) vs
 contaminated (0); the softened score with a logit-space momentum bonus is the turn's reward ``r_t``.
-The row's reward is ``Σ_t r_t``; the per-turn rewards go to the extra ``pair_turn_reward`` for the
-``pair`` advantage (``advantages/pair.py``: ``A_t = (r_t − mean_t r) + group-normalised total``).
+The row's reward is ``Σ_t r_t``; the per-turn rewards go to the segment extra ``pair_turn_reward``
+([B,G,S], entry t = turn t) for the ``pair`` advantage (``advantages/pair.py``: ``A_t = (r_t − mean_t r) + group-normalised total``).
 
 **Math** (turn t = completion tokens ``[s, e)``; ``P`` = the row's prompt length; the quantities
 ``hidden_at(l)`` / ``attn_at(l)`` sit at each token's own position, ``providers/forward.py``)::
@@ -38,15 +38,18 @@ The row's reward is ``Σ_t r_t``; the per-turn rewards go to the extra ``pair_tu
 
 **Notes**
 
-1. Turns are the maximal runs of ``rollout.row_mask`` (the policy's own tokens; ``episodes``
-   transcripts leave the environment's tokens as holes); a row without holes is one turn.
+1. Turns are the segments of ``rollout.segment_id`` within ``rollout.row_mask`` (``episodes``
+   numbers each action's tokens with its turn); a rollout without ``segment_id`` falls back to the
+   maximal runs of ``row_mask`` (``episodes`` transcripts leave the environment's tokens as holes),
+   so a row without holes is one turn.
 2. Positions as the spec's: the state AT the turn's last token (its EOS for a finished turn) and
    the attention rows of the queries AT its tokens (``hidden(l)``, the state *predicting* each
    token, would show the probe only the state before an empty turn's EOS, never the action).
 3. ``std_k`` is the population std over the row's key positions ``0..P+n−1`` (future keys count as
    0, as in the spec's full-dialog matrix) [INFERRED]; ``self_ratio = 1 − prefix_ratio`` under
    causal attention, kept for the spec's feature layout.
-4. Invalid rows and rows without a turn score 0 and have ``pair_turn_reward`` 0. The probe runs in
+4. Invalid rows and rows without a turn score 0 and have no ``pair_turn_reward`` entries (NaN,
+   as every segment extra past a row's segments). The probe runs in
    float64; scores are finite for any finite features (standardisation guards a zero scale).
 5. No gradient: the needs are no-grad quantities of the policy's own forward (``model = "policy"``,
    the agent's current internals, as the authors' reward reads them).
@@ -66,7 +69,7 @@ from torch import Tensor
 from groupwise.registry import ConfigError, register
 from groupwise.types import Need, Rollout, StepInfo
 
-TURN_REWARD = "pair_turn_reward"  # the token-level extra with r_t on every token of turn t
+TURN_REWARD = "pair_turn_reward"  # the segment extra [B,G,S]: r_t of turn t (NaN past a row's turns)
 
 
 def tclip(p: Tensor, temperature: float = 2.0, eps: float = 0.05) -> Tensor:
@@ -118,16 +121,19 @@ def pair_features(hidden_states: list[Tensor], attentions: list[Tensor], span: t
     return h, a  # [D], [4·H·L]
 
 
-def turn_spans(row_mask: Tensor) -> list[tuple[int, int]]:
-    """The maximal runs [s, e) of True in a row's token mask [T] (its turns)."""
+def turn_spans(row_mask: Tensor, segment_id: Tensor | None = None) -> list[tuple[int, int]]:
+    """A row's turns [s, e), in order: the maximal runs of tokens of ``row_mask`` [T] with one
+    ``segment_id`` [T] (its turn), or without segments the maximal runs of True in ``row_mask``."""
     flags = row_mask.bool().tolist()
+    ids = segment_id.tolist() if segment_id is not None else [0] * len(flags)
+    keys = [i if on else None for on, i in zip(flags, ids)] + [None]
     spans, start = [], None
-    for t, on in enumerate(flags + [False]):
-        if on and start is None:
-            start = t
-        elif not on and start is not None:
+    for t, key in enumerate(keys):
+        if start is not None and key != keys[start]:
             spans.append((start, t))
             start = None
+        if key is not None and start is None:
+            start = t
     return spans
 
 
@@ -198,10 +204,11 @@ class PairProbe:
         return cls(state["C"], state["temperature"], state["eps"], {k: torch.as_tensor(state[k], dtype=torch.float64) for k in keys})
 
 
-def row_turn_features(hidden: Tensor, attns: list[Tensor], row_mask: Tensor, prompt_length: int, length: int) -> tuple[list, Tensor, Tensor]:
-    """(spans, h [n,D], a [n,4·heads·L]) of one row's turns from its ``hidden_at(l)`` [T,D] and
-    ``attn_at(l)`` [T,heads,S] quantities (Notes 2-3); ``length`` = its completion tokens."""
-    spans = turn_spans(row_mask)
+def row_turn_features(hidden: Tensor, attns: list[Tensor], row_mask: Tensor, prompt_length: int, length: int,
+                      segment_id: Tensor | None = None) -> tuple[list, Tensor, Tensor]:
+    """(spans, h [n,D], a [n,4·heads·L]) of one row's turns (``turn_spans``) from its ``hidden_at(l)``
+    [T,D] and ``attn_at(l)`` [T,heads,S] quantities (Notes 2-3); ``length`` = its completion tokens."""
+    spans = turn_spans(row_mask, segment_id)
     K = prompt_length + length
     h = torch.stack([hidden[e - 1].double() for _, e in spans]) if spans else torch.zeros(0, hidden.shape[-1], dtype=torch.float64)
     rows = [torch.cat([attention_stats(A[s:e, :, :K].transpose(0, 1), prompt_length + s, prompt_length + e) for A in attns])
@@ -260,7 +267,7 @@ class PairReward:
         attns = [rollout.extras[f"attn_at({l})"] for l in self.attn_layers]  # each [B,G,T,heads,S]
         row_mask = rollout.row_mask.bool()  # [B,G,T]
         lengths = rollout.mask.sum(-1).tolist()  # [B][G]
-        turn_reward = torch.zeros(B, G, T, dtype=torch.float32)  # [B,G,T]
+        per_row: dict[tuple[int, int], list[float]] = {}  # (b, g) -> r_t of each turn
         total = torch.zeros(B, G, dtype=torch.float32)  # [B,G]
         finals, turns = [], 0
         for b in range(B):
@@ -268,15 +275,18 @@ class PairReward:
                 if not bool(row_mask[b, g].any()):
                     continue
                 P = len(rollout.ctx[b][g]) if rollout.ctx else len(rollout.prompt_ids[b])
-                spans, h, a = row_turn_features(hidden[b, g], [x[b, g] for x in attns], row_mask[b, g], P, int(lengths[b][g]))
+                seg = rollout.segment_id[b, g] if rollout.segment_id is not None else None  # [T]
+                spans, h, a = row_turn_features(hidden[b, g], [x[b, g] for x in attns], row_mask[b, g], P, int(lengths[b][g]), seg)
                 _, s_final = self._probe.score(h, a)  # [n]
                 r = pair_turn_rewards(s_final, self.alpha, self.temperature, self.eps, self.momentum, self.clip_negative)  # [n]
-                for (s, e), r_t in zip(spans, r.tolist()):
-                    turn_reward[b, g, s:e] = r_t
+                per_row[(b, g)] = r.tolist()
                 total[b, g] = float(r.sum())
                 finals += s_final.tolist()
                 turns += len(spans)
-        rollout.set_extra(TURN_REWARD, turn_reward, "token")
+        turn_reward = torch.full((B, G, max((len(r) for r in per_row.values()), default=0)), float("nan"))  # [B,G,S]
+        for (b, g), r in per_row.items():
+            turn_reward[b, g, : len(r)] = torch.tensor(r, dtype=torch.float32)
+        rollout.set_extra(TURN_REWARD, turn_reward, "segment")
         valid = int(rollout.group_valid.sum())
         self._stats = {"pair/s_final": sum(finals) / max(1, len(finals)), "pair/turns_per_row": turns / max(1, valid)}
         return total  # [B,G]

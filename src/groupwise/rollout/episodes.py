@@ -36,9 +36,11 @@ actions are trained. Reward = the episode's outcome; the advantage is the config
 3. Transcripts are plain text (``policy.encode`` of each observation): chat-format transcripts
    (a template per turn) are not implemented.
 4. ``logp_sampler`` is the sampler's log-prob at action tokens and 0 at environment tokens (holes).
-5. Step segmentation: the token extra ``step_of_token`` [B,n,T] (long) gives each action token its
-   turn ``t`` and every environment token (and padding) -1, for per-step token weights
-   (``weights/process_score.py``); ``info[b][g]["env"]`` holds the env's ``outcome()`` facts.
+5. Turns are segments: ``Rollout.segment_id`` [B,n,T] gives each action token its turn ``t`` and
+   every environment token (and padding) −1; an ``outcome()`` fact that is a list of numbers is a
+   per-turn value (entry t = turn t), stored as the segment extra ``env/<key>`` [B,n,S] (NaN past
+   an episode's list; S = the longest list), e.g. ``env/step_scores``, which the per-step token
+   weights read (``weights/process_score.py``); ``info[b][g]["env"]`` holds every fact as well.
 6. ``step_stats``: ``episodes/env_steps`` (actions played this step, every episode: the generation
    cost), ``episodes/action_tokens`` (their tokens) and ``episodes/gated_frac`` (share of groups a
    group hook cut, 0 here; ``selective_rollout`` sets the hook). Gated groups leave the batch.
@@ -48,12 +50,36 @@ actions are trained. Reward = the episode's outcome; the advantage is the config
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from groupwise.registry import ConfigError, register
 from groupwise.rollout.env import Played, check_env_rewards, play, score_returns
 from groupwise.types import Rollout
+
+TURN_FACT = "env/"  # segment extras [B,n,S]: an outcome() fact with one number per turn
+
+
+def turn_facts(episodes: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """Each ``outcome()`` fact that is a list of numbers in some episode, as [B,n,S] float32: entry
+    (b, e, t) = the value at turn t of episode e of group b, NaN where the episode's list is shorter
+    (or the fact is not a list there); S = the longest list."""
+    def numbers(v: Any) -> bool:
+        return isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v)
+
+    B, n = len(episodes), max((len(g) for g in episodes), default=0)
+    keys = sorted({k for g in episodes for ep in g for k, v in ep.facts.items() if numbers(v)})
+    out = {}
+    for key in keys:
+        S = max(len(ep.facts[key]) for g in episodes for ep in g if numbers(ep.facts.get(key)))
+        values = torch.full((B, n, S), float("nan"))  # [B,n,S]
+        for b, g in enumerate(episodes):
+            for e, ep in enumerate(g):
+                if numbers(ep.facts.get(key)) and ep.facts[key]:
+                    values[b, e, : len(ep.facts[key])] = torch.tensor([float(x) for x in ep.facts[key]])
+        out[key] = values
+    return out
 
 
 def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Tensor]:
@@ -80,12 +106,12 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
     mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
     loss_mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
     logp = torch.zeros(B, n, T)  # [B,n,T]
-    step_of_token = torch.full((B, n, T), -1, dtype=torch.long)  # [B,n,T] the action (turn) each token belongs to; -1: env token or padding
+    segment_id = torch.full((B, n, T), -1, dtype=torch.long)  # [B,n,T] the action (turn) each token belongs to; -1: env token or padding
     for i, (tok, own, lp, st) in enumerate(rows):
         b, e = divmod(i, n)
         actions[b, e, : len(tok)], mask[b, e, : len(tok)] = torch.tensor(tok, dtype=torch.long), True
         loss_mask[b, e, : len(tok)], logp[b, e, : len(tok)] = torch.tensor(own), torch.tensor(lp)
-        step_of_token[b, e, : len(tok)] = torch.tensor(st, dtype=torch.long)
+        segment_id[b, e, : len(tok)] = torch.tensor(st, dtype=torch.long)
     firsts = [[ep.contexts[0] if ep.contexts else [] for ep in g] for g in played.episodes]
     prompts = [list(next((c for c in f if c), [])) for f in firsts]
     meta = played.turns.meta
@@ -104,8 +130,10 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
         ctx=firsts if any(f != p for fs, p in zip(firsts, prompts) for f in fs) else [],  # a random reset: each row its own prompt
         loss_mask=loss_mask,
         logp_sampler=logp,
+        segment_id=segment_id,
     )
-    batch.set_extra("step_of_token", step_of_token, "token")
+    for key, values in turn_facts(played.episodes).items():
+        batch.set_extra(TURN_FACT + key, values, "segment")
     outcome = torch.tensor([[ep.ret for ep in g] for g in played.episodes], dtype=torch.float64)  # [B,n]
     return batch, outcome
 

@@ -13,9 +13,11 @@ a feedback-augmented prompt (FAP) built from the original prompt, one failed rol
 verifier's feedback on it. The batch then holds
 
 - **EPA groups**: each prompt's ``initial`` rows plus its ``feedback_rows`` guided rows, *all
-  trained and scored under the original prompt* (row contexts cleared), so a guided success gives the
-  original prompt a non-zero advantage (its old log-probs are re-scored under the original prompt by
-  the trainer's first forward, the spec's default ``rescored_x``);
+  trained and scored under the original prompt* (``Rollout.under_prompts``: a guided row keeps its
+  FAP as the context it was sampled under, ``behav_ctx``, and carries the row flag ``injected``), so
+  a guided success gives the original prompt a non-zero advantage (its old log-probs are re-scored
+  under the original prompt by the trainer's first forward, the spec's default ``rescored_x``; the
+  view ``behaviour`` re-scores it under its FAP for a component that wants that ratio);
 - **ECC groups**: the guided rows of each failing prompt as a group of their own, each row under
   its own FAP (``Rollout.ctx``): the policy learns to use feedback.
 
@@ -29,7 +31,8 @@ every prompt costs ``initial + feedback_rows`` rollouts — the spec's matched b
     FAP_bj = template.format(prompt=x_b, completion=y_{b,j mod initial}, feedback=f_{b,j mod initial})
     guided = ctx.rollout([Request(i_b, n=1, offset=initial + j, prompt=encode(FAP_bj))])
     more   = ctx.rollout([Request(i_b, n=feedback_rows, offset=initial)] for b not failing)
-    EPA    = first ⊕ (guided ∪ more) per group, ctx cleared        →  GRPO advantage over all rows of x
+    EPA    = first ⊕ (guided ∪ more) per group, trained under x    →  GRPO advantage over all rows of x
+             behav_ctx = FAP_bj and injected = True on the guided rows
     ECC    = guided regrouped per failing prompt, each row under FAP_bj
     batch  = EPA ∪ ECC (mode "sum");  EPA on even steps, ECC on odd steps (mode "alternate")
 
@@ -62,7 +65,7 @@ import torch
 
 from groupwise.registry import ConfigError, register
 from groupwise.rollout.context import RolloutContext
-from groupwise.types import Request, Rollout
+from groupwise.types import INJECTED, Request, Rollout
 
 TEMPLATE = "{prompt}\n\nPrevious attempt:\n{completion}\n\nFeedback:\n{feedback}\n\nTry again."
 MODES = ("sum", "alternate")
@@ -121,7 +124,10 @@ class FBOS:
             parts.append(ctx.rollout([Request(key=ids[b], n=self.feedback_rows, offset=self.initial) for b in others]))
             groups += others
         epa = first.join_rows(Rollout.concat(parts), groups) if parts else first
-        epa.ctx = []  # EPA: every row trained and scored under its original prompt
+        epa = epa.under_prompts()  # EPA: every row trained and scored under its original prompt, a guided row sampled under its FAP
+        injected = torch.zeros(epa.shape[:2], dtype=torch.bool)  # [B,I+feedback_rows]
+        injected[failing, self.initial:] = True
+        epa.set_flag(INJECTED, injected & epa.group_valid)
         keep = ctx.keep(epa)  # [B] bool
         self._stats = {"fbos/failing_groups": len(failing) / max(1, len(ids)),
                        "fbos/guided_reward": float(guided.rewards[guided.group_valid].mean()) if requests else float("nan")}

@@ -11,8 +11,9 @@ of ``verl/trainer/config.py``).
 such prompt is sampled again: ``num_perturbation`` perturbed prompts (a random run of Lorem words
 before the question), ``n_per`` rollouts each (G' = ``num_perturbation · n_per``). Correct
 resamples replace failed rows of the group (at least one original failure is kept), and are trained
-as if sampled under the **original** prompt; each carries ``real_rollout = False`` (a row extra) so
-that the objective term ``lope`` gives it the shaped, unclipped ratio ρ/(ρ+γ), and every rescued
+as if sampled under the **original** prompt; each carries the row flag ``injected`` and its
+perturbed prompt as its behaviour context (``Rollout.behav_ctx``), so that the objective term
+``lope`` gives it the shaped, unclipped ratio ρ/(ρ+γ) against that context, and every rescued
 group carries the rewards of those of its G + G' samples that are not its rows (a group extra) for the advantage
 estimator ``lope`` (mean/std over the full G + G' reward vector). The strategy works with any
 estimator and objective; without those two components the swapped rows are ordinary GRPO rows.
@@ -26,7 +27,7 @@ estimator and objective; without those two components the swapped rows are ordin
     res    = ctx.rollout([Request(i_b, n=n_per, offset=G + j·n_per, prompt=encode(x'_bj))])   scored vs b's answer
     C_b    = [k : resample k = j·n_per + r of b is valid with reward > correct_above]
     slots, chosen = lope_regroup(first.rewards[b], C_b, Random(sample_seed(seed, step, i_b, REGROUP_STREAM)))
-    row (b, slots[m]) := resample chosen[m];  real_rollout[b, slots[m]] = False;  ctx cleared (trained under x_b)
+    row (b, slots[m]) := resample chosen[m];  injected[b, slots[m]] = True;  trained under x_b, behav_ctx = x'_bj
     lope_extra_rewards[b] = rewards of the replaced originals ++ rewards of the resamples not chosen   [G'], NaN-padded
                             (so group b's rows ∪ its extra rewards = its G first rewards ∪ its G' resample rewards)
 
@@ -57,19 +58,20 @@ estimator and objective; without those two components the swapped rows are ordin
 1. Regroup: the code replaces the *first* k slots and picks the resamples at random when at least G
    are correct; the spec's "randomly chosen original slots" is the same thing in distribution,
    since every original row of a failing group is a failure.
-2. Old log-probs, as ``fbos``'s EPA groups: a swapped row's context is cleared, so the trainer's
-   ``logp_old`` is re-scored under the original prompt; ``logp_sampler`` keeps the sampler's
-   log-probs under the perturbed prompt, π_old(o | δ ⊕ x), the behaviour probability of the
-   paper's ratio, which the objective term ``lope`` reads for ``real_rollout = False`` rows.
+2. Old log-probs, as ``fbos``'s EPA groups: a swapped row is trained under the original prompt
+   (``Rollout.under_prompts``), so the trainer's ``logp_old`` is re-scored under it; its perturbed
+   prompt stays in ``behav_ctx``, and ``logp_sampler`` keeps the sampler's log-probs under it,
+   π_old(o | δ ⊕ x), the behaviour probability of the paper's ratio, which the objective term
+   ``lope`` reads for ``injected`` rows (or re-scores: its ``behaviour = "view"``).
 3. Prompts: a text prompt becomes ``separator.join([lorem, tail, prompt])`` (empty parts left
    out); a chat prompt gets the system message ``lorem + separator + tail`` (an existing system
    message's content takes the tail's place). ``n_min = n_max = 0`` with ``tail = ""`` resamples
    the original prompt: the paper's naive-resampling control. ``data.system_prompt`` is not added.
 4. Randomness: the words of perturbation j of row i depend only on (seed, step, i, j), the choice
    of resamples only on (seed, step, i); every rank computes the same batch.
-5. A resample whose reward was excluded (NaN) is never chosen and leaves its extra entry NaN. Both
-   extras are set every step (``real_rollout`` all True and the extra all NaN when no group
-   failed), so batches always carry the same fields.
+5. A resample whose reward was excluded (NaN) is never chosen and leaves its extra entry NaN. The
+   flag and the extra are set every step (``injected`` all False and the extra all NaN when no
+   group failed), so batches always carry the same fields.
 6. ``step_stats``: ``lope/all_wrong_frac`` (share of prompts resampled), ``lope/rescued_frac`` (share
    with at least one swapped row), ``lope/resample_acc`` (share of correct resamples; NaN when
    none was drawn). The sampler's ``keep`` runs once on the regrouped batch.
@@ -89,13 +91,12 @@ import torch
 from groupwise.engines.seeds import sample_seed
 from groupwise.registry import ConfigError, register
 from groupwise.rollout.context import RolloutContext
-from groupwise.types import Request, Rollout
+from groupwise.types import INJECTED, Request, Rollout
 
 TAIL = "Please reason step by step, and put your final answer within \\boxed{}."
 WORDS_FILE = Path(__file__).with_name("data") / "lorem_words.txt"
 LOREM_STREAM = 1 << 43  # seeds of the Lorem words, apart from the sample indices of the rows
 REGROUP_STREAM = 1 << 44  # seed of the random choice of resamples
-REAL = "real_rollout"  # row extra [B,G] bool: False = a resample swapped in
 EXTRA = "lope_extra_rewards"  # group extra [B,G'] float32: the rewards joining the group's statistics
 
 
@@ -162,7 +163,7 @@ class LoPE:
     resample_temperature: float | None = None
     fit: str = "truncate"
 
-    collects = (REAL, EXTRA)
+    collects = (EXTRA,)
 
     def __post_init__(self) -> None:
         if self.num_perturbation < 1 or self.n_per < 1:
@@ -190,7 +191,7 @@ class LoPE:
         sampling = None if self.resample_temperature is None else {"temperature": self.resample_temperature}
         requests = [Request(key=ids[b], n=self.n_per, offset=G + j * self.n_per, prompt=self._perturbed(ctx, first.meta[b]["prompt"], ids[b], j, info),
                             sampling=sampling) for b in failing for j in range(P)]
-        real = torch.ones(len(ids), G, dtype=torch.bool)  # [B,G]
+        injected = torch.zeros(len(ids), G, dtype=torch.bool)  # [B,G]
         extra = torch.full((len(ids), P * self.n_per), float("nan"))  # [B,G']
         batch, rescued, resample_acc = first, 0, float("nan")
         if requests:
@@ -209,16 +210,17 @@ class LoPE:
                 slots, chosen = lope_regroup(base, correct, rng)
                 for s, k in zip(slots, chosen):
                     rows[b][s] = flat[k]
-                    real[b, s] = False
+                    injected[b, s] = True
                 taken = set(chosen)
                 pool = [float(first.rewards[b, s]) for s in slots] + [float(scores[k]) for k in range(len(flat)) if k not in taken]
                 extra[b, : len(pool)] = torch.tensor(pool)
                 rescued += bool(slots)
             batch = both.regroup(rows)
+            batch.ctx = batch.row_contexts()  # the prompt each row was sampled under
             batch.prompt_ids, batch.prompt_index, batch.meta = list(first.prompt_ids), first.prompt_index.clone(), list(first.meta)
             batch.extras.update({k: v for k, v in first.extras.items() if first.extra_levels[k] == "group"})
-            batch.ctx = []  # every row trained and scored under its original prompt (note 2)
-        batch.set_extra(REAL, real, "row")
+            batch = batch.under_prompts()  # every row trained and scored under its original prompt, sampled under behav_ctx (note 2)
+        batch.set_flag(INJECTED, injected)
         batch.set_extra(EXTRA, extra, "group")
         self._stats = {"lope/all_wrong_frac": len(failing) / max(1, len(ids)), "lope/rescued_frac": rescued / max(1, len(ids)),
                        "lope/resample_acc": resample_acc}

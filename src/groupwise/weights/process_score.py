@@ -9,8 +9,9 @@ signals, computed *outside* the group normalisation (the weights never enter the
 they only scale the token update after it). Good steps of good trajectories get more credit, bad
 steps of bad trajectories more blame; the weights average 1 over a trajectory's steps.
 
-**Math** (row i; ``step_of_token`` [B,G,T] gives token t its step k(t), -1 off the steps;
-``s_{i,k}`` = ``info[b][g]["env"]["step_scores"][k]``; K_i = the steps with a loss token)::
+**Math** (row i; ``segment_id`` [B,G,T] gives token t its step k(t), -1 off the steps;
+``s_{i,k}`` = the segment extra ``env/step_scores`` [B,G,S] at (b, g, k), the env's per-step
+scores (``rollout/episodes.py`` Note 5); K_i = the steps with a loss token)::
 
     u_{i,k}  = s_{i,k}         if A_i >= 0  (or sign_aware = False)
              = 1 − s_{i,k}     if A_i < 0
@@ -30,9 +31,9 @@ outside group reward normalization reshape within-trajectory update strength").
 1. A_i is the row's advantage ([B,G]); with token advantages [B,G,T] the sign of each token's own
    advantage picks u (equal to the row's sign for any row-level estimator). A_i = 0 reads as
    A_i >= 0; its tokens carry no update either way.
-2. A row without step scores (no episode facts: single-turn rows, the contract sweeps), without
-   ``step_of_token``, or whose loss tokens fall on no scored step gets weight 1 on its loss
-   tokens. A loss token on a step with no score (k beyond the list, or k = -1) gets 1 too.
+2. A row without step scores (no ``env/step_scores``: single-turn rows, the contract sweeps),
+   without ``segment_id``, or whose loss tokens fall on no scored step gets weight 1 on its loss
+   tokens. A loss token on a step with no score (k beyond the list, NaN, or k = -1) gets 1 too.
 3. Tokens off ``row_mask`` (padding, env tokens, invalid rows) get exactly 0. With ``w_min > 0``
    every loss token gets w > 0 (``scope = "loss"``: nothing leaves a normaliser); with ``w_min = 0``
    and every u = 0 the mean is 0 and the row falls back to 1.
@@ -55,7 +56,7 @@ from groupwise.types import Rollout, StepInfo
 
 def process_token_weights(step_scores: list[list[float]], step_of_token: Tensor, adv: Tensor, sign_aware: bool = True,
                           w_min: float = 0.1, mask: Tensor | None = None) -> Tensor:
-    """w [N,T] float32 for N rows: ``step_scores`` (N lists), ``step_of_token`` [N,T] long, ``adv`` [N] or [N,T], ``mask`` [N,T] bool."""
+    """w [N,T] float32 for N rows: ``step_scores`` (N lists; NaN = no score), ``step_of_token`` [N,T] long, ``adv`` [N] or [N,T], ``mask`` [N,T] bool."""
     N, T = step_of_token.shape
     mask = torch.ones(N, T, dtype=torch.bool) if mask is None else mask.bool()  # [N,T]
     adv = adv.double()
@@ -66,7 +67,8 @@ def process_token_weights(step_scores: list[list[float]], step_of_token: Tensor,
         if scores.numel() == 0:
             continue
         k = step_of_token[i]  # [T]
-        on = mask[i] & (k >= 0) & (k < scores.numel())  # [T] loss tokens on a scored step
+        on = mask[i] & (k >= 0) & (k < scores.numel())  # [T] loss tokens on a step of the list
+        on &= torch.isfinite(scores[k.clamp(0, scores.numel() - 1)])  # [T] … that has a score
         if not on.any():
             continue
         kk = k[on]  # [M]
@@ -81,16 +83,20 @@ def process_token_weights(step_scores: list[list[float]], step_of_token: Tensor,
     return w.float()  # [N,T]
 
 
+STEP_SCORES = "env/step_scores"  # segment extra [B,G,S]: the env's score of each step (NaN: none)
+
+
 def step_scores_of(rollout: Rollout) -> list[list[float]]:
-    """The ``B·G`` rows' step scores, row-major (``[]`` where a row has none)."""
+    """The ``B·G`` rows' step scores, row-major, from the segment extra ``env/step_scores`` (``[]``
+    where the batch has none; a row's list ends at its last finite score)."""
     B, G, _ = rollout.shape
+    values = rollout.extras.get(STEP_SCORES)
+    if values is None:
+        return [[] for _ in range(B * G)]
     out: list[list[float]] = []
-    for b in range(B):
-        row = rollout.info[b] if rollout.info and b < len(rollout.info) else []
-        for g in range(G):
-            item = row[g] if g < len(row) and isinstance(row[g], dict) else {}
-            facts = item.get("env") if isinstance(item.get("env"), dict) else {}
-            out.append(list(facts.get("step_scores") or []))
+    for row in values.reshape(B * G, -1).double().tolist():
+        last = max((k for k, x in enumerate(row) if x == x), default=-1)  # x == x: finite or inf, not NaN
+        out.append(row[: last + 1])
     return out
 
 
@@ -115,7 +121,7 @@ class ProcessScore:
             raise ValueError("process_score needs rollout.advantages (configure an advantage estimator; weights run after it)")
         B, G, T = rollout.shape
         mask = rollout.row_mask.bool()  # [B,G,T]
-        steps = rollout.extras.get("step_of_token")
+        steps = rollout.segment_id
         if steps is None:  # no step segmentation (a single-turn strategy): every loss token weighs 1
             steps = torch.full((B, G, T), -1, dtype=torch.long)  # [B,G,T]
         scores = step_scores_of(rollout)
