@@ -164,8 +164,9 @@ def same_on_every_rank(name: str, artifact: Any, say: Callable[[str], None]) -> 
     buffer = io.BytesIO()
     torch.save(artifact, buffer)
     digests = dist.all_gather_objects([hashlib.sha256(buffer.getvalue()).hexdigest()])
-    if len(set(digests)) > 1:
-        say(f"phase {name!r}: the ranks computed different artifacts (digests {[d[:8] for d in digests]}); every rank uses rank 0's")
+    if len(set(digests)) == 1:
+        return artifact  # the same bytes everywhere: nothing to send
+    say(f"phase {name!r}: the ranks computed different artifacts (digests {[d[:8] for d in digests]}); every rank uses rank 0's")
     return dist.broadcast_object(artifact)
 
 
