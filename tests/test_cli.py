@@ -54,3 +54,48 @@ def test_a_reader_that_leaves_early_is_not_an_error(monkeypatch):
     assert cli.main(["explain", "grpo"]) == 0
     closed.write("x\n")  # the fd now points at /dev/null: the interpreter's last flush cannot fail
     closed.close()
+
+
+def test_explain_a_recipe_lists_its_components_and_its_file(capsys):
+    """Before: `groupwise explain demo` was "no component named 'demo'"."""
+    assert cli.main(["explain", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== recipe · demo")
+    lines = [line.strip() for line in out.splitlines()]
+    for stage, name, where in (("sampling", "uniform", "sampling"), ("rollout", "sample", "rollout"),
+                               ("reward", "exact", "the default reward of task 'arithmetic'"), ("advantage", "grpo", "advantage.estimator"),
+                               ("objective", "ppo_clip", "objective.terms[0]"), ("aggregation", "seq_mean_token_mean", "objective.agg"), ("update", "adamw", "update")):
+        assert any(line.startswith(f"{stage} · {name}  [{where}]") for line in lines), (stage, name)
+    assert "lr = 0.0002, max_grad_norm = 1.0" in lines  # the parameters the recipe sets
+    assert (RECIPES / "demo.toml").read_text().rstrip() in out  # its config, comments included
+
+
+def test_explain_a_name_that_is_a_component_and_a_recipe_shows_both(capsys):
+    assert cli.main(["explain", "lora_placement"]) == 0
+    out = capsys.readouterr().out
+    component, recipe = out.index("== update · lora_placement"), out.index("== recipe · lora_placement")
+    assert component < recipe
+    lines = [line.strip() for line in out[recipe:].splitlines()]
+    assert any(line.startswith("update · lora_placement  [update]") for line in lines)
+    assert any(line.startswith("update · adamw  [update.inner]") for line in lines)  # the updater nested in it
+    assert any(line.startswith("phase · lora_placement_probe  [phases[0]]") for line in lines)
+
+
+def test_explain_an_unknown_name_suggests_components_and_recipes(capsys):
+    assert cli.main(["explain", "lora_placemnt"]) == 2
+    err = capsys.readouterr().err
+    assert "no component or recipe named 'lora_placemnt'" in err
+    assert "lora_placement (component)" in err and "lora_placement (recipe)" in err
+    assert cli.main(["explain", "dem"]) == 2 and "demo (recipe)" in capsys.readouterr().err
+
+
+def test_every_shipped_recipe_explains():
+    """Each component a shipped recipe names resolves in the registry (what `explain RECIPE` prints)."""
+    from groupwise.config import component_entries
+    from groupwise.registry import lookup
+
+    for path in sorted(RECIPES.glob("*.toml")):
+        entries = component_entries(load_config(path.stem)[0])
+        assert {stage for stage, _, _ in entries} >= {"sampling", "rollout", "advantage", "objective", "aggregation", "update"}, path.stem
+        for stage, spec, where in entries:
+            lookup(stage, spec if isinstance(spec, str) else spec["name"])

@@ -1,7 +1,8 @@
 """This session's variant recipes under data parallel: one step over 2 ranks (torchrun, gloo) equals
 one process — same loss and, after one SGD step of lr 1, the same weights. The offline phases (DISA's
-frozen log Z table, LoRA placement's trained-entry mask) run on every rank with the same seeds, so
-their artifacts must come out the same; the rest checks the rollout strategies, rewards, advantages
+frozen log Z table, LoRA placement's trained-entry mask, E²PO's prompt perturbations, VSPO's steering
+vector, PAIR's probe) run on every rank with the same seeds, so their artifacts must come out the
+same (every rank then uses rank 0's; a rank whose own differs would say so, which fails here); the rest checks the rollout strategies, rewards, advantages
 and terms of each recipe at world size 2 (sft warm starts are dropped: ``phases=[]``). la_grpo and
 rubricem are left out: without their warm start one step has no gradient (no functional tokens, no
 stage tags); their components are in the registry's world-size sweep (tests/test_dist_scope.py)."""
@@ -29,14 +30,19 @@ CASES = {
     "dgpo": ["phases=[]", SGD],
     "streampro": ["phases=[]", SGD],
     "signal_reshaping": [SGD],
+    "e2po": ['phases=[{name="e2po_perturbations", conditions=4, steps=3, lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]',
+             "data.train_size=8", SGD],
+    "vspo": ["data.train_size=32", SGD],
+    "pair": ['phases=[{name="pair_probe", hidden_layer=4, attn_layers=[1, 2, 3, 4], C=0.01, prompts=8, samples=4}]', "data.train_size=8", SGD],
 }
-FAST = ("disa", "lora_placement", "dgpo", "ssopd")  # in `make test`; the others in `make test-slow`
+FAST = ("disa", "lora_placement", "dgpo", "ssopd", "vspo")  # in `make test`; the others in `make test-slow`
 
 
 def _run(cmd, args, out):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([*cmd, "train", *args, *COMMON, f"out={out}"], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "the ranks computed different artifacts" not in result.stderr  # each phase itself is rank-independent (phases.same_on_every_rank)
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), load_file(out / "final" / "model.safetensors")
 
 

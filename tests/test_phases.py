@@ -107,3 +107,74 @@ def test_an_artifact_no_phase_makes_is_a_build_error_and_a_made_one_is_injected(
     trainer.train()
     assert artifact_components.seen == ("table", {"rows": len(trainer.train_rows)})
     assert load_output(tmp_path / "b" / "phases" / "table.pt")["artifact"] == {"rows": len(trainer.train_rows)}
+
+
+class _NanSummary:
+    """An offline phase whose summary has a NaN (an AUROC without both classes)."""
+
+    kind, artifact, registry_name = "offline", "", "nan_summary"
+
+    def __call__(self, ctx):
+        return {"w": torch.ones(2), "summary": {"auroc": float("nan"), "turns": 3, "by": [float("inf"), 1.0]}}
+
+
+def test_a_phase_summarys_nan_is_written_as_null(tmp_path):
+    """Before: pair_probe's held-out AUROC was NaN on a small run and summary.json (allow_nan=False)
+    failed at the very end of training."""
+    from groupwise.phases import PhaseContext, run_phases
+
+    ctx = PhaseContext(None, [], [], 0, None, None, lambda line: None)
+    artifacts = run_phases([_NanSummary()], ctx, tmp_path, rl_started=False, rank=0)
+    assert ctx.summary["nan_summary"] == {"auroc": None, "turns": 3, "by": [None, 1.0]}
+    json.dumps(ctx.summary, allow_nan=False)
+    assert torch.equal(artifacts["nan_summary"]["w"], torch.ones(2))
+    assert load_output(tmp_path / "nan_summary.pt")["summary"]["auroc"] is None
+
+
+RANKS_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+import torch
+from groupwise import dist
+from groupwise.phases import PhaseContext, run_phases
+
+rank, world = dist.init()
+
+class RankTable:
+    kind, artifact, registry_name = "offline", "", "rank_table"
+    def __call__(self, ctx):
+        return {"rank": rank, "w": torch.full((2,), float(rank)), "summary": {}}
+
+if rank == 1:
+    time.sleep(3)  # rank 0 has written phases/rank_table.pt before rank 1 looks for it
+said = []
+ctx = PhaseContext(None, [], [], 0, None, None, said.append)
+artifacts = run_phases([RankTable()], ctx, Path(sys.argv[1]), rl_started=False, rank=rank)
+dist.barrier()
+print(json.dumps({"rank": rank, "artifact_rank": artifacts["rank_table"]["rank"], "w": artifacts["rank_table"]["w"].tolist(),
+                  "said": said}), flush=True)
+dist.shutdown()
+"""
+
+
+def test_under_two_ranks_the_phase_file_is_decided_together_and_rank_0s_artifact_is_everyones(tmp_path):
+    """Two failures of a phase under torchrun. (1) A rank that looked for the phase's file after rank
+    0 had written it loaded it and skipped the barrier rank 0 waited in: the ranks' collectives
+    no longer matched (a hang). (2) A phase whose result depends on the rank gave each rank its
+    own artifact (the file only rank 0's). Now both ranks compute, and both use rank 0's."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "phases")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["artifact_rank"] for r in rows] == [0, 0] and [r["w"] for r in rows] == [[0.0, 0.0], [0.0, 0.0]]
+    for r in rows:  # computed on each rank (not loaded from rank 0's file), and the difference reported on both
+        assert not any("done already" in line for line in r["said"])
+        assert any("the ranks computed different artifacts" in line for line in r["said"])
+    assert load_output(tmp_path / "phases" / "rank_table.pt")["artifact"]["rank"] == 0

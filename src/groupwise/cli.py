@@ -28,7 +28,7 @@ Train in the run folder `out` (default runs/<name>). RECIPE is a TOML file or a 
 `objective.terms.ppo_clip.eps_high=0.28`, `update={{name="sgd", lr=0.1}}`). Rerunning the same
 command resumes from the last intact checkpoint; --resume-allow names the config keys (or
 sections) that may differ from the stored run. `groupwise list` shows the components,
-`groupwise explain NAME` one of them; docs/reliability.md what a run folder guarantees."""
+`groupwise explain NAME` one of them or a recipe; docs/reliability.md what a run folder guarantees."""
 
 EVAL_HELP = """usage: groupwise eval [MODEL | RUN] [key=value ...]
 
@@ -111,35 +111,70 @@ def cmd_list(args: list[str]) -> int:
 
 
 def cmd_explain(args: list[str]) -> int:
-    from groupwise.registry import entries, param_names
+    """``groupwise explain NAME``: a component's documentation (every stage that has the name) and,
+    when NAME is a shipped recipe, the recipe's components (one line each) and its file."""
+    from groupwise.config import RECIPES
+    from groupwise.registry import entries
 
     if not args:
-        print("usage: groupwise explain NAME", file=sys.stderr)
+        print("usage: groupwise explain NAME  (a component, or a shipped recipe)", file=sys.stderr)
         return 2
     found = [(st, name, cls) for st, name, cls in entries() if name == args[0]]
-    if not found:
+    recipe = RECIPES / f"{args[0]}.toml"
+    if not found and not recipe.exists():
         import difflib
 
-        close = difflib.get_close_matches(args[0], [n for _, n, _ in entries()], n=3)
-        print(f"no component named {args[0]!r}" + (f"; did you mean {', '.join(close)}?" if close else ""), file=sys.stderr)
+        components = sorted({n for _, n, _ in entries()})
+        recipes = sorted(p.stem for p in RECIPES.glob("*.toml"))
+        close = [f"{n} (component)" for n in difflib.get_close_matches(args[0], components, n=3)]
+        close += [f"{n} (recipe)" for n in difflib.get_close_matches(args[0], recipes, n=3)]
+        print(f"no component or recipe named {args[0]!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
+              + " (`groupwise list` shows the components, `groupwise train --help` the recipes)", file=sys.stderr)
         return 2
     for st, name, cls in found:
-        module = sys.modules[cls.__module__]
-        print(f"== {st} · {name}  ({cls.__module__}.{cls.__name__})\n")
-        print(inspect.cleandoc(module.__doc__ or ""))
-        print()
-        print(inspect.cleandoc(cls.__doc__ or ""))
-        defaults = {f: getattr(cls, f, None) for f in param_names(cls)}
-        if defaults:
-            print("\nparameters:")
-            import dataclasses
-
-            for f in dataclasses.fields(cls):
-                if f.init:
-                    default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")  # type: ignore[misc]
-                    print(f"  {f.name} = {default!r}")
-        print()
+        _explain_component(st, name, cls)
+    if recipe.exists():
+        _explain_recipe(args[0], recipe)
     return 0
+
+
+def _explain_component(st: str, name: str, cls: type) -> None:
+    import dataclasses
+
+    from groupwise.registry import param_names
+
+    module = sys.modules[cls.__module__]
+    print(f"== {st} · {name}  ({cls.__module__}.{cls.__name__})\n")
+    print(inspect.cleandoc(module.__doc__ or ""))
+    print()
+    print(inspect.cleandoc(cls.__doc__ or ""))
+    if param_names(cls):
+        print("\nparameters:")
+        for f in dataclasses.fields(cls):
+            if f.init:
+                default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")  # type: ignore[misc]
+                print(f"  {f.name} = {default!r}")
+    print()
+
+
+def _explain_recipe(name: str, path) -> None:
+    """The recipe's components (stage, name, where the config names it, the component's summary
+    line and the parameters the recipe sets) and the recipe file itself."""
+    from groupwise.config import component_entries, load_config
+    from groupwise.registry import describe, lookup
+
+    cfg, _ = load_config(name)
+    print(f"== recipe · {name}  ({path})\n")
+    print("components (`groupwise explain NAME` for one in full):")
+    for stage, spec, where in component_entries(cfg):
+        comp = spec if isinstance(spec, str) else spec["name"]
+        params = {k: v for k, v in spec.items() if k not in ("name", "key")} if isinstance(spec, dict) else {}
+        print(f"  {stage} · {comp}  [{where}]  {describe(lookup(stage, comp))}")
+        if params:
+            print("      " + ", ".join(f"{k} = {v!r}" for k, v in params.items()))
+    print(f"\nconfig ({path.name}; the keys it leaves out take their defaults, `groupwise config` lists them):\n")
+    print(path.read_text().rstrip())
+    print()
 
 
 def cmd_eval(args: list[str]) -> int:
@@ -237,7 +272,7 @@ COMMANDS = {"config": cmd_config, "cp": cmd_cp, "train": cmd_train, "list": cmd_
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] | explain NAME | eval [MODEL] [key=value ...] | warmstart [...] | "
+    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] | explain NAME (component or recipe) | eval [MODEL] [key=value ...] | warmstart [...] | "
                         "compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -364,6 +364,57 @@ def resolve_recipe(name_or_path: str | None) -> Path | None:
     raise ConfigError(f"no recipe file or shipped recipe named {name_or_path!r}; shipped recipes: {', '.join(known)}")
 
 
+def component_entries(cfg: Config) -> list[tuple[str, Any, str]]:
+    """(stage, spec, where) of every component a config names, defaults included, in config order:
+    sampling, rollout, rewards (the task's default when none), advantage and shapers, token weights,
+    objective terms and aggregation, update, phases, the roles' own, eval views. A table's nested
+    entry naming a component of the same stage (``update.inner``) is listed after it."""
+    from groupwise.registry import names
+
+    out: list[tuple[str, Any, str]] = []
+
+    def add(stage: str, spec: Any, where: str) -> None:
+        out.append((stage, spec, where))
+        if isinstance(spec, dict):
+            for key, value in spec.items():
+                if isinstance(value, (str, dict)) and key != "name" and _entry_name(value) in names(stage):
+                    add(stage, value, f"{where}.{key}")
+
+    def add_training(prefix: str, objective: ObjectiveCfg, advantage: AdvantageCfg, update: Any) -> None:
+        add("advantage", advantage.estimator, f"{prefix}advantage.estimator")
+        for i, spec in enumerate(advantage.shapers):
+            add("advantage", spec, f"{prefix}advantage.shapers[{i}]")
+        for i, spec in enumerate(objective.weights):
+            add("weight", spec, f"{prefix}objective.weights[{i}]")
+        for i, spec in enumerate(objective.terms):
+            add("objective", spec, f"{prefix}objective.terms[{i}]")
+        add("aggregation", objective.agg, f"{prefix}objective.agg")
+        add("update", update, f"{prefix}update")
+
+    add("sampling", cfg.sampling, "sampling")
+    add("rollout", {"name": cfg.rollout.name, **cfg.rollout.params}, "rollout")
+    if cfg.rewards:
+        for i, spec in enumerate(cfg.rewards):
+            add("reward", spec, f"rewards[{i}]")
+    elif not cfg.data.path:
+        from groupwise.tasks import get_task
+
+        add("reward", get_task(cfg.data.task).reward, f"the default reward of task {cfg.data.task!r}")
+    add_training("", cfg.objective, cfg.advantage, cfg.update)
+    for i, spec in enumerate(cfg.phases):
+        add("phase", spec, f"phases[{i}]")
+    for name, role in cfg.roles.items():
+        if not role.frozen:
+            add_training(f"roles.{name}.", role.objective, role.advantage, role.update)
+    for i, spec in enumerate(cfg.eval.views):
+        add("view", spec, f"eval.views[{i}]")
+    return out
+
+
+def _entry_name(spec: Any) -> str:
+    return spec if isinstance(spec, str) else str(spec.get("name", "")) if isinstance(spec, dict) else ""
+
+
 def load_config(recipe: str | None = None, overrides: list[str] = ()) -> tuple[Config, dict]:
     """Config from a recipe (file or shipped name) plus overrides; returns it and its raw dict."""
     data: dict = {}

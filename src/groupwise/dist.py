@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,15 @@ def all_gather_objects(items: list) -> list:
     parts: list = [None] * world_size()
     dist.all_gather_object(parts, items)
     return [x for part in parts for x in part]
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` (any picklable value) on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_max(n: int) -> int:

@@ -30,12 +30,13 @@ Offline (``estimate_logZ``, proposals y_j ~ q, j = 1..M, r̂ normalised within t
 
 **Defaults**
 
-- ``beta = 15`` [CODE] FlowRL's β for binary math rewards (the spec starts DISA there; the paper
-  studies its sensitivity [ABSTRACT]).
-- ``eps_low = 0.2`` [PAPER] FlowRL's ε; ``eps_high = 0.28`` [CODE] FlowRL recipes' clip-high.
+- ``beta = 15`` [INFERRED] the spec starts DISA at FlowRL's β for binary math rewards (15 in
+  FlowRL's code [CODE]); the paper studies its sensitivity [ABSTRACT] but its value is not known.
+- ``eps_low = 0.2`` [CODE] FlowRL's ε; ``eps_high = 0.28`` [CODE] FlowRL recipes' clip-high.
 - ``clamp_logp = True`` [CODE] FlowRL clamps lp_bar to the log-ratio bounds (spec).
-- r̂ = the configured estimator's advantage [INFERRED]: the spec's "group-normalised reward" is
-  the GRPO advantage (``advantage.estimator = "grpo"``); any estimator composes (``sign``: ±1).
+- r̂ = the group-normalised reward [CODE] (FlowRL's residual), i.e. the GRPO advantage
+  (``advantage.estimator = "grpo"``); reading it from the configured estimator, so that any
+  estimator composes (``sign``: ±1), is [INFERRED].
 - ``use_regressor = False`` [INFERRED]: prompts outside the table are an error; ``True`` predicts
   their logZ from the frozen reference's ``hidden(embed_layer)`` at the prompt's last position
   (``embed_layer = 1`` [INFERRED]), as the phase fitted it.

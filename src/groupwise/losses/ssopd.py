@@ -35,7 +35,8 @@ teacher's under hint(x, y⁺) ⊕ y⁻_<t, no gradient)::
 - ``coef = 1.0`` [INFERRED] λ; ``tau = 1.0`` [INFERRED] the teacher's temperature.
 - ``threshold = 1.0`` [INFERRED] a row is correct when its reward is ≥ 1; it must equal the
   view's ``views.sibling_hint.threshold`` (both default 1.0).
-- ``view = "sibling_hint"`` the teacher's context (the spec's hint_template, ``views/sibling_hint.py``);
+- ``view = "sibling_hint"`` [INFERRED] the teacher's context (the spec's example hint_template,
+  ``views/sibling_hint.py``);
   ``agg = "group_mean"`` [INFERRED] the spec's mean over prompts.
 
 **Notes**

@@ -17,12 +17,18 @@ damaged file is an error naming it). Once an RL checkpoint exists the sft phases
 weights are in it. A phase killed midway starts again from its beginning (phases are short).
 After an sft phase (run or loaded) the policy's frozen reference is reset to the trained weights:
 RL's reference is the policy RL starts from.
+
+Under torchrun every rank runs every phase (same seeds, same rows). Whether a phase's file is
+there already is decided by all ranks together (rank 0 writes it), and an offline phase's artifact
+is rank 0's on every rank: a rank whose own result differs is told so. A summary's NaN numbers
+(an AUROC without both classes) are written as null.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -122,14 +128,14 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
         path = folder / f"{name}.pt"
         if phase.kind == "sft" and rl_started:
             continue  # its weights are in the RL checkpoint the run resumed from
-        if path.exists():
+        if dist.agree([path.exists()])[0]:  # decided together: rank 0 writes the file, a later rank must not see it and skip the barrier
             saved = load_output(path)
             if phase.kind == "sft":
                 ctx.policy.load_state_dict(saved["policy"])
                 rebase_reference(ctx.policy)
             else:
                 ctx.artifacts[name] = saved["artifact"]
-            ctx.summary[name] = saved.get("summary", {})
+            ctx.summary[name] = json_safe(saved.get("summary", {}))
             ctx.say(f"phase {name!r}: done already ({path}), loaded")
             continue
         if rl_started:  # an artifact computed now would see the RL-trained policy, not the one the run began RL with
@@ -138,15 +144,41 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
         out = phase(ctx) or {}
         if phase.kind == "sft":
             rebase_reference(ctx.policy)
-        ctx.summary[name] = out.pop("summary", {}) if isinstance(out, dict) else {}
+        ctx.summary[name] = json_safe(out.pop("summary", {}) if isinstance(out, dict) else {})
         if phase.kind == "offline":
-            ctx.artifacts[name] = out
+            out = ctx.artifacts[name] = same_on_every_rank(name, out, ctx.say)
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             state = {"policy": ctx.policy.state_dict()} if phase.kind == "sft" else {"artifact": out}
             save_output(path, {**state, "summary": ctx.summary[name]})
         dist.barrier()
     return ctx.artifacts
+
+
+def same_on_every_rank(name: str, artifact: Any, say: Callable[[str], None]) -> Any:
+    """Rank 0's artifact on every rank (the one its file holds, so a fresh run uses what a resumed
+    one loads). Every rank computes the phase with the same seeds; one whose result differs from
+    rank 0's (a rank-dependent or non-deterministic phase) is told so, then uses rank 0's."""
+    if dist.world_size() == 1:
+        return artifact
+    buffer = io.BytesIO()
+    torch.save(artifact, buffer)
+    digests = dist.all_gather_objects([hashlib.sha256(buffer.getvalue()).hexdigest()])
+    if len(set(digests)) == 1:
+        return artifact  # the same bytes everywhere: nothing to send
+    say(f"phase {name!r}: the ranks computed different artifacts (digests {[d[:8] for d in digests]}); every rank uses rank 0's")
+    return dist.broadcast_object(artifact)
+
+
+def json_safe(value: Any) -> Any:
+    """A phase's summary for summary.json (written with allow_nan=False): NaN / inf numbers become None."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def rebase_reference(policy: Any) -> None:

@@ -23,7 +23,7 @@ the objective reads as its frozen anchor.
 - q = the reference at ``temperature = 1.2`` [INFERRED] the spec's CPU "weak proposal";
   ``proposal = "NAME"`` uses the frozen role ``roles.NAME`` at the same temperature ("strong
   proposal"). q's log-probs are exact: sampling uses top_p = 1, top_k = 0.
-- ``beta = 15`` [CODE] FlowRL's β (must equal the objective's).
+- ``beta = 15`` [INFERRED] the spec's start at FlowRL's β (15 in FlowRL's code [CODE]); must equal the objective's.
 - ``samples = 8`` [INFERRED] the spec's M = 8–16.
 - r̂ normalised within the M proposals by the run's estimator [INFERRED] ("same normaliser as
   training"); ``estimator = {...}`` names another.

@@ -56,26 +56,28 @@ The row's reward is ``Σ_t r_t``; the per-turn rewards go to the segment extra `
 6. The probe is a learned reward fitted once: a policy can move to turns it over-rates. On the
    reach toy it does (empty or garbage actions score near the clean first moves; docs/claims.md,
    03-pair); keeping the outcome in the reward (``env_return`` at weight 1) is an option, not the paper's.
+7. Layout: this module is the reward (turn rewards, momentum, the scorer); the turn features are in
+   ``rewards/_pair_features.py`` and the probe (``tclip``, ``fit_logistic``, ``PairProbe``) in
+   ``rewards/_pair_probe.py``, all importable from here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from groupwise.registry import ConfigError, register
+from groupwise.rewards._pair_features import attention_stats, pair_features, row_turn_features, turn_spans
+from groupwise.rewards._pair_probe import PairProbe, fit_logistic, tclip
 from groupwise.types import Need, Rollout, StepInfo
 
+__all__ = ["TURN_REWARD", "PairProbe", "PairReward", "attention_stats", "fit_logistic", "momentum_rewards", "pair_features",
+           "pair_turn_rewards", "row_turn_features", "tclip", "turn_spans"]
+
 TURN_REWARD = "pair_turn_reward"  # the segment extra [B,G,S]: r_t of turn t (NaN past a row's turns)
-
-
-def tclip(p: Tensor, temperature: float = 2.0, eps: float = 0.05) -> Tensor:
-    """clamp(σ(logit(p)/T), eps, 1−eps), elementwise (p clamped into (0, 1) before the logit)."""
-    p = p.double().clamp(1e-12, 1 - 1e-12)
-    return torch.sigmoid(torch.logit(p) / temperature).clamp(eps, 1 - eps)
 
 
 def momentum_rewards(s_tilde: Tensor, alpha: float = 5.0, clip_negative: bool = False) -> Tensor:
@@ -96,125 +98,6 @@ def pair_turn_rewards(s_final, alpha: float = 5.0, T: float = 2.0, eps: float = 
     """[n] turn rewards from the probe's raw turn scores: tclip, then the momentum bonus (or s̃ itself)."""
     s_tilde = tclip(torch.as_tensor(s_final, dtype=torch.float64), T, eps)  # [n]
     return momentum_rewards(s_tilde, alpha, clip_negative) if momentum else s_tilde
-
-
-def attention_stats(A: Tensor, s: int, e: int) -> Tensor:
-    """[4·heads] (max, std, prefix ratio, self ratio per head) of attention rows ``A`` [heads,Q,K]
-    over keys 0..K−1, the turn's keys being ``[s, e)``."""
-    A = A.double()  # [heads,Q,K]
-    total = A.sum(-1).clamp(min=1e-30)  # [heads,Q]
-    max_attn = A.max(-1).values.mean(-1)  # [heads]
-    std_attn = A.std(-1, unbiased=False).mean(-1)  # [heads]
-    prefix = (A[..., :s].sum(-1) / total).mean(-1) if s > 0 else torch.zeros(A.shape[0], dtype=torch.float64)  # [heads]
-    own = (A[..., s:e].sum(-1) / total).mean(-1)  # [heads]
-    return torch.cat([max_attn, std_attn, prefix, own])  # [4·heads]
-
-
-def pair_features(hidden_states: list[Tensor], attentions: list[Tensor], span: tuple[int, int]) -> tuple[Tensor, Tensor]:
-    """The spec's interface: (h [D], a [4·H·L]) of the turn ``span = (s, e)`` of a full dialog from
-    per-layer states [S,D] and attentions [H,S,S] (queries and keys both dialog positions)."""
-    s, e = span
-    if not 0 <= s < e:
-        raise ValueError(f"pair_features: a turn span needs 0 <= s < e, got {span}")
-    h = hidden_states[-1][e - 1].double()  # [D]
-    a = torch.cat([attention_stats(A[:, s:e, :], s, e) for A in attentions]) if attentions else torch.zeros(0, dtype=torch.float64)
-    return h, a  # [D], [4·H·L]
-
-
-def turn_spans(row_mask: Tensor, segment_id: Tensor | None = None) -> list[tuple[int, int]]:
-    """A row's turns [s, e), in order: the maximal runs of tokens of ``row_mask`` [T] with one
-    ``segment_id`` [T] (its turn), or without segments the maximal runs of True in ``row_mask``."""
-    flags = row_mask.bool().tolist()
-    ids = segment_id.tolist() if segment_id is not None else [0] * len(flags)
-    keys = [i if on else None for on, i in zip(flags, ids)] + [None]
-    spans, start = [], None
-    for t, key in enumerate(keys):
-        if start is not None and key != keys[start]:
-            spans.append((start, t))
-            start = None
-        if key is not None and start is None:
-            start = t
-    return spans
-
-
-# ---------------------------------------------------------------------------------------------- the probe
-def _standardise(X: Tensor) -> tuple[Tensor, Tensor]:
-    mean = X.mean(0)  # [F]
-    scale = X.std(0, unbiased=False)  # [F]
-    return mean, torch.where(scale > 1e-12, scale, torch.ones_like(scale))  # a constant feature: scale 1 (as sklearn)
-
-
-def fit_logistic(X: Tensor, y: Tensor, C: float = 0.01, max_iter: int = 200) -> tuple[Tensor, Tensor]:
-    """(w [F], b) minimising mean_i logloss(σ(w·x_i + b), y_i) + ‖w‖² / (2·C·n): sklearn's L2
-    ``LogisticRegression(C)`` objective divided by C·n, so the same optimum. Full-batch L-BFGS, float64."""
-    X, y = X.double(), y.double()  # [n,F], [n]
-    n, F = X.shape
-    w = torch.zeros(F + 1, dtype=torch.float64, requires_grad=True)  # [F+1] weights, then the bias
-    opt = torch.optim.LBFGS([w], lr=1.0, max_iter=max_iter, tolerance_grad=1e-12, tolerance_change=1e-14, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        z = X @ w[:F] + w[F]  # [n]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(z, y) + (w[:F] ** 2).sum() / (2 * C * n)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    return w[:F].detach(), w[F].detach()
-
-
-@dataclass
-class PairProbe:
-    """Two-stage probe: stage 1 on h, stage 2 on [a ; tclip(s_bc)]; each a standardised L2 logistic regression."""
-
-    C: float = 0.01
-    temperature: float = 2.0
-    eps: float = 0.05
-    params: dict = field(default_factory=dict)
-
-    def fit(self, H: Tensor, A: Tensor, y: Tensor) -> "PairProbe":
-        """H [n,D], A [n,F], y [n] (1 = clean turn); stage 2 trains on stage 1's in-sample probabilities [CODE]."""
-        H, A, y = H.double(), A.double().reshape(len(H), -1), y.double()
-        if len(H) < 2 or y.min() == y.max():
-            raise ValueError(f"PairProbe.fit: need turns of both labels, got {len(H)} turns with labels {sorted(set(y.tolist()))}")
-        m1, sc1 = _standardise(H)
-        w1, b1 = fit_logistic((H - m1) / sc1, y, self.C)
-        s_bc = torch.sigmoid((H - m1) / sc1 @ w1 + b1)  # [n] in-sample
-        X2 = torch.cat([A, s_bc[:, None]], 1)  # [n,F+1]
-        m2, sc2 = _standardise(X2)
-        w2, b2 = fit_logistic((X2 - m2) / sc2, y, self.C)
-        self.params = {"mean1": m1, "scale1": sc1, "w1": w1, "b1": b1, "mean2": m2, "scale2": sc2, "w2": w2, "b2": b2}
-        return self
-
-    def score(self, h: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
-        """(s_bc [n], s_final [n]) of turns h [n,D], a [n,F]; stage 2 reads tclip(s_bc) [CODE]."""
-        p = self.params
-        h, a = h.double(), a.double().reshape(len(h), -1)
-        s_bc = torch.sigmoid((h - p["mean1"]) / p["scale1"] @ p["w1"] + p["b1"])  # [n]
-        x2 = torch.cat([a, tclip(s_bc, self.temperature, self.eps)[:, None]], 1)  # [n,F+1]
-        s_final = torch.sigmoid((x2 - p["mean2"]) / p["scale2"] @ p["w2"] + p["b2"])  # [n]
-        return s_bc, s_final
-
-    def state(self) -> dict:
-        return {"C": self.C, "temperature": self.temperature, "eps": self.eps, **{k: v.clone() for k, v in self.params.items()}}
-
-    @classmethod
-    def from_state(cls, state: dict) -> "PairProbe":
-        keys = ("mean1", "scale1", "w1", "b1", "mean2", "scale2", "w2", "b2")
-        return cls(state["C"], state["temperature"], state["eps"], {k: torch.as_tensor(state[k], dtype=torch.float64) for k in keys})
-
-
-def row_turn_features(hidden: Tensor, attns: list[Tensor], row_mask: Tensor, prompt_length: int, length: int,
-                      segment_id: Tensor | None = None) -> tuple[list, Tensor, Tensor]:
-    """(spans, h [n,D], a [n,4·heads·L]) of one row's turns (``turn_spans``) from its ``hidden_at(l)``
-    [T,D] and ``attn_at(l)`` [T,heads,S] quantities (Notes 2-3); ``length`` = its completion tokens."""
-    spans = turn_spans(row_mask, segment_id)
-    K = prompt_length + length
-    h = torch.stack([hidden[e - 1].double() for _, e in spans]) if spans else torch.zeros(0, hidden.shape[-1], dtype=torch.float64)
-    rows = [torch.cat([attention_stats(A[s:e, :, :K].transpose(0, 1), prompt_length + s, prompt_length + e) for A in attns])
-            if attns else torch.zeros(0, dtype=torch.float64) for s, e in spans]
-    a = torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.float64)
-    return spans, h, a
 
 
 @register("reward", "pair")

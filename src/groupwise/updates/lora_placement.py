@@ -28,8 +28,9 @@ updater then trains exactly those k entries with any updater (``inner``) — eve
 
 **Defaults**
 
-- ``inner = "adamw"`` [INFERRED] any updater; AdamW's state is kept for the k entries only [PAPER]
-  (the abstract's "AdamW state only for those entries" is the spec's reading).
+- ``inner = "adamw"`` [INFERRED] any updater; AdamW's state is kept for the k entries only
+  [INFERRED] (the spec's "AdamW state only for those entries"; the abstract, all that was read,
+  does not say).
 - ``artifact = "placement"`` [INFERRED] the name the probe phase writes by default.
 - the scores and the top-k rule (phase) [INFERRED] from the abstract ("only elements with
   consistently signed gradients retain the learning signal"): spec 29's ``net`` score.

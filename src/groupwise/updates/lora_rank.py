@@ -27,12 +27,15 @@ functions turn a profile into per-layer ranks and a PEFT ``rank_pattern`` for th
 
 **Defaults**
 
-- ``strategy = "uniform"`` [PAPER] the paper's finding: uniform r = 32 (74.5 %) beat proportional
-  (70.0 %), random (67.5 %) and reduced (65.0 %) on GSM8K with Qwen2.5-1.5B.
+- ``strategy = "uniform"`` [ABSTRACT] the paper's finding: uniform ranks (74.5 %) beat proportional
+  ones (70.0 %) at the same budget on GSM8K with Qwen2.5-1.5B; uniform is r = 32 there, and random
+  (67.5 %) and reduced (65.0 %) lose too [PAPER] (the author's blog post of the paper, the spec's
+  [AUTHOR-BLOG]; so below).
 - aggregation Σ over modules and over A and B [INFERRED] (the blog says "per-layer gradient L2
   norm"); the mean over every step profiled [INFERRED].
 - ``r_min = 1``, ``r_max = None`` [INFERRED] (the spec's optional clip).
-- ``random``: ``r_lo = R/(2L)``, ``r_hi = 3R/(2L)`` [PAPER] the blog's random ranks 16–48 around 32.
+- ``random``: ``r_lo = R/(2L)``, ``r_hi = 3R/(2L)`` [INFERRED] the blog's random ranks 16–48 around
+  32 [PAPER] as fractions of the uniform rank R/L (the blog gives the ranges, not a rule).
 - ``reduce = 0.7`` [PAPER] the blog's "reduced-70 %" budget.
 - ``inner = "adamw"`` [INFERRED] any updater; the profiler does not change its step.
 
