@@ -166,6 +166,7 @@ class E2PO(ReadsArtifact):
 
     artifact: str = "e2po_perturbations"
     assign: str = "blocks"
+    rho: float | None = None
 
     hooks = ("embed_delta",)
     collects = (CONDITION,)
@@ -174,6 +175,9 @@ class E2PO(ReadsArtifact):
     def __post_init__(self) -> None:
         if self.assign not in ("blocks", "round_robin"):
             raise ConfigError(f"rollout e2po: assign={self.assign!r} must be 'blocks' or 'round_robin'")
+        if self.rho is not None and not 0 < self.rho <= 1:
+            raise ConfigError(f"rollout e2po: rho={self.rho} must be in (0, 1] (the share of the noise range, from σ = 1 down, where the "
+                              f"perturbation is on); leave it unset for no schedule (the text form)")
         self._table: dict[int, int] = {}
         self._stats: dict[str, float] = {}
 
@@ -202,7 +206,7 @@ class E2PO(ReadsArtifact):
         deltas = value["delta"][j][:, real]  # [K−1,P,d]
         cond = self.conditions_of(G)  # [G]
         table = torch.cat([torch.zeros_like(deltas[:1]), deltas])  # [K,P,d] condition 0: no perturbation
-        return EmbedDelta(positions=positions[real], delta=table[cond])  # [P], [G,P,d]
+        return EmbedDelta(positions=positions[real], delta=table[cond], rho=self.rho)  # [P], [G,P,d]
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
         batch = refill_rounds(ctx, self.hook)
