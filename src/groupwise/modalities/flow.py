@@ -129,6 +129,7 @@ class VelocityMLP(nn.Module):
             self.label = nn.Embedding(n_labels, hidden)
         else:
             self.cond = nn.Linear(cond_dim, hidden, bias=False)
+            nn.init.normal_(self.cond.weight, std=2.0 / math.sqrt(cond_dim))  # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
         self.out = nn.Linear(hidden, 2)
 
