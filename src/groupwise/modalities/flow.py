@@ -29,6 +29,13 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
   ``"one_per_row"`` [INFERRED] is the spec's ablation (b); ``"none"`` (all ODE, T = 0) is for evaluation.
 - ``sde_window = steps // 2`` [CODE] the index is uniform over the first 10 of 20 steps.
 - ``hidden = 64``, ``layers = 3`` (2→64→64→2 plus σ and label features) [INFERRED] specs/README toy.
+- ``condition = "label"`` [INFERRED] the toy's label embedding (Flash-GRPO's form, bit-for-bit as
+  before). ``"embedding"`` is E²PO's CPU implementation (spec 15): each label's prompt is one
+  ``embed_dim = 8``-d token [PAPER: the spec's toy] read through a frozen random MLP "text
+  encoder" (:class:`PromptEncoder`: 8 → ``encoder_hidden = 32`` tanh → ``cond_dim = 16``
+  [INFERRED], seeded by ``encoder_seed = 0``); the velocity net reads the condition through a
+  linear map initialised N(0, (2/√cond_dim)²) [INFERRED] (a condition of norm ≈ 2.8 then offsets
+  each hidden unit about as much as the label table's N(0, 1)).
 
 **Notes**
 
@@ -48,6 +55,14 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
    σ = 0.2 (noise scale std·√(−dt) = 0.057).
 4. ``sampling`` (temperature, max_new_tokens, ...) is ignored: the SDE noise is fixed by the schedule.
    ``encode(label) -> [label]`` and ``decode(rollout) -> [B][G] "x,y"`` mirror the LM policy's.
+5. Generation hooks (``groupwise.hooks``): the embedding form applies ``embed_delta`` (its
+   ``hooks``); the label form applies none, so a strategy that samples under one is refused at
+   build. Row j of a hooked request samples with C^opt = f(E + δ_j) mixed into C^orig = f(E) per
+   step by E²PO's noise-aware schedule, C(σ) = γ(σ)·C^opt + (1 − γ(σ))·C^orig with
+   γ = ``rollout.e2po.noise_aware_gamma(σ, rho)`` (γ = 1 when the hook's ``rho`` is None); rows
+   with δ = 0 read C^orig exactly (bit-identical to unhooked sampling). ``forward`` always reads
+   C^orig: the stored trajectory is scored on the original condition (the reference-anchored
+   update). ``prompt_encoder()`` is E²PO phase I's view (``phases/e2po_perturb.prompt_space``).
 """
 
 from __future__ import annotations

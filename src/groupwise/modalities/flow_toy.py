@@ -12,12 +12,21 @@ reward is a rollout scorer that reads the policy's row extra ``x_final`` [B,G,2]
     μ_k    = ring · (cos(2πk/K), sin(2πk/K))
     reward = 1.0 if ‖x_final − μ_label‖ <= radius else 0.0          # [B,G] float32
 
+    flow_trap (task flow2d_trap; u_k = μ_k / ring, the label's direction):
+    reward = 1.0 if ‖x_final + far·u_label‖ <= radius               (the far optimum, opposite side)
+             near_reward if ‖x_final − near·u_label‖ <= radius      (the near, easy one)
+             0.0 otherwise
+
 **Defaults**
 
 - ``n_labels = 4`` [INFERRED] the toy's number of modes.
 - ``ring = 2.0``, ``radius = 0.75`` [INFERRED] the toy's geometry: under N(0, I)
   4.3 % of samples land in a given region (``tests/test_flow.py``), so the reward starts low.
 - ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+- ``flow_trap``: ``near = 1.0``, ``far = 2.5``, ``radius = 0.5``, ``near_reward = 0.5``
+  [INFERRED] E²PO's behavioural test (spec 15: "a narrow optimum reached early"): under N(0, I)
+  about 7.3 % of samples land in the near region and 0.6 % in the far one, so a group finds the
+  near one first; the far one is worth twice as much.
 
 **Notes**
 

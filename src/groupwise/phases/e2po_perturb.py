@@ -10,11 +10,17 @@ produces the artifact that the rollout strategy ``e2po`` (``rollout/e2po.py``) s
 **Math** (``rollout.e2po.learn_prompt_perturbations``; per train row, all rows optimised together)::
 
     ids   = the row's prompt ids (as RL encodes them);  𝓘 = positions of its non-special tokens
-    E     = embed_tokens(ids) [S,d];  scale = RMS of the embedding matrix's entries
+    E     = table[ids] [S,d];  scale = RMS of the table's entries          (prompt_space: below)
     δ_k   ~ N(0, (sigma_init · scale)²) on 𝓘, k = 1..conditions−1
-    e_k   = f(E + δ_k),  e_anc = f(E)        f = final-norm hidden state: last prompt token (pool = "last") or mean
+    e_k   = f(E + δ_k),  e_anc = f(E)        f = text: final-norm hidden state, last prompt token (pool = "last") or mean;
+                                             flow (condition = "embedding"): the policy's frozen random MLP encoder
     L_emb = lam_div · mean_{k≠k'} cos(e_k, e_k') + Σ_k max(0, |cos(e_k, e_anc) − mu| − eps)
     Adam(lr · scale) on δ for ``steps`` steps
+
+The policy decides the table and f (``prompt_space``): a text policy's input embeddings and the
+policy itself as encoder; a policy with ``prompt_encoder()`` (the flow toy's embedding condition,
+``modalities/flow.py``: each label one 8-d token, S = 1, no special tokens) its token table and
+its frozen encoder, the velocity net never run — the spec's CPU implementation.
 
 **Defaults**
 
@@ -34,8 +40,9 @@ produces the artifact that the rollout strategy ``e2po`` (``rollout/e2po.py``) s
 
 **Notes**
 
-1. The policy is frozen: its parameters' ``requires_grad`` is switched off for the phase and
-   restored after; the phase never changes the weights. ``δ`` is exactly 0 off 𝓘 (special tokens,
+1. The policy is frozen: a text policy's parameters' ``requires_grad`` is switched off for the
+   phase and restored after (a flow policy's encoder is buffers, its net is not run); the phase
+   never changes the weights. ``δ`` is exactly 0 off 𝓘 (special tokens,
    padding), so the perturbation only touches content tokens.
 2. With ``conditions = 2`` there is one perturbation and no diversity term (``L_div = 0``).
 3. The artifact: ``keys`` [N] (train row indices), ``positions`` [N,L] (prompt positions of 𝓘,
