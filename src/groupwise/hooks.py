@@ -16,7 +16,11 @@ run time. The kinds:
 
 - ``embed_delta`` (:class:`EmbedDelta`): ``delta[j]`` [P,D] is added to the input embeddings of
   the prompt tokens at ``positions`` [P] for row j of the request (the prefill only; generated
-  tokens embed as usual). A row whose delta is zero is the clean prompt.
+  tokens embed as usual). A row whose delta is zero is the clean prompt. The flow toy's embedding
+  condition (``modalities/flow.py``, ``condition = "embedding"``) applies it too: its prompt is one
+  token, the perturbed embedding goes through its frozen prompt encoder, and with ``rho`` set the
+  condition of each denoising step is mixed by E²PO's noise-aware schedule γ(σ); the text engine
+  has no noise levels and refuses a ``rho``.
 - ``residual_add`` (:class:`ResidualAdd`): ``alpha[j] · vector`` [D] is added to the residual
   stream after decoder layer ``layer`` (0: to the embeddings) at every position, prompt and
   generated tokens, for row j. ``alpha[j] = 0`` is the clean model.
@@ -49,11 +53,14 @@ class EmbedDelta:
     kind: ClassVar[str] = "embed_delta"
     positions: Tensor  # [P] int64, indices into the request's prompt ids
     delta: Tensor  # [n,P,D] float32, one perturbation per row of the request
+    rho: float | None = None  # the noise-aware schedule γ(σ) of an engine that samples over noise levels (flow); None: on at every step
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 1 or self.delta.dim() != 3 or self.delta.shape[1] != self.positions.shape[0]:
             raise ValueError(f"EmbedDelta: positions [P] and delta [n,P,D] do not agree (positions {tuple(self.positions.shape)}, "
                              f"delta {tuple(self.delta.shape)})")
+        if self.rho is not None and not 0 < self.rho <= 1:
+            raise ValueError(f"EmbedDelta: rho={self.rho} must be in (0, 1] (or None: no schedule)")
 
 
 @dataclass
@@ -104,6 +111,9 @@ def row_hooks(hooks: Sequence[Any], n: int, prompt_lengths: Sequence[int], width
         if hook is None:
             continue
         if isinstance(hook, EmbedDelta):
+            if hook.rho is not None:
+                raise ValueError(f"EmbedDelta of prompt {b}: rho={hook.rho} is a noise-level schedule; the text engine has no noise levels "
+                                 f"(it applies the delta to the whole completion): leave rho unset (rollout e2po: rho = none)")
             if hook.delta.shape[0] != n or hook.delta.shape[2] != dim:
                 raise ValueError(f"EmbedDelta of prompt {b}: delta {tuple(hook.delta.shape)} must be [n={n}, P, D={dim}]")
             if bool((hook.positions < 0).any()) or bool((hook.positions >= prompt_lengths[b]).any()):

@@ -29,6 +29,13 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
   ``"one_per_row"`` [INFERRED] is the spec's ablation (b); ``"none"`` (all ODE, T = 0) is for evaluation.
 - ``sde_window = steps // 2`` [CODE] the index is uniform over the first 10 of 20 steps.
 - ``hidden = 64``, ``layers = 3`` (2→64→64→2 plus σ and label features) [INFERRED] specs/README toy.
+- ``condition = "label"`` [INFERRED] the toy's label embedding (Flash-GRPO's form, bit-for-bit as
+  before). ``"embedding"`` is E²PO's CPU implementation (spec 15): each label's prompt is one
+  ``embed_dim = 8``-d token [PAPER: the spec's toy] read through a frozen random MLP "text
+  encoder" (:class:`PromptEncoder`: 8 → ``encoder_hidden = 32`` tanh → ``cond_dim = 16``
+  [INFERRED], seeded by ``encoder_seed = 0``); the velocity net reads the condition through a
+  linear map initialised N(0, (2/√cond_dim)²) [INFERRED] (a condition of norm ≈ 2.8 then offsets
+  each hidden unit about as much as the label table's N(0, 1)).
 
 **Notes**
 
@@ -48,6 +55,14 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
    σ = 0.2 (noise scale std·√(−dt) = 0.057).
 4. ``sampling`` (temperature, max_new_tokens, ...) is ignored: the SDE noise is fixed by the schedule.
    ``encode(label) -> [label]`` and ``decode(rollout) -> [B][G] "x,y"`` mirror the LM policy's.
+5. Generation hooks (``groupwise.hooks``): the embedding form applies ``embed_delta`` (its
+   ``hooks``); the label form applies none, so a strategy that samples under one is refused at
+   build. Row j of a hooked request samples with C^opt = f(E + δ_j) mixed into C^orig = f(E) per
+   step by E²PO's noise-aware schedule, C(σ) = γ(σ)·C^opt + (1 − γ(σ))·C^orig with
+   γ = ``rollout.e2po.noise_aware_gamma(σ, rho)`` (γ = 1 when the hook's ``rho`` is None); rows
+   with δ = 0 read C^orig exactly (bit-identical to unhooked sampling). ``forward`` always reads
+   C^orig: the stored trajectory is scored on the original condition (the reference-anchored
+   update). ``prompt_encoder()`` is E²PO phase I's view (``phases/e2po_perturb.prompt_space``).
 """
 
 from __future__ import annotations
@@ -64,6 +79,7 @@ from groupwise.engines.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
 SDE_MODES = ("all", "one_shared", "one_per_row", "none")
+CONDITIONS = ("label", "embedding")
 TOKEN_EXTRAS = ("flow_x", "flow_x_next", "flow_sigma", "flow_sigma_next", "flow_std", "flow_step")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -113,16 +129,22 @@ def sde_step_with_logprob(v: Tensor, x: Tensor, sigma: Tensor | float, sigma_pre
 
 
 class VelocityMLP(nn.Module):
-    """v_θ(x [N,2], σ [N], label [N]) -> [N,2]: an MLP on x and Fourier features of σ, plus a label embedding."""
+    """v_θ(x [N,2], σ [N], cond [N]) -> [N,2]: an MLP on x and Fourier features of σ, plus a label
+    embedding (``cond`` int64 labels) or, with ``cond_dim``, a linear read of a condition vector
+    (``cond`` [N,cond_dim] float: the prompt encoder's output, :class:`PromptEncoder`)."""
 
-    def __init__(self, n_labels: int, hidden: int = 64, layers: int = 3, freqs: int = 4):
+    def __init__(self, n_labels: int, hidden: int = 64, layers: int = 3, freqs: int = 4, cond_dim: int | None = None):
         super().__init__()
-        if n_labels < 1 or hidden < 1 or layers < 2:
-            raise ValueError(f"VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2; got {n_labels}, {hidden}, {layers}")
+        if n_labels < 1 or hidden < 1 or layers < 2 or (cond_dim is not None and cond_dim < 1):
+            raise ValueError(f"VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}")
         self.n_labels = n_labels
         self.register_buffer("freqs", math.pi * torch.arange(1, freqs + 1, dtype=torch.float32))  # [F]
         self.inp = nn.Linear(3 + 2 * freqs, hidden)
-        self.label = nn.Embedding(n_labels, hidden)
+        if cond_dim is None:
+            self.label = nn.Embedding(n_labels, hidden)
+        else:
+            self.cond = nn.Linear(cond_dim, hidden, bias=False)
+            nn.init.normal_(self.cond.weight, std=2.0 / math.sqrt(cond_dim))  # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
         self.out = nn.Linear(hidden, 2)
 
@@ -130,32 +152,66 @@ class VelocityMLP(nn.Module):
         x, sigma = x.to(self.freqs.dtype), sigma.to(self.freqs.dtype)  # the parameters' dtype
         f = sigma[:, None] * self.freqs  # [N,F]
         feats = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f)], dim=-1)  # [N,3+2F]
-        h = nn.functional.silu(self.inp(feats) + self.label(label))  # [N,H]
+        c = self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype))  # [N,H]
+        h = nn.functional.silu(self.inp(feats) + c)  # [N,H]
         for layer in self.hidden:
             h = nn.functional.silu(layer(h))  # [N,H]
         return self.out(h)  # [N,2]
+
+
+class PromptEncoder(nn.Module):
+    """The frozen random "text encoder" of the embedding condition (spec 15's CPU implementation):
+    every label's prompt is one token whose embedding ``tokens[label]`` [embed_dim] is fixed, and
+    ``f(E) = W₂ tanh(W₁ E + b₁) + b₂`` maps a (possibly perturbed) token embedding to the condition
+    the velocity net reads. Nothing here is trained: the parameters are buffers."""
+
+    def __init__(self, n_labels: int, embed_dim: int = 8, hidden: int = 32, cond_dim: int = 16):
+        super().__init__()
+        if min(n_labels, embed_dim, hidden, cond_dim) < 1:
+            raise ValueError(f"PromptEncoder needs positive sizes; got n_labels={n_labels}, embed_dim={embed_dim}, hidden={hidden}, cond_dim={cond_dim}")
+        self.register_buffer("tokens", torch.randn(n_labels, embed_dim))  # [n_labels,d] the prompts' token embeddings
+        self.register_buffer("w1", torch.randn(embed_dim, hidden) / math.sqrt(embed_dim))  # [d,h]
+        self.register_buffer("b1", 0.1 * torch.randn(hidden))  # [h]
+        self.register_buffer("w2", torch.randn(hidden, cond_dim) / math.sqrt(hidden))  # [h,c]
+        self.register_buffer("b2", 0.1 * torch.randn(cond_dim))  # [c]
+
+    def forward(self, emb: Tensor) -> Tensor:
+        """[..., d] token embeddings -> [..., cond_dim] conditions (in the buffers' dtype)."""
+        return torch.tanh(emb.to(self.w1.dtype) @ self.w1 + self.b1) @ self.w2 + self.b2  # [...,c]
 
 
 class FlowPolicy:
     """Euler flow sampler over 2-D points conditioned on a label, SDE steps per ``sde`` (Flow-/Flash-GRPO)."""
 
     def __init__(self, n_labels: int = 4, hidden: int = 64, layers: int = 3, steps: int = 10, sde: str = "one_shared",
-                 sde_window: int | None = None, shift: float = 1.0, init_seed: int = 0):
+                 sde_window: int | None = None, shift: float = 1.0, init_seed: int = 0, condition: str = "label",
+                 embed_dim: int = 8, encoder_hidden: int = 32, cond_dim: int = 16, encoder_seed: int = 0):
         if sde not in SDE_MODES:
             raise ValueError(f"FlowPolicy: sde must be one of {', '.join(SDE_MODES)}, got {sde!r}")
+        if condition not in CONDITIONS:
+            raise ValueError(f"FlowPolicy: condition must be one of {', '.join(CONDITIONS)}, got {condition!r}")
         window = steps // 2 if sde_window is None else sde_window
         if steps < 1 or not 1 <= window <= steps or shift <= 0:
             raise ValueError(f"FlowPolicy: need steps >= 1, 1 <= sde_window <= steps, shift > 0; got {steps}, {window}, {shift}")
         self.config = {"n_labels": n_labels, "hidden": hidden, "layers": layers, "steps": steps, "shift": shift}
+        if condition == "embedding":  # the label form's config (and so its checkpoints) stays as it was
+            self.config.update(condition=condition, embed_dim=embed_dim, encoder_hidden=encoder_hidden, cond_dim=cond_dim, encoder_seed=encoder_seed)
+        self.condition = condition
         self.sde, self.window, self.steps = sde, window, steps
         self.sigmas = flow_sigmas(steps, shift)  # [K+1]
         self.sigma_max, self.sigma_min = float(self.sigmas[1]), float(self.sigmas[-1])
         with torch.random.fork_rng(devices=[]):  # seeded init that leaves the global stream alone
             torch.manual_seed(init_seed)
-            self.net = VelocityMLP(n_labels, hidden, layers).double()  # float64: see Note 3
+            self.net = VelocityMLP(n_labels, hidden, layers, cond_dim=cond_dim if condition == "embedding" else None).double()  # float64: see Note 3
+        self.encoder: PromptEncoder | None = None
+        if condition == "embedding":
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(encoder_seed)
+                self.encoder = PromptEncoder(n_labels, embed_dim, encoder_hidden, cond_dim).double()
         self.trainable = True
         self.modality = "flow"
         self.request_options = frozenset({"greedy"})  # greedy = the deterministic ODE (Request.sampling)
+        self.hooks = frozenset({"embed_delta"}) if condition == "embedding" else frozenset()  # groupwise.hooks kinds generate applies
 
         self.reference: FlowPolicy | None = None
         self.context = None  # no context length: a label is the whole prompt
@@ -197,6 +253,75 @@ class FlowPolicy:
                 idx[b, j] = torch.randint(self.window, (1,), generator=g) if self.sde == "one_per_row" else group_idx
         return x1, eps, idx
 
+    def original_condition(self, labels: Tensor) -> Tensor:
+        """[N,cond_dim] float64: the embedding form's condition C^orig = f(tokens[label]) of each label [N]."""
+        if self.encoder is None:
+            raise ValueError("FlowPolicy.original_condition: the label form has no condition vector (model.params.condition = \"embedding\")")
+        return self.encoder(self.encoder.tokens[labels])  # [N,c]
+
+    def prompt_encoder(self) -> tuple[Tensor, Any]:
+        """E²PO phase I's view of the embedding condition (``phases/e2po_perturb.prompt_space``):
+        ``(tokens [n_labels,d], f)`` with ``f(emb [M,S,d], real [M,S]) -> [M,cond_dim]`` the frozen
+        encoder of the sum of the real tokens' embeddings (a flow prompt is one token: S = 1)."""
+        if self.encoder is None:
+            raise ValueError("the flow policy's label form has no prompt embedding to perturb; set model.params.condition = \"embedding\"")
+        encoder = self.encoder
+
+        def encode(emb: Tensor, real: Tensor) -> Tensor:
+            return encoder((emb.to(encoder.w1.dtype) * real[..., None]).sum(1))  # [M,c]
+
+        return encoder.tokens, encode
+
+    def _conditions(self, requests: Sequence[Request], labels: Tensor, G: int) -> tuple[Tensor | None, ...]:
+        """The embedding form's per-row conditions of a call (None ×4 for the label form):
+        ``c_orig`` [N,c] = f(E), ``c_pert`` [N,c] = f(E + δ_j) for rows an ``embed_delta`` hook
+        perturbs, ``perturbed`` [N] bool (rows with a nonzero δ), ``rho`` [N] float64 (the hook's
+        schedule; NaN: on at every step)."""
+        if any(r.hook is not None for r in requests) and self.encoder is None:
+            raise ValueError("FlowPolicy.generate: a generation hook needs the embedding condition (model.params.condition = \"embedding\"); "
+                             "the label form applies no hooks")
+        if self.encoder is None:
+            return None, None, None, None
+        B, d = len(requests), self.encoder.tokens.shape[1]
+        emb = self.encoder.tokens[labels].repeat_interleave(G, dim=0)  # [N,d]
+        c_orig = self.encoder(emb)  # [N,c]
+        delta = torch.zeros(B, G, d, dtype=emb.dtype)  # [B,G,d]
+        rho = torch.full((B, G), float("nan"), dtype=torch.float64)  # [B,G]
+        for b, req in enumerate(requests):
+            hook = req.hook
+            if hook is None:
+                continue
+            if hook.kind != "embed_delta":
+                raise ValueError(f"FlowPolicy.generate applies embed_delta hooks only, got {hook.kind!r}")
+            if hook.delta.shape[0] != req.n or hook.delta.shape[2] != d:
+                raise ValueError(f"EmbedDelta of request {b}: delta {tuple(hook.delta.shape)} must be [n={req.n}, P, embed_dim={d}]")
+            if bool((hook.positions != 0).any()):
+                raise ValueError(f"EmbedDelta of request {b}: positions {hook.positions.tolist()} outside the flow prompt's one token (position 0)")
+            delta[b, : req.n] = hook.delta.to(emb.dtype).sum(1)  # [n,d] (P is 0 or 1: the prompt is one token)
+            if hook.rho is not None:
+                rho[b, : req.n] = hook.rho
+        delta, rho = delta.view(B * G, d), rho.view(B * G)  # [N,d], [N]
+        perturbed = delta.abs().sum(-1) > 0  # [N]
+        c_pert = c_orig.clone()  # [N,c]
+        if perturbed.any():
+            c_pert[perturbed] = self.encoder(emb[perturbed] + delta[perturbed])  # [M,c]
+        return c_orig, c_pert, perturbed, rho
+
+    @staticmethod
+    def _mixed(c_orig: Tensor, c_pert: Tensor, perturbed: Tensor, rho: Tensor, sigma: float) -> Tensor:
+        """[N,c] the condition of every row at noise level σ: C(σ) = γ(σ)·C^opt + (1 − γ(σ))·C^orig on
+        perturbed rows (γ = 1 without a schedule), C^orig exactly on the others."""
+        from groupwise.rollout.e2po import mix_condition, noise_aware_gamma
+
+        if not perturbed.any():
+            return c_orig
+        scheduled = ~torch.isnan(rho)  # [N]
+        gamma = torch.ones_like(rho)  # [N]
+        for r in rho[scheduled].unique().tolist():  # usually one ρ for the whole call
+            gamma[rho == r] = noise_aware_gamma(torch.tensor(sigma, dtype=torch.float64), r)
+        mixed = mix_condition(c_orig, c_pert, gamma[:, None])  # [N,c]
+        return torch.where(perturbed[:, None], mixed, c_orig)  # [N,c]
+
     @torch.no_grad()
     def generate(self, requests: Sequence[Request], sampling: dict, info: StepInfo) -> Rollout:
         if not requests or any(r.n < 1 for r in requests):
@@ -208,12 +333,13 @@ class FlowPolicy:
         x1, eps, idx = self._draws(requests, info, G)  # [B,G,2], [B,G,K,2], [B,G]
         N = B * G
         x, lab, idx, eps = x1.view(N, 2), labels.repeat_interleave(G), idx.view(N), eps.view(N, K, 2)
+        c_orig, c_pert, perturbed, rho = self._conditions(requests, labels, G)  # [N,c] / [N] (None: label form)
         rec = {k: torch.zeros(N, T, 2) for k in ("flow_x", "flow_x_next")}
         rec.update({k: torch.zeros(N, T) for k in ("flow_sigma", "flow_sigma_next", "flow_std", "logp")})
         rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
         for i in range(K):
             s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
-            v = self.net(x, s, lab)  # [N,2]
+            v = self.net(x, s, lab if c_orig is None else self._mixed(c_orig, c_pert, perturbed, rho, float(self.sigmas[i])))  # [N,2]
             sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
             x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,2] ODE step
             if sde_rows.any():
@@ -262,7 +388,8 @@ class FlowPolicy:
         s, sp = rollout.extras["flow_sigma"][sel], rollout.extras["flow_sigma_next"][sel]  # [M], [M]
         logp = torch.zeros(sel.shape)  # [B,G,T]
         if sel.any():
-            v = self.net(x, s, lab)  # [M,2]
+            cond = lab if self.encoder is None else self.original_condition(lab)  # [M] labels or [M,c] C^orig: never a hook's condition
+            v = self.net(x, s, cond)  # [M,2]
             logp[sel] = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, prev_sample=x_next)[1]  # [M]
         out = {"logp": logp}
         if "entropy" in quantities:

@@ -12,12 +12,21 @@ reward is a rollout scorer that reads the policy's row extra ``x_final`` [B,G,2]
     μ_k    = ring · (cos(2πk/K), sin(2πk/K))
     reward = 1.0 if ‖x_final − μ_label‖ <= radius else 0.0          # [B,G] float32
 
+    flow_trap (task flow2d_trap; u_k = μ_k / ring, the label's direction):
+    reward = 1.0 if ‖x_final + far·u_label‖ <= radius               (the far optimum, opposite side)
+             near_reward if ‖x_final − near·u_label‖ <= radius      (the near, easy one)
+             0.0 otherwise
+
 **Defaults**
 
 - ``n_labels = 4`` [INFERRED] the toy's number of modes.
 - ``ring = 2.0``, ``radius = 0.75`` [INFERRED] the toy's geometry: under N(0, I)
   4.3 % of samples land in a given region (``tests/test_flow.py``), so the reward starts low.
 - ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
+- ``flow_trap``: ``near = 1.0``, ``far = 2.5``, ``radius = 0.5``, ``near_reward = 0.5``
+  [INFERRED] E²PO's behavioural test (spec 15: "a narrow optimum reached early"): under N(0, I)
+  about 7.3 % of samples land in the near region and 0.6 % in the far one, so a group finds the
+  near one first; the far one is worth twice as much.
 
 **Notes**
 
@@ -79,4 +88,47 @@ class FlowRegionReward:
             raise ValueError("flow_region needs the row extra 'x_final' [B,G,2] (written by modalities.flow.FlowPolicy)")
         labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long)  # [B]
         reward = region_reward(rollout.extras["x_final"], labels, self.n_labels, self.radius, self.ring)  # [B,G]
+        return torch.where(rollout.group_valid.bool(), reward, torch.zeros(()))  # [B,G]
+
+
+def trap_reward(x_final: Tensor, labels: Tensor, n_labels: int = 4, near: float = 1.0, far: float = 2.5, radius: float = 0.5,
+                near_reward: float = 0.5) -> Tensor:
+    """[B,G] float32: 1 within ``radius`` of the far optimum (``far`` from the origin, opposite the
+    label's direction), else ``near_reward`` within ``radius`` of the near one (``near`` along the
+    label's direction), else 0."""
+    labels = torch.as_tensor(labels, dtype=torch.long)  # [B]
+    if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < n_labels):
+        raise ValueError(f"trap_reward: labels must lie in [0, {n_labels}), got {labels.tolist()}")
+    unit = mixture_centres(n_labels, 1.0)[labels][:, None, :]  # [B,1,2] the label's direction
+    x = x_final.float()  # [B,G,2]
+    in_far = torch.linalg.vector_norm(x + far * unit, dim=-1) <= radius  # [B,G]
+    in_near = torch.linalg.vector_norm(x - near * unit, dim=-1) <= radius  # [B,G]
+    return torch.where(in_far, 1.0, torch.where(in_near, near_reward, 0.0)).float()  # [B,G]
+
+
+@register("reward", "flow_trap")
+@dataclass
+class FlowTrapReward:
+    """A near, easy optimum worth ``near_reward`` and a far one worth 1 on the opposite side (Toy-Flow-2D; spec 15's behavioural test)."""
+
+    n_labels: int = 4
+    near: float = 1.0
+    far: float = 2.5
+    radius: float = 0.5
+    near_reward: float = 0.5
+    weight: float = 1.0
+
+    needs = ()
+    modality = "flow"
+
+    def __post_init__(self) -> None:
+        if self.radius <= 0 or self.near < 0 or self.far < 0 or not 0 <= self.near_reward < 1 or self.near + self.far <= 2 * self.radius:
+            raise ValueError(f"flow_trap: need radius > 0 ({self.radius}), near, far >= 0 ({self.near}, {self.far}), 0 <= near_reward < 1 "
+                             f"({self.near_reward}) and disjoint regions (near + far > 2·radius)")
+
+    def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
+        if "x_final" not in rollout.extras:
+            raise ValueError("flow_trap needs the row extra 'x_final' [B,G,2] (written by modalities.flow.FlowPolicy)")
+        labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long)  # [B]
+        reward = trap_reward(rollout.extras["x_final"], labels, self.n_labels, self.near, self.far, self.radius, self.near_reward)  # [B,G]
         return torch.where(rollout.group_valid.bool(), reward, torch.zeros(()))  # [B,G]

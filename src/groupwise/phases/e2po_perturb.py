@@ -10,11 +10,17 @@ produces the artifact that the rollout strategy ``e2po`` (``rollout/e2po.py``) s
 **Math** (``rollout.e2po.learn_prompt_perturbations``; per train row, all rows optimised together)::
 
     ids   = the row's prompt ids (as RL encodes them);  𝓘 = positions of its non-special tokens
-    E     = embed_tokens(ids) [S,d];  scale = RMS of the embedding matrix's entries
+    E     = table[ids] [S,d];  scale = RMS of the table's entries          (prompt_space: below)
     δ_k   ~ N(0, (sigma_init · scale)²) on 𝓘, k = 1..conditions−1
-    e_k   = f(E + δ_k),  e_anc = f(E)        f = final-norm hidden state: last prompt token (pool = "last") or mean
+    e_k   = f(E + δ_k),  e_anc = f(E)        f = text: final-norm hidden state, last prompt token (pool = "last") or mean;
+                                             flow (condition = "embedding"): the policy's frozen random MLP encoder
     L_emb = lam_div · mean_{k≠k'} cos(e_k, e_k') + Σ_k max(0, |cos(e_k, e_anc) − mu| − eps)
     Adam(lr · scale) on δ for ``steps`` steps
+
+The policy decides the table and f (``prompt_space``): a text policy's input embeddings and the
+policy itself as encoder; a policy with ``prompt_encoder()`` (the flow toy's embedding condition,
+``modalities/flow.py``: each label one 8-d token, S = 1, no special tokens) its token table and
+its frozen encoder, the velocity net never run — the spec's CPU implementation.
 
 **Defaults**
 
@@ -34,8 +40,9 @@ produces the artifact that the rollout strategy ``e2po`` (``rollout/e2po.py``) s
 
 **Notes**
 
-1. The policy is frozen: its parameters' ``requires_grad`` is switched off for the phase and
-   restored after; the phase never changes the weights. ``δ`` is exactly 0 off 𝓘 (special tokens,
+1. The policy is frozen: a text policy's parameters' ``requires_grad`` is switched off for the
+   phase and restored after (a flow policy's encoder is buffers, its net is not run); the phase
+   never changes the weights. ``δ`` is exactly 0 off 𝓘 (special tokens,
    padding), so the perturbation only touches content tokens.
 2. With ``conditions = 2`` there is one perturbation and no diversity term (``L_div = 0``).
 3. The artifact: ``keys`` [N] (train row indices), ``positions`` [N,L] (prompt positions of 𝓘,
@@ -47,8 +54,10 @@ produces the artifact that the rollout strategy ``e2po`` (``rollout/e2po.py``) s
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -72,6 +81,44 @@ def lm_encoder(model, pool: str = "last"):
         return (h * w).sum(1) / w.sum(1).clamp(min=1.0)  # [M,D]
 
     return encode
+
+
+@contextlib.contextmanager
+def _frozen_lm(model):
+    """The LM's parameters without gradients and the model in eval mode, restored after."""
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    model.eval()
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+        model.train(was_training)
+
+
+def prompt_space(policy, pool: str = "last") -> tuple[torch.Tensor, set[int], Callable, Any]:
+    """What phase I needs of a policy: ``(table [V,d], special ids, f, frozen)`` — the token
+    embedding table its prompt ids index, the ids never perturbed, the frozen encoder
+    ``f(emb [M,S,d], real [M,S]) -> [M,D]`` and a context manager that freezes what f runs on.
+
+    A text policy: its input embeddings, its tokenizer's special ids, :func:`lm_encoder` (the
+    policy itself, ``pool``). A policy with its own prompt encoder (``prompt_encoder() -> (table,
+    f)``, the flow toy's embedding condition, ``modalities/flow.py``): those, no special ids,
+    nothing to freeze (the encoder is frozen by construction, the velocity net is not run)."""
+    if hasattr(policy, "prompt_encoder"):
+        try:
+            table, encode = policy.prompt_encoder()
+        except ValueError as err:
+            raise ConfigError(f"phase e2po_perturbations: {err}") from None
+        return table.detach(), set(), encode, contextlib.nullcontext()
+    model, tok = getattr(policy, "module", None), getattr(policy, "tokenizer", None)
+    if model is None or tok is None:
+        raise ConfigError(f"phase e2po_perturbations needs a text policy with a tokenizer or a policy with a prompt encoder (the flow toy with "
+                          f"model.params.condition = \"embedding\"); this one is {getattr(policy, 'modality', '?')}")
+    return model.get_input_embeddings().weight.detach(), set(tok.all_special_ids), lm_encoder(model, pool), _frozen_lm(model)
 
 
 @register("phase", "e2po_perturbations")
@@ -106,22 +153,12 @@ class E2POPerturbations:
 
     def __call__(self, ctx: PhaseContext) -> dict:
         policy, t0 = ctx.policy, time.perf_counter()
-        model, tok = getattr(policy, "module", None), getattr(policy, "tokenizer", None)
-        if model is None or tok is None:
-            raise ConfigError(f"phase e2po_perturbations needs a text policy with a tokenizer (this one is {getattr(policy, 'modality', '?')})")
         n = len(ctx.train_rows) if self.rows == 0 else min(self.rows, len(ctx.train_rows))
-        special = set(tok.all_special_ids)
-        table = model.get_input_embeddings().weight.detach()  # [V,d]
+        table, special, encoder, frozen = prompt_space(policy, self.pool)  # [V,d]
         scale = float(table.float().pow(2).mean().sqrt())
-        encoder = lm_encoder(model, self.pool)
         K = self.conditions - 1
         keys, positions, deltas, losses, divs, coss = [], [], [], [], [], []
-        frozen = [(p, p.requires_grad) for p in model.parameters()]
-        was_training = model.training
-        model.eval()
-        try:
-            for p, _ in frozen:
-                p.requires_grad_(False)
+        with frozen:
             for start in range(0, n, self.chunk):
                 idx = list(range(start, min(n, start + self.chunk)))
                 prompts = [ctx.prompt("train", ctx.train_rows, i) for i in idx]
@@ -146,10 +183,6 @@ class E2POPerturbations:
                 losses.append(stats["loss"])
                 divs.append(stats["div"])
                 coss.append(stats["cos_anchor"].reshape(-1))
-        finally:
-            for p, flag in frozen:
-                p.requires_grad_(flag)
-            model.train(was_training)
         L = max(p.shape[1] for p in positions)
         position = torch.cat([torch.nn.functional.pad(p, (0, L - p.shape[1]), value=-1) for p in positions])  # [N,L]
         delta = torch.cat([torch.nn.functional.pad(d, (0, 0, 0, L - d.shape[2])) for d in deltas])  # [N,K,L,d]

@@ -1,11 +1,14 @@
-"""E²PO (text form): each prompt's group is sampled under the original prompt and K−1 learned
-perturbations of its token embeddings; the update is on the original prompt.
+"""E²PO (text and flow forms): each prompt's group is sampled under the original prompt and K−1
+learned perturbations of its token embeddings; the update is on the original prompt.
 
 "E²PO: Embedding-perturbed Exploration Preference Optimization" (learned prompt-embedding
 perturbations for exploration in flow models), arXiv 2605.15803 (ICML 2026),
 https://arxiv.org/abs/2605.15803 — spec 15 (from a public paper note with the equations; no code).
-The paper trains flow (text-to-image) models; this is the spec's text transfer: perturb the prompt
-embeddings of an LM while sampling, train on the clean prompt.
+The paper trains flow (text-to-image) models. Two forms share this strategy and the phase: the
+paper's own on the flow toy (``modalities/flow.py`` with ``condition = "embedding"``: a prompt is
+one 8-d token embedding read through a frozen random MLP "text encoder", the spec's CPU
+implementation; recipe ``e2po_flow``), and the spec's text transfer (perturb the prompt embeddings
+of an LM while sampling, train on the clean prompt; recipe ``e2po``).
 
 **Change vs GRPO**: the G rows of a prompt's group are split over K conditions: ``G/K`` rows under
 the original prompt and ``G/K`` under each of K−1 perturbations ``δ_k`` of its content-token
@@ -28,13 +31,18 @@ artifact, ``m = G / K``)::
 
     Phase II (this strategy)
     cond(g) = g // m                       rows g of condition 0 are the original prompt
-    hook    = EmbedDelta(positions = 𝓘, delta[g] = δ_{cond(g)} (0 for cond 0))
+    hook    = EmbedDelta(positions = 𝓘, delta[g] = δ_{cond(g)} (0 for cond 0), rho)
     batch   = ctx.rollout([Request(i, n=G, hook=hook_i)])        every row stored under the ORIGINAL prompt
     A       = the estimator over the whole group of G rows
     update on the original prompt (logp_old, logp: clean forward); logp_sampler = π_old(o | Ẽ_cond)
 
-``noise_aware_gamma`` / ``mix_condition`` are the paper's schedule for flow models
-(``C_k(t) = γ(σ_t) C_k^opt + (1 − γ(σ_t)) C^orig``, ``γ(σ) = clip((σ − (1 − ρ))/ρ, 0, 1)``).
+    Flow form (the policy applies the hook per denoising step, σ: 1 → 0)
+    C^orig = f(E),  C^opt_k = f(E + δ_k)                f = the policy's frozen prompt encoder
+    C_k(σ) = γ(σ) C^opt_k + (1 − γ(σ)) C^orig,  γ(σ) = clip((σ − (1 − ρ))/ρ, 0, 1)   (γ = 1 with rho unset)
+    v_θ(x, σ, C_cond(g)(σ)) samples row g;  the update's log-probs use v_θ(x, σ, C^orig)
+
+``noise_aware_gamma`` / ``mix_condition`` are that schedule (``modalities/flow.py`` calls them at
+every step); the text engine has no noise levels and refuses a ``rho``.
 
 **Defaults**
 
@@ -44,9 +52,11 @@ artifact, ``m = G / K``)::
   ``rollout.group_size`` is the whole group (G·K in the paper's notation).
 - ``assign = "blocks"`` [INFERRED] condition c takes rows c·m .. c·m + m − 1 (``"round_robin"``:
   row g takes condition g mod K); the spec gives the counts, not the order.
-- no noise-aware schedule in the text form [INFERRED]: the spec gives none for text; an LM reads
-  the prompt (its KV cache) at every generated token, so the perturbation is on for the whole
-  completion (the paper's ablation calls an unscheduled perturbation worse for flow models).
+- ``rho = None`` (no schedule: the perturbation on at every step) [INFERRED]. The text form must
+  leave it unset: the spec gives no text schedule, and an LM reads the prompt (its KV cache) at
+  every generated token, so the perturbation is on for the whole completion. The flow form sets
+  it (recipe ``e2po_flow``: ``rho = 0.4`` [INFERRED] the spec's unit-test value; the note gives
+  none); unset there it is the paper's "static perturbation" ablation.
 
 **Notes**
 
@@ -61,6 +71,12 @@ artifact, ``m = G / K``)::
    and ``e2po/group_std`` (mean within-group reward std, the signal E²PO keeps alive).
 4. A hooked call prefills each row separately (``engines/cpu.py``): generation costs more than
    the shared-prefix rollout of ``sample``. Refill rounds (dynamic sampling) work as in ``sample``.
+5. The flow form: a flow policy applies the hook only with ``condition = "embedding"`` (it then
+   lists ``embed_delta`` in its ``hooks``); the label form applies none and the build refuses this
+   strategy on it (``hooks.check_hooks``). Rows whose δ is zero (condition 0) read C^orig exactly
+   at every step: they are bit-identical to unhooked sampling. On the flow toy a mode-collapsed
+   velocity field contracts late steps, so a perturbation that is on only at high noise can be
+   erased by the steps under C^orig (measured: ``docs/claims.md``, 15-e2po-flow).
 """
 
 from __future__ import annotations
@@ -166,6 +182,7 @@ class E2PO(ReadsArtifact):
 
     artifact: str = "e2po_perturbations"
     assign: str = "blocks"
+    rho: float | None = None
 
     hooks = ("embed_delta",)
     collects = (CONDITION,)
@@ -174,6 +191,9 @@ class E2PO(ReadsArtifact):
     def __post_init__(self) -> None:
         if self.assign not in ("blocks", "round_robin"):
             raise ConfigError(f"rollout e2po: assign={self.assign!r} must be 'blocks' or 'round_robin'")
+        if self.rho is not None and not 0 < self.rho <= 1:
+            raise ConfigError(f"rollout e2po: rho={self.rho} must be in (0, 1] (the share of the noise range, from σ = 1 down, where the "
+                              f"perturbation is on); leave it unset for no schedule (the text form)")
         self._table: dict[int, int] = {}
         self._stats: dict[str, float] = {}
 
@@ -202,7 +222,7 @@ class E2PO(ReadsArtifact):
         deltas = value["delta"][j][:, real]  # [K−1,P,d]
         cond = self.conditions_of(G)  # [G]
         table = torch.cat([torch.zeros_like(deltas[:1]), deltas])  # [K,P,d] condition 0: no perturbation
-        return EmbedDelta(positions=positions[real], delta=table[cond])  # [P], [G,P,d]
+        return EmbedDelta(positions=positions[real], delta=table[cond], rho=self.rho)  # [P], [G,P,d]
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
         batch = refill_rounds(ctx, self.hook)
