@@ -142,6 +142,27 @@ def yes_no_confidence(top_logprobs: Mapping[str, float] | Sequence[tuple[str, fl
     return p["yes"] / total if total > 0 else said_yes
 
 
+def ask_judge(judge: Any, questions: Sequence[str], template: str = "{question} Answer yes or no:", top_logprobs: int = 5,
+              binary: bool = False, match: str = "word") -> list[float]:
+    """A frozen judge policy's yes-confidence on each question (``yes_no_confidence`` of its first
+    answer token), one no-grad batch of one-token rows through ``Policy.scoring_models`` / ``score``."""
+    from groupwise.types import Rollout
+
+    N = len(questions)
+    if N == 0:
+        return []
+    prompts = [list(judge.encode(template.format(question=q))) for q in questions]
+    rows = Rollout(prompt_ids=prompts, actions=torch.zeros(N, 1, 1, dtype=torch.long), mask=torch.ones(N, 1, 1, dtype=torch.bool),
+                   group_valid=torch.ones(N, 1, dtype=torch.bool), truncated=torch.zeros(N, 1, dtype=torch.bool),
+                   prompt_index=torch.arange(N))
+    with torch.no_grad(), judge.scoring_models(with_reference=False)["policy"]() as module:
+        logq = judge.score(module, rows, ["logprobs"])["logprobs"][:, 0, 0, :].float().cpu()  # [N,V]
+    texts = judge.token_texts()
+    top = logq.topk(min(top_logprobs, logq.shape[-1]), dim=-1)  # [N,k]
+    return [yes_no_confidence([(texts[i], v) for v, i in zip(vals.tolist(), ids.tolist())], texts[ids[0]], binary, match)
+            for vals, ids in zip(top.values, top.indices)]
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 1.0
 
@@ -245,25 +266,10 @@ class DVReward:
 
     def ask_lm(self, questions: Sequence[str]) -> list[float]:
         """The frozen judge role's verdicts on ``questions`` through the policy protocol (Note 5)."""
-        from groupwise.types import Rollout
-
         if self.role not in self._models:
             raise RewardError(f"reward 'dv_reward': judge={self.judge!r} was never given its model; run it in a trainer with "
                               f"[roles.{self.role}] frozen = true")
-        judge = self._models[self.role]
-        N = len(questions)
-        if N == 0:
-            return []
-        prompts = [list(judge.encode(self.template.format(question=q))) for q in questions]
-        rows = Rollout(prompt_ids=prompts, actions=torch.zeros(N, 1, 1, dtype=torch.long), mask=torch.ones(N, 1, 1, dtype=torch.bool),
-                       group_valid=torch.ones(N, 1, dtype=torch.bool), truncated=torch.zeros(N, 1, dtype=torch.bool),
-                       prompt_index=torch.arange(N))
-        with torch.no_grad(), judge.scoring_models(with_reference=False)["policy"]() as module:
-            logq = judge.score(module, rows, ["logprobs"])["logprobs"][:, 0, 0, :].float().cpu()  # [N,V]
-        texts = judge.token_texts()
-        top = logq.topk(min(self.top_logprobs, logq.shape[-1]), dim=-1)  # [N,k]
-        return [yes_no_confidence([(texts[i], v) for v, i in zip(vals.tolist(), ids.tolist())], texts[ids[0]], self.binary, self.match)
-                for vals, ids in zip(top.values, top.indices)]
+        return ask_judge(self._models[self.role], questions, self.template, self.top_logprobs, self.binary, self.match)
 
     # ------------------------------------------------------------------ the reward
     def components(self, completions: Sequence[str], attrs: Sequence[Any]) -> list[tuple[list[float], list[float], float]]:
