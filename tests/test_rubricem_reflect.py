@@ -150,6 +150,8 @@ def test_bank_reflection_is_retrieved_into_the_next_context_exactly():
     stats = strategy.step_stats()  # the group had a reflection of its type: a second attempt
     assert stats["rubricem_reflect/hinted_groups"] == 1.0 and stats["rubricem_reflect/second_attempt"] == pytest.approx(0.5)
     assert math.isnan(stats["rubricem_reflect/first_attempt"])
+    # over the run: step 0's three rows were first attempts (mean 0.5), step 1's three second attempts (mean 0.5)
+    assert strategy.state_dict()["run"] == [1.5, 3, 1.5, 3] and stats["rubricem_reflect/gap_run"] == 0.0
     # retrieve = 0: the bank is filled but stays out of the prompt; the group still counts as a second attempt (placebo arm)
     off = build("rollout", "rubricem_reflect", retrieve=0)
     off.load_state_dict(strategy.state_dict())
@@ -213,7 +215,7 @@ def test_trains_two_steps_with(tmp_path, objective):
 
 
 def _bank_and_weights(trainer):
-    return trainer.strategy.bank.state_dict(), {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return trainer.strategy.state_dict(), {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
 def test_bank_and_weights_resume_exactly(tmp_path):
@@ -227,7 +229,7 @@ def test_bank_and_weights_resume_exactly(tmp_path):
     again.train(resume_allow=["train.steps"])
     bank, weights = _bank_and_weights(straight)
     bank2, weights2 = _bank_and_weights(again)
-    assert len(straight.strategy.bank) > 0 and bank == bank2
+    assert len(straight.strategy.bank) > 0 and bank == bank2  # the bank and the run's attempt sums
     for name, w in weights.items():
         assert torch.equal(w, weights2[name]), name
     rows = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]

@@ -70,7 +70,9 @@ GRPO (population std) on the reflection rows.
 4. ``step_stats``: ``rubricem_reflect/task_reward`` (task rows' mean total), ``first_attempt`` (task
    rows of groups without a reflection of their type: outside the arm, or no bank entry yet),
    ``second_attempt`` (task rows of arm groups whose type has a bank entry; with ``retrieve = 0`` they
-   are not hinted, so the gap is then a placebo), ``second_minus_first``, ``r_meta``, ``approved``,
+   are not hinted, so the gap is then a placebo), ``second_minus_first``; ``first_attempt_run``,
+   ``second_attempt_run`` and ``gap_run``: the same over every task row since the run began (kept in
+   ``state_dict``); ``r_meta``, ``approved``,
    ``accepted`` (shares of reflections), ``reattempt_reward``, ``bank_size``, ``hinted_groups``.
    ``reward/<label>`` and ``reward_mean`` average over every row of the batch, reflection rows too.
 5. The sampler's ``keep`` runs on the task groups; a dropped group gets no reflections. Reflection
@@ -137,6 +139,7 @@ class RubricEMReflect:
     bank: RubricBank = field(init=False, repr=False, compare=False)
     last: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _run: list = field(default_factory=lambda: [0.0, 0, 0.0, 0], init=False, repr=False, compare=False)  # first sum, count, second sum, count
 
     def __post_init__(self) -> None:
         for name, keys in (("reflect_template", ("{prompt}", "{attempt}", "{feedback}")), ("context_template", ("{hint}", "{prompt}"))):
@@ -283,7 +286,13 @@ class RubricEMReflect:
         def mean(m):
             return float(s[m].mean()) if bool(m.any()) else float("nan")
 
-        return {"rubricem_reflect/task_reward": mean(valid), "rubricem_reflect/first_attempt": mean(first),
+        self._run = [self._run[0] + float(s[first].sum()), self._run[1] + int(first.sum()), self._run[2] + float(s[second].sum()),
+                     self._run[3] + int(second.sum())]
+        run_first = self._run[0] / self._run[1] if self._run[1] else float("nan")
+        run_second = self._run[2] / self._run[3] if self._run[3] else float("nan")
+        return {"rubricem_reflect/first_attempt_run": run_first, "rubricem_reflect/second_attempt_run": run_second,
+                "rubricem_reflect/gap_run": run_second - run_first, "rubricem_reflect/task_reward": mean(valid),
+                "rubricem_reflect/first_attempt": mean(first),
                 "rubricem_reflect/second_attempt": mean(second), "rubricem_reflect/second_minus_first": mean(second) - mean(first),
                 "rubricem_reflect/hinted_groups": sum(bool(h) for h in hints) / max(1, len(hints))}
 
@@ -291,7 +300,8 @@ class RubricEMReflect:
         return dict(self._stats)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"bank": self.bank.state_dict()}
+        return {"bank": self.bank.state_dict(), "run": list(self._run)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bank.load_state_dict(state["bank"])
+        self._run = list(state["run"])
