@@ -212,9 +212,40 @@ def decompose(completion: str, keys: Sequence[str]) -> tuple[list[tuple[str, flo
     return sem, qual
 
 
+class FrozenJudge:
+    """Mixin of a reward whose field ``judge = "role:NAME"`` names a frozen role: ``use_models`` keeps
+    that role's policy (``components.bind_models``), ``judge_model`` returns it; the class keeps a
+    ``_models`` dict field."""
+
+    judge: str
+    _models: dict
+
+    @property
+    def role(self) -> str | None:
+        return self.judge[5:] if self.judge.startswith("role:") else None
+
+    def _who(self) -> str:
+        return f"reward {getattr(self, 'registry_name', type(self).__name__)!r}"
+
+    def use_models(self, models: Mapping[str, Any]) -> None:
+        """The frozen roles' policies by name; a ``role:`` judge keeps its own (a missing role is refused)."""
+        if self.role is None:
+            return
+        if self.role not in models:
+            raise ConfigError(f"{self._who()}: judge={self.judge!r} names no frozen role; frozen roles: {sorted(models) or 'none'} "
+                              f"(add [roles.{self.role}] with frozen = true and its model)")
+        self._models = {self.role: models[self.role]}
+
+    def judge_model(self) -> Any:
+        if self.role not in self._models:
+            raise RewardError(f"{self._who()}: judge={self.judge!r} was never given its model; run it in a trainer with "
+                              f"[roles.{self.role}] frozen = true")
+        return self._models[self.role]
+
+
 @register("reward", "dv_reward")
 @dataclass
-class DVReward:
+class DVReward(FrozenJudge):
     """Decompositional verifiable reward: judge yes-confidences on atomic questions, pooled (AlphaGRPO, spec 27)."""
 
     method: str = "geometric"
@@ -243,19 +274,6 @@ class DVReward:
             raise ConfigError(f"reward 'dv_reward': k={self.k} must be > 0 (the programmatic judge's sharpness)")
 
     # ------------------------------------------------------------------ judges
-    @property
-    def role(self) -> str | None:
-        return self.judge[5:] if self.judge.startswith("role:") else None
-
-    def use_models(self, models: Mapping[str, Any]) -> None:
-        """The frozen roles' policies by name (``components.bind_models``); a ``role:`` judge keeps its own."""
-        if self.role is None:
-            return
-        if self.role not in models:
-            raise ConfigError(f"reward 'dv_reward': judge={self.judge!r} names no frozen role; frozen roles: {sorted(models) or 'none'} "
-                              f"(add [roles.{self.role}] with frozen = true and its model)")
-        self._models = {self.role: models[self.role]}
-
     def ask_programmatic(self, margins: Sequence[float]) -> list[float]:
         out = []
         for m in margins:
@@ -266,10 +284,7 @@ class DVReward:
 
     def ask_lm(self, questions: Sequence[str]) -> list[float]:
         """The frozen judge role's verdicts on ``questions`` through the policy protocol (Note 5)."""
-        if self.role not in self._models:
-            raise RewardError(f"reward 'dv_reward': judge={self.judge!r} was never given its model; run it in a trainer with "
-                              f"[roles.{self.role}] frozen = true")
-        return ask_judge(self._models[self.role], questions, self.template, self.top_logprobs, self.binary, self.match)
+        return ask_judge(self.judge_model(), questions, self.template, self.top_logprobs, self.binary, self.match)
 
     # ------------------------------------------------------------------ the reward
     def components(self, completions: Sequence[str], attrs: Sequence[Any]) -> list[tuple[list[float], list[float], float]]:

@@ -65,8 +65,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from groupwise.registry import ConfigError, register
-from groupwise.rewards._common import RewardError, get_column
-from groupwise.rewards.dvreward import MATCHES, ask_judge
+from groupwise.rewards._common import get_column
+from groupwise.rewards.dvreward import MATCHES, FrozenJudge, ask_judge
 from groupwise.textspans import check_tags, tag_spans
 
 
@@ -88,7 +88,7 @@ def rubric_score(pred: list[str] | None, ref: list[str]) -> float:
 
 @register("reward", "stage_rubric")
 @dataclass
-class StageRubric:
+class StageRubric(FrozenJudge):
     """One stage of a tagged completion scored by the rubric items of the reference's same stage (RubricEM, spec 39)."""
 
     tags: list = field(default_factory=lambda: ["<p>", "</p>"])
@@ -120,22 +120,9 @@ class StageRubric:
         if re.fullmatch(self.split, "") is not None:
             raise ConfigError(f"reward stage_rubric: split={self.split!r} matches the empty string; use e.g. '[\\\\s+]+'")
 
-    @property
-    def role(self) -> str | None:
-        return self.judge[5:] if self.judge.startswith("role:") else None
-
-    def use_models(self, models: dict[str, Any]) -> None:
-        """The frozen roles' policies by name (``components.bind_models``); an LM judge keeps its own."""
-        if self.role is None:
-            return
-        if self.role not in models:
-            raise ConfigError(f"reward stage_rubric: judge={self.judge!r} names no frozen role; frozen roles: {sorted(models) or 'none'} "
-                              f"(add [roles.{self.role}] with frozen = true and its model)")
-        self._models = {self.role: models[self.role]}
-
     def questions(self, stage: str, items: list[str]) -> list[str]:
         """The LM judge's question on each rubric item, the stage text shortened until it fits the judge (Notes 5)."""
-        judge = self._models[self.role]
+        judge = self.judge_model()
         room = getattr(judge, "context", None)
         out = []
         for item in items:
@@ -162,12 +149,9 @@ class StageRubric:
                 spans = tag_spans(text, self.tags)
                 out.append(0.0)
                 if spans:
-                    if self.role not in self._models:
-                        raise RewardError(f"reward stage_rubric: judge={self.judge!r} was never given its model; run it in a trainer with "
-                                          f"[roles.{self.role}] frozen = true")
                     asks.append((len(out) - 1, self.questions(text[spans[0][0]: spans[0][1]], ref_items)))
         if asks:
-            conf = ask_judge(self._models[self.role], [q for _, qs in asks for q in qs], self.template, self.top_logprobs, False, self.match)
+            conf = ask_judge(self.judge_model(), [q for _, qs in asks for q in qs], self.template, self.top_logprobs, False, self.match)
             i = 0
             for row, qs in asks:
                 out[row] = sum(conf[i: i + len(qs)]) / len(qs)
