@@ -75,7 +75,8 @@ GRPO (population std) on the reflection rows.
    ``state_dict``); ``r_meta``, ``approved``,
    ``accepted`` (shares of reflections), ``reattempt_reward``, ``bank_size``, ``hinted_groups``.
    ``reward/<label>`` and ``reward_mean`` average over every row of the batch, reflection rows too.
-5. The sampler's ``keep`` runs on the task groups; a dropped group gets no reflections. Reflection
+5. The sampler's ``keep`` runs on the task groups; a dropped group gets no reflections and is not
+   refilled (one round, whatever the sampler's ``max_rounds``). Reflection
    groups share their task's dataset row, so the per-prompt table (``PromptStats``) sees them too.
 """
 
