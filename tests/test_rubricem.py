@@ -228,3 +228,46 @@ def test_trains_two_steps_with(tmp_path, objective):
         if not inside:
             close(batch.advantages, (z[..., None] * batch.row_mask).float(), atol=1e-6)
         assert "reward/plan" in row and "reward/answer" in row
+
+
+# ---------------------------------------------------------------------------------------------- LM judge (frozen role)
+def test_stage_rubric_lm_judge_is_the_shipped_judges_own_confidence(tmp_path):
+    """judge = role:judge: each reference item of the stage is one yes/no question to the shipped judge model;
+    the score is the mean of its first-token yes-confidences, computed here with transformers directly."""
+    from test_alphagrpo import JUDGE_ROLE, first_token_confidence
+    from test_trainer import make_trainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from groupwise.policy.lm import resolve_model_path
+
+    path = resolve_model_path("judge")
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    reward_cfg = 'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], judge="role:judge", label="plan"}]'
+    trainer = make_trainer(tmp_path, 'data.task="evidence"', JUDGE_ROLE, reward_cfg, "eval.size=0")
+    reward = trainer.reward_stage.scorers[0]
+    ref = "<p>a=3 d=1</p><r>3+1</r><a>4</a>"
+    got = reward(["p"] * 4, ["<p>a=3 d=2</p><a>5</a>", "<a>4</a>", "<p></p>", "<p>a=3 d=1"], answer=[ref, ref, ref, None])
+    want = [(first_token_confidence(tokenizer, model, "Is a=3 in a=3 d=2?") + first_token_confidence(tokenizer, model, "Is d=1 in a=3 d=2?")) / 2,
+            0.0,  # no plan stage: nothing asked
+            (first_token_confidence(tokenizer, model, "Is a=3 in ?") + first_token_confidence(tokenizer, model, "Is d=1 in ?")) / 2,
+            None]  # no reference: no verdict
+    assert got[1] == 0.0 and got[3] is None
+    assert got[0] == pytest.approx(want[0], abs=1e-5) and got[2] == pytest.approx(want[2], abs=1e-5)
+    assert 0.0 < got[0] < 1.0 and got[0] != got[2]  # a soft verdict that reads the stage text
+    # the programmatic judge on the same rows: 1 of 2 items, 0, 0, None
+    assert build("reward", "stage_rubric")(["p"] * 4, ["<p>a=3 d=2</p>", "<a>4</a>", "<p></p>", "x"], answer=[ref, ref, ref, None]) == [0.5, 0.0, 0.0, None]
+
+
+def test_stage_rubric_lm_judge_refused_without_its_role(tmp_path):
+    from test_trainer import make_trainer
+
+    from groupwise.rewards._common import RewardError
+
+    with pytest.raises(ConfigError, match=r"names no frozen role.*roles\.judge"):
+        make_trainer(tmp_path, 'data.task="evidence"', 'rewards=[{name="stage_rubric", judge="role:judge"}]', "eval.size=0")
+    with pytest.raises(RewardError, match="never given its model"):
+        build("reward", "stage_rubric", judge="role:judge")(["p"], ["<p>a=3</p>"], answer=["<p>a=3</p>"])
+    for bad, match in [({"judge": "gpt"}, "judge"), ({"question": "Is {item} ok?"}, "stage"), ({"template": "Q"}, "question"),
+                       ({"match": "exact"}, "match")]:
+        with pytest.raises(ConfigError, match=match):
+            build("reward", "stage_rubric", **bad)

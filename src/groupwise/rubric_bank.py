@@ -4,9 +4,9 @@
 2605.10899 (spec 39). In the paper a reflection meta-policy (the policy's own weights under another
 prompt) turns a judged trajectory into a rubric-grounded reflection; accepted reflections are stored
 in a "rubric bank" and retrieved into later prompts. The spec's CPU analogue: short hint strings,
-the bank a dict keyed by task type. Only the data structure and the reward's form are built here;
-generating reflections, training the meta-policy with GRPO over G reflections and putting retrieved
-reflections into prompts are NOT built (no trainer path uses this module yet).
+the bank a dict keyed by task type. The data structure and the reward's form are here; the rollout
+strategy ``rubricem_reflect`` (``rollout/rubricem_reflect.py``) generates the reflections, trains them
+with GRPO over G reflections, fills the bank and retrieves from it into later prompts.
 
 **Math** [INFERRED] (the spec's form)::
 

@@ -142,6 +142,27 @@ def yes_no_confidence(top_logprobs: Mapping[str, float] | Sequence[tuple[str, fl
     return p["yes"] / total if total > 0 else said_yes
 
 
+def ask_judge(judge: Any, questions: Sequence[str], template: str = "{question} Answer yes or no:", top_logprobs: int = 5,
+              binary: bool = False, match: str = "word") -> list[float]:
+    """A frozen judge policy's yes-confidence on each question (``yes_no_confidence`` of its first
+    answer token), one no-grad batch of one-token rows through ``Policy.scoring_models`` / ``score``."""
+    from groupwise.types import Rollout
+
+    N = len(questions)
+    if N == 0:
+        return []
+    prompts = [list(judge.encode(template.format(question=q))) for q in questions]
+    rows = Rollout(prompt_ids=prompts, actions=torch.zeros(N, 1, 1, dtype=torch.long), mask=torch.ones(N, 1, 1, dtype=torch.bool),
+                   group_valid=torch.ones(N, 1, dtype=torch.bool), truncated=torch.zeros(N, 1, dtype=torch.bool),
+                   prompt_index=torch.arange(N))
+    with torch.no_grad(), judge.scoring_models(with_reference=False)["policy"]() as module:
+        logq = judge.score(module, rows, ["logprobs"])["logprobs"][:, 0, 0, :].float().cpu()  # [N,V]
+    texts = judge.token_texts()
+    top = logq.topk(min(top_logprobs, logq.shape[-1]), dim=-1)  # [N,k]
+    return [yes_no_confidence([(texts[i], v) for v, i in zip(vals.tolist(), ids.tolist())], texts[ids[0]], binary, match)
+            for vals, ids in zip(top.values, top.indices)]
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 1.0
 
@@ -191,9 +212,40 @@ def decompose(completion: str, keys: Sequence[str]) -> tuple[list[tuple[str, flo
     return sem, qual
 
 
+class FrozenJudge:
+    """Mixin of a reward whose field ``judge = "role:NAME"`` names a frozen role: ``use_models`` keeps
+    that role's policy (``components.bind_models``), ``judge_model`` returns it; the class keeps a
+    ``_models`` dict field."""
+
+    judge: str
+    _models: dict
+
+    @property
+    def role(self) -> str | None:
+        return self.judge[5:] if self.judge.startswith("role:") else None
+
+    def _who(self) -> str:
+        return f"reward {getattr(self, 'registry_name', type(self).__name__)!r}"
+
+    def use_models(self, models: Mapping[str, Any]) -> None:
+        """The frozen roles' policies by name; a ``role:`` judge keeps its own (a missing role is refused)."""
+        if self.role is None:
+            return
+        if self.role not in models:
+            raise ConfigError(f"{self._who()}: judge={self.judge!r} names no frozen role; frozen roles: {sorted(models) or 'none'} "
+                              f"(add [roles.{self.role}] with frozen = true and its model)")
+        self._models = {self.role: models[self.role]}
+
+    def judge_model(self) -> Any:
+        if self.role not in self._models:
+            raise RewardError(f"{self._who()}: judge={self.judge!r} was never given its model; run it in a trainer with "
+                              f"[roles.{self.role}] frozen = true")
+        return self._models[self.role]
+
+
 @register("reward", "dv_reward")
 @dataclass
-class DVReward:
+class DVReward(FrozenJudge):
     """Decompositional verifiable reward: judge yes-confidences on atomic questions, pooled (AlphaGRPO, spec 27)."""
 
     method: str = "geometric"
@@ -222,19 +274,6 @@ class DVReward:
             raise ConfigError(f"reward 'dv_reward': k={self.k} must be > 0 (the programmatic judge's sharpness)")
 
     # ------------------------------------------------------------------ judges
-    @property
-    def role(self) -> str | None:
-        return self.judge[5:] if self.judge.startswith("role:") else None
-
-    def use_models(self, models: Mapping[str, Any]) -> None:
-        """The frozen roles' policies by name (``components.bind_models``); a ``role:`` judge keeps its own."""
-        if self.role is None:
-            return
-        if self.role not in models:
-            raise ConfigError(f"reward 'dv_reward': judge={self.judge!r} names no frozen role; frozen roles: {sorted(models) or 'none'} "
-                              f"(add [roles.{self.role}] with frozen = true and its model)")
-        self._models = {self.role: models[self.role]}
-
     def ask_programmatic(self, margins: Sequence[float]) -> list[float]:
         out = []
         for m in margins:
@@ -245,25 +284,7 @@ class DVReward:
 
     def ask_lm(self, questions: Sequence[str]) -> list[float]:
         """The frozen judge role's verdicts on ``questions`` through the policy protocol (Note 5)."""
-        from groupwise.types import Rollout
-
-        if self.role not in self._models:
-            raise RewardError(f"reward 'dv_reward': judge={self.judge!r} was never given its model; run it in a trainer with "
-                              f"[roles.{self.role}] frozen = true")
-        judge = self._models[self.role]
-        N = len(questions)
-        if N == 0:
-            return []
-        prompts = [list(judge.encode(self.template.format(question=q))) for q in questions]
-        rows = Rollout(prompt_ids=prompts, actions=torch.zeros(N, 1, 1, dtype=torch.long), mask=torch.ones(N, 1, 1, dtype=torch.bool),
-                       group_valid=torch.ones(N, 1, dtype=torch.bool), truncated=torch.zeros(N, 1, dtype=torch.bool),
-                       prompt_index=torch.arange(N))
-        with torch.no_grad(), judge.scoring_models(with_reference=False)["policy"]() as module:
-            logq = judge.score(module, rows, ["logprobs"])["logprobs"][:, 0, 0, :].float().cpu()  # [N,V]
-        texts = judge.token_texts()
-        top = logq.topk(min(self.top_logprobs, logq.shape[-1]), dim=-1)  # [N,k]
-        return [yes_no_confidence([(texts[i], v) for v, i in zip(vals.tolist(), ids.tolist())], texts[ids[0]], self.binary, self.match)
-                for vals, ids in zip(top.values, top.indices)]
+        return ask_judge(self.judge_model(), questions, self.template, self.top_logprobs, self.binary, self.match)
 
     # ------------------------------------------------------------------ the reward
     def components(self, completions: Sequence[str], attrs: Sequence[Any]) -> list[tuple[list[float], list[float], float]]:

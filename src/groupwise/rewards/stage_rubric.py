@@ -18,11 +18,23 @@ intermediate values correct; answer correct")::
 A rubric item is one piece of the reference's stage, scored 1 when the completion's stage has the
 same piece at the same place; extra pieces lower the score (the max in the denominator).
 
+The LM judge (``judge = "role:NAME"``, a frozen role ``roles.NAME``) asks one yes/no question per
+rubric item instead and takes the mean of its yes-confidences (DVReward's ``yes_no_confidence`` on the
+judge's first answer token, ``rewards/dvreward.py``: ``ask_judge``)::
+
+    q_i      = question.format(item = ref_i, stage = seg(x))           one per reference item
+    c_i      = P(yes) / (P(yes) + P(no))   over the judge's top ``top_logprobs`` first tokens for
+               template.format(question = q_i)   (``match``: "prefix" counts "y"/"n")
+    s        = mean_i c_i                         0 when x has no such stage (nothing asked)
+
 **Defaults**
 
 - ``judge = "reference"`` [INFERRED] the rubric items are the pieces of the reference solution's
-  stage (column ``column``), the spec's "programmatic rubrics per stage". A frozen-LM judge
-  (``roles.NAME.frozen``) is NOT built: see Notes 4.
+  stage (column ``column``), the spec's "programmatic rubrics per stage"; ``"role:NAME"`` is the LM
+  judge above (the spec's judge; the rubric items are still the reference's pieces).
+- LM judge only: ``question = "Is {item} in {stage}?"``, ``template = "{question} Answer yes or no:"``
+  (DVReward's), ``top_logprobs = 5`` (DVReward's [CODE]), ``match = "prefix"`` [INFERRED] (the
+  shipped ``judge`` model answers with a first token ``y``/``n``).
 - ``column = "answer"`` [INFERRED] the reference solution column of the built-in tasks (``evidence``).
 - ``tags = ["<p>", "</p>"]`` [INFERRED] the ``evidence`` task's first stage.
 - ``split = "[\\s+]+"`` [INFERRED] whitespace and '+': ``a=3 d=1`` -> [a=3, d=1], ``3+1`` -> [3, 1].
@@ -36,9 +48,14 @@ same piece at the same place; extra pieces lower the score (the max in the denom
    is scored on what it wrote (a segment runs to the end of the text, ``textspans``).
 2. A row whose reference is ``None`` or has no such stage (no items) gets ``None`` (no verdict).
 3. Only the first segment counts on both sides.
-4. The spec's judge is an LM with stage-specific, evolving (self-generated) rubrics; this CPU
-   analogue's rubric is fixed and programmatic. Scoring through a frozen LM role would need a
-   prompt template and a verdict parser per stage and is left undone (report of spec 39).
+4. The spec's judge is an LM with stage-specific, evolving (self-generated) rubrics; here the rubric
+   items are fixed (the reference's pieces) whichever judge scores them; self-generated, evolving
+   rubrics are not built.
+5. LM judge: every (row, item) question of one call goes to the judge as one no-grad batch; a
+   question longer than the judge's context has its stage text shortened from the end until it fits.
+   The role reaches the reward through ``use_models`` (``components.bind_models``); a ``role:`` judge
+   without that frozen role is refused at build, and one never given its model (built outside a
+   trainer) is a ``RewardError`` when called. The LM judge ignores extra pieces (it scores the items).
 """
 
 from __future__ import annotations
@@ -49,6 +66,7 @@ from typing import Any, Sequence
 
 from groupwise.registry import ConfigError, register
 from groupwise.rewards._common import get_column
+from groupwise.rewards.dvreward import MATCHES, FrozenJudge, ask_judge
 from groupwise.textspans import check_tags, tag_spans
 
 
@@ -70,20 +88,31 @@ def rubric_score(pred: list[str] | None, ref: list[str]) -> float:
 
 @register("reward", "stage_rubric")
 @dataclass
-class StageRubric:
+class StageRubric(FrozenJudge):
     """One stage of a tagged completion scored by the rubric items of the reference's same stage (RubricEM, spec 39)."""
 
     tags: list = field(default_factory=lambda: ["<p>", "</p>"])
     column: str = "answer"
     split: str = r"[\s+]+"
     judge: str = "reference"
+    question: str = "Is {item} in {stage}?"
+    template: str = "{question} Answer yes or no:"
+    top_logprobs: int = 5
+    match: str = "prefix"
     label: str = ""
     weight: float = 1.0
+    _models: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_tags(self.tags, "reward stage_rubric: tags", need_open=True)
-        if self.judge != "reference":
-            raise ConfigError(f"reward stage_rubric: judge must be 'reference' (the programmatic judge; an LM judge is not built), got {self.judge!r}")
+        if self.judge != "reference" and not (self.judge.startswith("role:") and len(self.judge) > 5):
+            raise ConfigError(f"reward stage_rubric: judge={self.judge!r}; use 'reference' (the programmatic judge) or 'role:NAME' (a frozen LM role roles.NAME)")
+        if "{item}" not in self.question or "{stage}" not in self.question:
+            raise ConfigError(f"reward stage_rubric: question={self.question!r} must contain {{item}} and {{stage}}")
+        if "{question}" not in self.template:
+            raise ConfigError(f"reward stage_rubric: template={self.template!r} must contain {{question}}")
+        if self.match not in MATCHES or not isinstance(self.top_logprobs, int) or self.top_logprobs < 1:
+            raise ConfigError(f"reward stage_rubric: match={self.match!r} (one of {MATCHES}) and top_logprobs={self.top_logprobs!r} (an int >= 1)")
         try:
             re.compile(self.split)
         except re.error as err:
@@ -91,10 +120,40 @@ class StageRubric:
         if re.fullmatch(self.split, "") is not None:
             raise ConfigError(f"reward stage_rubric: split={self.split!r} matches the empty string; use e.g. '[\\\\s+]+'")
 
+    def questions(self, stage: str, items: list[str]) -> list[str]:
+        """The LM judge's question on each rubric item, the stage text shortened until it fits the judge (Notes 5)."""
+        judge = self.judge_model()
+        room = getattr(judge, "context", None)
+        out = []
+        for item in items:
+            text = stage
+            while True:
+                q = self.question.format(item=item, stage=text)
+                if not room or not text or len(judge.encode(self.template.format(question=q))) < room:
+                    break
+                text = text[:-1]
+            out.append(q)
+        return out
+
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]:
         refs = get_column(columns, self.column, len(completions), "stage_rubric")
         out: list[float | None] = []
+        asks: list[tuple[int, list[str]]] = []  # LM judge: (row, its questions)
         for text, ref in zip(completions, refs):
             ref_items = None if ref is None else stage_items(str(ref), self.tags, self.split)
-            out.append(None if not ref_items else rubric_score(stage_items(text, self.tags, self.split), ref_items))
+            if not ref_items:
+                out.append(None)
+            elif self.role is None:
+                out.append(rubric_score(stage_items(text, self.tags, self.split), ref_items))
+            else:
+                spans = tag_spans(text, self.tags)
+                out.append(0.0)
+                if spans:
+                    asks.append((len(out) - 1, self.questions(text[spans[0][0]: spans[0][1]], ref_items)))
+        if asks:
+            conf = ask_judge(self.judge_model(), [q for _, qs in asks for q in qs], self.template, self.top_logprobs, False, self.match)
+            i = 0
+            for row, qs in asks:
+                out[row] = sum(conf[i: i + len(qs)]) / len(qs)
+                i += len(qs)
         return out

@@ -36,6 +36,13 @@ a 33-token reference)
    so the splits are disjoint whatever ``n`` and ``seed`` a caller asks for.
 2. Every passage has the same length (15 characters), as the spec's "random passage of equal
    length" asks of the corruption.
+3. ``evidence_hinted`` (a warm-start task for RubricEM's reflection strategy, spec 39,
+   ``rollout/rubricem_reflect.py``): the same rows, where with probability ``HINT_RATE = 0.5`` the
+   prompt starts with a hint line ``"hint:{h}\n"`` (the strategy's default context), ``h`` a random
+   slice (``1..HINT_CHARS = 16`` characters) of another row's reference answer; the answer is
+   unchanged. [INFERRED] it lets a short sft warm start see hinted prompts, so that a prompt carrying a
+   reflection is not out of distribution for the policy (the hints carry nothing: the policy learns
+   to read past them, RL has to make them useful).
 """
 
 from __future__ import annotations
@@ -110,3 +117,22 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
 
 register_task(Task("evidence", "quote two facts of a passage, add them: 'c=5 a=3 d=1 b=7\\na+d?' -> '<p>a=3 d=1</p><r>3+1</r><a>4</a>'",
                    rows, reward=REWARD))
+
+
+HINT_RATE, HINT_CHARS = 0.5, 16
+
+
+def hinted_rows(split: str, n: int, seed: int = 0) -> list[dict]:
+    """``rows`` with a random hint line in front of about half the prompts (Notes 3)."""
+    out = rows(split, n, seed)
+    rng = random.Random(seed * 7919 + (1 if split == "train" else 2))
+    for row in out:
+        if rng.random() < HINT_RATE:
+            other = out[rng.randrange(len(out))]["answer"]
+            start = rng.randrange(len(other))
+            row["prompt"] = f"hint:{other[start: start + rng.randint(1, HINT_CHARS)]}\n{row['prompt']}"
+    return out
+
+
+register_task(Task("evidence_hinted", "evidence with a random hint line before half the prompts (a warm start for rollout rubricem_reflect)",
+                   hinted_rows, reward=REWARD))
