@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {info['torch']}, transformers {info['transformers']}, TRL {info['trl']}")
     log("TRL settings made explicit (its defaults are wrong for this CPU comparison): bf16=False, fp16=False, "
         "gradient_checkpointing=False, use_cpu=True, learning_rate=<cell lr>, lr_scheduler_type=constant, adam_beta2=0.99, "
-        "use_bias_correction_kl=False; logging/saving/eval off, dataloader_num_workers=0")
+        "use_bias_correction_kl=False; logging/saving/eval off, dataloader_num_workers=0 (the -bf16 rows: bf16=True)")
     if args.per_step:
         result = learning_per_step(args.tta_model.resolve(), args.per_step_steps, args.per_step_every, args.per_step_seeds,
                                    args.tta_eval_size, args.tta_threads or threads, rundir)
