@@ -12,6 +12,12 @@ count (``probe``: a fraction of a second) and turns bfloat16 on only where it is
 ``MIN_SPEEDUP`` times faster: a CPU with bfloat16 matrix units (AVX512-BF16, AMX) measures ~4x on
 a 512-wide GEMM; one without them emulates bfloat16 and measures it slower, so it stays float32 and
 the run says so. The decision is made by measurement, never by a CPU name.
+
+Explicit casts, not ``torch.autocast``, on the functional path (``policy/functional.py``): autocast
+turns ``addmm``'s residual into bfloat16 and casts the weights again at every decode step; measured
+on the demo at one thread (AVX512-BF16 EPYC, shared), the training forward + backward ran 2.6x
+faster than float32 with explicit casts and 1.3x with autocast, generation 1.35x and 1.28x. The
+model's own (Hugging Face) forward, used off the functional path, runs under autocast.
 """
 
 from __future__ import annotations
