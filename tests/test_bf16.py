@@ -84,6 +84,26 @@ def test_bf16_generation_keeps_float32_logp_and_nearly_the_same_samples(demo):
     assert 0 < error.max() < FUNCTIONAL_MAX
 
 
+@pytest.mark.parametrize("functional", [True, False])
+def test_both_engine_paths_run_bf16_products_with_float32_logp(functional):
+    """The functional decoder (bf16 weight snapshots) and the model's own forward (autocast): float32
+    log-probs of the same greedy tokens within bf16 rounding of float32's, and not equal to them."""
+    from groupwise.engines.cpu import CPUEngine
+    from test_functional import EOS, PAD, PROMPTS
+
+    model = tiny_model("qwen3")
+    seeds = torch.arange(len(PROMPTS) * 2)
+    exact = CPUEngine(model, [EOS], PAD, functional=functional).generate(PROMPTS, 2, seeds, 5, greedy=True)
+    engine = CPUEngine(model, [EOS], PAD, functional=functional, matmul=BF16)
+    assert engine.functional == functional
+    low = engine.generate(PROMPTS, 2, seeds, 5, greedy=True)
+    assert low.logp.dtype == torch.float32
+    first = exact.mask[..., :1] & low.mask[..., :1]  # [B,n,1] the first token: the same context in both
+    assert bool((low.tokens[..., 0] == exact.tokens[..., 0]).all())
+    error = (low.logp[..., :1] - exact.logp[..., :1]).abs()[first]
+    assert 1e-5 < float(error.max()) < FUNCTIONAL_MAX
+
+
 def test_decode_state_snapshots_gemm_weights_in_bf16_and_keeps_norms_float32():
     model = tiny_model("qwen3")
     state = DecodeState(model, BF16)

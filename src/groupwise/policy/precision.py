@@ -121,6 +121,12 @@ def resolve(setting: str, config: Any = None, device: str = "cpu",
     shape = probe_shape(config)
     fp32, bf16 = (measure or (lambda m, k, n: probe(m, k, n, device=str(device))))(*shape)
     on, why = decide(fp32, bf16)
+    from groupwise import dist
+
+    if dist.world_size() > 1:  # every rank the same products: bfloat16 only where every rank measured it faster
+        slower_somewhere = dist.agree([not on])[0]
+        if on and slower_somewhere:
+            on, why = False, f"{why}, but another rank measured otherwise: staying float32 on every rank"
     return MatmulChoice(setting, "bfloat16" if on else "float32", round(fp32, 1), round(bf16, 1), shape, threads, why)
 
 
