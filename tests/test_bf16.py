@@ -248,3 +248,34 @@ def test_a_resumed_auto_run_keeps_the_dtype_its_start_measured(tmp_path, monkeyp
     assert "restored from the checkpoint" in resumed.policy.matmul.reason
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
+
+
+_RANKS_SCRIPT = """
+import sys
+from groupwise import dist
+from groupwise.policy import precision
+rank, world = dist.init()
+fast = [r == 'fast' for r in sys.argv[2:]][rank]  # what this rank's probe measures
+config = type('Config', (), {'hidden_size': 128, 'intermediate_size': 384})()
+choice = precision.resolve('auto', config, measure=lambda m, k, n: (100.0, 400.0 if fast else 50.0))
+open(f'{sys.argv[1]}/rank{rank}.txt', 'w').write(choice.dtype)  # a file per rank: printed lines of two ranks can interleave
+import torch.distributed
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # no rank exits while the other still talks to it (gloo aborts then)
+"""
+
+
+@pytest.mark.parametrize("measured, dtype", [(["fast", "fast"], "bfloat16"), (["fast", "slow"], "float32")])
+def test_ranks_agree_on_the_products(tmp_path, measured, dtype):
+    """Under torchrun every rank runs the same products: bfloat16 only where every rank measured it faster."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(_RANKS_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path), *measured],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [dtype, dtype]
