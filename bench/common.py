@@ -55,10 +55,12 @@ class Cell:
     warmup: int = 2  # steps run before timing starts
     steps: int = 5  # timed steps (one step = one rollout + its mu optimiser steps)
     max_pairs: int = 0  # cap on A/B pairs for this cell (0 = no cap)
+    matmul: str = "float32"  # float32 | bfloat16: the products' dtype (groupwise model.matmul; TRL bf16=True), bench/bf16.py
 
     @property
     def name(self) -> str:
         extra = ("" if self.loss == "dapo" else f"-{self.loss}") + (f"-beta{self.beta:g}" if self.beta else "") + (f"-mu{self.mu}" if self.mu != 1 else "")
+        extra += "-bf16" if self.matmul == "bfloat16" else ""
         return f"{self.preset}-{self.prompts}x{self.group}-L{self.length}{extra}"
 
     @property

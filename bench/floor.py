@@ -74,11 +74,12 @@ def step_products(cell: Cell, config: dict[str, Any], prompt_tokens: int) -> Cou
     return products
 
 
-def time_product(m: int, k: int, n: int, repeats: int = 5, budget_s: float = 0.3) -> float:
-    """Best seconds of ``[m,k] @ [k,n]`` into a reused output over ``repeats`` (fewer past ``budget_s``)."""
+def time_product(m: int, k: int, n: int, repeats: int = 5, budget_s: float = 0.3, dtype: str = "float32") -> float:
+    """Best seconds of ``[m,k] @ [k,n]`` in ``dtype`` into a reused output over ``repeats`` (fewer past ``budget_s``)."""
     import torch
 
-    a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+    kind = getattr(torch, dtype)
+    a, b, out = torch.randn(m, k, dtype=kind), torch.randn(k, n, dtype=kind), torch.empty(m, n, dtype=kind)
     torch.mm(a, b, out=out)  # warm: MKL's first call per shape sets up its kernels
     best, end = float("inf"), time.perf_counter() + budget_s
     for _ in range(repeats):
@@ -101,20 +102,21 @@ def prompt_tokens(preset: str = "tiny", sample: int = 2000) -> int:
 
 
 def gemm_floors(cells: list[Cell], configs: dict[str, dict[str, Any]], prompt_tokens: int, threads: int) -> dict[str, float]:
-    """Seconds of GEMM floor per cell name (shapes shared between cells are timed once)."""
+    """Seconds of GEMM floor per cell name, in the cell's products' dtype (``cell.matmul``: the bf16 rows'
+    floor is timed in bfloat16); a shape and dtype shared between cells is timed once."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    timed: dict[tuple[int, int, int], float] = {}
+    timed: dict[tuple[tuple[int, int, int], str], float] = {}
     floors = {}
     try:
         for cell in cells:
             total = 0.0
             for shape, count in step_products(cell, configs[cell.preset], prompt_tokens).items():
-                if shape not in timed:
-                    timed[shape] = time_product(*shape)
-                total += count * timed[shape]
+                if (shape, cell.matmul) not in timed:
+                    timed[shape, cell.matmul] = time_product(*shape, dtype=cell.matmul)
+                total += count * timed[shape, cell.matmul]
             floors[cell.name] = total
     finally:
         torch.set_num_threads(previous)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH, DOC, OFFLINE_ENV, RESULTS, ROOT, RUNS, Cell, gemm_flops, machine, matrix, parse_cell, quick_matrix, select  # noqa: E402
 from floor import gemm_floors, prompt_tokens  # noqa: E402
+import bf16  # noqa: E402
 
 DEFAULT_TTA_MODEL = ROOT / "src" / "groupwise" / "models" / "default"
 WORKER = BENCH / "worker.py"
@@ -481,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-step-every", type=int, default=50)
     parser.add_argument("--per-step-seeds", type=int, default=3)
     parser.add_argument("--skip-matrix", action="store_true")
+    parser.add_argument("--bf16-cells", default=bf16.BF16_CELLS, help="cells also run with bf16 matrix products (rows ending -bf16) "
+                        "where the GEMM probe measures bf16 >= 1.3x faster (name substrings; 'none': no bf16 row)")
     parser.add_argument("--ablation", action="store_true", help=f"groupwise-only ablation of its optimisations on {ABLATION_CELLS} (or --cells)")
     parser.add_argument("--out-dir", type=Path, default=None, help="where results go (default bench/, --quick bench/runs/quick/)")
     parser.add_argument("--doc", type=Path, default=None, help="markdown file to update (default docs/performance.md; --quick: none)")
@@ -529,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {info['torch']}, transformers {info['transformers']}, TRL {info['trl']}")
     log("TRL settings made explicit (its defaults are wrong for this CPU comparison): bf16=False, fp16=False, "
         "gradient_checkpointing=False, use_cpu=True, learning_rate=<cell lr>, lr_scheduler_type=constant, adam_beta2=0.99, "
-        "use_bias_correction_kl=False; logging/saving/eval off, dataloader_num_workers=0")
+        "use_bias_correction_kl=False; logging/saving/eval off, dataloader_num_workers=0 (the -bf16 rows: bf16=True)")
     if args.per_step:
         result = learning_per_step(args.tta_model.resolve(), args.per_step_steps, args.per_step_every, args.per_step_seeds,
                                    args.tta_eval_size, args.tta_threads or threads, rundir)
@@ -552,6 +555,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for preset in sorted({c.preset for c in cells}):
         build(preset)
+    bf16_decision = None  # the bf16 rows: only where this CPU's bf16 GEMM measures faster (bench/bf16.py)
+    twins = [] if args.ablation or args.skip_matrix else bf16.bf16_cells(cells, args.bf16_cells)
+    if twins:
+        bf16_decision = bf16.probe({p: json.loads((BENCH / "models" / p / "config.json").read_text()) for p in {c.preset for c in twins}}, threads)
+        log(f"bf16 probe: {bf16_decision['reason']}" + (f"; bf16 rows: {', '.join(c.name for c in twins)}" if bf16_decision["on"] else ""))
+        cells += twins if bf16_decision["on"] else []
     flops_before = gemm_flops(threads)
     log(f"fp32 GEMM: {flops_before / 1e9:.1f} GFLOP/s at {threads} threads")
 
@@ -586,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     # bf16 matmuls are a speed lever only where the CPU has bf16 units (AMX, AVX512-BF16): measure, do not assume
     flops = {"before": flops_before, "after": flops_after, "used": max(flops_before, flops_after),
              "bf16": gemm_flops(threads, n=512, seconds=1.0, dtype="bfloat16")}
-    summaries = [summarize(e["cell"], e["rounds"], flops["used"], threads, floors.get(e["cell"].name)) for e in entries]
+    summaries = [summarize(e["cell"], e["rounds"], flops["bf16"] if e["cell"].matmul == "bfloat16" else flops["used"], threads,
+                           floors.get(e["cell"].name)) for e in entries]
     for s in summaries:
         log(f"{s['cell']}: groupwise {_f(s.get('groupwise_step_s'))} s/step, TRL {_f(s.get('trl_step_s'))} s/step, "
             f"speed-up {_f(s.get('ratio'), '{:.2f}x')}")
@@ -615,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             (out_dir / RESULTS.name).write_text(json.dumps(summaries, indent=1) + "\n")
         (out_dir / "run_info.json").write_text(json.dumps({"machine": info, "gemm_flops": flops, "command": command,
                                                            "wall_seconds": wall, "rundir": str(rundir), "tta": tta,
-                                                           "generation": gen}, indent=1) + "\n")
+                                                           "generation": gen, "bf16": bf16_decision}, indent=1) + "\n")
         if summaries:
             log("results:\n" + results_table(summaries))
         if tta:
@@ -626,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sections["machine"] = machine_section(info, flops, command, wall)
         if summaries:
-            sections["results"] = results_table(summaries)
+            note = bf16.present_note(bf16_decision) if bf16_decision and bf16_decision["on"] else bf16.absent_note(bf16_decision)
+            sections["results"] = results_table(summaries) + f"\n\n{note}"
         if tta is not None:
             sections["tta"] = tta_section(tta)
         if gen is not None:

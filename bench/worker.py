@@ -46,7 +46,8 @@ MAX_GRAD_NORM = 1.0
 
 
 def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, group: int, length: int, loss: str,
-                        beta: float, mu: int, lr: float, epsilon: float, micro_groups: int, steps: int, seed: int = 0) -> list[str]:
+                        beta: float, mu: int, lr: float, epsilon: float, micro_groups: int, steps: int, seed: int = 0,
+                        matmul: str = "float32") -> list[str]:
     """groupwise ``key=value`` overrides for one configuration (used with no recipe or on top of one)."""
     terms: list[Any] = [{"name": "ppo_clip", "eps_low": epsilon, "eps_high": epsilon}]
     if beta > 0:
@@ -58,6 +59,7 @@ def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, gro
         "threads": threads,
         "model.path": model,
         "model.dtype": "float32",
+        "model.matmul": matmul,  # bfloat16: the bf16 rows (products in bf16 over float32 master weights)
         "data.task": "arithmetic",
         "rollout.group_size": group,
         "rollout.prompts_per_step": prompts,
@@ -85,7 +87,7 @@ def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, gro
 
 
 def trl_config(*, out: str, prompts: int, group: int, length: int, loss: str, beta: float, mu: int, lr: float,
-               epsilon: float, micro_groups: int, max_steps: int, seed: int = 0):
+               epsilon: float, micro_groups: int, max_steps: int, seed: int = 0, bf16: bool = False):
     """The ``GRPOConfig`` equivalent to :func:`groupwise_overrides` (see bench/README.md for each line)."""
     import dataclasses
 
@@ -97,7 +99,7 @@ def trl_config(*, out: str, prompts: int, group: int, length: int, loss: str, be
         seed=seed,
         # TRL defaults that are wrong for this comparison on a CPU, set explicitly:
         use_cpu=True,
-        bf16=False,  # TRL default: True (bf16 autocast); both frameworks run fp32 here
+        bf16=bf16,  # TRL default: True (bf16 autocast); both frameworks run fp32 here except in the bf16 rows
         fp16=False,
         gradient_checkpointing=False,  # TRL default: True (recomputes activations: slower)
         learning_rate=lr,  # TRL default: 1e-6
@@ -172,7 +174,7 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
     ablation = _groupwise_ablation()
     overrides = groupwise_overrides(model=model, threads=threads, out=workdir, prompts=cell.prompts, group=cell.group,
                                     length=cell.length, loss=cell.loss, beta=cell.beta, mu=cell.mu, lr=cell.lr,
-                                    epsilon=cell.epsilon, micro_groups=cell.micro, steps=cell.warmup + cell.steps)
+                                    epsilon=cell.epsilon, micro_groups=cell.micro, steps=cell.warmup + cell.steps, matmul=cell.matmul)
     trainer = groupwise_trainer(overrides + ablation)
     m = Measurement("groupwise", cell.name, threads=torch.get_num_threads(), **parameter_counts(trainer.model))
     m.setup_seconds = time.perf_counter() - t0
@@ -194,7 +196,8 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
     m.peak_rss_mb = peak_rss_mb()
     m.notes = {"ablation": ablation, "mean_completion_len": sum(lengths) / len(lengths), "torch_threads_after": torch.get_num_threads(),
                "micro_batch_groups": cell.micro,
-               "perf": dict(vars(trainer.cfg.perf)), "functional_engine": trainer.policy.engine.functional}
+               "perf": dict(vars(trainer.cfg.perf)), "functional_engine": trainer.policy.engine.functional,
+               "matmul": trainer.policy.matmul.dtype}
     return m
 
 
@@ -260,7 +263,7 @@ def measure_trl(cell: Cell, model: str, threads: int, workdir: str) -> Measureme
     t0 = time.perf_counter()
     args = trl_config(out=workdir, prompts=cell.prompts, group=cell.group, length=cell.length, loss=cell.loss,
                       beta=cell.beta, mu=cell.mu, lr=cell.lr, epsilon=cell.epsilon, micro_groups=cell.micro,
-                      max_steps=(cell.warmup + cell.steps) * cell.mu)
+                      max_steps=(cell.warmup + cell.steps) * cell.mu, bf16=cell.matmul == "bfloat16")
     timer = _step_timer()
     trainer = _trl_trainer(args, model, [timer])
     timer.trainer = trainer

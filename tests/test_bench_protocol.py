@@ -84,12 +84,29 @@ def test_gemm_floor_counts_the_products_one_step_needs_worked_by_hand():
 def test_gemm_floor_sums_timed_products(monkeypatch):
     import floor
 
-    monkeypatch.setattr(floor, "time_product", lambda m, k, n: m * k * n * 1e-9)  # a machine at 1 GMAC/s
+    monkeypatch.setattr(floor, "time_product", lambda m, k, n, dtype="float32": m * k * n * 1e-9)  # a machine at 1 GMAC/s
     cell = common.Cell("tiny", 1, 2, 3)
     seconds = floor.gemm_floors([cell], {"tiny": TOY}, prompt_tokens=5, threads=1)[cell.name]
     macs = sum(m * k * n * count for (m, k, n), count in floor.step_products(cell, TOY, 5).items())
     assert seconds == pytest.approx(macs * 1e-9)
     assert macs == 5 * (8 + 4 + 12 + 6) * 4 + 4 * 10 + 2 * (2 * (8 + 4 + 12 + 6) * 4 + 2 * 4 * 10) + 3 * (11 * (8 + 4 + 12 + 6) * 4 + 6 * 4 * 10)
+
+
+def test_bf16_rows_are_twins_timed_in_bf16_and_absent_with_the_reason(monkeypatch):
+    import bf16
+    import floor
+
+    cells = [common.Cell("tiny", 4, 8, 16), common.Cell("tiny", 64, 8, 16), common.Cell("small", 1, 8, 16)]
+    twins = bf16.bf16_cells(cells, "tiny-4x8-L16,small-1x8")
+    assert [c.name for c in twins] == ["tiny-4x8-L16-bf16", "small-1x8-L16-bf16"] and {c.matmul for c in twins} == {"bfloat16"}
+    assert bf16.bf16_cells(cells, "none") == [] and bf16.bf16_cells(twins, "tiny") == []  # a bf16 cell has no twin
+    speed = {"float32": 1e-9, "bfloat16": 0.25e-9}  # a machine whose bf16 GEMM is 4x faster
+    monkeypatch.setattr(floor, "time_product", lambda m, k, n, dtype="float32": m * k * n * speed[dtype])
+    fp32, low = (floor.gemm_floors([c], {"tiny": TOY}, prompt_tokens=5, threads=1)[c.name] for c in (cells[0], twins[0]))
+    assert low == pytest.approx(fp32 / 4)
+    slower = {"on": False, "reason": "GEMM probe: float32 180.0 GFLOP/s, bfloat16 1.3 GFLOP/s", "fp32_gflops": 180.0, "bf16_gflops": 1.3}
+    assert bf16.absent_note(slower).startswith("_bf16 rows absent: this CPU's bf16 GEMM is slower than fp32 (GEMM probe")
+    assert "less than 1.3× faster" in bf16.absent_note({**slower, "bf16_gflops": 200.0}) and bf16.absent_note({**slower, "on": True}) == ""
 
 
 def test_budget_evaluates_every_k_units_and_at_the_limit():

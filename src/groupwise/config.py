@@ -25,7 +25,8 @@ RECIPES = Path(__file__).resolve().parent / "recipes"
 @dataclass
 class ModelCfg:
     path: str = "default"  # "default" = the tiny model shipped in the package; or a folder / hub id
-    dtype: str = "float32"  # float32 | bfloat16 (matmul dtype; log-probs, ratios, advantages stay float32)
+    dtype: str = "float32"  # float32 | bfloat16: the dtype the WEIGHTS are loaded and trained in (bfloat16 weights have no float32 master; for bfloat16 products over float32 weights use `matmul`)
+    matmul: str = "float32"  # float32 | bfloat16 | auto: the dtype of the model's matrix products over float32 master weights (generation and training); norms, attention softmax, log-probs, ratios, advantages and losses stay float32. auto: a GEMM probe at start turns bfloat16 on where it measures >= 1.3x faster (the decision and both GFLOP/s are said and kept in summary.json `matmul`)
     device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda when available); under torchrun each rank takes cuda:LOCAL_RANK
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
     policy: str = "lm"  # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy (arguments in `params`)
@@ -262,7 +263,8 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "micro_batch_groups": (lambda v: v >= 0, "an integer >= 0 (0 = the whole mini-batch)"),
         "max_seconds": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
     },
-    "ModelCfg": {"ref_sync_every": (lambda v: v >= 0, "an integer >= 0 (0 = never)"), "ref_sync_alpha": (lambda v: 0 < v <= 1, "a number in (0, 1]")},
+    "ModelCfg": {"ref_sync_every": (lambda v: v >= 0, "an integer >= 0 (0 = never)"), "ref_sync_alpha": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                 "matmul": (lambda v: v in ("float32", "bfloat16", "auto"), "one of float32, bfloat16, auto")},
     "LogCfg": {"samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"), "samples_every": (lambda v: v >= 1, "an integer >= 1"),
                "table_every": (lambda v: v >= 0, "an integer >= 0 (0 = off)")},
     "RewardCfg": {"timeout_s": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"), "max_empty_steps": (lambda v: v >= 1, "an integer >= 1")},

@@ -159,6 +159,9 @@ class RunLoop:
 
     def _train(self, allow: list[str]) -> dict[str, Any]:
         self._resume(allow)
+        self.summary.update(getattr(self.policy, "run_info", {}))  # what the policy decided at start (model.matmul), kept in summary.json
+        for note in getattr(self.policy, "run_notes", []):
+            self._say(note)
         self._run_phases()
         if self._finished():
             self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train further, raise "

@@ -11,7 +11,10 @@ One call samples ``n`` completions for each of ``B`` prompts, all ``B*n`` rows d
 
 The model runs through ``policy.functional.DecodeState`` (fused weights, a preallocated KV cache
 written in place) when it is a float32 Llama-family model, else through its own forward and a
-``DynamicCache`` (``_HFState``); both give the same logits to float rounding.
+``DynamicCache`` (``_HFState``); both give the same logits to float rounding. ``matmul``
+(``model.matmul=bfloat16``, ``policy/precision.py``) runs the GEMMs in bfloat16 on either path
+(fused bfloat16 weight snapshots in the functional decoder; autocast around the model's own
+forward); sampling and ``logp`` work on float32 logits either way.
 
 Generation hooks (``groupwise.hooks``: prompt-embedding deltas, residual-stream additions) are
 applied per row on either path; a call with hooks the functional decoder does not support
@@ -35,6 +38,7 @@ from groupwise.engines.seeds import gumbel_span, noise_at
 from groupwise.hooks import KINDS as HOOK_KINDS
 from groupwise.hooks import hook_kinds, residual_module, row_hooks
 from groupwise.policy.functional import DecodeState, unsupported_reason
+from groupwise.policy.precision import autocast
 
 # Sampling works on blocks of rows so that the [rows, V] noise buffers stay ~32 MB with a big vocab.
 _SAMPLE_BLOCK_ELEMENTS = 1 << 22
@@ -187,8 +191,8 @@ class _HFState:
 
     hooks = frozenset(HOOK_KINDS)
 
-    def __init__(self, model, cache_arg: str, can_keep_last: bool):
-        self.model, self.cache_arg, self.can_keep_last = model, cache_arg, can_keep_last
+    def __init__(self, model, cache_arg: str, can_keep_last: bool, matmul: torch.dtype | None = None):
+        self.model, self.cache_arg, self.can_keep_last, self.matmul = model, cache_arg, can_keep_last, matmul
         self.cache = DynamicCache(config=model.config)
         self.attention = torch.empty(0)
         self.steer_add: Tensor | None = None  # [A,D] what each live row adds after the steered layer
@@ -220,7 +224,8 @@ class _HFState:
         else:
             embeds = self.model.get_input_embeddings()(input_ids)  # [N,W,D]
             kwargs["inputs_embeds"] = embeds + embed_add.to(embeds.device, embeds.dtype)
-        out = self.model(attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        with autocast(input_ids.device, self.matmul):
+            out = self.model(attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         return out.logits[:, -1, :].float()  # [N,V]
 
     def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int, embed_add: Tensor | None = None) -> Tensor:
@@ -250,13 +255,15 @@ class CPUEngine:
     ``drop_finished=False`` keeps finished rows in the batch until the end; ``functional=False``
     decodes through the model's own forward even when ``policy.functional`` supports the model.
     ``hooks``: the generation hook kinds it can apply (``groupwise.hooks``), on either path.
+    ``matmul``: the GEMMs' dtype when not float32 (``model.matmul``); may be changed between calls.
     """
 
     hooks = frozenset(HOOK_KINDS)
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, share_prefix: bool = True, drop_finished: bool = True,
-                 functional: bool = True):
+                 functional: bool = True, matmul: torch.dtype | None = None):
         self.model = model
+        self.matmul = matmul
         self.eos_token_ids = torch.tensor(list(eos_token_ids), dtype=torch.long)
         self.pad_token_id = int(pad_token_id)
         self.share_prefix = share_prefix
@@ -276,8 +283,8 @@ class CPUEngine:
         """Decoding state for one call; the functional one snapshots the current weights. Generation
         hooks of a kind the functional decoder does not apply send the call down the model's own forward."""
         if self.functional and unsupported_reason(self.model) is None and kinds <= DecodeState.hooks:  # module hooks may come and go
-            return DecodeState(self.model)
-        return _HFState(self.model, self._cache_arg, self._can_keep_last)
+            return DecodeState(self.model, self.matmul)
+        return _HFState(self.model, self._cache_arg, self._can_keep_last, self.matmul)
 
     def _left_pad(self, prompt_ids: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
         """(input_ids [B,L], attention_mask [B,L] bool, prompt lengths [B]) with prompts left-padded."""

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from groupwise.policy import functional as functional_forward
 from groupwise.policy.functional import unsupported_reason
+from groupwise.policy.precision import autocast, linear
 
 
 def _completion_lengths(mask: Tensor, rows: Tensor) -> Tensor:
@@ -92,11 +93,16 @@ def _layout_cost(model, sizes: list[int], capacity: int) -> float:
     return len(bins) * (width * 2 * layer_params + _ATTENTION_SLOWDOWN * 4 * hidden * width * width)
 
 
-def _head(model, hidden: Tensor) -> Tensor:
+def _head(model, hidden: Tensor, matmul: torch.dtype | None = None) -> Tensor:
     """The model's output head on selected hidden states [K,H] -> logits [K,V], with the logit
-    transforms some architectures apply after ``lm_head`` (scale, soft-capping)."""
+    transforms some architectures apply after ``lm_head`` (scale, soft-capping). ``matmul``: the
+    product in that dtype, the logits cast back to ``hidden``'s (float32 before any log-softmax)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    logits = base.get_output_embeddings()(hidden)  # [K,V]
+    head = base.get_output_embeddings()
+    if matmul is None or hidden.dtype == matmul:
+        logits = head(hidden)  # [K,V]
+    else:
+        logits = linear(hidden, head.weight.to(matmul), getattr(head, "bias", None))  # [K,V] in hidden's dtype
     config = base.config
     if getattr(config, "logit_scale", None):  # Cohere
         logits = logits * config.logit_scale
@@ -130,15 +136,17 @@ class _LayerTap:
 
 
 def _decoder_hidden(model, input_ids: Tensor, position_ids: Tensor, allowed: Tensor | None, attention_mask, layers: set[int],
-                    functional: bool) -> tuple[Tensor, dict[int, Tensor]]:
-    """([n,W,H] final-norm hidden states, {l: [n,W,H]}) from the functional decoder or the model's own."""
+                    functional: bool, matmul: torch.dtype | None = None) -> tuple[Tensor, dict[int, Tensor]]:
+    """([n,W,H] final-norm hidden states, {l: [n,W,H]}) from the functional decoder or the model's own
+    (``matmul``: explicit low-precision GEMMs in the former, autocast around the latter)."""
     device = next(model.parameters()).device
     if functional and unsupported_reason(model) is None:
         kept: dict[int, Tensor] = dict.fromkeys(layers)
-        hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device), kept if layers else None)
+        hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device), kept if layers else None,
+                                                  matmul=matmul)
         return hidden, kept
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with _LayerTap(model, layers) as kept:
+    with _LayerTap(model, layers) as kept, autocast(device, matmul):
         hidden = base.get_decoder()(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=attention_mask,
                                     use_cache=False).last_hidden_state  # [n,W,H]
     return hidden, dict(kept)
@@ -152,7 +160,7 @@ def _gather(hidden: Tensor, layers: dict[int, Tensor], at: Tensor) -> tuple[Tens
 
 
 def _packed_hidden(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 0,
-                   functional: bool = True, layers: set[int] = frozenset()) -> tuple[Tensor, dict[int, Tensor]]:
+                   functional: bool = True, layers: set[int] = frozenset(), matmul: torch.dtype | None = None) -> tuple[Tensor, dict[int, Tensor]]:
     """([K,H], {l: [K,H]}) hidden states predicting every completion token of the rows, in row order,
     from bins of packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and
     for each bin's padding tail), so every row attends only to itself."""
@@ -180,12 +188,12 @@ def _packed_hidden(model, sequences: list[list[int]], prompt_lengths: list[int],
         index = torch.arange(width)
         allowed = (segment[:, :, None] == segment[:, None, :]) & (index[:, None] >= index[None, :])  # [n_bins,q,k] own row, causal
     # off the functional path transformers reads the position restarts as packed sequences and builds the same mask
-    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, None, layers, functional)  # [n_bins,width,H]
+    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, None, layers, functional, matmul)  # [n_bins,width,H]
     return _gather(hidden, kept, predict_at)
 
 
 def _shared_prefix_hidden(model, prompts: list[list[int]], groups: list[int], completions: list[list[int]], pack_tokens: int = 0,
-                          functional: bool = True, layers: set[int] = frozenset()) -> tuple[Tensor, dict[int, Tensor]]:
+                          functional: bool = True, layers: set[int] = frozenset(), matmul: torch.dtype | None = None) -> tuple[Tensor, dict[int, Tensor]]:
     """([K,H], {l: [K,H]}) hidden states predicting every completion token, in row order, with each
     group's prompt computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G``
     and a custom attention mask lets completion k see the prompt and its own earlier tokens only (a
@@ -242,12 +250,12 @@ def _shared_prefix_hidden(model, prompts: list[list[int]], groups: list[int], co
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None].to(device)  # [n_bins,1,q,k]
-    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, additive, layers, functional)  # [n_bins,width,H]
+    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, additive, layers, functional, matmul)  # [n_bins,width,H]
     return _gather(hidden, kept, gather_at)
 
 
 def _padded_hidden(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int],
-                   layers: set[int] = frozenset()) -> tuple[Tensor, dict[int, Tensor]]:
+                   layers: set[int] = frozenset(), matmul: torch.dtype | None = None) -> tuple[Tensor, dict[int, Tensor]]:
     """As ``_packed_hidden`` but from a right-padded batch with an attention mask through the model's
     own decoder (the reference path)."""
     N, width = len(sequences), max(len(s) for s in sequences)
@@ -255,7 +263,8 @@ def _padded_hidden(model, sequences: list[list[int]], prompt_lengths: list[int],
     attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long)  # [N,L]
     at = torch.tensor([r * width + p - 1 + j for r, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)) for j in range(c)], dtype=torch.long)  # [K]
     device = next(model.parameters()).device
-    hidden, kept = _decoder_hidden(model, input_ids, torch.arange(width).expand(N, width), None, attention_mask.to(device), layers, functional=False)
+    hidden, kept = _decoder_hidden(model, input_ids, torch.arange(width).expand(N, width), None, attention_mask.to(device), layers, functional=False,
+                                   matmul=matmul)
     return _gather(hidden, kept, at)
 
 
@@ -345,6 +354,7 @@ def completion_logprobs(
     functional: bool = True,
     quantities=(),
     row_prompts: list[list[list[int]]] | None = None,
+    matmul: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
     """Per-token log-probs of ``actions`` [B,G,T] given each group's prompt, scattered back to [B,G,T].
     With ``row_prompts`` ([B][G] token lists: row contexts) each row is conditioned on its own
@@ -366,7 +376,9 @@ def completion_logprobs(
     group's length). ``pack_tokens`` caps a bin's length (0: the longest row or group).
     ``packed=False`` is the padded reference path. ``functional`` runs supported (Llama-family,
     float32) models through ``policy.functional.hidden_states`` instead of their own forward (same
-    values, fewer ops).
+    values, fewer ops). ``matmul``: the model's GEMMs (decoder and head) in that dtype when not
+    float32 (``model.matmul=bfloat16``, ``policy/precision.py``); logits are float32 before the
+    log-softmax, so every returned quantity is float32. (The eager ``attn_at`` / ``hidden_at`` pass stays float32.)
     """
     layers, topks, entropy_wanted, last_wanted = parse_quantities(quantities)
     full_wanted = "logprobs" in quantities
@@ -425,14 +437,14 @@ def completion_logprobs(
         row_sizes = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
         share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, row_sizes, pack_tokens)
     if packed and share_prefix:
-        hidden, kept = _shared_prefix_hidden(model, prompts, group_ids, completions, pack_tokens, functional, layers)  # [K,H]
+        hidden, kept = _shared_prefix_hidden(model, prompts, group_ids, completions, pack_tokens, functional, layers, matmul)  # [K,H]
     else:
         sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row
         if packed:
-            hidden, kept = _packed_hidden(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional, layers)  # [K,H]
+            hidden, kept = _packed_hidden(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional, layers, matmul)  # [K,H]
         else:
-            hidden, kept = _padded_hidden(model, sequences, prompt_lengths, completion_lengths, layers)  # [K,H]
-    logits = _head(model, hidden)  # [K,V]
+            hidden, kept = _padded_hidden(model, sequences, prompt_lengths, completion_lengths, layers, matmul)  # [K,H]
+    logits = _head(model, hidden, matmul)  # [K,V]
     logp, entropy = _token_stats(logits, targets, want_entropy)  # [K], [K]
     result["logp"] = result["logp"].masked_scatter(out_mask, logp)  # [B,G,T]
     if want_entropy:

@@ -11,7 +11,10 @@ a 2.4 s step at 32 rows x 128 tokens). Here the same function is a few torch ops
 * ``hidden_states`` (training, autograd): the same layer maths on the model's own parameters, with
   a caller-given attention mask (packed rows or a prompt-sharing tree).
 
-Both reproduce the model's own forward to float rounding (``tests/test_functional.py``); models
+Both reproduce the model's own forward to float rounding (``tests/test_functional.py``). With
+``matmul=torch.bfloat16`` (``model.matmul``, ``policy/precision.py``) only the GEMMs run in
+bfloat16 (weights cast once, inputs cast in, outputs cast back); norms, rotary, attention and the
+residual stream stay float32. Models
 outside the family, adapters (PEFT), sliding windows or non-float32 weights take the Hugging Face
 path (``unsupported_reason`` says why).
 """
@@ -25,6 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from groupwise.policy.precision import addmm as _addmm
+from groupwise.policy.precision import linear as _lin
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -95,10 +101,6 @@ def rotary(model, positions: Tensor) -> tuple[Tensor, Tensor]:
     return cos.reshape(shape), _signed(sin).reshape(shape)
 
 
-def _linear(x: Tensor, module) -> Tensor:
-    return F.linear(x, module.weight, module.bias)
-
-
 # --------------------------------------------------------------------------- RMSNorm in fewer ops
 # ``F.rms_norm`` on the CPU runs ~7 ops (pow, mean, add, rsqrt, two muls, a cast) and autograd records
 # each of them. Here ``rms = hypot(‖x‖, sqrt(D·eps)) / sqrt(D)``, which is sqrt(mean(x²) + eps)
@@ -156,10 +158,11 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_up: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        # ``weight`` in a lower dtype than ``gate_up`` (model.matmul=bfloat16): the two products run in it
         gate, up = gate_up.chunk(2, dim=-1)  # [...,I] each
         ctx.save_for_backward(gate_up, weight)
         ctx.has_bias = bias is not None
-        return F.linear(F.silu(gate).mul_(up), weight, bias)  # [...,D]
+        return _lin(F.silu(gate).mul_(up), weight, bias)  # [...,D]
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -169,9 +172,14 @@ class _SwiGLUDown(torch.autograd.Function):
         sig = torch.sigmoid(gate)  # [...,I]
         silu = gate * sig  # [...,I]
         flat_grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [N,D]
-        grad_weight = flat_grad_out.t() @ (silu * up).reshape(-1, up.shape[-1])  # [D,I] product recomputed, freed at once
         grad_bias = flat_grad_out.sum(0) if ctx.has_bias else None  # [D]
-        grad_product = grad_out @ weight  # [...,I]
+        if weight.dtype == gate_up.dtype:
+            grad_weight = flat_grad_out.t() @ (silu * up).reshape(-1, up.shape[-1])  # [D,I] product recomputed, freed at once
+            grad_product = grad_out @ weight  # [...,I]
+        else:  # both backward GEMMs in the weight's dtype (its gradient is cast to the float32 master by autograd)
+            low = weight.dtype
+            grad_weight = flat_grad_out.t().to(low) @ (silu * up).reshape(-1, up.shape[-1]).to(low)  # [D,I]
+            grad_product = (grad_out.to(low) @ weight).to(gate_up.dtype)  # [...,I]
         grad_gate_up = torch.empty_like(gate_up)  # [...,2I] written in place of a cat
         grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)  # [...,I] views
         torch.mul(grad_product, silu, out=grad_up)
@@ -180,11 +188,18 @@ class _SwiGLUDown(torch.autograd.Function):
         return grad_gate_up, grad_weight, grad_bias
 
 
-def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, layers: dict[int, Tensor] | None = None) -> Tensor:
+def _low(weight: Tensor, low: torch.dtype | None) -> Tensor:
+    """``weight`` cast to the products' dtype (differentiable: the gradient returns in float32), or as it is."""
+    return weight if low is None else weight.to(low)
+
+
+def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, layers: dict[int, Tensor] | None = None,
+                  matmul: torch.dtype | None = None) -> Tensor:
     """[N,W,D] final-norm hidden states for ``input_ids`` [N,W] at ``positions`` [N,W]; ``allowed``
     [N,W,W] bool says which key each query sees (every query must see at least itself).
     ``layers``: a dict whose keys name residual-stream states to keep (0 = the embeddings, l = after
-    decoder layer l); they are written into it as [N,W,D].
+    decoder layer l); they are written into it as [N,W,D]. ``matmul``: the GEMMs' dtype when not
+    float32 (``model.matmul``); the rest stays float32.
 
     Gradients flow to the model's parameters; the maths is the model's own layer by layer."""
     inner = model.model
@@ -201,8 +216,8 @@ def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, 
         H, K = attn.q_proj.weight.shape[0] // hd, attn.k_proj.weight.shape[0] // hd
         h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
         # one GEMM for q|k|v and one for gate|up: fewer, larger products (their backward splits the gradient)
-        qkv = F.linear(h, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                       _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)).view(N, W, H + 2 * K, hd)  # [N,W,H+2K,hd]
+        qkv = _lin(h, _low(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), matmul),
+                   _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)).view(N, W, H + 2 * K, hd)  # [N,W,H+2K,hd]
         q, k, v = qkv.split([H, K, K], dim=2)  # [N,W,H|K|K,hd]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
@@ -210,10 +225,10 @@ def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, 
         q = _rotate(q.transpose(1, 2), cos, sin_signed)  # [N,H,W,hd]
         k = _rotate(k.transpose(1, 2), cos, sin_signed)  # [N,K,W,hd]
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K)  # [N,H,W,hd]
-        x = x + _linear(out.transpose(1, 2).reshape(N, W, H * hd), attn.o_proj)  # [N,W,D]
+        x = x + _lin(out.transpose(1, 2).reshape(N, W, H * hd), _low(attn.o_proj.weight, matmul), attn.o_proj.bias)  # [N,W,D]
         h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-        gate_up = F.linear(h, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj))  # [N,W,2I]
-        x = x + _SwiGLUDown.apply(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)  # [N,W,D]
+        gate_up = _lin(h, _low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), matmul), _cat_bias(mlp.gate_proj, mlp.up_proj))  # [N,W,2I]
+        x = x + _SwiGLUDown.apply(gate_up, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias)  # [N,W,D]
         if layers is not None and index + 1 in layers:
             layers[index + 1] = x
     return rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)  # [N,W,D]
@@ -265,13 +280,17 @@ class DecodeState:
     [R,W,D] to the prompt's input embeddings; ``steer(layer, add)`` adds ``add`` [R,D] (one vector
     per row) to the residual stream after decoder layer ``layer`` (0: the embeddings) at every
     position, in the prefill and every step.
+
+    ``matmul``: the GEMMs' dtype when not float32 (``model.matmul``): the projection and head
+    matrices are snapshotted in it; activations, norms, the cache and attention stay float32.
     """
 
     hooks = frozenset({"embed_delta", "residual_add"})
 
     @torch.no_grad()
-    def __init__(self, model):
+    def __init__(self, model, matmul: torch.dtype | None = None):
         self.model = model
+        low = (lambda t: t) if matmul is None else (lambda t: t.to(matmul))  # noqa: E731 the GEMM weights' snapshot dtype
         inner = model.model
         first = inner.layers[0].self_attn
         self.head_dim = first.head_dim
@@ -285,20 +304,20 @@ class DecodeState:
             qk_norm = None
             if hasattr(attn, "q_norm"):
                 qk_norm = torch.cat([attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)]).contiguous()
-            o, down = attn.o_proj.weight.detach().clone(), mlp.down_proj.weight.detach().clone()
+            o, down = low(attn.o_proj.weight.detach().clone()), low(mlp.down_proj.weight.detach().clone())
             self.layers.append(_LayerWeights(
                 norm_in=layer.input_layernorm.weight.detach().clone(), eps_in=layer.input_layernorm.variance_epsilon,
-                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                qkv=low(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
                 qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
                 qk_norm=qk_norm, eps_qk=attn.q_norm.variance_epsilon if qk_norm is not None else 0.0,
                 o=o, o_t=o.t(), o_bias=_clone(attn.o_proj.bias),
                 norm_post=layer.post_attention_layernorm.weight.detach().clone(), eps_post=layer.post_attention_layernorm.variance_epsilon,
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                gate_up=low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
                 gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
                 down=down, down_t=down.t(), down_bias=_clone(mlp.down_proj.bias)))
         self.embed = inner.embed_tokens.weight.detach()  # [V,D] read-only lookups: no copy
         self.final_norm, self.eps_final = inner.norm.weight.detach().clone(), inner.norm.variance_epsilon
-        self.head = model.lm_head.weight.detach().clone()  # [V,D]
+        self.head = low(model.lm_head.weight.detach().clone())  # [V,D]
         self.head_bias = _clone(getattr(model.lm_head, "bias", None))
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
@@ -320,7 +339,7 @@ class DecodeState:
         R, S, D = x.shape
         H, K, hd = self.heads, self.kv_heads, self.head_dim
         h = rms_norm(x, w.norm_in, w.eps_in).view(R * S, D)  # [R*S,D]
-        qkv = F.linear(h, w.qkv, w.qkv_bias)  # [R*S,(H+2K)*hd]
+        qkv = _lin(h, w.qkv, w.qkv_bias)  # [R*S,(H+2K)*hd]
         qkv = qkv.view(R, S, H + 2 * K, hd)
         qk = qkv[:, :, : H + K]  # [R,S,H+K,hd]
         if w.qk_norm is not None:
@@ -328,20 +347,20 @@ class DecodeState:
         qk = _rotate(qk.transpose(1, 2), cos, sin_signed)  # [R,H+K,S,hd]
         out = attend(qk[:, :H], qk[:, H:], qkv[:, :, H + K :].transpose(1, 2))  # [R,H,S,hd]
         x = x.view(R * S, D)
-        x = torch.addmm(x, out.transpose(1, 2).reshape(R * S, H * hd), w.o_t)  # [R*S,D] residual folded in
+        x = _addmm(x, out.transpose(1, 2).reshape(R * S, H * hd), w.o_t)  # [R*S,D] residual folded in
         if w.o_bias is not None:
             x = x + w.o_bias
         h = rms_norm(x, w.norm_post, w.eps_post)  # [R*S,D]
-        gate_up = F.linear(h, w.gate_up, w.gate_up_bias)  # [R*S,2I]
+        gate_up = _lin(h, w.gate_up, w.gate_up_bias)  # [R*S,2I]
         gate, up = gate_up.chunk(2, dim=-1)  # [R*S,I] each
-        x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [R*S,D]
+        x = _addmm(x, F.silu(gate).mul_(up), w.down_t)  # [R*S,D]
         if w.down_bias is not None:
             x = x + w.down_bias
         return x.view(R, S, D)
 
     def _logits(self, x: Tensor) -> Tensor:
         h = rms_norm(x, self.final_norm, self.eps_final)  # [R,D]
-        return F.linear(h, self.head, self.head_bias)  # [R,V]
+        return _lin(h, self.head, self.head_bias)  # [R,V] float32
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
@@ -399,7 +418,7 @@ class DecodeState:
             x = x + self.steer_add  # [A,D]
         for index, (w, keys, values) in enumerate(zip(self.layers, self.keys, self.values)):
             h = rms_norm(x, w.norm_in, w.eps_in)  # [A,D]
-            qkv = F.linear(h, w.qkv, w.qkv_bias).view(A, H + 2 * K, hd)  # [A,H+2K,hd]
+            qkv = _lin(h, w.qkv, w.qkv_bias).view(A, H + 2 * K, hd)  # [A,H+2K,hd]
             qk = qkv.narrow(1, 0, H + K)  # [A,H+K,hd]
             if w.qk_norm is not None:
                 qk = rms_norm(qk, w.qk_norm, w.eps_qk)  # [A,H+K,hd]
@@ -414,11 +433,11 @@ class DecodeState:
             else:  # GQA without repeating the cache: the H/K query heads of each kv head share one matmul
                 scores = torch.matmul(q.reshape(A, K, H // K, hd), past_keys.transpose(-1, -2)).mul_(self.scaling).add_(bias)  # [A,K,H/K,seen]
                 out = torch.matmul(scores.softmax(dim=-1), past_values)  # [A,K,H/K,hd]
-            x = torch.addmm(x, out.reshape(A, H * hd), w.o_t)  # [A,D] residual folded in
+            x = _addmm(x, out.reshape(A, H * hd), w.o_t)  # [A,D] residual folded in
             if w.o_bias is not None:
                 x = x + w.o_bias
-            gate, up = F.linear(rms_norm(x, w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [A,I] each
-            x = torch.addmm(x, F.silu(gate).mul_(up), w.down_t)  # [A,D]
+            gate, up = _lin(rms_norm(x, w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [A,I] each
+            x = _addmm(x, F.silu(gate).mul_(up), w.down_t)  # [A,D]
             if w.down_bias is not None:
                 x = x + w.down_bias
             if self.steer_layer == index + 1:

@@ -10,6 +10,8 @@ from typing import Any, Iterator
 
 import torch
 
+from groupwise.policy import precision
+
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -148,8 +150,11 @@ class LMPolicy:
         self.module.to(self.device)
         self.perf = perf
         self.eos = eos_ids(self.module, self.tokenizer)
+        base = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+        # model.matmul: the products' dtype over float32 master weights (auto: measured here, once)
+        self.matmul = precision.resolve(getattr(model_cfg, "matmul", "float32"), base.config, self.device)
         self.engine = CPUEngine(self.module, self.eos, self.tokenizer.pad_token_id, share_prefix=perf.share_prefix,
-                                drop_finished=perf.drop_finished, functional=perf.functional)
+                                drop_finished=perf.drop_finished, functional=perf.functional, matmul=self.matmul.low)
         self.context: int | None = getattr(self.module.config, "max_position_embeddings", None)
         self.reference: Reference | None = None
         self._token_texts: list[str] | None = None  # built on first use (token_texts)
@@ -241,7 +246,7 @@ class LMPolicy:
         perf = self.perf
         out = completion_logprobs(self.module if module is None else module, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid,
                                   want_entropy=want_entropy, packed=perf.packed, share_prefix=None if perf.share_prefix else False,
-                                  functional=perf.functional, quantities=quantities, row_prompts=rollout.ctx or None)
+                                  functional=perf.functional, quantities=quantities, row_prompts=rollout.ctx or None, matmul=self.matmul.low)
         if self.device.type != "cpu":  # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
             out = {key: value.to("cpu", non_blocking=False) for key, value in out.items()}
         return out
@@ -301,10 +306,23 @@ class LMPolicy:
         if not self.engine.functional:
             self.module.eval()
 
+    @property
+    def run_info(self) -> dict:
+        """What the run records about this policy (``summary.json``): the products' dtype and why."""
+        return {"matmul": self.matmul.as_dict()}
+
+    @property
+    def run_notes(self) -> list[str]:
+        """Lines the run says once at start."""
+        return [self.matmul.line()] if self.matmul.setting != "float32" else []
+
     def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "reference": self.reference.state_dict() if self.reference else {}}
+        return {"model": self.module.state_dict(), "reference": self.reference.state_dict() if self.reference else {}, "matmul": self.matmul.dtype}
 
     def load_state_dict(self, state: dict) -> None:
+        # a resumed model.matmul=auto run keeps the dtype its start measured (a new probe could decide otherwise)
+        self.matmul = precision.restored(self.matmul, state.get("matmul", self.matmul.dtype))
+        self.engine.matmul = self.matmul.low
         self.module.load_state_dict(state["model"])
         if self.reference is not None:
             self.reference.load_state_dict(state["reference"])
