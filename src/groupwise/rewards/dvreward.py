@@ -238,7 +238,8 @@ class DVReward:
     def ask_programmatic(self, margins: Sequence[float]) -> list[float]:
         out = []
         for m in margins:
-            p = 1.0 / (1.0 + math.exp(-self.k * m))
+            x = self.k * m
+            p = 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))  # stable for any margin
             lp = {"yes": math.log(p) if p > 0 else -math.inf, "no": math.log1p(-p) if p < 1 else -math.inf}
             out.append(yes_no_confidence(lp, "yes" if p >= 0.5 else "no", self.binary))
         return out
