@@ -126,11 +126,17 @@ class VelocityMLP(nn.Module):
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
         self.out = nn.Linear(hidden, 2)
 
-    def forward(self, x: Tensor, sigma: Tensor, label: Tensor) -> Tensor:
+    def forward(self, x: Tensor, sigma: Tensor, label: Tensor | None, extra: Tensor | None = None) -> Tensor:
+        """``label`` None: no label embedding; ``extra`` [N,H]: a further condition embedding added to it."""
         x, sigma = x.to(self.freqs.dtype), sigma.to(self.freqs.dtype)  # the parameters' dtype
         f = sigma[:, None] * self.freqs  # [N,F]
         feats = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f)], dim=-1)  # [N,3+2F]
-        h = nn.functional.silu(self.inp(feats) + self.label(label))  # [N,H]
+        pre = self.inp(feats)  # [N,H]
+        if label is not None:
+            pre = pre + self.label(label)  # [N,H]
+        if extra is not None:
+            pre = pre + extra.to(pre.dtype)  # [N,H]
+        h = nn.functional.silu(pre)  # [N,H]
         for layer in self.hidden:
             h = nn.functional.silu(layer(h))  # [N,H]
         return self.out(h)  # [N,2]
@@ -197,8 +203,20 @@ class FlowPolicy:
                 idx[b, j] = torch.randint(self.window, (1,), generator=g) if self.sde == "one_per_row" else group_idx
         return x1, eps, idx
 
+    def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
+        """v_θ [N,2] of points x [N,2] at σ [N] for labels [N]; ``cond`` [N,...] a subclass's further condition (None here)."""
+        return self.net(x, sigma, label)  # [N,2]
+
+    def _stored_condition(self, rollout: Rollout, sel: Tensor) -> Tensor | None:
+        """The further condition of the selected trained steps ``sel`` [B,G,T] (None: the label is all)."""
+        return None
+
     @torch.no_grad()
     def generate(self, requests: Sequence[Request], sampling: dict, info: StepInfo) -> Rollout:
+        return self._generate_flow(requests, sampling, info, None)
+
+    def _generate_flow(self, requests: Sequence[Request], sampling: dict, info: StepInfo, cond: Tensor | None) -> Rollout:
+        """The rows of ``requests`` (``cond`` [B,G,...]: a further per-row condition for ``_velocity``, or None)."""
         if not requests or any(r.n < 1 for r in requests):
             raise ValueError("FlowPolicy.generate needs at least one request, each with n >= 1")
         labels = torch.tensor([self.encode(r.prompt)[0] for r in requests])  # [B]
@@ -213,7 +231,7 @@ class FlowPolicy:
         rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
         for i in range(K):
             s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
-            v = self.net(x, s, lab)  # [N,2]
+            v = self._velocity(x, s, lab, None if cond is None else cond.reshape(N, *cond.shape[2:]))  # [N,2]
             sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
             x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,2] ODE step
             if sde_rows.any():
@@ -262,7 +280,7 @@ class FlowPolicy:
         s, sp = rollout.extras["flow_sigma"][sel], rollout.extras["flow_sigma_next"][sel]  # [M], [M]
         logp = torch.zeros(sel.shape)  # [B,G,T]
         if sel.any():
-            v = self.net(x, s, lab)  # [M,2]
+            v = self._velocity(x, s, lab, self._stored_condition(rollout, sel))  # [M,2]
             logp[sel] = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, prev_sample=x_next)[1]  # [M]
         out = {"logp": logp}
         if "entropy" in quantities:
