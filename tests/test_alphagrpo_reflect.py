@@ -231,3 +231,22 @@ def test_two_steps_with_fpr_compose(tmp_path, objective):
         want = per_prompt_advantages(r.reshape(-1), ids, valid=batch.group_valid.reshape(-1)).reshape(batch.shape[:2])
         torch.testing.assert_close(batch.advantages, want.float())
         assert 0.0 <= row["reflect/improved"] <= 1.0 and "reflect/refined_reward" in row
+
+
+@pytest.mark.parametrize("select", ["lowest", pytest.param("softmax", marks=pytest.mark.slow)])
+def test_reflection_step_under_two_ranks_equals_one_process(tmp_path, select):
+    """The two rounds shard their requests over ranks and gather; the selection and the FPR advantage
+    read the gathered batch: one step over 2 ranks (torchrun, gloo) equals one process."""
+    import sys
+
+    from test_dist_phases import SGD, _run
+
+    args = ["alphagrpo_reflect", SGD, f'rollout.params={{initial=2, select="{select}"}}']
+    one_row, one = _run([sys.executable, "-m", "groupwise"], args, tmp_path / "one")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"]
+    two_row, two = _run(torchrun, args, tmp_path / "two")
+    assert one_row["grad_norm"] > 0 and one_row["reflect/any_improved"] == 1.0
+    for key in ("loss", "reflect/improved", "reflect/stage1_reward", "reflect/refined_reward"):
+        assert abs(one_row[key] - two_row[key]) < 1e-6, (key, one_row[key], two_row[key])
+    for name, weight in one.items():
+        torch.testing.assert_close(two[name], weight, atol=1e-6, rtol=1e-5, msg=name)
