@@ -123,6 +123,26 @@ def test_strategy_output_and_fpr_advantage_by_hand():
     assert stats["reflect/stage1_reward"] == pytest.approx(0.3) and stats["reflect/refined_reward"] == pytest.approx(0.4375)
 
 
+def test_train_first_adds_the_attempts_as_their_own_group():
+    ctx = Scripted(first=[[0.6, 0.3]], refined=[[0.5, 0.25, 0.3, 0.7]])
+    batch = build("rollout", "alphagrpo_reflect", initial=2, train_first=True)(ctx)
+    assert batch.shape[:2] == (2, 4) and batch.group_valid.tolist() == [[True, True, False, False], [True] * 4]
+    assert batch.ctx[0][:2] == [encode("p5=")] * 2 and batch.ctx[1] == [encode("p5=51\n" + INSTRUCTION)] * 4
+    s = batch.extras["stage1_reward"]
+    assert math.isnan(float(s[0])) and float(s[1]) == pytest.approx(0.3)
+    adv = build("advantage", "alphagrpo", fpr=True, by="group")(batch, ctx.info())
+    # the attempts' group: plain (r − mean)/(std + 1e-4) of [0.6, 0.3] (FPR leaves a NaN stage-1 group alone); the refinements: spec 27's FPR numbers
+    _close(adv, [[0.15 / 0.1501, -0.15 / 0.1501, 0, 0], [0.3013, -0.9040, -0.9040, 1.5066]])
+    policy = type("P", (), {"request_options": (), "modality": "text", "hooks": ()})()
+    strategy = build("rollout", "alphagrpo_reflect", initial=2, train_first=True)
+    check_strategy(strategy, policy, [build("advantage", "alphagrpo", fpr=True, by="group")])
+    for bad in ({"fpr": True}, {"by": "group", "baseline": "group_mean"}):
+        with pytest.raises(ConfigError, match="train_first"):
+            check_strategy(strategy, policy, [build("advantage", "alphagrpo", **bad)])
+    with pytest.raises(ConfigError, match="initial >= 2"):
+        build("rollout", "alphagrpo_reflect", train_first=True)
+
+
 def test_no_refinement_improved_gives_a_zero_step():
     ctx = Scripted(first=[[0.3], [0.8]], refined=[[0.1, 0.3, 0.2, 0.0], [0.8, 0.5, 0.7, 0.8]], keys=(1, 2))
     strategy = build("rollout", "alphagrpo_reflect")

@@ -35,6 +35,12 @@ for FPR (``fpr = true``) or as a baseline (``baseline = "group_mean"`` / ``"grpo
   instruction as a user turn.
 - ``instruction = "Reflect: check each attribute, then answer again="`` [INFERRED] the paper's
   reflection prompt asks for a critique and a fix; the toy's ends in ``=`` as its prompts do.
+- ``train_first = false`` [INFERRED] only the refinements are trained (the reflection task alone);
+  ``true`` also trains the stage-1 attempts, as a group of their own under the plain prompt (GRPO
+  among the ``initial >= 2`` attempts; ``stage1_reward`` NaN, so FPR leaves them as they are) —
+  the paper trains generation and reflection in one model. The batch is then ``[first groups;
+  refinement groups]``, two groups per prompt: the estimator must keep groups apart (``by =
+  "group"``) and use the plain baseline, which ``check`` enforces at build.
 
 **Notes**
 
@@ -49,7 +55,7 @@ for FPR (``fpr = true``) or as a baseline (``baseline = "group_mean"`` / ``"grpo
 4. The refinements are scored under ``meta`` of the original row (the rewards see the dataset prompt,
    never the reflection context); their old log-probs are taken by the trainer's first forward under
    the reflection context, the context they were sampled under.
-5. The sampler's ``keep`` runs on the refined groups. ``step_stats``: ``reflect/improved``,
+5. The sampler's ``keep`` runs on the refined groups (and, with ``train_first``, on the first ones). ``step_stats``: ``reflect/improved``,
    ``reflect/any_improved``, ``reflect/stage1_reward`` (mean of the refined attempts' rewards) and
    ``reflect/refined_reward`` (mean raw reward of the refinements).
 """
@@ -99,16 +105,33 @@ class AlphaGRPOReflect:
     select: str = "lowest"
     template: str = TEMPLATE
     instruction: str = INSTRUCTION
+    train_first: bool = False
 
     def __post_init__(self) -> None:
         if self.initial < 1:
             raise ConfigError(f"rollout alphagrpo_reflect: initial={self.initial} must be >= 1 (attempts per prompt in stage 1)")
+        if self.train_first and self.initial < 2:
+            raise ConfigError(f"rollout alphagrpo_reflect: train_first needs initial >= 2 (a group of one attempt has no advantage); got initial={self.initial}")
         if self.select not in SELECTS:
             raise ConfigError(f"rollout alphagrpo_reflect: select={self.select!r}; use one of {', '.join(SELECTS)}")
         for key in ("{prompt}", "{completion}", "{instruction}"):
             if key not in self.template:
                 raise ConfigError(f"rollout alphagrpo_reflect: template={self.template!r} must contain {key}")
         self._stats: dict[str, float] = {}
+
+    def check(self, components: list) -> None:
+        """At build, with ``train_first``: the batch holds two groups per prompt (first attempts and
+        refinements), so an estimator that pools a prompt's groups or reads the stage-1 baseline would
+        mix them (the first groups' ``stage1_reward`` is NaN)."""
+        if not self.train_first:
+            return
+        for c in components:
+            if getattr(c, "stage", "") != "advantage":
+                continue
+            if getattr(c, "by", "group") == "prompt" or getattr(c, "baseline", "group") != "group":
+                raise ConfigError(f"rollout alphagrpo_reflect: train_first puts the first attempts and the refinements of a prompt in two groups; "
+                                  f"the estimator {getattr(c, 'registry_name', type(c).__name__)!r} pools by={getattr(c, 'by', None)!r} / "
+                                  f"baseline={getattr(c, 'baseline', None)!r}: use by=\"group\", baseline=\"group\"")
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
         ids = ctx.draw(ctx.batch_size)
@@ -137,7 +160,10 @@ class AlphaGRPOReflect:
                        "reflect/any_improved": float(bool(better.any())),
                        "reflect/stage1_reward": float(s[finite].mean()) if bool(finite.any()) else float("nan"),
                        "reflect/refined_reward": float(refined.rewards[ok].mean()) if n_ok else float("nan")}
-        keep = ctx.keep(refined)  # [B] bool
+        if self.train_first:  # Defaults: the first attempts as groups of their own, under the plain prompt
+            first.set_extra("stage1_reward", torch.full((first.shape[0],), float("nan")), "group")
+            refined = Rollout.concat([first, refined])  # [2B,...]
+        keep = ctx.keep(refined)  # [B] bool (or [2B])
         return refined if bool(keep.all()) else refined.select(keep.nonzero().flatten())
 
     def step_stats(self) -> dict[str, float]:
