@@ -48,6 +48,10 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
    σ = 0.2 (noise scale std·√(−dt) = 0.057).
 4. ``sampling`` (temperature, max_new_tokens, ...) is ignored: the SDE noise is fixed by the schedule.
    ``encode(label) -> [label]`` and ``decode(rollout) -> [B][G] "x,y"`` mirror the LM policy's.
+5. Subclasses condition the velocity on more than the label through two hooks: ``_velocity(x, σ,
+   label, cond)`` (``cond`` [N,...] per row, from ``_generate_flow``'s ``cond`` [B,G,...]) and
+   ``_stored_condition(rollout, sel)`` (the same condition for the stored steps, at training); the
+   ``unified`` policy (``modalities/unified.py``) passes its think tokens this way.
 """
 
 from __future__ import annotations
