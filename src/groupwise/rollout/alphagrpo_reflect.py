@@ -137,13 +137,12 @@ class AlphaGRPOReflect:
         ids = ctx.draw(ctx.batch_size)
         info = ctx.info(0)
         first = ctx.rollout([Request(key=i, n=self.initial) for i in ids])
-        chosen, stage1, requests = [], [], []
+        stage1, requests = [], []
         for b, key in enumerate(ids):
             gen = torch.Generator().manual_seed((info.seed * 1_000_003 + info.step) * 1_000_003 + int(key)) if self.select == "softmax" else None
             j = select_attempt(first.rewards[b], first.group_valid[b], self.select, gen)
             stage1.append(float(first.rewards[b, j]) if j >= 0 else float("nan"))
             j = max(j, 0)  # Note 2: no finite attempt -> the first row, stage-1 reward NaN
-            chosen.append(j)
             text = reflection_context(first.meta[b]["prompt"], first.completions[b][j], self.instruction, self.template)
             requests.append(Request(key=key, n=ctx.group_size, offset=self.initial, prompt=ctx.policy.encode(text)))
         refined = ctx.rollout(requests)
