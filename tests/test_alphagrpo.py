@@ -96,6 +96,9 @@ def test_programmatic_reward_by_hand():
     r(["p"], ["7"], attrs=["even,lt50"], log_metric=lambda k, v: metrics.__setitem__(k, v))
     assert metrics["dv_sat"] == 0.5 and metrics["dv_sc"] == pytest.approx((no + sig(4 * 8.5)) / 2)
     assert metrics["dv_pq"] == pytest.approx((yes + no) / 2)  # 7 is a whole number, not two-digit
+    # a huge number: margins of ±2e11 (lt50) saturate the sigmoid instead of overflowing exp
+    big = r(["p"], ["999999999999"], attrs=["lt50"])[0]
+    assert big == pytest.approx(math.sqrt(0.0 * (yes + no) / 2), abs=1e-12)  # SC = P(yes) = 0 exactly
 
 
 def test_reward_config_errors():

@@ -63,6 +63,10 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
    with δ = 0 read C^orig exactly (bit-identical to unhooked sampling). ``forward`` always reads
    C^orig: the stored trajectory is scored on the original condition (the reference-anchored
    update). ``prompt_encoder()`` is E²PO phase I's view (``phases/e2po_perturb.prompt_space``).
+6. Subclasses condition the velocity on more than the label through two hooks: ``_velocity(x, σ,
+   label, cond)`` (``cond`` [N,...] per row, from ``_generate_flow``'s ``cond`` [B,G,...]) and
+   ``_stored_condition(rollout, sel)`` (the same condition for the stored steps, at training); the
+   ``unified`` policy (``modalities/unified.py``) passes its think tokens this way.
 """
 
 from __future__ import annotations
@@ -148,12 +152,17 @@ class VelocityMLP(nn.Module):
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
         self.out = nn.Linear(hidden, 2)
 
-    def forward(self, x: Tensor, sigma: Tensor, label: Tensor) -> Tensor:
+    def forward(self, x: Tensor, sigma: Tensor, label: Tensor | None, extra: Tensor | None = None) -> Tensor:
+        """``label`` None: no label embedding; ``extra`` [N,H]: a further condition embedding added to it."""
         x, sigma = x.to(self.freqs.dtype), sigma.to(self.freqs.dtype)  # the parameters' dtype
         f = sigma[:, None] * self.freqs  # [N,F]
         feats = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f)], dim=-1)  # [N,3+2F]
-        c = self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype))  # [N,H]
-        h = nn.functional.silu(self.inp(feats) + c)  # [N,H]
+        pre = self.inp(feats)  # [N,H]
+        if label is not None:  # the label form's embedding row, or the embedding form's condition projected
+            pre = pre + (self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype)))  # [N,H]
+        if extra is not None:
+            pre = pre + extra.to(pre.dtype)  # [N,H]
+        h = nn.functional.silu(pre)  # [N,H]
         for layer in self.hidden:
             h = nn.functional.silu(layer(h))  # [N,H]
         return self.out(h)  # [N,2]
@@ -322,8 +331,20 @@ class FlowPolicy:
         mixed = mix_condition(c_orig, c_pert, gamma[:, None])  # [N,c]
         return torch.where(perturbed[:, None], mixed, c_orig)  # [N,c]
 
+    def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
+        """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]); ``cond`` [N,...] a subclass's further condition (None here)."""
+        return self.net(x, sigma, label)  # [N,2]
+
+    def _stored_condition(self, rollout: Rollout, sel: Tensor) -> Tensor | None:
+        """The further condition of the selected trained steps ``sel`` [B,G,T] (None: the label is all)."""
+        return None
+
     @torch.no_grad()
     def generate(self, requests: Sequence[Request], sampling: dict, info: StepInfo) -> Rollout:
+        return self._generate_flow(requests, sampling, info, None)
+
+    def _generate_flow(self, requests: Sequence[Request], sampling: dict, info: StepInfo, cond: Tensor | None) -> Rollout:
+        """The rows of ``requests`` (``cond`` [B,G,...]: a further per-row condition for ``_velocity``, or None)."""
         if not requests or any(r.n < 1 for r in requests):
             raise ValueError("FlowPolicy.generate needs at least one request, each with n >= 1")
         labels = torch.tensor([self.encode(r.prompt)[0] for r in requests])  # [B]
@@ -339,7 +360,8 @@ class FlowPolicy:
         rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
         for i in range(K):
             s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
-            v = self.net(x, s, lab if c_orig is None else self._mixed(c_orig, c_pert, perturbed, rho, float(self.sigmas[i])))  # [N,2]
+            c = lab if c_orig is None else self._mixed(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))  # [N] labels or [N,c]
+            v = self._velocity(x, s, c, None if cond is None else cond.reshape(N, *cond.shape[2:]))  # [N,2]
             sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
             x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,2] ODE step
             if sde_rows.any():
@@ -389,7 +411,7 @@ class FlowPolicy:
         logp = torch.zeros(sel.shape)  # [B,G,T]
         if sel.any():
             cond = lab if self.encoder is None else self.original_condition(lab)  # [M] labels or [M,c] C^orig: never a hook's condition
-            v = self.net(x, s, cond)  # [M,2]
+            v = self._velocity(x, s, cond, self._stored_condition(rollout, sel))  # [M,2]
             logp[sel] = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, prev_sample=x_next)[1]  # [M]
         out = {"logp": logp}
         if "entropy" in quantities:

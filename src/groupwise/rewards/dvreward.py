@@ -12,9 +12,13 @@ the authors' ``decompositional_verifiable_reward``, read for the spec; this code
   asked each one ("Is 37 even? Answer yes or no:"), and the first answer token's top log-probs give
   a soft verdict ``c_q``; the verdicts are pooled (geometric mean of the semantic and quality means
   by default).
-- Here the paper's image + MLLM judge becomes a text toy: the task ``number_attrs`` asks for a
-  number with attributes ("number even >50="); the decomposer is a template per attribute
-  (``QUESTIONS``), the paper's offline LLM decomposer is not reproduced.
+- Here the paper's image + MLLM judge becomes two toys: the text task ``number_attrs`` asks for a
+  number with attributes ("number even >50="), the flow task ``flow_attrs`` for a 2-D sample in a
+  quadrant and a radius band (the spec's "image" analogue, decoded ``"x,y"``). The decomposer is a
+  template table per ``domain`` (``rewards.dv_questions``: ``"number"``, ``"point2d"``); the paper's
+  offline LLM decomposer is not reproduced. The reward is the same text scorer for both
+  modalities: it reads the decoded completion and the row's ``attrs``, asks the domain's questions,
+  and the judge answers ``(question, margin)`` pairs whatever the sample is.
 
 **Math** (per completion ``y``; ``lp`` the judge's first-token top log-probs, token text → log-prob)::
 
@@ -57,6 +61,7 @@ Judges (``judge``):
   (measured: see ``docs/variants.md``'s row); ``"role:judge"`` uses a frozen LM role.
 - ``k = 4.0`` [INFERRED] the programmatic judge's sharpness (P(yes) = 0.982 at margin 1).
 - ``column = "attrs"`` [INFERRED] the task's comma-separated attribute keys.
+- ``domain = "number"`` [INFERRED] the text toy's questions; ``"point2d"`` for flow samples.
 
 **Notes**
 
@@ -64,8 +69,9 @@ Judges (``judge``):
    may normalise to the same word (" yes", "Yes") and are summed. A NaN or -inf log-prob adds 0.
 2. A row whose ``attrs`` is ``None`` gets ``None`` (no verdict). An unknown attribute key is a
    ``RewardError`` naming the key and the known ones.
-3. A completion that is not an integer still gets its questions asked; the programmatic judge
-   answers "no" with margin −1 to every semantic and quality question about it.
+3. A completion the domain cannot parse (no integer, no ``"x,y"`` point) still gets its questions
+   asked; the programmatic judge answers "no" with margin −1 to every semantic and quality question
+   about it.
 4. ``components(completions, attrs)`` returns per row ``(sem, qual)`` confidence lists; the reward
    logs the batch means of ``SC``, ``PQ`` and the share of satisfied attributes (``dv_sat``: the
    programmatic truth, whatever the judge) through ``log_metric``.
@@ -79,31 +85,16 @@ from __future__ import annotations
 import math
 import string
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from groupwise.registry import ConfigError, register
 from groupwise.rewards._common import RewardError, get_column
+from groupwise.rewards.dv_questions import ATTRIBUTES, DOMAINS, QUALITY, as_int, as_point  # noqa: F401  (re-exported)
 
 METHODS = ("geometric", "mean", "sum_mean", "holistic")
 _STRIP = string.whitespace + string.punctuation
-
-# attribute key -> (prompt label, question, margin(n) > 0 when true)
-ATTRIBUTES: dict[str, tuple[str, str, Callable[[int], float]]] = {
-    "even": ("even", "Is {n} even?", lambda n: 1.0 if n % 2 == 0 else -1.0),
-    "odd": ("odd", "Is {n} odd?", lambda n: 1.0 if n % 2 == 1 else -1.0),
-    "gt50": (">50", "Is {n} greater than 50?", lambda n: (n - 50.5) / 5.0),
-    "lt50": ("<50", "Is {n} less than 50?", lambda n: (49.5 - n) / 5.0),
-    "ends5": ("ends5", "Does {n} end in 5?", lambda n: 1.0 if n % 10 == 5 else -1.0),
-    "div3": ("div3", "Is {n} divisible by 3?", lambda n: 1.0 if n % 3 == 0 else -1.0),
-}
-# generic quality questions (every prompt): the completion is a bare number, and a two-digit one
-QUALITY: dict[str, tuple[str, Callable[[int], float]]] = {
-    "number": ("Is {n} a whole number?", lambda n: 1.0),
-    "two_digits": ("Is {n} a two-digit number?", lambda n: 1.0 if 10 <= n <= 99 else -1.0),
-}
-
 
 def normalise(text: str) -> str:
     """Lower-case, whitespace and punctuation stripped: ``" Yes."`` -> ``"yes"``."""
@@ -187,29 +178,15 @@ def dv_reward(question_scores_sem: Sequence[float], question_scores_qual: Sequen
     return float(all(c >= 0.5 for c in sem + qual))
 
 
-def parse_attrs(value: Any) -> list[str]:
-    """The attribute keys of a row (``"even,gt50"`` or a list), each checked against ``ATTRIBUTES``."""
-    keys = [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else [str(k) for k in value]
-    bad = [k for k in keys if k not in ATTRIBUTES]
-    if bad:
-        raise RewardError(f"reward 'dv_reward': unknown attribute {bad}; known: {', '.join(ATTRIBUTES)}")
-    return keys
+def parse_attrs(value: Any, domain: str = "number") -> list[str]:
+    """The attribute keys of a row (``"even,gt50"`` or a list), each checked against the domain's table."""
+    return DOMAINS[domain].keys(value)
 
 
-def as_int(text: str) -> int | None:
-    t = text.strip()
-    return int(t) if t.isdigit() else None
-
-
-def decompose(completion: str, keys: Sequence[str]) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    """Template decomposer: ([(semantic question, margin)], [(quality question, margin)]) about ``completion``.
-
-    The margin is the programmatic truth (> 0: the answer is yes); −1 when the completion is no integer."""
-    n = as_int(completion)
-    shown = completion.strip()
-    sem = [(ATTRIBUTES[k][1].format(n=shown), ATTRIBUTES[k][2](n) if n is not None else -1.0) for k in keys]
-    qual = [(q.format(n=shown), m(n) if n is not None else -1.0) for q, m in QUALITY.values()]
-    return sem, qual
+def decompose(completion: str, keys: Sequence[str], domain: str = "number") -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """Template decomposer: ([(semantic question, margin)], [(quality question, margin)]) about ``completion``
+    (``rewards.dv_questions``); the margin is the programmatic truth (> 0: yes), −1 when the completion does not parse."""
+    return DOMAINS[domain].decompose(completion, keys)
 
 
 class FrozenJudge:
@@ -256,6 +233,7 @@ class DVReward(FrozenJudge):
     match: str = "word"
     k: float = 4.0
     column: str = "attrs"
+    domain: str = "number"
     weight: float = 1.0
     _models: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -270,6 +248,8 @@ class DVReward(FrozenJudge):
             raise ConfigError(f"reward 'dv_reward': match={self.match!r}; use one of {', '.join(MATCHES)}")
         if self.top_logprobs < 1:
             raise ConfigError(f"reward 'dv_reward': top_logprobs={self.top_logprobs} must be >= 1")
+        if self.domain not in DOMAINS:
+            raise ConfigError(f"reward 'dv_reward': domain={self.domain!r}; use one of {', '.join(DOMAINS)} (rewards.dv_questions)")
         if not self.k > 0:
             raise ConfigError(f"reward 'dv_reward': k={self.k} must be > 0 (the programmatic judge's sharpness)")
 
@@ -277,7 +257,8 @@ class DVReward(FrozenJudge):
     def ask_programmatic(self, margins: Sequence[float]) -> list[float]:
         out = []
         for m in margins:
-            p = 1.0 / (1.0 + math.exp(-self.k * m))
+            x = self.k * m
+            p = 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))  # stable for any margin
             lp = {"yes": math.log(p) if p > 0 else -math.inf, "no": math.log1p(-p) if p < 1 else -math.inf}
             out.append(yes_no_confidence(lp, "yes" if p >= 0.5 else "no", self.binary))
         return out
@@ -289,7 +270,7 @@ class DVReward(FrozenJudge):
     # ------------------------------------------------------------------ the reward
     def components(self, completions: Sequence[str], attrs: Sequence[Any]) -> list[tuple[list[float], list[float], float]]:
         """Per row (semantic confidences, quality confidences, share of attributes truly satisfied) — Note 4."""
-        decomposed = [decompose(c, parse_attrs(a)) for c, a in zip(completions, attrs)]
+        decomposed = [decompose(c, parse_attrs(a, self.domain), self.domain) for c, a in zip(completions, attrs)]
         flat = [qm for sem, qual in decomposed for qm in (*sem, *qual)]
         if self.role is None:
             conf = self.ask_programmatic([m for _, m in flat])
