@@ -80,6 +80,7 @@ import torch
 from torch import Tensor, nn
 
 from groupwise.engines.seeds import sample_seed
+from groupwise.modalities.flow_condition import PromptEncoder, hooked_conditions, mixed_condition
 from groupwise.types import Request, Rollout, StepInfo
 
 SDE_MODES = ("all", "one_shared", "one_per_row", "none")
@@ -166,27 +167,6 @@ class VelocityMLP(nn.Module):
         for layer in self.hidden:
             h = nn.functional.silu(layer(h))  # [N,H]
         return self.out(h)  # [N,2]
-
-
-class PromptEncoder(nn.Module):
-    """The frozen random "text encoder" of the embedding condition (spec 15's CPU implementation):
-    every label's prompt is one token whose embedding ``tokens[label]`` [embed_dim] is fixed, and
-    ``f(E) = W₂ tanh(W₁ E + b₁) + b₂`` maps a (possibly perturbed) token embedding to the condition
-    the velocity net reads. Nothing here is trained: the parameters are buffers."""
-
-    def __init__(self, n_labels: int, embed_dim: int = 8, hidden: int = 32, cond_dim: int = 16):
-        super().__init__()
-        if min(n_labels, embed_dim, hidden, cond_dim) < 1:
-            raise ValueError(f"PromptEncoder needs positive sizes; got n_labels={n_labels}, embed_dim={embed_dim}, hidden={hidden}, cond_dim={cond_dim}")
-        self.register_buffer("tokens", torch.randn(n_labels, embed_dim))  # [n_labels,d] the prompts' token embeddings
-        self.register_buffer("w1", torch.randn(embed_dim, hidden) / math.sqrt(embed_dim))  # [d,h]
-        self.register_buffer("b1", 0.1 * torch.randn(hidden))  # [h]
-        self.register_buffer("w2", torch.randn(hidden, cond_dim) / math.sqrt(hidden))  # [h,c]
-        self.register_buffer("b2", 0.1 * torch.randn(cond_dim))  # [c]
-
-    def forward(self, emb: Tensor) -> Tensor:
-        """[..., d] token embeddings -> [..., cond_dim] conditions (in the buffers' dtype)."""
-        return torch.tanh(emb.to(self.w1.dtype) @ self.w1 + self.b1) @ self.w2 + self.b2  # [...,c]
 
 
 class FlowPolicy:
@@ -282,54 +262,11 @@ class FlowPolicy:
         return encoder.tokens, encode
 
     def _conditions(self, requests: Sequence[Request], labels: Tensor, G: int) -> tuple[Tensor | None, ...]:
-        """The embedding form's per-row conditions of a call (None ×4 for the label form):
-        ``c_orig`` [N,c] = f(E), ``c_pert`` [N,c] = f(E + δ_j) for rows an ``embed_delta`` hook
-        perturbs, ``perturbed`` [N] bool (rows with a nonzero δ), ``rho`` [N] float64 (the hook's
-        schedule; NaN: on at every step)."""
+        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``; None ×4 for the label form)."""
         if any(r.hook is not None for r in requests) and self.encoder is None:
             raise ValueError("FlowPolicy.generate: a generation hook needs the embedding condition (model.params.condition = \"embedding\"); "
                              "the label form applies no hooks")
-        if self.encoder is None:
-            return None, None, None, None
-        B, d = len(requests), self.encoder.tokens.shape[1]
-        emb = self.encoder.tokens[labels].repeat_interleave(G, dim=0)  # [N,d]
-        c_orig = self.encoder(emb)  # [N,c]
-        delta = torch.zeros(B, G, d, dtype=emb.dtype)  # [B,G,d]
-        rho = torch.full((B, G), float("nan"), dtype=torch.float64)  # [B,G]
-        for b, req in enumerate(requests):
-            hook = req.hook
-            if hook is None:
-                continue
-            if hook.kind != "embed_delta":
-                raise ValueError(f"FlowPolicy.generate applies embed_delta hooks only, got {hook.kind!r}")
-            if hook.delta.shape[0] != req.n or hook.delta.shape[2] != d:
-                raise ValueError(f"EmbedDelta of request {b}: delta {tuple(hook.delta.shape)} must be [n={req.n}, P, embed_dim={d}]")
-            if bool((hook.positions != 0).any()):
-                raise ValueError(f"EmbedDelta of request {b}: positions {hook.positions.tolist()} outside the flow prompt's one token (position 0)")
-            delta[b, : req.n] = hook.delta.to(emb.dtype).sum(1)  # [n,d] (P is 0 or 1: the prompt is one token)
-            if hook.rho is not None:
-                rho[b, : req.n] = hook.rho
-        delta, rho = delta.view(B * G, d), rho.view(B * G)  # [N,d], [N]
-        perturbed = delta.abs().sum(-1) > 0  # [N]
-        c_pert = c_orig.clone()  # [N,c]
-        if perturbed.any():
-            c_pert[perturbed] = self.encoder(emb[perturbed] + delta[perturbed])  # [M,c]
-        return c_orig, c_pert, perturbed, rho
-
-    @staticmethod
-    def _mixed(c_orig: Tensor, c_pert: Tensor, perturbed: Tensor, rho: Tensor, sigma: float) -> Tensor:
-        """[N,c] the condition of every row at noise level σ: C(σ) = γ(σ)·C^opt + (1 − γ(σ))·C^orig on
-        perturbed rows (γ = 1 without a schedule), C^orig exactly on the others."""
-        from groupwise.rollout.e2po import mix_condition, noise_aware_gamma
-
-        if not perturbed.any():
-            return c_orig
-        scheduled = ~torch.isnan(rho)  # [N]
-        gamma = torch.ones_like(rho)  # [N]
-        for r in rho[scheduled].unique().tolist():  # usually one ρ for the whole call
-            gamma[rho == r] = noise_aware_gamma(torch.tensor(sigma, dtype=torch.float64), r)
-        mixed = mix_condition(c_orig, c_pert, gamma[:, None])  # [N,c]
-        return torch.where(perturbed[:, None], mixed, c_orig)  # [N,c]
+        return (None, None, None, None) if self.encoder is None else hooked_conditions(self.encoder, requests, labels, G)
 
     def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
         """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]); ``cond`` [N,...] a subclass's further condition (None here)."""
@@ -360,7 +297,7 @@ class FlowPolicy:
         rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
         for i in range(K):
             s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
-            c = lab if c_orig is None else self._mixed(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))  # [N] labels or [N,c]
+            c = lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))  # [N] labels or [N,c]
             v = self._velocity(x, s, c, None if cond is None else cond.reshape(N, *cond.shape[2:]))  # [N,2]
             sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
             x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,2] ODE step
