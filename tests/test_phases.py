@@ -151,8 +151,8 @@ said = []
 ctx = PhaseContext(None, [], [], 0, None, None, said.append)
 artifacts = run_phases([RankTable()], ctx, Path(sys.argv[1]), rl_started=False, rank=rank)
 dist.barrier()
-print(json.dumps({"rank": rank, "artifact_rank": artifacts["rank_table"]["rank"], "w": artifacts["rank_table"]["w"].tolist(),
-                  "said": said}), flush=True)
+out = {"rank": rank, "artifact_rank": artifacts["rank_table"]["rank"], "w": artifacts["rank_table"]["w"].tolist(), "said": said}
+Path(sys.argv[2], f"rank{rank}.json").write_text(json.dumps(out))  # one file a rank: two ranks' stdout lines can interleave
 dist.shutdown()
 """
 
@@ -169,10 +169,10 @@ def test_under_two_ranks_the_phase_file_is_decided_together_and_rank_0s_artifact
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "phases")],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "phases"),
+                             str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    rows = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["artifact_rank"] for r in rows] == [0, 0] and [r["w"] for r in rows] == [[0.0, 0.0], [0.0, 0.0]]
     for r in rows:  # computed on each rank (not loaded from rank 0's file), and the difference reported on both
         assert not any("done already" in line for line in r["said"])
