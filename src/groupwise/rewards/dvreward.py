@@ -83,77 +83,16 @@ Judges (``judge``):
 from __future__ import annotations
 
 import math
-import string
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
-
-import torch
+from typing import Any, Sequence
 
 from groupwise.registry import ConfigError, register
 from groupwise.rewards._common import RewardError, get_column
+from groupwise.rewards._judge import (MATCHES, FrozenJudge, ask_judge, normalise, verdict_word,  # noqa: F401  (re-exported)
+                                      yes_no_confidence)
 from groupwise.rewards.dv_questions import ATTRIBUTES, DOMAINS, QUALITY, as_int, as_point  # noqa: F401  (re-exported)
 
 METHODS = ("geometric", "mean", "sum_mean", "holistic")
-_STRIP = string.whitespace + string.punctuation
-
-def normalise(text: str) -> str:
-    """Lower-case, whitespace and punctuation stripped: ``" Yes."`` -> ``"yes"``."""
-    return text.strip(_STRIP).lower()
-
-
-MATCHES = ("word", "prefix")
-
-
-def verdict_word(text: str, match: str = "word") -> str | None:
-    """``"yes"``, ``"no"`` or None: the normalised text is the word (``match="word"``), or a non-empty
-    prefix of exactly one of the two words (``match="prefix"``: ``"y"`` -> yes, for a tokenizer that
-    splits ``yes`` into ``y``, ``e``, ``s``)."""
-    word = normalise(text)
-    if match == "word":
-        return word if word in ("yes", "no") else None
-    hits = [w for w in ("yes", "no") if word and w.startswith(word)]
-    return hits[0] if len(hits) == 1 else None
-
-
-def yes_no_confidence(top_logprobs: Mapping[str, float] | Sequence[tuple[str, float]], generated_text: str, binary: bool = False,
-                      match: str = "word") -> float:
-    """P(yes) / (P(yes) + P(no)) over the first token's top log-probs; the answer text decides when neither appears."""
-    if match not in MATCHES:
-        raise ValueError(f"yes_no_confidence: match={match!r}; use one of {', '.join(MATCHES)}")
-    said_yes = float(verdict_word(generated_text, match) == "yes")
-    if binary:
-        return said_yes
-    pairs = top_logprobs.items() if isinstance(top_logprobs, Mapping) else top_logprobs
-    p = {"yes": 0.0, "no": 0.0}
-    for token, logprob in pairs:
-        word = verdict_word(str(token), match)
-        if word is not None and math.isfinite(float(logprob)):
-            p[word] += math.exp(float(logprob))
-    total = p["yes"] + p["no"]
-    return p["yes"] / total if total > 0 else said_yes
-
-
-def ask_judge(judge: Any, questions: Sequence[str], template: str = "{question} Answer yes or no:", top_logprobs: int = 5,
-              binary: bool = False, match: str = "word") -> list[float]:
-    """A frozen judge policy's yes-confidence on each question (``yes_no_confidence`` of its first
-    answer token), one no-grad batch of one-token rows through ``Policy.scoring_models`` / ``score``."""
-    from groupwise.types import Rollout
-
-    N = len(questions)
-    if N == 0:
-        return []
-    prompts = [list(judge.encode(template.format(question=q))) for q in questions]
-    rows = Rollout(prompt_ids=prompts, actions=torch.zeros(N, 1, 1, dtype=torch.long), mask=torch.ones(N, 1, 1, dtype=torch.bool),
-                   group_valid=torch.ones(N, 1, dtype=torch.bool), truncated=torch.zeros(N, 1, dtype=torch.bool),
-                   prompt_index=torch.arange(N))
-    with torch.no_grad(), judge.scoring_models(with_reference=False)["policy"]() as module:
-        logq = judge.score(module, rows, ["logprobs"])["logprobs"][:, 0, 0, :].float().cpu()  # [N,V]
-    texts = judge.token_texts()
-    top = logq.topk(min(top_logprobs, logq.shape[-1]), dim=-1)  # [N,k]
-    return [yes_no_confidence([(texts[i], v) for v, i in zip(vals.tolist(), ids.tolist())], texts[ids[0]], binary, match)
-            for vals, ids in zip(top.values, top.indices)]
-
-
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 1.0
 
@@ -189,37 +128,6 @@ def decompose(completion: str, keys: Sequence[str], domain: str = "number") -> t
     return DOMAINS[domain].decompose(completion, keys)
 
 
-class FrozenJudge:
-    """Mixin of a reward whose field ``judge = "role:NAME"`` names a frozen role: ``use_models`` keeps
-    that role's policy (``components.bind_models``), ``judge_model`` returns it; the class keeps a
-    ``_models`` dict field."""
-
-    judge: str
-    _models: dict
-
-    @property
-    def role(self) -> str | None:
-        return self.judge[5:] if self.judge.startswith("role:") else None
-
-    def _who(self) -> str:
-        return f"reward {getattr(self, 'registry_name', type(self).__name__)!r}"
-
-    def use_models(self, models: Mapping[str, Any]) -> None:
-        """The frozen roles' policies by name; a ``role:`` judge keeps its own (a missing role is refused)."""
-        if self.role is None:
-            return
-        if self.role not in models:
-            raise ConfigError(f"{self._who()}: judge={self.judge!r} names no frozen role; frozen roles: {sorted(models) or 'none'} "
-                              f"(add [roles.{self.role}] with frozen = true and its model)")
-        self._models = {self.role: models[self.role]}
-
-    def judge_model(self) -> Any:
-        if self.role not in self._models:
-            raise RewardError(f"{self._who()}: judge={self.judge!r} was never given its model; run it in a trainer with "
-                              f"[roles.{self.role}] frozen = true")
-        return self._models[self.role]
-
-
 @register("reward", "dv_reward")
 @dataclass
 class DVReward(FrozenJudge):
@@ -240,14 +148,7 @@ class DVReward(FrozenJudge):
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"reward 'dv_reward': method={self.method!r}; use one of {', '.join(METHODS)}")
-        if self.judge != "programmatic" and not (self.judge.startswith("role:") and len(self.judge) > 5):
-            raise ConfigError(f"reward 'dv_reward': judge={self.judge!r}; use 'programmatic' or 'role:NAME' (a frozen role roles.NAME)")
-        if "{question}" not in self.template:
-            raise ConfigError(f"reward 'dv_reward': template={self.template!r} must contain {{question}}")
-        if self.match not in MATCHES:
-            raise ConfigError(f"reward 'dv_reward': match={self.match!r}; use one of {', '.join(MATCHES)}")
-        if self.top_logprobs < 1:
-            raise ConfigError(f"reward 'dv_reward': top_logprobs={self.top_logprobs} must be >= 1")
+        self.check_judge("programmatic")
         if self.domain not in DOMAINS:
             raise ConfigError(f"reward 'dv_reward': domain={self.domain!r}; use one of {', '.join(DOMAINS)} (rewards.dv_questions)")
         if not self.k > 0:

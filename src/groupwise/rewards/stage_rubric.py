@@ -66,7 +66,7 @@ from typing import Any, Sequence
 
 from groupwise.registry import ConfigError, register
 from groupwise.rewards._common import get_column
-from groupwise.rewards.dvreward import MATCHES, FrozenJudge, ask_judge
+from groupwise.rewards._judge import FrozenJudge, ask_judge
 from groupwise.textspans import check_tags, tag_spans
 
 
@@ -105,14 +105,9 @@ class StageRubric(FrozenJudge):
 
     def __post_init__(self) -> None:
         check_tags(self.tags, "reward stage_rubric: tags", need_open=True)
-        if self.judge != "reference" and not (self.judge.startswith("role:") and len(self.judge) > 5):
-            raise ConfigError(f"reward stage_rubric: judge={self.judge!r}; use 'reference' (the programmatic judge) or 'role:NAME' (a frozen LM role roles.NAME)")
+        self.check_judge("reference")
         if "{item}" not in self.question or "{stage}" not in self.question:
             raise ConfigError(f"reward stage_rubric: question={self.question!r} must contain {{item}} and {{stage}}")
-        if "{question}" not in self.template:
-            raise ConfigError(f"reward stage_rubric: template={self.template!r} must contain {{question}}")
-        if self.match not in MATCHES or not isinstance(self.top_logprobs, int) or self.top_logprobs < 1:
-            raise ConfigError(f"reward stage_rubric: match={self.match!r} (one of {MATCHES}) and top_logprobs={self.top_logprobs!r} (an int >= 1)")
         try:
             re.compile(self.split)
         except re.error as err:
