@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 TORCH  ?= torch==2.13.0
 
-.PHONY: install sandbox demo test test-slow test-gpu bench claims clean
+.PHONY: install sandbox demo test test-slow test-gpu bench bench-tta claims clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+bench-tta: $(BENCH_STAMP)
+	$(BIN)/python bench/run.py --tta-seeded $(BENCH_ARGS)
 
 claims: $(STAMP)
 	$(BIN)/groupwise claims $(CLAIMS_ARGS)

@@ -134,16 +134,19 @@ def parse_cell(spec: str) -> Cell:
 # --------------------------------------------------------------------------------------------
 # Task data and the shared reward
 # --------------------------------------------------------------------------------------------
-def train_rows() -> list[dict]:
+TTA_TASKS = ("arithmetic", "mixed")  # built-in tasks with an ``answer`` column that the exact-match reward scores
+
+
+def train_rows(task: str = "arithmetic") -> list[dict]:
     from groupwise.tasks import get_task
 
-    return get_task("arithmetic").rows("train", 0, 0)
+    return get_task(task).rows("train", 0, 0)
 
 
-def heldout_rows(n: int = 0) -> list[dict]:
+def heldout_rows(n: int = 0, task: str = "arithmetic") -> list[dict]:
     from groupwise.tasks import get_task
 
-    rows = get_task("arithmetic").rows("test", 0, 0)
+    rows = get_task(task).rows("test", 0, 0)
     return rows[:n] if n > 0 else rows
 
 

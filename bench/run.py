@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH, DOC, OFFLINE_ENV, RESULTS, ROOT, RUNS, Cell, gemm_flops, machine, matrix, parse_cell, quick_matrix, select  # noqa: E402
+from common import BENCH, DOC, OFFLINE_ENV, RESULTS, ROOT, RUNS, TTA_TASKS, Cell, gemm_flops, machine, matrix, parse_cell, quick_matrix, select  # noqa: E402
 from floor import gemm_floors, prompt_tokens  # noqa: E402
 import bf16  # noqa: E402
 
@@ -229,22 +229,28 @@ def first_reach(curve: list[list[float]], target: float) -> float | None:
     return next((t for t, _, acc in curve if acc >= target - 1e-9), None)
 
 
-def time_to_accuracy(model: Path, seconds: float, eval_every: float, eval_size: int, threads: int, rundir: Path) -> dict[str, Any]:
-    common = ["--model", str(model), "--seconds", str(seconds), "--eval-every", str(eval_every), "--eval-size", str(eval_size)]
-    log(f"time to accuracy: TRL for {seconds:.0f} s of training from {model}, {threads} torch thread(s) in both runs")
-    trl = run_worker(["tta", "--framework", "trl", *common], rundir / "raw" / "tta-trl.json", rundir / "logs" / "tta-trl.log", threads)
+def time_to_accuracy(model: Path, seconds: float, eval_every: float, eval_size: int, threads: int, rundir: Path,
+                     task: str = "arithmetic", seed: int = 0, gw_eval_every: float | None = None) -> dict[str, Any]:
+    """TRL trains for ``seconds``; its last held-out accuracy is the target groupwise then trains to (up to
+    the same budget). ``gw_eval_every`` evaluates groupwise more often (default: as TRL) for a finer reach time."""
+    common = ["--model", str(model), "--seconds", str(seconds), "--eval-size", str(eval_size), "--task", task, "--seed", str(seed)]
+    tag = "" if (task, seed) == ("arithmetic", 0) else f"-{task}-{seed}"
+    log(f"time to accuracy ({task}, seed {seed}): TRL for {seconds:.0f} s of training from {model}, {threads} torch thread(s) in both runs")
+    trl = run_worker(["tta", "--framework", "trl", *common, "--eval-every", str(eval_every)], rundir / "raw" / f"tta-trl{tag}.json",
+                     rundir / "logs" / f"tta-trl{tag}.log", threads)
     if "error" in trl:
         return {"error": "TRL time-to-accuracy run failed", "trl": trl}
     target = trl["curve"][-1][2]
     log(f"  TRL: accuracy {trl['curve'][0][2]:.3f} -> {target:.3f} in {trl['curve'][-1][0]:.0f} s "
         f"({trl['curve'][-1][1]} steps); groupwise runs until it reaches {target:.3f} (or {seconds:.0f} s)")
-    gw = run_worker(["tta", "--framework", "groupwise", *common, "--target", str(target)], rundir / "raw" / "tta-groupwise.json",
-                    rundir / "logs" / "tta-groupwise.log", threads)
+    gw = run_worker(["tta", "--framework", "groupwise", *common, "--eval-every", str(gw_eval_every or eval_every), "--target", str(target)],
+                    rundir / "raw" / f"tta-groupwise{tag}.json", rundir / "logs" / f"tta-groupwise{tag}.log", threads)
     if "error" in gw:
         return {"error": "groupwise time-to-accuracy run failed", "trl": trl, "groupwise": gw}
     trl_first, gw_first = first_reach(trl["curve"], target), first_reach(gw["curve"], target)
     result = {
-        "model": str(model), "budget_seconds": seconds, "eval_every_seconds": eval_every, "eval_size": trl["eval_size"],
+        "model": str(model), "task": task, "seed": seed, "budget_seconds": seconds, "eval_every_seconds": eval_every,
+        "groupwise_eval_every_seconds": gw_eval_every or eval_every, "eval_size": trl["eval_size"],
         "algorithm": trl["algorithm"], "target_accuracy": target,
         "trl_curve": trl["curve"], "groupwise_curve": gw["curve"],
         "trl_seconds": trl["curve"][-1][0], "trl_first_reach_seconds": trl_first,
@@ -258,6 +264,43 @@ def time_to_accuracy(model: Path, seconds: float, eval_every: float, eval_size: 
     reached = f"in {gw_first:.0f} s" if gw_first else f"not within {seconds:.0f} s (final {gw['curve'][-1][2]:.3f})"
     log(f"  groupwise: reached {target:.3f} {reached}")
     return result
+
+
+def seeded_time_to_accuracy(model: Path, tasks: list[str], seeds: int, seconds: float, eval_every: float, gw_eval_every: float,
+                            eval_size: int, threads: int, rundir: Path) -> dict[str, Any]:
+    """:func:`time_to_accuracy` for every task and seed (seed s seeds both frameworks), summarised per task
+    with 95 % t intervals over seeds. A groupwise run that never reaches TRL's accuracy within the budget
+    counts at the budget (ratio 1.0 at most, an upper bound for that seed) and is flagged."""
+    import math
+
+    from groupwise.claims.intervals import mean_interval
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for task in tasks:
+        for seed in range(seeds):
+            got = time_to_accuracy(model, seconds, eval_every, eval_size, threads, rundir, task=task, seed=seed, gw_eval_every=gw_eval_every)
+            if "error" in got:
+                return {"error": f"{task} seed {seed}: {got['error']}", "runs": runs}
+            runs.setdefault(task, []).append(got)
+    summary = {}
+    for task, per_seed in runs.items():
+        reach = [r["groupwise_reach_seconds"] or r["trl_seconds"] for r in per_seed]
+        ratios = [r["trl_seconds"] / t for r, t in zip(per_seed, reach)]
+        log_ratio = mean_interval([math.log(x) for x in ratios])
+        summary[task] = {
+            "trl_accuracy": asdict(mean_interval([r["target_accuracy"] for r in per_seed])),
+            "trl_start_accuracy": per_seed[0]["trl_curve"][0][2],
+            "groupwise_reach_seconds": asdict(mean_interval(reach)),
+            "ratio_geomean": math.exp(log_ratio.mean),
+            "ratio_interval": [math.exp(log_ratio.mean - (log_ratio.half or 0.0)), math.exp(log_ratio.mean + (log_ratio.half or 0.0))],
+            "ratios": ratios, "not_reached": [r["seed"] for r in per_seed if r["groupwise_reach_seconds"] is None],
+            "steps_per_s": {"groupwise": [r["groupwise_steps_per_s"] for r in per_seed], "trl": [r["trl_steps_per_s"] for r in per_seed]},
+            "rss_mb": {"groupwise": [r["groupwise_rss_mb"] for r in per_seed], "trl": [r["trl_rss_mb"] for r in per_seed]},
+        }
+    first = next(iter(runs.values()))[0]
+    return {"model": str(model), "tasks": tasks, "seeds": seeds, "budget_seconds": seconds, "eval_every_seconds": eval_every,
+            "groupwise_eval_every_seconds": gw_eval_every, "threads": threads, "algorithm": first["algorithm"],
+            "eval_sizes": {task: per_seed[0]["eval_size"] for task, per_seed in runs.items()}, "summary": summary, "runs": runs}
 
 
 def learning_per_step(model: Path, steps: int, every: int, seeds: int, eval_size: int, threads: int, rundir: Path) -> dict[str, Any]:
@@ -409,6 +452,43 @@ def tta_section(tta: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def tta_seeded_section(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return f"_Seeded time to accuracy failed: {result['error']} (see the worker logs)._"
+    a = result["algorithm"]
+    lines = [
+        f"The `demo` recipe's algorithm ({a['prompts']} prompts × G = {a['group']}, {a['length']} new tokens, lr {a['lr']:g}, "
+        f"loss `{a['loss']}`, β = {a['beta']:g}, μ = {a['mu']}) on the embedded model, {result['seeds']} seeds per task "
+        f"(seed s seeds both frameworks). Per seed, TRL trains {result['budget_seconds']:.0f} s (evaluated every "
+        f"{result['eval_every_seconds']:g} s); its held-out greedy accuracy at the end is that seed's target, and groupwise "
+        f"trains until an evaluation (every {result['groupwise_eval_every_seconds']:g} s of training time) reaches it. "
+        f"Ratio = TRL's {result['budget_seconds']:.0f} s / groupwise's time to the target; geometric mean over seeds with "
+        f"a 95 % t interval on the log ratios. Evaluation time is excluded; {result['threads']} torch thread(s) in both.",
+        "",
+        "| task | held-out prompts | start accuracy | TRL accuracy at the budget | groupwise time to it (s) | ratio (TRL/gw) | per seed | "
+        "optimiser steps/s gw / TRL | ≥ 3× |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for task, s in result["summary"].items():
+        acc, reach = s["trl_accuracy"], s["groupwise_reach_seconds"]
+        per_seed = ", ".join(f"{r:.2f}" + ("*" if i in s["not_reached"] else "") for i, r in enumerate(s["ratios"]))
+        steps = f"{statistics.mean(s['steps_per_s']['groupwise']):.2f} / {statistics.mean(s['steps_per_s']['trl']):.2f}"
+        lo, hi = s["ratio_interval"]
+        met = "yes" if lo >= 3.0 else ("no" if hi < 3.0 else "not resolved")
+        lines.append(f"| {task} | {result['eval_sizes'][task]} | {s['trl_start_accuracy']:.3f} | {acc['mean']:.3f} ± {_f(acc['half'], '{:.3f}')} | "
+                     f"{reach['mean']:.0f} ± {_f(reach['half'], '{:.0f}')} | **{s['ratio_geomean']:.2f}×** [{lo:.2f}, {hi:.2f}] | "
+                     f"{per_seed} | {steps} | {met} |")
+    lines += ["", "Per seed (`*`: groupwise did not reach the target within the budget; counted at the budget):", "",
+              "| task | seed | TRL accuracy at the budget | TRL first at it (s) | groupwise reach (s) | ratio | first-reach ratio | groupwise accuracy then |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for task, per_seed in result["runs"].items():
+        for r in per_seed:
+            lines.append(f"| {task} | {r['seed']} | {r['target_accuracy']:.3f} | {_f(r['trl_first_reach_seconds'], '{:.0f}')} | "
+                         f"{_f(r['groupwise_reach_seconds'], '{:.0f}')} | {_f(r['time_ratio'], '{:.2f}×')} | "
+                         f"{_f(r['time_ratio_first_reach'], '{:.2f}×')} | {r['groupwise_final_accuracy']:.3f} |")
+    return "\n".join(lines)
+
+
 def machine_section(info: dict[str, Any], flops: dict[str, float], command: str, wall: float | None) -> str:
     load = info.get("load_average_at_start")
     return "\n".join([
@@ -476,6 +556,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tta-threads", type=int, default=None, help="torch threads for both time-to-accuracy runs "
                         "(default: the demo recipe's `threads` if it sets one above 0, else the workers' thread count)")
     parser.add_argument("--skip-tta", action="store_true")
+    parser.add_argument("--tta-seeded", action="store_true", help="only the seeded time to accuracy: --tta-seeds seeds on each of "
+                        "--tta-tasks (not part of the default run: ~9 min per seed and task on 2 cores; `make bench-tta`)")
+    parser.add_argument("--tta-seeds", type=int, default=3)
+    parser.add_argument("--tta-tasks", default=",".join(TTA_TASKS), help="built-in tasks for --tta-seeded (rows with an 'answer' column)")
+    parser.add_argument("--tta-gw-eval-every", type=float, default=5.0, help="groupwise's training seconds between evaluations in "
+                        "--tta-seeded (finer than TRL's: its reach time is what is measured)")
     parser.add_argument("--skip-generation", action="store_true", help="skip the generation-alone throughput table")
     parser.add_argument("--generation-only", action="store_true", help="only the generation-alone throughput table")
     parser.add_argument("--per-step", action="store_true", help="only the learning-per-step comparison: accuracy against optimiser "
@@ -535,6 +621,16 @@ def main(argv: list[str] | None = None) -> int:
     log("TRL settings made explicit (its defaults are wrong for this CPU comparison): bf16=False, fp16=False, "
         "gradient_checkpointing=False, use_cpu=True, learning_rate=<cell lr>, lr_scheduler_type=constant, adam_beta2=0.99, "
         "use_bias_correction_kl=False; logging/saving/eval off, dataloader_num_workers=0 (the -bf16 rows: bf16=True)")
+    if args.tta_seeded:
+        result = seeded_time_to_accuracy(args.tta_model.resolve(), [t.strip() for t in args.tta_tasks.split(",") if t.strip()],
+                                         args.tta_seeds, args.tta_seconds or 300.0, args.tta_eval_every or 15.0, args.tta_gw_eval_every,
+                                         args.tta_eval_size, args.tta_threads or recipe_threads("demo") or threads, rundir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "tta_seeded.json").write_text(json.dumps(result, indent=1) + "\n")
+        log("seeded time to accuracy:\n" + tta_seeded_section(result))
+        if doc is not None:
+            write_doc(doc, {"tta-seeded": tta_seeded_section(result) + f"\n\n_{command}; {info['date']}_"})
+        return 0
     if args.per_step:
         result = learning_per_step(args.tta_model.resolve(), args.per_step_steps, args.per_step_every, args.per_step_seeds,
                                    args.tta_eval_size, args.tta_threads or threads, rundir)

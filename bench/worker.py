@@ -47,7 +47,7 @@ MAX_GRAD_NORM = 1.0
 
 def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, group: int, length: int, loss: str,
                         beta: float, mu: int, lr: float, epsilon: float, micro_groups: int, steps: int, seed: int = 0,
-                        matmul: str = "float32") -> list[str]:
+                        matmul: str = "float32", task: str = "arithmetic") -> list[str]:
     """groupwise ``key=value`` overrides for one configuration (used with no recipe or on top of one)."""
     terms: list[Any] = [{"name": "ppo_clip", "eps_low": epsilon, "eps_high": epsilon}]
     if beta > 0:
@@ -60,7 +60,7 @@ def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, gro
         "model.path": model,
         "model.dtype": "float32",
         "model.matmul": matmul,  # bfloat16: the bf16 rows (products in bf16 over float32 master weights)
-        "data.task": "arithmetic",
+        "data.task": task,
         "rollout.group_size": group,
         "rollout.prompts_per_step": prompts,
         "rollout.max_new_tokens": length,
@@ -204,7 +204,7 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
 # ------------------------------------------------------------------------------------------------
 # TRL
 # ------------------------------------------------------------------------------------------------
-def _trl_trainer(args, model_dir: str, callbacks: list):
+def _trl_trainer(args, model_dir: str, callbacks: list, task: str = "arithmetic"):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -217,7 +217,7 @@ def _trl_trainer(args, model_dir: str, callbacks: list):
     if getattr(tokenizer, "chat_template", None):
         raise SystemExit(f"{model_dir}: the tokenizer has a chat template; the comparison assumes raw-text prompts")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True)
-    dataset = Dataset.from_list(train_rows())  # columns: prompt (plain text: no chat template), answer
+    dataset = Dataset.from_list(train_rows(task))  # columns: prompt (plain text: no chat template), answer (+ the task's own)
     trainer = GRPOTrainer(model=model, reward_funcs=[exact_answer], args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=callbacks)
     flag = "is_activation_checkpointing" if hasattr(type(trainer.model), "is_activation_checkpointing") else "is_gradient_checkpointing"
@@ -351,15 +351,17 @@ class Budget:
 
 
 def tta(framework: str, model: str, threads: int, seconds: float, eval_every: float, target: float | None,
-        eval_size: int, recipe: str, workdir: str, steps: int = 0, eval_every_steps: int = 0, seed: int = 0) -> dict[str, Any]:
+        eval_size: int, recipe: str, workdir: str, steps: int = 0, eval_every_steps: int = 0, seed: int = 0,
+        task: str = "arithmetic") -> dict[str, Any]:
     """Train for ``seconds`` of training time (evaluation excluded), evaluating held-out greedy accuracy
     every ``eval_every`` training seconds; stop early once accuracy >= ``target`` (if given). With
-    ``steps`` > 0 the budget is that many optimiser steps, evaluated every ``eval_every_steps``."""
+    ``steps`` > 0 the budget is that many optimiser steps, evaluated every ``eval_every_steps``. ``task``
+    replaces the recipe's task (a built-in task whose rows carry an ``answer`` for the exact-match reward)."""
     import torch
 
     torch.set_num_threads(threads)
     algo = _demo_algorithm(recipe)
-    rows = heldout_rows(eval_size)
+    rows = heldout_rows(eval_size, task)
     curve: list[tuple[float, int, float]] = []  # (training seconds, optimiser steps, accuracy)
     budget = Budget(steps, eval_every_steps, True) if steps > 0 else Budget(seconds, eval_every, False)
     t_setup = time.perf_counter()
@@ -367,7 +369,7 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
     if framework == "groupwise":
         overrides = groupwise_overrides(model=model, threads=threads, out=workdir, prompts=algo["prompts"], group=algo["group"],
                                         length=algo["length"], loss=algo["loss"], beta=algo["beta"], mu=algo["mu"],
-                                        lr=algo["lr"], epsilon=algo["epsilon"], micro_groups=0, steps=10**6, seed=seed)
+                                        lr=algo["lr"], epsilon=algo["epsilon"], micro_groups=0, steps=10**6, seed=seed, task=task)
         trainer = groupwise_trainer(overrides)
         setup = time.perf_counter() - t_setup
         clock, done_steps = 0.0, 0
@@ -408,13 +410,13 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
                           beta=algo["beta"], mu=algo["mu"], lr=algo["lr"], epsilon=algo["epsilon"],
                           micro_groups=algo["prompts"], max_steps=steps if steps > 0 else 10**6, seed=seed)
         clock_cb = Clock()
-        trainer = _trl_trainer(args, model, [clock_cb])
+        trainer = _trl_trainer(args, model, [clock_cb], task)
         clock_cb.trainer = trainer
         setup = time.perf_counter() - t_setup
         trainer.train()
     return {"framework": framework, "curve": curve, "setup_seconds": setup, "algorithm": algo, "threads": threads,
             "eval_size": len(rows), "target": target, "budget_seconds": seconds, "eval_every": eval_every,
-            "budget_steps": steps, "eval_every_steps": eval_every_steps, "seed": seed, "peak_rss_mb": peak_rss_mb()}
+            "budget_steps": steps, "eval_every_steps": eval_every_steps, "seed": seed, "task": task, "peak_rss_mb": peak_rss_mb()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -516,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--steps", type=int, default=0, help="budget in optimiser steps instead of --seconds (learning per step)")
     t.add_argument("--eval-every-steps", type=int, default=50)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--task", default="arithmetic", help="built-in task replacing the recipe's (rows with an 'answer' column)")
     t.add_argument("--model", required=True)
     g = sub.add_parser("gen")
     g.add_argument("--framework", choices=("groupwise", "hf"), required=True)
@@ -538,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"bench-{args.framework}-") as workdir:
             result = tta(args.framework, args.model, args.threads, args.seconds, args.eval_every, args.target,
                          args.eval_size, args.recipe, workdir, steps=args.steps, eval_every_steps=args.eval_every_steps,
-                         seed=args.seed)
+                         seed=args.seed, task=args.task)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
