@@ -296,6 +296,24 @@ def rss_mb() -> float:
     return _status_mb("VmRSS") or 0.0
 
 
+def import_floor_rss_mb() -> dict[str, float]:
+    """Peak RSS (MB) of bare processes that only import torch, then also transformers' modeling code
+    (which every Hugging Face model load imports: ``transformers.modeling_utils`` pulls in
+    ``torch.distributed.tensor``/sympy and the loss utilities/scipy). Both frameworks' workers start
+    above the second figure before they build anything, so it bounds how low either's peak can go."""
+    import subprocess
+    import sys
+
+    probe = "import {}\nprint(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
+    floors = {}
+    for name, modules in (("torch", "torch"), ("torch_transformers_modeling", "torch, transformers.modeling_utils")):
+        done = subprocess.run([sys.executable, "-c", probe.format(modules)], capture_output=True, text=True,
+                              env={**os.environ, **OFFLINE_ENV}, check=False)
+        if done.returncode == 0 and done.stdout.strip().isdigit():
+            floors[name] = int(done.stdout.strip()) / 1024.0
+    return floors
+
+
 def machine(threads: int) -> dict[str, Any]:
     import torch
 
@@ -322,6 +340,7 @@ def machine(threads: int) -> dict[str, Any]:
             info[package] = version(package)
         except Exception:  # noqa: BLE001 - a missing package is reported as such
             info[package] = "not installed"
+    info["import_floor_rss_mb"] = import_floor_rss_mb()
     try:
         info["load_average_at_start"] = os.getloadavg()
     except OSError:

@@ -500,6 +500,9 @@ def machine_section(info: dict[str, Any], flops: dict[str, float], command: str,
         *([f"- bf16 GEMM (512³, threads = {info['torch_threads']}): {flops['bf16'] / 1e9:.1f} GFLOP/s"
            + (" — slower than fp32 on this CPU (no bf16 matrix units), so every run here is fp32" if flops["bf16"] < flops["used"] else "")]
           if flops.get("bf16") else []),
+        *([f"- peak RSS of a bare process (the floor under both frameworks' RSS column): `import torch` "
+           f"{floor['torch']:,.0f} MB; with transformers' modeling code, which every Hugging Face model load imports, "
+           f"{floor['torch_transformers_modeling']:,.0f} MB"] if len(floor := info.get("import_floor_rss_mb") or {}) == 2 else []),
         f"- load average at start: {', '.join(f'{x:.2f}' for x in load) if load else 'n/a'}; date {info['date']}",
         f"- command: `{command}`" + (f"; total wall time {wall / 60:.1f} min" if wall else ""),
     ])

@@ -141,3 +141,36 @@ def test_generation_section_reports_the_ratio_per_model_and_batch():
     text = run.generation_section(result)
     assert "| tiny | 8 | 3,000 | 1,200 | **2.50×** |" in text and "exactly 64 completion tokens" in text
     assert run.generation_section({"error": "boom", "log": "x.log"}).startswith("_Generation throughput failed: boom")
+
+
+def test_seeded_time_to_accuracy_takes_the_geometric_mean_and_counts_a_miss_at_the_budget(monkeypatch, tmp_path):
+    reach = {("arithmetic", 0): 75.0, ("arithmetic", 1): 150.0, ("mixed", 0): None, ("mixed", 1): 100.0}  # None: groupwise never got there
+
+    def fake(model, seconds, eval_every, eval_size, threads, rundir, task, seed, gw_eval_every):
+        got = reach[(task, seed)]
+        return {"task": task, "seed": seed, "algorithm": {"prompts": 32, "group": 8, "length": 6, "lr": 2e-4, "loss": "grpo",
+                                                           "beta": 0.0, "mu": 1},
+                "eval_size": 500, "target_accuracy": 0.9, "trl_curve": [[0.0, 0, 0.3], [300.0, 1200, 0.9]],
+                "trl_seconds": 300.0, "trl_first_reach_seconds": 300.0, "groupwise_reach_seconds": got,
+                "groupwise_final_accuracy": 0.9 if got else 0.8, "time_ratio": 300.0 / got if got else None,
+                "time_ratio_first_reach": 300.0 / got if got else None, "trl_steps_per_s": 4.0, "groupwise_steps_per_s": 12.0,
+                "trl_rss_mb": 500.0, "groupwise_rss_mb": 400.0}
+
+    monkeypatch.setattr(run, "time_to_accuracy", fake)
+    result = run.seeded_time_to_accuracy(Path("m"), ["arithmetic", "mixed"], 2, 300.0, 15.0, 5.0, 0, 2, tmp_path)
+    assert "error" not in result
+    monkeypatch.setattr(run, "time_to_accuracy", lambda *a, **k: fake(*a, **k) if k["seed"] == 0 else {"error": "boom"})
+    assert run.seeded_time_to_accuracy(Path("m"), ["mixed"], 2, 300.0, 15.0, 5.0, 0, 2, tmp_path)["error"] == "mixed seed 1: boom"
+
+    arithmetic = result["summary"]["arithmetic"]
+    # ratios 300/75 = 4 and 300/150 = 2: geometric mean sqrt(8) = 2.828; log ratios ln 4, ln 2 have mean 1.0397 and
+    # sd 0.4901, t(1) = 12.706 -> half-width 12.706 * 0.4901 / sqrt 2 = 4.404 -> [exp(-3.364), exp(5.443)] = [0.0346, 231.2]
+    assert arithmetic["ratios"] == [4.0, 2.0] and arithmetic["ratio_geomean"] == pytest.approx(8 ** 0.5)
+    assert arithmetic["ratio_interval"] == pytest.approx([0.0346, 231.2], rel=1e-3)
+    assert arithmetic["groupwise_reach_seconds"]["mean"] == pytest.approx(112.5) and arithmetic["not_reached"] == []
+    mixed = result["summary"]["mixed"]
+    assert mixed["ratios"][0] == 1.0 and mixed["not_reached"] == [0]  # the miss counts at the budget: ratio 1, flagged
+    text = run.tta_seeded_section(result)
+    assert "| arithmetic | 500 | 0.300 | 0.900 ± 0.000 | 112 ± 476 | **2.83×** [0.03, 231.22] | 4.00, 2.00 | 12.00 / 4.00 | not resolved |" in text
+    assert "| mixed | 0 | 0.900 | 300 | – | – | – | 0.800 |" in text and "| mixed | 1 | 0.900 | 300 | 100 | 3.00× | 3.00× | 0.900 |" in text
+    assert "| 1.00*, 3.00 |" in text
