@@ -54,6 +54,8 @@ ABLATIONS: list[tuple[str, dict[str, str]]] = [
     ("padded training forward, not packed", {"GW_BENCH_OVERRIDES": "perf.packed=false"}),
     ("AdamW without the fused kernel", {"GW_BENCH_OVERRIDES": "update.fused=false"}),
     ("freed memory handed back to the OS (glibc defaults)", {"GW_BENCH_OVERRIDES": "perf.keep_freed_memory=false"}),
+    ("gate|up recomputed in the backward (perf.recompute_mlp, off by default)", {"GW_BENCH_OVERRIDES": "perf.recompute_mlp=true"}),
+    ("recompute_mlp with glibc's default heap (the least memory)", {"GW_BENCH_OVERRIDES": "perf.recompute_mlp=true;perf.keep_freed_memory=false"}),
     ("plain path: all of the above off", {"GW_BENCH_OVERRIDES": ";".join(["perf.functional=false", "perf.share_prefix=false",
                                                                           "perf.drop_finished=false", "perf.packed=false",
                                                                           "update.fused=false", "perf.keep_freed_memory=false"])}),

@@ -272,6 +272,68 @@ def test_swiglu_down_recomputes_exact_gradients():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_swiglu_mlp_recomputing_gate_up_has_exact_gradients():
+    """perf.recompute_mlp's MLP (gate|up recomputed in the backward): float64 gradients equal finite
+    differences, with and without biases, and in float32 the values and every gradient equal the
+    stored-product path's bit for bit (the recomputed product is the same GEMM on the same input)."""
+    from groupwise.policy.functional import _SwiGLUDown, _SwiGLUMLP
+    from groupwise.policy.precision import linear
+
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)  # [N,W,D] D = 6
+    gate_up_w = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)  # [2I,D] I = 4
+    gate_up_b = torch.randn(8, dtype=torch.float64, requires_grad=True)  # [2I]
+    down_w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)  # [D,I]
+    down_b = torch.randn(6, dtype=torch.float64, requires_grad=True)  # [D]
+    assert torch.autograd.gradcheck(_SwiGLUMLP.apply, (h, gate_up_w, gate_up_b, down_w, down_b))
+    assert torch.autograd.gradcheck(lambda a, w, d: _SwiGLUMLP.apply(a, w, None, d, None), (h, gate_up_w, down_w))
+
+    inputs = [t.detach().float().requires_grad_() for t in (h, gate_up_w, gate_up_b, down_w, down_b)]
+    recomputed = _SwiGLUMLP.apply(*inputs)  # [N,W,D]
+    stored = _SwiGLUDown.apply(linear(inputs[0], inputs[1], inputs[2]), inputs[3], inputs[4])  # [N,W,D]
+    assert torch.equal(recomputed, stored)
+    upstream = torch.randn_like(stored)
+    for a, b in zip(torch.autograd.grad(recomputed, inputs, upstream), torch.autograd.grad(stored, inputs, upstream)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_bias"])
+def test_recompute_mlp_saves_the_gate_up_products_and_changes_no_gradient(arch):
+    """hidden_states(recompute_mlp=True) on a real decoder: the same hidden states and parameter
+    gradients, and the tensors kept for the backward shrink by exactly the [N,W,2I] gate|up
+    product of every layer (less its [2I] bias, which the recomputation keeps where there is one)."""
+    model = tiny_model(arch)
+    N, W = 2, 9
+    input_ids = torch.randint(2, V, (N, W), generator=torch.Generator().manual_seed(2))  # [N,W]
+    positions = torch.arange(W).expand(N, W)  # [N,W]
+    allowed = torch.ones(W, W, dtype=torch.bool).tril().expand(N, W, W)  # [N,W,W]
+
+    def run(recompute: bool):
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        model.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = hidden_states(model, input_ids, positions, allowed, recompute_mlp=recompute)  # [N,W,D]
+        hidden.pow(2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}  # the head is unused here
+        return hidden.detach(), grads, sum(saved.values())
+
+    hidden_stored, grads_stored, bytes_stored = run(False)
+    hidden_recomputed, grads_recomputed, bytes_recomputed = run(True)
+    assert torch.equal(hidden_recomputed, hidden_stored)
+    assert grads_recomputed.keys() == grads_stored.keys() and any("mlp" in name for name in grads_stored)
+    for name, grad in grads_stored.items():
+        torch.testing.assert_close(grads_recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    cfg = model.config
+    gate_up_bytes = cfg.num_hidden_layers * N * W * 2 * cfg.intermediate_size * 4  # float32 [N,W,2I] per layer
+    bias_bytes = cfg.num_hidden_layers * 2 * cfg.intermediate_size * 4 if getattr(cfg, "mlp_bias", False) else 0  # [2I] per layer
+    assert bytes_stored - bytes_recomputed == gate_up_bytes - bias_bytes
+
+
 # ----------------------------------------------------------------------------- RMSNorm in fewer ops
 @pytest.mark.parametrize("shape", [(5, 16), (3, 4, 2, 8)])
 def test_rms_norm_matches_torch_and_its_gradient_is_exact(shape):

@@ -14,9 +14,10 @@ PLAIN = ["perf.functional=false", "perf.share_prefix=false", "perf.packed=false"
 
 
 @pytest.mark.parametrize("extra", [[], ['objective.terms=["ppo_clip", {name="kl", coef=0.1}]', "train.epochs=2"]])
-def test_optimised_and_plain_paths_agree(tmp_path, extra):
+@pytest.mark.parametrize("memory_switch", [[], ["perf.recompute_mlp=true"]])  # off by default: memory for one more GEMM
+def test_optimised_and_plain_paths_agree(tmp_path, extra, memory_switch):
     sgd = 'update={name="sgd", lr=0.1}'  # SGD: the weight change is the gradient itself
-    fast = make_trainer(tmp_path / "fast", *extra, sgd, "rollout.max_new_tokens=12")
+    fast = make_trainer(tmp_path / "fast", *extra, sgd, "rollout.max_new_tokens=12", *memory_switch)
     plain = make_trainer(tmp_path / "plain", *extra, sgd, "rollout.max_new_tokens=12", *PLAIN)
     assert fast.policy.engine.functional and not plain.policy.engine.functional
 

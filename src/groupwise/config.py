@@ -132,6 +132,7 @@ class PerfCfg:
     packed: bool = True  # training forward on packed rows (no padding); false = one padded batch
     drop_finished: bool = True  # finished rows leave the decode batch
     keep_freed_memory: bool = True  # glibc keeps freed blocks for reuse instead of page-faulting fresh ones (engines/memory.py)
+    recompute_mlp: bool = False  # functional training forward: each MLP recomputes gate|up in the backward (less memory, one more GEMM)
 
 
 @dataclass

@@ -136,14 +136,15 @@ class _LayerTap:
 
 
 def _decoder_hidden(model, input_ids: Tensor, position_ids: Tensor, allowed: Tensor | None, attention_mask, layers: set[int],
-                    functional: bool, matmul: torch.dtype | None = None) -> tuple[Tensor, dict[int, Tensor]]:
+                    functional: bool, matmul: torch.dtype | None = None, recompute_mlp: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
     """([n,W,H] final-norm hidden states, {l: [n,W,H]}) from the functional decoder or the model's own
-    (``matmul``: explicit low-precision GEMMs in the former, autocast around the latter)."""
+    (``matmul``: explicit low-precision GEMMs in the former, autocast around the latter;
+    ``recompute_mlp``: the former's MLPs recompute gate|up in the backward instead of storing it)."""
     device = next(model.parameters()).device
     if functional and unsupported_reason(model) is None:
         kept: dict[int, Tensor] = dict.fromkeys(layers)
         hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device), kept if layers else None,
-                                                  matmul=matmul)
+                                                  matmul=matmul, recompute_mlp=recompute_mlp)
         return hidden, kept
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with _LayerTap(model, layers) as kept, autocast(device, matmul):
@@ -160,7 +161,8 @@ def _gather(hidden: Tensor, layers: dict[int, Tensor], at: Tensor) -> tuple[Tens
 
 
 def _packed_hidden(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 0,
-                   functional: bool = True, layers: set[int] = frozenset(), matmul: torch.dtype | None = None) -> tuple[Tensor, dict[int, Tensor]]:
+                   functional: bool = True, layers: set[int] = frozenset(), matmul: torch.dtype | None = None,
+                   recompute_mlp: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
     """([K,H], {l: [K,H]}) hidden states predicting every completion token of the rows, in row order,
     from bins of packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and
     for each bin's padding tail), so every row attends only to itself."""
@@ -188,12 +190,13 @@ def _packed_hidden(model, sequences: list[list[int]], prompt_lengths: list[int],
         index = torch.arange(width)
         allowed = (segment[:, :, None] == segment[:, None, :]) & (index[:, None] >= index[None, :])  # [n_bins,q,k] own row, causal
     # off the functional path transformers reads the position restarts as packed sequences and builds the same mask
-    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, None, layers, functional, matmul)  # [n_bins,width,H]
+    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, None, layers, functional, matmul, recompute_mlp)  # [n_bins,width,H]
     return _gather(hidden, kept, predict_at)
 
 
 def _shared_prefix_hidden(model, prompts: list[list[int]], groups: list[int], completions: list[list[int]], pack_tokens: int = 0,
-                          functional: bool = True, layers: set[int] = frozenset(), matmul: torch.dtype | None = None) -> tuple[Tensor, dict[int, Tensor]]:
+                          functional: bool = True, layers: set[int] = frozenset(), matmul: torch.dtype | None = None,
+                          recompute_mlp: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
     """([K,H], {l: [K,H]}) hidden states predicting every completion token, in row order, with each
     group's prompt computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G``
     and a custom attention mask lets completion k see the prompt and its own earlier tokens only (a
@@ -250,7 +253,7 @@ def _shared_prefix_hidden(model, prompts: list[list[int]], groups: list[int], co
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None].to(device)  # [n_bins,1,q,k]
-    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, additive, layers, functional, matmul)  # [n_bins,width,H]
+    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, additive, layers, functional, matmul, recompute_mlp)  # [n_bins,width,H]
     return _gather(hidden, kept, gather_at)
 
 
@@ -355,6 +358,7 @@ def completion_logprobs(
     quantities=(),
     row_prompts: list[list[list[int]]] | None = None,
     matmul: torch.dtype | None = None,
+    recompute_mlp: bool = False,
 ) -> dict[str, Tensor]:
     """Per-token log-probs of ``actions`` [B,G,T] given each group's prompt, scattered back to [B,G,T].
     With ``row_prompts`` ([B][G] token lists: row contexts) each row is conditioned on its own
@@ -379,6 +383,8 @@ def completion_logprobs(
     values, fewer ops). ``matmul``: the model's GEMMs (decoder and head) in that dtype when not
     float32 (``model.matmul=bfloat16``, ``policy/precision.py``); logits are float32 before the
     log-softmax, so every returned quantity is float32. (The eager ``attn_at`` / ``hidden_at`` pass stays float32.)
+    ``recompute_mlp``: the functional forward's MLPs keep only their input and recompute gate|up in the
+    backward (``perf.recompute_mlp``: same values and gradients, less memory, one more GEMM per layer).
     """
     layers, topks, entropy_wanted, last_wanted = parse_quantities(quantities)
     full_wanted = "logprobs" in quantities
@@ -437,11 +443,13 @@ def completion_logprobs(
         row_sizes = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
         share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, row_sizes, pack_tokens)
     if packed and share_prefix:
-        hidden, kept = _shared_prefix_hidden(model, prompts, group_ids, completions, pack_tokens, functional, layers, matmul)  # [K,H]
+        hidden, kept = _shared_prefix_hidden(model, prompts, group_ids, completions, pack_tokens, functional, layers, matmul,
+                                             recompute_mlp)  # [K,H]
     else:
         sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row
         if packed:
-            hidden, kept = _packed_hidden(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional, layers, matmul)  # [K,H]
+            hidden, kept = _packed_hidden(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional, layers, matmul,
+                                          recompute_mlp)  # [K,H]
         else:
             hidden, kept = _padded_hidden(model, sequences, prompt_lengths, completion_lengths, layers, matmul)  # [K,H]
     logits = _head(model, hidden, matmul)  # [K,V]

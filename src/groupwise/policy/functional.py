@@ -166,26 +166,64 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        # Elementwise passes over [...,I] are memory-bound here, so they are kept few: 8 instead of 12 + a cat.
         gate_up, weight = ctx.saved_tensors
+        return _swiglu_down_backward(gate_up, weight, ctx.has_bias, grad_out)
+
+
+def _swiglu_down_backward(gate_up: Tensor, weight: Tensor, has_bias: bool, grad_out: Tensor):
+    """Gradients of ``down(silu(gate) * up)`` for ``gate_up`` [...,2I], the down weight and its bias."""
+    # Elementwise passes over [...,I] are memory-bound here, so they are kept few: 8 instead of 12 + a cat.
+    gate, up = gate_up.chunk(2, dim=-1)  # [...,I] each
+    sig = torch.sigmoid(gate)  # [...,I]
+    silu = gate * sig  # [...,I]
+    flat_grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [N,D]
+    grad_bias = flat_grad_out.sum(0) if has_bias else None  # [D]
+    if weight.dtype == gate_up.dtype:
+        grad_weight = flat_grad_out.t() @ (silu * up).reshape(-1, up.shape[-1])  # [D,I] product recomputed, freed at once
+        grad_product = grad_out @ weight  # [...,I]
+    else:  # both backward GEMMs in the weight's dtype (its gradient is cast to the float32 master by autograd)
+        low = weight.dtype
+        grad_weight = flat_grad_out.t().to(low) @ (silu * up).reshape(-1, up.shape[-1]).to(low)  # [D,I]
+        grad_product = (grad_out.to(low) @ weight).to(gate_up.dtype)  # [...,I]
+    grad_gate_up = torch.empty_like(gate_up)  # [...,2I] written in place of a cat
+    grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)  # [...,I] views
+    torch.mul(grad_product, silu, out=grad_up)
+    silu_grad = silu.addcmul_(silu, sig, value=-1).add_(sig)  # silu'(g) = σ + silu·(1 − σ), in silu's storage
+    torch.mul(grad_product.mul_(up), silu_grad, out=grad_gate)
+    return grad_gate_up, grad_weight, grad_bias
+
+
+class _SwiGLUMLP(torch.autograd.Function):
+    """The whole MLP, ``down(silu(gate) * up)`` with ``[gate | up] = h @ gate_up_weight.T + bias``, keeping
+    only its input ``h`` [...,D] for the backward (``perf.recompute_mlp``): ``gate_up`` [...,2I] is
+    recomputed there by one more GEMM instead of being stored — with I = 4D, 2I of the ~4.5 I + 6 D
+    floats a Llama-family layer saves per token. Same values and gradients as ``_SwiGLUDown`` after
+    the gate|up product (the recomputed product is the forward's, bit for bit)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, gate_up_weight: Tensor, gate_up_bias: Tensor | None, weight: Tensor, bias: Tensor | None) -> Tensor:
+        gate_up = _lin(h, gate_up_weight, gate_up_bias)  # [...,2I] freed after this call
         gate, up = gate_up.chunk(2, dim=-1)  # [...,I] each
-        sig = torch.sigmoid(gate)  # [...,I]
-        silu = gate * sig  # [...,I]
-        flat_grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [N,D]
-        grad_bias = flat_grad_out.sum(0) if ctx.has_bias else None  # [D]
-        if weight.dtype == gate_up.dtype:
-            grad_weight = flat_grad_out.t() @ (silu * up).reshape(-1, up.shape[-1])  # [D,I] product recomputed, freed at once
-            grad_product = grad_out @ weight  # [...,I]
-        else:  # both backward GEMMs in the weight's dtype (its gradient is cast to the float32 master by autograd)
-            low = weight.dtype
-            grad_weight = flat_grad_out.t().to(low) @ (silu * up).reshape(-1, up.shape[-1]).to(low)  # [D,I]
-            grad_product = (grad_out.to(low) @ weight).to(gate_up.dtype)  # [...,I]
-        grad_gate_up = torch.empty_like(gate_up)  # [...,2I] written in place of a cat
-        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)  # [...,I] views
-        torch.mul(grad_product, silu, out=grad_up)
-        silu_grad = silu.addcmul_(silu, sig, value=-1).add_(sig)  # silu'(g) = σ + silu·(1 − σ), in silu's storage
-        torch.mul(grad_product.mul_(up), silu_grad, out=grad_gate)
-        return grad_gate_up, grad_weight, grad_bias
+        ctx.save_for_backward(h, gate_up_weight, gate_up_bias, weight)
+        ctx.has_bias = bias is not None
+        return _lin(F.silu(gate).mul_(up), weight, bias)  # [...,D]
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        h, gate_up_weight, gate_up_bias, weight = ctx.saved_tensors
+        gate_up = _lin(h, gate_up_weight, gate_up_bias)  # [...,2I] the forward's product again
+        grad_gate_up, grad_weight, grad_bias = _swiglu_down_backward(gate_up, weight, ctx.has_bias, grad_out)
+        flat_grad = grad_gate_up.reshape(-1, grad_gate_up.shape[-1])  # [N,2I]
+        flat_h = h.reshape(-1, h.shape[-1])  # [N,D]
+        grad_gate_up_bias = flat_grad.sum(0) if gate_up_bias is not None else None  # [2I]
+        low = gate_up_weight.dtype
+        if low == h.dtype:
+            grad_h = grad_gate_up @ gate_up_weight  # [...,D]
+            grad_gate_up_weight = flat_grad.t() @ flat_h  # [2I,D]
+        else:  # as precision.linear's backward: both products in the weight's dtype
+            grad_h = (grad_gate_up.to(low) @ gate_up_weight).to(h.dtype)  # [...,D]
+            grad_gate_up_weight = flat_grad.t().to(low) @ flat_h.to(low)  # [2I,D]
+        return grad_h, grad_gate_up_weight, grad_gate_up_bias, grad_weight, grad_bias
 
 
 def _low(weight: Tensor, low: torch.dtype | None) -> Tensor:
@@ -194,12 +232,13 @@ def _low(weight: Tensor, low: torch.dtype | None) -> Tensor:
 
 
 def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, layers: dict[int, Tensor] | None = None,
-                  matmul: torch.dtype | None = None) -> Tensor:
+                  matmul: torch.dtype | None = None, recompute_mlp: bool = False) -> Tensor:
     """[N,W,D] final-norm hidden states for ``input_ids`` [N,W] at ``positions`` [N,W]; ``allowed``
     [N,W,W] bool says which key each query sees (every query must see at least itself).
     ``layers``: a dict whose keys name residual-stream states to keep (0 = the embeddings, l = after
     decoder layer l); they are written into it as [N,W,D]. ``matmul``: the GEMMs' dtype when not
-    float32 (``model.matmul``); the rest stays float32.
+    float32 (``model.matmul``); the rest stays float32. ``recompute_mlp``: each MLP keeps only its
+    input for the backward and recomputes its gate|up product there (``perf.recompute_mlp``).
 
     Gradients flow to the model's parameters; the maths is the model's own layer by layer."""
     inner = model.model
@@ -227,8 +266,13 @@ def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, 
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K)  # [N,H,W,hd]
         x = x + _lin(out.transpose(1, 2).reshape(N, W, H * hd), _low(attn.o_proj.weight, matmul), attn.o_proj.bias)  # [N,W,D]
         h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-        gate_up = _lin(h, _low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), matmul), _cat_bias(mlp.gate_proj, mlp.up_proj))  # [N,W,2I]
-        x = x + _SwiGLUDown.apply(gate_up, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias)  # [N,W,D]
+        gate_up_weight = _low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), matmul)  # [2I,D]
+        gate_up_bias = _cat_bias(mlp.gate_proj, mlp.up_proj)
+        if recompute_mlp and torch.is_grad_enabled():
+            x = x + _SwiGLUMLP.apply(h, gate_up_weight, gate_up_bias, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias)  # [N,W,D]
+        else:
+            gate_up = _lin(h, gate_up_weight, gate_up_bias)  # [N,W,2I]
+            x = x + _SwiGLUDown.apply(gate_up, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias)  # [N,W,D]
         if layers is not None and index + 1 in layers:
             layers[index + 1] = x
     return rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)  # [N,W,D]

@@ -246,7 +246,8 @@ class LMPolicy:
         perf = self.perf
         out = completion_logprobs(self.module if module is None else module, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid,
                                   want_entropy=want_entropy, packed=perf.packed, share_prefix=None if perf.share_prefix else False,
-                                  functional=perf.functional, quantities=quantities, row_prompts=rollout.ctx or None, matmul=self.matmul.low)
+                                  functional=perf.functional, quantities=quantities, row_prompts=rollout.ctx or None, matmul=self.matmul.low,
+                                  recompute_mlp=perf.recompute_mlp)
         if self.device.type != "cpu":  # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
             out = {key: value.to("cpu", non_blocking=False) for key, value in out.items()}
         return out
