@@ -2,7 +2,7 @@
 
     python bench/compile_decode.py [tiny|small|medium] [rows] [tokens]
 
-Prefills one random prompt of 10 tokens, repeats it over ``rows`` (default 8), then times
+Prefills one fixed prompt of 10 tokens (ids 3..12), repeats it over ``rows`` (default 8), then times
 ``tokens - 1`` decode steps (default 16, a bench cell's L16) four times, eager and then through
 ``torch.compile(DecodeState.step, dynamic=True)`` (the cache length grows every step, so a static
 compile would recompile each step). Prints the compile cost (the first compiled pass) and the

@@ -1,6 +1,7 @@
 """Numerical guards: 2·10^4 random reward groups (4·10^3 for GCPO's per-group Shapley solver) —
 constant, near-constant, single-sample, empty, NaN/inf-containing, and spread over float32's whole
-range — give finite advantages from every registered estimator, and from every shaper after a scaled (grpo) and an unscaled (dr_grpo) one."""
+range — give finite advantages from every registered estimator, and from every shaper after a
+scaled (grpo) and an unscaled (dr_grpo) one."""
 
 import pytest
 import torch
