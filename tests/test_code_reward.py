@@ -95,7 +95,7 @@ def reward():
 
 def observe(reward: Code, code: str, call: str = "probe()"):
     """Run ``code`` in the sandbox and return the value of ``call`` (a containment probe)."""
-    res = reward.run_case(textwrap.dedent(code), Case("call", call=call, expected=canonical(None)))
+    res = reward._run_case(textwrap.dedent(code), Case("call", call=call, expected=canonical(None)))
     assert res.ready and not res.timed_out and res.exit_code == 0, (res.infra_error, res.stderr[-2000:])
     assert len(res.records) == 1 and res.records[0]["ok"], res.records
     return _decode(res.records[0]["value"])
@@ -244,7 +244,7 @@ def test_value_comparison_is_strict(reward):
              {"call": "f('tuple')", "expected": "[1, 2]"}, {"call": "f('list')", "expected": "[1, 2]"}, {"call": "f('set')", "expected": "{1, 3}"},
              {"call": "f('nan')", "expected": "float('nan')"}, {"call": "f('big')", "expected": str(7**3000)}]
     cases = parse_tests(tests)
-    got = [verdict(c, reward.run_case(code, c)) for c in cases]
+    got = [verdict(c, reward._run_case(code, c)) for c in cases]
     assert got == [True, False, False, False, True, True, True, True]
 
 
@@ -384,13 +384,13 @@ def test_cpu_spin_killed_at_timeout_overrun_measured():
                  "import signal\nfor s in (signal.SIGTERM, signal.SIGALRM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
                  "    signal.signal(s, signal.SIG_IGN)\nsignal.alarm(0)\nwhile True:\n    pass\n"):
         t0 = time.monotonic()
-        res = r.run_case(code, Case("stdio", stdout="x"))
+        res = r._run_case(code, Case("stdio", stdout="x"))
         elapsed = time.monotonic() - t0
         assert res.timed_out and res.timeout_kind in ("cpu", "wall") and verdict(Case("stdio", stdout="x"), res) is False
         seen.append((elapsed - r.timeout_s, elapsed - res.startup_s - res.run_s, res.cpu_s, res.timeout_kind))
     # killed at its CPU budget (1 s; later in wall time only when the machine is busy, at most at wall_s = 2 s)
     print(f"\nbeyond timeout_s=1.0 (overrun, kill+teardown, cpu, kind): spin {seen[0]}, signal-ignoring spin {seen[1]}")
-    assert all(0.0 <= over < r.limits.wall_s - r.timeout_s + 1.5 and teardown < 0.5 for over, teardown, _, _ in seen), seen
+    assert all(0.0 <= over < r._limits.wall_s - r.timeout_s + 1.5 and teardown < 0.5 for over, teardown, _, _ in seen), seen
     # a CPU kill comes at 1 s of CPU; a wall kill (a busy machine gave it less than 1 s of CPU in wall_s) before
     assert all(cpu is None or (1.0 <= cpu < 1.3 if kind == "cpu" else cpu < 1.3) for _, _, cpu, kind in seen), seen
 
@@ -456,7 +456,7 @@ def test_output_flood_capped():
     }
     t0 = time.monotonic()
     for name, code in floods.items():
-        res = r.run_case(code, Case("stdio", stdout="x"))
+        res = r._run_case(code, Case("stdio", stdout="x"))
         assert res.ready and res.output_capped and not res.timed_out, (name, res.infra_error)
         assert len(res.stdout) <= 65536 and len(res.stderr) <= 65536
         assert verdict(Case("stdio", stdout="x"), res) is False
@@ -590,7 +590,7 @@ def test_shared_memory_is_bounded_per_run(cgroup):
     shm0, rss0 = _shmem_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()
     assert r([""], [SHM_HOLD], tests=[ADD_TESTS[:1]]) == [0.0]  # 256 MiB held against memory_mb=128: no credit
-    res = r.run_case(textwrap.dedent(SHM_PROBE), Case("call", call="probe()", expected=canonical(None)))
+    res = r._run_case(textwrap.dedent(SHM_PROBE), Case("call", call="probe()", expected=canonical(None)))
     assert time.monotonic() - t0 < 4.0
     value = _decode(res.records[0]["value"]) if res.records and res.records[0].get("ok") else None
     if bounded:  # the run's memory cgroup: killed at the limit (or ENOMEM), never held
@@ -654,13 +654,13 @@ def test_inode_flood_teardown_stays_inside_the_bound(inode_cap, cgroup, teardown
         pytest.skip("no memory cgroup here")
     flood = "import os\nn = 0\nwhile True:\n    try:\n        open(f'/tmp/{n}', 'w').close()\n    except OSError:\n        pass\n    n += 1\n"
     t0 = time.monotonic()
-    res = r.run_case(flood, Case("stdio", stdout="x"))
+    res = r._run_case(flood, Case("stdio", stdout="x"))
     elapsed = time.monotonic() - t0
     teardown = elapsed - res.startup_s - res.run_s  # from the kill decision to the namespace being empty
     print(f"\ninode flood (cap {inode_cap}, cgroup {cgroup}): {elapsed:.2f} s, CPU {res.cpu_s:.2f} s, teardown {teardown:.3f} s, oom {res.oom_kills}")
     assert res.timed_out or res.oom_kills >= 1
     assert teardown < teardown_max, teardown
-    assert elapsed < r.limits.wall_s + 1.5, elapsed
+    assert elapsed < r._limits.wall_s + 1.5, elapsed
 
 
 def _cpu_bomb(marker: str) -> str:
@@ -707,7 +707,7 @@ def test_cpu_bomb_does_not_change_a_neighbours_verdict(cgroup):
     out, elapsed, r = _bomb_beside_correct(cgroup)
     assert out == [0.0, 1.0]  # the bomb scores 0, the slow correct neighbour still passes
     assert r.stats["timeout"] == 1
-    assert elapsed < r.limits.wall_s + 1.5, elapsed
+    assert elapsed < r._limits.wall_s + 1.5, elapsed
 
 
 @needs_bwrap
@@ -763,7 +763,7 @@ with open("/proc/self/fd/0", "rb") as f:
 
 @needs_bwrap
 def test_stdin_cannot_be_reopened_for_writing(reward):
-    res = reward.run_case(STDIN_REOPEN, Case("stdio", stdin="1 2\n"))
+    res = reward._run_case(STDIN_REOPEN, Case("stdio", stdin="1 2\n"))
     assert res.stdout.decode().split() in (["EPERM", "True", "4"], ["EACCES", "True", "4"]), res.stdout  # (user mode: test_unprivileged_user_path)
 
 
@@ -985,7 +985,7 @@ def test_unsafe_local_warns_and_still_limits(monkeypatch):
     t0 = time.monotonic()
     out = r([""] * 3, [ADD, "def add(a, b):\n    while True:\n        pass\n", daemon], tests=[ADD_TESTS[:1]] * 3)
     assert out == [1.0, 0.0, 1.0]  # env scrubbed in unsafe mode too
-    assert time.monotonic() - t0 < r.limits.wall_s + 4.0  # the endless loop is cut at its CPU budget, not waited out
+    assert time.monotonic() - t0 < r._limits.wall_s + 4.0  # the endless loop is cut at its CPU budget, not waited out
     assert _host_pids_with(marker) == []  # every process of the run's uid is killed, however it left the group
 
 

@@ -67,24 +67,24 @@ def test_cgpo_history_mean_and_unselected_bonus():
     for step, var0 in enumerate([0.05, 0.1, 0.25]):  # P_var(0) = 0.2, 0.4, 1.0
         s.observe(scored([two_values(var0), [0.0, 1.0], [1.0, 1.0]], [0, 1, 2]), info(step))
         if step == 0:
-            assert s.probabilities()[3].item() == pytest.approx(0.31)  # unselected: 0.3 + 1/N = 0.3 + 0.01
-            assert s.probabilities()[0].item() == pytest.approx(0.2)  # history [0.2] → 0.2
+            assert s._probabilities()[3].item() == pytest.approx(0.31)  # unselected: 0.3 + 1/N = 0.3 + 0.01
+            assert s._probabilities()[0].item() == pytest.approx(0.2)  # history [0.2] → 0.2
     # spec: history [0.2, 0.4, 1.0] → (0.2 + 0.4 + 1.0)/3 = 0.5333
-    assert s.probabilities()[0].item() == pytest.approx(1.6 / 3, abs=1e-6)
-    assert s.probabilities()[2].item() == 0.0 and s.probabilities()[1].item() == 1.0
-    assert s.probabilities()[3].item() == pytest.approx(0.33)  # three unselected steps: 0.3 + 3/100
+    assert s._probabilities()[0].item() == pytest.approx(1.6 / 3, abs=1e-6)
+    assert s._probabilities()[2].item() == 0.0 and s._probabilities()[1].item() == 1.0
+    assert s._probabilities()[3].item() == pytest.approx(0.33)  # three unselected steps: 0.3 + 3/100
     # a fourth selection drops the oldest: [0.4, 1.0, 0.0] → 0.4667
     s.observe(scored([[1.0, 1.0], [0.0, 1.0]], [0, 1]), info(3))
-    assert s.probabilities()[0].item() == pytest.approx(1.4 / 3, abs=1e-6)
+    assert s._probabilities()[0].item() == pytest.approx(1.4 / 3, abs=1e-6)
 
 
 def test_cgpo_bonus_and_clip_options():
     s = sampler("cgpo", n_rows=4, init_prob=0.95, bonus=0.1)
     s.observe(scored([[0.0, 1.0]], [0]), info(0))  # rows 1..3 unselected: 0.95 + 0.1 = 1.05 → clipped 1
-    assert s.probabilities().tolist() == [1.0, 1.0, 1.0, 1.0] and s._table[1].item() == 1.0
+    assert s._probabilities().tolist() == [1.0, 1.0, 1.0, 1.0] and s._table[1].item() == 1.0
     s = sampler("cgpo", n_rows=4, init_prob=0.95, bonus=0.1, clip=False)
     s.observe(scored([[0.0, 1.0]], [0]), info(0))
-    assert s._table[1].item() == pytest.approx(1.05) and s.probabilities()[1].item() == 1.0  # acceptance capped at 1
+    assert s._table[1].item() == pytest.approx(1.05) and s._probabilities()[1].item() == 1.0  # acceptance capped at 1
 
 
 def test_cgpo_category_calibration_spec_numbers():
@@ -102,7 +102,7 @@ def test_cgpo_category_calibration_spec_numbers():
     assert s._w == pytest.approx({"a": 2 * 0.538462, "b": 2 * 0.461538}, abs=1e-6)
     # row 0 (a): V = 0.25 = max → P_var 1, × 1.0769 → capped at 1; row 1 (b): V = 0.16 = min → 0
     # row 2 (b, unselected): (0.5 + 1/6) × 0.923077 = 0.615385; row 3 (no category): weight 1 → 0.666667
-    prob = s.probabilities()
+    prob = s._probabilities()
     assert prob[:4].tolist() == pytest.approx([1.0, 0.0, 0.615385, 0.5 + 1 / 6], abs=1e-6)
     with pytest.raises(KeyError, match="level"):
         s.observe(scored([[1.0, 0.0]], [2], [{"answer": "1"}]), info(1))
@@ -118,26 +118,26 @@ def test_cgpo_calibration_period_and_bind_rows():
     s.observe(scored([[0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]], [0, 1], [{"level": 0}, {"level": 1}]), info(1))
     # r = [0.25, 0.75]: 1/r = [4, 4/3] → v = [0.75, 0.25]; q = (1 + v)/3 → w = 2q = [7/6, 5/6]
     assert s._w == pytest.approx({0: 7 / 6, 1: 5 / 6})
-    assert s.probabilities()[2].item() == pytest.approx(5 / 6)  # row 2: level 1 from bind, table 1 (1 + 2/3 clipped) × 5/6
+    assert s._probabilities()[2].item() == pytest.approx(5 / 6)  # row 2: level 1 from bind, table 1 (1 + 2/3 clipped) × 5/6
 
 
 def test_cgpo_edge_cases_nan_constant_and_flat_batches():
     s = sampler("cgpo", n_rows=5, init_prob=0.5)
     # all-NaN group (row 0): ignored, no bonus; constant groups with spread elsewhere: P_var 0; one valid row: V = 0
     s.observe(scored([[NAN, NAN], [1.0, 1.0], [0.0, 1.0], [NAN, 1.0]], [0, 1, 2, 3]), info(0))
-    assert s.probabilities().tolist() == pytest.approx([0.5, 0.0, 1.0, 0.0, 0.5 + 1 / 5])
+    assert s._probabilities().tolist() == pytest.approx([0.5, 0.0, 1.0, 0.0, 0.5 + 1 / 5])
     assert 0 not in s._hist and len(s._hist) == 3
     # a batch with no spread (every group constant): every P_var = flat_value
     s.observe(scored([[1.0, 1.0], [0.0, 0.0]], [1, 2]), info(1))
     assert s._hist[1] == [0.0, 1.0] and s._hist[2] == [1.0, 1.0]
     t = sampler("cgpo", n_rows=3, flat_value=0.25)
     t.observe(scored([[1.0, 1.0], [0.0, 0.0]], [0, 1]), info(0))
-    assert t.probabilities()[:2].tolist() == [0.25, 0.25]
+    assert t._probabilities()[:2].tolist() == [0.25, 0.25]
     assert normalize_variances(torch.tensor([0.3])).tolist() == [1.0]  # a single group has no spread
     var, has = group_variance(torch.tensor([[NAN, NAN]]), torch.tensor([[True, True]]) & torch.isfinite(torch.tensor([[NAN, NAN]])))
     assert var.tolist() == [0.0] and has.tolist() == [False]
     t.observe(scored([[NAN, NAN]], [2]), info(1))  # a batch with nothing valid changes nothing but the bonus of others
-    assert t.probabilities()[2].item() == 1.0
+    assert t._probabilities()[2].item() == 1.0
 
 
 def test_cgpo_draw_follows_the_table():
@@ -179,7 +179,7 @@ def test_gcs_100k_draws_match_the_probabilities(eps):
     # group accuracies 0, 1/4, 2/4, 3/4, 4/4 (decay 0: the last observation)
     s.observe(scored([[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], [0, 1, 2, 3, 4]), info(0))
     expected = gaussian_curriculum_probs(torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]), eps=eps)  # [5]
-    torch.testing.assert_close(s.probabilities(), expected)
+    torch.testing.assert_close(s._probabilities(), expected)
     counts = torch.bincount(torch.tensor(s.draw(100_000, info(1))), minlength=5).double() / 100_000  # [5]
     assert (counts - expected).abs().max() < 0.01, (counts, expected)
 
@@ -199,27 +199,27 @@ def test_gcs_without_replacement_and_errors():
 
 def test_gcs_accuracy_estimates_and_options():
     s = sampler("gcs", n_rows=4)
-    assert s.accuracy().tolist() == [0.5] * 4  # unseen → μ
-    assert sampler("gcs", n_rows=2, mu=0.3).accuracy().tolist() == [0.3, 0.3]
-    assert sampler("gcs", n_rows=2, mu=0.3, unseen=0.5).accuracy().tolist() == [0.5, 0.5]  # Part A's unseen = 0.5
+    assert s._accuracy().tolist() == [0.5] * 4  # unseen → μ
+    assert sampler("gcs", n_rows=2, mu=0.3)._accuracy().tolist() == [0.3, 0.3]
+    assert sampler("gcs", n_rows=2, mu=0.3, unseen=0.5)._accuracy().tolist() == [0.5, 0.5]  # Part A's unseen = 0.5
     # all-NaN group (row 1): unchanged; decay 0: the last observation
     s.observe(scored([[1.0, 1.0, 1.0, 1.0], [NAN, NAN, NAN, NAN]], [0, 1]), info(0))
     s.observe(scored([[0.0, 0.0, 1.0, NAN]], [0]), info(1))
-    assert s.accuracy().tolist() == pytest.approx([1 / 3, 0.5, 0.5, 0.5])
+    assert s._accuracy().tolist() == pytest.approx([1 / 3, 0.5, 0.5, 0.5])
     e = sampler("gcs", n_rows=2, decay=0.5)  # first observation 1.0, then 0.5·1.0 + 0.5·0.0 = 0.5
     e.observe(scored([[1.0, 1.0]], [0]), info(0))
     e.observe(scored([[0.0, 0.0]], [0]), info(1))
-    assert e.accuracy()[0].item() == 0.5
+    assert e._accuracy()[0].item() == 0.5
     m = sampler("gcs", n_rows=2, estimate="mean")  # running mean over every reward: (4 + 0)/(4 + 2) = 2/3
     m.observe(scored([[1.0, 1.0, 1.0, 1.0]], [0]), info(0))
     m.observe(scored([[0.0, 0.0, NAN, NAN]], [0]), info(1))
-    assert m.accuracy()[0].item() == pytest.approx(2 / 3)
+    assert m._accuracy()[0].item() == pytest.approx(2 / 3)
     t = sampler("gcs", n_rows=1, threshold=0.5)  # graded rewards: share ≥ 0.5 of [0.7, 0.2] = 0.5
     t.observe(scored([[0.7, 0.2]], [0]), info(0))
-    assert t.accuracy()[0].item() == 0.5
+    assert t._accuracy()[0].item() == 0.5
     v = sampler("gcs", n_rows=2)  # a row marked invalid by group_valid is excluded like a NaN
     v.observe(scored([[1.0, 0.0]], [0], group_valid=[[True, False]]), info(0))
-    assert v.accuracy()[0].item() == 1.0
+    assert v._accuracy()[0].item() == 1.0
 
 
 # ====================================================================== both samplers: determinism and resume

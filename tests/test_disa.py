@@ -152,17 +152,17 @@ def test_the_anchor_table_regressor_and_refusals():
     term.use_artifact("logz", artifact)
     with torch.no_grad():
         expected = float(reg(emb))
-    torch.testing.assert_close(term.anchor(ro), torch.tensor([[0.7, 0.7], [expected, expected], [-0.3, -0.3]]))
+    torch.testing.assert_close(term._anchor(ro), torch.tensor([[0.7, 0.7], [expected, expected], [-0.3, -0.3]]))
     plain = DISA()
     plain.use_artifact("logz", artifact)
     with pytest.raises(ValueError, match=r"prompt ids \[1\] have no log Z in the table"):
-        plain.anchor(ro)
+        plain._anchor(ro)
     with pytest.raises(ConfigError, match="estimated log Z for beta=15.0"):
         DISA(beta=2.0).use_artifact("logz", artifact)
     with pytest.raises(ConfigError, match="holds no regressor"):
         DISA(use_regressor=True).use_artifact("logz", {**artifact, "regressor": None})
     with pytest.raises(ValueError, match="no log Z table: configure the offline phase disa_logz"):
-        DISA().anchor(ro)
+        DISA()._anchor(ro)
     assert DISA(use_regressor=True, embed_layer=2).needs == (Need("logp", model="ref"), Need("hidden(2)", model="ref"))
     for bad in ({"beta": -1.0}, {"eps_low": 1.0}, {"embed_layer": -1}):
         with pytest.raises((ConfigError, ValueError)):

@@ -96,12 +96,12 @@ def _artifact(K=4, d=3):
 def test_condition_assignment_per_row():
     strategy = E2PO()
     strategy.use_artifact("e2po_perturbations", _artifact())
-    assert strategy.conditions_of(8).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert strategy._conditions_of(8).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     rr = E2PO(assign="round_robin")
     rr.use_artifact("e2po_perturbations", _artifact())
-    assert rr.conditions_of(8).tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert rr._conditions_of(8).tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     with pytest.raises(ConfigError, match="group_size=6 is not a multiple of the artifact's conditions=4"):
-        strategy.conditions_of(6)
+        strategy._conditions_of(6)
     with pytest.raises(ConfigError, match="assign='mixed'"):
         E2PO(assign="mixed")
 
@@ -110,14 +110,14 @@ def test_the_hook_gives_each_row_its_conditions_delta():
     strategy = E2PO()
     art = _artifact()
     strategy.use_artifact("e2po_perturbations", art)
-    hook = strategy.hook(7, 8)
+    hook = strategy._hook(7, 8)
     assert hook.positions.tolist() == [0, 2]  # row 7's content positions (padding dropped)
     assert hook.delta.shape == (8, 2, 3)
     assert hook.delta[:2].abs().sum() == 0  # condition 0: the original prompt
     for g in range(2, 8):
         torch.testing.assert_close(hook.delta[g], art["delta"][0, g // 2 - 1, :2])
     with pytest.raises(ConfigError, match="train row 3 has no learned perturbations"):
-        strategy.hook(3, 8)
+        strategy._hook(3, 8)
 
 
 # --------------------------------------------------------------------------- end to end

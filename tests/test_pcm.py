@@ -48,20 +48,20 @@ def test_spec_divergence_and_skipped_phase():
     C = phase_divergence(actions, phase, success, torch.ones(3, 2, dtype=torch.bool), 3)
     _close(C, [1.0, float("nan"), float("nan")])  # ‖[1,0] − [0,0]‖ = 1; phases 1, 2 skipped
     w = build("weight", "pcm", num_phases=3, refresh=5)
-    w.update(torch.tensor([0.5, 0.2, 0.0]), step=0)  # first batch: refresh at once
+    w._update(torch.tensor([0.5, 0.2, 0.0]), step=0)  # first batch: refresh at once
     state = w.state_dict()
-    w.update(C, step=1)  # the skipped phases keep their (empty) buffers
+    w._update(C, step=1)  # the skipped phases keep their (empty) buffers
     assert w.state_dict()["buffers"] == [[1.0], [], []] and state["buffers"] == [[], [], []]
 
 
 def test_refresh_every_T_rc_steps():
     # refresh = 2: step 0 refreshes (first batch): C̄ = [1, .5, nan] → ρ̃ = [1, .5] → p = [1, .5, 1]
     w = build("weight", "pcm", num_phases=3, refresh=2, p_min=0.1)
-    _close(w.update(torch.tensor([1.0, 0.5, float("nan")]), step=0), [1.0, 0.5, 1.0])
-    _close(w.update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0])  # 1 step since: held fixed
-    _close(w.update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0])  # same step again: no second append
+    _close(w._update(torch.tensor([1.0, 0.5, float("nan")]), step=0), [1.0, 0.5, 1.0])
+    _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0])  # 1 step since: held fixed
+    _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0])  # same step again: no second append
     # step 2: 2 steps since → C̄ = mean([0,0]), mean([1,1]) = [0, 1] → ρ̃ = [0, 1] → p = [0.1, 1, 1]
-    _close(w.update(torch.tensor([0.0, 1.0, float("nan")]), step=2), [0.1, 1.0, 1.0])
+    _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=2), [0.1, 1.0, 1.0])
 
 
 def _group(chunk_size=1):

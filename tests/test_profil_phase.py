@@ -126,7 +126,7 @@ def test_the_shaper_zeroes_exactly_the_rows_the_probe_flags():
     ro.set_extra("ref.hidden(1)", hidden, "token")
     # per-step p: mean h0 = 1 → σ(5) = 0.993 flagged, 0 → σ(−5) = 0.007; S = share flagged:
     # row 0: 0/3, row 1: 3/3, row 2: 1/3, row 3: 2/3 → S > 0.5 for rows 1 and 3
-    torch.testing.assert_close(shaper.scores(ro), torch.tensor([[0.0, 1.0, 1 / 3, 2 / 3]]))
+    torch.testing.assert_close(shaper._scores(ro), torch.tensor([[0.0, 1.0, 1 / 3, 2 / 3]]))
     assert shaper(ro, None).tolist() == [[1.0, 0.0, -1.0, 0.0]]
     assert shaper.step_stats() == {"profil/flagged": 0.5, "profil/score": pytest.approx(0.5)}  # mean S = (0 + 1 + 1/3 + 2/3) / 4
     positive = ProFIL(only_positive=True)

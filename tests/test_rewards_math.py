@@ -37,7 +37,7 @@ def rows(path: Path, n: int | None = None) -> list[dict]:
 @pytest.fixture(scope="module")
 def reward():
     r = Math()
-    r.pool.start()  # cold start (imports SymPy) outside the timed tests
+    r._workers.start()  # cold start (imports SymPy) outside the timed tests
     yield r
     r.close()
 
@@ -165,14 +165,14 @@ def test_in_process_helper_agrees():
 def test_adversarial_input_times_out_within_budget():
     timeout_s = 1.0
     r = Math(timeout_s=timeout_s)
-    r.pool.start()  # warm: the measured time is the item's, not SymPy's import
+    r._workers.start()  # warm: the measured time is the item's, not SymPy's import
     t0 = time.perf_counter()
     out = r(["q"], [ADVERSARIAL], answer=["5"])
     elapsed = time.perf_counter() - t0
     print(f"\nadversarial item: {elapsed:.2f} s with timeout_s={timeout_s}")
     assert out == [None]  # no verdict, not 0.0
     assert timeout_s <= elapsed < timeout_s + 2.0
-    assert r.timeouts == 1 and r.pool.restarts == 1
+    assert r._timeouts == 1 and r._workers.restarts == 1
     # in the middle of a batch, through score(): the item is excluded and counted, the items after
     # it are resent to the restarted worker and scored
     t0 = time.perf_counter()
@@ -181,7 +181,7 @@ def test_adversarial_input_times_out_within_budget():
     assert res.parts[:, 0].tolist()[0::2] == [1.0, 0.0] and res.excluded.tolist() == [False, True, False]
     assert res.counts["math/missing"] == 1 and res.counts["excluded"] == 1
     assert elapsed < timeout_s + 2.0 + 2.0  # one timeout + at most one cold start of the replacement
-    assert r.timeouts == 2
+    assert r._timeouts == 2
     r.close()
 
 
@@ -195,11 +195,11 @@ def test_works_off_the_main_thread(reward):
 
 
 def test_dead_worker_is_replaced(reward):
-    (pid,) = reward.pool.worker_pids()
+    (pid,) = reward._workers.worker_pids()
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.1)
     assert reward(["q"], ["The answer is 3"], answer=["3"]) == [1.0]  # the item is not blamed
-    assert reward.pool.worker_pids() != [pid]
+    assert reward._workers.worker_pids() != [pid]
 
 
 def test_two_workers_split_a_batch():
@@ -207,7 +207,7 @@ def test_two_workers_split_a_batch():
     # gold 1..6 against answers 1,0,3,0,5,0 -> alternate right / wrong across both workers' chunks
     out = r(["q"] * 6, ["1", "0", "3", "0", "5", "0"], answer=["1", "2", "3", "4", "5", "6"])
     assert out == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
-    assert len(set(r.pool.worker_pids())) == 2
+    assert len(set(r._workers.worker_pids())) == 2
     r.close()
 
 

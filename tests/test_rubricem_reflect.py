@@ -182,8 +182,8 @@ def test_untrained_reflections_and_config_errors():
         with pytest.raises(ConfigError, match=match):
             build("rollout", "rubricem_reflect", **bad)
     with pytest.raises(ConfigError, match="key_column"):
-        build("rollout", "rubricem_reflect", key_column="kind").task_key({"prompt": "x"})
-    assert build("rollout", "rubricem_reflect", key_column="").task_key({"prompt": "7+8="}) == "7+8="
+        build("rollout", "rubricem_reflect", key_column="kind")._task_key({"prompt": "x"})
+    assert build("rollout", "rubricem_reflect", key_column="")._task_key({"prompt": "7+8="}) == "7+8="
 
 
 # ---------------------------------------------------------------------------------------------- through the trainer

@@ -191,7 +191,7 @@ def test_masked_tokens_empty_rows_nan_and_constant_groups():
     assert (grad[~ro.row_mask] == 0).all()  # padding, the invalid row, the empty row
     assert (values[2][ro.row_mask[2]] == 0).all() and (grad[2] == 0).all()  # constant group
     assert (values[1, 0] == 0).all()  # the NaN reward's row: advantage 0
-    assert not term.selection(ro, info_for(6))[0, 1, 0]
+    assert not term._selection(ro, info_for(6))[0, 1, 0]
     assert (grad[ro.row_mask] != 0).any()
 
 

@@ -43,12 +43,12 @@ def test_r_sim_threshold_and_rescale_by_hand():
     cs = {"a": 0.5, "b": 0.75, "c": 1.0, "d": 0.3, "e": -1.0}
     table = {"ref": (1.0, 0.0), **{k: at_cos(c) for k, c in cs.items()}}
     r = build("reward", "semantic_reward", target="latin", embed_fn=fixed(table))
-    parts = r.components(list(cs), ["ref"] * len(cs))
+    parts = r._components(list(cs), ["ref"] * len(cs))
     torch.testing.assert_close(parts["cos"], torch.tensor([0.5, 0.75, 1.0, 0.3, -1.0]), atol=1e-6, rtol=0)
     torch.testing.assert_close(parts["r_sim"], torch.tensor([0.0, 0.5, 1.0, 0.0, 0.0]), atol=1e-6, rtol=0)
     # tau = 0.2: c 0.75 -> 0.55/0.8 = 0.6875
     r2 = build("reward", "semantic_reward", target="latin", tau=0.2, embed_fn=fixed(table))
-    torch.testing.assert_close(r2.components(["b"], ["ref"])["r_sim"], torch.tensor([0.6875]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(r2._components(["b"], ["ref"])["r_sim"], torch.tensor([0.6875]), atol=1e-6, rtol=0)
 
 
 def test_total_reward_examples_from_the_spec():
@@ -56,7 +56,7 @@ def test_total_reward_examples_from_the_spec():
     # c = 0.9, 3 Tibetan + 2 CJK letters (frac 0.6 < 0.9): 1.5·(0.4/0.5 = 0.8) + 0 = 1.2
     table = {"བོད་": at_cos(0.75), "བོད中文": at_cos(0.9), "ref": (1.0, 0.0)}
     r = build("reward", "semantic_reward", embed_fn=fixed(table))  # tau 0.5, lam 1.5 / 1.0, target tibetan, theta 0.9
-    parts = r.components(["བོད་", "བོད中文"], ["ref", "ref"])
+    parts = r._components(["བོད་", "བོད中文"], ["ref", "ref"])
     torch.testing.assert_close(parts["frac"], torch.tensor([1.0, 0.6]), atol=1e-6, rtol=0)
     torch.testing.assert_close(parts["r_lang"], torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(parts["score"], torch.tensor([1.75, 1.2]), atol=1e-6, rtol=0)
@@ -101,7 +101,7 @@ def test_r_lang_threshold_on_the_boundary():
     # theta 0.9: "aaaaaaaaa1" with digits counted: 9/10 = 0.9 >= 0.9 -> 1; "aaaaaaaa1" 8/9 < 0.9 -> 0
     table = {"aaaaaaaaa1": (1.0, 0.0), "aaaaaaaa1": (1.0, 0.0), "ref": (0.0, 1.0)}
     r = build("reward", "semantic_reward", target="latin", others=["digits"], embed_fn=fixed(table))
-    parts = r.components(["aaaaaaaaa1", "aaaaaaaa1"], ["ref", "ref"])
+    parts = r._components(["aaaaaaaaa1", "aaaaaaaa1"], ["ref", "ref"])
     torch.testing.assert_close(parts["r_lang"], torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(parts["score"], torch.tensor([1.0, 0.0]))  # cos 0 -> r_sim 0
 
@@ -129,12 +129,12 @@ def test_missing_encoder_package_names_the_extra(monkeypatch):
 @needs_encoder
 def test_real_encoder_orders_meanings():
     r = build("reward", "semantic_reward", target="latin")
-    parts = r.components(["two plus two is four", "the cat sat", "thirty-eight", "five"], ["2+2=4", "2+2=4", "thirty-seven", "thirty-seven"])
+    parts = r._components(["two plus two is four", "the cat sat", "thirty-eight", "five"], ["2+2=4", "2+2=4", "thirty-seven", "thirty-seven"])
     cos = parts["cos"]
     assert cos[0] > cos[1] + 0.3  # measured 0.82 vs 0.07
     assert cos[2] > 0.75 > 0.5 > cos[3]  # measured 0.91 and 0.49: a near miss scores, a wrong number does not
     assert float(parts["r_sim"][3]) == 0.0 and float(parts["r_sim"][2]) == pytest.approx((float(cos[2]) - 0.5) / 0.5, abs=1e-6)
-    assert float(r.components(["thirty-seven"], ["thirty-seven"])["cos"][0]) == pytest.approx(1.0, abs=1e-5)
+    assert float(r._components(["thirty-seven"], ["thirty-seven"])["cos"][0]) == pytest.approx(1.0, abs=1e-5)
 
 
 @needs_encoder
@@ -176,7 +176,7 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
     for row, batch in zip(rows, seen):
         texts = [t for group in batch.completions for t in group]
         refs = [m["answer"] for m in batch.meta for _ in range(batch.shape[1])]
-        parts = check.components(texts, refs)
+        parts = check._components(texts, refs)
         torch.testing.assert_close(batch.rewards.flatten(), parts["score"], atol=1e-5, rtol=0)  # the run's reward is the formula's
         assert row["reward_metric/semantic_r_lang"] == pytest.approx(float(parts["r_lang"].mean()), abs=1e-6)
         # the warm-started model answers in digits: r_lang 0 there (digits are the configured other script)

@@ -153,14 +153,14 @@ def test_role_masks_from_tags_on_a_hand_made_vocabulary():
     actions = torch.tensor([SEQ, [3, 9, 4, 1, 7, 2, 5, 11, 6, 0, 0, 0]])  # row 1: reasoning before perception
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[1, 10:] = False
-    perc, reas = w.role_masks(actions, mask)
+    perc, reas = w._role_masks(actions, mask)
     assert perc[0].nonzero().flatten().tolist() == P and reas[0].nonzero().flatten().tolist() == R
     assert perc[1].nonzero().flatten().tolist() == [4] and reas[1].nonzero().flatten().tolist() == [1]
     assert not (perc & reas).any()
     seg = segment_ids(actions, mask, VOCAB, [["<p>", "</p>"], ["<r>", "</r>"]])
     assert seg[0].tolist() == [0, 1, 1, 0, 0, 2, 2, 0, 0, 0, 0, 0] and seg[1].tolist() == [0, 2, 0, 0, 1, 0, 0, 0, 0, 0, -1, -1]
     with pytest.raises(ValueError, match="no vocabulary"):
-        build("weight", "srpo", **SHORT).role_masks(actions, mask)
+        build("weight", "srpo", **SHORT)._role_masks(actions, mask)
 
 
 def test_an_unclosed_segment_runs_to_the_end_and_a_straddling_token_belongs_where_it_starts():
@@ -349,7 +349,7 @@ def test_view_log_probs_equal_a_forward_of_the_hand_built_sequences(tmp_path):
             torch.testing.assert_close(ro.extras[ABLATE.key][b, 0, kept], out, atol=1e-5, rtol=1e-5)
             assert (ro.extras[ABLATE.key][b, 0, 3 : 3 + n_perc] == 0).all()  # removed tokens: no value
     w = trainer.weights[0](ro, info_for(T))  # [2,1,T]
-    perc, reas = trainer.weights[0].role_masks(actions.reshape(2, T), mask.reshape(2, T))
+    perc, reas = trainer.weights[0]._role_masks(actions.reshape(2, T), mask.reshape(2, T))
     role = (perc | reas).reshape(2, 1, T)
     inner = lambda text, o, c: text.split(o, 1)[1].split(c, 1)[0]  # noqa: E731
     assert role.sum().item() == sum(len(tok.encode(inner(r["answer"], "<p>", "</p>"))) + len(tok.encode(inner(r["answer"], "<r>", "</r>")))
@@ -391,7 +391,7 @@ def test_composes_with_ppo_clip_and_gspo(tmp_path, objective):
     for batch in seen:
         torch.testing.assert_close(batch.weight, w(batch, info_for(batch.shape[2])), atol=1e-6, rtol=0)  # what the loss used
         B, G, T = batch.shape
-        perc, reas = w.role_masks(batch.actions.reshape(B * G, T), batch.mask.reshape(B * G, T))
+        perc, reas = w._role_masks(batch.actions.reshape(B * G, T), batch.mask.reshape(B * G, T))
         role = (perc | reas).reshape(B, G, T) & batch.row_mask
         has = role.any(-1)  # [B,G]
         mean = (batch.weight * role).sum(-1)[has] / role.sum(-1)[has]

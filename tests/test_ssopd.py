@@ -227,7 +227,7 @@ def _view_batch(rewards, completions, lengths):
 def test_view_shortest_correct_sibling_before_the_prompt():
     ro = _view_batch([[1.0, 0.0, 1.0], [0.0, 0.0, float("nan")]], [["082", "83", "82"], ["4", "5", "3"]], [[4, 3, 3], [2, 2, 2]])
     view = build("view", "sibling_hint")
-    assert view.hints(ro).tolist() == [2, -1]  # group 1: no correct row (the NaN one has no verdict)
+    assert view._hints(ro).tolist() == [2, -1]  # group 1: no correct row (the NaN one has no verdict)
     edited = view.apply(ro, _encode)
     assert edited.prompt_ids == [_encode("Reference solution: 82\n37+45="), _encode("1+2=")]
     assert edited.actions is ro.actions and edited.extras is not ro.extras

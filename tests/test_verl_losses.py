@@ -258,11 +258,11 @@ def test_prepare_selection_equals_the_in_call_one_and_is_refreshed():
     ro = make_rollout(4, 4, 6, seed=8)
     term = build("objective", "clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=100.0)
     out = {"logp": ro.logp_old.clone()}
-    direct = term.selection(ro, out, info_for(6, step=1))
+    direct = term._selection(ro, out, info_for(6, step=1))
     term.prepare(ro, info_for(6, step=1))
     assert torch.equal(ro.extras["clip_cov.select"], direct)
     term.prepare(ro, info_for(6, step=2))  # a later step replaces, never reuses, the stored selection
-    assert torch.equal(ro.extras["clip_cov.select"], term.selection(_without(ro, "clip_cov.select"), out, info_for(6, step=2)))
+    assert torch.equal(ro.extras["clip_cov.select"], term._selection(_without(ro, "clip_cov.select"), out, info_for(6, step=2)))
 
 
 def _without(ro, key):

@@ -76,13 +76,13 @@ def test_alpha_grid_assignment_per_row():
     assert alpha_rows([-1.0, 0.0, 1.0], 7).tolist() == [-1.0, 0.0, 1.0, -1.0, 0.0, 1.0, -1.0]
     strategy = VSPO(alphas=grid)
     strategy.use_artifact("steering_vector", {"vector": torch.ones(4), "layer": 2})
-    hook, extras = strategy.request_parts(8)
+    hook, extras = strategy._request_parts(8)
     assert hook.layer == 2 and hook.alpha.tolist() == grid
     assert extras[ALPHA].tolist() == grid
     assert extras[COEF].tolist() == [-1.0, -0.5, -0.25, 0.0, 0.0, 0.25, 0.5, 1.0]  # α / α_max
     control = VSPO(alphas=[0.0])  # the reward-shaped GRPO control: every row unsteered
     control.use_artifact("steering_vector", {"vector": torch.ones(4), "layer": 2})
-    assert control.request_parts(3)[1][COEF].tolist() == [0.0, 0.0, 0.0]
+    assert control._request_parts(3)[1][COEF].tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(ConfigError, match="non-empty list of finite numbers"):
         VSPO(alphas=[])
 

@@ -74,7 +74,7 @@ class Policy(Protocol):
 POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only when it has it
     "token_texts": "token_texts() -> list[str]: the text of each token id (for use_vocabulary; a text policy's)",
     "parameter_names": "parameter_names() -> list[str]: the names of parameters() in order (for use_parameter_names)",
-    "encode_completion": "encode_completion(text) -> list[int]: an answer's token ids (the sft phase, the held-out answer NLL)",
+    "encode_completion": "encode_completion(text) -> list[int]: an answer's token ids (the sft phase, the answer NLL)",
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
@@ -260,21 +260,23 @@ class Hook:
 HOOKS: tuple[Hook, ...] = (
     # -- build
     Hook("needs", OWNERS, "attribute", "build",
-         "at build: the trainer collects every component's needs (and its schedules'; a role's components name the role's "
-         "model) and `NeedResolver` checks them; each step the no-grad ones are computed on the whole batch before "
-         "advantages, the grad ones in each micro-batch's forward (`out[...]`)",
+         "at build: the trainer collects every component's needs (and its schedules'; a role's components name "
+         "the role's model) and `NeedResolver` checks them; each step the no-grad ones are computed on the whole "
+         "batch before advantages, the grad ones in each micro-batch's forward (`out[...]`)",
          "tuple[Need, ...]", "Model outputs beyond the policy's log-probs (`Need(quantity, model, view, grad)`)."),
     Hook("modality", OWNERS, "attribute", "build",
          "at build: a component whose modality is not the policy's is refused (eval and task scorers too)",
          "str", "The policy modality it works on (`\"text\"`, `\"flow\"`); absent: any policy."),
     Hook("rollout_extras", OWNERS, "attribute", "build",
          "at build (`rollout.context.check_strategy`): each must be an extra the configured strategy `collects`",
-         "tuple[str, ...]", "Extras only a rollout strategy fills that the component reads (ReMax's `baseline_reward`)."),
+         "tuple[str, ...]",
+         "Extras only a rollout strategy fills that the component reads (ReMax's `baseline_reward`)."),
     Hook("artifacts", OWNERS, "attribute", "build",
          "at build (`phases.check_artifacts`): each must be the artifact of a configured offline phase",
          "tuple[str, ...]", "The names of the offline artifacts it reads (each given by `use_artifact`)."),
     Hook("use_artifact", OWNERS, "method", "build",
-         "once per name in `artifacts`, after the phases ran or were loaded and before the first RL step (`phases.inject`)",
+         "once per name in `artifacts`, after the phases ran or were loaded and before the first RL step "
+         "(`phases.inject`)",
          "use_artifact(name: str, value: dict) -> None", "Keeps an offline phase's artifact (a probe, a table)."),
     Hook("use_vocabulary", OWNERS + ("view",), "method", "build",
          "once at build (`bind_vocabulary`), with the policy's `token_texts()`; a policy without token texts "
@@ -284,16 +286,18 @@ HOOKS: tuple[Hook, ...] = (
     Hook("use_rows", OWNERS + ("view",), "method", "build",
          "once at build (`bind_rows`), with the train split (the same on every rank); views when they are built",
          "use_rows(rows: list[dict]) -> None",
-         "For a component that draws from the training rows (a view that swaps in another row's passage), so that what it "
-         "draws does not depend on the batch or world size."),
+         "For a component that draws from the training rows (a view that swaps in another row's passage), so that "
+         "what it draws does not depend on the batch or world size."),
     Hook("use_models", OWNERS, "method", "build",
-         "once at build (`bind_models`), with the policies of every `roles.NAME` with `frozen = true` (eval and task scorers too)",
+         "once at build (`bind_models`), with the policies of every `roles.NAME` with `frozen = true` (eval and task "
+         "scorers too)",
          "use_models(models: dict[str, Policy]) -> None",
          "For a component that calls a frozen role's model itself (a judge asked questions whose contexts are not the "
-         "rollout's rows, as DVReward's); it scores through the policy protocol (`scoring_models` / `score`), under no grad."),
+         "rollout's rows, as DVReward's); it scores through the policy protocol (`scoring_models` / `score`), under "
+         "no grad."),
     Hook("use_parameter_names", ("update",), "method", "build",
-         "once after `bind` (`bind_parameter_names`), with the policy's `parameter_names()`: the names of the parameters "
-         "`bind` got, in the same order; a policy without names fails such a run at build",
+         "once after `bind` (`bind_parameter_names`), with the policy's `parameter_names()`: the names of the "
+         "parameters `bind` got, in the same order; a policy without names fails such a run at build",
          "use_parameter_names(names: list[str]) -> None",
          "For an updater that treats parameters by what they are (a LoRA-B mask, per-layer gradient norms)."),
     Hook("check", ("rollout",), "method", "build",
@@ -382,8 +386,8 @@ HOOKS: tuple[Hook, ...] = (
          "action_value(row: dict, action: str) -> float",
          "The best return reachable after one action from the row's first state."),
     Hook("outcome", ("env",), "method", "step",
-         "by the env strategies after each episode: stored in the row's `info[b][g][\"env\"]`; `episodes` logs each numeric "
-         "key's mean over the episodes where it is finite as `env/<key>`",
+         "by the env strategies after each episode: stored in the row's `info[b][g][\"env\"]`; `episodes` logs each "
+         "numeric key's mean over the episodes where it is finite as `env/<key>`",
          "outcome() -> dict", "What the finished episode came to (a termination cause, per-step scores)."),
     Hook("skipped", ("update",), "attribute", "step",
          "at the end of the run: `skipped_updates` in the summary (absent: 0)",
@@ -435,7 +439,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("role", ("reward",), "attribute", "base",
          "by the component (`rewards._judge.FrozenJudge`)", "str | None", "The frozen role its `judge` field names."),
     Hook("judge_model", ("reward",), "method", "base",
-         "by the component (`FrozenJudge`)", "judge_model() -> Policy", "The frozen role's policy given by `use_models`."),
+         "by the component (`FrozenJudge`)",
+         "judge_model() -> Policy",
+         "The frozen role's policy given by `use_models`."),
     Hook("check_judge", ("reward",), "method", "base",
          "by the component at build (`FrozenJudge`)", "check_judge(programmatic: str) -> None",
          "Validates the judge fields (`judge`, `template`, `match`, `top_logprobs`)."),
@@ -479,7 +485,8 @@ def own_members(cls: type) -> dict[str, Any]:
 
 
 def provides(cls: type, member: str, fields: set[str]) -> bool:
-    """Whether ``cls`` has ``member`` (a dataclass field counts; ``__call__`` only when a class below ``object`` defines it)."""
+    """Whether ``cls`` has ``member``: a dataclass field counts; ``__call__`` only when a class below
+    ``object`` defines it (every class is callable)."""
     if member == "__call__":
         return any("__call__" in vars(klass) for klass in cls.__mro__ if klass is not object)
     return hasattr(cls, member) or member in fields
@@ -510,10 +517,12 @@ def check_component(stage: str, cls: type) -> list[str]:
         if hook is None:
             other = HOOKS_BY_NAME.get(member)
             why = f"a hook of stages {', '.join(other.stages)} only" if other else "not a declared hook"
-            problems.append(f"{name} defines {member!r}, {why}: prefix a helper with '_', or declare the hook in components.HOOKS")
+            problems.append(f"{name} defines {member!r}, {why}: prefix a helper with '_', "
+                            f"or declare the hook in components.HOOKS")
         elif hook.kind == "attribute" and inspect.isfunction(value):
-            problems.append(f"{name} defines {member!r} as a method; the hook is an attribute (a field, class attribute or property)")
-        elif hook.kind == "method" and not (value is None or callable(value) or isinstance(value, (staticmethod, classmethod))):
+            problems.append(f"{name} defines {member!r} as a method; the hook is an attribute "
+                            f"(a field, class attribute or property)")
+        elif hook.kind == "method" and not (value is None or callable(value) or isinstance(value, classmethod)):
             problems.append(f"{name} defines {member!r} as a {type(value).__name__}; the hook is a method")
     return problems
 
@@ -568,7 +577,8 @@ def _member_text(protocol: type, member: str) -> str:
     value = vars(protocol).get(member)
     if inspect.isfunction(value):
         params = [p for p in inspect.signature(value).parameters.values() if p.name != "self"]
-        args = ", ".join(("**" if p.kind is p.VAR_KEYWORD else "*" if p.kind is p.VAR_POSITIONAL else "") + p.name for p in params)
+        stars = {inspect.Parameter.VAR_KEYWORD: "**", inspect.Parameter.VAR_POSITIONAL: "*"}
+        args = ", ".join(stars.get(p.kind, "") + p.name for p in params)
         return f"`{member}({args})`"
     return f"`{member}: {vars(protocol)['__annotations__'][member]}`"
 
@@ -600,13 +610,15 @@ def hooks_markdown() -> str:
         names = " or ".join(f"`{p.__name__}`" for p in protocols)
         members = " — or — ".join(", ".join(_member_text(p, m) for m in protocol_members(p)) for p in protocols)
         lines.append(f"| `{stage}` | {names} | {members} |")
-    lines += ["", f"Step components: {', '.join(f'`{s}`' for s in STEP)} (the trainer's own, read every step). "
-              "Their schedules and a role's components get the same calls.", "",
+    lines += ["", f"Step components: {', '.join(f'`{s}`' for s in STEP)}",
+              "(the trainer's own, read every step); their schedules and a role's components get the same calls.", "",
               "## The hook table", ""]
     for group, title in GROUPS.items():
         rows = [hook for hook in HOOKS if hook.group == group]
-        lines += [f"### {title[0].upper()}{title[1:]}", "", "| hook | kind | stages | when | returns | meaning |", "|---|---|---|---|---|---|"]
-        lines += [f"| `{h.name}` | {h.kind} | {_stages_text(h.stages)} | {_cell(h.when)} | `{_cell(h.returns)}` | {_cell(h.doc)} |" for h in rows]
+        lines += [f"### {title[0].upper()}{title[1:]}", "", "| hook | kind | stages | when | returns | meaning |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| `{h.name}` | {h.kind} | {_stages_text(h.stages)} | {_cell(h.when)} | `{_cell(h.returns)}` | "
+                  f"{_cell(h.doc)} |" for h in rows]
         lines.append("")
     lines += ["## Hooks by stage", "", "| stage | hooks |", "|---|---|"]
     for stage in STAGES:

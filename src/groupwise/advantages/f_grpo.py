@@ -100,7 +100,7 @@ class FGRPO:
     def use_vocabulary(self, token_text: list[str]) -> None:
         self._token_text = list(token_text)
 
-    def phase_rewards(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+    def _phase_rewards(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """(R_gen [B,G], R_rank [B,G]) float64 from ``reward_parts`` (Note 1)."""
         parts = rollout.reward_parts
         if parts is None or parts.shape[-1] < 2:
@@ -117,7 +117,7 @@ class FGRPO:
             raise ValueError("advantage f_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
         B, G, T = rollout.shape
         _, valid = valid_rows(rollout)  # [B,G]
-        r_gen, r_rank = self.phase_rewards(rollout)  # [B,G], [B,G]
+        r_gen, r_rank = self._phase_rewards(rollout)  # [B,G], [B,G]
         ok_gen, ok_rank = valid & torch.isfinite(r_gen), valid & torch.isfinite(r_rank)  # [B,G]
         A_gen = group_normalize(torch.nan_to_num(r_gen), ok_gen, "group", _DDOF[self.std], self.eps)  # [B,G] 0 outside ok_gen
         A_rank = group_normalize(torch.nan_to_num(r_rank), ok_rank, "group", _DDOF[self.std], self.eps)  # [B,G]

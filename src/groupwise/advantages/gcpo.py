@@ -144,7 +144,7 @@ class GCPOAdvantage:
     def reads_completions(self) -> bool:
         return True  # the n-gram embeddings; the distinct-correct statistic in both modes
 
-    def embeddings(self, rollout: Rollout) -> Tensor:
+    def _embeddings(self, rollout: Rollout) -> Tensor:
         """[B,G,d] float64 unnormalised embeddings of the completions."""
         B, G, T = rollout.shape
         if self.embedding == "ngram":
@@ -163,7 +163,7 @@ class GCPOAdvantage:
         exact = {"auto": None, "exact": True, "mc": False}[self.shapley]
         ids = rollout.prompt_index.tolist()  # [B]
         seeds = [sample_seed(info.seed, info.step, int(ids[b]), b) for b in range(B)]
-        adv, team = gcpo_advantages(self.embeddings(rollout), r, valid, self.mix, exact, self.n_perm, seeds, _DDOF[self.std], self.eps, self.exact_max)
+        adv, team = gcpo_advantages(self._embeddings(rollout), r, valid, self.mix, exact, self.n_perm, seeds, _DDOF[self.std], self.eps, self.exact_max)
         present = valid.any(1)  # [B]
         texts = rollout.completions or [[""] * G for _ in range(B)]
         distinct = [len({texts[b][g].strip() for g in range(G) if valid[b, g] and r[b, g] > 0}) for b in range(B) if present[b]]

@@ -161,7 +161,7 @@ class GEAR:
             return (Need(f"kl_to({self.view})"), Need("entropy"))
         return (Need("logp"), Need("logp", view=self.view), Need("entropy"))
 
-    def token_divergence(self, rollout: Rollout) -> Tensor:
+    def _token_divergence(self, rollout: Rollout) -> Tensor:
         """[B,G,T] d_t from the provided extras."""
         if self.divergence == "kl":
             return _extra(rollout, Need(f"kl_to({self.view})").key)  # [B,G,T]
@@ -180,7 +180,7 @@ class GEAR:
         if rollout.rewards is not None:
             valid = valid & torch.isfinite(rollout.rewards)  # [B,G]
         mask = rollout.mask.bool() & valid[..., None]  # [B,G,T]
-        d = self.token_divergence(rollout).reshape(B * G, T)  # [N,T]
+        d = self._token_divergence(rollout).reshape(B * G, T)  # [N,T]
         H = _extra(rollout, "entropy").reshape(B * G, T)  # [N,T]
         h_tau = self.h_tau if self.h_tau is not None else entropy_threshold(H, mask.reshape(B * G, T), self.h_quantile)
         anchor = gear_segments(d, H, mask.reshape(B * G, T), self.kappa, h_tau, self.segments, self.gap_is_boundary)  # [N,T]

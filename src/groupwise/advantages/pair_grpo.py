@@ -183,7 +183,7 @@ class PairGRPOAdvantage:
             raise ConfigError(f"pair_grpo: eps must be >= 0, got {self.eps}")
         self._stats: dict[str, float] = {}
 
-    def binary_rewards(self, rollout: Rollout, info: StepInfo) -> tuple[Tensor, Tensor, Tensor]:
+    def _binary_rewards(self, rollout: Rollout, info: StepInfo) -> tuple[Tensor, Tensor, Tensor]:
         """([B,G] float64 binary rewards, [B,G] valid, [B,P,2] pairs compared)."""
         s, valid = valid_rows(rollout)  # [B,G], [B,G]
         pairs = rollout_pairs(rollout, info, valid, self.pairing)  # [B,P,2]
@@ -194,7 +194,7 @@ class PairGRPOAdvantage:
         return r, valid, pairs
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
-        r, valid, _ = self.binary_rewards(rollout, info)  # [B,G] float64, [B,G]
+        r, valid, _ = self._binary_rewards(rollout, info)  # [B,G] float64, [B,G]
         adv = group_normalize(r, valid, self.scale, _DDOF[self.std], self.eps)  # [B,G] float64
         adv = torch.where(valid, adv, torch.zeros((), dtype=adv.dtype))  # [B,G]
         self._stats["pair_grpo/adv_abs_max"] = float(adv.abs().max()) if adv.numel() else 0.0

@@ -130,7 +130,7 @@ class PassAtKAdvantage:
         if not self.eps >= 0:
             raise ConfigError(f"pass_at_k: eps must be >= 0, got {self.eps!r}")
 
-    def pair(self, n: int, c: int) -> tuple[float, float]:
+    def _pair(self, n: int, c: int) -> tuple[float, float]:
         """(correct-row, wrong-row) advantage of a group with n valid rows, c of them correct."""
         return chen_pair(n, c, self.k, self.eps) if self.form == "chen" else pkpo_pair(n, c, self.k)
 
@@ -138,7 +138,7 @@ class PassAtKAdvantage:
         r, valid = valid_rows(rollout)  # [B,G] float64, [B,G]
         hit = valid & (r >= self.correct_at)  # [B,G] correct rows
         groups = list(zip(valid.sum(1).tolist(), hit.sum(1).tolist()))  # B × (N, c)
-        table = {key: self.pair(*key) for key in set(groups)}
+        table = {key: self._pair(*key) for key in set(groups)}
         values = torch.tensor([table[key] for key in groups], dtype=torch.float64, device=r.device).reshape(-1, 2)  # [B,2]
         adv = torch.where(hit, values[:, :1], values[:, 1:])  # [B,G]
         return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

@@ -94,7 +94,7 @@ class ProFIL:
         probe.load_state_dict(value["state"])
         self._probe, self._sep, self._token_text = probe.eval().requires_grad_(False), value["sep"], list(value["token_text"])
 
-    def scores(self, rollout: Rollout) -> Tensor:
+    def _scores(self, rollout: Rollout) -> Tensor:
         """S [B,G] float32: each rollout's probe score."""
         if self._probe is None:
             raise ValueError("advantage profil has no probe: configure the offline phase profil_probe (phases = [..., {name = \"profil_probe\"}])")
@@ -116,7 +116,7 @@ class ProFIL:
         valid = rollout.group_valid.bool()  # [B,G]
         if rollout.rewards is not None:
             valid = valid & torch.isfinite(rollout.rewards)  # [B,G]
-        S = torch.where(valid, self.scores(rollout), torch.zeros(()))  # [B,G]
+        S = torch.where(valid, self._scores(rollout), torch.zeros(()))  # [B,G]
         out = profil_filter(adv.reshape(B * G, *adv.shape[2:]), S.reshape(B * G), self.tau, self.only_positive).reshape(adv.shape)  # [B,G] / [B,G,T]
         out = torch.where(valid if adv.dim() == 2 else valid[..., None], out, torch.zeros(()))  # excluded rows: 0
         n, flagged = int(valid.sum()), (S > self.tau) & valid  # [B,G]

@@ -134,7 +134,7 @@ class RubricEMAdvantage:
     def use_vocabulary(self, token_text: list[str]) -> None:
         self._token_text = list(token_text)
 
-    def stage_scores(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+    def _stage_scores(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """(scores [B,G,K] float64, valid [B,G,K] bool) from ``reward_parts`` (Note 3 without it)."""
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
         K = len(self.stage_tags)
@@ -154,7 +154,7 @@ class RubricEMAdvantage:
             raise ValueError("advantage rubricem has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
         B, G, T = rollout.shape
         K = len(self.stage_tags)
-        scores, valid = self.stage_scores(rollout)  # [B,G,K]
+        scores, valid = self._stage_scores(rollout)  # [B,G,K]
         adv = ss_grpo_advantages(scores, valid, self.mix_final, self.final, _DDOF[self.std], self.eps)  # [B,G,K]
         masks = stage_masks(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, self.stage_tags)  # [N,K,T]
         flat = adv.reshape(B * G, K)  # [N,K]

@@ -138,7 +138,7 @@ class _CovTerm:
 
     def _select(self, mb: Rollout, cov: Tensor, mask: Tensor, exclude: Tensor, info: StepInfo) -> Tensor: ...
 
-    def selection(self, mb: Rollout, out: dict[str, Tensor] | None, info: StepInfo, exclude: Tensor | None = None) -> Tensor:
+    def _selection(self, mb: Rollout, out: dict[str, Tensor] | None, info: StepInfo, exclude: Tensor | None = None) -> Tensor:
         key = f"{self.registry_name}.select"
         mask = stat_mask(mb)  # [b,G,T]
         if self.cov_logp == "old" and key in mb.extras:
@@ -153,7 +153,7 @@ class _CovTerm:
         """Once per step on the whole batch (after advantages and token weights): store the selection."""
         if self.cov_logp == "old":
             batch.extras.pop(f"{self.registry_name}.select", None)
-            batch.set_extra(f"{self.registry_name}.select", self.selection(batch, None, info), "token")
+            batch.set_extra(f"{self.registry_name}.select", self._selection(batch, None, info), "token")
 
 
 @register("objective", "clip_cov")
@@ -189,7 +189,7 @@ class ClipCov(_CovTerm):
         pg1 = -adv * ratio  # [b,G,T]
         pg2 = -adv * ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)  # [b,G,T]
         clipped = (pg2 > pg1) & stat_mask(mb)  # [b,G,T]
-        drop = self.selection(mb, out, info, clipped) & ~clipped  # [b,G,T]
+        drop = self._selection(mb, out, info, clipped) & ~clipped  # [b,G,T]
         return torch.maximum(pg1, pg2), drop, ratio
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
@@ -228,10 +228,10 @@ class KLCov(_CovTerm):
         ratio, adv = ratio_and_adv(mb, out, "kl_cov")  # [b,G,T], [b,G,T]
         mask = term_mask(mb)  # [b,G,T]
         abs_kl = (masked_input(out["logp"], mask) - masked_input(mb.logp_old, mask)).abs()  # [b,G,T]
-        sel = self.selection(mb, out, info)  # [b,G,T]
+        sel = self._selection(mb, out, info)  # [b,G,T]
         return -adv * ratio + sel.float() * self.kl_coef * abs_kl  # [b,G,T]
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
         mask = term_mask(mb)  # [b,G,T]
         abs_kl = (masked_input(out["logp"], mask) - masked_input(required(mb, "logp_old", "kl_cov"), mask)).abs()  # [b,G,T]
-        return {"cov_kl": self.selection(mb, out, StepInfo(0, 0, 0)).float(), "abs_kl": abs_kl.detach()}
+        return {"cov_kl": self._selection(mb, out, StepInfo(0, 0, 0)).float(), "abs_kl": abs_kl.detach()}

@@ -184,7 +184,7 @@ class DISA:
             self._regressor.load_state_dict(reg["state"])
             self._regressor.eval().requires_grad_(False)
 
-    def anchor(self, mb: Rollout) -> Tensor:
+    def _anchor(self, mb: Rollout) -> Tensor:
         """[b,G] frozen log Z of each row's prompt: the table, else (use_regressor) the regressor."""
         if self._table is None:
             raise ValueError('objective disa has no log Z table: configure the offline phase disa_logz (phases = [{name = "disa_logz"}])')
@@ -218,7 +218,7 @@ class DISA:
         rows = rows & torch.isfinite(r_hat)  # [b,G]
         r_hat = torch.where(rows, r_hat, torch.zeros(()))  # [b,G]
         w = (logp - logp_old).sum(-1).exp().clamp(1.0 - self.eps_low, 1.0 + self.eps_high).detach()  # [b,G]
-        logZ = torch.where(rows, self.anchor(mb), torch.zeros(()))  # [b,G]
+        logZ = torch.where(rows, self._anchor(mb), torch.zeros(()))  # [b,G]
         delta = tb_residual(logZ, lp_bar, ref_bar, r_hat, self.beta)  # [b,G]
         delta = torch.where(rows, delta, torch.zeros(()))  # [b,G]
         raw = masked_mean(logp, mask, dim=-1).detach()  # [b,G] before the clamp

@@ -131,7 +131,7 @@ class STrace:
         own_token = self.trace_grad == "token" or (self.lam == 0 and self.mode == "p_trace" and not self.broadcast_last)
         return every_token and own_token
 
-    def selection(self, mb: Rollout, info: StepInfo) -> Tensor:
+    def _selection(self, mb: Rollout, info: StepInfo) -> Tensor:
         """[b,G,T] bool: the trace tokens (from :meth:`prepare` when the trainer ran it)."""
         mask = term_mask(mb)  # [b,G,T]
         if self.mode == "p_trace":
@@ -148,11 +148,11 @@ class STrace:
         if self.mode == "s_trace":
             key = f"{self.registry_name}.select"
             batch.extras.pop(key, None)
-            batch.set_extra(key, self.selection(batch, info), "token")
+            batch.set_extra(key, self._selection(batch, info), "token")
 
     def _ratio_adv(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> tuple[Tensor, Tensor, Tensor]:
         mask = term_mask(mb)  # [b,G,T]
-        sel = self.selection(mb, info)  # [b,G,T]
+        sel = self._selection(mb, info)  # [b,G,T]
         logp = masked_input(out["logp"], mask)  # [b,G,T]
         delta = logp - masked_input(required(mb, "logp_old", "s_trace"), mask)  # [b,G,T]
         e = trace_log_ratio(delta, sel, self.lam)  # [b,G,T]

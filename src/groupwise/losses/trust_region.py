@@ -75,7 +75,7 @@ class _DPPO:
         if not self.clip_ratio_c > 0:
             raise ValueError(f"{name}: clip_ratio_c must be > 0, got {self.clip_ratio_c}")
 
-    def valid(self, p: Tensor, q: Tensor, logp: Tensor, logq: Tensor, pos: Tensor) -> Tensor: ...
+    def _valid(self, p: Tensor, q: Tensor, logp: Tensor, logq: Tensor, pos: Tensor) -> Tensor: ...
 
     def _parts(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, ...]:
         mask = term_mask(mb)  # [b,G,T]
@@ -84,7 +84,7 @@ class _DPPO:
         adv = token_advantages(mb, mask, self.registry_name)  # [b,G,T]
         ratio = torch.exp((logp - logq).clamp(-20.0, 20.0)).detach()  # [b,G,T]
         w = ratio.clamp(max=self.clip_ratio_c)  # [b,G,T]
-        valid = self.valid(logp.exp().detach(), logq.exp(), logp.detach(), logq, adv > 0)  # [b,G,T] bool
+        valid = self._valid(logp.exp().detach(), logq.exp(), logp.detach(), logq, adv > 0)  # [b,G,T] bool
         return logp, adv, w, valid, ratio
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
@@ -110,7 +110,7 @@ class DPPOBinaryTV(_DPPO):
 
     needs = ()
 
-    def valid(self, p, q, logp, logq, pos) -> Tensor:
+    def _valid(self, p, q, logp, logq, pos) -> Tensor:
         return torch.where(pos, p - q <= self.delta_high, p - q >= -self.delta_low)  # [b,G,T]
 
 
@@ -128,6 +128,6 @@ class DPPOBinaryKL(_DPPO):
 
     needs = ()
 
-    def valid(self, p, q, logp, logq, pos) -> Tensor:
+    def _valid(self, p, q, logp, logq, pos) -> Tensor:
         kl = q * (logq - logp) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))  # [b,G,T]
         return torch.where(pos, (kl <= self.delta_high) | (p <= q), (kl <= self.delta_low) | (p >= q))  # [b,G,T]

@@ -66,7 +66,7 @@ class SteeringVector:
         if bool(self.positive) != bool(self.negative):
             raise ConfigError("phase steering_vector: give both positive and negative texts, or neither (then the templates are used)")
 
-    def texts(self, rows: list[dict]) -> tuple[list[str], list[str]]:
+    def _texts(self, rows: list[dict]) -> tuple[list[str], list[str]]:
         """The contrast texts: the explicit lists, else the templates filled with the first ``rows`` rows."""
         if self.positive:
             return list(self.positive), list(self.negative)
@@ -80,7 +80,7 @@ class SteeringVector:
         model = getattr(ctx.policy, "module", None)
         if model is None or not hasattr(ctx.policy, "encode"):
             raise ConfigError(f"phase steering_vector needs a text policy (this one is {getattr(ctx.policy, 'modality', '?')})")
-        pos, neg = self.texts(ctx.train_rows)
+        pos, neg = self._texts(ctx.train_rows)
         was_training = model.training
         model.eval()
         try:

@@ -78,12 +78,12 @@ def _arg_int(need: Need, low: int) -> int:
 @dataclass
 class _ForwardQuantity:
     grad_ok = True
-    takes_arg = False
-    low = 0
+    _takes_arg = False
+    _low = 0
 
     def check(self, need: Need) -> None:
-        if self.takes_arg:
-            _arg_int(need, self.low)
+        if self._takes_arg:
+            _arg_int(need, self._low)
         elif need.arg is not None:
             raise ConfigError(f"need {need.quantity!r}: {need.name} takes no argument")
 
@@ -117,8 +117,8 @@ class Entropy(_ForwardQuantity):
 class TopK(_ForwardQuantity):
     """The k largest next-token log-probs at each completion token [B,G,T,k]."""
 
-    takes_arg = True
-    low = 1
+    _takes_arg = True
+    _low = 1
 
 
 @register("provider", "hidden")
@@ -126,8 +126,8 @@ class TopK(_ForwardQuantity):
 class Hidden(_ForwardQuantity):
     """Residual-stream hidden state after layer l at the position predicting each token [B,G,T,H]."""
 
-    takes_arg = True
-    low = 0
+    _takes_arg = True
+    _low = 0
 
 
 @dataclass
@@ -135,7 +135,7 @@ class _EagerQuantity(_ForwardQuantity):
     """A quantity of the extra eager pass (Note 3): a layer argument, no autograd."""
 
     grad_ok = False
-    takes_arg = True
+    _takes_arg = True
 
 
 @register("provider", "attn_at")
@@ -143,7 +143,7 @@ class _EagerQuantity(_ForwardQuantity):
 class AttentionAt(_EagerQuantity):
     """Layer l's attention probabilities (every head, every key position of the row) of the query at each token [B,G,T,heads,S]; no grad."""
 
-    low = 1
+    _low = 1
 
 
 @register("provider", "hidden_at")

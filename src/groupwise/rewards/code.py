@@ -17,7 +17,7 @@ guarantees, residual risks and the tests proving them: ``docs/sandbox.md``.
 that GRPO's advantage estimator then centres and scales.
 
 **Math** (per row: ``code = extract_code(completion)``, ``cases = parse_tests(tests)``; the cases run
-in order, ``ok_k = verdict(case_k, run_case(code, case_k))`` is True, False or None)::
+in order, ``ok_k = verdict(case_k, _run_case(code, case_k))`` is True, False or None)::
 
     score = None                      if cases is None or empty (no tests)
     score = None                      at the first ok_k that is None (infrastructure failure)
@@ -209,15 +209,15 @@ class Code:
             )
 
     @property
-    def limits(self) -> Limits:
+    def _limits(self) -> Limits:
         return Limits(timeout_s=float(self.timeout_s), memory_mb=self.memory_mb, max_output_bytes=self.max_output_bytes,
                       max_processes=self.max_processes, wall_timeout_s=self.wall_timeout_s)
 
-    def run_case(self, code: str, case: Case) -> RunResult:
+    def _run_case(self, code: str, case: Case) -> RunResult:
         """Run one case of ``code`` in a fresh sandbox (exposed for tests and debugging)."""
         if case.mode == "stdio":
-            return self._sandbox.run(code=code, mode="stdio", stdin=case.stdin.encode(), limits=self.limits)
-        return self._sandbox.run(code=code, mode="call", call=case.call, limits=self.limits)
+            return self._sandbox.run(code=code, mode="stdio", stdin=case.stdin.encode(), limits=self._limits)
+        return self._sandbox.run(code=code, mode="call", call=case.call, limits=self._limits)
 
     def _score(self, completion: Any, cases: list[Case] | None) -> tuple[float | None, Counter, list[str]]:
         counts: Counter = Counter()
@@ -228,7 +228,7 @@ class Code:
         code = extract_code(completion)
         passed = 0
         for case in cases:
-            res = self.run_case(code, case)
+            res = self._run_case(code, case)
             ok = verdict(case, res)
             counts["runs"] += 1
             if ok is None:

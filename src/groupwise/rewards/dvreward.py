@@ -72,7 +72,7 @@ Judges (``judge``):
 3. A completion the domain cannot parse (no integer, no ``"x,y"`` point) still gets its questions
    asked; the programmatic judge answers "no" with margin −1 to every semantic and quality question
    about it.
-4. ``components(completions, attrs)`` returns per row ``(sem, qual)`` confidence lists; the reward
+4. ``_components(completions, attrs)`` returns per row ``(sem, qual)`` confidence lists; the reward
    logs the batch means of ``SC``, ``PQ`` and the share of satisfied attributes (``dv_sat``: the
    programmatic truth, whatever the judge) through ``log_metric``.
 5. The LM judge runs once per call on every (row, question) as one no-grad batch of ``N`` one-token
@@ -155,7 +155,7 @@ class DVReward(FrozenJudge):
             raise ConfigError(f"reward 'dv_reward': k={self.k} must be > 0 (the programmatic judge's sharpness)")
 
     # ------------------------------------------------------------------ judges
-    def ask_programmatic(self, margins: Sequence[float]) -> list[float]:
+    def _ask_programmatic(self, margins: Sequence[float]) -> list[float]:
         out = []
         for m in margins:
             x = self.k * m
@@ -164,19 +164,19 @@ class DVReward(FrozenJudge):
             out.append(yes_no_confidence(lp, "yes" if p >= 0.5 else "no", self.binary))
         return out
 
-    def ask_lm(self, questions: Sequence[str]) -> list[float]:
+    def _ask_lm(self, questions: Sequence[str]) -> list[float]:
         """The frozen judge role's verdicts on ``questions`` through the policy protocol (Note 5)."""
         return ask_judge(self.judge_model(), questions, self.template, self.top_logprobs, self.binary, self.match)
 
     # ------------------------------------------------------------------ the reward
-    def components(self, completions: Sequence[str], attrs: Sequence[Any]) -> list[tuple[list[float], list[float], float]]:
+    def _components(self, completions: Sequence[str], attrs: Sequence[Any]) -> list[tuple[list[float], list[float], float]]:
         """Per row (semantic confidences, quality confidences, share of attributes truly satisfied) — Note 4."""
         decomposed = [decompose(c, parse_attrs(a, self.domain), self.domain) for c, a in zip(completions, attrs)]
         flat = [qm for sem, qual in decomposed for qm in (*sem, *qual)]
         if self.role is None:
-            conf = self.ask_programmatic([m for _, m in flat])
+            conf = self._ask_programmatic([m for _, m in flat])
         else:
-            conf = self.ask_lm([q for q, _ in flat])
+            conf = self._ask_lm([q for q, _ in flat])
         out, i = [], 0
         for sem, qual in decomposed:
             s, q = conf[i: i + len(sem)], conf[i + len(sem): i + len(sem) + len(qual)]
@@ -194,7 +194,7 @@ class DVReward(FrozenJudge):
         scores: list[float | None] = [None] * len(completions)
         if not todo:
             return scores
-        parts = self.components([completions[i] for i in todo], [attrs[i] for i in todo])
+        parts = self._components([completions[i] for i in todo], [attrs[i] for i in todo])
         for i, (sem, qual, _) in zip(todo, parts):
             scores[i] = dv_reward(sem, qual, self.method)
         if log_metric is not None:

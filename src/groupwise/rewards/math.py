@@ -57,7 +57,7 @@ after the last one is parsed (:func:`completion_answer_text`).
    math-verify's timeouts off (``_math_worker.py``), fed whole batches to amortise the IPC
    (``_math_pool.py``); each item gets ``timeout_s`` of wall-clock time, and on expiry the worker
    is killed (SIGKILL), the item scores ``None``, the worker is restarted (~1 s, not counted
-   against any item) and the rest of its batch resent. ``timeouts`` counts these items.
+   against any item) and the rest of its batch resent. The pool's ``timeouts`` counts these items.
 5. Workers are fresh interpreters (as with multiprocessing's "spawn", but never re-running the
    caller's ``__main__``) and die with the parent (Linux ``PR_SET_PDEATHSIG``). They start on the
    first call; ``close()`` stops them, and a copy or unpickled reward starts its own.
@@ -201,13 +201,13 @@ class Math:
             raise ConfigError(f"reward 'math': num_workers must be >= 1, got {self.num_workers}")
 
     @property
-    def pool(self) -> MathVerifierPool:
+    def _workers(self) -> MathVerifierPool:
         if self._pool is None:
             self._pool = MathVerifierPool(self.timeout_s, self.num_workers)
         return self._pool
 
     @property
-    def timeouts(self) -> int:
+    def _timeouts(self) -> int:
         return self._pool.timeouts if self._pool is not None else 0
 
     def accepts_kwarg(self, name: str) -> bool:
@@ -219,7 +219,7 @@ class Math:
             log_extra("final_answer", [final_answer(c) for c in completions])
         extracted = [gold_answer(g) for g in golds]
         todo = [i for i, g in enumerate(extracted) if g is not None]
-        verdicts = self.pool.verify([(extracted[i], completion_answer_text(completions[i])) for i in todo])
+        verdicts = self._workers.verify([(extracted[i], completion_answer_text(completions[i])) for i in todo])
         scores: list[float | None] = [None] * len(completions)
         for i, verdict in zip(todo, verdicts):
             scores[i] = verdict

@@ -150,7 +150,7 @@ class _RankingReward:
         out: list[float | None] = []
         for text, rel in zip(completions, rels, strict=True):
             gains = read_gains(rel) if rel is not None else {}
-            out.append(self.score(parse_ranking(str(text), self.cand_tags, self.rank_tags), gains) if gains else None)
+            out.append(self._score(parse_ranking(str(text), self.cand_tags, self.rank_tags), gains) if gains else None)
         return out
 
 
@@ -161,7 +161,7 @@ class RecallAtK(_RankingReward):
 
     max_set: int | None = None  # None: k
 
-    def score(self, parsed: tuple[list[str], list[str]] | None, gains: dict[str, float]) -> float:
+    def _score(self, parsed: tuple[list[str], list[str]] | None, gains: dict[str, float]) -> float:
         return recall_score(parsed[0] if parsed else None, gains, self.k, self.max_set or self.k)
 
 
@@ -177,7 +177,7 @@ class NDCGAtK(_RankingReward):
         if self.mode not in ("plain", "conditional"):
             raise ConfigError(f"reward ndcg_at_k: mode must be 'plain' or 'conditional', got {self.mode!r}")
 
-    def score(self, parsed: tuple[list[str], list[str]] | None, gains: dict[str, float]) -> float:
+    def _score(self, parsed: tuple[list[str], list[str]] | None, gains: dict[str, float]) -> float:
         return ndcg_score(parsed[1], gains, self.k, parsed[0], self.mode) if parsed else 0.0
 
 

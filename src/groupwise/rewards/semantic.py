@@ -60,7 +60,7 @@ thresholded and rescaled, plus a language (script) consistency reward.
 4. ``frac``: digits, spaces and punctuation count only when inside a configured range (the spec's
    counting rule: ``"བོད中"`` → 3 Tibetan of 4 counted → 0.75; the Tibetan tsheg U+0F0B is
    punctuation but inside the Tibetan range, so ``"བོད་"`` → 1.0).
-5. ``components(completions, references)`` returns every part (``cos``, ``r_sim``, ``frac``,
+5. ``_components(completions, references)`` returns every part (``cos``, ``r_sim``, ``frac``,
    ``r_lang``, ``score``) as float32 tensors [n]; the reward logs the batch means of ``cos``,
    ``r_sim`` and ``r_lang`` through ``log_metric`` (``reward_metric/semantic_cos`` and so on).
 6. Under data parallelism each rank scores its own rows; the encoder pads within a batch, so a
@@ -188,7 +188,7 @@ class Semantic:
             check_encoder(self.encoder)
 
     # ------------------------------------------------------------------ embeddings
-    def embed(self, completions: Sequence[str], references: Sequence[str]) -> tuple[Tensor, Tensor]:
+    def _embed(self, completions: Sequence[str], references: Sequence[str]) -> tuple[Tensor, Tensor]:
         """Unit embeddings ([n,D], [n,D] float32) of the completions and references, one encode call."""
         if self.embed_fn is not None:
             e = self.embed_fn(list(completions) + list(references)).float()  # [2n,D]
@@ -209,9 +209,9 @@ class Semantic:
         return e_y, e_ref
 
     # ------------------------------------------------------------------ the reward
-    def components(self, completions: Sequence[str], references: Sequence[str]) -> dict[str, Tensor]:
+    def _components(self, completions: Sequence[str], references: Sequence[str]) -> dict[str, Tensor]:
         """Every part of the score (Note 5): cos, r_sim, frac, r_lang, score, each [n] float32."""
-        e_y, e_ref = self.embed(completions, references)  # [n,D], [n,D]
+        e_y, e_ref = self._embed(completions, references)  # [n,D], [n,D]
         cos = (e_y * e_ref).sum(-1).clamp(-1.0, 1.0)  # [n]
         r_sim = ((cos - self.tau) / (1.0 - self.tau)).clamp(min=0.0)  # [n]
         frac = torch.tensor([script_fraction(c, self._target, self._others) for c in completions], dtype=torch.float32)  # [n]
@@ -227,7 +227,7 @@ class Semantic:
         scores: list[float | None] = [None] * len(completions)
         if not todo:
             return scores
-        parts = self.components([completions[i] for i in todo], [str(refs[i]) for i in todo])
+        parts = self._components([completions[i] for i in todo], [str(refs[i]) for i in todo])
         for i, value in zip(todo, parts["score"].tolist()):
             scores[i] = value
         if log_metric is not None:

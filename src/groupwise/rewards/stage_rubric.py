@@ -115,7 +115,7 @@ class StageRubric(FrozenJudge):
         if re.fullmatch(self.split, "") is not None:
             raise ConfigError(f"reward stage_rubric: split={self.split!r} matches the empty string; use e.g. '[\\\\s+]+'")
 
-    def questions(self, stage: str, items: list[str]) -> list[str]:
+    def _questions(self, stage: str, items: list[str]) -> list[str]:
         """The LM judge's question on each rubric item, the stage text shortened until it fits the judge (Notes 5)."""
         judge = self.judge_model()
         room = getattr(judge, "context", None)
@@ -144,7 +144,7 @@ class StageRubric(FrozenJudge):
                 spans = tag_spans(text, self.tags)
                 out.append(0.0)
                 if spans:
-                    asks.append((len(out) - 1, self.questions(text[spans[0][0]: spans[0][1]], ref_items)))
+                    asks.append((len(out) - 1, self._questions(text[spans[0][0]: spans[0][1]], ref_items)))
         if asks:
             conf = ask_judge(self.judge_model(), [q for _, qs in asks for q in qs], self.template, self.top_logprobs, False, self.match)
             i = 0

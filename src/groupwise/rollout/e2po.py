@@ -201,7 +201,7 @@ class E2PO(ReadsArtifact):
         super().use_artifact(name, value)
         self._table = {int(k): j for j, k in enumerate(value["keys"].tolist())}
 
-    def conditions_of(self, G: int) -> Tensor:
+    def _conditions_of(self, G: int) -> Tensor:
         """[G] int64: each row's condition (0 = the original prompt)."""
         K = int(self.artifact_value()["conditions"])
         if G % K:
@@ -210,7 +210,7 @@ class E2PO(ReadsArtifact):
         g = torch.arange(G)
         return g // (G // K) if self.assign == "blocks" else g % K  # [G]
 
-    def hook(self, key: int, G: int) -> EmbedDelta:
+    def _hook(self, key: int, G: int) -> EmbedDelta:
         """The embedding perturbation of each of the G rows of train row ``key``."""
         value = self.artifact_value()
         if key not in self._table:
@@ -220,14 +220,14 @@ class E2PO(ReadsArtifact):
         positions = value["positions"][j]  # [L] (−1: padding)
         real = positions >= 0  # [L]
         deltas = value["delta"][j][:, real]  # [K−1,P,d]
-        cond = self.conditions_of(G)  # [G]
+        cond = self._conditions_of(G)  # [G]
         table = torch.cat([torch.zeros_like(deltas[:1]), deltas])  # [K,P,d] condition 0: no perturbation
         return EmbedDelta(positions=positions[real], delta=table[cond], rho=self.rho)  # [P], [G,P,d]
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
-        batch = refill_rounds(ctx, self.hook)
+        batch = refill_rounds(ctx, self._hook)
         B, G = batch.shape[0], ctx.group_size
-        cond = self.conditions_of(G).expand(B, G).clone()  # [B,G]
+        cond = self._conditions_of(G).expand(B, G).clone()  # [B,G]
         batch.set_extra(CONDITION, cond, "row")
         ok = batch.group_valid & torch.isfinite(batch.rewards)  # [B,G]
         r = torch.nan_to_num(batch.rewards)  # [B,G]

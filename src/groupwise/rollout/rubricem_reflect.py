@@ -164,7 +164,7 @@ class RubricEMReflect:
         self.bank = RubricBank(self.capacity)
 
     # ------------------------------------------------------------------ pieces
-    def task_key(self, meta: dict) -> str:
+    def _task_key(self, meta: dict) -> str:
         if not self.key_column:
             return _text(meta["prompt"])
         if self.key_column not in meta:
@@ -172,7 +172,7 @@ class RubricEMReflect:
                               f"(columns: {sorted(meta)}); name one, or key_column=\"\" to key by the prompt text")
         return str(meta[self.key_column])
 
-    def approved(self, text: str, truncated: bool) -> bool:
+    def _approved(self, text: str, truncated: bool) -> bool:
         return True if self.approve == "always" else bool(text.strip()) and not truncated
 
     def _fit(self, ctx: RolloutContext, build, piece: str, where: str) -> list[int]:
@@ -187,7 +187,7 @@ class RubricEMReflect:
                                   f"({len(ids)} tokens + rollout.max_new_tokens={ctx.sampling['max_new_tokens']} > {ctx.policy.context})")
             piece = piece[: max(0, len(piece) - max(1, (len(ids) - room)))]
 
-    def hinted(self, ctx: RolloutContext, key: int, hint: str) -> list[int]:
+    def _hinted(self, ctx: RolloutContext, key: int, hint: str) -> list[int]:
         """The context of row ``key``'s prompt with ``hint`` in front (exactly what the task and re-attempt rows are sampled under)."""
         prompt = ctx.meta(key)["prompt"]
         if list(ctx.policy.encode(prompt)) != list(ctx.prompt(key)):
@@ -195,7 +195,7 @@ class RubricEMReflect:
                               "(data.system_prompt?); drop data.system_prompt for this strategy")
         return self._fit(ctx, lambda h: with_hint(prompt, h, self.context_template), hint, f"the hint for row {key}")
 
-    def reflection_prompt(self, ctx: RolloutContext, key: int, attempt: str, feedback: str) -> list[int]:
+    def _reflection_prompt(self, ctx: RolloutContext, key: int, attempt: str, feedback: str) -> list[int]:
         prompt = _text(ctx.meta(key)["prompt"])
         return self._fit(ctx, lambda a: self.reflect_template.format(prompt=prompt, attempt=a, feedback=feedback), attempt,
                          f"the reflection prompt for row {key}")
@@ -205,12 +205,12 @@ class RubricEMReflect:
         info = ctx.info(0)
         G = ctx.group_size
         ids = ctx.draw(ctx.batch_size)
-        keys = [self.task_key(ctx.meta(i)) for i in ids]
+        keys = [self._task_key(ctx.meta(i)) for i in ids]
         rng = random.Random(info.seed * 1_000_003 + info.step)
         arm = [rng.random() < self.retrieve_share for _ in ids]
         known = [a and bool(self.bank.retrieve(k, 1)) for a, k in zip(arm, keys)]  # second attempts of a type (Notes 4)
         hints = [self.bank.retrieve(k, self.retrieve) if a else [] for a, k in zip(arm, keys)]
-        task = ctx.rollout([Request(key=i, n=G, prompt=self.hinted(ctx, i, "; ".join(h)) if h else None) for i, h in zip(ids, hints)])
+        task = ctx.rollout([Request(key=i, n=G, prompt=self._hinted(ctx, i, "; ".join(h)) if h else None) for i, h in zip(ids, hints)])
         keep = ctx.keep(task)  # [B] bool
         kept = keep.nonzero().flatten().tolist()
         task = task.select(kept)
@@ -223,11 +223,11 @@ class RubricEMReflect:
             return task
         parts = task.reward_parts.double()  # [B,G,K]
         requests = [Request(key=ids[b], n=1, offset=G + j, sampling={"max_new_tokens": self.reflection_tokens},
-                            prompt=self.reflection_prompt(ctx, ids[b], task.completions[b][j], feedback_text(labels, parts[b, j, : len(labels)].tolist())))
+                            prompt=self._reflection_prompt(ctx, ids[b], task.completions[b][j], feedback_text(labels, parts[b, j, : len(labels)].tolist())))
                     for b, j in slots]
         refl = ctx.generate(requests)  # [R,1,T] in request order, decoded, not scored
         texts = [refl.completions[k][0] for k in range(len(slots))]
-        again = ctx.rollout([Request(key=ids[b], n=1, offset=2 * G + j, prompt=self.hinted(ctx, ids[b], texts[k])) for k, (b, j) in enumerate(slots)])
+        again = ctx.rollout([Request(key=ids[b], n=1, offset=2 * G + j, prompt=self._hinted(ctx, ids[b], texts[k])) for k, (b, j) in enumerate(slots)])
         r_meta, approved, accepted = self._meta(task, slots, texts, refl.truncated[:, 0].tolist(), again.rewards[:, 0].tolist(), keys)
         group_of = [[k for k, (b, _) in enumerate(slots) if b == g] for g in range(len(ids))]
         groups = [rows for rows in group_of if rows]
@@ -255,7 +255,7 @@ class RubricEMReflect:
                 base = float(s[b, j]) if bool(valid[b, j]) else float("nan")
             else:
                 base = float(s[b][valid[b]].mean()) if bool(valid[b].any()) else float("nan")
-            ok = self.approved(texts[k], bool(truncated[k]))
+            ok = self._approved(texts[k], bool(truncated[k]))
             with_r = float(again[k])
             r = meta_reward(ok, with_r, base) if math.isfinite(with_r) and math.isfinite(base) else float("nan")
             r_meta.append(r)

@@ -152,7 +152,7 @@ class VSPO(ReadsArtifact):
             raise ConfigError(f"rollout vspo: alphas={self.alphas!r} must be a non-empty list of finite numbers (e.g. [-1, 0, 0, 1])")
         self._stats: dict[str, float] = {}
 
-    def request_parts(self, G: int) -> tuple[ResidualAdd, dict[str, Tensor]]:
+    def _request_parts(self, G: int) -> tuple[ResidualAdd, dict[str, Tensor]]:
         """The hook of a group of G rows and its row labels (the same for every prompt)."""
         value = self.artifact_value()
         alpha = alpha_rows(self.alphas, G)  # [G]
@@ -161,7 +161,7 @@ class VSPO(ReadsArtifact):
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
         G = ctx.group_size
-        hook, extras = self.request_parts(G)
+        hook, extras = self._request_parts(G)
         batch = refill_rounds(ctx, lambda key, n: hook, extras)
         alpha = batch.extras[ALPHA]  # [B,G]
         ok = batch.group_valid & torch.isfinite(batch.rewards)  # [B,G]

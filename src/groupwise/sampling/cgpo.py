@@ -137,7 +137,7 @@ class CGPOSampler:
         if rows is not None and self.category_column:
             self._cat.update({i: row[self.category_column] for i, row in enumerate(rows) if self.category_column in row})
 
-    def probabilities(self) -> Tensor:
+    def _probabilities(self) -> Tensor:
         """[N] acceptance probability min(1, w[cat(p)]·P_list[p]) of every row."""
         if self._table is None:
             raise RuntimeError("cgpo: call bind(n_rows, seed) before draw")
@@ -147,7 +147,7 @@ class CGPOSampler:
         return (w * self._table).clamp(0.0, 1.0)  # [N]
 
     def draw(self, n: int, info: StepInfo) -> list[int]:
-        prob = self.probabilities()  # [N]
+        prob = self._probabilities()  # [N]
         N = prob.numel()
         if n > N and not self.replace:
             raise ValueError(f"cgpo: cannot draw {n} distinct prompts from {N} rows (set replace=true)")

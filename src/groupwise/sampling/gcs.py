@@ -103,16 +103,16 @@ class GaussianCurriculumSampler:
             self._seen = torch.zeros(n_rows, dtype=torch.bool)  # [N]
             self._sum, self._count = torch.zeros(n_rows, dtype=torch.float64), torch.zeros(n_rows, dtype=torch.float64)  # [N], [N]
 
-    def accuracy(self) -> Tensor:
+    def _accuracy(self) -> Tensor:
         if self._acc is None:
             raise RuntimeError("gcs: call bind(n_rows, seed) before draw")
         return self._acc.clone()  # [N]
 
-    def probabilities(self) -> Tensor:
-        return gaussian_curriculum_probs(self.accuracy(), self.mu, self.sigma, self.eps)  # [N]
+    def _probabilities(self) -> Tensor:
+        return gaussian_curriculum_probs(self._accuracy(), self.mu, self.sigma, self.eps)  # [N]
 
     def draw(self, n: int, info: StepInfo) -> list[int]:
-        prob = self.probabilities()  # [N]
+        prob = self._probabilities()  # [N]
         if n > prob.numel() and not self.replace:
             raise ValueError(f"gcs: cannot draw {n} distinct questions from {prob.numel()} rows (set replace=true)")
         g = step_generator(self._seed, info.step, info.round, salt=36)

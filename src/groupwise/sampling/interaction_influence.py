@@ -121,12 +121,12 @@ class InteractionInfluenceSampler:
         perm = torch.randperm(self._n_rows, generator=step_generator(self._seed, info.step, info.round, salt=16)).tolist()
         seen = [p for p in perm if p in self._features]  # in tie-break order
         candidates = seen[: self.pool * n] if self.pool else seen
-        picks = self.select(candidates, min(len(candidates), n - math.ceil(self.explore * n)), n)
+        picks = self._select(candidates, min(len(candidates), n - math.ceil(self.explore * n)), n)
         taken = set(picks)
         rest = [p for p in perm if p not in taken and p not in self._features] + [p for p in seen if p not in taken]
         return picks + rest[: n - len(picks)]
 
-    def select(self, rows: list[int], k: int, n: int) -> list[int]:
+    def _select(self, rows: list[int], k: int, n: int) -> list[int]:
         """k of ``rows`` by the greedy second-order rule (ties: earlier in ``rows``)."""
         if k <= 0:
             return []

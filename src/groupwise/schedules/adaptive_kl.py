@@ -104,7 +104,7 @@ class AdaptiveKL:
         self._value = float(self.init)
         self.last_kl: float | None = None
 
-    def update(self, kl: float, n_steps: int) -> float:
+    def _update(self, kl: float, n_steps: int) -> float:
         """One controller step from an observed KL over ``n_steps`` samples; returns the new value."""
         error = min(max(kl / self.target - 1.0, -self.clip), self.clip)
         self._value *= 1.0 + error * n_steps / self.horizon
@@ -118,7 +118,7 @@ class AdaptiveKL:
         if seen is None:
             return self._value
         self.last_kl, rows = seen
-        return self.update(self.last_kl, self.n_steps or rows)
+        return self._update(self.last_kl, self.n_steps or rows)
 
     def state_dict(self) -> dict[str, Any]:
         return {"value": self._value, "last_kl": self.last_kl}

@@ -101,18 +101,18 @@ class AKLSchedule:
         self._acc: float | None = None  # smoothed accuracy
         self._beta: float | None = None
 
-    def beta(self, acc: float) -> float:
+    def _beta_at(self, acc: float) -> float:
         return akl_beta(acc, self.beta_min, self.beta_max, self.k, self.center, self.shape, self.gamma)
 
     def start(self) -> float:
-        return self._beta if self._beta is not None else self.beta(self.center)
+        return self._beta if self._beta is not None else self._beta_at(self.center)
 
     def __call__(self, info: StepInfo, rollout: Rollout) -> float:
         acc = batch_accuracy(rollout, self.threshold)
         if acc is None:
             return self.start()
         self._acc = acc if self._acc is None else self.ema_decay * self._acc + (1.0 - self.ema_decay) * acc
-        self._beta = self.beta(self._acc)
+        self._beta = self._beta_at(self._acc)
         return self._beta
 
     def state_dict(self) -> dict[str, Any]:

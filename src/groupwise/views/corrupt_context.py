@@ -77,7 +77,7 @@ class CorruptContext:
     def use_rows(self, rows: list[dict]) -> None:
         self._pool = [r[self.column] for r in rows if isinstance(r.get(self.column), str) and r[self.column]]
 
-    def donor(self, passage: str, key: int) -> str | None:
+    def _donor(self, passage: str, key: int) -> str | None:
         """Another row's passage for dataset row ``key`` (Math), or None when the pool has no other."""
         pool = self._pool or []
         if not pool:
@@ -101,7 +101,7 @@ class CorruptContext:
         elif passage not in text:
             why = f"has a {self.column!r} that its prompt does not contain"
         else:
-            other = self.donor(passage, key)
+            other = self._donor(passage, key)
             if other is None:
                 why = f"has no donor: the train rows hold no other {self.column!r}" + ("" if self._pool is not None else " (use_rows was never called)")
             else:

@@ -71,7 +71,7 @@ class GroundTruthView:
         if "prompt" not in template_columns(self.template):
             raise ValueError(f"ground_truth: template {self.template!r} must contain {{prompt}}")
 
-    def text(self, meta: dict[str, Any], group: int = 0) -> Any:
+    def _text(self, meta: dict[str, Any], group: int = 0) -> Any:
         """The edited prompt of one group: a string, or a copy of its chat messages."""
         for col in template_columns(self.template):
             if meta.get(col) is None:
@@ -83,5 +83,5 @@ class GroundTruthView:
         B = len(rollout.prompt_ids)
         if len(rollout.meta) != B:
             raise ValueError(f"ground_truth view needs rollout.meta for each of the {B} groups, got {len(rollout.meta)}")
-        prompt_ids = [list(encode(self.text(meta, b))) for b, meta in enumerate(rollout.meta)]  # B token lists
+        prompt_ids = [list(encode(self._text(meta, b))) for b, meta in enumerate(rollout.meta)]  # B token lists
         return dataclasses.replace(rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels))

@@ -110,7 +110,7 @@ class SiblingHint:
         if self.pick not in PICKS:
             raise ValueError(f"sibling_hint: pick must be one of {', '.join(PICKS)}, got {self.pick!r}")
 
-    def hints(self, rollout: Rollout) -> Tensor:
+    def _hints(self, rollout: Rollout) -> Tensor:
         """[B] long: the row whose completion is each group's hint, −1 where the group has no correct row."""
         if rollout.rewards is None:
             raise ValueError("sibling_hint view reads the group's rewards, which are not scored yet: it serves needs computed after the "
@@ -124,7 +124,7 @@ class SiblingHint:
             raise ValueError(f"sibling_hint view needs rollout.meta and decoded rollout.completions for each of the {B} groups, "
                              f"got {len(rollout.meta)} and {len(rollout.completions)}")
         prompt_ids = []
-        for b, h in enumerate(self.hints(rollout).tolist()):
+        for b, h in enumerate(self._hints(rollout).tolist()):
             if h < 0:  # Note 2: no correct sibling, the group's own prompt
                 prompt_ids.append(list(rollout.prompt_ids[b]))
                 continue

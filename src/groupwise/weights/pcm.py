@@ -167,7 +167,7 @@ class PCM:
         self._stats: dict[str, float] = {}
         self._last_C = torch.full((self.num_phases,), float("nan"), dtype=torch.float64)  # [P]
 
-    def update(self, C: Tensor, step: int | None = None) -> Tensor:
+    def _update(self, C: Tensor, step: int | None = None) -> Tensor:
         """Append this batch's C [K] (NaN: skipped) and refresh p every ``refresh`` steps; returns p [K]."""
         if step is not None and step == self._last_step:
             return torch.tensor(self._p, dtype=torch.float64)  # called twice in one step: no second append
@@ -194,7 +194,7 @@ class PCM:
         k = torch.arange(K).expand(N, K)  # [N,K]
         phase = (k.clamp(max=self.num_phases - 1) if self.phase_by == "index" else (k * self.num_phases) // n_chunks[:, None]).clamp(max=self.num_phases - 1)  # [N,K]
         tok_phase = torch.where(chunk >= 0, phase.gather(1, chunk.clamp(min=0)), -1)  # [N,T]
-        p = self.update(self._divergence(rollout, tokens, chunk, offset, tok_phase, loss), info.step)  # [P]
+        p = self._update(self._divergence(rollout, tokens, chunk, offset, tok_phase, loss), info.step)  # [P]
         weights = p[phase]  # [N,K]
         seeds = torch.tensor([sample_seed(info.seed, info.step, int(rollout.prompt_index[i // G]), h) for i, h in enumerate(_row_hashes(tokens, seq))], dtype=torch.long)  # [N]
         keep = sample_chunks(weights, self.budget, has, noise_at(seeds, 13, torch.arange(K)))  # [N,K]

@@ -119,7 +119,7 @@ class SRPO:
     def use_vocabulary(self, token_text: list[str]) -> None:
         self._token_text = list(token_text)
 
-    def role_masks(self, actions: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    def _role_masks(self, actions: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """The spec's interface: actions, mask [N,T] -> (perc_mask, reas_mask) [N,T] bool."""
         if self._token_text is None:
             raise ValueError("weight srpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
@@ -132,7 +132,7 @@ class SRPO:
             raise ValueError(f"weight srpo needs {missing}: declared needs, filled by the trainer before the weight stage")
         B, G, T = rollout.shape
         mask = rollout.row_mask.bool()  # [B,G,T]
-        perc, reas = self.role_masks(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T))  # [N,T] over the sequence (a prefix)
+        perc, reas = self._role_masks(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T))  # [N,T] over the sequence (a prefix)
         perc, reas = perc & mask.reshape(B * G, T), reas & mask.reshape(B * G, T)  # [N,T] loss tokens of valid rows
         logp = rollout.logp_old.reshape(B * G, T).double()  # [N,T]
         d = logp - rollout.extras[CORRUPT.key].reshape(B * G, T).double()  # [N,T]
