@@ -378,7 +378,8 @@ HOOKS: tuple[Hook, ...] = (
          "The term's own tokens: it is aggregated over them alone and its normaliser counts only them "
          "(LA-GRPO's functional-token anchor)."),
     Hook("stats", ("objective",), "method", "step",
-         "in the first call of each micro-batch's closure, under no grad: averaged by the objective over the loss mask",
+         "in every micro-batch of the first call of each closure, under no grad: averaged by the objective over "
+         "the loss mask",
          "stats(mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor [b,G,T] or [b,G]]",
          "Values for logging (clip fractions)."),
     Hook("action_value", ("env",), "method", "step",
