@@ -103,6 +103,61 @@ def test_cispo_garbage_padding_and_token_mean():
     torch.testing.assert_close(grad[0, 0], torch.tensor([-0.6, EM05 / 2, 0.0]))
 
 
+def _two_tokens(d, adv):
+    """One row of 2 tokens: logp = (−1, −2), logp_old = logp − d."""
+    logp = torch.tensor([[[-1.0, -2.0]]])
+    return rollout_from(logp - torch.tensor(d), torch.tensor([[adv]])), leaf(logp)
+
+
+def test_cispo_sequence_level_by_hand():
+    # d = (0.2, −0.1): token ratios (1.221403, 0.904837); sequence ratio s = e^{0.05} = 1.051271
+    # eps_max = 1.03: sequence level w = min(s, 1.03) = 1.03 on both tokens → loss −w·A·logp = (1.03, 2.06), grad −1.03
+    #                 token level w = (1.03, 0.904837) → loss (1.03, 1.809675)
+    mb, logp = _two_tokens([0.2, -0.1], 1.0)
+    term = build("objective", "cispo", eps_max=1.03, level="sequence")
+    values, grad = _term_grad(term, mb, logp)
+    torch.testing.assert_close(values[0, 0], torch.tensor([1.03, 2.06]))
+    torch.testing.assert_close(grad[0, 0], torch.tensor([-1.03, -1.03]))
+    values, _ = _term_grad(build("objective", "cispo", eps_max=1.03), *_two_tokens([0.2, -0.1], 1.0))
+    torch.testing.assert_close(values[0, 0], torch.tensor([1.03, 2 * 0.904837]))
+    assert term.stats(mb, {"logp": logp})["clip_high"].tolist() == [[1.0]]  # one value per row, as TRL
+    with pytest.raises(ValueError, match="cispo: level"):
+        build("objective", "cispo", level="seq")
+
+
+def test_sapo_sequence_level_by_hand():
+    # d = (0.2, −0.1), s = 1.051271 on both tokens (gradient through the mean: ∂s/∂logp_t = s/2)
+    # A = +1, τ = 1: σ(0.051271) = 0.512815, gate 4σ = 2.051260 → loss −2.051260 per token;
+    #   d(Σ_t loss)/d logp_t = −2·4σ(1−σ)·s/2 = −1.050581
+    # A = −1, τ = 1.05: σ(1.05·0.051271) = 0.513455, gate 4σ/1.05 = 1.956021 → loss +1.956021; grad +1.050510
+    for adv, loss, g in ((1.0, -2.051260, -1.050581), (-1.0, 1.956021, 1.050510)):
+        values, grad = _term_grad(build("objective", "sapo", level="sequence"), *_two_tokens([0.2, -0.1], adv))
+        torch.testing.assert_close(values[0, 0], torch.tensor([loss, loss]))
+        torch.testing.assert_close(grad[0, 0], torch.tensor([g, g]))
+    with pytest.raises(ValueError, match="sapo: level"):
+        build("objective", "sapo", level="seq")
+
+
+def test_luspo_delta_by_hand():
+    # d = (0.5, 0.5): s = e^{0.5} = 1.648721; eps 0.2; δ = 1.5
+    # A = −1: −min(min(s, δ)·A, clip(s)·A) = −min(−1.5, −1.2) = 1.5 per token, no gradient (capped;
+    #         without δ: s per token, gradient 2·s/2 = s)
+    # A = +1: −min(1.5, 1.2) = −1.2 per token: the clip binds first, no gradient either way
+    # d = (0.1, 0.1), A = −1: s = 1.105171 < δ: loss s per token, d(Σ_t)/d logp_t = 2·s/2 = 1.105171 (δ inactive)
+    term = build("objective", "luspo", eps_low=0.2, eps_high=0.2, delta=1.5)
+    for d, adv, loss, g in (([0.5, 0.5], -1.0, 1.5, 0.0), ([0.5, 0.5], 1.0, -1.2, 0.0), ([0.1, 0.1], -1.0, E01, E01)):
+        values, grad = _term_grad(term, *_two_tokens(d, adv))
+        torch.testing.assert_close(values[0, 0], torch.tensor([loss, loss]))
+        torch.testing.assert_close(grad[0, 0], torch.tensor([g, g]))
+    values, grad = _term_grad(build("objective", "luspo", eps_low=0.2, eps_high=0.2), *_two_tokens([0.5, 0.5], -1.0))
+    torch.testing.assert_close(values[0, 0], torch.tensor([E05, E05]))  # without δ the exploded ratio's loss grows
+    torch.testing.assert_close(grad[0, 0], torch.tensor([E05, E05]))
+    mb, logp = _two_tokens([0.5, 0.5], -1.0)
+    assert term.stats(mb, {"logp": logp})["clip_delta"].tolist() == [[1.0]]
+    with pytest.raises(ValueError, match="luspo: delta"):
+        build("objective", "luspo", delta=0.9)
+
+
 @pytest.mark.parametrize("kw", [{"eps_max": 0.0}, {"eps_max": -1.0}, {"eps_min": -0.1}, {"eps_min": 5.0}])
 def test_cispo_rejects_bad_bounds(kw):
     with pytest.raises(ValueError, match="cispo: eps_m"):
