@@ -119,6 +119,31 @@ def test_docstrings_and_dataclass_fields():
     assert not failures, "module docstrings off the DESIGN §4 template:\n" + "\n".join(failures)
 
 
+SUMMARY_SOURCE = re.compile(r"summary|project page|arxivlens", re.I)
+
+
+def _paper_tags_on_summaries(text: str, by_line: bool = False) -> list[str]:
+    """The items of ``text`` (``- `` bullets and numbered notes of a docstring, or lines of a recipe) that
+    tag ``[PAPER]`` a value they say comes from a summary or a project page: specs/README's
+    ``[PAPER-SUMMARY]``, not the paper."""
+    items = text.splitlines() if by_line else re.split(r"\n(?=\s*- |\s*\d+\. )", text)
+    return [item.strip()[:100] for item in items if "[PAPER]" in item and SUMMARY_SOURCE.search(item)]
+
+
+def test_paper_tag_is_not_given_to_a_summary_source():
+    from pathlib import Path
+
+    import groupwise
+
+    check = _paper_tags_on_summaries("- a = 1 [PAPER] (arxivlens summary)\n- b = 2 [PAPER-SUMMARY] summary")
+    assert check == ["- a = 1 [PAPER] (arxivlens summary)"]  # the check itself can fail
+    found = [f"{m}: {item}" for m in sorted({c.__module__ for _, _, c in entries()})
+             for item in _paper_tags_on_summaries(__import__(m, fromlist=["_"]).__doc__ or "")]
+    recipes = sorted((Path(groupwise.__file__).parent / "recipes").glob("*.toml"))
+    found += [f"{p.name}: {item}" for p in recipes for item in _paper_tags_on_summaries(p.read_text(), by_line=True)]
+    assert not found, "[PAPER] on a value read in a summary or project page (tag [PAPER-SUMMARY]):\n" + "\n".join(found)
+
+
 # ---------------------------------------------------------------------------------------------- advantage
 @pytest.mark.parametrize("name", ADV)
 def test_advantage_shape_finite_and_invalid_rows_zero(name):
