@@ -25,7 +25,7 @@ STAGES = (
     "rollout",  # how completions are produced
     "reward",  # how a completion is scored
     "advantage",  # how scores become credit
-    "weight",  # per-token weights / masks applied to every objective term
+    "weight",  # per-token weights / masks, reaching each objective term as it declares (objective.py)
     "objective",  # per-token or per-row loss terms
     "kl",  # KL estimators, usable in the objective or the reward
     "aggregation",  # how per-token losses become a scalar
