@@ -145,6 +145,11 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mas
 
 
 # ------------------------------------------------------------------------------------------ training
+def adamw(model, lr: float) -> torch.optim.AdamW:
+    """The library's AdamW: betas (0.9, 0.99), eps 1e-8 and no weight decay (torch's default is 0.01)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GRPO on the embedded model and two-number addition",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -177,8 +182,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)  # left padding: each prompt ends where its completion starts
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    # the library's AdamW: betas (0.9, 0.99) and no weight decay (torch's default decay is 0.01)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    optimizer = adamw(model, args.lr)
     train_rows, test_rows = arithmetic_rows("train"), arithmetic_rows("test")[: args.eval_size]
     batches = prompt_batches(train_rows, args.prompts, args.seed)
     B, G = args.prompts, args.group

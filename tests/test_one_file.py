@@ -64,6 +64,9 @@ def test_one_file_loss_and_gradient_equal_the_library(tmp_path, example, policy)
     trainer = demo_trainer(tmp_path)
     assert trainer.cfg.rollout.group_size == 8 and trainer.cfg.objective.agg == "seq_mean_token_mean"
     assert trainer.updater.max_grad_norm == 1.0
+    ours, theirs = example.adamw(copy.deepcopy(trainer.model), 2e-4).defaults, trainer.updater.optimizer.defaults
+    keys = ("lr", "betas", "eps", "weight_decay")  # the same AdamW (the demo's lr is 2e-4)
+    assert {k: ours[k] for k in keys} == {k: theirs[k] for k in keys}
     model = copy.deepcopy(trainer.model)  # the example's copy of the same weights
     rollout = trainer.collect()  # [B,G,T]
     B, G, T = rollout.shape
