@@ -155,7 +155,7 @@ def claim_files(folder: Path | None = None) -> list[Path]:
         return sorted(Path(folder).glob("*.toml"))
     from groupwise.papers import named_files
 
-    return list(named_files(Path("claims"), "claims").values())
+    return sorted(named_files(Path("claims"), "claims").values(), key=lambda p: p.name)  # by file name, as in one folder
 
 
 def shown_path(path: Path) -> str:

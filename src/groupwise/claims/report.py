@@ -25,9 +25,9 @@ PLACEHOLDER = "_No reading yet: write here what the result means (kept when the 
 INTRO = """\
 # Claims
 
-Every paper implemented in groupwise registers one **claim**: a seeded comparison, in
-`papers/NN_slug/claims/<NN-slug>.toml`, of the paper's method against its baseline on a built-in task and the
-embedded tiny model, with the direction the paper says the difference goes. `make claims`
+Every paper implemented in groupwise registers one **claim**: a seeded comparison, in its folder's
+`papers/NN_slug/claims/<NN-slug>.toml`, of the paper's method against its baseline on a built-in
+task and the embedded tiny model, with the direction the paper says the difference goes. `make claims`
 (`groupwise claims [NAMES...] [--seeds N] [--out DIR] [key=value ...]`) runs them through
 `groupwise compare` and rewrites this page. Runs are resumable: a finished seed is not rerun.
 

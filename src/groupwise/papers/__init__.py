@@ -144,7 +144,7 @@ def find(number: int | str) -> Manifest:
     for manifest in papers():
         if n in manifest.numbers:
             return manifest
-    known = ", ".join(f"{n:02d}" for m in papers() for n in m.numbers)
+    known = ", ".join(f"{n:02d}" for n in sorted(n for m in papers() for n in m.numbers))
     raise ConfigError(f"no paper with spec number {number!r}; implemented: {known}")
 
 

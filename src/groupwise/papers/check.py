@@ -128,12 +128,11 @@ def recipe_and_claim_problems() -> list[str]:
     return problems
 
 
-def _imported(path: Path) -> list[str]:
+def _imported(path: Path, text: str) -> list[str]:
     """The absolute module names a file imports (relative imports resolved; import_module("...") too)."""
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    package = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    package = list(path.relative_to(PACKAGE.parent).parts[:-1])  # a module's package, an __init__'s own
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
@@ -145,14 +144,15 @@ def _imported(path: Path) -> list[str]:
     return out
 
 
-def import_problems(files: Iterable[Path] | None = None) -> list[str]:
+def import_problems(sources: Iterable[tuple[Path, str]] | None = None) -> list[str]:
     """No module outside a paper folder imports from one (the stage folders and the core never run
-    back up into a paper), and no paper folder imports another's."""
+    back up into a paper), and no paper folder imports another's. ``sources``: (path, text) pairs,
+    by default every source file of the package."""
     problems = []
-    for path in source_files() if files is None else files:
+    for path, text in ((p, p.read_text()) for p in source_files()) if sources is None else sources:
         rel = path.relative_to(PACKAGE)
         own = rel.parts[1] if len(rel.parts) > 2 and rel.parts[0] == "papers" and FOLDER_RE.match(rel.parts[1]) else None
-        for module in _imported(path):
+        for module in _imported(path, text):
             parts = module.split(".")
             if parts[:2] == ["groupwise", "papers"] and len(parts) > 2 and FOLDER_RE.match(parts[2]) and parts[2] != own:
                 problems.append(f"{rel} imports {module}: " + ("a paper folder imports no other paper's; move the shared part into its stage folder"
