@@ -365,7 +365,8 @@ def test_find_claims(tmp_path):
         find_claims(["7"], tmp_path)
 
 
-SHIPPED_CLAIMS = sorted([*ROOT.glob("claims/*.toml"), *ROOT.glob("src/groupwise/papers/*/claims/*.toml")], key=lambda p: p.stem)
+SHIPPED_CLAIMS = sorted([*ROOT.glob("claims/*.toml"), *ROOT.glob("src/groupwise/papers/*/claims/*.toml")],
+                        key=lambda p: p.stem)
 
 
 @pytest.mark.parametrize("path", SHIPPED_CLAIMS, ids=lambda p: p.stem)

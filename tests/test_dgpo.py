@@ -26,7 +26,8 @@ from groupwise.types import Need
 from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, paper_module, rollout_from
 
 _fobar = paper_module("40_dgpo", "fobar")
-COMPACT_TEMPLATE, make_reverse_question, fobar_rows, solve = _fobar.COMPACT_TEMPLATE, _fobar.make_reverse_question, _fobar.rows, _fobar.solve
+COMPACT_TEMPLATE, make_reverse_question, solve = _fobar.COMPACT_TEMPLATE, _fobar.make_reverse_question, _fobar.solve
+fobar_rows = _fobar.rows
 
 S_SPEC = [-0.5, -0.7, -0.6, -1.5]  # two coherent, two inconsistent
 R_SPEC = [1.0, 1.0, 0.0, 0.0]

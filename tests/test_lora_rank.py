@@ -208,7 +208,8 @@ def test_the_claim_files_proportional_pattern_builds_the_ranks_it_says():
     from groupwise.papers import PAPERS
     from groupwise.policy.lm import load_policy
 
-    claim = load_claim(PAPERS / "49_lora_rank_allocation" / "claims" / "49-lora-rank-allocation.toml", check_configs=False)
+    path = PAPERS / "49_lora_rank_allocation" / "claims" / "49-lora-rank-allocation.toml"
+    claim = load_claim(path, check_configs=False)
     counts = {}
     for label in ("uniform", "proportional"):
         cfg, _ = load_config(claim.spec(label).recipe, claim.spec(label).overrides)

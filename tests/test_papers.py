@@ -16,8 +16,8 @@ from groupwise.registry import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 # the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder)
-IMPLEMENTED = [2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 18, 20, 24, 25, 27, 29, 30, 31, 32, 33, 34, 35, 36, 38, 39, 40, 41, 42, 44, 46, 48,
-               49, 50, 51, 53, 55, 56, 57, 58, 59, 60, 61]
+IMPLEMENTED = [2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 18, 20, 24, 25, 27, 29, 30, 31, 32, 33, 34, 35, 36, 38, 39,
+               40, 41, 42, 44, 46, 48, 49, 50, 51, 53, 55, 56, 57, 58, 59, 60, 61]
 
 
 def test_one_folder_per_implemented_paper_named_after_its_spec_file():
@@ -47,27 +47,32 @@ def test_an_unlisted_component_file_or_double_owner_is_reported(monkeypatch):
     """The checks fail on what they exist for: a component or file no manifest lists, a component
     owned twice, an owned component under `uses`, a listed name nothing registers."""
     entries = check.registered()
-    extra = entries + [("objective", "my_new_term", "groupwise.losses.my_new_term"), ("objective", "plug", "my_pkg.losses")]
+    new, plugin = ("objective", "my_new_term", "groupwise.losses.my_new_term"), ("objective", "plug", "my_pkg.losses")
+    extra = [*entries, new, plugin]
     problems = check.entry_problems(extra)
-    assert problems == ["objective 'my_new_term' (groupwise.losses.my_new_term) belongs to no manifest: list it under [components] "
-                        "of its paper's paper.toml, or of papers/standard.toml if it is a standard algorithm"]  # a plug-in needs none
+    assert problems == [  # the plug-in from outside the package needs no manifest
+        "objective 'my_new_term' (groupwise.losses.my_new_term) belongs to no manifest: list it under [components] "
+        "of its paper's paper.toml, or of papers/standard.toml if it is a standard algorithm"]
     assert check.file_problems([*check.source_files(), PACKAGE / "losses" / "my_new_term.py"]) == [
-        "losses/my_new_term.py belongs to no manifest: move it into its paper's folder, or add it to `files` of its paper's "
-        "paper.toml (or to `files` / `core` of papers/standard.toml)"]
+        "losses/my_new_term.py belongs to no manifest: move it into its paper's folder, or add it to `files` "
+        "of its paper's paper.toml (or to `files` / `core` of papers/standard.toml)"]
     sign, lpo = find(48), find(57)
-    twice = dataclasses.replace(lpo, components={**lpo.components, "advantage": ["sign"]}, uses={"objective": ["lpo"], "view": ["nope"]})
+    twice = dataclasses.replace(lpo, components={**lpo.components, "advantage": ["sign"]},
+                                uses={"objective": ["lpo"], "view": ["nope"]})
     monkeypatch.setattr(check, "manifests", lambda: [twice if m is lpo else m for m in (*papers(), standard())])
     problems = check.entry_problems(entries)
     assert f"{lpo.path}: [uses] view 'nope' is not registered" in problems
     assert f"{lpo.path}: objective 'lpo' is both owned and in [uses]; keep it under [components]" in problems
-    assert "advantage 'sign' is owned by 48_sign_advantage and 57_lpo: own it once, list it under [uses] elsewhere" in problems
+    assert "advantage 'sign' is owned by 48_sign_advantage and 57_lpo: own it once, list it under [uses] elsewhere" \
+        in problems
     assert sign.name == "48_sign_advantage" and len(problems) == 3
     assert check.file_problems([PACKAGE / "advantages" / "sign.py"]) == []  # files are the manifest's own, untouched
 
 
 def test_no_stage_or_core_module_imports_a_paper_folder():
     stage_file, paper_file = PACKAGE / "rollout" / "mine.py", PACKAGE / "papers" / "27_alphagrpo" / "mine.py"
-    bad = 'import importlib\nfrom groupwise.papers import find\nTASK = importlib.import_module("groupwise.papers.40_dgpo.fobar")\n'
+    bad = ('import importlib\nfrom groupwise.papers import find\n'
+           'TASK = importlib.import_module("groupwise.papers.40_dgpo.fobar")\n')
     assert check.import_problems([(stage_file, bad)]) == [
         "rollout/mine.py imports groupwise.papers.40_dgpo.fobar: a stage or core module never imports a paper folder; "
         "move the shared part out of the paper folder"]
@@ -75,7 +80,8 @@ def test_no_stage_or_core_module_imports_a_paper_folder():
         "papers/27_alphagrpo/mine.py imports groupwise.papers.40_dgpo.fobar: a paper folder imports no other paper's; "
         "move the shared part into its stage folder"]
     # its own folder, relatively or by name, and the papers package itself are fine
-    own = 'import importlib\nfrom . import yes_no\nfrom .yes_no import rows\nimportlib.import_module("groupwise.papers.27_alphagrpo.yes_no")\n'
+    own = ('import importlib\nfrom . import yes_no\nfrom .yes_no import rows\n'
+           'importlib.import_module("groupwise.papers.27_alphagrpo.yes_no")\n')
     assert check.import_problems([(paper_file, own)]) == []
 
 
@@ -89,8 +95,8 @@ def test_a_paper_folders_task_recipe_and_claim_are_found_by_their_old_names(monk
     assert resolve_recipe("demo") == PACKAGE / "recipes" / "demo.toml"
     assert load_config("alphagrpo_flow")[0].data.task == "flow_attrs"
     monkeypatch.chdir(ROOT)  # `groupwise claims` reads the repository's claims/ from where it runs
-    assert find_claims(["27-alphagrpo-flow", "17-bf16-demo"]) == [PAPERS / "27_alphagrpo" / "claims" / "27-alphagrpo-flow.toml",
-                                                                   Path("claims/17-bf16-demo.toml")]
+    assert find_claims(["27-alphagrpo-flow", "17-bf16-demo"]) == [
+        PAPERS / "27_alphagrpo" / "claims" / "27-alphagrpo-flow.toml", Path("claims/17-bf16-demo.toml")]
     assert find_claims(["48"]) == [PAPERS / "48_sign_advantage" / "claims" / "48-sign.toml"]
     assert load_claim(find_claims(["48-sign"])[0], check_configs=False).slug == "48-sign"
     with pytest.raises(ConfigError, match="several claim files named '17'"):  # 17-bf16-demo (issue 17) and 17-vspo
@@ -105,16 +111,19 @@ def test_a_name_defined_twice_is_an_error_naming_both_files(tmp_path, monkeypatc
         (tmp_path / folder / "recipes").mkdir(parents=True)
         (tmp_path / folder / "recipes" / "same.toml").write_text('name = "same"\n')
     monkeypatch.setattr(papers_module, "folders", lambda: [tmp_path / "01_a", tmp_path / "02_b"])
-    with pytest.raises(ConfigError, match=rf"recipe 'same' is defined twice: {tmp_path}/01_a/recipes/same.toml and {tmp_path}/02_b/"):
+    twice = rf"recipe 'same' is defined twice: {tmp_path}/01_a/recipes/same.toml and {tmp_path}/02_b/recipes/same.toml"
+    with pytest.raises(ConfigError, match=twice):
         shipped_recipes()
-    (tmp_path / "02_b" / "recipes" / "same.toml").rename(tmp_path / "02_b" / "recipes" / "demo.toml")  # a paper may not shadow recipes/
-    with pytest.raises(ConfigError, match=r"recipe 'demo' is defined twice: .*/recipes/demo.toml and .*02_b/recipes/demo.toml"):
+    recipes_b = tmp_path / "02_b" / "recipes"
+    (recipes_b / "same.toml").rename(recipes_b / "demo.toml")  # a paper may not shadow recipes/ either
+    with pytest.raises(ConfigError, match=r"recipe 'demo' is defined twice: .*/recipes/demo.toml and .*02_b/recipes/"):
         resolve_recipe("same")
 
 
 def test_old_recipe_and_claim_names_work_on_the_command_line(tmp_path, capsys, monkeypatch):
     assert cli.main(["cp", "alphagrpo_flow", str(tmp_path)]) == 0
-    assert (tmp_path / "alphagrpo_flow.toml").read_text() == (PAPERS / "27_alphagrpo" / "recipes" / "alphagrpo_flow.toml").read_text()
+    shipped = PAPERS / "27_alphagrpo" / "recipes" / "alphagrpo_flow.toml"
+    assert (tmp_path / "alphagrpo_flow.toml").read_text() == shipped.read_text()
     assert cli.main(["explain", "alphagrpo_flow"]) == 0
     assert capsys.readouterr().out.count("== recipe · alphagrpo_flow") == 1
     assert cli.main(["train", "--help"]) == 0 and "alphagrpo_flow" in capsys.readouterr().out
@@ -122,7 +131,8 @@ def test_old_recipe_and_claim_names_work_on_the_command_line(tmp_path, capsys, m
     docs = tmp_path / "claims.md"
     assert cli.main(["claims", "--docs-only", "--docs", str(docs)]) == 0
     text = docs.read_text()
-    assert "File `papers/27_alphagrpo/claims/27-alphagrpo-flow.toml`" in text and "File `claims/17-bf16-demo.toml`" in text
+    assert "File `papers/27_alphagrpo/claims/27-alphagrpo-flow.toml`" in text
+    assert "File `claims/17-bf16-demo.toml`" in text
 
 
 def test_paper_command_lists_every_file_component_recipe_claim_and_test(capsys):
@@ -144,8 +154,10 @@ def test_paper_command_lists_every_file_component_recipe_claim_and_test(capsys):
             assert f"{name}  [groupwise/papers/{m.name}/claims/{name}.toml]" in lines
     assert cli.main(["paper", "27"]) == 0
     out = capsys.readouterr().out
-    assert "arXiv      2605.12495 (https://arxiv.org/abs/2605.12495)" in out and "spec       specs/27-alphagrpo.md" in out
-    assert "  task · yes_no — yes/no questions about a number" in out and "[groupwise/papers/27_alphagrpo/yes_no.py]" in out
+    assert "arXiv      2605.12495 (https://arxiv.org/abs/2605.12495)" in out
+    assert "spec       specs/27-alphagrpo.md" in out
+    assert "  task · yes_no — yes/no questions about a number" in out
+    assert "[groupwise/papers/27_alphagrpo/yes_no.py]" in out
     assert "  reward · dv_reward — " in out and "[groupwise/rewards/dvreward.py]" in out
     assert cli.main(["explain", "27"]) == 0 and capsys.readouterr().out == out  # a bare number is the paper
     assert cli.main(["paper", "43"]) == 0 and capsys.readouterr().out.startswith("36/43 · FG-ExPO / EXPO")
@@ -159,11 +171,13 @@ def test_variants_page_is_generated_and_current():
     from groupwise.papers.index import index_markdown
 
     text = index_markdown()
-    assert (ROOT / "docs" / "variants.md").read_text() == text, "regenerate: python -m groupwise.papers.index > docs/variants.md"
+    regenerate = "regenerate: python -m groupwise.papers.index > docs/variants.md"
+    assert (ROOT / "docs" / "variants.md").read_text() == text, regenerate
     rows = [line for line in text.splitlines() if line.startswith("| ") and "](../src/groupwise/papers/" in line]
     assert len(rows) == 45
-    assert ("| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO](../src/groupwise/papers/48_sign_advantage/"
-            "README.md) | advantage | advantage `sign` | `sign` | `48-sign` |") in rows
+    assert ("| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
+            "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | `sign` | "
+            "`48-sign` |") in rows
     assert rows[[r.startswith("| 36/43 ") for r in rows].index(True)].endswith("| `fg_expo` | `36-fg-expo` |")
 
 

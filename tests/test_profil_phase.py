@@ -20,8 +20,8 @@ from groupwise.types import Need
 from helpers import paper_module, rollout_from
 
 _theater = paper_module("34_profil", "theater")
-FinalAnswer, TheaterSteps, faithful_trace, rows, theater_trace = (_theater.FinalAnswer, _theater.TheaterSteps, _theater.faithful_trace, _theater.rows,
-                                                                _theater.theater_trace)
+FinalAnswer, TheaterSteps, rows = _theater.FinalAnswer, _theater.TheaterSteps, _theater.rows
+faithful_trace, theater_trace = _theater.faithful_trace, _theater.theater_trace
 
 FAITHFUL, THEATER = "3+4=7;7+5=12;#12", "3+4+5=12;3+4=7;7+5=12;#12"
 

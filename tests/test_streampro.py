@@ -13,7 +13,8 @@ from groupwise.registry import ConfigError, build
 from helpers import paper_module, train_recorded
 
 _clue = paper_module("42_streampro", "clue_stream")
-ClueStream, RewardConfig, decision_rows, episode_reward = _clue.ClueStream, _clue.RewardConfig, _clue.decision_rows, _clue.episode_reward
+ClueStream, RewardConfig, decision_rows = _clue.ClueStream, _clue.RewardConfig, _clue.decision_rows
+episode_reward = _clue.episode_reward
 parse_action, rows, streampro_reward = _clue.parse_action, _clue.rows, _clue.streampro_reward
 
 

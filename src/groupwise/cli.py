@@ -118,7 +118,8 @@ def cmd_explain(args: list[str]) -> int:
     from groupwise.registry import entries
 
     if not args:
-        print("usage: groupwise explain NAME  (a component, a shipped recipe, or a paper's spec number)", file=sys.stderr)
+        print("usage: groupwise explain NAME  (a component, a shipped recipe, or a paper's spec number)",
+              file=sys.stderr)
         return 2
     if args[0].isdigit():
         return cmd_paper(args)
@@ -281,15 +282,19 @@ def cmd_cp(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"config": cmd_config, "cp": cmd_cp, "train": cmd_train, "list": cmd_list, "explain": cmd_explain, "paper": cmd_paper, "eval": cmd_eval,
-            "warmstart": cmd_warmstart, "compare": cmd_compare, "claims": cmd_claims}
+COMMANDS = {"config": cmd_config, "cp": cmd_cp, "train": cmd_train, "list": cmd_list, "explain": cmd_explain,
+            "paper": cmd_paper, "eval": cmd_eval, "warmstart": cmd_warmstart, "compare": cmd_compare,
+            "claims": cmd_claims}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] | explain NAME (component, recipe or spec number) | paper NN | eval [MODEL] [key=value ...] | warmstart [...] | "
-                        "compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]")
+    parser.add_argument("command", choices=sorted(COMMANDS), help=(
+        "train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] | "
+        "explain NAME (component, recipe or spec number) | paper NN (a paper's files, components, recipes, claims, "
+        "tests) | eval [MODEL] [key=value ...] | warmstart [...] | compare RECIPE|LABEL=RECIPE ... [--seeds N] "
+        "[--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]"))
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

@@ -19,7 +19,7 @@ from typing import Any
 
 from groupwise.registry import ConfigError
 
-RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard recipes; a paper's are in papers/NN_slug/recipes/ (shipped_recipes)
+RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a paper's: papers/NN_slug/recipes/
 
 
 @dataclass

@@ -155,7 +155,7 @@ def claim_files(folder: Path | None = None) -> list[Path]:
         return sorted(Path(folder).glob("*.toml"))
     from groupwise.papers import named_files
 
-    return sorted(named_files(Path("claims"), "claims").values(), key=lambda p: p.name)  # by file name, as in one folder
+    return sorted(named_files(Path("claims"), "claims").values(), key=lambda p: p.name)  # file-name order
 
 
 def shown_path(path: Path) -> str:
@@ -185,6 +185,7 @@ def find_claims(names: list[str], folder: Path | None = None) -> list[Path]:
         matches = [p for p in available if p.stem == name] or [p for p in available if p.stem.startswith(f"{name}-")]
         if len(matches) != 1:
             what = "no claim file" if not matches else "several claim files"
-            raise ClaimError(f"claims: {what} named {name!r} in {where}; available: {', '.join(p.stem for p in available) or '(none)'}")
+            names = ", ".join(p.stem for p in available) or "(none)"
+            raise ClaimError(f"claims: {what} named {name!r} in {where}; available: {names}")
         found.append(matches[0])
     return found

@@ -37,11 +37,13 @@ def cmd_claims(args: list[str]) -> int:
     from groupwise.claims.report import regenerate, run_claim, save_record
 
     parser = argparse.ArgumentParser(prog="groupwise claims", usage=CLAIMS_USAGE,
-                                     description="Run claim files (all of papers/*/claims/ and claims/, or the named ones) and rewrite docs/claims.md.")
+                                     description="Run claim files (all of papers/*/claims/ and claims/, or the named "
+                                                 "ones) and rewrite docs/claims.md.")
     parser.add_argument("words", nargs="*", help="claim names (48-sign, 48, or a path); key=value overrides added to every run")
     parser.add_argument("--seeds", type=int, default=None, help="override every claim's seeds")
     parser.add_argument("--out", default="runs/claims", help="run folders go to OUT/<slug>/ (default runs/claims)")
-    parser.add_argument("--claims-dir", default=None, help="folder of claim files (default: papers/*/claims/ and claims/)")
+    parser.add_argument("--claims-dir", default=None,
+                        help="folder of claim files (default: papers/*/claims/ and claims/)")
     parser.add_argument("--docs", default="docs/claims.md", help="page to regenerate (default docs/claims.md)")
     parser.add_argument("--docs-only", action="store_true", help="only regenerate the page from the saved results")
     ns = parser.parse_intermixed_args(args)

@@ -158,7 +158,8 @@ def render(claims: list[Claim | tuple[str, str]], records: dict[str, dict], kept
 
 def _section(claim: Claim, record: dict | None) -> list[str]:
     out = [f'<a id="{claim.slug}"></a>', f"## {claim.slug}", "", f"**{claim.paper}**: {claim.claim}", "",
-           f"File `{shown_path(claim.path)}`; metric `{claim.metric}`" + (f", target {claim.target}" if claim.target is not None else "")
+           f"File `{shown_path(claim.path)}`; metric `{claim.metric}`"
+           + (f", target {claim.target}" if claim.target is not None else "")
            + f", claimed direction `{claim.direction}`" + (f" within a non-inferiority margin of {claim.margin:g}" if claim.margin else "") + f" against `{'`, `'.join(claim.baselines)}`; common overrides `{' '.join(claim.common) or '(none)'}`.", "",
            "| config | recipe + overrides |", "|---|---|"]
     out += [f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | `{_cell(' '.join([c.recipe, *c.overrides]))}` |" for c in claim.configs]

@@ -32,8 +32,11 @@ PACKAGE = PAPERS.parent  # manifest paths are relative to src/groupwise
 STANDARD = PAPERS / "standard.toml"
 FOLDER_RE = re.compile(r"^(?P<spec>\d\d)_[a-z0-9_]+$")
 COMPONENT_KEYS = (*STAGES, "task")  # tasks are registered by name too (groupwise.tasks.register_task)
-PAPER_KEYS = ("spec", "also", "title", "arxiv", "spec_file", "stage", "files", "data", "recipes", "claims", "tests", "components", "uses")
-STANDARD_KEYS = ("title", "files", "core", "data", "recipes", "claims", "tests", "components", "algorithms", "infrastructure")
+PAPER_KEYS = ("spec", "also", "title", "arxiv", "spec_file", "stage", "files", "data", "recipes", "claims", "tests",
+              "components", "uses")
+STANDARD_KEYS = ("title", "files", "core", "data", "recipes", "claims", "tests", "components", "algorithms",
+                 "infrastructure")
+LIST_KEYS = ("files", "core", "data", "recipes", "claims", "tests", "arxiv")
 
 
 @dataclass
@@ -100,7 +103,7 @@ def load_manifest(path: Path) -> Manifest:
             raise ConfigError(f"{where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
     if not isinstance(data.get("title"), str) or not data["title"]:
         raise ConfigError(f"{where}: 'title' must be a non-empty string")
-    lists = {k: _strings(where, k, data.get(k, [])) for k in ("files", "core", "data", "recipes", "claims", "tests", "arxiv") if k in valid}
+    lists = {k: _strings(where, k, data.get(k, [])) for k in LIST_KEYS if k in valid}
     manifest = Manifest("standard" if standard else path.parent.name, path, data["title"],
                         components=_by_stage(where, "components", data.get("components", {})),
                         uses=_by_stage(where, "uses", data.get("uses", {})), **lists)
@@ -110,7 +113,8 @@ def load_manifest(path: Path) -> Manifest:
         return manifest
     match = FOLDER_RE.match(path.parent.name)
     if match is None or data.get("spec") != int(match["spec"]):
-        raise ConfigError(f"{where}: 'spec' must be the folder's number ({path.parent.name[:2]}), got {data.get('spec')!r}")
+        raise ConfigError(f"{where}: 'spec' must be the folder's number ({path.parent.name[:2]}), "
+                          f"got {data.get('spec')!r}")
     manifest.spec = data["spec"]
     manifest.also = [int(n) for n in data.get("also", [])]
     for key in ("spec_file", "stage"):
@@ -153,7 +157,8 @@ def module_names() -> list[str]:
     out = []
     for folder in folders():
         if (folder / "__init__.py").exists():
-            out += [f"groupwise.papers.{folder.name}.{p.stem}" for p in sorted(folder.glob("*.py")) if not p.name.startswith("_")]
+            modules = [p.stem for p in sorted(folder.glob("*.py")) if not p.name.startswith("_")]
+            out += [f"groupwise.papers.{folder.name}.{module}" for module in modules]
     return out
 
 
@@ -161,10 +166,12 @@ def named_files(first: Path | None, sub: str) -> dict[str, Path]:
     """``{stem: path}`` of the ``*.toml`` files in ``first`` and in every ``papers/*/<sub>/``; a name
     found twice is an error naming both files."""
     found: dict[str, Path] = {}
-    dirs = ([first] if first is not None and first.is_dir() else []) + [f / sub for f in folders() if (f / sub).is_dir()]
+    dirs = [first] if first is not None and first.is_dir() else []
+    dirs += [f / sub for f in folders() if (f / sub).is_dir()]
     for folder in dirs:
         for path in sorted(folder.glob("*.toml")):
             if path.stem in found:
-                raise ConfigError(f"{sub[:-1]} {path.stem!r} is defined twice: {found[path.stem]} and {path}; rename one")
+                raise ConfigError(f"{sub[:-1]} {path.stem!r} is defined twice: {found[path.stem]} and {path}; "
+                                  "rename one")
             found[path.stem] = path
     return dict(sorted(found.items()))

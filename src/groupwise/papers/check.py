@@ -47,23 +47,32 @@ def entry_problems(entries: Iterable[tuple[str, str, str]] | None = None) -> lis
         for key in m.owned():
             owners.setdefault(key, []).append(m.name)
             if key not in known:
-                problems.append(f"{m.path}: [components] {key[0]} {key[1]!r} is not registered; remove it or register it")
+                problems.append(f"{m.path}: [components] {key[0]} {key[1]!r} is not registered; "
+                                "remove it or register it")
         for stage, names in m.uses.items():
             for name in names:
                 if (stage, name) not in known:
                     problems.append(f"{m.path}: [uses] {stage} {name!r} is not registered")
                 elif (stage, name) in m.owned():
-                    problems.append(f"{m.path}: {stage} {name!r} is both owned and in [uses]; keep it under [components]")
+                    problems.append(f"{m.path}: {stage} {name!r} is both owned and in [uses]; "
+                                    "keep it under [components]")
     for stage, name, module in entries:
         if not module.startswith("groupwise."):
             continue
         who = owners.get((stage, name), [])
         if not who:
-            problems.append(f"{stage} {name!r} ({module}) belongs to no manifest: list it under [components] of its paper's "
-                            f"paper.toml, or of papers/standard.toml if it is a standard algorithm")
+            problems.append(f"{stage} {name!r} ({module}) belongs to no manifest: list it under [components] "
+                            "of its paper's paper.toml, or of papers/standard.toml if it is a standard algorithm")
         elif len(who) > 1:
-            problems.append(f"{stage} {name!r} is owned by {' and '.join(who)}: own it once, list it under [uses] elsewhere")
+            problems.append(f"{stage} {name!r} is owned by {' and '.join(who)}: "
+                            "own it once, list it under [uses] elsewhere")
     return problems
+
+
+def _paper_folder(rel: Path) -> str | None:
+    """The paper folder a package-relative path lies in (``papers/27_alphagrpo/yes_no.py``), or None."""
+    parts = rel.parts
+    return parts[1] if len(parts) > 2 and parts[0] == "papers" and FOLDER_RE.match(parts[1]) else None
 
 
 def _matches(pattern: str) -> list[Path]:
@@ -94,13 +103,14 @@ def file_problems(files: Iterable[Path] | None = None) -> list[str]:
                 problems.append(f"{m.path}: data {path!r} does not exist under {PACKAGE}")
     for path in files:
         rel = path.relative_to(PACKAGE)
-        folder = rel.parts[1] if len(rel.parts) > 2 and rel.parts[0] == "papers" and FOLDER_RE.match(rel.parts[1]) else None
+        folder = _paper_folder(rel)
         who = owners.get(path, [])
         if folder and who:
-            problems.append(f"{rel} is in paper folder {folder} and also named by {', '.join(who)}: remove it from those files lists")
+            problems.append(f"{rel} is in paper folder {folder} and also named by {', '.join(who)}: "
+                            "remove it from those files lists")
         elif not folder and not who:
-            problems.append(f"{rel} belongs to no manifest: move it into its paper's folder, or add it to `files` of its paper's "
-                            f"paper.toml (or to `files` / `core` of papers/standard.toml)")
+            problems.append(f"{rel} belongs to no manifest: move it into its paper's folder, or add it to `files` "
+                            "of its paper's paper.toml (or to `files` / `core` of papers/standard.toml)")
         elif len(who) > 1:
             problems.append(f"{rel} is named by {' and '.join(who)}: one manifest owns a file")
     return problems
@@ -151,13 +161,15 @@ def import_problems(sources: Iterable[tuple[Path, str]] | None = None) -> list[s
     problems = []
     for path, text in ((p, p.read_text()) for p in source_files()) if sources is None else sources:
         rel = path.relative_to(PACKAGE)
-        own = rel.parts[1] if len(rel.parts) > 2 and rel.parts[0] == "papers" and FOLDER_RE.match(rel.parts[1]) else None
+        own = _paper_folder(rel)
         for module in _imported(path, text):
-            parts = module.split(".")
-            if parts[:2] == ["groupwise", "papers"] and len(parts) > 2 and FOLDER_RE.match(parts[2]) and parts[2] != own:
-                problems.append(f"{rel} imports {module}: " + ("a paper folder imports no other paper's; move the shared part into its stage folder"
-                                                                if own else "a stage or core module never imports a paper folder; "
-                                                                "move the shared part out of the paper folder"))
+            parts = module.split(".")  # groupwise.papers.NN_slug[.module] -> NN_slug
+            target = _paper_folder(Path(*parts[1:], "x")) if parts[0] == "groupwise" else None
+            if target is None or target == own:
+                continue
+            why = ("a paper folder imports no other paper's; move the shared part into its stage folder" if own else
+                   "a stage or core module never imports a paper folder; move the shared part out of the paper folder")
+            problems.append(f"{rel} imports {module}: {why}")
     return problems
 
 
@@ -172,7 +184,7 @@ def folder_problems() -> list[str]:
         if not (m.path.parent / "README.md").is_file():
             problems.append(f"{m.path.parent} has no README.md (the paper page)")
     stray = [p.name for p in PAPERS.iterdir() if p.is_dir() and p.name != "__pycache__" and not FOLDER_RE.match(p.name)]
-    problems += [f"papers/{name} is not named NN_slug (two-digit spec number, then a lower-case slug)" for name in stray]
+    problems += [f"papers/{name} is not named NN_slug (two-digit spec number, a lower-case slug)" for name in stray]
     problems += [f"{f} has no paper.toml" for f in folders() if not (f / "paper.toml").is_file()]
     return problems
 
