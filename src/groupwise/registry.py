@@ -64,7 +64,8 @@ def register(stage: str, name: str) -> Callable[[type], type]:
 
 
 def load_all() -> None:
-    """Import every component module so that its ``@register`` runs."""
+    """Import every component module so that its ``@register`` runs: the stage folders, then every
+    module of every paper folder (``groupwise.papers.module_names``)."""
     global _LOADED
     if _LOADED:
         return
@@ -77,6 +78,10 @@ def load_all() -> None:
         for info in pkgutil.iter_modules(pkg.__path__):
             if not info.name.startswith("_"):
                 importlib.import_module(f"groupwise.{sub}.{info.name}")
+    from groupwise.papers import module_names  # the paper folders' own modules (toy tasks, their rewards and envs)
+
+    for name in module_names():
+        importlib.import_module(name)
     del groupwise
 
 
