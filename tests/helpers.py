@@ -9,6 +9,7 @@ a component that reads padding shows it in its outputs or gradients.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import torch
 from torch import Tensor
@@ -16,6 +17,12 @@ from torch import Tensor
 from groupwise.objective import Objective
 from groupwise.registry import build
 from groupwise.types import Need, Rollout, StepInfo
+
+def paper_module(folder: str, module: str):
+    """A module of a paper folder (``paper_module("27_alphagrpo", "number_attrs")``): a folder name
+    starts with its spec number, so it is imported by name, not by an ``import`` statement."""
+    return importlib.import_module(f"groupwise.papers.{folder}.{module}")
+
 
 GROUP_FIELDS = {"prompt_ids", "prompt_index", "meta"}  # per-group fields; every other field is per row
 

@@ -13,8 +13,10 @@ from groupwise.advantages.alphagrpo import fpr_rewards, per_prompt_advantages
 from groupwise.registry import ConfigError, build
 from groupwise.rewards._common import RewardError
 from groupwise.rewards.dvreward import ATTRIBUTES, decompose, dv_reward, sc_pq, verdict_word, yes_no_confidence
-from groupwise.tasks.number_attrs import problems, rows, satisfies
-from helpers import info_for, rollout_from, train_recorded
+from helpers import info_for, paper_module, rollout_from, train_recorded
+
+_number_attrs = paper_module("27_alphagrpo", "number_attrs")
+problems, rows, satisfies = _number_attrs.problems, _number_attrs.rows, _number_attrs.satisfies
 
 
 def sig(x: float) -> float:
@@ -184,7 +186,7 @@ def first_token_confidence(tokenizer, model, question: str, k: int = 5) -> float
 
 
 def test_shipped_judge_answers_the_held_out_questions(judge_lm):
-    from groupwise.tasks.yes_no import rows as yes_no_rows
+    yes_no_rows = paper_module("27_alphagrpo", "yes_no").rows
 
     tokenizer, model = judge_lm
     test = yes_no_rows("test", 0)
@@ -239,7 +241,7 @@ def test_number_attrs_task():
 
 
 def test_yes_no_task_labels():
-    from groupwise.tasks.yes_no import rows as yes_no_rows
+    yes_no_rows = paper_module("27_alphagrpo", "yes_no").rows
 
     train, test = yes_no_rows("train", 0), yes_no_rows("test", 0)
     assert len(train) == 1280 and len(test) == 320 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}

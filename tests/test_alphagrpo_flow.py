@@ -16,8 +16,11 @@ from groupwise.rewards._common import RewardError
 from groupwise.rewards.dv_questions import DOMAINS, as_point
 from groupwise.rewards.dvreward import decompose, dv_reward
 from groupwise.tasks import get_task
-from groupwise.tasks.flow_attrs import N_LABELS, label_attrs
 from groupwise.trainer import Trainer
+from helpers import paper_module
+
+_flow_attrs = paper_module("27_alphagrpo", "flow_attrs")
+N_LABELS, label_attrs = _flow_attrs.N_LABELS, _flow_attrs.label_attrs
 
 
 def sig(x: float) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from groupwise import cli
-from groupwise.config import RECIPES, load_config
+from groupwise.config import RECIPES, load_config, shipped_recipes
 
 
 def test_train_and_eval_help(capsys):
@@ -94,7 +94,7 @@ def test_every_shipped_recipe_explains():
     from groupwise.config import component_entries
     from groupwise.registry import lookup
 
-    for path in sorted(RECIPES.glob("*.toml")):
+    for path in shipped_recipes().values():  # recipes/ and every papers/NN_slug/recipes/
         entries = component_entries(load_config(path.stem)[0])
         assert {stage for stage, _, _ in entries} >= {"sampling", "rollout", "advantage", "objective", "aggregation", "update"}, path.stem
         for stage, spec, where in entries:

@@ -119,6 +119,31 @@ def test_docstrings_and_dataclass_fields():
     assert not failures, "module docstrings off the DESIGN §4 template:\n" + "\n".join(failures)
 
 
+SUMMARY_SOURCE = re.compile(r"summary|project page|arxivlens", re.I)
+
+
+def _paper_tags_on_summaries(text: str, by_line: bool = False) -> list[str]:
+    """The items of ``text`` (``- `` bullets and numbered notes of a docstring, or lines of a recipe) that
+    tag ``[PAPER]`` a value they say comes from a summary or a project page: specs/README's
+    ``[PAPER-SUMMARY]``, not the paper."""
+    items = text.splitlines() if by_line else re.split(r"\n(?=\s*- |\s*\d+\. )", text)
+    return [item.strip()[:100] for item in items if "[PAPER]" in item and SUMMARY_SOURCE.search(item)]
+
+
+def test_paper_tag_is_not_given_to_a_summary_source():
+    from pathlib import Path
+
+    import groupwise
+
+    check = _paper_tags_on_summaries("- a = 1 [PAPER] (arxivlens summary)\n- b = 2 [PAPER-SUMMARY] summary")
+    assert check == ["- a = 1 [PAPER] (arxivlens summary)"]  # the check itself can fail
+    found = [f"{m}: {item}" for m in sorted({c.__module__ for _, _, c in entries()})
+             for item in _paper_tags_on_summaries(__import__(m, fromlist=["_"]).__doc__ or "")]
+    recipes = sorted((Path(groupwise.__file__).parent / "recipes").glob("*.toml"))
+    found += [f"{p.name}: {item}" for p in recipes for item in _paper_tags_on_summaries(p.read_text(), by_line=True)]
+    assert not found, "[PAPER] on a value read in a summary or project page (tag [PAPER-SUMMARY]):\n" + "\n".join(found)
+
+
 # ---------------------------------------------------------------------------------------------- advantage
 @pytest.mark.parametrize("name", ADV)
 def test_advantage_shape_finite_and_invalid_rows_zero(name):
@@ -331,3 +356,100 @@ def test_kl_estimator_elementwise_zero_at_equal_and_masked_grad(name):
     loss, grad, mask = _grad_through_objective([term], ro, {"logp": logp}, logp, "token_mean")
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert (grad[~mask] == 0).all() and (grad[mask] != 0).any()
+
+
+# ---------------------------------------------------------------------------------------------- term × token weight
+# Every objective term declares how token weights reach it (``token_weights``, objective.py): "token" (the
+# default: each per-token value is multiplied), "row:geo_mean" (a row value times exp(mean_t log w) over the
+# row's loss tokens), "exempt" (never scaled) or "none" (a configuration with any token weight is refused).
+# The sweep runs every registered weight (defaults; flow weights on synthetic flow extras) into every term
+# and checks, with the expected loss recomputed here from the term's own unweighted values, that the
+# combination changes the loss exactly as declared, or that building it is a ConfigError.
+ALL_WEIGHTS = [n for s, n, c in entries() if s == "weight"]  # flow-only ones too (building needs no flow policy)
+
+
+def _mode(term) -> str:
+    return getattr(term, "token_weights", "token")
+
+
+def _weigh_batch(name: str, ro, seed: int = 0):
+    """Run the weight ``name`` on ``ro`` as the trainer does (whole batch, before the loss): IS ratios away
+    from 1 (sampler log-probs ≠ logp_old) and flow extras, so each weight has something to act on."""
+    from groupwise.objective import token_weights
+
+    B_, G_, T_ = ro.shape
+    g = torch.Generator().manual_seed(seed)
+    ro.logp_sampler = ro.logp_old - 0.4 * torch.randn(B_, G_, T_, generator=g)  # [B,G,T]
+    sigma = 0.4 + 0.5 * torch.rand(B_, G_, T_, generator=g)  # [B,G,T] a flow policy's SDE-step extras
+    std = 0.1 + torch.rand(B_, G_, T_, generator=g)  # [B,G,T]
+    for key, value in (("flow_sigma", sigma), ("flow_sigma_next", sigma - 0.2), ("flow_std", std)):
+        ro.set_extra(key, value, "token")
+    w = build("weight", name)
+    fill_inputs(ro, w, seed=seed + 3)
+    ro.weight, counted = token_weights([w], ro, info_for(T_))  # [B,G,T] x2
+    ro.set_extra("counted", counted, "token")
+    return w
+
+
+def _geo_mean(weight, mask):
+    """[B,G] Π_t w_t^(1/n) over the row's mask (n its tokens; 1 for a row without), written as a product."""
+    n = mask.sum(-1, keepdim=True).clamp(min=1).double()  # [B,G,1]
+    one = torch.ones((), dtype=torch.float64)
+    return torch.where(mask, weight.double() ** (1.0 / n), one).prod(-1).float()  # [B,G]
+
+
+@pytest.mark.parametrize("weight_name", ALL_WEIGHTS)
+@pytest.mark.parametrize("name", TERMS)
+def test_term_takes_token_weights_as_declared_or_refuses(name, weight_name):
+    from groupwise.objective import Objective
+    from groupwise.registry import ConfigError
+
+    term, ro, out, logp = _term_setup(name, seed=21)
+    mode = _mode(term)
+    w = _weigh_batch(weight_name, ro, seed=22)
+    if mode == "none":  # refused where the objective is built, naming the term, the weight and why
+        with pytest.raises(ConfigError) as err:
+            Objective.from_config([name], "seq_mean_token_mean", [w])
+        assert name in str(err.value) and weight_name in str(err.value) and term.token_weights_reason in str(err.value)
+        obj = objective_for([term], "seq_mean_token_mean")
+        with pytest.raises(ValueError, match=name):  # and a batch that carries weights anyway is an error, not ignored
+            obj.loss(ro, out, obj.normalizers(ro, info_for(T)), info_for(T))
+        return
+    obj = objective_for([term], "seq_mean_token_mean")
+    info = info_for(T)
+    norms = obj.normalizers(ro, info)
+    loss = obj.loss(ro, out, norms, info)
+    values = term(ro, out, info)  # the term's own values on the same batch (tokens a weight removed already out)
+    mask = obj.loss_mask(ro)  # [B,G,T] (no term here has a token_subset with a weight-dependent normaliser)
+    if hasattr(term, "token_subset"):
+        mask = mask & term.token_subset(ro).bool()
+    agg_name = term.agg or "seq_mean_token_mean"
+    key = f"{agg_name}@term0" if hasattr(term, "token_subset") else agg_name
+    agg = obj.aggregations[agg_name]
+    if mode == "token":
+        assert values.dim() == 3, f"{name} takes token weights per token but returns row values: declare their way"
+        factor = ro.weight  # [B,G,T]
+    elif mode == "row:geo_mean":
+        assert values.dim() == 2
+        factor = _geo_mean(ro.weight, mask)  # [B,G]
+    else:
+        assert mode == "exempt", f"{name}: unknown declaration {mode!r}"
+        factor = torch.ones(())
+    expected = term.coef * agg.reduce(values * factor, mask, norms[key])
+    unweighted = term.coef * agg.reduce(values, mask, norms[key])
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+    (grad,) = torch.autograd.grad(loss, logp, retain_graph=True, allow_unused=True)
+    (grad_expected,) = torch.autograd.grad(expected, logp, allow_unused=True)
+    if grad is not None or grad_expected is not None:
+        torch.testing.assert_close(grad, grad_expected, atol=1e-6, rtol=1e-5)
+    where = mask if values.dim() == 3 else mask.any(-1)  # [B,G,T] or [B,G] the values the aggregation reads
+    change = (factor.expand(values.shape) - 1).abs() * values.detach().abs()  # where a weight ≠ 1 meets a value ≠ 0
+    moved = mode != "exempt" and float(change[where].sum()) > 1e-4
+    if moved:  # the weight is not silently dropped: the loss differs from the unweighted one
+        assert abs(float((loss - unweighted).detach())) > 1e-7, f"{name} × {weight_name}: weight did not reach the loss"
+    if mode == "exempt":  # a weight that reaches no term is refused; beside a policy term it builds
+        with pytest.raises(ConfigError, match="reach no objective term"):
+            Objective.from_config([name], "seq_mean_token_mean", [w])
+        Objective.from_config([name, "ppo_clip"], "seq_mean_token_mean", [w])
+    else:
+        Objective.from_config([name], "seq_mean_token_mean", [w])

@@ -1,5 +1,5 @@
 """DGPO (specs/40): margin loss of coherent over inconsistent rows + variance regulariser, by hand;
-the FOBAR-style reverse data (tasks/fobar.py), rollout ``directions`` and ``eval.by``.
+the FOBAR-style reverse data (papers/40_dgpo/fobar.py), rollout ``directions`` and ``eval.by``.
 
 Spec unit test (scores given directly, beta = 1, gamma = 0.2): s_P = [−0.5, −0.7], s_N = [−0.6, −1.5]::
 
@@ -22,9 +22,12 @@ import torch
 from groupwise.losses.dgpo import dgpo_loss
 from groupwise.registry import ConfigError, build
 from groupwise.tasks import get_task
-from groupwise.tasks.fobar import COMPACT_TEMPLATE, make_reverse_question, rows as fobar_rows, solve
 from groupwise.types import Need
-from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, rollout_from
+from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, paper_module, rollout_from
+
+_fobar = paper_module("40_dgpo", "fobar")
+COMPACT_TEMPLATE, make_reverse_question, solve = _fobar.COMPACT_TEMPLATE, _fobar.make_reverse_question, _fobar.solve
+fobar_rows = _fobar.rows
 
 S_SPEC = [-0.5, -0.7, -0.6, -1.5]  # two coherent, two inconsistent
 R_SPEC = [1.0, 1.0, 0.0, 0.0]

@@ -49,6 +49,7 @@ class _RowTerm:
     coef: float = 0.5
     agg: str | None = None
     needs = ()
+    token_weights = "row:geo_mean"  # token weights reach it as a per-row factor (objective.py), one row at a time
 
     def __call__(self, mb: Rollout, out: dict, info: StepInfo) -> torch.Tensor:
         m = mb.row_mask  # [b,G,T]

@@ -90,9 +90,9 @@ def test_efficiency_on_random_inputs(seed):
 
 def test_auto_is_exact_over_non_null_players_only():
     g = torch.Generator().manual_seed(3)
-    phi = torch.cat([torch.randn(4, 3, generator=g), torch.zeros(12, 3)])  # [16,d] 4 correct of 16
+    phi = torch.cat([torch.randn(4, 3, generator=g), torch.zeros(16, 3)])  # [20,d] 4 correct of 20
     torch.testing.assert_close(shapley_values(phi), shapley_values(phi, exact=True))
-    full = torch.randn(12, 3, generator=g)  # 12 non-null > exact_max = 10: Monte-Carlo
+    full = torch.randn(17, 3, generator=g)  # 17 non-null > exact_max = 16: Monte-Carlo
     torch.testing.assert_close(shapley_values(full, seed=4), shapley_values(full, exact=False, seed=4))
 
 
@@ -145,9 +145,9 @@ def test_hidden_embedding_mean_over_completion_tokens():
 
 
 def test_seeded_by_run_step_and_prompt():
-    texts = [[f"{a}+{12 - a}" for a in range(12)]]  # 12 distinct correct: Monte-Carlo
+    texts = [[f"{a}+{12 - a}" for a in range(12)]]  # 12 distinct correct, Monte-Carlo forced
     ro = _ro(texts, [[1.0] * 12])
-    est = build("advantage", "gcpo", n_perm=8)
+    est = build("advantage", "gcpo", n_perm=8, shapley="mc")
     a = est(ro, StepInfo(step=3, seed=1, max_new_tokens=2))
     assert torch.equal(a, est(ro, StepInfo(step=3, seed=1, max_new_tokens=2)))
     assert not torch.equal(a, est(ro, StepInfo(step=4, seed=1, max_new_tokens=2)))
@@ -197,3 +197,92 @@ def test_huge_rewards_keep_the_log_volume_finite_and_exact():
     for exact in (True, False):
         psi = shapley_values(phi, exact=exact, n_perm=8)
         torch.testing.assert_close(psi, torch.full((2,), want / 2, dtype=torch.float64), rtol=1e-12, atol=0.0)
+
+
+# ------------------------------------------------------------------------------------------ exact shares up to G = 16
+def _brute_force_shapley(phi):
+    """ψ from the definition: v(S) = log det(I + Φ_S Φ_Sᵀ) by slogdet (LU) for every subset, then
+    ψ_i = Σ_{S ∌ i} |S|!(n − |S| − 1)!/n! · (v(S ∪ i) − v(S)). No Cholesky, no growing, no batching."""
+    import itertools
+
+    n = phi.shape[0]
+    K = phi.double() @ phi.double().T  # [n,n]
+    v = {}
+    for size in range(n + 1):
+        for S in itertools.combinations(range(n), size):
+            idx = list(S)
+            v[S] = float(torch.linalg.slogdet(torch.eye(size, dtype=torch.float64) + K[idx][:, idx])[1]) if S else 0.0
+    psi = [0.0] * n
+    for S, value in v.items():
+        w = math.factorial(len(S)) * math.factorial(n - len(S) - 1) / math.factorial(n) if len(S) < n else 0.0
+        for i in set(range(n)) - set(S):
+            psi[i] += w * (v[tuple(sorted(S + (i,)))] - value)
+    return torch.tensor(psi, dtype=torch.float64)
+
+
+def _graded_players(n, seed):
+    """[n,3] unit directions in 3-d scaled by q in (0, 3): a game where 256 orders err by ~0.1."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(n, 3, generator=g, dtype=torch.float64)  # [n,3]
+    return e / e.norm(dim=1, keepdim=True) * 3 * torch.rand(n, 1, generator=g, dtype=torch.float64)  # [n,3]
+
+
+@pytest.mark.parametrize("n", [11, 12])
+def test_auto_share_is_exact_against_brute_force(n):
+    # Before: more than exact_max = 10 correct rows took 256 Monte-Carlo orders (here off by > 0.01).
+    phi = _graded_players(n, seed=n)
+    want = _brute_force_shapley(phi)
+    got = shapley_values(phi)  # the component's default: auto, exact_max = 16
+    mc = shapley_values(phi, exact=False, n_perm=256, seed=0)
+    print(f"GCPO Shapley G={n}: max |auto − brute force| {(got - want).abs().max():.2e}, "
+          f"256-order Monte-Carlo {(mc - want).abs().max():.3f}")
+    assert (got - want).abs().max() < 1e-9
+    assert (mc - want).abs().max() > 0.01  # what the limit of 10 left to chance
+
+
+def test_sixteen_players_exact_against_the_batched_factorisation():
+    # At G = 16 the grown subsets (Schur-complement pivots) against all 2^16 subsets factorised at once
+    # (the other algorithm of dpp_shapley, by Cholesky), plus the axioms: efficiency, symmetry, null player.
+    from groupwise.advantages.dpp_shapley import _subset_values_batched, _subset_values_grown, _subsets
+
+    phi = _graded_players(16, seed=16)
+    phi[5] = phi[2]  # two identical players
+    K = phi @ phi.T  # [16,16]
+    grown, batched = _subset_values_grown(K), _subset_values_batched(K)  # [2^16] each
+    assert grown is not None and (grown - batched).abs().max() < 1e-10
+    _, with_i, weight = _subsets(16)
+    want = (weight * (batched[with_i] - batched[:, None])).sum(0)  # [16]
+    got = shapley_values(phi)  # auto at 16: exact
+    print(f"GCPO Shapley G=16: max |auto − batched Cholesky| {(got - want).abs().max():.2e}")
+    assert (got - want).abs().max() < 1e-9
+    assert float(got.sum()) == pytest.approx(float(dpp_logvol(phi)), abs=1e-9) and got[2] == got[5]
+    with_null = shapley_values(torch.cat([phi[:15], torch.zeros(1, 3, dtype=torch.float64)]))  # 15 players + a null one
+    assert with_null[15] == 0.0
+
+
+def test_grown_subsets_fall_back_on_rounded_pivots():
+    # 11 equal players with rewards 1e38: 1 + a² rounds to a², so the second pivot is 0 or rounding noise;
+    # the grown path gives up and the game goes to the batched factorisation (finite, efficient, tied).
+    from groupwise.advantages.dpp_shapley import _subset_values_batched, _subset_values_grown
+
+    phi = torch.full((11, 1), 1e38, dtype=torch.float64)  # [11,1]
+    assert _subset_values_grown(phi @ phi.T) is None
+    psi = shapley_values(phi)  # [11]
+    assert torch.isfinite(psi).all() and (psi == psi[0]).all()
+    assert float(psi.sum()) == pytest.approx(float(_subset_values_batched(phi @ phi.T)[-1]), rel=1e-12)
+    ok = torch.full((11, 1), 1e3, dtype=torch.float64)  # rewards 1e3: pivots keep their digits, the grown path runs
+    assert _subset_values_grown(ok @ ok.T) is not None
+
+
+def test_quality_shift_by_hand():
+    # orthogonal players, rewards (1, 0.5, −0.5): shift → q = r − (−0.5) = (1.5, 1, 0),
+    # ψ = ln(1 + q²) = (1.178655, 0.693147, 0)
+    # mean 0.623934, population std 0.483666 → A = (1.146906, 0.143101, −1.290007); clip: q = (1, .5, 0), A as above
+    adv, _ = gcpo_advantages(torch.eye(3)[None], torch.tensor([[1.0, 0.5, -0.5]]), quality="shift")
+    _close(adv, [[1.146906, 0.143101, -1.290007]], atol=1e-5)
+    est = build("advantage", "gcpo", quality="shift")
+    ro = _ro([["1+9", "1+9", "3+7", "x"]], [[2.0, 2.0, 2.0, 2.0]])  # all equal rewards: all null under shift
+    assert (est(ro, info_for(2)) == 0).all()
+    assert not (build("advantage", "gcpo")(ro, info_for(2)) == 0).all()  # clip: the duplicates share less credit
+    with pytest.raises(ConfigError, match="quality"):
+        build("advantage", "gcpo", quality="abs")

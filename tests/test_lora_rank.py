@@ -203,13 +203,13 @@ def test_the_claim_files_proportional_pattern_builds_the_ranks_it_says():
     """claims/49: the proportional config's rank_pattern gives layers [14, 7, 7, 4] on all seven
     projections; per layer Σ_m (d_in + d_out) = 256 + 192 + 192 + 256 + 512 + 512 + 512 = 2432, so
     the adapters hold 32 * 2432 = 77 824 entries, as uniform r = 8 does."""
-    from pathlib import Path
-
     from groupwise.claims.claimfile import load_claim
     from groupwise.config import load_config
+    from groupwise.papers import PAPERS
     from groupwise.policy.lm import load_policy
 
-    claim = load_claim(Path(__file__).resolve().parent.parent / "claims" / "49-lora-rank-allocation.toml", check_configs=False)
+    path = PAPERS / "49_lora_rank_allocation" / "claims" / "49-lora-rank-allocation.toml"
+    claim = load_claim(path, check_configs=False)
     counts = {}
     for label in ("uniform", "proportional"):
         cfg, _ = load_config(claim.spec(label).recipe, claim.spec(label).overrides)

@@ -84,6 +84,22 @@ def test_text_divergence_by_hand_and_equal_to_one_hot_actions():
     _close(token_phase_divergence(tokens, chunk, offset, chunk, success, mask, 2), [SQRT_1_5, 0.0])
 
 
+def test_per_group_divergence_is_not_batch_pooling():
+    # Note 1's numbers. Two groups, one token per row (chunk_size 1, one phase), reward 1 = success:
+    #   group 0: success "5", failure "7";  group 1: success "7", failure "5"
+    #   per group C = ‖e5 − e7‖ = √2 (both) → the weight's C0 = mean = 1.414214
+    #   batch pooling: μ⁺ = (e5 + e7)/2 = μ⁻ → 0 (the paper's statistic, which this weight does not compute)
+    ro = rollout_from(torch.zeros(2, 2, 1), torch.zeros(2, 2), rewards=torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+    ro.actions = torch.tensor([[[5], [7]], [[7], [5]]])
+    w = build("weight", "pcm", chunk_size=1, num_phases=1)
+    w(ro, info_for(1))
+    assert w.step_stats()["pcm/C0"] == pytest.approx(math.sqrt(2.0))
+    tokens, ones = ro.actions.reshape(4, 1), torch.ones(4, 1, dtype=torch.bool)
+    zeros = torch.zeros(4, 1, dtype=torch.long)
+    pooled = token_phase_divergence(tokens, zeros, zeros, zeros, torch.tensor([True, False, True, False]), ones, 1)
+    _close(pooled, [0.0], atol=1e-12)
+
+
 def test_delimiter_segments():
     tokens = torch.tensor([[3, 27, 4, 4, 199, 6, 0]])
     mask = torch.tensor([[True] * 6 + [False]])

@@ -16,9 +16,12 @@ from groupwise.phases import load_output
 from groupwise.phases.profil_probe import ProfilProbe, answer_after, step_ids_of
 from groupwise.policy.lm import load_policy
 from groupwise.registry import ConfigError
-from groupwise.tasks.theater import FinalAnswer, TheaterSteps, faithful_trace, rows, theater_trace
 from groupwise.types import Need
-from helpers import rollout_from
+from helpers import paper_module, rollout_from
+
+_theater = paper_module("34_profil", "theater")
+FinalAnswer, TheaterSteps, rows = _theater.FinalAnswer, _theater.TheaterSteps, _theater.rows
+faithful_trace, theater_trace = _theater.faithful_trace, _theater.theater_trace
 
 FAITHFUL, THEATER = "3+4=7;7+5=12;#12", "3+4+5=12;3+4=7;7+5=12;#12"
 

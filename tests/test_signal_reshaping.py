@@ -12,10 +12,12 @@ import torch
 from groupwise.registry import ConfigError, build, register
 from groupwise.rewards.layered_code import layered_reward
 from groupwise.rollout.governance import govern_group, grpo_advantage_masked
-from groupwise.tasks.compile_fix import CompileFix, format_row, sandbox_check
 from groupwise.weights.process_score import process_token_weights
-from helpers import info_for, train_recorded
+from helpers import info_for, paper_module, train_recorded
 from test_grow import Scripted, scripted_ctx
+
+_compile_fix = paper_module("50_signal_reshaping", "compile_fix")
+CompileFix, format_row, sandbox_check = _compile_fix.CompileFix, _compile_fix.format_row, _compile_fix.sandbox_check
 
 SIGNAL = ['data.task="compile_fix"', 'rollout.name="governed_episodes"', "rollout.prompts_per_step=2", "rollout.group_size=4",
           "rollout.max_new_tokens=3", 'rollout.params={max_turns=2, env_params={steps=2, env_fail_prob=0.3}}',

@@ -1,5 +1,5 @@
 """StreamPro (spec 42): the CB-Stream class-balanced SFT loss (phases/cb_stream.py, the sft phase's
-``loss = "cb_stream"``), the clue-stream env and its multi-grained reward (tasks/clue_stream.py)."""
+``loss = "cb_stream"``), the clue-stream env and its multi-grained reward (papers/42_streampro/clue_stream.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import torch
 
 from groupwise.phases.cb_stream import balanced_from_ce, cb_stream_loss, class_balanced_weights
 from groupwise.registry import ConfigError, build
-from groupwise.tasks.clue_stream import ClueStream, RewardConfig, decision_rows, episode_reward, parse_action, rows, streampro_reward
-from helpers import train_recorded
+from helpers import paper_module, train_recorded
+
+_clue = paper_module("42_streampro", "clue_stream")
+ClueStream, RewardConfig, decision_rows = _clue.ClueStream, _clue.RewardConfig, _clue.decision_rows
+episode_reward = _clue.episode_reward
+parse_action, rows, streampro_reward = _clue.parse_action, _clue.rows, _clue.streampro_reward
 
 
 def _logits_for(ce: list[float]) -> torch.Tensor:

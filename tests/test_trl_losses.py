@@ -103,6 +103,61 @@ def test_cispo_garbage_padding_and_token_mean():
     torch.testing.assert_close(grad[0, 0], torch.tensor([-0.6, EM05 / 2, 0.0]))
 
 
+def _two_tokens(d, adv):
+    """One row of 2 tokens: logp = (−1, −2), logp_old = logp − d."""
+    logp = torch.tensor([[[-1.0, -2.0]]])
+    return rollout_from(logp - torch.tensor(d), torch.tensor([[adv]])), leaf(logp)
+
+
+def test_cispo_sequence_level_by_hand():
+    # d = (0.2, −0.1): token ratios (1.221403, 0.904837); sequence ratio s = e^{0.05} = 1.051271
+    # eps_max = 1.03: sequence level w = min(s, 1.03) = 1.03 on both tokens → loss −w·A·logp = (1.03, 2.06), grad −1.03
+    #                 token level w = (1.03, 0.904837) → loss (1.03, 1.809675)
+    mb, logp = _two_tokens([0.2, -0.1], 1.0)
+    term = build("objective", "cispo", eps_max=1.03, level="sequence")
+    values, grad = _term_grad(term, mb, logp)
+    torch.testing.assert_close(values[0, 0], torch.tensor([1.03, 2.06]))
+    torch.testing.assert_close(grad[0, 0], torch.tensor([-1.03, -1.03]))
+    values, _ = _term_grad(build("objective", "cispo", eps_max=1.03), *_two_tokens([0.2, -0.1], 1.0))
+    torch.testing.assert_close(values[0, 0], torch.tensor([1.03, 2 * 0.904837]))
+    assert term.stats(mb, {"logp": logp})["clip_high"].tolist() == [[1.0]]  # one value per row, as TRL
+    with pytest.raises(ValueError, match="cispo: level"):
+        build("objective", "cispo", level="seq")
+
+
+def test_sapo_sequence_level_by_hand():
+    # d = (0.2, −0.1), s = 1.051271 on both tokens (gradient through the mean: ∂s/∂logp_t = s/2)
+    # A = +1, τ = 1: σ(0.051271) = 0.512815, gate 4σ = 2.051260 → loss −2.051260 per token;
+    #   d(Σ_t loss)/d logp_t = −2·4σ(1−σ)·s/2 = −1.050581
+    # A = −1, τ = 1.05: σ(1.05·0.051271) = 0.513455, gate 4σ/1.05 = 1.956021 → loss +1.956021; grad +1.050510
+    for adv, loss, g in ((1.0, -2.051260, -1.050581), (-1.0, 1.956021, 1.050510)):
+        values, grad = _term_grad(build("objective", "sapo", level="sequence"), *_two_tokens([0.2, -0.1], adv))
+        torch.testing.assert_close(values[0, 0], torch.tensor([loss, loss]))
+        torch.testing.assert_close(grad[0, 0], torch.tensor([g, g]))
+    with pytest.raises(ValueError, match="sapo: level"):
+        build("objective", "sapo", level="seq")
+
+
+def test_luspo_delta_by_hand():
+    # d = (0.5, 0.5): s = e^{0.5} = 1.648721; eps 0.2; δ = 1.5
+    # A = −1: −min(min(s, δ)·A, clip(s)·A) = −min(−1.5, −1.2) = 1.5 per token, no gradient (capped;
+    #         without δ: s per token, gradient 2·s/2 = s)
+    # A = +1: −min(1.5, 1.2) = −1.2 per token: the clip binds first, no gradient either way
+    # d = (0.1, 0.1), A = −1: s = 1.105171 < δ: loss s per token, d(Σ_t)/d logp_t = 2·s/2 = 1.105171 (δ inactive)
+    term = build("objective", "luspo", eps_low=0.2, eps_high=0.2, delta=1.5)
+    for d, adv, loss, g in (([0.5, 0.5], -1.0, 1.5, 0.0), ([0.5, 0.5], 1.0, -1.2, 0.0), ([0.1, 0.1], -1.0, E01, E01)):
+        values, grad = _term_grad(term, *_two_tokens(d, adv))
+        torch.testing.assert_close(values[0, 0], torch.tensor([loss, loss]))
+        torch.testing.assert_close(grad[0, 0], torch.tensor([g, g]))
+    values, grad = _term_grad(build("objective", "luspo", eps_low=0.2, eps_high=0.2), *_two_tokens([0.5, 0.5], -1.0))
+    torch.testing.assert_close(values[0, 0], torch.tensor([E05, E05]))  # without δ the exploded ratio's loss grows
+    torch.testing.assert_close(grad[0, 0], torch.tensor([E05, E05]))
+    mb, logp = _two_tokens([0.5, 0.5], -1.0)
+    assert term.stats(mb, {"logp": logp})["clip_delta"].tolist() == [[1.0]]
+    with pytest.raises(ValueError, match="luspo: delta"):
+        build("objective", "luspo", delta=0.9)
+
+
 @pytest.mark.parametrize("kw", [{"eps_max": 0.0}, {"eps_max": -1.0}, {"eps_min": -0.1}, {"eps_min": 5.0}])
 def test_cispo_rejects_bad_bounds(kw):
     with pytest.raises(ValueError, match="cispo: eps_m"):
@@ -214,8 +269,9 @@ def test_gmpo_masked_garbage_token_adv_and_seq_mean():
     torch.testing.assert_close(grad, torch.tensor([[[-math.exp(0.05) / 4, 0.0, 0.0], [math.exp(-0.2) / 2, 0.0, 0.0]]]))
 
 
-def _verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high):
-    """verl/trainer/ppo/core_algos.py::compute_policy_loss_geo_mean, re-derived step by step."""
+def _verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high, rollout_is_weights=None):
+    """verl/trainer/ppo/core_algos.py::compute_policy_loss_geo_mean, re-derived step by step (with its
+    sequence geometric mean of ``rollout_is_weights``, floored at 1e-10 inside the log)."""
     neg_kl = log_prob - old_log_prob
     sgn = torch.sign(advantages)
     neg_kl_clamp = torch.clamp(neg_kl, -clip_low, clip_high)
@@ -224,6 +280,8 @@ def _verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, clip_low, 
     ratio = torch.exp((neg_kl_min * response_mask).sum(-1) / (n + 1e-8))
     advantage = (advantages * response_mask).sum(-1) / (n + 1e-8)
     pg_losses = -advantage * ratio
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * torch.exp((torch.log(rollout_is_weights + 1e-10) * response_mask).sum(-1) / (n + 1e-8))
     return pg_losses, torch.mean(pg_losses)
 
 
@@ -243,6 +301,30 @@ def test_gmpo_verl_parity(eps):
     assert max(diffs) < 1e-6
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_gmpo_token_weights_verl_parity(mode):
+    # verl's geo_mean with rollout_is_weights (its rollout correction: truncated IS, threshold 2) against
+    # gmpo + the sampler_is weight: the row factor is the sequence geometric mean of the weights.
+    from groupwise.objective import token_weights
+
+    ro = make_rollout(3, 4, 6, seed=33, awkward=False, garbage=0.0)
+    logp = make_logp(ro, seed=34, scale=0.3)
+    ro.logp_sampler = ro.logp_old - 0.5 * torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(35))
+    ro.weight, counted = token_weights([build("weight", "sampler_is", mode=mode, hi=2.0)], ro, info_for(6))
+    ro.set_extra("counted", counted, "token")
+    loss, grad, _ = _agg_loss_grad(build("objective", "gmpo"), ro, logp, "seq_mean_token_mean")
+    m = ro.mask.float().view(12, 6)
+    adv = (ro.advantages[..., None] * torch.ones(1, 1, 6)).view(12, 6)
+    pg, ref = _verl_geo_mean(ro.logp_old.view(12, 6), logp.view(12, 6), adv, m, 0.4, 0.4, ro.weight.view(12, 6))
+    (grad_ref,) = torch.autograd.grad(ref, logp)
+    _, unweighted = _verl_geo_mean(ro.logp_old.view(12, 6), logp.detach().view(12, 6), adv, m, 0.4, 0.4)
+    d_loss, d_grad = (loss - ref.detach()).abs().item(), (grad - grad_ref).abs().max().item()
+    print(f"gmpo + sampler_is({mode}) vs verl geo_mean with rollout_is_weights: max |Δ| loss {d_loss:.2e}, "
+          f"grad {d_grad:.2e}")
+    assert d_loss < 1e-6 and d_grad < 1e-6
+    assert abs(ref.item() - unweighted.item()) > 1e-3  # the weights move verl's loss: the comparison is not vacuous
+
+
 @pytest.mark.parametrize("kw", [{"eps_low": -0.1}, {"eps_high": -0.1}])
 def test_gmpo_rejects_negative_bounds(kw):
     with pytest.raises(ValueError, match="gmpo"):
@@ -257,14 +339,14 @@ def test_luspo_by_hand():
     s = math.exp(0.05)
     wide = build("objective", "luspo", eps_low=0.2, eps_high=0.2)
     values, grad = _term_grad(wide, mb, logp)
-    # A=+1 unclipped: l = −s, row loss |y|·l = −2.102542; d/d logp_t = −A·s·(1/|y|)·|y| = −1.051271
-    # A=−1: −min(−s, −clip(s)) = s → +2.102542; grad +1.051271
-    torch.testing.assert_close(values, torch.tensor([[-2 * s, 2 * s]]))
+    # A=+1 unclipped: l_t = −s on both tokens (row sum −2.102542); d/d logp_t = −A·s·(1/|y|)·|y| = −1.051271
+    # A=−1: −min(−s, −clip(s)) = s → +1.051271 per token (row +2.102542); grad +1.051271; padding 0
+    torch.testing.assert_close(values, torch.tensor([[[-s, -s, 0.0], [s, s, 0.0]]]))
     torch.testing.assert_close(grad, torch.tensor([[[-s, -s, 0.0], [s, s, 0.0]]]))
-    # defaults (3e-4, 4e-4): A=+1 → s > 1.0004 → clipped: −2·1.0004 = −2.0008, no gradient;
-    # A=−1 → min(−s, −1.0004) = −s unclipped (pessimistic side) → 2.102542, grad +s
+    # defaults (3e-4, 4e-4): A=+1 → s > 1.0004 → clipped: −1.0004 per token (row −2.0008), no gradient;
+    # A=−1 → min(−s, −1.0004) = −s unclipped (pessimistic side) → s per token, grad +s
     values, grad = _term_grad(build("objective", "luspo"), mb, logp)
-    torch.testing.assert_close(values, torch.tensor([[-2.0008, 2 * s]]))
+    torch.testing.assert_close(values, torch.tensor([[[-1.0004, -1.0004, 0.0], [s, s, 0.0]]]))
     torch.testing.assert_close(grad, torch.tensor([[[0.0, 0.0, 0.0], [s, s, 0.0]]]))
     st = build("objective", "luspo").stats(mb, {"logp": logp})
     assert st["clip_high"].tolist() == [[1.0, 0.0]] and st["clip_low"].tolist() == [[0.0, 0.0]]
@@ -276,7 +358,7 @@ def test_luspo_is_length_times_gspo_and_sum_over_rows():
     ro.mask = torch.tensor([[[1, 1, 1], [1, 0, 0]]], dtype=torch.bool)
     logp = make_logp(ro, seed=5, scale=0.02)
     kw = dict(eps_low=0.2, eps_high=0.2)
-    row = build("objective", "luspo", **kw)(ro, {"logp": logp}, info_for(3))
+    row = build("objective", "luspo", **kw)(ro, {"logp": logp}, info_for(3)).sum(-1)  # [1,2] Σ_t over the mask
     gspo = build("objective", "gspo", **kw)(ro, {"logp": logp}, info_for(3))[..., 0]  # [1,2] per-row loss
     torch.testing.assert_close(row, gspo * torch.tensor([[3.0, 1.0]]))
     loss, _, _ = _agg_loss_grad(build("objective", "luspo", **kw), ro, logp, "token_mean")  # term agg wins
@@ -287,7 +369,7 @@ def test_luspo_token_level_and_boundary():
     # level="token": row = Σ_t ppo_clip(token): d = [0.5, 0.1], A=+1 → −1.2 − e^0.1 = −2.305171
     mb = rollout_from(torch.zeros(1, 1, 2), torch.tensor([[1.0]]))
     values, grad = _term_grad(build("objective", "luspo", eps_low=0.2, eps_high=0.2, level="token"), mb, leaf([[[0.5, 0.1]]]))
-    assert values.item() == pytest.approx(-1.2 - E01, rel=1e-6)
+    torch.testing.assert_close(values[0, 0], torch.tensor([-1.2, -E01]))
     torch.testing.assert_close(grad[0, 0], torch.tensor([0.0, -E01]))
     # sequence ratio exactly 1 + eps_high: one token d = 0.1, eps_high = e^0.1 − 1 (float32) → full gradient −s
     r = float(torch.exp(torch.tensor(0.1)))
@@ -384,9 +466,12 @@ class _Spy:
         return other
 
 
-def _trl_compute_loss(loss_type, logp, logp_old, adv, mask, level="token", eps=(0.2, 0.2), is_ratio=None, **args):
+def _trl_compute_loss(loss_type, logp, logp_old, adv, mask, level="token", eps=(0.2, 0.2), is_ratio=None, entropy=None,
+                      top_entropy_quantile=1.0, **args):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` (trl/trainer/grpo_trainer.py) on [N,T] tensors, via a
-    stand-in ``self``: returns (per-token loss before masking, the returned loss, metrics)."""
+    stand-in ``self``: returns (per-token loss before masking, the returned loss, metrics). ``is_ratio``
+    [N,T] or [N,1] turns vLLM IS correction on (``importance_sampling_ratio``); ``entropy`` [N,T] with
+    ``top_entropy_quantile`` < 1 runs TRL's own ``get_high_entropy_mask`` on one process."""
     pytest.importorskip("trl")
     from trl.trainer.grpo_trainer import GRPOTrainer
 
@@ -395,15 +480,19 @@ def _trl_compute_loss(loss_type, logp, logp_old, adv, mask, level="token", eps=(
                   vespo_k_neg=3.0, vespo_lambda_neg=2.0, steps_per_generation=1, use_bias_correction_kl=False)
     config.update(args)
     metrics = defaultdict(lambda: defaultdict(list))
+    entropies = torch.zeros_like(logp) if entropy is None else entropy  # [N,T]
     fake = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=1.0, get_off_policy_mask=lambda **k: spy,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropies, None),
+        top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=1.0, get_off_policy_mask=lambda **k: spy,
         importance_sampling_level=level, beta=0.0, loss_type=loss_type, epsilon_low=eps[0], epsilon_high=eps[1],
-        args=SimpleNamespace(**config), use_vllm=False, vllm_importance_sampling_correction=False,
+        args=SimpleNamespace(**config),
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, _metrics=metrics, get_gamma_weights=GRPOTrainer.get_gamma_weights,
-        accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction="sum": t, gather=lambda t: t),
+        accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction="sum": t, gather=lambda t: t,
+                                    pad_across_processes=lambda t, dim=0, pad_index=0: t),
     )
+    fake.get_high_entropy_mask = lambda e, m, threshold: GRPOTrainer.get_high_entropy_mask(fake, e, m, threshold)
     N, T = logp.shape
     inputs = dict(prompt_ids=torch.zeros(N, 1, dtype=torch.long), prompt_mask=torch.ones(N, 1, dtype=torch.long),
                   completion_ids=torch.zeros(N, T, dtype=torch.long), completion_mask=mask.long(),
@@ -423,6 +512,14 @@ CASES = [
     ("luspo", {"eps_low": 0.03, "eps_high": 0.05}, "luspo", "sequence", (0.03, 0.05), None),
     ("luspo", {"eps_low": 0.2, "eps_high": 0.28, "level": "token"}, "luspo", "token", (0.2, 0.28), None),
     ("vespo", {}, "vespo", "token", (0.2, 0.2), "token_mean"),
+    # TRL's importance_sampling_level="sequence" for cispo and sapo, and its two-sided clip `delta` on luspo
+    ("cispo", {"eps_max": 5.0, "level": "sequence"}, "cispo", "sequence", (0.2, 5.0), "token_mean"),
+    ("cispo", {"eps_max": 1.03, "level": "sequence"}, "cispo", "sequence", (0.2, 1.03), "token_mean"),
+    ("sapo", {"level": "sequence"}, "sapo", "sequence", (0.2, 0.2), "seq_mean_token_mean"),
+    ("sapo", {"tau_pos": 2.0, "tau_neg": 3.0, "level": "sequence"}, "sapo", "sequence", (0.2, 0.2),
+     "seq_mean_token_mean"),
+    ("luspo", {"eps_low": 0.03, "eps_high": 0.05, "delta": 1.06}, "luspo", "sequence", (0.03, 0.05), None),
+    ("luspo", {"eps_low": 0.2, "eps_high": 0.28, "level": "token", "delta": 1.3}, "luspo", "token", (0.2, 0.28), None),
 ]
 
 
@@ -435,10 +532,9 @@ def test_trl_parity(name, params, loss_type, level, eps, agg, token_adv):
     ro = make_rollout(B, G, T, seed=41, awkward=False, token_adv=token_adv)
     logp = make_logp(ro, seed=42, scale=0.25 if name != "vespo" else 0.08)
     term = build("objective", name, **params)
-    if name == "sapo":
-        tr_args = {"sapo_temperature_pos": term.tau_pos, "sapo_temperature_neg": term.tau_neg}
-    else:
-        tr_args = {}
+    tr_args = {"sapo_temperature_pos": term.tau_pos, "sapo_temperature_neg": term.tau_neg} if name == "sapo" else {}
+    if "delta" in params:
+        tr_args["delta"] = params["delta"]
     N = B * G
     adv = ro.advantages.reshape(N, T) if token_adv else ro.advantages.reshape(N)
     ptl, trl_loss, trl_metrics = _trl_compute_loss(loss_type, logp.reshape(N, T), ro.logp_old.reshape(N, T), adv, ro.mask.reshape(N, T), level, eps, **tr_args)
@@ -446,17 +542,18 @@ def test_trl_parity(name, params, loss_type, level, eps, agg, token_adv):
     values = term(ro, {"logp": logp}, info_for(T)).detach()
     loss, grad, obj = _agg_loss_grad(term, ro, logp, agg or "seq_mean_token_mean")
     m = ro.mask.reshape(N, T)
-    ptl = ptl.detach().expand(N, T)  # luspo at sequence level: [N,1] broadcast, as TRL's mask product
-    if values.dim() == 2:  # luspo: our row value = TRL's Σ_t per_token_loss·mask
-        d_tok = (values.reshape(N) - (ptl * m).sum(-1)).abs().max()
-    else:
-        d_tok = (values.reshape(N, T)[m] - ptl[m]).abs().max()
+    ptl = ptl.detach().expand(N, T)  # at sequence level TRL's [N,1] per-token loss, broadcast by its mask product
+    d_tok = (values.reshape(N, T)[m] - ptl[m]).abs().max()
     d_loss, d_grad = (loss - trl_loss.detach()).abs(), (grad - trl_grad).abs().max()
     scale = max(1.0, trl_loss.abs().item())
     print(f"TRL parity {name} {params} token_adv={token_adv}: max |Δ| per-token {d_tok:.2e}, loss {d_loss:.2e}, grad {d_grad:.2e}")
     assert d_tok < 1e-5 * max(1.0, ptl[m].abs().max().item())
     assert d_loss < 1e-6 * scale and d_grad < 1e-6
     assert trl_grad.abs().sum() > 0  # the comparison is not vacuous
+    if "delta" in params:  # the two-sided clip binds somewhere: the comparison reaches it
+        assert term.stats(ro, {"logp": logp})["clip_delta"].sum() > 0
+    if params.get("eps_max", 5.0) < 2.0 or (name == "luspo" and level == "sequence"):  # the caps and clips bind too
+        assert term.stats(ro, {"logp": logp})["clip_high"].sum() > 0
     if name in ("cispo", "luspo"):  # clip statistics as TRL logs them
         obj.pop_stats()
         obj.loss(ro, {"logp": logp}, obj.normalizers(ro, info_for(T)), info_for(T))
@@ -513,3 +610,65 @@ def test_trl_delta_is_ppo_clip_dual_clip():
     assert abs(loss - trl_loss.detach()) < 1e-6 and (grad - trl_grad).abs().max() < 1e-6
     undual, _, _ = _agg_loss_grad(build("objective", "ppo_clip"), ro, logp, "seq_mean_token_mean")
     assert abs(undual - loss) > 1e-4  # without the dual clip the loss differs: the test can fail
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_trl_parity_luspo_with_sampler_is(mode, level):
+    # TRL multiplies luspo's per_token_loss by its vLLM IS ratio (from _generate_and_score_completions,
+    # re-derived in tests/test_sampler_is.py) before the row sums; ours: the sampler_is weight per token.
+    from groupwise.objective import token_weights
+    from test_sampler_is import _trl_is_ratio
+
+    B, G, T = 3, 4, 7
+    ro = make_rollout(B, G, T, seed=61, awkward=False)
+    logp = make_logp(ro, seed=62, scale=0.15)
+    ro.logp_sampler = ro.logp_old - 0.4 * torch.randn(B, G, T, generator=torch.Generator().manual_seed(63))
+    N, m = B * G, ro.mask.reshape(B * G, T)
+    lo, hi = 0.5, 2.0
+    is_ratio = _trl_is_ratio(ro.logp_old.reshape(N, T), ro.logp_sampler.reshape(N, T), m.float(), mode, lo, hi)
+    eps = (0.2, 0.28)
+    old, adv = ro.logp_old.reshape(N, T), ro.advantages.reshape(N)
+    _, trl_loss, _ = _trl_compute_loss("luspo", logp.reshape(N, T), old, adv, m, level, eps, is_ratio)
+    (trl_grad,) = torch.autograd.grad(trl_loss, logp)
+    ro.weight, counted = token_weights([build("weight", "sampler_is", mode=mode, lo=lo, hi=hi)], ro, info_for(T))
+    ro.set_extra("counted", counted, "token")
+    term = build("objective", "luspo", eps_low=eps[0], eps_high=eps[1], level=level)
+    loss, grad, _ = _agg_loss_grad(term, ro, logp, "seq_mean_token_mean")
+    d_loss, d_grad = abs(loss.item() - trl_loss.item()), (grad - trl_grad).abs().max().item()
+    print(f"TRL parity luspo level={level} + sampler_is {mode}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e} "
+          f"(loss {trl_loss.item():.4f})")
+    assert d_loss < 1e-6 * max(1.0, abs(trl_loss.item())) and d_grad < 1e-6
+    ro.weight = None
+    unweighted, _, _ = _agg_loss_grad(term, ro, logp, "seq_mean_token_mean")
+    assert abs(unweighted.item() - trl_loss.item()) > 1e-2  # the IS ratio moves the loss (before the fix: ignored)
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+@pytest.mark.parametrize("rho", [0.2, 0.5])
+def test_trl_parity_luspo_with_top_entropy(rho, level):
+    # TRL's top_entropy_quantile = rho: its own get_high_entropy_mask (torch.quantile of the masked
+    # entropies at 1 − rho) multiplies per_token_loss; ours: top_entropy(rho), scope "loss".
+    from groupwise.objective import token_weights
+
+    B, G, T = 3, 4, 7
+    ro = make_rollout(B, G, T, seed=71, awkward=False)
+    logp = make_logp(ro, seed=72, scale=0.15)
+    entropy = 2.0 * torch.rand(B, G, T, generator=torch.Generator().manual_seed(73))  # [B,G,T] distinct values: no ties
+    ro.set_extra("entropy", entropy, "token")
+    N, m = B * G, ro.mask.reshape(B * G, T)
+    eps = (0.2, 0.28)
+    old, adv = ro.logp_old.reshape(N, T), ro.advantages.reshape(N)
+    _, trl_loss, _ = _trl_compute_loss("luspo", logp.reshape(N, T), old, adv, m, level, eps,
+                                       entropy=entropy.reshape(N, T), top_entropy_quantile=rho)
+    (trl_grad,) = torch.autograd.grad(trl_loss, logp)
+    ro.weight, counted = token_weights([build("weight", "top_entropy", rho=rho)], ro, info_for(T))
+    ro.set_extra("counted", counted, "token")
+    term = build("objective", "luspo", eps_low=eps[0], eps_high=eps[1], level=level)
+    loss, grad, _ = _agg_loss_grad(term, ro, logp, "seq_mean_token_mean")
+    d_loss, d_grad = abs(loss.item() - trl_loss.item()), (grad - trl_grad).abs().max().item()
+    kept = int((ro.weight > 0).sum())
+    print(f"TRL parity luspo level={level} + top_entropy rho={rho}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e} "
+          f"({kept} of {int(m.sum())} tokens kept)")
+    assert d_loss < 1e-6 * max(1.0, abs(trl_loss.item())) and d_grad < 1e-6
+    assert 0 < kept < int(m.sum())

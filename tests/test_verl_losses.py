@@ -330,11 +330,14 @@ def test_dppo_tv_by_hand():
 
 
 def test_dppo_truncated_importance_weight():
-    # q = 0.01, p = 0.9, A = −1: ratio 90 → w = min(90, 20) = 20; p − q = 0.89 ≥ −δ → inside: loss 20·ln 0.9 = −2.107210, grad +20
+    # q = 0.01, p = 0.9, A = −1: ratio 90 → w = min(90, C = 3) = 3 (verl's configured clip_ratio_c; its
+    # in-code fallback 20 is never reached); p − q = 0.89 ≥ −δ → inside: loss 3·ln 0.9 = −0.316082, grad +3
     mb, logp = _dppo_case([0.9], [0.01], [-1.0])
     for name in ("dppo_tv", "dppo_kl"):
-        values, grad = _values_grad(build("objective", name), mb, logp)
-        assert values.item() == pytest.approx(20 * math.log(0.9), rel=1e-5) and grad.item() == pytest.approx(20.0, rel=1e-5)
+        for c, kw in ((3.0, {}), (20.0, {"clip_ratio_c": 20.0})):  # the default, then verl's in-code fallback
+            values, grad = _values_grad(build("objective", name, **kw), mb, logp)
+            assert values.item() == pytest.approx(c * math.log(0.9), rel=1e-5)
+            assert grad.item() == pytest.approx(c, rel=1e-5)
         assert build("objective", name).stats(mb, {"logp": logp})["is_truncated"].item() == 1.0
 
 
@@ -363,7 +366,7 @@ def test_dppo_sampler_anchor():
         build("objective", "dppo_kl", anchor="ref")
 
 
-def _verl_dppo(old, logp, adv, kind, d_low, d_high, c=20.0):
+def _verl_dppo(old, logp, adv, kind, d_low, d_high, c=3.0):
     """verl compute_policy_loss_dppo_tv / _kl per token (before agg_loss)."""
     ratio = torch.exp(torch.clamp(logp - old, min=-20.0, max=20.0))
     w = torch.clamp(ratio, max=c).detach()
@@ -382,10 +385,13 @@ def test_dppo_verl_parity_random(kind, delta):
     ro = make_rollout(4, 4, 6, seed=7, awkward=False, token_adv=True)
     logp = make_logp(ro, scale=0.6).detach()
     m = ro.mask
+    push = (m & (ro.advantages < 0)).flatten().nonzero().flatten()[:3]  # 3 tokens with A < 0 (inside: p > q)
+    logp.view(-1)[push] = ro.logp_old.reshape(-1)[push] + 1.5  # ratio e^1.5 = 4.48 > C = 3: the cap binds
     ref = _verl_dppo(ro.logp_old, logp, ro.advantages, kind, delta, delta)
     ours = build("objective", f"dppo_{kind}")(ro, {"logp": logp}, info_for(6))
     outside = (ref[m] == 0) & (ro.advantages[m] != 0)
     assert 0 < int(outside.sum()) < int(m.sum())  # the trust region binds on some tokens, not all
+    assert ((logp - ro.logp_old).exp()[m & (ref != 0)] > 3.0).any()  # and the cap C = 3 on some inside it
     assert _report(f"dppo_{kind} (random)", ours[m], ref[m]) < 1e-6
 
 

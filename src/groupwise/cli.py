@@ -1,4 +1,4 @@
-"""The ``groupwise`` command: train, cp, config, list, explain, eval, warmstart, compare, claims.
+"""The ``groupwise`` command: train, cp, config, list, explain, paper, eval, warmstart, compare, claims.
 
 Imports stay light: torch and transformers load only for the commands that run a model.
 """
@@ -39,9 +39,9 @@ with eval.samples=n also mean@n and pass@k."""
 
 
 def _shipped_recipes() -> str:
-    from groupwise.config import RECIPES
+    from groupwise.config import shipped_recipes
 
-    return ", ".join(sorted(p.stem for p in RECIPES.glob("*.toml")))
+    return ", ".join(shipped_recipes())
 
 
 def cmd_train(args: list[str]) -> int:
@@ -112,20 +112,24 @@ def cmd_list(args: list[str]) -> int:
 
 def cmd_explain(args: list[str]) -> int:
     """``groupwise explain NAME``: a component's documentation (every stage that has the name) and,
-    when NAME is a shipped recipe, the recipe's components (one line each) and its file."""
-    from groupwise.config import RECIPES
+    when NAME is a shipped recipe, the recipe's components (one line each) and its file; a bare
+    spec number is ``groupwise paper NN``."""
+    from groupwise.config import shipped_recipes
     from groupwise.registry import entries
 
     if not args:
-        print("usage: groupwise explain NAME  (a component, or a shipped recipe)", file=sys.stderr)
+        print("usage: groupwise explain NAME  (a component, a shipped recipe, or a paper's spec number)",
+              file=sys.stderr)
         return 2
+    if args[0].isdigit():
+        return cmd_paper(args)
     found = [(st, name, cls) for st, name, cls in entries() if name == args[0]]
-    recipe = RECIPES / f"{args[0]}.toml"
-    if not found and not recipe.exists():
+    recipe = shipped_recipes().get(args[0])
+    if not found and recipe is None:
         import difflib
 
         components = sorted({n for _, n, _ in entries()})
-        recipes = sorted(p.stem for p in RECIPES.glob("*.toml"))
+        recipes = list(shipped_recipes())
         close = [f"{n} (component)" for n in difflib.get_close_matches(args[0], components, n=3)]
         close += [f"{n} (recipe)" for n in difflib.get_close_matches(args[0], recipes, n=3)]
         print(f"no component or recipe named {args[0]!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
@@ -133,8 +137,21 @@ def cmd_explain(args: list[str]) -> int:
         return 2
     for st, name, cls in found:
         _explain_component(st, name, cls)
-    if recipe.exists():
+    if recipe is not None:
         _explain_recipe(args[0], recipe)
+    return 0
+
+
+def cmd_paper(args: list[str]) -> int:
+    """``groupwise paper NN``: a paper's title, arXiv id, spec and page, and every file, component,
+    recipe, claim and test of it (from its ``papers/NN_slug/paper.toml``)."""
+    from groupwise.papers.index import paper_text
+
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print("usage: groupwise paper NN   (a spec number: groupwise paper 27; docs/variants.md lists them)",
+              file=sys.stderr if len(args) != 1 else sys.stdout)
+        return 0 if args[:1] in (["-h"], ["--help"]) else 2
+    print(paper_text(args[0]))
     return 0
 
 
@@ -239,7 +256,7 @@ def cmd_cp(args: list[str]) -> int:
     import shutil
     from pathlib import Path
 
-    from groupwise.config import RECIPES
+    from groupwise.config import shipped_recipes
 
     force = "--force" in args
     args = [a for a in args if a != "--force"]
@@ -250,8 +267,8 @@ def cmd_cp(args: list[str]) -> int:
     if len(args) != 2:
         print(usage, file=sys.stderr)
         return 2
-    source = RECIPES / f"{args[0]}.toml"
-    if not source.exists():
+    source = shipped_recipes().get(args[0])
+    if source is None:
         print(f"groupwise: no shipped recipe {args[0]!r}; shipped recipes: {_shipped_recipes()}", file=sys.stderr)
         return 2
     target = Path(args[1])
@@ -265,15 +282,19 @@ def cmd_cp(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"config": cmd_config, "cp": cmd_cp, "train": cmd_train, "list": cmd_list, "explain": cmd_explain, "eval": cmd_eval, "warmstart": cmd_warmstart,
-            "compare": cmd_compare, "claims": cmd_claims}
+COMMANDS = {"config": cmd_config, "cp": cmd_cp, "train": cmd_train, "list": cmd_list, "explain": cmd_explain,
+            "paper": cmd_paper, "eval": cmd_eval, "warmstart": cmd_warmstart, "compare": cmd_compare,
+            "claims": cmd_claims}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] | explain NAME (component or recipe) | eval [MODEL] [key=value ...] | warmstart [...] | "
-                        "compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]")
+    parser.add_argument("command", choices=sorted(COMMANDS), help=(
+        "train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] | "
+        "explain NAME (component, recipe or spec number) | paper NN (a paper's files, components, recipes, claims, "
+        "tests) | eval [MODEL] [key=value ...] | warmstart [...] | compare RECIPE|LABEL=RECIPE ... [--seeds N] "
+        "[--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]"))
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

@@ -369,9 +369,15 @@ HOOKS: tuple[Hook, ...] = (
     Hook("agg", ("objective",), "attribute", "step",
          "at build (the aggregations are built) and in every micro-batch",
          "str | None", "The term's aggregation (registry stage `aggregation`); None or absent: `objective.agg`."),
-    Hook("weighted", ("objective",), "attribute", "step",
-         "in every micro-batch: whether the token weights multiply its per-token losses (absent: True)",
-         "bool", "The KL term takes no weights, as in TRL."),
+    Hook("token_weights", ("objective",), "attribute", "step",
+         "at build (`objective.check_token_weights`: a `\"none\"` term with any token weight is refused) and in every "
+         "micro-batch: how the token weights reach the term (absent: `\"token\"`)",
+         "str", "`\"token\"` (each per-token value times its weight), `\"row:<reduction>\"` (the weight reduced per "
+         "row: `row:geo_mean`), `\"exempt\"` (never scaled: KL, entropy bonus), `\"none\"` (cannot take weights)."),
+    Hook("token_weights_reason", ("objective",), "attribute", "step",
+         "in the error that refuses token weights to a `token_weights = \"none\"` term (at build, or in a "
+         "micro-batch that carries them)",
+         "str", "Why the term takes no token weights (a contrast of whole sequences, ...)."),
     Hook("token_subset", ("objective",), "method", "step",
          "each optimiser step on the whole batch (its normaliser, all ranks) and in every micro-batch",
          "token_subset(rollout: Rollout) -> Tensor [B,G,T] bool",

@@ -19,7 +19,7 @@ from typing import Any
 
 from groupwise.registry import ConfigError
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
+RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a paper's: papers/NN_slug/recipes/
 
 
 @dataclass
@@ -354,17 +354,24 @@ def _default_at(parts: list[str]) -> Any:
     return copy.deepcopy(value)
 
 
+def shipped_recipes() -> dict[str, Path]:
+    """``{name: path}`` of every shipped recipe: ``recipes/`` (the standard ones) and each paper
+    folder's ``papers/NN_slug/recipes/``; a name found twice is an error naming both files."""
+    from groupwise.papers import named_files
+
+    return named_files(RECIPES, "recipes")
+
+
 def resolve_recipe(name_or_path: str | None) -> Path | None:
     if not name_or_path:
         return None
     path = Path(name_or_path)
     if path.exists():
         return path
-    shipped = RECIPES / f"{name_or_path}.toml"
-    if shipped.exists():
-        return shipped
-    known = sorted(p.stem for p in RECIPES.glob("*.toml"))
-    raise ConfigError(f"no recipe file or shipped recipe named {name_or_path!r}; shipped recipes: {', '.join(known)}")
+    shipped = shipped_recipes()
+    if name_or_path in shipped:
+        return shipped[name_or_path]
+    raise ConfigError(f"no recipe file or shipped recipe named {name_or_path!r}; shipped recipes: {', '.join(shipped)}")
 
 
 def component_entries(cfg: Config) -> list[tuple[str, Any, str]]:

@@ -1,9 +1,26 @@
 """The composed objective: ``loss = Σ_k coef_k · aggregate_k(term_k)``.
 
 Each term returns losses per token ``[b,G,T]`` or per row ``[b,G]`` for one micro-batch. Token
-weights (stage ``weight``, combined by :func:`token_weights`) multiply every term that takes them
-(``weighted = True``, the default; the KL term does not, as in TRL), and a token removed by a weight
-of scope ``"token"`` leaves the loss and every normaliser (``rollout.extras["counted"]``). Normalisers are computed once per optimiser step on the whole step batch (and summed over
+weights (stage ``weight``, combined by :func:`token_weights`) reach a term as the term declares with
+its class attribute ``token_weights`` (one declaration per term, so no combination is silent):
+
+- ``"token"`` (the default): the term returns per-token values and the weight multiplies each one
+  (TRL and verl multiply ``per_token_loss`` / ``pg_losses`` by the IS ratio, entropy or off-policy
+  mask). A term declaring it must return ``[b,G,T]``.
+- ``"row:<reduction>"``: the term returns row values and the weight is first reduced to one factor
+  per row over the row's loss tokens, ``ROW_REDUCTIONS``: ``"row:geo_mean"`` is exp(mean_t log w),
+  verl's sequence geometric mean of ``rollout_is_weights`` in ``compute_policy_loss_geo_mean`` (GMPO).
+- ``"exempt"``: the weight's values never scale the term, by design of the references (the KL term
+  and the entropy bonus, which TRL and verl add after weighting the policy loss); tokens a weight of
+  scope ``"token"`` removes still leave it.
+- ``"none"``: the term cannot take token weights (a group contrast or a regression of whole
+  sequences: no reference defines a weighted form); a configuration that combines it with any token
+  weight is a ``ConfigError`` (:func:`check_token_weights`, run where the objective is built), which
+  names the term, the weight and the term's ``token_weights_reason``.
+
+A configuration whose token weights reach no term (every term ``"exempt"``) is refused too. A token
+removed by a weight of scope ``"token"`` leaves the loss and every normaliser (``rollout.extras["counted"]``).
+Normalisers are computed once per optimiser step on the whole step batch (and summed over
 ranks) by :meth:`Objective.normalizers`, so that the micro-batch losses add up exactly to the loss
 of the whole batch: loss and gradient do not depend on the micro-batch split or world size.
 
@@ -21,8 +38,52 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from groupwise.registry import build, build_spec
+from groupwise.registry import ConfigError, build, build_spec
 from groupwise.types import Need, Rollout, StepInfo
+
+
+def geo_mean_factor(weight: Tensor, mask: Tensor) -> Tensor:
+    """[b,G] exp(Σ_t mask·log w / Σ_t mask): the sequence geometric mean of the token weights (verl
+    ``compute_policy_loss_geo_mean``: ``exp(Σ log(w + 1e-10)·mask / (|y| + 1e-8))``). A weight 0 on one of
+    the row's tokens gives 0 (verl: 1e-10^(k/|y|)); a row without loss tokens gives 1 (it does not count)."""
+    log_w = torch.where(mask, weight.double().log(), torch.zeros((), dtype=torch.float64))  # [b,G,T] −inf at w = 0
+    n = mask.sum(-1).clamp(min=1).double()  # [b,G]
+    return torch.exp(log_w.sum(-1) / n).float()  # [b,G]
+
+
+ROW_REDUCTIONS = {"geo_mean": geo_mean_factor}  # "row:<name>": [b,G,T] weight, mask -> [b,G] row factor
+TOKEN_WEIGHT_MODES = ("token", "exempt", "none", *(f"row:{name}" for name in ROW_REDUCTIONS))
+
+
+def _name(component: Any) -> str:
+    return getattr(component, "registry_name", type(component).__name__)
+
+
+def token_weight_mode(term: Any) -> str:
+    """How token weights reach ``term``: its ``token_weights`` declaration ("token" when it has none)."""
+    mode = getattr(term, "token_weights", "token")
+    if mode not in TOKEN_WEIGHT_MODES:
+        raise ConfigError(f"objective term {_name(term)!r} declares token_weights={mode!r}; "
+                          f"a term declares one of {TOKEN_WEIGHT_MODES}")
+    return mode
+
+
+def check_token_weights(terms: list[Any], weights: list[Any]) -> None:
+    """Refuse token weights that a term cannot take (``token_weights = "none"``) or that reach no term."""
+    if not weights:
+        return
+    named = ", ".join(repr(_name(w)) for w in weights)
+    modes = [token_weight_mode(term) for term in terms]
+    for term, mode in zip(terms, modes):
+        if mode == "none":
+            reason = getattr(term, "token_weights_reason", "it declares token_weights = 'none'")
+            raise ConfigError(f"objective term {_name(term)!r} cannot take the token weight(s) {named}: {reason}. "
+                              f"Remove objective.weights or use a term that takes token weights "
+                              f"(e.g. ppo_clip, gspo, luspo, gmpo)")
+    if terms and all(mode == "exempt" for mode in modes):
+        exempt = ", ".join(repr(_name(t)) for t in terms)
+        raise ConfigError(f"the token weight(s) {named} reach no objective term: every term ({exempt}) is exempt from "
+                          f"token weights; add a policy-gradient term (ppo_clip, gspo, ...) or drop objective.weights")
 
 
 @dataclass
@@ -34,8 +95,11 @@ class Objective:
     stat_counts: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, term_specs: list, default_agg: str) -> "Objective":
+    def from_config(cls, term_specs: list, default_agg: str, weights: list[Any] = ()) -> "Objective":
+        """The objective of ``term_specs``; ``weights``: the built token-weight components it will be
+        given (a combination a term cannot take is a ``ConfigError`` here, at build)."""
         terms = [build_spec("objective", spec) for spec in term_specs]
+        check_token_weights(terms, list(weights))
         agg_names = {default_agg} | {t.agg for t in terms if getattr(t, "agg", None)}
         # sorted: normalizers all-reduce one tensor per aggregation in this order, which must be the same
         # on every rank (a set's order follows the per-process string hash)
@@ -92,14 +156,36 @@ class Objective:
         total = out["logp"].new_zeros(())
         for index, term in enumerate(self.terms):
             values = term(mb, out, info)  # [b,G,T] or [b,G]
-            if values.dim() == 3 and mb.weight is not None and getattr(term, "weighted", True):
-                values = values * mb.weight  # [b,G,T]
+            term_mask = self._term_mask(term, mask, mb)  # [b,G,T]
+            values = self._weigh(term, values, mb.weight, term_mask)  # [b,G,T] or [b,G]
             agg = self.aggregations[self._agg_name(term)]
-            total = total + term.coef * agg.reduce(values, self._term_mask(term, mask, mb), norms[self._norm_key(index, term)])
+            total = total + term.coef * agg.reduce(values, term_mask, norms[self._norm_key(index, term)])
             if record and hasattr(term, "stats"):
                 with torch.no_grad():
                     self._accumulate(term.stats(mb, out), mask)
         return total
+
+    @staticmethod
+    def _weigh(term: Any, values: Tensor, weight: Tensor | None, mask: Tensor) -> Tensor:
+        """``values`` with the token weight applied as the term declares (module docstring)."""
+        mode = token_weight_mode(term)
+        name = _name(term)
+        if mode == "token" and values.dim() != 3:
+            raise ValueError(f"objective term {name!r} returned row values {tuple(values.shape)} but takes token "
+                             f"weights per token (token_weights = 'token'): return [b,G,T] values or declare "
+                             f"token_weights = 'row:<reduction>' or 'none'")
+        if mode.startswith("row:") and values.dim() != 2:
+            raise ValueError(f"objective term {name!r} declares token_weights = {mode!r} but returned "
+                             f"{tuple(values.shape)}, not [b,G] row values")
+        if weight is None or mode == "exempt":
+            return values
+        if mode == "none":
+            reason = getattr(term, "token_weights_reason", "token_weights = 'none'")
+            raise ValueError(f"objective term {name!r} cannot take token weights ({reason}), but the batch carries "
+                             f"them: build the objective with Objective.from_config(..., weights) to refuse the pair")
+        if mode == "token":
+            return values * weight  # [b,G,T]
+        return values * ROW_REDUCTIONS[mode[4:]](weight, mask)  # [b,G]
 
     # ------------------------------------------------------------------ statistics
     def _accumulate(self, stats: dict[str, Tensor], mask: Tensor) -> None:
@@ -122,7 +208,8 @@ class Objective:
 def token_weights(components: list[Any], rollout: Rollout, info: StepInfo) -> tuple[Tensor, Tensor]:
     """(weight [B,G,T] float32, counted [B,G,T] bool) from the token-weight components, on the whole batch.
 
-    ``weight`` is the product of every component's output; it multiplies the terms that take weights.
+    ``weight`` is the product of every component's output; it reaches each term as the term declares
+    (``token_weights``: per token, reduced per row, exempt; see the module docstring).
     A component of ``scope = "token"`` (the default) also removes its zero-weight tokens from the loss
     of every term and from every normaliser (overlong filtering); one of ``scope = "loss"`` only scales
     the terms, so its zero-weight tokens still count in the normalisers (the 80/20 rule's token count)."""

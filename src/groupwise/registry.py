@@ -25,7 +25,7 @@ STAGES = (
     "rollout",  # how completions are produced
     "reward",  # how a completion is scored
     "advantage",  # how scores become credit
-    "weight",  # per-token weights / masks applied to every objective term
+    "weight",  # per-token weights / masks, reaching each objective term as it declares (objective.py)
     "objective",  # per-token or per-row loss terms
     "kl",  # KL estimators, usable in the objective or the reward
     "aggregation",  # how per-token losses become a scalar
@@ -64,7 +64,8 @@ def register(stage: str, name: str) -> Callable[[type], type]:
 
 
 def load_all() -> None:
-    """Import every component module so that its ``@register`` runs."""
+    """Import every component module so that its ``@register`` runs: the stage folders, then every
+    module of every paper folder (``groupwise.papers.module_names``)."""
     global _LOADED
     if _LOADED:
         return
@@ -77,6 +78,10 @@ def load_all() -> None:
         for info in pkgutil.iter_modules(pkg.__path__):
             if not info.name.startswith("_"):
                 importlib.import_module(f"groupwise.{sub}.{info.name}")
+    from groupwise.papers import module_names  # the paper folders' own modules (toy tasks, their rewards and envs)
+
+    for name in module_names():
+        importlib.import_module(name)
     del groupwise
 
 

@@ -86,8 +86,10 @@ def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_label
     unknown = [r for r in cfg.rewards if r not in reward_labels]
     if unknown:
         raise ConfigError(f"roles.{name}.rewards names {unknown}; the run's reward functions are {reward_labels}")
-    role = Trainable(name, policy, Objective.from_config(cfg.objective.terms, cfg.objective.agg), build_spec("update", cfg.update), [],
-                     build_spec("advantage", cfg.advantage.estimator), [build_spec("weight", spec) for spec in cfg.objective.weights],
+    weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
+    objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs
+    role = Trainable(name, policy, objective, build_spec("update", cfg.update), [],
+                     build_spec("advantage", cfg.advantage.estimator), weights,
                      [reward_labels.index(r) for r in cfg.rewards] or None)
     own = [n for c in role.components for n in getattr(c, "needs", ())]
     if any(n.model == "ref" for n in own):

@@ -68,7 +68,7 @@ class Trainer(RunLoop, HeldOut):
                               f"every advantage would be 0; use group_size >= 2")
         self.shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
         self.weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
-        self.objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg)
+        self.objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, self.weights)  # refuses bad ones
         self.updater = build_spec("update", cfg.update)
         self.prompt_stats = PromptStats()
         total_updates = cfg.train.steps * cfg.train.epochs * cfg.train.minibatches

@@ -6,9 +6,18 @@ Players are rows of ``phi`` [G,d] (reward-weighted embeddings); the team value o
 
 computed from the Cholesky factor of ``I + K_SS`` (K = Φ Φᵀ, float64): ``v = 2 Σ log diag(L)``.
 
-- exact: v of every subset of the non-null players at once (a batch of masked matrices
-  ``I + K ⊙ m mᵀ``: a left-out player's row and column are the identity's, adding log 1 = 0), then
-  ψ_i = Σ_{S ∌ i} |S|!(n−|S|−1)!/n! · (v(S ∪ i) − v(S)) over the n non-null players.
+- exact: v of every subset of the n non-null players, then
+  ψ_i = Σ_{S ∌ i} |S|!(n−|S|−1)!/n! · (v(S ∪ i) − v(S)). For n ≤ 10 all 2^n subsets are one batch of
+  masked matrices ``I + K ⊙ m mᵀ`` (a left-out player's row and column are the identity's, adding
+  log 1 = 0) and one batched Cholesky. For larger n (up to 16) the subsets are grown one player at
+  a time in increasing index order, each carrying the Schur complement of ``I + K`` on the players
+  after its largest one: v(S ∪ k) = v(S) + log of k's pivot, and adding k eliminates its row and
+  column (a rank-1 update). Every subset costs one pivot and an update of the trailing block, so 16
+  players take ~30 ms instead of ~0.4 s for 65536 Cholesky factorisations (one thread). A pivot is
+  ≥ 1 in exact arithmetic; one below 1, not finite, or 10^8 times smaller than its diagonal entry
+  (rounding has eaten the digits: near-duplicate players with rewards beyond ~1e4) sends the game
+  back to the batched Cholesky, whose eigenvalue fallback covers the factorisations that fail (near
+  float64's range the log volume of ≥ 3 equal players is only guaranteed finite, not exact).
 - Monte-Carlo: M random orders; in one order the leading principal minors of the permuted
   ``I + K`` are the prefix coalitions, so one Cholesky gives every marginal contribution,
   v(prefix_k) − v(prefix_{k−1}) = 2 log L_kk. ψ_i = the mean over orders. Each order's
@@ -70,12 +79,58 @@ def _subsets(n: int) -> tuple[Tensor, Tensor, Tensor]:
     return masks, ids[:, None] | bit[None, :], weight
 
 
-def _exact(K: Tensor) -> Tensor:
+BATCHED_MAX = 10  # up to this many players, one batched Cholesky of all 2^n subsets is the fastest
+LOST_DIGITS = 1e8  # a pivot this many times below its diagonal entry has lost half of float64's digits
+
+
+def _subset_values_batched(K: Tensor) -> Tensor:
+    """v [2^n] of every subset (bitmask index) from one batch of masked matrices and its Cholesky."""
     n = K.shape[0]
-    masks, with_i, weight = _subsets(n)
+    masks, _, _ = _subsets(n)
     pair = masks[:, :, None] & masks[:, None, :]  # [2^n,n,n]
     A = torch.eye(n, dtype=torch.float64) + torch.where(pair, K, 0.0)  # [2^n,n,n]
-    v = _prefix_gains(A).sum(-1)  # [2^n]
+    return _prefix_gains(A).sum(-1)  # [2^n]
+
+
+def _subset_values_grown(K: Tensor) -> Tensor | None:
+    """v [2^n] of every subset, grown one player at a time (module docstring); None when a pivot is unreliable.
+
+    The subsets whose largest player is m are one batch: their bitmasks, their v and the Schur complement
+    of I + K on players m+1..n−1 after eliminating the subset, [c, n−1−m, n−1−m]."""
+    n = K.shape[0]
+    A = torch.eye(n, dtype=torch.float64) + K  # [n,n]
+    v = torch.zeros(2**n, dtype=torch.float64)  # [2^n]
+    pending: list[list[tuple[Tensor, Tensor, Tensor]]] = [[] for _ in range(n)]  # children by their largest player
+    batch = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.float64), A[None])  # the empty set
+    for m in range(-1, n - 1):
+        if m >= 0:
+            if not pending[m]:
+                continue
+            batch = tuple(torch.cat(part) for part in zip(*pending[m]))
+            pending[m] = []
+        masks, vals, block = batch  # [c], [c], [c,r,r] with r = n−1−m
+        for j in range(block.shape[1]):
+            k = m + 1 + j
+            pivot = block[:, j, j]  # [c] exp(v(S ∪ k) − v(S)), ≥ 1 in exact arithmetic
+            unreliable = ~torch.isfinite(pivot) | (pivot < 1.0 - 1e-9) | (A[k, k] / pivot > LOST_DIGITS)  # [c]
+            if bool(unreliable.any()):
+                return None
+            child, child_v = masks | (1 << k), vals + pivot.log()  # [c], [c]
+            v[child] = child_v
+            if k < n - 1:  # eliminate k from the players after it: its children's Schur complement
+                col = block[:, j + 1 :, j]  # [c,r']
+                outer = col[:, :, None] * col[:, None, :] / pivot[:, None, None]  # [c,r',r']
+                schur = block[:, j + 1 :, j + 1 :] - outer  # [c,r',r']
+                pending[k].append((child, child_v, schur))
+    return v
+
+
+def _exact(K: Tensor) -> Tensor:
+    n = K.shape[0]
+    _, with_i, weight = _subsets(n)
+    v = _subset_values_grown(K) if n > BATCHED_MAX else None  # [2^n]
+    if v is None:
+        v = _subset_values_batched(K)  # [2^n]
     return (weight * (v[with_i] - v[:, None])).sum(0)  # [n]
 
 
@@ -88,7 +143,8 @@ def _monte_carlo(K: Tensor, n_perm: int, generator: torch.Generator) -> Tensor:
     return psi / n_perm
 
 
-def shapley_values(phi: Tensor, exact: bool | None = None, n_perm: int = 256, seed: int = 0, exact_max: int = 10) -> Tensor:
+def shapley_values(phi: Tensor, exact: bool | None = None, n_perm: int = 256, seed: int = 0, exact_max: int = 16
+                   ) -> Tensor:
     """ψ [G] float64: Shapley values of the players ``phi`` [G,d] in the game v = ``dpp_logvol``.
 
     ``exact`` True: over all subsets; False: ``n_perm`` seeded random orders; None: exact when at

@@ -26,7 +26,8 @@ https://arxiv.org/abs/2605.10937 (spec: specs/38; abstract + the arxivlens metho
 
 - ``gamma = 0.5`` [INFERRED] the spec's default (the summary gives only γ > 0); ``gamma = 0`` is
   the linear ablation (Dr.GRPO centring with a batch std of the centred values).
-- Group-mean centring, no prompt std, batch-level std [PAPER] (arxivlens methodology summary).
+- Group-mean centring, no prompt std, batch-level std [PAPER-SUMMARY] the arxivlens methodology
+  summary (a third-party summary of the paper, specs/README's tag; not read in the paper itself).
 - ``order = "norm_then_power"`` [INFERRED] normalising first makes the |z| = 1 crossover scale-free;
   ``"power_then_norm"`` is the other reading of the summary, an option.
 - ``std = "population"`` [INFERRED] the spec's population std over all valid B·G rows;

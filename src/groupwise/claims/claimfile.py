@@ -1,4 +1,5 @@
-"""Claim files ``claims/<NN-slug>.toml``: a seeded comparison plus the direction the paper claims.
+"""Claim files ``<NN-slug>.toml`` (in ``papers/NN_slug/claims/``, or a repository's ``claims/``): a
+seeded comparison plus the direction the paper claims.
 
 Keys (see ``docs/claims.md``): ``paper``, ``claim``, ``metric`` (one of ``METRICS``, or
 ``last:<metrics.jsonl key>`` or ``std:<metrics.jsonl key>``), ``target`` (required for ``*_to_target``), ``direction`` (greater |
@@ -146,9 +147,33 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     return claim
 
 
-def find_claims(names: list[str], folder: Path) -> list[Path]:
-    """Claim files by name (``48-sign``), number prefix (``48``) or path; all of ``folder`` when none."""
-    available = sorted(folder.glob("*.toml"))
+def claim_files(folder: Path | None = None) -> list[Path]:
+    """The claim files of ``folder``; by default those of ``claims/`` (a repository's own claims,
+    when there is one) and of every paper folder (``papers/NN_slug/claims/``), by name. A name
+    found twice is an error naming both files."""
+    if folder is not None:
+        return sorted(Path(folder).glob("*.toml"))
+    from groupwise.papers import named_files
+
+    return sorted(named_files(Path("claims"), "claims").values(), key=lambda p: p.name)  # file-name order
+
+
+def shown_path(path: Path) -> str:
+    """A claim file's path as the docs show it: ``papers/NN_slug/claims/NAME.toml`` for a paper's
+    (the repository's ``papers`` link), else ``claims/NAME.toml``."""
+    from groupwise.papers import PAPERS
+
+    try:
+        return str(Path("papers") / Path(path).resolve().relative_to(PAPERS))
+    except ValueError:
+        return f"claims/{Path(path).name}"
+
+
+def find_claims(names: list[str], folder: Path | None = None) -> list[Path]:
+    """Claim files by name (``48-sign``), number prefix (``48``) or path; all of them when none
+    (``claim_files``: ``folder``, or by default ``claims/`` and ``papers/*/claims/``)."""
+    available = claim_files(folder)
+    where = f"{folder}/" if folder is not None else "claims/ or papers/*/claims/"
     if not names:
         return available
     found = []
@@ -160,6 +185,7 @@ def find_claims(names: list[str], folder: Path) -> list[Path]:
         matches = [p for p in available if p.stem == name] or [p for p in available if p.stem.startswith(f"{name}-")]
         if len(matches) != 1:
             what = "no claim file" if not matches else "several claim files"
-            raise ClaimError(f"claims: {what} named {name!r} in {folder}/; available: {', '.join(p.stem for p in available) or '(none)'}")
+            names = ", ".join(p.stem for p in available) or "(none)"
+            raise ClaimError(f"claims: {what} named {name!r} in {where}; available: {names}")
         found.append(matches[0])
     return found

@@ -37,11 +37,13 @@ def cmd_claims(args: list[str]) -> int:
     from groupwise.claims.report import regenerate, run_claim, save_record
 
     parser = argparse.ArgumentParser(prog="groupwise claims", usage=CLAIMS_USAGE,
-                                     description="Run claim files (all of claims/ or the named ones) and rewrite docs/claims.md.")
+                                     description="Run claim files (all of papers/*/claims/ and claims/, or the named "
+                                                 "ones) and rewrite docs/claims.md.")
     parser.add_argument("words", nargs="*", help="claim names (48-sign, 48, or a path); key=value overrides added to every run")
     parser.add_argument("--seeds", type=int, default=None, help="override every claim's seeds")
     parser.add_argument("--out", default="runs/claims", help="run folders go to OUT/<slug>/ (default runs/claims)")
-    parser.add_argument("--claims-dir", default="claims", help="folder of claim files (default claims)")
+    parser.add_argument("--claims-dir", default=None,
+                        help="folder of claim files (default: papers/*/claims/ and claims/)")
     parser.add_argument("--docs", default="docs/claims.md", help="page to regenerate (default docs/claims.md)")
     parser.add_argument("--docs-only", action="store_true", help="only regenerate the page from the saved results")
     ns = parser.parse_intermixed_args(args)
@@ -49,7 +51,7 @@ def cmd_claims(args: list[str]) -> int:
     extra = [w for w in ns.words if "=" in w]
     console, docs = Console(stderr=True), Path(ns.docs)
     if not ns.docs_only:
-        paths = find_claims(names, Path(ns.claims_dir))
+        paths = find_claims(names, Path(ns.claims_dir) if ns.claims_dir else None)
         claims = [load_claim(p) for p in paths]  # every file is checked before anything runs
         for claim in claims:
             console.rule(f"[bold]{claim.slug}[/]: {claim.claim}")
@@ -57,6 +59,6 @@ def cmd_claims(args: list[str]) -> int:
             save_record(record, docs)
             for e in record["effects"]:
                 console.print(f"[bold]{claim.slug}[/] {claim.metric}: {e['claimed']} − {e['baseline']} = {e['effect_text']} → [bold]{e['verdict']}[/] ({e['reason']})", soft_wrap=True)
-    regenerate(Path(ns.claims_dir), docs)
+    regenerate(Path(ns.claims_dir) if ns.claims_dir else None, docs)
     console.print(f"wrote {docs}")
     return 0

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from groupwise.claims.claimfile import Claim, ClaimError, load_claim
+from groupwise.claims.claimfile import Claim, ClaimError, claim_files, load_claim, shown_path
 from groupwise.claims.compare import DIGITS, KEYED, compare, launch_subprocess, metric_values
 from groupwise.claims.intervals import paired_differences, paired_effect, verdict
 
@@ -25,9 +25,9 @@ PLACEHOLDER = "_No reading yet: write here what the result means (kept when the 
 INTRO = """\
 # Claims
 
-Every paper implemented in groupwise registers one **claim**: a seeded comparison, in
-`claims/<NN-slug>.toml`, of the paper's method against its baseline on a built-in task and the
-embedded tiny model, with the direction the paper says the difference goes. `make claims`
+Every paper implemented in groupwise registers one **claim**: a seeded comparison, in its folder's
+`papers/NN_slug/claims/<NN-slug>.toml`, of the paper's method against its baseline on a built-in
+task and the embedded tiny model, with the direction the paper says the difference goes. `make claims`
 (`groupwise claims [NAMES...] [--seeds N] [--out DIR] [key=value ...]`) runs them through
 `groupwise compare` and rewrites this page. Runs are resumable: a finished seed is not rerun.
 
@@ -158,7 +158,8 @@ def render(claims: list[Claim | tuple[str, str]], records: dict[str, dict], kept
 
 def _section(claim: Claim, record: dict | None) -> list[str]:
     out = [f'<a id="{claim.slug}"></a>', f"## {claim.slug}", "", f"**{claim.paper}**: {claim.claim}", "",
-           f"File `claims/{claim.path.name}`; metric `{claim.metric}`" + (f", target {claim.target}" if claim.target is not None else "")
+           f"File `{shown_path(claim.path)}`; metric `{claim.metric}`"
+           + (f", target {claim.target}" if claim.target is not None else "")
            + f", claimed direction `{claim.direction}`" + (f" within a non-inferiority margin of {claim.margin:g}" if claim.margin else "") + f" against `{'`, `'.join(claim.baselines)}`; common overrides `{' '.join(claim.common) or '(none)'}`.", "",
            "| config | recipe + overrides |", "|---|---|"]
     out += [f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | `{_cell(' '.join([c.recipe, *c.overrides]))}` |" for c in claim.configs]
@@ -181,11 +182,12 @@ def _section(claim: Claim, record: dict | None) -> list[str]:
     return out
 
 
-def regenerate(claims_dir: Path, docs: Path) -> str:
-    """Rewrite ``docs`` from every claim file and every saved record, keeping the readings."""
+def regenerate(claims_dir: Path | None, docs: Path) -> str:
+    """Rewrite ``docs`` from every claim file (of ``claims_dir``, or by default ``claim_files()``)
+    and every saved record, keeping the readings."""
     kept = readings(docs.read_text()) if docs.exists() else {}
     items: list[Claim | tuple[str, str]] = []
-    for path in sorted(Path(claims_dir).glob("*.toml")):
+    for path in claim_files(claims_dir):
         try:
             items.append(load_claim(path, check_configs=False))
         except ClaimError as err:

@@ -46,7 +46,7 @@ separated positives and high-scoring negatives.
 1. Group-level term (``couples = "group"``): every row of a group carries its group's loss.
 2. Groups without a positive or without a negative give exactly 0 (constant-reward groups, a
    single valid row, an empty group). Rows without a loss token or with a NaN reward are in neither
-   set; padding never reaches s (inputs zeroed first); tokens a weight removes leave s.
+   set; padding never reaches s (inputs zeroed first).
 3. ``norm = "mixed"``: :meth:`prepare` counts the groups with both on the step's whole batch (all
    ranks) and stores ``scale`` as the group extra ``conspo.scale``, so the loss does not depend on
    the micro-batch split or world size. The count is the step's: with ``train.minibatches > 1`` each
@@ -56,6 +56,9 @@ separated positives and high-scoring negatives.
    off-policy-safe without a ratio; it does not reduce to REINFORCE (it reads no advantage). A KL
    term composes as usual.
 5. Statistics: ``score`` (s_i per row).
+6. Token weights: none (``token_weights = "none"``; objective.py). The InfoNCE contrasts whole
+   sequences' scores and no source defines a token-weighted form, so a configuration with a token
+   weight is a ``ConfigError`` at build rather than a weight the loss would silently ignore.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ class ConSPO:
 
     needs = ()
     couples = "group"
+    token_weights = "none"  # Note 6
+    token_weights_reason = "an InfoNCE contrast of whole sequences' mean log-probs, with no token-weighted form"
 
     def __post_init__(self) -> None:
         if not self.tau > 0:

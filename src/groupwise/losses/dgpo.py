@@ -56,6 +56,8 @@ questions into one group.
    a group's question groups, then over groups: micro-batch invariant (groups are never split).
 4. Statistics: ``dgpo/score`` (s per row), ``dgpo/term_frac`` (share of rows in a question group
    with a term), ``dgpo/pair_acc`` (share of a term's pairs with s_p − s_n > gamma, per row).
+5. Token weights: none (``token_weights = "none"``; objective.py): the margins compare whole
+   sequences' scores and no source weighs their tokens, so a token weight is refused at build.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class DGPO:
     positive_at: float | None = None
     coef: float = 1.0
     agg: str | None = "group_mean"
+
+    token_weights = "none"  # Note 5
+    token_weights_reason = "a margin loss between whole sequences' scores, with no token-weighted form"
 
     def __post_init__(self) -> None:
         if not self.beta > 0:

@@ -49,10 +49,11 @@ Offline (``estimate_logZ``, proposals y_j ~ q, j = 1..M, r̂ normalised within t
 3. dL/dlp_bar = 2·w·delta; dL/dlogZ does not exist (a constant). Not REINFORCE on-policy
    (``on_policy_reinforce = False``): on-policy the gradient is 2·delta·∇lp_bar.
 4. ``beta`` must equal the artifact's (log Z was estimated for that β): ``use_artifact`` refuses
-   another. Rows are values [b,G]; use ``agg = "seq_mean_token_mean"`` for the spec's mean over rows
-   (token-weights do not apply: the objective multiplies only token values).
+   another. Rows are values [b,G]; use ``agg = "seq_mean_token_mean"`` for the spec's mean over rows.
 5. Statistics (row means): ``disa/delta`` (E[δ], the calibration diagnostic), ``disa/logz``,
    ``disa/w``, ``disa/clamp_low``, ``disa/clamp_high`` (rows whose lp_bar was clamped).
+6. Token weights: none (``token_weights = "none"``; objective.py): the residual is one value per
+   whole sequence and no source weighs its tokens, so a token weight is refused at build.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ class DISA:
 
     artifacts = ("logz",)
     on_policy_reinforce = False  # Note 3
+    token_weights = "none"  # Note 6
+    token_weights_reason = "a trajectory-balance residual of whole sequences' log-probs, with no weighted form"
     _table: Any = field(default=None, init=False, repr=False)
     _regressor: Any = field(default=None, init=False, repr=False)
 

@@ -28,7 +28,7 @@ gradient through the logits)::
 1. Needs: ``Need("entropy", grad=True)`` for the loss, and a no-grad ``Need("entropy")`` so that the
    step's whole-batch entropy exists in ``rollout.extras["entropy"]`` before micro-batching, where the
    ``target_entropy`` schedule reads it. (The no-grad one costs a no-grad forward of the batch.)
-2. ``weighted = False`` [CODE]: verl multiplies only the policy loss by ``rollout_is_weights``, never
+2. ``token_weights = "exempt"`` [CODE]: verl multiplies only the policy loss by ``rollout_is_weights``, never
    the entropy term; tokens removed by a token weight (``extras["counted"]``) still leave it.
 3. The gradient flows only through ``out["entropy"]`` (not through the sampled tokens' log-probs).
 4. Padding positions are set to 0 before the sum, so garbage there never reaches the loss.
@@ -54,7 +54,7 @@ class EntropyBonus:
     agg: str | None = None
 
     needs = (Need("entropy", grad=True), Need("entropy"))
-    weighted = False
+    token_weights = "exempt"  # Note 2
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         if "entropy" not in out:

@@ -35,8 +35,9 @@ token advantages, constant within a phase when they come from ``f_grpo``)::
    mean over sequences of the two-phase sum. A phase without loss tokens contributes 0.
 3. On-policy rho_p = 1 and ∇rho_p = mean_{t∈m_p} ∇logp_t: with one phase this is the REINFORCE
    gradient under every aggregation (a row value counts once per loss token of its row).
-4. Token weights do not scale a row loss; a token a weight removes (``counted``) leaves both the
-   phase means and the normalisers.
+4. Token weights (``token_weights``, objective.py): per token at ``level = "token"``; none at
+   ``level = "sequence"``, where each phase has one clipped ratio and no source defines how a token
+   weight enters it, so a configuration with a token weight is refused at build.
 5. ``stats``: ``ratio_gen``/``ratio_rank`` (rho_p, 1 for an empty phase) and ``clip_low``/``clip_high``
    (some phase clipped), per row.
 """
@@ -89,6 +90,12 @@ class FGRPOLoss:
     _token_text: Any = field(default=None, init=False, repr=False)
 
     needs = ()
+    token_weights_reason = ("at level = 'sequence' each phase of a row has one clipped ratio, with no weighted form "
+                            "(level = 'token' takes them)")
+
+    @property
+    def token_weights(self) -> str:
+        return "token" if self.level == "token" else "none"  # Note 4
 
     def __post_init__(self) -> None:
         check_clip("f_grpo", self.eps_low, self.eps_high)

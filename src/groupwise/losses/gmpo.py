@@ -14,7 +14,8 @@ matched here. TRL 1.16 has no GMPO loss type.
 - Clipping is per token on the log-ratio, pessimistic by advantage sign, before the mean; the
   range is wider (e^±0.4 instead of 1 ± 0.2).
 
-**Math** (``mask`` = completion tokens of valid rows; ``sgn = sign(adv)`` per token)::
+**Math** (``mask`` = loss tokens: completion tokens of valid rows not removed by a token weight;
+``sgn = sign(adv)`` per token; ``w`` = the token weights, 1 without any)::
 
     d      = logp - logp_old                                                    # [b,G,T]
     d_clip = sgn * min(sgn * d, sgn * clip(d, -eps_low, eps_high))              # [b,G,T]
@@ -22,6 +23,7 @@ matched here. TRL 1.16 has no GMPO loss type.
     ratio  = exp(Σ_t mask·d_clip / |y|)                                         # [b,G]
     adv_s  = Σ_t mask·adv / |y|                                                 # [b,G]
     loss   = -adv_s * ratio                                                     # [b,G]
+    loss   = loss * exp(Σ_t mask·log w / |y|)     (token weights: the objective, "row:geo_mean")
 
 This is the paper's (Π_t |min(ρ_t A, clip(ρ_t, e^−eps_low, e^eps_high) A)|)^{1/|o|}·sgn(A).
 
@@ -50,6 +52,13 @@ This is the paper's (Π_t |min(ρ_t A, clip(ρ_t, e^−eps_low, e^eps_high) A)|)
    (tokens whose gradient the clip removes; verl's ``pg_clipfrac`` also counts tokens outside the
    range on the free side), and ``ratio`` = the unclipped geometric-mean ratio [b,G].
 6. ``d`` and ``adv`` are zeroed outside the mask first (garbage padding never reaches the loss).
+7. Token weights (``token_weights = "row:geo_mean"``, applied by the objective) [CODE] verl
+   ``compute_policy_loss_geo_mean`` multiplies each row's loss by the sequence geometric mean of
+   its ``rollout_is_weights``, exp(Σ_t log(w + 1e-10)·mask / (|y| + 1e-8)); here exp(mean_t log w)
+   exactly, so a row with a weight-0 token (a ``top_entropy`` or MIS zero of scope ``"loss"``) gets
+   factor 0, where verl's 1e-10 floor gives 1e-10^(k/|y|) (k zero tokens). A weight of scope
+   ``"token"`` removes its zeros from ``mask`` instead (verl's rejection edits ``response_mask``):
+   the means and the geometric mean then run over the kept tokens.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, masked_input, required, term_mask, token_advantages
+from groupwise.losses._common import check_clip, loss_tokens, masked_input, required, token_advantages
 from groupwise.masked import masked_mean
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
@@ -76,6 +85,7 @@ class GMPO:
     agg: str | None = None
 
     needs = ()
+    token_weights = "row:geo_mean"  # Note 7: verl's sequence geometric mean of the IS weights
 
     def __post_init__(self) -> None:
         if not self.eps_low >= 0.0:
@@ -83,7 +93,7 @@ class GMPO:
         check_clip("gmpo", 0.0, self.eps_high)
 
     def _inputs(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        mask = term_mask(mb)  # [b,G,T]
+        mask = loss_tokens(mb)  # [b,G,T] verl's response_mask, rejected tokens removed (Note 7)
         logp = masked_input(out["logp"], mask)  # [b,G,T]
         logp_old = masked_input(required(mb, "logp_old", "gmpo"), mask)  # [b,G,T]
         return logp - logp_old, token_advantages(mb, mask, "gmpo"), mask  # [b,G,T] x3

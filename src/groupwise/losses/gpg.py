@@ -28,7 +28,7 @@ not this term's; combine the two in a recipe.
 2. ``logp_old`` is not read, so with several epochs or mini-batches the samples are reused without any
    off-policy correction, exactly as in verl.
 3. verl multiplies by ``rollout_is_weights`` when present; here any token weight (stage ``weight``)
-   multiplies the term the same way (``weighted = True``).
+   multiplies the term the same way (``token_weights = "token"``, the default).
 """
 
 from __future__ import annotations

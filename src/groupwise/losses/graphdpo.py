@@ -49,6 +49,8 @@ Sun, Kristina Klinkner, Shervin Malmasi, 2026. https://arxiv.org/abs/2605.08037 
 5. Statistics (per row, averaged over rows): ``graphdpo/h`` the implicit reward, ``graphdpo/term_frac``
    the share of rows with a term, ``graphdpo/acc`` the share of rows with a term whose h exceeds
    every h they dominate.
+6. Token weights: none (``token_weights = "none"``; objective.py): the DAG compares whole sequences
+   and no source weighs their tokens, so a token weight is refused at build.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ class GraphDPO:
     agg: str | None = "seq_mean_token_mean"
 
     needs = (Need("logp", model="ref"),)
+    token_weights = "none"  # Note 6
+    token_weights_reason = "a Plackett-Luce DPO loss over whole sequences' implicit rewards, with no weighted form"
 
     def __post_init__(self) -> None:
         if not self.beta > 0:

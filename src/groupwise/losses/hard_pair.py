@@ -54,6 +54,8 @@ L = .6·ln 1.2 + .4·ln .8 = 0.020136, ∂L/∂(log π_w, log π_l) = [−0.1, 0
    group's pairs whose gradient the ratio bound stopped).
 7. ``hard_pair_loss`` is the spec's interface on sequence log-probs, with β·k3 of the sequence
    log-ratio to the reference when ``ref_seq_logp`` is given.
+8. Token weights: none (``token_weights = "none"``, from ``lpo.SimplexTerm``; objective.py): a
+   token weight is refused at build.
 """
 
 from __future__ import annotations

@@ -51,11 +51,14 @@ high-ratio tokens for p > 0, uniform at p = 0, on low-ratio tokens for p < 0.
    a row mean, equal to the token REINFORCE gradient under every built-in aggregation.
 4. ``d`` and the advantages are zeroed outside the mask first; a row without loss tokens has
    rho = 1 and adv = 0 (loss 0, and the aggregation drops it). Token advantages are reduced to
-   their row mean (as ``gmpo``). Tokens a weight removes (``counted``) leave the mean.
+   their row mean (as ``gmpo``).
 5. The clip interval is closed: a rho exactly on 1 ± eps keeps its gradient (``clipped_surrogate``).
 6. Statistics: ``ratio`` (rho per row); ``clip_low`` (adv < 0, rho < 1 − eps_low) and ``clip_high``
    (adv > 0, rho > 1 + eps_high) per row — with ``holder_token`` per token: the tokens whose ratio
    the min / max caps (they get no gradient).
+7. Token weights: none (``token_weights = "none"``; objective.py): the authors' code applies no
+   token weight and none of its reductions to a row factor is sourced (GMPO's geometric mean is
+   verl's choice for a different ratio), so a token weight is refused at build.
 """
 
 from __future__ import annotations
@@ -153,6 +156,8 @@ class HolderPO:
     agg: str | None = None
 
     needs = ()
+    token_weights = "none"  # Note 7
+    token_weights_reason = "one power-mean ratio per sequence, and no sourced reduction of token weights to it"
 
     def __post_init__(self) -> None:
         check_clip("holderpo", self.eps_low, self.eps_high)

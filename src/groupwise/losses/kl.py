@@ -47,7 +47,7 @@ them by name. ``bias_correction = true`` multiplies the per-token estimate by th
 3. ``stats`` reports the term's per-token value (the estimate, times the ratio when
    ``bias_correction``), averaged over loss tokens by the objective as ``kl`` — what TRL logs as
    ``kl``.
-4. Not weighted (``weighted = False``): TRL multiplies its vLLM importance ratio, off-policy mask
+4. Exempt from token weights (``token_weights = "exempt"``): TRL multiplies its vLLM importance ratio, off-policy mask
    and entropy mask into the policy loss only and adds ``beta · per_token_kl`` afterwards; verl
    adds its KL loss separately from ``rollout_is_weights`` likewise.
 5. ``bias_correction`` reads ``mb.logp_old``, which the trainer always fills before the loss (from
@@ -82,7 +82,7 @@ class KLTerm:
     agg: str | None = None
 
     needs = (Need("logp", model="ref"),)
-    weighted = False  # token weights (top-entropy, IS corrections) scale the policy-gradient terms only, as in TRL
+    token_weights = "exempt"  # Note 4: token weights (top-entropy, IS corrections) scale the policy-gradient terms only
 
     def __post_init__(self) -> None:
         self._kl = build("kl", self.estimator)

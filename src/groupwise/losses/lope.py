@@ -54,6 +54,9 @@ now finds unlikely gets the largest push. ρ = 1 → 0.909091 (gradient 0.082645
 3. ``log_rho`` is zeroed outside the mask before ``exp`` and clamped to ±20 (the code's clamp), so
    padding never overflows and masked tokens get exactly zero gradient.
 4. ``stats``: the base term's, plus ``lope_shaped`` (the share of loss tokens on swapped rows).
+5. Token weights reach the term as they reach its base (``token_weights``, objective.py): per
+   token for a per-token base; a base that reduces them per row (``gmpo``) takes none under lope
+   (a configuration with a token weight is refused), since its injected rows are per-token losses.
 """
 
 from __future__ import annotations
@@ -110,8 +113,17 @@ class LoPEShaping:
         return tuple(getattr(self.inner, "needs", ())) + own
 
     @property
-    def weighted(self) -> bool:
-        return getattr(self.inner, "weighted", True)
+    def token_weights(self) -> str:
+        """The base term's declaration (objective.py); a base that reduces weights per row takes none here (Note 5)."""
+        mode = getattr(self.inner, "token_weights", "token")
+        return "none" if mode.startswith("row:") else mode
+
+    @property
+    def token_weights_reason(self) -> str:
+        mode = getattr(self.inner, "token_weights", "token")
+        if mode.startswith("row:"):
+            return f"its base {self.base!r} reduces token weights per row ({mode}), which lope's per-token rows cannot"
+        return getattr(self.inner, "token_weights_reason", f"its base {self.base!r} takes none")
 
     @property
     def on_policy_reinforce(self) -> bool:

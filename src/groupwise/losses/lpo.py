@@ -46,7 +46,7 @@ At theta = theta_old every lam = 0 and p is uniform: the forward gradient is 1/n
    projection's, not −A·∇logp (the two agree to first order in A/tau, up to the factor 1/(n·tau)).
 4. Rows without a loss token or with a NaN reward (no verdict) are outside the simplex; padding and
    garbage outside the mask never reach lam (inputs zeroed first). Token advantages are reduced to
-   their row mean; tokens a weight removes (``counted``) leave lam.
+   their row mean.
 5. ``lam`` is a sum over tokens, so its gradient per token is bounded by |p_i − p_star_i| ≤ 1
    whatever the length; with ``length_norm`` it is divided by the length.
 6. Statistics per row: ``tv`` = ½·Σ_i |p_i − p_star_i| of its group (0 at the target), and
@@ -59,6 +59,9 @@ At theta = theta_old every lam = 0 and p is uniform: the forward gradient is 1/n
 8. ``simplex_divergence`` (the projection on a group's simplex, with an optional common ``base``
    logit) and ``sequence_log_ratio`` (lam of a micro-batch) are shared with ``hard_pair``
    (Hard-Pair-GRPO, specs/56), whose simplices are the 2-row pairs.
+9. Token weights: none (``token_weights = "none"``, declared in ``SimplexTerm`` for ``hard_pair``
+   too; objective.py): the projection compares whole sequences and no source weighs their tokens,
+   so a token weight is refused at build.
 """
 
 from __future__ import annotations
@@ -137,6 +140,8 @@ class SimplexTerm:
     needs = ()
     couples = "group"
     on_policy_reinforce = False  # Note 3: the projection's gradient, not REINFORCE
+    token_weights = "none"  # Note 9
+    token_weights_reason = "a divergence on the group's simplex of whole-sequence log-ratios, with no weighted form"
 
 
 @register("objective", "lpo")

@@ -21,7 +21,8 @@ negative-advantage row, once some token's ratio π_θ/π_behav has collapsed bel
 
 **Defaults**
 
-- ``eps_low = 1.0``, ``eps_high = 4.0`` (clip to [0, 5]) [PAPER] the project page's relaxed clip.
+- ``eps_low = 1.0``, ``eps_high = 4.0`` (clip to [0, 5]) [PAPER-SUMMARY] the project page's relaxed
+  clip (specs/06 is PARTIAL: the page, not the paper, was read).
 - ``delta = 1e-4`` [INFERRED] the page's illustration shows trigger ratios "< 10⁻⁴"; no value given.
 - ``scope = "suffix"`` [INFERRED] the page says μ-GRPO "masks the unsafe post-trigger updates" and
   shows 𝒮_κ, ℋ_κ and 𝒮_seq all stable; which one the method uses is not stated. All four are options.

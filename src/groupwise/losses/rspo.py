@@ -43,6 +43,8 @@ With ``seq_mean_token_mean`` the objective is mean_i loss_i, and ∂L/∂u_i = (
 5. Groups are never split across micro-batches and the row count is whole-batch, so the loss is
    micro-batch invariant.
 6. Statistics (per row): ``rspo/log_ratio`` (u), ``rspo/abs_gap`` (|gap|).
+7. Token weights: none (``token_weights = "none"``; objective.py): the gap is one value per whole
+   sequence and no source weighs its tokens, so a token weight is refused at build.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class RSPO:
     agg: str | None = "seq_mean_token_mean"
 
     needs = (Need("logp", model="ref"),)
+    token_weights = "none"  # Note 7
+    token_weights_reason = "a squared regression of the whole sequence's log-ratio, with no token-weighted form"
 
     def __post_init__(self) -> None:
         if not self.beta > 0:

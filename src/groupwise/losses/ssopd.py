@@ -53,8 +53,8 @@ teacher's under hint(x, y⁺) ⊕ y⁻_<t, no gradient)::
    reaches neither the value nor the gradient. A y⁻ without tokens gives 0. A vocabulary entry of
    probability 0 (log −inf) adds 0 (0 · log 0 = 0), not NaN.
 5. Group-level term (``couples = "group"``): every row of group b carries L[b]; under another
-   aggregation a group weighs by its rows or tokens. Token weights do not scale it (``weighted =
-   False``): the frontier weight is its own.
+   aggregation a group weighs by its rows or tokens. Token weights do not scale it (``token_weights =
+   "exempt"``): the frontier weight is its own.
 6. ``on_policy_reinforce = False``: a distillation gradient, not −A·∇logp.
 7. Statistics, per row (every row of group b carries its group's value; the objective averages
    them over the step's rows): ``ssopd_div`` = mean ℓ_t over y⁻'s prefix tokens (0 off valid
@@ -154,7 +154,7 @@ class SSOPD:
 
     couples = "group"
     binary_rewards = True  # reads right/wrong verdicts (test fixtures give such terms 0/1 rewards)
-    weighted = False  # Note 5
+    token_weights = "exempt"  # Note 5
     on_policy_reinforce = False  # Note 6
 
     def __post_init__(self) -> None:

@@ -29,7 +29,10 @@ truncated-IS policy gradient ``sg[min(ratio, C)]·A·∇logp`` (no ratio clip).
 - ``dppo_tv``: ``delta_low = delta_high = 0.15`` [CODE] verl ``examples/dppo_trainer/run_qwen30b_dppo.sh``
   (``CLIP_DEFAULT=0.15``; verl reads the thresholds from ``clip_ratio_low/high``).
 - ``dppo_kl``: ``delta_low = delta_high = 0.05`` [CODE] same script (``CLIP_DEFAULT=0.05``).
-- ``clip_ratio_c = 20.0`` [CODE] verl's ``config.get("clip_ratio_c", 20.0)``; Stable-RL uses 10.0.
+- ``clip_ratio_c = 3.0`` [CODE] verl's configured value: ``clip_ratio_c: 3.0`` in
+  ``verl/trainer/config/actor/actor.yaml`` (``ActorConfig.clip_ratio_c = 3.0``,
+  ``verl/workers/config/actor.py``), which every verl actor config carries, so the loss's
+  ``config.get("clip_ratio_c", 20.0)`` fallback is never reached. Stable-RL uses 10.0.
 - ``anchor = "old"`` [CODE] verl compares with ``old_log_prob``; ``"sampler"`` [CODE] Stable-RL's
   ``dppo_binary_tv`` / ``dppo_binary_kl`` anchor to the rollout engine's log-probs
   (``rollout.logp_sampler``), the behaviour policy the paper's trust region is defined on.
@@ -103,7 +106,7 @@ class DPPOBinaryTV(_DPPO):
 
     delta_low: float = 0.15
     delta_high: float = 0.15
-    clip_ratio_c: float = 20.0
+    clip_ratio_c: float = 3.0
     anchor: str = "old"
     coef: float = 1.0
     agg: str | None = None
@@ -121,7 +124,7 @@ class DPPOBinaryKL(_DPPO):
 
     delta_low: float = 0.05
     delta_high: float = 0.05
-    clip_ratio_c: float = 20.0
+    clip_ratio_c: float = 3.0
     anchor: str = "old"
     coef: float = 1.0
     agg: str | None = None

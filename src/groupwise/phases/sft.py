@@ -33,7 +33,7 @@ trained on) is measured, and the phase stops once it reaches ``target_accuracy``
 2. Reports ``steps``, ``val_accuracy`` and ``history`` ([step, accuracy] pairs) under the phase's
    name in ``summary.json``.
 3. ``task`` (with ``train_size``) trains on a built-in task's train rows instead of the run's, so
-   runs on different data (a forward-only baseline and a forward + reverse run, claims/40) can
+   runs on different data (a forward-only baseline and a forward + reverse run, claim 40-dgpo) can
    share one warm start; an unknown task fails at the phase's start with the list of tasks.
 4. The optimiser is the phase's own: its state does not carry into RL (RL's updater starts fresh,
    as it does after the shipped warm start).

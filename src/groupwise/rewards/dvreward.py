@@ -58,7 +58,7 @@ Judges (``judge``):
 - ``template = "{question} Answer yes or no:"`` [INFERRED] the paper's system prompt ("strict
   auditor, answer only 'yes'/'no'") folded into the question for a model without a chat template.
 - ``judge = "programmatic"`` [INFERRED] the embedded model answers addition, not yes/no questions
-  (measured: see ``docs/variants.md``'s row); ``"role:judge"`` uses a frozen LM role.
+  (measured: see ``papers/27_alphagrpo/README.md``); ``"role:judge"`` uses a frozen LM role.
 - ``k = 4.0`` [INFERRED] the programmatic judge's sharpness (P(yes) = 0.982 at margin 1).
 - ``column = "attrs"`` [INFERRED] the task's comma-separated attribute keys.
 - ``domain = "number"`` [INFERRED] the text toy's questions; ``"point2d"`` for flow samples.

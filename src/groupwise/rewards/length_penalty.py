@@ -17,7 +17,7 @@ budget ``max_new_tokens``)::
 
 - ``max_length = None`` → ``L = max_new_tokens`` [INFERRED] a penalty in [−1, 0] whatever the budget.
 - ``weight = 1.0`` [INFERRED] as every reward; set the strength with ``weight`` (the ``profil``
-  claim's baseline uses 0.5: see ``claims/34-profil.toml``).
+  claim's baseline uses 0.5: see claim ``34-profil``).
 
 **Notes**
 

@@ -32,7 +32,7 @@ Format (``cand_tags = [open, close]``, ``rank_tags`` likewise; ids separated by 
   embedded tokenizer spells ``<cand>`` as six tokens); the spec's form is ``["<cand>", "</cand>"]``,
   ``["<rank>", "</rank>"]``.
 - ``column = "gains"`` [INFERRED] a dataset column mapping each relevant id to its gain
-  (``tasks/ranking.py``); a list is read as binary relevance.
+  (``papers/24_f_grpo/ranking.py``); a list is read as binary relevance.
 - ``weight = 1.0`` [CODE] TRL's default reward weight.
 
 **Notes**

@@ -32,7 +32,7 @@ Metrics (``a_io`` = normalised answer = completion.lower().strip(), ``gold_i`` t
 - ``include_original = False`` [INFERRED] the released data ships fixed variants; here every
   order is drawn, the shown one included only when asked.
 - ``elements_column = "elements"``, ``template_column = "template"``, ``sep = " "`` [INFERRED]
-  (``tasks/addition_orders.py`` carries the columns; its recipe sets ``sep = "+"``).
+  (``papers/31_dgao/addition_orders.py`` carries the columns; its recipe sets ``sep = "+"``).
 - ``greedy_probe = False`` [INFERRED] a measurement, not the paper's training: when on, every
   (question, order) is also answered greedily (not trained on) and its metrics logged.
 

@@ -2,7 +2,7 @@
 same step and their rows pooled into one group, each row under its own question.
 
 For DGPO (specs/40, ``losses/dgpo.py``): "group forward QA and constructed reverse QA candidates for
-the same problem". The data is ``tasks/fobar.py`` (rows with a ``problem`` id and a ``direction``).
+the same problem". The data is ``papers/40_dgpo/fobar.py`` (rows with a ``problem`` id and a ``direction``).
 
 **Change vs GRPO**: a group is a problem, not a prompt. Each drawn row's problem contributes all its
 rows (forward and reverse), ``G`` samples of each, scored against their own row; the rows are then

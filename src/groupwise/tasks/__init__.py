@@ -1,5 +1,6 @@
 """Built-in verifiable tasks. Each task yields rows ``{"prompt": str, "answer": str, ...}`` with
-disjoint ``train`` and ``test`` (held-out) splits, and names its default reward."""
+disjoint ``train`` and ``test`` (held-out) splits, and names its default reward. A paper's own toy
+task lives in its folder (``papers/NN_slug/``) and registers itself the same way."""
 
 from __future__ import annotations
 
@@ -51,8 +52,13 @@ def _task_modules() -> list[str]:
 
 
 def get_task(name: str) -> Task:
+    """A task by name: this package's tasks, then the paper folders' toys (``groupwise.papers``)."""
     for mod in _task_modules():
         importlib.import_module(f"groupwise.tasks.{mod}")
+    if name not in TASKS:
+        from groupwise.registry import load_all  # imports every paper folder's modules, which register their tasks
+
+        load_all()
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))} (or give data.path)")
     return TASKS[name]

@@ -36,8 +36,13 @@ Text analogue [INFERRED]: a chunk is ``chunk_size`` tokens (or a ';'/newline seg
 **Notes**
 
 1. The text divergence is :func:`phase_divergence` on one-hot chunk actions, computed sparsely per
-   group (a group's prompt fixes the answer, so successes and failures are compared within groups;
-   the paper's per-batch pooling is the same for one task) [INFERRED].
+   group and averaged over the groups with a success and a failure (a group's prompt fixes the
+   answer, so successes and failures are compared within groups) [INFERRED]. This is *not* the
+   paper's per-batch pooling, not even for one task: pooling takes one norm of the difference of the
+   batch's success and failure means, so an action that is right for one prompt and wrong for
+   another cancels, and groups weigh by their chunk counts. Two groups of one chunk per row, group 1
+   success e_A / failure e_B, group 2 success e_B / failure e_A: per group ‖e_A − e_B‖ = √2 each,
+   mean 1.414; pooled ‖(e_A + e_B)/2 − (e_A + e_B)/2‖ = 0 (tests/test_pcm.py).
 2. The chunk noise is a hash of (seed, step, prompt id, the row's tokens, chunk index): the same on
    every rank, after a resume, and for a row wherever it sits in its group (identical rows draw
    identical chunks).

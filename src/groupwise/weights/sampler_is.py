@@ -38,9 +38,11 @@ policy-gradient token is re-weighted by ρ = π_old/π_sampler, capped or masked
 
 **Notes**
 
-1. The weight multiplies the terms that take weights (the policy-gradient terms); the ``kl``
-   term is not weighted, as in both libraries. With ``scope = "loss"`` the MIS zeros and the OPSM
-   drops count in the normalisers: TRL's aggregation keeps ``completion_mask``.
+1. The weight reaches each term as the term declares (``token_weights``, objective.py): it
+   multiplies per-token policy-gradient losses (TRL's ``per_token_loss``), ``gmpo`` by its sequence
+   geometric mean (verl's ``geo_mean``); the ``kl`` term is exempt, as in both libraries, and a term
+   that cannot take it (the group contrasts) refuses the configuration. With ``scope = "loss"`` the
+   MIS zeros and the OPSM drops count in the normalisers: TRL's aggregation keeps ``completion_mask``.
 2. Runs once per step on the whole batch, before micro-batching, from ``logp_old`` (needs
    ``Need("logp")``) and ``logp_sampler`` (the engine's log-probs). OPSM uses ``logp_old`` as the
    current policy: TRL's ``per_token_logps`` equals it in the first pass over a rollout (one
