@@ -195,6 +195,21 @@ def test_plugins_key_imports_the_modules_and_refuses_a_builtins_name(user_dir):
         Config(plugins=["est.py"])
 
 
+def test_a_recipe_files_folder_is_searched_for_its_plugins(user_dir):
+    """Run from elsewhere, a recipe file's plug-ins are found in the recipe's folder (and not before the
+    recipe is loaded: the folder is not on sys.path by itself)."""
+    from groupwise.config import load_config
+
+    shutil.copytree(EXAMPLES, user_dir / "project")
+    (user_dir / "elsewhere").mkdir()
+    os.chdir(user_dir / "elsewhere")
+    with pytest.raises(ConfigError, match=r"no module 'my_estimator' on the import path"):
+        load_config(None, ['plugins=["my_estimator"]'])
+    cfg, _ = load_config(str(user_dir / "project" / "estimator.toml"), [TERM])
+    assert sys.modules["my_estimator"].__file__ == str(user_dir / "project" / "my_estimator.py")
+    assert type(build_spec("objective", cfg.objective.terms[0])).__module__ == "my_term"  # a module:Class from there too
+
+
 def test_every_builtin_meets_what_a_plugin_must():
     """The required methods of ``plugins.REQUIRED`` are what every built-in of the stage has: a plug-in
     is asked for no more than the trainer needs from a built-in."""
@@ -257,3 +272,185 @@ def test_plugin_estimator_and_term_train_from_a_folder_outside_the_package(tmp_p
     assert clipped, "no step clipped an advantage: the check of the clip means nothing"
     config = (out / "config.toml").read_text()
     assert 'plugins = ["my_estimator"]' in config and 'name = "my_term:ClippedAdvantagePPO"' in config
+
+
+def test_docs_table_of_required_methods_is_the_codes():
+    """docs/extending.md's table of what each stage requires is ``plugins.REQUIRED``."""
+    doc = (ROOT / "docs" / "extending.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", doc, re.M))
+    want = {stage: ", ".join("`" + m.replace("|", "` or `") + "`" for m in need) or "none" for stage, need in plugins.REQUIRED.items()}
+    assert rows == want
+
+
+# ---------------------------------------------------------------------------------------------- every example (slow)
+def check_weight(out: Path) -> None:
+    """position_decay (gamma 0.8) under PPO's clip, on-policy: a row of L tokens adds −A · Σ_{t<L} 0.8^t / L
+    to the sequence-mean-token-mean loss; L from the completion's tokens (+ the end of text when it
+    stopped before max_new_tokens = 6), which must average to the logged completion_len."""
+    from transformers import AutoTokenizer
+
+    import groupwise.models
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(groupwise.models.__file__).parent / "default" if MODEL == "default" else MODEL)
+    for k, row in enumerate(metrics(out)):
+        lengths, adv = [], []
+        for r in (r for group in groups(out, k) for r in group):
+            ids = tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
+            lengths.append(len(ids) + (len(ids) < 6))
+            adv.append(r["advantage"])
+        assert sum(lengths) / len(lengths) == pytest.approx(row["completion_len"], abs=1e-9), f"step {k}: token counts"
+        decay = [sum(0.8**t for t in range(n)) for n in lengths]
+        assert row["position_decay/mean"] == pytest.approx(sum(decay) / sum(lengths), abs=1e-6)
+        assert row["loss"] == pytest.approx(sum(-a * d / n for a, d, n in zip(adv, decay, lengths)) / len(adv), abs=1e-6), f"step {k}"
+        assert any(abs(a) > 0 for a in adv) or k, "step 0 has no advantage: the loss check means nothing"
+
+
+def check_strategy(out: Path) -> None:
+    """Annealed from 0.001 to 1.0 over 2 steps: at step 0 every group's samples are the same text
+    (temperature ~0), at step 1 (temperature 1) some group's differ."""
+    assert [r["anneal/temperature"] for r in metrics(out)] == pytest.approx([0.001, 1.0])
+    assert all(len({r["completion"] for r in group}) == 1 for group in groups(out, 0))
+    assert any(len({r["completion"] for r in group}) > 1 for group in groups(out, 1))
+
+
+def check_estimator(out: Path) -> None:
+    rows = [groups(out, k) for k in range(len(metrics(out)))]
+    want = running_std_advantages([[[r["reward"] for r in group] for group in step] for step in rows])
+    for k, (step, adv) in enumerate(zip(rows, want)):
+        assert [r["advantage"] for group in step for r in group] == pytest.approx([a for group in adv for a in group], abs=1e-6), f"step {k}"
+
+
+def check_term(out: Path) -> None:
+    """term.toml's clip 1.0 on GRPO's advantages, on-policy: loss = −mean over rows of clip(A, ±1)."""
+    for k, row in enumerate(metrics(out)):
+        adv = [r["advantage"] for group in groups(out, k) for r in group]
+        assert row["loss"] == pytest.approx(-sum(max(-1.0, min(1.0, a)) for a in adv) / len(adv), abs=1e-6)
+        assert row["adv_clip/clipped_frac"] == sum(abs(a) > 1.0 for a in adv) / len(adv)
+
+
+def check_guess(out: Path) -> None:
+    """Every transcript follows the game: in each group one secret is consistent with every answer of
+    every episode (higher: secret > guess, lower: secret < guess, invalid: not a number in 1..16); a won
+    episode (reward 1) ends on that secret, a lost one played all 6 turns; env/won is the mean reward."""
+    played = 0
+    for k, row in enumerate(metrics(out)):
+        assert row["env/won"] == pytest.approx(row["reward_mean"])
+        for group in groups(out, k):
+            secrets = set(range(1, 17))
+            for r in group:
+                parts = re.split(r" (higher|lower|invalid)=", r["completion"])
+                guesses, answers = parts[0::2], parts[1::2]
+                for guess, answer in zip(guesses, answers):
+                    text = guess.strip()
+                    valid = text.isdigit() and 1 <= int(text) <= 16
+                    assert valid == (answer != "invalid"), r["completion"]
+                    secrets &= {s for s in secrets if answer == "invalid" or (s > int(text) if answer == "higher" else s < int(text))}
+                    played += answer != "invalid"
+                last = guesses[-1].strip()
+                if r["reward"] == 1.0:
+                    secrets &= {int(last)}
+                else:
+                    assert r["reward"] == 0.0 and len(guesses) == 6, r["completion"]
+                    secrets -= {int(last)} if last.isdigit() else set()
+            assert secrets, f"step {k}: no secret fits the group's transcripts {[r['completion'] for r in group]}"
+    assert played, "no valid guess was answered: the game's rules went unchecked"
+
+
+EXAMPLE_RUNS = {  # recipe, overrides, the check of what it logged
+    "estimator": ("estimator.toml", ["train.steps=3"], check_estimator),
+    "term": ("term.toml", ["train.steps=2"], check_term),
+    "weight": ("weight.toml", ["train.steps=2"], check_weight),
+    "strategy": ("strategy.toml", ["train.steps=2", "rollout.params={start=0.001, end=1.0}"], check_strategy),
+    "environment": ("guess.toml", ["train.steps=2"], check_guess),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", sorted(EXAMPLE_RUNS))
+def test_every_example_trains_from_a_folder_outside_the_package(tmp_path, example):
+    """Each example of docs/extending.md, run as the page says from a copy of its folder, trained its
+    component: the values it logged are the ones its Math gives on what the run sampled."""
+    recipe, overrides, check = EXAMPLE_RUNS[example]
+    folder, launcher = user_folder(tmp_path)
+    check(train(folder, launcher, recipe, *TINY, *overrides))
+
+
+# ---------------------------------------------------------------------------------------------- resume, ranks, compare (slow)
+@pytest.mark.slow
+def test_plugin_run_resumes_bit_for_bit_after_sigkills(tmp_path):
+    """SIGKILLs at seeded random moments, each time the same command rerun: the final weights (sha256)
+    and the summary's held-out accuracies equal the uninterrupted run's (the plug-in estimator's running
+    std is checkpointed under its registry name and restored)."""
+    from test_resume import kill_at_random_moment
+
+    folder, launcher = user_folder(tmp_path)
+    args = ["train", "estimator.toml", TERM, "train.steps=16", "checkpoint.every=1", "eval.size=20", "rollout.prompts_per_step=8",
+            "rollout.group_size=4", "threads=1", "log.table_every=0", f'model.path="{MODEL}"']
+
+    def launch(out: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(launcher), *args, f"out={out}"], cwd=folder, env=child_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def result(out: Path) -> tuple:
+        summary = json.loads((out / "summary.json").read_text())
+        return hashlib.sha256((out / "final" / "model.safetensors").read_bytes()).hexdigest(), summary["accuracy_before"], summary["accuracy_after"]
+
+    straight, killed = folder / "straight", folder / "killed"
+    t0 = time.monotonic()
+    proc = launch(straight)
+    while proc.poll() is None and not ((straight / "metrics.jsonl").exists() and (straight / "metrics.jsonl").read_text()):
+        time.sleep(0.02)
+    first = time.monotonic() - t0
+    assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
+    timing = {"first_step": first, "training": time.monotonic() - t0 - first}
+    rng, kills = random.Random(20261234), 0
+    while True:
+        proc = launch(killed)
+        if kills < 6 and kill_at_random_moment(proc, killed, rng, timing):
+            kills += 1
+            continue
+        assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
+        if (killed / "final" / "model.safetensors").exists():
+            break
+    print(f"{kills} SIGKILLs survived")
+    assert kills >= 3, "the kills must land before the run ends"
+    from groupwise import checkpoint
+
+    state = checkpoint.load(checkpoint.latest_intact(killed))
+    assert isinstance(state["components"]["advantage.running_std"]["ema"], float)  # the plug-in's state went through the checkpoint
+    assert result(killed) == result(straight)
+
+
+@pytest.mark.slow
+def test_plugin_run_on_two_ranks_equals_one_process(tmp_path):
+    """torchrun --nproc_per_node 2 (gloo, CPU): every rank imports the plug-ins from the working
+    directory; two steps of SGD (lr 1) give the loss, gradient norm, the term's statistic, the
+    estimator's advantages and the final weights of one process over the same global batch."""
+    from safetensors.torch import load_file
+
+    folder, launcher = user_folder(tmp_path)
+    args = ["estimator.toml", TERM, "train.steps=2", *TINY, 'update={name="sgd", lr=1.0}']
+    one = train(folder, launcher, *args, out="one")
+    two = train(folder, launcher, *args, out="two",
+                python=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"))
+    for a, b in zip(metrics(one), metrics(two), strict=True):
+        for key in ("loss", "grad_norm", "adv_clip/clipped_frac", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    for k in range(2):
+        assert [r["advantage"] for g in groups(two, k) for r in g] == pytest.approx([r["advantage"] for g in groups(one, k) for r in g], abs=1e-6)
+    single, ranks = load_file(one / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
+    for name, weight in single.items():
+        torch.testing.assert_close(ranks[name], weight, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_compare_children_train_the_plugins(tmp_path):
+    """``groupwise compare`` checks the configs in its own process and trains each in a child: both
+    find the plug-ins of the user's folder."""
+    folder, launcher = user_folder(tmp_path)
+    result = subprocess.run([sys.executable, str(launcher), "compare", "mine=estimator.toml", "--seeds", "1", "--out", "cmp", TERM,
+                             "train.steps=1", *TINY], cwd=folder, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads((folder / "cmp" / "compare.json").read_text())["configs"][0]["runs"]
+    assert [r["status"] for r in runs] == ["ok"]
+    assert "adv_clip/clipped_frac" in metrics(folder / "cmp" / "mine" / "seed0")[0]
