@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -39,8 +38,16 @@ MODEL = os.environ.get("GROUPWISE_TEST_MODEL", "default")
 LAUNCHER = "import sys\nfrom groupwise.cli import main\nsys.exit(main())\n"  # the console script's body
 TERM = 'objective.terms=[{name="my_term:ClippedAdvantagePPO", adv_clip=0.5}]'
 B, G = 4, 4
-TINY = [f"rollout.prompts_per_step={B}", f"rollout.group_size={G}", "eval.size=0", "threads=1", "log.samples=16", "log.samples_every=1",
-        "log.table_every=0", f'model.path="{MODEL}"']
+TINY = [
+    f"rollout.prompts_per_step={B}",
+    f"rollout.group_size={G}",
+    "eval.size=0",
+    "threads=1",
+    "log.samples=16",
+    "log.samples_every=1",
+    "log.table_every=0",
+    f'model.path="{MODEL}"',
+]
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -55,15 +62,23 @@ def user_folder(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def child_env() -> dict:
-    """The children import this groupwise (an absolute path: they run in another folder) and nothing from the user's folder."""
+    """The children import this groupwise (an absolute path: they run in another folder), nothing of the user's."""
     return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def train(folder: Path, launcher: Path, *args: str, python: tuple[str, ...] = (sys.executable,), out: str = "run") -> Path:
+def train(
+    folder: Path, launcher: Path, *args: str, python: tuple[str, ...] = (sys.executable,), out: str = "run"
+) -> Path:
     """``groupwise train ARGS`` run from ``folder`` (``python``: the interpreter, or torchrun's command)."""
     out = folder / "runs" / out
-    result = subprocess.run([*python, str(launcher), "train", *args, f"out={out}"], cwd=folder, env=child_env(),
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [*python, str(launcher), "train", *args, f"out={out}"],
+        cwd=folder,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -79,8 +94,10 @@ def groups(out: Path, step: int) -> list[list[dict]]:
     return [[rows[g * B + b] for g in range(G)] for b in range(B)]
 
 
-def running_std_advantages(rewards_by_step: list[list[list[float]]], beta: float = 0.9, eps: float = 1e-6) -> list[list[list[float]]]:
-    """my_estimator.py's Math, in plain Python: centred by the group mean, divided by an EMA of the batch's population std."""
+def running_std_advantages(
+    rewards_by_step: list[list[list[float]]], beta: float = 0.9, eps: float = 1e-6
+) -> list[list[list[float]]]:
+    """my_estimator.py's Math in plain Python: centred by the group mean, over an EMA of the batch's population std."""
     ema, out = None, []
     for r in rewards_by_step:
         s = statistics.pstdev([x for group in r for x in group])
@@ -92,7 +109,7 @@ def running_std_advantages(rewards_by_step: list[list[list[float]]], beta: float
 # ---------------------------------------------------------------------------------------------- in process
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
-    """Run in ``tmp_path``; afterwards the registry, sys.path and sys.modules are as before (no plug-in leaks into other tests)."""
+    """Run in ``tmp_path``; afterwards the registry, sys.path and sys.modules are as before (no plug-in leaks)."""
     registry.load_all()
     tables = {stage: dict(table) for stage, table in registry._REGISTRY.items()}
     path, dirs = list(sys.path), list(plugins._RECIPE_DIRS)
@@ -151,11 +168,18 @@ def test_module_class_names_a_component_checked_as_a_builtin(user_dir):
     a built-in's checks (parameters by name, their types); the errors name the spec, the module and the fix."""
     (user_dir / "mine.py").write_text(MODULE)
     term = build_spec("objective", {"name": "mine:Scaled", "scale": 3.0})
-    assert (type(term).__name__, term.scale, term.registry_name, term.stage) == ("Scaled", 3.0, "mine:Scaled", "objective")
+    assert (type(term).__name__, term.scale, term.registry_name, term.stage) == (
+        "Scaled",
+        3.0,
+        "mine:Scaled",
+        "objective",
+    )
     assert lookup("objective", "mine:Scaled") is type(term)  # registered once: the same class every time
     out = {"logp": torch.tensor([[[-0.5, -2.0]]])}  # [1,1,2]
     assert term(None, out, None).tolist() == [[[1.5, 6.0]]]  # -3 * logp
-    with pytest.raises(ConfigError, match=r"objective 'mine:Scaled' has no parameter 'scal' \(did you mean 'scale'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"objective 'mine:Scaled' has no parameter 'scal' \(did you mean 'scale'\?\)"
+    ):
         build_spec("objective", {"name": "mine:Scaled", "scal": 1.0})
     with pytest.raises(ConfigError, match=r"parameter scale must be a number, got 'x'"):
         build_spec("objective", {"name": "mine:Scaled", "scale": "x"})
@@ -165,12 +189,18 @@ def test_module_class_names_a_component_checked_as_a_builtin(user_dir):
         build_spec("objective", "mine:Plain")
     with pytest.raises(ConfigError, match=r"NoReset lacks reset, which every env component defines"):
         build_spec("env", "mine:NoReset")
-    with pytest.raises(ConfigError, match=r"objective component 'absent:X': no module 'absent' on the import path; .*working directory.*"
-                                          r"run from the folder holding absent.py, or add its folder to PYTHONPATH"):
+    with pytest.raises(
+        ConfigError,
+        match=r"objective component 'absent:X': no module 'absent' on the import path; .*working directory.*"
+        r"run from the folder holding absent.py, or add its folder to PYTHONPATH",
+    ):
         build_spec("objective", "absent:X")
     # a class its module registered is found by the spec too, in its own stage only
     assert lookup("advantage", "mine:Shout") is lookup("advantage", "shout")
-    with pytest.raises(ConfigError, match=r"Shout is registered as advantage component 'shout'; it is no component of stage 'objective'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Shout is registered as advantage component 'shout'; it is no component of stage 'objective'",
+    ):
         build_spec("objective", "mine:Shout")
 
 
@@ -185,11 +215,17 @@ def test_plugins_key_imports_the_modules_and_refuses_a_builtins_name(user_dir):
     rollout = dataclasses.make_dataclass("R", [("rewards", torch.Tensor)])(torch.tensor([[1.0, 0.0]]))
     assert build_spec("advantage", "shout")(rollout, None).tolist() == [[10.0, 0.0]]
     (user_dir / "clash.py").write_text(MODULE.replace('"shout"', '"grpo"').replace("Shout", "MyGRPO"))
-    with pytest.raises(ConfigError, match=r"plugins\[0\]: importing 'clash': clash.MyGRPO takes the name 'grpo' of the built-in advantage "
-                                          r"component \(groupwise.advantages.grpo\); register it under another name"):
+    with pytest.raises(
+        ConfigError,
+        match=r"plugins\[0\]: importing 'clash': clash.MyGRPO takes the name 'grpo' of the built-in advantage "
+        r"component \(groupwise.advantages.grpo\); register it under another name",
+    ):
         Config(plugins=["clash"])
     (user_dir / "broken.py").write_text("import not_a_module_anywhere\n")
-    with pytest.raises(ConfigError, match=r"plugins\[1\]: importing 'broken' failed: ModuleNotFoundError: .*not_a_module_anywhere.*broken.py:1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"plugins\[1\]: importing 'broken' failed: ModuleNotFoundError: .*not_a_module_anywhere.*broken.py:1",
+    ):
         Config(plugins=["est", "broken"])
     with pytest.raises(ConfigError, match=r"plugins\[0\]: 'est.py' is a file name; name its module instead: 'est'"):
         Config(plugins=["est.py"])
@@ -207,7 +243,9 @@ def test_a_recipe_files_folder_is_searched_for_its_plugins(user_dir):
         load_config(None, ['plugins=["my_estimator"]'])
     cfg, _ = load_config(str(user_dir / "project" / "estimator.toml"), [TERM])
     assert sys.modules["my_estimator"].__file__ == str(user_dir / "project" / "my_estimator.py")
-    assert type(build_spec("objective", cfg.objective.terms[0])).__module__ == "my_term"  # a module:Class from there too
+    assert (
+        type(build_spec("objective", cfg.objective.terms[0])).__module__ == "my_term"
+    )  # a module:Class from there too
 
 
 def test_every_builtin_meets_what_a_plugin_must():
@@ -219,14 +257,17 @@ def test_every_builtin_meets_what_a_plugin_must():
 
 
 def test_list_and_explain_show_plugins(user_dir, capsys):
-    """``groupwise list --plugins M``, ``explain module:Class`` and ``explain RECIPE.toml`` show the user's components."""
+    """``groupwise list --plugins M``, ``explain module:Class`` and ``explain RECIPE.toml`` show the user's own."""
     from groupwise.cli import main
 
     for name in os.listdir(EXAMPLES):
         shutil.copy(EXAMPLES / name, user_dir / name)
     assert main(["list", "advantage", "--plugins", "my_estimator"]) == 0
-    assert re.search(r"advantage │ running_std +│ Group-mean baseline divided by a running \(EMA\) std .*\(plug-in: my_estimator\)",
-                     capsys.readouterr().out)
+    assert re.search(
+        r"advantage │ running_std +│ Group-mean baseline divided by a running \(EMA\) std .*"
+        r"\(plug-in: my_estimator\)",
+        capsys.readouterr().out,
+    )
     assert main(["explain", "my_term:ClippedAdvantagePPO"]) == 0
     text = capsys.readouterr().out
     assert "== plug-in · my_term:ClippedAdvantagePPO  (my_term.ClippedAdvantagePPO)" in text
@@ -239,15 +280,17 @@ def test_list_and_explain_show_plugins(user_dir, capsys):
 
 
 def test_docs_show_the_example_files_as_they_are():
-    """docs/extending.md shows every example file verbatim (a block after ``<!-- file: PATH -->``), and every file is shown."""
+    """docs/extending.md shows every example file verbatim (a block after ``<!-- file: PATH -->``), each one."""
     doc = (ROOT / "docs" / "extending.md").read_text()
-    shown = dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```\n", doc, re.S))
-    assert sorted(shown) == sorted(f"examples/extending/{p.name}" for p in EXAMPLES.iterdir() if p.suffix in (".py", ".toml"))
+    shown = dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```\n", doc, re.DOTALL))
+    assert sorted(shown) == sorted(
+        f"examples/extending/{p.name}" for p in EXAMPLES.iterdir() if p.suffix in (".py", ".toml")
+    )
     for path, text in shown.items():
         assert text == (ROOT / path).read_text(), f"docs/extending.md shows an old {path}"
 
 
-# ---------------------------------------------------------------------------------------------- trained from the user's folder
+# ------------------------------------------------------------------------------------ trained from the user's folder
 def test_plugin_estimator_and_term_train_from_a_folder_outside_the_package(tmp_path):
     """The estimator (via ``plugins``) and the term (via ``module:Class``) train from the user's folder
     with the console script (working directory not on sys.path). Every step's advantages are
@@ -277,8 +320,11 @@ def test_plugin_estimator_and_term_train_from_a_folder_outside_the_package(tmp_p
 def test_docs_table_of_required_methods_is_the_codes():
     """docs/extending.md's table of what each stage requires is ``plugins.REQUIRED``."""
     doc = (ROOT / "docs" / "extending.md").read_text()
-    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", doc, re.M))
-    want = {stage: ", ".join("`" + m.replace("|", "` or `") + "`" for m in need) or "none" for stage, need in plugins.REQUIRED.items()}
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", doc, re.MULTILINE))
+    want = {
+        stage: ", ".join("`" + m.replace("|", "` or `") + "`" for m in need) or "none"
+        for stage, need in plugins.REQUIRED.items()
+    }
     assert rows == want
 
 
@@ -291,7 +337,9 @@ def check_weight(out: Path) -> None:
 
     import groupwise.models
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(groupwise.models.__file__).parent / "default" if MODEL == "default" else MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(
+        Path(groupwise.models.__file__).parent / "default" if MODEL == "default" else MODEL
+    )
     for k, row in enumerate(metrics(out)):
         lengths, adv = [], []
         for r in (r for group in groups(out, k) for r in group):
@@ -301,7 +349,9 @@ def check_weight(out: Path) -> None:
         assert sum(lengths) / len(lengths) == pytest.approx(row["completion_len"], abs=1e-9), f"step {k}: token counts"
         decay = [sum(0.8**t for t in range(n)) for n in lengths]
         assert row["position_decay/mean"] == pytest.approx(sum(decay) / sum(lengths), abs=1e-6)
-        assert row["loss"] == pytest.approx(sum(-a * d / n for a, d, n in zip(adv, decay, lengths)) / len(adv), abs=1e-6), f"step {k}"
+        assert row["loss"] == pytest.approx(
+            sum(-a * d / n for a, d, n in zip(adv, decay, lengths)) / len(adv), abs=1e-6
+        ), f"step {k}"
         assert any(abs(a) > 0 for a in adv) or k, "step 0 has no advantage: the loss check means nothing"
 
 
@@ -317,7 +367,9 @@ def check_estimator(out: Path) -> None:
     rows = [groups(out, k) for k in range(len(metrics(out)))]
     want = running_std_advantages([[[r["reward"] for r in group] for group in step] for step in rows])
     for k, (step, adv) in enumerate(zip(rows, want)):
-        assert [r["advantage"] for group in step for r in group] == pytest.approx([a for group in adv for a in group], abs=1e-6), f"step {k}"
+        assert [r["advantage"] for group in step for r in group] == pytest.approx(
+            [a for group in adv for a in group], abs=1e-6
+        ), f"step {k}"
 
 
 def check_term(out: Path) -> None:
@@ -344,7 +396,11 @@ def check_guess(out: Path) -> None:
                     text = guess.strip()
                     valid = text.isdigit() and 1 <= int(text) <= 16
                     assert valid == (answer != "invalid"), r["completion"]
-                    secrets &= {s for s in secrets if answer == "invalid" or (s > int(text) if answer == "higher" else s < int(text))}
+                    secrets &= {
+                        s
+                        for s in secrets
+                        if answer == "invalid" or (s > int(text) if answer == "higher" else s < int(text))
+                    }
                     played += answer != "invalid"
                 last = guesses[-1].strip()
                 if r["reward"] == 1.0:
@@ -375,7 +431,7 @@ def test_every_example_trains_from_a_folder_outside_the_package(tmp_path, exampl
     check(train(folder, launcher, recipe, *TINY, *overrides))
 
 
-# ---------------------------------------------------------------------------------------------- resume, ranks, compare (slow)
+# ------------------------------------------------------------------------------------ resume, ranks, compare (slow)
 @pytest.mark.slow
 def test_plugin_run_resumes_bit_for_bit_after_sigkills(tmp_path):
     """SIGKILLs at seeded random moments, each time the same command rerun: the final weights (sha256)
@@ -384,21 +440,43 @@ def test_plugin_run_resumes_bit_for_bit_after_sigkills(tmp_path):
     from test_resume import kill_at_random_moment
 
     folder, launcher = user_folder(tmp_path)
-    args = ["train", "estimator.toml", TERM, "train.steps=16", "checkpoint.every=1", "eval.size=20", "rollout.prompts_per_step=8",
-            "rollout.group_size=4", "threads=1", "log.table_every=0", f'model.path="{MODEL}"']
+    args = [
+        "train",
+        "estimator.toml",
+        TERM,
+        "train.steps=16",
+        "checkpoint.every=1",
+        "eval.size=20",
+        "rollout.prompts_per_step=8",
+        "rollout.group_size=4",
+        "threads=1",
+        "log.table_every=0",
+        f'model.path="{MODEL}"',
+    ]
 
     def launch(out: Path) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(launcher), *args, f"out={out}"], cwd=folder, env=child_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            [sys.executable, str(launcher), *args, f"out={out}"],
+            cwd=folder,
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     def result(out: Path) -> tuple:
         summary = json.loads((out / "summary.json").read_text())
-        return hashlib.sha256((out / "final" / "model.safetensors").read_bytes()).hexdigest(), summary["accuracy_before"], summary["accuracy_after"]
+        return (
+            hashlib.sha256((out / "final" / "model.safetensors").read_bytes()).hexdigest(),
+            summary["accuracy_before"],
+            summary["accuracy_after"],
+        )
 
     straight, killed = folder / "straight", folder / "killed"
     t0 = time.monotonic()
     proc = launch(straight)
-    while proc.poll() is None and not ((straight / "metrics.jsonl").exists() and (straight / "metrics.jsonl").read_text()):
+    while proc.poll() is None and not (
+        (straight / "metrics.jsonl").exists() and (straight / "metrics.jsonl").read_text()
+    ):
         time.sleep(0.02)
     first = time.monotonic() - t0
     assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]
@@ -417,7 +495,9 @@ def test_plugin_run_resumes_bit_for_bit_after_sigkills(tmp_path):
     from groupwise import checkpoint
 
     state = checkpoint.load(checkpoint.latest_intact(killed))
-    assert isinstance(state["components"]["advantage.running_std"]["ema"], float)  # the plug-in's state went through the checkpoint
+    assert isinstance(
+        state["components"]["advantage.running_std"]["ema"], float
+    )  # the plug-in's state went through the checkpoint
     assert result(killed) == result(straight)
 
 
@@ -431,13 +511,20 @@ def test_plugin_run_on_two_ranks_equals_one_process(tmp_path):
     folder, launcher = user_folder(tmp_path)
     args = ["estimator.toml", TERM, "train.steps=2", *TINY, 'update={name="sgd", lr=1.0}']
     one = train(folder, launcher, *args, out="one")
-    two = train(folder, launcher, *args, out="two",
-                python=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"))
+    two = train(
+        folder,
+        launcher,
+        *args,
+        out="two",
+        python=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
+    )
     for a, b in zip(metrics(one), metrics(two), strict=True):
         for key in ("loss", "grad_norm", "adv_clip/clipped_frac", "reward_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
     for k in range(2):
-        assert [r["advantage"] for g in groups(two, k) for r in g] == pytest.approx([r["advantage"] for g in groups(one, k) for r in g], abs=1e-6)
+        assert [r["advantage"] for g in groups(two, k) for r in g] == pytest.approx(
+            [r["advantage"] for g in groups(one, k) for r in g], abs=1e-6
+        )
     single, ranks = load_file(one / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
     for name, weight in single.items():
         torch.testing.assert_close(ranks[name], weight, atol=1e-6, rtol=1e-5, msg=name)
@@ -448,8 +535,26 @@ def test_compare_children_train_the_plugins(tmp_path):
     """``groupwise compare`` checks the configs in its own process and trains each in a child: both
     find the plug-ins of the user's folder."""
     folder, launcher = user_folder(tmp_path)
-    result = subprocess.run([sys.executable, str(launcher), "compare", "mine=estimator.toml", "--seeds", "1", "--out", "cmp", TERM,
-                             "train.steps=1", *TINY], cwd=folder, env=child_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(launcher),
+            "compare",
+            "mine=estimator.toml",
+            "--seeds",
+            "1",
+            "--out",
+            "cmp",
+            TERM,
+            "train.steps=1",
+            *TINY,
+        ],
+        cwd=folder,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     runs = json.loads((folder / "cmp" / "compare.json").read_text())["configs"][0]["runs"]
     assert [r["status"] for r in runs] == ["ok"]

@@ -36,7 +36,7 @@ class GuessNumber:
 
     def reset(self, row: dict, seed: int) -> str:
         if "secret" not in row:
-            raise ValueError(f"guess_env: each data row needs a 'secret' column (1..{self.high}), got columns {sorted(row)}")
+            raise ValueError(f"guess_env: each data row needs a 'secret' column (1..{self.high}), got {sorted(row)}")
         self.secret, self.guesses, self.won = int(row["secret"]), 0, False
         return f"guess 1-{self.high}="
 

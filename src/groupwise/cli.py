@@ -144,8 +144,8 @@ def cmd_explain(args: list[str]) -> int:
 
     args = _plugin_option(args)
     if not args:
-        print("usage: groupwise explain NAME [--plugins MODULES]  (a component, module:Class, a shipped recipe or a recipe file)",
-              file=sys.stderr)
+        print("usage: groupwise explain NAME [--plugins MODULES]  (a component, module:Class, a shipped recipe or a "
+              "recipe file)", file=sys.stderr)
         return 2
     if ":" in args[0] and not Path(args[0]).is_file():
         return _explain_plugin(args[0])
@@ -229,7 +229,8 @@ def _explain_recipe(name: str, path) -> None:
         comp = spec if isinstance(spec, str) else spec["name"]
         params = {k: v for k, v in spec.items() if k not in ("name", "key")} if isinstance(spec, dict) else {}
         cls = lookup(stage, comp)
-        print(f"  {stage} · {comp}  [{where}]  {describe(cls)}" + (f"  (plug-in: {cls.__module__})" if is_plugin(cls) else ""))
+        origin = f"  (plug-in: {cls.__module__})" if is_plugin(cls) else ""
+        print(f"  {stage} · {comp}  [{where}]  {describe(cls)}{origin}")
         if params:
             print("      " + ", ".join(f"{k} = {v!r}" for k, v in params.items()))
     print(f"\nconfig ({path.name}; the keys it leaves out take their defaults, `groupwise config` lists them):\n")
@@ -332,7 +333,10 @@ COMMANDS = {"config": cmd_config, "cp": cmd_cp, "train": cmd_train, "list": cmd_
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] [--plugins M] | explain NAME (component, module:Class or recipe) [--plugins M] | eval [MODEL] [key=value ...] | warmstart [...] | "
+    parser.add_argument("command", choices=sorted(COMMANDS),
+                        help="train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | "
+                        "list [STAGE] [--plugins M] | explain NAME (component, module:Class or recipe) [--plugins M] | "
+                        "eval [MODEL] [key=value ...] | warmstart [...] | "
                         "compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -428,7 +428,7 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> tuple[C
     data: dict = {}
     path = resolve_recipe(recipe)
     if path is not None:
-        if path.resolve().parent != RECIPES:  # a user's recipe file: its folder holds its plug-in modules (groupwise.plugins)
+        if path.resolve().parent != RECIPES:  # a user's recipe: its folder holds its plug-ins (groupwise.plugins)
             from groupwise.plugins import add_recipe_dir
 
             add_recipe_dir(path.resolve().parent)

@@ -33,8 +33,9 @@ import importlib
 import os
 import sys
 import traceback
+from collections.abc import Iterable
 from types import ModuleType
-from typing import Any, Iterable
+from typing import Any
 
 from groupwise.registry import STAGES, ConfigError, entries, load_all, register
 
@@ -77,11 +78,15 @@ def search_dirs() -> list[str]:
 def import_module(module: str, where: str) -> ModuleType:
     """Import the user module ``module`` (for ``where``, named in errors) after appending ``search_dirs()``."""
     if isinstance(module, str) and module.endswith(".py"):
-        raise ConfigError(f"{where}: {module!r} is a file name; name its module instead: {module[:-3].replace('/', '.')!r} "
-                          f"(found in the working directory or the recipe file's folder)")
+        raise ConfigError(
+            f"{where}: {module!r} is a file name; name its module instead: {module[:-3].replace('/', '.')!r} "
+            f"(found in the working directory or the recipe file's folder)"
+        )
     if not isinstance(module, str) or not module or not all(part.isidentifier() for part in module.split(".")):
-        raise ConfigError(f"{where}: {module!r} is not a module name (dotted identifiers, e.g. 'my_components' or "
-                          f"'my_pkg.losses'; a file my_components.py in the working directory is module 'my_components')")
+        raise ConfigError(
+            f"{where}: {module!r} is not a module name (dotted identifiers, e.g. 'my_components' or "
+            f"'my_pkg.losses'; a file my_components.py in the working directory is module 'my_components')"
+        )
     folders = search_dirs()
     known = {os.path.abspath(p or os.curdir) for p in sys.path}
     sys.path.extend(f for f in folders if f not in known)
@@ -90,11 +95,13 @@ def import_module(module: str, where: str) -> ModuleType:
     try:
         imported = importlib.import_module(module)
     except ModuleNotFoundError as err:
-        if err.name is None or not (module == err.name or module.startswith(err.name + ".")):
-            raise ConfigError(f"{where}: importing {module!r} failed: {_origin(err)}") from err  # the module's own import failed
-        raise ConfigError(f"{where}: no module {module!r} on the import path; after the installed packages groupwise looks in "
-                          f"the working directory and the recipe file's folder ({', '.join(folders)}): run from the folder "
-                          f"holding {module.replace('.', '/')}.py, or add its folder to PYTHONPATH") from None
+        if err.name is None or not (module == err.name or module.startswith(err.name + ".")):  # its own import failed
+            raise ConfigError(f"{where}: importing {module!r} failed: {_origin(err)}") from err
+        raise ConfigError(
+            f"{where}: no module {module!r} on the import path; after the installed packages groupwise looks in "
+            f"the working directory and the recipe file's folder ({', '.join(folders)}): run from the folder "
+            f"holding {module.replace('.', '/')}.py, or add its folder to PYTHONPATH"
+        ) from None
     except ConfigError as err:  # a @register in it refused (a clash with a built-in)
         raise ConfigError(f"{where}: importing {module!r}: {err}") from None
     except Exception as err:
@@ -136,12 +143,18 @@ def load_class(spec: str, where: str) -> type:
     if not hasattr(module, attr):
         public = [n for n in dir(module) if not n.startswith("_")]
         close = difflib.get_close_matches(attr, public, n=3)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else f"; it defines {', '.join(public) or 'nothing public'}"
+        hint = (
+            f"; did you mean {', '.join(repr(c) for c in close)}?"
+            if close
+            else f"; it defines {', '.join(public) or 'nothing public'}"
+        )
         raise ConfigError(f"{where}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no {attr!r}{hint}")
     cls = getattr(module, attr)
     if not isinstance(cls, type):
-        raise ConfigError(f"{where}: {spec!r} is a {type(cls).__name__}, not a class; a component is a dataclass whose fields "
-                          f"are its parameters")
+        raise ConfigError(
+            f"{where}: {spec!r} is a {type(cls).__name__}, not a class; a component is a dataclass whose fields "
+            f"are its parameters"
+        )
     return cls
 
 
@@ -154,8 +167,10 @@ def resolve(stage: str, table: dict[str, type], spec: str) -> type:
     if own is not None and table.get(own) is cls:
         return cls  # its module registered it in this stage: the short name and the spec name the same class
     if own is not None:
-        raise ConfigError(f"{where}: {cls.__qualname__} is registered as {cls.__dict__.get('stage')} component {own!r}; "
-                          f"it is no component of stage {stage!r}")
+        raise ConfigError(
+            f"{where}: {cls.__qualname__} is registered as {cls.__dict__.get('stage')} component {own!r}; "
+            f"it is no component of stage {stage!r}"
+        )
     check_component(stage, cls, where)
     return register(stage, spec)(cls)
 
@@ -165,17 +180,25 @@ def check_component(stage: str, cls: type, where: str) -> None:
     if stage not in REQUIRED:
         raise ConfigError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
     if not dataclasses.is_dataclass(cls):
-        raise ConfigError(f"{where}: {cls.__qualname__} is not a dataclass; decorate it with @dataclass (its fields are the "
-                          f"component's parameters)")
+        raise ConfigError(
+            f"{where}: {cls.__qualname__} is not a dataclass; decorate it with @dataclass (its fields are the "
+            f"component's parameters)"
+        )
     missing = [need for need in REQUIRED[stage] if not any(callable(getattr(cls, m, None)) for m in need.split("|"))]
     if missing:
-        raise ConfigError(f"{where}: {cls.__qualname__} lacks {' and '.join(m.replace('|', ' or ') for m in missing)}, which "
-                          f"every {stage} component defines (the contract in groupwise/components.py)")
+        raise ConfigError(
+            f"{where}: {cls.__qualname__} lacks {' and '.join(m.replace('|', ' or ') for m in missing)}, which "
+            f"every {stage} component defines (the contract in groupwise/components.py)"
+        )
 
 
 def stages_fitting(cls: type) -> list[str]:
     """The stages whose required methods ``cls`` has (where ``module:Class`` could name it)."""
-    return [s for s, need in REQUIRED.items() if need and all(any(callable(getattr(cls, m, None)) for m in n.split("|")) for n in need)]
+    return [
+        s
+        for s, need in REQUIRED.items()
+        if need and all(any(callable(getattr(cls, m, None)) for m in n.split("|")) for n in need)
+    ]
 
 
 def is_plugin(cls: type) -> bool:

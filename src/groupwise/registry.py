@@ -57,8 +57,8 @@ def register(stage: str, name: str) -> Callable[[type], type]:
             builtin = [c for c in (table[name], cls) if c.__module__.startswith("groupwise.")]
             if len(builtin) == 1:  # a plug-in (plugins.py) takes a built-in's name, whichever was imported first
                 plugin = cls if builtin[0] is table[name] else table[name]
-                raise ConfigError(f"{plugin.__module__}.{plugin.__qualname__} takes the name {name!r} of the built-in {stage} "
-                                  f"component ({builtin[0].__module__}); register it under another name")
+                raise ConfigError(f"{plugin.__module__}.{plugin.__qualname__} takes the name {name!r} of the built-in "
+                                  f"{stage} component ({builtin[0].__module__}); register it under another name")
             raise ConfigError(f"{stage} component {name!r} is registered twice ({table[name].__module__}, {cls.__module__})")
         cls.registry_name = name
         cls.stage = stage
