@@ -90,12 +90,35 @@ def cmd_train(args: list[str]) -> int:
     return 0
 
 
+def _plugin_option(args: list[str]) -> list[str]:
+    """Take ``--plugins M[,M]`` (repeatable, or ``--plugins=M``) out of ``args``, import those modules
+    (``groupwise.plugins``: from the working directory too) and return the other arguments."""
+    from groupwise.plugins import import_plugins
+    from groupwise.registry import ConfigError
+
+    modules, rest = [], []
+    items = iter(args)
+    for item in items:
+        if item == "--plugins" or item.startswith("--plugins="):
+            value = item.partition("=")[2] if "=" in item else next(items, "")
+            if not value:
+                raise ConfigError("--plugins needs the modules of your components, e.g. --plugins my_components")
+            modules += [m.strip() for m in value.split(",") if m.strip()]
+        else:
+            rest.append(item)
+    import_plugins(modules, "--plugins")
+    return rest
+
+
 def cmd_list(args: list[str]) -> int:
+    """``groupwise list [STAGE] [--plugins M[,M]]``: the registered components (and those your modules register)."""
     from rich.console import Console
     from rich.table import Table
 
+    from groupwise.plugins import is_plugin
     from groupwise.registry import STAGES, describe, entries
 
+    args = _plugin_option(args)
     stage = args[0] if args else None
     if stage and stage not in STAGES:
         print(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}", file=sys.stderr)
@@ -105,24 +128,33 @@ def cmd_list(args: list[str]) -> int:
         table.add_column(column)
     for st, name, cls in entries():
         if stage is None or st == stage:
-            table.add_row(st, name, describe(cls))
+            table.add_row(st, name, describe(cls) + (f"  (plug-in: {cls.__module__})" if is_plugin(cls) else ""))
     Console(width=200).print(table)
     return 0
 
 
 def cmd_explain(args: list[str]) -> int:
-    """``groupwise explain NAME``: a component's documentation (every stage that has the name) and,
-    when NAME is a shipped recipe, the recipe's components (one line each) and its file; a bare
-    spec number is ``groupwise paper NN``."""
+    """``groupwise explain NAME [--plugins M[,M]]``: a component's documentation (every stage that has
+    the name; ``module:Class`` for a plug-in class) and, when NAME is a shipped recipe or a recipe
+    file, the recipe's components (one line each, its plug-ins included) and its file; a bare spec
+    number is ``groupwise paper NN``."""
+    from pathlib import Path
+
     from groupwise.config import shipped_recipes
     from groupwise.registry import entries
 
+    args = _plugin_option(args)
     if not args:
-        print("usage: groupwise explain NAME  (a component, a shipped recipe, or a paper's spec number)",
-              file=sys.stderr)
+        print("usage: groupwise explain NAME [--plugins MODULES]  (a component, module:Class, a shipped recipe, a "
+              "recipe file or a paper's spec number)", file=sys.stderr)
         return 2
     if args[0].isdigit():
         return cmd_paper(args)
+    if ":" in args[0] and not Path(args[0]).is_file():
+        return _explain_plugin(args[0])
+    if args[0].endswith(".toml") and Path(args[0]).is_file():
+        _explain_recipe(args[0], Path(args[0]))
+        return 0
     found = [(st, name, cls) for st, name, cls in entries() if name == args[0]]
     recipe = shipped_recipes().get(args[0])
     if not found and recipe is None:
@@ -133,7 +165,8 @@ def cmd_explain(args: list[str]) -> int:
         close = [f"{n} (component)" for n in difflib.get_close_matches(args[0], components, n=3)]
         close += [f"{n} (recipe)" for n in difflib.get_close_matches(args[0], recipes, n=3)]
         print(f"no component or recipe named {args[0]!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
-              + " (`groupwise list` shows the components, `groupwise train --help` the recipes)", file=sys.stderr)
+              + " (`groupwise list` shows the components, `groupwise train --help` the recipes; a plug-in's name needs "
+              "--plugins MODULE, or name it as module:Class)", file=sys.stderr)
         return 2
     for st, name, cls in found:
         _explain_component(st, name, cls)
@@ -152,6 +185,28 @@ def cmd_paper(args: list[str]) -> int:
               file=sys.stderr if len(args) != 1 else sys.stdout)
         return 0 if args[:1] in (["-h"], ["--help"]) else 2
     print(paper_text(args[0]))
+    return 0
+
+
+def _explain_plugin(spec: str) -> int:
+    """``explain module:Class``: the class's documentation; registered by its module's ``@register``,
+    under that stage and name, else with the stages whose contract it meets."""
+    from groupwise.plugins import load_class, stages_fitting
+
+    cls = load_class(spec, "explain")
+    own = cls.__dict__.get("registry_name")
+    if own is not None:
+        _explain_component(cls.__dict__.get("stage", "?"), own, cls)
+        return 0
+    import dataclasses
+
+    stages = stages_fitting(cls) if dataclasses.is_dataclass(cls) else []
+    _explain_component("plug-in", spec, cls)
+    if not dataclasses.is_dataclass(cls):
+        print(f"{cls.__qualname__} is not a dataclass, so no stage can build it: decorate it with @dataclass")
+        return 2
+    print(f"not registered: name it as {spec!r} in a component entry of a stage whose contract it meets "
+          f"({', '.join(stages) or 'none: it lacks the methods every stage requires'}; groupwise/components.py)")
     return 0
 
 
@@ -178,15 +233,20 @@ def _explain_recipe(name: str, path) -> None:
     """The recipe's components (stage, name, where the config names it, the component's summary
     line and the parameters the recipe sets) and the recipe file itself."""
     from groupwise.config import component_entries, load_config
+    from groupwise.plugins import is_plugin
     from groupwise.registry import describe, lookup
 
-    cfg, _ = load_config(name)
+    cfg, _ = load_config(str(path))
     print(f"== recipe · {name}  ({path})\n")
+    if cfg.plugins:
+        print(f"plug-in modules: {', '.join(f'{m} ({sys.modules[m].__file__})' for m in cfg.plugins)}\n")
     print("components (`groupwise explain NAME` for one in full):")
     for stage, spec, where in component_entries(cfg):
         comp = spec if isinstance(spec, str) else spec["name"]
         params = {k: v for k, v in spec.items() if k not in ("name", "key")} if isinstance(spec, dict) else {}
-        print(f"  {stage} · {comp}  [{where}]  {describe(lookup(stage, comp))}")
+        cls = lookup(stage, comp)
+        origin = f"  (plug-in: {cls.__module__})" if is_plugin(cls) else ""
+        print(f"  {stage} · {comp}  [{where}]  {describe(cls)}{origin}")
         if params:
             print("      " + ", ".join(f"{k} = {v!r}" for k, v in params.items()))
     print(f"\nconfig ({path.name}; the keys it leaves out take their defaults, `groupwise config` lists them):\n")
@@ -291,10 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
     parser.add_argument("command", choices=sorted(COMMANDS), help=(
-        "train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] | "
-        "explain NAME (component, recipe or spec number) | paper NN (a paper's files, components, recipes, claims, "
-        "tests) | eval [MODEL] [key=value ...] | warmstart [...] | compare RECIPE|LABEL=RECIPE ... [--seeds N] "
-        "[--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]"))
+        "train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] [--plugins M] | "
+        "explain NAME (component, module:Class, recipe or spec number) [--plugins M] | paper NN (a paper's files, "
+        "components, recipes, claims, tests) | eval [MODEL] [key=value ...] | warmstart [...] | compare "
+        "RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] "
+        "[--out DIR]"))
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

@@ -178,8 +178,13 @@ class Config:
     views: dict = field(default_factory=dict)  # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
     roles: dict = field(default_factory=dict)  # further trainable models by name: {teacher = {model = {...}, objective = {...}, update = {...}}}
     phases: list = field(default_factory=list)  # what runs before the RL steps, in order (components of stage phase): [{name = "sft", steps = 200}]
+    plugins: list = field(default_factory=list)  # your component modules, imported before any build (docs/extending.md)
 
     def __post_init__(self) -> None:
+        if self.plugins:  # before any component is built or named (groupwise.plugins)
+            from groupwise.plugins import import_plugins
+
+            import_plugins(self.plugins)
         # `update.lr=...` alone names no component: keep the default one
         if isinstance(self.update, dict) and "name" not in self.update:
             self.update = {"name": "adamw", **self.update}
@@ -430,6 +435,10 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> tuple[C
     data: dict = {}
     path = resolve_recipe(recipe)
     if path is not None:
+        if not path.resolve().is_relative_to(RECIPES.parent):  # a user's recipe: its folder holds its plug-ins (groupwise.plugins)
+            from groupwise.plugins import add_recipe_dir
+
+            add_recipe_dir(path.resolve().parent)
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     for item in overrides:

@@ -54,6 +54,11 @@ def register(stage: str, name: str) -> Callable[[type], type]:
     def deco(cls: type) -> type:
         table = _REGISTRY[stage]
         if name in table and table[name] is not cls:
+            builtin = [c for c in (table[name], cls) if c.__module__.startswith("groupwise.")]
+            if len(builtin) == 1:  # a plug-in (plugins.py) takes a built-in's name, whichever was imported first
+                plugin = cls if builtin[0] is table[name] else table[name]
+                raise ConfigError(f"{plugin.__module__}.{plugin.__qualname__} takes the name {name!r} of the built-in "
+                                  f"{stage} component ({builtin[0].__module__}); register it under another name")
             raise ConfigError(f"{stage} component {name!r} is registered twice ({table[name].__module__}, {cls.__module__})")
         cls.registry_name = name
         cls.stage = stage
@@ -95,6 +100,10 @@ def lookup(stage: str, name: str) -> type:
     if stage not in _REGISTRY:
         raise ConfigError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
     table = _REGISTRY[stage]
+    if name not in table and isinstance(name, str) and ":" in name:  # "module:Class", a plug-in (plugins.py)
+        from groupwise.plugins import resolve  # plugins imports this module: import at call time
+
+        return resolve(stage, table, name)
     if name not in table:
         close = difflib.get_close_matches(name, list(table), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
