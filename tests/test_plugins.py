@@ -249,11 +249,29 @@ def test_a_recipe_files_folder_is_searched_for_its_plugins(user_dir):
 
 
 def test_every_builtin_meets_what_a_plugin_must():
-    """The required methods of ``plugins.REQUIRED`` are what every built-in of the stage has: a plug-in
-    is asked for no more than the trainer needs from a built-in."""
+    """What ``plugins.required`` asks of a plug-in every built-in of the stage has: a plug-in is asked
+    for no more than a built-in keeps; a class lacking a member is refused naming it."""
     for stage, name, cls in registry.entries():
         plugins.check_component(stage, cls, f"{stage} {name}")
-    assert set(plugins.REQUIRED) == set(registry.STAGES)
+    assert {stage: plugins.required(stage) for stage in registry.STAGES}["sampling"] == [
+        ("bind", "draw", "keep", "state_dict", "load_state_dict")
+    ]
+
+    @dataclasses.dataclass
+    class NoKeep:
+        def bind(self, n_rows, seed): ...
+        def draw(self, n, info): ...
+
+    with pytest.raises(ConfigError, match="lacks keep, state_dict, load_state_dict, which every sampling"):
+        plugins.check_component("sampling", NoKeep, "here")
+
+    @dataclasses.dataclass
+    class NotCallable:  # every class is callable; a term must define __call__ itself
+        coef: float = 1.0
+
+    with pytest.raises(ConfigError, match="lacks __call__, which every objective"):
+        plugins.check_component("objective", NotCallable, "here")
+    assert "objective" not in plugins.stages_fitting(NotCallable)
 
 
 def test_list_and_explain_show_plugins(user_dir, capsys):
@@ -318,12 +336,12 @@ def test_plugin_estimator_and_term_train_from_a_folder_outside_the_package(tmp_p
 
 
 def test_docs_table_of_required_methods_is_the_codes():
-    """docs/extending.md's table of what each stage requires is ``plugins.REQUIRED``."""
+    """docs/extending.md's table of what each stage requires is ``plugins.required``."""
     doc = (ROOT / "docs" / "extending.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", doc, re.MULTILINE))
     want = {
-        stage: ", ".join("`" + m.replace("|", "` or `") + "`" for m in need) or "none"
-        for stage, need in plugins.REQUIRED.items()
+        stage: " or ".join(", ".join(f"`{m}`" for m in form) for form in plugins.required(stage)) or "none"
+        for stage in registry.STAGES
     }
     assert rows == want
 

@@ -177,7 +177,7 @@ class Term(Protocol):
     ``out`` holds the grad quantities of the micro-batch: ``logp`` [b,G,T] (always), ``entropy``
     when a grad ``Need("entropy")`` is declared. Row-level values [b,G] count once per loss token of
     their row, so a row term and the same value spread over its tokens aggregate alike; token
-    weights reach a row term only through the mask."""
+    weights reach a term as its ``token_weights`` declares (objective.py)."""
 
     coef: float
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor: ...

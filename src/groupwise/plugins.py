@@ -19,8 +19,8 @@ child gets the recipe's absolute path), so each resolves the same modules. Anyth
 ``PYTHONPATH``.
 
 **Checks.** A plug-in class must be a dataclass (its fields are the parameters: unknown keys and
-wrong types are refused as for a built-in) and define the methods its stage's contract
-(``components.py``) calls unconditionally (``REQUIRED``); the trainer's own build-time checks
+wrong types are refused as for a built-in) and keep its stage's contract (the ``Protocol`` of
+``components.PROTOCOLS``, :func:`required`), as every built-in does; the trainer's own build-time checks
 (needs, modality, sampling options, extras) then apply to it unchanged. A plug-in may not take a
 built-in's name (``registry.register`` refuses it).
 """
@@ -39,26 +39,15 @@ from typing import Any
 
 from groupwise.registry import STAGES, ConfigError, entries, load_all, register
 
-# The methods of each stage's contract (components.py) that the trainer calls without asking
-# ``hasattr`` first: a plug-in without one would fail mid-run, so it is refused when it is registered.
-# "a|b": either. Optional hooks (state_dict, observe, step_stats, ...) are not listed.
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "sampling": ("bind", "draw", "keep"),
-    "rollout": ("__call__",),
-    "reward": ("__call__|score_rollout",),
-    "advantage": ("__call__",),
-    "weight": ("__call__",),
-    "objective": ("__call__",),
-    "kl": ("__call__",),
-    "aggregation": ("normalizer", "reduce"),
-    "update": ("bind", "step"),
-    "pipeline": (),
-    "schedule": ("start", "__call__"),
-    "view": ("apply",),
-    "provider": ("check", "plan", "finish"),
-    "phase": ("__call__",),
-    "env": ("reset", "step"),
-}
+def required(stage: str) -> list[tuple[str, ...]]:
+    """The members a ``stage`` component must have, one tuple per form of its contract (a reward is a
+    text scorer or a rollout scorer): the ``Protocol`` members of ``components.PROTOCOLS``, the same
+    contract every built-in keeps (``tests/test_hooks_table.py``). Optional hooks are not listed."""
+    from groupwise.components import PROTOCOLS, protocol_members
+
+    if stage not in PROTOCOLS:
+        raise ConfigError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    return [protocol_members(protocol) for protocol in PROTOCOLS[stage]]
 
 _RECIPE_DIRS: list[str] = []  # folders of the recipe files loaded in this process (config.load_config)
 
@@ -175,30 +164,37 @@ def resolve(stage: str, table: dict[str, type], spec: str) -> type:
     return register(stage, spec)(cls)
 
 
+def _lacks(stage: str, cls: type) -> list[str] | None:
+    """The members of ``stage``'s contract ``cls`` lacks (of its closest form); None when it keeps one form."""
+    from groupwise.components import provides
+
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    forms = required(stage)
+    if not forms:
+        return None
+    lacks = [[m for m in members if not provides(cls, m, fields)] for members in forms]
+    return None if not all(lacks) else min(lacks, key=len)
+
+
 def check_component(stage: str, cls: type, where: str) -> None:
-    """Refuse a class that cannot be a ``stage`` component: not a dataclass, or a required method missing."""
-    if stage not in REQUIRED:
-        raise ConfigError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    """Refuse a class that cannot be a ``stage`` component: not a dataclass, or a member of the stage's
+    contract missing (as for a built-in: ``components.PROTOCOLS``)."""
     if not dataclasses.is_dataclass(cls):
         raise ConfigError(
             f"{where}: {cls.__qualname__} is not a dataclass; decorate it with @dataclass (its fields are the "
             f"component's parameters)"
         )
-    missing = [need for need in REQUIRED[stage] if not any(callable(getattr(cls, m, None)) for m in need.split("|"))]
+    missing = _lacks(stage, cls)
     if missing:
         raise ConfigError(
-            f"{where}: {cls.__qualname__} lacks {' and '.join(m.replace('|', ' or ') for m in missing)}, which "
-            f"every {stage} component defines (the contract in groupwise/components.py)"
+            f"{where}: {cls.__qualname__} lacks {', '.join(missing)}, which every {stage} component defines "
+            f"(the contract in groupwise/components.py; docs/components.md)"
         )
 
 
 def stages_fitting(cls: type) -> list[str]:
-    """The stages whose required methods ``cls`` has (where ``module:Class`` could name it)."""
-    return [
-        s
-        for s, need in REQUIRED.items()
-        if need and all(any(callable(getattr(cls, m, None)) for m in n.split("|")) for n in need)
-    ]
+    """The stages whose contract ``cls`` keeps (where ``module:Class`` could name it)."""
+    return [stage for stage in STAGES if required(stage) and _lacks(stage, cls) is None]
 
 
 def is_plugin(cls: type) -> bool:
