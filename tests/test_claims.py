@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from groupwise import runfolder
 from groupwise.claims.claimfile import ClaimError, find_claims, load_claim
 from groupwise.claims.compare import ConfigSpec, compare, is_metric, metric_values, read_run, run_state, split_configs
 from groupwise.claims.intervals import T975, Interval, mean_interval, paired_effect, t975, verdict
@@ -149,6 +150,7 @@ def _write_run(folder: Path, evals, rewards, step_seconds=0.5, wall=20.0):
             row["eval_accuracy"] = acc[0]
         rows.append(json.dumps(row))
     (folder / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    runfolder.mark_finished(folder, len(rewards), [folder / "summary.json"])  # a finished run's last write
 
 
 def test_steps_and_seconds_to_target(tmp_path):
@@ -274,7 +276,11 @@ def test_run_state(tmp_path):
     (folder / "run.json").write_text(json.dumps({"key": key}))
     assert run_state(folder, key) == "partial"  # interrupted: the trainer resumes from its checkpoint
     (folder / "summary.json").write_text("{}")
+    assert run_state(folder, key) == "partial"  # killed before FINISHED: the rerun completes the outputs
+    runfolder.mark_finished(folder, 4, [folder / "summary.json"])
     assert run_state(folder, key) == "done"
+    (folder / "summary.json").write_text('{"steps": 3}')
+    assert run_state(folder, key) == "partial"  # an output that differs from what FINISHED recorded
     assert run_state(folder, {**key, "config": {"seed": 1}}) == "stale"
     other = tmp_path / "b"
     other.mkdir()

@@ -1,9 +1,12 @@
 """``groupwise compare``: the same comparison over N seeds, each seed a normal run folder.
 
 Every run goes through the normal trainer in a subprocess (``python -m groupwise train``), so a
-crash is reported and the other runs go on. A run folder ``OUT/<label>/seed<k>`` that already has
-``summary.json`` for the same resolved config (``run.json`` holds it) is skipped, so an
-interrupted compare continues where it stopped; a folder holding another config is replaced.
+crash is reported and the other runs go on. A run folder ``OUT/<label>/seed<k>`` that is finished
+(its ``FINISHED`` marker vouches for ``final/`` and ``summary.json``) for the same resolved config
+(``run.json`` holds it) is skipped, so an interrupted compare continues where it stopped; a folder
+holding another config is replaced. The training child dies with the compare process (it gets
+SIGTERM, checkpoints after its step and exits), and a rerun waits for a run folder still held by
+such a child before it starts that run again.
 
 **Per-run metrics** (from ``summary.json`` and ``metrics.jsonl``)
 
@@ -30,7 +33,9 @@ all its training seconds): a lower bound, printed with ``≥`` and the count rea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 import math
 import re
 import shutil
@@ -41,8 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from groupwise import runfolder
 from groupwise.claims.intervals import Interval, mean_interval
 from groupwise.registry import ConfigError
+
+LOCK_WAIT_S = 600.0  # how long a rerun waits for a run folder still held by a dying child of a killed compare
 
 METRICS = ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward")
 TARGET_METRICS = ("steps_to_target", "seconds_to_target")
@@ -156,7 +164,7 @@ def run_state(folder: Path, key: dict) -> str:
         except json.JSONDecodeError:
             same = False
         if same:
-            return "done" if (folder / "summary.json").exists() else "partial"
+            return "done" if runfolder.finished_step(folder)[0] is not None else "partial"
         return "stale"
     if (folder / "config.toml").exists() or (folder / "summary.json").exists():
         return "stale"  # a run folder of unknown config
@@ -166,8 +174,10 @@ def run_state(folder: Path, key: dict) -> str:
 
 
 def launch_subprocess(argv: list[str], log_path: Path) -> int:
+    """Run one training child; it gets SIGTERM if this process dies (Linux ``PR_SET_PDEATHSIG``)."""
     with open(log_path, "w") as log:
-        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              preexec_fn=functools.partial(runfolder.die_with_parent, os.getpid())).returncode
 
 
 def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
@@ -294,18 +304,22 @@ def compare(
         record = {"seed": seed, "folder": str(folder), "status": "ok", "skipped": state == "done"}
         if state == "stale":
             console.print(f"{tag}: [yellow]folder holds another config, replacing it[/]", soft_wrap=True)
-            shutil.rmtree(folder)
         if state != "done":
+            if folder.exists() and not runfolder.wait_unlocked(folder, 0):
+                with console.status(f"{tag} waiting for the process still holding {folder} (a killed compare's run, stopping)"):
+                    runfolder.wait_unlocked(folder, LOCK_WAIT_S)  # if still held after that, the run reports the holder's pid
+            if state == "stale":
+                shutil.rmtree(folder)
             folder.mkdir(parents=True, exist_ok=True)
             argv = [sys.executable, "-m", "groupwise", "train", key["recipe"], *overrides]
-            (folder / "run.json").write_text(json.dumps({"key": key, "argv": argv[1:]}, indent=1) + "\n")
+            runfolder.write_atomic(folder / "run.json", json.dumps({"key": key, "argv": argv[1:]}, indent=1) + "\n")
             t0 = time.perf_counter()
             with console.status(f"{tag} running"):
                 rc = launch(argv, folder / "train.log")
             elapsed = time.perf_counter() - t0
             meta = json.loads((folder / "run.json").read_text())
-            (folder / "run.json").write_text(json.dumps({**meta, "returncode": rc, "process_seconds": elapsed}, indent=1) + "\n")
-            if rc != 0 or not (folder / "summary.json").exists():
+            runfolder.write_atomic(folder / "run.json", json.dumps({**meta, "returncode": rc, "process_seconds": elapsed}, indent=1) + "\n")
+            if rc != 0 or runfolder.finished_step(folder)[0] is None:
                 record.update(status="failed", returncode=rc, error=_last_error(folder / "train.log"))
         meta = json.loads((folder / "run.json").read_text())
         record["process_seconds"] = meta.get("process_seconds")
@@ -353,8 +367,8 @@ def write_outputs(result: dict, out: Path) -> None:
     for config in slim["configs"]:
         for run in config["runs"]:
             run.get("metrics", {}).pop("curve", None)  # the curves live in the run folders
-    (out / "compare.json").write_text(json.dumps(slim, indent=1) + "\n")
-    (out / "compare.md").write_text(compare_markdown(result))
+    runfolder.write_atomic(out / "compare.json", json.dumps(slim, indent=1) + "\n")
+    runfolder.write_atomic(out / "compare.md", compare_markdown(result))
     plot_curves(result, out / "curves.png")
 
 
