@@ -289,6 +289,72 @@ def test_run_state(tmp_path):
         run_state(other, key)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_training_child_dies_with_its_compare(tmp_path):
+    """Issue 33, item 4: a compare process SIGKILLed while its child runs. Before: the child went on
+    (and a quick rerun's child hit its run lock); now it gets SIGTERM (a training child checkpoints)."""
+    import os
+    import signal
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = ("import sys; from pathlib import Path; from groupwise.claims.compare import launch_subprocess; "
+              f"launch_subprocess([sys.executable, '-c', {child!r}], Path({str(tmp_path / 'train.log')!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    gone = not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    if not gone:
+        os.kill(pid, signal.SIGKILL)
+    assert gone, "the child outlived its compare"
+
+
+def test_a_rerun_waits_for_a_run_folder_still_held(tmp_path):
+    """A killed compare's child still stopping holds its run folder: the rerun waits for the lock
+    instead of starting a run that is refused (reported as a failed seed). Before: FAILED."""
+    import threading
+    import time
+
+    from groupwise import runfolder as rf
+
+    class LockingTrainer(FakeTrainer):  # the real trainer takes the run lock first
+        def __call__(self, argv, log_path):
+            try:
+                lock = rf.RunLock(log_path.parent).acquire()
+            except rf.RunLocked as err:
+                log_path.write_text(f"groupwise: {err}\n")
+                return 1
+            try:
+                self.started = time.monotonic()
+                return super().__call__(argv, log_path)
+            finally:
+                lock.release()
+
+    compare(SPECS[:1], 1, tmp_path, ["train.steps=4"], None, _quiet(), FakeTrainer(fail={("base", 0)}))  # a run.json, no outputs
+    folder = tmp_path / "base" / "seed0"
+    holder = rf.RunLock(folder).acquire()
+    released = {}
+
+    def release_later():
+        time.sleep(0.6)
+        released["at"] = time.monotonic()
+        holder.release()
+
+    threading.Thread(target=release_later).start()
+    fake = LockingTrainer()
+    result = compare(SPECS[:1], 1, tmp_path, ["train.steps=4"], None, _quiet(), fake)
+    assert result["configs"][0]["runs"][0]["status"] == "ok" and fake.started >= released["at"]
+    assert rf.wait_unlocked(folder, 0)
+
+
 def test_compare_rejects_duplicate_labels_and_bad_configs(tmp_path):
     with pytest.raises(ConfigError, match="two configurations are labelled 'demo'"):
         compare([ConfigSpec("demo", "demo"), ConfigSpec("demo", "sign")], 1, tmp_path, console=_quiet(), launch=FakeTrainer())

@@ -294,11 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groupwise: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # the run folder's refusals and a reward that exits: one line naming what to do
-        from groupwise.checkpoint import CheckpointCorrupt, CheckpointSpace
+        from groupwise.checkpoint import CheckpointCorrupt
         from groupwise.rewards.score import RewardAborted
-        from groupwise.runfolder import RunLocked
+        from groupwise.runfolder import NoSpace, RunLocked
 
-        if not isinstance(err, (RunLocked, CheckpointCorrupt, CheckpointSpace, RewardAborted)):
+        if not isinstance(err, (RunLocked, CheckpointCorrupt, NoSpace, RewardAborted)):
             raise
         print(f"groupwise: {err}", file=sys.stderr)
         return 1
