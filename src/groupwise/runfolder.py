@@ -80,6 +80,11 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def is_temporary(name: str) -> bool:
+    """A name of what a killed write leaves (see :func:`clean_temporary`)."""
+    return bool(_TEMPORARY.match(name))
+
+
 def clean_temporary(run_dir: Path) -> list[Path]:
     """Remove what killed writes left in the run folder (call it holding the lock: no live process
     writes there): ``write_atomic``'s ``.NAME.tmpPID`` files, ``.final.tmpPID`` / ``.final.oldPID``
@@ -90,7 +95,7 @@ def clean_temporary(run_dir: Path) -> list[Path]:
         if not folder.is_dir():
             continue
         for path in sorted(folder.iterdir()):
-            if _TEMPORARY.match(path.name):
+            if is_temporary(path.name):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
                 removed.append(path)
     return removed

@@ -154,7 +154,8 @@ def resolved_key(spec: ConfigSpec, overrides: list[str], where: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- one run
 def run_state(folder: Path, key: dict) -> str:
-    """``done`` (summary for this config), ``partial`` (this config, unfinished), ``stale`` or ``new``."""
+    """``done`` (finished for this config: ``FINISHED`` vouches for its outputs), ``partial`` (this
+    config, unfinished), ``stale`` or ``new`` (nothing there but what a killed write left)."""
     marker = folder / "run.json"
     if not folder.exists():
         return "new"
@@ -168,7 +169,7 @@ def run_state(folder: Path, key: dict) -> str:
         return "stale"
     if (folder / "config.toml").exists() or (folder / "summary.json").exists():
         return "stale"  # a run folder of unknown config
-    if any(folder.iterdir()):
+    if any(not runfolder.is_temporary(p.name) and p.name != runfolder.LOCK for p in folder.iterdir()):  # a killed write's leftovers do not count
         raise ConfigError(f"compare: {folder} exists and is not a run folder; move it or choose another --out")
     return "new"
 
