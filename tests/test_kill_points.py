@@ -42,12 +42,15 @@ def die():
     raise Killed
 
 
-CLOCK = {"wall_seconds", "seconds"}  # wall-clock fields of summary.json (the run's, a phase's): they differ run to run
+# wall-clock fields (summary.json: the run's, a phase's; compare.json: a run's process and step seconds): they differ run to run
+CLOCK = {"wall_seconds", "seconds", "process_seconds", "seconds_budget", "seconds_to_target"}
 
 
 def without_clock(value):
     if isinstance(value, dict):
         return {k: without_clock(v) for k, v in value.items() if k not in CLOCK}
+    if isinstance(value, list):
+        return [without_clock(v) for v in value]
     return value
 
 
@@ -189,14 +192,10 @@ def _compare(out: Path, point: str | None = None, **env) -> subprocess.Completed
 
 
 def _compared(out: Path) -> dict:
-    data = json.loads((out / "compare.json").read_text())
-    runs = data["configs"][0]["runs"]
-    for r in runs:
-        for key in ("process_seconds", "skipped", "folder"):
-            r.pop(key, None)
-        r.get("metrics", {}).pop("wall_seconds", None)
-    data["configs"][0]["summary"].pop("wall_seconds", None)
-    return {"runs": runs, "summary": data["configs"][0]["summary"], "seed0": outcome(out / "a" / "seed0")}
+    """compare.json's per-seed results and summary without clock fields, and the seed's run folder's outcome."""
+    config = json.loads((out / "compare.json").read_text())["configs"][0]
+    runs = [{k: v for k, v in r.items() if k not in ("skipped", "folder")} for r in config["runs"]]
+    return {"runs": without_clock(runs), "summary": without_clock(config["summary"]), "seed0": outcome(out / "a" / "seed0")}
 
 
 def _alive(pid: int) -> bool:
