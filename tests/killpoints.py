@@ -101,8 +101,8 @@ def arm(point: str, die: Callable[[], None], setattr: Callable[[Any, str, Any], 
                 child = real_popen(argv, **kwargs)
                 if os.environ.get("KILLPOINTS_PIDFILE"):
                     Path(os.environ["KILLPOINTS_PIDFILE"]).write_text(str(child.pid))
-                out = Path(next(a for a in argv if a.startswith("out=")).partition("=")[2].strip('"'))
-                while child.poll() is None and not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+                log = Path(next(a for a in argv if a.startswith("out=")).partition("=")[2].strip('"')) / "metrics.jsonl"
+                while child.poll() is None and not (log.exists() and log.read_text().strip()):
                     time.sleep(0.02)
                 die()
                 return subprocess.CompletedProcess(argv, child.wait())

@@ -311,9 +311,14 @@ def test_a_training_child_dies_with_its_compare(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z" and time.monotonic() < deadline:
+
+    def exited():  # gone, or a zombie (its parent dead, it waits for init to reap it)
+        stat = Path(f"/proc/{pid}/stat")
+        return not stat.exists() or stat.read_text().split()[2] == "Z"
+
+    while not exited() and time.monotonic() < deadline:
         time.sleep(0.02)
-    gone = not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    gone = exited()
     if not gone:
         os.kill(pid, signal.SIGKILL)
     assert gone, "the child outlived its compare"
@@ -341,7 +346,7 @@ def test_a_rerun_waits_for_a_run_folder_still_held(tmp_path):
             finally:
                 lock.release()
 
-    compare(SPECS[:1], 1, tmp_path, ["train.steps=4"], None, _quiet(), FakeTrainer(fail={("base", 0)}))  # a run.json, no outputs
+    compare(SPECS[:1], 1, tmp_path, ["train.steps=4"], None, _quiet(), FakeTrainer(fail={("base", 0)}))  # a run.json
     folder = tmp_path / "base" / "seed0"
     holder = rf.RunLock(folder).acquire()
     released = {}

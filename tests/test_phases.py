@@ -140,7 +140,8 @@ def test_a_save_removes_the_old_digest_before_writing(tmp_path, monkeypatch):
     save_output(path, {"artifact": 1})
     seen = []
     real = runfolder.write_atomic
-    monkeypatch.setattr(runfolder, "write_atomic", lambda p, data: (seen.append((p.name, is_saved(path))), real(p, data)))
+    monkeypatch.setattr(runfolder, "write_atomic",
+                        lambda p, data: (seen.append((p.name, is_saved(path))), real(p, data)))
     save_output(path, {"artifact": 2})
     assert seen == [("probe.pt", False), ("probe.sha256", False)] and is_saved(path)
     assert load_output(path)["artifact"] == 2

@@ -59,12 +59,12 @@ def logged(run, key):
     return [json.loads(line).get(key) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-# ---------------------------------------------------------------------------------------------- A. optimiser hyper-parameters
+# ---------------------------------------------------------------------------- A. optimiser hyper-parameters
 def test_a_new_lr_moves_the_weights_by_the_new_lr(tmp_path):
     """SGD without momentum: a step moves the weights by −lr·g. From the same checkpoint (same
     weights, same samples, so the same g), lr 0.1 → 0.2 must move them exactly twice as far."""
     sgd = 'update={name="sgd", lr=0.1}'
-    stopped(tmp_path / "a", sgd, "seed=1")  # seed 1: step 1 has groups with reward spread (seed 0's are all uniform: g = 0)
+    stopped(tmp_path / "a", sgd, "seed=1")  # seed 1: step 1 has groups with reward spread (seed 0's: g = 0)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     start = checkpoint.load(checkpoint.latest_intact(tmp_path / "a"))["policy"]["model"]
     same = resumed(tmp_path / "a", [], sgd, "seed=1")
@@ -81,9 +81,11 @@ def test_a_new_lr_moves_the_weights_by_the_new_lr(tmp_path):
 
 def test_adamw_hyper_parameters_reach_the_param_groups(tmp_path):
     stopped(tmp_path, "update.lr=1e-3")
-    trainer = resumed(tmp_path, ["update"], "update.lr=5e-4", "update.betas=[0.8, 0.9]", "update.weight_decay=0.25", "update.eps=1e-6")
+    trainer = resumed(tmp_path, ["update"], "update.lr=5e-4", "update.betas=[0.8, 0.9]", "update.weight_decay=0.25",
+                      "update.eps=1e-6")
     for group in trainer.updater.optimizer.param_groups:
-        assert (group["lr"], group["initial_lr"], group["betas"], group["weight_decay"], group["eps"]) == (5e-4, 5e-4, (0.8, 0.9), 0.25, 1e-6)
+        hyper = (group["lr"], group["initial_lr"], group["betas"], group["weight_decay"], group["eps"])
+        assert hyper == (5e-4, 5e-4, (0.8, 0.9), 0.25, 1e-6)
     assert trainer.updater.scheduler.base_lrs == [5e-4] * len(trainer.updater.optimizer.param_groups)
     assert logged(tmp_path, "lr") == [1e-3, 5e-4]
     assert trainer.updater.optimizer.state, "the Adam moments were restored, not restarted"
@@ -102,8 +104,8 @@ def test_a_roles_lr_reaches_its_optimiser(tmp_path):
     from test_trainer import MODEL, SMALL
 
     def codistill(lr, steps):
-        cfg, _ = load_config("codistill", [*SMALL, f'out="{tmp_path}"', f'model.path="{MODEL}"', *BASE[1:], f"train.steps={steps}",
-                                           f"roles.teacher.update.lr={lr}"])
+        cfg, _ = load_config("codistill", [*SMALL, f'out="{tmp_path}"', f'model.path="{MODEL}"', *BASE[1:],
+                                           f"train.steps={steps}", f"roles.teacher.update.lr={lr}"])
         return Trainer(cfg)
 
     first = codistill(1e-3, 2)
@@ -114,7 +116,7 @@ def test_a_roles_lr_reaches_its_optimiser(tmp_path):
     again.train(resume_allow=["roles.teacher.update.lr"])
     teacher = again.roles[0].updater
     assert [g["lr"] for g in teacher.optimizer.param_groups] == [4e-3] and teacher.scheduler.base_lrs == [4e-3]
-    assert [g["lr"] for g in again.updater.optimizer.param_groups] == [1e-3]  # the student's (update.lr=1e-3 of SMALL), unchanged
+    assert [g["lr"] for g in again.updater.optimizer.param_groups] == [1e-3]  # the student's (SMALL's), unchanged
 
 
 # ---------------------------------------------------------------------------------------------- B. the lr schedule
@@ -136,16 +138,17 @@ def test_a_new_warmup_gives_the_lr_by_hand(tmp_path):
 # ---------------------------------------------------------------------------------------------- C. run-loop settings
 def test_run_loop_settings_take_effect(tmp_path):
     stopped(tmp_path)
-    resumed(tmp_path, ["checkpoint.keep_last", "eval", "train.steps"], "checkpoint.keep_last=1", "eval.every=1", "eval.size=4", steps=3)
+    resumed(tmp_path, ["checkpoint.keep_last", "eval", "train.steps"], "checkpoint.keep_last=1", "eval.every=1",
+            "eval.size=4", steps=3)
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step_000003_r1"]  # keep_last 1 (2 before): one folder
-    assert [v is not None for v in logged(tmp_path, "eval_accuracy")] == [False, True, True]  # eval.every=1 from step 1 on
+    assert [v is not None for v in logged(tmp_path, "eval_accuracy")] == [False, True, True]  # eval.every=1 from step 1
 
 
 # ---------------------------------------------------------------------------------------------- D. component parameters
 def test_component_parameters_take_effect(tmp_path):
     stopped(tmp_path)
-    trainer = resumed(tmp_path, ["objective.terms", "rollout.temperature"], 'objective.terms=[{name="ppo_clip", eps_low=0.1, eps_high=0.3}]',
-                      "rollout.temperature=0.7")
+    trainer = resumed(tmp_path, ["objective.terms", "rollout.temperature"],
+                      'objective.terms=[{name="ppo_clip", eps_low=0.1, eps_high=0.3}]', "rollout.temperature=0.7")
     term = trainer.objective.terms[0]
     assert (term.eps_low, term.eps_high, trainer.sampling_params["temperature"]) == (0.1, 0.3, 0.7)
 
@@ -165,7 +168,8 @@ def test_a_schedules_parameters_take_effect(tmp_path):
     """kl coef linear from 0 to `end` over 4 steps (value at step s = end·s/4): end 0.4 → 0.8 on
     resume at step 1: steps 1, 2 log 0.2, 0.4 (the old end would give 0.1, 0.2)."""
     def kl(end):
-        return f'objective.terms=["ppo_clip", {{name="kl", coef={{schedule="linear", start_value=0.0, end={end}, steps=4}}}}]'
+        schedule = f'{{schedule="linear", start_value=0.0, end={end}, steps=4}}'
+        return f'objective.terms=["ppo_clip", {{name="kl", coef={schedule}}}]'
 
     stopped(tmp_path, kl(0.4))
     resumed(tmp_path, ["objective.terms", "train.steps"], kl(0.8), steps=3)
@@ -177,9 +181,11 @@ def test_a_controllers_init_is_refused_naming_it(tmp_path):
         return f'objective.terms=["ppo_clip", {{name="kl", coef={{schedule="adaptive_kl", init={init}}}}}]'
 
     stopped(tmp_path, kl(0.1))
-    with pytest.raises(ConfigError, match=r"objective.kl.coef: adaptive_kl: init: 0.1 -> 0.3 is not changeable on resume"):
+    refused = r"objective.kl.coef: adaptive_kl: init: 0.1 -> 0.3 is not changeable on resume"
+    with pytest.raises(ConfigError, match=refused):
         resumed(tmp_path, ["objective.terms"], kl(0.3))
-    with pytest.raises(ConfigError, match=r"scheduled coefficients \['objective.kl.coef'\].*this configuration schedules \[\]"):
+    named = r"scheduled coefficients \['objective.kl.coef'\].*this configuration schedules \[\]"
+    with pytest.raises(ConfigError, match=named):
         resumed(tmp_path, ["objective.terms"], 'objective.terms=["ppo_clip", {name="kl", coef=0.1}]')
     resumed(tmp_path, ["objective.terms"], kl(0.1))  # the stored init: goes ahead
 

@@ -255,8 +255,9 @@ def test_a_full_disk_while_appending_metrics_says_what_and_how_much(tmp_path, mo
     log = MetricsLog(tmp_path / "metrics.jsonl", None)
     monkeypatch.setattr(run_logging, "open", _FullDisk, raising=False)
     line = json.dumps({"step": 3, "loss": 0.5}) + "\n"  # 27 bytes
-    with pytest.raises(runfolder.NoSpace, match=rf"disk full while writing step 3's metrics to {tmp_path}/metrics.jsonl: it needs about "
-                                                rf"{len(line)} bytes, [\d,]+ are free; free some space and rerun the same command to resume"):
+    said = (rf"disk full while writing step 3's metrics to {tmp_path}/metrics.jsonl: it needs about {len(line)} bytes, "
+            r"[\d,]+ are free; free some space and rerun the same command to resume")
+    with pytest.raises(runfolder.NoSpace, match=said):
         log.write({"step": 3, "loss": 0.5})
     with pytest.raises(runfolder.NoSpace, match=r"disk full while writing 1 sample rows to .*samples.jsonl"):
         run_logging.append_jsonl(tmp_path / "samples.jsonl", [{"step": 0}])
@@ -267,17 +268,19 @@ def test_a_full_disk_stops_the_command_with_one_line(tmp_path, monkeypatch, caps
     from groupwise import logging as run_logging
 
     monkeypatch.setattr(run_logging, "open", _FullDisk, raising=False)
-    code = cli.main(["train", "demo", f"out={tmp_path}", "train.steps=2", "eval.size=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
-                     f'model.path="{MODEL}"'])
+    code = cli.main(["train", "demo", f"out={tmp_path}", "train.steps=2", "eval.size=0", "rollout.prompts_per_step=4",
+                     "rollout.group_size=4", f'model.path="{MODEL}"'])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and err[-1].startswith(f"groupwise: [Errno 28] disk full while writing step 0's metrics to {tmp_path}/metrics.jsonl")
+    said = f"groupwise: [Errno 28] disk full while writing step 0's metrics to {tmp_path}/metrics.jsonl"
+    assert code == 1 and err[-1].startswith(said)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root")
 def test_a_real_full_disk_while_appending_metrics(tmp_path):
     mount = tmp_path / "tiny"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode != 0:
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
         log = MetricsLog(mount / "metrics.jsonl", None)
@@ -287,9 +290,11 @@ def test_a_real_full_disk_while_appending_metrics(tmp_path):
             while True:
                 os.write(filler, bytes(4096))
         os.close(filler)
-        with pytest.raises(runfolder.NoSpace, match=r"step 1's metrics to .*metrics.jsonl: it needs about [\d,]+ bytes, 0 are free"):
+        said = r"step 1's metrics to .*metrics.jsonl: it needs about [\d,]+ bytes, 0 are free"
+        with pytest.raises(runfolder.NoSpace, match=said):
             log.write({"step": 1, "pad": "x" * 8192})
-        with pytest.raises(runfolder.NoSpace, match=r"writing metrics.jsonl to .*: it needs about 12 bytes, 0 are free; the previous metrics.jsonl is untouched"):
+        said = r"writing metrics.jsonl to .*: it needs about 12 bytes, 0 are free; the previous metrics.jsonl is"
+        with pytest.raises(runfolder.NoSpace, match=said):
             MetricsLog(mount / "metrics.jsonl", 0)  # a resume's atomic rewrite: {"step": 0} and a newline, 12 bytes
         (mount / "filler").unlink()  # space again: the resume drops the torn line the failed append may have left
         assert [r["step"] for r in MetricsLog(mount / "metrics.jsonl", 0).rows] == [0]
@@ -312,7 +317,8 @@ def test_temporary_files_of_killed_runs_are_removed_when_a_run_starts(tmp_path, 
         file.write_text("keep")
     make_trainer(run, "train.steps=1", "eval.size=0").train()
     assert "removed 6 temporary file(s) a killed run left in" in capsys.readouterr().err
-    left = sorted(p.name for folder in (run, run / "checkpoints", run / "phases") for p in folder.iterdir() if ".tmp" in p.name or ".old" in p.name)
+    left = sorted(p.name for folder in (run, run / "checkpoints", run / "phases") for p in folder.iterdir()
+                  if ".tmp" in p.name or ".old" in p.name)
     assert left == ["notes.tmp"] and all(p.exists() for p in mine)
 
 

@@ -134,8 +134,8 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_no_space(err):
-            full = no_space(f"the step-{step} checkpoint", tmp, needed, err, "the partial folder was removed, earlier checkpoints are "
-                            "intact; free some space and rerun to resume")
+            full = no_space(f"the step-{step} checkpoint", tmp, needed, err, "the partial folder was removed, earlier "
+                            "checkpoints are intact; free some space and rerun to resume")
             raise CheckpointSpace(full.errno, full.strerror) from err
         raise
     _fault("checkpoint.before_rename")

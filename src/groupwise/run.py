@@ -57,9 +57,9 @@ class RunLoop:
             return
         stateful = {key: s for key, s in self._named_schedules().items() if hasattr(s, "state_dict")}
         if sorted(stateful) != sorted(saved):
-            raise ConfigError(f"the checkpoint holds the states of the scheduled coefficients {sorted(saved)}, this configuration schedules "
-                              f"{sorted(stateful)} with a stateful controller; resume with the schedules the run started with, or train into "
-                              f"a new folder with out=...")
+            raise ConfigError(f"the checkpoint holds the states of the scheduled coefficients {sorted(saved)}, this "
+                              f"configuration schedules {sorted(stateful)} with a stateful controller; resume with the "
+                              f"schedules the run started with, or train into a new folder with out=...")
         for key, schedule in stateful.items():
             try:
                 schedule.load_state_dict(saved[key])
@@ -79,7 +79,8 @@ class RunLoop:
             "step": self.step,
             "policy": self.policy.state_dict(),
             "components": {key: c.state_dict() for key, c in self._named_components().items() if hasattr(c, "state_dict")},
-            "schedules": {key: s.state_dict() for key, s in self._named_schedules().items() if hasattr(s, "state_dict")},
+            "schedules": {key: s.state_dict() for key, s in self._named_schedules().items()
+                          if hasattr(s, "state_dict")},
             "prompt_stats": self.prompt_stats.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "summary": self.summary,
@@ -135,8 +136,8 @@ class RunLoop:
         if lock is not None:  # held: no live process writes here, so any temporary file is a killed run's
             removed = runfolder.clean_temporary(self.out)
             if removed:
-                self._say(f"removed {len(removed)} temporary file(s) a killed run left in {self.out}: {', '.join(p.name for p in removed[:4])}"
-                          + (" ..." if len(removed) > 4 else ""))
+                names = ", ".join(p.name for p in removed[:4]) + (" ..." if len(removed) > 4 else "")
+                self._say(f"removed {len(removed)} temporary file(s) a killed run left in {self.out}: {names}")
         try:
             return self._train(list(resume_allow))
         finally:
@@ -171,11 +172,13 @@ class RunLoop:
             return self.summary
         step, why = runfolder.finished_step(self.out)
         if step == self.step:
-            self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train further, raise "
-                      f"train.steps and add --resume-allow train.steps; for a new run, pick another out=")
+            self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train "
+                      f"further, raise train.steps and add --resume-allow train.steps; for a new run, pick another "
+                      f"out=")
             return self.summary
-        self._say(f"{self.out} finished training at step {self.step}, but its outputs were not all written "
-                  f"({why if step is None else f'{runfolder.FINISHED} is for step {step}'}); writing final/ and summary.json from its final checkpoint")
+        why = why if step is None else f"{runfolder.FINISHED} is for step {step}"
+        self._say(f"{self.out} finished training at step {self.step}, but its outputs were not all written ({why}); "
+                  f"writing final/ and summary.json from its final checkpoint")
         self._write_outputs(logged_rows(self.out / "metrics.jsonl", self.step - 1))
         return self.summary
 
@@ -203,7 +206,7 @@ class RunLoop:
 
     def _train(self, allow: list[str]) -> dict[str, Any]:
         self._resume(allow)
-        if self._finished():  # before anything of a new start (phases, run_info): the summary stays the final checkpoint's
+        if self._finished():  # before anything of a start (phases, run_info): the summary stays the checkpoint's
             return self._finish_outputs()
         self.summary.update(getattr(self.policy, "run_info", {}))  # what the policy decided at start (model.matmul), kept in summary.json
         for note in getattr(self.policy, "run_notes", []):

@@ -26,7 +26,8 @@ from groupwise.registry import ConfigError
 LOCK = ".lock"
 FINISHED = "FINISHED"  # the last file a run writes: the step and each output's size and sha256
 _CHUNK = 1 << 20
-_TEMPORARY = re.compile(r"^(\..+\.tmp\d+|\.final\.old\d+|\.tmp_step_\d+_\d+)$")  # write_atomic, publish_dir, checkpoint.save
+# what write_atomic (.NAME.tmpPID), publish_dir (.final.oldPID) and checkpoint.save (.tmp_step_N_PID) leave when killed
+_TEMPORARY = re.compile(r"^(\..+\.tmp\d+|\.final\.old\d+|\.tmp_step_\d+_\d+)$")
 
 
 class RunLocked(RuntimeError):
@@ -44,8 +45,9 @@ def no_space(what: str, path: Path, needed: int, cause: OSError | None = None, t
     folder = next((p for p in (path, *path.parents) if p.exists()), Path("."))
     free = shutil.disk_usage(folder).free
     code = cause.errno if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT) else errno.ENOSPC
-    return NoSpace(code, f"disk full while writing {what} to {path}: it needs about {needed:,} bytes, {free:,} are free; "
-                         f"{then or 'free some space and rerun the same command to resume from the last checkpoint'}")
+    then = then or "free some space and rerun the same command to resume from the last checkpoint"
+    return NoSpace(code, f"disk full while writing {what} to {path}: it needs about {needed:,} bytes, "
+                         f"{free:,} are free; {then}")
 
 
 def is_no_space(err: BaseException) -> bool:
@@ -66,8 +68,8 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         if is_no_space(err):
-            raise no_space(path.name, path, len(data), err, f"the previous {path.name} is untouched; free some space and rerun "
-                           f"the same command to resume") from err
+            raise no_space(path.name, path, len(data), err, f"the previous {path.name} is untouched; free some space "
+                           f"and rerun the same command to resume") from err
         raise
     os.replace(tmp, path)
 
@@ -96,7 +98,10 @@ def clean_temporary(run_dir: Path) -> list[Path]:
             continue
         for path in sorted(folder.iterdir()):
             if is_temporary(path.name):
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
                 removed.append(path)
     return removed
 
@@ -215,10 +220,11 @@ def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> dict[str,
 # never overrides a configured value (docs/reliability.md lists the classes and their tests).
 FIXED_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
     (("seed",), "the seed chose the data split, the prompt order and the initial noise when the run started"),
-    (("model.path", "model.dtype", "model.lora", "model.policy", "model.params",
-      "roles.*.model.path", "roles.*.model.dtype", "roles.*.model.lora", "roles.*.model.policy", "roles.*.model.params", "roles.*.frozen"),
+    (("model.path", "model.dtype", "model.lora", "model.policy", "model.params", "roles.*.model.path",
+      "roles.*.model.dtype", "roles.*.model.lora", "roles.*.model.policy", "roles.*.model.params", "roles.*.frozen"),
      "the checkpoint holds the weights this setting made (their file, dtype or adapters)"),
-    (("update.optimizer", "roles.*.update.optimizer"), "the checkpoint holds that optimiser's state (moments, step counts)"),
+    (("update.optimizer", "roles.*.update.optimizer"),
+     "the checkpoint holds that optimiser's state (moments, step counts)"),
     (("data.task", "data.path", "data.columns", "data.train_size", "data.on_bad_row"),
      "the training rows were fixed when the run started (the sampler's position and the prompt statistics count them)"),
     (("phases",), "the phases ran before the first RL step; their outputs are in phases/ and in the checkpoint"),
@@ -241,7 +247,8 @@ def check_resume(stored: dict[str, Any], current: dict[str, Any], allowed: list[
     fixed = {k: (v, why) for k, v in changes.items() if (why := fixed_on_resume(k))}
     if fixed:
         shown = "; ".join(f"{k}: {_show(a)} -> {_show(b)} ({why})" for k, ((a, b), why) in fixed.items())
-        raise ConfigError(f"not changeable on resume: {shown}; rerun with the stored value, or train into a new folder with out=...")
+        raise ConfigError(f"not changeable on resume: {shown}; rerun with the stored value, or train into a new folder "
+                          f"with out=...")
     refused = {k: v for k, v in changes.items() if not any(k == a or k.startswith(a + ".") for a in allowed)}
     if refused:
         shown = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())

@@ -169,7 +169,8 @@ def run_state(folder: Path, key: dict) -> str:
         return "stale"
     if (folder / "config.toml").exists() or (folder / "summary.json").exists():
         return "stale"  # a run folder of unknown config
-    if any(not runfolder.is_temporary(p.name) and p.name != runfolder.LOCK for p in folder.iterdir()):  # a killed write's leftovers do not count
+    ours = [p for p in folder.iterdir() if not runfolder.is_temporary(p.name) and p.name != runfolder.LOCK]
+    if ours:  # (what a killed write left does not count)
         raise ConfigError(f"compare: {folder} exists and is not a run folder; move it or choose another --out")
     return "new"
 
@@ -307,8 +308,8 @@ def compare(
             console.print(f"{tag}: [yellow]folder holds another config, replacing it[/]", soft_wrap=True)
         if state != "done":
             if folder.exists() and not runfolder.wait_unlocked(folder, 0):
-                with console.status(f"{tag} waiting for the process still holding {folder} (a killed compare's run, stopping)"):
-                    runfolder.wait_unlocked(folder, LOCK_WAIT_S)  # if still held after that, the run reports the holder's pid
+                with console.status(f"{tag} waiting for the process still holding {folder} (a killed compare's run)"):
+                    runfolder.wait_unlocked(folder, LOCK_WAIT_S)  # still held after that: the run names the holder
             if state == "stale":
                 shutil.rmtree(folder)
             folder.mkdir(parents=True, exist_ok=True)
@@ -319,7 +320,8 @@ def compare(
                 rc = launch(argv, folder / "train.log")
             elapsed = time.perf_counter() - t0
             meta = json.loads((folder / "run.json").read_text())
-            runfolder.write_atomic(folder / "run.json", json.dumps({**meta, "returncode": rc, "process_seconds": elapsed}, indent=1) + "\n")
+            meta.update(returncode=rc, process_seconds=elapsed)
+            runfolder.write_atomic(folder / "run.json", json.dumps(meta, indent=1) + "\n")
             if rc != 0 or runfolder.finished_step(folder)[0] is None:
                 record.update(status="failed", returncode=rc, error=_last_error(folder / "train.log"))
         meta = json.loads((folder / "run.json").read_text())

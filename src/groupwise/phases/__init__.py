@@ -130,7 +130,8 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
         path = folder / f"{name}.pt"
         if phase.kind == "sft" and rl_started:
             continue  # its weights are in the RL checkpoint the run resumed from
-        if dist.agree([is_saved(path)])[0]:  # decided together: rank 0 writes the file, a later rank must not see it and skip the barrier
+        # decided together: rank 0 writes the file, a later rank must not see it and skip the barrier
+        if dist.agree([is_saved(path)])[0]:
             saved = load_output(path)
             if phase.kind == "sft":
                 ctx.policy.load_state_dict(saved["policy"])
@@ -141,10 +142,12 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
             ctx.say(f"phase {name!r}: done already ({path}), loaded")
             continue
         if rl_started:  # an artifact computed now would see the RL-trained policy, not the one the run began RL with
-            raise RuntimeError(f"phase {name!r}: its output {path} (with its digest {path.with_suffix('.sha256').name}) is missing, but the run's "
-                               f"RL steps have begun; restore the files or train into a new folder")
+            digest = path.with_suffix(".sha256").name
+            raise RuntimeError(f"phase {name!r}: its output {path} (with its digest {digest}) is missing, but the "
+                               f"run's RL steps have begun; restore the files or train into a new folder")
         if path.exists():
-            ctx.say(f"phase {name!r}: {path.name} has no digest (a run killed while saving it): running the phase again")
+            ctx.say(f"phase {name!r}: {path.name} has no digest (a run killed while saving it): "
+                    f"running the phase again")
         ctx.say(f"phase {name!r} ({phase.kind}) ...")
         out = phase(ctx) or {}
         if phase.kind == "sft":
@@ -221,7 +224,8 @@ def load_output(path: Path) -> dict:
     """A saved phase output, checked against its digest (see :func:`is_saved` for one never finished)."""
     digest = path.with_suffix(".sha256")
     if not digest.exists():
-        raise RuntimeError(f"{path}: the phase output has no digest {digest.name}: it was never finished (a rerun runs the phase again)")
+        raise RuntimeError(f"{path}: the phase output has no digest {digest.name}: it was never finished "
+                           f"(a rerun runs the phase again)")
     data = path.read_bytes()
     if digest.read_text().strip() != hashlib.sha256(data).hexdigest():
         raise RuntimeError(f"{path}: the phase output is incomplete or damaged (its sha256 does not match {digest.name}); "

@@ -100,7 +100,8 @@ def load_keeping_configuration(optimizer: torch.optim.Optimizer, scheduler: Any,
     for group, hyper in zip(optimizer.param_groups, configured, strict=True):
         group.update(hyper)
     scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
-    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    step = scheduler.last_epoch
+    lrs = [base * factor(step) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = list(lrs)
