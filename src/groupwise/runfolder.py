@@ -19,7 +19,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from groupwise.registry import ConfigError
 
@@ -184,17 +184,23 @@ def wait_unlocked(run_dir: Path, timeout: float, poll: float = 0.2) -> bool:
     return True
 
 
-def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
-    """For ``subprocess``'s ``preexec_fn`` (``functools.partial(die_with_parent, os.getpid())``): the
-    child gets ``sig`` when ``parent`` dies, however it dies (Linux ``PR_SET_PDEATHSIG``, kept across
-    exec); a parent gone before the call is noticed too. Elsewhere nothing is done."""
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess``: the child gets ``sig`` when this process dies, however it
+    dies (Linux ``PR_SET_PDEATHSIG``, kept across exec); a parent gone before the call is noticed too.
+    ``prctl`` is looked up here, in the parent, so the forked child only makes the call (no loader
+    lock after a fork from a process with threads). None where there is no ``prctl``."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), sig)
+        return None
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return in_child
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

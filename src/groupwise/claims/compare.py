@@ -33,9 +33,7 @@ all its training seconds): a lower bound, printed with ``≥`` and the count rea
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import os
 import math
 import re
 import shutil
@@ -179,7 +177,7 @@ def launch_subprocess(argv: list[str], log_path: Path) -> int:
     """Run one training child; it gets SIGTERM if this process dies (Linux ``PR_SET_PDEATHSIG``)."""
     with open(log_path, "w") as log:
         return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              preexec_fn=functools.partial(runfolder.die_with_parent, os.getpid())).returncode
+                              preexec_fn=runfolder.parent_death_signal()).returncode
 
 
 def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
