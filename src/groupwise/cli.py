@@ -27,8 +27,10 @@ Train in the run folder `out` (default runs/<name>). RECIPE is a TOML file or a 
 ({recipes}); each key=value overrides one config key (`rollout.group_size=4`,
 `objective.terms.ppo_clip.eps_high=0.28`, `update={{name="sgd", lr=0.1}}`). Rerunning the same
 command resumes from the last intact checkpoint; --resume-allow names the config keys (or
-sections) that may differ from the stored run. `groupwise list` shows the components,
-`groupwise explain NAME` one of them or a recipe; docs/reliability.md what a run folder guarantees."""
+sections) that may differ from the stored run: each takes effect from the resumed step on (a new
+update.lr included), and a key fixed when the run started (seed, model.path, the data, phases) is
+refused. `groupwise list` shows the components, `groupwise explain NAME` one of them or a recipe;
+docs/reliability.md what a run folder guarantees."""
 
 EVAL_HELP = """usage: groupwise eval [MODEL | RUN] [key=value ...]
 
