@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from groupwise import runfolder
 from groupwise.claims.claimfile import ClaimError, find_claims, load_claim
 from groupwise.claims.compare import ConfigSpec, compare, is_metric, metric_values, read_run, run_state, split_configs
 from groupwise.claims.intervals import T975, Interval, mean_interval, paired_effect, t975, verdict
@@ -149,6 +150,7 @@ def _write_run(folder: Path, evals, rewards, step_seconds=0.5, wall=20.0):
             row["eval_accuracy"] = acc[0]
         rows.append(json.dumps(row))
     (folder / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    runfolder.mark_finished(folder, len(rewards), [folder / "summary.json"])  # a finished run's last write
 
 
 def test_steps_and_seconds_to_target(tmp_path):
@@ -271,16 +273,94 @@ def test_run_state(tmp_path):
     folder = tmp_path / "a" / "seed0"
     assert run_state(folder, key) == "new"
     folder.mkdir(parents=True)
+    (folder / ".run.json.tmp4242").write_text('{"ke')  # a compare killed while writing run.json: nothing there yet
+    assert run_state(folder, key) == "new"
     (folder / "run.json").write_text(json.dumps({"key": key}))
     assert run_state(folder, key) == "partial"  # interrupted: the trainer resumes from its checkpoint
     (folder / "summary.json").write_text("{}")
+    assert run_state(folder, key) == "partial"  # killed before FINISHED: the rerun completes the outputs
+    runfolder.mark_finished(folder, 4, [folder / "summary.json"])
     assert run_state(folder, key) == "done"
+    (folder / "summary.json").write_text('{"steps": 3}')
+    assert run_state(folder, key) == "partial"  # an output that differs from what FINISHED recorded
     assert run_state(folder, {**key, "config": {"seed": 1}}) == "stale"
     other = tmp_path / "b"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not a run folder"):
         run_state(other, key)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_training_child_dies_with_its_compare(tmp_path):
+    """Issue 33, item 4: a compare process SIGKILLed while its child runs. Before: the child went on
+    (and a quick rerun's child hit its run lock); now it gets SIGTERM (a training child checkpoints)."""
+    import os
+    import signal
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = ("import sys; from pathlib import Path; from groupwise.claims.compare import launch_subprocess; "
+              f"launch_subprocess([sys.executable, '-c', {child!r}], Path({str(tmp_path / 'train.log')!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+
+    def exited():  # gone, or a zombie (its parent dead, it waits for init to reap it)
+        stat = Path(f"/proc/{pid}/stat")
+        return not stat.exists() or stat.read_text().split()[2] == "Z"
+
+    while not exited() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    gone = exited()
+    if not gone:
+        os.kill(pid, signal.SIGKILL)
+    assert gone, "the child outlived its compare"
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")
+def test_a_rerun_waits_for_a_run_folder_still_held(tmp_path):
+    """A killed compare's child still stopping holds its run folder: the rerun waits for the lock
+    instead of starting a run that is refused (reported as a failed seed). Before: FAILED."""
+    import threading
+    import time
+
+    from groupwise import runfolder as rf
+
+    class LockingTrainer(FakeTrainer):  # the real trainer takes the run lock first
+        def __call__(self, argv, log_path):
+            try:
+                lock = rf.RunLock(log_path.parent).acquire()
+            except rf.RunLocked as err:
+                log_path.write_text(f"groupwise: {err}\n")
+                return 1
+            try:
+                self.started = time.monotonic()
+                return super().__call__(argv, log_path)
+            finally:
+                lock.release()
+
+    compare(SPECS[:1], 1, tmp_path, ["train.steps=4"], None, _quiet(), FakeTrainer(fail={("base", 0)}))  # a run.json
+    folder = tmp_path / "base" / "seed0"
+    holder = rf.RunLock(folder).acquire()
+    released = {}
+
+    def release_later():
+        time.sleep(0.6)
+        released["at"] = time.monotonic()
+        holder.release()
+
+    threading.Thread(target=release_later).start()
+    fake = LockingTrainer()
+    result = compare(SPECS[:1], 1, tmp_path, ["train.steps=4"], None, _quiet(), fake)
+    assert result["configs"][0]["runs"][0]["status"] == "ok" and fake.started >= released["at"]
+    assert rf.wait_unlocked(folder, 0)
 
 
 def test_compare_rejects_duplicate_labels_and_bad_configs(tmp_path):

@@ -109,6 +109,44 @@ def test_an_artifact_no_phase_makes_is_a_build_error_and_a_made_one_is_injected(
     assert load_output(tmp_path / "b" / "phases" / "table.pt")["artifact"] == {"rows": len(trainer.train_rows)}
 
 
+def test_an_artifact_without_its_digest_is_computed_again(tmp_path, artifact_components, capsys):
+    """A kill between phases/table.pt and its digest (issue 33, item 3). Before: every rerun failed
+    with "incomplete or damaged ... delete it"; now the output counts as never written."""
+    args = ('objective.weights=["_test_reads_table"]', 'phases=["_test_table"]', "train.steps=1", "eval.size=0")
+    make_trainer(tmp_path, *args).train()
+    digest = tmp_path / "phases" / "table.sha256"
+    kept = digest.read_text()
+    for name in ("summary.json", "FINISHED"):
+        (tmp_path / name).unlink(missing_ok=True)
+    __import__("shutil").rmtree(tmp_path / "checkpoints")  # the RL steps had not begun when the kill came
+    (tmp_path / "phases" / "table.pt").write_bytes(b"half a file")  # and the new table.pt is any bytes at all
+    digest.unlink()
+    capsys.readouterr()
+    trainer = make_trainer(tmp_path, *args)
+    trainer.train()
+    said = capsys.readouterr().err
+    assert "table.pt has no digest (a run killed while saving it): running the phase again" in said
+    assert artifact_components.seen == ("table", {"rows": len(trainer.train_rows)})
+    assert digest.read_text() == kept  # the same artifact, saved whole with its digest
+
+
+def test_a_save_removes_the_old_digest_before_writing(tmp_path, monkeypatch):
+    """At every moment of a save, a file without a matching digest never passes for finished: the
+    digest of an earlier save is gone before the new file replaces the old one."""
+    from groupwise import runfolder
+    from groupwise.phases import is_saved
+
+    path = tmp_path / "probe.pt"
+    save_output(path, {"artifact": 1})
+    seen = []
+    real = runfolder.write_atomic
+    monkeypatch.setattr(runfolder, "write_atomic",
+                        lambda p, data: (seen.append((p.name, is_saved(path))), real(p, data)))
+    save_output(path, {"artifact": 2})
+    assert seen == [("probe.pt", False), ("probe.sha256", False)] and is_saved(path)
+    assert load_output(path)["artifact"] == 2
+
+
 class _NanSummary:
     """An offline phase whose summary has a NaN (an AUROC without both classes)."""
 

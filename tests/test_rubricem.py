@@ -192,7 +192,7 @@ def test_rubric_bank_and_meta_reward():
     assert bank.retrieve("other", 3) == [] and bank.retrieve("sum", 0) == []
     copy = RubricBank()
     copy.load_state_dict(bank.state_dict())
-    assert copy.retrieve("sum", 2) == bank.retrieve("sum", 2) and copy.capacity == 2
+    assert copy.retrieve("sum", 2) == bank.retrieve("sum", 2) and copy.capacity == 8  # its own, not the state's
     assert meta_reward(True, 0.75, 0.5) == 0.25 and meta_reward(False, 0.75, 0.5) == 0.0 and meta_reward(True, 0.2, 0.5) == pytest.approx(-0.3)
     with pytest.raises(ValueError, match="capacity"):
         RubricBank(capacity=0)

@@ -232,6 +232,96 @@ def test_a_kill_while_the_log_is_cut_back_loses_nothing(tmp_path, monkeypatch):
     assert [r["step"] for r in MetricsLog(path, resume_step=2).rows] == [0, 1, 2]
 
 
+class _FullDisk:
+    """A file whose writes fail as a full disk does (ENOSPC), for ``open`` inside groupwise.logging."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_appending_metrics_says_what_and_how_much(tmp_path, monkeypatch):
+    """Issue 33, item 4. Before: a bare "OSError: [Errno 28] No space left on device"."""
+    from groupwise import logging as run_logging
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", None)
+    monkeypatch.setattr(run_logging, "open", _FullDisk, raising=False)
+    line = json.dumps({"step": 3, "loss": 0.5}) + "\n"  # 27 bytes
+    said = (rf"disk full while writing step 3's metrics to {tmp_path}/metrics.jsonl: it needs about {len(line)} bytes, "
+            r"[\d,]+ are free; free some space and rerun the same command to resume")
+    with pytest.raises(runfolder.NoSpace, match=said):
+        log.write({"step": 3, "loss": 0.5})
+    with pytest.raises(runfolder.NoSpace, match=r"disk full while writing 1 sample rows to .*samples.jsonl"):
+        run_logging.append_jsonl(tmp_path / "samples.jsonl", [{"step": 0}])
+
+
+def test_a_full_disk_stops_the_command_with_one_line(tmp_path, monkeypatch, capsys):
+    from groupwise import cli
+    from groupwise import logging as run_logging
+
+    monkeypatch.setattr(run_logging, "open", _FullDisk, raising=False)
+    code = cli.main(["train", "demo", f"out={tmp_path}", "train.steps=2", "eval.size=0", "rollout.prompts_per_step=4",
+                     "rollout.group_size=4", f'model.path="{MODEL}"'])
+    err = capsys.readouterr().err.strip().splitlines()
+    said = f"groupwise: [Errno 28] disk full while writing step 0's metrics to {tmp_path}/metrics.jsonl"
+    assert code == 1 and err[-1].startswith(said)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root")
+def test_a_real_full_disk_while_appending_metrics(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        log = MetricsLog(mount / "metrics.jsonl", None)
+        log.write({"step": 0})
+        filler = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError):
+            while True:
+                os.write(filler, bytes(4096))
+        os.close(filler)
+        said = r"step 1's metrics to .*metrics.jsonl: it needs about [\d,]+ bytes, 0 are free"
+        with pytest.raises(runfolder.NoSpace, match=said):
+            log.write({"step": 1, "pad": "x" * 8192})
+        said = r"writing metrics.jsonl to .*: it needs about 12 bytes, 0 are free; the previous metrics.jsonl is"
+        with pytest.raises(runfolder.NoSpace, match=said):
+            MetricsLog(mount / "metrics.jsonl", 0)  # a resume's atomic rewrite: {"step": 0} and a newline, 12 bytes
+        (mount / "filler").unlink()  # space again: the resume drops the torn line the failed append may have left
+        assert [r["step"] for r in MetricsLog(mount / "metrics.jsonl", 0).rows] == [0]
+    finally:
+        subprocess.run(["umount", str(mount)])
+
+
+# ---------------------------------------------------------------------------- 4b. temporary files of killed runs
+def test_temporary_files_of_killed_runs_are_removed_when_a_run_starts(tmp_path, capsys):
+    """Before: .tmp_step_* (up to 10 MB each), .final.tmp*, .summary.json.tmp* stayed for good."""
+    run = tmp_path / "run"
+    for folder in (run / "checkpoints" / ".tmp_step_000003_4242", run / ".final.tmp4242", run / ".final.old4242"):
+        folder.mkdir(parents=True)
+        (folder / "state.pt").write_bytes(bytes(1000))
+    (run / "phases").mkdir()
+    for file in (run / ".summary.json.tmp4242", run / ".metrics.jsonl.tmp17", run / "phases" / ".sft.pt.tmp4242"):
+        file.write_text("half")
+    mine = [run / "notes.tmp", run / ".hidden", run / "phases" / "readme.txt"]  # not ours: kept
+    for file in mine:
+        file.write_text("keep")
+    make_trainer(run, "train.steps=1", "eval.size=0").train()
+    assert "removed 6 temporary file(s) a killed run left in" in capsys.readouterr().err
+    left = sorted(p.name for folder in (run, run / "checkpoints", run / "phases") for p in folder.iterdir()
+                  if ".tmp" in p.name or ".old" in p.name)
+    assert left == ["notes.tmp"] and all(p.exists() for p in mine)
+
+
 # ---------------------------------------------------------------------------- 5. refused mixed resumes
 def _stopped_run(run, *extra):
     trainer = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", *extra)

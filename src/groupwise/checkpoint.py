@@ -28,19 +28,20 @@ from typing import Any
 
 import torch
 
+from groupwise.runfolder import NoSpace, is_no_space, no_space, sha256_of
+
 MARKER = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 STATE = "state.pt"
 FAULT_ENV = "GROUPWISE_FAULT"  # test hook: SIGKILL this process at the named point of a save
 _NAME = re.compile(r"^step_(\d+)(?:_r(\d+))?$")
-_CHUNK = 1 << 20
 
 
 class CheckpointCorrupt(RuntimeError):
     """A checkpoint folder whose files do not match its manifest (the message names file and check)."""
 
 
-class CheckpointSpace(OSError):
+class CheckpointSpace(NoSpace):
     """The disk cannot hold the checkpoint; the message names the path, the bytes needed and free."""
 
 
@@ -57,12 +58,7 @@ def _fault(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+_sha256 = sha256_of
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -137,9 +133,10 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
         _fsync_dir(tmp)
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-            raise CheckpointSpace(err.errno, f"disk full while writing the step-{step} checkpoint to {tmp}: it needs about {needed:,} bytes; "
-                                  f"the partial folder was removed, earlier checkpoints are intact; free some space and rerun to resume") from err
+        if is_no_space(err):
+            full = no_space(f"the step-{step} checkpoint", tmp, needed, err, "the partial folder was removed, earlier "
+                            "checkpoints are intact; free some space and rerun to resume")
+            raise CheckpointSpace(full.errno, full.strerror) from err
         raise
     _fault("checkpoint.before_rename")
     final = _next_name(root, step)

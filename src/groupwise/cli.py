@@ -27,8 +27,10 @@ Train in the run folder `out` (default runs/<name>). RECIPE is a TOML file or a 
 ({recipes}); each key=value overrides one config key (`rollout.group_size=4`,
 `objective.terms.ppo_clip.eps_high=0.28`, `update={{name="sgd", lr=0.1}}`). Rerunning the same
 command resumes from the last intact checkpoint; --resume-allow names the config keys (or
-sections) that may differ from the stored run. `groupwise list` shows the components,
-`groupwise explain NAME` one of them or a recipe; docs/reliability.md what a run folder guarantees."""
+sections) that may differ from the stored run: each takes effect from the resumed step on (a new
+update.lr included), and a key fixed when the run started (seed, model.path, the data, phases) is
+refused. `groupwise list` shows the components, `groupwise explain NAME` one of them or a recipe;
+docs/reliability.md what a run folder guarantees."""
 
 EVAL_HELP = """usage: groupwise eval [MODEL | RUN] [key=value ...]
 
@@ -376,11 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groupwise: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # the run folder's refusals and a reward that exits: one line naming what to do
-        from groupwise.checkpoint import CheckpointCorrupt, CheckpointSpace
+        from groupwise.checkpoint import CheckpointCorrupt
         from groupwise.rewards.score import RewardAborted
-        from groupwise.runfolder import RunLocked
+        from groupwise.runfolder import NoSpace, RunLocked
 
-        if not isinstance(err, (RunLocked, CheckpointCorrupt, CheckpointSpace, RewardAborted)):
+        if not isinstance(err, (RunLocked, CheckpointCorrupt, NoSpace, RewardAborted)):
             raise
         print(f"groupwise: {err}", file=sys.stderr)
         return 1

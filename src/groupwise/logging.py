@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from groupwise.runfolder import write_atomic
+from groupwise.runfolder import is_no_space, no_space, write_atomic
 
 
 class MetricsLog:
@@ -20,26 +20,44 @@ class MetricsLog:
     Opening it for a resumed run keeps the steps up to the checkpoint (the resumed run writes the
     rest again, identically) and rewrites the file atomically: a kill at any moment leaves either
     the old file or the new one. A torn last line (power loss, full disk) is dropped, and a step
-    logged twice keeps its last line, so no step appears twice whatever was killed when."""
+    logged twice keeps its last line, so no step appears twice whatever was killed when. A full
+    disk during an append is :class:`~groupwise.runfolder.NoSpace` naming the file and the bytes."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
-        by_step: dict[int, dict[str, Any]] = {}
-        if resume_step is not None and path.exists():
-            for line in path.read_bytes().split(b"\n"):
-                row = _parse(line)
-                if row is not None and row["step"] <= resume_step:
-                    by_step[row["step"]] = row
-        self.rows = [by_step[s] for s in sorted(by_step)]
+        self.rows = logged_rows(path, resume_step) if resume_step is not None else []
         write_atomic(path, "".join(json.dumps(row) + "\n" for row in self.rows))
 
     def write(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.rows.append(clean)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(clean) + "\n")
+        _append(self.path, json.dumps(clean) + "\n", f"step {clean.get('step')}'s metrics")
+
+
+def logged_rows(path: Path, last_step: int) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` up to ``last_step``, one per step (its last line), in step order."""
+    by_step: dict[int, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_bytes().split(b"\n"):
+            row = _parse(line)
+            if row is not None and row["step"] <= last_step:
+                by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _append(path: Path, text: str, what: str) -> None:
+    """Append and fsync; a full disk is named (what, where, bytes needed and free), not a bare ``Errno 28``.
+    A torn line it may leave is dropped on resume."""
+    data = text.encode()
+    try:
+        with open(path, "ab") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+    except OSError as err:
+        if is_no_space(err):
+            raise no_space(what, path, len(data), err) from err
+        raise
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:
@@ -92,8 +110,7 @@ def _jsonable(v: Any) -> Any:
 
 
 def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    with open(path, "a") as fh:
-        fh.write("".join(json.dumps(row) + "\n" for row in rows))
+    _append(path, "".join(json.dumps(row) + "\n" for row in rows), f"{len(rows)} sample rows")
 
 
 def cut_back(path: Path, resume_step: int | None) -> None:
@@ -144,5 +161,7 @@ def plot_rewards(rows: list[dict], evals: list[tuple[int, float]], path: Path) -
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # replaced whole: a kill never leaves a torn image
+    fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
+    os.replace(tmp, path)

@@ -57,5 +57,6 @@ class RubricBank:
         return {"capacity": self.capacity, "bank": {k: list(v) for k, v in self._bank.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.capacity = int(state["capacity"])
-        self._bank = {k: list(v) for k, v in state["bank"].items()}
+        """The saved reflections, at most this bank's own ``capacity`` per key (the configured one: a
+        run resumed with another capacity keeps the newest that fit)."""
+        self._bank = {k: list(v)[: self.capacity] for k, v in state["bank"].items()}

@@ -22,7 +22,7 @@ import torch
 from groupwise import checkpoint, dist, runfolder, schedules, tracking
 from groupwise.config import to_dict, to_toml
 from groupwise.phases import PhaseContext, inject, run_phases
-from groupwise.logging import MetricsLog, append_jsonl, cut_back, plot_rewards, progress_bar, sample_rows
+from groupwise.logging import MetricsLog, append_jsonl, cut_back, logged_rows, plot_rewards, progress_bar, sample_rows
 from groupwise.registry import ConfigError
 from groupwise.types import StepInfo
 from groupwise.updates._base import all_finite
@@ -43,6 +43,29 @@ class RunLoop:
             named[k] = component
         return named
 
+    def _named_schedules(self) -> dict[str, Any]:
+        """Every schedule by ``<component key>.<attribute>``: controller states are matched by name."""
+        return {f"{key}.{attr}": schedule for key, component in self._named_components().items()
+                for attr, schedule in sorted(schedules.scheduled(component).items())}
+
+    def _load_schedules(self, saved: dict[str, Any] | list[Any]) -> None:
+        """The controllers' states by name; another set of stateful schedules is refused, naming both."""
+        if isinstance(saved, list):  # a checkpoint from before states were named: by position
+            for schedule, sub in zip(schedules.all_schedules(self._components()), saved):
+                if sub is not None:
+                    schedule.load_state_dict(sub)
+            return
+        stateful = {key: s for key, s in self._named_schedules().items() if hasattr(s, "state_dict")}
+        if sorted(stateful) != sorted(saved):
+            raise ConfigError(f"the checkpoint holds the states of the scheduled coefficients {sorted(saved)}, this "
+                              f"configuration schedules {sorted(stateful)} with a stateful controller; resume with the "
+                              f"schedules the run started with, or train into a new folder with out=...")
+        for key, schedule in stateful.items():
+            try:
+                schedule.load_state_dict(saved[key])
+            except ConfigError as err:
+                raise ConfigError(f"{key}: {err}") from None
+
     def _say(self, message: str) -> None:
         if self.rank == 0:
             if self.console is not None:
@@ -56,7 +79,8 @@ class RunLoop:
             "step": self.step,
             "policy": self.policy.state_dict(),
             "components": {key: c.state_dict() for key, c in self._named_components().items() if hasattr(c, "state_dict")},
-            "schedules": [s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(self._components())],
+            "schedules": {key: s.state_dict() for key, s in self._named_schedules().items()
+                          if hasattr(s, "state_dict")},
             "prompt_stats": self.prompt_stats.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "summary": self.summary,
@@ -74,9 +98,7 @@ class RunLoop:
                               f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=...")
         for key, component in named.items():
             component.load_state_dict(state["components"][key])
-        for schedule, sub in zip(schedules.all_schedules(self._components()), state.get("schedules", [])):
-            if sub is not None:
-                schedule.load_state_dict(sub)
+        self._load_schedules(state.get("schedules", {}))
         # the values in force before the resumed run's first resolve (a reward scored before it): the last step's
         last = StepInfo(max(self.step - 1, 0), self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, total_steps=self.cfg.train.steps)
         for component in self._components():
@@ -111,6 +133,11 @@ class RunLoop:
         stopped (SIGTERM / Ctrl-C: checkpoint, then return) or out of time, evaluate, write outputs."""
         self.out.mkdir(parents=True, exist_ok=True)
         lock = runfolder.RunLock(self.out).acquire() if self.rank == 0 else None
+        if lock is not None:  # held: no live process writes here, so any temporary file is a killed run's
+            removed = runfolder.clean_temporary(self.out)
+            if removed:
+                names = ", ".join(p.name for p in removed[:4]) + (" ..." if len(removed) > 4 else "")
+                self._say(f"removed {len(removed)} temporary file(s) a killed run left in {self.out}: {names}")
         try:
             return self._train(list(resume_allow))
         finally:
@@ -132,8 +159,28 @@ class RunLoop:
             runfolder.write_atomic(stored, to_toml(to_dict(self.cfg)))
 
     def _finished(self) -> bool:
+        """The checkpoint is the run's final one: trained to the end (or out of time) and evaluated.
+        Its outputs may still be missing: :meth:`_finish_outputs` decides from ``FINISHED``."""
         out_of_time = bool(self.cfg.train.max_seconds) and self.summary.get("wall_seconds", 0.0) > self.cfg.train.max_seconds
         return bool(self.summary.get("finished")) and (self.step >= self.cfg.train.steps or out_of_time)
+
+    def _finish_outputs(self) -> dict[str, Any]:
+        """A rerun of a run whose final checkpoint exists: nothing to do when ``FINISHED`` vouches for
+        this step's outputs; otherwise (killed after that checkpoint, before its last write) the
+        outputs are written now from it: the same weights and summary, so the same bytes."""
+        if self.rank != 0:
+            return self.summary
+        step, why = runfolder.finished_step(self.out)
+        if step == self.step:
+            self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train "
+                      f"further, raise train.steps and add --resume-allow train.steps; for a new run, pick another "
+                      f"out=")
+            return self.summary
+        why = why if step is None else f"{runfolder.FINISHED} is for step {step}"
+        self._say(f"{self.out} finished training at step {self.step}, but its outputs were not all written ({why}); "
+                  f"writing final/ and summary.json from its final checkpoint")
+        self._write_outputs(logged_rows(self.out / "metrics.jsonl", self.step - 1))
+        return self.summary
 
     def _run_phases(self) -> None:
         """The phases before the RL steps (``groupwise.phases``), done or loaded; their artifacts injected."""
@@ -159,14 +206,12 @@ class RunLoop:
 
     def _train(self, allow: list[str]) -> dict[str, Any]:
         self._resume(allow)
+        if self._finished():  # before anything of a start (phases, run_info): the summary stays the checkpoint's
+            return self._finish_outputs()
         self.summary.update(getattr(self.policy, "run_info", {}))  # what the policy decided at start (model.matmul), kept in summary.json
         for note in getattr(self.policy, "run_notes", []):
             self._say(note)
         self._run_phases()
-        if self._finished():
-            self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train further, raise "
-                      f"train.steps and add --resume-allow train.steps; for a new run, pick another out=")
-            return self.summary
         log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if self.step else None) if self.rank == 0 else None
         if self.rank == 0:
             cut_back(self.out / "samples.jsonl", self.step - 1 if self.step else None)
@@ -222,10 +267,12 @@ class RunLoop:
             self.summary["stopped_early"] = f"train.max_seconds={cfg.train.max_seconds:g} reached after step {self.step} of {cfg.train.steps}"
             self._say(f"{self.summary['stopped_early']}; raise train.max_seconds (0 = no limit) to train longer")
         self._record_eval("accuracy_after", self.step)
+        # the final checkpoint holds the final weights and summary ("finished": trained and evaluated);
+        # the outputs follow it, FINISHED last: a kill in between is completed by the rerun from this checkpoint
         self.summary.update(steps=self.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(self.updater, "skipped", 0), finished=True)
         self.save_checkpoint()
         if self.rank == 0:
-            self._write_outputs(log)
+            self._write_outputs(log.rows if log is not None else [])
         return self.summary
 
     def _log_samples(self, console: Any) -> None:
@@ -307,8 +354,10 @@ class RunLoop:
             raise KeyboardInterrupt  # a second Ctrl-C: leave now, without waiting for the step's checkpoint
         self._stop_requested = signal.Signals(signum).name
 
-    def _write_outputs(self, log: MetricsLog | None) -> None:
-        """``final/`` (written aside, then swapped in as a whole), ``summary.json`` (atomic), the curve."""
+    def _write_outputs(self, rows: list[dict[str, Any]]) -> None:
+        """The outputs, each whole or not at all, in this order: ``final/`` (written aside, then
+        swapped in), ``reward.png``, ``summary.json`` (atomic), and last ``FINISHED`` (the step and
+        every output's size and sha256): a kill before it leaves the run to be completed by a rerun."""
         staging = self.out / f".final.tmp{os.getpid()}"
         if staging.exists():
             shutil.rmtree(staging)
@@ -316,9 +365,11 @@ class RunLoop:
         for role in self.roles:
             role.policy.save(staging / role.name)
         runfolder.publish_dir(staging, self.out / "final")
+        plot_rewards(rows, self.summary["evals"], self.out / "reward.png")
         runfolder.write_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, allow_nan=False) + "\n")
-        if log is not None:
-            plot_rewards(log.rows, self.summary["evals"], self.out / "reward.png")
+        outputs = sorted(p for p in (self.out / "final").rglob("*") if p.is_file())
+        outputs += [p for p in (self.out / "reward.png", self.out / "summary.json") if p.exists()]
+        runfolder.mark_finished(self.out, self.step, outputs)
 
 
 class _Quiet:

@@ -1,9 +1,12 @@
 """``groupwise compare``: the same comparison over N seeds, each seed a normal run folder.
 
 Every run goes through the normal trainer in a subprocess (``python -m groupwise train``), so a
-crash is reported and the other runs go on. A run folder ``OUT/<label>/seed<k>`` that already has
-``summary.json`` for the same resolved config (``run.json`` holds it) is skipped, so an
-interrupted compare continues where it stopped; a folder holding another config is replaced.
+crash is reported and the other runs go on. A run folder ``OUT/<label>/seed<k>`` that is finished
+(its ``FINISHED`` marker vouches for ``final/`` and ``summary.json``) for the same resolved config
+(``run.json`` holds it) is skipped, so an interrupted compare continues where it stopped; a folder
+holding another config is replaced. The training child dies with the compare process (it gets
+SIGTERM, checkpoints after its step and exits), and a rerun waits for a run folder still held by
+such a child before it starts that run again.
 
 **Per-run metrics** (from ``summary.json`` and ``metrics.jsonl``)
 
@@ -41,8 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from groupwise import runfolder
 from groupwise.claims.intervals import Interval, mean_interval
 from groupwise.registry import ConfigError
+
+LOCK_WAIT_S = 600.0  # how long a rerun waits for a run folder still held by a dying child of a killed compare
 
 METRICS = ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward")
 TARGET_METRICS = ("steps_to_target", "seconds_to_target")
@@ -146,7 +152,8 @@ def resolved_key(spec: ConfigSpec, overrides: list[str], where: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- one run
 def run_state(folder: Path, key: dict) -> str:
-    """``done`` (summary for this config), ``partial`` (this config, unfinished), ``stale`` or ``new``."""
+    """``done`` (finished for this config: ``FINISHED`` vouches for its outputs), ``partial`` (this
+    config, unfinished), ``stale`` or ``new`` (nothing there but what a killed write left)."""
     marker = folder / "run.json"
     if not folder.exists():
         return "new"
@@ -156,18 +163,21 @@ def run_state(folder: Path, key: dict) -> str:
         except json.JSONDecodeError:
             same = False
         if same:
-            return "done" if (folder / "summary.json").exists() else "partial"
+            return "done" if runfolder.finished_step(folder)[0] is not None else "partial"
         return "stale"
     if (folder / "config.toml").exists() or (folder / "summary.json").exists():
         return "stale"  # a run folder of unknown config
-    if any(folder.iterdir()):
+    ours = [p for p in folder.iterdir() if not runfolder.is_temporary(p.name) and p.name != runfolder.LOCK]
+    if ours:  # (what a killed write left does not count)
         raise ConfigError(f"compare: {folder} exists and is not a run folder; move it or choose another --out")
     return "new"
 
 
 def launch_subprocess(argv: list[str], log_path: Path) -> int:
+    """Run one training child; it gets SIGTERM if this process dies (Linux ``PR_SET_PDEATHSIG``)."""
     with open(log_path, "w") as log:
-        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              preexec_fn=runfolder.parent_death_signal()).returncode
 
 
 def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
@@ -294,18 +304,23 @@ def compare(
         record = {"seed": seed, "folder": str(folder), "status": "ok", "skipped": state == "done"}
         if state == "stale":
             console.print(f"{tag}: [yellow]folder holds another config, replacing it[/]", soft_wrap=True)
-            shutil.rmtree(folder)
         if state != "done":
+            if folder.exists() and not runfolder.wait_unlocked(folder, 0):
+                with console.status(f"{tag} waiting for the process still holding {folder} (a killed compare's run)"):
+                    runfolder.wait_unlocked(folder, LOCK_WAIT_S)  # still held after that: the run names the holder
+            if state == "stale":
+                shutil.rmtree(folder)
             folder.mkdir(parents=True, exist_ok=True)
             argv = [sys.executable, "-m", "groupwise", "train", key["recipe"], *overrides]
-            (folder / "run.json").write_text(json.dumps({"key": key, "argv": argv[1:]}, indent=1) + "\n")
+            runfolder.write_atomic(folder / "run.json", json.dumps({"key": key, "argv": argv[1:]}, indent=1) + "\n")
             t0 = time.perf_counter()
             with console.status(f"{tag} running"):
                 rc = launch(argv, folder / "train.log")
             elapsed = time.perf_counter() - t0
             meta = json.loads((folder / "run.json").read_text())
-            (folder / "run.json").write_text(json.dumps({**meta, "returncode": rc, "process_seconds": elapsed}, indent=1) + "\n")
-            if rc != 0 or not (folder / "summary.json").exists():
+            meta.update(returncode=rc, process_seconds=elapsed)
+            runfolder.write_atomic(folder / "run.json", json.dumps(meta, indent=1) + "\n")
+            if rc != 0 or runfolder.finished_step(folder)[0] is None:
                 record.update(status="failed", returncode=rc, error=_last_error(folder / "train.log"))
         meta = json.loads((folder / "run.json").read_text())
         record["process_seconds"] = meta.get("process_seconds")
@@ -353,8 +368,8 @@ def write_outputs(result: dict, out: Path) -> None:
     for config in slim["configs"]:
         for run in config["runs"]:
             run.get("metrics", {}).pop("curve", None)  # the curves live in the run folders
-    (out / "compare.json").write_text(json.dumps(slim, indent=1) + "\n")
-    (out / "compare.md").write_text(compare_markdown(result))
+    runfolder.write_atomic(out / "compare.json", json.dumps(slim, indent=1) + "\n")
+    runfolder.write_atomic(out / "compare.md", compare_markdown(result))
     plot_curves(result, out / "curves.png")
 
 

@@ -11,10 +11,12 @@ A run is ``phases`` (each a component of stage ``phase``, in order) and then the
 
 ``phase(ctx) -> dict | None`` is called with a :class:`PhaseContext`. Every phase's output is
 saved in the run folder as it completes — ``phases/<name>.pt`` (the policy's state after an sft
-phase, the artifact of an offline one) written atomically with a ``.sha256`` beside it — so a run
-killed in a later phase does not redo it, and a resumed run loads the artifacts it injects (a
-damaged file is an error naming it). Once an RL checkpoint exists the sft phases are done: their
-weights are in it. A phase killed midway starts again from its beginning (phases are short).
+phase, the artifact of an offline one), then its digest ``phases/<name>.sha256`` last, each
+replaced atomically — so a run killed in a later phase does not redo it, and a resumed run loads
+the artifacts it injects. An output without its digest (a kill between the two writes) was never
+finished: the phase runs again, as a phase killed midway does (phases are short); an output whose
+digest does not match is damaged, an error naming it. Once an RL checkpoint exists the sft phases
+are done: their weights are in it.
 After an sft phase (run or loaded) the policy's frozen reference is reset to the trained weights:
 RL's reference is the policy RL starts from.
 
@@ -128,7 +130,8 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
         path = folder / f"{name}.pt"
         if phase.kind == "sft" and rl_started:
             continue  # its weights are in the RL checkpoint the run resumed from
-        if dist.agree([path.exists()])[0]:  # decided together: rank 0 writes the file, a later rank must not see it and skip the barrier
+        # decided together: rank 0 writes the file, a later rank must not see it and skip the barrier
+        if dist.agree([is_saved(path)])[0]:
             saved = load_output(path)
             if phase.kind == "sft":
                 ctx.policy.load_state_dict(saved["policy"])
@@ -139,7 +142,12 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
             ctx.say(f"phase {name!r}: done already ({path}), loaded")
             continue
         if rl_started:  # an artifact computed now would see the RL-trained policy, not the one the run began RL with
-            raise RuntimeError(f"phase {name!r}: its output {path} is missing, but the run's RL steps have begun; restore the file or train into a new folder")
+            digest = path.with_suffix(".sha256").name
+            raise RuntimeError(f"phase {name!r}: its output {path} (with its digest {digest}) is missing, but the "
+                               f"run's RL steps have begun; restore the files or train into a new folder")
+        if path.exists():
+            ctx.say(f"phase {name!r}: {path.name} has no digest (a run killed while saving it): "
+                    f"running the phase again")
         ctx.say(f"phase {name!r} ({phase.kind}) ...")
         out = phase(ctx) or {}
         if phase.kind == "sft":
@@ -195,19 +203,31 @@ def inject(artifacts: dict[str, Any], components: list[Any]) -> None:
 
 
 def save_output(path: Path, obj: dict) -> None:
-    """``path`` and ``path.sha256`` (of its bytes), each replaced atomically; the digest last, so a
-    file without a matching digest is never taken for a finished one."""
+    """``path``, then ``path.sha256`` (of its bytes) last, each replaced atomically. The digest is
+    removed first, so at every moment of a save a file without a matching digest is not taken for
+    a finished one: :func:`is_saved` calls it never written."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = buffer.getvalue()
+    digest = path.with_suffix(".sha256")
+    digest.unlink(missing_ok=True)
     runfolder.write_atomic(path, data)
-    runfolder.write_atomic(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest() + "\n")
+    runfolder.write_atomic(digest, hashlib.sha256(data).hexdigest() + "\n")
+
+
+def is_saved(path: Path) -> bool:
+    """The phase's output was finished: the file and its digest are both there (the digest is written last)."""
+    return path.exists() and path.with_suffix(".sha256").exists()
 
 
 def load_output(path: Path) -> dict:
+    """A saved phase output, checked against its digest (see :func:`is_saved` for one never finished)."""
     digest = path.with_suffix(".sha256")
+    if not digest.exists():
+        raise RuntimeError(f"{path}: the phase output has no digest {digest.name}: it was never finished "
+                           f"(a rerun runs the phase again)")
     data = path.read_bytes()
-    if not digest.exists() or digest.read_text().strip() != hashlib.sha256(data).hexdigest():
+    if digest.read_text().strip() != hashlib.sha256(data).hexdigest():
         raise RuntimeError(f"{path}: the phase output is incomplete or damaged (its sha256 does not match {digest.name}); "
-                           f"delete it to run that phase again")
+                           f"delete both files to run that phase again")
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)

@@ -11,7 +11,10 @@ schedule's :meth:`start` value, and records it in the component's ``schedules`` 
 step, after the step's whole batch is scored and before advantages are estimated, the trainer calls
 :func:`resolve`, which sets each scheduled attribute to ``schedule(info, rollout)``; the component
 itself only ever sees a plain number. Controllers that keep state (an EMA) have ``state_dict`` and
-are checkpointed with the other components.
+are checkpointed with the other components, by name (``<component>.<attribute>``). On resume every
+parameter of a schedule takes effect from the resumed step on, except those that only set a
+controller's value before its first step (``init``): the controller continues from its checkpointed
+value, so a changed ``init`` is refused (:func:`refuse_changed_start`).
 
 Protocol (structural)::
 
@@ -24,6 +27,20 @@ from __future__ import annotations
 from typing import Any
 
 from groupwise.types import Rollout, StepInfo
+
+
+def refuse_changed_start(owner: str, state: dict[str, Any], **configured: Any) -> None:
+    """A stateful controller resumes from its checkpointed value: the parameters that only set its
+    value before the first step (``init``) cannot take effect on resume, so a change is refused,
+    naming them (a state saved without them is not checked)."""
+    changed = {k: (state[k], v) for k, v in configured.items() if k in state and state[k] != v}
+    if changed:
+        from groupwise.registry import ConfigError
+
+        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        raise ConfigError(f"{owner}: {shown} is not changeable on resume (it sets the value before the first step; "
+                          f"the run continues from the checkpointed value {state.get('value')!r}); rerun with the "
+                          f"stored value, or train into a new folder with out=...")
 
 
 def scheduled(component: Any) -> dict[str, Any]:

@@ -57,6 +57,7 @@ import torch
 
 from groupwise.kl_estimators import token_kl
 from groupwise.registry import build, register
+from groupwise.schedules import refuse_changed_start
 from groupwise.types import Need, Rollout, StepInfo
 
 LEVELS = ("sequence", "token_mean")
@@ -121,7 +122,8 @@ class AdaptiveKL:
         return self._update(self.last_kl, self.n_steps or rows)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self._value, "last_kl": self.last_kl}
+        return {"value": self._value, "last_kl": self.last_kl, "init": self.init}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        refuse_changed_start("adaptive_kl", state, init=self.init)
         self._value, self.last_kl = float(state["value"]), state["last_kl"]

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from groupwise.registry import register
+from groupwise.schedules import refuse_changed_start
 from groupwise.types import Rollout, StepInfo
 
 MODES = ("additive", "multiplicative")
@@ -111,7 +112,8 @@ class TargetEntropySchedule:
         return self._coef
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self._value, "coef": self._coef}
+        return {"value": self._value, "coef": self._coef, "init": self.init}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        refuse_changed_start("target_entropy", state, init=self.init)
         self._value, self._coef = state["value"], state["coef"]

@@ -84,9 +84,27 @@ class TorchUpdater:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_keeping_configuration(self.torch_optim(), self.scheduler, state)
         self.skipped = state["skipped"]
+
+
+def load_keeping_configuration(optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any]) -> None:
+    """Restore the optimiser's per-parameter state (moments, step counts) and the schedule's position
+    from a checkpoint, but keep the hyper-parameters this updater was built with (lr, betas, weight
+    decay, eps, momentum): a run resumed with a changed ``update.lr`` (``--resume-allow``) trains with
+    the new one. The lr in force is the configured base lr times the schedule's factor at the restored
+    step, as ``LambdaLR`` computes it, so an unchanged configuration resumes bit for bit."""
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    for group, hyper in zip(optimizer.param_groups, configured, strict=True):
+        group.update(hyper)
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    step = scheduler.last_epoch
+    lrs = [base * factor(step) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)
 
 
 # ---------------------------------------------------------------------------- helpers for multi-pass updaters

@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from groupwise.registry import ConfigError, register
-from groupwise.updates._base import OptimizerSnapshot, TorchUpdater, clip_grads, grads_of
+from groupwise.updates._base import OptimizerSnapshot, TorchUpdater, clip_grads, grads_of, load_keeping_configuration
 from groupwise.updates._gxpo_gate import GXPOGate
 from groupwise.updates.adamw import AdamW
 
@@ -227,7 +227,6 @@ class GXPO(TorchUpdater):
         return {"optimizer": self.torch_optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "skipped": self.skipped, "t": self.t, "gate": self.gate.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.torch_optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_keeping_configuration(self.torch_optimizer, self.scheduler, state)
         self.skipped, self.t = state["skipped"], state["t"]
         self.gate.load_state_dict(state["gate"])
