@@ -206,3 +206,26 @@ def test_keys_fixed_at_start_are_refused_even_when_allowed(tmp_path, key, overri
     with pytest.raises(ConfigError, match=rf"not changeable on resume: {key.replace('.', '[.]')}: .* -> "):
         resumed(tmp_path, [key.split(".")[0]], *extra, override)
     assert (tmp_path / "config.toml").read_text() == stored  # nothing recorded for a refused resume
+
+
+def test_a_key_added_to_groupwise_after_the_run_started_is_not_a_change(tmp_path):
+    # A run folder written before a config key existed (``plugins``, added later) resumes when the key
+    # is left at its default: the stored config is read with today's defaults for what it lacks. Set
+    # to something else, it is a change like any other, named in the refusal.
+    import tomllib
+
+    from groupwise.config import to_toml
+
+    run = tmp_path / "run"
+    stopped(run)
+    stored = tomllib.loads((run / "config.toml").read_text())
+    del stored["plugins"], stored["train"]["max_skipped_in_row"]  # as an older groupwise wrote it
+    (run / "config.toml").write_text(to_toml(stored))
+    trainer = resumed(run, [])
+    assert trainer.step == 2
+    stopped(tmp_path / "other")
+    stored = tomllib.loads((tmp_path / "other" / "config.toml").read_text())
+    del stored["train"]["max_skipped_in_row"]
+    (tmp_path / "other" / "config.toml").write_text(to_toml(stored))
+    with pytest.raises(ConfigError, match="train.max_skipped_in_row"):
+        resumed(tmp_path / "other", [], "train.max_skipped_in_row=7")

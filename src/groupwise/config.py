@@ -446,6 +446,29 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> tuple[C
     return _from_dict(Config, data, ""), data
 
 
+def with_defaults(stored: dict) -> dict:
+    """A run folder's stored ``config.toml`` (as a dict) with every key it lacks set to today's default:
+    a key added to groupwise after the run started (``plugins``) is not a change on resume when the
+    current run leaves it at its default. Keys the stored config has are kept as they are."""
+
+    def fill(data: dict, defaults: dict) -> dict:
+        out = dict(data)
+        for key, default in defaults.items():
+            if key not in out:
+                out[key] = default
+            elif isinstance(default, dict) and isinstance(out[key], dict) and default:
+                out[key] = fill(out[key], default)
+        return out
+
+    as_stored = tomllib.loads(to_toml(to_dict(Config())))  # defaults written and read back as a run folder does
+    filled = fill(stored, as_stored)
+    role_defaults = tomllib.loads(to_toml({"role": dataclasses.asdict(RoleCfg())}))["role"]
+    if isinstance(filled.get("roles"), dict):
+        filled["roles"] = {name: fill(role, role_defaults) if isinstance(role, dict) else role
+                           for name, role in filled["roles"].items()}
+    return filled
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from groupwise import checkpoint, dist, runfolder, schedules, tracking
-from groupwise.config import to_dict, to_toml
+from groupwise.config import to_dict, to_toml, with_defaults
 from groupwise.phases import PhaseContext, inject, run_phases
 from groupwise.logging import MetricsLog, append_jsonl, cut_back, logged_rows, plot_rewards, progress_bar, sample_rows
 from groupwise.registry import ConfigError
@@ -151,7 +151,7 @@ class RunLoop:
         resume = checkpoint.latest_intact(self.out)
         stored = self.out / "config.toml"
         if resume is not None and stored.exists():
-            runfolder.check_resume({**tomllib.loads(stored.read_text()), "out": None}, {**current, "out": None}, allow)
+            runfolder.check_resume({**with_defaults(tomllib.loads(stored.read_text())), "out": None}, {**current, "out": None}, allow)
         if resume is not None:
             self.load_state_dict(checkpoint.load(resume))
             self._say(f"resuming {self.out} from step {self.step} (checkpoint {resume.relative_to(self.out)})")
