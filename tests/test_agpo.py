@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from groupwise.advantages.agpo import agpo_advantages
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from helpers import info_for, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded
 
 SPEC = [[1.0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from groupwise.advantages.alphagrpo import fpr_rewards, per_prompt_advantages
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rewards._common import RewardError
 from groupwise.rewards.dvreward import ATTRIBUTES, decompose, dv_reward, sc_pq, verdict_word, yes_no_confidence
 from helpers import info_for, paper_module, rollout_from, train_recorded

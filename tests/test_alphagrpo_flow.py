@@ -11,7 +11,8 @@ import torch
 
 from groupwise.advantages.alphagrpo import per_prompt_advantages
 from groupwise.config import load_config
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rewards._common import RewardError
 from groupwise.rewards.dv_questions import DOMAINS, as_point
 from groupwise.rewards.dvreward import decompose, dv_reward

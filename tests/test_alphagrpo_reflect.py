@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from groupwise.advantages.alphagrpo import fpr_rewards, per_prompt_advantages
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rewards.dvreward import DVReward
 from groupwise.rollout.alphagrpo_reflect import INSTRUCTION, TEMPLATE, reflection_context, select_attempt
 from groupwise.rollout.context import RolloutContext, check_strategy

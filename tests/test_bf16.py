@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from groupwise.config import load_config
+from groupwise.errors import ConfigError
 from groupwise.policy import precision
 from groupwise.policy.forward import completion_logprobs
 from groupwise.policy.functional import DecodeState, hidden_states
-from groupwise.registry import ConfigError
 from test_functional import tiny_model
 from test_trainer import make_trainer
 

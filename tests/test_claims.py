@@ -18,7 +18,7 @@ from groupwise.claims.claimfile import ClaimError, find_claims, load_claim
 from groupwise.claims.compare import ConfigSpec, compare, is_metric, metric_values, read_run, run_state, split_configs
 from groupwise.claims.intervals import T975, Interval, mean_interval, paired_effect, t975, verdict
 from groupwise.claims.report import PLACEHOLDER, readings, regenerate, run_claim, save_record
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

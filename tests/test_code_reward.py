@@ -23,7 +23,8 @@ import time
 
 import pytest
 
-from groupwise.registry import ConfigError, build, names
+from groupwise.errors import ConfigError
+from groupwise.registry import build, names
 from groupwise.rewards import RewardError, score
 from groupwise.sandbox import bwrap as _sandbox
 from groupwise.sandbox.bwrap import SANDBOX_ENV, Sandbox, SandboxUnavailable

@@ -5,7 +5,8 @@ import tomllib
 import pytest
 
 from groupwise.config import Config, _from_dict, load_config, parse_value, to_dict, to_toml
-from groupwise.registry import ConfigError, build, build_spec
+from groupwise.errors import ConfigError
+from groupwise.registry import build, build_spec
 
 
 def test_overrides_are_toml_values():

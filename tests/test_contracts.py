@@ -401,8 +401,8 @@ def _geo_mean(weight, mask):
 @pytest.mark.parametrize("weight_name", ALL_WEIGHTS)
 @pytest.mark.parametrize("name", TERMS)
 def test_term_takes_token_weights_as_declared_or_refuses(name, weight_name):
+    from groupwise.errors import ConfigError
     from groupwise.objective import Objective
-    from groupwise.registry import ConfigError
 
     term, ro, out, logp = _term_setup(name, seed=21)
     mode = _mode(term)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from groupwise.config import load_config
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.types import Need
 from test_trainer import make_trainer
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.tasks.data import DataError, LoadResult, load_rows
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.policy.lm import resolve_device
-from groupwise.registry import ConfigError
 from groupwise.roles import _on_policy_device
 from test_trainer import make_trainer
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from groupwise.advantages.dgao import dgao_advantages
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rollout.dgao import consistency_rate, make_order_variants, order_permutations, overconfidence_rate
 from helpers import info_for, make_rollout
 from test_trainer import make_trainer

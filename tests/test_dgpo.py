@@ -19,8 +19,9 @@ import math
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.losses.dgpo import dgpo_loss
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.tasks import get_task
 from groupwise.types import Need
 from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, paper_module, rollout_from

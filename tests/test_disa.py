@@ -12,11 +12,12 @@ import shutil
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.losses.disa import DISA, LogZRegressor, estimate_logZ, is_ess, r_squared, tb_loss, tb_residual
 from groupwise.phases import PhaseContext, load_output
 from groupwise.phases.disa_logz import DisaLogZ
 from groupwise.policy.forward import tempered_logp
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.types import Need, Request, StepInfo
 from helpers import check_micro_batching, info_for, make_rollout, objective_for, rollout_from, train_recorded
 from test_trainer import make_trainer

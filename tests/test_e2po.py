@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.rollout.e2po import (CONDITION, E2PO, anchor_loss, diversity_loss, embedding_loss, eps_insensitive, learn_prompt_perturbations,
                                     mix_condition, noise_aware_gamma)
 from helpers import train_recorded

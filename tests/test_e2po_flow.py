@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from groupwise.config import load_config
+from groupwise.errors import ConfigError
 from groupwise.hooks import EmbedDelta, row_hooks
 from groupwise.modalities.flow import FlowPolicy, flow_sigmas, sde_step_with_logprob
 from groupwise.modalities.flow_toy import FlowTrapReward, trap_reward
-from groupwise.registry import ConfigError
 from groupwise.rollout.context import check_strategy
 from groupwise.rollout.e2po import CONDITION, E2PO, anchor_loss, diversity_loss, noise_aware_gamma
 from groupwise.trainer import Trainer

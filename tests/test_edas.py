@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from groupwise.advantages.edas import answer_classes, edas_shape
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rewards.exact import Exact
 from groupwise.rewards.math import final_answer
 from helpers import info_for, make_rollout, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded

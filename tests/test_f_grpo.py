@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from groupwise.advantages.f_grpo import fgrpo_token_adv, phase_ids
+from groupwise.errors import ConfigError
 from groupwise.losses.f_grpo import PHASE_KEY, fgrpo_loss
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.rewards.ranking import fgrpo_rewards, parse_ranking
 from helpers import info_for, rollout_from
 from test_trainer import make_trainer

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rewards.feedback import feedback_text
 from groupwise.rollout.fbos import TEMPLATE, build_fap
 from groupwise.types import Rollout, StepInfo

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from groupwise.config import load_config
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.trainer import Trainer
 
 

@@ -20,7 +20,8 @@ import torch
 
 from groupwise.advantages.gcpo import dpp_logvol, gcpo_advantages, ngram_embeddings, shapley_values
 from groupwise.engines.seeds import sample_seed
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.types import Need, StepInfo
 from helpers import info_for, rollout_from, train_recorded
 

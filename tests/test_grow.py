@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from groupwise.config import RewardCfg
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.context import RolloutContext
 from groupwise.rollout.env import greedy_success, play

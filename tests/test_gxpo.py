@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.updates._base import OptimizerSnapshot
 from groupwise.updates.gxpo import GXPOGate, gxpo_retention_scale
 

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from groupwise.engines import cpu
 from groupwise.engines.cpu import CPUEngine
+from groupwise.errors import ConfigError
 from groupwise.hooks import EmbedDelta, ResidualAdd, check_hooks, row_hooks
 from groupwise.policy.functional import DecodeState
-from groupwise.registry import ConfigError
 
 PAD, EOS = 0, 1
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]

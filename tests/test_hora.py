@@ -184,7 +184,8 @@ def test_strategy_spends_the_budget_where_hits_are_likely_and_joins_the_groups()
 
 
 def test_strategy_budget_and_caps():
-    from groupwise.registry import ConfigError, build
+    from groupwise.errors import ConfigError
+    from groupwise.registry import build
 
     table = {i: [0.0] * 32 for i in range(2)}
     ctx = _Ctx(table, batch_size=2, group_size=8)

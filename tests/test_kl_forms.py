@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from groupwise import schedules
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from helpers import info_for, leaf, make_logp, make_rollout, objective_for, rollout_from
 
 E05, EM05, E02, EM01 = math.exp(0.5), math.exp(-0.5), math.exp(0.2), math.exp(-0.1)  # 1.648721 0.606531 1.221403 0.904837

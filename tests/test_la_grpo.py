@@ -29,8 +29,9 @@ import math
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.losses.la_grpo import functional_token_mask, resolve_tokens
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from helpers import assert_micro_batch_invariant, check_micro_batching, info_for, make_logp, make_rollout, objective_for, rollout_from, train_recorded
 
 VOCAB = ["", "a", "+", "-", "*"]  # id 0 EOS, 1 ordinary, 2-4 the functional operators

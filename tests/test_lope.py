@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.losses.lope import shaped_ratio
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.rollout.lope import EXTRA, TAIL, load_words, lope_regroup, lorem_prompt, lorem_words, make_lorem_prompt
 from groupwise.types import INJECTED, Need, Rollout, StepInfo
 from helpers import info_for, objective_for, rollout_from, train_recorded

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build_spec
+from groupwise.errors import ConfigError
+from groupwise.registry import build_spec
 from groupwise.updates.lora_placement import grad_structure_stats, placement_scores, topk_mask
 
 # spec 29's unit test: B is 2x2 (e00, e01, e10, e11), S = 3 probe gradients

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.updates._lora import assert_lora_param_count, largest_remainder, layer_of, lora_param_count, lora_side, module_kind
 from groupwise.updates.lora_rank import (GradNormProfiler, allocate_ranks, corr, layer_rank_pattern, max_min_ratio, shares_from_metrics,
                                          top_frac_share)

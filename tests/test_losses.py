@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.types import Need
 from helpers import info_for, leaf, make_rollout, objective_for, rollout_from
 

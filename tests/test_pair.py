@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from groupwise.advantages.pair import PairAdvantage, pair_turn_advantages
+from groupwise.errors import ConfigError
 from groupwise.phases.pair_probe import PairProbePhase, auroc, turn_labels
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.rewards.pair import (TURN_REWARD, PairProbe, PairReward, attention_stats, fit_logistic, momentum_rewards, pair_features,
                                     pair_turn_rewards, row_turn_features, tclip, turn_spans)
 from groupwise.tasks.reach import format_row

@@ -36,9 +36,10 @@ import torch
 
 from groupwise.advantages.pair_grpo import (all_pairs, disjoint_pairs, pair_rewards, pairwise_binary_rewards, rollout_pairs, row_keys,
                                             win_rates)
+from groupwise.errors import ConfigError
 from groupwise.losses.hard_pair import hard_pair_loss
 from groupwise.masked import group_normalize
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.types import StepInfo
 from helpers import assert_micro_batch_invariant, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded
 

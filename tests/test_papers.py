@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from groupwise import cli
+from groupwise.errors import ConfigError
 from groupwise.papers import PACKAGE, PAPERS, check, find, folders, papers, standard
-from groupwise.registry import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 # the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from groupwise.advantages.pass_at_k import chen_pair, pkpo_pair
-from groupwise.registry import ConfigError, build, build_spec
+from groupwise.errors import ConfigError
+from groupwise.registry import build, build_spec
 from helpers import info_for, rollout_from
 
 NAN = float("nan")

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.phases import load_output, save_output
 from groupwise.phases.sft import _loss, teacher_forced
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from test_trainer import make_trainer
 
 

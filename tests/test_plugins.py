@@ -29,7 +29,8 @@ import torch
 
 import groupwise
 from groupwise import plugins, registry
-from groupwise.registry import ConfigError, build_spec, lookup
+from groupwise.errors import ConfigError
+from groupwise.registry import build_spec, lookup
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "extending"

@@ -12,10 +12,10 @@ import torch
 
 from groupwise.advantages.profil import AttnProbe
 from groupwise.advantages.profil_shaper import ProFIL, rollout_step_ids
+from groupwise.errors import ConfigError
 from groupwise.phases import load_output
 from groupwise.phases.profil_probe import ProfilProbe, answer_after, step_ids_of
 from groupwise.policy.lm import load_policy
-from groupwise.registry import ConfigError
 from groupwise.types import Need
 from helpers import paper_module, rollout_from
 

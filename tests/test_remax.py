@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rollout.context import RolloutContext, check_strategy
 from groupwise.types import Request
 from helpers import info_for, make_rollout

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from groupwise import checkpoint
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.rubric_bank import RubricBank
 from test_trainer import make_trainer
 

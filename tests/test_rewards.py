@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build, names, param_names
+from groupwise.errors import ConfigError
+from groupwise.registry import build, names, param_names
 from groupwise.rewards import RewardError, ScoreResult, reward_label, score
 from groupwise.rewards.score import score_parts
 from groupwise.rewards.exact import Exact

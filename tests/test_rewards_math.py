@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rewards import RewardError, score
 from groupwise.rewards.math import Math, completion_answer_text, gold_answer, gsm8k_answer, last_boxed, verify_in_process
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from groupwise.config import load_config
+from groupwise.errors import ConfigError
 from groupwise.losses.codistill import CoDistillKD, codistill_teacher_loss
 from groupwise.objective import Objective, token_weights
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.trainer import Trainer
 from groupwise.types import Rollout, StepInfo
 

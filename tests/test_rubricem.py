@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from groupwise.advantages.rubricem import ss_grpo_advantages, stage_masks, stage_to_token_adv
+from groupwise.errors import ConfigError
 from groupwise.masked import group_normalize
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.rubric_bank import RubricBank, meta_reward
 from helpers import info_for, rollout_from
 

@@ -23,7 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rollout.rubricem_reflect import REFLECT_TEMPLATE, feedback_text, with_hint
 from groupwise.types import Rollout, StepInfo
 

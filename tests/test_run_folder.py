@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from groupwise import checkpoint, runfolder
+from groupwise.errors import ConfigError
 from groupwise.logging import MetricsLog
-from groupwise.registry import ConfigError
 
 from test_trainer import MODEL, make_trainer
 

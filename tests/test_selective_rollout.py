@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rollout.env import play
 from groupwise.types import Rollout
 from groupwise.rollout.selective import normalized_edit_distance, prefix_edit_distance_mean, selective_gate, termination_fraction

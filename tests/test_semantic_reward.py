@@ -14,7 +14,8 @@ import threading
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rewards._common import RewardError
 from groupwise.rewards.score import score
 from groupwise.rewards import semantic as sem

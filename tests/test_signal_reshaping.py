@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from groupwise.registry import ConfigError, build, register
+from groupwise.errors import ConfigError
+from groupwise.registry import build, register
 from groupwise.rewards.layered_code import layered_reward
 from groupwise.rollout.governance import govern_group, grpo_advantage_masked
 from groupwise.weights.process_score import process_token_weights

@@ -21,8 +21,9 @@ import math
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver, check_view_rollout
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from groupwise.textspans import segment_ids
 from groupwise.types import Need, Rollout
 from groupwise.views import Remapped

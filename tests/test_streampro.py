@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.phases.cb_stream import balanced_from_ce, cb_stream_loss, class_balanced_weights
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from helpers import paper_module, train_recorded
 
 _clue = paper_module("42_streampro", "clue_stream")

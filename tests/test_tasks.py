@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.tasks import get_task
 from groupwise.tasks.countdown import CountdownReward, check_countdown
 from groupwise.tasks.countdown import format_row as countdown_row

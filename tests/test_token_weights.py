@@ -24,8 +24,9 @@ import math
 import pytest
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.objective import Objective, check_token_weights, geo_mean_factor, token_weight_mode, token_weights
-from groupwise.registry import ConfigError, build
+from groupwise.registry import build
 from helpers import info_for, leaf, objective_for, rollout_from
 
 SQRT2 = math.sqrt(2.0)

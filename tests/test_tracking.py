@@ -17,7 +17,7 @@ from rich.console import Console
 
 from groupwise import tracking
 from groupwise.config import load_config
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 from test_run_folder import _stopped_run
 from test_trainer import make_trainer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from groupwise.config import load_config
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.rewards._common import RewardError
 from groupwise.trainer import Trainer
 from groupwise.types import Need

@@ -11,7 +11,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rollout.vspo import ALPHA, COEF, VSPO, alpha_rows, compute_steering_vector, residual_at_last, steering_hook, vspo_rewards
 from helpers import info_for, make_rollout, train_recorded
 

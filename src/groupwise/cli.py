@@ -53,7 +53,7 @@ def cmd_train(args: list[str]) -> int:
     from rich.console import Console
 
     from groupwise.config import load_config, to_dict, to_toml
-    from groupwise.registry import ConfigError
+    from groupwise.errors import ConfigError
 
     allow: list[str] = []
     rest = []
@@ -95,8 +95,8 @@ def cmd_train(args: list[str]) -> int:
 def _plugin_option(args: list[str]) -> list[str]:
     """Take ``--plugins M[,M]`` (repeatable, or ``--plugins=M``) out of ``args``, import those modules
     (``groupwise.plugins``: from the working directory too) and return the other arguments."""
+    from groupwise.errors import ConfigError
     from groupwise.plugins import import_plugins
-    from groupwise.registry import ConfigError
 
     modules, rest = [], []
     items = iter(args)
@@ -259,7 +259,7 @@ def _explain_recipe(name: str, path) -> None:
 def cmd_eval(args: list[str]) -> int:
     """``groupwise eval [MODEL | RUN] [key=value ...]``: held-out greedy accuracy of a model folder or a run's final model."""
     from groupwise.config import load_config
-    from groupwise.registry import ConfigError
+    from groupwise.errors import ConfigError
 
     if any(a in ("-h", "--help") for a in args):
         print(EVAL_HELP)
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         parser.error(f"unknown command {command!r}")
-    from groupwise.registry import ConfigError
+    from groupwise.errors import ConfigError
 
     try:
         return COMMANDS[command](rest)

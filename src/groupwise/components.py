@@ -24,7 +24,8 @@ from typing import Any, Protocol, Sequence
 
 from torch import Tensor
 
-from groupwise.registry import STAGES, ConfigError
+from groupwise.errors import ConfigError
+from groupwise.registry import STAGES
 from groupwise.types import Need, Rollout, StepInfo
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
+from groupwise.validate import check_type
 
 RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a paper's: papers/NN_slug/recipes/
 
@@ -223,34 +224,6 @@ def _from_dict(cls: type, data: dict, where: str) -> Any:
         if not test(getattr(cfg, key)):
             raise ConfigError(f"config key {where}{key}={getattr(cfg, key)!r} is out of range; allowed: {allowed}")
     return cfg
-
-
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,), "list": (list,)}
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "dict": "a table", "list": "an array", "None": "none"}
-
-
-def check_type(what: str, annotation: Any, value: Any) -> None:
-    """Raise a ConfigError naming ``what`` when ``value`` does not fit a simple annotation
-    (``int``, ``float``, ``str``, ``bool``, ``dict``, ``list``, their ``X | None`` unions, ``tuple[...]``);
-    other annotations are not checked. A number is never a bool and a bool is never a number."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    options = [t.strip() for t in text.split("|")]
-    if any(o not in _TYPES and o != "None" and not o.startswith("tuple[") for o in options):
-        return
-    for option in options:
-        if option == "None" and value is None:
-            return
-        if option.startswith("tuple["):
-            if isinstance(value, (list, tuple)):
-                return
-            continue
-        kinds = _TYPES.get(option, ())
-        if isinstance(value, bool) and option != "bool":
-            continue
-        if isinstance(value, kinds):
-            return
-    wanted = " or ".join(_TYPE_WORDS.get(o, "an array" if o.startswith("tuple[") else o) for o in options)
-    raise ConfigError(f"{what} must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
 _RANGES: dict[str, dict[str, tuple[Any, str]]] = {

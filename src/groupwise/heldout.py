@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.evaluation import pass_at_k
 from groupwise.phases.sft import teacher_forced
-from groupwise.registry import ConfigError
 from groupwise.rewards.stage import RewardStage
 from groupwise.tasks import get_task
 from groupwise.types import Request

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 KINDS = ("embed_delta", "residual_add")
 

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from groupwise.registry import ConfigError, build, lookup, names
+from groupwise.errors import ConfigError
+from groupwise.registry import build, lookup, names
 from groupwise.types import Need, Rollout
 from groupwise.views import Remapped
 

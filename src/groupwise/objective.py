@@ -38,7 +38,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError, build, build_spec
+from groupwise.errors import ConfigError
+from groupwise.registry import build, build_spec
 from groupwise.types import Need, Rollout, StepInfo
 
 

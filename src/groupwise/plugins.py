@@ -37,7 +37,8 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
-from groupwise.registry import STAGES, ConfigError, entries, load_all, register
+from groupwise.errors import ConfigError
+from groupwise.registry import STAGES, entries, load_all, register
 
 def required(stage: str) -> list[tuple[str, ...]]:
     """The members a ``stage`` component must have, one tuple per form of its contract (a reward is a

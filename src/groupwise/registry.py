@@ -20,6 +20,9 @@ import importlib
 import pkgutil
 from typing import Any, Callable
 
+from groupwise.errors import ConfigError
+from groupwise.validate import check_type
+
 STAGES = (
     "sampling",  # which prompts next
     "rollout",  # how completions are produced
@@ -40,10 +43,6 @@ STAGES = (
 
 _REGISTRY: dict[str, dict[str, type]] = {stage: {} for stage in STAGES}
 _LOADED = False
-
-
-class ConfigError(ValueError):
-    """A configuration names something that does not exist or is malformed."""
 
 
 def register(stage: str, name: str) -> Callable[[type], type]:
@@ -75,8 +74,6 @@ def load_all() -> None:
     if _LOADED:
         return
     _LOADED = True
-    import groupwise
-
     importlib.import_module("groupwise.kl_estimators")
     for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "schedules", "views", "providers", "tasks", "modalities", "phases"):
         pkg = importlib.import_module(f"groupwise.{sub}")
@@ -87,7 +84,6 @@ def load_all() -> None:
 
     for name in module_names():
         importlib.import_module(name)
-    del groupwise
 
 
 def names(stage: str) -> list[str]:
@@ -134,8 +130,6 @@ def build(stage: str, name: str, **params: Any) -> Any:
             spec = dict(value)
             schedules[key] = build("schedule", spec.pop("schedule"), **spec)
             params[key] = schedules[key].start()
-    from groupwise.config import check_type  # config imports this module: import at call time
-
     annotations = {f.name: f.type for f in dataclasses.fields(cls)}
     for key, value in params.items():
         check_type(f"{stage} {name!r} parameter {key}", annotations[key], value)

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from groupwise.components import bind_parameter_names
+from groupwise.errors import ConfigError
 from groupwise.objective import Objective, token_weights
 from groupwise.policy import build_policy
-from groupwise.registry import ConfigError, build_spec
+from groupwise.registry import build_spec
 from groupwise.rewards.score import combine
 from groupwise.types import Need, Rollout, StepInfo
 

@@ -23,7 +23,7 @@ from groupwise import checkpoint, dist, runfolder, schedules, tracking
 from groupwise.config import to_dict, to_toml, with_defaults
 from groupwise.phases import PhaseContext, inject, run_phases
 from groupwise.logging import MetricsLog, append_jsonl, cut_back, logged_rows, plot_rewards, progress_bar, sample_rows
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.types import StepInfo
 from groupwise.updates._base import all_finite
 

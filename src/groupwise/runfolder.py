@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 LOCK = ".lock"
 FINISHED = "FINISHED"  # the last file a run writes: the step and each output's size and sha256

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 
 def check_tags(tags: Sequence[str], who: str, need_open: bool) -> tuple[str, str]:

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 BACKENDS = ("tensorboard", "trackio", "wandb")  # each one's package and extra have its name
 

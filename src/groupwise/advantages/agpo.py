@@ -46,8 +46,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import to_float32, valid_rows
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 POS_SCALES = ("std", "variance")

@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import constant_group, group_mean, masked_mean, to_float32, valid_rows
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 

@@ -66,8 +66,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import finite_or_zero, to_float32
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 EQUIVS = ("exact", "math")

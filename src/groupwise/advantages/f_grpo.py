@@ -50,8 +50,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import group_normalize, to_float32, valid_rows
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.rewards.ranking import phase_boundary
 from groupwise.textspans import check_tags, label_tokens
 from groupwise.types import Rollout, StepInfo

@@ -68,8 +68,9 @@ from torch import Tensor
 
 from groupwise.advantages.dpp_shapley import dpp_logvol, shapley_values  # noqa: F401  (the spec's interface)
 from groupwise.engines.seeds import sample_seed
+from groupwise.errors import ConfigError
 from groupwise.masked import group_normalize, to_float32, valid_rows
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 
 EMBEDDINGS = ("ngram", "hidden")

@@ -47,8 +47,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import group_normalize, to_float32, valid_rows
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.rollout.lope import EXTRA
 from groupwise.types import Rollout, StepInfo
 

@@ -42,8 +42,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import group_center, group_std, to_float32, valid_rows
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.rewards.pair import TURN_REWARD, turn_spans
 from groupwise.types import Rollout, StepInfo
 

@@ -76,8 +76,9 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import to_float32, valid_rows
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 FORMS = ("chen", "pkpo")

@@ -45,7 +45,8 @@ from torch import Tensor
 
 from groupwise.masked import finite_or_zero
 from groupwise.advantages.profil import SCORE_MODES, AttnProbe, profil_filter, rollout_score, segment_steps
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 
 

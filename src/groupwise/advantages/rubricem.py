@@ -58,8 +58,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import group_normalize, to_float32, valid_rows
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.textspans import check_tags, segment_ids
 from groupwise.types import Rollout, StepInfo
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from groupwise.claims.compare import LABEL_RE, METRICS, TARGET_METRICS, ConfigSpec, is_metric, resolved_key
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 KEYS = ("paper", "claim", "metric", "target", "direction", "margin", "seeds", "baseline", "claimed", "common", "configs")
 CONFIG_KEYS = ("label", "recipe", "overrides")

@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 from groupwise import runfolder
 from groupwise.claims.intervals import Interval, mean_interval
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 LOCK_WAIT_S = 600.0  # how long a rerun waits for a run folder still held by a dying child of a killed compare
 

@@ -65,9 +65,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.losses._common import check_clip, masked_input, required, row_advantages, term_mask
 from groupwise.masked import masked_logsumexp, masked_mean
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 
 

@@ -67,10 +67,11 @@ import torch
 from torch import Tensor
 
 from groupwise.advantages.pair_grpo import PAIRINGS, pair_preference, rollout_pairs
+from groupwise.errors import ConfigError
 from groupwise.kl_estimators import K3
 from groupwise.losses.lpo import SimplexTerm, sequence_log_ratio, simplex_divergence
 from groupwise.masked import masked_mean
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 

@@ -64,8 +64,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.losses._common import check_clip, clipped_surrogate, masked_input, ratio_and_adv, term_mask
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 ANCHORS = ("surrogate", "logprob")

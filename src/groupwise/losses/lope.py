@@ -66,8 +66,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.losses._common import masked_input, required, term_mask, token_advantages
-from groupwise.registry import ConfigError, build, register
+from groupwise.registry import build, register
 from groupwise.types import INJECTED, Need, Rollout, StepInfo
 
 LEVELS = ("token", "sequence")

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from groupwise.registry import STAGES, ConfigError
+from groupwise.errors import ConfigError
+from groupwise.registry import STAGES
 
 PAPERS = Path(__file__).resolve().parent
 PACKAGE = PAPERS.parent  # manifest paths are relative to src/groupwise

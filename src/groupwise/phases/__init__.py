@@ -38,7 +38,8 @@ from typing import Any, Callable
 import torch
 
 from groupwise import dist, runfolder
-from groupwise.registry import ConfigError, build_spec
+from groupwise.errors import ConfigError
+from groupwise.registry import build_spec
 
 KINDS = ("sft", "offline")
 

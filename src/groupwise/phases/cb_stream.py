@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 COUNTS = ("dataset", "batch")
 

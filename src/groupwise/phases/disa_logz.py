@@ -51,11 +51,12 @@ from typing import Any
 
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.losses.disa import LogZRegressor, estimate_logZ, is_ess, r_squared
 from groupwise.masked import masked_mean
 from groupwise.phases import PhaseContext
 from groupwise.policy.forward import tempered_logp
-from groupwise.registry import ConfigError, build_spec, register
+from groupwise.registry import build_spec, register
 from groupwise.types import Request, StepInfo
 
 

@@ -61,8 +61,9 @@ from typing import Any, Callable
 
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.phases import PhaseContext
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.rollout.e2po import learn_prompt_perturbations
 
 

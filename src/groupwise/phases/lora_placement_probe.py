@@ -56,9 +56,10 @@ from dataclasses import dataclass
 
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.phases import PhaseContext
 from groupwise.phases.sft import teacher_forced
-from groupwise.registry import ConfigError, build, register
+from groupwise.registry import build, register
 from groupwise.types import Request, StepInfo
 from groupwise.updates._lora import layer_of, lora_side, module_kind
 from groupwise.updates.lora_placement import SCORES, grad_structure_stats, placement_scores, topk_mask

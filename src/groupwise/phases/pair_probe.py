@@ -52,8 +52,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.phases import PhaseContext
-from groupwise.registry import ConfigError, build, register
+from groupwise.registry import build, register
 from groupwise.rewards.pair import PairProbe, row_turn_features
 from groupwise.rollout.env import _Rows, env_name, play
 from groupwise.rollout.episodes import transcripts

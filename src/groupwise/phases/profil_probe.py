@@ -49,8 +49,9 @@ from dataclasses import dataclass
 import torch
 
 from groupwise.advantages.profil import AttnProbe, commitment_labels, segment_steps
+from groupwise.errors import ConfigError
 from groupwise.phases import PhaseContext
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Request, StepInfo
 
 

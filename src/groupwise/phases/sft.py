@@ -47,9 +47,10 @@ from typing import Any, Callable
 
 import torch
 
+from groupwise.errors import ConfigError
 from groupwise.phases import PhaseContext
 from groupwise.phases.cb_stream import COUNTS, balanced_from_ce, check_beta, class_balanced_weights
-from groupwise.registry import ConfigError, build_spec, register
+from groupwise.registry import build_spec, register
 from groupwise.tasks import get_task
 from groupwise.types import Rollout
 

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from groupwise.errors import ConfigError
 from groupwise.phases import PhaseContext
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.rollout.vspo import compute_steering_vector
 
 

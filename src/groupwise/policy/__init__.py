@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 KINDS = ("lm", "flow", "unified")
 

@@ -32,7 +32,7 @@ def resolve_model_path(path: str) -> str:
 def resolve_device(name: str) -> torch.device:
     """``model.device``: ``cpu``; ``cuda`` (this rank's GPU: ``cuda:LOCAL_RANK`` under torchrun);
     ``cuda:N``; ``auto`` = ``cuda`` when a GPU is visible, else ``cpu``."""
-    from groupwise.registry import ConfigError
+    from groupwise.errors import ConfigError
 
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,7 +174,7 @@ class LMPolicy:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos[0]]
 
     def check_fits(self, ids: list[int], max_new_tokens: int, where: str) -> None:
-        from groupwise.registry import ConfigError
+        from groupwise.errors import ConfigError
 
         if self.context and len(ids) + max_new_tokens > self.context:
             raise ConfigError(f"{where}: prompt of {len(ids)} tokens + rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
@@ -254,7 +254,7 @@ class LMPolicy:
 
     def scoring_models(self, with_reference: bool) -> dict[str, Any]:
         """The modules needs are read from, by role: this policy and (built on request) its frozen reference."""
-        from groupwise.registry import ConfigError
+        from groupwise.errors import ConfigError
 
         if self.ref_sync_every and not with_reference:
             raise ConfigError(f"model.ref_sync_every={self.ref_sync_every}: no component reads the reference model (add a kl term or a ref need)")
@@ -273,7 +273,7 @@ class LMPolicy:
         if self.reference is None:
             return
         if self.reference.uses_adapter:
-            from groupwise.registry import ConfigError
+            from groupwise.errors import ConfigError
 
             raise ConfigError("an sft phase with model.lora: the reference (the base with adapters off) would not be the fine-tuned policy; "
                               "drop model.lora or the components that read the reference")

@@ -110,7 +110,7 @@ def probe_shape(config: Any) -> tuple[int, int, int]:
 def resolve(setting: str, config: Any = None, device: str = "cpu",
             measure: Callable[[int, int, int], tuple[float, float]] | None = None) -> MatmulChoice:
     """``model.matmul`` -> a ``MatmulChoice``; ``auto`` runs ``measure`` (default ``probe``) on the model's shape."""
-    from groupwise.registry import ConfigError
+    from groupwise.errors import ConfigError
 
     if setting not in CHOICES:
         raise ConfigError(f"config key model.matmul={setting!r}; choices: {', '.join(CHOICES)}")

@@ -64,7 +64,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.types import Need
 
 

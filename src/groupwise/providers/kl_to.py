@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.policy.forward import token_kl
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.types import Need
 
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 from groupwise.rewards._common import RewardError
 
 _STRIP = string.whitespace + string.punctuation

@@ -131,7 +131,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rewards._code_cases import Case, parse_tests, verdict
 from groupwise.rewards._common import get_column
 from groupwise.sandbox.bwrap import Limits, RunResult, Sandbox, SandboxUnavailable

@@ -86,7 +86,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rewards._common import RewardError, get_column
 from groupwise.rewards._judge import (MATCHES, FrozenJudge, ask_judge, normalise, verdict_word,  # noqa: F401  (re-exported)
                                       yes_no_confidence)

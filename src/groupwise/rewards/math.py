@@ -76,7 +76,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rewards._common import get_column
 from groupwise.rewards._math_pool import MathVerifierPool
 

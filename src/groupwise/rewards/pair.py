@@ -69,7 +69,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rewards._pair_features import attention_stats, pair_features, row_turn_features, turn_spans
 from groupwise.rewards._pair_probe import PairProbe, fit_logistic, tclip
 from groupwise.types import Need, Rollout, StepInfo

@@ -59,7 +59,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rewards._async import is_async_callable
 from groupwise.rewards._hooks import signature_accepts
 

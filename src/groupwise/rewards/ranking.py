@@ -59,7 +59,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rewards._common import get_column
 from groupwise.textspans import check_tags
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 

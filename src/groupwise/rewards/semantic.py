@@ -80,7 +80,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rewards._common import get_column
 
 SCRIPTS: dict[str, tuple[tuple[int, int], ...]] = {

@@ -64,7 +64,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rewards._common import get_column
 from groupwise.rewards._judge import FrozenJudge, ask_judge
 from groupwise.textspans import check_tags, tag_spans

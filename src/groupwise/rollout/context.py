@@ -34,8 +34,8 @@ from typing import Any, Callable
 import torch
 
 from groupwise import dist
+from groupwise.errors import ConfigError
 from groupwise.hooks import check_hooks
-from groupwise.registry import ConfigError
 from groupwise.types import Request, Rollout, StepInfo
 
 

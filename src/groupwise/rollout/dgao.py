@@ -55,7 +55,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.types import Request, Rollout
 

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.types import Request, Rollout
 

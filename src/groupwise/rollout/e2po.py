@@ -88,9 +88,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.hooks import EmbedDelta
 from groupwise.phases import ReadsArtifact
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.rollout.sample import refill_rounds
 from groupwise.types import Rollout

@@ -46,7 +46,8 @@ from typing import Any, Callable
 import torch
 
 from groupwise.engines.seeds import sample_seed
-from groupwise.registry import ConfigError, build
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 from groupwise.rollout.context import RolloutContext
 from groupwise.types import Request, Rollout
 

@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rollout.env import Played, check_env_rewards, play, score_returns
 from groupwise.types import Rollout
 

@@ -53,8 +53,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.masked import group_normalize, to_float32
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.rollout.env import Played, play, score_returns
 from groupwise.rollout.episodes import Episodes, transcripts
 from groupwise.types import Rollout, StepInfo

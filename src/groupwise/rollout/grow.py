@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 import torch
 
 from groupwise.engines.seeds import sample_seed
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rollout.env import Played, check_env_rewards, play, score_returns
 from groupwise.types import Rollout
 

@@ -73,7 +73,8 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.types import Request, Rollout
 
 

@@ -89,7 +89,8 @@ from typing import Any, Sequence
 import torch
 
 from groupwise.engines.seeds import sample_seed
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.types import INJECTED, Request, Rollout
 

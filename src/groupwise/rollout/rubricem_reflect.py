@@ -89,7 +89,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.rubric_bank import RubricBank, meta_reward
 from groupwise.types import Request, Rollout

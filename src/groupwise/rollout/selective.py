@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Sequence
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.rollout.env import Episode
 from groupwise.rollout.episodes import Episodes
 from groupwise.types import Rollout

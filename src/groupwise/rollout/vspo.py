@@ -60,9 +60,10 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.hooks import ResidualAdd, residual_module
 from groupwise.phases import ReadsArtifact
-from groupwise.registry import ConfigError, register
+from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.rollout.sample import refill_rounds
 from groupwise.types import Rollout

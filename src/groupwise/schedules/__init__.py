@@ -35,7 +35,7 @@ def refuse_changed_start(owner: str, state: dict[str, Any], **configured: Any) -
     naming them (a state saved without them is not checked)."""
     changed = {k: (state[k], v) for k, v in configured.items() if k in state and state[k] != v}
     if changed:
-        from groupwise.registry import ConfigError
+        from groupwise.errors import ConfigError
 
         shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
         raise ConfigError(f"{owner}: {shown} is not changeable on resume (it sets the value before the first step; "

@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 
 @dataclass

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 ON_BAD_ROW = ("raise", "skip")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -329,7 +329,7 @@ def load_rows(
     """Load and validate rows from ``source``; see the module docstring for sources and rules.
 
     Raises :class:`DataError` for an unusable source, for the first bad row when
-    ``on_bad_row="raise"``, and when no row survives; :class:`~groupwise.registry.ConfigError`
+    ``on_bad_row="raise"``, and when no row survives; :class:`~groupwise.errors.ConfigError`
     for bad arguments.
     """
     if on_bad_row not in ON_BAD_ROW:

@@ -55,7 +55,8 @@ import random
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.tasks import Task, register_task, split_pool
 
 MAX_MOVE = 4

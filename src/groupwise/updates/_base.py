@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 SCHEDULES = ("constant", "linear", "cosine")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from groupwise.registry import ConfigError
+from groupwise.errors import ConfigError
 
 class GXPOGate:
     """Rolling z-score shutoff: ``update(H, step) -> (z, tripped)``, ``enabled(step)``."""

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from groupwise.registry import ConfigError, build_spec
+from groupwise.errors import ConfigError
+from groupwise.registry import build_spec
 
 
 def build_inner(spec: Any, who: str) -> Any:

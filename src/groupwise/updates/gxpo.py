@@ -69,7 +69,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.updates._base import OptimizerSnapshot, TorchUpdater, clip_grads, grads_of, load_keeping_configuration
 from groupwise.updates._gxpo_gate import GXPOGate
 from groupwise.updates.adamw import AdamW

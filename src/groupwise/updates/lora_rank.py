@@ -67,7 +67,8 @@ from typing import Any, Callable
 
 import torch
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.updates._lora import largest_remainder, layer_of, lora_side
 from groupwise.updates._wrap import Wrapped, build_inner
 

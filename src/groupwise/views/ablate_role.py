@@ -48,7 +48,8 @@ from typing import Any, Callable
 
 import torch
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.textspans import check_tags, segment_ids
 from groupwise.types import Rollout
 from groupwise.views import Remapped

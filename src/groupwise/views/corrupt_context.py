@@ -51,7 +51,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.types import Rollout
 from groupwise.views import edit_user_text
 

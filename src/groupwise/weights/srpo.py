@@ -59,7 +59,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.textspans import check_tags, segment_ids
 from groupwise.types import Need, Rollout, StepInfo
 

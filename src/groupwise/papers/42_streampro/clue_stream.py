@@ -74,7 +74,8 @@ from typing import Sequence, Union
 
 import torch
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.tasks import Task, register_task
 
 SILENT, HIDDEN = ".", "?"

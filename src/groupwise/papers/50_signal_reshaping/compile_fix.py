@@ -57,7 +57,8 @@ import random
 import threading
 from dataclasses import dataclass, field
 
-from groupwise.registry import ConfigError, register
+from groupwise.errors import ConfigError
+from groupwise.registry import register
 from groupwise.tasks import Task, register_task, split_pool
 
 TEST_SIZE = 300
