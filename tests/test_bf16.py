@@ -88,7 +88,7 @@ def test_bf16_generation_keeps_float32_logp_and_nearly_the_same_samples(demo):
 def test_both_engine_paths_run_bf16_products_with_float32_logp(functional):
     """The functional decoder (bf16 weight snapshots) and the model's own forward (autocast): float32
     log-probs of the same greedy tokens within bf16 rounding of float32's, and not equal to them."""
-    from groupwise.engines.cpu import CPUEngine
+    from groupwise.policy.engine import CPUEngine
     from test_functional import EOS, PAD, PROMPTS
 
     model = tiny_model("qwen3")

@@ -9,8 +9,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from groupwise.engines.cpu import CPUEngine, filter_logits
-from groupwise.engines.seeds import noise_at, reference_uniform, row_seeds, sample_seed, uniform_noise
+from groupwise.policy.engine import CPUEngine, filter_logits
+from groupwise.seeds import noise_at, reference_uniform, row_seeds, sample_seed, uniform_noise
 
 PAD, EOS = 0, 1
 
@@ -81,7 +81,7 @@ def test_uniform_noise_is_uniform_in_open_interval():
     ecdf_gap = torch.maximum(ranks / n - u.sort().values.double(), u.sort().values.double() - (ranks - 1) / n)
     assert ecdf_gap.max().item() < 1.95 / math.sqrt(n)
     # Extremes of the 24-bit mapping stay strictly inside (0,1) in float32.
-    from groupwise.engines.seeds import _UNIFORM_SCALE
+    from groupwise.seeds import _UNIFORM_SCALE
     extremes = (torch.tensor([0.0, 2.0**24 - 1]) + 1.0) * _UNIFORM_SCALE
     assert 0.0 < extremes[0] and extremes[1] < 1.0
 
@@ -276,7 +276,7 @@ def test_top_p_matches_a_brute_force_nucleus(spread):
 def test_noise_spans_draw_the_same_samples_as_per_token_noise(monkeypatch):
     """Plain sampling reads Gumbel noise from multi-position spans; the per-token path (used when a
     span would not fit the noise budget) must give the very same tokens."""
-    import groupwise.engines.cpu as cpu
+    import groupwise.policy.engine as cpu
 
     model = tiny_model()
     seeds = row_seeds(4, 0, [0, 1, 2, 3], 4)

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from groupwise.engines.seeds import sample_seed
 from groupwise.modalities.flow import FlowPolicy, VelocityMLP, flow_sigmas, sde_step_with_logprob
 from groupwise.modalities.flow_toy import FlowRegionReward, mixture_centres, mixture_rows, region_reward
+from groupwise.seeds import sample_seed
 from groupwise.types import Request, StepInfo
 
 INFO = StepInfo(step=3, seed=7, max_new_tokens=0)

@@ -10,9 +10,9 @@ import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from groupwise.engines.cpu import CPUEngine
-from groupwise.engines.seeds import row_seeds
+from groupwise.policy.engine import CPUEngine
 from groupwise.policy.functional import DecodeState, hidden_states, unsupported_reason
+from groupwise.seeds import row_seeds
 
 PAD, EOS = 0, 1
 V = 64

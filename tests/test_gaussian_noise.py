@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from groupwise.engines.seeds import sample_seed
 from groupwise.registry import build
+from groupwise.seeds import sample_seed
 from helpers import info_for, make_rollout
 
 

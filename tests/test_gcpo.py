@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from groupwise.advantages.gcpo import dpp_logvol, gcpo_advantages, ngram_embeddings, shapley_values
-from groupwise.engines.seeds import sample_seed
 from groupwise.errors import ConfigError
 from groupwise.registry import build
+from groupwise.seeds import sample_seed
 from groupwise.types import Need, StepInfo
 from helpers import info_for, rollout_from, train_recorded
 

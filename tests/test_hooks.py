@@ -9,10 +9,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from groupwise.engines import cpu
-from groupwise.engines.cpu import CPUEngine
 from groupwise.errors import ConfigError
 from groupwise.hooks import EmbedDelta, ResidualAdd, check_hooks, row_hooks
+from groupwise.policy import engine as cpu
+from groupwise.policy.engine import CPUEngine
 from groupwise.policy.functional import DecodeState
 
 PAD, EOS = 0, 1

@@ -30,7 +30,7 @@ PACKAGE = Path(groupwise.__file__).resolve().parent
 
 # Names the library reads with hasattr / getattr of objects that are not components. A read of a
 # component's member must be declared in components.HOOKS (or a protocol) instead.
-_MODULE = "a torch / PEFT module (policy/, engines/, hooks.py, probing phases)"
+_MODULE = "a torch / PEFT module (policy/, hooks.py, probing phases)"
 _HF_CONFIG = "a Hugging Face model config or tokenizer"
 NOT_COMPONENT = {
     **dict.fromkeys(("get_base_model", "get_decoder", "model", "layers", "h", "lm_head", "rotary_emb", "q_norm",

@@ -219,8 +219,8 @@ def test_lope_batch_by_hand():
     asked = ctx.requests[1]
     assert [(r.key, r.n, r.offset) for r in asked] == [(5, 2, 4), (5, 2, 6)]  # only the all-wrong prompt, fresh sample indices G + j·n_per
     for j, r in enumerate(asked):  # the words of perturbation j of row 5 come from (seed, step, row, LOREM_STREAM + j)
-        from groupwise.engines.seeds import sample_seed
         from groupwise.rollout.lope import LOREM_STREAM
+        from groupwise.seeds import sample_seed
 
         words = lorem_words(1, 2, random.Random(sample_seed(0, 0, 5, LOREM_STREAM + j)), load_words())
         assert r.prompt == [ord(c) for c in " ".join(words) + " 5+1="]

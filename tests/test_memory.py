@@ -1,4 +1,4 @@
-"""engines/memory.py: with ``keep_freed_memory`` a freed 64 MiB block goes back to the heap and the
+"""policy/memory.py: with ``keep_freed_memory`` a freed 64 MiB block goes back to the heap and the
 next allocation of that size reuses it without page faults; with glibc's defaults every such block
 is a fresh mapping whose pages all fault in again. Run in a subprocess: the setting is process-wide."""
 
@@ -12,7 +12,7 @@ import pytest
 
 PROBE = r"""
 import ctypes, json, resource, sys
-from groupwise.engines.memory import keep_freed_memory
+from groupwise.policy.memory import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else False
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -132,7 +132,7 @@ class PerfCfg:
     share_prefix: bool = True  # a prompt's KV once per group in generation; tree attention in training where it pays
     packed: bool = True  # training forward on packed rows (no padding); false = one padded batch
     drop_finished: bool = True  # finished rows leave the decode batch
-    keep_freed_memory: bool = True  # glibc keeps freed blocks for reuse instead of page-faulting fresh ones (engines/memory.py)
+    keep_freed_memory: bool = True  # glibc keeps freed blocks for reuse instead of page-faulting fresh ones (policy/memory.py)
     recompute_mlp: bool = False  # functional training forward: each MLP recomputes gate|up in the backward (less memory, one more GEMM)
 
 

@@ -25,7 +25,7 @@ run time. The kinds:
   stream after decoder layer ``layer`` (0: to the embeddings) at every position, prompt and
   generated tokens, for row j. ``alpha[j] = 0`` is the clean model.
 
-The text engine (``engines/cpu.py``) applies both on either decoding path: the functional decoder
+The text engine (``policy/engine.py``) applies both on either decoding path: the functional decoder
 (``policy/functional.py``, which declares the kinds it supports in ``DecodeState.hooks``) adds them
 inside its own layer loop; a call whose hooks the functional decoder does not support falls back to
 the model's own forward, with ``inputs_embeds`` for ``embed_delta`` and a forward hook on the layer

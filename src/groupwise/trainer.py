@@ -20,13 +20,13 @@ import torch
 from groupwise import dist, roles, schedules
 from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
 from groupwise.config import Config
-from groupwise.engines.memory import keep_freed_memory
 from groupwise.errors import ConfigError
 from groupwise.heldout import HeldOut
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective, token_weights
 from groupwise.phases import build_phases, check_artifacts
 from groupwise.policy import build_policy
+from groupwise.policy.memory import keep_freed_memory
 from groupwise.registry import build, build_spec
 from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.context import RolloutContext, check_strategy

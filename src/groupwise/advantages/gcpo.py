@@ -51,7 +51,7 @@ Group Cooperative Policy Optimization), Chen, Liang, Zheng, Hu, 2026. https://ar
    players get the mean of their values), gets exactly 0.
 3. An empty completion (no n-gram) or a fully masked row (``hidden``) has a zero embedding: a null player.
 4. The Monte-Carlo orders are seeded from (run seed, step, prompt index, group position) with
-   ``engines.seeds.sample_seed``, so a resumed run draws the same orders. Exact solving is over the
+   ``seeds.sample_seed``, so a resumed run draws the same orders. Exact solving is over the
    non-null players only (null players change no one's value), so large groups with at most
    ``exact_max`` correct rows stay exact; ``exact_max`` ≤ 16 (2^16 subsets per group).
 5. ``step_stats`` logs ``gcpo/team_value`` (mean v(N) over groups with a valid row) and
@@ -67,10 +67,10 @@ import torch
 from torch import Tensor
 
 from groupwise.advantages.dpp_shapley import dpp_logvol, shapley_values  # noqa: F401  (the spec's interface)
-from groupwise.engines.seeds import sample_seed
 from groupwise.errors import ConfigError
 from groupwise.masked import group_normalize, to_float32, valid_rows
 from groupwise.registry import register
+from groupwise.seeds import sample_seed
 from groupwise.types import Need, Rollout, StepInfo
 
 EMBEDDINGS = ("ngram", "hidden")

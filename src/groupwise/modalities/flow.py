@@ -79,8 +79,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from groupwise.engines.seeds import sample_seed
 from groupwise.modalities.flow_condition import PromptEncoder, hooked_conditions, mixed_condition
+from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
 SDE_MODES = ("all", "one_shared", "one_per_row", "none")

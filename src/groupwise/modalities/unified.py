@@ -46,8 +46,8 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from groupwise.engines.seeds import sample_seed
 from groupwise.modalities.flow import FlowPolicy, VelocityMLP
+from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
 THINK_VOCAB = ("RIGHT", "LEFT", "UP", "DOWN", "NEAR", "MID", "FAR")

@@ -141,7 +141,7 @@ class LMPolicy:
     request_options = frozenset({"greedy", "temperature", "top_p", "top_k", "max_new_tokens"})  # what Request.sampling may set
 
     def __init__(self, model_cfg: Any, perf: Any):
-        from groupwise.engines.cpu import CPUEngine
+        from groupwise.policy.engine import CPUEngine
 
         self.device = resolve_device(getattr(model_cfg, "device", "cpu"))
         if self.device.type == "cuda":
@@ -202,7 +202,7 @@ class LMPolicy:
         """One group per request, ``request.n`` rows each (rows past a request's n are padding with
         ``group_valid`` False). Row j of a request draws its randomness from
         ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch."""
-        from groupwise.engines.seeds import sample_seed
+        from groupwise.seeds import sample_seed
         from groupwise.types import Rollout
 
         sampling = dict(sampling)

@@ -25,7 +25,7 @@ held-out accuracy still uses the task's own reward (``eval.reward``), so it meas
 
 1. A *rollout scorer* (``score_rollout``), modality-free: it reads only the batch's shape and ids.
 2. Each row's noise comes from its own seed ``(seed, step, prompt id, row index)``
-   (``engines/seeds.sample_seed``), so it does not depend on the batch composition or the world
+   (``seeds.sample_seed``), so it does not depend on the batch composition or the world
    size and a resumed run draws the same noise. The row index is the position in the group.
 3. Invalid rows (``group_valid`` False) score 0.
 4. With ``dist = "normal"`` the draws are the same as before the option existed (one normal per row).
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.engines.seeds import sample_seed
 from groupwise.registry import register
+from groupwise.seeds import sample_seed
 from groupwise.types import Rollout, StepInfo
 
 DISTS = ("normal", "cauchy")

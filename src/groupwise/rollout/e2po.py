@@ -69,7 +69,7 @@ every step); the text engine has no noise levels and refuses a ``rho``.
 3. Row extra ``e2po_condition`` [B,G] int64 (0 = original); ``step_stats``:
    ``e2po/reward_orig`` and ``e2po/reward_perturbed`` (mean finite rewards of the two kinds of rows)
    and ``e2po/group_std`` (mean within-group reward std, the signal E²PO keeps alive).
-4. A hooked call prefills each row separately (``engines/cpu.py``): generation costs more than
+4. A hooked call prefills each row separately (``policy/engine.py``): generation costs more than
    the shared-prefix rollout of ``sample``. Refill rounds (dynamic sampling) work as in ``sample``.
 5. The flow form: a flow policy applies the hook only with ``condition = "embedding"`` (it then
    lists ``embed_delta`` in its ``hooks``); the label form applies none and the build refuses this

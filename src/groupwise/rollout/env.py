@@ -45,10 +45,10 @@ from typing import Any, Callable
 
 import torch
 
-from groupwise.engines.seeds import sample_seed
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rollout.context import RolloutContext
+from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout
 
 ENV_STREAM = 1 << 40  # reset seeds live apart from the sample indices of the actions

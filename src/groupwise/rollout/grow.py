@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from groupwise.engines.seeds import sample_seed
 from groupwise.errors import ConfigError
 from groupwise.registry import register
 from groupwise.rollout.env import Played, check_env_rewards, play, score_returns
+from groupwise.seeds import sample_seed
 from groupwise.types import Rollout
 
 CUT_STREAM = 1 << 41  # the seed stream of the max_samples subset

@@ -88,10 +88,10 @@ from typing import Any, Sequence
 
 import torch
 
-from groupwise.engines.seeds import sample_seed
 from groupwise.errors import ConfigError
 from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
+from groupwise.seeds import sample_seed
 from groupwise.types import INJECTED, Request, Rollout
 
 TAIL = "Please reason step by step, and put your final answer within \\boxed{}."

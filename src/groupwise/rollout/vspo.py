@@ -46,7 +46,7 @@ self-distillation").
 3. Row extras ``steer_alpha`` and ``steer_coef`` [B,G] float32 are set on the rows before they are
    scored (``Request.extras``), so rewards can read them. ``step_stats``: ``vspo/reward_at_<α>``,
    the mean finite reward of the rows of each distinct α.
-4. A hooked call prefills each row separately (``engines/cpu.py``). Refill rounds (dynamic
+4. A hooked call prefills each row separately (``policy/engine.py``). Refill rounds (dynamic
    sampling) work as in ``sample``.
 """
 

@@ -63,8 +63,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupwise.engines.seeds import noise_at, sample_seed
 from groupwise.registry import register
+from groupwise.seeds import noise_at, sample_seed
 from groupwise.types import Rollout, StepInfo
 
 

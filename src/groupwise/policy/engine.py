@@ -34,11 +34,11 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from groupwise.engines.seeds import gumbel_span, noise_at
 from groupwise.hooks import KINDS as HOOK_KINDS
 from groupwise.hooks import hook_kinds, residual_module, row_hooks
 from groupwise.policy.functional import DecodeState, unsupported_reason
 from groupwise.policy.precision import autocast
+from groupwise.seeds import gumbel_span, noise_at
 
 # Sampling works on blocks of rows so that the [rows, V] noise buffers stay ~32 MB with a big vocab.
 _SAMPLE_BLOCK_ELEMENTS = 1 << 22
