@@ -16,27 +16,11 @@ from groupwise.errors import ConfigError
 from groupwise.evaluation import pass_at_k
 from groupwise.phases.sft import teacher_forced
 from groupwise.rewards.stage import RewardStage
-from groupwise.tasks import get_task
 from groupwise.types import Request
 
 
 class HeldOut:
     """``evaluate``, ``answer_nll``, ``evaluate_sampled``, and the build of ``eval.views`` / ``eval.tasks``."""
-
-    def _eval_view(self, name: str) -> Any:
-        view = self.needs.view(name)
-        if not hasattr(view, "prompt"):
-            raise ConfigError(f"eval.views: view {name!r} edits more than the prompt (no prompt(meta, key)); held-out prompts can only be "
-                              f"scored under views that edit the prompt, e.g. corrupt_context or ground_truth")
-        return view
-
-    def _eval_task(self, name: str) -> tuple[list[dict], RewardStage]:
-        """``eval.tasks`` entry ``name``: the built-in task's first ``eval.size`` held-out rows and a
-        reward stage of its own default reward (failures excluded and counted as wrong, as eval's)."""
-        task = get_task(name)
-        stage = RewardStage([task.reward], dataclasses.replace(self.cfg.reward, on_error="exclude", max_error_rate=1.0),
-                            self.policy.decode, self.cfg.rollout.max_new_tokens)
-        return task.rows("test", 0, self.cfg.seed)[: self.cfg.eval.size], stage
 
     @torch.no_grad()
     def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval", view: str | None = None,

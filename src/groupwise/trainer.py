@@ -9,8 +9,6 @@ extra input a component needs is declared as a ``Need`` and computed here once.
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 import time
 from typing import Any
 
@@ -18,94 +16,28 @@ import numpy as np
 import torch
 
 from groupwise import dist, roles, schedules
-from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
+from groupwise.build import build, step_components
 from groupwise.config import Config
-from groupwise.errors import ConfigError
 from groupwise.heldout import HeldOut
-from groupwise.needs import NeedResolver
-from groupwise.objective import Objective, token_weights
-from groupwise.phases import build_phases, check_artifacts
-from groupwise.policy import build_policy
-from groupwise.policy.memory import keep_freed_memory
-from groupwise.registry import build, build_spec
-from groupwise.rewards.stage import RewardStage
-from groupwise.rollout.context import RolloutContext, check_strategy
+from groupwise.objective import token_weights
+from groupwise.rollout.context import RolloutContext
 from groupwise.run import RunLoop
-from groupwise.stats import PromptStats
-from groupwise.tasks import load_splits
-from groupwise.types import Need, Rollout, StepInfo
-
+from groupwise.types import Rollout, StepInfo
 
 class Trainer(RunLoop, HeldOut):
     def __init__(self, cfg: Config, console: Any = None):
-        self.cfg, self.console = cfg, console
-        self.rank, self.world = dist.init()
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
-        if cfg.perf.keep_freed_memory:
-            keep_freed_memory()  # process-wide: activation-sized blocks are reused, not faulted in afresh each step
+        parts = build(cfg)
+        self.parts, self.cfg, self.console = parts, cfg, console
+        self.rank, self.world = parts.rank, parts.world
         self.out = cfg.out_dir
-        self.policy = build_policy(cfg.model, cfg.perf)
-        self.train_rows, self.eval_rows, task_reward = load_splits(cfg.data, cfg.seed, own_rewards=bool(cfg.rewards))
-        self._prompt_cache: dict[tuple[str, int], list[int]] = {}
-        self.rows_skipped: dict[str, int] = {}
-        if cfg.data.on_bad_row == "skip":  # a prompt that cannot fit the model's context is a bad row too
-            self.train_rows, self.eval_rows = (self._fitting(split, rows) for split, rows in (("train", self.train_rows), ("eval", self.eval_rows)))
-
-        ro = cfg.rollout
-        if ro.prompts_per_step % self.world:
-            raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide by the world size {self.world}")
-        self.sampling_params = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k, "max_new_tokens": ro.max_new_tokens}
-        self.strategy = build("rollout", ro.name, **ro.params)
-        self.sampler = build_spec("sampling", cfg.sampling)
-        self.sampler.bind(len(self.train_rows), cfg.seed)
-        self.reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, self.policy.decode, ro.max_new_tokens)
-        # held-out scoring never stops a run: a failed eval reward excludes its sample (counted as wrong)
-        self.eval_stage = RewardStage([cfg.eval.reward or task_reward], dataclasses.replace(cfg.reward, on_error="exclude", max_error_rate=1.0),
-                                      self.policy.decode, ro.max_new_tokens)
-        self.estimator = build_spec("advantage", cfg.advantage.estimator)
-        if ro.group_size < 2 and getattr(self.estimator, "group_relative", False):
-            raise ConfigError(f"rollout.group_size={ro.group_size} with the group-relative advantage {self.estimator.registry_name!r}: "
-                              f"every advantage would be 0; use group_size >= 2")
-        self.shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
-        self.weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
-        self.objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, self.weights)  # refuses bad ones
-        self.updater = build_spec("update", cfg.update)
-        self.prompt_stats = PromptStats()
-        total_updates = cfg.train.steps * cfg.train.epochs * cfg.train.minibatches
-        self.roles = [roles.build_role(name, rc, cfg, self.policy, self.reward_stage.labels, total_updates) for name, rc in cfg.roles.items() if not rc.frozen]
-        self.frozen = {name: roles.build_frozen(name, rc, cfg, self.policy) for name, rc in cfg.roles.items() if rc.frozen}  # serve needs only
-
-        # With one mini-batch per epoch, the first epoch's forward runs on the weights that sampled the
-        # rollout: its detached log-probs ARE the old log-probs (no extra no-grad pass; ratio 1 in epoch 0).
-        self.old_from_first_pass = cfg.train.minibatches == 1
-        owners = [*self._components(), *schedules.all_schedules(self._components())]
-        needs = [n for c in owners for n in getattr(c, "needs", ())] + ([] if self.old_from_first_pass else [Need("logp")])
-        needs += [n for role in self.roles for n in roles.role_needs(role)]
-        models = self.policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
-        models.update({name: policy.scoring_models(with_reference=False)["policy"] for name, policy in
-                       [*((role.name, role.policy) for role in self.roles), *self.frozen.items()]})
-        self.needs = NeedResolver(needs, models, cfg.views, self.policy.score, self.policy.encode, context=self.policy.context, bind_view=self._bind_view)
-        self.eval_views = {name: self._eval_view(name) for name in cfg.eval.views}  # held-out prompts also scored under these
-        self.eval_tasks = {name: self._eval_task(name) for name in cfg.eval.tasks}  # (rows, reward stage) of further held-out tasks
-        task_scorers = [s for _, stage in self.eval_tasks.values() for s in stage.scorers]
-        for component in owners + self.eval_stage.scorers + task_scorers + [c for r in self.roles for c in r.components]:  # another modality's component fails here, not mid-run
-            if getattr(component, "modality", self.policy.modality) != self.policy.modality:
-                raise ConfigError(f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r} works on {component.modality} policies; "
-                                  f"this run's policy is {self.policy.modality} (model.policy={cfg.model.policy!r})")
-        check_strategy(self.strategy, self.policy, owners)  # sampling options it asks for, extras others read
-        bind_vocabulary(owners + [c for r in self.roles for c in r.components], self.policy)  # token texts for phase / role maps
-        bind_rows(owners, self.train_rows)  # components that draw from or index the train rows (components.py)
-        bind_models(owners + self.eval_stage.scorers + task_scorers, self.frozen)  # frozen roles' policies for components that call them (a judge)
-        self.phases = build_phases(cfg.phases)  # what runs before the RL steps (run.py), and the artifacts it makes
-        check_artifacts(self.phases, owners)
-        scorer_needs = set(self.reward_stage.needs)
-        self.round_needs = [n for n in needs if not n.grad and n in scorer_needs]  # before dynamic sampling's keep
-        self.step_needs = [n for n in needs if not n.grad]
-        self.grad_quantities = sorted({n.quantity for n in needs if n.grad} | {"entropy"})  # entropy is logged
-        self.params = self.policy.parameters()
-        self.updater.bind(self.params, total_updates)
-        bind_parameter_names(self.updater, self.policy)  # an updater that treats parameters by name (a LoRA-B mask)
+        self.policy, self.prompts, self.train_rows, self.eval_rows = parts.policy, parts.prompts, parts.train_rows, parts.eval_rows
+        self._prompt_ids, self._prompt_cache, self.rows_skipped = parts.prompts, parts.prompts.cache, parts.rows_skipped
+        self.sampling_params = parts.sampling_params
+        self.strategy, self.sampler, self.reward_stage, self.eval_stage = parts.strategy, parts.sampler, parts.reward_stage, parts.eval_stage
+        self.estimator, self.shapers, self.weights, self.objective, self.updater = parts.estimator, parts.shapers, parts.weights, parts.objective, parts.updater
+        self.prompt_stats, self.roles, self.frozen, self.needs = parts.prompt_stats, parts.roles, parts.frozen, parts.needs
+        self.eval_views, self.eval_tasks, self.phases = parts.eval_views, parts.eval_tasks, parts.phases
+        self.round_needs, self.step_needs, self.grad_quantities, self.params = parts.round_needs, parts.step_needs, parts.grad_quantities, parts.params
         self.step = 0
         self.summary: dict[str, Any] = {"rows_skipped": self.rows_skipped} if self.rows_skipped else {}
         self._stop_requested: str | None = None  # the signal's name once SIGTERM / SIGINT arrived
@@ -128,46 +60,12 @@ class Trainer(RunLoop, HeldOut):
         return roles.Trainable("policy", self.policy, self.objective, self.updater, self.grad_quantities)
 
     def _components(self) -> list[Any]:
-        return [self.strategy, self.sampler, *self.reward_stage.scorers, self.estimator, *self.shapers, *self.weights, *self.objective.terms, self.updater]
-
-    def _bind_view(self, view: Any) -> None:
-        """What a view reads besides the rollout: the policy's token texts, the train rows."""
-        bind_vocabulary([view], self.policy)
-        bind_rows([view], self.train_rows)
+        return step_components(self.strategy, self.sampler, self.reward_stage, self.estimator, self.shapers, self.weights,
+                               self.objective, self.updater)
 
     def _info(self, round_: int = 0) -> StepInfo:
         return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
                         total_steps=self.cfg.train.steps, phase="rl", prompt_stats=self.prompt_stats)
-
-    def _prompt_ids(self, split: str, rows: list[dict], index: int, view: str | None = None) -> list[int]:
-        """The policy's prompt ids of ``rows[index]`` (under ``eval.views`` view ``view`` when given), cached."""
-        key = (split if view is None else f"{split}@{view}", index)
-        if key not in self._prompt_cache:
-            prompt = rows[index]["prompt"] if view is None else self.eval_views[view].prompt(rows[index], index)
-            system = self.cfg.data.system_prompt
-            if system:  # conversational form: the chat template renders the system message
-                prompt = [{"role": "system", "content": system}, *(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}])]
-            ids = self.policy.encode(prompt)
-            self.policy.check_fits(ids, self.cfg.rollout.max_new_tokens, f"{split} row {index + 1}" + (f" under view {view!r}" if view else ""))
-            self._prompt_cache[key] = ids
-        return self._prompt_cache[key]
-
-    def _fitting(self, split: str, rows: list[dict]) -> list[dict]:
-        """The rows whose prompt plus ``max_new_tokens`` fits the policy's context (``data.on_bad_row="skip"``)."""
-        kept = []
-        for row in rows:
-            try:
-                self.policy.check_fits(self.policy.encode(row["prompt"]), self.cfg.rollout.max_new_tokens, split)
-                kept.append(row)
-            except ValueError:
-                continue
-        if len(kept) < len(rows):
-            self.rows_skipped[split] = len(rows) - len(kept)
-            print(f"groupwise: data.on_bad_row=skip: {len(rows) - len(kept)} {split} rows skipped (prompt + max_new_tokens longer than "
-                  f"the model's context of {self.policy.context})", file=sys.stderr)
-        if not kept and rows:
-            raise ConfigError(f"every {split} prompt is longer than the model's context allows with rollout.max_new_tokens={self.cfg.rollout.max_new_tokens}")
-        return kept
 
     def _share(self, batch: Rollout) -> Rollout:
         """This rank's groups of the whole batch (the batch itself at world size 1)."""

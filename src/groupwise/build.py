@@ -1,0 +1,250 @@
+"""The composition root: ``build(cfg)`` builds everything a run is made of and returns it as one
+``Parts``: the policy, the rows and their prompts, the component of every stage, the further and
+frozen roles, the needs, the held-out views and tasks, and the phases. Every build-time check runs
+here, in the order below, so a bad configuration fails before a single step.
+
+``Trainer(parts)`` is the step (``trainer.py``), ``HeldOut(trainer)`` the held-out evaluation
+(``heldout.py``) and ``Run(trainer)`` the run around them (``run.py``); ``Run.from_config(cfg)`` is
+the three at once. The order of the steps below is the order in which random numbers are drawn
+(LoRA initialisation, a role's model, a view's own state): it is part of what makes a run reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from groupwise import dist, roles, schedules
+from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
+from groupwise.config import Config
+from groupwise.errors import ConfigError
+from groupwise.needs import NeedResolver
+from groupwise.objective import Objective
+from groupwise.phases import build_phases, check_artifacts
+from groupwise.policy import build_policy
+from groupwise.policy.memory import keep_freed_memory
+from groupwise.registry import build as build_component
+from groupwise.registry import build_spec
+from groupwise.rewards.stage import RewardStage
+from groupwise.rollout.context import check_strategy
+from groupwise.stats import PromptStats
+from groupwise.tasks import get_task, load_splits
+from groupwise.types import Need
+
+
+class Prompts:
+    """The policy's prompt ids of a row: ``prompts(split, rows, index, view=None)``, encoded once per
+    ``(split, index)`` (``split@view`` under one of ``eval.views``), in the chat form when
+    ``data.system_prompt`` is set, and checked against the model's context."""
+
+    def __init__(self, policy: Any, system_prompt: str, max_new_tokens: int):
+        self.policy, self.system_prompt, self.max_new_tokens = policy, system_prompt, max_new_tokens
+        self.views: dict[str, Any] = {}  # eval.views by name (set once built): what a view-edited prompt is
+        self.cache: dict[tuple[str, int], list[int]] = {}
+
+    def __call__(self, split: str, rows: list[dict], index: int, view: str | None = None) -> list[int]:
+        key = (split if view is None else f"{split}@{view}", index)
+        if key not in self.cache:
+            prompt = rows[index]["prompt"] if view is None else self.views[view].prompt(rows[index], index)
+            if self.system_prompt:  # conversational form: the chat template renders the system message
+                turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+                prompt = [{"role": "system", "content": self.system_prompt}, *turns]
+            ids = self.policy.encode(prompt)
+            where = f"{split} row {index + 1}" + (f" under view {view!r}" if view else "")
+            self.policy.check_fits(ids, self.max_new_tokens, where)
+            self.cache[key] = ids
+        return self.cache[key]
+
+
+@dataclass
+class Parts:
+    """Everything ``build`` makes, bound and checked. The trainer, the held-out evaluation and the run
+    read what they use of it by name; nothing else of the run is built anywhere else."""
+
+    cfg: Config
+    rank: int
+    world: int
+    policy: Any  # the trained policy (components.Policy); its module and tokenizer: policy.module, policy.tokenizer
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    rows_skipped: dict[str, int]  # split -> rows dropped by data.on_bad_row="skip"
+    prompts: Prompts
+    sampling_params: dict[str, Any]  # the rollout's sampling settings
+    strategy: Any  # stage rollout
+    sampler: Any  # stage sampling, bound to the train rows
+    reward_stage: RewardStage  # the run's rewards
+    eval_stage: RewardStage  # the held-out reward (failures excluded, counted as wrong)
+    estimator: Any  # stage advantage
+    shapers: list[Any]  # advantage shapers, in order
+    weights: list[Any]  # stage weight (token weights)
+    objective: Objective
+    updater: Any  # stage update, bound to the policy's parameters
+    prompt_stats: PromptStats  # the shared per-prompt table
+    roles: list[roles.Trainable]  # further trained models (roles.NAME)
+    frozen: dict[str, Any]  # frozen roles' policies by name: they serve needs only
+    needs: NeedResolver
+    round_needs: list[Need]  # no-grad needs the rollout scorers read (each scored round, before the sampler's keep)
+    step_needs: list[Need]  # every no-grad need (once per step, before the advantages)
+    grad_quantities: list[str]  # what the policy's training forward computes (entropy is logged)
+    params: list[torch.Tensor]  # the policy's trained parameters
+    eval_views: dict[str, Any]  # eval.views: held-out prompts also scored under these
+    eval_tasks: dict[str, tuple[list[dict], RewardStage]]  # eval.tasks: (rows, reward stage) of further tasks
+    phases: list[Any]  # what runs before the RL steps, in order
+
+
+def step_components(strategy: Any, sampler: Any, reward_stage: RewardStage, estimator: Any, shapers: list[Any],
+                    weights: list[Any], objective: Objective, updater: Any) -> list[Any]:
+    """The components of the policy's step, in the one order that checkpoints name their states by."""
+    return [strategy, sampler, *reward_stage.scorers, estimator, *shapers, *weights, *objective.terms, updater]
+
+
+def build(cfg: Config) -> Parts:
+    """Build and check everything the run of ``cfg`` is made of (module docstring)."""
+    rank, world = dist.init()
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    if cfg.perf.keep_freed_memory:
+        keep_freed_memory()  # process-wide: activation-sized blocks are reused, not faulted in afresh each step
+    ro, max_new = cfg.rollout, cfg.rollout.max_new_tokens
+    policy = build_policy(cfg.model, cfg.perf)
+
+    # the rows, and a prompt that cannot fit the model's context is a bad row too
+    train_rows, eval_rows, task_reward = load_splits(cfg.data, cfg.seed, own_rewards=bool(cfg.rewards))
+    prompts = Prompts(policy, cfg.data.system_prompt, max_new)
+    rows_skipped: dict[str, int] = {}
+    if cfg.data.on_bad_row == "skip":
+        train_rows = fitting_rows(policy, "train", train_rows, max_new, rows_skipped)
+        eval_rows = fitting_rows(policy, "eval", eval_rows, max_new, rows_skipped)
+    if ro.prompts_per_step % world:
+        raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide by the world size {world}")
+    sampling_params = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k, "max_new_tokens": max_new}
+
+    # the policy's step: one component (or an ordered list) per stage
+    strategy = build_component("rollout", ro.name, **ro.params)
+    sampler = build_spec("sampling", cfg.sampling)
+    sampler.bind(len(train_rows), cfg.seed)
+    reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, policy.decode, max_new)
+    # held-out scoring never stops a run: a failed eval reward excludes its sample (counted as wrong)
+    eval_stage = RewardStage([cfg.eval.reward or task_reward], _eval_reward_cfg(cfg), policy.decode, max_new)
+    estimator = build_spec("advantage", cfg.advantage.estimator)
+    if ro.group_size < 2 and getattr(estimator, "group_relative", False):
+        raise ConfigError(f"rollout.group_size={ro.group_size} with the group-relative advantage "
+                          f"{estimator.registry_name!r}: every advantage would be 0; use group_size >= 2")
+    shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
+    weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
+    objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs
+    updater = build_spec("update", cfg.update)
+    prompt_stats = PromptStats()
+
+    # further roles train on the same rollouts; frozen ones only serve the needs that name them
+    total_updates = cfg.train.steps * cfg.train.epochs * cfg.train.minibatches
+    trained = [roles.build_role(name, rc, cfg, policy, reward_stage.labels, total_updates)
+               for name, rc in cfg.roles.items() if not rc.frozen]
+    frozen = {name: roles.build_frozen(name, rc, cfg, policy) for name, rc in cfg.roles.items() if rc.frozen}
+
+    # every declared need, checked against the models and views that can serve it. With one mini-batch
+    # per epoch, the first epoch's forward runs on the weights that sampled the rollout: its detached
+    # log-probs ARE the old log-probs (no extra no-grad pass; ratio 1 in epoch 0).
+    step = step_components(strategy, sampler, reward_stage, estimator, shapers, weights, objective, updater)
+    owners = [*step, *schedules.all_schedules(step)]
+    needs = [n for c in owners for n in getattr(c, "needs", ())] + ([] if cfg.train.minibatches == 1 else [Need("logp")])
+    needs += [n for role in trained for n in roles.role_needs(role)]
+    models = policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
+    models.update({name: role_policy.scoring_models(with_reference=False)["policy"] for name, role_policy in
+                   [*((role.name, role.policy) for role in trained), *frozen.items()]})
+
+    def bind_view(view: Any) -> None:  # what a view reads besides the rollout: token texts, the train rows
+        bind_vocabulary([view], policy)
+        bind_rows([view], train_rows)
+
+    resolver = NeedResolver(needs, models, cfg.views, policy.score, policy.encode, context=policy.context,
+                            bind_view=bind_view)
+
+    # held-out prompts are also scored under eval.views, and on the held-out rows of eval.tasks
+    eval_views = {name: eval_view(resolver, name) for name in cfg.eval.views}
+    prompts.views = eval_views
+    eval_tasks = {name: eval_task(cfg, policy, name) for name in cfg.eval.tasks}
+    task_scorers = [s for _, stage in eval_tasks.values() for s in stage.scorers]
+    role_components = [c for r in trained for c in r.components]
+
+    # each component against the policy it will run with, before anything runs
+    check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
+    check_strategy(strategy, policy, owners)  # sampling options it asks for, extras others read
+    bind_vocabulary(owners + role_components, policy)  # token texts for phase / role maps
+    bind_rows(owners, train_rows)  # components that draw from or index the train rows (components.py)
+    bind_models(owners + eval_stage.scorers + task_scorers, frozen)  # frozen roles' policies (a judge)
+    phases = build_phases(cfg.phases)  # what runs before the RL steps (run.py), and the artifacts it makes
+    check_artifacts(phases, owners)
+
+    scorer_needs = set(reward_stage.needs)
+    params = policy.parameters()
+    updater.bind(params, total_updates)
+    bind_parameter_names(updater, policy)  # an updater that treats parameters by name (a LoRA-B mask)
+    return Parts(
+        cfg=cfg, rank=rank, world=world, policy=policy, train_rows=train_rows, eval_rows=eval_rows,
+        rows_skipped=rows_skipped, prompts=prompts, sampling_params=sampling_params, strategy=strategy,
+        sampler=sampler, reward_stage=reward_stage, eval_stage=eval_stage, estimator=estimator, shapers=shapers,
+        weights=weights, objective=objective, updater=updater, prompt_stats=prompt_stats, roles=trained,
+        frozen=frozen, needs=resolver,
+        round_needs=[n for n in needs if not n.grad and n in scorer_needs],  # before dynamic sampling's keep
+        step_needs=[n for n in needs if not n.grad],
+        grad_quantities=sorted({n.quantity for n in needs if n.grad} | {"entropy"}),  # entropy is logged
+        params=params, eval_views=eval_views, eval_tasks=eval_tasks, phases=phases)
+
+
+# ---------------------------------------------------------------------------------------------- build steps
+def fitting_rows(policy: Any, split: str, rows: list[dict], max_new_tokens: int, skipped: dict[str, int]) -> list[dict]:
+    """The rows whose prompt plus ``max_new_tokens`` fits the policy's context (``data.on_bad_row="skip"``);
+    the count dropped goes into ``skipped[split]``."""
+    kept = []
+    for row in rows:
+        try:
+            policy.check_fits(policy.encode(row["prompt"]), max_new_tokens, split)
+            kept.append(row)
+        except ValueError:
+            continue
+    if len(kept) < len(rows):
+        skipped[split] = len(rows) - len(kept)
+        print(f"groupwise: data.on_bad_row=skip: {len(rows) - len(kept)} {split} rows skipped (prompt + "
+              f"max_new_tokens longer than the model's context of {policy.context})", file=sys.stderr)
+    if not kept and rows:
+        raise ConfigError(f"every {split} prompt is longer than the model's context allows with "
+                          f"rollout.max_new_tokens={max_new_tokens}")
+    return kept
+
+
+def _eval_reward_cfg(cfg: Config) -> Any:
+    """The reward settings of held-out scoring: a failed reward excludes its sample, never stops the run."""
+    return dataclasses.replace(cfg.reward, on_error="exclude", max_error_rate=1.0)
+
+
+def eval_view(needs: NeedResolver, name: str) -> Any:
+    """``eval.views`` entry ``name``: a built view that edits only the prompt (``prompt(meta, key)``)."""
+    view = needs.view(name)
+    if not hasattr(view, "prompt"):
+        raise ConfigError(f"eval.views: view {name!r} edits more than the prompt (no prompt(meta, key)); held-out "
+                          f"prompts can only be scored under views that edit the prompt, e.g. corrupt_context or "
+                          f"ground_truth")
+    return view
+
+
+def eval_task(cfg: Config, policy: Any, name: str) -> tuple[list[dict], RewardStage]:
+    """``eval.tasks`` entry ``name``: the built-in task's first ``eval.size`` held-out rows and a
+    reward stage of its own default reward (failures excluded and counted as wrong, as eval's)."""
+    task = get_task(name)
+    stage = RewardStage([task.reward], _eval_reward_cfg(cfg), policy.decode, cfg.rollout.max_new_tokens)
+    return task.rows("test", 0, cfg.seed)[: cfg.eval.size], stage
+
+
+def check_modality(components: list[Any], policy: Any, kind: str) -> None:
+    """A component that declares a ``modality`` runs on policies of that modality only: another fails
+    here, not mid-run."""
+    for component in components:
+        if getattr(component, "modality", policy.modality) != policy.modality:
+            name = getattr(component, "registry_name", type(component).__name__)
+            raise ConfigError(f"{getattr(component, 'stage', '')} component {name!r} works on {component.modality} "
+                              f"policies; this run's policy is {policy.modality} (model.policy={kind!r})")
