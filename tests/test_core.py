@@ -233,8 +233,8 @@ class _Watcher:
 def test_observers_see_the_whole_scored_batch_after_the_update(tmp_path):
     trainer = make_trainer(tmp_path, "train.steps=2", "eval.size=0", SGD)
     watcher = _Watcher([])
-    original = trainer._components
-    trainer._components = lambda: [*original(), watcher]  # any component may observe
+    original = trainer.components
+    trainer.components = lambda: [*original(), watcher]  # any component may observe
     trainer.train()
     assert [s[0] for s in watcher.seen] == [0, 1]
     assert all(s[2] for s in watcher.seen) and watcher.seen[0][1][0] == 4
@@ -287,7 +287,7 @@ def test_stateful_components_resume_exactly(tmp_path, extra):
         assert torch.equal(p, q), name
     assert straight.sampler.state_dict() == resumed.sampler.state_dict()
     assert straight.prompt_stats.state_dict() == resumed.prompt_stats.state_dict()
-    for a, b in zip(straight._components(), resumed._components()):
+    for a, b in zip(straight.components(), resumed.components()):
         if hasattr(a, "state_dict") and a is not straight.updater:
             assert repr(a.state_dict()) == repr(b.state_dict()), type(a).__name__
 

@@ -30,4 +30,4 @@ def test_sampled_evaluation_through_the_trainer(tmp_path):
     assert set(before) == {"mean@4", "pass@1", "pass@2", "pass@4"}
     assert before["pass@1"] == pytest.approx(before["mean@4"])  # pass@1 is the mean correctness
     assert before["pass@1"] <= before["pass@2"] <= before["pass@4"] <= 1.0
-    assert trainer.evaluate_sampled() == summary["accuracy_after_sampled"]  # the same noise (step −1): reproducible
+    assert trainer.heldout.evaluate_sampled() == summary["accuracy_after_sampled"]  # the same noise (step −1): reproducible

@@ -181,7 +181,7 @@ def test_episodes_truncate_at_the_context_limit():
 def _context(trainer):
     ro = trainer.cfg.rollout
     return RolloutContext(trainer.policy, trainer.sampler, trainer.reward_stage, lambda r: None,
-                          lambda i: trainer._prompt_ids("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer._info,
+                          lambda i: trainer._prompt_ids("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer.info,
                           trainer.sampling_params, ro.prompts_per_step, ro.group_size)
 
 

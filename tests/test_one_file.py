@@ -138,7 +138,7 @@ def test_one_file_sample_lays_out_rows_as_the_library(tmp_path, example):
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in trainer.eval_rows[:64]]  # the library's held-out split
     requests = [Request(key=i, n=1, prompt=trainer.policy.encode(r["prompt"])) for i, r in enumerate(rows)]
     greedy = {**trainer.sampling_params, "greedy": True}
-    library = trainer.policy.generate(requests, greedy, trainer._info())  # [64,1,T]
+    library = trainer.policy.generate(requests, greedy, trainer.info())  # [64,1,T]
     prompts, max_new = [r["prompt"] for r in rows], trainer.cfg.rollout.max_new_tokens
     input_ids, attention_mask, completion_mask, texts = example.sample(trainer.model, trainer.tokenizer, prompts, 1,
                                                                        max_new, greedy=True)  # [64,L] x3

@@ -307,7 +307,7 @@ def test_soft_gradient_is_a_positive_multiple_of_grpo_to_first_order(tmp_path):
         trainer.step = step
         batch = trainer.collect()
         batch.rewards = torch.where(batch.row_mask, value[batch.actions % 4096], 0.0).sum(-1)  # [B,G]
-        info = trainer._info()
+        info = trainer.info()
         grpo = build("advantage", "grpo")(batch, info)  # [B,G]
         shuffled = grpo[:, torch.randperm(8, generator=torch.Generator().manual_seed(step))]
         g_grpo = gradient(batch, grpo)

@@ -179,7 +179,7 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
 
     def recording(batch):
         out = prepare(batch)
-        grpo = trainer.estimator(out, trainer._info())  # [B,G] the advantages before the shaper (GRPO is a function of the rewards)
+        grpo = trainer.estimator(out, trainer.info())  # [B,G] the advantages before the shaper (GRPO is a function of the rewards)
         seen.append((list(out.prompt_ids), out.actions.clone(), out.mask.clone(), out.group_valid.clone(), out.advantages.clone(), grpo))
         return out
 

@@ -55,7 +55,7 @@ def test_a_strategy_asking_for_an_option_the_policy_lacks_fails_at_build():
 def _context(trainer):
     ro = trainer.cfg.rollout
     return RolloutContext(trainer.policy, trainer.sampler, trainer.reward_stage, lambda r: None,
-                          lambda i: trainer._prompt_ids("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer._info,
+                          lambda i: trainer._prompt_ids("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer.info,
                           trainer.sampling_params, ro.prompts_per_step, ro.group_size)
 
 

@@ -196,7 +196,7 @@ def test_eval_tasks_score_another_task_and_its_nll(tmp_path):
     got = trainer._view_accuracies(0.0)
     # the same prompts in an arithmetic run: the same greedy accuracy
     plain = make_trainer(tmp_path / "plain", "eval.size=6")
-    assert got["eval_accuracy@task:arithmetic"] == plain.evaluate()
+    assert got["eval_accuracy@task:arithmetic"] == plain.heldout.evaluate()
     # NLL by hand with the plain HF model: −mean over answer+EOS tokens of log p, teacher forced
     model, tok = trainer.model, trainer.tokenizer
     total, count = 0.0, 0

@@ -279,8 +279,8 @@ def cmd_eval(args: list[str]) -> int:
     from groupwise.trainer import Trainer
 
     trainer = Trainer(cfg)
-    result = {"model": model, "task": cfg.data.path or cfg.data.task, "eval_size": min(cfg.eval.size, len(trainer.eval_rows)), "accuracy": trainer.evaluate()}
-    result.update(trainer.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
+    result = {"model": model, "task": cfg.data.path or cfg.data.task, "eval_size": min(cfg.eval.size, len(trainer.eval_rows)), "accuracy": trainer.heldout.evaluate()}
+    result.update(trainer.heldout.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
     print(json.dumps(result))
     return 0
 

@@ -1,14 +1,16 @@
 """Held-out evaluation of the trained policy: greedy accuracy (under ``eval.views`` and on
 ``eval.tasks``), the answer NLL of another task, and sampled ``mean@n`` / ``pass@k``.
 
-A mixin of the trainer: it reads the trainer's policy, config, held-out rows, eval reward stage and
-prompt cache (``_prompt_ids``), and changes nothing of the run's state.
+``HeldOut(trainer)`` holds the trainer: it reads the trainer's policy and step (the ``StepInfo`` its
+calls get) and, of the parts, the held-out rows, the eval reward stage and the prompts; it changes
+nothing of the run's state but the prompt cache. The views and tasks it scores under are built with
+everything else (``build.py``); the run (``run.py``) decides when to evaluate and what to record.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,9 +20,18 @@ from groupwise.phases.sft import teacher_forced
 from groupwise.rewards.stage import RewardStage
 from groupwise.types import Request
 
+if TYPE_CHECKING:
+    from groupwise.trainer import Trainer
+
 
 class HeldOut:
-    """``evaluate``, ``answer_nll``, ``evaluate_sampled``, and the build of ``eval.views`` / ``eval.tasks``."""
+    """``evaluate``, ``answer_nll`` and ``evaluate_sampled`` of a trainer's policy (module docstring)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        parts = trainer.parts
+        self.cfg, self.eval_rows, self.eval_stage = parts.cfg, parts.eval_rows, parts.eval_stage
+        self.prompts, self.sampling_params = parts.prompts, parts.sampling_params
 
     @torch.no_grad()
     def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval", view: str | None = None,
@@ -29,14 +40,14 @@ class HeldOut:
         trained policy) on ``rows`` (default: the first ``eval.size`` held-out rows; ``split`` names them),
         with each prompt edited by ``view`` (one of ``eval.views``) when given; the reward still
         compares with the row's own answer. ``stage`` scores instead of the eval reward (``eval.tasks``)."""
-        policy, stage = policy or self.policy, stage or self.eval_stage
+        policy, stage = policy or self.trainer.policy, stage or self.eval_stage
         rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
         if not rows:
             return float("nan")
-        correct, info = 0, self._info()
+        correct, info = 0, self.trainer.info()
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
-            requests = [Request(key=i, n=1, prompt=self._prompt_ids(split, rows, i, view)) for i in chunk]
+            requests = [Request(key=i, n=1, prompt=self.prompts(split, rows, i, view)) for i in chunk]
             gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
             gen.meta = [rows[i] for i in chunk]
             stage.score_local(gen, info)
@@ -49,13 +60,14 @@ class HeldOut:
         """Mean negative log-likelihood per token of each row's ``answer`` then EOS after its prompt,
         teacher-forced (the ``sft`` phase's loss, over all the rows' tokens); NaN for a policy that
         cannot encode an answer (``eval.tasks``: what training did to another task's likelihood)."""
-        policy = policy or self.policy
+        policy = policy or self.trainer.policy
         if not rows or not hasattr(policy, "encode_completion"):
             return float("nan")
         total, count = 0.0, 0
         for start in range(0, len(rows), 256):
             chunk = range(start, min(start + 256, len(rows)))
-            batch = teacher_forced([self._prompt_ids(split, rows, i) for i in chunk], [policy.encode_completion(str(rows[i]["answer"])) for i in chunk])
+            batch = teacher_forced([self.prompts(split, rows, i) for i in chunk],
+                                   [policy.encode_completion(str(rows[i]["answer"])) for i in chunk])
             logp = policy.forward(batch, ("logp",))["logp"]  # [n,1,T]
             total += float(-(logp * batch.mask).sum())
             count += int(batch.mask.sum())
@@ -72,10 +84,11 @@ class HeldOut:
             return {}
         if any(not 1 <= k <= n for k in ks):
             raise ConfigError(f"eval.pass_at={ks}: every k must be in 1..eval.samples={n}")
-        info, correct = dataclasses.replace(self._info(), step=-1), []
+        info, correct = dataclasses.replace(self.trainer.info(), step=-1), []
         for start in range(0, len(rows), max(1, 256 // n)):
             chunk = list(range(start, min(start + max(1, 256 // n), len(rows))))
-            gen = self.policy.generate([Request(key=i, n=n, prompt=self._prompt_ids("eval", self.eval_rows, i)) for i in chunk], self.sampling_params, info)
+            requests = [Request(key=i, n=n, prompt=self.prompts("eval", self.eval_rows, i)) for i in chunk]
+            gen = self.trainer.policy.generate(requests, self.sampling_params, info)
             gen.meta = [rows[i] for i in chunk]
             self.eval_stage.score_local(gen, info)
             self.eval_stage.finish(gen, info)

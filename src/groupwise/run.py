@@ -34,7 +34,7 @@ class RunLoop:
     def _named_components(self) -> dict[str, Any]:
         """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
         named: dict[str, Any] = {}
-        for component in self._components():
+        for component in self.components():
             key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
             k, n = key, 1
             while k in named:
@@ -51,7 +51,7 @@ class RunLoop:
     def _load_schedules(self, saved: dict[str, Any] | list[Any]) -> None:
         """The controllers' states by name; another set of stateful schedules is refused, naming both."""
         if isinstance(saved, list):  # a checkpoint from before states were named: by position
-            for schedule, sub in zip(schedules.all_schedules(self._components()), saved):
+            for schedule, sub in zip(schedules.all_schedules(self.components()), saved):
                 if sub is not None:
                     schedule.load_state_dict(sub)
             return
@@ -101,7 +101,7 @@ class RunLoop:
         self._load_schedules(state.get("schedules", {}))
         # the values in force before the resumed run's first resolve (a reward scored before it): the last step's
         last = StepInfo(max(self.step - 1, 0), self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, total_steps=self.cfg.train.steps)
-        for component in self._components():
+        for component in self.components():
             for attr, schedule in schedules.scheduled(component).items():
                 setattr(component, attr, schedule.start() if hasattr(schedule, "state_dict") else schedule(last, None))
         if "prompt_stats" in state:
@@ -187,11 +187,11 @@ class RunLoop:
         if not self.phases:
             return
         ctx = PhaseContext(self.policy, self.train_rows, self.eval_rows, self.cfg.seed, self._prompt_ids,
-                           lambda policy, rows, split: self.evaluate(policy, rows, split), self._say,
+                           lambda policy, rows, split: self.heldout.evaluate(policy, rows, split), self._say,
                            score=self._phase_score, advantage=lambda rollout, info: self.estimator(rollout, info),
                            models=dict(self.frozen), max_new_tokens=self.cfg.rollout.max_new_tokens)
         artifacts = run_phases(self.phases, ctx, self.out / "phases", rl_started=self.step > 0, rank=self.rank)
-        inject(artifacts, [*self._components(), *schedules.all_schedules(self._components())])
+        inject(artifacts, [*self.components(), *schedules.all_schedules(self.components())])
         self.summary.setdefault("phases", {}).update(ctx.summary)
 
     def _phase_score(self, rollout: Any, info: StepInfo) -> Any:
@@ -241,7 +241,7 @@ class RunLoop:
                 row = self.run_step()
                 self._check_health(row)
                 if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.eval_rows:
-                    row["eval_accuracy"] = self.evaluate()
+                    row["eval_accuracy"] = self.heldout.evaluate()
                     row.update(self._view_accuracies(row["eval_accuracy"]))
                     row.update(self._column_accuracies("eval_accuracy"))
                     self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
@@ -292,11 +292,11 @@ class RunLoop:
         """A held-out accuracy (and, with ``eval.samples``, the sampled metrics as ``<key>_sampled``)
         into the summary; without held-out rows, ``None`` and a note saying why."""
         if self.cfg.eval.samples:
-            self.summary[f"{key}_sampled"] = self.evaluate_sampled()
+            self.summary[f"{key}_sampled"] = self.heldout.evaluate_sampled()
         for role in self.roles:  # each further trained model on the same held-out prompts
-            value = self.evaluate(role.policy)
+            value = self.heldout.evaluate(role.policy)
             self.summary[f"{role.name}/{key}"] = None if value != value else value
-        accuracy = self.evaluate()
+        accuracy = self.heldout.evaluate()
         if accuracy != accuracy:  # NaN: nothing to evaluate on
             self.summary[key] = None
             self.summary["eval_note"] = f"no held-out evaluation: eval.size={self.cfg.eval.size} and {len(self.eval_rows)} held-out rows"
@@ -319,21 +319,21 @@ class RunLoop:
         if any(by not in r for r in rows):
             raise ConfigError(f"eval.by={by!r}: not every held-out row has that column (columns: {sorted(rows[0])})")
         values = list(dict.fromkeys(str(r[by]) for r in rows))
-        return {f"{key}/{v}": self.evaluate(rows=[r for r in rows if str(r[by]) == v], split=f"eval.by={v}") for v in values}
+        return {f"{key}/{v}": self.heldout.evaluate(rows=[r for r in rows if str(r[by]) == v], split=f"eval.by={v}") for v in values}
 
     def _view_accuracies(self, accuracy: float) -> dict[str, float]:
         """Held-out accuracy under each of ``eval.views`` (``eval_accuracy@VIEW``) and its gap to the
         plain ``accuracy`` (``eval_gap@VIEW`` = accuracy − eval_accuracy@VIEW), and on each of
         ``eval.tasks`` (``eval_accuracy@task:NAME``, and ``eval_nll@task:NAME``: the mean token NLL of its
-        answers, ``Trainer.answer_nll``)."""
+        answers, ``HeldOut.answer_nll``)."""
         out = {}
         for name in self.cfg.eval.views:
-            value = self.evaluate(view=name)
+            value = self.heldout.evaluate(view=name)
             out[f"eval_accuracy@{name}"] = value
             out[f"eval_gap@{name}"] = accuracy - value
         for name, (rows, stage) in self.eval_tasks.items():  # eval.tasks: another task's held-out accuracy
-            out[f"eval_accuracy@task:{name}"] = self.evaluate(rows=rows, split=f"task:{name}", stage=stage)
-            out[f"eval_nll@task:{name}"] = self.answer_nll(rows, f"task:{name}")
+            out[f"eval_accuracy@task:{name}"] = self.heldout.evaluate(rows=rows, split=f"task:{name}", stage=stage)
+            out[f"eval_nll@task:{name}"] = self.heldout.answer_nll(rows, f"task:{name}")
         return out
 
     def _check_health(self, row: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from groupwise.rollout.context import RolloutContext
 from groupwise.run import RunLoop
 from groupwise.types import Rollout, StepInfo
 
-class Trainer(RunLoop, HeldOut):
+class Trainer(RunLoop):
     def __init__(self, cfg: Config, console: Any = None):
         parts = build(cfg)
         self.parts, self.cfg, self.console = parts, cfg, console
@@ -43,6 +43,7 @@ class Trainer(RunLoop, HeldOut):
         self._stop_requested: str | None = None  # the signal's name once SIGTERM / SIGINT arrived
         self._skipped_in_row = 0  # optimiser steps in a row with a non-finite loss, gradient or result
         self._empty_in_row = 0  # steps in a row in which no sample had a finite reward
+        self.heldout = HeldOut(self)
 
     # ------------------------------------------------------------------ set-up helpers
     @property
@@ -59,11 +60,11 @@ class Trainer(RunLoop, HeldOut):
         """The trainer's own policy as a trainable role (built from the current attributes)."""
         return roles.Trainable("policy", self.policy, self.objective, self.updater, self.grad_quantities)
 
-    def _components(self) -> list[Any]:
+    def components(self) -> list[Any]:
         return step_components(self.strategy, self.sampler, self.reward_stage, self.estimator, self.shapers, self.weights,
                                self.objective, self.updater)
 
-    def _info(self, round_: int = 0) -> StepInfo:
+    def info(self, round_: int = 0) -> StepInfo:
         return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
                         total_steps=self.cfg.train.steps, phase="rl", prompt_stats=self.prompt_stats)
 
@@ -79,7 +80,7 @@ class Trainer(RunLoop, HeldOut):
         """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
         ro = self.cfg.rollout
         ctx = RolloutContext(self.policy, self.sampler, self.reward_stage, lambda rollout: self.needs.fill(rollout, self.round_needs),
-                             lambda i: self._prompt_ids("train", self.train_rows, i), lambda i: self.train_rows[i], self._info,
+                             lambda i: self._prompt_ids("train", self.train_rows, i), lambda i: self.train_rows[i], self.info,
                              self.sampling_params, ro.prompts_per_step, ro.group_size)
         batch = self.strategy(ctx)
         self._finite_reward_frac = ctx.finite_fraction  # over every scored round: a step whose groups were all dropped still had rewards
@@ -93,8 +94,8 @@ class Trainer(RunLoop, HeldOut):
         local = self._share(batch)
         self.needs.fill(local, self.step_needs)
         batch = dist.gather_rollout(local)
-        info = self._info()
-        self._coefficients = schedules.resolve(self._components(), info, batch)
+        info = self.info()
+        self._coefficients = schedules.resolve(self.components(), info, batch)
         batch.advantages = self.estimator(batch, info)  # [B,G] or [B,G,T]
         for shaper in self.shapers:
             batch.advantages = shaper(batch, info)
@@ -104,7 +105,7 @@ class Trainer(RunLoop, HeldOut):
         if self.weights:
             batch.weight, counted = token_weights(self.weights, batch, info)  # [B,G,T], [B,G,T]
             batch.set_extra("counted", counted, "token")
-        for component in self._components():
+        for component in self.components():
             if hasattr(component, "prepare"):  # whole-batch statistics a term needs in every micro-batch (micro-batch invariance)
                 component.prepare(batch, info)
             if hasattr(component, "step_stats"):
@@ -113,8 +114,8 @@ class Trainer(RunLoop, HeldOut):
 
     def observe(self, batch: Rollout) -> None:
         """After the update: every component that observes, then the shared per-prompt table."""
-        info = self._info()
-        for component in self._components():
+        info = self.info()
+        for component in self.components():
             if hasattr(component, "observe"):
                 component.observe(batch, info)
         self.prompt_stats.update(batch, info)
@@ -134,7 +135,7 @@ class Trainer(RunLoop, HeldOut):
                 if not int(dist.all_reduce_sum(role.objective.loss_mask(batch).sum())):
                     stats.append({"loss": 0.0, "skipped": 1.0})  # no token gets loss anywhere: leave the weights alone
                     continue
-                norms = role.objective.normalizers(batch, self._info(), dist.all_reduce_sum if self.world > 1 else None)
+                norms = role.objective.normalizers(batch, self.info(), dist.all_reduce_sum if self.world > 1 else None)
                 stats.append(role.updater.step(self._closure(batch, norms, role)))
                 if rollout.logp_old is None and batch.logp_old is not None:  # epoch 0 of one mini-batch filled them
                     rollout.logp_old = torch.zeros_like(batch.logp_old).index_copy(0, mb_groups, batch.logp_old)  # [B,G,T]
@@ -179,7 +180,7 @@ class Trainer(RunLoop, HeldOut):
             if take_old:
                 mb.logp_old = out["logp"].detach()  # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
                 batch.logp_old[start : start + len(groups)] = mb.logp_old
-            loss = role.objective.loss(mb, out, norms, self._info(), record=first)
+            loss = role.objective.loss(mb, out, norms, self.info(), record=first)
             if loss.requires_grad:
                 loss.backward()
             total = total + loss.detach()
@@ -202,7 +203,7 @@ class Trainer(RunLoop, HeldOut):
         row.update(update)
         for role in self.roles if batch.shape[0] else ():  # further roles learn from the same rollouts, behaviour = the policy's log-probs
             behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)  # [B,G,T]
-            stats = self.update(self._share(roles.view(role, batch, behaviour, self._info())), role)
+            stats = self.update(self._share(roles.view(role, batch, behaviour, self.info())), role)
             row.update({f"{role.name}/{k}": v for k, v in stats.items()})
         row.update(self._coefficients)
         self.observe(batch)
