@@ -41,15 +41,15 @@ def train(steps: int, out: str):
     import json
 
     from groupwise.config import load_config
-    from groupwise.trainer import Trainer
+    from groupwise.run import Run
 
     cfg, _ = load_config("flash_grpo", [f"train.steps={steps}", f'out="{out}"', "eval.size=0"])
-    trainer = Trainer(cfg)
+    run = Run.from_config(cfg)
     before = FlowPolicy(**cfg.model.params)
-    before.load_state_dict(trainer.policy.state_dict())
-    trainer.train()
+    before.load_state_dict(run.trainer.policy.state_dict())
+    run.train()
     curve = [json.loads(line)["reward_mean"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return before, trainer.policy, curve
+    return before, run.trainer.policy, curve
 
 
 def panel(ax, x: torch.Tensor, labels: torch.Tensor, title: str) -> None:

@@ -160,11 +160,12 @@ def _groupwise_ablation() -> list[str]:
 
 
 def groupwise_trainer(overrides: list[str], recipe: str | None = None):
+    from groupwise.build import build
     from groupwise.config import load_config
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config(recipe, overrides)
-    return Trainer(cfg)
+    return Trainer(build(cfg))
 
 
 def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Measurement:
@@ -176,7 +177,7 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
                                     length=cell.length, loss=cell.loss, beta=cell.beta, mu=cell.mu, lr=cell.lr,
                                     epsilon=cell.epsilon, micro_groups=cell.micro, steps=cell.warmup + cell.steps, matmul=cell.matmul)
     trainer = groupwise_trainer(overrides + ablation)
-    m = Measurement("groupwise", cell.name, threads=torch.get_num_threads(), **parameter_counts(trainer.model))
+    m = Measurement("groupwise", cell.name, threads=torch.get_num_threads(), **parameter_counts(trainer.policy.module))
     m.setup_seconds = time.perf_counter() - t0
     lengths = []
     for i in range(cell.warmup + cell.steps):
@@ -373,7 +374,7 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
         trainer = groupwise_trainer(overrides)
         setup = time.perf_counter() - t_setup
         clock, done_steps = 0.0, 0
-        curve.append((0.0, 0, greedy_accuracy(trainer.model, trainer.tokenizer, rows, algo["length"])))
+        curve.append((0.0, 0, greedy_accuracy(trainer.policy.module, trainer.policy.tokenizer, rows, algo["length"])))
         while not budget.done(clock, done_steps):
             start = time.perf_counter()
             trainer.run_step()
@@ -381,7 +382,7 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
             trainer.step += 1
             done_steps += algo["mu"]
             if budget.due(clock, done_steps):
-                curve.append((clock, done_steps, greedy_accuracy(trainer.model, trainer.tokenizer, rows, algo["length"])))
+                curve.append((clock, done_steps, greedy_accuracy(trainer.policy.module, trainer.policy.tokenizer, rows, algo["length"])))
                 if target is not None and curve[-1][2] >= target:
                     break
     else:

@@ -17,6 +17,7 @@ import torch
 from groupwise import dist
 from groupwise.config import load_config
 from groupwise.registry import entries
+from groupwise.build import build
 from groupwise.trainer import Trainer
 
 BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "eval.size=0", "threads=1",
@@ -56,7 +57,7 @@ def main(out_dir: str, only: str = "") -> None:
         if only and only not in label:
             continue
         cfg, _ = load_config(None, [*BASE, *extra, f'out="{out_dir}/{label.replace(":", "_")}/world{os.environ.get("WORLD_SIZE", "1")}_rank{os.environ.get("RANK", "0")}"'])
-        trainer = Trainer(cfg)
+        trainer = Trainer(build(cfg))
         steps = []
         seen = {}
         observe = trainer.observe

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from groupwise.objective import Objective
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.types import Need, Rollout, StepInfo
 
 def paper_module(folder: str, module: str):
@@ -258,7 +259,7 @@ def train_recorded(tmp_path, objective: str, *overrides: str, steps: int = 2) ->
     seen: list[Rollout] = []
     observe = trainer.observe
     trainer.observe = lambda batch: (seen.append(batch), observe(batch))
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == steps and all(math.isfinite(r["loss"]) for r in rows)
     return rows, seen

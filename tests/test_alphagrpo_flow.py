@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from groupwise.advantages.alphagrpo import per_prompt_advantages
+from groupwise.build import build as build_parts
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
 from groupwise.registry import build
@@ -90,7 +91,7 @@ FLOW = ['model.policy="flow"', 'model.params={n_labels=12, steps=4, sde="one_sha
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_flow_steps_score_the_samples_with_dvreward(tmp_path, objective):
     cfg, _ = load_config(None, [*FLOW, f'out="{tmp_path}"', f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', "train.steps=2"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_parts(cfg))
     seen, rows = [], []
     prepare = trainer.prepare
     trainer.prepare = lambda batch: (seen.append(prepare(batch)), seen[-1])[1]

@@ -204,7 +204,7 @@ def test_contexts_are_prompt_attempt_instruction_and_the_forward_runs_under_them
         out = prepare(batch)
         b, g = 0, 0
         actions = [int(a) for a, m in zip(out.actions[b, g], out.mask[b, g]) if m]
-        seen.update(batch=out, under_ctx=_logprobs(trainer.model, out.ctx[b][g], actions), under_prompt=_logprobs(trainer.model, out.prompt_ids[b], actions))
+        seen.update(batch=out, under_ctx=_logprobs(trainer.policy.module, out.ctx[b][g], actions), under_prompt=_logprobs(trainer.policy.module, out.prompt_ids[b], actions))
         return out
 
     trainer.prepare = record
@@ -214,7 +214,7 @@ def test_contexts_are_prompt_attempt_instruction_and_the_forward_runs_under_them
     for b, meta in enumerate(batch.meta):
         texts = first.completions[b]
         j = min(range(2), key=lambda i: (float(first.rewards[b, i]), i))
-        assert trainer.tokenizer.decode(batch.ctx[b][0]) == meta["prompt"] + texts[j] + "\n" + INSTRUCTION
+        assert trainer.policy.tokenizer.decode(batch.ctx[b][0]) == meta["prompt"] + texts[j] + "\n" + INSTRUCTION
         assert all(c == batch.ctx[b][0] for c in batch.ctx[b]) and batch.prompt_ids[b] == trainer.policy.encode(meta["prompt"])
         assert float(batch.extras["stage1_reward"][b]) == pytest.approx(reward([meta["prompt"]], [texts[j]], attrs=[meta["attrs"]])[0], abs=1e-6)
         for g, text in enumerate(batch.completions[b]):  # refinements are scored against the original row

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from groupwise.advantages.alphagrpo import per_prompt_advantages
+from groupwise.build import build as build_parts
 from groupwise.config import load_config
 from groupwise.losses.alphagrpo_joint import joint_text_image_loss
 from groupwise.modalities.unified import THINK_VOCAB, UnifiedPolicy
@@ -122,7 +123,7 @@ UNIFIED = ['model.policy="unified"', 'model.params={n_labels=12, steps=3, sde="a
 
 def test_one_update_trains_both_nets_from_the_shared_advantage(tmp_path):
     cfg, _ = load_config(None, [*UNIFIED, f'out="{tmp_path}"', 'objective.terms=["alphagrpo_joint"]', "train.steps=1"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_parts(cfg))
     policy = trainer.policy
     trainer.policy.eval()
     batch = trainer.prepare(trainer.collect())
@@ -152,7 +153,7 @@ def test_one_update_trains_both_nets_from_the_shared_advantage(tmp_path):
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_unified_steps_compose(tmp_path, objective):
     cfg, _ = load_config(None, [*UNIFIED, f'out="{tmp_path}"', f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', "train.steps=2"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(build_parts(cfg))
     seen = []
     prepare = trainer.prepare
     trainer.prepare = lambda batch: (seen.append(prepare(batch)), seen[-1])[1]

@@ -20,6 +20,7 @@ from groupwise.errors import ConfigError
 from groupwise.policy import precision
 from groupwise.policy.forward import completion_logprobs
 from groupwise.policy.functional import DecodeState, hidden_states
+from groupwise.run import Run
 from test_functional import tiny_model
 from test_trainer import make_trainer
 
@@ -44,10 +45,11 @@ NOT_FLOAT32 = 5e-4  # mean error below this: the products did not run in bfloat1
 def demo():
     """The demo's policy and a rollout of its prompts, sampled with float32 products."""
     cfg, _ = load_config("demo", ["threads=1", "eval.size=0", "out=/tmp/unused-bf16-test"])
+    from groupwise.build import build
     from groupwise.trainer import Trainer
 
-    trainer = Trainer(cfg)
-    prompts = [trainer._prompt_ids("train", trainer.train_rows, i) for i in range(32)]
+    trainer = Trainer(build(cfg))
+    prompts = [trainer.prompts("train", trainer.train_rows, i) for i in range(32)]
     gen = trainer.policy.engine.generate(prompts, 8, torch.arange(256), 6)
     return trainer.policy, prompts, gen
 
@@ -149,13 +151,13 @@ def test_a_bf16_step_keeps_loss_and_gradients_float32(tmp_path):
     captured = {}
 
     def capture(optimizer, args, kwargs):
-        captured.update({n: p.grad.dtype for n, p in trainer.model.named_parameters() if p.grad is not None})
+        captured.update({n: p.grad.dtype for n, p in trainer.policy.module.named_parameters() if p.grad is not None})
 
     trainer.updater.optimizer.register_step_pre_hook(capture)
-    trainer.train()
+    Run(trainer).train()
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert captured and set(captured.values()) == {torch.float32}
-    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(p.dtype == torch.float32 for p in trainer.policy.module.parameters())
     assert isinstance(row["loss"], float) and row["loss"] == row["loss"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["matmul"]["setting"] == "bfloat16" and summary["matmul"]["dtype"] == "bfloat16"
@@ -202,7 +204,7 @@ def test_auto_run_says_and_records_its_decision(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(precision, "probe", lambda m, k, n, device="cpu": (100.0, 50.0))
     trainer = make_trainer(tmp_path, "model.matmul=auto", "train.steps=1", "eval.size=0")
     assert trainer.policy.matmul.low is None and trainer.policy.engine.matmul is None
-    trainer.train()
+    Run(trainer).train()
     said = capsys.readouterr().err
     assert said.count("model.matmul=auto: products in float32") == 1 and "slower than float32" in said
     recorded = json.loads((tmp_path / "summary.json").read_text())["matmul"]
@@ -221,23 +223,23 @@ def test_a_bad_value_names_the_key_and_the_choices(value):
 def _straight_and_resumed(tmp_path, *overrides):
     common = ["train.steps=4", "eval.size=0", "checkpoint.every=2", *overrides]
     straight = make_trainer(tmp_path / "a", *common)
-    straight.train()
+    Run(straight).train()
     first = make_trainer(tmp_path / "b", *common)
     first.cfg.train.steps = 2  # stop half-way
-    first.train()
+    Run(first).train()
     resumed = make_trainer(tmp_path / "b", *common)
-    resumed.train(resume_allow=["train.steps"])
+    Run(resumed).train(resume_allow=["train.steps"])
     return straight, resumed
 
 
 def test_resume_under_bf16_equals_the_uninterrupted_bf16_run(tmp_path):
     straight, resumed = _straight_and_resumed(tmp_path, "model.matmul=bfloat16")
     assert resumed.step == straight.step == 4
-    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+    for (name, p), q in zip(straight.policy.module.named_parameters(), resumed.policy.module.parameters()):
         assert torch.equal(p, q), name
     plain = make_trainer(tmp_path / "c", "train.steps=4", "eval.size=0")
-    plain.train()
-    assert not all(torch.equal(p, q) for p, q in zip(plain.model.parameters(), straight.model.parameters()))  # bf16 did change the run
+    Run(plain).train()
+    assert not all(torch.equal(p, q) for p, q in zip(plain.policy.module.parameters(), straight.policy.module.parameters()))  # bf16 did change the run
 
 
 def test_a_resumed_auto_run_keeps_the_dtype_its_start_measured(tmp_path, monkeypatch):
@@ -246,7 +248,7 @@ def test_a_resumed_auto_run_keeps_the_dtype_its_start_measured(tmp_path, monkeyp
     straight, resumed = _straight_and_resumed(tmp_path, "model.matmul=auto")
     assert straight.policy.matmul.dtype == resumed.policy.matmul.dtype == "bfloat16" and resumed.policy.engine.matmul is BF16
     assert "restored from the checkpoint" in resumed.policy.matmul.reason
-    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+    for (name, p), q in zip(straight.policy.module.named_parameters(), resumed.policy.module.parameters()):
         assert torch.equal(p, q), name
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from groupwise import cli
 from groupwise.config import RECIPES, load_config, shipped_recipes
+from groupwise.run import Run
 
 
 def test_train_and_eval_help(capsys):
@@ -34,7 +35,7 @@ def test_eval_of_a_run_folder_uses_the_runs_settings_and_final_model(tmp_path, c
     from test_trainer import make_trainer
 
     run = tmp_path / "run"
-    summary = make_trainer(run, "train.steps=2", "eval.size=12", 'data.task="countdown"', "rollout.max_new_tokens=8").train()
+    summary = Run(make_trainer(run, "train.steps=2", "eval.size=12", 'data.task="countdown"', "rollout.max_new_tokens=8")).train()
     capsys.readouterr()
     assert cli.main(["eval", str(run)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -12,6 +12,8 @@ import pytest
 
 from test_trainer import make_trainer
 
+from groupwise.run import Run
+
 PAPERS = {
     "gear": ['advantage.shapers=[{name="gear"}]'],
     "gxpo": ['update={name="gxpo", lr=1e-3}'],
@@ -29,7 +31,7 @@ def test_each_paper_composes_with_each_objective(tmp_path, paper, objective):
     seen = {}
     observe = trainer.observe
     trainer.observe = lambda batch: (seen.update(batch=batch), observe(batch))
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["loss"] is not None for r in rows)
     if paper == "gxpo":
@@ -48,6 +50,6 @@ def test_each_paper_composes_with_each_objective(tmp_path, paper, objective):
 def test_all_four_together(tmp_path):
     trainer = make_trainer(tmp_path, 'objective.terms=["gspo", {name="kl", coef={schedule="akl", beta_max=0.08}}]',
                            'advantage.shapers=[{name="gear"}]', 'update={name="gxpo", lr=1e-3}', 'sampling={name="cgpo"}', "train.steps=2", "eval.size=0")
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["backward_passes"] for r in rows] == [3, 3]

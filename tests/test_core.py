@@ -13,6 +13,7 @@ import torch
 
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
+from groupwise.run import Run
 from groupwise.types import Need
 from test_trainer import make_trainer
 
@@ -133,9 +134,9 @@ def test_a_view_rescores_rows_under_the_edited_context(tmp_path):
     edited = view.apply(batch, trainer.needs.encode)
     assert edited.prompt_ids != batch.prompt_ids and len(edited.prompt_ids[0]) > len(batch.prompt_ids[0])
     with torch.no_grad():
-        expected = completion_logprobs(trainer.model, edited.prompt_ids, batch.actions, batch.mask, batch.group_valid, quantities=["logp"])
-        full_p = _full_logprobs(trainer.model, batch.prompt_ids, batch)
-        full_q = _full_logprobs(trainer.model, edited.prompt_ids, batch)
+        expected = completion_logprobs(trainer.policy.module, edited.prompt_ids, batch.actions, batch.mask, batch.group_valid, quantities=["logp"])
+        full_p = _full_logprobs(trainer.policy.module, batch.prompt_ids, batch)
+        full_q = _full_logprobs(trainer.policy.module, edited.prompt_ids, batch)
     m = batch.row_mask
     torch.testing.assert_close(batch.extras["policy@ground_truth.logp"], expected["logp"], atol=1e-6, rtol=1e-6)
     assert (batch.extras["policy@ground_truth.logp"] - batch.logp_old).abs()[m].max() > 1e-3
@@ -196,7 +197,7 @@ def test_defect6_every_consumer_sees_the_reward_with_its_scorer_terms(tmp_path):
     trainer.sampler.keep = recording
     trainer.step = 1  # the reference differs from the policy only after an update
     with torch.no_grad():
-        for p in trainer.model.parameters():
+        for p in trainer.policy.module.parameters():
             p.add_(0.01 * torch.randn_like(p))
     batch = trainer.collect()
     # keep saw the weighted total of its round: 2·exact + 3·kl scorer, weights applied once
@@ -216,7 +217,7 @@ def test_schedules_are_resolved_once_per_step_and_logged(tmp_path):
     trainer = make_trainer(tmp_path, "train.steps=3", "eval.size=0",
                            'objective.terms=["ppo_clip", {name="kl", coef={schedule="linear", start_value=0.0, end=0.2, steps=2}}]', SGD)
     assert trainer.objective.terms[1].coef == 0.0  # constructed with start()
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["coef/kl.coef"] for r in rows] == pytest.approx([0.0, 0.1, 0.2])
     assert trainer.objective.terms[1].coef == pytest.approx(0.2)
@@ -235,7 +236,7 @@ def test_observers_see_the_whole_scored_batch_after_the_update(tmp_path):
     watcher = _Watcher([])
     original = trainer.components
     trainer.components = lambda: [*original(), watcher]  # any component may observe
-    trainer.train()
+    Run(trainer).train()
     assert [s[0] for s in watcher.seen] == [0, 1]
     assert all(s[2] for s in watcher.seen) and watcher.seen[0][1][0] == 4
     assert watcher.seen[0][3] == 0  # the prompt table is updated after every observer ran
@@ -276,14 +277,14 @@ def test_stateful_components_resume_exactly(tmp_path, extra):
     version is tests/test_resume.py under make test-slow)."""
     common = ["train.steps=4", "eval.size=0", "checkpoint.every=2", *extra]
     straight = make_trainer(tmp_path / "a", *common)
-    straight.train()
+    Run(straight).train()
     first = make_trainer(tmp_path / "b", *common)
     first.cfg.train.steps = 2  # stop half-way (the updater's schedule was bound for 4 steps, as in a real interruption)
-    first.train()
+    Run(first).train()
     resumed = make_trainer(tmp_path / "b", *common)
-    resumed.train(resume_allow=["train.steps"])
+    Run(resumed).train(resume_allow=["train.steps"])
     assert resumed.step == straight.step == 4
-    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+    for (name, p), q in zip(straight.policy.module.named_parameters(), resumed.policy.module.parameters()):
         assert torch.equal(p, q), name
     assert straight.sampler.state_dict() == resumed.sampler.state_dict()
     assert straight.prompt_stats.state_dict() == resumed.prompt_stats.state_dict()
@@ -298,11 +299,11 @@ def test_a_scheduled_reward_coefficient_resumes_exactly(tmp_path, coef):
     the value the uninterrupted run had in force (the last step's), not the schedule's start."""
     common = ["train.steps=4", "eval.size=0", "checkpoint.every=2", SGD, f'rewards=["exact", {{name="kl_penalty", coef={coef}}}]']
     straight = make_trainer(tmp_path / "a", *common)
-    straight.train()
+    Run(straight).train()
     first = make_trainer(tmp_path / "b", *common)
     first.cfg.train.steps = 2
-    first.train()
+    Run(first).train()
     resumed = make_trainer(tmp_path / "b", *common)
-    resumed.train(resume_allow=["train.steps"])
-    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+    Run(resumed).train(resume_allow=["train.steps"])
+    for (name, p), q in zip(straight.policy.module.named_parameters(), resumed.policy.module.parameters()):
         assert torch.equal(p, q), name

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.sampling.cgpo import category_weights, group_variance, normalize_variances, proposal_probs
 from groupwise.sampling.gcs import gaussian_curriculum_probs, gaussian_weights
 from groupwise.schedules import resolve
@@ -421,11 +422,12 @@ E2E = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_to
 
 def _train(tmp_path, *overrides):
     from groupwise.config import load_config
+    from groupwise.build import build
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config(None, [*E2E, f'out="{tmp_path}"', *overrides])
-    trainer = Trainer(cfg)
-    summary = trainer.train(resume_allow=["train.steps"])  # the resume test extends a finished 2-step run
+    trainer = Trainer(build(cfg))
+    summary = Run(trainer).train(resume_allow=["train.steps"])  # the resume test extends a finished 2-step run
     assert summary["steps"] == cfg.train.steps
     return trainer
 

@@ -33,18 +33,19 @@ def test_an_unknown_device_lists_the_allowed_ones():
 
 def test_the_policy_lives_on_its_device_and_returns_host_tensors(tmp_path):
     trainer = make_trainer(tmp_path, 'model.device="auto"', "train.steps=1", "eval.size=0")
-    assert trainer.policy.device == next(trainer.model.parameters()).device
+    assert trainer.policy.device == next(trainer.policy.module.parameters()).device
     batch = trainer.collect()
     assert trainer.policy.forward(batch, ["logp"])["logp"].device.type == "cpu"  # the loss maths runs on the host
 
 
 def test_the_flow_toy_refuses_a_gpu(tmp_path):
     from groupwise.config import load_config
+    from groupwise.build import build
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', 'model.device="cuda"'])
     with pytest.raises(ConfigError, match="flow toy runs on the CPU"):
-        Trainer(cfg)
+        Trainer(build(cfg))
 
 
 def test_a_role_follows_the_policys_device_unless_it_names_a_gpu():

@@ -23,6 +23,7 @@ from groupwise.advantages.dgao import dgao_advantages
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rollout.dgao import consistency_rate, make_order_variants, order_permutations, overconfidence_rate
+from groupwise.run import Run
 from helpers import info_for, make_rollout
 from test_trainer import make_trainer
 
@@ -102,7 +103,7 @@ def test_strategy_groups_one_question_under_its_orders(tmp_path):
     assert (B, G) == (4, 4)
     for b in range(B):
         a, c = batch.meta[b]["elements"]
-        prompts = [trainer.tokenizer.decode(ctx) for ctx in batch.ctx[b]]
+        prompts = [trainer.policy.tokenizer.decode(ctx) for ctx in batch.ctx[b]]
         assert sorted(set(prompts)) == sorted({f"{a}+{c}=", f"{c}+{a}="})  # both orders (one when a = c)
         assert prompts[0] == prompts[1] and prompts[2] == prompts[3]  # rows_per_order = 2
         assert all(batch.meta[b]["answer"] == str(int(a) + int(c)) for _ in prompts)
@@ -117,7 +118,7 @@ def test_composes_with_objectives(tmp_path, objective):
     seen = []
     observe = trainer.observe
     trainer.observe = lambda batch: (seen.append(batch), observe(batch))
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     for row, batch in zip(rows, seen):

@@ -22,6 +22,7 @@ import torch
 from groupwise.errors import ConfigError
 from groupwise.losses.dgpo import dgpo_loss
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.tasks import get_task
 from groupwise.types import Need
 from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, paper_module, rollout_from
@@ -231,7 +232,7 @@ def _observed(trainer):
     seen = []
     observe = trainer.observe
     trainer.observe = lambda batch: (seen.append(batch), observe(batch))
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (Path(trainer.cfg.out) / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in rows)
     return rows, seen
@@ -292,11 +293,11 @@ def test_estimator_does_not_change_the_loss(tmp_path):
 
 def test_eval_by_direction(tmp_path):
     trainer = _trainer(tmp_path, 'eval.by="direction"', "eval.size=8", "train.steps=1")
-    summary = trainer.train()
+    summary = Run(trainer).train()
     for key in ("accuracy_before", "accuracy_after"):  # 4 forward + 4 reverse held-out rows: the mean of the two
         assert summary[key] == pytest.approx((summary[f"{key}/forward"] + summary[f"{key}/reverse"]) / 2)
     with pytest.raises(ConfigError, match="eval.by"):
-        _trainer(tmp_path / "bad", 'eval.by="colour"', "eval.size=8", "train.steps=1").train()
+        Run(_trainer(tmp_path / "bad", 'eval.by="colour"', "eval.size=8", "train.steps=1")).train()
 
 
 def test_sft_phase_task_trains_on_that_tasks_rows():

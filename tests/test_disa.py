@@ -18,6 +18,7 @@ from groupwise.phases import PhaseContext, load_output
 from groupwise.phases.disa_logz import DisaLogZ
 from groupwise.policy.forward import tempered_logp
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.types import Need, Request, StepInfo
 from helpers import check_micro_batching, info_for, make_rollout, objective_for, rollout_from, train_recorded
 from test_trainer import make_trainer
@@ -193,15 +194,15 @@ PHASE = ["data.train_size=8", "rollout.max_new_tokens=6"]
 
 
 def _ctx(trainer, **kw) -> PhaseContext:
-    return PhaseContext(trainer.policy, trainer.train_rows, trainer.eval_rows, trainer.cfg.seed, trainer._prompt_ids, lambda *a: 0.0, lambda s: None,
-                        score=trainer._phase_score, advantage=lambda ro, info: trainer.estimator(ro, info), models=kw.pop("models", {}),
+    return PhaseContext(trainer.policy, trainer.train_rows, trainer.parts.eval_rows, trainer.cfg.seed, trainer.prompts, lambda *a: 0.0, lambda s: None,
+                        score=trainer.score, advantage=lambda ro, info: trainer.estimator(ro, info), models=kw.pop("models", {}),
                         max_new_tokens=trainer.cfg.rollout.max_new_tokens)
 
 
 def test_tempered_logp_matches_the_full_softmax_at_temperature(tmp_path):
     trainer = make_trainer(tmp_path, *PHASE)
     policy = trainer.policy
-    roll = policy.generate([Request(key=0, n=2, prompt=trainer._prompt_ids("train", trainer.train_rows, 0))],
+    roll = policy.generate([Request(key=0, n=2, prompt=trainer.prompts("train", trainer.train_rows, 0))],
                            {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 5}, StepInfo(0, 0, 5))
     with torch.no_grad():
         out = policy.forward(roll, ["logp", "last_hidden"])
@@ -233,13 +234,13 @@ def test_phase_q_equals_reference_at_temperature_one_and_a_frozen_role_proposal(
     with torch.no_grad():
         roll = trainer.policy.generate([Request(key=rows[0], n=4, prompt=ids) for ids, rows in units], {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 6}, info)
         roll.meta = [trainer.train_rows[rows[0]] for _, rows in units]
-        trainer._phase_score(roll, info)
+        trainer.score(roll, info)
         adv = trainer.estimator(roll, info)  # [8,4]
     expected = torch.logsumexp(15.0 * adv.double(), -1) - math.log(4)  # [8]
     torch.testing.assert_close(art["table"].double(), expected, atol=1e-5, rtol=0)
     # a frozen role with the policy's weights as proposal at T = 1.2 gives the self-proposal's estimates exactly
     own = DisaLogZ(samples=4, temperature=1.2)(ctx)
-    role = DisaLogZ(samples=4, temperature=1.2, proposal="prop")(_ctx(trainer, models=trainer.frozen))
+    role = DisaLogZ(samples=4, temperature=1.2, proposal="prop")(_ctx(trainer, models=trainer.parts.frozen))
     torch.testing.assert_close(role["table"], own["table"], atol=1e-5, rtol=0)
     assert not torch.allclose(own["table"], art["table"])  # T = 1.2 proposals: other samples, importance-corrected
     with pytest.raises(ConfigError, match="proposal='nope' is not a frozen role"):
@@ -255,7 +256,7 @@ def test_a_run_saves_the_artifact_and_a_rerun_loads_it_instead_of_sampling(tmp_p
         make_trainer(tmp_path / "none", *PHASE, 'objective.terms=["disa"]')
     args = [*PHASE, 'objective.terms=["disa"]', 'phases=[{name="disa_logz", samples=4}]', "train.steps=1", "eval.size=0"]
     trainer = make_trainer(tmp_path, *args)
-    summary = trainer.train()
+    summary = Run(trainer).train()
     saved = load_output(tmp_path / "phases" / "logz.pt")
     assert summary["phases"]["logz"]["prompts"] == 8 and saved["artifact"]["beta"] == 15.0
     torch.testing.assert_close(trainer.objective.terms[0]._table, saved["artifact"]["table"])
@@ -263,7 +264,7 @@ def test_a_run_saves_the_artifact_and_a_rerun_loads_it_instead_of_sampling(tmp_p
     shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
     again = make_trainer(tmp_path, *args)
     monkeypatch.setattr(DisaLogZ, "__call__", lambda self, ctx: pytest.fail("the phase ran again"))
-    again.train()
+    Run(again).train()
     assert "done already" in capsys.readouterr().err
     torch.testing.assert_close(again.objective.terms[0]._table, saved["artifact"]["table"])
     assert json.loads((tmp_path / "summary.json").read_text())["phases"]["logz"]["prompts"] == 8

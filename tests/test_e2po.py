@@ -12,6 +12,7 @@ import torch
 from groupwise.errors import ConfigError
 from groupwise.rollout.e2po import (CONDITION, E2PO, anchor_loss, diversity_loss, embedding_loss, eps_insensitive, learn_prompt_perturbations,
                                     mix_condition, noise_aware_gamma)
+from groupwise.run import Run
 from helpers import train_recorded
 
 
@@ -129,17 +130,17 @@ def test_the_phase_freezes_the_policy_and_perturbs_content_tokens_only(tmp_path)
     from test_trainer import make_trainer
 
     trainer = make_trainer(tmp_path, *RUN, "train.steps=1", "eval.size=0")
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    trainer._run_phases()
-    for key, value in trainer.model.state_dict().items():  # the phase never changes the weights
+    before = {k: v.clone() for k, v in trainer.policy.module.state_dict().items()}
+    Run(trainer)._run_phases()
+    for key, value in trainer.policy.module.state_dict().items():  # the phase never changes the weights
         assert torch.equal(before[key], value), key
-    assert all(p.requires_grad for p in trainer.model.parameters())  # and gives them back trainable
+    assert all(p.requires_grad for p in trainer.policy.module.parameters())  # and gives them back trainable
     art = torch.load(tmp_path / "phases" / "e2po_perturbations.pt", weights_only=False)["artifact"]
     delta, positions = art["delta"], art["positions"]
     assert delta.shape[:2] == (12, 1) and positions.shape[0] == 12 and art["conditions"] == 2
     assert delta[positions[:, None, :] < 0].abs().sum() == 0  # off the content positions: exactly 0
     assert bool((delta[positions[:, None, :] >= 0].abs().sum(-1) > 0).all())  # every content token perturbed
-    prompt = trainer._prompt_ids("train", trainer.train_rows, 0)
+    prompt = trainer.prompts("train", trainer.train_rows, 0)
     assert positions[0][positions[0] >= 0].tolist() == list(range(len(prompt)))  # the arithmetic prompts have no special tokens
 
 

@@ -18,6 +18,8 @@ from groupwise.modalities.flow import FlowPolicy, flow_sigmas, sde_step_with_log
 from groupwise.modalities.flow_toy import FlowTrapReward, trap_reward
 from groupwise.rollout.context import check_strategy
 from groupwise.rollout.e2po import CONDITION, E2PO, anchor_loss, diversity_loss, noise_aware_gamma
+from groupwise.build import build
+from groupwise.run import Run
 from groupwise.trainer import Trainer
 from groupwise.types import Request, StepInfo
 
@@ -26,7 +28,7 @@ INFO = StepInfo(step=1, seed=3, max_new_tokens=0)
 
 def flow_trainer(out, *overrides, recipe="e2po_flow"):
     cfg, _ = load_config(recipe, [f'out="{out}"', *overrides])
-    return Trainer(cfg)
+    return Trainer(build(cfg))
 
 
 def _delta(n, scale=0.7, seed=0):
@@ -183,7 +185,8 @@ SMALL = ["eval.size=0", "data.train_size=8", "rollout.prompts_per_step=2", "roll
 def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, monkeypatch):
     trainer = flow_trainer(tmp_path, *SMALL, "train.steps=1")
     before = {k: v.clone() for k, v in trainer.policy.net.state_dict().items()}
-    trainer._run_phases()
+    run = Run(trainer)
+    run._run_phases()
     for key, value in trainer.policy.net.state_dict().items():  # the phase never touches the flow model
         assert torch.equal(before[key], value), key
     art = torch.load(tmp_path / "phases" / "e2po_perturbations.pt", weights_only=False)["artifact"]
@@ -198,7 +201,7 @@ def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, m
         e = f((table[row["prompt"]].float() + art["delta"][r, :, 0])[:, None], one)  # [3,c] e_k = f(E + δ_k)
         e_anc = f(table[[row["prompt"]]].float()[:, None], one[:1])[0]  # [c] f(E)
         l_emb.append(float(diversity_loss(e) + anchor_loss(e, e_anc, 0.8, 0.1)))
-    summary = trainer.summary["phases"]["e2po_perturbations"]
+    summary = run.summary["phases"]["e2po_perturbations"]
     assert summary["rows"] == 8 and summary["loss"] == pytest.approx(sum(l_emb) / 8, abs=1e-5)
     # 20 Adam steps lowered it: the same initial δ (the phase's generator, seeded by the run seed and chunk start 0) after 0 steps
     from groupwise.rollout.e2po import learn_prompt_perturbations
@@ -212,7 +215,7 @@ def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, m
 
     monkeypatch.setattr(phase_module, "learn_prompt_perturbations", lambda *a, **k: pytest.fail("the phase ran again"))
     again = flow_trainer(tmp_path, *SMALL, "train.steps=1")
-    again._run_phases()
+    Run(again)._run_phases()
     loaded = again.strategy.artifact_value()
     for key in ("keys", "positions", "delta"):
         assert torch.equal(loaded[key], art[key]), key
@@ -241,7 +244,7 @@ def test_composition_rows_trained_on_the_original_condition(tmp_path, objective)
     old = []
     generate = policy.generate
     policy.generate = lambda *a, **k: (out := generate(*a, **k), old.append(policy.forward(out)["logp"].detach()))[0]  # unhooked forward, the sampling weights
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows) and all("e2po/group_std" in r for r in rows)
     hot_rows = 0

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from groupwise.evaluation import pass_at_k
+from groupwise.run import Run
 
 
 def test_pass_at_k_by_hand():
@@ -25,9 +26,10 @@ def test_sampled_evaluation_through_the_trainer(tmp_path):
     from test_trainer import make_trainer
 
     trainer = make_trainer(tmp_path / "run", "train.steps=1", "eval.size=8", "eval.samples=4", "eval.pass_at=[1, 2, 4]")
-    summary = trainer.train()
+    job = Run(trainer)
+    summary = job.train()
     before = summary["accuracy_before_sampled"]
     assert set(before) == {"mean@4", "pass@1", "pass@2", "pass@4"}
     assert before["pass@1"] == pytest.approx(before["mean@4"])  # pass@1 is the mean correctness
     assert before["pass@1"] <= before["pass@2"] <= before["pass@4"] <= 1.0
-    assert trainer.heldout.evaluate_sampled() == summary["accuracy_after_sampled"]  # the same noise (step −1): reproducible
+    assert job.heldout.evaluate_sampled() == summary["accuracy_after_sampled"]  # the same noise (step −1): reproducible

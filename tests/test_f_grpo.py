@@ -27,6 +27,7 @@ from groupwise.errors import ConfigError
 from groupwise.losses.f_grpo import PHASE_KEY, fgrpo_loss
 from groupwise.registry import build
 from groupwise.rewards.ranking import fgrpo_rewards, parse_ranking
+from groupwise.run import Run
 from helpers import info_for, rollout_from
 from test_trainer import make_trainer
 
@@ -206,7 +207,7 @@ FGRPO = ['data.task="ranking"', 'rewards=["recall_at_k", "ndcg_at_k"]', 'advanta
 def test_composes_with_objectives(tmp_path, objective):
     trainer = make_trainer(tmp_path, *FGRPO, f'objective.terms=["{objective}"]')
     seen = _batches(trainer)
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(0 < r["f_grpo/gen_share"] < 1 for r in rows)  # the phase map split the completions
@@ -234,16 +235,17 @@ def test_the_trainer_gives_the_policy_vocabulary_and_token_texts_spell_the_compl
     trainer = make_trainer(tmp_path, *FGRPO, 'objective.terms=["f_grpo"]')
     texts = trainer.estimator._token_text
     assert texts == trainer.objective.terms[0]._token_text  # both readers got the vocabulary
-    assert len(texts) == len(trainer.tokenizer)
-    ids = trainer.tokenizer.encode("[A, B] > B > A", add_special_tokens=False)
-    assert "".join(texts[i] for i in ids) == trainer.tokenizer.decode(ids)  # the phase map's character offsets are the decoded text's
-    assert all(texts[i] == "" for i in trainer.tokenizer.all_special_ids)
+    assert len(texts) == len(trainer.policy.tokenizer)
+    ids = trainer.policy.tokenizer.encode("[A, B] > B > A", add_special_tokens=False)
+    assert "".join(texts[i] for i in ids) == trainer.policy.tokenizer.decode(ids)  # the phase map's character offsets are the decoded text's
+    assert all(texts[i] == "" for i in trainer.policy.tokenizer.all_special_ids)
 
 
 def test_a_policy_without_token_texts_fails_at_build(tmp_path):
     from groupwise.config import load_config
+    from groupwise.build import build
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', 'advantage.estimator="f_grpo"'])
     with pytest.raises(ConfigError, match="f_grpo.*token texts"):
-        Trainer(cfg)
+        Trainer(build(cfg))

@@ -115,7 +115,7 @@ def test_fbos_through_the_trainer_scores_guided_rows_against_the_original_answer
     assert batch.shape[0] == 8 + n_fail and batch.shape[1] == 4
     for b in range(8, 8 + n_fail):  # ECC rows: the context is the FAP, which quotes the feedback verbatim; the reward is exact vs the row's answer
         for g in range(2):
-            text = trainer.tokenizer.decode(batch.ctx[b][g])
+            text = trainer.policy.tokenizer.decode(batch.ctx[b][g])
             assert ": wrong" in text or ": the answer is not a number" in text
             assert text.endswith(batch.meta[b]["prompt"])
             assert float(batch.rewards[b, g]) == float(batch.completions[b][g].strip() == str(batch.meta[b]["answer"]))

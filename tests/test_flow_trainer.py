@@ -11,17 +11,19 @@ import torch
 
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
+from groupwise.build import build
+from groupwise.run import Run
 from groupwise.trainer import Trainer
 
 
 def flow_trainer(out, *overrides):
     cfg, _ = load_config("flash_grpo", [f'out="{out}"', *overrides])
-    return Trainer(cfg)
+    return Trainer(build(cfg))
 
 
 def test_the_flow_toy_learns_through_the_trainer(tmp_path):
     trainer = flow_trainer(tmp_path / "run", "train.steps=100", "eval.size=64")
-    summary = trainer.train()
+    summary = Run(trainer).train()
     # seed 0, measured: 0.125 -> 1.0 (every held-out label's ODE sample lands in its region)
     assert summary["accuracy_before"] < 0.2 and summary["accuracy_after"] >= 0.9
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -32,12 +34,12 @@ def test_the_flow_toy_learns_through_the_trainer(tmp_path):
 def test_a_flow_run_resumes_exactly(tmp_path):
     common = ["train.steps=6", "eval.size=0", "checkpoint.every=3"]
     straight = flow_trainer(tmp_path / "a", *common)
-    straight.train()
+    Run(straight).train()
     first = flow_trainer(tmp_path / "b", *common)
     first.cfg.train.steps = 3
-    first.train()
+    Run(first).train()
     resumed = flow_trainer(tmp_path / "b", *common)
-    resumed.train(resume_allow=["train.steps"])
+    Run(resumed).train(resume_allow=["train.steps"])
     for key, value in straight.policy.state_dict()["net"].items():
         assert torch.equal(value, resumed.policy.state_dict()["net"][key]), key
     rows = [[json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("a", "b")]
@@ -47,7 +49,7 @@ def test_a_flow_run_resumes_exactly(tmp_path):
 def test_a_component_of_another_modality_is_refused_at_build(tmp_path):
     with pytest.raises(ConfigError, match="weight component 'flash_rectification' works on flow policies; this run's policy is text"):
         cfg, _ = load_config(None, [f'out="{tmp_path}"', 'objective.weights=["flash_rectification"]', "eval.size=0"])
-        Trainer(cfg)
+        Trainer(build(cfg))
     with pytest.raises(ConfigError, match="model.policy='video' is not a policy kind; kinds: lm, flow"):
         cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', 'model.policy="video"'])
-        Trainer(cfg)
+        Trainer(build(cfg))

@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from groupwise.config import load_config
+from groupwise.build import build
+from groupwise.run import Run
 from groupwise.trainer import Trainer
 
 DEVICE = os.environ.get("GROUPWISE_TEST_DEVICE", "cuda")
@@ -33,21 +35,21 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_
 
 def trainer(tmp_path, *overrides):
     cfg, _ = load_config(None, [*SMALL, f'out="{tmp_path}"', *overrides])
-    return Trainer(cfg)
+    return Trainer(build(cfg))
 
 
 def test_device_forward_equals_the_cpu_forward_and_its_gradients(tmp_path):
     cpu = trainer(tmp_path / "cpu")
     dev = trainer(tmp_path / "dev", f'model.device="{DEVICE}"')
-    assert next(dev.model.parameters()).device.type == DEVICE.split(":")[0]
+    assert next(dev.policy.module.parameters()).device.type == DEVICE.split(":")[0]
     batch = cpu.collect()
     outs = []
     for t in (cpu, dev):
-        t.model.zero_grad()
+        t.policy.module.zero_grad()
         out = t.policy.forward(batch, ["logp", "entropy"])  # on the host, whatever the model's device
         assert out["logp"].device.type == "cpu" and out["logp"].dtype == torch.float32
         (out["logp"][batch.mask].sum()).backward()
-        outs.append((out, {n: p.grad.detach().cpu() for n, p in t.model.named_parameters()}))
+        outs.append((out, {n: p.grad.detach().cpu() for n, p in t.policy.module.named_parameters()}))
     (a, ga), (b, gb) = outs
     torch.testing.assert_close(b["logp"], a["logp"], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(b["entropy"], a["entropy"], atol=2e-5, rtol=1e-5)
@@ -57,12 +59,12 @@ def test_device_forward_equals_the_cpu_forward_and_its_gradients(tmp_path):
 
 def test_device_engine_greedy_equals_hf_generate(tmp_path):
     dev = trainer(tmp_path, f'model.device="{DEVICE}"')
-    prompts = [dev._prompt_ids("train", dev.train_rows, i) for i in range(6)]
+    prompts = [dev.prompts("train", dev.train_rows, i) for i in range(6)]
     out = dev.policy.engine.generate(prompts, 1, torch.zeros(len(prompts), dtype=torch.long), 6, greedy=True)
     for i, prompt in enumerate(prompts):
-        ids = torch.tensor([prompt], device=next(dev.model.parameters()).device)
-        want = dev.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                  eos_token_id=dev.policy.eos, pad_token_id=dev.tokenizer.pad_token_id)[0, len(prompt):].cpu()
+        ids = torch.tensor([prompt], device=next(dev.policy.module.parameters()).device)
+        want = dev.policy.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                          eos_token_id=dev.policy.eos, pad_token_id=dev.policy.tokenizer.pad_token_id)[0, len(prompt):].cpu()
         n = int(out.lengths[i, 0])
         assert out.tokens[i, 0, :n].tolist() == want[:n].tolist(), i
 
@@ -70,7 +72,7 @@ def test_device_engine_greedy_equals_hf_generate(tmp_path):
 def test_bf16_logprobs_stay_within_a_bound_of_float32(tmp_path):
     ref = trainer(tmp_path / "f32", f'model.device="{DEVICE}"')
     low = trainer(tmp_path / "bf16", f'model.device="{DEVICE}"', 'model.dtype="bfloat16"')
-    assert next(low.model.parameters()).dtype == torch.bfloat16
+    assert next(low.policy.module.parameters()).dtype == torch.bfloat16
     batch = ref.collect()
     with torch.no_grad():
         a = ref.policy.forward(batch, ["logp"])["logp"][batch.mask]  # [n]
@@ -87,7 +89,7 @@ def test_micro_batch_invariance_on_the_device(tmp_path):
     for size in (0, 1):  # 0 = the whole batch in one micro-batch
         t = trainer(tmp_path / f"mb{size}", f'model.device="{DEVICE}"', f"train.micro_batch_groups={size}")
         t.run_step()
-        weights.append({n: p.detach().cpu().clone() for n, p in t.model.named_parameters()})
+        weights.append({n: p.detach().cpu().clone() for n, p in t.policy.module.named_parameters()})
     for name in weights[0]:
         torch.testing.assert_close(weights[1][name], weights[0][name], atol=1e-6, rtol=1e-5, msg=name)
 
@@ -96,7 +98,7 @@ def test_a_device_run_takes_the_cpu_runs_first_step(tmp_path):
     rows = []
     for device in ("cpu", DEVICE):
         t = trainer(tmp_path / device.replace(":", "_"), f'model.device="{device}"', "train.steps=2")
-        t.train()
+        Run(t).train()
         rows.append([json.loads(line) for line in (tmp_path / device.replace(":", "_") / "metrics.jsonl").read_text().splitlines()])
     (cpu, dev) = rows
     assert cpu[0]["reward_mean"] == dev[0]["reward_mean"]  # the same samples: sampling noise is counter-based, not device RNG

@@ -16,6 +16,7 @@ from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.context import RolloutContext
 from groupwise.rollout.env import greedy_success, play
 from groupwise.rollout.grow import step_returns
+from groupwise.run import Run
 from groupwise.tasks.reach import Reach, format_row, parse_move
 from groupwise.types import Rollout, StepInfo
 from helpers import info_for, leaf, objective_for
@@ -181,7 +182,7 @@ def test_episodes_truncate_at_the_context_limit():
 def _context(trainer):
     ro = trainer.cfg.rollout
     return RolloutContext(trainer.policy, trainer.sampler, trainer.reward_stage, lambda r: None,
-                          lambda i: trainer._prompt_ids("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer.info,
+                          lambda i: trainer.prompts("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer.info,
                           trainer.sampling_params, ro.prompts_per_step, ro.group_size)
 
 
@@ -210,7 +211,7 @@ def test_two_trainer_steps_reward_every_row_with_its_episodes_return(tmp_path, s
     trainer = make_trainer(tmp_path, *REACH, f'rollout.name="{strategy}"', 'advantage.estimator={name="grpo", std="population", eps=1e-6}')
     seen, prepare = [], trainer.prepare
     trainer.prepare = lambda batch: seen.append(prepare(batch)) or seen[-1]
-    trainer.train()
+    Run(trainer).train()
     assert len(seen) == 2
     encode = trainer.policy.encode
     for batch in seen:

@@ -17,6 +17,7 @@ import torch
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.updates._base import OptimizerSnapshot
 from groupwise.updates.gxpo import GXPOGate, gxpo_retention_scale
 
@@ -320,10 +321,11 @@ def test_state_round_trip_equals_uninterrupted():
 # ---------------------------------------------------------------------------------------------- end to end
 def test_trainer_end_to_end(tmp_path):
     from groupwise.config import load_config
+    from groupwise.build import build
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "eval.size=0", "threads=1", "train.steps=2", 'update={name="gxpo", lr=1e-3}', f'out="{tmp_path}"'])
-    Trainer(cfg).train()
+    Run(Trainer(build(cfg))).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for row in rows:

@@ -170,10 +170,11 @@ def test_hooked_strategies_refuse_an_engine_without_hooks_and_need_their_phase(t
     from test_trainer import make_trainer
 
     from groupwise.config import load_config
+    from groupwise.build import build
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', f'rollout.name="{strategy}"', "eval.size=0"])
     with pytest.raises(ConfigError, match=rf"generation hooks \['{kind}'\] that the flow policy's engine cannot apply"):
-        Trainer(cfg)
+        Trainer(build(cfg))
     with pytest.raises(ConfigError, match=f"needs the artifact '{artifact}', which no offline phase produces"):
         make_trainer(tmp_path / "text", f'rollout.name="{strategy}"', "eval.size=0")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from groupwise.rollout.hora import hit_utility, hora_allocate, marginal_gain
+from groupwise.run import Run
 
 S, N = [0, 4, 2], [4, 4, 4]  # [fail, saturated, mixed]
 
@@ -224,5 +225,5 @@ def test_hora_trains_through_the_trainer(tmp_path):
     sizes = batch.group_valid.sum(1)  # [B] 2 + the allocation each
     assert int(sizes.sum()) == 4 * 4 and int(sizes.min()) >= 2  # the budget: prompts_per_step x group_size rows
     assert torch.isfinite(batch.advantages).all() and (batch.advantages[~batch.group_valid] == 0).all()
-    trainer.train()
+    Run(trainer).train()
     assert trainer.step == 2

@@ -30,6 +30,7 @@ import torch
 
 from groupwise.influence import greedy_select, influence_terms, interaction_influence, param_shifts, ridge_fit, ridge_lgo_benchmark
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.sampling.cgpo import step_generator
 from groupwise.sampling.interaction_influence import hidden_features, token_features
 from groupwise.types import StepInfo
@@ -166,7 +167,7 @@ def test_composes_with_each_objective(tmp_path, objective):
     drawn = []
     observe = trainer.observe
     trainer.observe = lambda batch: (drawn.append(batch.prompt_index.tolist()), observe(batch))
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     n = len(drawn[0])

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from groupwise import runfolder
+from groupwise.run import Run
 from killpoints import CHECKPOINT_WHENS, arm
 from test_trainer import MODEL, make_trainer
 
@@ -78,7 +79,7 @@ def straight(tmp_path_factory):
     runs = {}
     for name, setup in (("end", END), ("end_keep1", [*END, "checkpoint.keep_last=1"]), ("sft", SFT)):
         out = tmp_path_factory.mktemp(name)
-        make_trainer(out, *setup).train()
+        Run(make_trainer(out, *setup)).train()
         runs[name] = outcome(out)
     assert len(runs["end"][0]) == FINAL_FILES, sorted(runs["end"][0])
     return runs
@@ -88,9 +89,9 @@ def killed_then_rerun(run: Path, setup: list[str], point: str, monkeypatch, caps
     with monkeypatch.context() as patch:
         arm(point, die, patch.setattr)
         with pytest.raises(Killed):
-            make_trainer(run, *setup).train()
+            Run(make_trainer(run, *setup)).train()
     capsys.readouterr()
-    make_trainer(run, *setup).train()
+    Run(make_trainer(run, *setup)).train()
     return capsys.readouterr().err
 
 
@@ -107,7 +108,7 @@ def test_a_kill_at_each_write_of_the_end_is_completed_by_the_rerun(tmp_path, str
     elif point not in ("checkpoint:before_marker", "checkpoint:before_rename"):  # the final checkpoint is there
         assert "finished training at step 2, but its outputs were not all written" in said, said
     again = make_trainer(tmp_path, *setup)
-    again.train()
+    Run(again).train()
     assert "nothing to do" in capsys.readouterr().err
     assert outcome(tmp_path) == straight["end" if keep_last == 2 else "end_keep1"]
 
@@ -126,11 +127,11 @@ def test_a_kill_at_each_write_of_a_phase_output(tmp_path, straight, point, monke
 def test_outputs_lost_after_a_finished_checkpoint_are_written_again(tmp_path, straight, capsys):
     """The shape of the real kills of the issue: final/ (or summary.json) gone after the final
     checkpoint. Before: 'nothing to do', exit 0, with the output missing for good."""
-    make_trainer(tmp_path, *END).train()
+    Run(make_trainer(tmp_path, *END)).train()
     for lost in ("final", "summary.json"):
         path = tmp_path / lost
         path.unlink() if path.is_file() else __import__("shutil").rmtree(path)
-        make_trainer(tmp_path, *END).train()
+        Run(make_trainer(tmp_path, *END)).train()
         assert "its outputs were not all written" in capsys.readouterr().err
         assert outcome(tmp_path) == straight["end"]
 

@@ -4,12 +4,14 @@ on 2 cores) raises both the training reward and held-out greedy accuracy."""
 import json
 
 from groupwise.config import load_config
+from groupwise.build import build
+from groupwise.run import Run
 from groupwise.trainer import Trainer
 
 
 def test_reward_rises_on_addition(tmp_path):
     cfg, _ = load_config("demo", ["train.steps=80", "eval.size=300", "train.max_seconds=60", f'out="{tmp_path}"'])
-    summary = Trainer(cfg).train()
+    summary = Run(Trainer(build(cfg))).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     third = len(rows) // 3
     early = sum(r["reward_mean"] for r in rows[:third]) / third

@@ -12,6 +12,7 @@ import torch
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build_spec
+from groupwise.run import Run
 from groupwise.updates.lora_placement import grad_structure_stats, placement_scores, topk_mask
 
 # spec 29's unit test: B is 2x2 (e00, e01, e10, e11), S = 3 probe gradients
@@ -153,9 +154,9 @@ def test_probe_phase_and_training_in_a_run(tmp_path, inner):
     """r = 2 on q_proj [128 -> 128] and v_proj [128 -> 64], 4 layers: B holds (128 + 64) * 2 * 4 = 1536
     entries, k = round(0.02 * 1536) = 31; only those move, A and the base stay at their initial values."""
     trainer = _run(tmp_path / "run", f"update={{name=\"lora_placement\", inner={inner}}}", "train.steps=2")
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.policy.module.named_parameters()}
     trainer.policy.save = lambda folder: __import__("os").makedirs(folder)  # saving merges the adapters in place; the weights are read here
-    trainer.train()
+    Run(trainer).train()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())["phases"]["placement"]
     assert summary["entries"] == 1536 and summary["k"] == 31 and sum(summary["by_module"].values()) == 31
     assert set(summary["by_module"]) == {"q_proj", "v_proj"} and sorted(summary["by_layer"]) == ["0", "1", "2", "3"]
@@ -163,13 +164,13 @@ def test_probe_phase_and_training_in_a_run(tmp_path, inner):
 
     masks = load_output(tmp_path / "run" / "phases" / "placement.pt")["artifact"]["masks"]
     assert sum(int(m.sum()) for m in masks.values()) == 31
-    for name, p in trainer.model.named_parameters():
+    for name, p in trainer.policy.module.named_parameters():
         if name in masks:
             assert torch.equal(p.detach()[~masks[name]], before[name][~masks[name]])  # unchosen B entries: exactly 0 still
             assert (before[name] == 0).all()  # PEFT's B init
         else:
             assert torch.equal(p.detach(), before[name]), name  # A and the base: untouched
-    moved = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.model.named_parameters() if n in masks)
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.policy.module.named_parameters() if n in masks)
     assert 0 < moved <= 31
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["skipped"] == 0.0 for r in rows)
@@ -186,7 +187,7 @@ def test_phase_needs_lora_and_valid_fields(tmp_path):
     trainer = make_trainer(tmp_path / "nolora", "eval.size=0", "train.steps=1", 'phases=[{name="lora_placement_probe", probes=1, prompts=2}]',
                            'update={name="lora_placement", inner="sgd"}')
     with pytest.raises(ConfigError, match="no trainable LoRA-B"):
-        trainer.train()
+        Run(trainer).train()
     with pytest.raises(ConfigError, match="needs the artifact 'placement'"):
         make_trainer(tmp_path / "nophase", LORA, "eval.size=0", 'update={name="lora_placement", inner="sgd"}')
 
@@ -211,10 +212,10 @@ def test_sft_probe_mask_is_the_top_k_of_the_gradient_worked_out_apart(tmp_path):
 
     trainer = make_trainer(tmp_path / "run", LORA, "eval.size=0")
     policy, rows = trainer.policy, trainer.train_rows
-    ctx = PhaseContext(policy, rows, [], 0, trainer._prompt_ids, None, lambda line: None)
+    ctx = PhaseContext(policy, rows, [], 0, trainer.prompts, None, lambda line: None)
     out = LoraPlacementProbe(probes=1, prompts=3, objective="sft", k=20)(ctx)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))[:3].tolist()
-    batch = teacher_forced([trainer._prompt_ids("train", rows, i) for i in order], [policy.encode_completion(str(rows[i]["answer"])) for i in order])
+    batch = teacher_forced([trainer.prompts("train", rows, i) for i in order], [policy.encode_completion(str(rows[i]["answer"])) for i in order])
     logp = policy.forward(batch, ["logp"])["logp"]  # [3,1,T]
     (-(logp * batch.mask).sum() / batch.mask.sum()).backward()
     named = [(n, p) for n, p in zip(policy.parameter_names(), policy.parameters()) if lora_side(n) == "B"]
@@ -232,10 +233,10 @@ def test_a_resumed_placement_run_equals_the_uninterrupted_one(tmp_path):
     from safetensors.torch import load_file
 
     update = 'update={name="lora_placement", inner={name="adamw", lr=1e-2, weight_decay=0.1}}'
-    _run(tmp_path / "whole", update, "train.steps=2").train()
-    _run(tmp_path / "cut", update, "train.steps=1").train()
+    Run(_run(tmp_path / "whole", update, "train.steps=2")).train()
+    Run(_run(tmp_path / "cut", update, "train.steps=1")).train()
     resumed = _run(tmp_path / "cut", update, "train.steps=2")
-    resumed.train(resume_allow=["train.steps"])
+    Run(resumed).train(resume_allow=["train.steps"])
     assert resumed.updater._placed and resumed.step == 2
     whole, cut = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("whole", "cut"))
     assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from groupwise.errors import ConfigError
+from groupwise.run import Run
 from groupwise.updates._lora import assert_lora_param_count, largest_remainder, layer_of, lora_param_count, lora_side, module_kind
 from groupwise.updates.lora_rank import (GradNormProfiler, allocate_ranks, corr, layer_rank_pattern, max_min_ratio, shares_from_metrics,
                                          top_frac_share)
@@ -148,12 +149,12 @@ def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_p
     lora = f'model.lora={{r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], {init}rank_pattern={pattern}}}'
     trainer = make_trainer(tmp_path / "run", f'model.path="{path}"', lora, "eval.size=0", "train.steps=2",
                            'update={name="lora_rank_allocation", inner={name="adamw", lr=1e-2}}')
-    assert_lora_param_count(trainer.model, sum(ranks) * (d_q + d_v))
+    assert_lora_param_count(trainer.policy.module, sum(ranks) * (d_q + d_v))
     ids = torch.tensor([trainer.policy.encode("12+34=")])
-    trainer.train()
-    assert any("lora" in n for n, _ in trainer.model.named_parameters())  # saving merged a copy: the live model keeps its adapters
+    Run(trainer).train()
+    assert any("lora" in n for n, _ in trainer.policy.module.named_parameters())  # saving merged a copy: the live model keeps its adapters
     with torch.no_grad():
-        adapted = trainer.model(ids).logits
+        adapted = trainer.policy.module(ids).logits
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(sorted(k for k in r if k.startswith("lora_grad/")) == [f"lora_grad/L{l}" for l in range(layers)] for r in rows)
     if arch == "qwen3":  # the warm-started model earns rewards: every layer's adapters get a gradient
@@ -179,7 +180,7 @@ def test_profiler_metric_is_the_gradient_the_optimiser_steps_with(tmp_path):
     trainer.updater.inner_updater.optimizer.register_step_pre_hook(
         lambda opt, a, k: captured.update({names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}) if not captured else None)
     trainer.policy.save = lambda folder: __import__("os").makedirs(folder)
-    trainer.train()
+    Run(trainer).train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert all(float(g.abs().max()) == 0.0 for n, g in captured.items() if lora_side(n) == "A")
     for layer in range(4):

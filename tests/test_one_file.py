@@ -12,6 +12,7 @@ import torch
 
 from groupwise.config import load_config
 from groupwise.policy.lm import DEFAULT_MODEL
+from groupwise.build import build
 from groupwise.trainer import Trainer
 from groupwise.types import Request
 from test_plain_path import PLAIN
@@ -33,7 +34,7 @@ def demo_trainer(tmp_path):
     seed 1 draws prompts of two lengths (seed 0's first 8 are all "ab+cd=")."""
     cfg, _ = load_config("demo", [f'out="{tmp_path}"', 'model.path="default"', "seed=1", "rollout.prompts_per_step=8",
                                   "eval.size=16", "threads=1", *PLAIN])
-    return Trainer(cfg)
+    return Trainer(build(cfg))
 
 
 def as_example_rows(rollout, pad_id: int):
@@ -64,10 +65,10 @@ def test_one_file_loss_and_gradient_equal_the_library(tmp_path, example, policy)
     trainer = demo_trainer(tmp_path)
     assert trainer.cfg.rollout.group_size == 8 and trainer.cfg.objective.agg == "seq_mean_token_mean"
     assert trainer.updater.max_grad_norm == 1.0
-    ours, theirs = example.adamw(copy.deepcopy(trainer.model), 2e-4).defaults, trainer.updater.optimizer.defaults
+    ours, theirs = example.adamw(copy.deepcopy(trainer.policy.module), 2e-4).defaults, trainer.updater.optimizer.defaults
     keys = ("lr", "betas", "eps", "weight_decay")  # the same AdamW (the demo's lr is 2e-4)
     assert {k: ours[k] for k in keys} == {k: theirs[k] for k in keys}
-    model = copy.deepcopy(trainer.model)  # the example's copy of the same weights
+    model = copy.deepcopy(trainer.policy.module)  # the example's copy of the same weights
     rollout = trainer.collect()  # [B,G,T]
     B, G, T = rollout.shape
 
@@ -86,7 +87,7 @@ def test_one_file_loss_and_gradient_equal_the_library(tmp_path, example, policy)
     # float32 statistics here, float64 in the library: 0/1 rewards give the same advantages to 1 ulp
     torch.testing.assert_close(adv, rollout.advantages, rtol=2e-7, atol=1e-7)
 
-    input_ids, attention_mask, completion_mask, P = as_example_rows(rollout, trainer.tokenizer.pad_token_id)
+    input_ids, attention_mask, completion_mask, P = as_example_rows(rollout, trainer.policy.tokenizer.pad_token_id)
     ragged = len(set(rollout.mask.sum(-1).flatten().tolist())) > 1 and len({len(p) for p in rollout.prompt_ids}) > 1
     assert ragged, "ragged prompts and completions exercise the padding"
     with torch.no_grad():
@@ -135,14 +136,14 @@ def test_one_file_sample_lays_out_rows_as_the_library(tmp_path, example):
     # EOS) must then be the library's rollout converted by as_example_rows.
     trainer = demo_trainer(tmp_path)
     rows = example.arithmetic_rows("test")[:64]
-    assert [r["prompt"] for r in rows] == [r["prompt"] for r in trainer.eval_rows[:64]]  # the library's held-out split
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in trainer.parts.eval_rows[:64]]  # the library's held-out split
     requests = [Request(key=i, n=1, prompt=trainer.policy.encode(r["prompt"])) for i, r in enumerate(rows)]
     greedy = {**trainer.sampling_params, "greedy": True}
     library = trainer.policy.generate(requests, greedy, trainer.info())  # [64,1,T]
     prompts, max_new = [r["prompt"] for r in rows], trainer.cfg.rollout.max_new_tokens
-    input_ids, attention_mask, completion_mask, texts = example.sample(trainer.model, trainer.tokenizer, prompts, 1,
+    input_ids, attention_mask, completion_mask, texts = example.sample(trainer.policy.module, trainer.policy.tokenizer, prompts, 1,
                                                                        max_new, greedy=True)  # [64,L] x3
-    want_ids, want_attention, want_completion, _ = as_example_rows(library, trainer.tokenizer.pad_token_id)
+    want_ids, want_attention, want_completion, _ = as_example_rows(library, trainer.policy.tokenizer.pad_token_id)
     lengths = library.mask.sum(-1).flatten()  # [64]
     assert len({len(p) for p in prompts}) > 1 and (lengths < library.shape[2]).any(), "ragged prompts, an EOS"
     assert torch.equal(input_ids, want_ids) and torch.equal(attention_mask, want_attention)

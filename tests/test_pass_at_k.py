@@ -14,6 +14,7 @@ import torch
 from groupwise.advantages.pass_at_k import chen_pair, pkpo_pair
 from groupwise.errors import ConfigError
 from groupwise.registry import build, build_spec
+from groupwise.run import Run
 from helpers import info_for, rollout_from
 
 NAN = float("nan")
@@ -190,6 +191,6 @@ def test_trains_end_to_end(tmp_path):
     from test_trainer import make_trainer
 
     trainer = make_trainer(tmp_path, 'advantage.estimator={name="pass_at_k", k=2}', "train.steps=2", "eval.size=0")
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.weights.pcm import keep_probabilities, phase_divergence, sample_chunks, token_chunks, token_phase_divergence
 from helpers import info_for, permute_rows, permute_tensor, random_perm, rollout_from
 from test_trainer import make_trainer
@@ -182,7 +183,7 @@ def test_composes_with_each_objective(tmp_path, objective):
     seen = {}
     observe = trainer.observe
     trainer.observe = lambda batch: (seen.update(batch=batch), observe(batch))
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     batch = seen["batch"]

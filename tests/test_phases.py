@@ -14,6 +14,7 @@ from groupwise.errors import ConfigError
 from groupwise.phases import load_output, save_output
 from groupwise.phases.sft import _loss, teacher_forced
 from groupwise.registry import register
+from groupwise.run import Run
 from test_trainer import make_trainer
 
 
@@ -38,8 +39,8 @@ def test_teacher_forced_rows_and_the_token_mean_loss_by_hand():
 def test_a_run_with_an_sft_phase_trains_first_and_does_not_redo_it(tmp_path, capsys):
     phase = 'phases=[{name="sft", steps=8, batch_size=16}]'
     trainer = make_trainer(tmp_path, phase, "train.steps=1", "eval.size=32")
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    summary = trainer.train()
+    before = {k: v.clone() for k, v in trainer.policy.module.state_dict().items()}
+    summary = Run(trainer).train()
     assert summary["phases"]["sft"]["steps"] == 8
     saved = load_output(tmp_path / "phases" / "sft.pt")
     moved = [k for k, v in saved["policy"]["model"].items() if not torch.equal(v, before[k])]
@@ -50,8 +51,8 @@ def test_a_run_with_an_sft_phase_trains_first_and_does_not_redo_it(tmp_path, cap
     shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
     again = make_trainer(tmp_path, phase, "train.steps=1", "eval.size=32")
     calls = []
-    again.phases[0].fit = lambda *a, **k: calls.append(1)
-    again.train()
+    again.parts.phases[0].fit = lambda *a, **k: calls.append(1)
+    Run(again).train()
     assert calls == [] and "done already" in capsys.readouterr().err
     assert json.loads((tmp_path / "summary.json").read_text())["phases"]["sft"]["steps"] == 8
 
@@ -105,7 +106,7 @@ def test_an_artifact_no_phase_makes_is_a_build_error_and_a_made_one_is_injected(
     with pytest.raises(ConfigError, match="needs the artifact 'table', which no offline phase produces"):
         make_trainer(tmp_path / "a", 'objective.weights=["_test_reads_table"]')
     trainer = make_trainer(tmp_path / "b", 'objective.weights=["_test_reads_table"]', 'phases=["_test_table"]', "train.steps=1", "eval.size=0")
-    trainer.train()
+    Run(trainer).train()
     assert artifact_components.seen == ("table", {"rows": len(trainer.train_rows)})
     assert load_output(tmp_path / "b" / "phases" / "table.pt")["artifact"] == {"rows": len(trainer.train_rows)}
 
@@ -114,7 +115,7 @@ def test_an_artifact_without_its_digest_is_computed_again(tmp_path, artifact_com
     """A kill between phases/table.pt and its digest (issue 33, item 3). Before: every rerun failed
     with "incomplete or damaged ... delete it"; now the output counts as never written."""
     args = ('objective.weights=["_test_reads_table"]', 'phases=["_test_table"]', "train.steps=1", "eval.size=0")
-    make_trainer(tmp_path, *args).train()
+    Run(make_trainer(tmp_path, *args)).train()
     digest = tmp_path / "phases" / "table.sha256"
     kept = digest.read_text()
     for name in ("summary.json", "FINISHED"):
@@ -124,7 +125,7 @@ def test_an_artifact_without_its_digest_is_computed_again(tmp_path, artifact_com
     digest.unlink()
     capsys.readouterr()
     trainer = make_trainer(tmp_path, *args)
-    trainer.train()
+    Run(trainer).train()
     said = capsys.readouterr().err
     assert "table.pt has no digest (a run killed while saving it): running the phase again" in said
     assert artifact_components.seen == ("table", {"rows": len(trainer.train_rows)})

@@ -45,7 +45,7 @@ def test_optimised_and_plain_paths_agree(tmp_path, extra, memory_switch):
         torch.testing.assert_close(grads_fast[name], grads_plain[name], atol=1e-6, rtol=1e-4, msg=name)
     # after all the optimiser steps (the second one's gradient is taken at weights that already
     # differ by float rounding, amplified by lr=0.1 on a loss of ~50 with the KL term)
-    for (name, p), q in zip(fast.model.named_parameters(), plain.model.parameters()):
+    for (name, p), q in zip(fast.policy.module.named_parameters(), plain.policy.module.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")  # seen: 6.1e-5 on one of 40,832
 
 

@@ -16,6 +16,7 @@ from groupwise.errors import ConfigError
 from groupwise.phases import load_output
 from groupwise.phases.profil_probe import ProfilProbe, answer_after, step_ids_of
 from groupwise.policy.lm import load_policy
+from groupwise.run import Run
 from groupwise.types import Need
 from helpers import paper_module, rollout_from
 
@@ -146,10 +147,10 @@ def test_a_run_with_sft_and_probe_phases_saves_and_injects_the_probe(tmp_path):
               'max_new_tokens=28, forced_tokens=3}]')
     trainer = make_trainer(tmp_path, 'model.path="theater"', 'data.task="theater"', phases, 'rewards=["final_answer", {name="theater_steps", weight=0.0}]',
                            'advantage.shapers=["profil"]', "rollout.max_new_tokens=28", "train.steps=1", "eval.size=0")
-    summary = trainer.train()
+    summary = Run(trainer).train()
     saved = load_output(tmp_path / "phases" / "probe.pt")
     art = saved["artifact"]
-    assert (art["layer"], art["d_model"], art["n_heads"], art["sep"]) == (1, 128, 4, ";") and len(art["token_text"]) == len(trainer.tokenizer)
+    assert (art["layer"], art["d_model"], art["n_heads"], art["sep"]) == (1, 128, 4, ";") and len(art["token_text"]) == len(trainer.policy.tokenizer)
     assert summary["phases"]["probe"]["rollouts"] == 12 and saved["summary"] == summary["phases"]["probe"]
     shaper = trainer.shapers[0]
     assert all(torch.equal(v, art["state"][k]) for k, v in shaper._probe.state_dict().items())  # the saved probe is the injected one
@@ -184,7 +185,7 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
         return out
 
     trainer.prepare = recording
-    summary = trainer.train()
+    summary = Run(trainer).train()
     saved = load_output(tmp_path / "phases" / "probe.pt")
     art = saved["artifact"]
     assert "sft" not in summary["phases"] and summary["phases"]["probe"]["rollouts"] == 32 and saved["summary"] == summary["phases"]["probe"]
@@ -192,7 +193,7 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
     probe = AttnProbe(art["d_model"], art["n_heads"], art["d_head"])
     probe.load_state_dict(art["state"])
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("theater")).eval()
-    tok = trainer.tokenizer
+    tok = trainer.policy.tokenizer
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == len(seen) == 2
     zeroed = 0

@@ -1,4 +1,4 @@
-"""`import groupwise` exposes train / load_config / Trainer; the documented example runs as written."""
+"""`import groupwise` exposes train / load_config / Run / Trainer; the documented example runs as written."""
 
 from __future__ import annotations
 
@@ -24,3 +24,21 @@ def test_importing_the_package_stays_light():
     probe = "import sys, groupwise; assert callable(groupwise.train); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_a_run_is_built_parts_a_trainer_and_a_run_around_it(tmp_path):
+    """``Run.from_config(cfg)`` is ``build(cfg)`` → ``Trainer(parts)`` → ``Run(trainer)``: the run holds the
+    trainer and its held-out evaluation, the trainer holds the parts; a Config given to Trainer names the fix."""
+    import pytest
+
+    import groupwise
+    from groupwise.build import Parts, build
+
+    cfg = groupwise.load_config("demo", ["eval.size=0", "threads=1", f"out={tmp_path}"])
+    run = groupwise.Run.from_config(cfg)
+    assert isinstance(run.trainer, groupwise.Trainer) and isinstance(run.trainer.parts, Parts)
+    assert run.heldout.trainer is run.trainer and run.parts is run.trainer.parts and run.trainer.policy is run.parts.policy
+    assert not hasattr(run.trainer, "model") and not hasattr(run.trainer, "tokenizer")  # policy.module, policy.tokenizer
+    with pytest.raises(TypeError, match=r"Trainer takes the Parts that groupwise.build\(cfg\) returns, not a Config"):
+        groupwise.Trainer(cfg)
+    assert groupwise.Trainer(build(cfg)).step == 0

@@ -11,6 +11,7 @@ import torch
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rollout.context import RolloutContext, check_strategy
+from groupwise.run import Run
 from groupwise.types import Request
 from helpers import info_for, make_rollout
 from test_trainer import make_trainer
@@ -55,7 +56,7 @@ def test_a_strategy_asking_for_an_option_the_policy_lacks_fails_at_build():
 def _context(trainer):
     ro = trainer.cfg.rollout
     return RolloutContext(trainer.policy, trainer.sampler, trainer.reward_stage, lambda r: None,
-                          lambda i: trainer._prompt_ids("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer.info,
+                          lambda i: trainer.prompts("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer.info,
                           trainer.sampling_params, ro.prompts_per_step, ro.group_size)
 
 
@@ -88,7 +89,7 @@ def test_remax_trains_on_the_samples_with_the_greedy_reward_as_baseline(tmp_path
         return seen["batch"]
 
     trainer.prepare = prepare_and_rescore
-    trainer.train()
+    Run(trainer).train()
     batch, greedy = seen["batch"], seen["greedy"]
     B = trainer.cfg.rollout.prompts_per_step
     assert batch.shape[:2] == (B, 2)  # the greedy rows are not trained on

@@ -29,6 +29,7 @@ import torch
 from groupwise import checkpoint
 from groupwise.errors import ConfigError
 from groupwise.rubric_bank import RubricBank
+from groupwise.run import Run
 from test_trainer import make_trainer
 
 BASE = ["train.steps=2", "checkpoint.every=1", "eval.size=0"]
@@ -37,21 +38,22 @@ BASE = ["train.steps=2", "checkpoint.every=1", "eval.size=0"]
 def stopped(run, *extra):
     """A run SIGTERMed during its first step: checkpointed at step 1, one step left."""
     trainer = make_trainer(run, *BASE, *extra)
+    job = Run(trainer)
     step = trainer.run_step
 
     def preempted():
-        trainer._stop_requested = "SIGTERM"
+        job._stop_requested = "SIGTERM"
         return step()
 
     trainer.run_step = preempted
-    trainer.train()
+    job.train()
     assert trainer.step == 1
     return trainer
 
 
 def resumed(run, allow, *extra, steps=2):
     trainer = make_trainer(run, *[a for a in BASE if not a.startswith("train.steps")], f"train.steps={steps}", *extra)
-    trainer.train(resume_allow=allow)
+    Run(trainer).train(resume_allow=allow)
     return trainer
 
 
@@ -72,8 +74,8 @@ def test_a_new_lr_moves_the_weights_by_the_new_lr(tmp_path):
     assert logged(tmp_path / "a", "lr") == [0.1, 0.1] and logged(tmp_path / "b", "lr") == [0.1, 0.2]
     moved = 0
     for name, w0 in start.items():
-        d1 = same.model.state_dict()[name] - w0  # −0.1·g
-        d2 = doubled.model.state_dict()[name] - w0  # −0.2·g
+        d1 = same.policy.module.state_dict()[name] - w0  # −0.1·g
+        d2 = doubled.policy.module.state_dict()[name] - w0  # −0.2·g
         torch.testing.assert_close(d2, 2 * d1, atol=1e-6, rtol=1e-4, msg=name)
         moved += int(d1.abs().max() > 1e-5)
     assert moved > 0, "a step that moves nothing tests nothing"
@@ -100,20 +102,21 @@ def test_gxpo_inner_optimiser_takes_the_new_lr(tmp_path):
 
 def test_a_roles_lr_reaches_its_optimiser(tmp_path):
     from groupwise.config import load_config
+    from groupwise.build import build
     from groupwise.trainer import Trainer
     from test_trainer import MODEL, SMALL
 
     def codistill(lr, steps):
         cfg, _ = load_config("codistill", [*SMALL, f'out="{tmp_path}"', f'model.path="{MODEL}"', *BASE[1:],
                                            f"train.steps={steps}", f"roles.teacher.update.lr={lr}"])
-        return Trainer(cfg)
+        return Trainer(build(cfg))
 
     first = codistill(1e-3, 2)
-    step = first.run_step
-    first.run_step = lambda: (setattr(first, "_stop_requested", "SIGTERM"), step())[1]
-    first.train()
+    job, step = Run(first), first.run_step
+    first.run_step = lambda: (setattr(job, "_stop_requested", "SIGTERM"), step())[1]
+    job.train()
     again = codistill(4e-3, 2)
-    again.train(resume_allow=["roles.teacher.update.lr"])
+    Run(again).train(resume_allow=["roles.teacher.update.lr"])
     teacher = again.roles[0].updater
     assert [g["lr"] for g in teacher.optimizer.param_groups] == [4e-3] and teacher.scheduler.base_lrs == [4e-3]
     assert [g["lr"] for g in again.updater.optimizer.param_groups] == [1e-3]  # the student's (SMALL's), unchanged

@@ -19,6 +19,7 @@ from groupwise.rewards.exact import Exact
 from groupwise.rewards.python import Python
 from groupwise.rewards.score import RewardAborted, RewardError, score
 from groupwise.rewards.stage import RewardStage
+from groupwise.run import Run
 
 from helpers import info_for, make_rollout, run_two_ranks
 from test_trainer import make_trainer
@@ -42,13 +43,13 @@ def test_logged_columns_reach_samples_jsonl_and_metrics_are_averaged(tmp_path, m
     (tmp_path / "rw.py").write_text(REWARD_FILE)
     run = tmp_path / "run"
     trainer = make_trainer(run, "train.steps=1", "eval.size=0", "log.samples=16", f'rewards=[{{name="python", fn="{tmp_path / "rw.py"}:lens"}}]')
-    trainer.train()
+    Run(trainer).train()
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 16  # 4 prompts × 4 rows, all logged
     for row in rows:  # each row carries its own completion's values, not a neighbour's
         assert row["extra"]["text"] == row["completion"]
         assert row["extra"]["len"] == len(row["completion"])  # e.g. "102" -> 3
-    batch = trainer._last_batch
+    batch = trainer.last_batch
     for b in range(4):
         for g in range(4):  # completion_ids are the row's unmasked action tokens
             assert batch.info[b][g]["extra"]["ids"] == batch.actions[b, g][batch.mask[b, g]].tolist()

@@ -9,11 +9,13 @@ import json
 import pytest
 import torch
 
+from groupwise.build import build as build_parts
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
 from groupwise.losses.codistill import CoDistillKD, codistill_teacher_loss
 from groupwise.objective import Objective, token_weights
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.trainer import Trainer
 from groupwise.types import Rollout, StepInfo
 
@@ -25,7 +27,7 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "eval.size=8", "t
 
 def codistill(out, *overrides):
     cfg, _ = load_config("codistill", [*SMALL, f'out="{out}"', f'model.path="{MODEL}"', *overrides])
-    return Trainer(cfg)
+    return Trainer(build_parts(cfg))
 
 
 def test_kd_reward_component_spec_numbers():
@@ -65,11 +67,11 @@ def test_the_composed_teacher_objective_is_the_papers_teacher_loss():
 
 def test_both_models_train_on_the_students_rollouts(tmp_path):
     trainer = codistill(tmp_path / "run", "train.steps=2")
-    student0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    student0 = {n: p.detach().clone() for n, p in trainer.policy.module.named_parameters()}
     teacher = trainer.roles[0]
     teacher0 = {n: p.detach().clone() for n, p in teacher.policy.module.named_parameters()}
-    summary = trainer.train()
-    assert any(not torch.equal(p, student0[n]) for n, p in trainer.model.named_parameters())
+    summary = Run(trainer).train()
+    assert any(not torch.equal(p, student0[n]) for n, p in trainer.policy.module.named_parameters())
     assert any(not torch.equal(p, teacher0[n]) for n, p in teacher.policy.module.named_parameters())
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["teacher/ratio"] == pytest.approx(1.0) and rows[0]["teacher/grad_norm"] > 0  # its own old log-probs: on its first pass ratio 1
@@ -94,13 +96,13 @@ def test_the_teachers_view_of_the_batch(tmp_path):
 
 def test_resume_with_two_trained_models_is_exact(tmp_path):
     straight = codistill(tmp_path / "a", "train.steps=4", "eval.size=0", "checkpoint.every=2")
-    straight.train()
+    Run(straight).train()
     first = codistill(tmp_path / "b", "train.steps=4", "eval.size=0", "checkpoint.every=2")
     first.cfg.train.steps = 2
-    first.train()
+    Run(first).train()
     resumed = codistill(tmp_path / "b", "train.steps=4", "eval.size=0", "checkpoint.every=2")
-    resumed.train(resume_allow=["train.steps"])
-    for module_a, module_b in ((straight.model, resumed.model), (straight.roles[0].policy.module, resumed.roles[0].policy.module)):
+    Run(resumed).train(resume_allow=["train.steps"])
+    for module_a, module_b in ((straight.policy.module, resumed.policy.module), (straight.roles[0].policy.module, resumed.roles[0].policy.module)):
         for (name, p), q in zip(module_a.named_parameters(), module_b.parameters()):
             assert torch.equal(p, q), name
 
@@ -122,7 +124,7 @@ def test_a_role_identical_to_the_policy_takes_identical_steps(tmp_path):
         trainer.step = step
         row = trainer.run_step()
         assert row["teacher/loss"] == row["loss"] and row["teacher/grad_norm"] == row["grad_norm"]
-        for p, q in zip(trainer.model.parameters(), trainer.roles[0].policy.module.parameters()):
+        for p, q in zip(trainer.policy.module.parameters(), trainer.roles[0].policy.module.parameters()):
             assert torch.equal(p, q)
 
 
@@ -139,11 +141,11 @@ def test_a_frozen_role_serves_needs_and_is_never_trained(tmp_path):
 
     trainer = make_trainer(tmp_path, 'rewards=["exact", {name="codistill_kd", teacher="teacher"}]', 'roles.teacher={model={path="hinted"}, frozen=true}',
                            "train.steps=2", "eval.size=0", "checkpoint.every=1")
-    assert trainer.roles == [] and list(trainer.frozen) == ["teacher"]
+    assert trainer.roles == [] and list(trainer.parts.frozen) == ["teacher"]
     seen = {}
     prepare = trainer.prepare
     trainer.prepare = lambda batch: seen.setdefault("batch", prepare(batch))
-    trainer.train()
+    Run(trainer).train()
     batch = seen["batch"]
     shipped = AutoModelForCausalLM.from_pretrained(resolve_model_path("hinted")).eval()
     with torch.no_grad():
@@ -153,7 +155,7 @@ def test_a_frozen_role_serves_needs_and_is_never_trained(tmp_path):
     want = kd_reward(batch.logp_old.reshape(B * G, T), teacher_logp.reshape(B * G, T), batch.row_mask.reshape(B * G, T)).view(B, G)
     got = batch.reward_parts[..., 1]  # [B,G] the KD column
     torch.testing.assert_close(got[batch.group_valid], want[batch.group_valid], atol=1e-5, rtol=1e-5)
-    for (name, p), q in zip(trainer.frozen["teacher"].module.named_parameters(), shipped.parameters()):
+    for (name, p), q in zip(trainer.parts.frozen["teacher"].module.named_parameters(), shipped.parameters()):
         assert torch.equal(p, q), name  # the frozen teacher never moved
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert not any(k.startswith("teacher/") for k in rows[-1])

@@ -26,6 +26,7 @@ import torch
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rollout.rubricem_reflect import REFLECT_TEMPLATE, feedback_text, with_hint
+from groupwise.run import Run
 from groupwise.types import Rollout, StepInfo
 
 PROMPT, KEY = "7+8=", 5
@@ -216,18 +217,18 @@ def test_trains_two_steps_with(tmp_path, objective):
 
 
 def _bank_and_weights(trainer):
-    return trainer.strategy.state_dict(), {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return trainer.strategy.state_dict(), {n: p.detach().clone() for n, p in trainer.policy.module.named_parameters()}
 
 
 def test_bank_and_weights_resume_exactly(tmp_path):
     from test_trainer import make_trainer
 
     straight = make_trainer(tmp_path / "straight", *RUN, "train.steps=3", "eval.size=0")
-    straight.train()
+    Run(straight).train()
     first = make_trainer(tmp_path / "resumed", *RUN, "train.steps=2", "checkpoint.every=1", "eval.size=0")
-    first.train()
+    Run(first).train()
     again = make_trainer(tmp_path / "resumed", *RUN, "train.steps=3", "checkpoint.every=1", "eval.size=0")
-    again.train(resume_allow=["train.steps"])
+    Run(again).train(resume_allow=["train.steps"])
     bank, weights = _bank_and_weights(straight)
     bank2, weights2 = _bank_and_weights(again)
     assert len(straight.strategy.bank) > 0 and bank == bank2  # the bank and the run's attempt sums

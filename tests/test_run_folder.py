@@ -22,6 +22,7 @@ import torch
 from groupwise import checkpoint, runfolder
 from groupwise.errors import ConfigError
 from groupwise.logging import MetricsLog
+from groupwise.run import Run
 
 from test_trainer import MODEL, make_trainer
 
@@ -97,13 +98,13 @@ def test_each_named_failure_says_what_failed(tmp_path):
 
 def test_trainer_resumes_from_the_previous_intact_checkpoint(tmp_path):
     run = tmp_path / "run"
-    make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0").train()
+    Run(make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0")).train()
     newest = checkpoint.latest(run)
     _damage(newest, "zeroed_page")
-    again = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0")
+    again = Run(make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0"))
     with pytest.warns(RuntimeWarning, match="skipping damaged checkpoint"):
         again._resume([])
-    assert again.step == 1  # keep_last=2 kept step 1 and the final save of step 2 (which superseded the loop's)
+    assert again.trainer.step == 1  # keep_last=2 kept step 1 and the final save of step 2 (which superseded the loop's)
 
 
 # ---------------------------------------------------------------------------- 2. never without a complete checkpoint
@@ -315,7 +316,7 @@ def test_temporary_files_of_killed_runs_are_removed_when_a_run_starts(tmp_path, 
     mine = [run / "notes.tmp", run / ".hidden", run / "phases" / "readme.txt"]  # not ours: kept
     for file in mine:
         file.write_text("keep")
-    make_trainer(run, "train.steps=1", "eval.size=0").train()
+    Run(make_trainer(run, "train.steps=1", "eval.size=0")).train()
     assert "removed 6 temporary file(s) a killed run left in" in capsys.readouterr().err
     left = sorted(p.name for folder in (run, run / "checkpoints", run / "phases") for p in folder.iterdir()
                   if ".tmp" in p.name or ".old" in p.name)
@@ -325,16 +326,17 @@ def test_temporary_files_of_killed_runs_are_removed_when_a_run_starts(tmp_path, 
 # ---------------------------------------------------------------------------- 5. refused mixed resumes
 def _stopped_run(run, *extra):
     trainer = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", *extra)
+    job = Run(trainer)
     step = trainer.run_step
 
     def preempted():  # SIGTERM arrives during the first step: it checkpoints after it and returns
-        trainer._stop_requested = "SIGTERM"
+        job._stop_requested = "SIGTERM"
         return step()
 
     trainer.run_step = preempted
-    trainer.train()
+    job.train()
     assert trainer.step == 1
-    return trainer
+    return job
 
 
 def test_resume_with_another_configuration_is_refused_naming_each_key(tmp_path):
@@ -344,10 +346,10 @@ def test_resume_with_another_configuration_is_refused_naming_each_key(tmp_path):
     stored = (run / "config.toml").read_text()
     changed = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "update.lr=0.5", "rollout.temperature=0.7")
     with pytest.raises(ConfigError, match=r"rollout.temperature: 1.0 -> 0.7; update.lr: 0.001 -> 0.5.*--resume-allow rollout.temperature,update.lr"):
-        changed.train()
+        Run(changed).train()
     assert (run / "config.toml").read_text() == stored
     allowed = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "update.lr=0.5", "rollout.temperature=0.7")
-    allowed.train(resume_allow=["update", "rollout.temperature"])  # a section prefix allows its keys
+    Run(allowed).train(resume_allow=["update", "rollout.temperature"])  # a section prefix allows its keys
     assert allowed.step == 2 and "temperature = 0.7" in (run / "config.toml").read_text()
 
 
@@ -357,7 +359,7 @@ def test_component_states_are_matched_by_name(tmp_path):
     _stopped_run(run)
     other = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", 'sampling={name="dynamic"}')
     with pytest.raises(ConfigError, match=r"checkpoint holds the states of components .*sampling.uniform.*builds .*sampling.dynamic"):
-        other.train(resume_allow=["sampling"])
+        Run(other).train(resume_allow=["sampling"])
 
 
 # ---------------------------------------------------------------------------- 6. the lock
@@ -368,7 +370,7 @@ def test_a_second_process_on_the_run_folder_is_refused_with_the_holders_pid(tmp_
     holder = runfolder.RunLock(run).acquire()
     try:
         with pytest.raises(runfolder.RunLocked, match=f"in use by another groupwise process \\(pid {os.getpid()}\\)"):
-            make_trainer(run, "train.steps=1", "eval.size=0").train()
+            Run(make_trainer(run, "train.steps=1", "eval.size=0")).train()
         t0 = time.monotonic()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, "-m", "groupwise", "train", "demo", f"out={run}", "train.steps=1", f'model.path="{MODEL}"'],
@@ -384,12 +386,12 @@ def test_a_second_process_on_the_run_folder_is_refused_with_the_holders_pid(tmp_
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     """Before: a rerun evaluated again and appended to summary.json's evals each time."""
     run = tmp_path / "run"
-    make_trainer(run, "train.steps=1", "eval.size=4").train()
+    Run(make_trainer(run, "train.steps=1", "eval.size=4")).train()
     summary = (run / "summary.json").read_text()
     weights = (run / "final" / "model.safetensors").read_bytes()
     for _ in range(2):
         again = make_trainer(run, "train.steps=1", "eval.size=4")
-        again.train()
+        Run(again).train()
     assert "finished at step 1 already" in capsys.readouterr().err
     assert (run / "summary.json").read_text() == summary and len(json.loads(summary)["evals"]) == 2
     assert (run / "final" / "model.safetensors").read_bytes() == weights
@@ -405,9 +407,10 @@ def test_defaults_bound_what_an_interruption_or_a_hung_reward_costs():
 def test_time_based_checkpoints(tmp_path, monkeypatch):
     saved = []
     trainer = make_trainer(tmp_path / "run", "train.steps=3", "eval.size=0", "checkpoint.every=0", "checkpoint.minutes=1e-9")
-    real = trainer.save_checkpoint
-    monkeypatch.setattr(trainer, "save_checkpoint", lambda: (saved.append(trainer.step), real()))
-    trainer.train()
+    job = Run(trainer)
+    real = job.save_checkpoint
+    monkeypatch.setattr(job, "save_checkpoint", lambda: (saved.append(trainer.step), real()))
+    job.train()
     assert saved == [1, 2, 3, 3]  # after every step (the minute has always passed), then the final save
 
 
@@ -425,11 +428,11 @@ def test_final_is_swapped_in_whole(tmp_path):
 def test_in_row_counters_are_checkpointed(tmp_path):
     """Before: the consecutive-skipped counter restarted at 0 on resume, so a resumed run could skip forever."""
     run = tmp_path / "run"
-    trainer = _stopped_run(run)
+    job = _stopped_run(run)
     state = checkpoint.load(checkpoint.latest_intact(run))
-    assert state["in_row"] == {"skipped": trainer._skipped_in_row, "empty": trainer._empty_in_row}
+    assert state["in_row"] == {"skipped": job._skipped_in_row, "empty": job._empty_in_row}
     state["in_row"] = {"skipped": 3, "empty": 1}
-    resumed = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0")
+    resumed = Run(make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0"))
     resumed.load_state_dict(state)
     assert (resumed._skipped_in_row, resumed._empty_in_row) == (3, 1)
 
@@ -438,10 +441,10 @@ def test_in_row_counters_are_checkpointed(tmp_path):
 def test_an_update_that_makes_weights_non_finite_is_rolled_back(tmp_path):
     """Before: update.lr=1e39 wrote all-inf weights (then said it stopped before saving them)."""
     trainer = make_trainer(tmp_path / "run", "train.steps=3", "eval.size=0", "update.lr=1e39", "train.max_skipped_in_row=2")
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.policy.module.state_dict().items()}
     with pytest.raises(RuntimeError, match="2 optimiser steps in a row .* rolled back"):
-        trainer.train()
-    for key, value in trainer.model.state_dict().items():
+        Run(trainer).train()
+    for key, value in trainer.policy.module.state_dict().items():
         assert torch.equal(value, before[key]), key  # exactly the weights before the steps
     assert trainer.updater.skipped == 2 and not list((tmp_path / "run").glob("checkpoints/step_*"))
 
@@ -485,7 +488,7 @@ def test_a_run_without_any_finite_reward_is_an_error(tmp_path):
     try:
         trainer = make_trainer(tmp_path / "run", "train.steps=10", "eval.size=0", 'rewards=[{name="python", fn="odd_reward:odd"}]', "reward.max_empty_steps=2")
         with pytest.raises(RuntimeError, match="2 steps in a row had no sample with a finite reward"):
-            trainer.train()
+            Run(trainer).train()
         assert trainer.step == 1 and trainer.reward_stage.excluded == 16  # every sample counted as excluded
     finally:
         sys.path.remove(str(tmp_path))
@@ -504,7 +507,7 @@ def test_a_reward_that_exits_stops_the_command_with_non_zero_status(tmp_path):
 def test_no_held_out_split_writes_valid_json_saying_so(tmp_path):
     """Before: eval.size=0 wrote NaN into summary.json's evals (not JSON)."""
     run = tmp_path / "run"
-    make_trainer(run, "train.steps=1", "eval.size=0", "eval.every=1").train()
+    Run(make_trainer(run, "train.steps=1", "eval.size=0", "eval.every=1")).train()
     text = (run / "summary.json").read_text()
     summary = json.loads(text, parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"))
     assert summary["accuracy_before"] is None and summary["accuracy_after"] is None and summary["evals"] == []
@@ -514,19 +517,19 @@ def test_no_held_out_split_writes_valid_json_saying_so(tmp_path):
 def test_a_run_cut_short_by_the_time_limit_says_so(tmp_path, capsys):
     """Before: the demo's train.max_seconds ended a longer run without a word."""
     trainer = make_trainer(tmp_path / "run", "train.steps=5", "eval.size=0", "train.max_seconds=1e-9")
-    summary = trainer.train()
+    summary = Run(trainer).train()
     assert trainer.step == 1 and summary["stopped_early"] == "train.max_seconds=1e-09 reached after step 1 of 5"
     assert "raise train.max_seconds (0 = no limit) to train longer" in capsys.readouterr().err
 
 
 def test_sample_completions_are_logged_and_cut_back_on_resume(tmp_path):
     run = tmp_path / "run"
-    trainer = _stopped_run(run, "log.samples=3", "log.samples_every=1")  # stopped after step 0, checkpoint at step 1
+    trainer = _stopped_run(run, "log.samples=3", "log.samples_every=1").trainer  # stopped after step 0, checkpoint at step 1
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 0, 0] and set(rows[0]) == {"step", "prompt", "completion", "reward", "advantage"}
     assert all(isinstance(r["completion"], str) and r["prompt"].endswith("=") for r in rows)
     with open(run / "samples.jsonl", "a") as fh:  # a step logged by a run killed before its checkpoint
         fh.write(json.dumps({"step": 1, "prompt": "x"}) + "\n")
-    make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "log.samples=3", "log.samples_every=1").train()
+    Run(make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "log.samples=3", "log.samples_every=1")).train()
     steps = [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()]
     assert steps == [0, 0, 0, 1, 1, 1] and trainer.step == 1

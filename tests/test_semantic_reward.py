@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from groupwise.errors import ConfigError
+from groupwise.heldout import HeldOut
 from groupwise.registry import build
 from groupwise.rewards._common import RewardError
 from groupwise.rewards.score import score
 from groupwise.rewards import semantic as sem
 from groupwise.rewards.semantic import SCRIPTS, script_fraction
+from groupwise.run import Run
 from groupwise.tasks import get_task
 from helpers import paper_module
 
@@ -191,14 +193,14 @@ def test_eval_tasks_score_another_task_and_its_nll(tmp_path):
     from test_trainer import make_trainer
 
     trainer = make_trainer(tmp_path, 'data.task="number_words"', "eval.size=6", 'eval.tasks=["arithmetic"]')
-    rows, _ = trainer.eval_tasks["arithmetic"]
+    rows, _ = trainer.parts.eval_tasks["arithmetic"]
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in get_task("arithmetic").rows("test", 0, 0)[:6]]
-    got = trainer._view_accuracies(0.0)
+    got = Run(trainer)._view_accuracies(0.0)
     # the same prompts in an arithmetic run: the same greedy accuracy
     plain = make_trainer(tmp_path / "plain", "eval.size=6")
-    assert got["eval_accuracy@task:arithmetic"] == plain.heldout.evaluate()
+    assert got["eval_accuracy@task:arithmetic"] == HeldOut(plain).evaluate()
     # NLL by hand with the plain HF model: −mean over answer+EOS tokens of log p, teacher forced
-    model, tok = trainer.model, trainer.tokenizer
+    model, tok = trainer.policy.module, trainer.policy.tokenizer
     total, count = 0.0, 0
     with torch.no_grad():
         for r in rows:

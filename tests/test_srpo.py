@@ -24,6 +24,7 @@ import torch
 from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver, check_view_rollout
 from groupwise.registry import build
+from groupwise.run import Run
 from groupwise.textspans import segment_ids
 from groupwise.types import Need, Rollout
 from groupwise.views import Remapped
@@ -321,7 +322,7 @@ def test_view_log_probs_equal_a_forward_of_the_hand_built_sequences(tmp_path):
     from groupwise.tasks.evidence import rows
 
     trainer = _trainer(tmp_path)
-    tok = trainer.tokenizer
+    tok = trainer.policy.tokenizer
     data = rows("train", 2, 0)
     completions = [tok.encode(r["answer"]) + [0] for r in data]
     T = max(map(len, completions))
@@ -336,14 +337,14 @@ def test_view_log_probs_equal_a_forward_of_the_hand_built_sequences(tmp_path):
     with torch.no_grad():
         # corrupted: the prompt with another train row's passage, same completion
         donor = [trainer.policy.encode(trainer.needs.views["corrupt_context"].prompt(r, k)) for r, k in zip(data, (5, 9))]
-        expected = completion_logprobs(trainer.model, donor, actions, mask, ro.group_valid)["logp"]
+        expected = completion_logprobs(trainer.policy.module, donor, actions, mask, ro.group_valid)["logp"]
         torch.testing.assert_close(ro.extras[CORRUPT.key], expected, atol=1e-5, rtol=1e-5)
         assert (ro.extras[CORRUPT.key] - ro.logp_old).abs().max() > 1e-2
         # ablated: the completion without the perception content, scored by hand, read at the kept tokens
         for b, r in enumerate(data):
             head, rest = r["answer"].split("</p>", 1)
             cut = tok.encode("<p>") + tok.encode("</p>" + rest) + [0]
-            out = completion_logprobs(trainer.model, [ro.prompt_ids[b]], torch.tensor([[cut]]), torch.ones(1, 1, len(cut), dtype=torch.bool),
+            out = completion_logprobs(trainer.policy.module, [ro.prompt_ids[b]], torch.tensor([[cut]]), torch.ones(1, 1, len(cut), dtype=torch.bool),
                                       torch.ones(1, 1, dtype=torch.bool))["logp"][0, 0]
             n_perc = len(tok.encode(head)) - len(tok.encode("<p>"))
             kept = list(range(3)) + list(range(3 + n_perc, len(completions[b])))
@@ -363,11 +364,11 @@ def test_eval_views_score_edited_held_out_prompts_and_log_the_gap(tmp_path):
     import json
 
     trainer = _trainer(tmp_path, "train.steps=1", "eval.every=1", 'eval.views=["corrupt_context"]')
-    trainer.train()
-    view = trainer.eval_views["corrupt_context"]
+    Run(trainer).train()
+    view = trainer.parts.eval_views["corrupt_context"]
     for i in range(4):
-        assert trainer._prompt_cache[("eval@corrupt_context", i)] == trainer.policy.encode(view.prompt(trainer.eval_rows[i], i))
-        assert trainer._prompt_cache[("eval@corrupt_context", i)] != trainer._prompt_cache[("eval", i)]
+        assert trainer.prompts.cache[("eval@corrupt_context", i)] == trainer.policy.encode(view.prompt(trainer.parts.eval_rows[i], i))
+        assert trainer.prompts.cache[("eval@corrupt_context", i)] != trainer.prompts.cache[("eval", i)]
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["eval_gap@corrupt_context"] == row["eval_accuracy"] - row["eval_accuracy@corrupt_context"]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -18,6 +18,7 @@ from rich.console import Console
 from groupwise import tracking
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
+from groupwise.run import Run
 
 from test_run_folder import _stopped_run
 from test_trainer import make_trainer
@@ -60,7 +61,7 @@ def test_a_backend_whose_package_is_missing_names_the_extra(monkeypatch, name):
 def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboard")
     run = tmp_path / "run"
-    make_trainer(run, "train.steps=2", "eval.size=0", 'log.backends=["tensorboard"]').train()
+    Run(make_trainer(run, "train.steps=2", "eval.size=0", 'log.backends=["tensorboard"]')).train()
     rows = _metrics(run)
     acc, reward = _tensorboard(run, "reward_mean")
     # float32 in the event file: equal to metrics.jsonl's float64 up to ~6e-8 relative
@@ -78,7 +79,7 @@ def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
     stale = SummaryWriter(str(run / "tensorboard"))  # a run killed after logging step 1, before its checkpoint
     stale.add_scalar("reward_mean", 99.0, 1)
     stale.close()
-    make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", 'log.backends=["tensorboard"]').train()
+    Run(make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", 'log.backends=["tensorboard"]')).train()
     rows = _metrics(run)
     assert _tensorboard(run, "reward_mean")[1] == [(r["step"], pytest.approx(r["reward_mean"], rel=1e-6)) for r in rows]
     assert [r["step"] for r in rows] == [0, 1]
@@ -210,9 +211,9 @@ def test_sample_table_formats_and_truncates():
 
 def test_the_run_prints_the_table_every_table_every_steps(tmp_path):
     trainer = make_trainer(tmp_path / "run", "train.steps=2", "eval.size=0", "log.samples=2", "log.table_every=1")
-    trainer.console = Console(file=io.StringIO(), width=200, color_system=None)
-    trainer.train()
-    text = trainer.console.file.getvalue()
+    job = Run(trainer, console=Console(file=io.StringIO(), width=200, color_system=None))
+    job.train()
+    text = job.console.file.getvalue()
     assert "samples at step 0" in text and "samples at step 1" in text
     first = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first] == [0, 0]  # samples_every=10: the file has step 0 only

@@ -9,6 +9,8 @@ import torch
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
 from groupwise.rewards._common import RewardError
+from groupwise.build import build
+from groupwise.run import Run
 from groupwise.trainer import Trainer
 from groupwise.types import Need
 
@@ -27,7 +29,7 @@ MODEL = __import__("os").environ.get("GROUPWISE_TEST_MODEL", "default")
 
 def make_trainer(tmp_path, *overrides):
     cfg, _ = load_config(None, [*SMALL, f'out="{tmp_path}"', f'model.path="{MODEL}"', *overrides])
-    return Trainer(cfg)
+    return Trainer(build(cfg))
 
 
 def grads_after_one_update(trainer, rollout):
@@ -36,7 +38,7 @@ def grads_after_one_update(trainer, rollout):
 
     def first_gradient(optimizer, args, kwargs):
         if not captured:
-            captured.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+            captured.update({n: p.grad.clone() for n, p in trainer.policy.module.named_parameters() if p.grad is not None})
 
     handle = trainer.updater.optimizer.register_step_pre_hook(first_gradient)
     stats = trainer.update(rollout)
@@ -51,25 +53,25 @@ def test_loss_and_gradient_do_not_depend_on_micro_batching(tmp_path, extra):
     sgd = 'update={name="sgd", lr=0.1}'
     whole = make_trainer(tmp_path / "a", *extra, sgd, "train.micro_batch_groups=0")
     split = make_trainer(tmp_path / "b", *extra, sgd, "train.micro_batch_groups=1")
-    split.model.load_state_dict(whole.model.state_dict())
-    whole.model.eval()
+    split.policy.module.load_state_dict(whole.policy.module.state_dict())
+    whole.policy.module.eval()
     rollout = whole.collect()
     whole.prepare(rollout)
     assert rollout.advantages.abs().sum() > 0, "a rollout with no learning signal tests nothing"
-    whole.model.train()
+    whole.policy.module.train()
     grads_a, stats_a = grads_after_one_update(whole, copy.deepcopy(rollout))
     grads_b, stats_b = grads_after_one_update(split, copy.deepcopy(rollout))
     assert stats_a["loss"] == pytest.approx(stats_b["loss"], abs=1e-6)
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-6, rtol=1e-5)
     # and after μ·minibatches optimiser steps (one rollout reused) the weights agree too
-    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
+    for (name, p), q in zip(whole.policy.module.named_parameters(), split.policy.module.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_run_writes_outputs_and_resumes_exactly(tmp_path):
     straight = make_trainer(tmp_path / "straight", "train.steps=4")
-    straight.train()
+    Run(straight).train()
     out = tmp_path / "straight"
     summary = json.loads((out / "summary.json").read_text())
     assert {"accuracy_before", "accuracy_after", "steps", "wall_seconds"} <= set(summary)
@@ -85,14 +87,14 @@ def test_run_writes_outputs_and_resumes_exactly(tmp_path):
 
     # stop after 2 steps (checkpoint every step), then resume in a new process-equivalent trainer
     first = make_trainer(tmp_path / "resumed", "train.steps=2", "checkpoint.every=1")
-    first.train()
+    Run(first).train()
     again = make_trainer(tmp_path / "resumed", "train.steps=4", "checkpoint.every=1")
-    again.train(resume_allow=["train.steps"])  # a changed setting is refused unless allowed
+    Run(again).train(resume_allow=["train.steps"])  # a changed setting is refused unless allowed
     from groupwise import checkpoint
 
     kept = checkpoint.complete(tmp_path / "resumed")
     assert [p.name for p in kept] == ["step_000003", "step_000004_r1"]  # keep_last=2 pruned steps 1 and 2; the final save superseded step 4's
-    for (name, p), q in zip(straight.model.named_parameters(), again.model.parameters()):
+    for (name, p), q in zip(straight.policy.module.named_parameters(), again.policy.module.parameters()):
         assert torch.equal(p, q), f"{name} differs after resume"
     resumed_rows = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in resumed_rows] == [r["reward_mean"] for r in rows]
@@ -182,7 +184,7 @@ def test_old_logprobs_from_the_first_pass_equal_a_separate_pass(tmp_path):
     assert stats_a["loss"] == pytest.approx(stats_b["loss"], rel=1e-6, abs=1e-7)
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-6, rtol=1e-5)
-    for (name, p), q in zip(reuse.model.named_parameters(), separate.model.parameters()):
+    for (name, p), q in zip(reuse.policy.module.named_parameters(), separate.policy.module.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
 
 
@@ -196,7 +198,7 @@ def test_each_reward_function_has_its_own_mean_in_the_log(tmp_path):
     try:
         trainer = make_trainer(tmp_path / "run", "train.steps=1", "eval.size=0", 'reward.missing="zero"',
                                'rewards=[{name="python", fn="const_rewards:one", weight=2.0}, {name="python", fn="const_rewards:quarter"}]')
-        trainer.train()
+        Run(trainer).train()
     finally:
         sys.path.remove(str(tmp_path))
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
@@ -216,7 +218,7 @@ def test_reference_sync_mixes_the_policy_into_the_reference(tmp_path):
     assert all(torch.equal(p, initial[n]) for n, p in ref.named_parameters())
     trainer.step = 1
     trainer.run_step()  # step 1: sync
-    for (name, p), live in zip(ref.named_parameters(), trainer.model.parameters()):
+    for (name, p), live in zip(ref.named_parameters(), trainer.policy.module.parameters()):
         torch.testing.assert_close(p, 0.6 * live.detach() + 0.4 * initial[name], rtol=1e-6, atol=1e-7)  # float32 rounding of the in-place mix
     with pytest.raises(ConfigError, match="no component reads the reference model"):
         make_trainer(tmp_path / "other", "model.ref_sync_every=2")
@@ -226,11 +228,11 @@ def test_lora_trains_only_the_adapters_and_saves_a_merged_model(tmp_path):
     """The documented LoRA example (README): PEFT adapters on q/v, the KL reference is the base with the adapters off."""
     lora = 'model.lora={r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=false}'
     trainer = make_trainer(tmp_path / "run", "train.steps=2", "eval.size=0", lora, 'objective.terms=["ppo_clip", {name="kl", coef=0.05}]')
-    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainable = {n for n, p in trainer.policy.module.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
-    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
-    trainer.train()
-    assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if n in base)  # the base is frozen
+    base = {n: p.detach().clone() for n, p in trainer.policy.module.named_parameters() if not p.requires_grad}
+    Run(trainer).train()
+    assert all(torch.equal(p, base[n]) for n, p in trainer.policy.module.named_parameters() if n in base)  # the base is frozen
     assert trainer.policy.reference.uses_adapter  # no second copy of the model for the reference
     from transformers import AutoModelForCausalLM
 
@@ -246,8 +248,8 @@ def test_on_bad_row_skip_drops_prompts_too_long_for_the_context(tmp_path):
     with pytest.raises(ValueError, match="exceeds the model's context of 128"):
         make_trainer(tmp_path / "a", f'data.path="{data}"', 'data.columns={prompt="question"}', "eval.size=0").collect()
     trainer = make_trainer(tmp_path / "b", f'data.path="{data}"', 'data.columns={prompt="question"}', "eval.size=0", 'data.on_bad_row="skip"')
-    assert [r["prompt"] for r in trainer.train_rows] == ["1+1="] and trainer.rows_skipped == {"train": 1}
-    assert trainer.summary["rows_skipped"] == {"train": 1}
+    assert [r["prompt"] for r in trainer.train_rows] == ["1+1="] and trainer.parts.rows_skipped == {"train": 1}
+    assert Run(trainer).summary["rows_skipped"] == {"train": 1}
     assert torch.isfinite(trainer.collect().rewards).all()
 
 
@@ -256,7 +258,7 @@ def test_chat_prompts_and_system_prompt_use_the_chat_template(tmp_path):
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
     trainer = make_trainer(tmp_path / "run", f'data.path="{data}"', "eval.size=0", 'data.system_prompt="add:"')
     with pytest.raises(ValueError, match="chat template"):  # the embedded tokenizer has none
-        trainer._prompt_ids("train", trainer.train_rows, 0)
-    trainer.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"  # a minimal template
-    ids = trainer._prompt_ids("train", trainer.train_rows, 0)
-    assert trainer.tokenizer.decode(ids) == "<system>add:<user>1+1="
+        trainer.prompts("train", trainer.train_rows, 0)
+    trainer.policy.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"  # a minimal template
+    ids = trainer.prompts("train", trainer.train_rows, 0)
+    assert trainer.policy.tokenizer.decode(ids) == "<system>add:<user>1+1="

@@ -6,7 +6,8 @@ The Python API (``docs/python-api.md``)::
 
     summary = groupwise.train("demo", ["train.steps=20", "out=runs/mine"])   # a recipe + overrides
     cfg = groupwise.load_config("demo", ["rollout.group_size=4"])             # the Config dataclass
-    trainer = groupwise.Trainer(cfg)                                          # the loop, step by step
+    run = groupwise.Run.from_config(cfg)                                      # built: run.train(), or
+    row = run.trainer.run_step()                                              # the loop, step by step
 
 Importing the package loads nothing heavy: torch and transformers come with the first call.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 __version__ = "0.1.0"
-__all__ = ["Trainer", "load_config", "train"]
+__all__ = ["Run", "Trainer", "load_config", "train"]
 
 
 def load_config(recipe: str | None = None, overrides: Sequence[str] = ()) -> Any:
@@ -30,16 +31,16 @@ def load_config(recipe: str | None = None, overrides: Sequence[str] = ()) -> Any
 def train(recipe: str | None = "demo", overrides: Sequence[str] = (), resume_allow: Sequence[str] = ()) -> dict:
     """Train as ``groupwise train RECIPE key=value ...`` does and return the run summary
     (``accuracy_before``, ``accuracy_after``, ``steps``, ``wall_seconds``, ...)."""
-    from groupwise.trainer import Trainer as _Trainer
+    from groupwise.run import Run as _Run
 
     cfg = load_config(recipe, overrides)
     if not cfg.out:
         cfg.out = f"runs/{cfg.name}"
-    trainer = _Trainer(cfg)
+    run = _Run.from_config(cfg)
     from groupwise import dist
 
     try:
-        summary = trainer.train(resume_allow=list(resume_allow))
+        summary = run.train(resume_allow=list(resume_allow))
         dist.barrier()  # every rank done with its collectives before the group is torn down
         return summary
     finally:
@@ -51,4 +52,8 @@ def __getattr__(name: str) -> Any:
         from groupwise.trainer import Trainer
 
         return Trainer
+    if name == "Run":
+        from groupwise.run import Run
+
+        return Run
     raise AttributeError(f"module 'groupwise' has no attribute {name!r}")

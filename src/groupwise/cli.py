@@ -71,18 +71,18 @@ def cmd_train(args: list[str]) -> int:
     if not cfg.out:
         cfg.out = f"runs/{cfg.name}"
     console = Console(stderr=True)
-    from groupwise.trainer import Trainer
+    from groupwise.run import Run
 
-    trainer = Trainer(cfg, console=console)
-    if trainer.rank == 0:
+    run = Run.from_config(cfg, console=console)
+    if run.rank == 0:
         console.print(f"[bold]groupwise train[/] recipe={recipe} → {cfg.out_dir}")
         console.print(to_toml(to_dict(cfg)), markup=False, highlight=False)
-    summary = trainer.train(resume_allow=allow)
+    summary = run.train(resume_allow=allow)
     import signal
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # everything is written: a late signal need not cut the exit short
         signal.signal(sig, signal.SIG_IGN)
-    if trainer.rank == 0:
+    if run.rank == 0:
         shown = {k: v for k, v in summary.items() if k != "evals"}
         console.print_json(json.dumps(shown))
     from groupwise import dist
@@ -276,11 +276,15 @@ def cmd_eval(args: list[str]) -> int:
             raise ConfigError(f"groupwise eval reads language-model folders; {run} trained a {cfg.model.policy!r} policy (its summary.json has its accuracy)")
     else:
         cfg, _ = load_config(None, [f'model.path="{model}"', "train.steps=0", *args])
+    from groupwise.build import build
+    from groupwise.heldout import HeldOut
     from groupwise.trainer import Trainer
 
-    trainer = Trainer(cfg)
-    result = {"model": model, "task": cfg.data.path or cfg.data.task, "eval_size": min(cfg.eval.size, len(trainer.eval_rows)), "accuracy": trainer.heldout.evaluate()}
-    result.update(trainer.heldout.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
+    parts = build(cfg)
+    heldout = HeldOut(Trainer(parts))
+    result = {"model": model, "task": cfg.data.path or cfg.data.task, "eval_size": min(cfg.eval.size, len(parts.eval_rows)),
+              "accuracy": heldout.evaluate()}
+    result.update(heldout.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
     print(json.dumps(result))
     return 0
 

@@ -1,7 +1,10 @@
-"""The run around the step (``Trainer`` inherits it): the run folder held locked, resume from the
-newest intact checkpoint (refused under another configuration), SIGTERM / Ctrl-C, time limits and
-checkpoints decided by every rank together, the final evaluation and the outputs. The step itself —
-collect, prepare, update, observe — is ``trainer.py``; the guarantees are ``docs/reliability.md``.
+"""The run around the step: ``Run(trainer)`` holds the trainer and its held-out evaluation and owns
+the run folder held locked, resume from the newest intact checkpoint (refused under another
+configuration), SIGTERM / Ctrl-C, time limits and checkpoints decided by every rank together, the
+phases before the RL steps, the final evaluation and the outputs. The step itself — collect,
+prepare, update, observe — is ``trainer.py``; the guarantees are ``docs/reliability.md``.
+
+``Run.from_config(cfg)`` builds the three (``build.py``); ``run.train()`` runs it to the end.
 """
 
 from __future__ import annotations
@@ -20,51 +23,34 @@ import numpy as np
 import torch
 
 from groupwise import checkpoint, dist, runfolder, schedules, tracking
-from groupwise.config import to_dict, to_toml, with_defaults
-from groupwise.phases import PhaseContext, inject, run_phases
-from groupwise.logging import MetricsLog, append_jsonl, cut_back, logged_rows, plot_rewards, progress_bar, sample_rows
+from groupwise.build import build
+from groupwise.config import Config, to_dict, to_toml, with_defaults
 from groupwise.errors import ConfigError
-from groupwise.types import StepInfo
+from groupwise.heldout import HeldOut
+from groupwise.logging import MetricsLog, append_jsonl, cut_back, logged_rows, plot_rewards, progress_bar, sample_rows
+from groupwise.phases import PhaseContext, inject, run_phases
+from groupwise.trainer import Trainer
 from groupwise.updates._base import all_finite
 
 
-class RunLoop:
-    """Mixed into ``Trainer``: uses its ``cfg``, ``policy``, ``roles``, components and ``run_step``."""
+class Run:
+    """A whole run of ``trainer`` (module docstring); ``heldout`` evaluates it (default: ``HeldOut(trainer)``),
+    ``console`` (a rich Console) shows its progress on rank 0 (default: lines to stderr, no bar)."""
 
-    def _named_components(self) -> dict[str, Any]:
-        """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
-        named: dict[str, Any] = {}
-        for component in self.components():
-            key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
-            k, n = key, 1
-            while k in named:
-                n += 1
-                k = f"{key}#{n}"
-            named[k] = component
-        return named
+    def __init__(self, trainer: Trainer, heldout: HeldOut | None = None, console: Any = None):
+        self.trainer, self.heldout, self.console = trainer, heldout or HeldOut(trainer), console
+        self.parts, self.cfg, self.rank = trainer.parts, trainer.cfg, trainer.rank
+        self.out = self.cfg.out_dir
+        rows_skipped = self.parts.rows_skipped
+        self.summary: dict[str, Any] = {"rows_skipped": rows_skipped} if rows_skipped else {}
+        self._stop_requested: str | None = None  # the signal's name once SIGTERM / SIGINT arrived
+        self._skipped_in_row = 0  # optimiser steps in a row with a non-finite loss, gradient or result
+        self._empty_in_row = 0  # steps in a row in which no sample had a finite reward
 
-    def _named_schedules(self) -> dict[str, Any]:
-        """Every schedule by ``<component key>.<attribute>``: controller states are matched by name."""
-        return {f"{key}.{attr}": schedule for key, component in self._named_components().items()
-                for attr, schedule in sorted(schedules.scheduled(component).items())}
-
-    def _load_schedules(self, saved: dict[str, Any] | list[Any]) -> None:
-        """The controllers' states by name; another set of stateful schedules is refused, naming both."""
-        if isinstance(saved, list):  # a checkpoint from before states were named: by position
-            for schedule, sub in zip(schedules.all_schedules(self.components()), saved):
-                if sub is not None:
-                    schedule.load_state_dict(sub)
-            return
-        stateful = {key: s for key, s in self._named_schedules().items() if hasattr(s, "state_dict")}
-        if sorted(stateful) != sorted(saved):
-            raise ConfigError(f"the checkpoint holds the states of the scheduled coefficients {sorted(saved)}, this "
-                              f"configuration schedules {sorted(stateful)} with a stateful controller; resume with the "
-                              f"schedules the run started with, or train into a new folder with out=...")
-        for key, schedule in stateful.items():
-            try:
-                schedule.load_state_dict(saved[key])
-            except ConfigError as err:
-                raise ConfigError(f"{key}: {err}") from None
+    @classmethod
+    def from_config(cls, cfg: Config, console: Any = None) -> Run:
+        """The run of ``cfg``: everything built and checked (``build(cfg)``), the trainer, its held-out evaluation."""
+        return cls(Trainer(build(cfg)), console=console)
 
     def _say(self, message: str) -> None:
         if self.rank == 0:
@@ -75,56 +61,29 @@ class RunLoop:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
+        """The whole run's state: the trainer's (step, policy, components, schedules, prompt table,
+        roles), the random generators, the summary so far and the health counters."""
         return {
-            "step": self.step,
-            "policy": self.policy.state_dict(),
-            "components": {key: c.state_dict() for key, c in self._named_components().items() if hasattr(c, "state_dict")},
-            "schedules": {key: s.state_dict() for key, s in self._named_schedules().items()
-                          if hasattr(s, "state_dict")},
-            "prompt_stats": self.prompt_stats.state_dict(),
+            **self.trainer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "summary": self.summary,
             "in_row": {"skipped": self._skipped_in_row, "empty": self._empty_in_row},
-            "roles": {r.name: {"policy": r.policy.state_dict(), "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in r.components]}
-                      for r in self.roles},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = state["step"]
-        self.policy.load_state_dict(state["policy"])
-        named = {key: c for key, c in self._named_components().items() if hasattr(c, "state_dict")}
-        if sorted(named) != sorted(state["components"]):
-            raise ConfigError(f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
-                              f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=...")
-        for key, component in named.items():
-            component.load_state_dict(state["components"][key])
-        self._load_schedules(state.get("schedules", {}))
-        # the values in force before the resumed run's first resolve (a reward scored before it): the last step's
-        last = StepInfo(max(self.step - 1, 0), self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, total_steps=self.cfg.train.steps)
-        for component in self.components():
-            for attr, schedule in schedules.scheduled(component).items():
-                setattr(component, attr, schedule.start() if hasattr(schedule, "state_dict") else schedule(last, None))
-        if "prompt_stats" in state:
-            self.prompt_stats.load_state_dict(state["prompt_stats"])
+        self.trainer.load_state_dict(state)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         self.summary = state["summary"]
         self._skipped_in_row, self._empty_in_row = state["in_row"]["skipped"], state["in_row"]["empty"]
-        if sorted(state.get("roles", {})) != sorted(r.name for r in self.roles):
-            raise ConfigError(f"the checkpoint holds roles {sorted(state.get('roles', {}))}, this configuration builds {[r.name for r in self.roles]}")
-        for role in self.roles:
-            saved = state["roles"][role.name]
-            role.policy.load_state_dict(saved["policy"])
-            for component, sub in zip(role.components, saved["components"], strict=True):
-                if sub is not None:
-                    component.load_state_dict(sub)
 
     def save_checkpoint(self) -> None:
-        if not all_finite([p for t in (self.main, *self.roles) for p in t.params]):  # the updater rolls such steps back; never write one
-            raise RuntimeError(f"refusing to checkpoint step {self.step}: the model has non-finite weights")
+        trainer = self.trainer
+        if not all_finite([p for t in (trainer.main, *trainer.roles) for p in t.params]):  # the updater rolls such steps back; never write one
+            raise RuntimeError(f"refusing to checkpoint step {trainer.step}: the model has non-finite weights")
         if self.rank == 0:
-            checkpoint.save(self.out, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
+            checkpoint.save(self.out, trainer.step, self.state_dict(), self.cfg.checkpoint.keep_last)
         dist.barrier()
 
     # ------------------------------------------------------------------ the run
@@ -154,7 +113,7 @@ class RunLoop:
             runfolder.check_resume({**with_defaults(tomllib.loads(stored.read_text())), "out": None}, {**current, "out": None}, allow)
         if resume is not None:
             self.load_state_dict(checkpoint.load(resume))
-            self._say(f"resuming {self.out} from step {self.step} (checkpoint {resume.relative_to(self.out)})")
+            self._say(f"resuming {self.out} from step {self.trainer.step} (checkpoint {resume.relative_to(self.out)})")
         if self.rank == 0:
             runfolder.write_atomic(stored, to_toml(to_dict(self.cfg)))
 
@@ -162,7 +121,7 @@ class RunLoop:
         """The checkpoint is the run's final one: trained to the end (or out of time) and evaluated.
         Its outputs may still be missing: :meth:`_finish_outputs` decides from ``FINISHED``."""
         out_of_time = bool(self.cfg.train.max_seconds) and self.summary.get("wall_seconds", 0.0) > self.cfg.train.max_seconds
-        return bool(self.summary.get("finished")) and (self.step >= self.cfg.train.steps or out_of_time)
+        return bool(self.summary.get("finished")) and (self.trainer.step >= self.cfg.train.steps or out_of_time)
 
     def _finish_outputs(self) -> dict[str, Any]:
         """A rerun of a run whose final checkpoint exists: nothing to do when ``FINISHED`` vouches for
@@ -171,52 +130,44 @@ class RunLoop:
         if self.rank != 0:
             return self.summary
         step, why = runfolder.finished_step(self.out)
-        if step == self.step:
-            self._say(f"{self.out} finished at step {self.step} already (summary.json); nothing to do. To train "
+        if step == self.trainer.step:
+            self._say(f"{self.out} finished at step {self.trainer.step} already (summary.json); nothing to do. To train "
                       f"further, raise train.steps and add --resume-allow train.steps; for a new run, pick another "
                       f"out=")
             return self.summary
         why = why if step is None else f"{runfolder.FINISHED} is for step {step}"
-        self._say(f"{self.out} finished training at step {self.step}, but its outputs were not all written ({why}); "
+        self._say(f"{self.out} finished training at step {self.trainer.step}, but its outputs were not all written ({why}); "
                   f"writing final/ and summary.json from its final checkpoint")
-        self._write_outputs(logged_rows(self.out / "metrics.jsonl", self.step - 1))
+        self._write_outputs(logged_rows(self.out / "metrics.jsonl", self.trainer.step - 1))
         return self.summary
 
     def _run_phases(self) -> None:
         """The phases before the RL steps (``groupwise.phases``), done or loaded; their artifacts injected."""
-        if not self.phases:
+        if not self.parts.phases:
             return
-        ctx = PhaseContext(self.policy, self.train_rows, self.eval_rows, self.cfg.seed, self._prompt_ids,
+        trainer = self.trainer
+        ctx = PhaseContext(trainer.policy, trainer.train_rows, self.parts.eval_rows, self.cfg.seed, trainer.prompts,
                            lambda policy, rows, split: self.heldout.evaluate(policy, rows, split), self._say,
-                           score=self._phase_score, advantage=lambda rollout, info: self.estimator(rollout, info),
-                           models=dict(self.frozen), max_new_tokens=self.cfg.rollout.max_new_tokens)
-        artifacts = run_phases(self.phases, ctx, self.out / "phases", rl_started=self.step > 0, rank=self.rank)
-        inject(artifacts, [*self.components(), *schedules.all_schedules(self.components())])
+                           score=trainer.score, advantage=lambda rollout, info: trainer.estimator(rollout, info),
+                           models=dict(self.parts.frozen), max_new_tokens=self.cfg.rollout.max_new_tokens)
+        artifacts = run_phases(self.parts.phases, ctx, self.out / "phases", rl_started=trainer.step > 0, rank=self.rank)
+        inject(artifacts, [*trainer.components(), *schedules.all_schedules(trainer.components())])
         self.summary.setdefault("phases", {}).update(ctx.summary)
-
-    def _phase_score(self, rollout: Any, info: StepInfo) -> Any:
-        """A phase's rollout scored as a step's is (text rewards, the round's needs, rollout scorers,
-        the weighted total); the reward metrics of the first RL step are not touched."""
-        metrics = {k: list(v) for k, v in self.reward_stage.metrics.items()}
-        self.reward_stage.score_local(rollout, info)
-        self.needs.fill(rollout, self.round_needs)
-        self.reward_stage.finish(rollout, info)
-        self.reward_stage.metrics = metrics
-        return rollout
 
     def _train(self, allow: list[str]) -> dict[str, Any]:
         self._resume(allow)
         if self._finished():  # before anything of a start (phases, run_info): the summary stays the checkpoint's
             return self._finish_outputs()
-        self.summary.update(getattr(self.policy, "run_info", {}))  # what the policy decided at start (model.matmul), kept in summary.json
-        for note in getattr(self.policy, "run_notes", []):
+        policy, step = self.trainer.policy, self.trainer.step
+        self.summary.update(getattr(policy, "run_info", {}))  # what the policy decided at start (model.matmul), kept in summary.json
+        for note in getattr(policy, "run_notes", []):
             self._say(note)
         self._run_phases()
-        log = MetricsLog(self.out / "metrics.jsonl", self.step - 1 if self.step else None) if self.rank == 0 else None
+        log = MetricsLog(self.out / "metrics.jsonl", step - 1 if step else None) if self.rank == 0 else None
         if self.rank == 0:
-            cut_back(self.out / "samples.jsonl", self.step - 1 if self.step else None)
+            cut_back(self.out / "samples.jsonl", step - 1 if step else None)
         # TensorBoard / wandb / trackio (rank 0): the resumed steps replace what a killed run logged after its checkpoint
-        trackers = tracking.open_trackers(self.cfg.log.backends, self.out, self.step, to_dict(self.cfg)) if self.rank == 0 else tracking.Trackers()
+        trackers = tracking.open_trackers(self.cfg.log.backends, self.out, step, to_dict(self.cfg)) if self.rank == 0 else tracking.Trackers()
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:  # the handlers stay until the outputs are written: a signal during the final evaluation waits for it
             return self._steps(log, trackers)
@@ -228,7 +179,7 @@ class RunLoop:
     def _steps(self, log: MetricsLog | None, trackers: tracking.Trackers) -> dict[str, Any]:
         """Evaluate (once), train until done / stopped / out of time with the checkpoints due, then
         the final evaluation and outputs (not after a stop: the rerun continues)."""
-        cfg = self.cfg
+        cfg, trainer = self.cfg, self.trainer
         start = time.perf_counter() - self.summary.get("wall_seconds", 0.0)
         if "accuracy_before" not in self.summary:
             self.summary["evals"] = []
@@ -236,40 +187,40 @@ class RunLoop:
         last_save = time.perf_counter()
         stop, out_of_time = dist.agree([self._stop_requested is not None, False])
         with progress_bar(self.console) if self.rank == 0 else _Quiet() as bar:
-            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=self.step, reward=0.0, speed=0.0, kl="")
-            while self.step < cfg.train.steps and not (stop or out_of_time):
-                row = self.run_step()
+            task = bar.add_task(cfg.name, total=cfg.train.steps, completed=trainer.step, reward=0.0, speed=0.0, kl="")
+            while trainer.step < cfg.train.steps and not (stop or out_of_time):
+                row = trainer.run_step()
                 self._check_health(row)
-                if cfg.eval.every and (self.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.eval_rows:
+                if cfg.eval.every and (trainer.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.parts.eval_rows:
                     row["eval_accuracy"] = self.heldout.evaluate()
                     row.update(self._view_accuracies(row["eval_accuracy"]))
                     row.update(self._column_accuracies("eval_accuracy"))
-                    self.summary["evals"].append((self.step + 1, row["eval_accuracy"]))
+                    self.summary["evals"].append((trainer.step + 1, row["eval_accuracy"]))
                 if log:
                     log.write(row)
-                    trackers.log(row, self.step)
+                    trackers.log(row, trainer.step)
                     self._log_samples(bar.console)
                 bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0),
                            kl=f"kl {row['kl']:.4f}" if row.get("kl") is not None else "")  # the KL to the reference, when one is measured
-                self.step += 1
+                trainer.step += 1
                 self.summary["wall_seconds"] = time.perf_counter() - start
                 # decided together: every rank stops, and checkpoints, at the same step
                 ck = cfg.checkpoint
-                due = (ck.every and self.step % ck.every == 0) or (ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes)
+                due = (ck.every and trainer.step % ck.every == 0) or (ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes)
                 stop, out_of_time, due = dist.agree([self._stop_requested is not None, bool(cfg.train.max_seconds) and self.summary["wall_seconds"] > cfg.train.max_seconds, bool(due)])
                 if due or stop or out_of_time:
                     self.save_checkpoint()
                     last_save = time.perf_counter()
         if stop:
-            self._say(f"stopped by {self._stop_requested or 'another rank'} at step {self.step} (checkpointed). Rerun the same command to resume.")
+            self._say(f"stopped by {self._stop_requested or 'another rank'} at step {trainer.step} (checkpointed). Rerun the same command to resume.")
             return self.summary
-        if out_of_time and self.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
-            self.summary["stopped_early"] = f"train.max_seconds={cfg.train.max_seconds:g} reached after step {self.step} of {cfg.train.steps}"
+        if out_of_time and trainer.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
+            self.summary["stopped_early"] = f"train.max_seconds={cfg.train.max_seconds:g} reached after step {trainer.step} of {cfg.train.steps}"
             self._say(f"{self.summary['stopped_early']}; raise train.max_seconds (0 = no limit) to train longer")
-        self._record_eval("accuracy_after", self.step)
+        self._record_eval("accuracy_after", trainer.step)
         # the final checkpoint holds the final weights and summary ("finished": trained and evaluated);
         # the outputs follow it, FINISHED last: a kill in between is completed by the rerun from this checkpoint
-        self.summary.update(steps=self.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(self.updater, "skipped", 0), finished=True)
+        self.summary.update(steps=trainer.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(trainer.updater, "skipped", 0), finished=True)
         self.save_checkpoint()
         if self.rank == 0:
             self._write_outputs(log.rows if log is not None else [])
@@ -278,11 +229,11 @@ class RunLoop:
     def _log_samples(self, console: Any) -> None:
         """The step's sampled completions: to ``samples.jsonl`` every ``log.samples_every`` steps, as a
         table above the progress bar every ``log.table_every`` steps."""
-        n, step = self.cfg.log.samples, self.step
+        n, step = self.cfg.log.samples, self.trainer.step
         to_file = n and step % self.cfg.log.samples_every == 0
         to_console = n and self.cfg.log.table_every and step % self.cfg.log.table_every == 0
         if to_file or to_console:
-            rows = sample_rows(self._last_batch, step, n)
+            rows = sample_rows(self.trainer.last_batch, step, n)
             if to_file:
                 append_jsonl(self.out / "samples.jsonl", rows)
             if to_console and rows:
@@ -293,13 +244,13 @@ class RunLoop:
         into the summary; without held-out rows, ``None`` and a note saying why."""
         if self.cfg.eval.samples:
             self.summary[f"{key}_sampled"] = self.heldout.evaluate_sampled()
-        for role in self.roles:  # each further trained model on the same held-out prompts
+        for role in self.trainer.roles:  # each further trained model on the same held-out prompts
             value = self.heldout.evaluate(role.policy)
             self.summary[f"{role.name}/{key}"] = None if value != value else value
         accuracy = self.heldout.evaluate()
         if accuracy != accuracy:  # NaN: nothing to evaluate on
             self.summary[key] = None
-            self.summary["eval_note"] = f"no held-out evaluation: eval.size={self.cfg.eval.size} and {len(self.eval_rows)} held-out rows"
+            self.summary["eval_note"] = f"no held-out evaluation: eval.size={self.cfg.eval.size} and {len(self.parts.eval_rows)} held-out rows"
             return
         self.summary[key] = accuracy
         self.summary["evals"].append((step, accuracy))
@@ -313,7 +264,7 @@ class RunLoop:
     def _column_accuracies(self, key: str) -> dict[str, float]:
         """Held-out accuracy on the rows of each value of column ``eval.by`` (``KEY/VALUE``), over the
         same first ``eval.size`` held-out rows as the plain accuracy; {} without ``eval.by``."""
-        by, rows = self.cfg.eval.by, self.eval_rows[: self.cfg.eval.size]
+        by, rows = self.cfg.eval.by, self.parts.eval_rows[: self.cfg.eval.size]
         if not by or not rows:
             return {}
         if any(by not in r for r in rows):
@@ -331,7 +282,7 @@ class RunLoop:
             value = self.heldout.evaluate(view=name)
             out[f"eval_accuracy@{name}"] = value
             out[f"eval_gap@{name}"] = accuracy - value
-        for name, (rows, stage) in self.eval_tasks.items():  # eval.tasks: another task's held-out accuracy
+        for name, (rows, stage) in self.parts.eval_tasks.items():  # eval.tasks: another task's held-out accuracy
             out[f"eval_accuracy@task:{name}"] = self.heldout.evaluate(rows=rows, split=f"task:{name}", stage=stage)
             out[f"eval_nll@task:{name}"] = self.heldout.answer_nll(rows, f"task:{name}")
         return out
@@ -361,15 +312,15 @@ class RunLoop:
         staging = self.out / f".final.tmp{os.getpid()}"
         if staging.exists():
             shutil.rmtree(staging)
-        self.policy.save(staging)
-        for role in self.roles:
+        self.trainer.policy.save(staging)
+        for role in self.trainer.roles:
             role.policy.save(staging / role.name)
         runfolder.publish_dir(staging, self.out / "final")
         plot_rewards(rows, self.summary["evals"], self.out / "reward.png")
         runfolder.write_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, allow_nan=False) + "\n")
         outputs = sorted(p for p in (self.out / "final").rglob("*") if p.is_file())
         outputs += [p for p in (self.out / "reward.png", self.out / "summary.json") if p.exists()]
-        runfolder.mark_finished(self.out, self.step, outputs)
+        runfolder.mark_finished(self.out, self.trainer.step, outputs)
 
 
 class _Quiet:

@@ -1,7 +1,11 @@
 """The GRPO step: the rollout strategy collects a scored batch → no-grad needs, advantages, token
 weights → μ epochs of micro-batched updates of the composed objective (the policy, then every
-further role) → observers. The run around it (folder, resume, signals, checkpoints, outputs) is
-``run.py``.
+further role) → observers.
+
+``Trainer(parts)`` takes what ``build(cfg)`` built (``build.py``) and holds the state of the step:
+the step count and what one step leaves for the next (the coefficients in force, the last batch).
+The run around it — folder, resume, signals, checkpoints, outputs — is ``Run(trainer)`` (``run.py``);
+held-out evaluation is ``HeldOut(trainer)`` (``heldout.py``).
 
 The trainer names no variant: every choice is a component built from the config, and every
 extra input a component needs is declared as a ``Need`` and computed here once.
@@ -16,44 +20,36 @@ import numpy as np
 import torch
 
 from groupwise import dist, roles, schedules
-from groupwise.build import build, step_components
-from groupwise.config import Config
-from groupwise.heldout import HeldOut
+from groupwise.build import Parts, step_components
+from groupwise.errors import ConfigError
 from groupwise.objective import token_weights
 from groupwise.rollout.context import RolloutContext
-from groupwise.run import RunLoop
 from groupwise.types import Rollout, StepInfo
 
-class Trainer(RunLoop):
-    def __init__(self, cfg: Config, console: Any = None):
-        parts = build(cfg)
-        self.parts, self.cfg, self.console = parts, cfg, console
+
+class Trainer:
+    """One RL step at a time: ``collect`` → ``prepare`` → ``update`` → ``observe`` (``run_step``)."""
+
+    def __init__(self, parts: Parts):
+        if not isinstance(parts, Parts):
+            raise TypeError(f"Trainer takes the Parts that groupwise.build(cfg) returns, not a {type(parts).__name__}: "
+                            f"Trainer(groupwise.build(cfg)) for the step alone, Run.from_config(cfg) for a whole run")
+        self.parts, self.cfg = parts, parts.cfg
         self.rank, self.world = parts.rank, parts.world
-        self.out = cfg.out_dir
-        self.policy, self.prompts, self.train_rows, self.eval_rows = parts.policy, parts.prompts, parts.train_rows, parts.eval_rows
-        self._prompt_ids, self._prompt_cache, self.rows_skipped = parts.prompts, parts.prompts.cache, parts.rows_skipped
-        self.sampling_params = parts.sampling_params
-        self.strategy, self.sampler, self.reward_stage, self.eval_stage = parts.strategy, parts.sampler, parts.reward_stage, parts.eval_stage
-        self.estimator, self.shapers, self.weights, self.objective, self.updater = parts.estimator, parts.shapers, parts.weights, parts.objective, parts.updater
-        self.prompt_stats, self.roles, self.frozen, self.needs = parts.prompt_stats, parts.roles, parts.frozen, parts.needs
-        self.eval_views, self.eval_tasks, self.phases = parts.eval_views, parts.eval_tasks, parts.phases
-        self.round_needs, self.step_needs, self.grad_quantities, self.params = parts.round_needs, parts.step_needs, parts.grad_quantities, parts.params
+        # what the step uses of the parts (the policy's module and tokenizer: policy.module, policy.tokenizer)
+        self.policy, self.prompts, self.train_rows = parts.policy, parts.prompts, parts.train_rows
+        self.sampling_params, self.prompt_stats, self.needs = parts.sampling_params, parts.prompt_stats, parts.needs
+        self.strategy, self.sampler, self.reward_stage = parts.strategy, parts.sampler, parts.reward_stage
+        self.estimator, self.shapers, self.weights = parts.estimator, parts.shapers, parts.weights
+        self.objective, self.updater, self.params = parts.objective, parts.updater, parts.params
+        self.roles, self.grad_quantities = parts.roles, parts.grad_quantities
+        self.round_needs, self.step_needs = parts.round_needs, parts.step_needs
+        # the state of the step
         self.step = 0
-        self.summary: dict[str, Any] = {"rows_skipped": self.rows_skipped} if self.rows_skipped else {}
-        self._stop_requested: str | None = None  # the signal's name once SIGTERM / SIGINT arrived
-        self._skipped_in_row = 0  # optimiser steps in a row with a non-finite loss, gradient or result
-        self._empty_in_row = 0  # steps in a row in which no sample had a finite reward
-        self.heldout = HeldOut(self)
-
-    # ------------------------------------------------------------------ set-up helpers
-    @property
-    def model(self) -> Any:
-        """The trained module (``policy.module``)."""
-        return self.policy.module
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.policy.tokenizer
+        self.last_batch: Rollout | None = None  # the last step's whole batch (the run logs its samples)
+        self.coefficients: dict[str, float] = {}  # this step's scheduled coefficients and components' step_stats
+        self.finite_reward_frac = 1.0  # the share of this step's scored rows with a finite reward
+        self._entropy = [0.0, 0.0]  # masked sum, count of the training forward's entropy (logged)
 
     @property
     def main(self) -> roles.Trainable:
@@ -61,10 +57,12 @@ class Trainer(RunLoop):
         return roles.Trainable("policy", self.policy, self.objective, self.updater, self.grad_quantities)
 
     def components(self) -> list[Any]:
-        return step_components(self.strategy, self.sampler, self.reward_stage, self.estimator, self.shapers, self.weights,
-                               self.objective, self.updater)
+        """The policy's step components, in the order checkpoints name their states by."""
+        return step_components(self.strategy, self.sampler, self.reward_stage, self.estimator, self.shapers,
+                               self.weights, self.objective, self.updater)
 
     def info(self, round_: int = 0) -> StepInfo:
+        """What a component is told of the current step (``round_``: the strategy's scoring round)."""
         return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
                         total_steps=self.cfg.train.steps, phase="rl", prompt_stats=self.prompt_stats)
 
@@ -80,10 +78,10 @@ class Trainer(RunLoop):
         """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
         ro = self.cfg.rollout
         ctx = RolloutContext(self.policy, self.sampler, self.reward_stage, lambda rollout: self.needs.fill(rollout, self.round_needs),
-                             lambda i: self._prompt_ids("train", self.train_rows, i), lambda i: self.train_rows[i], self.info,
+                             lambda i: self.prompts("train", self.train_rows, i), lambda i: self.train_rows[i], self.info,
                              self.sampling_params, ro.prompts_per_step, ro.group_size)
         batch = self.strategy(ctx)
-        self._finite_reward_frac = ctx.finite_fraction  # over every scored round: a step whose groups were all dropped still had rewards
+        self.finite_reward_frac = ctx.finite_fraction  # over every scored round: a step whose groups were all dropped still had rewards
         return batch
 
     # ------------------------------------------------------------------ no-grad needs, schedules, advantages, weights
@@ -95,7 +93,7 @@ class Trainer(RunLoop):
         self.needs.fill(local, self.step_needs)
         batch = dist.gather_rollout(local)
         info = self.info()
-        self._coefficients = schedules.resolve(self.components(), info, batch)
+        self.coefficients = schedules.resolve(self.components(), info, batch)
         batch.advantages = self.estimator(batch, info)  # [B,G] or [B,G,T]
         for shaper in self.shapers:
             batch.advantages = shaper(batch, info)
@@ -109,7 +107,7 @@ class Trainer(RunLoop):
             if hasattr(component, "prepare"):  # whole-batch statistics a term needs in every micro-batch (micro-batch invariance)
                 component.prepare(batch, info)
             if hasattr(component, "step_stats"):
-                self._coefficients.update(component.step_stats())
+                self.coefficients.update(component.step_stats())
         return batch
 
     def observe(self, batch: Rollout) -> None:
@@ -205,16 +203,106 @@ class Trainer(RunLoop):
             behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)  # [B,G,T]
             stats = self.update(self._share(roles.view(role, batch, behaviour, self.info())), role)
             row.update({f"{role.name}/{k}": v for k, v in stats.items()})
-        row.update(self._coefficients)
+        row.update(self.coefficients)
         self.observe(batch)
         if hasattr(self.policy, "end_step"):  # a policy's own per-step upkeep (the reference sync)
             self.policy.end_step(self.step)
-        self._last_batch = batch  # for samples.jsonl
+        self.last_batch = batch  # for samples.jsonl
         seconds = time.perf_counter() - t0
         generated = float(dist.all_reduce_sum(local.mask.sum()))
         row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self.reward_stage.excluded,
-                   reward_finite_frac=self._finite_reward_frac)
+                   reward_finite_frac=self.finite_reward_frac)
         return row
+
+    def score(self, rollout: Rollout, info: StepInfo) -> Rollout:
+        """``rollout`` scored as a step's is (text rewards, the round's needs, rollout scorers, the
+        weighted total): a phase's rollout (``PhaseContext.score``). The step's reward metrics are left
+        as they were."""
+        metrics = {k: list(v) for k, v in self.reward_stage.metrics.items()}
+        self.reward_stage.score_local(rollout, info)
+        self.needs.fill(rollout, self.round_needs)
+        self.reward_stage.finish(rollout, info)
+        self.reward_stage.metrics = metrics
+        return rollout
+
+    # ------------------------------------------------------------------ the step's state, for checkpoints
+    def named_components(self) -> dict[str, Any]:
+        """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
+        named: dict[str, Any] = {}
+        for component in self.components():
+            key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
+            k, n = key, 1
+            while k in named:
+                n += 1
+                k = f"{key}#{n}"
+            named[k] = component
+        return named
+
+    def named_schedules(self) -> dict[str, Any]:
+        """Every schedule by ``<component key>.<attribute>``: controller states are matched by name."""
+        return {f"{key}.{attr}": schedule for key, component in self.named_components().items()
+                for attr, schedule in sorted(schedules.scheduled(component).items())}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step's state: the step count, the policy, every stateful component and schedule by name,
+        the prompt table and each further role (its model and components). The run adds its own."""
+        return {
+            "step": self.step,
+            "policy": self.policy.state_dict(),
+            "components": {key: c.state_dict() for key, c in self.named_components().items() if hasattr(c, "state_dict")},
+            "schedules": {key: s.state_dict() for key, s in self.named_schedules().items()
+                          if hasattr(s, "state_dict")},
+            "prompt_stats": self.prompt_stats.state_dict(),
+            "roles": {r.name: {"policy": r.policy.state_dict(), "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in r.components]}
+                      for r in self.roles},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The state ``state_dict`` returned; another set of stateful components, schedules or roles
+        than this configuration builds is refused, naming both."""
+        self.step = state["step"]
+        self.policy.load_state_dict(state["policy"])
+        named = {key: c for key, c in self.named_components().items() if hasattr(c, "state_dict")}
+        if sorted(named) != sorted(state["components"]):
+            raise ConfigError(f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
+                              f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=...")
+        for key, component in named.items():
+            component.load_state_dict(state["components"][key])
+        self._load_schedules(state.get("schedules", {}))
+        # the values in force before the resumed run's first resolve (a reward scored before it): the last step's
+        last = StepInfo(max(self.step - 1, 0), self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, total_steps=self.cfg.train.steps)
+        for component in self.components():
+            for attr, schedule in schedules.scheduled(component).items():
+                setattr(component, attr, schedule.start() if hasattr(schedule, "state_dict") else schedule(last, None))
+        if "prompt_stats" in state:
+            self.prompt_stats.load_state_dict(state["prompt_stats"])
+        if sorted(state.get("roles", {})) != sorted(r.name for r in self.roles):
+            raise ConfigError(f"the checkpoint holds roles {sorted(state.get('roles', {}))}, this configuration builds {[r.name for r in self.roles]}")
+        for role in self.roles:
+            saved = state["roles"][role.name]
+            role.policy.load_state_dict(saved["policy"])
+            for component, sub in zip(role.components, saved["components"], strict=True):
+                if sub is not None:
+                    component.load_state_dict(sub)
+
+    def _load_schedules(self, saved: dict[str, Any] | list[Any]) -> None:
+        """The controllers' states by name; another set of stateful schedules is refused, naming both."""
+        if isinstance(saved, list):  # a checkpoint from before states were named: by position
+            for schedule, sub in zip(schedules.all_schedules(self.components()), saved):
+                if sub is not None:
+                    schedule.load_state_dict(sub)
+            return
+        stateful = {key: s for key, s in self.named_schedules().items() if hasattr(s, "state_dict")}
+        if sorted(stateful) != sorted(saved):
+            raise ConfigError(f"the checkpoint holds the states of the scheduled coefficients {sorted(saved)}, this "
+                              f"configuration schedules {sorted(stateful)} with a stateful controller; resume with the "
+                              f"schedules the run started with, or train into a new folder with out=...")
+        for key, schedule in stateful.items():
+            try:
+                schedule.load_state_dict(saved[key])
+            except ConfigError as err:
+                raise ConfigError(f"{key}: {err}") from None
+
 
 def _rollout_stats(rollout: Rollout) -> dict[str, float]:
     """Batch statistics logged every step, over the groups of every rank."""
