@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from groupwise.errors import ConfigError
-from groupwise.rollout.e2po import (CONDITION, E2PO, anchor_loss, diversity_loss, embedding_loss, eps_insensitive, learn_prompt_perturbations,
-                                    mix_condition, noise_aware_gamma)
+from groupwise.hooks import mix_condition, noise_aware_gamma
+from groupwise.rollout.e2po import CONDITION, E2PO, anchor_loss, diversity_loss, embedding_loss, eps_insensitive, learn_prompt_perturbations
 from groupwise.run import Run
 from helpers import train_recorded
 

@@ -11,14 +11,15 @@ import math
 import pytest
 import torch
 
+from groupwise.build import build
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
-from groupwise.hooks import EmbedDelta, row_hooks
-from groupwise.modalities.flow import FlowPolicy, flow_sigmas, sde_step_with_logprob
+from groupwise.hooks import EmbedDelta, noise_aware_gamma, row_hooks
+from groupwise.modalities.flow import FlowPolicy
+from groupwise.modalities.flow_sde import flow_sigmas, sde_step_with_logprob
 from groupwise.modalities.flow_toy import FlowTrapReward, trap_reward
 from groupwise.rollout.context import check_strategy
-from groupwise.rollout.e2po import CONDITION, E2PO, anchor_loss, diversity_loss, noise_aware_gamma
-from groupwise.build import build
+from groupwise.rollout.e2po import CONDITION, E2PO, anchor_loss, diversity_loss
 from groupwise.run import Run
 from groupwise.trainer import Trainer
 from groupwise.types import Request, StepInfo

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from groupwise.advantages.grpo import GRPOAdvantage
-from groupwise.modalities.flow import FlowPolicy, flow_sigmas, noise_std
+from groupwise.modalities.flow import FlowPolicy
+from groupwise.modalities.flow_sde import flow_sigmas, noise_std
 from groupwise.modalities.flow_toy import region_reward
 from groupwise.types import Request, Rollout, StepInfo
 from groupwise.weights.flash_rectification import FlashRectification, flash_grpo_loss, iso_temporal_indices, rectification_coefficient, sde_step_with_logprob

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from groupwise.modalities.flow import FlowPolicy, VelocityMLP, flow_sigmas, sde_step_with_logprob
+from groupwise.modalities.flow import FlowPolicy, VelocityMLP
+from groupwise.modalities.flow_sde import flow_sigmas, sde_step_with_logprob
 from groupwise.modalities.flow_toy import FlowRegionReward, mixture_centres, mixture_rows, region_reward
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, StepInfo

@@ -218,7 +218,7 @@ def test_the_allowlist_and_the_table_hold_nothing_stale():
 def test_the_policies_provide_the_policy_protocol():
     from groupwise.modalities.flow import FlowPolicy
     from groupwise.modalities.unified import UnifiedPolicy
-    from groupwise.policy import build_policy
+    from groupwise.policy.kinds import build_policy
 
     cfg = groupwise.load_config()
     for policy in (build_policy(cfg.model, cfg.perf), FlowPolicy(), UnifiedPolicy()):

@@ -25,7 +25,7 @@ from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective
 from groupwise.phases import build_phases, check_artifacts
-from groupwise.policy import build_policy
+from groupwise.policy.kinds import build_policy
 from groupwise.policy.memory import keep_freed_memory
 from groupwise.registry import build as build_component
 from groupwise.registry import build_spec

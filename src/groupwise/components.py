@@ -440,7 +440,7 @@ HOOKS: tuple[Hook, ...] = (
          "dict[str, Schedule]", "`{parameter: schedule}`; the component only ever sees a number."),
     # -- helpers of library base classes
     Hook("artifact_value", OWNERS, "method", "base",
-         "by the component (`phases.ReadsArtifact`)", "artifact_value() -> Any",
+         "by the component (`components.ReadsArtifact`)", "artifact_value() -> Any",
          "The artifact its `artifact` field names; an error naming the phase to add when it never came."),
     Hook("phase_hint", OWNERS, "attribute", "base",
          "by `ReadsArtifact.artifact_value`'s error", "str", "The phase to add, in words."),
@@ -533,6 +533,29 @@ def check_component(stage: str, cls: type) -> list[str]:
         elif hook.kind == "method" and not (value is None or callable(value) or isinstance(value, classmethod)):
             problems.append(f"{name} defines {member!r} as a {type(value).__name__}; the hook is a method")
     return problems
+
+
+# ---------------------------------------------------------------------------------------------- base classes
+class ReadsArtifact:
+    """A component that reads the artifact of one offline phase (``groupwise.phases``), named by its
+    ``artifact`` field: ``artifacts`` lists it (checked at build), ``use_artifact`` keeps it,
+    ``artifact_value()`` returns it (an error naming the phase to add when it never came)."""
+
+    artifact: str
+    phase_hint = "the offline phase that makes it"
+
+    @property
+    def artifacts(self) -> tuple[str, ...]:
+        return (self.artifact,)
+
+    def use_artifact(self, name: str, value: Any) -> None:
+        self._artifact_value = value
+
+    def artifact_value(self) -> Any:
+        value = getattr(self, "_artifact_value", None)
+        if value is None:
+            raise ConfigError(f"{getattr(self, 'registry_name', type(self).__name__)}: the artifact {self.artifact!r} was not given (add {self.phase_hint})")
+        return value
 
 
 # ---------------------------------------------------------------------------------------------- binding (build time)

@@ -46,6 +46,19 @@ from groupwise.errors import ConfigError
 KINDS = ("embed_delta", "residual_add")
 
 
+def noise_aware_gamma(sigma: Tensor, rho: float) -> Tensor:
+    """γ(σ) = clip((σ − (1 − ρ)) / ρ, 0, 1): the perturbation's weight at normalised noise level σ (1 → 0),
+    an ``embed_delta`` hook's ``rho`` schedule (E²PO, arXiv 2605.15803, spec 15)."""
+    if not 0 < rho <= 1:
+        raise ValueError(f"rho={rho} must be in (0, 1]")
+    return ((sigma - (1.0 - rho)) / rho).clamp(0.0, 1.0)
+
+
+def mix_condition(c_orig: Tensor, c_opt: Tensor, gamma: Tensor) -> Tensor:
+    """C(t) = γ · C^opt + (1 − γ) · C^orig."""
+    return gamma * c_opt + (1.0 - gamma) * c_orig
+
+
 @dataclass
 class EmbedDelta:
     """Row j of the request samples with ``delta[j]`` added to the embeddings of its prompt tokens at ``positions``."""

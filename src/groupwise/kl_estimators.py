@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import masked_input
+from groupwise.masked import masked_input
 from groupwise.registry import register
 
 

@@ -25,6 +25,14 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     return masked_sum(x, mask, dim) / n.clamp(min=1).to(x.dtype)
 
 
+def masked_input(x: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
+    """[b,G,T] float32 copy of ``x`` with ``fill`` outside ``mask`` (gradient flows only inside): padding
+    neutralised before any non-linearity, so garbage there (even inf/NaN) never reaches a value or a
+    gradient through ``0 · inf``."""
+    x = x.float()  # [b,G,T]
+    return torch.where(mask, x, torch.full((), fill, dtype=x.dtype))  # [b,G,T]
+
+
 def masked_logsumexp(x: Tensor, mask: Tensor, dim: int) -> Tensor:
     """log Σ over ``mask`` of exp(x) along ``dim`` (kept), −inf where nothing is selected; the
     gradient is exactly 0 outside ``mask`` and finite everywhere (no NaN from an empty selection)."""

@@ -31,7 +31,7 @@ import torch
 from groupwise.components import bind_parameter_names
 from groupwise.errors import ConfigError
 from groupwise.objective import Objective, token_weights
-from groupwise.policy import build_policy
+from groupwise.policy.kinds import build_policy
 from groupwise.registry import build_spec
 from groupwise.rewards.score import combine
 from groupwise.types import Need, Rollout, StepInfo

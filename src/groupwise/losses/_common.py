@@ -3,7 +3,7 @@
 Every term reads the same few fields of a micro-batch; these helpers give them one behaviour:
 float32 (DESIGN §7), advantages broadcast to tokens, and padding positions neutralised *before*
 any non-linearity, so that garbage (even inf/NaN) at masked positions can never reach the loss
-value or leak into the gradient through ``0 · inf``.
+value or leak into the gradient through ``0 · inf`` (``masked.masked_input``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from groupwise.masked import masked_input
 from groupwise.types import Rollout
 
 
@@ -33,12 +34,6 @@ def group_members(mask: Tensor, rewards: Tensor | None) -> Tensor:
     if rewards is not None:
         members = members & torch.isfinite(rewards)  # [b,G]
     return members
-
-
-def masked_input(x: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
-    """[b,G,T] float32 copy of ``x`` with ``fill`` outside ``mask`` (gradient flows only inside)."""
-    x = x.float()  # [b,G,T]
-    return torch.where(mask, x, torch.full((), fill, dtype=x.dtype))  # [b,G,T]
 
 
 def token_advantages(mb: Rollout, mask: Tensor, who: str) -> Tensor:

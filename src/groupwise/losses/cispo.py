@@ -60,8 +60,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import masked_input, ratio_and_adv, required, term_mask, token_advantages
-from groupwise.masked import masked_mean
+from groupwise.losses._common import ratio_and_adv, required, term_mask, token_advantages
+from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

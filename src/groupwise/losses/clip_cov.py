@@ -74,8 +74,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, masked_input, ratio_and_adv, required, term_mask, token_advantages
-from groupwise.masked import masked_mean
+from groupwise.losses._common import check_clip, ratio_and_adv, required, term_mask, token_advantages
+from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 

@@ -38,7 +38,7 @@ agree); recipe ``codistill``.
 
 1. Every log-prob except ``logp_L`` is detached inside these functions: gradient reaches only
    the teacher's current log-probs, never the weights or the KD reward.
-2. Inputs are neutralised outside ``mask`` before any ``exp`` (``losses._common.masked_input``):
+2. Inputs are neutralised outside ``mask`` before any ``exp`` (``masked.masked_input``):
    padding, even NaN, reaches neither a value nor a gradient. A row without tokens gets
    ``r_kd = 0``; with ``is_level="seq"`` its weight is 0.
 3. The loss is a token mean over the whole batch (Σ mask, DAPO-style); the weights do not enter
@@ -55,8 +55,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, clipped_surrogate, masked_input
-from groupwise.masked import masked_mean, masked_sum
+from groupwise.losses._common import check_clip, clipped_surrogate
+from groupwise.masked import masked_input, masked_mean, masked_sum
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 

@@ -70,8 +70,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from groupwise.losses._common import group_members, loss_tokens, masked_input
-from groupwise.masked import masked_logsumexp, masked_mean
+from groupwise.losses._common import group_members, loss_tokens
+from groupwise.masked import masked_input, masked_logsumexp, masked_mean
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

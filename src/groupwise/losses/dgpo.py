@@ -68,7 +68,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from groupwise.losses._common import group_members, loss_tokens, masked_input, required
+from groupwise.losses._common import group_members, loss_tokens, required
+from groupwise.masked import masked_input
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 

@@ -66,8 +66,8 @@ import torch
 from torch import Tensor
 
 from groupwise.errors import ConfigError
-from groupwise.losses._common import check_clip, masked_input, required, row_advantages, term_mask
-from groupwise.masked import masked_logsumexp, masked_mean
+from groupwise.losses._common import check_clip, required, row_advantages, term_mask
+from groupwise.masked import masked_input, masked_logsumexp, masked_mean
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from groupwise.losses._common import masked_input, term_mask
+from groupwise.losses._common import term_mask
+from groupwise.masked import masked_input
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 

@@ -52,8 +52,8 @@ from torch import Tensor
 
 from groupwise.advantages.f_grpo import phase_ids
 from groupwise.errors import ConfigError
-from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, masked_input, required, term_mask, token_advantages
-from groupwise.masked import masked_mean
+from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, required, term_mask, token_advantages
+from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import register
 from groupwise.textspans import check_tags
 from groupwise.types import Rollout, StepInfo

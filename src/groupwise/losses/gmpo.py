@@ -68,8 +68,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, loss_tokens, masked_input, required, token_advantages
-from groupwise.masked import masked_mean
+from groupwise.losses._common import check_clip, loss_tokens, required, token_advantages
+from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

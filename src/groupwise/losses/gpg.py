@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from groupwise.losses._common import masked_input, term_mask, token_advantages
+from groupwise.losses._common import term_mask, token_advantages
+from groupwise.masked import masked_input
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

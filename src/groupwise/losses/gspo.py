@@ -52,8 +52,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, masked_input, required, term_mask, token_advantages
-from groupwise.masked import masked_mean
+from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, required, term_mask, token_advantages
+from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

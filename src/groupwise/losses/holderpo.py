@@ -69,9 +69,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, clipped_surrogate, loss_tokens, masked_input, required, row_advantages
+from groupwise.losses._common import check_clip, clipped_surrogate, loss_tokens, required, row_advantages
 from groupwise.losses.gspo import seq_log_ratio
-from groupwise.masked import masked_mean
+from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import build, register
 from groupwise.types import Rollout, StepInfo
 

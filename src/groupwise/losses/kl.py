@@ -62,8 +62,8 @@ import torch
 from torch import Tensor
 
 from groupwise.kl_estimators import token_kl
-from groupwise.losses._common import masked_input, required, term_mask
-from groupwise.masked import masked_mean
+from groupwise.losses._common import required, term_mask
+from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import build, register
 from groupwise.types import Need, Rollout, StepInfo
 

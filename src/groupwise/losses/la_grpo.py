@@ -65,7 +65,8 @@ import torch
 from torch import Tensor
 
 from groupwise.errors import ConfigError
-from groupwise.losses._common import check_clip, clipped_surrogate, masked_input, ratio_and_adv, term_mask
+from groupwise.losses._common import check_clip, clipped_surrogate, ratio_and_adv, term_mask
+from groupwise.masked import masked_input
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

@@ -67,7 +67,8 @@ import torch
 from torch import Tensor
 
 from groupwise.errors import ConfigError
-from groupwise.losses._common import masked_input, required, term_mask, token_advantages
+from groupwise.losses._common import required, term_mask, token_advantages
+from groupwise.masked import masked_input
 from groupwise.registry import build, register
 from groupwise.types import INJECTED, Need, Rollout, StepInfo
 

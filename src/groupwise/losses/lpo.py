@@ -71,9 +71,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import group_members, loss_tokens, masked_input, required, row_advantages
+from groupwise.losses._common import group_members, loss_tokens, required, row_advantages
 from groupwise.losses.gspo import seq_log_ratio
-from groupwise.masked import group_log_softmax, masked_sum
+from groupwise.masked import group_log_softmax, masked_input, masked_sum
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

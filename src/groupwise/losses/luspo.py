@@ -70,8 +70,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, masked_input, required, term_mask, token_advantages
-from groupwise.masked import masked_mean
+from groupwise.losses._common import check_clip, required, term_mask, token_advantages
+from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

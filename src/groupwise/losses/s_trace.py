@@ -70,7 +70,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, loss_tokens, masked_input, required, term_mask, token_advantages
+from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, loss_tokens, required, term_mask, token_advantages
+from groupwise.masked import masked_input
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 from groupwise.weights.top_entropy import TopEntropy

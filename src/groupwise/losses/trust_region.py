@@ -56,7 +56,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import masked_input, required, term_mask, token_advantages
+from groupwise.losses._common import required, term_mask, token_advantages
+from groupwise.masked import masked_input
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 

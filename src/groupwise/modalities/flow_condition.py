@@ -4,7 +4,7 @@ the per-row conditions of a hooked sampling call, mixed per denoising step by th
 E²PO: "Embedding-perturbed Exploration Preference Optimization", arXiv 2605.15803, spec 15 (CPU
 implementation: an 8-d prompt embedding through a frozen random MLP "text encoder"). Used by
 ``modalities/flow.py`` (``FlowPolicy(condition="embedding")``, its Note 5); the schedule γ(σ) and the
-mix are ``rollout/e2po.py``'s ``noise_aware_gamma`` / ``mix_condition``.
+mix are the ``embed_delta`` hook's ``noise_aware_gamma`` / ``mix_condition`` (``hooks.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from groupwise.hooks import mix_condition, noise_aware_gamma
 from groupwise.types import Request
 
 
@@ -73,8 +74,6 @@ def hooked_conditions(encoder: PromptEncoder, requests: Sequence[Request], label
 def mixed_condition(c_orig: Tensor, c_pert: Tensor, perturbed: Tensor, rho: Tensor, sigma: float) -> Tensor:
     """[N,c] the condition of every row at noise level σ: C(σ) = γ(σ)·C^opt + (1 − γ(σ))·C^orig on
     perturbed rows (γ = 1 without a schedule), C^orig exactly on the others."""
-    from groupwise.rollout.e2po import mix_condition, noise_aware_gamma
-
     if not perturbed.any():
         return c_orig
     scheduled = ~torch.isnan(rho)  # [N]

@@ -71,28 +71,6 @@ class PhaseContext:
     summary: dict[str, Any] = field(default_factory=dict)  # what each phase reports, under its name, into summary.json
 
 
-class ReadsArtifact:
-    """A component that reads the artifact of one offline phase, named by its ``artifact`` field:
-    ``artifacts`` lists it (checked at build), ``use_artifact`` keeps it, ``artifact_value()``
-    returns it (an error naming the phase to add when it never came)."""
-
-    artifact: str
-    phase_hint = "the offline phase that makes it"
-
-    @property
-    def artifacts(self) -> tuple[str, ...]:
-        return (self.artifact,)
-
-    def use_artifact(self, name: str, value: Any) -> None:
-        self._artifact_value = value
-
-    def artifact_value(self) -> Any:
-        value = getattr(self, "_artifact_value", None)
-        if value is None:
-            raise ConfigError(f"{getattr(self, 'registry_name', type(self).__name__)}: the artifact {self.artifact!r} was not given (add {self.phase_hint})")
-        return value
-
-
 def build_phases(specs: list) -> list[Any]:
     """The configured phases; each needs a ``kind`` of sft or offline and a unique name."""
     phases, seen = [], set()

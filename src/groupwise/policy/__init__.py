@@ -1,33 +1,10 @@
 """Policies: what the trainer samples from and trains, behind one protocol (``components.Policy``).
 
-``model.policy`` names the kind: ``lm`` (a Hugging Face causal LM, ``policy/lm.py``), ``flow``
-(the 2-D flow-matching toy, ``modalities/flow.py``) or ``unified`` (think tokens from a tiny LM, then
-the flow toy conditioned on them, ``modalities/unified.py``); the toys are built from ``model.params``."""
+``model.policy`` names the kind (``policy/kinds.py``: ``build_policy``): ``lm`` (a Hugging Face causal
+LM, ``policy/lm.py``, generating with our KV-cached engine, ``policy/engine.py``), ``flow`` (the 2-D
+flow-matching toy, ``modalities/flow.py``) or ``unified`` (think tokens from a tiny LM, then the flow toy
+conditioned on them, ``modalities/unified.py``); the toys are built from ``model.params``.
 
-from __future__ import annotations
-
-from typing import Any
-
-from groupwise.errors import ConfigError
-
-KINDS = ("lm", "flow", "unified")
-
-
-def build_policy(model_cfg: Any, perf: Any) -> Any:
-    if model_cfg.policy == "lm":
-        from groupwise.policy.lm import LMPolicy
-
-        return LMPolicy(model_cfg, perf)
-    if model_cfg.policy in ("flow", "unified"):
-        from groupwise.modalities.flow import FlowPolicy
-        from groupwise.modalities.unified import UnifiedPolicy
-
-        if getattr(model_cfg, "device", "cpu") not in ("cpu", "auto"):
-            raise ConfigError(f"model.device={model_cfg.device!r}: the flow toy runs on the CPU; use model.device=\"cpu\"")
-        try:
-            return (FlowPolicy if model_cfg.policy == "flow" else UnifiedPolicy)(**model_cfg.params)
-        except TypeError as err:
-            raise ConfigError(f"model.params for the flow policy: {err}") from None
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-    raise ConfigError(f"model.policy={model_cfg.policy!r} is not a policy kind; kinds: {', '.join(KINDS)}")
+This package's own module is empty on purpose: importing ``policy.forward`` (the packed forward that
+providers and phases read) runs it, and it must not pull the policies in.
+"""

@@ -41,7 +41,8 @@ artifact, ``m = G / K``)::
     C_k(σ) = γ(σ) C^opt_k + (1 − γ(σ)) C^orig,  γ(σ) = clip((σ − (1 − ρ))/ρ, 0, 1)   (γ = 1 with rho unset)
     v_θ(x, σ, C_cond(g)(σ)) samples row g;  the update's log-probs use v_θ(x, σ, C^orig)
 
-``noise_aware_gamma`` / ``mix_condition`` are that schedule (``modalities/flow.py`` calls them at
+``noise_aware_gamma`` / ``mix_condition`` are that schedule, defined with the ``embed_delta`` hook
+(``hooks.py``) since every engine that applies the hook's ``rho`` uses them (the flow policy, at
 every step); the text engine has no noise levels and refuses a ``rho``.
 
 **Defaults**
@@ -88,9 +89,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from groupwise.components import ReadsArtifact
 from groupwise.errors import ConfigError
 from groupwise.hooks import EmbedDelta
-from groupwise.phases import ReadsArtifact
 from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.rollout.sample import refill_rounds
@@ -100,18 +101,6 @@ CONDITION = "e2po_condition"  # row extra [B,G] int64: 0 = the original prompt, 
 
 
 # --------------------------------------------------------------------------- the paper's maths
-def noise_aware_gamma(sigma: Tensor, rho: float) -> Tensor:
-    """γ(σ) = clip((σ − (1 − ρ)) / ρ, 0, 1): the perturbation's weight at normalised noise level σ (1 → 0)."""
-    if not 0 < rho <= 1:
-        raise ValueError(f"rho={rho} must be in (0, 1]")
-    return ((sigma - (1.0 - rho)) / rho).clamp(0.0, 1.0)
-
-
-def mix_condition(c_orig: Tensor, c_opt: Tensor, gamma: Tensor) -> Tensor:
-    """C(t) = γ · C^opt + (1 − γ) · C^orig."""
-    return gamma * c_opt + (1.0 - gamma) * c_orig
-
-
 def eps_insensitive(x: Tensor, eps: float) -> Tensor:
     """|x|_ε = max(0, |x| − ε)."""
     return (x.abs() - eps).clamp(min=0.0)

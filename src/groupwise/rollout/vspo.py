@@ -60,9 +60,9 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from groupwise.components import ReadsArtifact
 from groupwise.errors import ConfigError
 from groupwise.hooks import ResidualAdd, residual_module
-from groupwise.phases import ReadsArtifact
 from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.rollout.sample import refill_rounds

@@ -30,7 +30,7 @@ the first 10; :func:`flash_grpo_loss` is that loss as a plain function.
    is the mean over samples; with ``sde = "all"`` over all trained steps.
 3. Invalid rows and masked steps get 0 and do not enter the mean. ``scope = "token"``: zeros occur
    only off the mask, so the scope changes no normaliser.
-4. ``sde_step_with_logprob`` and ``rectification_coefficient`` live in ``modalities/flow.py`` (the
+4. ``sde_step_with_logprob`` and ``rectification_coefficient`` live in ``modalities/flow_sde.py`` (the
    sampler uses them) and are re-exported here with :func:`iso_temporal_indices`.
 """
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.modalities.flow import rectification_coefficient, sde_step_with_logprob  # noqa: F401  (re-exported)
+from groupwise.modalities.flow_sde import rectification_coefficient, sde_step_with_logprob  # noqa: F401  (re-exported)
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
