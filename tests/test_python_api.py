@@ -37,8 +37,10 @@ def test_a_run_is_built_parts_a_trainer_and_a_run_around_it(tmp_path):
     cfg = groupwise.load_config("demo", ["eval.size=0", "threads=1", f"out={tmp_path}"])
     run = groupwise.Run.from_config(cfg)
     assert isinstance(run.trainer, groupwise.Trainer) and isinstance(run.trainer.parts, Parts)
-    assert run.heldout.trainer is run.trainer and run.parts is run.trainer.parts and run.trainer.policy is run.parts.policy
-    assert not hasattr(run.trainer, "model") and not hasattr(run.trainer, "tokenizer")  # policy.module, policy.tokenizer
-    with pytest.raises(TypeError, match=r"Trainer takes the Parts that groupwise.build\(cfg\) returns, not a Config"):
+    assert run.heldout.trainer is run.trainer and run.parts is run.trainer.parts
+    assert run.trainer.policy is run.parts.policy
+    assert not hasattr(run.trainer, "model") and not hasattr(run.trainer, "tokenizer")  # policy.module, .tokenizer
+    fix = r"Trainer takes the Parts that build\(cfg\) returns \(from groupwise.build import build\), not a Config: "
+    with pytest.raises(TypeError, match=fix + r"Trainer\(build\(cfg\)\) for the step alone"):
         groupwise.Trainer(cfg)
     assert groupwise.Trainer(build(cfg)).step == 0

@@ -151,7 +151,8 @@ def build(cfg: Config) -> Parts:
     # log-probs ARE the old log-probs (no extra no-grad pass; ratio 1 in epoch 0).
     step = step_components(strategy, sampler, reward_stage, estimator, shapers, weights, objective, updater)
     owners = [*step, *schedules.all_schedules(step)]
-    needs = [n for c in owners for n in getattr(c, "needs", ())] + ([] if cfg.train.minibatches == 1 else [Need("logp")])
+    needs = [n for c in owners for n in getattr(c, "needs", ())]
+    needs += [] if cfg.train.minibatches == 1 else [Need("logp")]
     needs += [n for role in trained for n in roles.role_needs(role)]
     models = policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
     models.update({name: role_policy.scoring_models(with_reference=False)["policy"] for name, role_policy in

@@ -282,8 +282,8 @@ def cmd_eval(args: list[str]) -> int:
 
     parts = build(cfg)
     heldout = HeldOut(Trainer(parts))
-    result = {"model": model, "task": cfg.data.path or cfg.data.task, "eval_size": min(cfg.eval.size, len(parts.eval_rows)),
-              "accuracy": heldout.evaluate()}
+    result = {"model": model, "task": cfg.data.path or cfg.data.task,
+              "eval_size": min(cfg.eval.size, len(parts.eval_rows)), "accuracy": heldout.evaluate()}
     result.update(heldout.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
     print(json.dumps(result))
     return 0

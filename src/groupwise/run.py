@@ -80,7 +80,8 @@ class Run:
 
     def save_checkpoint(self) -> None:
         trainer = self.trainer
-        if not all_finite([p for t in (trainer.main, *trainer.roles) for p in t.params]):  # the updater rolls such steps back; never write one
+        # the updater rolls such steps back; never write one
+        if not all_finite([p for t in (trainer.main, *trainer.roles) for p in t.params]):
             raise RuntimeError(f"refusing to checkpoint step {trainer.step}: the model has non-finite weights")
         if self.rank == 0:
             checkpoint.save(self.out, trainer.step, self.state_dict(), self.cfg.checkpoint.keep_last)
@@ -131,13 +132,13 @@ class Run:
             return self.summary
         step, why = runfolder.finished_step(self.out)
         if step == self.trainer.step:
-            self._say(f"{self.out} finished at step {self.trainer.step} already (summary.json); nothing to do. To train "
-                      f"further, raise train.steps and add --resume-allow train.steps; for a new run, pick another "
-                      f"out=")
+            self._say(f"{self.out} finished at step {self.trainer.step} already (summary.json); nothing to do. To "
+                      f"train further, raise train.steps and add --resume-allow train.steps; for a new run, pick "
+                      f"another out=")
             return self.summary
         why = why if step is None else f"{runfolder.FINISHED} is for step {step}"
-        self._say(f"{self.out} finished training at step {self.trainer.step}, but its outputs were not all written ({why}); "
-                  f"writing final/ and summary.json from its final checkpoint")
+        self._say(f"{self.out} finished training at step {self.trainer.step}, but its outputs were not all written "
+                  f"({why}); writing final/ and summary.json from its final checkpoint")
         self._write_outputs(logged_rows(self.out / "metrics.jsonl", self.trainer.step - 1))
         return self.summary
 
@@ -159,7 +160,7 @@ class Run:
         if self._finished():  # before anything of a start (phases, run_info): the summary stays the checkpoint's
             return self._finish_outputs()
         policy, step = self.trainer.policy, self.trainer.step
-        self.summary.update(getattr(policy, "run_info", {}))  # what the policy decided at start (model.matmul), kept in summary.json
+        self.summary.update(getattr(policy, "run_info", {}))  # what the policy decided at start (model.matmul)
         for note in getattr(policy, "run_notes", []):
             self._say(note)
         self._run_phases()
@@ -167,7 +168,8 @@ class Run:
         if self.rank == 0:
             cut_back(self.out / "samples.jsonl", step - 1 if step else None)
         # TensorBoard / wandb / trackio (rank 0): the resumed steps replace what a killed run logged after its checkpoint
-        trackers = tracking.open_trackers(self.cfg.log.backends, self.out, step, to_dict(self.cfg)) if self.rank == 0 else tracking.Trackers()
+        trackers = (tracking.open_trackers(self.cfg.log.backends, self.out, step, to_dict(self.cfg)) if self.rank == 0
+                    else tracking.Trackers())
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:  # the handlers stay until the outputs are written: a signal during the final evaluation waits for it
             return self._steps(log, trackers)
@@ -191,7 +193,8 @@ class Run:
             while trainer.step < cfg.train.steps and not (stop or out_of_time):
                 row = trainer.run_step()
                 self._check_health(row)
-                if cfg.eval.every and (trainer.step + 1) % cfg.eval.every == 0 and cfg.eval.size and self.parts.eval_rows:
+                eval_due = cfg.eval.every and (trainer.step + 1) % cfg.eval.every == 0
+                if eval_due and cfg.eval.size and self.parts.eval_rows:
                     row["eval_accuracy"] = self.heldout.evaluate()
                     row.update(self._view_accuracies(row["eval_accuracy"]))
                     row.update(self._column_accuracies("eval_accuracy"))
@@ -220,7 +223,8 @@ class Run:
         self._record_eval("accuracy_after", trainer.step)
         # the final checkpoint holds the final weights and summary ("finished": trained and evaluated);
         # the outputs follow it, FINISHED last: a kill in between is completed by the rerun from this checkpoint
-        self.summary.update(steps=trainer.step, wall_seconds=time.perf_counter() - start, skipped_updates=getattr(trainer.updater, "skipped", 0), finished=True)
+        self.summary.update(steps=trainer.step, wall_seconds=time.perf_counter() - start,
+                            skipped_updates=getattr(trainer.updater, "skipped", 0), finished=True)
         self.save_checkpoint()
         if self.rank == 0:
             self._write_outputs(log.rows if log is not None else [])
@@ -250,7 +254,8 @@ class Run:
         accuracy = self.heldout.evaluate()
         if accuracy != accuracy:  # NaN: nothing to evaluate on
             self.summary[key] = None
-            self.summary["eval_note"] = f"no held-out evaluation: eval.size={self.cfg.eval.size} and {len(self.parts.eval_rows)} held-out rows"
+            self.summary["eval_note"] = (f"no held-out evaluation: eval.size={self.cfg.eval.size} and "
+                                         f"{len(self.parts.eval_rows)} held-out rows")
             return
         self.summary[key] = accuracy
         self.summary["evals"].append((step, accuracy))

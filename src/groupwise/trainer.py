@@ -32,8 +32,9 @@ class Trainer:
 
     def __init__(self, parts: Parts):
         if not isinstance(parts, Parts):
-            raise TypeError(f"Trainer takes the Parts that groupwise.build(cfg) returns, not a {type(parts).__name__}: "
-                            f"Trainer(groupwise.build(cfg)) for the step alone, Run.from_config(cfg) for a whole run")
+            raise TypeError(f"Trainer takes the Parts that build(cfg) returns (from groupwise.build import build), "
+                            f"not a {type(parts).__name__}: Trainer(build(cfg)) for the step alone, "
+                            f"groupwise.Run.from_config(cfg) for a whole run")
         self.parts, self.cfg = parts, parts.cfg
         self.rank, self.world = parts.rank, parts.world
         # what the step uses of the parts (the policy's module and tokenizer: policy.module, policy.tokenizer)
@@ -78,10 +79,11 @@ class Trainer:
         """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
         ro = self.cfg.rollout
         ctx = RolloutContext(self.policy, self.sampler, self.reward_stage, lambda rollout: self.needs.fill(rollout, self.round_needs),
-                             lambda i: self.prompts("train", self.train_rows, i), lambda i: self.train_rows[i], self.info,
-                             self.sampling_params, ro.prompts_per_step, ro.group_size)
+                             lambda i: self.prompts("train", self.train_rows, i), lambda i: self.train_rows[i],
+                             self.info, self.sampling_params, ro.prompts_per_step, ro.group_size)
         batch = self.strategy(ctx)
-        self.finite_reward_frac = ctx.finite_fraction  # over every scored round: a step whose groups were all dropped still had rewards
+        # over every scored round: a step whose groups were all dropped still had rewards
+        self.finite_reward_frac = ctx.finite_fraction
         return batch
 
     # ------------------------------------------------------------------ no-grad needs, schedules, advantages, weights
