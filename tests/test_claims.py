@@ -376,7 +376,7 @@ paper = "99 Test — a paper"
 claim = "better beats base"
 metric = "final_accuracy"
 direction = "greater"
-seeds = 2
+exploratory_seeds = 2
 baseline = "base"
 common = ["train.steps=4", "eval.every=2"]
 [[configs]]
@@ -397,9 +397,9 @@ def _claim(tmp_path, text, name="99-test.toml"):
 
 def test_claim_file_loads(tmp_path):
     claim = load_claim(_claim(tmp_path, GOOD))
-    assert (claim.slug, claim.metric, claim.baseline, claim.claimed, claim.seeds) == ("99-test", "final_accuracy", "base", ["better"], 2)
+    assert (claim.slug, claim.metric, claim.baseline, claim.claimed, claim.exploratory_seeds) == ("99-test", "final_accuracy", "base", ["better"], 2)
     assert claim.spec("better").overrides == ["update.lr=3e-4"]
-    assert claim.margin == 0.0 and load_claim(_claim(tmp_path, GOOD.replace("seeds = 2", "seeds = 2\nmargin = 0.05"))).margin == 0.05
+    assert claim.margin == 0.0 and load_claim(_claim(tmp_path, GOOD.replace("exploratory_seeds = 2", "exploratory_seeds = 2\nmargin = 0.05"))).margin == 0.05
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -408,9 +408,9 @@ def test_claim_file_loads(tmp_path):
     (('metric = "final_accuracy"', 'metric = "steps_to_target"'), r"needs key 'target'"),
     (('metric = "final_accuracy"', 'metric = "seconds_to_target"\ntarget = 0.5'), None),
     (('direction = "greater"', 'direction = "up"'), r"direction = 'up'"),
-    (('seeds = 2', 'seeds = 0'), r"seeds = 0"),
-    (('seeds = 2', 'seeds = 2\nmargin = -0.1'), r"margin = -0.1 must be a number >= 0"),
-    (('seeds = 2', 'sedes = 2'), r"unknown key 'sedes' \(did you mean 'seeds'\?\)"),
+    (('exploratory_seeds = 2', 'exploratory_seeds = 0'), r"exploratory_seeds = 0"),
+    (('exploratory_seeds = 2', 'exploratory_seeds = 2\nmargin = -0.1'), r"margin = -0.1 must be a number >= 0"),
+    (('exploratory_seeds = 2', 'exploratory_sedes = 2'), r"unknown key 'exploratory_sedes' \(did you mean 'exploratory_seeds'\?\)"),
     (('overrides = ["update.lr=3e-4"]', 'overides = []'), r"configs\[1\]: unknown key 'overides'"),
     (('label = "better"', 'label = "base"'), r"label 'base' is used twice"),
     (('label = "better"', 'label = "a b"'), r"label 'a b'"),
