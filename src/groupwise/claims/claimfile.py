@@ -38,7 +38,7 @@ KEYS = ("paper", "claim", "metric", "target", "direction", "kind", "margin", "co
         "confirmatory_seeds", "baseline", "claimed", "common", "configs")
 KINDS = ("superiority", "non_inferiority", "mechanism")
 CONFIRM_BASE = 1000  # confirmatory seeds are CONFIRM_BASE.. (the same block for every claim)
-CONFIRM_BLOCK = 1000  # [CONFIRM_BASE, CONFIRM_BASE + CONFIRM_BLOCK) is reserved: no exploratory or replication seed in it
+CONFIRM_BLOCK = 1000  # [CONFIRM_BASE, CONFIRM_BASE + CONFIRM_BLOCK): no exploratory or replication seed in it
 # words of a parity / non-inferiority claim: judged against a margin > 0, never against 0
 PARITY_RE = re.compile(r"\b(at least|preserv\w*|no worse|not worse|as good as|matches|unchanged|comparable)\b", re.I)
 CONFIG_KEYS = ("label", "recipe", "overrides")
@@ -99,6 +99,9 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ClaimError(f"{where}: not valid TOML: {err}") from None
+    if "seeds" in data:
+        raise ClaimError(f"{where}: key 'seeds' is now 'exploratory_seeds' (seeds 0..N-1, free to look at); "
+                         "the verdict shown is that of 'confirmatory_seeds' (groupwise claims --confirm)")
     _unknown(where, list(data), KEYS)
     for key in REQUIRED:
         if key not in data:
@@ -110,7 +113,9 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     if not is_metric(metric):
         close = difflib.get_close_matches(str(metric), METRICS, n=1)
         raise ClaimError(f"{where}: metric = {metric!r} is not a metric" + (f" (did you mean {close[0]!r}?)" if close else "")
-                         + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % of the steps), std:<a metrics.jsonl key> (its std over the steps)")
+                         + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % "
+                         "of the steps), std:<a metrics.jsonl key> (its std over the steps), cv:<a metrics.jsonl key> "
+                         "(that std over its mean)")
     if data["direction"] not in ("greater", "less"):
         raise ClaimError(f"{where}: direction = {data['direction']!r} must be 'greater' or 'less'")
     target = data.get("target")
@@ -132,27 +137,27 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
                          f"(or remove the margin for a {kind} claim)")
     parity = PARITY_RE.search(data["claim"])
     if parity and kind == "superiority":
-        raise ClaimError(f"{where}: the claim says {parity.group(0)!r}, a parity / non-inferiority claim, but is judged "
-                         "against 0: set kind = 'non_inferiority' and margin = M > 0 (in the metric's units, fixed "
-                         "before its confirmatory run), or reword the claim as a strict improvement")
-    if "seeds" in data:
-        raise ClaimError(f"{where}: key 'seeds' is now 'exploratory_seeds' (seeds 0..N-1, free to look at); "
-                         "the verdict shown is that of 'confirmatory_seeds' (groupwise claims --confirm)")
+        raise ClaimError(f"{where}: the claim says {parity.group(0)!r}, a parity / non-inferiority claim, but "
+                         "is judged against 0: set kind = 'non_inferiority' and margin = M > 0 (in the metric's "
+                         "units, fixed before its confirmatory run), or reword the claim as a strict improvement")
     seeds = data.get("exploratory_seeds", 3)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= CONFIRM_BASE:
         raise ClaimError(f"{where}: exploratory_seeds = {seeds!r} must be an integer in 1..{CONFIRM_BASE} "
                          f"(seeds {CONFIRM_BASE}.. are the confirmatory block)")
     confirm = data.get("confirmatory_seeds")
-    if confirm is not None and (isinstance(confirm, bool) or not isinstance(confirm, int) or not 2 <= confirm <= CONFIRM_BLOCK):
+    bad_count = isinstance(confirm, bool) or not isinstance(confirm, int) or not 2 <= confirm <= CONFIRM_BLOCK
+    if confirm is not None and bad_count:
         raise ClaimError(f"{where}: confirmatory_seeds = {confirm!r} must be an integer in 2..{CONFIRM_BLOCK} "
                          "(one seed gives no interval)")
     companions = data.get("companions", [])
     companions = [companions] if isinstance(companions, str) else companions
-    if not isinstance(companions, list) or not all(is_metric(m) and m != metric for m in companions) or len(set(companions)) != len(companions):
-        raise ClaimError(f"{where}: companions = {data.get('companions')!r} must be a list of distinct metrics other than "
-                         f"the claim's ({', '.join(METRICS)}, or last:/std:/cv: + a metrics.jsonl key)")
-    if any(m in TARGET_METRICS for m in companions) and target is None:
-        raise ClaimError(f"{where}: companion {next(m for m in companions if m in TARGET_METRICS)!r} needs key 'target'")
+    if not isinstance(companions, list) or not all(is_metric(m) and m != metric for m in companions) \
+            or len(set(companions)) != len(companions):
+        raise ClaimError(f"{where}: companions = {data.get('companions')!r} must be a list of distinct metrics other "
+                         f"than the claim's ({', '.join(METRICS)}, or last:/std:/cv: + a metrics.jsonl key)")
+    timed = [m for m in companions if m in TARGET_METRICS]
+    if timed and target is None:
+        raise ClaimError(f"{where}: companion {timed[0]!r} needs key 'target'")
     common = _overrides(where, "common", data.get("common", []))
     if not isinstance(data["configs"], list) or len(data["configs"]) < 2:
         raise ClaimError(f"{where}: configs must be at least two [[configs]] tables (a baseline and a claimed one)")
@@ -184,8 +189,9 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     for label in claimed:
         if label not in labels or label in baselines:
             raise ClaimError(f"{where}: claimed label {label!r} is not a non-baseline config label; labels: {', '.join(labels)}")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     claim = Claim(path.stem, path, data["paper"], data["claim"], metric, data["direction"], baselines[0], configs,
-                  list(claimed), None if target is None else float(target), seeds, common, hashlib.sha256(path.read_bytes()).hexdigest()[:16], baselines,
+                  list(claimed), None if target is None else float(target), seeds, common, sha, baselines,
                   float(margin), kind, list(companions), confirm)
     if check_configs:
         for spec in configs:
@@ -246,7 +252,8 @@ def find_claims(names: list[str], folder: Path | None = None) -> list[Path]:
 PHASES = ("exploratory", "confirmatory", "replication")
 
 
-def claim_seeds(claim: Claim, phase: str = "exploratory", count: int | None = None, offset: int | None = None) -> list[int]:
+def claim_seeds(claim: Claim, phase: str = "exploratory", count: int | None = None,
+                offset: int | None = None) -> list[int]:
     """The seeds a run of ``claim`` draws: ``exploratory`` 0..N-1 (N = ``count`` or the file's
     ``exploratory_seeds``), ``confirmatory`` CONFIRM_BASE..CONFIRM_BASE+M-1 (M = ``confirmatory_seeds``,
     nothing else allowed), ``replication`` offset..offset+N-1 (anyone's own seeds; never in the

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 COMPARE_USAGE = "groupwise compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [--metric last:KEY ...] [key=value ...]"
-CLAIMS_USAGE = ("groupwise claims [NAMES...] [--confirm | --seed-offset K] [--seeds N] [--out DIR] [--claims-dir DIR] [--docs FILE] "
-                "[--docs-only] [key=value ...]")
+CLAIMS_USAGE = ("groupwise claims [NAMES...] [--confirm | --seed-offset K] [--seeds N] [--out DIR] [--claims-dir DIR] "
+                "[--docs FILE] [--docs-only] [key=value ...]")
 
 
 def cmd_compare(args: list[str]) -> int:
@@ -39,17 +39,19 @@ def cmd_claims(args: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="groupwise claims", usage=CLAIMS_USAGE,
                                      description="Run claim files (all of papers/*/claims/ and claims/, or the named "
-                                                 "ones) and rewrite docs/claims.md. Without --confirm: the exploratory "
-                                                 "seeds 0..N-1 (free to look at); the table shows a claim's confirmatory "
-                                                 "verdict once --confirm has run it.")
-    parser.add_argument("words", nargs="*", help="claim names (48-sign, 48, or a path); key=value overrides added to every run "
-                                                  "(not with --confirm)")
-    parser.add_argument("--seeds", type=int, default=None, help="override the number of exploratory (or replication) seeds")
+                                                 "ones) and rewrite docs/claims.md. Without --confirm: the "
+                                                 "exploratory seeds 0..N-1 (free to look at); the table shows a "
+                                                 "claim's confirmatory verdict once --confirm has run it.")
+    parser.add_argument("words", nargs="*", help="claim names (48-sign, 48, or a path); key=value overrides added to "
+                                                  "every run (not with --confirm)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="override the number of exploratory (or replication) seeds")
     parser.add_argument("--confirm", action="store_true",
-                        help="run the claim file's confirmatory_seeds (seeds 1000..) and record the verdict the table shows; "
-                             "its fixed fields cannot change afterwards")
+                        help="run the claim file's confirmatory_seeds (seeds 1000..) and record the verdict the table "
+                             "shows; its fixed fields cannot change afterwards")
     parser.add_argument("--seed-offset", type=int, default=None, metavar="K",
-                        help="replicate on your own seeds K..K+N-1 (not 1000..1999); the record stays in its run folder")
+                        help="replicate on your own seeds K..K+N-1 (not 1000..1999); the record stays in its run "
+                             "folder")
     parser.add_argument("--out", default="runs/claims", help="run folders: OUT/<slug>/, OUT/confirm/<slug>/, "
                                                               "OUT/replicate/<slug>-from<K>/ (default runs/claims)")
     parser.add_argument("--claims-dir", default=None,
@@ -61,7 +63,8 @@ def cmd_claims(args: list[str]) -> int:
     extra = [w for w in ns.words if "=" in w]
     console, docs = Console(stderr=True), Path(ns.docs)
     if ns.confirm and ns.seed_offset is not None:
-        raise ClaimError("claims: --confirm and --seed-offset exclude each other (a replication is never the confirmatory verdict)")
+        raise ClaimError("claims: --confirm and --seed-offset exclude each other (a replication is never the "
+                         "confirmatory verdict)")
     phase = "confirmatory" if ns.confirm else "replication" if ns.seed_offset is not None else "exploratory"
     if not ns.docs_only:
         paths = find_claims(names, Path(ns.claims_dir) if ns.claims_dir else None)
@@ -75,8 +78,9 @@ def cmd_claims(args: list[str]) -> int:
             where = save_record(record, docs)
             for e in record["effects"]:
                 shown = shown_verdict(claim.kind, phase, e["verdict"], "").replace("**", "").rstrip("; ")
-                console.print(f"[bold]{claim.slug}[/] {claim.metric}: {e['claimed']} − {e['baseline']} = {e['effect_text']} → "
-                              f"{e['verdict']}, shown as {shown} ({e['reason']}); record {where}", soft_wrap=True)
+                console.print(f"[bold]{claim.slug}[/] {claim.metric}: {e['claimed']} − {e['baseline']} = "
+                              f"{e['effect_text']} → {e['verdict']}, shown as {shown} ({e['reason']}); "
+                              f"record {where}", soft_wrap=True)
     regenerate(Path(ns.claims_dir) if ns.claims_dir else None, docs)
     console.print(f"wrote {docs}")
     return 0

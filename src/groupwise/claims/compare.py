@@ -103,9 +103,12 @@ def std_of(rows: list[dict], key: str) -> float | None:
 def cv_of(rows: list[dict], key: str) -> float | None:
     """``std_of`` / |mean| of the same values; None with fewer than two values or a zero mean."""
     std = std_of(rows, key)
-    values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
-    mean = sum(values) / len(values) if values else 0.0
-    return None if std is None or mean == 0 else std / abs(mean)
+    if std is None:
+        return None
+    values = [float(r[key]) for r in rows
+              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    mean = sum(values) / len(values)
+    return None if mean == 0 else std / abs(mean)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -312,8 +315,8 @@ def compare(
     metrics = [m for m in metrics if m not in METRICS]
     for name in metrics:
         if not is_metric(name):
-            raise ConfigError(f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key>, "
-                              "std:<a metrics.jsonl key>, cv:<a metrics.jsonl key>")
+            raise ConfigError(f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, "
+                              "or last:<a metrics.jsonl key>, std:<a metrics.jsonl key>, cv:<a metrics.jsonl key>")
     out, shared = Path(out), list(shared)
     plan = []
     for seed in seed_list:  # seed-major: an interrupted compare still has paired seeds
@@ -409,7 +412,8 @@ def compare_markdown(result: dict) -> str:
     head += ["reward area", "last reward", *[f"`{m}`" for m in result.get("metrics", [])], "wall s / run"]
     keys += ["reward_area", "last_reward", *result.get("metrics", []), "wall_seconds"]
     lines = [f"# compare: {result['title']}", "",
-             f"Seeds {seed_text(result.get('seed_list') or list(range(result['seeds'])))}; shared overrides: `{' '.join(result['shared']) or '(none)'}`"
+             f"Seeds {seed_text(result.get('seed_list') or list(range(result['seeds'])))}; "
+             f"shared overrides: `{' '.join(result['shared']) or '(none)'}`"
              + ("" if target is None else f"; target held-out accuracy {target}") + ".", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in result["configs"]:

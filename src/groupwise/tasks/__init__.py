@@ -89,4 +89,5 @@ def load_splits(data_cfg, seed: int, own_rewards: bool = False) -> tuple[list[di
         return train, resampled(held, seed) if data_cfg.resample_eval else held, "exact"
     task = get_task(data_cfg.task)
     held = task.rows("test", 0, seed)
-    return task.rows("train", data_cfg.train_size, seed), resampled(held, seed) if data_cfg.resample_eval else held, task.reward
+    held = resampled(held, seed) if data_cfg.resample_eval else held
+    return task.rows("train", data_cfg.train_size, seed), held, task.reward
