@@ -855,3 +855,33 @@ def test_every_held_or_contradicted_verdict_on_the_page_is_confirmatory():
             assert record["provenance"]["commit"] != "unknown" and record["provenance"]["cpu"], slug
     for path in SHIPPED_CLAIMS:
         check_fixed(load_claim(path, check_configs=False), ROOT / "docs" / "claims.md")
+
+
+def test_paper_pages_show_the_verdicts_of_docs_claims():
+    """Each paper page's claim section is what ``groupwise claims`` writes from docs/claims.md (its
+    status lines and the readings), so a page never shows a verdict the records do not have."""
+    from groupwise.claims.pages import paper_pages
+
+    pages = paper_pages(ROOT / "docs" / "claims.md")
+    assert len(pages) >= 40
+    stale = [str(page.relative_to(ROOT)) for page, text in pages.items() if page.read_text() != text]
+    assert stale == [], "regenerate: groupwise claims --docs-only (from the repository root)"
+
+
+def test_status_line_by_hand(tmp_path):
+    from groupwise.claims.pages import claim_section, status_line
+
+    claims_dir, docs, claim = _confirmed(tmp_path)
+    record = json.loads((docs.parent / "claims" / "99-test.confirm.json").read_text())
+    line = status_line(claim, record, None)
+    assert line.startswith("- `99-test` (`final_accuracy`, greater), confirmatory seeds 1000..1001: `better`")
+    assert "**held**" in line
+    explored = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=FakeTrainer())
+    assert "Exploratory seeds 0..1: +0.100 ± 0.000." in status_line(claim, record, explored)
+    alone = status_line(claim, None, explored)
+    assert "held" not in alone and "interval on the claimed side. Not confirmed" in alone
+    page = "# 99\n\n## Claim, as measured\n\nMy summary.\n\n### 99-test\n\nold reading\n\nTable and curves: x\n"
+    rebuilt = claim_section(page, [line], {"99-test": "New\nreading."}, ["99-test"])
+    assert rebuilt.startswith("# 99\n\n## Claim, as measured\n\n<!-- claims-status:")
+    assert "\n<!-- /claims-status -->\n\nMy summary.\n\n### 99-test\n\nNew reading.\n\nTable and curves: " in rebuilt
+    assert claim_section(rebuilt, [line], {"99-test": "New\nreading."}, ["99-test"]) == rebuilt  # idempotent

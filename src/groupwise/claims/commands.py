@@ -83,4 +83,9 @@ def cmd_claims(args: list[str]) -> int:
                               f"record {where}", soft_wrap=True)
     regenerate(Path(ns.claims_dir) if ns.claims_dir else None, docs)
     console.print(f"wrote {docs}")
+    if ns.claims_dir is None and docs.resolve() == Path("docs/claims.md").resolve():  # the repository's own page
+        from groupwise.claims.pages import write_paper_pages
+
+        for page in write_paper_pages(docs):
+            console.print(f"wrote {page}")
     return 0
