@@ -885,3 +885,16 @@ def test_status_line_by_hand(tmp_path):
     assert rebuilt.startswith("# 99\n\n## Claim, as measured\n\n<!-- claims-status:")
     assert "\n<!-- /claims-status -->\n\nMy summary.\n\n### 99-test\n\nNew reading.\n\nTable and curves: " in rebuilt
     assert claim_section(rebuilt, [line], {"99-test": "New\nreading."}, ["99-test"]) == rebuilt  # idempotent
+
+
+def test_a_replication_is_never_recorded_as_the_verdict(tmp_path):
+    claims_dir, docs = tmp_path / "claims", tmp_path / "docs" / "claims.md"
+    claims_dir.mkdir()
+    claim = load_claim(_claim(claims_dir, CONFIRMABLE))
+    fake = FakeTrainer()
+    record = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=fake, phase="replication", seed_offset=100)
+    assert sorted({seed for _, seed in fake.calls}) == [100, 101] and record["phase"] == "replication"
+    where = save_record(record, docs)
+    assert where == tmp_path / "runs" / "replicate" / "99-test-from100" / "record.json"
+    assert not (docs.parent / "claims").exists()  # nothing in docs/claims/
+    assert "| not run yet |" in regenerate(claims_dir, docs)

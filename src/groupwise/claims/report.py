@@ -38,7 +38,9 @@ Every paper implemented in groupwise registers one **claim**: a seeded compariso
 `papers/NN_slug/claims/<NN-slug>.toml`, of the paper's method against its baseline on a built-in
 task and the embedded tiny model, with the direction the paper says the difference goes. `make claims`
 (`groupwise claims [NAMES...] [--seeds N] [--out DIR] [key=value ...]`) runs them through
-`groupwise compare` and rewrites this page. Runs are resumable: a finished seed is not rerun.
+`groupwise compare` on their exploratory seeds, `groupwise claims --confirm NAMES...` on their
+confirmatory seeds, and both rewrite this page and the paper pages' claim sections. Runs are
+resumable: a finished seed is not rerun.
 
 **Exploratory and confirmatory seeds.** A claim file names its `exploratory_seeds` N (seeds
 0..N-1, free to look at while the claim is built: `groupwise claims NAME`) and its
@@ -304,7 +306,8 @@ def power_paragraph(n: dict[str, int]) -> str:
             f"counted): {confirmed} confirmatory ({n['held']} held, {n['contradicted']} contradicted, "
             f"{n['inconclusive']} inconclusive) and {n['exploratory']} exploratory. Each verdict's side is a "
             f"one-sided test at {ONE_SIDED_LEVEL} (half of the two-sided 95 % interval), so if no effect were real "
-            f"about {ONE_SIDED_LEVEL} × {confirmed} = {expected_false_held(confirmed):.3g} of the confirmatory "
+            "(every true effect at 0, or exactly at the margin's bound for a non-inferiority claim) about "
+            f"{ONE_SIDED_LEVEL} × {confirmed} = {expected_false_held(confirmed):.3g} of the confirmatory "
             f"comparisons would read held by chance, and as many contradicted ({ONE_SIDED_LEVEL} × {total} = "
             f"{expected_false_held(total):.3g} over all {total}). No correction for the number of comparisons is "
             "applied: read a single held verdict with that in mind.\n")
