@@ -19,7 +19,8 @@ from groupwise.claims.compare import seed_text
 from groupwise.claims.report import MECHANISM, detectable_text, load_records, readings, rejudge, shown_verdict
 
 HEADING = "## Claim, as measured\n"
-STATUS_OPEN = "<!-- claims-status: generated from docs/claims.md by `groupwise claims` (edit the claim files, readings) -->"
+STATUS_OPEN = ("<!-- claims-status: generated from docs/claims.md by `groupwise claims` "
+               "(edit the claim files, readings) -->")
 STATUS_CLOSE = "<!-- /claims-status -->"
 STATUS_RE = re.compile(re.escape(STATUS_OPEN) + r".*?" + re.escape(STATUS_CLOSE) + r"\n*", re.S)
 WIDTH = 100
