@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,13 @@ from pathlib import Path
 import pytest
 
 from groupwise import runfolder
-from groupwise.claims.claimfile import ClaimError, find_claims, load_claim
+from groupwise.claims.claimfile import ClaimError, check_fixed, claim_seeds, find_claims, load_claim
 from groupwise.claims.compare import ConfigSpec, compare, is_metric, metric_values, read_run, run_state, split_configs
-from groupwise.claims.intervals import T975, Interval, mean_interval, paired_effect, t975, verdict
-from groupwise.claims.report import PLACEHOLDER, readings, regenerate, run_claim, save_record
+from groupwise.claims.intervals import (T80, T975, Interval, detectable_effect, expected_false_held, mean_interval,
+                                        paired_effect, t80, t975, verdict)
+from groupwise.claims.provenance import cpu_model
+from groupwise.claims.report import (PLACEHOLDER, detectable_text, readings, regenerate, run_claim, save_record,
+                                     shown_verdict)
 from groupwise.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -376,7 +381,7 @@ paper = "99 Test — a paper"
 claim = "better beats base"
 metric = "final_accuracy"
 direction = "greater"
-seeds = 2
+exploratory_seeds = 2
 baseline = "base"
 common = ["train.steps=4", "eval.every=2"]
 [[configs]]
@@ -397,9 +402,12 @@ def _claim(tmp_path, text, name="99-test.toml"):
 
 def test_claim_file_loads(tmp_path):
     claim = load_claim(_claim(tmp_path, GOOD))
-    assert (claim.slug, claim.metric, claim.baseline, claim.claimed, claim.seeds) == ("99-test", "final_accuracy", "base", ["better"], 2)
+    assert (claim.slug, claim.metric, claim.baseline) == ("99-test", "final_accuracy", "base")
+    assert claim.claimed == ["better"]
+    assert claim.exploratory_seeds == 2 and claim.confirmatory_seeds is None and claim.kind == "superiority"
     assert claim.spec("better").overrides == ["update.lr=3e-4"]
-    assert claim.margin == 0.0 and load_claim(_claim(tmp_path, GOOD.replace("seeds = 2", "seeds = 2\nmargin = 0.05"))).margin == 0.05
+    with_margin = GOOD.replace("exploratory_seeds = 2", "exploratory_seeds = 2\nmargin = 0.05")
+    assert claim.margin == 0.0 and load_claim(_claim(tmp_path, with_margin)).margin == 0.05
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -408,9 +416,10 @@ def test_claim_file_loads(tmp_path):
     (('metric = "final_accuracy"', 'metric = "steps_to_target"'), r"needs key 'target'"),
     (('metric = "final_accuracy"', 'metric = "seconds_to_target"\ntarget = 0.5'), None),
     (('direction = "greater"', 'direction = "up"'), r"direction = 'up'"),
-    (('seeds = 2', 'seeds = 0'), r"seeds = 0"),
-    (('seeds = 2', 'seeds = 2\nmargin = -0.1'), r"margin = -0.1 must be a number >= 0"),
-    (('seeds = 2', 'sedes = 2'), r"unknown key 'sedes' \(did you mean 'seeds'\?\)"),
+    (('exploratory_seeds = 2', 'exploratory_seeds = 0'), r"exploratory_seeds = 0"),
+    (('exploratory_seeds = 2', 'exploratory_seeds = 2\nmargin = -0.1'), r"margin = -0.1 must be a number >= 0"),
+    (('exploratory_seeds = 2', 'exploratory_sedes = 2'),
+     r"unknown key 'exploratory_sedes' \(did you mean 'exploratory_seeds'\?\)"),
     (('overrides = ["update.lr=3e-4"]', 'overides = []'), r"configs\[1\]: unknown key 'overides'"),
     (('label = "better"', 'label = "base"'), r"label 'base' is used twice"),
     (('label = "better"', 'label = "a b"'), r"label 'a b'"),
@@ -470,9 +479,12 @@ def test_run_claim_judges_and_docs_keep_readings(tmp_path):
     save_record(record, docs)
     assert (docs.parent / "claims" / "99-test.png").exists()
     text = regenerate(claims_dir, docs)
-    assert "| [99 Test — a paper](#99-test) | better beats base | final_accuracy (greater) | 0.355 ± 0.064 | 0.455 ± 0.064 | +0.100 ± 0.000 | **held** | 2 |" in text
+    # an exploratory record is never shown as a verdict
+    assert ("| [99 Test — a paper](#99-test) | better beats base | final_accuracy (greater) | 0.355 ± 0.064 | "
+            "0.455 ± 0.064 | +0.100 ± 0.000 | exploratory: interval on the claimed side, not confirmed | "
+            "2 (0..1) |") in text
     assert "not run yet" in text and "invalid claim file" in text
-    assert "![99-test curves](claims/99-test.png)" in text
+    assert "![99-test exploratory run curves](claims/99-test.png)" in text
     assert text.count(PLACEHOLDER) == 3
     # a human writes a reading; regenerating (with a changed claim file) keeps it
     mine = "Held, but the two configs differ only by learning rate.\n\nSecond paragraph."
@@ -481,7 +493,9 @@ def test_run_claim_judges_and_docs_keep_readings(tmp_path):
     again = regenerate(claims_dir, docs)
     assert readings(again)["99-test"] == mine
     assert again.count(PLACEHOLDER) == 2
-    assert "claim file changed since this run" in again
+    assert "claim file changed what is run" not in again  # the sentence is not what is run
+    (claims_dir / "99-test.toml").write_text(GOOD.replace("train.steps=4", "train.steps=5"))
+    assert "(claim file changed what is run since this record)" in regenerate(claims_dir, docs)
 
 
 def test_judge_to_target_with_censoring(tmp_path):
@@ -577,7 +591,8 @@ def test_claim_on_a_last_key_metric_against_two_baselines(tmp_path):
     assert "`last:x/share`" in (tmp_path / "runs" / "99-test" / "compare.md").read_text()
     save_record(record, docs)
     page = regenerate(claims_dir, docs)
-    assert "better beats base (better vs base) | last:x/share (less) | 0.500 ± 0.000 | 0.305 ± 0.064 | -0.195 ± 0.064 | **held** |" in page
+    assert ("better beats base (better vs base) | last:x/share (less) | 0.500 ± 0.000 | 0.305 ± 0.064 | "
+            "-0.195 ± 0.064 | exploratory: interval on the claimed side, not confirmed |") in page
     assert "better beats base (better vs worse) | last:x/share (less) | 0.600 ± 0.000 |" in page
     assert "against `base`, `worse`" in page and "| worse (baseline) |" in page and "| config | final accuracy | reward area | last reward | `last:x/share` | wall seconds |" in page
     for old, new, match in [('metric = "last:x/share"', 'metric = "last:"', r"metric = 'last:' is not a metric.*last:<a metrics.jsonl key>"),
@@ -601,3 +616,285 @@ def test_the_claims_page_has_one_section_and_one_clean_reading_per_claim_file():
     kept = readings(page)
     assert sorted(kept) == slugs
     assert [s for s, text in kept.items() if "<a id=" in text or "\n## " in f"\n{text}"] == []
+
+
+# ---------------------------------------------------------------------------------------------- issue 35
+# exploratory / confirmatory seeds, fixed fields, honest labels, provenance, power
+CONFIRMABLE = GOOD.replace("exploratory_seeds = 2", "exploratory_seeds = 2\nconfirmatory_seeds = 2")
+
+
+def test_a_confirmatory_run_never_draws_an_exploratory_seed(tmp_path):
+    claim = load_claim(_claim(tmp_path, CONFIRMABLE))
+    explore, confirm = FakeTrainer(), FakeTrainer()
+    explored = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=explore)
+    confirmed = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=confirm, phase="confirmatory")
+    # exploratory: seeds 0, 1; confirmatory: the block from 1000 (CONFIRM_BASE), nothing else
+    assert sorted({seed for _, seed in explore.calls}) == [0, 1]
+    assert sorted({seed for _, seed in confirm.calls}) == [1000, 1001]
+    assert (explored["seed_list"], confirmed["seed_list"]) == ([0, 1], [1000, 1001])
+    assert confirmed["folder"] == str(tmp_path / "runs" / "confirm" / "99-test")  # its own folder: no run is shared
+    # no exploratory count reaches the block, and a confirmatory run takes no other seeds
+    with pytest.raises(ClaimError, match=r"exploratory_seeds = 1001 must be an integer in 1..1000"):
+        too_many = CONFIRMABLE.replace("exploratory_seeds = 2", "exploratory_seeds = 1001")
+        load_claim(_claim(tmp_path, too_many, "98-x.toml"))
+    with pytest.raises(ClaimError, match=r"--seeds 1001 would reach the confirmatory block"):
+        claim_seeds(claim, "exploratory", 1001)
+    for count, offset in ((3, None), (None, 5)):
+        with pytest.raises(ClaimError, match="--confirm draws the claim file's confirmatory_seeds"):
+            claim_seeds(claim, "confirmatory", count, offset)
+    with pytest.raises(ClaimError, match="no confirmatory_seeds"):
+        claim_seeds(load_claim(_claim(tmp_path, GOOD, "97-y.toml")), "confirmatory")
+    with pytest.raises(ClaimError, match="extra overrides"):
+        run_claim(claim, tmp_path / "runs", extra=["train.steps=9"], console=_quiet(), launch=FakeTrainer(),
+                  phase="confirmatory")
+    # replication: anyone's own seeds, never in 1000..1999 (a block a claim not yet confirmed keeps unseen)
+    assert claim_seeds(claim, "replication", None, 100) == [100, 101]
+    assert claim_seeds(claim, "replication", 3, 2000) == [2000, 2001, 2002]
+    for offset in (999, 1500):  # 999..1000 and 1500..1501 touch the block
+        with pytest.raises(ClaimError, match="overlap the confirmatory block 1000..1999"):
+            claim_seeds(claim, "replication", None, offset)
+
+
+def _confirmed(tmp_path, text=CONFIRMABLE):
+    """A claim file with a confirmatory record: (claims folder, page path, claim)."""
+    claims_dir, docs = tmp_path / "claims", tmp_path / "docs" / "claims.md"
+    claims_dir.mkdir(parents=True, exist_ok=True)
+    claim = load_claim(_claim(claims_dir, text))
+    save_record(run_claim(claim, tmp_path / "runs", console=_quiet(), launch=FakeTrainer(), phase="confirmatory"), docs)
+    return claims_dir, docs, claim
+
+
+@pytest.mark.parametrize("old,new,change", [
+    ("confirmatory_seeds = 2", "confirmatory_seeds = 3", "confirmatory_seeds (2 → 3)"),
+    ('direction = "greater"', 'direction = "greater"\nmargin = 0.05', "margin (0.0 → 0.05)"),
+    ("train.steps=4", "train.steps=8", "common ("),  # the run length
+    ('metric = "final_accuracy"', 'metric = "last_reward"', "metric ('final_accuracy' → 'last_reward')"),
+    ('"update.lr=3e-4"', '"update.lr=1e-3"', "configs ("),
+])
+def test_a_claim_file_edited_after_its_confirmatory_run_is_refused(tmp_path, monkeypatch, old, new, change):
+    claims_dir, docs, claim = _confirmed(tmp_path)
+    record = json.loads((docs.parent / "claims" / "99-test.confirm.json").read_text())
+    assert record["fixed"]["confirmatory_seeds"] == 2 and record["claim_sha"] == claim.sha
+    check_fixed(claim, docs)  # unchanged: accepted
+    reworded = _claim(claims_dir, CONFIRMABLE.replace("better beats base", "better beats base, reworded"))
+    check_fixed(load_claim(reworded), docs)  # the sentence is not a fixed field
+    assert CONFIRMABLE.count(old) == 1
+    edited = load_claim(_claim(claims_dir, CONFIRMABLE.replace(old, new)))
+    with pytest.raises(ClaimError, match=re.escape(change) + r".*copy the file under a new id \(e.g. 99-test-2.toml"):
+        check_fixed(edited, docs)
+    # the command refuses before running anything; the page shows the refusal; the record is kept
+    monkeypatch.chdir(tmp_path)
+    from groupwise import cli
+
+    for mode in (["--confirm"], []):
+        argv = ["claims", *mode, "99-test", "--claims-dir", str(claims_dir), "--docs", str(docs),
+                "--out", str(tmp_path / "r2")]
+        assert cli.main(argv) != 0
+    assert not (tmp_path / "r2").exists()
+    page = regenerate(claims_dir, docs)
+    assert "| [99-test](#99-test) | refused: claim file edited after its confirmatory run: " in page
+    assert (docs.parent / "claims" / "99-test.confirm.json").read_text() == json.dumps(record, indent=1) + "\n"
+
+
+def test_a_mechanism_claim_is_never_shown_as_held(tmp_path):
+    mechanism = CONFIRMABLE.replace('direction = "greater"', 'direction = "greater"\nkind = "mechanism"')
+    claims_dir, docs, claim = _confirmed(tmp_path, mechanism)
+    assert claim.kind == "mechanism"
+    record = json.loads((docs.parent / "claims" / "99-test.confirm.json").read_text())
+    assert record["effects"][0]["verdict"] == "held"  # the statistics: d = +0.1 on both seeds
+    page = regenerate(claims_dir, docs)
+    (row,) = [line for line in page.splitlines() if line.startswith("| [99 Test")]
+    assert "| mechanism (true by construction): works as built (⚠ fewer than 5 confirmatory seeds) " \
+        "| 2 (1000..1001) |" in row
+    assert "held" not in row
+    assert "**held**" not in page
+    # a mechanism that does not work is said so
+    failed = shown_verdict("mechanism", "confirmatory", "inconclusive", "")
+    assert failed == "mechanism (true by construction): **not shown** (inconclusive)"
+    # the same runs under a superiority claim: the confirmatory verdict is the bold one (the kind is fixed:
+    # this is another claim, confirmed on its own)
+    other_dir, other_docs, _ = _confirmed(tmp_path / "superiority")
+    page = regenerate(other_dir, other_docs)
+    assert "| +0.100 ± 0.000 | **held** (⚠ fewer than 5 confirmatory seeds) | 2 (1000..1001) |" in page
+
+
+def test_parity_wording_needs_a_non_inferiority_margin(tmp_path):
+    at_least = GOOD.replace("better beats base", "better is at least as good as base")
+    with pytest.raises(ClaimError, match=r"the claim says 'at least'.*set kind = 'non_inferiority' and margin = M > 0"):
+        load_claim(_claim(tmp_path, at_least))
+    def add(text, lines):
+        return text.replace('direction = "greater"', 'direction = "greater"\n' + lines)
+
+    with pytest.raises(ClaimError, match=r"kind = 'non_inferiority' needs margin > 0"):
+        load_claim(_claim(tmp_path, add(at_least, 'kind = "non_inferiority"')))
+    with pytest.raises(ClaimError, match=r"margin = 0.05 is a non-inferiority margin: set kind = 'non_inferiority'"):
+        load_claim(_claim(tmp_path, add(GOOD, 'kind = "superiority"\nmargin = 0.05')))
+    claim = load_claim(_claim(tmp_path, add(at_least, "margin = 0.05")))
+    assert (claim.kind, claim.margin) == ("non_inferiority", 0.05)  # a margin makes it non-inferiority
+    for text in (add(GOOD, 'kind = "superior"'), GOOD.replace("exploratory_seeds = 2", "seeds = 2")):
+        with pytest.raises(ClaimError, match=r"kind = 'superior' must be one of|'seeds' is now 'exploratory_seeds'"):
+            load_claim(_claim(tmp_path, text))
+
+
+def test_companions_are_shown_beside_the_metric(tmp_path):
+    companions = 'direction = "greater"\ncompanions = ["cv:x/share", "last_reward"]'
+    text = CONFIRMABLE.replace('direction = "greater"', companions)
+    claims_dir, docs, claim = _confirmed(tmp_path, text)
+    record = json.loads((docs.parent / "claims" / "99-test.confirm.json").read_text())
+    (effect,) = record["effects"]
+    # last_reward: the last 10 % (1 step) of [0.2, 0.3, 0.4, 0.5] + bonus → better − base = 0.6 − 0.5 = +0.1
+    # on both seeds
+    companions = {c["metric"]: c for c in effect["companions"]}
+    assert companions["last_reward"]["effect"]["mean"] == pytest.approx(0.1)
+    assert companions["cv:x/share"]["effect_text"] == "no pairs"  # FakeTrainer logs no x/share
+    page = regenerate(claims_dir, docs)
+    assert "| +0.100 ± 0.000; read with `cv:x/share` no pairs, `last_reward` +0.100 ± 0.000 | **held** (⚠" in page
+    for bad in ('["final_accuracy"]', '["bogus"]', '["last_reward", "last_reward"]'):
+        text = GOOD.replace('direction = "greater"', f'direction = "greater"\ncompanions = {bad}')
+        with pytest.raises(ClaimError, match="companions = .* must be a list of distinct metrics other than"):
+            load_claim(_claim(tmp_path, text, "96-c.toml"))
+
+
+def test_cv_key_metric_by_hand(tmp_path):
+    _write_run(tmp_path, [(0, 0.2), (4, 0.3)], [0.1] * 4)
+    _add_key(tmp_path, "grad_norm", lambda s: [1.0, 3.0, float("nan"), 5.0][s])
+    # values 1, 3, 5: std 2 (test_std_key_metric_by_hand), mean 3 → cv = 2 / 3
+    m = read_run(tmp_path, None, ["cv:grad_norm"])
+    assert m["cv:grad_norm"] == pytest.approx(2 / 3)
+    _add_key(tmp_path, "zero", lambda s: [1.0, -1.0, 1.0, -1.0][s])  # mean 0: no cv
+    assert read_run(tmp_path, None, ["cv:zero"])["cv:zero"] is None and is_metric("cv:grad_norm")
+
+
+def test_provenance_is_stored(tmp_path):
+    claim = load_claim(_claim(tmp_path, CONFIRMABLE.replace('"eval.every=2"', '"eval.every=2", "threads=1"')))
+    record = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=FakeTrainer(), phase="confirmatory")
+    prov = record["provenance"]
+    import torch
+    import transformers
+
+    assert prov["torch"] == torch.__version__ and prov["transformers"] == transformers.__version__
+    assert prov["threads"] == [1] and prov["cpu_count"] == os.cpu_count() and prov["cpu"] == cpu_model()
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert prov["commit"] == (head.stdout.strip() if head.returncode == 0 else "unknown")
+    assert record["fixed_sha"] and record["claim_sha"] == claim.sha and record["phase"] == "confirmatory"
+    # the CPU model is /proc/cpuinfo's first "model name"
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Test CPU 9000 @ 3.0GHz\n\n"
+                    "processor\t: 1\nmodel name\t: other\n")
+    assert cpu_model(info) == "Test CPU 9000 @ 3.0GHz"
+    regenerate(tmp_path, tmp_path / "docs" / "claims.md")  # (no record saved: just that the page builds)
+    save_record(record, tmp_path / "docs" / "claims.md")
+    page = regenerate(tmp_path, tmp_path / "docs" / "claims.md")
+    assert f"Provenance: commit `{prov['commit'][:12]}`" in page and f"torch {torch.__version__}" in page
+    assert "threads 1." in page
+
+
+@pytest.mark.parametrize("dof", range(1, 31))
+def test_t80_table_is_the_quantile_of_the_t_density(dof):
+    # ∫_0^q f_ν(x) dx must be 0.30 (0.80 − 0.5); Simpson's rule on 2000 intervals
+    q, n = T80[dof - 1], 2000
+    c = math.gamma((dof + 1) / 2) / (math.sqrt(dof * math.pi) * math.gamma(dof / 2))
+    f = lambda x: c * (1 + x * x / dof) ** (-(dof + 1) / 2)  # noqa: E731
+    h = q / n
+    area = h / 3 * (f(0) + f(q) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, n)))
+    assert area == pytest.approx(0.30, abs=2e-6)
+    assert t80(10**6) == pytest.approx(0.841621, abs=1e-5) and t80(40) == pytest.approx(0.850700, abs=1e-4)
+
+
+def test_detectable_effect_by_hand():
+    # n = 5, s = 0.1: (t975(4) + t80(4)) · s / √n = (2.776445 + 0.940965) · 0.1 / 2.236068 = 0.166248
+    assert detectable_effect(0.1, 5) == pytest.approx(0.166248, abs=1e-6)
+    # n = 3, s = 0.0236 (05-cgpo's exploratory pairs): (4.302653 + 1.060660) · 0.0236 / 1.732051 = 0.073078
+    assert detectable_effect(0.0236, 3) == pytest.approx(0.073078, abs=1e-6)
+    assert detectable_effect(None, 1) is None and detectable_effect(0.1, 1) is None
+    effect = {"effect": {"sd": 0.1, "n": 5}}
+    assert detectable_text(effect, "final_accuracy", "greater", 0.0) == "smallest detectable effect ±0.166 at n=5"
+    beyond = detectable_text(effect, "final_accuracy", "greater", 0.05)
+    assert beyond == "smallest detectable effect 0.166 beyond the bound -0.05 at n=5"
+
+
+def test_expected_false_held_by_hand(tmp_path):
+    # one-sided 0.025 per comparison: 74 comparisons → 1.85; 5 → 0.125
+    assert expected_false_held(74) == pytest.approx(1.85) and expected_false_held(5) == pytest.approx(0.125)
+    # a page with one confirmatory comparison (held) and two exploratory ones (claimed vs base and vs worse)
+    claims_dir, docs, _ = _confirmed(tmp_path)
+    worse = '[[configs]]\nlabel = "worse"\nrecipe = "demo"\n'
+    two = GOOD.replace('baseline = "base"', 'baseline = ["base", "worse"]') + worse
+    other = load_claim(_claim(claims_dir, two.replace("99 Test", "98 Other"), "98-other.toml"))
+    save_record(run_claim(other, tmp_path / "runs", console=_quiet(), launch=FakeTrainer()), docs)
+    page = regenerate(claims_dir, docs)
+    assert ("The table judges 3 comparisons (0 mechanism checks not counted): 1 confirmatory (1 held, 0 contradicted, "
+            "0 inconclusive) and 2 exploratory.") in page
+    assert "about 0.025 × 1 = 0.025 of the confirmatory comparisons" in page
+    assert "(0.025 × 3 = 0.075 over all 3)" in page
+
+
+def test_resample_eval_draws_each_seed_its_own_held_out_prompts():
+    from groupwise.config import DataCfg
+    from groupwise.tasks import load_splits
+
+    fixed = load_splits(DataCfg(), 7)[1]
+    assert load_splits(DataCfg(), 8)[1] == fixed  # default: the same test split, in the same order, for every seed
+    seven, again, eight = (load_splits(DataCfg(resample_eval=True), seed)[1] for seed in (7, 7, 8))
+    assert seven == again  # the same seed (both arms of a pair) scores the same prompts
+    key = lambda rows: sorted(r["prompt"] for r in rows)  # noqa: E731
+    assert key(seven) == key(fixed) and len(fixed) == 500  # a reordering of the whole split (arithmetic: 500)
+    # the first eval.size = 200 differ between seeds and from the fixed set
+    assert key(seven[:200]) != key(fixed[:200]) and key(seven[:200]) != key(eight[:200])
+
+
+def test_every_held_or_contradicted_verdict_on_the_page_is_confirmatory():
+    """docs/claims.md as committed: a bold held / contradicted is a confirmatory record over >= 5
+    seeds from 1000 with its provenance, and no confirmed claim file changed its fixed fields."""
+    page = (ROOT / "docs" / "claims.md").read_text()
+    for line in page.splitlines():
+        if line.startswith("| [") and ("**held**" in line or "**contradicted**" in line):
+            slug = re.search(r"\]\(#([^)]+)\)", line).group(1)
+            record = json.loads((ROOT / "docs" / "claims" / f"{slug}.confirm.json").read_text())
+            assert record["phase"] == "confirmatory" and record["seeds"] >= 5 and min(record["seed_list"]) >= 1000, slug
+            assert record["provenance"]["commit"] != "unknown" and record["provenance"]["cpu"], slug
+    for path in SHIPPED_CLAIMS:
+        check_fixed(load_claim(path, check_configs=False), ROOT / "docs" / "claims.md")
+
+
+def test_paper_pages_show_the_verdicts_of_docs_claims():
+    """Each paper page's claim section is what ``groupwise claims`` writes from docs/claims.md (its
+    status lines and the readings), so a page never shows a verdict the records do not have."""
+    from groupwise.claims.pages import paper_pages
+
+    pages = paper_pages(ROOT / "docs" / "claims.md")
+    assert len(pages) >= 40
+    stale = [str(page.relative_to(ROOT)) for page, text in pages.items() if page.read_text() != text]
+    assert stale == [], "regenerate: groupwise claims --docs-only (from the repository root)"
+
+
+def test_status_line_by_hand(tmp_path):
+    from groupwise.claims.pages import claim_section, status_line
+
+    claims_dir, docs, claim = _confirmed(tmp_path)
+    record = json.loads((docs.parent / "claims" / "99-test.confirm.json").read_text())
+    line = status_line(claim, record, None)
+    assert line.startswith("- `99-test` (`final_accuracy`, greater), confirmatory seeds 1000..1001: `better`")
+    assert "**held**" in line
+    explored = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=FakeTrainer())
+    assert "Exploratory seeds 0..1: +0.100 ± 0.000." in status_line(claim, record, explored)
+    alone = status_line(claim, None, explored)
+    assert "held" not in alone and "interval on the claimed side. Not confirmed" in alone
+    page = "# 99\n\n## Claim, as measured\n\nMy summary.\n\n### 99-test\n\nold reading\n\nTable and curves: x\n"
+    rebuilt = claim_section(page, [line], {"99-test": "New\nreading."}, ["99-test"])
+    assert rebuilt.startswith("# 99\n\n## Claim, as measured\n\n<!-- claims-status:")
+    assert "\n<!-- /claims-status -->\n\nMy summary.\n\n### 99-test\n\nNew reading.\n\nTable and curves: " in rebuilt
+    assert claim_section(rebuilt, [line], {"99-test": "New\nreading."}, ["99-test"]) == rebuilt  # idempotent
+
+
+def test_a_replication_is_never_recorded_as_the_verdict(tmp_path):
+    claims_dir, docs = tmp_path / "claims", tmp_path / "docs" / "claims.md"
+    claims_dir.mkdir()
+    claim = load_claim(_claim(claims_dir, CONFIRMABLE))
+    fake = FakeTrainer()
+    record = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=fake, phase="replication", seed_offset=100)
+    assert sorted({seed for _, seed in fake.calls}) == [100, 101] and record["phase"] == "replication"
+    where = save_record(record, docs)
+    assert where == tmp_path / "runs" / "replicate" / "99-test-from100" / "record.json"
+    assert not (docs.parent / "claims").exists()  # nothing in docs/claims/
+    assert "| not run yet |" in regenerate(claims_dir, docs)

@@ -45,6 +45,7 @@ class DataCfg:
     train_size: int = 0  # rows of the train split to use (0 = all)
     on_bad_row: str = "raise"  # raise | skip
     system_prompt: str = ""  # a system message put before every prompt (needs a tokenizer with a chat template)
+    resample_eval: bool = False  # true: each seed scores its own sample of eval.size test prompts
 
 
 @dataclass

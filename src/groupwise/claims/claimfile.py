@@ -2,18 +2,31 @@
 seeded comparison plus the direction the paper claims.
 
 Keys (see ``docs/claims.md``): ``paper``, ``claim``, ``metric`` (one of ``METRICS``, or
-``last:<metrics.jsonl key>`` or ``std:<metrics.jsonl key>``), ``target`` (required for ``*_to_target``), ``direction`` (greater |
-less), ``margin`` (optional, >= 0: a non-inferiority margin for a claim of parity — held when the
-effect's interval lies above −margin for "greater", below +margin for "less"), ``seeds`` (default 3), ``baseline`` (a config label, or a list of them: every claimed config
+``last:`` / ``std:`` / ``cv:`` + a metrics.jsonl key), ``target`` (required for ``*_to_target``),
+``direction`` (greater | less), ``kind`` (``superiority``, the default; ``non_inferiority``, a claim
+of parity — "at least", "preserves", "no worse" —, which needs ``margin`` > 0: held when the effect's
+interval lies above −margin for "greater", below +margin for "less"; ``mechanism``, a claim true by
+construction once the code works, never shown as held), ``margin``, ``companions`` (metrics the main
+one must be read with, shown beside it, not judged), ``exploratory_seeds`` (N: seeds 0..N-1, free to
+look at; default 3), ``confirmatory_seeds`` (N: seeds 1000..1000+N-1, drawn only by
+``groupwise claims --confirm``), ``baseline`` (a config label, or a list of them: every claimed config
 is judged against each), ``claimed`` (optional: one label, or a list; default every config but the
 baselines), ``common`` (overrides for every config), ``[[configs]]`` (``label``, ``recipe``,
 ``overrides``). Every error names the file and the bad key.
+
+**Fixed in advance** (``fixed_fields``): everything that defines the comparison and its reading —
+kind, metric, target, direction, margin, companions, baselines, claimed, common (run length,
+thresholds), configs and the number of confirmatory seeds. A confirmatory record stores them;
+afterwards ``check_fixed`` refuses a claim file whose fixed fields differ (the claim needs a new id,
+and the old file and record stay). The claim sentence, the paper title and comments may change.
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
+import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +34,13 @@ from pathlib import Path
 from groupwise.claims.compare import LABEL_RE, METRICS, TARGET_METRICS, ConfigSpec, is_metric, resolved_key
 from groupwise.errors import ConfigError
 
-KEYS = ("paper", "claim", "metric", "target", "direction", "margin", "seeds", "baseline", "claimed", "common", "configs")
+KEYS = ("paper", "claim", "metric", "target", "direction", "kind", "margin", "companions", "exploratory_seeds",
+        "confirmatory_seeds", "baseline", "claimed", "common", "configs")
+KINDS = ("superiority", "non_inferiority", "mechanism")
+CONFIRM_BASE = 1000  # confirmatory seeds are CONFIRM_BASE.. (the same block for every claim)
+CONFIRM_BLOCK = 1000  # [CONFIRM_BASE, CONFIRM_BASE + CONFIRM_BLOCK): no exploratory or replication seed in it
+# words of a parity / non-inferiority claim: judged against a margin > 0, never against 0
+PARITY_RE = re.compile(r"\b(at least|preserv\w*|no worse|not worse|as good as|matches|unchanged|comparable)\b", re.I)
 CONFIG_KEYS = ("label", "recipe", "overrides")
 REQUIRED = ("paper", "claim", "metric", "direction", "baseline", "configs")
 
@@ -42,11 +61,14 @@ class Claim:
     configs: list[ConfigSpec]
     claimed: list[str]
     target: float | None = None
-    seeds: int = 3
+    exploratory_seeds: int = 3  # seeds 0..N-1, free to look at
     common: list[str] = field(default_factory=list)
     sha: str = ""
     baselines: list[str] = field(default_factory=list)  # every baseline; ``baseline`` is the first
     margin: float = 0.0  # non-inferiority margin (0: the plain direction test)
+    kind: str = "superiority"  # superiority | non_inferiority | mechanism
+    companions: list[str] = field(default_factory=list)  # metrics shown beside the main one, not judged
+    confirmatory_seeds: int | None = None  # seeds CONFIRM_BASE.. drawn by --confirm (None: not confirmable yet)
 
     def __post_init__(self) -> None:
         self.baselines = list(self.baselines) or [self.baseline]
@@ -77,6 +99,9 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ClaimError(f"{where}: not valid TOML: {err}") from None
+    if "seeds" in data:
+        raise ClaimError(f"{where}: key 'seeds' is now 'exploratory_seeds' (seeds 0..N-1, free to look at); "
+                         "the verdict shown is that of 'confirmatory_seeds' (groupwise claims --confirm)")
     _unknown(where, list(data), KEYS)
     for key in REQUIRED:
         if key not in data:
@@ -88,7 +113,9 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     if not is_metric(metric):
         close = difflib.get_close_matches(str(metric), METRICS, n=1)
         raise ClaimError(f"{where}: metric = {metric!r} is not a metric" + (f" (did you mean {close[0]!r}?)" if close else "")
-                         + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % of the steps), std:<a metrics.jsonl key> (its std over the steps)")
+                         + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % "
+                         "of the steps), std:<a metrics.jsonl key> (its std over the steps), cv:<a metrics.jsonl key> "
+                         "(that std over its mean)")
     if data["direction"] not in ("greater", "less"):
         raise ClaimError(f"{where}: direction = {data['direction']!r} must be 'greater' or 'less'")
     target = data.get("target")
@@ -99,9 +126,38 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     margin = data.get("margin", 0.0)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0:
         raise ClaimError(f"{where}: margin = {margin!r} must be a number >= 0 (the non-inferiority margin, in the metric's units)")
-    seeds = data.get("seeds", 3)
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ClaimError(f"{where}: seeds = {seeds!r} must be an integer >= 1")
+    kind = data.get("kind", "non_inferiority" if margin > 0 else "superiority")
+    if kind not in KINDS:
+        raise ClaimError(f"{where}: kind = {kind!r} must be one of {', '.join(KINDS)}")
+    if kind == "non_inferiority" and margin <= 0:
+        raise ClaimError(f"{where}: kind = 'non_inferiority' needs margin > 0 (how much worse still counts as "
+                         "'no worse', in the metric's units, fixed before the confirmatory run)")
+    if kind != "non_inferiority" and margin > 0:
+        raise ClaimError(f"{where}: margin = {margin!r} is a non-inferiority margin: set kind = 'non_inferiority' "
+                         f"(or remove the margin for a {kind} claim)")
+    parity = PARITY_RE.search(data["claim"])
+    if parity and kind == "superiority":
+        raise ClaimError(f"{where}: the claim says {parity.group(0)!r}, a parity / non-inferiority claim, but "
+                         "is judged against 0: set kind = 'non_inferiority' and margin = M > 0 (in the metric's "
+                         "units, fixed before its confirmatory run), or reword the claim as a strict improvement")
+    seeds = data.get("exploratory_seeds", 3)
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= CONFIRM_BASE:
+        raise ClaimError(f"{where}: exploratory_seeds = {seeds!r} must be an integer in 1..{CONFIRM_BASE} "
+                         f"(seeds {CONFIRM_BASE}.. are the confirmatory block)")
+    confirm = data.get("confirmatory_seeds")
+    bad_count = isinstance(confirm, bool) or not isinstance(confirm, int) or not 2 <= confirm <= CONFIRM_BLOCK
+    if confirm is not None and bad_count:
+        raise ClaimError(f"{where}: confirmatory_seeds = {confirm!r} must be an integer in 2..{CONFIRM_BLOCK} "
+                         "(one seed gives no interval)")
+    companions = data.get("companions", [])
+    companions = [companions] if isinstance(companions, str) else companions
+    if not isinstance(companions, list) or not all(is_metric(m) and m != metric for m in companions) \
+            or len(set(companions)) != len(companions):
+        raise ClaimError(f"{where}: companions = {data.get('companions')!r} must be a list of distinct metrics other "
+                         f"than the claim's ({', '.join(METRICS)}, or last:/std:/cv: + a metrics.jsonl key)")
+    timed = [m for m in companions if m in TARGET_METRICS]
+    if timed and target is None:
+        raise ClaimError(f"{where}: companion {timed[0]!r} needs key 'target'")
     common = _overrides(where, "common", data.get("common", []))
     if not isinstance(data["configs"], list) or len(data["configs"]) < 2:
         raise ClaimError(f"{where}: configs must be at least two [[configs]] tables (a baseline and a claimed one)")
@@ -133,9 +189,10 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     for label in claimed:
         if label not in labels or label in baselines:
             raise ClaimError(f"{where}: claimed label {label!r} is not a non-baseline config label; labels: {', '.join(labels)}")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     claim = Claim(path.stem, path, data["paper"], data["claim"], metric, data["direction"], baselines[0], configs,
-                  list(claimed), None if target is None else float(target), seeds, common, hashlib.sha256(path.read_bytes()).hexdigest()[:16], baselines,
-                  float(margin))
+                  list(claimed), None if target is None else float(target), seeds, common, sha, baselines,
+                  float(margin), kind, list(companions), confirm)
     if check_configs:
         for spec in configs:
             try:
@@ -189,3 +246,86 @@ def find_claims(names: list[str], folder: Path | None = None) -> list[Path]:
             raise ClaimError(f"claims: {what} named {name!r} in {where}; available: {names}")
         found.append(matches[0])
     return found
+
+
+# ---------------------------------------------------------------------------------------------- seeds and fixed fields
+PHASES = ("exploratory", "confirmatory", "replication")
+
+
+def claim_seeds(claim: Claim, phase: str = "exploratory", count: int | None = None,
+                offset: int | None = None) -> list[int]:
+    """The seeds a run of ``claim`` draws: ``exploratory`` 0..N-1 (N = ``count`` or the file's
+    ``exploratory_seeds``), ``confirmatory`` CONFIRM_BASE..CONFIRM_BASE+M-1 (M = ``confirmatory_seeds``,
+    nothing else allowed), ``replication`` offset..offset+N-1 (anyone's own seeds; never in the
+    confirmatory block, so a claim not yet confirmed keeps its confirmatory seeds unseen)."""
+    where = f"claims {claim.slug}"
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ClaimError(f"{where}: --seeds must be an integer >= 1, got {count!r}")
+    if phase == "confirmatory":
+        if count is not None or offset is not None:
+            raise ClaimError(f"{where}: --confirm draws the claim file's confirmatory_seeds from seed {CONFIRM_BASE}; "
+                             "--seeds and --seed-offset cannot change them (a confirmatory verdict has a fixed n: "
+                             "no seeds are added after a look)")
+        if claim.confirmatory_seeds is None:
+            raise ClaimError(f"{where}: {claim.path} has no confirmatory_seeds: add confirmatory_seeds = N (N >= 5 for "
+                             "the table) before its first confirmatory run")
+        return list(range(CONFIRM_BASE, CONFIRM_BASE + claim.confirmatory_seeds))
+    n = claim.exploratory_seeds if count is None else count
+    if phase == "exploratory":
+        if offset is not None:
+            raise ClaimError(f"{where}: internal: an exploratory run has no seed offset")
+        if n > CONFIRM_BASE:
+            raise ClaimError(f"{where}: --seeds {n} would reach the confirmatory block (seeds {CONFIRM_BASE}..); "
+                             f"exploratory seeds are 0..{CONFIRM_BASE - 1}")
+        return list(range(n))
+    if phase != "replication":
+        raise ValueError(f"claim_seeds: phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    if offset is None or isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ClaimError(f"{where}: --seed-offset must be an integer >= 0, got {offset!r}")
+    seeds = list(range(offset, offset + n))
+    if seeds[0] < CONFIRM_BASE + CONFIRM_BLOCK and seeds[-1] >= CONFIRM_BASE:
+        raise ClaimError(f"{where}: seeds {seeds[0]}..{seeds[-1]} overlap the confirmatory block "
+                         f"{CONFIRM_BASE}..{CONFIRM_BASE + CONFIRM_BLOCK - 1} (kept unseen for --confirm); "
+                         f"pick an offset below {CONFIRM_BASE - n + 1} or from {CONFIRM_BASE + CONFIRM_BLOCK}")
+    return seeds
+
+
+def fixed_fields(claim: Claim) -> dict:
+    """What a confirmatory run fixes (module docstring), as plain JSON-able data."""
+    return {
+        "kind": claim.kind, "metric": claim.metric, "target": claim.target, "direction": claim.direction,
+        "margin": claim.margin, "companions": list(claim.companions), "baselines": list(claim.baselines),
+        "claimed": list(claim.claimed), "common": list(claim.common),
+        "configs": [{"label": c.label, "recipe": c.recipe, "overrides": list(c.overrides)} for c in claim.configs],
+        "confirmatory_seeds": claim.confirmatory_seeds,
+    }
+
+
+def fixed_sha(fixed: dict) -> str:
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fixed_changes(claim: Claim, record: dict) -> list[str]:
+    """``key (was → now)`` for each fixed field of ``claim`` that differs from the confirmatory ``record``'s."""
+    now, then = fixed_fields(claim), record.get("fixed", {})
+    return [f"{key} ({then.get(key)!r} → {now[key]!r})" for key in now if then.get(key) != now[key]]
+
+
+def confirmatory_record_path(docs: Path, slug: str) -> Path:
+    """``docs/claims/<slug>.confirm.json`` next to ``docs`` (the page)."""
+    return Path(docs).parent / "claims" / f"{slug}.confirm.json"
+
+
+def check_fixed(claim: Claim, docs: Path) -> None:
+    """Refuse a claim file whose fixed fields changed after its confirmatory run (its record in the
+    folder ``claims/`` next to ``docs``)."""
+    path = confirmatory_record_path(docs, claim.slug)
+    if not path.exists():
+        return
+    record = json.loads(path.read_text())
+    changes = fixed_changes(claim, record)
+    if changes:
+        raise ClaimError(f"{claim.path}: changed after its confirmatory run ({path}, {record.get('date', '?')}): "
+                         f"{'; '.join(changes)}. A confirmed claim's fixed fields cannot change: restore them, or "
+                         f"copy the file under a new id (e.g. {claim.slug}-2.toml, also listed in its paper.toml) and "
+                         "change that one; the old file and its record stay")

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 COMPARE_USAGE = "groupwise compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [--metric last:KEY ...] [key=value ...]"
-CLAIMS_USAGE = "groupwise claims [NAMES...] [--seeds N] [--out DIR] [--claims-dir DIR] [--docs FILE] [--docs-only] [key=value ...]"
+CLAIMS_USAGE = ("groupwise claims [NAMES...] [--confirm | --seed-offset K] [--seeds N] [--out DIR] [--claims-dir DIR] "
+                "[--docs FILE] [--docs-only] [key=value ...]")
 
 
 def cmd_compare(args: list[str]) -> int:
@@ -33,15 +34,26 @@ def cmd_compare(args: list[str]) -> int:
 def cmd_claims(args: list[str]) -> int:
     from rich.console import Console
 
-    from groupwise.claims.claimfile import find_claims, load_claim
-    from groupwise.claims.report import regenerate, run_claim, save_record
+    from groupwise.claims.claimfile import ClaimError, check_fixed, claim_seeds, find_claims, load_claim
+    from groupwise.claims.report import regenerate, run_claim, save_record, shown_verdict
 
     parser = argparse.ArgumentParser(prog="groupwise claims", usage=CLAIMS_USAGE,
                                      description="Run claim files (all of papers/*/claims/ and claims/, or the named "
-                                                 "ones) and rewrite docs/claims.md.")
-    parser.add_argument("words", nargs="*", help="claim names (48-sign, 48, or a path); key=value overrides added to every run")
-    parser.add_argument("--seeds", type=int, default=None, help="override every claim's seeds")
-    parser.add_argument("--out", default="runs/claims", help="run folders go to OUT/<slug>/ (default runs/claims)")
+                                                 "ones) and rewrite docs/claims.md. Without --confirm: the "
+                                                 "exploratory seeds 0..N-1 (free to look at); the table shows a "
+                                                 "claim's confirmatory verdict once --confirm has run it.")
+    parser.add_argument("words", nargs="*", help="claim names (48-sign, 48, or a path); key=value overrides added to "
+                                                  "every run (not with --confirm)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="override the number of exploratory (or replication) seeds")
+    parser.add_argument("--confirm", action="store_true",
+                        help="run the claim file's confirmatory_seeds (seeds 1000..) and record the verdict the table "
+                             "shows; its fixed fields cannot change afterwards")
+    parser.add_argument("--seed-offset", type=int, default=None, metavar="K",
+                        help="replicate on your own seeds K..K+N-1 (not 1000..1999); the record stays in its run "
+                             "folder")
+    parser.add_argument("--out", default="runs/claims", help="run folders: OUT/<slug>/, OUT/confirm/<slug>/, "
+                                                              "OUT/replicate/<slug>-from<K>/ (default runs/claims)")
     parser.add_argument("--claims-dir", default=None,
                         help="folder of claim files (default: papers/*/claims/ and claims/)")
     parser.add_argument("--docs", default="docs/claims.md", help="page to regenerate (default docs/claims.md)")
@@ -50,15 +62,30 @@ def cmd_claims(args: list[str]) -> int:
     names = [w for w in ns.words if "=" not in w]
     extra = [w for w in ns.words if "=" in w]
     console, docs = Console(stderr=True), Path(ns.docs)
+    if ns.confirm and ns.seed_offset is not None:
+        raise ClaimError("claims: --confirm and --seed-offset exclude each other (a replication is never the "
+                         "confirmatory verdict)")
+    phase = "confirmatory" if ns.confirm else "replication" if ns.seed_offset is not None else "exploratory"
     if not ns.docs_only:
         paths = find_claims(names, Path(ns.claims_dir) if ns.claims_dir else None)
         claims = [load_claim(p) for p in paths]  # every file is checked before anything runs
         for claim in claims:
-            console.rule(f"[bold]{claim.slug}[/]: {claim.claim}")
-            record = run_claim(claim, Path(ns.out), ns.seeds, extra, console)
-            save_record(record, docs)
+            check_fixed(claim, docs)
+            claim_seeds(claim, phase, ns.seeds, ns.seed_offset)
+        for claim in claims:
+            console.rule(f"[bold]{claim.slug}[/] ({phase}): {claim.claim}")
+            record = run_claim(claim, Path(ns.out), ns.seeds, extra, console, phase=phase, seed_offset=ns.seed_offset)
+            where = save_record(record, docs)
             for e in record["effects"]:
-                console.print(f"[bold]{claim.slug}[/] {claim.metric}: {e['claimed']} − {e['baseline']} = {e['effect_text']} → [bold]{e['verdict']}[/] ({e['reason']})", soft_wrap=True)
+                shown = shown_verdict(claim.kind, phase, e["verdict"], "").replace("**", "").rstrip("; ")
+                console.print(f"[bold]{claim.slug}[/] {claim.metric}: {e['claimed']} − {e['baseline']} = "
+                              f"{e['effect_text']} → {e['verdict']}, shown as {shown} ({e['reason']}); "
+                              f"record {where}", soft_wrap=True)
     regenerate(Path(ns.claims_dir) if ns.claims_dir else None, docs)
     console.print(f"wrote {docs}")
+    if ns.claims_dir is None and docs.resolve() == Path("docs/claims.md").resolve():  # the repository's own page
+        from groupwise.claims.pages import write_paper_pages
+
+        for page in write_paper_pages(docs):
+            console.print(f"wrote {page}")
     return 0

@@ -25,6 +25,9 @@ such a child before it starts that run again.
 - ``std:<key>``: the standard deviation (n − 1) of a ``metrics.jsonl`` key's finite values over every
   step that logs it (``std:grad_norm``: how much the gradient norm varies from step to step);
   ``None`` with fewer than two values.
+- ``cv:<key>``: its coefficient of variation, ``std:<key>`` / |mean| over the same steps (spread
+  relative to size: a gradient norm that halves halves its std but keeps its cv); ``None`` with fewer
+  than two values or a zero mean.
 
 A run that never reached the target counts, in every statistic, as its budget (all its steps /
 all its training seconds): a lower bound, printed with ``≥`` and the count reached.
@@ -54,7 +57,8 @@ METRICS = ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_t
 TARGET_METRICS = ("steps_to_target", "seconds_to_target")
 LAST = "last:"  # prefix of a metric read from any metrics.jsonl key (module docstring)
 STD = "std:"  # prefix of a metric's spread over the steps (module docstring)
-KEYED = (LAST, STD)  # the prefixes of a metric named by a metrics.jsonl key
+CV = "cv:"  # prefix of a metric's spread relative to its mean (module docstring)
+KEYED = (LAST, STD, CV)  # the prefixes of a metric named by a metrics.jsonl key
 BUDGET = {"steps_to_target": "step_budget", "seconds_to_target": "seconds_budget"}
 DIGITS = {"final_accuracy": 3, "final_pass_at_k": 3, "steps_to_target": 1, "seconds_to_target": 1, "reward_area": 3, "last_reward": 3, "wall_seconds": 1}
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -73,7 +77,7 @@ class ConfigSpec:
 
 
 def is_metric(name: object) -> bool:
-    """One of ``METRICS``, or ``last:<metrics.jsonl key>`` / ``std:<metrics.jsonl key>``."""
+    """One of ``METRICS``, or ``last:`` / ``std:`` / ``cv:`` + a metrics.jsonl key."""
     return isinstance(name, str) and (name in METRICS or any(name.startswith(p) and bool(name[len(p):].strip()) for p in KEYED))
 
 
@@ -94,6 +98,17 @@ def std_of(rows: list[dict], key: str) -> float | None:
         return None
     mean = sum(values) / len(values)
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def cv_of(rows: list[dict], key: str) -> float | None:
+    """``std_of`` / |mean| of the same values; None with fewer than two values or a zero mean."""
+    std = std_of(rows, key)
+    if std is None:
+        return None
+    values = [float(r[key]) for r in rows
+              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    mean = sum(values) / len(values)
+    return None if mean == 0 else std / abs(mean)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -214,6 +229,8 @@ def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list
             out[name] = last_of(rows, name[len(LAST):])
         elif name.startswith(STD):
             out[name] = std_of(rows, name[len(STD):])
+        elif name.startswith(CV):
+            out[name] = cv_of(rows, name[len(CV):])
     if target is not None:
         hit = next((s for s, a in evals if a >= target), None)
         if hit is not None:
@@ -263,9 +280,16 @@ def summarise(runs: list[dict], target: float | None, metrics: tuple[str, ...] |
 
 
 # ---------------------------------------------------------------------------------------------- the comparison
+def seed_text(seeds: list[int]) -> str:
+    """``0..4`` for a consecutive block, else the list: ``0, 2, 5``."""
+    if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}..{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
 def compare(
     specs: list[ConfigSpec],
-    seeds: int,
+    seeds: int | list[int],
     out: Path,
     shared: list[str] = (),
     target: float | None = None,
@@ -275,23 +299,27 @@ def compare(
     metrics: tuple[str, ...] | list[str] = (),
 ) -> dict[str, Any]:
     """Run every config × seed (resuming), then write ``compare.json``, ``compare.md``, ``curves.png``;
-    ``metrics``: extra ``last:<key>`` metrics to read and summarise (a column each)."""
+    ``seeds``: a count N (seeds 0..N-1) or the list of seeds; ``metrics``: extra ``last:<key>``
+    metrics to read and summarise (a column each)."""
     from rich.console import Console
     from rich.markup import escape
 
     console = console or Console(stderr=True)
     check_specs(specs)
-    if seeds < 1:
-        raise ConfigError(f"compare: --seeds must be >= 1, got {seeds}")
+    seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    if not seed_list or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seed_list) \
+            or len(set(seed_list)) != len(seed_list):
+        raise ConfigError(f"compare: seeds must be a count >= 1 or distinct integers >= 0, got {seeds!r}")
     if target is not None and not 0 < target <= 1:
         raise ConfigError(f"compare: --target is a held-out accuracy in (0, 1], got {target}")
     metrics = [m for m in metrics if m not in METRICS]
     for name in metrics:
         if not is_metric(name):
-            raise ConfigError(f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key>, std:<a metrics.jsonl key>")
+            raise ConfigError(f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, "
+                              "or last:<a metrics.jsonl key>, std:<a metrics.jsonl key>, cv:<a metrics.jsonl key>")
     out, shared = Path(out), list(shared)
     plan = []
-    for seed in range(seeds):  # seed-major: an interrupted compare still has paired seeds
+    for seed in seed_list:  # seed-major: an interrupted compare still has paired seeds
         for spec in specs:
             folder = out / spec.label / f"seed{seed}"
             overrides = run_overrides(spec, shared, seed, folder)
@@ -340,7 +368,8 @@ def compare(
         runs[spec.label].append(record)
     result = {
         "title": title or " vs ".join(s.label for s in specs),
-        "seeds": seeds,
+        "seeds": len(seed_list),
+        "seed_list": seed_list,
         "shared": shared,
         "target": target,
         "metrics": metrics,
@@ -383,7 +412,8 @@ def compare_markdown(result: dict) -> str:
     head += ["reward area", "last reward", *[f"`{m}`" for m in result.get("metrics", [])], "wall s / run"]
     keys += ["reward_area", "last_reward", *result.get("metrics", []), "wall_seconds"]
     lines = [f"# compare: {result['title']}", "",
-             f"Seeds 0..{result['seeds'] - 1}; shared overrides: `{' '.join(result['shared']) or '(none)'}`"
+             f"Seeds {seed_text(result.get('seed_list') or list(range(result['seeds'])))}; "
+             f"shared overrides: `{' '.join(result['shared']) or '(none)'}`"
              + ("" if target is None else f"; target held-out accuracy {target}") + ".", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in result["configs"]:
@@ -394,7 +424,8 @@ def compare_markdown(result: dict) -> str:
     lines += ["", "Mean ± 95 % Student-t interval over seeds (n − 1 degrees of freedom). Steps / seconds to "
               "target: a run that never reached it counts as its whole budget, so `≥` marks a lower bound. "
               "Reward area: mean batch reward over all steps; last reward: over the last 10 % of steps "
-              "(`last:KEY`: the same for the metrics.jsonl key KEY; `std:KEY`: its standard deviation over the steps). "
+              "(`last:KEY`: the same for the metrics.jsonl key KEY; `std:KEY`: its standard deviation over the steps; "
+              "`cv:KEY`: that standard deviation over its mean). "
               "Seconds are training time (`step_seconds`), evaluation excluded.", "", "![curves](curves.png)", "",
               "## Runs", "", "| config | seed | status | acc before | acc after | steps to target | reward area | wall s | folder |", "|---|---|---|---|---|---|---|---|---|"]
     for c in result["configs"]:

@@ -14,11 +14,21 @@
     (direction "less" swaps held and contradicted)
     with a non-inferiority ``margin`` m > 0, 0 above is −m (greater) or +m (less)
 
+    detectable effect (80 % power, the interval's 95 % two-sided level)
+        mde  = (t_{0.975}(n − 1) + t_{0.80}(n − 1)) · s(d) / sqrt(n)
+    the smallest true distance from 0 (or from the margin's bound) that n paired seeds with the
+    spread s(d) would show with probability about 0.8: the usual normal-theory sample-size formula
+    with t quantiles in place of z (a slight underestimate of the exact noncentral-t answer at small n).
+
+    false "held" by chance: each verdict's side is a one-sided test at 0.025 (half the two-sided
+    5 %), so m comparisons whose true effect sits exactly at the bound give 0.025 · m expected
+    "held" (and as many "contradicted"); at 74 comparisons, 1.85.
+
 **Notes**
 
-1. ``t_{0.975}(ν)`` is a table for ν = 1..30 (checked in ``tests/test_claims.py`` against the
-   integrated t density); above 30 the Cornish–Fisher expansion around the normal quantile
-   z = 1.959964 is used (error < 1e-5 for ν > 30).
+1. ``t_{0.975}(ν)`` and ``t_{0.80}(ν)`` are tables for ν = 1..30 (checked in ``tests/test_claims.py``
+   against the integrated t density); above 30 the Cornish–Fisher expansion around the normal
+   quantile (z = 1.959964, 0.841621) is used (error < 1e-5 for ν > 30).
 2. Censoring (a run that never reached the target): its value is the run's budget, a lower
    bound of the true value. A censored claimed run can only push the true ``d`` up, a censored
    baseline run only down; a verdict whose side of 0 such a push could undo becomes
@@ -37,17 +47,47 @@ T975 = (
     2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272,
 )
 Z975 = 1.959963985
+# 0.80 quantiles of Student's t with ν = 1..30 (the power term of the detectable effect)
+T80 = (
+    1.376382, 1.060660, 0.978472, 0.940965, 0.919544, 0.905703, 0.896030, 0.888890, 0.883404, 0.879058,
+    0.875530, 0.872609, 0.870152, 0.868055, 0.866245, 0.864667, 0.863279, 0.862049, 0.860951, 0.859964,
+    0.859074, 0.858266, 0.857530, 0.856855, 0.856236, 0.855665, 0.855137, 0.854647, 0.854192, 0.853767,
+)
+Z80 = 0.841621234
+ONE_SIDED_LEVEL = 0.025  # each side of a two-sided 95 % interval
+
+
+def _quantile(table: tuple[float, ...], z: float, dof: int, name: str) -> float:
+    if not isinstance(dof, int) or dof < 1:
+        raise ValueError(f"{name}: degrees of freedom must be an integer >= 1, got {dof!r}")
+    if dof <= len(table):
+        return table[dof - 1]
+    v = float(dof)  # Cornish–Fisher expansion of the t quantile around the normal one
+    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3))
 
 
 def t975(dof: int) -> float:
     """0.975 quantile of Student's t with ``dof`` degrees of freedom (95 % two-sided)."""
-    if not isinstance(dof, int) or dof < 1:
-        raise ValueError(f"t975: degrees of freedom must be an integer >= 1, got {dof!r}")
-    if dof <= len(T975):
-        return T975[dof - 1]
-    z, v = Z975, float(dof)
-    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3))
+    return _quantile(T975, Z975, dof, "t975")
+
+
+def t80(dof: int) -> float:
+    """0.80 quantile of Student's t with ``dof`` degrees of freedom (80 % power)."""
+    return _quantile(T80, Z80, dof, "t80")
+
+
+def detectable_effect(sd: float | None, n: int) -> float | None:
+    """Smallest effect n paired seeds with spread ``sd`` detect with ~80 % power at the 95 % interval:
+    (t_{0.975}(n − 1) + t_{0.80}(n − 1)) · sd / sqrt(n); None without a spread (n < 2)."""
+    if sd is None or n < 2:
+        return None
+    return (t975(n - 1) + t80(n - 1)) * sd / math.sqrt(n)
+
+
+def expected_false_held(comparisons: int, level: float = ONE_SIDED_LEVEL) -> float:
+    """Expected number of "held" by chance among ``comparisons`` whose true effect is at the bound."""
+    return comparisons * level
 
 
 @dataclass

@@ -64,10 +64,20 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
+def resampled(held: list[dict], seed: int) -> list[dict]:
+    """``data.resample_eval``: the held-out rows in a ``seed``-shuffled order, so the first
+    ``eval.size`` of them are the seed's own sample of the test split (without replacement). The
+    shuffle has its own stream (``heldout:<seed>``), not the training draw's."""
+    rows = list(held)
+    random.Random(f"heldout:{seed}").shuffle(rows)
+    return rows
+
+
 def load_splits(data_cfg, seed: int, own_rewards: bool = False) -> tuple[list[dict], list[dict], str]:
     """(train rows, held-out rows, default reward name) for a run's ``[data]`` section. A run that
     scores training with its own rewards (``own_rewards``) needs no ``answer`` column in its
-    training rows; the held-out rows keep it (the default eval reward compares with it)."""
+    training rows; the held-out rows keep it (the default eval reward compares with it). With
+    ``data.resample_eval`` the held-out rows come in the seed's order (``resampled``)."""
     if data_cfg.path:
         from groupwise.tasks.data import load_rows
 
@@ -76,6 +86,8 @@ def load_splits(data_cfg, seed: int, own_rewards: bool = False) -> tuple[list[di
         held = load_rows(data_cfg.eval_path, columns=columns, on_bad_row=data_cfg.on_bad_row).rows if data_cfg.eval_path else []
         if data_cfg.train_size > 0:
             train = train[: data_cfg.train_size]
-        return train, held, "exact"
+        return train, resampled(held, seed) if data_cfg.resample_eval else held, "exact"
     task = get_task(data_cfg.task)
-    return task.rows("train", data_cfg.train_size, seed), task.rows("test", 0, seed), task.reward
+    held = task.rows("test", 0, seed)
+    held = resampled(held, seed) if data_cfg.resample_eval else held
+    return task.rows("train", data_cfg.train_size, seed), held, task.reward
