@@ -35,7 +35,14 @@ def probe(configs: dict[str, dict[str, Any]], threads: int) -> dict[str, Any]:
     finally:
         torch.set_num_threads(previous)
     on, reason = precision.decide(fp32, bf16)
-    return {"on": on, "reason": reason, "fp32_gflops": fp32, "bf16_gflops": bf16, "shape": [rows, inner, outer], "threads": threads}
+    return {
+        "on": on,
+        "reason": reason,
+        "fp32_gflops": fp32,
+        "bf16_gflops": bf16,
+        "shape": [rows, inner, outer],
+        "threads": threads,
+    }
 
 
 def bf16_cells(cells: list[Cell], patterns: str = BF16_CELLS) -> list[Cell]:
@@ -58,6 +65,8 @@ def absent_note(decision: dict[str, Any] | None) -> str:
 
 def present_note(decision: dict[str, Any]) -> str:
     """The line under the results table when bf16 rows were run."""
-    return (f"_Rows ending `-bf16`: the same cell with bfloat16 matrix products (groupwise `model.matmul=bfloat16` over "
-            f"float32 master weights; TRL `bf16=True`), GEMM floor and FLOP efficiency in bfloat16 — {decision['reason']}, "
-            f"GEMM {decision['shape'][0]}×{decision['shape'][1]}×{decision['shape'][2]} at {decision['threads']} thread(s)._")
+    return (
+        f"_Rows ending `-bf16`: the same cell with bfloat16 matrix products (groupwise `model.matmul=bfloat16` over "
+        f"float32 master weights; TRL `bf16=True`), GEMM floor and FLOP efficiency in bfloat16 — {decision['reason']}, "
+        f"GEMM {decision['shape'][0]}×{decision['shape'][1]}×{decision['shape'][2]} at {decision['threads']} thread(s)._"
+    )

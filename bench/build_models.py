@@ -22,7 +22,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from common import MODELS, parameter_counts
 
 EOS_MARGIN = 4.0
@@ -56,16 +55,22 @@ def build(preset: str, force: bool = False) -> Path:
     model.config.max_position_embeddings = MAX_POSITIONS
     tokenizer.model_max_length = MAX_POSITIONS
     save_pretrained(model, tokenizer, folder)
-    record.write_text(json.dumps({
-        "version": VERSION,
-        "preset": preset,
-        "seed": 0,
-        "vocab_size": len(tokenizer),
-        "eos_token_id": tokenizer.eos_token_id,
-        "eos_margin": EOS_MARGIN,
-        "max_position_embeddings": MAX_POSITIONS,
-        **parameter_counts(model),
-    }, indent=2) + "\n")
+    record.write_text(
+        json.dumps(
+            {
+                "version": VERSION,
+                "preset": preset,
+                "seed": 0,
+                "vocab_size": len(tokenizer),
+                "eos_token_id": tokenizer.eos_token_id,
+                "eos_margin": EOS_MARGIN,
+                "max_position_embeddings": MAX_POSITIONS,
+                **parameter_counts(model),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return folder
 
 
@@ -79,13 +84,25 @@ def check_no_eos(preset: str, rows: int = 32, length: int = 128) -> dict[str, fl
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = tokenizer(["12+34="] * rows, return_tensors="pt")
     torch.manual_seed(0)
-    out = model.generate(**ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         return_dict_in_generate=True, output_logits=True)
-    completions = out.sequences[:, ids["input_ids"].shape[1]:]  # [rows,T]
+    out = model.generate(
+        **ids,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=length,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    completions = out.sequences[:, ids["input_ids"].shape[1] :]  # [rows,T]
     logp = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)  # [rows,T,V]
     short = (completions == tokenizer.eos_token_id).any(dim=1)
-    return {"early_stop_fraction": float(short.float().mean()), "max_eos_logprob": float(logp[..., tokenizer.eos_token_id].max())}
+    return {
+        "early_stop_fraction": float(short.float().mean()),
+        "max_eos_logprob": float(logp[..., tokenizer.eos_token_id].max()),
+    }
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ import os
 import platform
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -55,11 +56,17 @@ class Cell:
     warmup: int = 2  # steps run before timing starts
     steps: int = 5  # timed steps (one step = one rollout + its mu optimiser steps)
     max_pairs: int = 0  # cap on A/B pairs for this cell (0 = no cap)
-    matmul: str = "float32"  # float32 | bfloat16: the products' dtype (groupwise model.matmul; TRL bf16=True), bench/bf16.py
+    matmul: str = (
+        "float32"  # float32 | bfloat16: the products' dtype (groupwise model.matmul; TRL bf16=True), bench/bf16.py
+    )
 
     @property
     def name(self) -> str:
-        extra = ("" if self.loss == "dapo" else f"-{self.loss}") + (f"-beta{self.beta:g}" if self.beta else "") + (f"-mu{self.mu}" if self.mu != 1 else "")
+        extra = (
+            ("" if self.loss == "dapo" else f"-{self.loss}")
+            + (f"-beta{self.beta:g}" if self.beta else "")
+            + (f"-mu{self.mu}" if self.mu != 1 else "")
+        )
         extra += "-bf16" if self.matmul == "bfloat16" else ""
         return f"{self.preset}-{self.prompts}x{self.group}-L{self.length}{extra}"
 
@@ -85,17 +92,26 @@ def matrix() -> list[Cell]:
     (``*_warmup_s`` in the results), so their ratios stand; the 30M cell is warmed up because its
     FLOP efficiency is judged on its own.
     """
+
     def cell(preset: str, prompts: int, length: int, warmup: int, steps: int, max_pairs: int = 1, **kw: Any) -> Cell:
         return Cell(preset, prompts, 8, length, warmup=warmup, steps=steps, max_pairs=max_pairs, **kw)
 
     return [
-        cell("tiny", 1, 16, 2, 5, max_pairs=0), cell("tiny", 1, 128, 1, 3),
-        cell("tiny", 4, 16, 2, 5, max_pairs=0), cell("tiny", 4, 128, 1, 2),
-        cell("tiny", 64, 16, 1, 2), cell("tiny", 64, 128, 0, 1),
-        cell("small", 1, 16, 2, 4, max_pairs=0), cell("small", 1, 128, 1, 1),
-        cell("small", 4, 16, 1, 2), cell("small", 4, 128, 1, 1),
-        cell("small", 64, 16, 0, 1), cell("small", 64, 128, 0, 1),
-        cell("medium", 4, 128, 1, 1),  # warmed up: its FLOP efficiency is a target, and a cold first step is ~15 % slower
+        cell("tiny", 1, 16, 2, 5, max_pairs=0),
+        cell("tiny", 1, 128, 1, 3),
+        cell("tiny", 4, 16, 2, 5, max_pairs=0),
+        cell("tiny", 4, 128, 1, 2),
+        cell("tiny", 64, 16, 1, 2),
+        cell("tiny", 64, 128, 0, 1),
+        cell("small", 1, 16, 2, 4, max_pairs=0),
+        cell("small", 1, 128, 1, 1),
+        cell("small", 4, 16, 1, 2),
+        cell("small", 4, 128, 1, 1),
+        cell("small", 64, 16, 0, 1),
+        cell("small", 64, 128, 0, 1),
+        cell(
+            "medium", 4, 128, 1, 1
+        ),  # warmed up: its FLOP efficiency is a target, and a cold first step is ~15 % slower
         # the algorithm variants, each against the base tiny-4x8-L16 cell
         cell("tiny", 4, 16, 1, 3, loss="grpo"),
         cell("tiny", 4, 16, 1, 3, beta=0.04),
@@ -105,8 +121,10 @@ def matrix() -> list[Cell]:
 
 def quick_matrix() -> list[Cell]:
     """``--quick``: two small cells (base, and grpo loss + KL + mu=2), 1 warm-up step and 2 timed steps."""
-    return [Cell("tiny", 4, 8, 16, warmup=1, steps=2),
-            Cell("tiny", 4, 8, 16, loss="grpo", beta=0.04, mu=2, warmup=1, steps=2)]
+    return [
+        Cell("tiny", 4, 8, 16, warmup=1, steps=2),
+        Cell("tiny", 4, 8, 16, loss="grpo", beta=0.04, mu=2, warmup=1, steps=2),
+    ]
 
 
 def select(cells: Sequence[Cell], patterns: str) -> list[Cell]:
@@ -165,11 +183,12 @@ def greedy_accuracy(model: Any, tokenizer: Any, rows: Sequence[dict], max_new_to
     import inspect
 
     import torch
-
     from rewards import exact_answer  # noqa: E402 (bench/ is on sys.path)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"  # renamed in transformers 5.x
+    cache_kw = (
+        "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    )  # renamed in transformers 5.x
 
     def returned_cache(output):
         cache = output.get("cache")
@@ -189,8 +208,8 @@ def greedy_accuracy(model: Any, tokenizer: Any, rows: Sequence[dict], max_new_to
                 ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [n,P]
                 mask = torch.zeros(len(chunk), width, dtype=torch.long)  # [n,P]
                 for i, e in enumerate(encoded):
-                    ids[i, width - len(e):] = torch.tensor(e)
-                    mask[i, width - len(e):] = 1
+                    ids[i, width - len(e) :] = torch.tensor(e)
+                    mask[i, width - len(e) :] = 1
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [n,P]
                 out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
                 cache = returned_cache(out)
@@ -205,8 +224,13 @@ def greedy_accuracy(model: Any, tokenizer: Any, rows: Sequence[dict], max_new_to
                     if bool(done.all()) or t + 1 == max_new_tokens:
                         break
                     mask = torch.cat([mask, torch.ones(len(chunk), 1, dtype=torch.long)], dim=1)
-                    out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=(last_pos + t + 1)[:, None],
-                                use_cache=True, **{cache_kw: cache})
+                    out = model(
+                        input_ids=nxt[:, None],
+                        attention_mask=mask,
+                        position_ids=(last_pos + t + 1)[:, None],
+                        use_cache=True,
+                        **{cache_kw: cache},
+                    )
                     cache = returned_cache(out)
                     nxt = out.logits[:, -1].argmax(-1)
                 generated = torch.stack(tokens, dim=1).tolist()  # [n,T]
@@ -307,8 +331,13 @@ def import_floor_rss_mb() -> dict[str, float]:
     probe = "import {}\nprint(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
     floors = {}
     for name, modules in (("torch", "torch"), ("torch_transformers_modeling", "torch, transformers.modeling_utils")):
-        done = subprocess.run([sys.executable, "-c", probe.format(modules)], capture_output=True, text=True,
-                              env={**os.environ, **OFFLINE_ENV}, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", probe.format(modules)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **OFFLINE_ENV},
+            check=False,
+        )
         if done.returncode == 0 and done.stdout.strip().isdigit():
             floors[name] = int(done.stdout.strip()) / 1024.0
     return floors

@@ -39,9 +39,9 @@ def _pass(state, step, rows: int, tokens: int) -> list[float]:
 
 def main(argv: list[str]) -> int:
     import torch
+    from build_models import build
     from transformers import AutoModelForCausalLM
 
-    from build_models import build
     from groupwise.policy.functional import DecodeState
 
     preset = argv[0] if argv else "tiny"
@@ -60,9 +60,11 @@ def main(argv: list[str]) -> int:
         compiled_s = statistics.median(_pass(compiled, step, rows, tokens))
     saved = (eager_s - compiled_s) * (tokens - 1)  # per rollout
     payback = f"{first / saved:,.0f} rollouts" if saved > 0 else "never (the compiled step is not faster)"
-    print(f"{preset}, {rows} rows, {tokens - 1} decode steps, {torch.get_num_threads()} thread(s): eager step {eager_s * 1e3:.3f} ms, "
-          f"compiled {compiled_s * 1e3:.3f} ms ({eager_s / compiled_s:.2f}x); first compiled pass {first:.1f} s; "
-          f"the compile pays back after {payback}")
+    print(
+        f"{preset}, {rows} rows, {tokens - 1} decode steps, {torch.get_num_threads()} thread(s): eager step {eager_s * 1e3:.3f} ms, "
+        f"compiled {compiled_s * 1e3:.3f} ms ({eager_s / compiled_s:.2f}x); first compiled pass {first:.1f} s; "
+        f"the compile pays back after {payback}"
+    )
     return 0
 
 

@@ -31,7 +31,12 @@ def _layer_products(config: dict[str, Any], tokens: int) -> list[tuple[int, int,
     """(M, K, N) of one decoder layer's weight products for ``tokens`` rows: q|k|v, o, gate|up, down."""
     d, hd = config["hidden_size"], config["head_dim"]
     heads, kv_heads, inter = config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]
-    return [(tokens, d, (heads + 2 * kv_heads) * hd), (tokens, heads * hd, d), (tokens, d, 2 * inter), (tokens, inter, d)]
+    return [
+        (tokens, d, (heads + 2 * kv_heads) * hd),
+        (tokens, heads * hd, d),
+        (tokens, d, 2 * inter),
+        (tokens, inter, d),
+    ]
 
 
 def _forward(config: dict[str, Any], tokens: int, head_rows: int) -> Counter:
@@ -101,7 +106,9 @@ def prompt_tokens(preset: str = "tiny", sample: int = 2000) -> int:
     return round(sum(len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]) / len(prompts))
 
 
-def gemm_floors(cells: list[Cell], configs: dict[str, dict[str, Any]], prompt_tokens: int, threads: int) -> dict[str, float]:
+def gemm_floors(
+    cells: list[Cell], configs: dict[str, dict[str, Any]], prompt_tokens: int, threads: int
+) -> dict[str, float]:
     """Seconds of GEMM floor per cell name, in the cell's products' dtype (``cell.matmul``: the bf16 rows'
     floor is timed in bfloat16); a shape and dtype shared between cells is timed once."""
     import torch

@@ -31,7 +31,11 @@ def ode_samples(policy: FlowPolicy) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(x_final [32,16,2], labels [32], mean region reward) of the ODE sampler on the fixed seed set."""
     ode = FlowPolicy(sde="none", hidden=policy.config["hidden"])
     ode.load_state_dict(policy.state_dict())
-    ro = ode.generate([Request(key=1000 + k, n=16, prompt=k % 4) for k in range(32)], {}, StepInfo(step=0, seed=1234, max_new_tokens=0))
+    ro = ode.generate(
+        [Request(key=1000 + k, n=16, prompt=k % 4) for k in range(32)],
+        {},
+        StepInfo(step=0, seed=1234, max_new_tokens=0),
+    )
     labels = torch.tensor([p[0] for p in ro.prompt_ids])  # [32]
     return ro.extras["x_final"], labels, region_reward(ro.extras["x_final"], labels).mean().item()
 
@@ -63,7 +67,9 @@ def panel(ax, x: torch.Tensor, labels: torch.Tensor, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "flow_toy_before_after.png"))
+    parser.add_argument(
+        "--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "flow_toy_before_after.png")
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     import tempfile

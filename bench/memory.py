@@ -24,15 +24,29 @@ def main(argv: list[str]) -> int:
     if not argv or ":" not in argv[0]:
         raise SystemExit(__doc__)
     import torch
-
     from worker import groupwise_overrides, groupwise_trainer
 
     cell, overrides, steps = parse_cell(argv[0]), argv[1:], 2
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as out:
-        trainer = groupwise_trainer(groupwise_overrides(
-            model=str(MODELS / cell.preset), threads=threads, out=out, prompts=cell.prompts, group=cell.group, length=cell.length,
-            loss=cell.loss, beta=cell.beta, mu=cell.mu, lr=cell.lr, epsilon=cell.epsilon, micro_groups=cell.micro, steps=steps) + overrides)
+        trainer = groupwise_trainer(
+            groupwise_overrides(
+                model=str(MODELS / cell.preset),
+                threads=threads,
+                out=out,
+                prompts=cell.prompts,
+                group=cell.group,
+                length=cell.length,
+                loss=cell.loss,
+                beta=cell.beta,
+                mu=cell.mu,
+                lr=cell.lr,
+                epsilon=cell.epsilon,
+                micro_groups=cell.micro,
+                steps=steps,
+            )
+            + overrides
+        )
         print(f"{cell.name} {' '.join(overrides) or '(defaults)'}: built, resident {rss_mb():,.0f} MB")
         marks: dict[str, tuple[float, float, float]] = {}
 
@@ -43,6 +57,7 @@ def main(argv: list[str]) -> int:
                 result = phase(*args, **kwargs)
                 marks[name] = (before, peak_rss_mb(), rss_mb())
                 return result
+
             return run
 
         trainer.collect, trainer.update = windowed("collect", trainer.collect), windowed("update", trainer.update)

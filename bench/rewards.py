@@ -8,10 +8,13 @@ arrive as text with the EOS token already removed by both frameworks.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
-def exact_answer(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float]:
+def exact_answer(
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any
+) -> list[float]:
     """1.0 where the stripped completion equals the stripped answer, else 0.0."""
     scores = []
     for completion, gold in zip(completions, answer):

@@ -31,8 +31,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from common import (OFFLINE_ENV, REWARD_FN, Cell, Measurement, greedy_accuracy, heldout_rows, parameter_counts, peak_rss_mb,
-                    reset_peak_rss, rss_mb, train_rows)
+from common import (
+    OFFLINE_ENV,
+    REWARD_FN,
+    Cell,
+    Measurement,
+    greedy_accuracy,
+    heldout_rows,
+    parameter_counts,
+    peak_rss_mb,
+    reset_peak_rss,
+    rss_mb,
+    train_rows,
+)
 
 for _key, _value in OFFLINE_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -45,9 +56,25 @@ ADAM_BETAS = (0.9, 0.99)  # groupwise adamw's default; TRL's adam_beta2 default 
 MAX_GRAD_NORM = 1.0
 
 
-def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, group: int, length: int, loss: str,
-                        beta: float, mu: int, lr: float, epsilon: float, micro_groups: int, steps: int, seed: int = 0,
-                        matmul: str = "float32", task: str = "arithmetic") -> list[str]:
+def groupwise_overrides(
+    *,
+    model: str,
+    threads: int,
+    out: str,
+    prompts: int,
+    group: int,
+    length: int,
+    loss: str,
+    beta: float,
+    mu: int,
+    lr: float,
+    epsilon: float,
+    micro_groups: int,
+    steps: int,
+    seed: int = 0,
+    matmul: str = "float32",
+    task: str = "arithmetic",
+) -> list[str]:
     """groupwise ``key=value`` overrides for one configuration (used with no recipe or on top of one)."""
     terms: list[Any] = [{"name": "ppo_clip", "eps_low": epsilon, "eps_high": epsilon}]
     if beta > 0:
@@ -72,8 +99,15 @@ def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, gro
         "advantage.estimator": {"name": "grpo", "scale": "group"},
         "objective.agg": LOSS_TO_AGG[loss],
         "objective.terms": terms,
-        "update": {"name": "adamw", "lr": lr, "betas": list(ADAM_BETAS), "weight_decay": 0.0,
-                   "max_grad_norm": MAX_GRAD_NORM, "warmup_steps": 0, "schedule": "constant"},
+        "update": {
+            "name": "adamw",
+            "lr": lr,
+            "betas": list(ADAM_BETAS),
+            "weight_decay": 0.0,
+            "max_grad_norm": MAX_GRAD_NORM,
+            "warmup_steps": 0,
+            "schedule": "constant",
+        },
         "train.steps": steps,
         "train.epochs": mu,
         "train.minibatches": 1,
@@ -86,8 +120,22 @@ def groupwise_overrides(*, model: str, threads: int, out: str, prompts: int, gro
     return [f"{key}={toml_value(value)}" for key, value in values.items()]
 
 
-def trl_config(*, out: str, prompts: int, group: int, length: int, loss: str, beta: float, mu: int, lr: float,
-               epsilon: float, micro_groups: int, max_steps: int, seed: int = 0, bf16: bool = False):
+def trl_config(
+    *,
+    out: str,
+    prompts: int,
+    group: int,
+    length: int,
+    loss: str,
+    beta: float,
+    mu: int,
+    lr: float,
+    epsilon: float,
+    micro_groups: int,
+    max_steps: int,
+    seed: int = 0,
+    bf16: bool = False,
+):
     """The ``GRPOConfig`` equivalent to :func:`groupwise_overrides` (see bench/README.md for each line)."""
     import dataclasses
 
@@ -173,9 +221,22 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
 
     t0 = time.perf_counter()
     ablation = _groupwise_ablation()
-    overrides = groupwise_overrides(model=model, threads=threads, out=workdir, prompts=cell.prompts, group=cell.group,
-                                    length=cell.length, loss=cell.loss, beta=cell.beta, mu=cell.mu, lr=cell.lr,
-                                    epsilon=cell.epsilon, micro_groups=cell.micro, steps=cell.warmup + cell.steps, matmul=cell.matmul)
+    overrides = groupwise_overrides(
+        model=model,
+        threads=threads,
+        out=workdir,
+        prompts=cell.prompts,
+        group=cell.group,
+        length=cell.length,
+        loss=cell.loss,
+        beta=cell.beta,
+        mu=cell.mu,
+        lr=cell.lr,
+        epsilon=cell.epsilon,
+        micro_groups=cell.micro,
+        steps=cell.warmup + cell.steps,
+        matmul=cell.matmul,
+    )
     trainer = groupwise_trainer(overrides + ablation)
     m = Measurement("groupwise", cell.name, threads=torch.get_num_threads(), **parameter_counts(trainer.policy.module))
     m.setup_seconds = time.perf_counter() - t0
@@ -195,10 +256,15 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
             m.trained_tokens.append(round(generated) * cell.mu)
             lengths.append(row["completion_len"])
     m.peak_rss_mb = peak_rss_mb()
-    m.notes = {"ablation": ablation, "mean_completion_len": sum(lengths) / len(lengths), "torch_threads_after": torch.get_num_threads(),
-               "micro_batch_groups": cell.micro,
-               "perf": dict(vars(trainer.cfg.perf)), "functional_engine": trainer.policy.engine.functional,
-               "matmul": trainer.policy.matmul.dtype}
+    m.notes = {
+        "ablation": ablation,
+        "mean_completion_len": sum(lengths) / len(lengths),
+        "torch_threads_after": torch.get_num_threads(),
+        "micro_batch_groups": cell.micro,
+        "perf": dict(vars(trainer.cfg.perf)),
+        "functional_engine": trainer.policy.engine.functional,
+        "matmul": trainer.policy.matmul.dtype,
+    }
     return m
 
 
@@ -208,20 +274,33 @@ def measure_groupwise(cell: Cell, model: str, threads: int, workdir: str) -> Mea
 def _trl_trainer(args, model_dir: str, callbacks: list, task: str = "arithmetic"):
     import torch
     from datasets import Dataset
+    from rewards import exact_answer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
-
-    from rewards import exact_answer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     tokenizer.padding_side = "left"
     if getattr(tokenizer, "chat_template", None):
         raise SystemExit(f"{model_dir}: the tokenizer has a chat template; the comparison assumes raw-text prompts")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True)
-    dataset = Dataset.from_list(train_rows(task))  # columns: prompt (plain text: no chat template), answer (+ the task's own)
-    trainer = GRPOTrainer(model=model, reward_funcs=[exact_answer], args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=callbacks)
-    flag = "is_activation_checkpointing" if hasattr(type(trainer.model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+    )
+    dataset = Dataset.from_list(
+        train_rows(task)
+    )  # columns: prompt (plain text: no chat template), answer (+ the task's own)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[exact_answer],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(type(trainer.model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     if getattr(trainer.model, flag, False):
         raise SystemExit("TRL enabled gradient checkpointing despite gradient_checkpointing=False")
     return trainer
@@ -262,9 +341,20 @@ def measure_trl(cell: Cell, model: str, threads: int, workdir: str) -> Measureme
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    args = trl_config(out=workdir, prompts=cell.prompts, group=cell.group, length=cell.length, loss=cell.loss,
-                      beta=cell.beta, mu=cell.mu, lr=cell.lr, epsilon=cell.epsilon, micro_groups=cell.micro,
-                      max_steps=(cell.warmup + cell.steps) * cell.mu, bf16=cell.matmul == "bfloat16")
+    args = trl_config(
+        out=workdir,
+        prompts=cell.prompts,
+        group=cell.group,
+        length=cell.length,
+        loss=cell.loss,
+        beta=cell.beta,
+        mu=cell.mu,
+        lr=cell.lr,
+        epsilon=cell.epsilon,
+        micro_groups=cell.micro,
+        max_steps=(cell.warmup + cell.steps) * cell.mu,
+        bf16=cell.matmul == "bfloat16",
+    )
     timer = _step_timer()
     trainer = _trl_trainer(args, model, [timer])
     timer.trainer = trainer
@@ -273,7 +363,7 @@ def measure_trl(cell: Cell, model: str, threads: int, workdir: str) -> Measureme
     trainer.train()
     mu = cell.mu
     rollouts = len(timer.intervals) // mu
-    m.warmup_seconds = [sum(timer.intervals[r * mu:(r + 1) * mu]) for r in range(min(cell.warmup, rollouts))]
+    m.warmup_seconds = [sum(timer.intervals[r * mu : (r + 1) * mu]) for r in range(min(cell.warmup, rollouts))]
     for r in range(cell.warmup, rollouts):
         chunk = slice(r * mu, (r + 1) * mu)
         m.step_seconds.append(sum(timer.intervals[chunk]))
@@ -281,17 +371,36 @@ def measure_trl(cell: Cell, model: str, threads: int, workdir: str) -> Measureme
         generated = length * cell.prompts * cell.group
         m.generated_tokens.append(round(generated))
         m.trained_tokens.append(round(generated) * mu)
-    inside = [sum(timer.inside[r * mu:(r + 1) * mu]) for r in range(cell.warmup, rollouts)]
+    inside = [sum(timer.inside[r * mu : (r + 1) * mu]) for r in range(cell.warmup, rollouts)]
     m.peak_rss_mb = peak_rss_mb()
     a = trainer.args
     m.notes = {
         "step_seconds_inside_callbacks": inside,
         "torch_threads_after": torch.get_num_threads(),
-        "mean_completion_len": sum(timer.lengths[cell.warmup * mu::mu]) / max(1, len(timer.lengths[cell.warmup * mu::mu])),
-        "resolved": {k: str(getattr(a, k)) for k in (
-            "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
-            "num_generations", "num_iterations", "max_completion_length", "loss_type", "beta", "bf16", "fp16",
-            "gradient_checkpointing", "learning_rate", "lr_scheduler_type", "optim", "adam_beta2", "use_cpu")},
+        "mean_completion_len": sum(timer.lengths[cell.warmup * mu :: mu])
+        / max(1, len(timer.lengths[cell.warmup * mu :: mu])),
+        "resolved": {
+            k: str(getattr(a, k))
+            for k in (
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "steps_per_generation",
+                "generation_batch_size",
+                "num_generations",
+                "num_iterations",
+                "max_completion_length",
+                "loss_type",
+                "beta",
+                "bf16",
+                "fp16",
+                "gradient_checkpointing",
+                "learning_rate",
+                "lr_scheduler_type",
+                "optim",
+                "adam_beta2",
+                "use_cpu",
+            )
+        },
         "device": str(trainer.model.device),
         "model_dtype": str(trainer.model.dtype),
     }
@@ -351,9 +460,21 @@ class Budget:
         return self.progress(clock, steps) >= self.limit
 
 
-def tta(framework: str, model: str, threads: int, seconds: float, eval_every: float, target: float | None,
-        eval_size: int, recipe: str, workdir: str, steps: int = 0, eval_every_steps: int = 0, seed: int = 0,
-        task: str = "arithmetic") -> dict[str, Any]:
+def tta(
+    framework: str,
+    model: str,
+    threads: int,
+    seconds: float,
+    eval_every: float,
+    target: float | None,
+    eval_size: int,
+    recipe: str,
+    workdir: str,
+    steps: int = 0,
+    eval_every_steps: int = 0,
+    seed: int = 0,
+    task: str = "arithmetic",
+) -> dict[str, Any]:
     """Train for ``seconds`` of training time (evaluation excluded), evaluating held-out greedy accuracy
     every ``eval_every`` training seconds; stop early once accuracy >= ``target`` (if given). With
     ``steps`` > 0 the budget is that many optimiser steps, evaluated every ``eval_every_steps``. ``task``
@@ -368,9 +489,23 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
     t_setup = time.perf_counter()
 
     if framework == "groupwise":
-        overrides = groupwise_overrides(model=model, threads=threads, out=workdir, prompts=algo["prompts"], group=algo["group"],
-                                        length=algo["length"], loss=algo["loss"], beta=algo["beta"], mu=algo["mu"],
-                                        lr=algo["lr"], epsilon=algo["epsilon"], micro_groups=0, steps=10**6, seed=seed, task=task)
+        overrides = groupwise_overrides(
+            model=model,
+            threads=threads,
+            out=workdir,
+            prompts=algo["prompts"],
+            group=algo["group"],
+            length=algo["length"],
+            loss=algo["loss"],
+            beta=algo["beta"],
+            mu=algo["mu"],
+            lr=algo["lr"],
+            epsilon=algo["epsilon"],
+            micro_groups=0,
+            steps=10**6,
+            seed=seed,
+            task=task,
+        )
         trainer = groupwise_trainer(overrides)
         setup = time.perf_counter() - t_setup
         clock, done_steps = 0.0, 0
@@ -382,7 +517,13 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
             trainer.step += 1
             done_steps += algo["mu"]
             if budget.due(clock, done_steps):
-                curve.append((clock, done_steps, greedy_accuracy(trainer.policy.module, trainer.policy.tokenizer, rows, algo["length"])))
+                curve.append(
+                    (
+                        clock,
+                        done_steps,
+                        greedy_accuracy(trainer.policy.module, trainer.policy.tokenizer, rows, algo["length"]),
+                    )
+                )
                 if target is not None and curve[-1][2] >= target:
                     break
     else:
@@ -394,7 +535,9 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
                 self._last = 0.0
 
             def on_train_begin(self, args, state, control, **kwargs):
-                curve.append((0.0, 0, greedy_accuracy(kwargs["model"], self.trainer.processing_class, rows, algo["length"])))
+                curve.append(
+                    (0.0, 0, greedy_accuracy(kwargs["model"], self.trainer.processing_class, rows, algo["length"]))
+                )
                 self._last = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
@@ -407,22 +550,47 @@ def tta(framework: str, model: str, threads: int, seconds: float, eval_every: fl
                 self._last = time.perf_counter()  # evaluation time is not training time
                 return control
 
-        args = trl_config(out=workdir, prompts=algo["prompts"], group=algo["group"], length=algo["length"], loss=algo["loss"],
-                          beta=algo["beta"], mu=algo["mu"], lr=algo["lr"], epsilon=algo["epsilon"],
-                          micro_groups=algo["prompts"], max_steps=steps if steps > 0 else 10**6, seed=seed)
+        args = trl_config(
+            out=workdir,
+            prompts=algo["prompts"],
+            group=algo["group"],
+            length=algo["length"],
+            loss=algo["loss"],
+            beta=algo["beta"],
+            mu=algo["mu"],
+            lr=algo["lr"],
+            epsilon=algo["epsilon"],
+            micro_groups=algo["prompts"],
+            max_steps=steps if steps > 0 else 10**6,
+            seed=seed,
+        )
         clock_cb = Clock()
         trainer = _trl_trainer(args, model, [clock_cb], task)
         clock_cb.trainer = trainer
         setup = time.perf_counter() - t_setup
         trainer.train()
-    return {"framework": framework, "curve": curve, "setup_seconds": setup, "algorithm": algo, "threads": threads,
-            "eval_size": len(rows), "target": target, "budget_seconds": seconds, "eval_every": eval_every,
-            "budget_steps": steps, "eval_every_steps": eval_every_steps, "seed": seed, "task": task, "peak_rss_mb": peak_rss_mb()}
+    return {
+        "framework": framework,
+        "curve": curve,
+        "setup_seconds": setup,
+        "algorithm": algo,
+        "threads": threads,
+        "eval_size": len(rows),
+        "target": target,
+        "budget_seconds": seconds,
+        "eval_every": eval_every,
+        "budget_steps": steps,
+        "eval_every_steps": eval_every_steps,
+        "seed": seed,
+        "task": task,
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
-def generation(framework: str, model: str, threads: int, batches: list[int], length: int, group: int, reps: int,
-               workdir: str) -> list[dict[str, Any]]:
+def generation(
+    framework: str, model: str, threads: int, batches: list[int], length: int, group: int, reps: int, workdir: str
+) -> list[dict[str, Any]]:
     """Generation alone: completion tokens per second of sampling ``batch`` rows (``batch / group``
     prompts x ``group``) of exactly ``length`` tokens (the bench models cannot emit EOS), temperature 1,
     full vocabulary; groupwise's engine (``policy.generate``) or Hugging Face ``generate`` on the same
@@ -437,9 +605,24 @@ def generation(framework: str, model: str, threads: int, batches: list[int], len
     if framework == "groupwise":
         from groupwise.types import Request, StepInfo
 
-        trainer = groupwise_trainer(groupwise_overrides(model=model, threads=threads, out=workdir, prompts=max(batches) // group,
-                                                        group=group, length=length, loss="grpo", beta=0.0, mu=1, lr=1e-5,
-                                                        epsilon=0.2, micro_groups=0, steps=1) + _groupwise_ablation())
+        trainer = groupwise_trainer(
+            groupwise_overrides(
+                model=model,
+                threads=threads,
+                out=workdir,
+                prompts=max(batches) // group,
+                group=group,
+                length=length,
+                loss="grpo",
+                beta=0.0,
+                mu=1,
+                lr=1e-5,
+                epsilon=0.2,
+                micro_groups=0,
+                steps=1,
+            )
+            + _groupwise_ablation()
+        )
         policy = trainer.policy
 
         def sample(batch: int, call: int) -> int:
@@ -452,16 +635,27 @@ def generation(framework: str, model: str, threads: int, batches: list[int], len
 
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         tokenizer.padding_side = "left"
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+        ).eval()
 
         def sample(batch: int, call: int) -> int:
             torch.manual_seed(call)
             prompts = [rows[i]["prompt"] for i in range(batch // group) for _ in range(group)]
             ids = tokenizer(prompts, return_tensors="pt", padding=True)
             with torch.no_grad():
-                seqs = hf.generate(**ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length,
-                                   min_new_tokens=length, pad_token_id=tokenizer.pad_token_id)
+                seqs = hf.generate(
+                    **ids,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=length,
+                    min_new_tokens=length,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
             return int(seqs.shape[0] * (seqs.shape[1] - ids["input_ids"].shape[1]))
+
     for batch in batches:
         if batch % group:
             raise SystemExit(f"batch {batch} is not a multiple of the group size {group}")
@@ -471,8 +665,16 @@ def generation(framework: str, model: str, threads: int, batches: list[int], len
             start = time.perf_counter()
             tokens.append(sample(batch, call))
             seconds.append(time.perf_counter() - start)
-        out.append({"framework": framework, "batch": batch, "length": length, "seconds": seconds, "tokens": tokens,
-                    "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds))})
+        out.append(
+            {
+                "framework": framework,
+                "batch": batch,
+                "length": length,
+                "seconds": seconds,
+                "tokens": tokens,
+                "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds)),
+            }
+        )
     return out
 
 
@@ -496,8 +698,11 @@ def measure_cells(cells: list[Cell], framework: str, models_dir: str, threads: i
         m.rss_at_start_mb, m.cell_index = before, index
         m.notes["peak_rss_window"] = "cell" if exact_peak else "process"
         results.append(asdict(m))
-        print(f"{cell.name}: steps {[round(s, 4) for s in m.step_seconds]} s, peak RSS {m.peak_rss_mb:.0f} MB "
-              f"({before:.0f} MB at start)", flush=True)
+        print(
+            f"{cell.name}: steps {[round(s, 4) for s in m.step_seconds]} s, peak RSS {m.peak_rss_mb:.0f} MB "
+            f"({before:.0f} MB at start)",
+            flush=True,
+        )
     return results
 
 
@@ -516,10 +721,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval-size", type=int, default=0)
     t.add_argument("--target", type=float, default=None)
     t.add_argument("--recipe", default="demo")
-    t.add_argument("--steps", type=int, default=0, help="budget in optimiser steps instead of --seconds (learning per step)")
+    t.add_argument(
+        "--steps", type=int, default=0, help="budget in optimiser steps instead of --seconds (learning per step)"
+    )
     t.add_argument("--eval-every-steps", type=int, default=50)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--task", default="arithmetic", help="built-in task replacing the recipe's (rows with an 'answer' column)")
+    t.add_argument(
+        "--task", default="arithmetic", help="built-in task replacing the recipe's (rows with an 'answer' column)"
+    )
     t.add_argument("--model", required=True)
     g = sub.add_parser("gen")
     g.add_argument("--framework", choices=("groupwise", "hf"), required=True)
@@ -534,15 +743,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mode == "gen":
         with tempfile.TemporaryDirectory(prefix=f"bench-gen-{args.framework}-") as workdir:
-            result: Any = generation(args.framework, args.model, args.threads, [int(b) for b in args.batches.split(",")], args.length,
-                                     args.group, args.reps, workdir)
+            result: Any = generation(
+                args.framework,
+                args.model,
+                args.threads,
+                [int(b) for b in args.batches.split(",")],
+                args.length,
+                args.group,
+                args.reps,
+                workdir,
+            )
     elif args.mode == "measure":
-        result = measure_cells([Cell(**c) for c in json.loads(args.cells)], args.framework, args.models_dir, args.threads)
+        result = measure_cells(
+            [Cell(**c) for c in json.loads(args.cells)], args.framework, args.models_dir, args.threads
+        )
     else:
         with tempfile.TemporaryDirectory(prefix=f"bench-{args.framework}-") as workdir:
-            result = tta(args.framework, args.model, args.threads, args.seconds, args.eval_every, args.target,
-                         args.eval_size, args.recipe, workdir, steps=args.steps, eval_every_steps=args.eval_every_steps,
-                         seed=args.seed, task=args.task)
+            result = tta(
+                args.framework,
+                args.model,
+                args.threads,
+                args.seconds,
+                args.eval_every,
+                args.target,
+                args.eval_size,
+                args.recipe,
+                workdir,
+                steps=args.steps,
+                eval_every_steps=args.eval_every_steps,
+                seed=args.seed,
+                task=args.task,
+            )
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

@@ -131,8 +131,14 @@ def sequence_logprobs(model, input_ids, attention_mask, completion_mask) -> torc
     return torch.where(completion_mask, logp, 0.0)  # [N,L] padding and prompt tokens carry no log-prob
 
 
-def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-              eps_low: float = 0.2, eps_high: float = 0.2) -> torch.Tensor:
+def grpo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> torch.Tensor:
     """PPO's clipped surrogate per token, averaged over each completion's tokens, then over completions.
 
     ``logp``, ``logp_old`` [N,L] (current and sampling-time log-probs), ``adv`` [N] (one per completion),
@@ -151,8 +157,10 @@ def adamw(model, lr: float) -> torch.optim.AdamW:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="GRPO on the embedded model and two-number addition",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description="GRPO on the embedded model and two-number addition",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--model", default=str(EMBEDDED_MODEL), help="a local Hugging Face model folder")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--max-seconds", type=float, default=120.0, help="stop after this much training time (0: no limit)")
@@ -195,7 +203,8 @@ def main(argv=None) -> dict:
         rows = next(batches)  # B dataset rows
         prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows for _ in range(G)]
         input_ids, attention_mask, completion_mask, texts = sample(
-            model, tokenizer, prompts, G, args.max_new_tokens, args.temperature)  # [N,L] x3, N = B*G
+            model, tokenizer, prompts, G, args.max_new_tokens, args.temperature
+        )  # [N,L] x3, N = B*G
         rewards = torch.tensor([exact_reward(t, a) for t, a in zip(texts, answers)]).view(B, G)  # [B,G]
         adv = group_advantages(rewards).view(-1)  # [N] row b*G + g is completion g of prompt b
 
@@ -212,12 +221,15 @@ def main(argv=None) -> dict:
             optimizer.step()
         trained += time.perf_counter() - t0
 
-        history.append({"step": step, "reward": rewards.mean().item(), "loss": loss.item(),
-                        "grad_norm": grad_norm.item()})
+        history.append(
+            {"step": step, "reward": rewards.mean().item(), "loss": loss.item(), "grad_norm": grad_norm.item()}
+        )
         if step % args.log_every == 0 or step == args.steps - 1:
             recent = history[-args.log_every :]  # the sampled reward is noisy: the mean of the last steps
-            print(f"step {step:4d}  reward {sum(h['reward'] for h in recent) / len(recent):.3f}"
-                  f"  grad norm {grad_norm.item():.3f}  {trained:6.1f} s")
+            print(
+                f"step {step:4d}  reward {sum(h['reward'] for h in recent) / len(recent):.3f}"
+                f"  grad norm {grad_norm.item():.3f}  {trained:6.1f} s"
+            )
         if args.eval_every and step > 0 and step % args.eval_every == 0:
             acc = accuracy(model, tokenizer, test_rows, args.max_new_tokens)
             print(f"step {step:4d}  held-out greedy accuracy {acc:.3f}")
@@ -226,10 +238,17 @@ def main(argv=None) -> dict:
             break
 
     after = accuracy(model, tokenizer, test_rows, args.max_new_tokens)
-    print(f"held-out greedy accuracy after {len(history)} steps ({trained:.1f} s of training, "
-          f"{time.perf_counter() - started:.1f} s in all): {before:.3f} -> {after:.3f}")
-    return {"accuracy_before": before, "accuracy_after": after, "steps": len(history), "train_seconds": trained,
-            "history": history}
+    print(
+        f"held-out greedy accuracy after {len(history)} steps ({trained:.1f} s of training, "
+        f"{time.perf_counter() - started:.1f} s in all): {before:.3f} -> {after:.3f}"
+    )
+    return {
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "steps": len(history),
+        "train_seconds": trained,
+        "history": history,
+    }
 
 
 if __name__ == "__main__":

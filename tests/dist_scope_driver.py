@@ -15,13 +15,22 @@ import sys
 import torch
 
 from groupwise import dist
+from groupwise.build import build
 from groupwise.config import load_config
 from groupwise.registry import entries
-from groupwise.build import build
 from groupwise.trainer import Trainer
 
-BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "eval.size=0", "threads=1",
-        "train.steps=2", 'update={name="sgd", lr=0.5}', "perf.keep_freed_memory=false", 'objective.terms=["ppo_clip", {name="kl", coef=0.1}]']
+BASE = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "eval.size=0",
+    "threads=1",
+    "train.steps=2",
+    'update={name="sgd", lr=0.5}',
+    "perf.keep_freed_memory=false",
+    'objective.terms=["ppo_clip", {name="kl", coef=0.1}]',
+]
 
 # what a component gets in this driver's runs to have something to act on (the arithmetic task's completions are
 # digits: LA-GRPO's default functional tokens + - * never occur there, "1" often does)
@@ -36,18 +45,31 @@ def configurations() -> dict[str, list[str]]:
         if getattr(cls, "artifacts", ()):  # needs an offline phase's artifact (ProFIL's probe); its filter is per row
             continue
         if stage == "advantage":
-            key = "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"  # shapers run after grpo
+            key = (
+                "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"
+            )  # shapers run after grpo
             configs[f"advantage:{name}"] = [f'{key}=["{name}"]' if key.endswith("shapers") else f'{key}="{name}"']
             wanted = set(getattr(cls, "rollout_extras", ()))
-            if wanted:  # an estimator that reads what only some strategy collects (ReMax's greedy baseline) runs with it
-                strategy = next(n for s, n, c in entries() if s == "rollout" and wanted <= set(getattr(c, "collects", ())))
+            if (
+                wanted
+            ):  # an estimator that reads what only some strategy collects (ReMax's greedy baseline) runs with it
+                strategy = next(
+                    n for s, n, c in entries() if s == "rollout" and wanted <= set(getattr(c, "collects", ()))
+                )
                 configs[f"advantage:{name}"].append(f'rollout.name="{strategy}"')
         elif stage == "weight":
             configs[f"weight:{name}"] = [f'objective.weights=["{name}"]']
-        elif stage == "objective" and (hasattr(cls, "prepare") or hasattr(cls, "token_subset")):  # whole-batch state once per step
-            configs[f"objective:{name}"] = EXAMPLE_OVERRIDES.get(f"objective:{name}", [f'objective.terms=["{name}", {{name="kl", coef=0.1}}]'])
+        elif stage == "objective" and (
+            hasattr(cls, "prepare") or hasattr(cls, "token_subset")
+        ):  # whole-batch state once per step
+            configs[f"objective:{name}"] = EXAMPLE_OVERRIDES.get(
+                f"objective:{name}", [f'objective.terms=["{name}", {{name="kl", coef=0.1}}]']
+            )
         elif stage == "sampling":
-            configs[f"sampling:{name}"] = [f'sampling={{name="{name}"}}', 'advantage.estimator={name="grpo", scale="batch"}']
+            configs[f"sampling:{name}"] = [
+                f'sampling={{name="{name}"}}',
+                'advantage.estimator={name="grpo", scale="batch"}',
+            ]
     return configs
 
 
@@ -56,7 +78,14 @@ def main(out_dir: str, only: str = "") -> None:
     for label, extra in configurations().items():
         if only and only not in label:
             continue
-        cfg, _ = load_config(None, [*BASE, *extra, f'out="{out_dir}/{label.replace(":", "_")}/world{os.environ.get("WORLD_SIZE", "1")}_rank{os.environ.get("RANK", "0")}"'])
+        cfg, _ = load_config(
+            None,
+            [
+                *BASE,
+                *extra,
+                f'out="{out_dir}/{label.replace(":", "_")}/world{os.environ.get("WORLD_SIZE", "1")}_rank{os.environ.get("RANK", "0")}"',
+            ],
+        )
         trainer = Trainer(build(cfg))
         steps = []
         seen = {}
@@ -71,7 +100,14 @@ def main(out_dir: str, only: str = "") -> None:
         trainer.observe = recording
         for _ in range(cfg.train.steps):
             row = trainer.run_step()
-            steps.append({**seen, "loss": row["loss"], "grad_norm": row.get("grad_norm", float("nan")), "sampler": trainer.sampler.state_dict()})
+            steps.append(
+                {
+                    **seen,
+                    "loss": row["loss"],
+                    "grad_norm": row.get("grad_norm", float("nan")),
+                    "sampler": trainer.sampler.state_dict(),
+                }
+            )
             trainer.step += 1
         results[label] = steps
     torch.save(results, f"{out_dir}/result_rank{os.environ.get('RANK', '0')}_world{dist.world_size()}.pt")

@@ -19,6 +19,7 @@ from groupwise.registry import build
 from groupwise.run import Run
 from groupwise.types import Need, Rollout, StepInfo
 
+
 def paper_module(folder: str, module: str):
     """A module of a paper folder (``paper_module("27_alphagrpo", "number_attrs")``): a folder name
     starts with its spec number, so it is imported by name, not by an ``import`` statement."""
@@ -122,7 +123,9 @@ def fill_needs(rollout: Rollout, needs, seed: int = 7) -> dict[str, Tensor]:
         if need.grad:
             out[key] = value.requires_grad_(True)
         elif need.quantity == "logp" and need.view == "default":
-            slot = {"ref": "logp_ref", "policy": "logp_old", "old": "logp_old", "sampler": "logp_sampler"}.get(need.model)
+            slot = {"ref": "logp_ref", "policy": "logp_old", "old": "logp_old", "sampler": "logp_sampler"}.get(
+                need.model
+            )
             if slot is None:
                 rollout.set_extra(key, value, "token")
             elif getattr(rollout, slot) is None:
@@ -143,13 +146,21 @@ def _example_probe(seed: int) -> dict:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         probe = AttnProbe(HIDDEN, 2)
-    return {"state": probe.state_dict(), "layer": 1, "d_model": HIDDEN, "n_heads": 2, "d_head": probe.d_head, "sep": ";",
-            "token_text": [";" if i % 3 == 0 else "x" for i in range(50)]}
+    return {
+        "state": probe.state_dict(),
+        "layer": 1,
+        "d_model": HIDDEN,
+        "n_heads": 2,
+        "d_head": probe.d_head,
+        "sep": ";",
+        "token_text": [";" if i % 3 == 0 else "x" for i in range(50)],
+    }
 
 
 # what a component defining ``use_vocabulary`` gets in the sweeps: a text per token id of make_rollout's actions (0..49),
 # with the tags the defaults name: "[", "]" (F-GRPO's candidates) and "+", "-", "*" (LA-GRPO's functional tokens)
 EXAMPLE_VOCABULARY = ["", "[", "]", ",", ">", "+", "-", "*", "x", " "] * 5
+
 
 # what a component listing an artifact in ``artifacts`` gets in the sweeps (an offline phase makes the real one)
 def _example_logz(seed: int) -> dict:
@@ -170,17 +181,27 @@ def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]
     if hasattr(component, "use_vocabulary"):  # token texts of a text policy (role / phase maps from tags)
         component.use_vocabulary(EXAMPLE_VOCABULARY)
     for name in getattr(component, "artifacts", ()):
-        assert name in EXAMPLE_ARTIFACTS, f"add an example of the artifact {name!r} to tests/helpers.py EXAMPLE_ARTIFACTS"
+        assert name in EXAMPLE_ARTIFACTS, (
+            f"add an example of the artifact {name!r} to tests/helpers.py EXAMPLE_ARTIFACTS"
+        )
         component.use_artifact(name, EXAMPLE_ARTIFACTS[name](seed))
     g = torch.Generator().manual_seed(seed + 1)
     for key in getattr(component, "rollout_extras", ()):
         rollout.set_extra(key, torch.rand(rollout.shape[0], generator=g), "group")
     B, G, _ = rollout.shape
-    if getattr(component, "reads_completions", False) and not rollout.completions:  # decoded texts, few distinct (EDAS's answers)
+    if (
+        getattr(component, "reads_completions", False) and not rollout.completions
+    ):  # decoded texts, few distinct (EDAS's answers)
         rollout.completions = [[str(v) for v in row] for row in torch.randint(0, 3, (B, G), generator=g).tolist()]
     for column in getattr(component, "row_info", ()):  # a reward's log_extra column per row, few distinct values
         values = torch.randint(0, 3, (B, G), generator=g).tolist()
-        rollout.info = [[{**((rollout.info[b][i] or {}) if rollout.info else {}), "extra": {column: str(values[b][i])}} for i in range(G)] for b in range(B)]
+        rollout.info = [
+            [
+                {**((rollout.info[b][i] or {}) if rollout.info else {}), "extra": {column: str(values[b][i])}}
+                for i in range(G)
+            ]
+            for b in range(B)
+        ]
     return out
 
 
@@ -195,7 +216,9 @@ def permute_rows(rollout: Rollout, perm: Tensor) -> Rollout:
         elif isinstance(v, Tensor):
             out[f.name] = permute_tensor(v, perm)
         elif f.name == "extras":
-            out[f.name] = {k: t if rollout.extra_levels[k] == "group" else permute_tensor(t, perm) for k, t in v.items()}
+            out[f.name] = {
+                k: t if rollout.extra_levels[k] == "group" else permute_tensor(t, perm) for k, t in v.items()
+            }
         elif f.name == "row_flags":
             out[f.name] = {k: permute_tensor(t, perm) for k, t in v.items()}
         elif f.name == "extra_levels":
@@ -254,7 +277,13 @@ def train_recorded(tmp_path, objective: str, *overrides: str, steps: int = 2) ->
 
     from test_trainer import make_trainer
 
-    trainer = make_trainer(tmp_path, f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', *overrides, f"train.steps={steps}", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path,
+        f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]',
+        *overrides,
+        f"train.steps={steps}",
+        "eval.size=0",
+    )
     assert trainer.objective.terms[0].registry_name == objective
     seen: list[Rollout] = []
     observe = trainer.observe
@@ -281,7 +310,9 @@ def _split_equals_whole(obj: Objective, ro: Rollout, logp: Tensor, split, info: 
     return whole.detach(), grad_whole
 
 
-def check_micro_batching(obj: Objective, ro: Rollout, split: list[list[int]], info: StepInfo, seed: int = 1) -> tuple[Tensor, Tensor]:
+def check_micro_batching(
+    obj: Objective, ro: Rollout, split: list[list[int]], info: StepInfo, seed: int = 1
+) -> tuple[Tensor, Tensor]:
     """``_split_equals_whole`` on seeded log-probs; padding gets exactly zero gradient."""
     whole, grad_whole = _split_equals_whole(obj, ro, make_logp(ro, seed=seed), split, info)
     assert (grad_whole[~obj.loss_mask(ro)] == 0).all()
@@ -307,7 +338,17 @@ def run_two_ranks(driver: str, tmp_path) -> list:
     from pathlib import Path
 
     (tmp_path / "driver.py").write_text(driver)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(tmp_path / "driver.py"), str(Path(__file__).parent), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(tmp_path / "driver.py"),
+        str(Path(__file__).parent),
+        str(tmp_path),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -23,8 +23,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 CHECKPOINT_WHENS = ("before_marker", "before_rename", "before_prune", "after")
 
@@ -71,7 +72,7 @@ def arm(point: str, die: Callable[[], None], setattr: Callable[[Any, str, Any], 
                 files = sorted(p for p in Path(tmp).rglob("*") if p.is_file())
                 k = int(when)
                 files[k].write_bytes(files[k].read_bytes()[: files[k].stat().st_size // 2])
-                for later in files[k + 1:]:
+                for later in files[k + 1 :]:
                     later.unlink()
                 die()
             real_publish(tmp, target)

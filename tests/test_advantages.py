@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, rollout_from
 
 from groupwise.advantages.sign import degeneracy_rate, iid_degeneracy
 from groupwise.registry import build
-from helpers import info_for, rollout_from
 
 NAN = float("nan")
 
@@ -92,7 +92,9 @@ def test_grpo_rejects_bad_options(params):
 def test_dr_grpo_by_hand():
     # r − mean, no std: [1,0,0,0] → [0.75, −0.25, −0.25, −0.25]; specs/48: [[0,0,0,0],[1,1,0,0]] → [[0]*4, [.5,.5,−.5,−.5]]
     torch.testing.assert_close(_adv("dr_grpo", [[1, 0, 0, 0]]), torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
-    torch.testing.assert_close(_adv("dr_grpo", [[0, 0, 0, 0], [1, 1, 0, 0]]), torch.tensor([[0.0] * 4, [0.5, 0.5, -0.5, -0.5]]))
+    torch.testing.assert_close(
+        _adv("dr_grpo", [[0, 0, 0, 0], [1, 1, 0, 0]]), torch.tensor([[0.0] * 4, [0.5, 0.5, -0.5, -0.5]])
+    )
     # NaN excluded: [2, NaN, 0] → mean 1 → [1, 0, −1]
     torch.testing.assert_close(_adv("dr_grpo", [[2, NAN, 0]]), torch.tensor([[1.0, 0.0, -1.0]]))
 
@@ -133,7 +135,9 @@ def test_sign_spec_48_unit_test():
 def test_sign_degeneracy_numbers():
     assert degeneracy_rate(torch.tensor([[0.0, 0, 0, 0], [1, 1, 0, 0]])) == 0.5
     # NaN rewards are ignored; an all-NaN group is not counted; a single finite reward is degenerate
-    assert degeneracy_rate(torch.tensor([[1.0, NAN, 1, 1], [NAN, NAN, NAN, NAN], [0, 1, NAN, 1], [NAN, 1, NAN, NAN]])) == pytest.approx(2 / 3)
+    assert degeneracy_rate(
+        torch.tensor([[1.0, NAN, 1, 1], [NAN, NAN, NAN, NAN], [0, 1, NAN, 1], [NAN, 1, NAN, NAN]])
+    ) == pytest.approx(2 / 3)
     # half the prompts p = 0.2, half p = 0.8, G = 4: D = 0.2⁴ + 0.8⁴ = 0.0016 + 0.4096 = 0.4112 (both halves)
     D = 0.5 * iid_degeneracy(0.2, 4) + 0.5 * iid_degeneracy(0.8, 4)
     assert D == pytest.approx(0.4112)

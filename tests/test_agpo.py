@@ -1,22 +1,22 @@
 """AGPO (specs/59), worked by hand. Correct rows get lam_pos·(1 − p)/sqrt(p(1 − p) + eps), wrong rows −lam_neg::
 
-    [1,0,0,0]  p = 1/4: .75/sqrt(.1875) = .75/.433013 = 1.732051    → [1.732051, −1, −1, −1]
-    [1,1,0,0]  p = 1/2: .5/sqrt(.25)    = .5/.5       = 1           → [1, 1, −1, −1]
-    [1,1,1,0]  p = 3/4: .25/sqrt(.1875) = .25/.433013 = 0.577350    → [.577350 ×3, −1]
-    [1,1,1,1]  p = 1:   0/sqrt(0 + 1e-8) = 0                         → zeros
-    [0,0,0,0]  p = 0:   no correct row                               → [−1]×4 (GRPO: zeros)
-    pos_scale = "variance": lam_pos·(1 − p) → .75, .5, .25
+[1,0,0,0]  p = 1/4: .75/sqrt(.1875) = .75/.433013 = 1.732051    → [1.732051, −1, −1, −1]
+[1,1,0,0]  p = 1/2: .5/sqrt(.25)    = .5/.5       = 1           → [1, 1, −1, −1]
+[1,1,1,0]  p = 3/4: .25/sqrt(.1875) = .25/.433013 = 0.577350    → [.577350 ×3, −1]
+[1,1,1,1]  p = 1:   0/sqrt(0 + 1e-8) = 0                         → zeros
+[0,0,0,0]  p = 0:   no correct row                               → [−1]×4 (GRPO: zeros)
+pos_scale = "variance": lam_pos·(1 − p) → .75, .5, .25
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import info_for, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded
 
 from groupwise.advantages.agpo import agpo_advantages
 from groupwise.errors import ConfigError
 from groupwise.registry import build
-from helpers import info_for, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded
 
 SPEC = [[1.0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
 WANT = [[1.732051, -1, -1, -1], [1, 1, -1, -1], [0.577350, 0.577350, 0.577350, -1], [0, 0, 0, 0], [-1, -1, -1, -1]]
@@ -43,9 +43,14 @@ def test_spec_unit_test():
 
 
 def test_variance_scale_and_lambdas():
-    _close(build("advantage", "agpo", pos_scale="variance")(_ro(SPEC[:3]), info_for(2)),
-           [[0.75, -1, -1, -1], [0.5, 0.5, -1, -1], [0.25, 0.25, 0.25, -1]])
-    _close(build("advantage", "agpo", lam_pos=2.0, lam_neg=0.5)(_ro([[1, 0, 0, 0]]), info_for(2)), [[3.464102, -0.5, -0.5, -0.5]])
+    _close(
+        build("advantage", "agpo", pos_scale="variance")(_ro(SPEC[:3]), info_for(2)),
+        [[0.75, -1, -1, -1], [0.5, 0.5, -1, -1], [0.25, 0.25, 0.25, -1]],
+    )
+    _close(
+        build("advantage", "agpo", lam_pos=2.0, lam_neg=0.5)(_ro([[1, 0, 0, 0]]), info_for(2)),
+        [[3.464102, -0.5, -0.5, -0.5]],
+    )
 
 
 def test_threshold_for_non_binary_rewards():
@@ -69,7 +74,9 @@ def test_function_matches_component_and_permutation():
     adv = build("advantage", "agpo")(ro, info_for(2))
     torch.testing.assert_close(adv, agpo_advantages(r, valid).float())
     perm = random_perm(4, 6)
-    torch.testing.assert_close(build("advantage", "agpo")(permute_rows(ro, perm), info_for(2)), permute_tensor(adv, perm))
+    torch.testing.assert_close(
+        build("advantage", "agpo")(permute_rows(ro, perm), info_for(2)), permute_tensor(adv, perm)
+    )
 
 
 def test_masked_tokens_get_zero_gradient():
@@ -91,10 +98,14 @@ def test_errors():
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    rows, seen = train_recorded(tmp_path, objective, 'advantage.estimator="agpo"', "rollout.group_size=8", "rollout.prompts_per_step=8")
+    rows, seen = train_recorded(
+        tmp_path, objective, 'advantage.estimator="agpo"', "rollout.group_size=8", "rollout.prompts_per_step=8"
+    )
     for row, batch in zip(rows, seen):
         valid = batch.group_valid & torch.isfinite(batch.rewards)
-        torch.testing.assert_close(batch.advantages, agpo_advantages(batch.rewards.double(), valid).float())  # AGPO's, not GRPO's
+        torch.testing.assert_close(
+            batch.advantages, agpo_advantages(batch.rewards.double(), valid).float()
+        )  # AGPO's, not GRPO's
         wrong = valid & (batch.rewards < 0.5)
         assert wrong.any() and (batch.advantages[wrong] == -1).all()  # every wrong row −1, all-fail groups included
         assert 0 <= row["agpo/all_fail_frac"] <= 1

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, paper_module, rollout_from, train_recorded
 
 from groupwise.advantages.alphagrpo import fpr_rewards, per_prompt_advantages
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rewards._common import RewardError
 from groupwise.rewards.dvreward import ATTRIBUTES, decompose, dv_reward, sc_pq, verdict_word, yes_no_confidence
-from helpers import info_for, paper_module, rollout_from, train_recorded
 
 _number_attrs = paper_module("27_alphagrpo", "number_attrs")
 problems, rows, satisfies = _number_attrs.problems, _number_attrs.rows, _number_attrs.satisfies
@@ -25,13 +25,17 @@ def sig(x: float) -> float:
 
 
 def _close(actual, expected, atol=1e-4):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0
+    )
 
 
 # ---------------------------------------------------------------------------------------------- yes/no confidence
 def test_yes_no_confidence_spec_numbers():
     assert yes_no_confidence({"yes": math.log(0.6), "no": math.log(0.2)}, "yes") == pytest.approx(0.75, abs=1e-12)
-    assert yes_no_confidence({"maybe": math.log(0.5), "The": math.log(0.3)}, "Yes.") == 1.0  # neither in the top-5: the text
+    assert (
+        yes_no_confidence({"maybe": math.log(0.5), "The": math.log(0.3)}, "Yes.") == 1.0
+    )  # neither in the top-5: the text
     assert yes_no_confidence({"maybe": -0.1}, "no") == 0.0
 
 
@@ -40,13 +44,25 @@ def test_yes_no_confidence_normalises_and_sums_token_texts():
     assert yes_no_confidence(pairs, "no") == pytest.approx(0.4 / 0.5, abs=1e-12)  # "nope" is neither word
     assert yes_no_confidence([("yes", -math.inf), ("no", math.log(0.2))], "yes") == 0.0  # -inf adds nothing
     assert yes_no_confidence([("yes", -math.inf), ("no", -math.inf)], "Yes!") == 1.0  # both zero: the answer text
-    assert yes_no_confidence({"yes": math.log(0.6), "no": math.log(0.2)}, "no", binary=True) == 0.0  # binary: the answer only
+    assert (
+        yes_no_confidence({"yes": math.log(0.6), "no": math.log(0.2)}, "no", binary=True) == 0.0
+    )  # binary: the answer only
 
 
 def test_prefix_match_for_split_words():
-    assert verdict_word("y", "prefix") == "yes" and verdict_word(" N", "prefix") == "no" and verdict_word("ye", "prefix") == "yes"
-    assert verdict_word("y", "word") is None and verdict_word(" ", "prefix") is None and verdict_word("x", "prefix") is None
-    assert yes_no_confidence([("y", math.log(0.5)), ("n", math.log(0.25)), ("0", math.log(0.25))], "y", match="prefix") == pytest.approx(2 / 3)
+    assert (
+        verdict_word("y", "prefix") == "yes"
+        and verdict_word(" N", "prefix") == "no"
+        and verdict_word("ye", "prefix") == "yes"
+    )
+    assert (
+        verdict_word("y", "word") is None
+        and verdict_word(" ", "prefix") is None
+        and verdict_word("x", "prefix") is None
+    )
+    assert yes_no_confidence(
+        [("y", math.log(0.5)), ("n", math.log(0.25)), ("0", math.log(0.25))], "y", match="prefix"
+    ) == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="match"):
         yes_no_confidence({}, "yes", match="fuzzy")
 
@@ -82,7 +98,10 @@ def test_decomposer_questions_and_margins():
     sem, qual = decompose(" 52", ["even", "gt50", "ends5"])
     assert [q for q, _ in sem] == ["Is 52 even?", "Is 52 greater than 50?", "Does 52 end in 5?"]
     assert [m for _, m in sem] == [1.0, pytest.approx(0.3), -1.0]
-    assert [q for q, _ in qual] == ["Is 52 a whole number?", "Is 52 a two-digit number?"] and [m for _, m in qual] == [1.0, 1.0]
+    assert [q for q, _ in qual] == ["Is 52 a whole number?", "Is 52 a two-digit number?"] and [m for _, m in qual] == [
+        1.0,
+        1.0,
+    ]
     sem, qual = decompose("5x", ["odd"])
     assert sem == [("Is 5x odd?", -1.0)] and [m for _, m in qual] == [-1.0, -1.0]  # not an integer: every answer no
 
@@ -93,7 +112,9 @@ def test_programmatic_reward_by_hand():
     yes, no = sig(4.0), sig(-4.0)
     want_52 = math.sqrt((yes + sig(4 * 0.3)) / 2 * yes)  # SC = (even, >50 at margin 0.3) / 2, PQ = both quality yes
     want_55 = math.sqrt((yes + yes + sig(4 * 0.9)) / 3 * yes)
-    assert got[0] == pytest.approx(want_52, abs=1e-9) and got[1] == pytest.approx(no, abs=1e-9)  # no integer: every c = sigmoid(-4)
+    assert got[0] == pytest.approx(want_52, abs=1e-9) and got[1] == pytest.approx(
+        no, abs=1e-9
+    )  # no integer: every c = sigmoid(-4)
     assert got[2] is None and got[3] == pytest.approx(want_55, abs=1e-9)
     metrics = {}
     r(["p"], ["7"], attrs=["even,lt50"], log_metric=lambda k, v: metrics.__setitem__(k, v))
@@ -105,8 +126,14 @@ def test_programmatic_reward_by_hand():
 
 
 def test_reward_config_errors():
-    for bad, match in [({"method": "max"}, "method"), ({"judge": "gpt"}, "judge"), ({"template": "Answer:"}, "question"),
-                       ({"top_logprobs": 0}, "top_logprobs"), ({"k": 0.0}, "k="), ({"match": "x"}, "match")]:
+    for bad, match in [
+        ({"method": "max"}, "method"),
+        ({"judge": "gpt"}, "judge"),
+        ({"template": "Answer:"}, "question"),
+        ({"top_logprobs": 0}, "top_logprobs"),
+        ({"k": 0.0}, "k="),
+        ({"match": "x"}, "match"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             build("reward", "dv_reward", **bad)
     with pytest.raises(RewardError, match="unknown attribute"):
@@ -139,8 +166,14 @@ class FakeJudge:
         return {"policy": lambda: contextlib.nullcontext("module")}
 
     def score(self, module, rollout, quantities):
-        assert module == "module" and quantities == ["logprobs"] and tuple(rollout.actions.shape) == (len(rollout.prompt_ids), 1, 1)
-        p = torch.tensor([[0.0, 0.5, 0.25, 0.2, 0.05], [0.0, 0.1, 0.6, 0.3, 0.0]])  # [2,V]: question 1 leans yes, question 2 no
+        assert (
+            module == "module"
+            and quantities == ["logprobs"]
+            and tuple(rollout.actions.shape) == (len(rollout.prompt_ids), 1, 1)
+        )
+        p = torch.tensor(
+            [[0.0, 0.5, 0.25, 0.2, 0.05], [0.0, 0.1, 0.6, 0.3, 0.0]]
+        )  # [2,V]: question 1 leans yes, question 2 no
         rows = torch.stack([p[(ids[0] - 1) % 2] for ids in rollout.prompt_ids])  # [N,V]
         return {"logprobs": rows.clamp(min=1e-30).log()[:, None, None, :]}  # [N,1,1,V]
 
@@ -149,7 +182,9 @@ def test_lm_judge_asks_each_question_once_through_score():
     judge = FakeJudge()
     r = build("reward", "dv_reward", judge="role:judge", match="prefix", top_logprobs=3, template="Q: {question} A:")
     r.use_models({"judge": judge, "other": None})
-    (got,) = r(["p"], ["52"], attrs=["even"])  # 3 questions: even (q1, yes-leaning), whole number (q2), two-digit (q3 = like q1)
+    (got,) = r(
+        ["p"], ["52"], attrs=["even"]
+    )  # 3 questions: even (q1, yes-leaning), whole number (q2), two-digit (q3 = like q1)
     assert judge.seen == ["Q: Is 52 even? A:", "Q: Is 52 a whole number? A:", "Q: Is 52 a two-digit number? A:"]
     c1 = 0.5 / 0.75  # top-3 of row 1: y 0.5, n 0.25, 0 0.2 -> "Yes" (0.05) is not in the top 3
     c2 = 0.1 / 0.7
@@ -183,7 +218,11 @@ def first_token_confidence(tokenizer, model, question: str, k: int = 5) -> float
             p["yes"] += math.exp(v)
         elif w and "no".startswith(w) and not "yes".startswith(w):
             p["no"] += math.exp(v)
-    return p["yes"] / (p["yes"] + p["no"]) if p["yes"] + p["no"] > 0 else float(texts[0].strip().lower() in ("y", "ye", "yes"))
+    return (
+        p["yes"] / (p["yes"] + p["no"])
+        if p["yes"] + p["no"] > 0
+        else float(texts[0].strip().lower() in ("y", "ye", "yes"))
+    )
 
 
 def test_shipped_judge_answers_the_held_out_questions(judge_lm):
@@ -197,27 +236,48 @@ def test_shipped_judge_answers_the_held_out_questions(judge_lm):
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_with_the_frozen_judge_role(tmp_path, objective, judge_lm):
-    rows_, seen = train_recorded(tmp_path, objective, 'data.task="number_attrs"', JUDGE_ROLE,
-                                 'rewards=[{name="dv_reward", judge="role:judge", match="prefix"}]', 'advantage.estimator="alphagrpo"',
-                                 "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=3")
+    rows_, seen = train_recorded(
+        tmp_path,
+        objective,
+        'data.task="number_attrs"',
+        JUDGE_ROLE,
+        'rewards=[{name="dv_reward", judge="role:judge", match="prefix"}]',
+        'advantage.estimator="alphagrpo"',
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=3",
+    )
     tokenizer, model = judge_lm
     for batch in seen:
         for b, meta in enumerate(batch.meta):
             for g, text in enumerate(batch.completions[b]):
                 sem, qual = decompose(text, meta["attrs"].split(","))
-                want = dv_reward([first_token_confidence(tokenizer, model, q) for q, _ in sem],
-                                 [first_token_confidence(tokenizer, model, q) for q, _ in qual])
-                assert float(batch.rewards[b, g]) == pytest.approx(want, abs=1e-5)  # the run's reward is the judge's, asked here
+                want = dv_reward(
+                    [first_token_confidence(tokenizer, model, q) for q, _ in sem],
+                    [first_token_confidence(tokenizer, model, q) for q, _ in qual],
+                )
+                assert float(batch.rewards[b, g]) == pytest.approx(
+                    want, abs=1e-5
+                )  # the run's reward is the judge's, asked here
         ids = [int(i) for i in batch.prompt_index for _ in range(batch.shape[1])]
-        want = per_prompt_advantages(batch.rewards.reshape(-1), ids, valid=batch.group_valid.reshape(-1)).reshape(batch.shape[:2])
+        want = per_prompt_advantages(batch.rewards.reshape(-1), ids, valid=batch.group_valid.reshape(-1)).reshape(
+            batch.shape[:2]
+        )
         torch.testing.assert_close(batch.advantages, want.float())
     assert all(0.0 <= r["reward_metric/dv_sat"] <= 1.0 for r in rows_)
 
 
 def test_two_steps_programmatic_judge_and_gaussian_noise(tmp_path):
-    _, seen = train_recorded(tmp_path, "ppo_clip", 'data.task="number_attrs"',
-                             'rewards=[{name="dv_reward", method="holistic"}, {name="gaussian_noise", sigma=0.1}]',
-                             "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=3", steps=1)
+    _, seen = train_recorded(
+        tmp_path,
+        "ppo_clip",
+        'data.task="number_attrs"',
+        'rewards=[{name="dv_reward", method="holistic"}, {name="gaussian_noise", sigma=0.1}]',
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=3",
+        steps=1,
+    )
     batch = seen[0]
     holistic = batch.reward_parts[..., 0]  # [B,G]
     assert set(holistic.flatten().tolist()) <= {0.0, 1.0}
@@ -235,9 +295,13 @@ def test_number_attrs_task():
     assert len(train) == 20 and len(test) == 9 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     for r in train + test:
         keys = r["attrs"].split(",")
-        assert r["prompt"] == "number " + " ".join(ATTRIBUTES[k][0] for k in keys) + "=" and satisfies(int(r["answer"]), keys)
+        assert r["prompt"] == "number " + " ".join(ATTRIBUTES[k][0] for k in keys) + "=" and satisfies(
+            int(r["answer"]), keys
+        )
     assert rows("train", 5, seed=1) != rows("train", 5, seed=2)
-    task_reward = build("reward", "dv_reward", method="holistic")  # the task's default: 1 exactly when every attribute holds
+    task_reward = build(
+        "reward", "dv_reward", method="holistic"
+    )  # the task's default: 1 exactly when every attribute holds
     assert task_reward(["p"] * 3, ["52", "51", "152"], attrs=["even,gt50"] * 3) == [1.0, 0.0, 0.0]
 
 
@@ -247,9 +311,15 @@ def test_yes_no_task_labels():
     train, test = yes_no_rows("train", 0), yes_no_rows("test", 0)
     assert len(train) == 1280 and len(test) == 320 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     row = next(r for r in train + test if r["question"] == "Is 45 divisible by 3?")
-    assert row == {"prompt": "Is 45 divisible by 3? Answer yes or no:", "answer": "yes", "question": "Is 45 divisible by 3?"}
+    assert row == {
+        "prompt": "Is 45 divisible by 3? Answer yes or no:",
+        "answer": "yes",
+        "question": "Is 45 divisible by 3?",
+    }
     assert next(r for r in train + test if r["question"] == "Is 50 greater than 50?")["answer"] == "no"
-    three = [r for r in train + test if r["question"].endswith("a two-digit number?") and len(r["question"].split()[1]) == 3]
+    three = [
+        r for r in train + test if r["question"].endswith("a two-digit number?") and len(r["question"].split()[1]) == 3
+    ]
     assert len(three) == 100 and all(r["answer"] == "no" for r in three)
 
 
@@ -263,14 +333,27 @@ def test_fpr_spec_numbers():
 
 
 def test_group_mean_tracker_and_anchor():
-    _close(per_prompt_advantages(torch.tensor([1.0, 3.0]), ["a", "a"], {"a": 2.0}, "group_mean"), [-1 / (1 + 1e-4), 1 / (1 + 1e-4)], atol=1e-9)
+    _close(
+        per_prompt_advantages(torch.tensor([1.0, 3.0]), ["a", "a"], {"a": 2.0}, "group_mean"),
+        [-1 / (1 + 1e-4), 1 / (1 + 1e-4)],
+        atol=1e-9,
+    )
     # anchor: baseline max(2.5, mean 2) = 2.5, d = [-1.5, 0.5], scale sqrt(1.25 + 1e-8)
-    _close(per_prompt_advantages(torch.tensor([1.0, 3.0]), ["a", "a"], {"a": 2.5}, "grpo_anchor"),
-           [-1.5 / math.sqrt(1.25 + 1e-8), 0.5 / math.sqrt(1.25 + 1e-8)], atol=1e-9)
+    _close(
+        per_prompt_advantages(torch.tensor([1.0, 3.0]), ["a", "a"], {"a": 2.5}, "grpo_anchor"),
+        [-1.5 / math.sqrt(1.25 + 1e-8), 0.5 / math.sqrt(1.25 + 1e-8)],
+        atol=1e-9,
+    )
     # anchor below the mean: the mean is the baseline, as plain centring with an RMS scale
-    _close(per_prompt_advantages(torch.tensor([1.0, 3.0]), ["a", "a"], {"a": 0.0}, "grpo_anchor"), [-1.0, 1.0], atol=1e-6)
+    _close(
+        per_prompt_advantages(torch.tensor([1.0, 3.0]), ["a", "a"], {"a": 0.0}, "grpo_anchor"), [-1.0, 1.0], atol=1e-6
+    )
     # two prompts are normalised apart; a constant prompt is exactly 0
-    _close(per_prompt_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), ["a", "a", "b", "b"]), [-1 / (1 + 1e-4), 1 / (1 + 1e-4), 0, 0], atol=1e-9)
+    _close(
+        per_prompt_advantages(torch.tensor([1.0, 3.0, 5.0, 5.0]), ["a", "a", "b", "b"]),
+        [-1 / (1 + 1e-4), 1 / (1 + 1e-4), 0, 0],
+        atol=1e-9,
+    )
     with pytest.raises(ValueError, match="group_mean"):
         per_prompt_advantages(torch.tensor([1.0]), ["a"], None, "group_mean")
 
@@ -302,7 +385,9 @@ def test_estimator_pools_groups_of_one_prompt_and_skips_invalid_rows():
     ro = _batch([[1.0, 2.0], [3.0, 4.0], [0.0, 9.0]], [5, 5, 6], valid=[[True, True], [True, True], [True, False]])
     pooled = build("advantage", "alphagrpo")(ro, info_for(2))  # prompt 5: [1,2,3,4] mean 2.5, std sqrt(1.25)
     s = math.sqrt(1.25) + 1e-4
-    _close(pooled, [[-1.5 / s, -0.5 / s], [0.5 / s, 1.5 / s], [0.0, 0.0]], atol=1e-6)  # prompt 6: one valid row -> 0, the invalid one 0
+    _close(
+        pooled, [[-1.5 / s, -0.5 / s], [0.5 / s, 1.5 / s], [0.0, 0.0]], atol=1e-6
+    )  # prompt 6: one valid row -> 0, the invalid one 0
     apart = build("advantage", "alphagrpo", by="group")(ro, info_for(2))
     _close(apart, [[-0.5 / 0.5001, 0.5 / 0.5001], [-0.5 / 0.5001, 0.5 / 0.5001], [0.0, 0.0]], atol=1e-6)
     ro.rewards[0, 0] = float("nan")

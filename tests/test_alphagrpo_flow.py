@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import paper_module
 
 from groupwise.advantages.alphagrpo import per_prompt_advantages
 from groupwise.build import build as build_parts
@@ -19,7 +20,6 @@ from groupwise.rewards.dv_questions import DOMAINS, as_point
 from groupwise.rewards.dvreward import decompose, dv_reward
 from groupwise.tasks import get_task
 from groupwise.trainer import Trainer
-from helpers import paper_module
 
 _flow_attrs = paper_module("27_alphagrpo", "flow_attrs")
 N_LABELS, label_attrs = _flow_attrs.N_LABELS, _flow_attrs.label_attrs
@@ -37,10 +37,20 @@ def test_point_parser():
 
 def test_point2d_questions_and_margins_by_hand():
     sem, qual = decompose("1.0000,-0.5000", ["right", "lower", "near"], "point2d")
-    assert [q for q, _ in sem] == ["Is the point (1.0000,-0.5000) right of the vertical axis?", "Is the point (1.0000,-0.5000) below the horizontal axis?",
-                                   "Is the point (1.0000,-0.5000) within distance 1 of the centre?"]
-    assert [m for _, m in sem] == [1.0, 0.5, pytest.approx(1 - math.sqrt(1.25), abs=1e-12)]  # r = 1.1180: just outside "near"
-    assert [q for q, _ in qual] == ["Is (1.0000,-0.5000) a finite 2-D point?", "Is the point (1.0000,-0.5000) inside the canvas?"]
+    assert [q for q, _ in sem] == [
+        "Is the point (1.0000,-0.5000) right of the vertical axis?",
+        "Is the point (1.0000,-0.5000) below the horizontal axis?",
+        "Is the point (1.0000,-0.5000) within distance 1 of the centre?",
+    ]
+    assert [m for _, m in sem] == [
+        1.0,
+        0.5,
+        pytest.approx(1 - math.sqrt(1.25), abs=1e-12),
+    ]  # r = 1.1180: just outside "near"
+    assert [q for q, _ in qual] == [
+        "Is (1.0000,-0.5000) a finite 2-D point?",
+        "Is the point (1.0000,-0.5000) inside the canvas?",
+    ]
     assert [m for _, m in qual] == [1.0, 2.0]  # canvas: 3 − max(|1|, |−0.5|)
     sem, _ = decompose("0.0000,1.5000", ["left", "upper", "mid", "far"], "point2d")
     assert [m for _, m in sem] == [-0.0, 1.5, pytest.approx(0.5), pytest.approx(-0.5)]
@@ -55,8 +65,12 @@ def test_point2d_questions_and_margins_by_hand():
 def test_dv_reward_on_flow_samples_by_hand():
     reward = build("reward", "dv_reward", domain="point2d")
     metrics = {}
-    got = reward([0, 11], ["1.0000,-0.5000", "-1.0000,1.0000"], attrs=["right,lower,near", "right,lower,far"],
-                 log_metric=lambda k, v: metrics.__setitem__(k, v))
+    got = reward(
+        [0, 11],
+        ["1.0000,-0.5000", "-1.0000,1.0000"],
+        attrs=["right,lower,near", "right,lower,far"],
+        log_metric=lambda k, v: metrics.__setitem__(k, v),
+    )
     # row 0: SC = mean(σ(4·1), σ(4·0.5), σ(4·(1 − √1.25))), PQ = mean(σ(4), σ(8))
     sc0 = (sig(4.0) + sig(2.0) + sig(4 * (1 - math.sqrt(1.25)))) / 3
     pq0 = (sig(4.0) + sig(8.0)) / 2
@@ -75,22 +89,41 @@ def test_dv_reward_on_flow_samples_by_hand():
 
 
 def test_flow_attrs_task():
-    assert N_LABELS == 12 and label_attrs(0) == "right,upper,near" and label_attrs(4) == "left,upper,mid" and label_attrs(11) == "right,lower,far"
+    assert (
+        N_LABELS == 12
+        and label_attrs(0) == "right,upper,near"
+        and label_attrs(4) == "left,upper,mid"
+        and label_attrs(11) == "right,lower,far"
+    )
     task = get_task("flow_attrs")
     train, test = task.rows("train", 0, 0), task.rows("test", 0, 0)
     assert len(train) == 256 and len(test) == 64 and train != test
-    assert all(r["attrs"] == label_attrs(r["prompt"]) for r in train + test) and {r["prompt"] for r in train} == set(range(12))
+    assert all(r["attrs"] == label_attrs(r["prompt"]) for r in train + test) and {r["prompt"] for r in train} == set(
+        range(12)
+    )
     assert task.reward == {"name": "dv_reward", "domain": "point2d", "method": "holistic"}
 
 
-FLOW = ['model.policy="flow"', 'model.params={n_labels=12, steps=4, sde="one_shared", hidden=16}', 'data.task="flow_attrs"',
-        'rewards=[{name="dv_reward", domain="point2d"}]', 'advantage.estimator="alphagrpo"', "rollout.group_size=4",
-        "rollout.prompts_per_step=4", "eval.size=8", "threads=1", 'update={name="adamw", lr=5e-3}']
+FLOW = [
+    'model.policy="flow"',
+    'model.params={n_labels=12, steps=4, sde="one_shared", hidden=16}',
+    'data.task="flow_attrs"',
+    'rewards=[{name="dv_reward", domain="point2d"}]',
+    'advantage.estimator="alphagrpo"',
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "eval.size=8",
+    "threads=1",
+    'update={name="adamw", lr=5e-3}',
+]
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_flow_steps_score_the_samples_with_dvreward(tmp_path, objective):
-    cfg, _ = load_config(None, [*FLOW, f'out="{tmp_path}"', f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', "train.steps=2"])
+    cfg, _ = load_config(
+        None,
+        [*FLOW, f'out="{tmp_path}"', f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', "train.steps=2"],
+    )
     trainer = Trainer(build_parts(cfg))
     seen, rows = [], []
     prepare = trainer.prepare
@@ -111,6 +144,8 @@ def test_two_flow_steps_score_the_samples_with_dvreward(tmp_path, objective):
                 sat.append(sum(m > 0 for _, m in sem) / len(sem))
         assert row["reward_metric/dv_sat"] == pytest.approx(sum(sat) / len(sat))
         ids = [int(i) for i in batch.prompt_index for _ in range(batch.shape[1])]
-        want = per_prompt_advantages(batch.rewards.reshape(-1), ids, valid=batch.group_valid.reshape(-1)).reshape(batch.shape[:2])
+        want = per_prompt_advantages(batch.rewards.reshape(-1), ids, valid=batch.group_valid.reshape(-1)).reshape(
+            batch.shape[:2]
+        )
         torch.testing.assert_close(batch.advantages, want.float())
         assert math.isfinite(row["loss"])

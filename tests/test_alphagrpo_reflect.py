@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+from helpers import train_recorded
+from test_trainer import make_trainer
 
 from groupwise.advantages.alphagrpo import fpr_rewards, per_prompt_advantages
 from groupwise.errors import ConfigError
@@ -17,12 +19,12 @@ from groupwise.rewards.dvreward import DVReward
 from groupwise.rollout.alphagrpo_reflect import INSTRUCTION, TEMPLATE, reflection_context, select_attempt
 from groupwise.rollout.context import RolloutContext, check_strategy
 from groupwise.types import Rollout, StepInfo
-from helpers import train_recorded
-from test_trainer import make_trainer
 
 
 def _close(actual, expected, atol=1e-4):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0
+    )
 
 
 def encode(text: str) -> list[int]:
@@ -42,7 +44,9 @@ def test_select_attempt_lowest_skips_invalid_and_nan():
     t = torch.tensor
     assert select_attempt(t([0.6, 0.3, 0.9]), t([True, True, True])) == 1
     assert select_attempt(t([0.3, 0.3]), t([True, True])) == 0  # ties: the first
-    assert select_attempt(t([0.6, 0.1, float("nan")]), t([True, False, True])) == 0  # invalid and NaN rows are never picked
+    assert (
+        select_attempt(t([0.6, 0.1, float("nan")]), t([True, False, True])) == 0
+    )  # invalid and NaN rows are never picked
     assert select_attempt(t([float("nan"), 0.2]), t([True, False])) == -1
 
 
@@ -71,10 +75,17 @@ def test_config_errors_and_the_strategy_collects_the_stage1_reward():
 # ---------------------------------------------------------------------------------------------- by hand on a scripted context
 def _rows(keys, rewards, texts, prompts):
     B, G = len(keys), len(rewards[0])
-    return Rollout(prompt_ids=prompts, actions=(20 + torch.arange(G)).repeat(B, 1)[..., None], mask=torch.ones(B, G, 1, dtype=torch.bool),
-                   group_valid=torch.ones(B, G, dtype=torch.bool), truncated=torch.zeros(B, G, dtype=torch.bool),
-                   prompt_index=torch.tensor(keys), meta=[{"prompt": f"p{k}=", "attrs": "even"} for k in keys], completions=texts,
-                   rewards=torch.tensor(rewards))
+    return Rollout(
+        prompt_ids=prompts,
+        actions=(20 + torch.arange(G)).repeat(B, 1)[..., None],
+        mask=torch.ones(B, G, 1, dtype=torch.bool),
+        group_valid=torch.ones(B, G, dtype=torch.bool),
+        truncated=torch.zeros(B, G, dtype=torch.bool),
+        prompt_index=torch.tensor(keys),
+        meta=[{"prompt": f"p{k}=", "attrs": "even"} for k in keys],
+        completions=texts,
+        rewards=torch.tensor(rewards),
+    )
 
 
 class Scripted:
@@ -94,7 +105,12 @@ class Scripted:
     def rollout(self, requests, round_=0):
         self.requests.append(requests)
         if len(self.requests) == 1:
-            return _rows(self.keys, self.first, [[f"{k}{j}" for j in range(len(self.first[0]))] for k in self.keys], [encode(f"p{k}=") for k in self.keys])
+            return _rows(
+                self.keys,
+                self.first,
+                [[f"{k}{j}" for j in range(len(self.first[0]))] for k in self.keys],
+                [encode(f"p{k}=") for k in self.keys],
+            )
         return _rows(self.keys, self.refined, [["r"] * 4 for _ in self.keys], [r.prompt for r in requests])
 
     def keep(self, batch):
@@ -112,7 +128,9 @@ def test_strategy_output_and_fpr_advantage_by_hand():
     want = encode("p5=51\n" + INSTRUCTION)  # the lowest first attempt (row 1, reward 0.3, text "51")
     assert [(r.key, r.n, r.offset, r.prompt) for r in ctx.requests[1]] == [(5, 4, 2, want)]
     assert batch.ctx == [[want] * 4] and batch.prompt_ids == [encode("p5=")]  # trained under the reflection context
-    assert batch.extra_levels["stage1_reward"] == "group" and batch.extras["stage1_reward"].tolist() == [pytest.approx(0.3)]
+    assert batch.extra_levels["stage1_reward"] == "group" and batch.extras["stage1_reward"].tolist() == [
+        pytest.approx(0.3)
+    ]
     # spec 27's FPR numbers: refined [0.5, 0.25, 0.3, 0.7] vs 0.3 -> [0.5, 0.3, 0.3, 0.7] -> [0.3013, −0.9040, −0.9040, 1.5066]
     info = ctx.info()
     _close(build("advantage", "alphagrpo", fpr=True)(batch, info), [[0.3013, -0.9040, -0.9040, 1.5066]])
@@ -121,7 +139,9 @@ def test_strategy_output_and_fpr_advantage_by_hand():
     _close(build("advantage", "alphagrpo")(batch, info), [[0.0625 / s, -0.1875 / s, -0.1375 / s, 0.2625 / s]])
     stats = strategy.step_stats()
     assert stats["reflect/improved"] == 0.5 and stats["reflect/any_improved"] == 1.0
-    assert stats["reflect/stage1_reward"] == pytest.approx(0.3) and stats["reflect/refined_reward"] == pytest.approx(0.4375)
+    assert stats["reflect/stage1_reward"] == pytest.approx(0.3) and stats["reflect/refined_reward"] == pytest.approx(
+        0.4375
+    )
 
 
 def test_train_first_adds_the_attempts_as_their_own_group():
@@ -177,13 +197,22 @@ def test_group_without_a_finite_attempt_keeps_its_refinements():
 
 
 # ---------------------------------------------------------------------------------------------- through the trainer
-REFLECT = ('data.task="number_attrs"', 'rewards=[{name="dv_reward"}]', 'rollout.name="alphagrpo_reflect"', "rollout.max_new_tokens=3")
+REFLECT = (
+    'data.task="number_attrs"',
+    'rewards=[{name="dv_reward"}]',
+    'rollout.name="alphagrpo_reflect"',
+    "rollout.max_new_tokens=3",
+)
 
 
 def _record_rounds(monkeypatch):
     rounds = []
     rollout = RolloutContext.rollout
-    monkeypatch.setattr(RolloutContext, "rollout", lambda self, requests, round_=0: rounds.append(rollout(self, requests, round_)) or rounds[-1])
+    monkeypatch.setattr(
+        RolloutContext,
+        "rollout",
+        lambda self, requests, round_=0: rounds.append(rollout(self, requests, round_)) or rounds[-1],
+    )
     return rounds
 
 
@@ -196,7 +225,14 @@ def _logprobs(model, context, actions):
 
 def test_contexts_are_prompt_attempt_instruction_and_the_forward_runs_under_them(tmp_path, monkeypatch):
     rounds = _record_rounds(monkeypatch)
-    trainer = make_trainer(tmp_path, *REFLECT, 'advantage.estimator={name="alphagrpo", fpr=true}', "rollout.params={initial=2}", "train.steps=1", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path,
+        *REFLECT,
+        'advantage.estimator={name="alphagrpo", fpr=true}',
+        "rollout.params={initial=2}",
+        "train.steps=1",
+        "eval.size=0",
+    )
     seen = {}
     prepare = trainer.prepare
 
@@ -204,31 +240,52 @@ def test_contexts_are_prompt_attempt_instruction_and_the_forward_runs_under_them
         out = prepare(batch)
         b, g = 0, 0
         actions = [int(a) for a, m in zip(out.actions[b, g], out.mask[b, g]) if m]
-        seen.update(batch=out, under_ctx=_logprobs(trainer.policy.module, out.ctx[b][g], actions), under_prompt=_logprobs(trainer.policy.module, out.prompt_ids[b], actions))
+        seen.update(
+            batch=out,
+            under_ctx=_logprobs(trainer.policy.module, out.ctx[b][g], actions),
+            under_prompt=_logprobs(trainer.policy.module, out.prompt_ids[b], actions),
+        )
         return out
 
     trainer.prepare = record
     row = trainer.run_step()
-    batch, (first, refined) = seen["batch"], rounds
+    batch, (first, _refined) = seen["batch"], rounds
     reward = DVReward()
     for b, meta in enumerate(batch.meta):
         texts = first.completions[b]
         j = min(range(2), key=lambda i: (float(first.rewards[b, i]), i))
         assert trainer.policy.tokenizer.decode(batch.ctx[b][0]) == meta["prompt"] + texts[j] + "\n" + INSTRUCTION
-        assert all(c == batch.ctx[b][0] for c in batch.ctx[b]) and batch.prompt_ids[b] == trainer.policy.encode(meta["prompt"])
-        assert float(batch.extras["stage1_reward"][b]) == pytest.approx(reward([meta["prompt"]], [texts[j]], attrs=[meta["attrs"]])[0], abs=1e-6)
+        assert all(c == batch.ctx[b][0] for c in batch.ctx[b]) and batch.prompt_ids[b] == trainer.policy.encode(
+            meta["prompt"]
+        )
+        assert float(batch.extras["stage1_reward"][b]) == pytest.approx(
+            reward([meta["prompt"]], [texts[j]], attrs=[meta["attrs"]])[0], abs=1e-6
+        )
         for g, text in enumerate(batch.completions[b]):  # refinements are scored against the original row
-            assert float(batch.rewards[b, g]) == pytest.approx(reward([meta["prompt"]], [text], attrs=[meta["attrs"]])[0], abs=1e-6)
+            assert float(batch.rewards[b, g]) == pytest.approx(
+                reward([meta["prompt"]], [text], attrs=[meta["attrs"]])[0], abs=1e-6
+            )
     n = int(batch.mask[0, 0].sum())
-    torch.testing.assert_close(batch.logp_old[0, 0, :n].double(), torch.tensor(seen["under_ctx"], dtype=torch.float64), atol=1e-4, rtol=0)
-    assert max(abs(a - b) for a, b in zip(seen["under_ctx"], seen["under_prompt"])) > 1e-3  # the context matters to the forward
+    torch.testing.assert_close(
+        batch.logp_old[0, 0, :n].double(), torch.tensor(seen["under_ctx"], dtype=torch.float64), atol=1e-4, rtol=0
+    )
+    assert (
+        max(abs(a - b) for a, b in zip(seen["under_ctx"], seen["under_prompt"])) > 1e-3
+    )  # the context matters to the forward
     better = (batch.rewards > batch.extras["stage1_reward"][:, None]) & batch.group_valid
     assert row["reflect/improved"] == pytest.approx(float(better.sum()) / float(batch.group_valid.sum()))
 
 
 def test_seeds_reproduce_the_reflection_batch(tmp_path):
     def batch(sub, seed):
-        trainer = make_trainer(tmp_path / sub, *REFLECT, "rollout.params={initial=2, select=\"softmax\"}", f"seed={seed}", "train.steps=1", "eval.size=0")
+        trainer = make_trainer(
+            tmp_path / sub,
+            *REFLECT,
+            'rollout.params={initial=2, select="softmax"}',
+            f"seed={seed}",
+            "train.steps=1",
+            "eval.size=0",
+        )
         seen = {}
         prepare = trainer.prepare
         trainer.prepare = lambda b: seen.setdefault("b", prepare(b))
@@ -236,14 +293,24 @@ def test_seeds_reproduce_the_reflection_batch(tmp_path):
         return seen["b"]
 
     a, b, c = batch("a", 3), batch("b", 3), batch("c", 4)
-    assert torch.equal(a.actions, b.actions) and a.ctx == b.ctx and torch.equal(a.extras["stage1_reward"], b.extras["stage1_reward"])
+    assert (
+        torch.equal(a.actions, b.actions)
+        and a.ctx == b.ctx
+        and torch.equal(a.extras["stage1_reward"], b.extras["stage1_reward"])
+    )
     assert a.ctx != c.ctx or not torch.equal(a.actions, c.actions)
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_with_fpr_compose(tmp_path, objective):
-    rows, seen = train_recorded(tmp_path, objective, *REFLECT, 'advantage.estimator={name="alphagrpo", fpr=true}', "rollout.group_size=4",
-                                "rollout.prompts_per_step=4")
+    rows, seen = train_recorded(
+        tmp_path,
+        objective,
+        *REFLECT,
+        'advantage.estimator={name="alphagrpo", fpr=true}',
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+    )
     for batch, row in zip(seen, rows):
         assert batch.ctx and all(c != batch.prompt_ids[b] for b, g in enumerate(batch.ctx) for c in g)
         s = batch.extras["stage1_reward"]  # [B]
@@ -264,7 +331,16 @@ def test_reflection_step_under_two_ranks_equals_one_process(tmp_path, select):
 
     args = ["alphagrpo_reflect", SGD, f'rollout.params={{initial=2, select="{select}"}}']
     one_row, one = _run([sys.executable, "-m", "groupwise"], args, tmp_path / "one")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "groupwise",
+    ]
     two_row, two = _run(torchrun, args, tmp_path / "two")
     assert one_row["grad_norm"] > 0 and one_row["reflect/any_improved"] == 1.0
     for key in ("loss", "reflect/improved", "reflect/stage1_reward", "reflect/refined_reward"):

@@ -14,6 +14,8 @@ import json
 
 import pytest
 import torch
+from test_functional import tiny_model
+from test_trainer import make_trainer
 
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
@@ -21,8 +23,6 @@ from groupwise.policy import precision
 from groupwise.policy.forward import completion_logprobs
 from groupwise.policy.functional import DecodeState, hidden_states
 from groupwise.run import Run
-from test_functional import tiny_model
-from test_trainer import make_trainer
 
 BF16 = torch.bfloat16
 
@@ -59,8 +59,13 @@ def test_logprob_error_of_bf16_products_on_the_embedded_model_is_bounded(demo):
     rows = torch.ones(32, 8, dtype=torch.bool)  # [B,G]
     with torch.no_grad():
         exact = completion_logprobs(policy.module, prompts, gen.tokens, gen.mask, rows)["logp"]  # [B,G,T]
-        for functional, (bound_max, bound_mean) in ((True, (FUNCTIONAL_MAX, FUNCTIONAL_MEAN)), (False, (AUTOCAST_MAX, AUTOCAST_MEAN))):
-            low = completion_logprobs(policy.module, prompts, gen.tokens, gen.mask, rows, matmul=BF16, functional=functional)["logp"]
+        for functional, (bound_max, bound_mean) in (
+            (True, (FUNCTIONAL_MAX, FUNCTIONAL_MEAN)),
+            (False, (AUTOCAST_MAX, AUTOCAST_MEAN)),
+        ):
+            low = completion_logprobs(
+                policy.module, prompts, gen.tokens, gen.mask, rows, matmul=BF16, functional=functional
+            )["logp"]
             assert low.dtype == torch.float32
             error = (low - exact).abs()[gen.mask]  # [K]
             assert error.max() < bound_max and error.mean() < bound_mean, (functional, error.max(), error.mean())
@@ -90,8 +95,9 @@ def test_bf16_generation_keeps_float32_logp_and_nearly_the_same_samples(demo):
 def test_both_engine_paths_run_bf16_products_with_float32_logp(functional):
     """The functional decoder (bf16 weight snapshots) and the model's own forward (autocast): float32
     log-probs of the same greedy tokens within bf16 rounding of float32's, and not equal to them."""
-    from groupwise.policy.engine import CPUEngine
     from test_functional import EOS, PAD, PROMPTS
+
+    from groupwise.policy.engine import CPUEngine
 
     model = tiny_model("qwen3")
     seeds = torch.arange(len(PROMPTS) * 2)
@@ -125,7 +131,9 @@ def test_training_forward_gradients_land_float32_on_the_master_weights(arch):
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 0, 0]])  # [N,W]
     positions = torch.arange(6).expand(2, 6)  # [N,W]
     allowed = torch.ones(6, 6, dtype=torch.bool).tril_().expand(2, 6, 6)  # [N,W,W]
-    direction = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))  # [N,W,D] a fixed readout
+    direction = torch.randn(
+        2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1)
+    )  # [N,W,D] a fixed readout
     grads = {}
     outs = {}
     for low in (None, BF16):
@@ -167,12 +175,15 @@ def test_a_bf16_step_keeps_loss_and_gradients_float32(tmp_path):
 QWEN_TINY = type("Config", (), {"hidden_size": 128, "intermediate_size": 384})()
 
 
-@pytest.mark.parametrize("fp32, bf16, dtype, words", [
-    (214.0, 874.0, "bfloat16", ">= 1.3x: bfloat16 products on"),  # an AVX512-BF16 EPYC at 512³
-    (100.0, 130.0, "bfloat16", "1.30x"),  # exactly the threshold turns it on
-    (100.0, 129.0, "float32", "not enough faster than float32"),
-    (150.0, 40.0, "float32", "slower than float32, staying float32"),  # a CPU without bf16 units emulates it
-])
+@pytest.mark.parametrize(
+    "fp32, bf16, dtype, words",
+    [
+        (214.0, 874.0, "bfloat16", ">= 1.3x: bfloat16 products on"),  # an AVX512-BF16 EPYC at 512³
+        (100.0, 130.0, "bfloat16", "1.30x"),  # exactly the threshold turns it on
+        (100.0, 129.0, "float32", "not enough faster than float32"),
+        (150.0, 40.0, "float32", "slower than float32, staying float32"),  # a CPU without bf16 units emulates it
+    ],
+)
 def test_auto_decides_from_the_measurements(fp32, bf16, dtype, words):
     shapes = []
     choice = precision.resolve("auto", QWEN_TINY, measure=lambda m, k, n: (shapes.append((m, k, n)), (fp32, bf16))[1])
@@ -239,14 +250,21 @@ def test_resume_under_bf16_equals_the_uninterrupted_bf16_run(tmp_path):
         assert torch.equal(p, q), name
     plain = make_trainer(tmp_path / "c", "train.steps=4", "eval.size=0")
     Run(plain).train()
-    assert not all(torch.equal(p, q) for p, q in zip(plain.policy.module.parameters(), straight.policy.module.parameters()))  # bf16 did change the run
+    assert not all(
+        torch.equal(p, q) for p, q in zip(plain.policy.module.parameters(), straight.policy.module.parameters())
+    )  # bf16 did change the run
 
 
 def test_a_resumed_auto_run_keeps_the_dtype_its_start_measured(tmp_path, monkeypatch):
-    measured = iter([(100.0, 400.0), (100.0, 400.0), (100.0, 50.0)])  # straight, first half: bf16; the resume's probe would say fp32
+    measured = iter(
+        [(100.0, 400.0), (100.0, 400.0), (100.0, 50.0)]
+    )  # straight, first half: bf16; the resume's probe would say fp32
     monkeypatch.setattr(precision, "probe", lambda m, k, n, device="cpu": next(measured))
     straight, resumed = _straight_and_resumed(tmp_path, "model.matmul=auto")
-    assert straight.policy.matmul.dtype == resumed.policy.matmul.dtype == "bfloat16" and resumed.policy.engine.matmul is BF16
+    assert (
+        straight.policy.matmul.dtype == resumed.policy.matmul.dtype == "bfloat16"
+        and resumed.policy.engine.matmul is BF16
+    )
     assert "restored from the checkpoint" in resumed.policy.matmul.reason
     for (name, p), q in zip(straight.policy.module.named_parameters(), resumed.policy.module.parameters()):
         assert torch.equal(p, q), name
@@ -277,7 +295,22 @@ def test_ranks_agree_on_the_products(tmp_path, measured, dtype):
     script = tmp_path / "ranks.py"
     script.write_text(_RANKS_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path), *measured],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(tmp_path),
+            *measured,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [dtype, dtype]

@@ -18,19 +18,49 @@ import pytest
 from groupwise import runfolder
 from groupwise.claims.claimfile import ClaimError, check_fixed, claim_seeds, find_claims, load_claim
 from groupwise.claims.compare import ConfigSpec, compare, is_metric, metric_values, read_run, run_state, split_configs
-from groupwise.claims.intervals import (T80, T975, Interval, detectable_effect, expected_false_held, mean_interval,
-                                        paired_effect, t80, t975, verdict)
+from groupwise.claims.intervals import (
+    T80,
+    T975,
+    Interval,
+    detectable_effect,
+    expected_false_held,
+    mean_interval,
+    paired_effect,
+    t80,
+    t975,
+    verdict,
+)
 from groupwise.claims.provenance import cpu_model
-from groupwise.claims.report import (PLACEHOLDER, detectable_text, readings, regenerate, run_claim, save_record,
-                                     shown_verdict)
+from groupwise.claims.report import (
+    PLACEHOLDER,
+    detectable_text,
+    readings,
+    regenerate,
+    run_claim,
+    save_record,
+    shown_verdict,
+)
 from groupwise.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------- t quantiles
-@pytest.mark.parametrize("dof,expected", [(1, 12.706), (2, 4.303), (3, 3.182), (5, 2.571), (10, 2.228), (20, 2.086), (30, 2.042),
-                                          (40, 2.021), (60, 2.000), (120, 1.980)])
+@pytest.mark.parametrize(
+    "dof,expected",
+    [
+        (1, 12.706),
+        (2, 4.303),
+        (3, 3.182),
+        (5, 2.571),
+        (10, 2.228),
+        (20, 2.086),
+        (30, 2.042),
+        (40, 2.021),
+        (60, 2.000),
+        (120, 1.980),
+    ],
+)
 def test_t975_known_values(dof, expected):
     # printed t-tables, 0.975 column (two-sided 95 %); ν > 30 comes from the Cornish–Fisher expansion
     assert t975(dof) == pytest.approx(expected, abs=6e-4)
@@ -99,15 +129,18 @@ def _iv(low, high, n=3):
     return Interval((low + high) / 2, (high - low) / 2, n)
 
 
-@pytest.mark.parametrize("low,high,direction,expected", [
-    (0.01, 0.2, "greater", "held"),
-    (-0.2, -0.01, "greater", "contradicted"),
-    (-0.2, -0.01, "less", "held"),
-    (0.01, 0.2, "less", "contradicted"),
-    (-0.1, 0.2, "greater", "inconclusive"),
-    (-0.1, 0.2, "less", "inconclusive"),
-    (0.0, 0.2, "greater", "inconclusive"),  # touching 0 does not exclude it
-])
+@pytest.mark.parametrize(
+    "low,high,direction,expected",
+    [
+        (0.01, 0.2, "greater", "held"),
+        (-0.2, -0.01, "greater", "contradicted"),
+        (-0.2, -0.01, "less", "held"),
+        (0.01, 0.2, "less", "contradicted"),
+        (-0.1, 0.2, "greater", "inconclusive"),
+        (-0.1, 0.2, "less", "inconclusive"),
+        (0.0, 0.2, "greater", "inconclusive"),  # touching 0 does not exclude it
+    ],
+)
 def test_verdict_branches(low, high, direction, expected):
     assert verdict(_iv(low, high), direction)[0] == expected
 
@@ -145,7 +178,13 @@ def test_verdict_censoring_downgrades_only_the_undoable_side():
 # ---------------------------------------------------------------------------------------------- run folders
 def _write_run(folder: Path, evals, rewards, step_seconds=0.5, wall=20.0):
     folder.mkdir(parents=True, exist_ok=True)
-    summary = {"accuracy_before": evals[0][1], "evals": evals, "accuracy_after": evals[-1][1], "steps": len(rewards), "wall_seconds": wall}
+    summary = {
+        "accuracy_before": evals[0][1],
+        "evals": evals,
+        "accuracy_after": evals[-1][1],
+        "steps": len(rewards),
+        "wall_seconds": wall,
+    }
     (folder / "summary.json").write_text(json.dumps(summary))
     rows = []
     for step, r in enumerate(rewards):
@@ -184,9 +223,11 @@ def test_to_target_falls_back_to_the_metrics_log(tmp_path):
 
 
 def test_not_reached_counts_as_the_budget():
-    runs = [{"seed": 0, "status": "ok", "metrics": {"steps_to_target": 10, "step_budget": 30}},
-            {"seed": 1, "status": "ok", "metrics": {"steps_to_target": None, "step_budget": 30}},
-            {"seed": 2, "status": "failed"}]
+    runs = [
+        {"seed": 0, "status": "ok", "metrics": {"steps_to_target": 10, "step_budget": 30}},
+        {"seed": 1, "status": "ok", "metrics": {"steps_to_target": None, "step_budget": 30}},
+        {"seed": 2, "status": "failed"},
+    ]
     values, censored = metric_values(runs, "steps_to_target")
     assert values == {0: 10.0, 1: 30.0} and censored == {1}
 
@@ -306,8 +347,10 @@ def test_a_training_child_dies_with_its_compare(tmp_path):
 
     pidfile = tmp_path / "child.pid"
     child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
-    parent = ("import sys; from pathlib import Path; from groupwise.claims.compare import launch_subprocess; "
-              f"launch_subprocess([sys.executable, '-c', {child!r}], Path({str(tmp_path / 'train.log')!r}))")
+    parent = (
+        "import sys; from pathlib import Path; from groupwise.claims.compare import launch_subprocess; "
+        f"launch_subprocess([sys.executable, '-c', {child!r}], Path({str(tmp_path / 'train.log')!r}))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", parent])
     deadline = time.monotonic() + 60
     while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
@@ -370,9 +413,21 @@ def test_a_rerun_waits_for_a_run_folder_still_held(tmp_path):
 
 def test_compare_rejects_duplicate_labels_and_bad_configs(tmp_path):
     with pytest.raises(ConfigError, match="two configurations are labelled 'demo'"):
-        compare([ConfigSpec("demo", "demo"), ConfigSpec("demo", "sign")], 1, tmp_path, console=_quiet(), launch=FakeTrainer())
+        compare(
+            [ConfigSpec("demo", "demo"), ConfigSpec("demo", "sign")],
+            1,
+            tmp_path,
+            console=_quiet(),
+            launch=FakeTrainer(),
+        )
     with pytest.raises(ConfigError, match="config 'b'.*trian"):
-        compare([ConfigSpec("a", "demo"), ConfigSpec("b", "demo", ["trian.steps=3"])], 1, tmp_path, console=_quiet(), launch=FakeTrainer())
+        compare(
+            [ConfigSpec("a", "demo"), ConfigSpec("b", "demo", ["trian.steps=3"])],
+            1,
+            tmp_path,
+            console=_quiet(),
+            launch=FakeTrainer(),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- claim files
@@ -410,24 +465,32 @@ def test_claim_file_loads(tmp_path):
     assert claim.margin == 0.0 and load_claim(_claim(tmp_path, with_margin)).margin == 0.05
 
 
-@pytest.mark.parametrize("edit,match", [
-    (('metric = "final_accuracy"', 'metric = "final_acc"'), r"metric = 'final_acc' is not a metric \(did you mean 'final_accuracy'\?\)"),
-    (('baseline = "base"', 'baseline = "grpo"'), r"baseline = 'grpo' is not a config label; labels: base, better"),
-    (('metric = "final_accuracy"', 'metric = "steps_to_target"'), r"needs key 'target'"),
-    (('metric = "final_accuracy"', 'metric = "seconds_to_target"\ntarget = 0.5'), None),
-    (('direction = "greater"', 'direction = "up"'), r"direction = 'up'"),
-    (('exploratory_seeds = 2', 'exploratory_seeds = 0'), r"exploratory_seeds = 0"),
-    (('exploratory_seeds = 2', 'exploratory_seeds = 2\nmargin = -0.1'), r"margin = -0.1 must be a number >= 0"),
-    (('exploratory_seeds = 2', 'exploratory_sedes = 2'),
-     r"unknown key 'exploratory_sedes' \(did you mean 'exploratory_seeds'\?\)"),
-    (('overrides = ["update.lr=3e-4"]', 'overides = []'), r"configs\[1\]: unknown key 'overides'"),
-    (('label = "better"', 'label = "base"'), r"label 'base' is used twice"),
-    (('label = "better"', 'label = "a b"'), r"label 'a b'"),
-    (('"update.lr=3e-4"', '"update.lr"'), r"overrides must be a list of 'key=value'"),
-    (('"update.lr=3e-4"', '"trian.steps=3"'), r"config 'better'.*unknown config key 'trian'"),
-    (('recipe = "demo"\n[[configs]]', 'recipe = "no-such-recipe"\n[[configs]]'), r"no-such-recipe"),
-    (('paper = "99 Test — a paper"\n', ''), r"missing required key 'paper'"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (
+            ('metric = "final_accuracy"', 'metric = "final_acc"'),
+            r"metric = 'final_acc' is not a metric \(did you mean 'final_accuracy'\?\)",
+        ),
+        (('baseline = "base"', 'baseline = "grpo"'), r"baseline = 'grpo' is not a config label; labels: base, better"),
+        (('metric = "final_accuracy"', 'metric = "steps_to_target"'), r"needs key 'target'"),
+        (('metric = "final_accuracy"', 'metric = "seconds_to_target"\ntarget = 0.5'), None),
+        (('direction = "greater"', 'direction = "up"'), r"direction = 'up'"),
+        (("exploratory_seeds = 2", "exploratory_seeds = 0"), r"exploratory_seeds = 0"),
+        (("exploratory_seeds = 2", "exploratory_seeds = 2\nmargin = -0.1"), r"margin = -0.1 must be a number >= 0"),
+        (
+            ("exploratory_seeds = 2", "exploratory_sedes = 2"),
+            r"unknown key 'exploratory_sedes' \(did you mean 'exploratory_seeds'\?\)",
+        ),
+        (('overrides = ["update.lr=3e-4"]', "overides = []"), r"configs\[1\]: unknown key 'overides'"),
+        (('label = "better"', 'label = "base"'), r"label 'base' is used twice"),
+        (('label = "better"', 'label = "a b"'), r"label 'a b'"),
+        (('"update.lr=3e-4"', '"update.lr"'), r"overrides must be a list of 'key=value'"),
+        (('"update.lr=3e-4"', '"trian.steps=3"'), r"config 'better'.*unknown config key 'trian'"),
+        (('recipe = "demo"\n[[configs]]', 'recipe = "no-such-recipe"\n[[configs]]'), r"no-such-recipe"),
+        (('paper = "99 Test — a paper"\n', ""), r"missing required key 'paper'"),
+    ],
+)
 def test_claim_file_errors_name_the_key(tmp_path, edit, match):
     old, new = edit
     assert old in GOOD
@@ -440,7 +503,9 @@ def test_claim_file_errors_name_the_key(tmp_path, edit, match):
 
 
 def test_to_target_claim_needs_eval_every(tmp_path):
-    text = GOOD.replace('metric = "final_accuracy"', 'metric = "steps_to_target"\ntarget = 0.5').replace(', "eval.every=2"', "")
+    text = GOOD.replace('metric = "final_accuracy"', 'metric = "steps_to_target"\ntarget = 0.5').replace(
+        ', "eval.every=2"', ""
+    )
     with pytest.raises(ClaimError, match="eval.every"):
         load_claim(_claim(tmp_path, text))
 
@@ -454,8 +519,9 @@ def test_find_claims(tmp_path):
         find_claims(["7"], tmp_path)
 
 
-SHIPPED_CLAIMS = sorted([*ROOT.glob("claims/*.toml"), *ROOT.glob("src/groupwise/papers/*/claims/*.toml")],
-                        key=lambda p: p.stem)
+SHIPPED_CLAIMS = sorted(
+    [*ROOT.glob("claims/*.toml"), *ROOT.glob("src/groupwise/papers/*/claims/*.toml")], key=lambda p: p.stem
+)
 
 
 @pytest.mark.parametrize("path", SHIPPED_CLAIMS, ids=lambda p: p.stem)
@@ -480,9 +546,11 @@ def test_run_claim_judges_and_docs_keep_readings(tmp_path):
     assert (docs.parent / "claims" / "99-test.png").exists()
     text = regenerate(claims_dir, docs)
     # an exploratory record is never shown as a verdict
-    assert ("| [99 Test — a paper](#99-test) | better beats base | final_accuracy (greater) | 0.355 ± 0.064 | "
-            "0.455 ± 0.064 | +0.100 ± 0.000 | exploratory: interval on the claimed side, not confirmed | "
-            "2 (0..1) |") in text
+    assert (
+        "| [99 Test — a paper](#99-test) | better beats base | final_accuracy (greater) | 0.355 ± 0.064 | "
+        "0.455 ± 0.064 | +0.100 ± 0.000 | exploratory: interval on the claimed side, not confirmed | "
+        "2 (0..1) |"
+    ) in text
     assert "not run yet" in text and "invalid claim file" in text
     assert "![99-test exploratory run curves](claims/99-test.png)" in text
     assert text.count(PLACEHOLDER) == 3
@@ -499,7 +567,9 @@ def test_run_claim_judges_and_docs_keep_readings(tmp_path):
 
 
 def test_judge_to_target_with_censoring(tmp_path):
-    text = GOOD.replace('metric = "final_accuracy"', 'metric = "steps_to_target"\ntarget = 0.44').replace('direction = "greater"', 'direction = "less"')
+    text = GOOD.replace('metric = "final_accuracy"', 'metric = "steps_to_target"\ntarget = 0.44').replace(
+        'direction = "greater"', 'direction = "less"'
+    )
     claim = load_claim(_claim(tmp_path, text))
     record = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=FakeTrainer())
     (effect,) = record["effects"]
@@ -513,9 +583,31 @@ def test_judge_to_target_with_censoring(tmp_path):
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_compare_end_to_end(tmp_path):
-    tiny = ["train.steps=3", "eval.size=16", "eval.every=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "threads=1"]
+    tiny = [
+        "train.steps=3",
+        "eval.size=16",
+        "eval.every=2",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=6",
+        "threads=1",
+    ]
     # two shipped recipes (demo: GRPO; sign: A = 2r − 1, constant aggregation), shrunk by the shared overrides
-    cmd = [sys.executable, "-m", "groupwise", "compare", "grpo=demo", "sign", "--seeds", "2", "--out", str(tmp_path), "--target", "0.3", *tiny]
+    cmd = [
+        sys.executable,
+        "-m",
+        "groupwise",
+        "compare",
+        "grpo=demo",
+        "sign",
+        "--seeds",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--target",
+        "0.3",
+        *tiny,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "compare.json").read_text())
@@ -575,12 +667,22 @@ class KeyTrainer(FakeTrainer):
 
 
 def test_claim_on_a_last_key_metric_against_two_baselines(tmp_path):
-    text = GOOD.replace('metric = "final_accuracy"', 'metric = "last:x/share"').replace('direction = "greater"', 'direction = "less"')
-    text = text.replace('baseline = "base"', 'baseline = ["base", "worse"]') + '[[configs]]\nlabel = "worse"\nrecipe = "demo"\noverrides = ["update.lr=1e-4"]\n'
+    text = GOOD.replace('metric = "final_accuracy"', 'metric = "last:x/share"').replace(
+        'direction = "greater"', 'direction = "less"'
+    )
+    text = (
+        text.replace('baseline = "base"', 'baseline = ["base", "worse"]')
+        + '[[configs]]\nlabel = "worse"\nrecipe = "demo"\noverrides = ["update.lr=1e-4"]\n'
+    )
     claims_dir, docs = tmp_path / "claims", tmp_path / "docs" / "claims.md"
     claims_dir.mkdir()
     claim = load_claim(_claim(claims_dir, text))
-    assert (claim.metric, claim.baseline, claim.baselines, claim.claimed) == ("last:x/share", "base", ["base", "worse"], ["better"])
+    assert (claim.metric, claim.baseline, claim.baselines, claim.claimed) == (
+        "last:x/share",
+        "base",
+        ["base", "worse"],
+        ["better"],
+    )
     record = run_claim(claim, tmp_path / "runs", console=_quiet(), launch=KeyTrainer())
     # better − base per seed: 0.30 − 0.5, 0.31 − 0.5 → −0.195 ± 12.706 · 0.00707 / √2 = ± 0.0635 → held (less)
     # better − worse: 0.30 − 0.6, 0.31 − 0.6 → −0.295 ± 0.0635 → held
@@ -591,14 +693,30 @@ def test_claim_on_a_last_key_metric_against_two_baselines(tmp_path):
     assert "`last:x/share`" in (tmp_path / "runs" / "99-test" / "compare.md").read_text()
     save_record(record, docs)
     page = regenerate(claims_dir, docs)
-    assert ("better beats base (better vs base) | last:x/share (less) | 0.500 ± 0.000 | 0.305 ± 0.064 | "
-            "-0.195 ± 0.064 | exploratory: interval on the claimed side, not confirmed |") in page
+    assert (
+        "better beats base (better vs base) | last:x/share (less) | 0.500 ± 0.000 | 0.305 ± 0.064 | "
+        "-0.195 ± 0.064 | exploratory: interval on the claimed side, not confirmed |"
+    ) in page
     assert "better beats base (better vs worse) | last:x/share (less) | 0.600 ± 0.000 |" in page
-    assert "against `base`, `worse`" in page and "| worse (baseline) |" in page and "| config | final accuracy | reward area | last reward | `last:x/share` | wall seconds |" in page
-    for old, new, match in [('metric = "last:x/share"', 'metric = "last:"', r"metric = 'last:' is not a metric.*last:<a metrics.jsonl key>"),
-                            ('baseline = ["base", "worse"]', 'baseline = ["base", "nope"]', r"baseline = 'nope' is not a config label"),
-                            ('baseline = ["base", "worse"]', 'baseline = ["base", "base"]', r"list of distinct labels"),
-                            ('baseline = ["base", "worse"]', 'baseline = ["base", "worse"]\nclaimed = "worse"', r"claimed label 'worse' is not a non-baseline")]:
+    assert (
+        "against `base`, `worse`" in page
+        and "| worse (baseline) |" in page
+        and "| config | final accuracy | reward area | last reward | `last:x/share` | wall seconds |" in page
+    )
+    for old, new, match in [
+        (
+            'metric = "last:x/share"',
+            'metric = "last:"',
+            r"metric = 'last:' is not a metric.*last:<a metrics.jsonl key>",
+        ),
+        ('baseline = ["base", "worse"]', 'baseline = ["base", "nope"]', r"baseline = 'nope' is not a config label"),
+        ('baseline = ["base", "worse"]', 'baseline = ["base", "base"]', r"list of distinct labels"),
+        (
+            'baseline = ["base", "worse"]',
+            'baseline = ["base", "worse"]\nclaimed = "worse"',
+            r"claimed label 'worse' is not a non-baseline",
+        ),
+    ]:
         with pytest.raises(ClaimError, match=match):
             load_claim(_claim(tmp_path, text.replace(old, new), "96-bad.toml"))
 
@@ -645,8 +763,14 @@ def test_a_confirmatory_run_never_draws_an_exploratory_seed(tmp_path):
     with pytest.raises(ClaimError, match="no confirmatory_seeds"):
         claim_seeds(load_claim(_claim(tmp_path, GOOD, "97-y.toml")), "confirmatory")
     with pytest.raises(ClaimError, match="extra overrides"):
-        run_claim(claim, tmp_path / "runs", extra=["train.steps=9"], console=_quiet(), launch=FakeTrainer(),
-                  phase="confirmatory")
+        run_claim(
+            claim,
+            tmp_path / "runs",
+            extra=["train.steps=9"],
+            console=_quiet(),
+            launch=FakeTrainer(),
+            phase="confirmatory",
+        )
     # replication: anyone's own seeds, never in 1000..1999 (a block a claim not yet confirmed keeps unseen)
     assert claim_seeds(claim, "replication", None, 100) == [100, 101]
     assert claim_seeds(claim, "replication", 3, 2000) == [2000, 2001, 2002]
@@ -664,13 +788,16 @@ def _confirmed(tmp_path, text=CONFIRMABLE):
     return claims_dir, docs, claim
 
 
-@pytest.mark.parametrize("old,new,change", [
-    ("confirmatory_seeds = 2", "confirmatory_seeds = 3", "confirmatory_seeds (2 → 3)"),
-    ('direction = "greater"', 'direction = "greater"\nmargin = 0.05', "margin (0.0 → 0.05)"),
-    ("train.steps=4", "train.steps=8", "common ("),  # the run length
-    ('metric = "final_accuracy"', 'metric = "last_reward"', "metric ('final_accuracy' → 'last_reward')"),
-    ('"update.lr=3e-4"', '"update.lr=1e-3"', "configs ("),
-])
+@pytest.mark.parametrize(
+    "old,new,change",
+    [
+        ("confirmatory_seeds = 2", "confirmatory_seeds = 3", "confirmatory_seeds (2 → 3)"),
+        ('direction = "greater"', 'direction = "greater"\nmargin = 0.05', "margin (0.0 → 0.05)"),
+        ("train.steps=4", "train.steps=8", "common ("),  # the run length
+        ('metric = "final_accuracy"', 'metric = "last_reward"', "metric ('final_accuracy' → 'last_reward')"),
+        ('"update.lr=3e-4"', '"update.lr=1e-3"', "configs ("),
+    ],
+)
 def test_a_claim_file_edited_after_its_confirmatory_run_is_refused(tmp_path, monkeypatch, old, new, change):
     claims_dir, docs, claim = _confirmed(tmp_path)
     record = json.loads((docs.parent / "claims" / "99-test.confirm.json").read_text())
@@ -687,8 +814,17 @@ def test_a_claim_file_edited_after_its_confirmatory_run_is_refused(tmp_path, mon
     from groupwise import cli
 
     for mode in (["--confirm"], []):
-        argv = ["claims", *mode, "99-test", "--claims-dir", str(claims_dir), "--docs", str(docs),
-                "--out", str(tmp_path / "r2")]
+        argv = [
+            "claims",
+            *mode,
+            "99-test",
+            "--claims-dir",
+            str(claims_dir),
+            "--docs",
+            str(docs),
+            "--out",
+            str(tmp_path / "r2"),
+        ]
         assert cli.main(argv) != 0
     assert not (tmp_path / "r2").exists()
     page = regenerate(claims_dir, docs)
@@ -704,8 +840,10 @@ def test_a_mechanism_claim_is_never_shown_as_held(tmp_path):
     assert record["effects"][0]["verdict"] == "held"  # the statistics: d = +0.1 on both seeds
     page = regenerate(claims_dir, docs)
     (row,) = [line for line in page.splitlines() if line.startswith("| [99 Test")]
-    assert "| mechanism (true by construction): works as built (⚠ fewer than 5 confirmatory seeds) " \
+    assert (
+        "| mechanism (true by construction): works as built (⚠ fewer than 5 confirmatory seeds) "
         "| 2 (1000..1001) |" in row
+    )
     assert "held" not in row
     assert "**held**" not in page
     # a mechanism that does not work is said so
@@ -722,6 +860,7 @@ def test_parity_wording_needs_a_non_inferiority_margin(tmp_path):
     at_least = GOOD.replace("better beats base", "better is at least as good as base")
     with pytest.raises(ClaimError, match=r"the claim says 'at least'.*set kind = 'non_inferiority' and margin = M > 0"):
         load_claim(_claim(tmp_path, at_least))
+
     def add(text, lines):
         return text.replace('direction = "greater"', 'direction = "greater"\n' + lines)
 
@@ -779,8 +918,9 @@ def test_provenance_is_stored(tmp_path):
     assert record["fixed_sha"] and record["claim_sha"] == claim.sha and record["phase"] == "confirmatory"
     # the CPU model is /proc/cpuinfo's first "model name"
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Test CPU 9000 @ 3.0GHz\n\n"
-                    "processor\t: 1\nmodel name\t: other\n")
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: X\nmodel name\t: Test CPU 9000 @ 3.0GHz\n\nprocessor\t: 1\nmodel name\t: other\n"
+    )
     assert cpu_model(info) == "Test CPU 9000 @ 3.0GHz"
     regenerate(tmp_path, tmp_path / "docs" / "claims.md")  # (no record saved: just that the page builds)
     save_record(record, tmp_path / "docs" / "claims.md")
@@ -823,8 +963,10 @@ def test_expected_false_held_by_hand(tmp_path):
     other = load_claim(_claim(claims_dir, two.replace("99 Test", "98 Other"), "98-other.toml"))
     save_record(run_claim(other, tmp_path / "runs", console=_quiet(), launch=FakeTrainer()), docs)
     page = regenerate(claims_dir, docs)
-    assert ("The table judges 3 comparisons (0 mechanism checks not counted): 1 confirmatory (1 held, 0 contradicted, "
-            "0 inconclusive) and 2 exploratory.") in page
+    assert (
+        "The table judges 3 comparisons (0 mechanism checks not counted): 1 confirmatory (1 held, 0 contradicted, "
+        "0 inconclusive) and 2 exploratory."
+    ) in page
     assert "about 0.025 × 1 = 0.025 of the confirmatory comparisons" in page
     assert "(0.025 × 3 = 0.075 over all 3)" in page
 

@@ -24,7 +24,9 @@ def test_cp_copies_a_shipped_recipe_that_then_loads(tmp_path, capsys):
     assert cfg.name == "demo"
     assert cli.main(["cp", "demo", str(target)]) == 2  # never overwrites without --force
     assert "exists; add --force" in capsys.readouterr().err
-    assert cli.main(["cp", "demo", str(tmp_path)]) == 0 and (tmp_path / "demo.toml").exists()  # a folder: keeps the name
+    assert (
+        cli.main(["cp", "demo", str(tmp_path)]) == 0 and (tmp_path / "demo.toml").exists()
+    )  # a folder: keeps the name
     assert cli.main(["cp", "nope", str(target)]) == 2 and "shipped recipes:" in capsys.readouterr().err
 
 
@@ -35,7 +37,9 @@ def test_eval_of_a_run_folder_uses_the_runs_settings_and_final_model(tmp_path, c
     from test_trainer import make_trainer
 
     run = tmp_path / "run"
-    summary = Run(make_trainer(run, "train.steps=2", "eval.size=12", 'data.task="countdown"', "rollout.max_new_tokens=8")).train()
+    summary = Run(
+        make_trainer(run, "train.steps=2", "eval.size=12", 'data.task="countdown"', "rollout.max_new_tokens=8")
+    ).train()
     capsys.readouterr()
     assert cli.main(["eval", str(run)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -63,9 +67,15 @@ def test_explain_a_recipe_lists_its_components_and_its_file(capsys):
     out = capsys.readouterr().out
     assert out.startswith("== recipe · demo")
     lines = [line.strip() for line in out.splitlines()]
-    for stage, name, where in (("sampling", "uniform", "sampling"), ("rollout", "sample", "rollout"),
-                               ("reward", "exact", "the default reward of task 'arithmetic'"), ("advantage", "grpo", "advantage.estimator"),
-                               ("objective", "ppo_clip", "objective.terms[0]"), ("aggregation", "seq_mean_token_mean", "objective.agg"), ("update", "adamw", "update")):
+    for stage, name, where in (
+        ("sampling", "uniform", "sampling"),
+        ("rollout", "sample", "rollout"),
+        ("reward", "exact", "the default reward of task 'arithmetic'"),
+        ("advantage", "grpo", "advantage.estimator"),
+        ("objective", "ppo_clip", "objective.terms[0]"),
+        ("aggregation", "seq_mean_token_mean", "objective.agg"),
+        ("update", "adamw", "update"),
+    ):
         assert any(line.startswith(f"{stage} · {name}  [{where}]") for line in lines), (stage, name)
     assert "lr = 0.0002, max_grad_norm = 1.0" in lines  # the parameters the recipe sets
     assert (RECIPES / "demo.toml").read_text().rstrip() in out  # its config, comments included
@@ -97,6 +107,13 @@ def test_every_shipped_recipe_explains():
 
     for path in shipped_recipes().values():  # recipes/ and every papers/NN_slug/recipes/
         entries = component_entries(load_config(path.stem)[0])
-        assert {stage for stage, _, _ in entries} >= {"sampling", "rollout", "advantage", "objective", "aggregation", "update"}, path.stem
-        for stage, spec, where in entries:
+        assert {stage for stage, _, _ in entries} >= {
+            "sampling",
+            "rollout",
+            "advantage",
+            "objective",
+            "aggregation",
+            "update",
+        }, path.stem
+        for stage, spec, _where in entries:
             lookup(stage, spec if isinstance(spec, str) else spec["name"])

@@ -26,10 +26,10 @@ import pytest
 from groupwise.errors import ConfigError
 from groupwise.registry import build, names
 from groupwise.rewards import RewardError, score
-from groupwise.sandbox import bwrap as _sandbox
-from groupwise.sandbox.bwrap import SANDBOX_ENV, Sandbox, SandboxUnavailable
 from groupwise.rewards._code_cases import Case, _decode, canonical, parse_tests, verdict
 from groupwise.rewards.code import Code, extract_code
+from groupwise.sandbox import bwrap as _sandbox
+from groupwise.sandbox.bwrap import SANDBOX_ENV, Sandbox, SandboxUnavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +46,12 @@ _PROBLEM = _sandbox_problem()
 needs_bwrap = pytest.mark.skipif(_PROBLEM is not None, reason=f"no usable bubblewrap sandbox: {_PROBLEM}")
 
 ADD = "def add(a, b):\n    return a + b\n"
-ADD_TESTS = [{"call": "add(1, 2)", "expected": "3"}, {"call": "add(-5, 5)", "expected": "0"}, {"call": "add(10, 20)", "expected": "30"}, {"call": "add(2, 2)", "expected": "4"}]
+ADD_TESTS = [
+    {"call": "add(1, 2)", "expected": "3"},
+    {"call": "add(-5, 5)", "expected": "0"},
+    {"call": "add(10, 20)", "expected": "30"},
+    {"call": "add(2, 2)", "expected": "4"},
+]
 SUM_STDIN = "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n"
 SUM_TESTS = [{"input": "1 2\n", "output": "3\n"}, {"input": "40 2\n", "output": "42\n"}]
 
@@ -114,15 +119,17 @@ def test_extract_code_takes_last_python_block():
 
 
 def test_parse_tests_formats():
-    cases = parse_tests([
-        {"input": "1\n", "output": "2\n"},
-        {"call": "f(1)", "expected": "(1, 'a')"},
-        {"call": "f(2)", "expected": [1, 2]},  # JSON value
-        "assert f(3) == {1: 'x'}",
-        "assert 4 == f(4)",
-        "assert f(5) is None",
-        {"call": "f(6)", "expected": "float('nan')"},
-    ])
+    cases = parse_tests(
+        [
+            {"input": "1\n", "output": "2\n"},
+            {"call": "f(1)", "expected": "(1, 'a')"},
+            {"call": "f(2)", "expected": [1, 2]},  # JSON value
+            "assert f(3) == {1: 'x'}",
+            "assert 4 == f(4)",
+            "assert f(5) is None",
+            {"call": "f(6)", "expected": "float('nan')"},
+        ]
+    )
     assert [c.mode for c in cases] == ["stdio"] + ["call"] * 6
     assert cases[0].stdin == "1\n" and cases[0].stdout == "2\n"
     assert cases[1].expected == canonical((1, "a")) and cases[2].expected == canonical([1, 2])
@@ -133,16 +140,19 @@ def test_parse_tests_formats():
     assert parse_tests(None) is None and parse_tests([]) is None
 
 
-@pytest.mark.parametrize("bad, match", [
-    (["assert f(1)"], "bare truthiness"),
-    (["assert abs(f(1) - 2) < 1e-9"], "unsupported test"),
-    (["x = 1"], "one `assert"),
-    ([{"call": "f(", "expected": "1"}], "not a Python expression"),
-    ([{"call": "f(1)", "expected": "hello"}], "not a Python literal"),
-    ([{"inp": "1"}], "a case is"),
-    ("not json", "not JSON"),
-    (5, "must be a list"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (["assert f(1)"], "bare truthiness"),
+        (["assert abs(f(1) - 2) < 1e-9"], "unsupported test"),
+        (["x = 1"], "one `assert"),
+        ([{"call": "f(", "expected": "1"}], "not a Python expression"),
+        ([{"call": "f(1)", "expected": "hello"}], "not a Python literal"),
+        ([{"inp": "1"}], "a case is"),
+        ("not json", "not JSON"),
+        (5, "must be a list"),
+    ],
+)
 def test_parse_tests_rejects_malformed(bad, match):
     with pytest.raises(RewardError, match=match):
         parse_tests(bad, where="row 7")
@@ -167,20 +177,37 @@ def test_verdict_rules_without_sandbox():
     good = RunResult(ready=True, exit_code=0, records=[{"kind": "result", "ok": True, "value": ["int", "4"]}])
     assert verdict(call, good) is True
     assert verdict(call, RunResult(ready=False, infra_error="x")) is None  # infrastructure: no verdict
-    for change in ({"timed_out": True}, {"output_capped": True}, {"malformed": True}, {"exit_code": 1},
-                   {"records": good.records * 2}, {"records": [{"kind": "result", "ok": True, "value": ["float", "4.0"]}]},
-                   {"records": [{"kind": "result", "ok": True, "value": ["int", "zz"]}]}, {"records": []}):
+    for change in (
+        {"timed_out": True},
+        {"output_capped": True},
+        {"malformed": True},
+        {"exit_code": 1},
+        {"records": good.records * 2},
+        {"records": [{"kind": "result", "ok": True, "value": ["float", "4.0"]}]},
+        {"records": [{"kind": "result", "ok": True, "value": ["int", "zz"]}]},
+        {"records": []},
+    ):
         assert verdict(call, RunResult(**{**good.__dict__, **change})) is False, change
     stdio = Case("stdio", stdout="1 2\n3\n")
-    assert verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1 2  \r\n3\n\n")) is True  # line ends, trailing space
+    assert (
+        verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1 2  \r\n3\n\n")) is True
+    )  # line ends, trailing space
     assert verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1  2\n3\n")) is False
     assert verdict(stdio, RunResult(ready=True, exit_code=1, stdout=b"1 2\n3\n")) is False
 
 
 def test_config_validation():
     assert "code" in names("reward")
-    for bad in ({"timeout_s": 0}, {"memory_mb": 8}, {"max_processes": 1}, {"workers": 0}, {"max_output_bytes": 10},
-                {"wall_timeout_s": 1.0}, {"cgroup": "/nonexistent"}, {"python": "/nonexistent/python3"}):
+    for bad in (
+        {"timeout_s": 0},
+        {"memory_mb": 8},
+        {"max_processes": 1},
+        {"workers": 0},
+        {"max_output_bytes": 10},
+        {"wall_timeout_s": 1.0},
+        {"cgroup": "/nonexistent"},
+        {"python": "/nonexistent/python3"},
+    ):
         with pytest.raises(ConfigError):
             build("reward", "code", unsafe_local=True, **bad)
 
@@ -196,8 +223,10 @@ def test_fails_closed_without_bwrap(monkeypatch):
 
 def test_fails_closed_when_bwrap_cannot_create_namespaces(tmp_path):
     fake = tmp_path / "bwrap"
-    fake.write_text('#!/bin/sh\nif [ "$1" = --help ]; then echo "--unshare-all --size --disable-userns --block-fd --info-fd"; exit 0; fi\n'
-                    'echo "bwrap: No permissions to creating new namespace" >&2\nexit 1\n')
+    fake.write_text(
+        '#!/bin/sh\nif [ "$1" = --help ]; then echo "--unshare-all --size --disable-userns --block-fd --info-fd"; exit 0; fi\n'
+        'echo "bwrap: No permissions to creating new namespace" >&2\nexit 1\n'
+    )
     fake.chmod(0o755)
     with pytest.raises(SandboxUnavailable, match="No permissions to creating new namespace"):
         Sandbox(bwrap=str(fake)).check()
@@ -222,7 +251,14 @@ def test_infrastructure_failure_is_no_verdict(reward, monkeypatch):
 @needs_bwrap
 def test_correct_wrong_partial_scores(reward):
     partial = "def add(a, b):\n    return a + b if a < 5 else -1\n"  # passes add(1,2), add(-5,5), add(2,2): 3 of 4
-    completions = [f"Here you go:\n```python\n{ADD}```", "def add(a, b):\n    return a - b\n", partial, "this is not code", SUM_STDIN, "print(3)"]
+    completions = [
+        f"Here you go:\n```python\n{ADD}```",
+        "def add(a, b):\n    return a - b\n",
+        partial,
+        "this is not code",
+        SUM_STDIN,
+        "print(3)",
+    ]
     tests = [ADD_TESTS] * 4 + [SUM_TESTS] * 2
     assert reward([""] * 6, completions, tests=tests) == [1.0, 0.0, 0.75, 0.0, 1.0, 0.5]
     assert reward([""], ["x"], tests=[None]) == [None]
@@ -241,9 +277,16 @@ def test_all_or_nothing_and_column_name():
 @needs_bwrap
 def test_value_comparison_is_strict(reward):
     code = "def f(k):\n    return {'int': 4, 'float': 4.0, 'bool': True, 'tuple': (1, 2), 'list': [1, 2], 'set': {3, 1}, 'nan': float('nan'), 'big': 7**3000}[k]\n"
-    tests = [{"call": "f('int')", "expected": "4"}, {"call": "f('float')", "expected": "4"}, {"call": "f('bool')", "expected": "1"},
-             {"call": "f('tuple')", "expected": "[1, 2]"}, {"call": "f('list')", "expected": "[1, 2]"}, {"call": "f('set')", "expected": "{1, 3}"},
-             {"call": "f('nan')", "expected": "float('nan')"}, {"call": "f('big')", "expected": str(7**3000)}]
+    tests = [
+        {"call": "f('int')", "expected": "4"},
+        {"call": "f('float')", "expected": "4"},
+        {"call": "f('bool')", "expected": "1"},
+        {"call": "f('tuple')", "expected": "[1, 2]"},
+        {"call": "f('list')", "expected": "[1, 2]"},
+        {"call": "f('set')", "expected": "{1, 3}"},
+        {"call": "f('nan')", "expected": "float('nan')"},
+        {"call": "f('big')", "expected": str(7**3000)},
+    ]
     cases = parse_tests(tests)
     got = [verdict(c, reward._run_case(code, c)) for c in cases]
     assert got == [True, False, False, False, True, True, True, True]
@@ -263,7 +306,9 @@ def test_no_network(reward):
     unix.bind(abstract)
     unix.listen(8)
     try:
-        out = observe(reward, f"""
+        out = observe(
+            reward,
+            f"""
             import socket
             def attempt(family, address):
                 try:
@@ -283,7 +328,8 @@ def test_no_network(reward):
                 with open("/proc/net/dev") as f:  # (if_nameindex needs netlink, which the filter refuses)
                     out["interfaces"] = sorted(line.split(":")[0].strip() for line in f.read().splitlines()[2:])
                 return out
-        """)
+        """,
+        )
         assert "connected" not in out.values(), out
         assert out["interfaces"] == ["lo"]  # a fresh network namespace: its own loopback only
         for sock in (listener, unix):  # and nothing reached the host's listeners
@@ -298,9 +344,18 @@ def test_no_network(reward):
 @needs_bwrap
 def test_file_system_read_only_except_scratch(reward, tmp_path):
     marker = "gw-write-" + secrets.token_hex(6)
-    host_targets = [os.path.join(ROOT, marker), f"/etc/{marker}", os.path.join(os.path.expanduser("~"), marker),
-                    f"/usr/{marker}", f"/{marker}", str(tmp_path / marker), os.path.join(sys.base_prefix, marker)]
-    out = observe(reward, f"""
+    host_targets = [
+        os.path.join(ROOT, marker),
+        f"/etc/{marker}",
+        os.path.join(os.path.expanduser("~"), marker),
+        f"/usr/{marker}",
+        f"/{marker}",
+        str(tmp_path / marker),
+        os.path.join(sys.base_prefix, marker),
+    ]
+    out = observe(
+        reward,
+        f"""
         import os
         def probe():
             out = {{}}
@@ -312,7 +367,8 @@ def test_file_system_read_only_except_scratch(reward, tmp_path):
                 except OSError as err:
                     out[p] = type(err).__name__
             return out
-    """)
+    """,
+    )
     assert all(out[p] != "written" for p in host_targets), out
     assert out[f"/tmp/{marker}"] == "written" and out[f"/dev/shm/{marker}"] == "written"  # the scratch tmpfs
     for p in host_targets + [f"/tmp/{marker}", f"/dev/shm/{marker}"]:
@@ -329,8 +385,17 @@ def test_secrets_and_host_files_invisible(reward, tmp_path, monkeypatch):
     home = os.path.expanduser("~")
     prefix_parts = os.path.realpath(sys.base_prefix).split("/")
     home_entries = [os.path.join(home, e) for e in os.listdir(home) if e not in prefix_parts][:20]
-    host_files = [os.path.join(ROOT, "README.md"), os.path.abspath(__file__), str(secret_file), "/etc/passwd", "/etc/hostname", *home_entries]
-    out = observe(reward, f"""
+    host_files = [
+        os.path.join(ROOT, "README.md"),
+        os.path.abspath(__file__),
+        str(secret_file),
+        "/etc/passwd",
+        "/etc/hostname",
+        *home_entries,
+    ]
+    out = observe(
+        reward,
+        f"""
         import os
         def probe():
             leaks = []
@@ -344,7 +409,8 @@ def test_secrets_and_host_files_invisible(reward, tmp_path, monkeypatch):
                         pass
             return {{"env": dict(os.environ), "leaks": leaks, "parent_visible": os.path.exists("/proc/{os.getpid()}/environ"),
                     "visible": [p for p in {host_files!r} if os.path.lexists(p)]}}
-    """)
+    """,
+    )
     assert "GROUPWISE_TEST_SECRET" not in out["env"] and token not in str(out["env"])
     assert set(out["env"]) <= set(SANDBOX_ENV) | {"PWD", "LC_CTYPE"}, out["env"]
     assert out["leaks"] == [] and out["parent_visible"] is False
@@ -353,7 +419,9 @@ def test_secrets_and_host_files_invisible(reward, tmp_path, monkeypatch):
 
 @needs_bwrap
 def test_limits_applied_and_privileges_dropped(reward):
-    out = observe(reward, """
+    out = observe(
+        reward,
+        """
         import os, resource, ctypes
         def probe():
             libc = ctypes.CDLL(None, use_errno=True)
@@ -367,7 +435,8 @@ def test_limits_applied_and_privileges_dropped(reward):
             status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
             return {"uid": os.getuid(), "euid": os.geteuid(), "limits": limits, "raised": raised, "unshare": new_userns,
                     "cap_eff": status["CapEff"].strip(), "no_new_privs": status["NoNewPrivs"].strip()}
-    """)
+    """,
+    )
     assert out["uid"] != 0 and out["euid"] != 0 and out["cap_eff"] == "0000000000000000" and out["no_new_privs"] == "1"
     assert out["limits"]["RLIMIT_AS"] == (512 << 20, 512 << 20) and out["limits"]["RLIMIT_NPROC"] == (16, 16)
     assert out["limits"]["RLIMIT_FSIZE"] == (64 << 20, 64 << 20) and out["limits"]["RLIMIT_CORE"] == (1, 1)
@@ -381,17 +450,23 @@ def test_limits_applied_and_privileges_dropped(reward):
 def test_cpu_spin_killed_at_timeout_overrun_measured():
     r = Code(timeout_s=1.0)
     seen = []
-    for code in ("while True:\n    pass\n",
-                 "import signal\nfor s in (signal.SIGTERM, signal.SIGALRM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
-                 "    signal.signal(s, signal.SIG_IGN)\nsignal.alarm(0)\nwhile True:\n    pass\n"):
+    for code in (
+        "while True:\n    pass\n",
+        "import signal\nfor s in (signal.SIGTERM, signal.SIGALRM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
+        "    signal.signal(s, signal.SIG_IGN)\nsignal.alarm(0)\nwhile True:\n    pass\n",
+    ):
         t0 = time.monotonic()
         res = r._run_case(code, Case("stdio", stdout="x"))
         elapsed = time.monotonic() - t0
-        assert res.timed_out and res.timeout_kind in ("cpu", "wall") and verdict(Case("stdio", stdout="x"), res) is False
+        assert (
+            res.timed_out and res.timeout_kind in ("cpu", "wall") and verdict(Case("stdio", stdout="x"), res) is False
+        )
         seen.append((elapsed - r.timeout_s, elapsed - res.startup_s - res.run_s, res.cpu_s, res.timeout_kind))
     # killed at its CPU budget (1 s; later in wall time only when the machine is busy, at most at wall_s = 2 s)
     print(f"\nbeyond timeout_s=1.0 (overrun, kill+teardown, cpu, kind): spin {seen[0]}, signal-ignoring spin {seen[1]}")
-    assert all(0.0 <= over < r._limits.wall_s - r.timeout_s + 1.5 and teardown < 0.5 for over, teardown, _, _ in seen), seen
+    assert all(
+        0.0 <= over < r._limits.wall_s - r.timeout_s + 1.5 and teardown < 0.5 for over, teardown, _, _ in seen
+    ), seen
     # a CPU kill comes at 1 s of CPU; a wall kill (a busy machine gave it less than 1 s of CPU in wall_s) before
     assert all(cpu is None or (1.0 <= cpu < 1.3 if kind == "cpu" else cpu < 1.3) for _, _, cpu, kind in seen), seen
 
@@ -441,9 +516,19 @@ def test_process_limit_counts_each_run_separately(reward):
 def test_memory_bomb_hits_address_space_limit():
     r = Code(memory_mb=128, timeout_s=5.0)
     t0 = time.monotonic()
-    assert r([""] * 2, ["x = bytearray(1 << 30)\n" + ADD, "def add(a, b):\n    return len(bytearray(1 << 31))\n"], tests=[ADD_TESTS[:1]] * 2) == [0.0, 0.0]
+    assert r(
+        [""] * 2,
+        ["x = bytearray(1 << 30)\n" + ADD, "def add(a, b):\n    return len(bytearray(1 << 31))\n"],
+        tests=[ADD_TESTS[:1]] * 2,
+    ) == [0.0, 0.0]
     assert time.monotonic() - t0 < 4.0
-    assert observe(r, "def probe():\n    try:\n        bytearray(1 << 30)\n    except MemoryError:\n        return 'MemoryError'\n") == "MemoryError"
+    assert (
+        observe(
+            r,
+            "def probe():\n    try:\n        bytearray(1 << 30)\n    except MemoryError:\n        return 'MemoryError'\n",
+        )
+        == "MemoryError"
+    )
 
 
 @needs_bwrap
@@ -518,7 +603,9 @@ def test_ctypes_cannot_touch_host(reward):
 @needs_bwrap
 def test_socket_families_outside_the_allowlist_are_refused(reward):
     # creation only: an AF_VSOCK socket reaches a VM host's control channel, so never bind, listen or connect one
-    out = observe(reward, """
+    out = observe(
+        reward,
+        """
         import asyncio, errno, socket
         def attempt(family, kind, proto=0):
             try:
@@ -544,7 +631,8 @@ def test_socket_families_outside_the_allowlist_are_refused(reward):
             out["inet"] = attempt(socket.AF_INET, socket.SOCK_STREAM)
             out["asyncio"] = asyncio.run(asyncio.sleep(0, result="ran"))
             return out
-    """)
+    """,
+    )
     refused = {k: out.pop(k) for k in ("vsock", "uevent", "rtnetlink", "packet", "alg", "vsock_pair")}
     assert refused == dict.fromkeys(refused, "EAFNOSUPPORT"), refused
     assert out == {"unix_pair": 2, "inet": "created", "asyncio": "ran"}
@@ -595,7 +683,10 @@ def test_shared_memory_is_bounded_per_run(cgroup):
     assert time.monotonic() - t0 < 4.0
     value = _decode(res.records[0]["value"]) if res.records and res.records[0].get("ok") else None
     if bounded:  # the run's memory cgroup: killed at the limit (or ENOMEM), never held
-        assert (res.exit_code != 0 and res.oom_kills >= 1) or (value is not None and value["memfd"] == "ENOMEM"), (res.exit_code, value)
+        assert (res.exit_code != 0 and res.oom_kills >= 1) or (value is not None and value["memfd"] == "ENOMEM"), (
+            res.exit_code,
+            value,
+        )
     else:  # no memory cgroup: what RLIMIT_AS cannot see is refused outright
         assert value == {"memfd": "EPERM", "shmget": "EPERM"}, (value, res.stderr[-500:])
     # the parent sees no leak: no shared memory left, its own memory unchanged, no run cgroup left
@@ -633,7 +724,11 @@ def test_scratch_inodes_are_capped():
     t0 = time.monotonic()
     n, err, shm = observe(r, INODE_FLOOD)
     elapsed = time.monotonic() - t0
-    assert 16_000 <= n < 16_384 and err == "ENOSPC" and shm == "ENOSPC", (n, err, shm)  # /tmp and /dev/shm share the cap
+    assert 16_000 <= n < 16_384 and err == "ENOSPC" and shm == "ENOSPC", (
+        n,
+        err,
+        shm,
+    )  # /tmp and /dev/shm share the cap
     assert elapsed < r.timeout_s + 1.5, elapsed
 
 
@@ -641,7 +736,10 @@ def test_scratch_inodes_are_capped():
 @pytest.mark.slow
 # memory cgroup without the cap: fast when the cgroup's memory.max OOM-kills the flood first, ~0.95 s
 # (like no defence at all) when the CPU budget ends it first — both seen here, so its bound is the residual's
-@pytest.mark.parametrize("inode_cap, cgroup, teardown_max", [(True, "auto", 0.5), (True, "off", 0.5), (False, "auto", 2.5), (False, "off", 2.5)])
+@pytest.mark.parametrize(
+    "inode_cap, cgroup, teardown_max",
+    [(True, "auto", 0.5), (True, "off", 0.5), (False, "auto", 2.5), (False, "off", 2.5)],
+)
 def test_inode_flood_teardown_stays_inside_the_bound(inode_cap, cgroup, teardown_max, monkeypatch):
     # the issue's probe: keep creating files until killed at timeout_s=5. The kill and the namespace teardown
     # (freeing every inode) must stay small: with the inode cap or a memory cgroup; without either (a normal
@@ -658,7 +756,9 @@ def test_inode_flood_teardown_stays_inside_the_bound(inode_cap, cgroup, teardown
     res = r._run_case(flood, Case("stdio", stdout="x"))
     elapsed = time.monotonic() - t0
     teardown = elapsed - res.startup_s - res.run_s  # from the kill decision to the namespace being empty
-    print(f"\ninode flood (cap {inode_cap}, cgroup {cgroup}): {elapsed:.2f} s, CPU {res.cpu_s:.2f} s, teardown {teardown:.3f} s, oom {res.oom_kills}")
+    print(
+        f"\ninode flood (cap {inode_cap}, cgroup {cgroup}): {elapsed:.2f} s, CPU {res.cpu_s:.2f} s, teardown {teardown:.3f} s, oom {res.oom_kills}"
+    )
     assert res.timed_out or res.oom_kills >= 1
     assert teardown < teardown_max, teardown
     assert elapsed < r._limits.wall_s + 1.5, elapsed
@@ -690,7 +790,7 @@ def add(a, b):
 """
 
 
-def _bomb_beside_correct(cgroup: str) -> tuple[list, float, "Code"]:
+def _bomb_beside_correct(cgroup: str) -> tuple[list, float, Code]:
     marker = "gwcpubomb" + secrets.token_hex(6)
     r = Code(timeout_s=1.0, workers=2, cgroup=cgroup)
     t0 = time.monotonic()
@@ -704,7 +804,9 @@ def _bomb_beside_correct(cgroup: str) -> tuple[list, float, "Code"]:
 @pytest.mark.parametrize("cgroup", ["auto", "off"])
 def test_cpu_bomb_does_not_change_a_neighbours_verdict(cgroup):
     if os.getloadavg()[0] > (os.cpu_count() or 1):  # the neighbour's 0.4 s of CPU must fit its 2 s of wall time
-        pytest.skip(f"machine busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): other jobs, not the bomb, would starve the neighbour")
+        pytest.skip(
+            f"machine busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): other jobs, not the bomb, would starve the neighbour"
+        )
     out, elapsed, r = _bomb_beside_correct(cgroup)
     assert out == [0.0, 1.0]  # the bomb scores 0, the slow correct neighbour still passes
     assert r.stats["timeout"] == 1
@@ -724,7 +826,9 @@ def test_cpu_bomb_beside_correct_program_five_times():
 
 @needs_bwrap
 def test_core_dumps_cannot_be_re_enabled(reward):
-    out = observe(reward, """
+    out = observe(
+        reward,
+        """
         import ctypes, errno, os, platform, resource
         class Rlimit(ctypes.Structure):
             _fields_ = [("cur", ctypes.c_ulong), ("max", ctypes.c_ulong)]
@@ -744,8 +848,16 @@ def test_core_dumps_cannot_be_re_enabled(reward):
             out["core_dumped"] = os.WCOREDUMP(os.waitpid(pid, 0)[1])
             out["after"] = resource.getrlimit(resource.RLIMIT_CORE)
             return out
-    """)
-    assert out == {"before": (1, 1), "setrlimit": "EPERM", "prlimit": "EPERM", "raw": "EPERM", "core_dumped": False, "after": (1, 1)}
+    """,
+    )
+    assert out == {
+        "before": (1, 1),
+        "setrlimit": "EPERM",
+        "prlimit": "EPERM",
+        "raw": "EPERM",
+        "core_dumped": False,
+        "after": (1, 1),
+    }
 
 
 STDIN_REOPEN = """
@@ -765,7 +877,9 @@ with open("/proc/self/fd/0", "rb") as f:
 @needs_bwrap
 def test_stdin_cannot_be_reopened_for_writing(reward):
     res = reward._run_case(STDIN_REOPEN, Case("stdio", stdin="1 2\n"))
-    assert res.stdout.decode().split() in (["EPERM", "True", "4"], ["EACCES", "True", "4"]), res.stdout  # (user mode: test_unprivileged_user_path)
+    assert res.stdout.decode().split() in (["EPERM", "True", "4"], ["EACCES", "True", "4"]), (
+        res.stdout
+    )  # (user mode: test_unprivileged_user_path)
 
 
 def test_output_check_forgives_only_ascii_trailing_space():
@@ -774,14 +888,30 @@ def test_output_check_forgives_only_ascii_trailing_space():
     case = Case("stdio", stdout="3\n")
     check = lambda out: verdict(case, RunResult(ready=True, exit_code=0, stdout=out.encode()))  # noqa: E731
     assert check("3 \t\r\n\n") is True
-    for tail in ("\x1c", "\x1d", "\x1e", "\x1f", "\x85", "\u2028", "\u3000", "\x0b", "\x0c"):  # str.rstrip() would strip each
+    for tail in (
+        "\x1c",
+        "\x1d",
+        "\x1e",
+        "\x1f",
+        "\x85",
+        "\u2028",
+        "\u3000",
+        "\x0b",
+        "\x0c",
+    ):  # str.rstrip() would strip each
         assert check("3" + tail + "\n") is False, repr(tail)
 
 
 @needs_bwrap
 def test_exit_status_is_not_taken_modulo_256(reward):
-    codes = ["print(3)\nraise SystemExit(256)\n", "import sys\nprint(3)\nsys.exit(512)\n", "import sys\nprint(3)\nsys.exit(-256)\n",
-             "import sys\nprint(3)\nsys.exit(0)\n", "import sys\nprint(3)\nsys.exit(False)\n", "print(3)\n"]
+    codes = [
+        "print(3)\nraise SystemExit(256)\n",
+        "import sys\nprint(3)\nsys.exit(512)\n",
+        "import sys\nprint(3)\nsys.exit(-256)\n",
+        "import sys\nprint(3)\nsys.exit(0)\n",
+        "import sys\nprint(3)\nsys.exit(False)\n",
+        "print(3)\n",
+    ]
     assert reward([""] * 6, codes, tests=[[{"input": "", "output": "3\n"}]] * 6) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
 
 
@@ -880,8 +1010,13 @@ def test_forgeries_earn_nothing(reward):
     names_ = list(FORGERIES)
     codes = [textwrap.dedent(FORGERIES[n]) for n in names_]
     # control: the same harness-tampering preamble with a CORRECT function still passes
-    control = "import builtins, json\nbuiltins.print = lambda *a, **k: None\njson.dumps = None\nbuiltins.repr = lambda x: 'nope'\n" + ADD
-    out = reward([""] * (len(codes) + 1), codes + [control], tests=[[{"call": "add(1, 2)", "expected": "3"}]] * (len(codes) + 1))
+    control = (
+        "import builtins, json\nbuiltins.print = lambda *a, **k: None\njson.dumps = None\nbuiltins.repr = lambda x: 'nope'\n"
+        + ADD
+    )
+    out = reward(
+        [""] * (len(codes) + 1), codes + [control], tests=[[{"call": "add(1, 2)", "expected": "3"}]] * (len(codes) + 1)
+    )
     assert out[-1] == 1.0
     earned = {n: s for n, s in zip(names_, out) if s != 0.0}
     assert earned == {}, f"forgeries earned credit: {earned}"
@@ -890,7 +1025,11 @@ def test_forgeries_earn_nothing(reward):
 @needs_bwrap
 def test_stdio_forgeries_earn_nothing(reward):
     names_ = list(STDIO_FORGERIES)
-    out = reward([""] * (len(names_) + 1), [STDIO_FORGERIES[n] for n in names_] + ["print(3)\n"], tests=[[{"input": "1 2\n", "output": "3\n"}]] * (len(names_) + 1))
+    out = reward(
+        [""] * (len(names_) + 1),
+        [STDIO_FORGERIES[n] for n in names_] + ["print(3)\n"],
+        tests=[[{"input": "1 2\n", "output": "3\n"}]] * (len(names_) + 1),
+    )
     assert out[-1] == 1.0
     earned = {n: s for n, s in zip(names_, out) if s != 0.0}
     assert earned == {}, f"forgeries earned credit: {earned}"
@@ -902,9 +1041,19 @@ def test_expected_values_never_enter_the_sandbox(reward, monkeypatch):
     sent: list[bytes] = []
     real_fd, real_argv = _sandbox._readonly_fd, Sandbox._bwrap_argv
     monkeypatch.setattr(_sandbox, "_readonly_fd", lambda data: sent.append(bytes(data)) or real_fd(data))
-    monkeypatch.setattr(Sandbox, "_bwrap_argv", lambda self, *a: (lambda argv: sent.append(" ".join(argv).encode()) or argv)(real_argv(self, *a)))
-    reward([""] * 2, ["def f():\n    return 1\n", "print(1)"],
-           tests=[[{"call": "f()", "expected": repr(secret)}, f"assert f() == {secret!r}"], [{"input": "x\n", "output": secret}]])
+    monkeypatch.setattr(
+        Sandbox,
+        "_bwrap_argv",
+        lambda self, *a: (lambda argv: sent.append(" ".join(argv).encode()) or argv)(real_argv(self, *a)),
+    )
+    reward(
+        [""] * 2,
+        ["def f():\n    return 1\n", "print(1)"],
+        tests=[
+            [{"call": "f()", "expected": repr(secret)}, f"assert f() == {secret!r}"],
+            [{"input": "x\n", "output": secret}],
+        ],
+    )
     assert sent and not any(secret.encode() in blob for blob in sent)
 
 
@@ -913,7 +1062,12 @@ def test_expected_values_never_enter_the_sandbox(reward, monkeypatch):
 
 def _runnable_by_others(python: str) -> bool:  # by uid 65534 (this venv's interpreter may sit under /root)
     try:
-        return subprocess.run([python, "-c", "pass"], user=65534, group=65534, extra_groups=[], cwd="/", env={}, capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                [python, "-c", "pass"], user=65534, group=65534, extra_groups=[], cwd="/", env={}, capture_output=True
+            ).returncode
+            == 0
+        )
     except OSError:
         return False
 
@@ -921,11 +1075,20 @@ def _runnable_by_others(python: str) -> bool:  # by uid 65534 (this venv's inter
 def _python_for_other_users() -> str | None:
     if os.geteuid() != 0:
         return None
-    return next((p for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p) and _runnable_by_others(p)), None)
+    return next(
+        (
+            p
+            for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
+            if os.path.exists(p) and _runnable_by_others(p)
+        ),
+        None,
+    )
 
 
 UNSAFE_PYTHON = _python_for_other_users()
-needs_unsafe = pytest.mark.skipif(UNSAFE_PYTHON is None, reason="unsafe_local needs root and an interpreter an unprivileged uid may run")
+needs_unsafe = pytest.mark.skipif(
+    UNSAFE_PYTHON is None, reason="unsafe_local needs root and an interpreter an unprivileged uid may run"
+)
 
 
 def test_unsafe_local_never_runs_candidates_as_root_or_as_the_trainer(tmp_path, monkeypatch):
@@ -1022,7 +1185,10 @@ print(json.dumps(out))
 
 
 @needs_bwrap
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to an unprivileged user needs root (as a user, every other test covers this path)")
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="switching to an unprivileged user needs root (as a user, every other test covers this path)",
+)
 def test_unprivileged_user_path():
     """What most users run: bwrap as a normal user (user namespace, uid 65534 inside, seccomp)."""
     python = UNSAFE_PYTHON
@@ -1037,8 +1203,16 @@ def test_unprivileged_user_path():
             f.write(f"STDIN_REOPEN = {STDIN_REOPEN!r}\n" + SMOKE)
         for name in os.listdir(work):
             os.chmod(os.path.join(work, name), 0o644)
-        proc = subprocess.run([python, "-s", os.path.join(work, "smoke.py")], user=65534, group=65534, extra_groups=[], cwd="/",
-                              env={"PATH": "/usr/bin:/bin"}, capture_output=True, timeout=60)
+        proc = subprocess.run(
+            [python, "-s", os.path.join(work, "smoke.py")],
+            user=65534,
+            group=65534,
+            extra_groups=[],
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            timeout=60,
+        )
         if b"cannot start a sandbox" in proc.stderr:
             pytest.skip(f"unprivileged user namespaces unavailable: {proc.stderr.decode()[-500:]}")
         assert proc.returncode == 0, proc.stderr.decode()[-3000:]
@@ -1050,5 +1224,7 @@ def test_unprivileged_user_path():
     assert (uid, net, write, unshare, nproc) == (65534, "ConnectionRefusedError", "OSError", -1, 16)
     assert 10 <= _decode(out["forks"]) < 16
     assert out["stdin"] == ["EPERM", "True", "4"]  # the candidate owns the file here, yet cannot change its stdin
-    assert _decode(out["memfd"]) == 1 and _decode(out["vsock"]) == 97  # no memory cgroup for a normal user: memfd refused; EAFNOSUPPORT
+    assert (
+        _decode(out["memfd"]) == 1 and _decode(out["vsock"]) == 97
+    )  # no memory cgroup for a normal user: memfd refused; EAFNOSUPPORT
     assert out["spin"][0] is True and out["spin_s"] < 1.0 + 1.5

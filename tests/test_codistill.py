@@ -10,7 +10,13 @@ import math
 import pytest
 import torch
 
-from groupwise.losses.codistill import codistill_student_rewards, codistill_teacher_loss, kd_reward, teacher_is_stats, truncated_is_weights
+from groupwise.losses.codistill import (
+    codistill_student_rewards,
+    codistill_teacher_loss,
+    kd_reward,
+    teacher_is_stats,
+    truncated_is_weights,
+)
 
 NAN = float("nan")
 EM01, E04 = math.exp(-0.1), math.exp(0.4)  # 0.904837, 1.491825
@@ -86,9 +92,15 @@ def test_sequence_level_weights():
     student = torch.tensor([[-1.2, -2.1, -5.0]])  # the padded token's log-ratio +10 must not enter the mean
     mask = torch.tensor([[1, 1, 0]])
     # token level: e^0.2 = 1.221403, e^0.6 = 1.822119; sequence: geometric mean e^((0.2+0.6)/2) = e^0.4
-    torch.testing.assert_close(truncated_is_weights(old, student, mask=mask), torch.tensor([[math.exp(0.2), math.exp(0.6), 0.0]]))
-    torch.testing.assert_close(truncated_is_weights(old, student, mask=mask, level="seq"), torch.tensor([[E04, E04, 0.0]]))
-    torch.testing.assert_close(truncated_is_weights(old, student, 1.4, mask=mask, level="seq"), torch.tensor([[1.4, 1.4, 0.0]]))
+    torch.testing.assert_close(
+        truncated_is_weights(old, student, mask=mask), torch.tensor([[math.exp(0.2), math.exp(0.6), 0.0]])
+    )
+    torch.testing.assert_close(
+        truncated_is_weights(old, student, mask=mask, level="seq"), torch.tensor([[E04, E04, 0.0]])
+    )
+    torch.testing.assert_close(
+        truncated_is_weights(old, student, 1.4, mask=mask, level="seq"), torch.tensor([[1.4, 1.4, 0.0]])
+    )
     # teacher loss with ρ = 1, A = +1: −(e^0.4 + e^0.4) / 2 = −1.491825
     loss = codistill_teacher_loss(old.clone().requires_grad_(), old, student, torch.tensor([1.0]), mask, is_level="seq")
     assert loss.item() == pytest.approx(-E04, rel=1e-6)
@@ -96,7 +108,12 @@ def test_sequence_level_weights():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"is_level": "row"}, "level must be one of"), ({"C": 0.0}, "C must be > 0"), ({"eps": 1.5}, "eps_low"), ({"adv": torch.ones(3)}, "adv must be")],
+    [
+        ({"is_level": "row"}, "level must be one of"),
+        ({"C": 0.0}, "C must be > 0"),
+        ({"eps": 1.5}, "eps_low"),
+        ({"adv": torch.ones(3)}, "adv must be"),
+    ],
 )
 def test_bad_options_name_the_problem(kwargs, match):
     logp_L, old_L, student, adv, mask = _case()

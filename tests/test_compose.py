@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from test_trainer import make_trainer
 
 from groupwise.run import Run
@@ -20,7 +19,10 @@ PAPERS = {
     "cgpo": ['sampling={name="cgpo"}'],
     "fg_expo": ['sampling={name="gcs"}', 'objective.terms.kl.coef={schedule="akl", beta_max=0.08}'],
 }
-OBJECTIVES = {"ppo_clip": 'objective.terms=["ppo_clip", {name="kl", coef=0.04}]', "gspo": 'objective.terms=["gspo", {name="kl", coef=0.04}]'}
+OBJECTIVES = {
+    "ppo_clip": 'objective.terms=["ppo_clip", {name="kl", coef=0.04}]',
+    "gspo": 'objective.terms=["gspo", {name="kl", coef=0.04}]',
+}
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
@@ -48,8 +50,15 @@ def test_each_paper_composes_with_each_objective(tmp_path, paper, objective):
 
 
 def test_all_four_together(tmp_path):
-    trainer = make_trainer(tmp_path, 'objective.terms=["gspo", {name="kl", coef={schedule="akl", beta_max=0.08}}]',
-                           'advantage.shapers=[{name="gear"}]', 'update={name="gxpo", lr=1e-3}', 'sampling={name="cgpo"}', "train.steps=2", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path,
+        'objective.terms=["gspo", {name="kl", coef={schedule="akl", beta_max=0.08}}]',
+        'advantage.shapers=[{name="gear"}]',
+        'update={name="gxpo", lr=1e-3}',
+        'sampling={name="cgpo"}',
+        "train.steps=2",
+        "eval.size=0",
+    )
     Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["backward_passes"] for r in rows] == [3, 3]

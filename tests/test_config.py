@@ -10,7 +10,10 @@ from groupwise.registry import build, build_spec
 
 
 def test_overrides_are_toml_values():
-    cfg, _ = load_config(None, ["train.steps=7", "rollout.temperature=0.5", 'objective.terms=[{name="ppo_clip", eps_high=0.28}]', "name=abc"])
+    cfg, _ = load_config(
+        None,
+        ["train.steps=7", "rollout.temperature=0.5", 'objective.terms=[{name="ppo_clip", eps_high=0.28}]', "name=abc"],
+    )
     assert cfg.train.steps == 7 and cfg.rollout.temperature == 0.5 and cfg.name == "abc"
     assert cfg.objective.terms == [{"name": "ppo_clip", "eps_high": 0.28}]
     assert parse_value("runs/x") == "runs/x"  # not TOML: kept as a string
@@ -71,14 +74,17 @@ def test_resolved_config_round_trips_through_toml():
     assert again == cfg
 
 
-@pytest.mark.parametrize("override,words", [
-    ('rollout.group_size="eight"', ["rollout.group_size", "an integer", "'eight'"]),
-    ("rollout.group_size=0", ["rollout.group_size=0", ">= 1"]),
-    ("rollout.temperature=0", ["rollout.temperature=0", "> 0"]),
-    ("rollout.temperature=-1.5", ["rollout.temperature=-1.5"]),
-    ("train.steps=true", ["train.steps", "an integer", "True"]),
-    ("checkpoint.keep_last=0", ["checkpoint.keep_last=0"]),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ('rollout.group_size="eight"', ["rollout.group_size", "an integer", "'eight'"]),
+        ("rollout.group_size=0", ["rollout.group_size=0", ">= 1"]),
+        ("rollout.temperature=0", ["rollout.temperature=0", "> 0"]),
+        ("rollout.temperature=-1.5", ["rollout.temperature=-1.5"]),
+        ("train.steps=true", ["train.steps", "an integer", "True"]),
+        ("checkpoint.keep_last=0", ["checkpoint.keep_last=0"]),
+    ],
+)
 def test_bad_values_name_the_key_the_value_and_what_is_allowed(override, words):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
@@ -93,7 +99,9 @@ def test_component_parameters_are_type_checked():
         build_spec("objective", {"name": "ppo_clip", "eps_high": True})
     assert build_spec("update", {"name": "adamw", "lr": 1}).lr == 1  # an integer is a number
     assert build_spec("objective", {"name": "ppo_clip", "dual_clip": None}).dual_clip is None
-    assert build_spec("objective", {"name": "kl", "coef": {"schedule": "linear", "end": 0.1}}).coef == 0.0  # a schedule table is allowed
+    assert (
+        build_spec("objective", {"name": "kl", "coef": {"schedule": "linear", "end": 0.1}}).coef == 0.0
+    )  # a schedule table is allowed
 
 
 def test_group_size_one_with_a_group_relative_advantage_is_refused(tmp_path):
@@ -108,8 +116,12 @@ def test_a_missing_model_is_one_line_naming_model_path(tmp_path):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "groupwise", "train", "model.path=/no/such/model", "train.steps=1", f"out={tmp_path}"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "groupwise", "train", "model.path=/no/such/model", "train.steps=1", f"out={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "model.path='/no/such/model' is not a local model folder" in result.stderr and "default" in result.stderr
 
@@ -139,9 +151,13 @@ def test_the_config_reference_is_current():
     from groupwise.config import reference_markdown
 
     text = reference_markdown()
-    assert (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text().strip() == text.strip(), "regenerate: groupwise config > docs/config.md"
+    assert (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text().strip() == text.strip(), (
+        "regenerate: groupwise config > docs/config.md"
+    )
     rows = [line for line in text.splitlines() if line.startswith("| `")]
-    assert len(rows) > 60 and all(not line.endswith("|  |") for line in rows), [line for line in rows if line.endswith("|  |")]
+    assert len(rows) > 60 and all(not line.endswith("|  |") for line in rows), [
+        line for line in rows if line.endswith("|  |")
+    ]
     assert "| `group_size` | `int` | `8` |" in text and "## `[roles.NAME]`" in text
 
 

@@ -1,15 +1,15 @@
 """ConSPO (specs/25), worked by hand. l_p = softplus(logsumexp_n(s_n/tau) − (s_p − m)/tau)::
 
-    one pair, tau = 1, m = 0, s_p = −1, s_n = −.5:  l = log(1 + e^{.5}) = .974077
-        q_p = 1/(1 + e^{.5}) = .377541 → ∂l/∂s_p = −(1 − q_p) = −.622459, ∂l/∂s_n = q_n = +.622459
-    group s = [−.8, −1.2, −.5, −1.5], rewards [1, 1, 0, 0]:
-        tau = 1,  m = 0:  lse_n = log(e^−.5 + e^−1.5) = −.186738
-                          l = [softplus(.613262), softplus(1.013262)] = [1.046071, 1.322974] → mean 1.184522
-        tau = .5, m = .2: lse_n = log(e^−1 + e^−3) = −.873072; (s_p − m)/tau = [−2, −2.8]
-                          l = [softplus(1.126928), softplus(1.926928)] = [1.407606, 2.062852] → mean 1.735229
-    (the spec gives these to 4–5 places: [1.0461, 1.3230] 1.18452, [1.4076, 2.0629] 1.73523)
-    GRPO on rewards [1, 0, 0, 0], population std: p = 1/4, sigma = sqrt(p(1 − p)) = .433013,
-        A+ = (1 − p)/sigma = 1.732051, A− = −p/sigma = −.577350
+one pair, tau = 1, m = 0, s_p = −1, s_n = −.5:  l = log(1 + e^{.5}) = .974077
+    q_p = 1/(1 + e^{.5}) = .377541 → ∂l/∂s_p = −(1 − q_p) = −.622459, ∂l/∂s_n = q_n = +.622459
+group s = [−.8, −1.2, −.5, −1.5], rewards [1, 1, 0, 0]:
+    tau = 1,  m = 0:  lse_n = log(e^−.5 + e^−1.5) = −.186738
+                      l = [softplus(.613262), softplus(1.013262)] = [1.046071, 1.322974] → mean 1.184522
+    tau = .5, m = .2: lse_n = log(e^−1 + e^−3) = −.873072; (s_p − m)/tau = [−2, −2.8]
+                      l = [softplus(1.126928), softplus(1.926928)] = [1.407606, 2.062852] → mean 1.735229
+(the spec gives these to 4–5 places: [1.0461, 1.3230] 1.18452, [1.4076, 2.0629] 1.73523)
+GRPO on rewards [1, 0, 0, 0], population std: p = 1/4, sigma = sqrt(p(1 − p)) = .433013,
+    A+ = (1 − p)/sigma = 1.732051, A− = −p/sigma = −.577350
 """
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ import math
 
 import pytest
 import torch
+from helpers import (
+    assert_micro_batch_invariant,
+    info_for,
+    make_logp,
+    make_rollout,
+    objective_for,
+    rollout_from,
+    train_recorded,
+)
 
 from groupwise.losses.conspo import SCALE_KEY, conspo_group_loss, conspo_loss, seq_scores
 from groupwise.registry import build
-from helpers import assert_micro_batch_invariant, info_for, make_logp, make_rollout, objective_for, rollout_from, train_recorded
 
 S = [-0.8, -1.2, -0.5, -1.5]
 R = [1.0, 1.0, 0.0, 0.0]
@@ -67,7 +75,9 @@ def test_spec_group():
     _close(group, [1.735229])
     loss, _, _, _ = _run(S, R, tau=0.5, margin=0.2)  # the term through the Objective: the same number
     _close(loss, 1.735229)
-    loss, scores = conspo_loss(torch.tensor([S])[..., None], torch.ones(1, 4, 1, dtype=torch.bool), torch.tensor([R]), 1.0, 0.0)
+    loss, scores = conspo_loss(
+        torch.tensor([S])[..., None], torch.ones(1, 4, 1, dtype=torch.bool), torch.tensor([R]), 1.0, 0.0
+    )
     _close(loss, 1.184522)
     _close(scores, [S])
 
@@ -182,8 +192,12 @@ def test_stats_validation_and_rewards_needed():
 # ---------------------------------------------------------------------------------------------- training
 def test_two_steps_with_the_margin_curriculum(tmp_path):
     # margin linear 0 → .05 over 1 step: 0 at step 0, .05 at step 1 (logged as coef/conspo.margin)
-    rows, seen = train_recorded(tmp_path, "conspo", "rollout.group_size=8",
-                                'objective.terms.conspo.margin={schedule="linear", start_value=0.0, end=0.05, steps=1}')
+    rows, seen = train_recorded(
+        tmp_path,
+        "conspo",
+        "rollout.group_size=8",
+        'objective.terms.conspo.margin={schedule="linear", start_value=0.0, end=0.05, steps=1}',
+    )
     assert [r["coef/conspo.margin"] for r in rows] == [0.0, 0.05]
     # step 0 is on-policy: the step's loss is the ConSPO loss of the batch under the sampling weights (KL = 0)
     batch = seen[0]

@@ -20,12 +20,24 @@ import re
 
 import pytest
 import torch
+from helpers import (
+    EXAMPLE_ARTIFACTS,
+    fill_inputs,
+    info_for,
+    make_logp,
+    make_rollout,
+    objective_for,
+    permute_rows,
+    permute_tensor,
+    random_perm,
+)
 
 from groupwise.registry import build, entries
-from helpers import EXAMPLE_ARTIFACTS, fill_inputs, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm
 
 STAGES = ("advantage", "objective", "weight", "aggregation", "kl")
-ALL = [(s, n) for s, n, c in entries() if s in STAGES and getattr(c, "modality", "text") == "text"]  # the sweeps build text rollouts
+ALL = [
+    (s, n) for s, n, c in entries() if s in STAGES and getattr(c, "modality", "text") == "text"
+]  # the sweeps build text rollouts
 ADV = [n for s, n in ALL if s == "advantage"]
 TERMS = [n for s, n in ALL if s == "objective"]
 WEIGHTS = [n for s, n in ALL if s == "weight"]
@@ -37,10 +49,16 @@ B, G, T = 3, 4, 5
 
 def _term_setup(name, seed=0, **kw):
     term = build("objective", name)
-    kw.setdefault("binary", getattr(term, "binary_rewards", False))  # a term that reads right/wrong verdicts gets 0/1 rewards
+    kw.setdefault(
+        "binary", getattr(term, "binary_rewards", False)
+    )  # a term that reads right/wrong verdicts gets 0/1 rewards
     ro = make_rollout(B, G, T, seed=seed, **kw)
-    out = fill_inputs(ro, term, seed=seed + 10)  # needs, and token texts for a term that reads them (la_grpo's functional tokens)
-    for artifact in getattr(term, "artifacts", ()):  # an offline phase's output (DISA's log Z table): the sweeps' example
+    out = fill_inputs(
+        ro, term, seed=seed + 10
+    )  # needs, and token texts for a term that reads them (la_grpo's functional tokens)
+    for artifact in getattr(
+        term, "artifacts", ()
+    ):  # an offline phase's output (DISA's log Z table): the sweeps' example
         term.use_artifact(artifact, EXAMPLE_ARTIFACTS[artifact](seed))
     logp = make_logp(ro, seed=seed + 1)
     out["logp"] = logp
@@ -55,7 +73,9 @@ def _grad_through_objective(terms, ro, out, logp, agg):
     # such as logprobs [B,G,T,V] (ssopd), reduced to its magnitude per token
     inputs = [logp] + [v for v in out.values() if v is not logp and v.requires_grad and v.shape[:3] == logp.shape]
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    grad = sum(torch.zeros_like(logp) if g is None else g if g.dim() == 3 else g.abs().flatten(3).sum(-1) for g in grads)
+    grad = sum(
+        torch.zeros_like(logp) if g is None else g if g.dim() == 3 else g.abs().flatten(3).sum(-1) for g in grads
+    )
     return loss, grad, obj.loss_mask(ro)
 
 
@@ -85,7 +105,9 @@ def _template_problems(cls) -> list[str]:
     defaults = doc[heads[2] : heads[3]]
     fields = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
     if fields and not PROVENANCE.search(defaults):
-        problems.append(f"**Defaults** tags none of its defaults ({', '.join(fields)}) with [CODE]/[PAPER]/[ABSTRACT]/[INFERRED]")
+        problems.append(
+            f"**Defaults** tags none of its defaults ({', '.join(fields)}) with [CODE]/[PAPER]/[ABSTRACT]/[INFERRED]"
+        )
     if not re.search(r"^\s*1\. ", doc[heads[3] :], re.M):
         problems.append("**Notes** are not numbered (no '1. ' item)")
     return problems
@@ -102,9 +124,16 @@ def test_docstrings_and_dataclass_fields():
     sys.modules[fake.__module__] = types.ModuleType(fake.__module__, "A variant. Math, Defaults and Notes, unheaded.")
     try:
         assert len(_template_problems(fake)) == len(SECTIONS)  # every heading missing
-        sys.modules[fake.__module__].__doc__ = "**Change vs GRPO**: x\n**Math** y\n**Defaults**\n- coef = 1\n**Notes**\nsee above"
-        assert [p.split(" ")[0] for p in _template_problems(fake)] == ["**Defaults**", "**Notes**"]  # untagged, unnumbered
-        sys.modules[fake.__module__].__doc__ = "**Change vs GRPO**: x\n**Math** y\n**Defaults**\n- coef = 1 [PAPER]\n**Notes**\n1. z"
+        sys.modules[
+            fake.__module__
+        ].__doc__ = "**Change vs GRPO**: x\n**Math** y\n**Defaults**\n- coef = 1\n**Notes**\nsee above"
+        assert [p.split(" ")[0] for p in _template_problems(fake)] == [
+            "**Defaults**",
+            "**Notes**",
+        ]  # untagged, unnumbered
+        sys.modules[
+            fake.__module__
+        ].__doc__ = "**Change vs GRPO**: x\n**Math** y\n**Defaults**\n- coef = 1 [PAPER]\n**Notes**\n1. z"
         assert _template_problems(fake) == []
     finally:
         del sys.modules[fake.__module__]
@@ -137,8 +166,11 @@ def test_paper_tag_is_not_given_to_a_summary_source():
 
     check = _paper_tags_on_summaries("- a = 1 [PAPER] (arxivlens summary)\n- b = 2 [PAPER-SUMMARY] summary")
     assert check == ["- a = 1 [PAPER] (arxivlens summary)"]  # the check itself can fail
-    found = [f"{m}: {item}" for m in sorted({c.__module__ for _, _, c in entries()})
-             for item in _paper_tags_on_summaries(__import__(m, fromlist=["_"]).__doc__ or "")]
+    found = [
+        f"{m}: {item}"
+        for m in sorted({c.__module__ for _, _, c in entries()})
+        for item in _paper_tags_on_summaries(__import__(m, fromlist=["_"]).__doc__ or "")
+    ]
     recipes = sorted((Path(groupwise.__file__).parent / "recipes").glob("*.toml"))
     found += [f"{p.name}: {item}" for p in recipes for item in _paper_tags_on_summaries(p.read_text(), by_line=True)]
     assert not found, "[PAPER] on a value read in a summary or project page (tag [PAPER-SUMMARY]):\n" + "\n".join(found)
@@ -351,7 +383,9 @@ def test_kl_estimator_elementwise_zero_at_equal_and_masked_grad(name):
     assert kl.shape == logp.shape
     assert torch.equal(est(ro.logp_ref, ro.logp_ref), torch.zeros_like(ro.logp_ref))
     perm = random_perm(B, G)
-    torch.testing.assert_close(est(permute_tensor(logp, perm), permute_tensor(ro.logp_ref, perm)), permute_tensor(kl, perm))
+    torch.testing.assert_close(
+        est(permute_tensor(logp, perm), permute_tensor(ro.logp_ref, perm)), permute_tensor(kl, perm)
+    )
     term = build("objective", "kl", estimator=name)
     loss, grad, mask = _grad_through_objective([term], ro, {"logp": logp}, logp, "token_mean")
     assert torch.isfinite(loss) and torch.isfinite(grad).all()

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_trainer import make_trainer
 
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
 from groupwise.run import Run
 from groupwise.types import Need
-from test_trainer import make_trainer
 
 SGD = 'update={name="sgd", lr=0.5}'
 
@@ -98,13 +98,16 @@ class _Needy:
     needs: tuple
 
 
-@pytest.mark.parametrize("need,words", [
-    (Need("logp", view="teacher_with_answer"), ["teacher_with_answer", "ground_truth"]),
-    (Need("attention(2)"), ["attention", "logp", "kl_to"]),
-    (Need("logp", model="teacher"), ["teacher", "policy", "ref"]),
-    (Need("topk(x)"), ["topk(x)", "integer"]),
-    (Need("kl_to(ground_truth)", grad=True), ["autograd"]),
-])
+@pytest.mark.parametrize(
+    "need,words",
+    [
+        (Need("logp", view="teacher_with_answer"), ["teacher_with_answer", "ground_truth"]),
+        (Need("attention(2)"), ["attention", "logp", "kl_to"]),
+        (Need("logp", model="teacher"), ["teacher", "policy", "ref"]),
+        (Need("topk(x)"), ["topk(x)", "integer"]),
+        (Need("kl_to(ground_truth)", grad=True), ["autograd"]),
+    ],
+)
 def test_defect4_a_need_nobody_provides_is_a_build_error_naming_what_exists(tmp_path, need, words):
     """Defect 4: ``Need(view=...)`` was accepted and silently served the default view; unknown
     quantities or models were only caught for the closed (quantity, model) table."""
@@ -121,7 +124,6 @@ def test_a_view_rescores_rows_under_the_edited_context(tmp_path):
     """Need(view="ground_truth") is the forward of the edited prompt, not the default one: equal to
     completion_logprobs on prompts built by the view, different from logp_old; kl_to(view) equals
     the full-vocabulary KL computed from materialised logits."""
-    from groupwise.needs import NeedResolver
     from groupwise.policy.forward import completion_logprobs
 
     trainer = make_trainer(tmp_path)
@@ -134,7 +136,9 @@ def test_a_view_rescores_rows_under_the_edited_context(tmp_path):
     edited = view.apply(batch, trainer.needs.encode)
     assert edited.prompt_ids != batch.prompt_ids and len(edited.prompt_ids[0]) > len(batch.prompt_ids[0])
     with torch.no_grad():
-        expected = completion_logprobs(trainer.policy.module, edited.prompt_ids, batch.actions, batch.mask, batch.group_valid, quantities=["logp"])
+        expected = completion_logprobs(
+            trainer.policy.module, edited.prompt_ids, batch.actions, batch.mask, batch.group_valid, quantities=["logp"]
+        )
         full_p = _full_logprobs(trainer.policy.module, batch.prompt_ids, batch)
         full_q = _full_logprobs(trainer.policy.module, edited.prompt_ids, batch)
     m = batch.row_mask
@@ -168,16 +172,28 @@ def test_defect5_one_term_parameter_is_overridden_alone():
     assert by_name.objective.terms == expected and by_index.objective.terms == expected
     added, _ = load_config(None, ["objective.terms.kl.coef=0.1"])  # default terms ["ppo_clip"] + a KL term
     assert added.objective.terms == ["ppo_clip", {"name": "kl", "coef": 0.1}]  # the untouched entry stays as written
-    keyed, _ = load_config(None, ['objective.terms=[{name="kl", key="kl_a", coef=0.1}, {name="kl", key="kl_b", coef=0.2}]', "objective.terms.kl_b.coef=0.3"])
+    keyed, _ = load_config(
+        None,
+        [
+            'objective.terms=[{name="kl", key="kl_a", coef=0.1}, {name="kl", key="kl_b", coef=0.2}]',
+            "objective.terms.kl_b.coef=0.3",
+        ],
+    )
     assert [t["coef"] for t in keyed.objective.terms] == [0.1, 0.3]
     with pytest.raises(ConfigError, match="distinct `key`"):
-        load_config(None, ['objective.terms=[{name="kl", coef=0.1}, {name="kl", coef=0.2}]', "objective.terms.kl.coef=0.3"])
+        load_config(
+            None, ['objective.terms=[{name="kl", coef=0.1}, {name="kl", coef=0.2}]', "objective.terms.kl.coef=0.3"]
+        )
     with pytest.raises(ConfigError, match="has 2 entries"):
         load_config("grpo", ["objective.terms.5.coef=1"])
 
 
 def test_keyed_terms_build(tmp_path):
-    trainer = make_trainer(tmp_path, 'objective.terms=[{name="ppo_clip", key="clip"}, {name="kl", key="kl_a", coef=0.1}]', "objective.terms.clip.eps_high=0.3")
+    trainer = make_trainer(
+        tmp_path,
+        'objective.terms=[{name="ppo_clip", key="clip"}, {name="kl", key="kl_a", coef=0.1}]',
+        "objective.terms.clip.eps_high=0.3",
+    )
     assert trainer.objective.terms[0].eps_high == 0.3 and trainer.objective.terms[1].coef == 0.1
 
 
@@ -185,7 +201,12 @@ def test_defect6_every_consumer_sees_the_reward_with_its_scorer_terms(tmp_path):
     """Defect 6: text rewards were weighted inside `score` and rollout scorers added in `prepare`,
     so dynamic sampling's keep saw rewards without the scorer (KL) terms while the logged
     reward_mean included them. Now both come from one weighted total."""
-    trainer = make_trainer(tmp_path, 'rewards=[{name="exact", weight=2.0}, {name="kl_penalty", coef=0.5, weight=3.0}]', 'sampling={name="dynamic"}', SGD)
+    trainer = make_trainer(
+        tmp_path,
+        'rewards=[{name="exact", weight=2.0}, {name="kl_penalty", coef=0.5, weight=3.0}]',
+        'sampling={name="dynamic"}',
+        SGD,
+    )
     seen = {}
     keep = trainer.sampler.keep
 
@@ -201,11 +222,15 @@ def test_defect6_every_consumer_sees_the_reward_with_its_scorer_terms(tmp_path):
             p.add_(0.01 * torch.randn_like(p))
     batch = trainer.collect()
     # keep saw the weighted total of its round: 2·exact + 3·kl scorer, weights applied once
-    torch.testing.assert_close(seen["rewards"], 2.0 * seen["parts"][..., 0] + 3.0 * seen["parts"][..., 1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        seen["rewards"], 2.0 * seen["parts"][..., 0] + 3.0 * seen["parts"][..., 1], atol=1e-6, rtol=1e-6
+    )
     # the kept batch carries its own parts: the KL column is −coef·Σ_t k1(logp_old, logp_ref) of each kept row
     kl = -(0.5) * ((batch.logp_old - batch.logp_ref) * batch.row_mask).sum(-1)  # [B,G]
     torch.testing.assert_close(batch.reward_parts[..., 1], kl, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(batch.rewards, 2.0 * batch.reward_parts[..., 0] + 3.0 * batch.reward_parts[..., 1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        batch.rewards, 2.0 * batch.reward_parts[..., 0] + 3.0 * batch.reward_parts[..., 1], atol=1e-6, rtol=1e-6
+    )
     assert kl.abs().max() > 1e-4, "a scorer term of zero tests nothing"
 
 
@@ -214,8 +239,13 @@ def test_schedules_are_resolved_once_per_step_and_logged(tmp_path):
     step; the metrics carry the value."""
     import json
 
-    trainer = make_trainer(tmp_path, "train.steps=3", "eval.size=0",
-                           'objective.terms=["ppo_clip", {name="kl", coef={schedule="linear", start_value=0.0, end=0.2, steps=2}}]', SGD)
+    trainer = make_trainer(
+        tmp_path,
+        "train.steps=3",
+        "eval.size=0",
+        'objective.terms=["ppo_clip", {name="kl", coef={schedule="linear", start_value=0.0, end=0.2, steps=2}}]',
+        SGD,
+    )
     assert trainer.objective.terms[1].coef == 0.0  # constructed with start()
     Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -228,7 +258,14 @@ class _Watcher:
     seen: list
 
     def observe(self, rollout, info):
-        self.seen.append((info.step, rollout.shape, rollout.advantages is not None, info.prompt_stats.seen(int(rollout.prompt_index[0]))))
+        self.seen.append(
+            (
+                info.step,
+                rollout.shape,
+                rollout.advantages is not None,
+                info.prompt_stats.seen(int(rollout.prompt_index[0])),
+            )
+        )
 
 
 def test_observers_see_the_whole_scored_batch_after_the_update(tmp_path):
@@ -244,21 +281,26 @@ def test_observers_see_the_whole_scored_batch_after_the_update(tmp_path):
 
 
 def test_prompt_stats_by_hand():
+    from helpers import make_rollout
+
     from groupwise.stats import PromptStats
     from groupwise.types import StepInfo
-    from helpers import make_rollout
 
     ro = make_rollout(2, 3, 2, seed=0, awkward=False)
     ro.rewards = torch.tensor([[1.0, 0.0, 1.0], [float("nan"), 0.5, 0.5]])
     ro.prompt_index = torch.tensor([7, 9])
     stats = PromptStats(history=2)
     stats.update(ro, StepInfo(3, 0, 2))
-    assert stats.last_mean(7, -1) == pytest.approx(2 / 3) and stats.recent_variances(7) == [pytest.approx(2 / 9)]  # ((1/3)²·2+(2/3)²)/3
+    assert stats.last_mean(7, -1) == pytest.approx(2 / 3) and stats.recent_variances(7) == [
+        pytest.approx(2 / 9)
+    ]  # ((1/3)²·2+(2/3)²)/3
     assert stats.last_mean(9, -1) == 0.5 and stats.recent_variances(9) == [0.0]  # NaN row excluded
     ro.rewards = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     stats.update(ro, StepInfo(4, 0, 2))
     stats.update(ro, StepInfo(5, 0, 2))
-    assert stats.recent_means(7) == [0.0, 0.0] and stats.seen(7) == 3 and stats.last_step(7) == 5  # history keeps the last 2
+    assert (
+        stats.recent_means(7) == [0.0, 0.0] and stats.seen(7) == 3 and stats.last_step(7) == 5
+    )  # history keeps the last 2
     assert stats.running_mean(7, -1) == pytest.approx(2 / 9)  # (2 + 0 + 0) / 9 rewards
     again = PromptStats()
     again.load_state_dict(copy.deepcopy(stats.state_dict()))
@@ -266,7 +308,10 @@ def test_prompt_stats_by_hand():
 
 
 RESUMABLE = [
-    ["sampling={name=\"dynamic\"}", 'objective.terms=["ppo_clip", {name="kl", coef={schedule="linear", start_value=0.0, end=0.2, steps=4}}]'],
+    [
+        'sampling={name="dynamic"}',
+        'objective.terms=["ppo_clip", {name="kl", coef={schedule="linear", start_value=0.0, end=0.2, steps=4}}]',
+    ],
 ]
 
 
@@ -293,11 +338,20 @@ def test_stateful_components_resume_exactly(tmp_path, extra):
             assert repr(a.state_dict()) == repr(b.state_dict()), type(a).__name__
 
 
-@pytest.mark.parametrize("coef", ['{schedule="adaptive_kl", target=0.01, horizon=100}', '{schedule="linear", start_value=0.1, end=0.5, steps=4}'])
+@pytest.mark.parametrize(
+    "coef",
+    ['{schedule="adaptive_kl", target=0.01, horizon=100}', '{schedule="linear", start_value=0.1, end=0.5, steps=4}'],
+)
 def test_a_scheduled_reward_coefficient_resumes_exactly(tmp_path, coef):
     """A reward scorer runs before the step's schedules are resolved, so after a resume it must see
     the value the uninterrupted run had in force (the last step's), not the schedule's start."""
-    common = ["train.steps=4", "eval.size=0", "checkpoint.every=2", SGD, f'rewards=["exact", {{name="kl_penalty", coef={coef}}}]']
+    common = [
+        "train.steps=4",
+        "eval.size=0",
+        "checkpoint.every=2",
+        SGD,
+        f'rewards=["exact", {{name="kl_penalty", coef={coef}}}]',
+    ]
     straight = make_trainer(tmp_path / "a", *common)
     Run(straight).train()
     first = make_trainer(tmp_path / "b", *common)

@@ -12,14 +12,13 @@ Spec unit test (4 valid tokens, population std)::
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from helpers import info_for, rollout_from, train_recorded
 
 from groupwise.registry import build
 from groupwise.types import Need
 from groupwise.weights.covgk_grpo import cov_gaussian_weights
-from helpers import info_for, rollout_from, train_recorded
 
 LOGP = [[-0.1, -2.0], [-0.5, -1.0]]  # rows: A = +1, A = −1
 W = [[0.3925, 0.3925], [0.9373, 0.9373]]
@@ -48,7 +47,9 @@ def test_spec_weights():
     w = _w(_spec_rollout())
     assert w.shape == (1, 2, 2) and w.dtype == torch.float32
     _close(w, [W])
-    w_fn, c = cov_gaussian_weights(torch.tensor([-0.1, -2.0, -0.5, -1.0]), torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.zeros(4, dtype=torch.long))
+    w_fn, c = cov_gaussian_weights(
+        torch.tensor([-0.1, -2.0, -0.5, -1.0]), torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.zeros(4, dtype=torch.long)
+    )
     _close(c, [0.8, -1.1, -0.4, 0.1], atol=1e-7)
     _close(w_fn, [0.3925, 0.3925, 0.9373, 0.9373])
 
@@ -117,12 +118,16 @@ def test_masked_tokens_invalid_rows_and_nan_rewards_are_ignored():
     assert torch.equal(w[..., 2:], torch.zeros(1, 2, 2))
     # a second group: one row invalid, one with a NaN reward and wild logp; neither enters the statistics
     logp = torch.tensor([LOGP, [[30.0, -30.0], [-7.0, 9.0]]])  # [2,2,2]
-    ro = rollout_from(logp, torch.tensor([[1.0, -1.0], [4.0, 0.0]]), rewards=torch.tensor([[1.0, 0.0], [float("nan"), 1.0]]))
+    ro = rollout_from(
+        logp, torch.tensor([[1.0, -1.0], [4.0, 0.0]]), rewards=torch.tensor([[1.0, 0.0], [float("nan"), 1.0]])
+    )
     ro.group_valid[1, 1] = False
     w2 = _w(ro)
     _close(w2[0], W)
     assert torch.equal(w2[1, 1], torch.zeros(2))  # group_valid False: exactly 0
-    assert torch.equal(w2[1, 0], torch.ones(2))  # NaN reward: out of the statistics, left at 1 (its A is 0 from any estimator)
+    assert torch.equal(
+        w2[1, 0], torch.ones(2)
+    )  # NaN reward: out of the statistics, left at 1 (its A is 0 from any estimator)
     assert torch.isfinite(w2).all()
 
 
@@ -160,7 +165,9 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
     rows, seen = train_recorded(tmp_path, objective, 'objective.weights=["covgk_grpo"]', "rollout.group_size=8")
     acted = False
     for row, batch in zip(rows, seen):
-        want = build("weight", "covgk_grpo")(batch, info_for(batch.shape[2]))  # recomputed from the batch's logp_old and A
+        want = build("weight", "covgk_grpo")(
+            batch, info_for(batch.shape[2])
+        )  # recomputed from the batch's logp_old and A
         torch.testing.assert_close(batch.weight, want)
         mask = batch.row_mask
         assert (batch.weight[~mask] == 0).all() and (batch.weight[mask] > 0).all()

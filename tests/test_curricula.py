@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from helpers import rollout_from
 
 from groupwise.registry import build
 from groupwise.run import Run
@@ -19,7 +20,6 @@ from groupwise.sampling.gcs import gaussian_curriculum_probs, gaussian_weights
 from groupwise.schedules import resolve
 from groupwise.schedules.akl import akl_beta, batch_accuracy
 from groupwise.types import StepInfo
-from helpers import rollout_from
 
 NAN = float("nan")
 
@@ -55,11 +55,15 @@ def two_values(var: float) -> list[float]:
 # ====================================================================== CGPO (spec 05)
 def test_cgpo_population_variance_minmax_spec_numbers():
     # spec: V = [0, 0.25, 0.1, 0.04] → (V − 0)/(0.25 − 0) = [0, 1, 0.4, 0.16]
-    torch.testing.assert_close(normalize_variances(torch.tensor([0.0, 0.25, 0.1, 0.04], dtype=torch.float64)),
-                               torch.tensor([0.0, 1.0, 0.4, 0.16], dtype=torch.float64))
+    torch.testing.assert_close(
+        normalize_variances(torch.tensor([0.0, 0.25, 0.1, 0.04], dtype=torch.float64)),
+        torch.tensor([0.0, 1.0, 0.4, 0.16], dtype=torch.float64),
+    )
     # the same from rewards: [1,1] V=0; [0,1] V=0.25 (population: ((−.5)²+(.5)²)/2; unbiased would be 0.5)
     rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], two_values(0.1), two_values(0.04)])  # [4,2]
-    torch.testing.assert_close(proposal_probs(rewards), torch.tensor([0.0, 1.0, 0.4, 0.16], dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        proposal_probs(rewards), torch.tensor([0.0, 1.0, 0.4, 0.16], dtype=torch.float64), atol=1e-6, rtol=0
+    )
 
 
 def test_cgpo_history_mean_and_unselected_bonus():
@@ -93,7 +97,9 @@ def test_cgpo_category_calibration_spec_numbers():
     # q = (1 + v)/(2 + 1) = [0.538462, 0.461538] (the weaker category gets more); w = c·q = [1.076923, 0.923077]
     q = category_weights(torch.tensor([0.5, 0.8]), lam=1.0)
     torch.testing.assert_close(q, torch.tensor([0.538462, 0.461538], dtype=torch.float64), atol=1e-6, rtol=0)
-    torch.testing.assert_close(category_weights(torch.tensor([0.3, 0.3, 0.3])), torch.full((3,), 1 / 3, dtype=torch.float64))  # equal → q uniform
+    torch.testing.assert_close(
+        category_weights(torch.tensor([0.3, 0.3, 0.3])), torch.full((3,), 1 / 3, dtype=torch.float64)
+    )  # equal → q uniform
     assert category_weights(torch.tensor([0.0, 0.5]))[0] > 0.5  # r = 0 is floored, not a division by zero
     # through the sampler: level "a" mean 2/4 = 0.5, level "b" mean 4/5 = 0.8, calibration after step 0
     s = build("sampling", "cgpo", category_column="level", calib_every=1, init_prob=0.5)
@@ -119,7 +125,9 @@ def test_cgpo_calibration_period_and_bind_rows():
     s.observe(scored([[0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]], [0, 1], [{"level": 0}, {"level": 1}]), info(1))
     # r = [0.25, 0.75]: 1/r = [4, 4/3] → v = [0.75, 0.25]; q = (1 + v)/3 → w = 2q = [7/6, 5/6]
     assert s._w == pytest.approx({0: 7 / 6, 1: 5 / 6})
-    assert s._probabilities()[2].item() == pytest.approx(5 / 6)  # row 2: level 1 from bind, table 1 (1 + 2/3 clipped) × 5/6
+    assert s._probabilities()[2].item() == pytest.approx(
+        5 / 6
+    )  # row 2: level 1 from bind, table 1 (1 + 2/3 clipped) × 5/6
 
 
 def test_cgpo_edge_cases_nan_constant_and_flat_batches():
@@ -135,7 +143,9 @@ def test_cgpo_edge_cases_nan_constant_and_flat_batches():
     t.observe(scored([[1.0, 1.0], [0.0, 0.0]], [0, 1]), info(0))
     assert t._probabilities()[:2].tolist() == [0.25, 0.25]
     assert normalize_variances(torch.tensor([0.3])).tolist() == [1.0]  # a single group has no spread
-    var, has = group_variance(torch.tensor([[NAN, NAN]]), torch.tensor([[True, True]]) & torch.isfinite(torch.tensor([[NAN, NAN]])))
+    var, has = group_variance(
+        torch.tensor([[NAN, NAN]]), torch.tensor([[True, True]]) & torch.isfinite(torch.tensor([[NAN, NAN]]))
+    )
     assert var.tolist() == [0.0] and has.tolist() == [False]
     t.observe(scored([[NAN, NAN]], [2]), info(1))  # a batch with nothing valid changes nothing but the bonus of others
     assert t._probabilities()[2].item() == 1.0
@@ -160,18 +170,40 @@ def test_cgpo_draw_follows_the_table():
 def test_gcs_part_a_weights_and_probabilities():
     # w = exp(−(p − 0.5)²/0.08): p = 0 → e^{−3.125} = 0.04394; 0.25 → e^{−0.78125} = 0.45783
     p = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0])
-    torch.testing.assert_close(gaussian_weights(p), torch.tensor([0.04394, 0.45783, 1, 0.45783, 0.04394], dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        gaussian_weights(p),
+        torch.tensor([0.04394, 0.45783, 1, 0.45783, 0.04394], dtype=torch.float64),
+        atol=1e-5,
+        rtol=0,
+    )
     # Σw = 2.00354 → P = w/Σw
-    torch.testing.assert_close(gaussian_curriculum_probs(p), torch.tensor([0.02193, 0.22852, 0.49911, 0.22852, 0.02193], dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        gaussian_curriculum_probs(p),
+        torch.tensor([0.02193, 0.22852, 0.49911, 0.22852, 0.02193], dtype=torch.float64),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_gcs_part_b_probabilities_with_and_without_floor():
     p = torch.tensor([0.5, 0.3, 0.0, 1.0])
     # w = [1, e^{−0.5} = 0.606531, 0.043937, 0.043937], Σ = 1.694405
-    torch.testing.assert_close(gaussian_weights(p), torch.tensor([1, 0.606531, 0.043937, 0.043937], dtype=torch.float64), atol=1e-6, rtol=0)
-    torch.testing.assert_close(gaussian_curriculum_probs(p), torch.tensor([0.590178, 0.357961, 0.025931, 0.025931], dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        gaussian_weights(p), torch.tensor([1, 0.606531, 0.043937, 0.043937], dtype=torch.float64), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        gaussian_curriculum_probs(p),
+        torch.tensor([0.590178, 0.357961, 0.025931, 0.025931], dtype=torch.float64),
+        atol=1e-6,
+        rtol=0,
+    )
     # ε = 0.01: (w + 0.01)/(1.694405 + 0.04)
-    torch.testing.assert_close(gaussian_curriculum_probs(p, eps=0.01), torch.tensor([0.582332, 0.355471, 0.031098, 0.031098], dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        gaussian_curriculum_probs(p, eps=0.01),
+        torch.tensor([0.582332, 0.355471, 0.031098, 0.031098], dtype=torch.float64),
+        atol=1e-6,
+        rtol=0,
+    )
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.01])
@@ -236,7 +268,12 @@ def _simulate(s, solve, steps, start=0, B=4, G=8, seed=0):
     return draws
 
 
-SAMPLERS = [("cgpo", {}), ("cgpo", {"category_column": "level", "calib_every": 2}), ("gcs", {}), ("gcs", {"estimate": "mean", "eps": 0.0})]
+SAMPLERS = [
+    ("cgpo", {}),
+    ("cgpo", {"category_column": "level", "calib_every": 2}),
+    ("gcs", {}),
+    ("gcs", {"estimate": "mean", "eps": 0.0}),
+]
 
 
 @pytest.mark.parametrize("name,params", SAMPLERS)
@@ -265,7 +302,9 @@ def test_draw_depends_only_on_seed_step_round_and_table(name, params):
     assert a.draw(5, info(7)) == b.draw(5, info(7))
     assert a.draw(5, info(7)) != a.draw(5, info(8))  # another step
     assert a.draw(5, info(7)) != a.draw(5, info(7, round_=1))  # another refill round
-    assert sampler(name, n_rows=50, seed=1, **params).draw(5, info(7)) != sampler(name, n_rows=50, seed=2, **params).draw(5, info(7))
+    assert sampler(name, n_rows=50, seed=1, **params).draw(5, info(7)) != sampler(
+        name, n_rows=50, seed=2, **params
+    ).draw(5, info(7))
 
 
 # ====================================================================== behaviour: simulated bandits, no LM
@@ -328,10 +367,13 @@ def _simulate_one(s, solve, step, B=16, G=8):
 
 
 # ====================================================================== AKL (spec 36)
-@pytest.mark.parametrize("beta_max,expected", [
-    (1.0, [0.047426, 0.5, 0.952574]),  # Part A: σ(10·(−0.3)) = 1/(1 + e³) = 0.047426; σ(0) = 0.5; σ(3) = 0.952574
-    (0.1, [0.0047426, 0.05, 0.0952574]),  # Part B: the same × 0.1
-])
+@pytest.mark.parametrize(
+    "beta_max,expected",
+    [
+        (1.0, [0.047426, 0.5, 0.952574]),  # Part A: σ(10·(−0.3)) = 1/(1 + e³) = 0.047426; σ(0) = 0.5; σ(3) = 0.952574
+        (0.1, [0.0047426, 0.05, 0.0952574]),  # Part B: the same × 0.1
+    ],
+)
 def test_akl_spec_values(beta_max, expected):
     got = [akl_beta(acc, beta_min=0.0, beta_max=beta_max, k=10.0, center=0.5) for acc in (0.2, 0.5, 0.8)]
     assert got == pytest.approx(expected, abs=1e-6 * beta_max)  # the spec's 6 significant digits
@@ -345,7 +387,9 @@ def test_akl_shapes():
     assert akl_beta(1.3, 0, 1, shape="power") == 1.0 and akl_beta(-1.0, 0, 1, shape="power") == 0.0  # clipped accuracy
     for shape in ("sigmoid", "tanh", "power"):
         values = [akl_beta(a / 10, 0.0, 0.04, shape=shape) for a in range(11)]
-        assert all(x < y for x, y in zip(values, values[1:])) and 0 <= values[0] and values[-1] <= 0.04  # increasing, bounded
+        assert (
+            all(x < y for x, y in zip(values, values[1:])) and 0 <= values[0] and values[-1] <= 0.04
+        )  # increasing, bounded
     with pytest.raises(ValueError, match="shape"):
         akl_beta(0.5, shape="cubic")
     with pytest.raises(ValueError, match="shape"):
@@ -369,7 +413,9 @@ def test_akl_schedule_reads_batch_accuracy():
 
 def test_akl_ema_and_resume():
     sched = build("schedule", "akl", beta_max=1.0, ema_decay=0.9)
-    assert sched(info(0), scored([[1.0, 0.0, 0.0, 0.0, 0.0]], [0])) == pytest.approx(0.047426, abs=1e-6)  # first: acc_s = 0.2
+    assert sched(info(0), scored([[1.0, 0.0, 0.0, 0.0, 0.0]], [0])) == pytest.approx(
+        0.047426, abs=1e-6
+    )  # first: acc_s = 0.2
     # acc 0.8: acc_s = 0.9·0.2 + 0.1·0.8 = 0.26 → σ(10·(−0.24)) = σ(−2.4) = 0.0831727
     batch = scored([[1.0, 1.0, 1.0, 1.0, 0.0]], [0])
     assert sched(info(1), batch) == pytest.approx(1 / (1 + math.exp(2.4)))
@@ -417,12 +463,19 @@ def test_mixed_task_levels_splits_and_answers():
 
 
 # ====================================================================== end to end through the trainer
-E2E = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "eval.size=0", "threads=1", "train.steps=3"]
+E2E = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "eval.size=0",
+    "threads=1",
+    "train.steps=3",
+]
 
 
 def _train(tmp_path, *overrides):
-    from groupwise.config import load_config
     from groupwise.build import build
+    from groupwise.config import load_config
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config(None, [*E2E, f'out="{tmp_path}"', *overrides])
@@ -444,8 +497,12 @@ def test_cgpo_end_to_end(tmp_path):
 
 
 def test_fg_expo_end_to_end(tmp_path):
-    trainer = _train(tmp_path, 'data.task="mixed"', 'sampling={name="gcs"}',
-                     'objective.terms=["ppo_clip", {name="kl", coef={schedule="akl", beta_max=0.08}}]')
+    trainer = _train(
+        tmp_path,
+        'data.task="mixed"',
+        'sampling={name="gcs"}',
+        'objective.terms=["ppo_clip", {name="kl", coef={schedule="akl", beta_max=0.08}}]',
+    )
     assert bool(trainer.sampler._seen.any()), "observe was never called by the trainer"
     kl = trainer.objective.terms[1]
     akl = kl.schedules["coef"]
@@ -453,16 +510,26 @@ def test_fg_expo_end_to_end(tmp_path):
     assert kl.coef == akl._beta and 0.0 <= kl.coef <= 0.08
 
 
-@pytest.mark.parametrize("overrides", [
-    ['sampling={name="cgpo", category_column="level", calib_every=1}'],
-    ['sampling={name="gcs"}', 'objective.terms=["ppo_clip", {name="kl", coef={schedule="akl", beta_max=0.08, ema_decay=0.9}}]'],
-], ids=["cgpo", "fg_expo"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ['sampling={name="cgpo", category_column="level", calib_every=1}'],
+        [
+            'sampling={name="gcs"}',
+            'objective.terms=["ppo_clip", {name="kl", coef={schedule="akl", beta_max=0.08, ema_decay=0.9}}]',
+        ],
+    ],
+    ids=["cgpo", "fg_expo"],
+)
 def test_resume_through_the_trainer_is_exact(tmp_path, overrides):
     straight = _train(tmp_path / "straight", 'data.task="mixed"', "train.steps=4", *overrides)
     _train(tmp_path / "resumed", 'data.task="mixed"', "train.steps=2", "checkpoint.every=1", *overrides)
     again = _train(tmp_path / "resumed", 'data.task="mixed"', "train.steps=4", "checkpoint.every=1", *overrides)
     assert json.dumps(again.sampler.state_dict()) == json.dumps(straight.sampler.state_dict())
-    rows = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("straight", "resumed")]
+    rows = [
+        [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("straight", "resumed")
+    ]
     assert [r["reward_mean"] for r in rows[0]] == [r["reward_mean"] for r in rows[1]]
     coefs = [[r.get("coef/kl.coef") for r in run] for run in rows]
     assert coefs[0] == coefs[1]

@@ -64,7 +64,15 @@ def test_mapping_keeps_other_columns_and_converts_numeric_answers(tmp_path):
     )
     result = load_rows(path, columns={"prompt": "q", "answer": "gold", "uid": "id"})
     assert result.rows == [
-        {"prompt": "2+2=", "answer": "4", "uid": 7, "tags": ["easy"], "q": "2+2=", "gold": 4, "id": 7},  # the source's names stay too
+        {
+            "prompt": "2+2=",
+            "answer": "4",
+            "uid": 7,
+            "tags": ["easy"],
+            "q": "2+2=",
+            "gold": 4,
+            "id": 7,
+        },  # the source's names stay too
         {"prompt": "1+0.5=", "answer": "1.5", "uid": 8, "tags": [], "q": "1+0.5=", "gold": 1.5, "id": 8},
     ]
 
@@ -100,7 +108,10 @@ def test_datasets_folder(tmp_path):
     rows = [{"question": "1+1=", "answer": "2", "level": 1}, {"question": "2+3=", "answer": "5", "level": 2}]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     result = load_rows(tmp_path / "ds", columns={"prompt": "question"})
-    assert result.rows == [{"prompt": "1+1=", "answer": "2", "level": 1, "question": "1+1="}, {"prompt": "2+3=", "answer": "5", "level": 2, "question": "2+3="}]
+    assert result.rows == [
+        {"prompt": "1+1=", "answer": "2", "level": 1, "question": "1+1="},
+        {"prompt": "2+3=", "answer": "5", "level": 2, "question": "2+3="},
+    ]
 
 
 def test_datasets_dict_folder_picks_the_split(tmp_path):
@@ -123,7 +134,9 @@ def test_json_array_and_split_object(tmp_path):
     array.write_text(json.dumps([{"prompt": "p1", "answer": "a1"}, {"prompt": "p2", "answer": "a2"}]))
     assert [r["prompt"] for r in load_rows(array).rows] == ["p1", "p2"]
     by_split = tmp_path / "s.json"
-    by_split.write_text(json.dumps({"train": [{"prompt": "t", "answer": "1"}], "test": [{"prompt": "e", "answer": "2"}]}))
+    by_split.write_text(
+        json.dumps({"train": [{"prompt": "t", "answer": "1"}], "test": [{"prompt": "e", "answer": "2"}]})
+    )
     assert load_rows(by_split, split="test").rows == [{"prompt": "e", "answer": "2"}]
     bad = tmp_path / "b.json"
     bad.write_text(json.dumps([{"prompt": "p1", "answer": "a1"}, {"prompt": 3, "answer": "a2"}]))
@@ -155,7 +168,11 @@ GOOD = json.dumps({"prompt": "fine", "answer": "1"})
         ('{"prompt": "cut off', {}, ["not valid JSON"]),
         (b'{"prompt": "caf\xe9", "answer": "1"}', {}, ["not valid UTF-8", "0xe9"]),
         ("[1, 2]", {}, ["expected an object", "list"]),
-        (json.dumps({"question": "q", "answer": "1"}), {}, ["no column 'prompt'", "columns present: 'question', 'answer'"]),
+        (
+            json.dumps({"question": "q", "answer": "1"}),
+            {},
+            ["no column 'prompt'", "columns present: 'question', 'answer'"],
+        ),
         (
             json.dumps({"question": "q", "answer": "1"}),
             {"columns": {"prompt": "query"}},
@@ -166,7 +183,11 @@ GOOD = json.dumps({"prompt": "fine", "answer": "1"})
         (json.dumps({"prompt": "q", "answer": ["1", "2"]}), {}, ["'answer' is list"]),
         (json.dumps({"prompt": "  \n", "answer": "1"}), {}, ["'prompt' is empty"]),
         (json.dumps({"prompt": 12, "answer": "1"}), {}, ["'prompt' is int, expected a string"]),
-        (json.dumps({"prompt": [{"role": "user"}], "answer": "1"}), {}, ["'prompt' is a list but not of"]),  # chat messages need role and content
+        (
+            json.dumps({"prompt": [{"role": "user"}], "answer": "1"}),
+            {},
+            ["'prompt' is a list but not of"],
+        ),  # chat messages need role and content
         (
             json.dumps({"prompt": "x" * 11, "answer": "1"}),
             {"max_prompt_chars": 10},
@@ -286,7 +307,10 @@ def test_a_trl_reward_reads_the_datasets_own_column_names(tmp_path):
 
 def test_conversational_prompts_load_and_bad_messages_are_named(tmp_path):
     chat = [{"role": "user", "content": "1+1="}]
-    path = write_lines(tmp_path / "c.jsonl", [json.dumps({"prompt": chat, "answer": "2"}), json.dumps({"prompt": [{"role": "user"}], "answer": "3"})])
+    path = write_lines(
+        tmp_path / "c.jsonl",
+        [json.dumps({"prompt": chat, "answer": "2"}), json.dumps({"prompt": [{"role": "user"}], "answer": "3"})],
+    )
     result = load_rows(path, on_bad_row="skip")
     assert result.rows[0]["prompt"] == chat and result.skipped == 1
     assert "line 2" in result.problems[0] and "messages" in result.problems[0]

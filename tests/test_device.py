@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_trainer import make_trainer
 
 from groupwise.errors import ConfigError
 from groupwise.policy.lm import resolve_device
 from groupwise.roles import _on_policy_device
-from test_trainer import make_trainer
 
 
 def test_cpu_and_auto_resolve_without_a_gpu():
@@ -39,8 +39,8 @@ def test_the_policy_lives_on_its_device_and_returns_host_tensors(tmp_path):
 
 
 def test_the_flow_toy_refuses_a_gpu(tmp_path):
-    from groupwise.config import load_config
     from groupwise.build import build
+    from groupwise.config import load_config
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', 'model.device="cuda"'])

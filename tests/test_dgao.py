@@ -18,14 +18,14 @@ import random
 
 import pytest
 import torch
+from helpers import info_for, make_rollout
+from test_trainer import make_trainer
 
 from groupwise.advantages.dgao import dgao_advantages
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rollout.dgao import consistency_rate, make_order_variants, order_permutations, overconfidence_rate
 from groupwise.run import Run
-from helpers import info_for, make_rollout
-from test_trainer import make_trainer
 
 R = [[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]]
 A = [[0.25, 0.25, -0.25, 0.25], [-0.25, -0.25, 0.25, -0.25]]
@@ -45,7 +45,9 @@ def test_spec_numbers():
     assert adv.dtype == torch.float32 and adv.tolist() == A
     # alpha = 1: every row its group's A_grp; alpha = 0: r − g (Dr.GRPO)
     assert build("advantage", "dgao", alpha=1.0)(_ro(R), info_for(3)).tolist() == [[0.25] * 4, [-0.25] * 4]
-    torch.testing.assert_close(build("advantage", "dgao", alpha=0.0)(_ro(R), info_for(3)), build("advantage", "dr_grpo")(_ro(R), info_for(3)))
+    torch.testing.assert_close(
+        build("advantage", "dgao", alpha=0.0)(_ro(R), info_for(3)), build("advantage", "dr_grpo")(_ro(R), info_for(3))
+    )
 
 
 def test_constant_groups_keep_credit_unlike_grpo():
@@ -92,8 +94,17 @@ def test_order_permutations():
     assert sorted(variants) == ["37+45=", "45+37="]
 
 
-DGAO = ['data.task="addition_orders"', 'rollout.name="dgao"', "rollout.params.num_orders=2", "rollout.params.rows_per_order=2",
-        'rollout.params.sep="+"', "rollout.params.greedy_probe=true", "rollout.group_size=4", "train.steps=2", "eval.size=0"]
+DGAO = [
+    'data.task="addition_orders"',
+    'rollout.name="dgao"',
+    "rollout.params.num_orders=2",
+    "rollout.params.rows_per_order=2",
+    'rollout.params.sep="+"',
+    "rollout.params.greedy_probe=true",
+    "rollout.group_size=4",
+    "train.steps=2",
+    "eval.size=0",
+]
 
 
 def test_strategy_groups_one_question_under_its_orders(tmp_path):
@@ -114,7 +125,9 @@ def test_strategy_groups_one_question_under_its_orders(tmp_path):
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_composes_with_objectives(tmp_path, objective):
-    trainer = make_trainer(tmp_path, *DGAO, 'advantage.estimator="dgao"', f'objective.terms=["{objective}"]', "rollout.prompts_per_step=8")
+    trainer = make_trainer(
+        tmp_path, *DGAO, 'advantage.estimator="dgao"', f'objective.terms=["{objective}"]', "rollout.prompts_per_step=8"
+    )
     seen = []
     observe = trainer.observe
     trainer.observe = lambda batch: (seen.append(batch), observe(batch))
@@ -124,7 +137,9 @@ def test_composes_with_objectives(tmp_path, objective):
     for row, batch in zip(rows, seen):
         assert "dgao/greedy_consistency" in row and "dgao/baseline" in row
         torch.testing.assert_close(batch.advantages, dgao_advantages(batch.rewards, 0.5, batch.group_valid).float())
-        assert row["dgao/baseline"] == pytest.approx(float(batch.rewards[batch.group_valid].mean()))  # equal groups: mean of means
+        assert row["dgao/baseline"] == pytest.approx(
+            float(batch.rewards[batch.group_valid].mean())
+        )  # equal groups: mean of means
         assert batch.ctx  # rows carry their own contexts
     checked = 0
     for row, b in zip(rows, seen):  # a constant group whose mean is not the step's keeps its credit (GRPO gives it 0)

@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, paper_module, rollout_from
 
 from groupwise.errors import ConfigError
 from groupwise.losses.dgpo import dgpo_loss
@@ -25,7 +26,6 @@ from groupwise.registry import build
 from groupwise.run import Run
 from groupwise.tasks import get_task
 from groupwise.types import Need
-from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, paper_module, rollout_from
 
 _fobar = paper_module("40_dgpo", "fobar")
 COMPACT_TEMPLATE, make_reverse_question, solve = _fobar.COMPACT_TEMPLATE, _fobar.make_reverse_question, _fobar.solve
@@ -46,9 +46,16 @@ def _group(scores, rewards, T=2, lengths=None, ref=0.0):
     G = len(scores)
     lengths = lengths or [T] * G
     mask = torch.tensor([[[t < n for t in range(T)] for n in lengths]])  # [1,G,T]
-    ro = rollout_from(torch.zeros(1, G, T), torch.zeros(1, G), mask=mask, rewards=torch.tensor([rewards]),
-                      logp_ref=torch.full((1, G, T), ref))
-    logp = torch.tensor([[[ref + s if t < n else 1e4 for t in range(T)] for s, n in zip(scores, lengths)]])  # garbage off the mask
+    ro = rollout_from(
+        torch.zeros(1, G, T),
+        torch.zeros(1, G),
+        mask=mask,
+        rewards=torch.tensor([rewards]),
+        logp_ref=torch.full((1, G, T), ref),
+    )
+    logp = torch.tensor(
+        [[[ref + s if t < n else 1e4 for t in range(T)] for s, n in zip(scores, lengths)]]
+    )  # garbage off the mask
     return ro, leaf(logp)
 
 
@@ -70,7 +77,12 @@ def test_spec_interface_numbers():
     # gamma = 0: gaps +0.1, +1.0, −0.1, +0.8 → softplus(−gap) 0.644397, 0.313262, 0.744397, 0.371101 → 0.518289 + 0.01
     _close(dgpo_loss(logp, mask, labels, ids, gamma=0.0), 0.528289)
     # two question groups: the spec's and a copy shifted by +1 (same gaps, same variance) → the same mean
-    two = dgpo_loss(torch.cat([logp, logp + 1.0]), torch.ones(8, 1, dtype=torch.bool), labels.repeat(2), torch.tensor([0] * 4 + [5] * 4))
+    two = dgpo_loss(
+        torch.cat([logp, logp + 1.0]),
+        torch.ones(8, 1, dtype=torch.bool),
+        labels.repeat(2),
+        torch.tensor([0] * 4 + [5] * 4),
+    )
     _close(two, 0.611835)
 
 
@@ -140,7 +152,9 @@ def test_invalid_nan_and_empty_rows_are_not_members():
     # a second, all-correct group counts in the mean as 0: (0.611835 + 0)/2
     ro2, logp2 = _group(S_SPEC, [1.0] * 4)
     both = type(ro).concat([ro, ro2.pad_rows(7)])  # [2,7,2]
-    L2, _ = _loss_grad(term, both, leaf(torch.cat([logp.detach(), torch.nn.functional.pad(logp2.detach(), (0, 0, 0, 3))])))
+    L2, _ = _loss_grad(
+        term, both, leaf(torch.cat([logp.detach(), torch.nn.functional.pad(logp2.detach(), (0, 0, 0, 3))]))
+    )
     _close(L2, 0.611835 / 2)
 
 
@@ -159,16 +173,28 @@ def test_directions_split_or_pooled():
 
 def test_micro_batching_invariance():
     ro = make_rollout(6, 4, 5, seed=3, binary=True)  # awkward: invalid row, NaN reward, empty row, garbage padding
-    check_micro_batching(objective_for([build("objective", "dgpo")], "group_mean"), ro, [[0, 4], [1], [2, 3, 5]], info_for(5))
+    check_micro_batching(
+        objective_for([build("objective", "dgpo")], "group_mean"), ro, [[0, 4], [1], [2, 3, 5]], info_for(5)
+    )
     ro.set_extra("direction", torch.randint(0, 2, (6, 4), generator=torch.Generator().manual_seed(0)), "row")
-    check_micro_batching(objective_for([build("objective", "dgpo", score="ref")], "group_mean"), ro, [[0, 4], [1], [2, 3, 5]], info_for(5))
+    check_micro_batching(
+        objective_for([build("objective", "dgpo", score="ref")], "group_mean"),
+        ro,
+        [[0, 4], [1], [2, 3, 5]],
+        info_for(5),
+    )
 
 
 def test_advantages_are_not_read():
     ro, logp = _group(S_SPEC, R_SPEC)
     term = build("objective", "dgpo")
     values = []
-    for adv in (build("advantage", "grpo")(ro, info_for(2)), build("advantage", "sign")(ro, info_for(2)), torch.randn(1, 4), None):
+    for adv in (
+        build("advantage", "grpo")(ro, info_for(2)),
+        build("advantage", "sign")(ro, info_for(2)),
+        torch.randn(1, 4),
+        None,
+    ):
         ro.advantages = adv
         values.append(term(ro, {"logp": logp}, info_for(2)))
     for v in values[1:]:
@@ -177,7 +203,14 @@ def test_advantages_are_not_read():
 
 def test_declaration_and_errors():
     term = build("objective", "dgpo")
-    assert (term.beta, term.gamma, term.lam_var, term.positive_at, term.agg, term.rollout_extras) == (1.0, 0.2, 1.0, None, "group_mean", ())
+    assert (term.beta, term.gamma, term.lam_var, term.positive_at, term.agg, term.rollout_extras) == (
+        1.0,
+        0.2,
+        1.0,
+        None,
+        "group_mean",
+        (),
+    )
     assert build("objective", "dgpo", pool_directions=True).rollout_extras == ("direction",)
     for key, bad in (("beta", 0.0), ("gamma", -0.1), ("lam_var", -1.0), ("score", "logprob")):
         with pytest.raises(ValueError, match=key):
@@ -188,25 +221,36 @@ def test_declaration_and_errors():
 def test_reverse_builder_by_hand():
     q_rev, a_rev = make_reverse_question("Tom has 3 apples and buys 4. How many?", 7)
     assert a_rev == "3"
-    assert q_rev == "Tom has X apples and buys 4. How many? If we know the answer to the above question is 7, what is the value of unknown variable X?"
+    assert (
+        q_rev
+        == "Tom has X apples and buys 4. How many? If we know the answer to the above question is 7, what is the value of unknown variable X?"
+    )
     assert make_reverse_question("Tom has 3 apples and buys 4. How many?", 7, which=1)[1] == "4"
     assert make_reverse_question("37+45=", "82", 0, COMPACT_TEMPLATE) == ("X+45=82;X=", "37")
     assert make_reverse_question("37+45=", "82", 1, COMPACT_TEMPLATE) == ("37+X=82;X=", "45")
-    assert make_reverse_question("120+7=", "127", -1, COMPACT_TEMPLATE) == ("120+X=127;X=", "7")  # numbers are whole digit runs
+    assert make_reverse_question("120+7=", "127", -1, COMPACT_TEMPLATE) == (
+        "120+X=127;X=",
+        "7",
+    )  # numbers are whole digit runs
     with pytest.raises(ValueError, match="2 numbers"):
         make_reverse_question("37+45=", "82", 2)
 
 
 def test_fobar_rows_pairs_splits_and_verifier():
     test = fobar_rows("test")
-    assert test[:4] == [{"prompt": "13+54=", "answer": "67", "problem": 0, "direction": "forward"},
-                        {"prompt": "X+54=67;X=", "answer": "13", "problem": 0, "direction": "reverse"},  # even id: first operand
-                        {"prompt": "26+16=", "answer": "42", "problem": 1, "direction": "forward"},
-                        {"prompt": "26+X=42;X=", "answer": "16", "problem": 1, "direction": "reverse"}]  # odd id: second
+    assert test[:4] == [
+        {"prompt": "13+54=", "answer": "67", "problem": 0, "direction": "forward"},
+        {"prompt": "X+54=67;X=", "answer": "13", "problem": 0, "direction": "reverse"},  # even id: first operand
+        {"prompt": "26+16=", "answer": "42", "problem": 1, "direction": "forward"},
+        {"prompt": "26+X=42;X=", "answer": "16", "problem": 1, "direction": "reverse"},
+    ]  # odd id: second
     train = get_task("fobar").rows("train", 0, 0)
     assert len(test) == 1000 and len(train) == 19000
     assert {r["problem"] for r in test}.isdisjoint(r["problem"] for r in train)
-    assert all(a["problem"] == b["problem"] and (a["direction"], b["direction"]) == ("forward", "reverse") for a, b in zip(train[::2], train[1::2]))
+    assert all(
+        a["problem"] == b["problem"] and (a["direction"], b["direction"]) == ("forward", "reverse")
+        for a, b in zip(train[::2], train[1::2])
+    )
     fwd = get_task("fobar_forward")
     assert fwd.rows("train", 0, 0) == train[::2] and fwd.rows("test", 0, 0) == test and fwd.reward == "fobar"
     assert get_task("fobar").rows("train", 5, 1) != get_task("fobar").rows("train", 5, 2)  # pairs shuffled by seed
@@ -248,7 +292,13 @@ def _expected_term_frac(batch, pooled):
 
 
 def test_directions_rollout_pools_both_questions_of_a_problem(tmp_path):
-    trainer = _trainer(tmp_path, 'rollout.name="directions"', 'objective.terms=[{name="dgpo", pool_directions=true}]', "train.steps=1", "eval.size=0")
+    trainer = _trainer(
+        tmp_path,
+        'rollout.name="directions"',
+        'objective.terms=[{name="dgpo", pool_directions=true}]',
+        "train.steps=1",
+        "eval.size=0",
+    )
     rows, (batch,) = _observed(trainer)
     G = trainer.cfg.rollout.group_size
     B = trainer.cfg.rollout.prompts_per_step // 2
@@ -273,7 +323,9 @@ def test_pooling_needs_the_directions_rollout(tmp_path):
 
 @pytest.mark.parametrize("ratio", ["ppo_clip", "gspo"])
 def test_composes_with_ratio_terms(tmp_path, ratio):
-    trainer = _trainer(tmp_path, f'objective.terms=["{ratio}", {{name="dgpo", coef=0.5}}]', "train.steps=2", "eval.size=0")
+    trainer = _trainer(
+        tmp_path, f'objective.terms=["{ratio}", {{name="dgpo", coef=0.5}}]', "train.steps=2", "eval.size=0"
+    )
     rows, seen = _observed(trainer)
     assert [t.registry_name for t in trainer.objective.terms] == [ratio, "dgpo"]
     for row, batch in zip(rows, seen):
@@ -284,7 +336,13 @@ def test_estimator_does_not_change_the_loss(tmp_path):
     # same seed, same first batch: the first update's loss is the same under grpo and sign advantages
     losses = []
     for estimator in ("grpo", "sign"):
-        trainer = _trainer(tmp_path / estimator, f'advantage.estimator="{estimator}"', 'objective.terms=["dgpo"]', "train.steps=1", "eval.size=0")
+        trainer = _trainer(
+            tmp_path / estimator,
+            f'advantage.estimator="{estimator}"',
+            'objective.terms=["dgpo"]',
+            "train.steps=1",
+            "eval.size=0",
+        )
         rows, (batch,) = _observed(trainer)
         assert rows[0]["dgpo/term_frac"] == pytest.approx(_expected_term_frac(batch, False), abs=1e-6)
         losses.append(rows[0]["loss"])
@@ -312,7 +370,10 @@ def test_sft_phase_task_trains_on_that_tasks_rows():
     ctx = PhaseContext(None, forward_only, [], 3, lambda *a: [], lambda *a: 0.0, lambda line: None)
     phase(ctx)
     expected = get_task("fobar").rows("train", 6, 3)
-    assert sorted(map(str, seen["rows"])) == sorted(map(str, expected)) and {r["direction"] for r in seen["rows"]} == {"forward", "reverse"}
+    assert sorted(map(str, seen["rows"])) == sorted(map(str, expected)) and {r["direction"] for r in seen["rows"]} == {
+        "forward",
+        "reverse",
+    }
     phase = SFT(steps=1)
     phase.fit = lambda policy, rows, val, seed, prompt, accuracy: seen.update(rows=rows) or {"steps": 0}
     phase(ctx)
@@ -338,8 +399,11 @@ def test_directions_rollout_pairs_by_problem_and_samples_a_lone_row_alone():
 
     from helpers import make_rollout
 
-    rows = [{"prompt": "1+2=", "problem": 7, "direction": "forward"}, {"prompt": "X+2=3;X=", "problem": 7, "direction": "reverse"},
-            {"prompt": "4+5=", "problem": 8, "direction": "forward"}]  # problem 8's reverse row was cut
+    rows = [
+        {"prompt": "1+2=", "problem": 7, "direction": "forward"},
+        {"prompt": "X+2=3;X=", "problem": 7, "direction": "reverse"},
+        {"prompt": "4+5=", "problem": 8, "direction": "forward"},
+    ]  # problem 8's reverse row was cut
     strategy = build("rollout", "directions")
     strategy.use_rows(rows)
     asked = []
@@ -350,8 +414,16 @@ def test_directions_rollout_pairs_by_problem_and_samples_a_lone_row_alone():
         ro.prompt_ids = [[10 + r.key] for r in requests]
         return ro
 
-    ctx = SimpleNamespace(group_size=2, batch_size=3, draw=lambda n: [2, 1][:n], rollout=rollout, keep=lambda b: torch.ones(b.shape[0], dtype=torch.bool))
-    batch = strategy(ctx)  # ceil(3/2) = 2 drawn rows: 8's lone forward row, then 7's reverse row → 7's forward and reverse
+    ctx = SimpleNamespace(
+        group_size=2,
+        batch_size=3,
+        draw=lambda n: [2, 1][:n],
+        rollout=rollout,
+        keep=lambda b: torch.ones(b.shape[0], dtype=torch.bool),
+    )
+    batch = strategy(
+        ctx
+    )  # ceil(3/2) = 2 drawn rows: 8's lone forward row, then 7's reverse row → 7's forward and reverse
     assert asked == [(2, 2), (0, 2), (1, 2)]
     assert batch.shape[:2] == (2, 4)
     assert batch.group_valid.tolist() == [[True, True, False, False], [True] * 4]

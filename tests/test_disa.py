@@ -11,17 +11,16 @@ import shutil
 
 import pytest
 import torch
+from helpers import check_micro_batching, info_for, make_rollout, objective_for, rollout_from, train_recorded
+from test_trainer import make_trainer
 
 from groupwise.errors import ConfigError
 from groupwise.losses.disa import DISA, LogZRegressor, estimate_logZ, is_ess, r_squared, tb_loss, tb_residual
 from groupwise.phases import PhaseContext, load_output
 from groupwise.phases.disa_logz import DisaLogZ
 from groupwise.policy.forward import tempered_logp
-from groupwise.registry import build
 from groupwise.run import Run
 from groupwise.types import Need, Request, StepInfo
-from helpers import check_micro_batching, info_for, make_rollout, objective_for, rollout_from, train_recorded
-from test_trainer import make_trainer
 
 Z = 1.721692  # the spec's log Ẑ (below)
 
@@ -37,7 +36,9 @@ def test_is_estimator_by_hand_the_spec_case():
     # ESS = (Σw)² / Σw² = 16.781948² / (e^4.4 + e^−2 + e^4) = 281.6338 / 136.1843 = 2.068034
     assert float(is_ess(2.0 * r_hat + lref - lq, torch.ones(3, dtype=torch.bool))) == pytest.approx(2.0680336, abs=1e-5)
     # sanity (spec): q = ref gives log mean exp(β r̂) = log((e² + 1 + e²) / 3) = log(5.259371) = 1.660011
-    assert float(estimate_logZ(r_hat, lref, lref, beta=2.0)) == pytest.approx(math.log((2 * math.exp(2) + 1) / 3), abs=1e-6)
+    assert float(estimate_logZ(r_hat, lref, lref, beta=2.0)) == pytest.approx(
+        math.log((2 * math.exp(2) + 1) / 3), abs=1e-6
+    )
 
 
 def test_is_estimator_batched_with_invalid_proposals():
@@ -84,7 +85,9 @@ def test_the_term_through_the_objective_by_hand():
     # dL/dlogp_t = (1/2 rows)·2δ·(1/|y|): row 0: 0.5·2·(−0.378308)·0.5 = −0.189154 each; row 1: 3.221692; padding 0
     logp = torch.tensor([[[-1.0, -1.2], [-2.0, 7.0]]], requires_grad=True)  # [1,2,2]
     mask = torch.tensor([[[True, True], [True, False]]])
-    ro = rollout_from(logp.detach().clone(), torch.tensor([[1.0, -1.0]]), mask, logp_ref=torch.tensor([[[-1.0, -1.0], [-1.5, -30.0]]]))
+    ro = rollout_from(
+        logp.detach().clone(), torch.tensor([[1.0, -1.0]]), mask, logp_ref=torch.tensor([[[-1.0, -1.0], [-1.5, -30.0]]])
+    )
     obj = objective_for([_term()], "seq_mean_token_mean")
     info = info_for(2)
     loss = obj.loss(ro, {"logp": logp}, obj.normalizers(ro, info), info)
@@ -93,7 +96,9 @@ def test_the_term_through_the_objective_by_hand():
     torch.testing.assert_close(grad, torch.tensor([[[-0.189154, -0.189154], [3.221692, 0.0]]]), atol=1e-5, rtol=0)
     stats = obj.pop_stats()
     assert stats["disa/delta"] == pytest.approx((-0.378308 + 3.221692) / 2, abs=1e-5) and stats["disa/w"] == 1.0
-    assert stats["disa/logz"] == pytest.approx(Z, abs=1e-6) and stats["disa/clamp_low"] == stats["disa/clamp_high"] == 0.0
+    assert (
+        stats["disa/logz"] == pytest.approx(Z, abs=1e-6) and stats["disa/clamp_low"] == stats["disa/clamp_high"] == 0.0
+    )
 
 
 @pytest.mark.parametrize("clamp", [True, False])
@@ -108,8 +113,11 @@ def test_clipped_weight_and_the_clamp_of_the_mean_logp(clamp):
     # inside: logp_old = logp − 0.05 → Σ = 0.1 → w = e^0.1 = 1.105171 (a sequence sum, not a mean: e^0.05 would be
     #   1.051271); ℓ̄_old = −1.15, bounds [−1.373144, −0.903140] hold −1.1: L = 1.105171·0.143117 = 0.158168 either way
     logp0 = torch.tensor([[[-1.0, -1.2]]])
-    cases = {"high": (logp0 - 0.5, 0.510370 if clamp else 0.183190), "low": (logp0 + 0.5, 0.008234 if clamp else 0.114494),
-             "inside": (logp0 - 0.05, 0.158168)}
+    cases = {
+        "high": (logp0 - 0.5, 0.510370 if clamp else 0.183190),
+        "low": (logp0 + 0.5, 0.008234 if clamp else 0.114494),
+        "inside": (logp0 - 0.05, 0.158168),
+    }
     for side, (logp_old, expected) in cases.items():
         logp = logp0.clone().requires_grad_(True)
         ro = rollout_from(logp_old, torch.tensor([[1.0]]), logp_ref=torch.full((1, 1, 2), -1.0))
@@ -125,14 +133,18 @@ def test_clipped_weight_and_the_clamp_of_the_mean_logp(clamp):
         elif side == "high":
             torch.testing.assert_close(grad, torch.full((1, 1, 2), -0.484234), atol=1e-5, rtol=0)
         stats = term.stats(ro, {"logp": logp})
-        assert float(stats[f"disa/clamp_{side}"]) == 1.0 and float(stats["disa/w"]) == pytest.approx(1.28 if side == "high" else 0.8)
+        assert float(stats[f"disa/clamp_{side}"]) == 1.0 and float(stats["disa/w"]) == pytest.approx(
+            1.28 if side == "high" else 0.8
+        )
 
 
 def test_edge_rows_constant_group_nan_advantage_masked_row():
     # a constant group (r̂ = 0): δ = log Z + ℓ̄_θ − ℓ̄_ref, finite; a NaN advantage or a fully masked row: exactly 0 and no gradient
     logp = torch.tensor([[[-1.0, -1.0], [-2.0, -2.0], [-1.0, -1.0]]], requires_grad=True)  # [1,3,2]
     mask = torch.tensor([[[True, True], [True, True], [False, False]]])
-    ro = rollout_from(logp.detach().clone(), torch.tensor([[0.0, float("nan"), 0.0]]), mask, logp_ref=torch.full((1, 3, 2), -1.5))
+    ro = rollout_from(
+        logp.detach().clone(), torch.tensor([[0.0, float("nan"), 0.0]]), mask, logp_ref=torch.full((1, 3, 2), -1.5)
+    )
     values = _term()(ro, {"logp": logp}, info_for(2))  # [1,3]
     # row 0: δ = 1.721692 − 1 + 1.5 = 2.221692, δ² = 4.935915
     torch.testing.assert_close(values, torch.tensor([[2.221692**2, 0.0, 0.0]]), atol=1e-5, rtol=0)
@@ -144,8 +156,11 @@ def test_the_anchor_table_regressor_and_refusals():
     # prompt ids 0 and 2: table values; prompt 1 has NaN (not estimated): the regressor's prediction from hidden(1) at t = 0
     reg = LogZRegressor(3, 4)
     emb = torch.tensor([[0.5, -1.0, 2.0]])
-    artifact = {"table": torch.tensor([0.7, float("nan"), -0.3]), "beta": 15.0,
-                "regressor": {"state": reg.state_dict(), "embed_dim": 3, "hidden": 4, "layer": 1}}
+    artifact = {
+        "table": torch.tensor([0.7, float("nan"), -0.3]),
+        "beta": 15.0,
+        "regressor": {"state": reg.state_dict(), "embed_dim": 3, "hidden": 4, "layer": 1},
+    }
     ro = make_rollout(3, 2, 4, seed=0, awkward=False)
     hidden = torch.zeros(3, 2, 4, 3)
     hidden[1, :, 0] = emb
@@ -194,20 +209,35 @@ PHASE = ["data.train_size=8", "rollout.max_new_tokens=6"]
 
 
 def _ctx(trainer, **kw) -> PhaseContext:
-    return PhaseContext(trainer.policy, trainer.train_rows, trainer.parts.eval_rows, trainer.cfg.seed, trainer.prompts, lambda *a: 0.0, lambda s: None,
-                        score=trainer.score, advantage=lambda ro, info: trainer.estimator(ro, info), models=kw.pop("models", {}),
-                        max_new_tokens=trainer.cfg.rollout.max_new_tokens)
+    return PhaseContext(
+        trainer.policy,
+        trainer.train_rows,
+        trainer.parts.eval_rows,
+        trainer.cfg.seed,
+        trainer.prompts,
+        lambda *a: 0.0,
+        lambda s: None,
+        score=trainer.score,
+        advantage=lambda ro, info: trainer.estimator(ro, info),
+        models=kw.pop("models", {}),
+        max_new_tokens=trainer.cfg.rollout.max_new_tokens,
+    )
 
 
 def test_tempered_logp_matches_the_full_softmax_at_temperature(tmp_path):
     trainer = make_trainer(tmp_path, *PHASE)
     policy = trainer.policy
-    roll = policy.generate([Request(key=0, n=2, prompt=trainer.prompts("train", trainer.train_rows, 0))],
-                           {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 5}, StepInfo(0, 0, 5))
+    roll = policy.generate(
+        [Request(key=0, n=2, prompt=trainer.prompts("train", trainer.train_rows, 0))],
+        {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 5},
+        StepInfo(0, 0, 5),
+    )
     with torch.no_grad():
         out = policy.forward(roll, ["logp", "last_hidden"])
         mask = roll.mask
-        torch.testing.assert_close(tempered_logp(policy.module, out["last_hidden"], roll.actions, mask, 1.0), out["logp"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            tempered_logp(policy.module, out["last_hidden"], roll.actions, mask, 1.0), out["logp"], atol=1e-5, rtol=0
+        )
         # by hand at T = 2: the model's full logits on prompt + completion, log_softmax(logits / 2) at the predicting positions
         prompt = list(roll.prompt_ids[0])
         for g in range(2):
@@ -220,8 +250,13 @@ def test_tempered_logp_matches_the_full_softmax_at_temperature(tmp_path):
 
 
 def test_phase_q_equals_reference_at_temperature_one_and_a_frozen_role_proposal(tmp_path):
-    trainer = make_trainer(tmp_path, *PHASE, 'objective.terms=["disa"]', 'phases=[{name="disa_logz", samples=4}]',
-                           'roles.prop={frozen=true, model={path="default"}}')
+    trainer = make_trainer(
+        tmp_path,
+        *PHASE,
+        'objective.terms=["disa"]',
+        'phases=[{name="disa_logz", samples=4}]',
+        'roles.prop={frozen=true, model={path="default"}}',
+    )
     # q = the reference at T = 1: ℓ̄_q is ℓ̄_ref itself, so log Z = log mean_j exp(β r̂_j) (note 4)
     phase = DisaLogZ(samples=4, temperature=1.0, beta=15.0)
     trainer.policy.eval()
@@ -232,7 +267,11 @@ def test_phase_q_equals_reference_at_temperature_one_and_a_frozen_role_proposal(
     units = phase._units(ctx)
     info = StepInfo(step=-3, seed=trainer.cfg.seed, max_new_tokens=6, phase="logz")
     with torch.no_grad():
-        roll = trainer.policy.generate([Request(key=rows[0], n=4, prompt=ids) for ids, rows in units], {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 6}, info)
+        roll = trainer.policy.generate(
+            [Request(key=rows[0], n=4, prompt=ids) for ids, rows in units],
+            {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 6},
+            info,
+        )
         roll.meta = [trainer.train_rows[rows[0]] for _, rows in units]
         trainer.score(roll, info)
         adv = trainer.estimator(roll, info)  # [8,4]
@@ -254,7 +293,13 @@ def test_phase_q_equals_reference_at_temperature_one_and_a_frozen_role_proposal(
 def test_a_run_saves_the_artifact_and_a_rerun_loads_it_instead_of_sampling(tmp_path, capsys, monkeypatch):
     with pytest.raises(ConfigError, match="needs the artifact 'logz', which no offline phase produces"):
         make_trainer(tmp_path / "none", *PHASE, 'objective.terms=["disa"]')
-    args = [*PHASE, 'objective.terms=["disa"]', 'phases=[{name="disa_logz", samples=4}]', "train.steps=1", "eval.size=0"]
+    args = [
+        *PHASE,
+        'objective.terms=["disa"]',
+        'phases=[{name="disa_logz", samples=4}]',
+        "train.steps=1",
+        "eval.size=0",
+    ]
     trainer = make_trainer(tmp_path, *args)
     summary = Run(trainer).train()
     saved = load_output(tmp_path / "phases" / "logz.pt")
@@ -273,12 +318,21 @@ def test_a_run_saves_the_artifact_and_a_rerun_loads_it_instead_of_sampling(tmp_p
 # ---------------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("estimator", ["grpo", "sign"])
 def test_composes_with_grpo_and_sign_advantages(tmp_path, estimator):
-    rows, seen = train_recorded(tmp_path, "disa", *PHASE, f'advantage.estimator="{estimator}"', 'phases=[{name="disa_logz", samples=4}]',
-                                "rollout.group_size=4", "rollout.prompts_per_step=4")
+    rows, seen = train_recorded(
+        tmp_path,
+        "disa",
+        *PHASE,
+        f'advantage.estimator="{estimator}"',
+        'phases=[{name="disa_logz", samples=4}]',
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+    )
     table = load_output(tmp_path / "phases" / "logz.pt")["artifact"]["table"]
     for row, batch in zip(rows, seen):
         members = batch.row_mask.any(-1)  # [B,G] rows with a loss token
-        expected = table[batch.prompt_index][:, None].expand_as(members)[members].mean()  # the anchor's row mean, by lookup
+        expected = (
+            table[batch.prompt_index][:, None].expand_as(members)[members].mean()
+        )  # the anchor's row mean, by lookup
         assert row["disa/logz"] == pytest.approx(float(expected), abs=1e-5)
         assert row["disa/w"] == 1.0  # one update a rollout: on-policy, ratio 1
     if estimator == "sign":

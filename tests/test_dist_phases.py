@@ -16,13 +16,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-COMMON = ["rollout.prompts_per_step=4", "rollout.group_size=4", "train.steps=1", "eval.size=0", "eval.samples=0", "threads=1",
-          "train.max_seconds=0"]
+COMMON = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "train.steps=1",
+    "eval.size=0",
+    "eval.samples=0",
+    "threads=1",
+    "train.max_seconds=0",
+]
 SGD = 'update={name="sgd", lr=1.0}'
 CASES = {
     "disa": ['phases=[{name="disa_logz", beta=15.0, samples=4, temperature=1.2}]', "data.train_size=8", SGD],
-    "lora_placement": ['phases=[{name="lora_placement_probe", probes=2, score="net", fraction=0.02, per_module=false, '
-                       'prompts=4, group_size=4, max_new_tokens=6}]', 'update.inner={name="sgd", lr=1.0}'],
+    "lora_placement": [
+        'phases=[{name="lora_placement_probe", probes=2, score="net", fraction=0.02, per_module=false, '
+        "prompts=4, group_size=4, max_new_tokens=6}]",
+        'update.inner={name="sgd", lr=1.0}',
+    ],
     "lora_rank_allocation": ['update.inner={name="sgd", lr=1.0}'],
     "pair_grpo": [SGD],
     "hard_pair": [SGD],
@@ -30,27 +40,49 @@ CASES = {
     "dgpo": ["phases=[]", SGD],
     "streampro": ["phases=[]", SGD],
     "signal_reshaping": [SGD],
-    "e2po": ['phases=[{name="e2po_perturbations", conditions=4, steps=3, lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]',
-             "data.train_size=8", SGD],
+    "e2po": [
+        'phases=[{name="e2po_perturbations", conditions=4, steps=3, lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]',
+        "data.train_size=8",
+        SGD,
+    ],
     "vspo": ["data.train_size=32", SGD],
-    "pair": ['phases=[{name="pair_probe", hidden_layer=4, attn_layers=[1, 2, 3, 4], C=0.01, prompts=8, samples=4}]', "data.train_size=8", SGD],
+    "pair": [
+        'phases=[{name="pair_probe", hidden_layer=4, attn_layers=[1, 2, 3, 4], C=0.01, prompts=8, samples=4}]',
+        "data.train_size=8",
+        SGD,
+    ],
 }
 FAST = ("disa", "lora_placement", "dgpo", "ssopd", "vspo")  # in `make test`; the others in `make test-slow`
 
 
 def _run(cmd, args, out):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([*cmd, "train", *args, *COMMON, f"out={out}"], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [*cmd, "train", *args, *COMMON, f"out={out}"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "the ranks computed different artifacts" not in result.stderr  # each phase itself is rank-independent (phases.same_on_every_rank)
-    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), load_file(out / "final" / "model.safetensors")
+    assert (
+        "the ranks computed different artifacts" not in result.stderr
+    )  # each phase itself is rank-independent (phases.same_on_every_rank)
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), load_file(
+        out / "final" / "model.safetensors"
+    )
 
 
 @pytest.mark.parametrize("recipe", [r if r in FAST else pytest.param(r, marks=pytest.mark.slow) for r in CASES])
 def test_recipe_step_under_two_ranks_equals_one_process(recipe, tmp_path):
     args = [recipe, *CASES[recipe]]
     one_row, one = _run([sys.executable, "-m", "groupwise"], args, tmp_path / "one")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "groupwise",
+    ]
     two_row, two = _run(torchrun, args, tmp_path / "two")
     assert one_row["grad_norm"] > 0  # a step with a gradient: the comparison means something
     assert abs(one_row["loss"] - two_row["loss"]) < 1e-6, (one_row["loss"], two_row["loss"])

@@ -30,7 +30,10 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("scope")
     _run([sys.executable], out)
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], out)
-    return {name: torch.load(out / name, weights_only=False) for name in ("result_rank0_world1.pt", "result_rank0_world2.pt", "result_rank1_world2.pt")}
+    return {
+        name: torch.load(out / name, weights_only=False)
+        for name in ("result_rank0_world1.pt", "result_rank0_world2.pt", "result_rank1_world2.pt")
+    }
 
 
 def _close(a, b, what):
@@ -41,7 +44,11 @@ def _close(a, b, what):
 
 
 def test_two_ranks_see_what_one_process_sees(results):
-    one, rank0, rank1 = results["result_rank0_world1.pt"], results["result_rank0_world2.pt"], results["result_rank1_world2.pt"]
+    one, rank0, rank1 = (
+        results["result_rank0_world1.pt"],
+        results["result_rank0_world2.pt"],
+        results["result_rank1_world2.pt"],
+    )
     assert set(one) == set(rank0) == set(rank1)
     assert any(k.startswith("weight:top_entropy") for k in one) and any(k == "sampling:dynamic" for k in one)
     assert {"objective:conspo", "objective:clip_cov"} <= set(one)  # the terms with whole-batch state are swept
@@ -54,7 +61,9 @@ def test_two_ranks_see_what_one_process_sees(results):
                     # after one update the 1-rank and 2-rank weights differ by summation rounding, and a
                     # token whose entropy sits at the threshold can flip: allow a few, never a different rule
                     flips = int((a[key] != b[key]).sum())
-                    assert flips <= max(2, a[key].numel() // 200), f"{where} {key}: {flips} of {a[key].numel()} tokens differ (1 vs 2 ranks)"
+                    assert flips <= max(2, a[key].numel() // 200), (
+                        f"{where} {key}: {flips} of {a[key].numel()} tokens differ (1 vs 2 ranks)"
+                    )
                 else:
                     _close(a[key], b[key], f"{where} {key} (1 vs 2 ranks)")
                 _close(b[key], c[key], f"{where} {key} (rank 0 vs rank 1)")

@@ -20,7 +20,16 @@ from groupwise import checkpoint
 pytestmark = pytest.mark.slow
 
 MODEL = os.environ.get("GROUPWISE_TEST_MODEL", "default")
-ARGS = ["train", "demo", "train.steps=400", "eval.size=0", "rollout.prompts_per_step=4", "rollout.group_size=4", "threads=1", f'model.path="{MODEL}"']
+ARGS = [
+    "train",
+    "demo",
+    "train.steps=400",
+    "eval.size=0",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "threads=1",
+    f'model.path="{MODEL}"',
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"]
 
@@ -47,7 +56,13 @@ def _alive(pid: int) -> bool:
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([*TORCHRUN, *ARGS, f"out={out}", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV, start_new_session=True)
+    return subprocess.Popen(
+        [*TORCHRUN, *ARGS, f"out={out}", *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        start_new_session=True,
+    )
 
 
 def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, limit: float = 120.0) -> None:

@@ -39,7 +39,9 @@ def _delta(n, scale=0.7, seed=0):
 # --------------------------------------------------------------------------- the spec's numbers
 def test_the_spec_schedule_on_the_flow_samplers_noise_levels():
     sigmas = flow_sigmas(5)  # 1.0, 0.8, 0.6, 0.4, 0.2, 0.0: the toy's linear schedule
-    torch.testing.assert_close(noise_aware_gamma(sigmas[:3], 0.4), torch.tensor([1.0, 0.5, 0.0]), atol=1e-6, rtol=0)  # spec: 1.0→1, 0.8→0.5, 0.6→0
+    torch.testing.assert_close(
+        noise_aware_gamma(sigmas[:3], 0.4), torch.tensor([1.0, 0.5, 0.0]), atol=1e-6, rtol=0
+    )  # spec: 1.0→1, 0.8→0.5, 0.6→0
     torch.testing.assert_close(noise_aware_gamma(torch.tensor(0.5), 0.4), torch.tensor(0.0))  # spec: 0.5→0
     assert noise_aware_gamma(sigmas[3:], 0.4).tolist() == [0.0, 0.0, 0.0]
 
@@ -47,9 +49,15 @@ def test_the_spec_schedule_on_the_flow_samplers_noise_levels():
 def test_the_spec_loss_numbers():
     anc = torch.tensor([1.0, 0.0])
     on_band, off_band = torch.tensor([[0.85, math.sqrt(1 - 0.85**2)]]), torch.tensor([[0.6, 0.8]])
-    torch.testing.assert_close(anchor_loss(on_band, anc, mu=0.8, eps=0.1), torch.tensor(0.0), atol=1e-6, rtol=0)  # |0.85−0.8| < ε
-    torch.testing.assert_close(anchor_loss(off_band, anc, mu=0.8, eps=0.1), torch.tensor(0.1), atol=1e-6, rtol=0)  # |0.6−0.8|−0.1
-    torch.testing.assert_close(diversity_loss(torch.tensor([[2.0, 0.0], [0.0, 0.5]])), torch.tensor(0.0))  # orthogonal: L_div = 0
+    torch.testing.assert_close(
+        anchor_loss(on_band, anc, mu=0.8, eps=0.1), torch.tensor(0.0), atol=1e-6, rtol=0
+    )  # |0.85−0.8| < ε
+    torch.testing.assert_close(
+        anchor_loss(off_band, anc, mu=0.8, eps=0.1), torch.tensor(0.1), atol=1e-6, rtol=0
+    )  # |0.6−0.8|−0.1
+    torch.testing.assert_close(
+        diversity_loss(torch.tensor([[2.0, 0.0], [0.0, 0.5]])), torch.tensor(0.0)
+    )  # orthogonal: L_div = 0
 
 
 class _Recorder:
@@ -68,7 +76,9 @@ class _Recorder:
 def test_each_denoising_step_reads_the_mixed_condition():
     policy = FlowPolicy(condition="embedding", steps=5, hidden=16)
     delta = _delta(2)
-    hook = EmbedDelta(positions=torch.tensor([0]), delta=torch.cat([torch.zeros(1, 1, 8), delta[:1]]), rho=0.4)  # row 0 clean, row 1 perturbed
+    hook = EmbedDelta(
+        positions=torch.tensor([0]), delta=torch.cat([torch.zeros(1, 1, 8), delta[:1]]), rho=0.4
+    )  # row 0 clean, row 1 perturbed
     rec = _Recorder(policy)
     policy.generate([Request(key=0, n=2, prompt=1, hook=hook)], {}, INFO)
     enc = policy.encoder
@@ -95,7 +105,9 @@ def test_the_embedding_condition_and_its_frozen_encoder_by_hand():
     torch.testing.assert_close(enc(e), torch.tanh(e @ enc.w1 + enc.b1) @ enc.w2 + enc.b2)
     assert enc(e).shape == (16,)
     table, f = policy.prompt_encoder()  # the phase's view: the sum of the real tokens, through f
-    torch.testing.assert_close(f(table[[2]][:, None].float(), torch.ones(1, 1, dtype=torch.bool)), enc(enc.tokens[2].float().double())[None])
+    torch.testing.assert_close(
+        f(table[[2]][:, None].float(), torch.ones(1, 1, dtype=torch.bool)), enc(enc.tokens[2].float().double())[None]
+    )
     assert policy.hooks == frozenset({"embed_delta"}) and FlowPolicy().hooks == frozenset()
     # the label form's config (and so Flash-GRPO's checkpoints) is as it was; the embedding form records its own
     assert set(FlowPolicy().config) == {"n_labels", "hidden", "layers", "steps", "shift"}
@@ -115,7 +127,9 @@ def test_the_hook_touches_only_its_rows():
     for name in ("x_final", "flow_x", "flow_x_next", "flow_step"):
         assert torch.equal(a.extras[name][1], b.extras[name][1]), name  # the unhooked request: bit-identical
         assert torch.equal(a.extras[name][0, :2], b.extras[name][0, :2]), name  # its zero-delta rows: bit-identical
-    assert torch.equal(a.logp_sampler[1], b.logp_sampler[1]) and torch.equal(a.logp_sampler[0, :2], b.logp_sampler[0, :2])
+    assert torch.equal(a.logp_sampler[1], b.logp_sampler[1]) and torch.equal(
+        a.logp_sampler[0, :2], b.logp_sampler[0, :2]
+    )
     assert bool((a.extras["x_final"][0, 2:] != b.extras["x_final"][0, 2:]).any(-1).all())  # the perturbed rows moved
     assert a.prompt_ids == b.prompt_ids == [[1], [2]]  # stored under the original prompt
     with pytest.raises(ValueError, match=r"positions \[1\] outside the flow prompt's one token"):
@@ -136,7 +150,9 @@ def test_the_update_recomputes_logp_on_the_original_condition():
         x, x_next = ro.extras["flow_x"][0, :, t], ro.extras["flow_x_next"][0, :, t]  # [4,2]
         s, sp = ro.extras["flow_sigma"][0, :, t], ro.extras["flow_sigma_next"][0, :, t]  # [4]
         with torch.no_grad():
-            want = sde_step_with_logprob(policy.net(x, s, c), x, s, sp, policy.sigma_min, policy.sigma_max, prev_sample=x_next)[1]  # [4]
+            want = sde_step_with_logprob(
+                policy.net(x, s, c), x, s, sp, policy.sigma_min, policy.sigma_max, prev_sample=x_next
+            )[1]  # [4]
         torch.testing.assert_close(logp[0, :, t], want, atol=1e-6, rtol=0)
     # clean rows: the sampler's log-probs are the update's; perturbed rows differ where γ > 0 (σ = 1.0, 0.8) and agree after
     torch.testing.assert_close(logp[0, :2], ro.logp_sampler[0, :2], atol=1e-6, rtol=0)
@@ -148,7 +164,10 @@ def test_the_update_recomputes_logp_on_the_original_condition():
 def test_a_flow_policy_that_cannot_apply_the_hook_is_refused_at_build(tmp_path):
     strategy = E2PO(rho=0.4)
     check_strategy(strategy, FlowPolicy(condition="embedding"), [])  # the embedding form applies embed_delta
-    with pytest.raises(ConfigError, match=r"generation hooks \['embed_delta'\] that the flow policy's engine cannot apply \(it applies none\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"generation hooks \['embed_delta'\] that the flow policy's engine cannot apply \(it applies none\)",
+    ):
         check_strategy(strategy, FlowPolicy(), [])
     with pytest.raises(ConfigError, match="cannot apply"):
         flow_trainer(tmp_path, 'model.params.condition="label"', "eval.size=0")
@@ -179,8 +198,13 @@ def test_the_trap_reward_by_hand():
 
 
 # --------------------------------------------------------------------------- the phase and the trainer
-SMALL = ["eval.size=0", "data.train_size=8", "rollout.prompts_per_step=2", "rollout.group_size=4",
-         'phases=[{name="e2po_perturbations", conditions=4, steps=20}]']
+SMALL = [
+    "eval.size=0",
+    "data.train_size=8",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    'phases=[{name="e2po_perturbations", conditions=4, steps=20}]',
+]
 
 
 def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, monkeypatch):
@@ -208,8 +232,20 @@ def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, m
     from groupwise.rollout.e2po import learn_prompt_perturbations
 
     emb = table[[row["prompt"] for row in trainer.train_rows]].float()[:, None]  # [8,1,d]
-    _, init = learn_prompt_perturbations(emb, torch.ones(8, 1, dtype=torch.bool), torch.zeros(8, 1, dtype=torch.long), f, 3, 0, 1.0, 0.8, 0.1,
-                                         0.5 * float(table.float().pow(2).mean().sqrt()), 0.1, torch.Generator().manual_seed(0))
+    _, init = learn_prompt_perturbations(
+        emb,
+        torch.ones(8, 1, dtype=torch.bool),
+        torch.zeros(8, 1, dtype=torch.long),
+        f,
+        3,
+        0,
+        1.0,
+        0.8,
+        0.1,
+        0.5 * float(table.float().pow(2).mean().sqrt()),
+        0.1,
+        torch.Generator().manual_seed(0),
+    )
     assert summary["loss"] < float(init["loss"].mean()) - 0.05, (summary["loss"], float(init["loss"].mean()))
     # resume: a second trainer in the same folder loads the artifact and never learns again
     import groupwise.phases.e2po_perturb as phase_module
@@ -226,9 +262,18 @@ def test_the_phase_refuses_the_label_form(tmp_path):
     from groupwise.phases import PhaseContext
     from groupwise.phases.e2po_perturb import E2POPerturbations
 
-    ctx = PhaseContext(policy=FlowPolicy(), train_rows=[{"prompt": 0}], eval_rows=[], seed=0, prompt=lambda s, r, i: [0],
-                       accuracy=lambda *a, **k: 0.0, say=lambda line: None)
-    with pytest.raises(ConfigError, match=r"phase e2po_perturbations: the flow policy's label form has no prompt embedding"):
+    ctx = PhaseContext(
+        policy=FlowPolicy(),
+        train_rows=[{"prompt": 0}],
+        eval_rows=[],
+        seed=0,
+        prompt=lambda s, r, i: [0],
+        accuracy=lambda *a, **k: 0.0,
+        say=lambda line: None,
+    )
+    with pytest.raises(
+        ConfigError, match=r"phase e2po_perturbations: the flow policy's label form has no prompt embedding"
+    ):
         E2POPerturbations(steps=1)(ctx)
 
 
@@ -244,7 +289,9 @@ def test_composition_rows_trained_on_the_original_condition(tmp_path, objective)
     policy = trainer.policy
     old = []
     generate = policy.generate
-    policy.generate = lambda *a, **k: (out := generate(*a, **k), old.append(policy.forward(out)["logp"].detach()))[0]  # unhooked forward, the sampling weights
+    policy.generate = lambda *a, **k: (out := generate(*a, **k), old.append(policy.forward(out)["logp"].detach()))[
+        0
+    ]  # unhooked forward, the sampling weights
     Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows) and all("e2po/group_std" in r for r in rows)
@@ -253,12 +300,16 @@ def test_composition_rows_trained_on_the_original_condition(tmp_path, objective)
         cond = batch.extras[CONDITION]  # [B,G]
         assert cond[0].tolist() == [0, 1, 2, 3]
         mask = batch.mask  # [B,G,1]
-        torch.testing.assert_close(batch.logp_old * mask, want * mask, atol=1e-6, rtol=0)  # logp_old = the unhooked forward on the stored trajectory
+        torch.testing.assert_close(
+            batch.logp_old * mask, want * mask, atol=1e-6, rtol=0
+        )  # logp_old = the unhooked forward on the stored trajectory
         clean = ((batch.logp_old - batch.logp_sampler).abs() * mask)[cond == 0]
         assert float(clean.max()) < 1e-6  # the clean rows: the sampler's log-probs are the update's
         steps = batch.extras["flow_sigma"][..., 0]  # [B,G] σ of the trained step (shared by the group)
         pert = ((batch.logp_old - batch.logp_sampler).abs() * mask)[..., 0]  # [B,G]
         hot = (cond > 0) & (steps > 0.6 + 1e-6)  # perturbed rows whose trained step has γ(σ) > 0
-        assert bool((pert[hot] > 1e-5).all()) and float(torch.cat([pert[(cond > 0) & ~hot], torch.zeros(1)]).max()) < 1e-7
+        assert (
+            bool((pert[hot] > 1e-5).all()) and float(torch.cat([pert[(cond > 0) & ~hot], torch.zeros(1)]).max()) < 1e-7
+        )
         hot_rows += int(hot.sum())
     assert hot_rows > 0  # so the check above can fail (seeded: the trained step has γ > 0 in some groups)

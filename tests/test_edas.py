@@ -25,13 +25,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import (
+    info_for,
+    make_rollout,
+    objective_for,
+    permute_rows,
+    permute_tensor,
+    random_perm,
+    rollout_from,
+    train_recorded,
+)
 
 from groupwise.advantages.edas import answer_classes, edas_shape
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rewards.exact import Exact
 from groupwise.rewards.math import final_answer
-from helpers import info_for, make_rollout, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded
 
 A_POS, A_NEG = 1.290992, -0.645496
 
@@ -41,11 +50,17 @@ def _ro(rewards, answers, adv=None, valid=None, column="final_answer"):
     and each row's answer in ``info[b][g]["extra"][column]`` (None: not logged)."""
     r = torch.tensor(rewards, dtype=torch.float32)  # [B,G]
     B, G = r.shape
-    ro = rollout_from(torch.zeros(B, G, 2), rewards=r, completions=[[str(a) for a in row] for row in answers],
-                      info=[[{} if a is None else {"extra": {column: a}} for a in row] for row in answers])
+    ro = rollout_from(
+        torch.zeros(B, G, 2),
+        rewards=r,
+        completions=[[str(a) for a in row] for row in answers],
+        info=[[{} if a is None else {"extra": {column: a}} for a in row] for row in answers],
+    )
     if valid is not None:
         ro.group_valid = torch.tensor(valid, dtype=torch.bool)
-    ro.advantages = build("advantage", "grpo", eps=1e-6)(ro, info_for(2)) if adv is None else torch.tensor(adv, dtype=torch.float32)
+    ro.advantages = (
+        build("advantage", "grpo", eps=1e-6)(ro, info_for(2)) if adv is None else torch.tensor(adv, dtype=torch.float32)
+    )
     return ro
 
 
@@ -68,7 +83,11 @@ def test_spec_branch_c_diverse_wrong_answers():
     assert float(delta.sum()) == pytest.approx(0.0, abs=1e-6)  # 3·(−.051154) + .153463 = 0
     stats = shaper.step_stats()
     assert stats["edas/groups_c"] == 1.0 and stats["edas/groups_b"] == 0.0
-    assert stats["edas/unique_wrong"] == 2.0 and stats["edas/unique_wrong_frac"] == 0.5 and stats["edas/clipped_frac"] == 0.0
+    assert (
+        stats["edas/unique_wrong"] == 2.0
+        and stats["edas/unique_wrong_frac"] == 0.5
+        and stats["edas/clipped_frac"] == 0.0
+    )
 
 
 def test_spec_branch_b_error_perseveration():
@@ -79,10 +98,18 @@ def test_spec_branch_b_error_perseveration():
 
 
 def test_kappa_clip_keeps_the_sign():
-    adv, stats = edas_shape(torch.tensor([[-0.1, -1.9, -1.9, 1.0]]), torch.tensor([[True, True, True, False]]), [["r", "c", "c", "x"]])
+    adv, stats = edas_shape(
+        torch.tensor([[-0.1, -1.9, -1.9, 1.0]]), torch.tensor([[True, True, True, False]]), [["r", "c", "c", "x"]]
+    )
     _close(adv, [[-0.05, -2.009361, -2.009361, 1.0]])  # Δ_r = +.218722 clipped to |−.1|/2
     assert stats["edas/clipped_frac"] == pytest.approx(1 / 3)
-    adv, _ = edas_shape(torch.tensor([[-0.1, -1.9, -1.9]]), torch.ones(1, 3, dtype=torch.bool), [["r", "c", "c"]], alpha=100.0, kappa=1.5)
+    adv, _ = edas_shape(
+        torch.tensor([[-0.1, -1.9, -1.9]]),
+        torch.ones(1, 3, dtype=torch.bool),
+        [["r", "c", "c"]],
+        alpha=100.0,
+        kappa=1.5,
+    )
     assert (adv < 0).all() and float(adv[0, 0]) == pytest.approx(-0.1 + 0.1 / 1.5)  # huge Δ: still −|A|(1 − 1/κ)
 
 
@@ -102,8 +129,12 @@ def test_alpha_beta_zero_is_the_identity_and_still_measures():
 
 # ---------------------------------------------------------------------------------------------- edge cases
 def test_invalid_rows_nan_rewards_and_constant_groups():
-    ro = _ro([[1, 0, 0, float("nan"), 0], [1, 1, 1, 1, 1]], [["2", "3", "3", "3", "4"], ["2"] * 5],
-             adv=[[1.0, -0.5, -0.5, 9.0, -0.5], [0.0] * 5], valid=[[1, 1, 1, 1, 0], [1] * 5])
+    ro = _ro(
+        [[1, 0, 0, float("nan"), 0], [1, 1, 1, 1, 1]],
+        [["2", "3", "3", "3", "4"], ["2"] * 5],
+        adv=[[1.0, -0.5, -0.5, 9.0, -0.5], [0.0] * 5],
+        valid=[[1, 1, 1, 1, 0], [1] * 5],
+    )
     adv = _edas()(ro, info_for(2))
     assert adv[0, 3] == 0 and adv[0, 4] == 0  # NaN reward, group_valid False: exactly 0, and outside W
     # W = rows 1, 2 (both '3'): branch B, S = .5, Δ = −.2·.5 = −.1
@@ -132,7 +163,9 @@ def test_row_permutation_with_repeated_answers():
     shaper = _edas()
     adv = shaper(ro, info_for(4))
     assert not torch.equal(adv, ro.advantages)  # it shaped something
-    torch.testing.assert_close(shaper(permute_rows(ro, perm), info_for(4)), permute_tensor(adv, perm), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        shaper(permute_rows(ro, perm), info_for(4)), permute_tensor(adv, perm), atol=1e-6, rtol=1e-6
+    )
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -189,25 +222,43 @@ def test_rewards_log_the_final_answer():
     logged = {}
     exact = Exact(log_answer=True, stop="\n")
     assert exact.accepts_kwarg("log_extra") and not Exact().accepts_kwarg("log_extra")
-    scores = exact(["p"] * 3, [" 82\nmore", "8", "x"], log_extra=lambda c, v: logged.update({c: v}), answer=["82", "82", None])
+    scores = exact(
+        ["p"] * 3, [" 82\nmore", "8", "x"], log_extra=lambda c, v: logged.update({c: v}), answer=["82", "82", None]
+    )
     assert scores == [1.0, 0.0, None] and logged == {"final_answer": ["82", "8", "x"]}
-    assert final_answer("so \\boxed{7} and \\boxed{ 12 }") == "12" and final_answer("x #### 1,450") == "1450" and final_answer(" 3 ") == "3"
+    assert (
+        final_answer("so \\boxed{7} and \\boxed{ 12 }") == "12"
+        and final_answer("x #### 1,450") == "1450"
+        and final_answer(" 3 ") == "3"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    rows, seen = train_recorded(tmp_path, objective, 'rewards=[{name="exact", log_answer=true}]', 'advantage.estimator={name="grpo", eps=1e-6}',
-                                'advantage.shapers=[{name="edas", answers="info:final_answer"}]', "rollout.group_size=8", "rollout.prompts_per_step=8")
+    rows, seen = train_recorded(
+        tmp_path,
+        objective,
+        'rewards=[{name="exact", log_answer=true}]',
+        'advantage.estimator={name="grpo", eps=1e-6}',
+        'advantage.shapers=[{name="edas", answers="info:final_answer"}]',
+        "rollout.group_size=8",
+        "rollout.prompts_per_step=8",
+    )
     changed = 0
     for row, batch in zip(rows, seen):
         B, G, _ = batch.shape
         answers = [[batch.info[b][g]["extra"]["final_answer"] for g in range(G)] for b in range(B)]
-        assert answers == [[c.strip() for c in group] for group in batch.completions]  # the reward's per-row info reached the shaper
+        assert answers == [
+            [c.strip() for c in group] for group in batch.completions
+        ]  # the reward's per-row info reached the shaper
         grpo = build("advantage", "grpo", eps=1e-6)(batch, info_for(6))  # [B,G] what the estimator gave
         valid = batch.group_valid & torch.isfinite(batch.rewards)
         want, stats = edas_shape(grpo, valid & (batch.rewards < 0.5), answers, valid=valid)
         torch.testing.assert_close(batch.advantages, want.float())  # the trainer's advantages are EDAS's
-        assert row["edas/unique_wrong"] == pytest.approx(stats["edas/unique_wrong"]) and row["edas/groups_b"] + row["edas/groups_c"] > 0
+        assert (
+            row["edas/unique_wrong"] == pytest.approx(stats["edas/unique_wrong"])
+            and row["edas/groups_b"] + row["edas/groups_c"] > 0
+        )
         changed += int((batch.advantages != grpo).sum())
     assert changed > 0  # the shaper really moved some wrong rows' advantages

@@ -15,13 +15,21 @@ from groupwise.seeds import noise_at, reference_uniform, row_seeds, sample_seed,
 PAD, EOS = 0, 1
 
 
-
-
 def tiny_model(arch: str = "qwen3", vocab: int = 64, attn: str = "sdpa", seed: int = 0):
     """A random tiny causal LM; initializer_range 0.2 gives peaked logits, so argmax has no near-ties."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+    )
     if arch == "qwen3":
         config = transformers.Qwen3Config(head_dim=16, **common)
     else:
@@ -31,10 +39,12 @@ def tiny_model(arch: str = "qwen3", vocab: int = 64, attn: str = "sdpa", seed: i
 
 def bias_token(model, token: int, bias: float):
     """Add ``bias`` to one logit of every forward (returns the hook handle)."""
+
     def hook(module, inputs, logits):
         logits = logits.clone()
         logits[..., token] += bias
         return logits
+
     return model.lm_head.register_forward_hook(hook)
 
 
@@ -49,7 +59,9 @@ def test_sample_seed_is_stable_and_non_negative():
     seeds = {sample_seed(s, t, p, i) for s in range(3) for t in range(3) for p in range(3) for i in range(3)}
     assert len(seeds) == 81  # every field changes the seed
     assert all(0 <= s < 2**63 for s in seeds)
-    assert sample_seed(0, 1, 0, 0) != sample_seed(0, 0, 1, 0) != sample_seed(0, 0, 0, 1)  # fields are not interchangeable
+    assert (
+        sample_seed(0, 1, 0, 0) != sample_seed(0, 0, 1, 0) != sample_seed(0, 0, 0, 1)
+    )  # fields are not interchangeable
     assert row_seeds(7, 2, [4, 9], 3).tolist() == [sample_seed(7, 2, p, i) for p in (4, 9) for i in range(3)]
 
 
@@ -82,6 +94,7 @@ def test_uniform_noise_is_uniform_in_open_interval():
     assert ecdf_gap.max().item() < 1.95 / math.sqrt(n)
     # Extremes of the 24-bit mapping stay strictly inside (0,1) in float32.
     from groupwise.seeds import _UNIFORM_SCALE
+
     extremes = (torch.tensor([0.0, 2.0**24 - 1]) + 1.0) * _UNIFORM_SCALE
     assert 0.0 < extremes[0] and extremes[1] < 1.0
 
@@ -125,9 +138,15 @@ def test_greedy_matches_hf_generate(arch):
 
     def hf_greedy(prompt, eos):
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                             eos_token_id=eos, pad_token_id=PAD)
-        return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=PAD,
+        )
+        return out[0, len(prompt) :].tolist()
 
     # Make EOS a token greedy decoding really emits for prompt 0 (at step 3), so the end logic is exercised.
     eos = hf_greedy(PROMPTS[0], [63])[3]
@@ -239,8 +258,9 @@ def test_one_step_sampling_matches_the_filtered_softmax(temperature, top_k, top_
     logits = (-0.3 * torch.arange(16.0))[order]  # [V]
     handle = model.lm_head.register_forward_hook(lambda module, inputs, out: logits.expand_as(out).clone())
     n = 4000
-    out = CPUEngine(model, [EOS], PAD).generate([[3, 4, 5]], n, row_seeds(9, 0, [0], n), 1,
-                                               temperature=temperature, top_k=top_k, top_p=top_p)
+    out = CPUEngine(model, [EOS], PAD).generate(
+        [[3, 4, 5]], n, row_seeds(9, 0, [0], n), 1, temperature=temperature, top_k=top_k, top_p=top_p
+    )
     handle.remove()
     expected = filter_logits(logits[None], temperature, top_k, top_p).softmax(-1)[0].double() * n  # [V]
     counts = torch.bincount(out.tokens.flatten(), minlength=16).double()  # [V]

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import fill_needs, info_for, make_logp, make_rollout, objective_for
 
 from groupwise.registry import build, names
 from groupwise.types import Rollout, StepInfo
-from helpers import fill_needs, info_for, make_logp, make_rollout, objective_for
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -34,7 +34,13 @@ def test_gspo_one_token_equals_ppo_clip(eps, agg):
         obj = objective_for([build("objective", name, eps_low=eps[0], eps_high=eps[1])], agg)
         loss = obj.loss(ro, {"logp": logp}, obj.normalizers(ro, info_for(1)), info_for(1))
         loss.backward()
-        results.append((loss.detach(), logp.grad, build("objective", name, eps_low=eps[0], eps_high=eps[1])(ro, {"logp": base}, info_for(1))))
+        results.append(
+            (
+                loss.detach(),
+                logp.grad,
+                build("objective", name, eps_low=eps[0], eps_high=eps[1])(ro, {"logp": base}, info_for(1)),
+            )
+        )
     (l1, g1, v1), (l2, g2, v2) = results
     torch.testing.assert_close(v1, v2, atol=0, rtol=0)
     torch.testing.assert_close(l1, l2, atol=1e-7, rtol=1e-6)

@@ -21,6 +21,8 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, rollout_from
+from test_trainer import make_trainer
 
 from groupwise.advantages.f_grpo import fgrpo_token_adv, phase_ids
 from groupwise.errors import ConfigError
@@ -28,8 +30,6 @@ from groupwise.losses.f_grpo import PHASE_KEY, fgrpo_loss
 from groupwise.registry import build
 from groupwise.rewards.ranking import fgrpo_rewards, parse_ranking
 from groupwise.run import Run
-from helpers import info_for, rollout_from
-from test_trainer import make_trainer
 
 VOCAB = ["", "[", "]", ",", ">", "A", "B", "C", "D", "E", "]A"]  # id 0 is EOS (no text); id 10 straddles the boundary
 IDS = {t: i for i, t in enumerate(VOCAB) if t}
@@ -56,7 +56,9 @@ def test_rewards_by_hand():
     rel = [["A", "B"]] * 4
     assert build("reward", "recall_at_k")([""] * 4, completions, gains=rel) == R_GEN
     assert build("reward", "ndcg_at_k")([""] * 4, completions, gains=rel) == pytest.approx(R_RANK, abs=1e-5)
-    assert build("reward", "ndcg_at_k", mode="conditional")([""] * 4, completions, gains=rel) == pytest.approx(R_COND, abs=1e-5)
+    assert build("reward", "ndcg_at_k", mode="conditional")([""] * 4, completions, gains=rel) == pytest.approx(
+        R_COND, abs=1e-5
+    )
 
 
 def test_reward_edge_cases():
@@ -71,7 +73,10 @@ def test_reward_edge_cases():
     assert recall([""], ["[B,D,B]"], gains=gains) == [pytest.approx(2 / 3)]  # a set: B counts once
     assert recall([""], ["[D]"], gains=[[]]) == [None]  # no relevant item: no verdict
     assert build("reward", "ndcg_at_1")([""], ["[B,D,G]G>D"], gains=gains) == [pytest.approx(2 / 3)]  # gain 2 / ideal 3
-    assert parse_ranking("<cand> A, B </cand><rank> B > A </rank>", ["<cand>", "</cand>"], ["<rank>", "</rank>"]) == (["A", "B"], ["B", "A"])
+    assert parse_ranking("<cand> A, B </cand><rank> B > A </rank>", ["<cand>", "</cand>"], ["<rank>", "</rank>"]) == (
+        ["A", "B"],
+        ["B", "A"],
+    )
     with pytest.raises(ConfigError, match="cand_tags"):
         build("reward", "recall_at_k", cand_tags=["["])
 
@@ -84,7 +89,9 @@ def _rollout(parts, sets=SETS, valid=None):
     for g, a in enumerate(acts):
         actions[0, g, : len(a)], mask[0, g, : len(a)] = torch.tensor(a), True
     parts = torch.tensor(parts, dtype=torch.float32).T[None]  # [1,G,2]
-    ro = rollout_from(torch.zeros(1, len(sets), T), mask=mask, actions=actions, reward_parts=parts, rewards=parts.sum(-1))
+    ro = rollout_from(
+        torch.zeros(1, len(sets), T), mask=mask, actions=actions, reward_parts=parts, rewards=parts.sum(-1)
+    )
     if valid is not None:
         ro.group_valid = torch.tensor([valid])
     return ro
@@ -108,12 +115,19 @@ def test_phase_advantages_by_hand():
     torch.testing.assert_close(adv2[0, :, 7:], 0.5 * adv[0, :, 7:])  # λ_rank scales the ranking phase only
     torch.testing.assert_close(adv2[0, :, :7], adv[0, :, :7])
     m_gen = torch.arange(13)[None] < 7  # the spec's interface gives the same tokens
-    torch.testing.assert_close(fgrpo_token_adv(torch.tensor(A_GEN), torch.tensor(A_RANK), m_gen.expand(4, 13), ~m_gen.expand(4, 13)), adv[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        fgrpo_token_adv(torch.tensor(A_GEN), torch.tensor(A_RANK), m_gen.expand(4, 13), ~m_gen.expand(4, 13)),
+        adv[0],
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_phase_ids_boundary_tags_and_straddling_token():
     vocab, mask = VOCAB, torch.ones(3, 6, dtype=torch.bool)
-    actions = torch.tensor([[1, 5, 2, 5, 0, 0], [1, 5, 10, 4, 6, 0], [5, 4, 6, 0, 0, 0]])  # "[A]A", "[A]A>B", "A>B" (no set)
+    actions = torch.tensor(
+        [[1, 5, 2, 5, 0, 0], [1, 5, 10, 4, 6, 0], [5, 4, 6, 0, 0, 0]]
+    )  # "[A]A", "[A]A>B", "A>B" (no set)
     mask[0, 5] = False
     ph = phase_ids(actions, mask, vocab, ["[", "]"])
     assert ph[0].tolist() == [0, 0, 0, 1, 1, -1]  # the close tag is generation; EOS after it is ranking; masked → −1
@@ -159,7 +173,10 @@ def test_two_phase_loss_by_hand():
     mask = torch.ones(1, 1, 4, dtype=torch.bool)
     loss, rho, A = fgrpo_loss(logp, old, adv, phase, mask)
     assert loss.item() == pytest.approx(-0.4, abs=1e-6)
-    assert rho[0, 0].tolist() == pytest.approx([math.exp(0.2), math.exp(-0.3)], abs=1e-6) and A[0, 0].tolist() == [1.0, -1.0]
+    assert rho[0, 0].tolist() == pytest.approx([math.exp(0.2), math.exp(-0.3)], abs=1e-6) and A[0, 0].tolist() == [
+        1.0,
+        -1.0,
+    ]
     (grad,) = torch.autograd.grad(loss.sum(), logp)
     assert (grad == 0).all()
     # rank tokens [−.1, .1] → rho 1 (inside the clip), A = −1: loss_rank = rho → d/dlogp_t = rho/2 = .5 on each rank token
@@ -199,8 +216,16 @@ def _batches(trainer):
     return seen
 
 
-FGRPO = ['data.task="ranking"', 'rewards=["recall_at_k", "ndcg_at_k"]', 'advantage.estimator="f_grpo"', "rollout.max_new_tokens=16",
-         "rollout.group_size=8", 'phases=[{name="sft", steps=40, batch_size=16, update={name="adamw", lr=2e-3}}]', "train.steps=2", "eval.size=0"]
+FGRPO = [
+    'data.task="ranking"',
+    'rewards=["recall_at_k", "ndcg_at_k"]',
+    'advantage.estimator="f_grpo"',
+    "rollout.max_new_tokens=16",
+    "rollout.group_size=8",
+    'phases=[{name="sft", steps=40, batch_size=16, update={name="adamw", lr=2e-3}}]',
+    "train.steps=2",
+    "eval.size=0",
+]
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo", "f_grpo"])
@@ -228,7 +253,9 @@ def test_composes_with_objectives(tmp_path, objective):
 
 def phase_of(trainer, batch):
     B, G, T = batch.shape
-    return phase_ids(batch.actions.reshape(B * G, T), batch.row_mask.reshape(B * G, T), trainer.estimator._token_text, ["[", "]"]).reshape(B, G, T)
+    return phase_ids(
+        batch.actions.reshape(B * G, T), batch.row_mask.reshape(B * G, T), trainer.estimator._token_text, ["[", "]"]
+    ).reshape(B, G, T)
 
 
 def test_the_trainer_gives_the_policy_vocabulary_and_token_texts_spell_the_completion(tmp_path):
@@ -237,13 +264,15 @@ def test_the_trainer_gives_the_policy_vocabulary_and_token_texts_spell_the_compl
     assert texts == trainer.objective.terms[0]._token_text  # both readers got the vocabulary
     assert len(texts) == len(trainer.policy.tokenizer)
     ids = trainer.policy.tokenizer.encode("[A, B] > B > A", add_special_tokens=False)
-    assert "".join(texts[i] for i in ids) == trainer.policy.tokenizer.decode(ids)  # the phase map's character offsets are the decoded text's
+    assert "".join(texts[i] for i in ids) == trainer.policy.tokenizer.decode(
+        ids
+    )  # the phase map's character offsets are the decoded text's
     assert all(texts[i] == "" for i in trainer.policy.tokenizer.all_special_ids)
 
 
 def test_a_policy_without_token_texts_fails_at_build(tmp_path):
-    from groupwise.config import load_config
     from groupwise.build import build
+    from groupwise.config import load_config
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', 'advantage.estimator="f_grpo"'])

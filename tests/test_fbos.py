@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_trainer import make_trainer
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rewards.feedback import feedback_text
 from groupwise.rollout.fbos import TEMPLATE, build_fap
 from groupwise.types import Rollout, StepInfo
-from test_trainer import make_trainer
 
 
 def test_feedback_text_by_mode_and_the_reward_logs_it():
@@ -30,7 +30,9 @@ def test_feedback_text_by_mode_and_the_reward_logs_it():
 
 def test_build_fap_places_the_feedback_verbatim():
     text = build_fap("7+8=", "14", "wrong: expected 2 digits, the last one is 5")
-    assert text == "7+8=\n\nPrevious attempt:\n14\n\nFeedback:\nwrong: expected 2 digits, the last one is 5\n\nTry again."
+    assert (
+        text == "7+8=\n\nPrevious attempt:\n14\n\nFeedback:\nwrong: expected 2 digits, the last one is 5\n\nTry again."
+    )
     assert build_fap("7+8=", "14", "f", "{completion}?{feedback}|{prompt}") == "14?f|7+8="
     chat = build_fap([{"role": "user", "content": "7+8="}], "14", "wrong")
     assert chat[1:] == [{"role": "assistant", "content": "14"}, {"role": "user", "content": "wrong\nTry again."}]
@@ -41,10 +43,18 @@ def _rows(keys, rewards, texts, prompts, feedback=None):
     """A scored batch: one group per key, one-token rows (token 20 + row index)."""
     B, G = len(keys), len(rewards[0])
     info = [[{"extra": {"feedback": f}} for f in fb] for fb in feedback] if feedback else []
-    return Rollout(prompt_ids=prompts, actions=(20 + torch.arange(G)).repeat(B, 1)[..., None], mask=torch.ones(B, G, 1, dtype=torch.bool),
-                   group_valid=torch.ones(B, G, dtype=torch.bool), truncated=torch.zeros(B, G, dtype=torch.bool),
-                   prompt_index=torch.tensor(keys), meta=[{"prompt": "7+8=", "answer": "15"} for _ in keys], completions=texts,
-                   rewards=torch.tensor(rewards), info=info)
+    return Rollout(
+        prompt_ids=prompts,
+        actions=(20 + torch.arange(G)).repeat(B, 1)[..., None],
+        mask=torch.ones(B, G, 1, dtype=torch.bool),
+        group_valid=torch.ones(B, G, dtype=torch.bool),
+        truncated=torch.zeros(B, G, dtype=torch.bool),
+        prompt_index=torch.tensor(keys),
+        meta=[{"prompt": "7+8=", "answer": "15"} for _ in keys],
+        completions=texts,
+        rewards=torch.tensor(rewards),
+        info=info,
+    )
 
 
 class Scripted:
@@ -63,7 +73,9 @@ class Scripted:
         self.requests.append(requests)
         if len(self.requests) == 1:  # the first round: both rows wrong, with feedback
             return _rows([5], [[0.0, 0.0]], [["14", "16"]], [[1, 2]], [["wrong: a", "wrong: b"]])
-        return _rows([5, 5], [[1.0], [0.0]], [["15"], ["13"]], [r.prompt for r in requests])  # guided: one right, one wrong
+        return _rows(
+            [5, 5], [[1.0], [0.0]], [["15"], ["13"]], [r.prompt for r in requests]
+        )  # guided: one right, one wrong
 
     def keep(self, batch):
         return torch.ones(batch.shape[0], dtype=torch.bool)
@@ -98,13 +110,24 @@ def test_fbos_batch_by_hand_and_the_epa_advantage():
 def test_alternate_mode_trains_epa_on_even_steps_and_ecc_on_odd_steps():
     even = build("rollout", "fbos", initial=2, feedback_rows=2, mode="alternate")(Scripted(step=0))
     odd = build("rollout", "fbos", initial=2, feedback_rows=2, mode="alternate")(Scripted(step=1))
-    assert even.rewards.tolist() == [[0.0, 0.0, 1.0, 0.0]] and not even.ctx and even.row_flags["injected"].tolist() == [[False, False, True, True]]
+    assert (
+        even.rewards.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+        and not even.ctx
+        and even.row_flags["injected"].tolist() == [[False, False, True, True]]
+    )
     assert odd.rewards.tolist() == [[1.0, 0.0]] and len(odd.ctx[0]) == 2
 
 
 def test_fbos_through_the_trainer_scores_guided_rows_against_the_original_answer(tmp_path):
-    trainer = make_trainer(tmp_path, 'rollout.name="fbos"', 'rollout.params={initial=2, feedback_rows=2, template="{completion}: {feedback}\\n{prompt}"}',
-                           'rewards=[{name="exact_feedback"}]', "rollout.prompts_per_step=8", "train.steps=1", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path,
+        'rollout.name="fbos"',
+        'rollout.params={initial=2, feedback_rows=2, template="{completion}: {feedback}\\n{prompt}"}',
+        'rewards=[{name="exact_feedback"}]',
+        "rollout.prompts_per_step=8",
+        "train.steps=1",
+        "eval.size=0",
+    )
     seen = {}
     prepare = trainer.prepare
     trainer.prepare = lambda batch: seen.setdefault("batch", prepare(batch))
@@ -113,7 +136,9 @@ def test_fbos_through_the_trainer_scores_guided_rows_against_the_original_answer
     assert row["fbos/failing_groups"] > 0, "the seed must give the test an all-fail group"
     n_fail = round(row["fbos/failing_groups"] * 8)
     assert batch.shape[0] == 8 + n_fail and batch.shape[1] == 4
-    for b in range(8, 8 + n_fail):  # ECC rows: the context is the FAP, which quotes the feedback verbatim; the reward is exact vs the row's answer
+    for b in range(
+        8, 8 + n_fail
+    ):  # ECC rows: the context is the FAP, which quotes the feedback verbatim; the reward is exact vs the row's answer
         for g in range(2):
             text = trainer.policy.tokenizer.decode(batch.ctx[b][g])
             assert ": wrong" in text or ": the answer is not a number" in text

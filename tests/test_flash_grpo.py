@@ -13,7 +13,13 @@ from groupwise.modalities.flow import FlowPolicy
 from groupwise.modalities.flow_sde import flow_sigmas, noise_std
 from groupwise.modalities.flow_toy import region_reward
 from groupwise.types import Request, Rollout, StepInfo
-from groupwise.weights.flash_rectification import FlashRectification, flash_grpo_loss, iso_temporal_indices, rectification_coefficient, sde_step_with_logprob
+from groupwise.weights.flash_rectification import (
+    FlashRectification,
+    flash_grpo_loss,
+    iso_temporal_indices,
+    rectification_coefficient,
+    sde_step_with_logprob,
+)
 
 TOY = [1.0, 0.9, 0.8, 0.7, 0.6]  # the spec's schedule: σ_max = sigmas[1] = 0.9, σ_min = sigmas[-1] = 0.6
 INFO = StepInfo(step=0, seed=0, max_new_tokens=0)
@@ -26,7 +32,9 @@ def test_spec_toy_schedule_coefficients():
     c = rectification_coefficient(s, sp, std)
     # step 0: √0.1/0.9 = 0.351364 (σ = 1: no second term); step 1: 0.363480 + 0.87·√0.1·0.1/1.8 = 0.378765
     torch.testing.assert_close(c, torch.tensor([0.351364, 0.378765, 0.409666], dtype=torch.float64), atol=1e-6, rtol=0)
-    torch.testing.assert_close(1 / c, torch.tensor([2.846050, 2.640163, 2.441016], dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        1 / c, torch.tensor([2.846050, 2.640163, 2.441016], dtype=torch.float64), atol=1e-6, rtol=0
+    )
     # the SDE step reports the same coe
     coe = sde_step_with_logprob(torch.zeros(3, 2), torch.zeros(3, 2), s, sp, 0.6, 0.9, noise=torch.zeros(3, 2))[5]
     torch.testing.assert_close(coe, torch.tensor([2.846050, 2.640163, 2.441016]), atol=1e-6, rtol=0)
@@ -35,10 +43,14 @@ def test_spec_toy_schedule_coefficients():
 def _rollout(sigma, sigma_next, std, valid=None, mask=None) -> Rollout:
     """B=1 group, G rows, T=1 trained step, with the flow policy's extras."""
     G = len(sigma)
-    ro = Rollout(prompt_ids=[[0]], actions=torch.zeros(1, G, 1, dtype=torch.long),
-                 mask=torch.ones(1, G, 1, dtype=torch.bool) if mask is None else torch.tensor(mask).view(1, G, 1),
-                 group_valid=torch.ones(1, G, dtype=torch.bool) if valid is None else torch.tensor(valid).view(1, G),
-                 truncated=torch.zeros(1, G, dtype=torch.bool), prompt_index=torch.zeros(1, dtype=torch.long))
+    ro = Rollout(
+        prompt_ids=[[0]],
+        actions=torch.zeros(1, G, 1, dtype=torch.long),
+        mask=torch.ones(1, G, 1, dtype=torch.bool) if mask is None else torch.tensor(mask).view(1, G, 1),
+        group_valid=torch.ones(1, G, dtype=torch.bool) if valid is None else torch.tensor(valid).view(1, G),
+        truncated=torch.zeros(1, G, dtype=torch.bool),
+        prompt_index=torch.zeros(1, dtype=torch.long),
+    )
     for name, v in (("flow_sigma", sigma), ("flow_sigma_next", sigma_next), ("flow_std", std)):
         ro.set_extra(name, torch.tensor(v, dtype=torch.float32).view(1, G, 1), "token")
     return ro
@@ -51,8 +63,12 @@ def test_spec_batch_weights_for_indices_0_and_2():
     torch.testing.assert_close(w.flatten(), torch.tensor([1.076609, 0.923391]), atol=1e-6, rtol=0)
     assert w.dtype == torch.float32 and w.shape == (1, 2, 1)
     # an invalid row and a masked step (garbage σ = 0 there) get 0 and leave the mean alone
-    ro = _rollout([1.0, 0.8, 0.0, 0.0], [0.9, 0.7, 0.0, 0.0], [0.9, 0.84, 0.0, 0.0], valid=[1, 1, 0, 1], mask=[1, 1, 1, 0])
-    torch.testing.assert_close(FlashRectification()(ro, INFO).flatten(), torch.tensor([1.076609, 0.923391, 0.0, 0.0]), atol=1e-6, rtol=0)
+    ro = _rollout(
+        [1.0, 0.8, 0.0, 0.0], [0.9, 0.7, 0.0, 0.0], [0.9, 0.84, 0.0, 0.0], valid=[1, 1, 0, 1], mask=[1, 1, 1, 0]
+    )
+    torch.testing.assert_close(
+        FlashRectification()(ro, INFO).flatten(), torch.tensor([1.076609, 0.923391, 0.0, 0.0]), atol=1e-6, rtol=0
+    )
 
 
 def test_weight_needs_flow_extras():
@@ -75,11 +91,15 @@ def test_weight_on_a_flow_policy_rollout():
 
 def test_wan_reference_table():
     # Wan 20 steps, shift 3: the authors' hard-coded 1/c at timesteps 999 … 785 (the first 10 steps)
-    table = torch.tensor([7.4770, 7.0414, 6.6112, 6.1867, 5.7682, 5.3559, 4.9502, 4.5513, 4.1596, 3.7754], dtype=torch.float64)
+    table = torch.tensor(
+        [7.4770, 7.0414, 6.6112, 6.1867, 5.7682, 5.3559, 4.9502, 4.5513, 4.1596, 3.7754], dtype=torch.float64
+    )
     s = flow_sigmas(20, shift=3.0).double()
     std = noise_std(s[:10], float(s[-1]), float(s[1]))
     coe = 1 / rectification_coefficient(s[:10], s[1:11], std)
-    assert ((coe / table - 1).abs() < 1.5e-3).all(), coe  # measured: 0.10 % at most (our timesteps are not floored to ints)
+    assert ((coe / table - 1).abs() < 1.5e-3).all(), (
+        coe
+    )  # measured: 0.10 % at most (our timesteps are not floored to ints)
 
 
 def test_autograd_identity_coe_times_grad_is_timestep_independent():
@@ -136,7 +156,11 @@ def _eval_reward(policy: FlowPolicy) -> float:
     """Mean region reward of ODE samples (sde="none") on a fixed seed set: 32 prompts × 16 rows."""
     ode = FlowPolicy(sde="none", hidden=policy.config["hidden"])
     ode.load_state_dict(policy.state_dict())
-    ro = ode.generate([Request(key=1000 + k, n=16, prompt=k % 4) for k in range(32)], {}, StepInfo(step=0, seed=1234, max_new_tokens=0))
+    ro = ode.generate(
+        [Request(key=1000 + k, n=16, prompt=k % 4) for k in range(32)],
+        {},
+        StepInfo(step=0, seed=1234, max_new_tokens=0),
+    )
     return region_reward(ro.extras["x_final"], torch.tensor([p[0] for p in ro.prompt_ids])).mean().item()
 
 

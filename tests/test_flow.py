@@ -45,7 +45,9 @@ def test_sde_step_by_hand():
     torch.testing.assert_close(x_prev, mean + 0.87 * math.sqrt(0.1) * eps)  # noise scale 0.275118
     # logp = mean_d(−ε²/2) − log(0.275118) − log√(2π) = −0.5 + 1.290555 − 0.918939 = −0.128384
     torch.testing.assert_close(logp, torch.tensor([-0.5 - math.log(0.87 * math.sqrt(0.1)) - LOG_SQRT_2PI]))
-    torch.testing.assert_close(std, torch.tensor([0.87])) and torch.testing.assert_close(sqrt_neg_dt, torch.tensor([math.sqrt(0.1)]))
+    torch.testing.assert_close(std, torch.tensor([0.87])) and torch.testing.assert_close(
+        sqrt_neg_dt, torch.tensor([math.sqrt(0.1)])
+    )
     torch.testing.assert_close(coe, torch.tensor([2.640163]))  # the spec's 1/c at σ = 0.9
     # scoring the stored transition gives the same log-prob
     torch.testing.assert_close(sde_step_with_logprob(v, x, 0.9, 0.8, 0.6, 0.9, prev_sample=x_prev)[1], logp)
@@ -75,7 +77,9 @@ def test_forward_recomputes_sampling_logp_and_is_differentiable(sde):
     ro = policy.generate(reqs, {"temperature": 1.0}, INFO)
     B, G, T = ro.shape
     assert (B, G, T) == (3, 5, 10 if sde == "all" else 1)
-    assert ro.group_valid.tolist() == [[1, 1, 1, 0, 0], [1] * 5, [1] * 5] and torch.equal(ro.mask, ro.group_valid[..., None].expand(B, G, T))
+    assert ro.group_valid.tolist() == [[1, 1, 1, 0, 0], [1] * 5, [1] * 5] and torch.equal(
+        ro.mask, ro.group_valid[..., None].expand(B, G, T)
+    )
     assert ro.extras["flow_x"].shape == (B, G, T, 2) and ro.extras["x_final"].shape == (B, G, 2)
     assert (ro.extras["x_final"][0, 3:] == 0).all() and (ro.logp_sampler[0, 3:] == 0).all()  # padding rows are zeros
     assert ro.completions[0][3:] == ["", ""] and ro.completions[1][0] != ""
@@ -84,9 +88,13 @@ def test_forward_recomputes_sampling_logp_and_is_differentiable(sde):
     torch.testing.assert_close(logp, ro.logp_sampler, atol=1e-6, rtol=0)
     logp.sum().backward()
     grads = [p.grad for p in policy.parameters()]
-    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)  # every layer gets gradient
+    assert all(
+        g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads
+    )  # every layer gets gradient
     # a micro-batch of groups scores the same as the whole batch
-    torch.testing.assert_close(policy.forward(ro.select([2, 0]), ["logp"])["logp"].detach(), logp.detach()[[2, 0]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        policy.forward(ro.select([2, 0]), ["logp"])["logp"].detach(), logp.detach()[[2, 0]], atol=1e-6, rtol=0
+    )
     with torch.no_grad():
         assert not policy.forward(ro, ["logp"])["logp"].requires_grad
 
@@ -99,17 +107,23 @@ def test_forward_uses_the_current_weights():
         policy.net.out.bias.add_(0.3)  # move the velocity
     moved = policy.forward(ro, ["logp"])["logp"].detach()
     assert (moved - ro.logp_sampler).abs().max() > 1e-2
-    torch.testing.assert_close(old.forward(ro, ["logp"])["logp"], ro.logp_sampler, atol=1e-6, rtol=0)  # the snapshot did not move
+    torch.testing.assert_close(
+        old.forward(ro, ["logp"])["logp"], ro.logp_sampler, atol=1e-6, rtol=0
+    )  # the snapshot did not move
 
 
 def test_samples_do_not_depend_on_the_rest_of_the_batch():
     policy = FlowPolicy(sde="one_shared", hidden=16)
     alone = policy.generate([Request(key=5, n=4, prompt=1)], {}, INFO)
-    crowd = policy.generate([Request(key=9, n=6, prompt=3), Request(key=5, n=4, prompt=1), Request(key=2, n=2, prompt=0)], {}, INFO)
+    crowd = policy.generate(
+        [Request(key=9, n=6, prompt=3), Request(key=5, n=4, prompt=1), Request(key=2, n=2, prompt=0)], {}, INFO
+    )
     for name in ("x_final", "flow_x", "flow_x_next", "flow_step"):
         assert torch.equal(crowd.extras[name][1, :4], alone.extras[name][0]), name  # float64 maths: bitwise here
     later = policy.generate([Request(key=5, n=4, prompt=1)], {}, StepInfo(step=4, seed=7, max_new_tokens=0))
-    refill = policy.generate([Request(key=5, n=4, offset=4, prompt=1)], {}, INFO)  # a second request of the prompt this step
+    refill = policy.generate(
+        [Request(key=5, n=4, offset=4, prompt=1)], {}, INFO
+    )  # a second request of the prompt this step
     assert not torch.allclose(later.extras["x_final"], alone.extras["x_final"])
     assert not torch.allclose(refill.extras["x_final"], alone.extras["x_final"])
 
@@ -120,7 +134,9 @@ def test_ode_steps_are_deterministic_around_the_one_sde_step():
     sig, net, lab = policy.sigmas, policy.net, torch.tensor([3])
     for j in range(2):
         i = int(ro.extras["flow_step"][0, j, 0])
-        x = torch.randn(2, generator=torch.Generator().manual_seed(sample_seed(7, 3, 11, j)))[None]  # the row's x_1 by its seed
+        x = torch.randn(2, generator=torch.Generator().manual_seed(sample_seed(7, 3, 11, j)))[
+            None
+        ]  # the row's x_1 by its seed
         with torch.no_grad():
             for k in range(i):  # Euler steps (float64 maths, float32 state) up to the SDE step reach the stored x_t
                 x = (x.double() + net(x, sig[k : k + 1], lab) * float(sig[k + 1] - sig[k])).float()
@@ -129,9 +145,15 @@ def test_ode_steps_are_deterministic_around_the_one_sde_step():
             for k in range(i + 1, policy.steps):  # and from the SDE step's output to the final sample
                 x = (x.double() + net(x, sig[k : k + 1], lab) * float(sig[k + 1] - sig[k])).float()
         torch.testing.assert_close(x[0], ro.extras["x_final"][0, j])
-        assert float(ro.extras["flow_sigma"][0, j, 0]) == float(sig[i]) and float(ro.extras["flow_sigma_next"][0, j, 0]) == float(sig[i + 1])
+        assert float(ro.extras["flow_sigma"][0, j, 0]) == float(sig[i]) and float(
+            ro.extras["flow_sigma_next"][0, j, 0]
+        ) == float(sig[i + 1])
     ode = FlowPolicy(sde="none", hidden=16).generate([Request(key=11, n=2, prompt=3)], {}, INFO)
-    assert ode.shape == (1, 2, 0) and FlowPolicy(sde="none", hidden=16).forward(ode, ["logp"])["logp"].shape == (1, 2, 0)
+    assert ode.shape == (1, 2, 0) and FlowPolicy(sde="none", hidden=16).forward(ode, ["logp"])["logp"].shape == (
+        1,
+        2,
+        0,
+    )
 
 
 def _chi_square(counts):
@@ -145,10 +167,18 @@ def test_step_index_shared_per_group_and_uniform_over_the_window():
     assert (idx == idx[:, :1]).all()  # iso-temporal: one index per group
     assert idx.min() >= 0 and idx.max() < 5  # the first half of 10 steps
     assert _chi_square(torch.bincount(idx[:, 0], minlength=5).float()) < 18.47  # χ²(4) 99.9 % quantile
-    per_row = FlowPolicy(sde="one_per_row", hidden=8).generate(_requests(range(500), n=3), {}, INFO).extras["flow_step"][..., 0]
+    per_row = (
+        FlowPolicy(sde="one_per_row", hidden=8)
+        .generate(_requests(range(500), n=3), {}, INFO)
+        .extras["flow_step"][..., 0]
+    )
     assert (per_row != per_row[:, :1]).any(dim=1).float().mean() > 0.5  # 1 − 1/25 of groups expected to differ
     assert _chi_square(torch.bincount(per_row.flatten(), minlength=5).float()) < 18.47
-    window = FlowPolicy(sde="one_shared", sde_window=2, hidden=8).generate(_requests(range(50)), {}, INFO).extras["flow_step"]
+    window = (
+        FlowPolicy(sde="one_shared", sde_window=2, hidden=8)
+        .generate(_requests(range(50)), {}, INFO)
+        .extras["flow_step"]
+    )
     assert set(window.unique().tolist()) == {0, 1}
 
 
@@ -182,11 +212,15 @@ def test_bad_inputs_name_the_problem():
     assert policy.decode(ro) == ro.completions and ro.completions[0][1] == f"{x:.4f},{y:.4f}"
     with pytest.raises(ValueError, match="computes 'logp' and 'entropy', not \\['topk\\(2\\)'\\]"):
         policy.forward(ro, ["topk(2)"])
-    entropy = policy.forward(ro, ["logp", "entropy"])["entropy"]  # [1,2,1] Gaussian entropy per dim: ½log(2πe) + log(std·√−dt)
+    entropy = policy.forward(ro, ["logp", "entropy"])[
+        "entropy"
+    ]  # [1,2,1] Gaussian entropy per dim: ½log(2πe) + log(std·√−dt)
     step = int(ro.extras["flow_step"][0, 0, 0])
     dt = float(policy.sigmas[step] - policy.sigmas[step + 1])
     std = float(ro.extras["flow_std"][0, 0, 0])
-    assert entropy[0, 0, 0].item() == pytest.approx(0.5 * math.log(2 * math.pi * math.e) + math.log(std * math.sqrt(dt)), rel=1e-5)
+    assert entropy[0, 0, 0].item() == pytest.approx(
+        0.5 * math.log(2 * math.pi * math.e) + math.log(std * math.sqrt(dt)), rel=1e-5
+    )
     del ro.extras["flow_x"]
     with pytest.raises(ValueError, match="flow_x"):
         policy.forward(ro, ["logp"])
@@ -195,7 +229,9 @@ def test_bad_inputs_name_the_problem():
 # ---------------------------------------------------------------------------------------------- the toy task
 def test_region_reward_by_hand():
     # 4 labels: centres (2,0), (0,2), (−2,0), (0,−2); radius 0.75
-    torch.testing.assert_close(mixture_centres(4), torch.tensor([[2.0, 0.0], [0.0, 2.0], [-2.0, 0.0], [0.0, -2.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        mixture_centres(4), torch.tensor([[2.0, 0.0], [0.0, 2.0], [-2.0, 0.0], [0.0, -2.0]]), atol=1e-6, rtol=0
+    )
     x = torch.tensor([[[2.5, 0.0], [2.8, 0.0], [0.0, 2.0]], [[0.0, 1.3], [2.0, 0.0], [0.4, 2.5]]])  # [2,3,2]
     # label 0: d = 0.5 in, 0.8 out, (0,2) is 2.83 away; label 1: d = 0.7 in, 2.83 out, √(0.16+0.25) = 0.64 in
     assert region_reward(x, torch.tensor([0, 1])).tolist() == [[1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]

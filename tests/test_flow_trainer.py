@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from groupwise.build import build
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
-from groupwise.build import build
 from groupwise.run import Run
 from groupwise.trainer import Trainer
 
@@ -42,12 +42,17 @@ def test_a_flow_run_resumes_exactly(tmp_path):
     Run(resumed).train(resume_allow=["train.steps"])
     for key, value in straight.policy.state_dict()["net"].items():
         assert torch.equal(value, resumed.policy.state_dict()["net"][key]), key
-    rows = [[json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("a", "b")]
+    rows = [
+        [json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("a", "b")
+    ]
     assert rows[0] == rows[1]
 
 
 def test_a_component_of_another_modality_is_refused_at_build(tmp_path):
-    with pytest.raises(ConfigError, match="weight component 'flash_rectification' works on flow policies; this run's policy is text"):
+    with pytest.raises(
+        ConfigError, match="weight component 'flash_rectification' works on flow policies; this run's policy is text"
+    ):
         cfg, _ = load_config(None, [f'out="{tmp_path}"', 'objective.weights=["flash_rectification"]', "eval.size=0"])
         Trainer(build(cfg))
     with pytest.raises(ConfigError, match="model.policy='video' is not a policy kind; kinds: lm, flow"):

@@ -12,12 +12,17 @@ from groupwise.policy.forward import completion_logprobs, pack_bins
 V = 64
 
 
-
-
 def tiny_model(arch: str = "qwen3", attn: str = "sdpa"):
     torch.manual_seed(0)
-    common = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, initializer_range=0.2)
+    common = dict(
+        vocab_size=V,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        initializer_range=0.2,
+    )
     config = transformers.Qwen3Config(head_dim=16, **common) if arch == "qwen3" else transformers.LlamaConfig(**common)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
@@ -83,13 +88,18 @@ def test_rows_cannot_see_each_other():
         edited_last = actions.clone()
         edited_last[1, 2, :3] = (edited_last[1, 2, :3] + 7) % V
         after_last = completion_logprobs(model, prompts, edited_last, mask, rows)["logp"]  # [B,G,T]
+
         # Control: the same edit DOES move row (0,1) when the rows share one causal context.
-        seq = lambda a: torch.tensor([prompts[0] + a[0, 0].tolist() + prompts[0] + a[0, 1, :2].tolist()])  # [1,S]
+        def seq(a):
+            return torch.tensor([prompts[0] + a[0, 0].tolist() + prompts[0] + a[0, 1, :2].tolist()])  # [1,S]
+
         leak = (model(seq(actions)).logits[0, -3:-1] - model(seq(edited)).logits[0, -3:-1]).abs().max()
     assert not torch.allclose(after[0, 0], base[0, 0])
     assert torch.allclose(after[:, 1:], base[:, 1:], atol=1e-6) and torch.allclose(after[1], base[1], atol=1e-6)
     assert not torch.allclose(after_last[1, 2], base[1, 2])
-    assert torch.allclose(after_last[0], base[0], atol=1e-6) and torch.allclose(after_last[1, :2], base[1, :2], atol=1e-6)
+    assert torch.allclose(after_last[0], base[0], atol=1e-6) and torch.allclose(
+        after_last[1, :2], base[1, :2], atol=1e-6
+    )
     assert leak > 1e-3
 
 
@@ -142,11 +152,15 @@ def test_edge_cases():
 
 def test_lora_model_is_packed_and_sliced_too():
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_model(), peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"],
-                                                              init_lora_weights=False))  # random adapters: not a no-op
+    model = peft.get_peft_model(
+        tiny_model(),
+        peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )  # random adapters: not a no-op
     prompts, actions, mask, rows = batch()
     seen = []
-    handle = model.get_base_model().lm_head.register_forward_hook(lambda module, inputs, output: seen.append(tuple(inputs[0].shape)))
+    handle = model.get_base_model().lm_head.register_forward_hook(
+        lambda module, inputs, output: seen.append(tuple(inputs[0].shape))
+    )
     out = completion_logprobs(model, prompts, actions, mask, rows)["logp"]  # [B,G,T]
     handle.remove()
     assert seen == [(int((mask & rows[..., None]).sum()), 64)]  # the head runs on completion positions only
@@ -180,7 +194,9 @@ def test_bins_of_any_size_match_the_padded_path(pack_tokens):
 def test_shared_prefix_tree_matches_padded_path_with_gradients(pack_tokens):
     model = tiny_model()
     prompts, actions, mask, rows = batch()
-    shared = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, share_prefix=True, pack_tokens=pack_tokens)
+    shared = completion_logprobs(
+        model, prompts, actions, mask, rows, want_entropy=True, share_prefix=True, pack_tokens=pack_tokens
+    )
     padded = completion_logprobs(model, prompts, actions, mask, rows, want_entropy=True, packed=False)
     torch.testing.assert_close(shared["logp"], padded["logp"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared["entropy"], padded["entropy"], atol=1e-5, rtol=1e-5)
@@ -227,15 +243,27 @@ def naive_quantities(model, prompts, actions, mask, rows, k: int, layer: int):
     return topk, hidden, logprobs
 
 
-@pytest.mark.parametrize("packed,share_prefix,functional", [(True, False, True), (True, True, True), (True, False, False), (False, False, False)])
+@pytest.mark.parametrize(
+    "packed,share_prefix,functional",
+    [(True, False, True), (True, True, True), (True, False, False), (False, False, False)],
+)
 def test_requested_quantities_match_the_naive_forward(packed, share_prefix, functional):
     """topk(k) and hidden(l) on every path (functional packed, tree, the model's own packed forward,
     padded) equal a per-row forward of the model; hidden(1) is a layer inside the stack."""
     model = tiny_model()
     prompts, actions, mask, rows = batch()
     with torch.no_grad():
-        out = completion_logprobs(model, prompts, actions, mask, rows, packed=packed, share_prefix=share_prefix, functional=functional,
-                                  quantities=["logp", "topk(3)", "hidden(1)", "hidden(0)"])
+        out = completion_logprobs(
+            model,
+            prompts,
+            actions,
+            mask,
+            rows,
+            packed=packed,
+            share_prefix=share_prefix,
+            functional=functional,
+            quantities=["logp", "topk(3)", "hidden(1)", "hidden(0)"],
+        )
         ref_topk, ref_hidden, _ = naive_quantities(model, prompts, actions, mask, rows, k=3, layer=1)
         _, ref_embed, _ = naive_quantities(model, prompts, actions, mask, rows, k=3, layer=0)
     assert out["topk(3)"].shape == (2, 3, 6, 3) and out["hidden(1)"].shape == (2, 3, 6, 64)

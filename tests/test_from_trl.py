@@ -23,8 +23,14 @@ def _block(lang: str) -> str:
 
 
 def test_the_python_example_runs(tmp_path):
-    result = subprocess.run([sys.executable, "-c", _block("python")], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", _block("python")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     steps, labels = result.stdout.strip().splitlines()[-1].split(" ", 1)
     assert steps == "2" and "my_rewards.py:correct" in labels  # the user's function logged under its own label
@@ -35,7 +41,12 @@ def test_the_recipe_loads_with_the_values_its_comments_name(tmp_path):
     tomllib.loads(text)  # valid TOML
     (tmp_path / "my.toml").write_text(text)
     cfg = groupwise.load_config(str(tmp_path / "my.toml"))
-    assert (cfg.seed, cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.objective.agg) == (42, 8, 16, "token_mean")
+    assert (cfg.seed, cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.objective.agg) == (
+        42,
+        8,
+        16,
+        "token_mean",
+    )
     assert cfg.update["betas"] == [0.9, 0.999] and cfg.update["schedule"] == "linear"
     kl = next(t for t in cfg.objective.terms if isinstance(t, dict) and t["name"] == "kl")
     assert kl["bias_correction"] is True and cfg.checkpoint.every == 50
@@ -46,9 +57,29 @@ def test_every_field_and_component_in_the_table_exists():
     fields = {f for line in table for f in re.findall(r"`([a-z_0-9*]+)`", line.split("|")[1])}
     components = {name for _, name, _ in entries()}
     mapped = " ".join(line.split("|")[2] + line.split("|")[3] for line in table)
-    named = {"grpo", "gdpo", "gspo", "kl", "ppo_clip", "cispo", "sapo", "luspo", "vespo", "mask_truncated", "top_entropy",
-             "entropy_bonus", "target_entropy", "sampler_is", "token_mean", "constant", "seq_mean_token_mean", "uniform"}
-    assert named - {w for span in re.findall(r"`([^`]+)`", mapped) for w in re.findall(r"[a-z_]+", span)} == set()  # the table names each of them ...
+    named = {
+        "grpo",
+        "gdpo",
+        "gspo",
+        "kl",
+        "ppo_clip",
+        "cispo",
+        "sapo",
+        "luspo",
+        "vespo",
+        "mask_truncated",
+        "top_entropy",
+        "entropy_bonus",
+        "target_entropy",
+        "sampler_is",
+        "token_mean",
+        "constant",
+        "seq_mean_token_mean",
+        "uniform",
+    }
+    assert (
+        named - {w for span in re.findall(r"`([^`]+)`", mapped) for w in re.findall(r"[a-z_]+", span)} == set()
+    )  # the table names each of them ...
     assert named - components == set()  # ... and each is a registered component
     trl = pytest.importorskip("trl")
     known = set(trl.GRPOConfig.__dataclass_fields__) | {"peft_config"}

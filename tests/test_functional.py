@@ -33,8 +33,18 @@ LOGIT_ATOL = 1e-4
 def tiny_model(arch: str, seed: int = 0, **overrides):
     """A random tiny float32 decoder of one of the supported families; biases (when present) non-zero."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+    common = dict(
+        vocab_size=V,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+    )
     common.update(overrides)
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
@@ -85,32 +95,43 @@ def test_hidden_states_of_packed_rows_equal_each_sequence_alone(arch):
         start = 0
         for s in members:
             n = len(seqs[s])
-            input_ids[row, start:start + n] = seqs[s]
-            positions[row, start:start + n] = torch.arange(n)  # restart at 0 for each sequence
-            segment[row, start:start + n] = s
+            input_ids[row, start : start + n] = seqs[s]
+            positions[row, start : start + n] = torch.arange(n)  # restart at 0 for each sequence
+            segment[row, start : start + n] = s
             spans.append((row, start, s))
             start += n
     causal = torch.ones(W, W, dtype=torch.bool).tril()  # [W,W]
     same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)  # [N,W,W]
     allowed = (same & causal) | torch.eye(W, dtype=torch.bool)  # [N,W,W] padding sees only itself
 
-    params = [model.model.layers[0].self_attn.q_proj.weight, model.model.norm.weight,
-              model.model.layers[1].mlp.down_proj.weight, model.model.embed_tokens.weight]
+    params = [
+        model.model.layers[0].self_attn.q_proj.weight,
+        model.model.norm.weight,
+        model.model.layers[1].mlp.down_proj.weight,
+        model.model.embed_tokens.weight,
+    ]
     if model.model.layers[0].self_attn.q_proj.bias is not None:
         params.append(model.model.layers[0].self_attn.q_proj.bias)
     probe = torch.randn(2, W, 64, generator=g)  # [N,W,D] fixed weights turning hidden states into a scalar loss
 
     out = hidden_states(model, input_ids, positions, allowed)  # [N,W,D]
     assert out.shape == (2, W, 64)
-    loss = sum((out[row, start:start + len(seqs[s])] * probe[row, start:start + len(seqs[s])]).sum() for row, start, s in spans)
+    loss = sum(
+        (out[row, start : start + len(seqs[s])] * probe[row, start : start + len(seqs[s])]).sum()
+        for row, start, s in spans
+    )
     grads = torch.autograd.grad(loss, params)
 
     ref_loss = 0.0
     for row, start, s in spans:
         n = len(seqs[s])
         ref = model.model(input_ids=seqs[s][None]).last_hidden_state[0]  # [n,D]
-        assert torch.allclose(out[row, start:start + n], ref, atol=HIDDEN_ATOL), (arch, s, (out[row, start:start + n] - ref).abs().max())
-        ref_loss = ref_loss + (ref * probe[row, start:start + n]).sum()
+        assert torch.allclose(out[row, start : start + n], ref, atol=HIDDEN_ATOL), (
+            arch,
+            s,
+            (out[row, start : start + n] - ref).abs().max(),
+        )
+        ref_loss = ref_loss + (ref * probe[row, start : start + n]).sum()
     ref_grads = torch.autograd.grad(ref_loss, params)
     for p, got, want in zip(params, grads, ref_grads):
         scale = want.abs().max()  # gradients reach 10-100 here (sums over every position and probe dim)
@@ -129,11 +150,13 @@ def test_decode_state_matches_full_forward_at_every_step(arch, repeat):
     B, W, steps = len(prompts), 6, 4
     input_ids = torch.full((B, W), PAD, dtype=torch.long)  # [B,W]
     for b, p in enumerate(prompts):
-        input_ids[b, W - len(p):] = torch.tensor(p)
+        input_ids[b, W - len(p) :] = torch.tensor(p)
     lengths = torch.tensor([len(p) for p in prompts])  # [B]
     real = torch.arange(W) >= (W - lengths)[:, None]  # [B,W]
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [B,W]
-    fed = torch.tensor([[2 + (7 * t + 5 * r) % 60 for r in range(B * repeat)] for t in range(steps)])  # [steps,R] rows differ
+    fed = torch.tensor(
+        [[2 + (7 * t + 5 * r) % 60 for r in range(B * repeat)] for t in range(steps)]
+    )  # [steps,R] rows differ
 
     @torch.no_grad()
     def reference(row: int, t: int) -> torch.Tensor:
@@ -178,7 +201,9 @@ def eos_prone_model(arch: str = "llama_bias"):
 
 
 @pytest.mark.parametrize("share_prefix", [True, False])
-@pytest.mark.parametrize("sampling", [dict(), dict(top_k=5, top_p=0.9), dict(greedy=True)], ids=["plain", "topk_topp", "greedy"])
+@pytest.mark.parametrize(
+    "sampling", [dict(), dict(top_k=5, top_p=0.9), dict(greedy=True)], ids=["plain", "topk_topp", "greedy"]
+)
 def test_engine_functional_equals_hf_path(sampling, share_prefix):
     model = eos_prone_model()
     n = 3
@@ -208,16 +233,22 @@ def _hooked():
 
 
 def _lora():
-    return peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"]))
+    return peft.get_peft_model(
+        tiny_model("llama"), peft.LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"])
+    )
 
 
-@pytest.mark.parametrize("make", [
-    _hooked,
-    lambda: tiny_model("qwen3").to(torch.bfloat16),
-    lambda: AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=V)),
-    _lora,
-    lambda: tiny_model("mistral", sliding_window=16),
-], ids=["forward_hook", "bfloat16", "gpt2", "peft_lora", "mistral_sliding_window"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        _hooked,
+        lambda: tiny_model("qwen3").to(torch.bfloat16),
+        lambda: AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=V)),
+        _lora,
+        lambda: tiny_model("mistral", sliding_window=16),
+    ],
+    ids=["forward_hook", "bfloat16", "gpt2", "peft_lora", "mistral_sliding_window"],
+)
 def test_unsupported_models_say_why(make):
     reason = unsupported_reason(make())
     assert isinstance(reason, str) and reason
@@ -319,7 +350,9 @@ def test_recompute_mlp_saves_the_gate_up_products_and_changes_no_gradient(arch):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             hidden = hidden_states(model, input_ids, positions, allowed, recompute_mlp=recompute)  # [N,W,D]
         hidden.pow(2).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}  # the head is unused here
+        grads = {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }  # the head is unused here
         return hidden.detach(), grads, sum(saved.values())
 
     hidden_stored, grads_stored, bytes_stored = run(False)
@@ -330,7 +363,9 @@ def test_recompute_mlp_saves_the_gate_up_products_and_changes_no_gradient(arch):
         torch.testing.assert_close(grads_recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
     cfg = model.config
     gate_up_bytes = cfg.num_hidden_layers * N * W * 2 * cfg.intermediate_size * 4  # float32 [N,W,2I] per layer
-    bias_bytes = cfg.num_hidden_layers * 2 * cfg.intermediate_size * 4 if getattr(cfg, "mlp_bias", False) else 0  # [2I] per layer
+    bias_bytes = (
+        cfg.num_hidden_layers * 2 * cfg.intermediate_size * 4 if getattr(cfg, "mlp_bias", False) else 0
+    )  # [2I] per layer
     assert bytes_stored - bytes_recomputed == gate_up_bytes - bias_bytes
 
 

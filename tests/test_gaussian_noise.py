@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import info_for, make_rollout
 
 from groupwise.registry import build
 from groupwise.seeds import sample_seed
-from helpers import info_for, make_rollout
 
 
 def test_each_row_is_sigma_times_its_own_seeded_normal():
@@ -42,7 +42,7 @@ def test_many_rows_have_mean_zero_and_std_sigma():
     ro.prompt_index = torch.arange(500)
     ro.group_valid[:] = True
     out = build("reward", "gaussian_noise", sigma=0.1).score_rollout(ro, info_for(1))  # [500,8]
-    assert abs(float(out.mean())) < 0.1 * 4 / 4000 ** 0.5  # 4 standard errors
+    assert abs(float(out.mean())) < 0.1 * 4 / 4000**0.5  # 4 standard errors
     assert float(out.std()) == pytest.approx(0.1, rel=0.05)
 
 
@@ -57,7 +57,9 @@ def test_cauchy_is_a_ratio_of_two_seeded_normals_and_heavy_tailed():
     ro.group_valid[:] = True
     out = build("reward", "gaussian_noise", sigma=0.5, dist="cauchy").score_rollout(ro, info_for(1))  # [500,8]
     info = info_for(1)
-    z = torch.randn(2, generator=torch.Generator().manual_seed(sample_seed(info.seed, info.step, 7, 3)), dtype=torch.float64)
+    z = torch.randn(
+        2, generator=torch.Generator().manual_seed(sample_seed(info.seed, info.step, 7, 3)), dtype=torch.float64
+    )
     assert out[7, 3].item() == pytest.approx(0.5 * float(z[0] / z[1]), rel=1e-6)
     # standard Cauchy: median |ε| = 1 (tan(π/4)), P(|ε| > 10) = 1 − (2/π)·atan(10) = .063451
     assert float(out.abs().median()) == pytest.approx(0.5, rel=0.06)

@@ -1,14 +1,14 @@
 """GCPO (specs/35), worked by hand. v(S) = log det(I + Φ_S Φ_Sᵀ), φ_i = max(r_i, 0)·e_i::
 
-    spec: e1 = e2 = [1,0], e3 = [0,1], r = [1,1,1,0]
-      v({1}) = ln 2, v({1,2}) = ln det[[2,1],[1,2]] = ln 3, v({1,3}) = ln 4, v({1,2,3}) = ln(3·2) = ln 6
-      player 3 is orthogonal to 1, 2: every marginal contribution is ln 2  → ψ3 = ln 2
-      players 1, 2 split v({1,2}) = ln 3 by symmetry                     → ψ1 = ψ2 = ln3/2 = 0.549306
-      ψ = [.549306, .549306, .693147, 0], Σψ = ln 6 = 1.791759; mean .447940, population std .265204
-      A = [.3822, .3822, .9246, −1.6890]
-    orthogonal players: v additive, ψ_i = ln(1 + q_i²): q = [1, .5] → [ln 2, ln 1.25]
-    mix = .5 on the spec: norm(r) = [.57735 ×3, −1.73205] → A = [.47978, .47978, .75098, −1.71053]
-    n-grams of "12+3" (^12 12+ 2+3 +3$) and "12+4" (^12 12+ 2+4 +4$): 2 of 4 shared → cosine 1/2
+spec: e1 = e2 = [1,0], e3 = [0,1], r = [1,1,1,0]
+  v({1}) = ln 2, v({1,2}) = ln det[[2,1],[1,2]] = ln 3, v({1,3}) = ln 4, v({1,2,3}) = ln(3·2) = ln 6
+  player 3 is orthogonal to 1, 2: every marginal contribution is ln 2  → ψ3 = ln 2
+  players 1, 2 split v({1,2}) = ln 3 by symmetry                     → ψ1 = ψ2 = ln3/2 = 0.549306
+  ψ = [.549306, .549306, .693147, 0], Σψ = ln 6 = 1.791759; mean .447940, population std .265204
+  A = [.3822, .3822, .9246, −1.6890]
+orthogonal players: v additive, ψ_i = ln(1 + q_i²): q = [1, .5] → [ln 2, ln 1.25]
+mix = .5 on the spec: norm(r) = [.57735 ×3, −1.73205] → A = [.47978, .47978, .75098, −1.71053]
+n-grams of "12+3" (^12 12+ 2+3 +3$) and "12+4" (^12 12+ 2+4 +4$): 2 of 4 shared → cosine 1/2
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, rollout_from, train_recorded
 
 from groupwise.advantages.gcpo import dpp_logvol, gcpo_advantages, ngram_embeddings, shapley_values
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.seeds import sample_seed
 from groupwise.types import Need, StepInfo
-from helpers import info_for, rollout_from, train_recorded
 
 E = torch.tensor([[1.0, 0], [1, 0], [0, 1], [0.3, 0.7]])  # [G,d] e4 anything: r4 = 0
 R = torch.tensor([1.0, 1, 1, 0])
@@ -45,7 +45,13 @@ def _ro(texts, rewards, valid=None):
 
 def test_spec_values_and_shapley():
     phi = R[:, None] * E  # [G,d]
-    for S, want in (([0], math.log(2)), ([0, 1], math.log(3)), ([0, 2], math.log(4)), ([0, 1, 2], math.log(6)), ([], 0.0)):
+    for S, want in (
+        ([0], math.log(2)),
+        ([0, 1], math.log(3)),
+        ([0, 2], math.log(4)),
+        ([0, 1, 2], math.log(6)),
+        ([], 0.0),
+    ):
         assert float(dpp_logvol(phi[S])) == pytest.approx(want, abs=1e-12)
     psi = shapley_values(phi, exact=True)
     _close(psi, PSI, atol=1e-12)
@@ -116,12 +122,16 @@ def test_component_on_texts_reproduces_the_spec():
 
 def test_edge_cases_are_exact_zero():
     nan = float("nan")
-    ro = _ro([["5+5", "5+5", "5+5", "5+5"],   # all correct, identical: constant ψ
-              ["1+9", "2+8", "x", "3+7"],     # one valid row
-              ["1+9", "2+8", "3+7", "0+9"],   # NaN reward and an invalid row
-              ["1", "2", "3", "4"]],          # all wrong
-             [[1, 1, 1, 1], [1, 0, 1, 1], [1, nan, 0, 1], [0, 0, 0, 0]],
-             valid=[[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    ro = _ro(
+        [
+            ["5+5", "5+5", "5+5", "5+5"],  # all correct, identical: constant ψ
+            ["1+9", "2+8", "x", "3+7"],  # one valid row
+            ["1+9", "2+8", "3+7", "0+9"],  # NaN reward and an invalid row
+            ["1", "2", "3", "4"],
+        ],  # all wrong
+        [[1, 1, 1, 1], [1, 0, 1, 1], [1, nan, 0, 1], [0, 0, 0, 0]],
+        valid=[[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]],
+    )
     est = build("advantage", "gcpo")
     adv = est(ro, info_for(2))
     assert (adv[0] == 0).all() and (adv[1] == 0).all() and (adv[3] == 0).all()
@@ -138,7 +148,9 @@ def test_hidden_embedding_mean_over_completion_tokens():
     assert est.needs == (Need("hidden(2)", model="ref"),)
     ro = _ro([["a", "b", "c", "d"]], [[1, 1, 1, 0]])
     ro.mask = torch.tensor([[[True, True], [True, False], [True, True], [True, True]]])
-    hidden = torch.tensor([[[[2.0, 0], [0, 0]], [[3, 0], [99, 99]], [[0, 1], [0, 3]], [[5, 5], [5, 5]]]])  # [1,4,2,2]; masked token: garbage
+    hidden = torch.tensor(
+        [[[[2.0, 0], [0, 0]], [[3, 0], [99, 99]], [[0, 1], [0, 3]], [[5, 5], [5, 5]]]]
+    )  # [1,4,2,2]; masked token: garbage
     ro.set_extra(Need("hidden(2)", model="ref").key, hidden, "token")
     _close(est(ro, info_for(2)), [SPEC_A], atol=6e-5)  # means [1,0], [3,0], [0,2] → directions e1, e1, e2
     with pytest.raises(ValueError, match="hidden"):
@@ -158,15 +170,23 @@ def test_seeded_by_run_step_and_prompt():
 
 
 def test_errors():
-    for kw, match in (({"embedding": "bert"}, "embedding"), ({"shapley": "fast"}, "shapley"), ({"mix": 1.5}, "mix"),
-                      ({"n_perm": 0}, "n_perm"), ({"exact_max": 20}, "exact_max"), ({"std": "iqr"}, "std")):
+    for kw, match in (
+        ({"embedding": "bert"}, "embedding"),
+        ({"shapley": "fast"}, "shapley"),
+        ({"mix": 1.5}, "mix"),
+        ({"n_perm": 0}, "n_perm"),
+        ({"exact_max": 20}, "exact_max"),
+        ({"std": "iqr"}, "std"),
+    ):
         with pytest.raises(ConfigError, match=match):
             build("advantage", "gcpo", **kw)
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    rows, seen = train_recorded(tmp_path, objective, 'advantage.estimator="gcpo"', "rollout.group_size=8", "rollout.prompts_per_step=8")
+    rows, seen = train_recorded(
+        tmp_path, objective, 'advantage.estimator="gcpo"', "rollout.group_size=8", "rollout.prompts_per_step=8"
+    )
     for row, batch in zip(rows, seen):
         valid = batch.group_valid & torch.isfinite(batch.rewards)
         seeds = [sample_seed(0, row["step"], int(p), b) for b, p in enumerate(batch.prompt_index.tolist())]
@@ -182,8 +202,14 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
 
 
 def test_hidden_embedding_through_the_trainer(tmp_path):
-    rows, seen = train_recorded(tmp_path, "ppo_clip", 'advantage.estimator={name="gcpo", embedding="hidden", layer=4}', "rollout.group_size=8",
-                                "rollout.prompts_per_step=4", steps=1)
+    rows, seen = train_recorded(
+        tmp_path,
+        "ppo_clip",
+        'advantage.estimator={name="gcpo", embedding="hidden", layer=4}',
+        "rollout.group_size=8",
+        "rollout.prompts_per_step=4",
+        steps=1,
+    )
     key = Need("hidden(4)", model="ref").key
     assert seen[0].extras[key].shape[-1] == 128 and torch.isfinite(seen[0].advantages).all()
 
@@ -235,8 +261,10 @@ def test_auto_share_is_exact_against_brute_force(n):
     want = _brute_force_shapley(phi)
     got = shapley_values(phi)  # the component's default: auto, exact_max = 16
     mc = shapley_values(phi, exact=False, n_perm=256, seed=0)
-    print(f"GCPO Shapley G={n}: max |auto − brute force| {(got - want).abs().max():.2e}, "
-          f"256-order Monte-Carlo {(mc - want).abs().max():.3f}")
+    print(
+        f"GCPO Shapley G={n}: max |auto − brute force| {(got - want).abs().max():.2e}, "
+        f"256-order Monte-Carlo {(mc - want).abs().max():.3f}"
+    )
     assert (got - want).abs().max() < 1e-9
     assert (mc - want).abs().max() > 0.01  # what the limit of 10 left to chance
 

@@ -18,9 +18,14 @@ def rollout(parts, weights, valid=None):
     parts = torch.tensor(parts, dtype=torch.float32)  # [B,G,K]
     B, G, K = parts.shape
     w = torch.tensor(weights, dtype=torch.float32)  # [K]
-    ro = Rollout(prompt_ids=[[1]] * B, actions=torch.ones(B, G, 2, dtype=torch.long), mask=torch.ones(B, G, 2, dtype=torch.bool),
-                 group_valid=torch.ones(B, G, dtype=torch.bool) if valid is None else torch.tensor(valid), truncated=torch.zeros(B, G, dtype=torch.bool),
-                 prompt_index=torch.arange(B))
+    ro = Rollout(
+        prompt_ids=[[1]] * B,
+        actions=torch.ones(B, G, 2, dtype=torch.long),
+        mask=torch.ones(B, G, 2, dtype=torch.bool),
+        group_valid=torch.ones(B, G, dtype=torch.bool) if valid is None else torch.tensor(valid),
+        truncated=torch.zeros(B, G, dtype=torch.bool),
+        prompt_index=torch.arange(B),
+    )
     ro.reward_parts = parts
     ro.rewards = torch.nansum(parts * w, dim=-1)  # [B,G] the weighted total (what the reward stage writes)
     ro.set_extra("reward_weights", w.expand(B, K).clone(), "group")
@@ -61,7 +66,9 @@ def test_invalid_rows_and_missing_verdicts():
     # reward 2 has verdicts on rows 0 and 2 only (row 1 no verdict, row 3 invalid): z2 = [-c, ·, +c] with c = 1/(sqrt(2) + 1e-4)
     raw = build("advantage", "gdpo", batch_norm=False)(ro, INFO)[0]
     c = 1.0 / (math.sqrt(2.0) + 1e-4)
-    z1 = [v / (math.sqrt(1 / 3) + 1e-4) for v in (1 / 3, -2 / 3, 1 / 3)]  # r1 over rows 0-2: mean 2/3, Bessel std sqrt(1/3)
+    z1 = [
+        v / (math.sqrt(1 / 3) + 1e-4) for v in (1 / 3, -2 / 3, 1 / 3)
+    ]  # r1 over rows 0-2: mean 2/3, Bessel std sqrt(1/3)
     assert raw[:3].tolist() == pytest.approx([z1[0] - 0.5 * c, z1[1], z1[2] + 0.5 * c], rel=1e-5)
 
 

@@ -19,11 +19,11 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, make_rollout, permute_rows, permute_tensor, random_perm
 
 from groupwise.advantages.gear import entropy_threshold, gear_divergence, gear_segments, gear_weights, sequence_z
 from groupwise.registry import build
 from groupwise.types import Need
-from helpers import info_for, make_rollout, permute_rows, permute_tensor, random_perm
 
 D = [0.1, 0.1, 2.0, 0.3, 0.2, 1.5, 0.1]
 H = [0.5, 0.5, 0.5, 0.5, 2.5, 0.5, 0.5]
@@ -289,9 +289,13 @@ def test_view_spec_placement_and_other_columns():
 
     ro = make_rollout(1, 2, 3, seed=0)
     ro.meta = [{"prompt": "37+45=", "answer": "82", "steps": "7+5=12"}]
-    assert build("view", "ground_truth", template=SPEC_TEMPLATE).apply(ro, _encode).prompt_ids == [_encode("37+45=Reference solution: 82")]
+    assert build("view", "ground_truth", template=SPEC_TEMPLATE).apply(ro, _encode).prompt_ids == [
+        _encode("37+45=Reference solution: 82")
+    ]
     tpl = "Gold {steps} -> {answer} {{ok}}\n{prompt}"
-    assert build("view", "ground_truth", template=tpl).apply(ro, _encode).prompt_ids == [_encode("Gold 7+5=12 -> 82 {ok}\n37+45=")]
+    assert build("view", "ground_truth", template=tpl).apply(ro, _encode).prompt_ids == [
+        _encode("Gold 7+5=12 -> 82 {ok}\n37+45=")
+    ]
 
 
 def test_view_chat_prompt_edits_last_user_turn():

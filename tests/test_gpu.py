@@ -21,16 +21,27 @@ import os
 import pytest
 import torch
 
-from groupwise.config import load_config
 from groupwise.build import build
+from groupwise.config import load_config
 from groupwise.run import Run
 from groupwise.trainer import Trainer
 
 DEVICE = os.environ.get("GROUPWISE_TEST_DEVICE", "cuda")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
-SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "eval.size=0", "threads=1", "train.steps=1",
-         'update={name="sgd", lr=0.5}', 'objective.terms=["ppo_clip", {name="kl", coef=0.1}]']
+SMALL = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "eval.size=0",
+    "threads=1",
+    "train.steps=1",
+    'update={name="sgd", lr=0.5}',
+    'objective.terms=["ppo_clip", {name="kl", coef=0.1}]',
+]
 
 
 def trainer(tmp_path, *overrides):
@@ -63,8 +74,14 @@ def test_device_engine_greedy_equals_hf_generate(tmp_path):
     out = dev.policy.engine.generate(prompts, 1, torch.zeros(len(prompts), dtype=torch.long), 6, greedy=True)
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], device=next(dev.policy.module.parameters()).device)
-        want = dev.policy.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                          eos_token_id=dev.policy.eos, pad_token_id=dev.policy.tokenizer.pad_token_id)[0, len(prompt):].cpu()
+        want = dev.policy.module.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=dev.policy.eos,
+            pad_token_id=dev.policy.tokenizer.pad_token_id,
+        )[0, len(prompt) :].cpu()
         n = int(out.lengths[i, 0])
         assert out.tokens[i, 0, :n].tolist() == want[:n].tolist(), i
 
@@ -99,7 +116,16 @@ def test_a_device_run_takes_the_cpu_runs_first_step(tmp_path):
     for device in ("cpu", DEVICE):
         t = trainer(tmp_path / device.replace(":", "_"), f'model.device="{device}"', "train.steps=2")
         Run(t).train()
-        rows.append([json.loads(line) for line in (tmp_path / device.replace(":", "_") / "metrics.jsonl").read_text().splitlines()])
+        rows.append(
+            [
+                json.loads(line)
+                for line in (tmp_path / device.replace(":", "_") / "metrics.jsonl").read_text().splitlines()
+            ]
+        )
     (cpu, dev) = rows
-    assert cpu[0]["reward_mean"] == dev[0]["reward_mean"]  # the same samples: sampling noise is counter-based, not device RNG
-    assert abs(cpu[0]["loss"] - dev[0]["loss"]) < 1e-5 and abs(cpu[0]["grad_norm"] - dev[0]["grad_norm"]) < 1e-4 * max(1.0, cpu[0]["grad_norm"])
+    assert (
+        cpu[0]["reward_mean"] == dev[0]["reward_mean"]
+    )  # the same samples: sampling noise is counter-based, not device RNG
+    assert abs(cpu[0]["loss"] - dev[0]["loss"]) < 1e-5 and abs(cpu[0]["grad_norm"] - dev[0]["grad_norm"]) < 1e-4 * max(
+        1.0, cpu[0]["grad_norm"]
+    )

@@ -16,11 +16,11 @@ import math
 
 import pytest
 import torch
+from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, rollout_from, train_recorded
 
 from groupwise.losses.graphdpo import graphdpo_node_losses, preference_layers
 from groupwise.registry import build
 from groupwise.types import Need
-from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, rollout_from, train_recorded
 
 H = [2.0, 1.0, 0.0, -1.0]
 SCORES = [1.0, 0.5, 0.5, 0.0]
@@ -34,7 +34,9 @@ def _close(actual, expected, atol=1e-6):
 def _group(h, scores, T=2):
     """One group whose rows have Σ_t (logp − logp_ref) = h: logp_ref = −1 per token, logp = −1 + h/T."""
     G = len(h)
-    ro = rollout_from(torch.zeros(1, G, T), torch.zeros(1, G), rewards=torch.tensor([scores]), logp_ref=torch.full((1, G, T), -1.0))
+    ro = rollout_from(
+        torch.zeros(1, G, T), torch.zeros(1, G), rewards=torch.tensor([scores]), logp_ref=torch.full((1, G, T), -1.0)
+    )
     logp = leaf([[[-1.0 + v / T] * T for v in h]])
     return ro, logp
 
@@ -87,7 +89,9 @@ def test_ties_form_layers_with_no_loss_between_them():
     loss, has = graphdpo_node_losses(torch.tensor([[1.0, 0.0, 0.0, -1.0]]), s, torch.ones(1, 4, dtype=torch.bool))
     _close(loss, [[0.407606, 0.861994, 0.0, 0.0]])
     # layers skip no rank: scores [3, 3, 1, 2, 1] → distinct 3 > 2 > 1 → [0, 0, 2, 1, 2]
-    assert preference_layers(torch.tensor([[3.0, 3, 1, 2, 1]]), torch.ones(1, 5, dtype=torch.bool)).tolist() == [[0, 0, 2, 1, 2]]
+    assert preference_layers(torch.tensor([[3.0, 3, 1, 2, 1]]), torch.ones(1, 5, dtype=torch.bool)).tolist() == [
+        [0, 0, 2, 1, 2]
+    ]
 
 
 def test_invalid_nan_and_empty_rows_are_not_nodes():
@@ -122,7 +126,12 @@ def test_scores_from_advantages_rank_like_the_rewards():
 
 def test_micro_batching_invariance():
     ro = make_rollout(6, 4, 5, seed=3)  # awkward: invalid row, NaN reward, empty row, garbage padding
-    check_micro_batching(objective_for([build("objective", "graphdpo")], "seq_mean_token_mean"), ro, [[0, 4], [1], [2, 3, 5]], info_for(5))
+    check_micro_batching(
+        objective_for([build("objective", "graphdpo")], "seq_mean_token_mean"),
+        ro,
+        [[0, 4], [1], [2, 3, 5]],
+        info_for(5),
+    )
 
 
 def test_declaration_and_errors():
@@ -148,7 +157,9 @@ def _expected_term_frac(batch):
 @pytest.mark.parametrize("estimator", ["grpo", "sign"])
 @pytest.mark.parametrize("scores", ["rewards", "advantages"])
 def test_trains_with_advantage_estimators(tmp_path, estimator, scores):
-    rows, seen = train_recorded(tmp_path, "graphdpo", f'advantage.estimator="{estimator}"', f'objective.terms.graphdpo.scores="{scores}"')
+    rows, seen = train_recorded(
+        tmp_path, "graphdpo", f'advantage.estimator="{estimator}"', f'objective.terms.graphdpo.scores="{scores}"'
+    )
     for row, batch in zip(rows, seen):
         # the rows with a term, from the batch's rewards: with either estimator the advantages rank like the rewards
         assert row["graphdpo/term_frac"] == pytest.approx(_expected_term_frac(batch), abs=1e-6)

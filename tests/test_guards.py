@@ -5,10 +5,10 @@ scaled (grpo) and an unscaled (dr_grpo) one."""
 
 import pytest
 import torch
+from helpers import fill_inputs
 
 from groupwise.registry import build, names
 from groupwise.types import Rollout, StepInfo
-from helpers import fill_inputs
 
 
 def nasty_groups(n: int, G: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +52,15 @@ FEWER_GROUPS = {"gcpo": 4_000}
 def test_no_non_finite_advantage_from_random_groups(name, upstream):
     rewards, valid = nasty_groups(FEWER_GROUPS.get(name, GROUPS), 8)
     B, G = rewards.shape
-    rollout = Rollout(prompt_ids=[[1]] * B, actions=torch.zeros(B, G, 1, dtype=torch.long), mask=torch.ones(B, G, 1, dtype=torch.bool), group_valid=valid,
-                      truncated=torch.zeros(B, G, dtype=torch.bool), prompt_index=torch.arange(B), rewards=rewards)
+    rollout = Rollout(
+        prompt_ids=[[1]] * B,
+        actions=torch.zeros(B, G, 1, dtype=torch.long),
+        mask=torch.ones(B, G, 1, dtype=torch.bool),
+        group_valid=valid,
+        truncated=torch.zeros(B, G, dtype=torch.bool),
+        prompt_index=torch.arange(B),
+        rewards=rewards,
+    )
     component = build("advantage", name)
     if upstream is not None:  # a shaper reshapes an estimator's output
         rollout.advantages = build("advantage", upstream)(rollout, StepInfo(0, 0, 1))

@@ -118,7 +118,18 @@ def test_state_mode_with_momentum(mode, expected):
 def test_adamw_direction_space_by_hand():
     theta, calls = torch.tensor([1.0], requires_grad=True), []
     b1, b2, lr = 0.9, 0.999, 0.1
-    upd = updater(theta, optimizer="adamw", lr=lr, betas=(b1, b2), weight_decay=0.0, eps=0.0, max_grad_norm=0.0, gate_warmup=0, fused=False, retention_space="adamw_direction")
+    upd = updater(
+        theta,
+        optimizer="adamw",
+        lr=lr,
+        betas=(b1, b2),
+        weight_decay=0.0,
+        eps=0.0,
+        max_grad_norm=0.0,
+        gate_warmup=0,
+        fused=False,
+        retention_space="adamw_direction",
+    )
     upd.step(quadratic(theta, torch.ones(1), calls))
     # Adam's first step is lr·m̂/√v̂ = lr·g/|g|: d0 = 1, θ1 = 0.9; g1 = 0.9:
     m = b1 * (1 - b1) * 1.0 + (1 - b1) * 0.9  # 0.18
@@ -133,7 +144,17 @@ def test_adamw_direction_removes_decoupled_weight_decay():
     # coordinate 1 has no gradient: AdamW only decays it, θ ← (1 − lr·wd)·θ, so its direction
     # d = (c·θ_t − θ_{t+1})/lr with c = 1 − lr·wd is 0 → inactive (without c it would be wd·θ = 0.1)
     theta = torch.tensor([1.0, 1.0], requires_grad=True)
-    upd = updater(theta, optimizer="adamw", lr=0.1, weight_decay=0.1, max_grad_norm=0.0, gate_warmup=0, fused=False, retention_space="adamw_direction", delta=1e-5)
+    upd = updater(
+        theta,
+        optimizer="adamw",
+        lr=0.1,
+        weight_decay=0.1,
+        max_grad_norm=0.0,
+        gate_warmup=0,
+        fused=False,
+        retention_space="adamw_direction",
+        delta=1e-5,
+    )
     out = upd.step(quadratic(theta, torch.tensor([1.0, 0.0])))
     assert out["gxpo_active_frac"] == 0.5
 
@@ -191,7 +212,17 @@ def test_closure_calls_three_per_step_then_one_after_the_spike_trips_the_gate():
     theta = torch.ones(4, requires_grad=True)
     step_no, calls = [0], []
     spike = lambda: 1000.0 if step_no[0] == 6 else 1.0  # noqa: E731  gradient spike at outer step 6
-    upd = updater(theta, optimizer="sgd", lr=0.05, weight_decay=0.0, max_grad_norm=1.0, window=3, patience=1, gate_warmup=0, tau=3.0)
+    upd = updater(
+        theta,
+        optimizer="sgd",
+        lr=0.05,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        window=3,
+        patience=1,
+        gate_warmup=0,
+        tau=3.0,
+    )
     passes = []
     for step_no[0] in range(10):
         n = len(calls)
@@ -284,7 +315,9 @@ def test_fewer_outer_steps_than_plain_sgd_and_adamw_on_ill_conditioned_quadratic
     gx = steps_to_target("gxpo", h, 1e-4, lr=1.0, optimizer="sgd", weight_decay=0.0)
     adam = steps_to_target("adamw", h, 1e-4, lr=0.02, betas=(0.9, 0.99))
     gx_adam = steps_to_target("gxpo", h, 1e-4, lr=0.02, optimizer="adamw", betas=(0.9, 0.99), weight_decay=0.0)
-    print(f"outer steps to loss < 1e-4: sgd {sgd}, gxpo(sgd) {gx} ({sgd / gx:.2f}x, backward passes {3 * gx} vs {sgd}); adamw {adam}, gxpo(adamw) {gx_adam} ({adam / gx_adam:.2f}x)")
+    print(
+        f"outer steps to loss < 1e-4: sgd {sgd}, gxpo(sgd) {gx} ({sgd / gx:.2f}x, backward passes {3 * gx} vs {sgd}); adamw {adam}, gxpo(adamw) {gx_adam} ({adam / gx_adam:.2f}x)"
+    )
     assert gx * 2 < sgd
     assert gx_adam < adam
 
@@ -300,7 +333,18 @@ def _run(upd, theta, steps, start=0):
 
 
 def test_state_round_trip_equals_uninterrupted():
-    kw = dict(optimizer="adamw", lr=0.05, betas=(0.9, 0.99), weight_decay=0.01, warmup_steps=2, schedule="cosine", window=3, patience=1, gate_warmup=1, tau=3.0)
+    kw = dict(
+        optimizer="adamw",
+        lr=0.05,
+        betas=(0.9, 0.99),
+        weight_decay=0.01,
+        warmup_steps=2,
+        schedule="cosine",
+        window=3,
+        patience=1,
+        gate_warmup=1,
+        tau=3.0,
+    )
     theta = torch.tensor([1.0, -1.0, 2.0, 0.5], requires_grad=True)
     straight = _run(updater(theta, total_steps=12, **kw), theta, 12)
     theta_a = torch.tensor([1.0, -1.0, 2.0, 0.5], requires_grad=True)
@@ -315,16 +359,30 @@ def test_state_round_trip_equals_uninterrupted():
     tail = _run(second, theta_b, 7, start=5)
     assert torch.equal(theta_b.detach(), theta.detach())
     assert json.dumps(head + tail) == json.dumps(straight)  # every metric, bit for bit
-    assert [o["backward_passes"] for o in straight].count(1.0) > 0  # the spike at step 7 tripped the gate across the resume
+    assert [o["backward_passes"] for o in straight].count(
+        1.0
+    ) > 0  # the spike at step 7 tripped the gate across the resume
 
 
 # ---------------------------------------------------------------------------------------------- end to end
 def test_trainer_end_to_end(tmp_path):
-    from groupwise.config import load_config
     from groupwise.build import build
+    from groupwise.config import load_config
     from groupwise.trainer import Trainer
 
-    cfg, _ = load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "eval.size=0", "threads=1", "train.steps=2", 'update={name="gxpo", lr=1e-3}', f'out="{tmp_path}"'])
+    cfg, _ = load_config(
+        None,
+        [
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=6",
+            "eval.size=0",
+            "threads=1",
+            "train.steps=2",
+            'update={name="gxpo", lr=1e-3}',
+            f'out="{tmp_path}"',
+        ],
+    )
     Run(Trainer(build(cfg))).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2

@@ -25,10 +25,19 @@ import math
 
 import pytest
 import torch
+from helpers import (
+    assert_micro_batch_invariant,
+    info_for,
+    leaf,
+    make_logp,
+    make_rollout,
+    objective_for,
+    rollout_from,
+    train_recorded,
+)
 
 from groupwise.losses.holderpo import P_KINDS, holder_p_schedule, holder_p_table, holder_po_loss, holder_ratio
 from groupwise.registry import build
-from helpers import assert_micro_batch_invariant, info_for, leaf, make_logp, make_rollout, objective_for, rollout_from, train_recorded
 
 D = [0.1, -0.2, 0.3]
 RATIO = {2: 1.112631, 1: 1.091253, 0: 1.068939, -1: 1.046369, -2: 1.024296}
@@ -42,7 +51,9 @@ def _close(actual, expected, atol=1e-6):
 def _ro(d, adv, mask=None):
     """One group of len(d) rows of T tokens, logp_old = −1, so that logp = −1 + d."""
     d = torch.as_tensor(d, dtype=torch.float32)  # [G,T]
-    return rollout_from(torch.full((1, *d.shape), -1.0), torch.tensor([adv], dtype=torch.float32), mask=mask), d[None]  # [1,G,T]
+    return rollout_from(torch.full((1, *d.shape), -1.0), torch.tensor([adv], dtype=torch.float32), mask=mask), d[
+        None
+    ]  # [1,G,T]
 
 
 def _loss(d, adv, agg="seq_mean_token_mean", mask=None, **params):
@@ -82,14 +93,25 @@ def test_spec_losses():
 
 
 def test_spec_schedule():
-    assert [holder_p_schedule(s, "linear_dec", p_min=-2.0, p_max=2.0, steps=500) for s in (0, 250, 500, 1000)] == pytest.approx([2.0, 0.0, -2.0, -2.0], abs=1e-12)
+    assert [
+        holder_p_schedule(s, "linear_dec", p_min=-2.0, p_max=2.0, steps=500) for s in (0, 250, 500, 1000)
+    ] == pytest.approx([2.0, 0.0, -2.0, -2.0], abs=1e-12)
     assert holder_p_schedule(250, "cos", steps=500) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_every_schedule_kind_by_hand():
     # u = 125/500 = .25, p_min = −2, p_max = 2, mid 0, amp 2: cos(π/4) = .707107, (2u − 1)³ = −.125, u² = .0625
-    want = {"constant": 2.0, "linear": -1.0, "linear_dec": 1.0, "sin": -1.414214, "cos": 1.414214,
-            "quad": -1.75, "quad_dec": 1.75, "cubic": -0.25, "cubic_dec": 0.25}
+    want = {
+        "constant": 2.0,
+        "linear": -1.0,
+        "linear_dec": 1.0,
+        "sin": -1.414214,
+        "cos": 1.414214,
+        "quad": -1.75,
+        "quad_dec": 1.75,
+        "cubic": -0.25,
+        "cubic_dec": 0.25,
+    }
     assert set(want) == set(P_KINDS)
     for kind, value in want.items():
         assert holder_p_schedule(125, kind, steps=500) == pytest.approx(value, abs=1e-6), kind
@@ -163,7 +185,9 @@ def test_p_zero_is_gspo_with_the_same_clip():
 
 def test_one_token_is_ppo_clip_for_any_p():
     ro = make_rollout(4, 5, 1, seed=3, awkward=False)
-    logp = (ro.logp_old + 0.3 * torch.randn(ro.logp_old.shape, generator=torch.Generator().manual_seed(0))).requires_grad_(True)
+    logp = (
+        ro.logp_old + 0.3 * torch.randn(ro.logp_old.shape, generator=torch.Generator().manual_seed(0))
+    ).requires_grad_(True)
     want = build("objective", "ppo_clip")(ro, {"logp": logp}, info_for(1))[..., 0]  # [B,G]
     for p in (2.0, -1.0):
         got = build("objective", "holderpo", p=p)(ro, {"logp": logp}, info_for(1))
@@ -183,7 +207,9 @@ def test_masked_tokens_and_a_row_without_tokens():
         assert torch.equal(grad[~mask], torch.zeros(int((~mask).sum())))
     ro, dd = _ro(d, [1.0, 3.0], mask)
     loss, rho = holder_po_loss(ro.logp_old + dd, ro.logp_old, mask, torch.tensor([[1.0, 0.0]]), 2.0)
-    assert rho[0, 1] == 1.0 and loss[0, 1] == 0.0  # an empty row: rho = 1, and with its adv 0 from row_advantages, loss 0
+    assert (
+        rho[0, 1] == 1.0 and loss[0, 1] == 0.0
+    )  # an empty row: rho = 1, and with its adv 0 from row_advantages, loss 0
 
 
 def test_zero_and_constant_advantages_give_exact_zero():
@@ -234,11 +260,19 @@ def test_stats():
     _close(s["ratio"], [[1.648721, 1.091253, 0.606531]])
     assert s["clip_high"].tolist() == [[1.0, 0.0, 0.0]] and s["clip_low"].tolist() == [[0.0, 0.0, 1.0]]
     s = build("objective", "holderpo", p=1.0, variant="holder_token").stats(ro, {"logp": ro.logp_old + dd})
-    assert s["clip_high"].shape == (1, 3, 3) and s["clip_high"][0, 0].tolist() == [1.0, 1.0, 1.0] and s["clip_low"][0, 2].tolist() == [1.0] * 3
+    assert (
+        s["clip_high"].shape == (1, 3, 3)
+        and s["clip_high"][0, 0].tolist() == [1.0, 1.0, 1.0]
+        and s["clip_low"][0, 2].tolist() == [1.0] * 3
+    )
 
 
 def test_validation():
-    for params, match in (({"variant": "token"}, "variant"), ({"p": float("nan")}, "p must"), ({"eps_low": 1.0}, "eps_low")):
+    for params, match in (
+        ({"variant": "token"}, "variant"),
+        ({"p": float("nan")}, "p must"),
+        ({"eps_low": 1.0}, "eps_low"),
+    ):
         with pytest.raises(ValueError, match=match):
             build("objective", "holderpo", **params)
 
@@ -246,6 +280,8 @@ def test_validation():
 # ---------------------------------------------------------------------------------------------- training
 def test_two_steps_with_the_annealed_p(tmp_path):
     # linear_dec over the 2-step run: p = 2 at step 0, 2 − 4·(1/2) = 0 at step 1, logged as coef/holderpo.p
-    rows, seen = train_recorded(tmp_path, "holderpo", 'objective.terms.holderpo.p={schedule="linear", start_value=2.0, end=-2.0}')
+    rows, seen = train_recorded(
+        tmp_path, "holderpo", 'objective.terms.holderpo.p={schedule="linear", start_value=2.0, end=-2.0}'
+    )
     assert [r["coef/holderpo.p"] for r in rows] == [2.0, 0.0]
     assert all(0.0 < r["ratio"] < 10.0 for r in rows)

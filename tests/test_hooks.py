@@ -21,10 +21,32 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
 
 def tiny_model(seed: int = 0, arch: str = "qwen3"):
     torch.manual_seed(seed)
-    common = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
-    config = transformers.Qwen3Config(head_dim=16, **common) if arch == "qwen3" else transformers.GPT2Config(
-        vocab_size=64, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS)
+    common = dict(
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+    )
+    config = (
+        transformers.Qwen3Config(head_dim=16, **common)
+        if arch == "qwen3"
+        else transformers.GPT2Config(
+            vocab_size=64,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            initializer_range=0.2,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+            bos_token_id=EOS,
+        )
+    )
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager" if arch != "qwen3" else "sdpa").eval()
 
 
@@ -62,7 +84,13 @@ def test_row_hooks_places_each_delta_at_its_prompt_columns():
     with pytest.raises(ValueError, match="outside"):
         row_hooks([EmbedDelta(torch.tensor([3]), torch.zeros(2, 1, 3))], 2, [3], 3, 3)
     with pytest.raises(ValueError, match="layers 1 and 2"):
-        row_hooks([ResidualAdd(1, torch.zeros(2), torch.zeros(1)), ResidualAdd(2, torch.zeros(2), torch.zeros(1))], 1, [1, 1], 1, 2)
+        row_hooks(
+            [ResidualAdd(1, torch.zeros(2), torch.zeros(1)), ResidualAdd(2, torch.zeros(2), torch.zeros(1))],
+            1,
+            [1, 1],
+            1,
+            2,
+        )
 
 
 def test_zero_hooks_equal_the_clean_model_on_both_paths():
@@ -86,7 +114,9 @@ def test_functional_and_hf_paths_agree_under_hooks(greedy):
     clean = _generate(model, None, greedy=greedy)
     for b in range(2):
         assert _seq(fast, b, 0) == _seq(clean, b, 0)  # row 0 of each prompt is clean (zero delta, alpha 0)
-        assert _seq(fast, b, 1) != _seq(clean, b, 1) or _seq(fast, b, 2) != _seq(clean, b, 2)  # the perturbed rows do change
+        assert _seq(fast, b, 1) != _seq(clean, b, 1) or _seq(fast, b, 2) != _seq(
+            clean, b, 2
+        )  # the perturbed rows do change
     assert not any(m._forward_hooks for m in model.modules())  # the fallback's module hook is removed afterwards
 
 
@@ -107,7 +137,7 @@ def test_hooked_rows_equal_a_per_row_reference():
         finally:
             handle.remove()
         got = out.tokens[1, j, : int(out.lengths[1, j])].tolist()
-        assert got == ids[len(PROMPTS[1]):]
+        assert got == ids[len(PROMPTS[1]) :]
 
 
 def test_a_hook_the_functional_decoder_lacks_falls_back(monkeypatch):
@@ -115,7 +145,11 @@ def test_a_hook_the_functional_decoder_lacks_falls_back(monkeypatch):
     hooks = _hooks()
     states = []
     real_new_state = CPUEngine._new_state
-    monkeypatch.setattr(CPUEngine, "_new_state", lambda self, kinds=frozenset(): states.append(real_new_state(self, kinds)) or states[-1])
+    monkeypatch.setattr(
+        CPUEngine,
+        "_new_state",
+        lambda self, kinds=frozenset(): states.append(real_new_state(self, kinds)) or states[-1],
+    )
     fast = _generate(model, hooks)
     assert isinstance(states[-1], DecodeState)
     monkeypatch.setattr(DecodeState, "hooks", frozenset({"embed_delta"}))  # no residual_add in the functional decoder
@@ -123,7 +157,9 @@ def test_a_hook_the_functional_decoder_lacks_falls_back(monkeypatch):
     assert isinstance(states[-1], cpu._HFState)
     assert torch.equal(fast.tokens, fell_back.tokens)
     torch.testing.assert_close(fast.logp, fell_back.logp, atol=1e-4, rtol=0)
-    assert isinstance(states.append(real_new_state(CPUEngine(model, [EOS], PAD), {"embed_delta"})) or states[-1], DecodeState)
+    assert isinstance(
+        states.append(real_new_state(CPUEngine(model, [EOS], PAD), {"embed_delta"})) or states[-1], DecodeState
+    )
 
 
 def test_a_model_outside_the_family_applies_hooks_through_its_own_forward():
@@ -153,7 +189,9 @@ def test_an_engine_that_cannot_apply_a_hook_refuses_at_build_and_at_run_time():
     with pytest.raises(ConfigError, match=r"generation hooks \['residual_add'\].*applies none"):
         check_hooks(_Strategy(), _NoHookPolicy())
     engine = CPUEngine(tiny_model(), [EOS], PAD)
-    check_hooks(_Strategy(), type("P", (), {"modality": "text", "hooks": engine.hooks})())  # the text engine applies both kinds
+    check_hooks(
+        _Strategy(), type("P", (), {"modality": "text", "hooks": engine.hooks})()
+    )  # the text engine applies both kinds
     engine.hooks = frozenset()
     with pytest.raises(ValueError, match="cannot be applied"):
         engine.generate(PROMPTS, 3, torch.arange(6), 4, greedy=True, hooks=_hooks())
@@ -165,12 +203,15 @@ def test_an_engine_that_cannot_apply_a_hook_refuses_at_build_and_at_run_time():
         ctx._generate([Request(0, 2, hook=_hooks()[1])], StepInfo(0, 0, 4))
 
 
-@pytest.mark.parametrize("strategy, kind, artifact", [("e2po", "embed_delta", "e2po_perturbations"), ("vspo", "residual_add", "steering_vector")])
+@pytest.mark.parametrize(
+    "strategy, kind, artifact",
+    [("e2po", "embed_delta", "e2po_perturbations"), ("vspo", "residual_add", "steering_vector")],
+)
 def test_hooked_strategies_refuse_an_engine_without_hooks_and_need_their_phase(tmp_path, strategy, kind, artifact):
     from test_trainer import make_trainer
 
-    from groupwise.config import load_config
     from groupwise.build import build
+    from groupwise.config import load_config
     from groupwise.trainer import Trainer
 
     cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', f'rollout.name="{strategy}"', "eval.size=0"])

@@ -21,8 +21,17 @@ import pytest
 
 import groupwise
 from groupwise import components, registry
-from groupwise.components import (HOOKS, HOOKS_BY_NAME, POLICY_OPTIONAL, PROTOCOLS, check_component, hooks_markdown,
-                                  own_members, protocol_members, provides)
+from groupwise.components import (
+    HOOKS,
+    HOOKS_BY_NAME,
+    POLICY_OPTIONAL,
+    PROTOCOLS,
+    check_component,
+    hooks_markdown,
+    own_members,
+    protocol_members,
+    provides,
+)
 from groupwise.registry import STAGES, entries, register
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,13 +42,47 @@ PACKAGE = Path(groupwise.__file__).resolve().parent
 _MODULE = "a torch / PEFT module (policy/, hooks.py, probing phases)"
 _HF_CONFIG = "a Hugging Face model config or tokenizer"
 NOT_COMPONENT = {
-    **dict.fromkeys(("get_base_model", "get_decoder", "model", "layers", "h", "lm_head", "rotary_emb", "q_norm",
-                     "bias", "config", "peft_config", "disable_adapter", "merge_and_unload", "generation_config"),
-                    _MODULE),
-    **dict.fromkeys(("hidden_size", "intermediate_size", "logit_scale", "logits_scaling", "final_logit_softcapping",
-                     "model_type", "attention_dropout", "hidden_act", "sliding_window", "use_sliding_window",
-                     "layer_types", "rope_parameters", "rope_scaling", "pretraining_tp", "max_position_embeddings",
-                     "eos_token_id", "chat_template"), _HF_CONFIG),
+    **dict.fromkeys(
+        (
+            "get_base_model",
+            "get_decoder",
+            "model",
+            "layers",
+            "h",
+            "lm_head",
+            "rotary_emb",
+            "q_norm",
+            "bias",
+            "config",
+            "peft_config",
+            "disable_adapter",
+            "merge_and_unload",
+            "generation_config",
+        ),
+        _MODULE,
+    ),
+    **dict.fromkeys(
+        (
+            "hidden_size",
+            "intermediate_size",
+            "logit_scale",
+            "logits_scaling",
+            "final_logit_softcapping",
+            "model_type",
+            "attention_dropout",
+            "hidden_act",
+            "sliding_window",
+            "use_sliding_window",
+            "layer_types",
+            "rope_parameters",
+            "rope_scaling",
+            "pretraining_tp",
+            "max_position_embeddings",
+            "eos_token_id",
+            "chat_template",
+        ),
+        _HF_CONFIG,
+    ),
     "device": "config.ModelConfig (a role's model)",
     "matmul": "config.ModelConfig",
     "offset": "types.Request",
@@ -133,7 +176,8 @@ def test_a_reward_provides_one_of_its_two_forms():
     assert check_component("reward", Scorer) == []
     assert check_component("reward", Neither) == [
         f"reward 'Neither' ({Neither.__module__}.{Neither.__qualname__}) lacks __call__ "
-        f"of the Reward or RolloutScorer protocol (components.py)"]
+        f"of the Reward or RolloutScorer protocol (components.py)"
+    ]
 
 
 def test_the_table_is_well_formed():
@@ -196,9 +240,11 @@ def test_every_attribute_the_library_looks_up_is_declared():
 
 def test_the_reading_check_reports_a_new_undeclared_read(tmp_path):
     source = tmp_path / "module.py"
-    source.write_text("def f(component, c, name):\n"
-                      "    if hasattr(component, 'brand_new_hook'):\n"  # reported
-                      "        return getattr(c, 'needs', ()), getattr(c, '_own', None), getattr(c, name)\n")
+    source.write_text(
+        "def f(component, c, name):\n"
+        "    if hasattr(component, 'brand_new_hook'):\n"  # reported
+        "        return getattr(c, 'needs', ()), getattr(c, '_own', None), getattr(c, name)\n"
+    )
     assert undeclared_reads([source], known_names()) == [f"{source}:2: reads 'brand_new_hook' of component"]
 
 
@@ -246,5 +292,7 @@ def test_the_components_page_is_current():
     page = (ROOT / "docs" / "components.md").read_text()
     assert page == text, "regenerate: python -m groupwise.components > docs/components.md"
     assert all(f"| `{hook.name}` | {hook.kind} |" in text for hook in HOOKS)
-    assert ("| `sampling` | `Sampler` | `bind(n_rows, seed)`, `draw(n, info)`, `keep(rollout)`, `state_dict()`, "
-            "`load_state_dict(state)` |") in text
+    assert (
+        "| `sampling` | `Sampler` | `bind(n_rows, seed)`, `draw(n, info)`, `keep(rollout)`, `state_dict()`, "
+        "`load_state_dict(state)` |"
+    ) in text

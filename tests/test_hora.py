@@ -157,9 +157,17 @@ class _Ctx:
         self.calls.append([(r.key, r.n, r.offset) for r in requests])
         B, G = len(requests), max(r.n for r in requests)
         valid = torch.tensor([[j < r.n for j in range(G)] for r in requests])  # [B,G]
-        rewards = torch.tensor([[self.table[r.key][r.offset + j] if j < r.n else float("nan") for j in range(G)] for r in requests])  # [B,G]
-        ro = Rollout(prompt_ids=[[r.key] for r in requests], actions=torch.ones(B, G, 2, dtype=torch.long), mask=valid[..., None].expand(B, G, 2).clone(),
-                     group_valid=valid, truncated=torch.zeros(B, G, dtype=torch.bool), prompt_index=torch.tensor([r.key for r in requests]))
+        rewards = torch.tensor(
+            [[self.table[r.key][r.offset + j] if j < r.n else float("nan") for j in range(G)] for r in requests]
+        )  # [B,G]
+        ro = Rollout(
+            prompt_ids=[[r.key] for r in requests],
+            actions=torch.ones(B, G, 2, dtype=torch.long),
+            mask=valid[..., None].expand(B, G, 2).clone(),
+            group_valid=valid,
+            truncated=torch.zeros(B, G, dtype=torch.bool),
+            prompt_index=torch.tensor([r.key for r in requests]),
+        )
         ro.rewards = rewards
         return ro
 
@@ -200,8 +208,14 @@ def test_join_rows_by_level():
     from groupwise.types import Rollout
 
     def ro(B, G, T, fill):
-        r = Rollout(prompt_ids=[[b] for b in range(B)], actions=torch.full((B, G, T), fill), mask=torch.ones(B, G, T, dtype=torch.bool),
-                    group_valid=torch.ones(B, G, dtype=torch.bool), truncated=torch.zeros(B, G, dtype=torch.bool), prompt_index=torch.arange(B))
+        r = Rollout(
+            prompt_ids=[[b] for b in range(B)],
+            actions=torch.full((B, G, T), fill),
+            mask=torch.ones(B, G, T, dtype=torch.bool),
+            group_valid=torch.ones(B, G, dtype=torch.bool),
+            truncated=torch.zeros(B, G, dtype=torch.bool),
+            prompt_index=torch.arange(B),
+        )
         r.rewards = torch.full((B, G), float(fill))
         r.set_extra("w", torch.full((B,), float(fill)), "group")
         r.set_extra("tok", torch.full((B, G, T), float(fill)), "token")
@@ -213,14 +227,18 @@ def test_join_rows_by_level():
     assert j.group_valid.tolist() == [[True, True, False, False, False]] * 2 + [[True] * 5]
     assert j.rewards[2].tolist() == [1, 1, 7, 7, 7] and j.rewards[0, 2:].tolist() == [0, 0, 0]
     assert j.actions[0, 0].tolist() == [1, 1, 1, 1, 0] and j.actions[2, 4].tolist() == [7] * 5  # tokens padded to T = 5
-    assert j.extras["w"].tolist() == [1, 1, 1] and j.extras["tok"][2, 3].tolist() == [7] * 5  # group level kept, token level joined
+    assert (
+        j.extras["w"].tolist() == [1, 1, 1] and j.extras["tok"][2, 3].tolist() == [7] * 5
+    )  # group level kept, token level joined
     assert j.prompt_ids == a.prompt_ids and j.prompt_index.tolist() == [0, 1, 2]
 
 
 def test_hora_trains_through_the_trainer(tmp_path):
     from test_trainer import make_trainer
 
-    trainer = make_trainer(tmp_path / "run", "train.steps=2", "eval.size=0", 'rollout.name="hora"', 'rollout.params={initial=2}')
+    trainer = make_trainer(
+        tmp_path / "run", "train.steps=2", "eval.size=0", 'rollout.name="hora"', "rollout.params={initial=2}"
+    )
     batch = trainer.prepare(trainer.collect())
     sizes = batch.group_valid.sum(1)  # [B] 2 + the allocation each
     assert int(sizes.sum()) == 4 * 4 and int(sizes.min()) >= 2  # the budget: prompts_per_step x group_size rows

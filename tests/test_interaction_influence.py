@@ -27,17 +27,27 @@ import math
 
 import pytest
 import torch
+from helpers import rollout_from
+from test_trainer import make_trainer
 
-from groupwise.influence import greedy_select, influence_terms, interaction_influence, param_shifts, ridge_fit, ridge_lgo_benchmark
+from groupwise.influence import (
+    greedy_select,
+    influence_terms,
+    interaction_influence,
+    param_shifts,
+    ridge_fit,
+    ridge_lgo_benchmark,
+)
 from groupwise.registry import build
 from groupwise.run import Run
 from groupwise.sampling.cgpo import step_generator
 from groupwise.sampling.interaction_influence import hidden_features, token_features
 from groupwise.types import StepInfo
-from helpers import rollout_from
-from test_trainer import make_trainer
 
-X, Y = torch.tensor([[1.0], [2.0], [1.0], [3.0]], dtype=torch.float64), torch.tensor([1.0, 2.5, 0.5, 2.0], dtype=torch.float64)
+X, Y = (
+    torch.tensor([[1.0], [2.0], [1.0], [3.0]], dtype=torch.float64),
+    torch.tensor([1.0, 2.5, 0.5, 2.0], dtype=torch.float64),
+)
 
 
 def _spec_problem():
@@ -54,7 +64,9 @@ def test_spec_least_squares_numbers():
     I, J = influence_terms(D, grad_f, hess)
     assert I.tolist() == pytest.approx([-0.003704, -0.037037, 0.007407, 0.033333], abs=1e-6)
     assert float(J[0, 1]) == pytest.approx(0.004938, abs=1e-6)
-    assert interaction_influence(D, grad_f, hess, [0, 1], include_self=False, pair=False) == pytest.approx(-0.040741, abs=1e-6)
+    assert interaction_influence(D, grad_f, hess, [0, 1], include_self=False, pair=False) == pytest.approx(
+        -0.040741, abs=1e-6
+    )
     assert interaction_influence(D, grad_f, hess, [0, 1], include_self=False) == pytest.approx(-0.035802, abs=1e-6)
     assert interaction_influence(D, grad_f, hess, [0, 1]) == pytest.approx(-0.010864, abs=1e-6)
     keep = torch.tensor([False, False, True, True])
@@ -62,7 +74,9 @@ def test_spec_least_squares_numbers():
     assert f(ridge_fit(X, Y, 0.0, keep)) - f(w) == pytest.approx(0.006111, abs=1e-6)
     # a Hessian-vector product and an inverse-Hessian callable give the same numbers as the matrices
     D2 = param_shifts(X * (X @ w - Y)[:, None], lambda v: v / 3.75, 4)
-    assert torch.allclose(D2, D) and interaction_influence(D2, grad_f, lambda v: 4 * v, [0, 1]) == pytest.approx(-0.010864, abs=1e-6)
+    assert torch.allclose(D2, D) and interaction_influence(D2, grad_f, lambda v: 4 * v, [0, 1]) == pytest.approx(
+        -0.010864, abs=1e-6
+    )
 
 
 def test_ridge_leave_group_out_correlations():
@@ -72,7 +86,9 @@ def test_ridge_leave_group_out_correlations():
     out = ridge_lgo_benchmark()
     print({k: round(v, 4) for k, v in out.items()})
     assert out["corr/first"] < out["corr/first+pair"] < out["corr/first+pair+self"]
-    assert out["corr/first"] == pytest.approx(0.948, abs=0.002) and out["corr/first+pair+self"] == pytest.approx(0.970, abs=0.002)
+    assert out["corr/first"] == pytest.approx(0.948, abs=0.002) and out["corr/first+pair+self"] == pytest.approx(
+        0.970, abs=0.002
+    )
     assert out["mae/first+pair+self"] < out["mae/first"]
 
 
@@ -100,12 +116,21 @@ def _batch(ids, actions, adv, valid=None):
 def test_token_and_hidden_features_by_hand():
     # one group, rows "3 4" (A = +1) and "3 5" (A = −1): slot(3, t=0) gets 1 − 1 = 0, slot(4, 1) +1, slot(5, 1) −1, / 2 rows
     actions, adv = torch.tensor([[[3, 4], [3, 5]]]), torch.tensor([[1.0, -1.0]])
-    f = token_features(actions, torch.ones(1, 2, 2, dtype=torch.bool), adv[..., None].expand(1, 2, 2), 10_000)  # [1,dim]
+    f = token_features(
+        actions, torch.ones(1, 2, 2, dtype=torch.bool), adv[..., None].expand(1, 2, 2), 10_000
+    )  # [1,dim]
     s = lambda tok, t: (tok * 1_000_003 + t * 7_919) % 10_000  # noqa: E731
-    assert float(f[0, s(4, 1)]) == 0.5 and float(f[0, s(5, 1)]) == -0.5 and float(f[0, s(3, 0)]) == 0.0 and float(f.abs().sum()) == 1.0
+    assert (
+        float(f[0, s(4, 1)]) == 0.5
+        and float(f[0, s(5, 1)]) == -0.5
+        and float(f[0, s(3, 0)]) == 0.0
+        and float(f.abs().sum()) == 1.0
+    )
     h = torch.tensor([[[[1.0, 0.0], [3.0, 0.0]], [[0.0, 2.0], [0.0, 4.0]]]])  # [1,G=2,T=2,H=2]
     # row means: [2, 0] (A +1), [0, 3] (A −1) → ([2,0] − [0,3]) / 2 = [1, −1.5]
-    assert hidden_features(h, torch.ones(1, 2, 2, dtype=torch.bool), adv[..., None].expand(1, 2, 2)).tolist() == [[1.0, -1.5]]
+    assert hidden_features(h, torch.ones(1, 2, 2, dtype=torch.bool), adv[..., None].expand(1, 2, 2)).tolist() == [
+        [1.0, -1.5]
+    ]
 
 
 def _sampler(n_rows=8, **kw):
@@ -127,7 +152,10 @@ def test_sampler_prefers_signal_and_skips_the_redundant_copy():
     adv = torch.tensor([[1.0, -1.0], [1.0, -1.0], [0.95, -0.95]] + [[0.0, 0.0]] * 5)
     s.observe(_batch(list(range(8)), a, adv), StepInfo(0, 0, 2))
     order = torch.randperm(8, generator=step_generator(0, 1, 0, salt=16)).tolist()  # draw's tie-break order at step 1
-    assert s.draw(2, StepInfo(1, 0, 2)) == [min((0, 1), key=order.index), 2]  # the copy that comes first in the tie-break order
+    assert s.draw(2, StepInfo(1, 0, 2)) == [
+        min((0, 1), key=order.index),
+        2,
+    ]  # the copy that comes first in the tie-break order
     first = _sampler(explore=0.0, pool=0, hessian="identity", step_size=0.4, pair=False, include_self=False)
     first.load_state_dict(s.state_dict())
     assert sorted(first.draw(2, StepInfo(1, 0, 2))) == [0, 1]
@@ -139,7 +167,9 @@ def test_sampler_prefers_signal_and_skips_the_redundant_copy():
 
 def test_sampler_explore_pool_invalid_groups_and_resume():
     s = _sampler(n_rows=20, explore=0.5)
-    assert s.draw(4, StepInfo(0, 0, 2)) == s.draw(4, StepInfo(0, 0, 2)) != s.draw(4, StepInfo(1, 0, 2))  # nothing seen: seeded uniform
+    assert (
+        s.draw(4, StepInfo(0, 0, 2)) == s.draw(4, StepInfo(0, 0, 2)) != s.draw(4, StepInfo(1, 0, 2))
+    )  # nothing seen: seeded uniform
     a = torch.randint(2, 9, (4, 3, 2), generator=torch.Generator().manual_seed(0))
     valid = torch.ones(4, 3, dtype=torch.bool)
     valid[3] = False  # a group without a valid row is not recorded
@@ -162,8 +192,13 @@ def test_sampler_explore_pool_invalid_groups_and_resume():
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_composes_with_each_objective(tmp_path, objective):
-    trainer = make_trainer(tmp_path, f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]', 'sampling={name="interaction_influence"}',
-                           "train.steps=2", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path,
+        f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]',
+        'sampling={name="interaction_influence"}',
+        "train.steps=2",
+        "eval.size=0",
+    )
     drawn = []
     observe = trainer.observe
     trainer.observe = lambda batch: (drawn.append(batch.prompt_index.tolist()), observe(batch))

@@ -21,18 +21,21 @@ import time
 from pathlib import Path
 
 import pytest
+from killpoints import CHECKPOINT_WHENS, arm
+from test_trainer import MODEL, make_trainer
 
 from groupwise import runfolder
 from groupwise.run import Run
-from killpoints import CHECKPOINT_WHENS, arm
-from test_trainer import MODEL, make_trainer
 
 END = ["train.steps=2", "checkpoint.every=1", "eval.size=4"]
 SFT = ['phases=[{name="sft", steps=3, batch_size=8}]', "train.steps=1", "checkpoint.every=1", "eval.size=4"]
 FINAL_FILES = 5  # config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json
-END_POINTS = ([f"checkpoint:{w}" for w in CHECKPOINT_WHENS] + [f"final:{k}" for k in range(FINAL_FILES)]
-              + ["final:published"] + [f"{name}:{when}" for name in ("reward.png", "summary.json", runfolder.FINISHED)
-                 for when in ("torn", "after")])
+END_POINTS = (
+    [f"checkpoint:{w}" for w in CHECKPOINT_WHENS]
+    + [f"final:{k}" for k in range(FINAL_FILES)]
+    + ["final:published"]
+    + [f"{name}:{when}" for name in ("reward.png", "summary.json", runfolder.FINISHED) for when in ("torn", "after")]
+)
 PHASE_POINTS = ["sft.pt:before", "sft.pt:torn", "sft.pt:after", "sft.sha256:torn", "sft.sha256:after"]
 
 
@@ -61,8 +64,11 @@ def outcome(run: Path) -> tuple[dict, dict]:
     """sha256 of every file of final/ and summary.json without its wall-clock fields; FINISHED must vouch for both."""
     there = sorted(p.name for p in run.iterdir())
     assert (run / "final").is_dir() and (run / "summary.json").exists(), f"outputs missing in {run}: {there}"
-    final = {str(p.relative_to(run / "final")): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted((run / "final").rglob("*")) if p.is_file()}
+    final = {
+        str(p.relative_to(run / "final")): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((run / "final").rglob("*"))
+        if p.is_file()
+    }
     summary = without_clock(json.loads((run / "summary.json").read_text()))
     step, why = runfolder.finished_step(run)
     assert step == summary["steps"], why
@@ -95,10 +101,12 @@ def killed_then_rerun(run: Path, setup: list[str], point: str, monkeypatch, caps
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("point", "keep_last"),
-                         [(p, 2) for p in END_POINTS] + [(f"checkpoint:{w}", 1) for w in CHECKPOINT_WHENS])
-def test_a_kill_at_each_write_of_the_end_is_completed_by_the_rerun(tmp_path, straight, point, keep_last, monkeypatch,
-                                                                   capsys):
+@pytest.mark.parametrize(
+    ("point", "keep_last"), [(p, 2) for p in END_POINTS] + [(f"checkpoint:{w}", 1) for w in CHECKPOINT_WHENS]
+)
+def test_a_kill_at_each_write_of_the_end_is_completed_by_the_rerun(
+    tmp_path, straight, point, keep_last, monkeypatch, capsys
+):
     setup = END if keep_last == 2 else [*END, "checkpoint.keep_last=1"]
     said = killed_then_rerun(tmp_path, setup, point, monkeypatch, capsys)
     assert outcome(tmp_path) == straight["end" if keep_last == 2 else "end_keep1"]
@@ -139,21 +147,40 @@ def test_outputs_lost_after_a_finished_checkpoint_are_written_again(tmp_path, st
 # ---------------------------------------------------------------------------------------------- real SIGKILLs (slow)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 KILLPOINTS = str(Path(__file__).with_name("killpoints.py"))
-DEMO = ["train", "demo", "rollout.prompts_per_step=8", "rollout.group_size=4", "checkpoint.every=1", "eval.size=8",
-        "threads=1", f'model.path="{MODEL}"']
+DEMO = [
+    "train",
+    "demo",
+    "rollout.prompts_per_step=8",
+    "rollout.group_size=4",
+    "checkpoint.every=1",
+    "eval.size=8",
+    "threads=1",
+    f'model.path="{MODEL}"',
+]
 OFFLINE = 'phases=[{name="lora_placement_probe", probes=2, prompts=8, group_size=4, max_new_tokens=6}]'
 # setup -> (the run's arguments, its kill points, a file final/ must hold)
 SLOW_SETUPS = {
     "end": ([*DEMO, "train.steps=3"], END_POINTS, "model.safetensors"),
-    "end_keep1": ([*DEMO, "train.steps=3", "checkpoint.keep_last=1"], [f"checkpoint:{w}" for w in CHECKPOINT_WHENS],
-                  "model.safetensors"),
-    "two_roles": (["train", "codistill", *DEMO[2:], "train.steps=2"],
-                  [f"final:{k}" for k in range(2 * FINAL_FILES)] + ["final:published"], "teacher/model.safetensors"),
-    "sft": ([*DEMO, 'phases=[{name="sft", steps=6, batch_size=8}]', "train.steps=2"], PHASE_POINTS,
-            "model.safetensors"),
-    "offline": (["train", "lora_placement", *DEMO[2:], OFFLINE, "train.steps=2"],
-                [f"placement.{s}:{w}" for s in ("pt", "sha256") for w in ("before", "torn", "after")],
-                "model.safetensors"),
+    "end_keep1": (
+        [*DEMO, "train.steps=3", "checkpoint.keep_last=1"],
+        [f"checkpoint:{w}" for w in CHECKPOINT_WHENS],
+        "model.safetensors",
+    ),
+    "two_roles": (
+        ["train", "codistill", *DEMO[2:], "train.steps=2"],
+        [f"final:{k}" for k in range(2 * FINAL_FILES)] + ["final:published"],
+        "teacher/model.safetensors",
+    ),
+    "sft": (
+        [*DEMO, 'phases=[{name="sft", steps=6, batch_size=8}]', "train.steps=2"],
+        PHASE_POINTS,
+        "model.safetensors",
+    ),
+    "offline": (
+        ["train", "lora_placement", *DEMO[2:], OFFLINE, "train.steps=2"],
+        [f"placement.{s}:{w}" for s in ("pt", "sha256") for w in ("before", "torn", "after")],
+        "model.safetensors",
+    ),
 }
 TALLY: dict[str, list[int]] = {}  # setup -> [survived, tried]
 
@@ -192,24 +219,45 @@ def test_sigkill_at_every_write_of_the_end_and_of_phase_outputs(tmp_path, setup)
 
 
 # ---------------------------------------------------------------------------------------------- a compare run (slow)
-COMPARE = ["compare", "a=demo", "--seeds", "1", "train.steps=3", "checkpoint.every=1", "eval.size=8",
-           "rollout.prompts_per_step=8", "rollout.group_size=4", "threads=1", f'model.path="{MODEL}"']
-COMPARE_POINTS = ["compare:child", "run.json:torn", "run.json:after", "run.json:torn#2", "compare.json:torn",
-                  "compare.json:after"]
+COMPARE = [
+    "compare",
+    "a=demo",
+    "--seeds",
+    "1",
+    "train.steps=3",
+    "checkpoint.every=1",
+    "eval.size=8",
+    "rollout.prompts_per_step=8",
+    "rollout.group_size=4",
+    "threads=1",
+    f'model.path="{MODEL}"',
+]
+COMPARE_POINTS = [
+    "compare:child",
+    "run.json:torn",
+    "run.json:after",
+    "run.json:torn#2",
+    "compare.json:torn",
+    "compare.json:after",
+]
 
 
 def _compare(out: Path, point: str | None = None, **env) -> subprocess.CompletedProcess:
     head = [sys.executable, KILLPOINTS, point] if point else [sys.executable, "-m", "groupwise"]
-    return subprocess.run([*head, *COMPARE, "--out", str(out)], capture_output=True, text=True, env={**ENV, **env},
-                          timeout=600)
+    return subprocess.run(
+        [*head, *COMPARE, "--out", str(out)], capture_output=True, text=True, env={**ENV, **env}, timeout=600
+    )
 
 
 def _compared(out: Path) -> dict:
     """compare.json's per-seed results and summary without clock fields, and the seed's run folder's outcome."""
     config = json.loads((out / "compare.json").read_text())["configs"][0]
     runs = [{k: v for k, v in r.items() if k not in ("skipped", "folder")} for r in config["runs"]]
-    return {"runs": without_clock(runs), "summary": without_clock(config["summary"]),
-            "seed0": outcome(out / "a" / "seed0")}
+    return {
+        "runs": without_clock(runs),
+        "summary": without_clock(config["summary"]),
+        "seed0": outcome(out / "a" / "seed0"),
+    }
 
 
 def _alive(pid: int) -> bool:

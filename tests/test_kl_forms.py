@@ -18,13 +18,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import info_for, leaf, make_logp, make_rollout, objective_for, rollout_from
 
 from groupwise import schedules
 from groupwise.errors import ConfigError
 from groupwise.registry import build
-from helpers import info_for, leaf, make_logp, make_rollout, objective_for, rollout_from
 
-E05, EM05, E02, EM01 = math.exp(0.5), math.exp(-0.5), math.exp(0.2), math.exp(-0.1)  # 1.648721 0.606531 1.221403 0.904837
+E05, EM05, E02, EM01 = (
+    math.exp(0.5),
+    math.exp(-0.5),
+    math.exp(0.2),
+    math.exp(-0.1),
+)  # 1.648721 0.606531 1.221403 0.904837
 K3_M05 = EM05 + 0.5 - 1.0  # k3 at d = −0.5: 0.106531
 K3_P05 = E05 - 0.5 - 1.0  # k3 at d = +0.5: 0.148721
 
@@ -57,7 +62,10 @@ def test_estimators_by_hand(name, value, grad):
 def test_estimators_negative_log_ratio():
     # logp = −1.5, logp_ref = −1: logp − logp_ref = −0.5 → abs 0.5 with gradient −1; k1+ value −0.5,
     # gradient (k2's) −0.5; k3+ value k3(d = +0.5) = 0.148721, gradient −0.5
-    assert _value_grad("abs", [-1.5], [-1.0]) == (pytest.approx(torch.tensor([0.5])), pytest.approx(torch.tensor([-1.0])))
+    assert _value_grad("abs", [-1.5], [-1.0]) == (
+        pytest.approx(torch.tensor([0.5])),
+        pytest.approx(torch.tensor([-1.0])),
+    )
     kl, g = _value_grad("k1+", [-1.5], [-1.0])
     assert kl.item() == pytest.approx(-0.5) and g.item() == pytest.approx(-0.5)
     kl, g = _value_grad("k3+", [-1.5], [-1.0])
@@ -110,8 +118,9 @@ def test_plus_forms_zero_at_equal_and_finite_on_padding():
     # the kl term neutralises padding: garbage (±1e4) there gives exactly 0 value and gradient
     for name in ("abs", "abs+", "k1+", "k3+", "low_var_kl", "low_var_kl+"):
         term = build("objective", "kl", estimator=name)
-        mb = rollout_from(torch.zeros(1, 1, 3), None, mask=torch.tensor([[[1, 1, 0]]]),
-                          logp_ref=torch.tensor([[[-1.5, -1.0, 1e4]]]))
+        mb = rollout_from(
+            torch.zeros(1, 1, 3), None, mask=torch.tensor([[[1, 1, 0]]]), logp_ref=torch.tensor([[[-1.5, -1.0, 1e4]]])
+        )
         logp = leaf([[[-1.0, -1.0, -1e4]]])
         values = term(mb, {"logp": logp}, info_for(3))
         values.sum().backward()
@@ -123,8 +132,12 @@ def test_plus_forms_zero_at_equal_and_finite_on_padding():
 def _two_tokens():
     # logp = [−1, −1], logp_old = [−1.2, −0.9] → ratio [e^0.2, e^−0.1] = [1.221403, 0.904837]
     # logp_ref = [−1.5, −0.5] → d = [−0.5, +0.5], k3 = [0.106531, 0.148721]
-    mb = rollout_from(torch.tensor([[[-1.2, -0.9, 5.0]]]), None, mask=torch.tensor([[[1, 1, 0]]]),
-                      logp_ref=torch.tensor([[[-1.5, -0.5, 9.0]]]))
+    mb = rollout_from(
+        torch.tensor([[[-1.2, -0.9, 5.0]]]),
+        None,
+        mask=torch.tensor([[[1, 1, 0]]]),
+        logp_ref=torch.tensor([[[-1.5, -0.5, 9.0]]]),
+    )
     return mb, leaf([[[-1.0, -1.0, 3.0]]])
 
 
@@ -144,7 +157,9 @@ def test_kl_bias_correction_token_by_hand():
     values.sum().backward()
     # ∂(r·k3)/∂logp = r·k3 + r·(1 − e^d) = r·(logp − logp_ref): [1.221403·0.5, 0.904837·(−0.5)]
     torch.testing.assert_close(logp.grad, torch.tensor([[[E02 * 0.5, -EM01 * 0.5, 0.0]]]))
-    assert term.stats(mb, {"logp": logp})["kl"][0, 0, :2].tolist() == pytest.approx([E02 * K3_M05, EM01 * K3_P05], rel=1e-6)
+    assert term.stats(mb, {"logp": logp})["kl"][0, 0, :2].tolist() == pytest.approx(
+        [E02 * K3_M05, EM01 * K3_P05], rel=1e-6
+    )
 
 
 def test_kl_bias_correction_sequence_by_hand():
@@ -194,23 +209,46 @@ def _trl_compute_loss(loss_type, logp, logp_old, logp_ref, adv, mask, beta, bias
     metrics = defaultdict(lambda: defaultdict(list))
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
-        loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2, use_vllm=False, vllm_importance_sampling_correction=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=level,
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
         args=SimpleNamespace(delta=None, use_bias_correction_kl=bias_correction, steps_per_generation=1),
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, _metrics=metrics,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        _metrics=metrics,
         accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction="sum": t, gather=lambda t: t),
     )
     N, T = logp.shape
-    inputs = dict(prompt_ids=torch.zeros(N, 1, dtype=torch.long), prompt_mask=torch.ones(N, 1, dtype=torch.long),
-                  completion_ids=torch.zeros(N, T, dtype=torch.long), completion_mask=mask.long(), advantages=adv,
-                  old_per_token_logps=logp_old, ref_per_token_logps=logp_ref, num_items_in_batch=mask.sum().float())
+    inputs = dict(
+        prompt_ids=torch.zeros(N, 1, dtype=torch.long),
+        prompt_mask=torch.ones(N, 1, dtype=torch.long),
+        completion_ids=torch.zeros(N, T, dtype=torch.long),
+        completion_mask=mask.long(),
+        advantages=adv,
+        old_per_token_logps=logp_old,
+        ref_per_token_logps=logp_ref,
+        num_items_in_batch=mask.sum().float(),
+    )
     return GRPOTrainer._compute_loss(fake, None, inputs), metrics["train"]
 
 
 @pytest.mark.parametrize("bias_correction", [True, False])
-@pytest.mark.parametrize("loss_type,agg,level", [("grpo", "seq_mean_token_mean", "token"), ("bnpo", "token_mean", "token"),
-                                                 ("grpo", "seq_mean_token_mean", "sequence")])
+@pytest.mark.parametrize(
+    "loss_type,agg,level",
+    [
+        ("grpo", "seq_mean_token_mean", "token"),
+        ("bnpo", "token_mean", "token"),
+        ("grpo", "seq_mean_token_mean", "sequence"),
+    ],
+)
 def test_trl_parity_kl_term(loss_type, agg, level, bias_correction):
     # TRL: per_token_loss = ppo_clip + beta·k3·(coef_1 if use_bias_correction_kl), aggregated by loss_type;
     # ours: ppo_clip (token level; gspo for TRL's sequence level) + kl(coef=beta, bias_correction, is_level).
@@ -218,8 +256,17 @@ def test_trl_parity_kl_term(loss_type, agg, level, bias_correction):
     ro = make_rollout(B, G, T, seed=21, awkward=False)  # every row valid with ≥ 1 token (TRL counts all rows)
     logp = make_logp(ro, seed=22, scale=0.25)
     N, m = B * G, ro.mask.reshape(B * G, T)
-    trl_loss, trl_metrics = _trl_compute_loss(loss_type, logp.reshape(N, T), ro.logp_old.reshape(N, T), ro.logp_ref.reshape(N, T),
-                                              ro.advantages.reshape(N), m, beta, bias_correction, level)
+    trl_loss, trl_metrics = _trl_compute_loss(
+        loss_type,
+        logp.reshape(N, T),
+        ro.logp_old.reshape(N, T),
+        ro.logp_ref.reshape(N, T),
+        ro.advantages.reshape(N),
+        m,
+        beta,
+        bias_correction,
+        level,
+    )
     (trl_grad,) = torch.autograd.grad(trl_loss, logp)
     pg = build("objective", "ppo_clip") if level == "token" else build("objective", "gspo", eps_low=0.2, eps_high=0.2)
     kl = build("objective", "kl", coef=beta, bias_correction=bias_correction, is_level=level)
@@ -229,11 +276,22 @@ def test_trl_parity_kl_term(loss_type, agg, level, bias_correction):
     (grad,) = torch.autograd.grad(loss, x)
     d_loss, d_grad = (loss - trl_loss).abs().item(), (grad - trl_grad).abs().max().item()
     d_kl = abs(obj.pop_stats()["kl"] - trl_metrics["kl"][-1])
-    print(f"TRL parity kl {loss_type}/{level} bias_correction={bias_correction}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e}, kl stat {d_kl:.2e}")
+    print(
+        f"TRL parity kl {loss_type}/{level} bias_correction={bias_correction}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e}, kl stat {d_kl:.2e}"
+    )
     assert d_loss < 1e-6 and d_grad < 1e-7 and d_kl < 1e-6
     # guard: the KL part matters, and the correction changes it (off-policy ratio ≠ 1)
-    _, trl_other = _trl_compute_loss(loss_type, logp.reshape(N, T).detach(), ro.logp_old.reshape(N, T), ro.logp_ref.reshape(N, T),
-                                     ro.advantages.reshape(N), m, beta, not bias_correction, level)
+    _, trl_other = _trl_compute_loss(
+        loss_type,
+        logp.reshape(N, T).detach(),
+        ro.logp_old.reshape(N, T),
+        ro.logp_ref.reshape(N, T),
+        ro.advantages.reshape(N),
+        m,
+        beta,
+        not bias_correction,
+        level,
+    )
     assert abs(trl_other["kl"][-1] - trl_metrics["kl"][-1]) > 1e-4
 
 
@@ -250,7 +308,13 @@ def _kl_batch(diffs, mask=None, valid=None):
 
 def test_adaptive_kl_by_hand_sequence_level():
     ctl = build("schedule", "adaptive_kl", horizon=10.0)
-    assert (ctl.init, ctl.target, ctl.clip, ctl.estimator, ctl.level) == (0.2, 6.0, 0.2, "k1", "sequence") and ctl.start() == 0.2
+    assert (ctl.init, ctl.target, ctl.clip, ctl.estimator, ctl.level) == (
+        0.2,
+        6.0,
+        0.2,
+        "k1",
+        "sequence",
+    ) and ctl.start() == 0.2
     # 2 rows, k1 per token = logp_old − logp_ref: row sums 8 and 10 → KL = 9
     # e = clip(9/6 − 1 = 0.5, ±0.2) = 0.2; value = 0.2·(1 + 0.2·2/10) = 0.208
     ro = _kl_batch([[[4.0, 4.0], [5.0, 5.0]]])
@@ -265,7 +329,9 @@ def test_adaptive_kl_token_mean_level_masks_and_invalid_rows():
     # row 0: tokens [0.3, 0.1 (masked: garbage 9)] → mean 0.3; row 1: [0.1, 0.1] → 0.1; row 2 invalid (garbage)
     # KL = (0.3 + 0.1)/2 = 0.2 → e = clip(0.2/0.1 − 1 = 1, ±0.2) = 0.2; n = 2 valid rows
     # value = 1·(1 + 0.2·2/100) = 1.004
-    ro = _kl_batch([[[0.3, 9.0], [0.1, 0.1], [50.0, 50.0]]], mask=torch.tensor([[[1, 0], [1, 1], [1, 1]]]), valid=[[1, 1, 0]])
+    ro = _kl_batch(
+        [[[0.3, 9.0], [0.1, 0.1], [50.0, 50.0]]], mask=torch.tensor([[[1, 0], [1, 1], [1, 1]]]), valid=[[1, 1, 0]]
+    )
     assert ctl(info_for(2), ro) == pytest.approx(1.004) and ctl.last_kl == pytest.approx(0.2)
     # n_steps overrides the row count: 1.004·(1 + 0.2·50/100) = 1.004·1.1 = 1.1044
     fixed = build("schedule", "adaptive_kl", init=1.004, target=0.1, horizon=100.0, level="token_mean", n_steps=50)
@@ -317,7 +383,9 @@ def test_verl_and_trl_parity_adaptive_kl():
     # → 0.2·(1 − 0.2·3/10000) = 0.199988
     trl = build("schedule", "adaptive_kl")
     got = trl(info_for(2), _kl_batch(diffs, mask=mask))
-    assert trl.last_kl == pytest.approx(1 / 3, rel=1e-6) and got == pytest.approx(0.2 * (1 - 0.2 * 3 / 10000), rel=1e-12)
+    assert trl.last_kl == pytest.approx(1 / 3, rel=1e-6) and got == pytest.approx(
+        0.2 * (1 - 0.2 * 3 / 10000), rel=1e-12
+    )
 
 
 def test_adaptive_kl_as_kl_penalty_coefficient():
@@ -325,7 +393,9 @@ def test_adaptive_kl_as_kl_penalty_coefficient():
     scorer = build("reward", "kl_penalty", coef={"schedule": "adaptive_kl", "target": 6.0, "horizon": 10000})
     assert scorer.coef == 0.2 and type(scorer.schedules["coef"]).__name__ == "AdaptiveKL"
     ro = _kl_batch([[[4.0, 5.0], [6.0, 3.0]]])  # row sums 9, 9 → KL 9 → e = 0.2 → 0.2·(1 + 0.2·2/10000)
-    torch.testing.assert_close(scorer.score_rollout(ro, info_for(2)), torch.tensor([[-0.2 * 9, -0.2 * 9]]))  # scored with β_t
+    torch.testing.assert_close(
+        scorer.score_rollout(ro, info_for(2)), torch.tensor([[-0.2 * 9, -0.2 * 9]])
+    )  # scored with β_t
     logged = schedules.resolve([scorer], info_for(2), ro)
     assert scorer.coef == pytest.approx(0.2 * 1.00004) and logged == {"coef/kl_penalty.coef": scorer.coef}
 
@@ -348,7 +418,9 @@ def test_seq_mean_token_sum_by_hand():
     # a row value counts once per loss token: [2, 5, 9] → (2·3 + 5·1)/2 = 5.5
     assert agg.reduce(torch.tensor([[2.0, 5.0, 9.0]]), MASK, norm).item() == pytest.approx(5.5)
     # micro-batch shares with the whole-batch normaliser add up; all masked → 0
-    assert (agg.reduce(VALUES[:, :1], MASK[:, :1], norm) + agg.reduce(VALUES[:, 1:], MASK[:, 1:], norm)).item() == pytest.approx(5.0)
+    assert (
+        agg.reduce(VALUES[:, :1], MASK[:, :1], norm) + agg.reduce(VALUES[:, 1:], MASK[:, 1:], norm)
+    ).item() == pytest.approx(5.0)
     empty = torch.zeros_like(MASK)
     assert agg.reduce(VALUES, empty, agg.normalizer(empty, info_for(3))).item() == 0.0
 
@@ -370,4 +442,7 @@ def test_verl_parity_seq_mean_token_sum():
     print(f"verl parity seq_mean_token_sum: |Δ| {abs(ours - verl).item():.2e}")
     assert abs(ours - verl).item() < 1e-6 and (lengths == 0).any()
     # seq-mean-token-mean differs (guards that the test can tell them apart)
-    assert abs(build("aggregation", "seq_mean_token_mean").reduce(loss_mat, mask, {"rows": seq_mask.sum().long()}) - verl) > 1e-3
+    assert (
+        abs(build("aggregation", "seq_mean_token_mean").reduce(loss_mat, mask, {"rows": seq_mask.sum().long()}) - verl)
+        > 1e-3
+    )

@@ -28,11 +28,20 @@ import math
 
 import pytest
 import torch
+from helpers import (
+    assert_micro_batch_invariant,
+    check_micro_batching,
+    info_for,
+    make_logp,
+    make_rollout,
+    objective_for,
+    rollout_from,
+    train_recorded,
+)
 
 from groupwise.errors import ConfigError
 from groupwise.losses.la_grpo import functional_token_mask, resolve_tokens
 from groupwise.registry import build
-from helpers import assert_micro_batch_invariant, check_micro_batching, info_for, make_logp, make_rollout, objective_for, rollout_from, train_recorded
 
 VOCAB = ["", "a", "+", "-", "*"]  # id 0 EOS, 1 ordinary, 2-4 the functional operators
 
@@ -200,7 +209,9 @@ def test_guard_per_micro_batch_count_would_differ():
     obj, info, logp = objective_for([term], "token_mean"), info_for(6), make_logp(ro)
     whole = obj.loss(ro, {"logp": logp}, obj.normalizers(ro, info), info)
     split = [[0, 4], [1], [2, 3, 5]]
-    local = sum(obj.loss(ro.select(idx), {"logp": logp[idx]}, obj.normalizers(ro.select(idx), info), info) for idx in split)
+    local = sum(
+        obj.loss(ro.select(idx), {"logp": logp[idx]}, obj.normalizers(ro.select(idx), info), info) for idx in split
+    )
     assert not torch.allclose(whole, local, atol=1e-4)
 
 
@@ -233,14 +244,17 @@ def test_unbound_vocabulary_is_a_clear_error():
         build("objective", "la_grpo")(ro, {"logp": logp}, info_for(10))
 
 
-@pytest.mark.parametrize("params, match", [
-    ({"anchor": "kl"}, "anchor must be one of"),
-    ({"tokens": []}, "non-empty list"),
-    ({"tokens": ["+", ""]}, "non-empty list"),
-    ({"tokens": "+"}, "tokens"),
-    ({"tokens": ["+", "+"]}, "twice"),
-    ({"eps_low": 1.5}, "eps_low"),
-])
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"anchor": "kl"}, "anchor must be one of"),
+        ({"tokens": []}, "non-empty list"),
+        ({"tokens": ["+", ""]}, "non-empty list"),
+        ({"tokens": "+"}, "tokens"),
+        ({"tokens": ["+", "+"]}, "twice"),
+        ({"eps_low": 1.5}, "eps_low"),
+    ],
+)
 def test_validation(params, match):
     with pytest.raises((ConfigError, ValueError), match=match):
         build("objective", "la_grpo", **params)
@@ -276,7 +290,9 @@ def test_usage_reward_longest_text_first():
     assert _usage(["a<<b"], tokens=["<", "<<"], max_count=1) == [1.0]  # "<<" once, not "<" twice
 
 
-@pytest.mark.parametrize("params", [{"tokens": []}, {"min_count": -1}, {"max_count": 0}, {"min_count": 2, "max_count": 1}])
+@pytest.mark.parametrize(
+    "params", [{"tokens": []}, {"min_count": -1}, {"max_count": 0}, {"min_count": 2, "max_count": 1}]
+)
 def test_usage_reward_validation(params):
     with pytest.raises(ConfigError):
         build("reward", "functional_usage", **params)
@@ -300,7 +316,14 @@ def test_op_select_task():
 def test_two_steps_on_the_embedded_model(tmp_path, main, estimator):
     # "1" as the functional token: frequent in the addition task's answers
     terms = f'objective.terms=["{main}", {{name="la_grpo", tokens=["1"]}}, {{name="kl", coef=0.04}}]'
-    rows, seen = train_recorded(tmp_path, main, terms, f'advantage.estimator="{estimator}"', "rollout.group_size=4", "rollout.prompts_per_step=4")
+    rows, seen = train_recorded(
+        tmp_path,
+        main,
+        terms,
+        f'advantage.estimator="{estimator}"',
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+    )
     texts = _tiny_token_texts()
     one = torch.tensor([i for i, t in enumerate(texts) if t == "1"])
     for row, batch in zip(rows, seen):

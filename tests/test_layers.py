@@ -23,47 +23,128 @@ PACKAGE = Path(groupwise.__file__).resolve().parent
 # Lowest first. A module belongs to the first layer with a pattern that matches its dotted name (fnmatch),
 # so an exact name listed in a lower layer takes a module out of a wildcard of a higher one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("ground", ("groupwise.errors", "groupwise.validate", "groupwise.types", "groupwise.masked", "groupwise.seeds",
-                "groupwise.dist", "groupwise.stats", "groupwise.evaluation", "groupwise.influence",
-                "groupwise.rubric_bank", "groupwise.runfolder", "groupwise.checkpoint", "groupwise.logging",
-                "groupwise.tracking", "groupwise.sandbox", "groupwise.sandbox.*", "groupwise.models",
-                "groupwise.models.build", "groupwise.policy")),
+    (
+        "ground",
+        (
+            "groupwise.errors",
+            "groupwise.validate",
+            "groupwise.types",
+            "groupwise.masked",
+            "groupwise.seeds",
+            "groupwise.dist",
+            "groupwise.stats",
+            "groupwise.evaluation",
+            "groupwise.influence",
+            "groupwise.rubric_bank",
+            "groupwise.runfolder",
+            "groupwise.checkpoint",
+            "groupwise.logging",
+            "groupwise.tracking",
+            "groupwise.sandbox",
+            "groupwise.sandbox.*",
+            "groupwise.models",
+            "groupwise.models.build",
+            "groupwise.policy",
+        ),
+    ),
     ("registry", ("groupwise.registry",)),
-    ("contract", ("groupwise.components", "groupwise.plugins", "groupwise.papers", "groupwise.hooks",
-                  "groupwise.textspans")),
+    (
+        "contract",
+        ("groupwise.components", "groupwise.plugins", "groupwise.papers", "groupwise.hooks", "groupwise.textspans"),
+    ),
     # what components of several stages share: bases, contexts, the reward call machinery, task loading
-    ("helpers", ("groupwise.rewards", "groupwise.rewards._*", "groupwise.rewards.score", "groupwise.losses",
-                 "groupwise.losses._common", "groupwise.updates", "groupwise.updates._*", "groupwise.rollout",
-                 "groupwise.rollout.context", "groupwise.views", "groupwise.schedules", "groupwise.providers",
-                 "groupwise.advantages", "groupwise.weights", "groupwise.sampling", "groupwise.tasks",
-                 "groupwise.tasks.data", "groupwise.modalities",
-                 # the maths of the policies that components read: the packed forward, the flow toy's SDE step
-                 "groupwise.policy.forward", "groupwise.policy.functional", "groupwise.policy.precision",
-                 "groupwise.modalities.flow_sde")),
-    ("stages", ("groupwise.sampling.*", "groupwise.rollout.*", "groupwise.rewards.*", "groupwise.advantages.*",
-                "groupwise.weights.*", "groupwise.losses.*", "groupwise.updates.*", "groupwise.schedules.*",
-                "groupwise.views.*", "groupwise.providers.*", "groupwise.kl_estimators", "groupwise.tasks.*",
-                "groupwise.modalities.flow_toy")),
+    (
+        "helpers",
+        (
+            "groupwise.rewards",
+            "groupwise.rewards._*",
+            "groupwise.rewards.score",
+            "groupwise.losses",
+            "groupwise.losses._common",
+            "groupwise.updates",
+            "groupwise.updates._*",
+            "groupwise.rollout",
+            "groupwise.rollout.context",
+            "groupwise.views",
+            "groupwise.schedules",
+            "groupwise.providers",
+            "groupwise.advantages",
+            "groupwise.weights",
+            "groupwise.sampling",
+            "groupwise.tasks",
+            "groupwise.tasks.data",
+            "groupwise.modalities",
+            # the maths of the policies that components read: the packed forward, the flow toy's SDE step
+            "groupwise.policy.forward",
+            "groupwise.policy.functional",
+            "groupwise.policy.precision",
+            "groupwise.modalities.flow_sde",
+        ),
+    ),
+    (
+        "stages",
+        (
+            "groupwise.sampling.*",
+            "groupwise.rollout.*",
+            "groupwise.rewards.*",
+            "groupwise.advantages.*",
+            "groupwise.weights.*",
+            "groupwise.losses.*",
+            "groupwise.updates.*",
+            "groupwise.schedules.*",
+            "groupwise.views.*",
+            "groupwise.providers.*",
+            "groupwise.kl_estimators",
+            "groupwise.tasks.*",
+            "groupwise.modalities.flow_toy",
+        ),
+    ),
     ("paper folders", ("groupwise.papers.[0-9]*",)),
     ("policies", ("groupwise.policy", "groupwise.policy.*", "groupwise.modalities.*")),
-    ("composition parts", ("groupwise.needs", "groupwise.objective", "groupwise.roles", "groupwise.phases",
-                           "groupwise.phases.*", "groupwise.config")),
+    (
+        "composition parts",
+        (
+            "groupwise.needs",
+            "groupwise.objective",
+            "groupwise.roles",
+            "groupwise.phases",
+            "groupwise.phases.*",
+            "groupwise.config",
+        ),
+    ),
     ("build", ("groupwise.build",)),
     ("trainer", ("groupwise.trainer",)),
     ("held-out and run", ("groupwise.heldout", "groupwise.run")),
-    ("entry points", ("groupwise", "groupwise.__main__", "groupwise.cli", "groupwise.claims", "groupwise.claims.*",
-                      "groupwise.models.warmstart", "groupwise.papers.check", "groupwise.papers.index")),
+    (
+        "entry points",
+        (
+            "groupwise",
+            "groupwise.__main__",
+            "groupwise.cli",
+            "groupwise.claims",
+            "groupwise.claims.*",
+            "groupwise.models.warmstart",
+            "groupwise.papers.check",
+            "groupwise.papers.index",
+        ),
+    ),
 ]
 
 # (importer, imported): why the import runs up the layers. Each is a function-level import, made when called.
 UPWARD: dict[tuple[str, str], str] = {
-    ("groupwise.registry", "groupwise.kl_estimators"):
-        "discovery: load_all imports every component module so its @register runs (the stage folders by walking "
-        "them, kl_estimators by name)",
-    ("groupwise.registry", "groupwise.papers"):
-        "discovery: load_all imports the paper folders' modules, which the manifests list (papers.module_names)",
-    ("groupwise.registry", "groupwise.plugins"):
-        "a component named 'module:Class' is looked up by importing the user's module through the plug-in loader",
+    (
+        "groupwise.registry",
+        "groupwise.kl_estimators",
+    ): "discovery: load_all imports every component module so its @register runs (the stage folders by walking "
+    "them, kl_estimators by name)",
+    (
+        "groupwise.registry",
+        "groupwise.papers",
+    ): "discovery: load_all imports the paper folders' modules, which the manifests list (papers.module_names)",
+    (
+        "groupwise.registry",
+        "groupwise.plugins",
+    ): "a component named 'module:Class' is looked up by importing the user's module through the plug-in loader",
 }
 
 
@@ -89,8 +170,14 @@ def _targets(node: ast.AST, package: str) -> list[str]:
             here = package.split(".")
             base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
         return [f"{base}.{a.name}" for a in node.names] + [base]
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
-            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "import_module"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
         return [node.args[0].value]
     return []
 
@@ -182,8 +269,12 @@ Layers = list[tuple[str, tuple[str, ...]]]
 def upward(edges: dict[str, dict[str, bool]], layers: Layers = LAYERS) -> set[tuple[str, str]]:
     """The imports from a module into a module of a higher layer (modules in no layer are reported elsewhere)."""
     level = {name: layer_of(name, layers) for name in {*edges, *(b for targets in edges.values() for b in targets)}}
-    return {(a, b) for a, targets in edges.items() for b in targets
-            if level[a] is not None and level[b] is not None and level[b] > level[a]}
+    return {
+        (a, b)
+        for a, targets in edges.items()
+        for b in targets
+        if level[a] is not None and level[b] is not None and level[b] > level[a]
+    }
 
 
 def _package_graph() -> dict[str, dict[str, bool]]:
@@ -207,8 +298,10 @@ def test_every_import_up_the_layers_is_listed_with_its_reason():
     found = upward(edges)
     unlisted = sorted(found - set(UPWARD))
     named = [(a, b, LAYERS[layer_of(a)][0], LAYERS[layer_of(b)][0]) for a, b in unlisted]
-    assert unlisted == [], ("imports from a lower layer into a higher one (move the shared piece down, or list it in "
-                            f"UPWARD with a reason): {named}")
+    assert unlisted == [], (
+        "imports from a lower layer into a higher one (move the shared piece down, or list it in "
+        f"UPWARD with a reason): {named}"
+    )
     stale = sorted(set(UPWARD) - found)
     assert stale == [], f"UPWARD lists imports that do not run up the layers (any more): {stale}"
     assert all(reason.strip() for reason in UPWARD.values())
@@ -237,8 +330,11 @@ def test_config_error_comes_from_the_ground_floor_only():
     wrong = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and any(a.name == "ConfigError" for a in node.names) \
-                    and node.module != "groupwise.errors":
+            if (
+                isinstance(node, ast.ImportFrom)
+                and any(a.name == "ConfigError" for a in node.names)
+                and node.module != "groupwise.errors"
+            ):
                 wrong.append((str(path), node.module))
     assert wrong == []
 

@@ -3,8 +3,8 @@ on 2 cores) raises both the training reward and held-out greedy accuracy."""
 
 import json
 
-from groupwise.config import load_config
 from groupwise.build import build
+from groupwise.config import load_config
 from groupwise.run import Run
 from groupwise.trainer import Trainer
 
@@ -16,6 +16,8 @@ def test_reward_rises_on_addition(tmp_path):
     third = len(rows) // 3
     early = sum(r["reward_mean"] for r in rows[:third]) / third
     late = sum(r["reward_mean"] for r in rows[-third:]) / third
-    print(f"reward {early:.3f} -> {late:.3f}; held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} in {summary['wall_seconds']:.0f} s")
+    print(
+        f"reward {early:.3f} -> {late:.3f}; held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} in {summary['wall_seconds']:.0f} s"
+    )
     assert late > early + 0.05
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.05

@@ -8,14 +8,14 @@ import random
 
 import pytest
 import torch
+from helpers import info_for, objective_for, rollout_from, train_recorded
+from test_trainer import make_trainer
 
 from groupwise.errors import ConfigError
 from groupwise.losses.lope import shaped_ratio
 from groupwise.registry import build
 from groupwise.rollout.lope import EXTRA, TAIL, load_words, lope_regroup, lorem_prompt, lorem_words, make_lorem_prompt
 from groupwise.types import INJECTED, Need, Rollout, StepInfo
-from helpers import info_for, objective_for, rollout_from, train_recorded
-from test_trainer import make_trainer
 
 
 # ---------------------------------------------------------------------------------------------- vocabulary and prompts
@@ -24,7 +24,9 @@ def test_the_shipped_vocabulary_and_the_word_draw():
     assert len(words) == 200 and len(set(words)) == 200 and all(w.isalpha() and w.islower() for w in words)
     assert {"lorem", "ipsum", "dolor", "sit", "amet"} <= set(words)
     counts = [len(lorem_words(100, 300, random.Random(s))) for s in range(200)]
-    assert min(counts) >= 100 and max(counts) <= 300 and len(set(counts)) > 50  # uniform over the range, both ends inclusive
+    assert (
+        min(counts) >= 100 and max(counts) <= 300 and len(set(counts)) > 50
+    )  # uniform over the range, both ends inclusive
     assert {len(lorem_words(2, 3, random.Random(s))) for s in range(50)} == {2, 3}
     assert lorem_words(5, 5, random.Random(7)) == lorem_words(5, 5, random.Random(7))  # seeded: same words
     assert lorem_words(0, 0, random.Random(0)) == []
@@ -64,7 +66,11 @@ def test_regroup_spec_numbers():
     assert len(picks) > 10  # the 3 are a random choice among the 6
     # 2 correct (< G): both replace the first 2 slots, in order
     assert lope_regroup([0.0] * 4, [5, 12], random.Random(0)) == ([0, 1], [5, 12])
-    assert lope_regroup([0.0] * 4, [0, 1, 2, 3], random.Random(0))[0] == [0, 1, 2]  # exactly G correct: still keep one failure
+    assert lope_regroup([0.0] * 4, [0, 1, 2, 3], random.Random(0))[0] == [
+        0,
+        1,
+        2,
+    ]  # exactly G correct: still keep one failure
     assert lope_regroup([0.0] * 4, [], random.Random(0)) == ([], [])
     # a ragged group (slot 1 invalid, NaN): 3 valid slots, so at most 2 replaced, never the invalid one
     assert lope_regroup([0.0, float("nan"), 0.0, 0.0], [3, 4, 8, 9], random.Random(0))[0] == [0, 2]
@@ -84,7 +90,9 @@ def test_advantage_shaping_spec_numbers():
     assert round(float(full.mean()), 6) == 0.214286 and round(float(full.std()), 6) == 0.417855
     adv = build("advantage", "lope", eps=0.0)(_rescued(extra), info_for(1))  # the spec's numbers are worked without eps
     torch.testing.assert_close(adv, torch.tensor([[1.880350, 1.880350, 1.880350, -0.512823]]), atol=1e-6, rtol=0)
-    with_eps = build("advantage", "lope")(_rescued(extra), info_for(1))  # eps = 1e-6: (1 − 0.214286) / (0.417855 + 1e-6)
+    with_eps = build("advantage", "lope")(
+        _rescued(extra), info_for(1)
+    )  # eps = 1e-6: (1 − 0.214286) / (0.417855 + 1e-6)
     torch.testing.assert_close(with_eps, torch.tensor([[1.880346, 1.880346, 1.880346, -0.512822]]), atol=1e-6, rtol=0)
     plain = build("advantage", "lope", shaping=False)(_rescued(extra), info_for(1))  # GRPO on [1, 1, 1, 0]
     torch.testing.assert_close(plain, torch.tensor([[0.5, 0.5, 0.5, -1.5]]), atol=1e-5, rtol=0)
@@ -147,9 +155,13 @@ def test_the_term_shapes_swapped_rows_and_clips_real_ones():
     torch.testing.assert_close(values, torch.tensor([[[-1.2, -1.2], [-1.0, -2 * 0.952381]]]), atol=1e-5, rtol=0)
     torch.testing.assert_close(values[0, 0], build("objective", "ppo_clip")(ro, {"logp": logp}, info_for(2))[0, 0])
     (grad,) = torch.autograd.grad(values.sum(), logp)
-    torch.testing.assert_close(grad, torch.tensor([[[0.0, 0.0], [-2 * 0.25, -2 * 0.045351]]]), atol=1e-5, rtol=0)  # unclipped: ρ = 2 still pushes
+    torch.testing.assert_close(
+        grad, torch.tensor([[[0.0, 0.0], [-2 * 0.25, -2 * 0.045351]]]), atol=1e-5, rtol=0
+    )  # unclipped: ρ = 2 still pushes
     seq = build("objective", "lope", level="sequence")(ro, {"logp": logp}, info_for(2))
-    rho = (0.5 * (torch.log(torch.tensor(0.1)) + torch.log(torch.tensor(2.0)))).exp()  # the row's mean log-ratio: ρ = sqrt(0.2)
+    rho = (
+        0.5 * (torch.log(torch.tensor(0.1)) + torch.log(torch.tensor(2.0)))
+    ).exp()  # the row's mean log-ratio: ρ = sqrt(0.2)
     torch.testing.assert_close(seq[0, 1], torch.full((2,), float(-2 * rho / (rho + 0.1))), atol=1e-6, rtol=0)
     stats = term.stats(ro, {"logp": logp})
     assert stats["lope_shaped"].tolist() == [[0.0, 1.0]] and "clip_high" in stats
@@ -160,7 +172,9 @@ def test_the_term_is_its_base_without_swapped_rows_and_checks_its_inputs():
     ro.row_flags[INJECTED] = torch.zeros(1, 2, dtype=torch.bool)
     for base in ("ppo_clip", "gspo"):
         wrapped = build("objective", "lope", base=base)
-        torch.testing.assert_close(wrapped(ro, {"logp": logp}, info_for(2)), build("objective", base)(ro, {"logp": logp}, info_for(2)))
+        torch.testing.assert_close(
+            wrapped(ro, {"logp": logp}, info_for(2)), build("objective", base)(ro, {"logp": logp}, info_for(2))
+        )
     ro, logp = _term_case()
     ro.logp_sampler = None
     with pytest.raises(ValueError, match="logp_sampler"):
@@ -179,11 +193,18 @@ def test_the_term_is_its_base_without_swapped_rows_and_checks_its_inputs():
 def _rows(keys, rewards, prompts, logp):
     """A scored batch: one group per key, one-token rows (token 20 + row index), the given sampler log-prob."""
     B, G = len(keys), len(rewards[0])
-    return Rollout(prompt_ids=prompts, actions=(20 + torch.arange(G)).repeat(B, 1)[..., None], mask=torch.ones(B, G, 1, dtype=torch.bool),
-                   group_valid=torch.ones(B, G, dtype=torch.bool), truncated=torch.zeros(B, G, dtype=torch.bool),
-                   prompt_index=torch.tensor(keys), meta=[{"prompt": f"{k}+1=", "answer": str(k + 1)} for k in keys],
-                   completions=[[f"c{k}{g}" for g in range(G)] for k in keys], rewards=torch.tensor(rewards),
-                   logp_sampler=torch.full((B, G, 1), logp))
+    return Rollout(
+        prompt_ids=prompts,
+        actions=(20 + torch.arange(G)).repeat(B, 1)[..., None],
+        mask=torch.ones(B, G, 1, dtype=torch.bool),
+        group_valid=torch.ones(B, G, dtype=torch.bool),
+        truncated=torch.zeros(B, G, dtype=torch.bool),
+        prompt_index=torch.tensor(keys),
+        meta=[{"prompt": f"{k}+1=", "answer": str(k + 1)} for k in keys],
+        completions=[[f"c{k}{g}" for g in range(G)] for k in keys],
+        rewards=torch.tensor(rewards),
+        logp_sampler=torch.full((B, G, 1), logp),
+    )
 
 
 class Scripted:
@@ -217,7 +238,10 @@ def test_lope_batch_by_hand():
     strategy = build("rollout", "lope", num_perturbation=2, n_per=2, n_min=1, n_max=2, tail="", separator=" ")
     batch = strategy(ctx)
     asked = ctx.requests[1]
-    assert [(r.key, r.n, r.offset) for r in asked] == [(5, 2, 4), (5, 2, 6)]  # only the all-wrong prompt, fresh sample indices G + j·n_per
+    assert [(r.key, r.n, r.offset) for r in asked] == [
+        (5, 2, 4),
+        (5, 2, 6),
+    ]  # only the all-wrong prompt, fresh sample indices G + j·n_per
     for j, r in enumerate(asked):  # the words of perturbation j of row 5 come from (seed, step, row, LOREM_STREAM + j)
         from groupwise.rollout.lope import LOREM_STREAM
         from groupwise.seeds import sample_seed
@@ -231,7 +255,12 @@ def test_lope_batch_by_hand():
     assert batch.behav_ctx == [[asked[0].prompt, asked[1].prompt, [], []], [[]] * 4]
     assert batch.behaviour_contexts()[0] == [asked[0].prompt, asked[1].prompt, [1], [1]]
     assert batch.actions[0, :, 0].tolist() == [21, 21, 22, 23]  # resample r = 1 of each perturbation (token 20 + r)
-    assert batch.logp_sampler[0, :, 0].tolist() == [-3.0, -3.0, -1.0, -1.0]  # the swapped rows keep their perturbed-prompt log-probs
+    assert batch.logp_sampler[0, :, 0].tolist() == [
+        -3.0,
+        -3.0,
+        -1.0,
+        -1.0,
+    ]  # the swapped rows keep their perturbed-prompt log-probs
     assert batch.prompt_ids == [[1], [2]] and not batch.ctx  # trained under the original prompt
     # extra: the 2 replaced originals (0, 0) and the 2 resamples not chosen (k = 0, 2: 0, 0); none for the mixed group
     extra = batch.extras[EXTRA]
@@ -246,12 +275,28 @@ def test_lope_batch_by_hand():
 def test_lope_keeps_one_failure_when_at_least_g_resamples_are_right():
     ctx = Scripted([[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]])  # 5 of 6 right ≥ G = 4
     batch = build("rollout", "lope", num_perturbation=3, n_per=2, n_min=0, n_max=0, tail="")(ctx)
-    assert batch.rewards[0].tolist() == [1.0, 1.0, 1.0, 0.0] and batch.row_flags[INJECTED][0].tolist() == [True, True, True, False]
-    assert [r.prompt for r in ctx.requests[1]] == [[ord(c) for c in "5+1="]] * 3  # 0 words, no tail: the original prompt
+    assert batch.rewards[0].tolist() == [1.0, 1.0, 1.0, 0.0] and batch.row_flags[INJECTED][0].tolist() == [
+        True,
+        True,
+        True,
+        False,
+    ]
+    assert [r.prompt for r in ctx.requests[1]] == [
+        [ord(c) for c in "5+1="]
+    ] * 3  # 0 words, no tail: the original prompt
     extra = batch.extras[EXTRA][0]
-    assert sorted(extra.tolist()) == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # 3 replaced originals (0), the 3 resamples not chosen (2 right, 1 wrong)
+    assert sorted(extra.tolist()) == [
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+        1.0,
+    ]  # 3 replaced originals (0), the 3 resamples not chosen (2 right, 1 wrong)
     nothing = build("rollout", "lope", num_perturbation=1, n_per=2)(Scripted([[0.0, 0.0]]))
-    assert not nothing.row_flags[INJECTED].any() and not nothing.behav_ctx and nothing.rewards[0].tolist() == [0.0] * 4  # no success: the group stays as it was
+    assert (
+        not nothing.row_flags[INJECTED].any() and not nothing.behav_ctx and nothing.rewards[0].tolist() == [0.0] * 4
+    )  # no success: the group stays as it was
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -261,23 +306,50 @@ PLUS = ['rollout.name="lope"', "rollout.prompts_per_step=8", "rollout.group_size
 def _plus_params(tmp_path, **more):
     """A vocabulary of one word, "+": on the embedded model "+12+34=" is the one prefix that keeps some accuracy (~9 %)."""
     (tmp_path / "plus.txt").write_text("+\n")
-    params = {"num_perturbation": 2, "n_per": 4, "n_min": 1, "n_max": 1, "tail": "", "separator": "", "vocabulary": str(tmp_path / "plus.txt"), **more}
+    params = {
+        "num_perturbation": 2,
+        "n_per": 4,
+        "n_min": 1,
+        "n_max": 1,
+        "tail": "",
+        "separator": "",
+        "vocabulary": str(tmp_path / "plus.txt"),
+        **more,
+    }
     return "rollout.params={" + ", ".join(f"{k}={v!r}".replace("'", '"') for k, v in params.items()) + "}"
 
 
 def test_rescued_groups_on_the_embedded_model(tmp_path):
-    trainer = make_trainer(tmp_path / "run", *PLUS, _plus_params(tmp_path), 'advantage.estimator="lope"', 'objective.terms=["lope"]',
-                           "train.steps=2", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path / "run",
+        *PLUS,
+        _plus_params(tmp_path),
+        'advantage.estimator="lope"',
+        'objective.terms=["lope"]',
+        "train.steps=2",
+        "eval.size=0",
+    )
     seen = []
 
     def prepare(batch, prepare=trainer.prepare):
         out = prepare(batch)
-        sampled = out.select(list(range(out.shape[0])))  # re-score every row under "+" + its prompt, before the update moves the weights
+        sampled = out.select(
+            list(range(out.shape[0]))
+        )  # re-score every row under "+" + its prompt, before the update moves the weights
         sampled.ctx = [[trainer.policy.encode("+" + m["prompt"])] * out.shape[1] for m in out.meta]
         probe = out.select(list(range(out.shape[0])))
-        trainer.needs.fill(probe, [Need("logp", view="behaviour")])  # the behaviour view: each row under the context it was sampled under
+        trainer.needs.fill(
+            probe, [Need("logp", view="behaviour")]
+        )  # the behaviour view: each row under the context it was sampled under
         with torch.no_grad():
-            seen.append((out, trainer.policy.forward(sampled)["logp"], trainer.policy.forward(out)["logp"], probe.extras["policy@behaviour.logp"]))
+            seen.append(
+                (
+                    out,
+                    trainer.policy.forward(sampled)["logp"],
+                    trainer.policy.forward(out)["logp"],
+                    probe.extras["policy@behaviour.logp"],
+                )
+            )
         return out
 
     trainer.prepare = prepare
@@ -288,17 +360,34 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
     assert any(r["lope/rescued_frac"] > 0 for r in rows), "the seed must rescue a group"
     for row, (batch, perturbed, original, behaviour) in zip(rows, seen):
         swapped = batch.row_flags[INJECTED]  # [B,G]
-        prompts = [trainer.policy.encode("+" + m["prompt"]) for m in batch.meta]  # the one perturbed prompt of this vocabulary
-        assert all(c == (prompts[b] if swapped[b, g] else []) for b, row_ in enumerate(batch.behav_ctx) for g, c in enumerate(row_)) or not swapped.any()
+        prompts = [
+            trainer.policy.encode("+" + m["prompt"]) for m in batch.meta
+        ]  # the one perturbed prompt of this vocabulary
+        assert (
+            all(
+                c == (prompts[b] if swapped[b, g] else [])
+                for b, row_ in enumerate(batch.behav_ctx)
+                for g, c in enumerate(row_)
+            )
+            or not swapped.any()
+        )
         own = batch.row_mask  # [B,G,T]
-        torch.testing.assert_close(behaviour[own & swapped[..., None]], perturbed[own & swapped[..., None]], atol=1e-5, rtol=0)  # = a direct forward under δ ⊕ x
-        torch.testing.assert_close(behaviour[own & ~swapped[..., None]], original[own & ~swapped[..., None]], atol=1e-5, rtol=0)  # = under x
+        torch.testing.assert_close(
+            behaviour[own & swapped[..., None]], perturbed[own & swapped[..., None]], atol=1e-5, rtol=0
+        )  # = a direct forward under δ ⊕ x
+        torch.testing.assert_close(
+            behaviour[own & ~swapped[..., None]], original[own & ~swapped[..., None]], atol=1e-5, rtol=0
+        )  # = under x
         assert row["lope/rescued_frac"] == float(swapped.any(1).float().mean())
-        for b in swapped.any(1).nonzero().flatten().tolist():  # every rescued group: ≥ 1 success (the swapped rows) and ≥ 1 original failure
+        for b in (
+            swapped.any(1).nonzero().flatten().tolist()
+        ):  # every rescued group: ≥ 1 success (the swapped rows) and ≥ 1 original failure
             assert (batch.rewards[b][swapped[b]] == 1).all() and ((batch.rewards[b] == 0) & ~swapped[b]).any()
             assert (batch.advantages[b][swapped[b]] > 0).all() and (batch.advantages[b][~swapped[b]] < 0).all()
         m = batch.row_mask & swapped[..., None]  # [B,G,T] tokens of swapped rows
-        torch.testing.assert_close(batch.logp_sampler[m], perturbed[m], atol=1e-4, rtol=0)  # behaviour = the policy under δ ⊕ x
+        torch.testing.assert_close(
+            batch.logp_sampler[m], perturbed[m], atol=1e-4, rtol=0
+        )  # behaviour = the policy under δ ⊕ x
         if m.any():
             assert (batch.logp_sampler[m] - original[m]).abs().max() > 0.1  # … which is not the policy under x
             assert 0 < row["lope_shaped"] < 1
@@ -311,13 +400,21 @@ def test_two_steps_with_ppo_clip_and_gspo(tmp_path, objective):
     rows, seen = train_recorded(tmp_path, objective, *PLUS, _plus_params(tmp_path), 'advantage.estimator="lope"')
     assert any(r["lope/rescued_frac"] > 0 for r in rows)
     for batch in seen:
-        torch.testing.assert_close(batch.advantages, build("advantage", "lope")(batch, info_for(6)))  # the shaped advantage, not GRPO's
+        torch.testing.assert_close(
+            batch.advantages, build("advantage", "lope")(batch, info_for(6))
+        )  # the shaped advantage, not GRPO's
         assert batch.shape[1] == 4 and batch.extras[EXTRA].shape[1] == 8
 
 
 def test_the_term_reads_the_behaviour_view(tmp_path):
-    rows, seen = train_recorded(tmp_path, "lope", *PLUS, _plus_params(tmp_path), 'advantage.estimator="lope"',
-                                'objective.terms=[{name="lope", behaviour="view"}]')
+    rows, seen = train_recorded(
+        tmp_path,
+        "lope",
+        *PLUS,
+        _plus_params(tmp_path),
+        'advantage.estimator="lope"',
+        'objective.terms=[{name="lope", behaviour="view"}]',
+    )
     assert any(r["lope_shaped"] > 0 for r in rows)
     for batch in seen:  # the re-scored behaviour log-probs are the sampler's up to the engine's numerics
         m = batch.row_mask & batch.row_flags[INJECTED][..., None]  # [B,G,T]
@@ -328,6 +425,12 @@ def test_the_term_reads_the_behaviour_view(tmp_path):
 
 
 def test_two_steps_of_the_shaping_term_around_gspo(tmp_path):
-    rows, seen = train_recorded(tmp_path, "lope", *PLUS, _plus_params(tmp_path), 'advantage.estimator="lope"',
-                                'objective.terms=[{name="lope", base="gspo", level="sequence"}, {name="kl", coef=0.04}]')
+    rows, seen = train_recorded(
+        tmp_path,
+        "lope",
+        *PLUS,
+        _plus_params(tmp_path),
+        'advantage.estimator="lope"',
+        'objective.terms=[{name="lope", base="gspo", level="sequence"}, {name="kl", coef=0.04}]',
+    )
     assert any(r["lope_shaped"] > 0 for r in rows) and all("clip_high" in r for r in rows)

@@ -13,9 +13,23 @@ import torch
 
 from groupwise.errors import ConfigError
 from groupwise.run import Run
-from groupwise.updates._lora import assert_lora_param_count, largest_remainder, layer_of, lora_param_count, lora_side, module_kind
-from groupwise.updates.lora_rank import (GradNormProfiler, allocate_ranks, corr, layer_rank_pattern, max_min_ratio, shares_from_metrics,
-                                         top_frac_share)
+from groupwise.updates._lora import (
+    assert_lora_param_count,
+    largest_remainder,
+    layer_of,
+    lora_param_count,
+    lora_side,
+    module_kind,
+)
+from groupwise.updates.lora_rank import (
+    GradNormProfiler,
+    allocate_ranks,
+    corr,
+    layer_rank_pattern,
+    max_min_ratio,
+    shares_from_metrics,
+    top_frac_share,
+)
 
 TARGETS = ["q_proj", "v_proj"]
 
@@ -57,7 +71,9 @@ def test_importance_map_diagnostics():
     assert top_frac_share([0.1, 0.2, 0.3, 0.4], 0.5) == pytest.approx(0.7)
     assert max_min_ratio([0.0468, 0.0215, 0.03]) == pytest.approx(0.0468 / 0.0215)  # the blog's 2.17x
     assert corr([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and corr([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
-    assert corr([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)  # centred: [-1.5,-.5,.5,1.5]·[-1.5,.5,-.5,1.5] = 4 over 5
+    assert corr([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(
+        0.8
+    )  # centred: [-1.5,-.5,.5,1.5]·[-1.5,.5,-.5,1.5] = 4 over 5
     assert corr([1, 1], [1, 2]) != corr([1, 1], [1, 2])  # NaN for a constant vector
 
 
@@ -74,24 +90,33 @@ def test_profiler_sums_a_and_b_norms_per_layer(tmp_path):
         p.grad = torch.tensor(grad)
         return p
 
-    named = [("m.layers.0.self_attn.q_proj.lora_A.default.weight", param([3.0, 4.0])),   # 5
-             ("m.layers.0.self_attn.q_proj.lora_B.default.weight", param([1.0, 0.0])),   # 1
-             ("m.layers.1.self_attn.v_proj.lora_A.default.weight", param([0.0, 2.0])),   # 2
-             ("m.layers.1.self_attn.v_proj.base_layer.weight", param([100.0, 0.0]))]     # not LoRA: ignored
+    named = [
+        ("m.layers.0.self_attn.q_proj.lora_A.default.weight", param([3.0, 4.0])),  # 5
+        ("m.layers.0.self_attn.q_proj.lora_B.default.weight", param([1.0, 0.0])),  # 1
+        ("m.layers.1.self_attn.v_proj.lora_A.default.weight", param([0.0, 2.0])),  # 2
+        ("m.layers.1.self_attn.v_proj.base_layer.weight", param([100.0, 0.0])),
+    ]  # not LoRA: ignored
     prof = GradNormProfiler(named)
     assert prof.step().tolist() == [6.0, 2.0]
     named[2][1].grad = torch.tensor([0.0, 6.0])
     assert prof.step().tolist() == [6.0, 6.0]
     assert prof.importance().tolist() == [6.0, 4.0] and prof.share().tolist() == [0.6, 0.4]
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("\n".join(json.dumps({"step": s, "lora_grad/L0": v0, "lora_grad/L1": v1}) for s, v0, v1 in [(0, 6, 2), (1, 6, 6), (2, 0, 100)]))
+    metrics.write_text(
+        "\n".join(
+            json.dumps({"step": s, "lora_grad/L0": v0, "lora_grad/L1": v1})
+            for s, v0, v1 in [(0, 6, 2), (1, 6, 6), (2, 0, 100)]
+        )
+    )
     assert shares_from_metrics(metrics, last=2) == pytest.approx([0.6, 0.4])
 
 
 def _peft(model, r=4, pattern=None):
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=r, target_modules=TARGETS, rank_pattern=pattern or {}))
+    return get_peft_model(
+        model, LoraConfig(task_type="CAUSAL_LM", r=r, target_modules=TARGETS, rank_pattern=pattern or {})
+    )
 
 
 def test_rank_pattern_with_exact_names_and_the_parameter_count():
@@ -124,9 +149,19 @@ def _tiny_llama(folder):
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("default"))
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=128, max_position_embeddings=128, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                      bos_token_id=None, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
@@ -136,27 +171,45 @@ def _tiny_llama(folder):
 def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_path, arch):
     """Through the trainer: PEFT LoRA with per-layer ranks, the gradient-norm profiler logging every
     layer, and the final folder loaded by AutoModelForCausalLM equal (logits) to the adapted model."""
+    from test_trainer import make_trainer
     from transformers import AutoModelForCausalLM
 
     from groupwise.policy.lm import resolve_model_path
-    from test_trainer import make_trainer
 
     path = "default" if arch == "qwen3" else _tiny_llama(tmp_path / "llama")
     d_q, d_v, layers = (128 + 128, 128 + 64, 4) if arch == "qwen3" else (64 + 64, 64 + 32, 2)
     ranks = [2, 1, 3, 2][:layers]
-    pattern = "{" + ", ".join(f'"model\\\\.layers\\\\.{l}\\\\.self_attn\\\\.{m}" = {r}' for l, r in enumerate(ranks) for m in TARGETS) + "}"
-    init = "" if arch == "qwen3" else "init_lora_weights=false, "  # the random Llama earns no reward: random adapters make the merge matter
+    pattern = (
+        "{"
+        + ", ".join(
+            f'"model\\\\.layers\\\\.{l}\\\\.self_attn\\\\.{m}" = {r}' for l, r in enumerate(ranks) for m in TARGETS
+        )
+        + "}"
+    )
+    init = (
+        "" if arch == "qwen3" else "init_lora_weights=false, "
+    )  # the random Llama earns no reward: random adapters make the merge matter
     lora = f'model.lora={{r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], {init}rank_pattern={pattern}}}'
-    trainer = make_trainer(tmp_path / "run", f'model.path="{path}"', lora, "eval.size=0", "train.steps=2",
-                           'update={name="lora_rank_allocation", inner={name="adamw", lr=1e-2}}')
+    trainer = make_trainer(
+        tmp_path / "run",
+        f'model.path="{path}"',
+        lora,
+        "eval.size=0",
+        "train.steps=2",
+        'update={name="lora_rank_allocation", inner={name="adamw", lr=1e-2}}',
+    )
     assert_lora_param_count(trainer.policy.module, sum(ranks) * (d_q + d_v))
     ids = torch.tensor([trainer.policy.encode("12+34=")])
     Run(trainer).train()
-    assert any("lora" in n for n, _ in trainer.policy.module.named_parameters())  # saving merged a copy: the live model keeps its adapters
+    assert any(
+        "lora" in n for n, _ in trainer.policy.module.named_parameters()
+    )  # saving merged a copy: the live model keeps its adapters
     with torch.no_grad():
         adapted = trainer.policy.module(ids).logits
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(sorted(k for k in r if k.startswith("lora_grad/")) == [f"lora_grad/L{l}" for l in range(layers)] for r in rows)
+    assert all(
+        sorted(k for k in r if k.startswith("lora_grad/")) == [f"lora_grad/L{l}" for l in range(layers)] for r in rows
+    )
     if arch == "qwen3":  # the warm-started model earns rewards: every layer's adapters get a gradient
         assert all(r[f"lora_grad/L{l}"] > 0 for r in rows for l in range(layers))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
@@ -173,12 +226,22 @@ def test_profiler_metric_is_the_gradient_the_optimiser_steps_with(tmp_path):
     inner AdamW receives (no clipping), read off its step pre-hook."""
     from test_trainer import make_trainer
 
-    trainer = make_trainer(tmp_path / "run", 'model.lora={r=2, target_modules=["q_proj", "v_proj"]}', "eval.size=0", "train.steps=1",
-                           'update={name="lora_rank_allocation", inner={name="adamw", lr=1e-3, max_grad_norm=0.0}}')
+    trainer = make_trainer(
+        tmp_path / "run",
+        'model.lora={r=2, target_modules=["q_proj", "v_proj"]}',
+        "eval.size=0",
+        "train.steps=1",
+        'update={name="lora_rank_allocation", inner={name="adamw", lr=1e-3, max_grad_norm=0.0}}',
+    )
     names = dict(zip([id(p) for p in trainer.policy.parameters()], trainer.policy.parameter_names()))
     captured = {}
     trainer.updater.inner_updater.optimizer.register_step_pre_hook(
-        lambda opt, a, k: captured.update({names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]}) if not captured else None)
+        lambda opt, a, k: (
+            captured.update({names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]})
+            if not captured
+            else None
+        )
+    )
     trainer.policy.save = lambda folder: __import__("os").makedirs(folder)
     Run(trainer).train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
@@ -216,7 +279,9 @@ def test_the_claim_files_proportional_pattern_builds_the_ranks_it_says():
         cfg, _ = load_config(claim.spec(label).recipe, claim.spec(label).overrides)
         model, _ = load_policy("default", lora=cfg.model.lora)
         assert_lora_param_count(model, 32 * 2432)
-        counts[label] = {layer_of(n): p.shape[0] for n, p in model.named_parameters() if lora_side(n) == "A" and "down_proj" in n}
+        counts[label] = {
+            layer_of(n): p.shape[0] for n, p in model.named_parameters() if lora_side(n) == "A" and "down_proj" in n
+        }
     assert counts == {"uniform": {0: 8, 1: 8, 2: 8, 3: 8}, "proportional": {0: 14, 1: 7, 2: 7, 3: 4}}
 
 

@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, leaf, make_rollout, objective_for, rollout_from
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.types import Need
-from helpers import info_for, leaf, make_rollout, objective_for, rollout_from
 
 E05, E01, EM05 = math.exp(0.5), math.exp(0.1), math.exp(-0.5)  # 1.648721, 1.105171, 0.606531
 
@@ -214,7 +214,12 @@ def test_kl_term_by_hand():
     term = build("objective", "kl")
     assert term.coef == 0.04 and term.estimator == "k3" and term.needs == (Need("logp", model="ref"),)
     # tokens: d = [−0.5, +0.5, masked]; k3 = [0.106531, 0.148721, 0]
-    mb = rollout_from(torch.zeros(1, 1, 3), None, mask=torch.tensor([[[1, 1, 0]]]), logp_ref=torch.tensor([[[-1.5, -0.5, float("nan")]]]))
+    mb = rollout_from(
+        torch.zeros(1, 1, 3),
+        None,
+        mask=torch.tensor([[[1, 1, 0]]]),
+        logp_ref=torch.tensor([[[-1.5, -0.5, float("nan")]]]),
+    )
     logp = leaf([[[-1.0, -1.0, 9.0]]])
     values = term(mb, {"logp": logp}, info_for(3))
     torch.testing.assert_close(values, torch.tensor([[[EM05 - 0.5, E05 - 1.5, 0.0]]]))
@@ -237,12 +242,20 @@ def test_kl_penalty_reward_by_hand():
     assert set(scorer.needs) == {Need("logp", "ref"), Need("logp", "policy")}
     logp_old = torch.tensor([[[-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0]]])
     logp_ref = torch.tensor([[[-1.5, -1.0, 7.0], [-1.5, -1.0, 7.0]]])
-    mb = rollout_from(logp_old, None, mask=torch.tensor([[[1, 1, 0], [1, 1, 1]]]), logp_ref=logp_ref, group_valid=torch.tensor([[True, False]]))
+    mb = rollout_from(
+        logp_old,
+        None,
+        mask=torch.tensor([[[1, 1, 0], [1, 1, 1]]]),
+        logp_ref=logp_ref,
+        group_valid=torch.tensor([[True, False]]),
+    )
     # row 0: k1 = [0.5, −1.0] (third token masked) → Σ = −0.5 → score −0.05·(−0.5) = 0.025; row 1 invalid → 0
     torch.testing.assert_close(scorer.score_rollout(mb, info_for(3)), torch.tensor([[0.025, 0.0]]))
     # k3: [e^−0.5 + 0.5 − 1, e^1 − 1 − 1] = [0.106531, 0.718282] → Σ 0.824813 → −0.041241
     k3 = build("reward", "kl_penalty", estimator="k3")
-    torch.testing.assert_close(k3.score_rollout(mb, info_for(3)), torch.tensor([[-0.05 * (EM05 - 0.5 + math.e - 2), 0.0]]))
+    torch.testing.assert_close(
+        k3.score_rollout(mb, info_for(3)), torch.tensor([[-0.05 * (EM05 - 0.5 + math.e - 2), 0.0]])
+    )
 
 
 # ---------------------------------------------------------------------------------------------- aggregation

@@ -42,4 +42,3 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     pages = (64 << 20) // 4096
     assert min(default["faults"]) > pages // 2, default  # each use maps the block afresh: every page faults
     assert max(kept["faults"]) < pages // 20, kept  # the same block comes back from the heap
-

@@ -65,7 +65,9 @@ def test_tokenizer_splits_digits_into_single_tokens(tokenizer):
     pieces = [tokenizer.decode([i]) for i in tokenizer.encode(text, add_special_tokens=False)]
     assert pieces == list(text)
     # A digit is never merged with a neighbour, wherever it stands.
-    for piece in (tokenizer.decode([i]) for i in tokenizer.encode("nums 13 25 target 38:13+25", add_special_tokens=False)):
+    for piece in (
+        tokenizer.decode([i]) for i in tokenizer.encode("nums 13 25 target 38:13+25", add_special_tokens=False)
+    ):
         assert not any(ch.isdigit() for ch in piece) or len(piece) == 1
 
 
@@ -122,8 +124,14 @@ def test_build_model_is_seeded():
 
 def test_shipped_folder_is_complete_and_small():
     names = {path.name for path in SHIPPED.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "warmstart.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "warmstart.json",
+    } <= names
     assert sum(path.stat().st_size for path in SHIPPED.rglob("*") if path.is_file()) <= 20 * 2**20
 
 
@@ -163,7 +171,7 @@ def test_batched_greedy_matches_generate(shipped_model, shipped_tokenizer):
     for row, (completion,) in zip(rows, ours):
         ids = torch.tensor([shipped_tokenizer.encode(row["prompt"])])  # [1, P]
         out = shipped_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
-        new = out[0, ids.shape[1]:].tolist()  # [T]
+        new = out[0, ids.shape[1] :].tolist()  # [T]
         if shipped_tokenizer.eos_token_id in new:
             new = new[: new.index(shipped_tokenizer.eos_token_id)]
         assert shipped_tokenizer.decode(new) == completion
@@ -175,20 +183,86 @@ def test_batched_greedy_matches_generate(shipped_model, shipped_tokenizer):
 def test_short_warmstart_runs_end_to_end(tmp_path: Path):
     out = tmp_path / "model"
     record = warmstart.run(
-        ["--out", str(out), "--max-steps", "6", "--eval-every", "3", "--batch-size", "8", "--train-size", "64",
-         "--val-size", "16", "--test-size", "16", "--k", "2", "--seed", "1", "--quiet"]
+        [
+            "--out",
+            str(out),
+            "--max-steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--batch-size",
+            "8",
+            "--train-size",
+            "64",
+            "--val-size",
+            "16",
+            "--test-size",
+            "16",
+            "--k",
+            "2",
+            "--seed",
+            "1",
+            "--quiet",
+        ]
     )
     assert record["steps"] <= 6
-    twin = warmstart.run(["--out", str(tmp_path / "twin"), "--max-steps", "6", "--eval-every", "3", "--batch-size", "8", "--train-size", "64",
-                          "--val-size", "16", "--test-size", "16", "--k", "2", "--seed", "1", "--quiet"])
+    twin = warmstart.run(
+        [
+            "--out",
+            str(tmp_path / "twin"),
+            "--max-steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--batch-size",
+            "8",
+            "--train-size",
+            "64",
+            "--val-size",
+            "16",
+            "--test-size",
+            "16",
+            "--k",
+            "2",
+            "--seed",
+            "1",
+            "--quiet",
+        ]
+    )
     assert twin["steps"] == record["steps"]
-    assert (tmp_path / "twin" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()  # deterministic
-    assert warmstart.main(["--out", str(tmp_path / "again"), "--max-steps", "1", "--train-size", "8", "--val-size", "4",
-                           "--test-size", "4", "--k", "1", "--quiet"]) == 0
+    assert (tmp_path / "twin" / "model.safetensors").read_bytes() == (
+        out / "model.safetensors"
+    ).read_bytes()  # deterministic
+    assert (
+        warmstart.main(
+            [
+                "--out",
+                str(tmp_path / "again"),
+                "--max-steps",
+                "1",
+                "--train-size",
+                "8",
+                "--val-size",
+                "4",
+                "--test-size",
+                "4",
+                "--k",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     saved = json.loads((out / "warmstart.json").read_text())
     assert saved["seed"] == 1
     assert saved["command"].startswith("groupwise warmstart --out")
-    for key in ("test_greedy_accuracy", "test_sample_accuracy_t1", "test_pass_at_2_t1", "train_seconds", "wall_seconds"):
+    for key in (
+        "test_greedy_accuracy",
+        "test_sample_accuracy_t1",
+        "test_pass_at_2_t1",
+        "train_seconds",
+        "wall_seconds",
+    ):
         assert key in saved
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -18,13 +18,18 @@ import math
 
 import pytest
 import torch
+from helpers import assert_micro_batch_invariant, info_for, leaf, make_logp, make_rollout, rollout_from, train_recorded
 
 from groupwise.losses.mu_grpo import veto_keep
 from groupwise.registry import build
-from helpers import assert_micro_batch_invariant, info_for, leaf, make_logp, make_rollout, rollout_from, train_recorded
 
 PROBS = [0.6, 0.4, 1e-5, 0.45, 0.5]
-KEEP = {"suffix": [1, 1, 1, 0, 0], "nontrigger_suffix": [1, 1, 1, 0, 0], "sequence": [0, 0, 0, 0, 0], "trigger": [1, 1, 0, 1, 1]}
+KEEP = {
+    "suffix": [1, 1, 1, 0, 0],
+    "nontrigger_suffix": [1, 1, 1, 0, 0],
+    "sequence": [0, 0, 0, 0, 0],
+    "trigger": [1, 1, 0, 1, 1],
+}
 
 
 def _spec_row(adv: float, probs=PROBS):
@@ -59,13 +64,19 @@ def test_spec_loss_and_gradient_on_the_suffix_scope():
 
 def test_relaxed_clip_by_hand():
     term = build("objective", "mu_grpo")
-    ro, logp = _spec_row(1.0, [1.5])  # ρ = 1.5 / 0.5 = 3: inside [0, 5] (a "probability" of 1.5 is only a log-ratio here)
+    ro, logp = _spec_row(
+        1.0, [1.5]
+    )  # ρ = 1.5 / 0.5 = 3: inside [0, 5] (a "probability" of 1.5 is only a log-ratio here)
     assert term(ro, {"logp": logp}, info_for(1)).item() == pytest.approx(-3.0, abs=1e-6)
     logp_old = torch.full((1, 1, 1), math.log(0.1))
     ro6 = rollout_from(logp_old, torch.tensor([[1.0]]))
-    assert term(ro6, {"logp": leaf([[[math.log(0.6)]]])}, info_for(1)).item() == pytest.approx(-5.0, abs=1e-6)  # ρ = 6 → 5
+    assert term(ro6, {"logp": leaf([[[math.log(0.6)]]])}, info_for(1)).item() == pytest.approx(
+        -5.0, abs=1e-6
+    )  # ρ = 6 → 5
     ro_neg = rollout_from(logp_old, torch.tensor([[-1.0]]))
-    assert term(ro_neg, {"logp": leaf([[[math.log(0.01)]]])}, info_for(1)).item() == pytest.approx(0.1, abs=1e-6)  # unclipped
+    assert term(ro_neg, {"logp": leaf([[[math.log(0.01)]]])}, info_for(1)).item() == pytest.approx(
+        0.1, abs=1e-6
+    )  # unclipped
 
 
 def test_masked_tokens_never_trigger_and_the_veto_follows_the_first_trigger():
@@ -87,7 +98,9 @@ def test_without_a_trigger_it_is_ppo_clip_with_the_same_bounds():
     torch.testing.assert_close(mine, ppo, atol=0, rtol=0)
     # the relaxed [0, 5] too: ppo_clip accepts eps_low = 1 (no lower clip); the other clipping terms keep eps_low < 1
     relaxed = build("objective", "mu_grpo", delta=1e-30)(ro, out, info_for(6))
-    torch.testing.assert_close(relaxed, build("objective", "ppo_clip", eps_low=1.0, eps_high=4.0)(ro, out, info_for(6)), atol=0, rtol=0)
+    torch.testing.assert_close(
+        relaxed, build("objective", "ppo_clip", eps_low=1.0, eps_high=4.0)(ro, out, info_for(6)), atol=0, rtol=0
+    )
     with pytest.raises(ValueError, match=r"eps_low must be in \[0, 1\)"):
         build("objective", "gspo", eps_low=1.0)
 
@@ -102,8 +115,15 @@ def test_micro_batch_invariant():
             assert_micro_batch_invariant(term, agg, ro, logp)
 
 
-@pytest.mark.parametrize("params, match", [({"eps_low": 1.5}, "eps_low"), ({"delta": 0.0}, "delta"), ({"scope": "prefix"}, "scope"),
-                                           ({"eps_high": -1.0}, "eps_high")])
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"eps_low": 1.5}, "eps_low"),
+        ({"delta": 0.0}, "delta"),
+        ({"scope": "prefix"}, "scope"),
+        ({"eps_high": -1.0}, "eps_high"),
+    ],
+)
 def test_bad_options_name_the_field(params, match):
     with pytest.raises(ValueError, match=match):
         build("objective", "mu_grpo", **params)

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from groupwise.config import load_config
-from groupwise.policy.lm import DEFAULT_MODEL
-from groupwise.build import build
-from groupwise.trainer import Trainer
-from groupwise.types import Request
 from test_plain_path import PLAIN
 from test_trainer import grads_after_one_update
+
+from groupwise.build import build
+from groupwise.config import load_config
+from groupwise.policy.lm import DEFAULT_MODEL
+from groupwise.trainer import Trainer
+from groupwise.types import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,8 +32,18 @@ def example():
 def demo_trainer(tmp_path):
     """The demo recipe on the plain path (the model's own forward, padded rows), 8 prompts x 8 samples;
     seed 1 draws prompts of two lengths (seed 0's first 8 are all "ab+cd=")."""
-    cfg, _ = load_config("demo", [f'out="{tmp_path}"', 'model.path="default"', "seed=1", "rollout.prompts_per_step=8",
-                                  "eval.size=16", "threads=1", *PLAIN])
+    cfg, _ = load_config(
+        "demo",
+        [
+            f'out="{tmp_path}"',
+            'model.path="default"',
+            "seed=1",
+            "rollout.prompts_per_step=8",
+            "eval.size=16",
+            "threads=1",
+            *PLAIN,
+        ],
+    )
     return Trainer(build(cfg))
 
 
@@ -65,7 +75,10 @@ def test_one_file_loss_and_gradient_equal_the_library(tmp_path, example, policy)
     trainer = demo_trainer(tmp_path)
     assert trainer.cfg.rollout.group_size == 8 and trainer.cfg.objective.agg == "seq_mean_token_mean"
     assert trainer.updater.max_grad_norm == 1.0
-    ours, theirs = example.adamw(copy.deepcopy(trainer.policy.module), 2e-4).defaults, trainer.updater.optimizer.defaults
+    ours, theirs = (
+        example.adamw(copy.deepcopy(trainer.policy.module), 2e-4).defaults,
+        trainer.updater.optimizer.defaults,
+    )
     keys = ("lr", "betas", "eps", "weight_decay")  # the same AdamW (the demo's lr is 2e-4)
     assert {k: ours[k] for k in keys} == {k: theirs[k] for k in keys}
     model = copy.deepcopy(trainer.policy.module)  # the example's copy of the same weights
@@ -127,7 +140,7 @@ def test_one_file_loss_and_gradient_equal_the_library(tmp_path, example, policy)
     named = dict(model.named_parameters())
     assert grads.keys() == named.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(named[name].grad, grad, rtol=1e-5, atol=2e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(named[name].grad, grad, rtol=1e-5, atol=2e-7, msg=lambda m: f"{name}: {m}")  # noqa: B023 (called at once, inside this iteration)
 
 
 def test_one_file_sample_lays_out_rows_as_the_library(tmp_path, example):
@@ -136,13 +149,16 @@ def test_one_file_sample_lays_out_rows_as_the_library(tmp_path, example):
     # EOS) must then be the library's rollout converted by as_example_rows.
     trainer = demo_trainer(tmp_path)
     rows = example.arithmetic_rows("test")[:64]
-    assert [r["prompt"] for r in rows] == [r["prompt"] for r in trainer.parts.eval_rows[:64]]  # the library's held-out split
+    assert [r["prompt"] for r in rows] == [
+        r["prompt"] for r in trainer.parts.eval_rows[:64]
+    ]  # the library's held-out split
     requests = [Request(key=i, n=1, prompt=trainer.policy.encode(r["prompt"])) for i, r in enumerate(rows)]
     greedy = {**trainer.sampling_params, "greedy": True}
     library = trainer.policy.generate(requests, greedy, trainer.info())  # [64,1,T]
     prompts, max_new = [r["prompt"] for r in rows], trainer.cfg.rollout.max_new_tokens
-    input_ids, attention_mask, completion_mask, texts = example.sample(trainer.policy.module, trainer.policy.tokenizer, prompts, 1,
-                                                                       max_new, greedy=True)  # [64,L] x3
+    input_ids, attention_mask, completion_mask, texts = example.sample(
+        trainer.policy.module, trainer.policy.tokenizer, prompts, 1, max_new, greedy=True
+    )  # [64,L] x3
     want_ids, want_attention, want_completion, _ = as_example_rows(library, trainer.policy.tokenizer.pad_token_id)
     lengths = library.mask.sum(-1).flatten()  # [64]
     assert len({len(p) for p in prompts}) > 1 and (lengths < library.shape[2]).any(), "ragged prompts, an EOS"
@@ -156,8 +172,24 @@ def test_one_file_runs_and_evaluates_like_the_library(example, capsys):
     # it with the library's own engine and split (models/default/warmstart.json). Equal: the same split,
     # prompt format, greedy decoding and reward.
     expected = json.loads((DEFAULT_MODEL / "warmstart.json").read_text())["test_greedy_accuracy_first_100"]
-    out = example.main(["--steps", "3", "--prompts", "4", "--group", "4", "--eval-size", "100", "--eval-every", "2",
-                        "--log-every", "1", "--threads", "1"])
+    out = example.main(
+        [
+            "--steps",
+            "3",
+            "--prompts",
+            "4",
+            "--group",
+            "4",
+            "--eval-size",
+            "100",
+            "--eval-every",
+            "2",
+            "--log-every",
+            "1",
+            "--threads",
+            "1",
+        ]
+    )
     assert out["accuracy_before"] == pytest.approx(expected, abs=1e-9)
     assert out["steps"] == len(out["history"]) == 3
     for row in out["history"]:

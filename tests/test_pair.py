@@ -9,17 +9,33 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, rollout_from, train_recorded
 
 from groupwise.advantages.pair import PairAdvantage, pair_turn_advantages
 from groupwise.errors import ConfigError
 from groupwise.phases.pair_probe import PairProbePhase, auroc, turn_labels
 from groupwise.registry import build
-from groupwise.rewards.pair import (TURN_REWARD, PairProbe, PairReward, attention_stats, fit_logistic, momentum_rewards, pair_features,
-                                    pair_turn_rewards, row_turn_features, tclip, turn_spans)
+from groupwise.rewards.pair import (
+    TURN_REWARD,
+    PairProbe,
+    PairReward,
+    fit_logistic,
+    momentum_rewards,
+    pair_features,
+    pair_turn_rewards,
+    row_turn_features,
+    tclip,
+    turn_spans,
+)
 from groupwise.tasks.reach import format_row
-from helpers import info_for, rollout_from, train_recorded
 
-close = lambda got, want, tol=1e-6: torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=0, atol=tol)  # noqa: E731
+
+def close(got, want, tol=1e-06):
+    return torch.testing.assert_close(
+        torch.as_tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=0, atol=tol
+    )  # noqa: E731
+
+
 sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
 
 
@@ -54,7 +70,9 @@ def _turn_rollout(rewards, turns, valid=None):
     T = 6
     mask = torch.tensor([[[1, 1, 1, 1, 1, 0]] * 2], dtype=torch.bool)  # [1,2,6]
     loss_mask = torch.tensor([[[1, 1, 0, 1, 1, 0]] * 2], dtype=torch.bool)  # [1,2,6] the env token at 2 is a hole
-    ro = rollout_from(torch.zeros(1, 2, T), None, mask=mask, rewards=torch.tensor([rewards], dtype=torch.float32), loss_mask=loss_mask)
+    ro = rollout_from(
+        torch.zeros(1, 2, T), None, mask=mask, rewards=torch.tensor([rewards], dtype=torch.float32), loss_mask=loss_mask
+    )
     if valid is not None:
         ro.group_valid = torch.tensor([valid])
     if turns is not None:
@@ -65,10 +83,14 @@ def _turn_rollout(rewards, turns, valid=None):
 def test_advantage_on_token_axis_holes_and_fallback():
     ro = _turn_rollout([1.4, 0.6], [[0.6, 0.8], [0.4, 0.2]])
     A = PairAdvantage()(ro, info_for(6))  # [1,2,6]
-    close(A[0], [[0.9, 0.9, 0.0, 1.1, 1.1, 0.0], [-0.9, -0.9, 0.0, -1.1, -1.1, 0.0]])  # the hole and the padding: exactly 0
+    close(
+        A[0], [[0.9, 0.9, 0.0, 1.1, 1.1, 0.0], [-0.9, -0.9, 0.0, -1.1, -1.1, 0.0]]
+    )  # the hole and the padding: exactly 0
     assert A.dtype == torch.float32 and (A[0, :, [2, 5]] == 0).all()
     # no pair_turn_reward extra: one turn per row with r_0 = R, so A = (R − mean)/std on every own token
-    close(PairAdvantage()(_turn_rollout([1.4, 0.6], None), info_for(6))[0], [[1, 1, 0, 1, 1, 0], [-1, -1, 0, -1, -1, 0]])
+    close(
+        PairAdvantage()(_turn_rollout([1.4, 0.6], None), info_for(6))[0], [[1, 1, 0, 1, 1, 0], [-1, -1, 0, -1, -1, 0]]
+    )
     # an invalid row: 0 everywhere, and the other row alone is a constant group → only its centred turns
     A = PairAdvantage()(_turn_rollout([1.4, float("nan")], [[0.6, 0.8], [0.4, 0.2]]), info_for(6))
     close(A[0], [[-0.1, -0.1, 0.0, 0.1, 0.1, 0.0], [0.0] * 6])
@@ -78,7 +100,9 @@ def test_advantage_on_token_axis_holes_and_fallback():
 
 def test_attention_ratio_features_by_hand():
     # one layer, one head, S = 4; the turn is positions [2, 4): query rows 2 and 3
-    A = torch.tensor([[[1.0, 0.0, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]]])  # [1,4,4]
+    A = torch.tensor(
+        [[[1.0, 0.0, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]]]
+    )  # [1,4,4]
     hidden = [torch.arange(8.0).view(4, 2), torch.arange(8.0).view(4, 2) * 10]  # layers' [S,D]; the last one is read
     h, a = pair_features(hidden, [A], (2, 4))
     close(h, [60.0, 70.0])  # hidden_states[-1][e − 1]
@@ -87,7 +111,9 @@ def test_attention_ratio_features_by_hand():
     close(a, [0.45, (math.sqrt(0.125 / 4) + math.sqrt(0.05 / 4)) / 2, 0.525, 0.475])
     _, a0 = pair_features(hidden, [A], (0, 2))  # s = 0: prefix ratio 0; rows 0, 1 entirely on the turn's own keys
     close(a0[2:], [0.0, 1.0])
-    two = pair_features(hidden, [A, A.flip(-1)], (2, 4))[1]  # two layers: [max, std, prefix, self] per layer, concatenated
+    two = pair_features(hidden, [A, A.flip(-1)], (2, 4))[
+        1
+    ]  # two layers: [max, std, prefix, self] per layer, concatenated
     assert two.shape == (8,) and torch.equal(two[:4], a)
     with pytest.raises(ValueError, match="s < e"):
         pair_features(hidden, [A], (3, 3))
@@ -131,9 +157,18 @@ def test_probe_two_stage_score_by_hand_and_fit_errors():
     # stage 1: z1 = 2·h → h = 0.5: s_bc = σ(1) = 0.731059; tclip → σ(1/2) = 0.622459
     # stage 2: z2 = 1·a + 2·tclip(s_bc) − 1 = 0.3 + 1.244919 − 1 = 0.544919 → σ = 0.632957
     one, zero = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
-    probe = PairProbe(params={"mean1": zero, "scale1": one, "w1": 2 * one, "b1": torch.tensor(0.0, dtype=torch.float64),
-                              "mean2": torch.zeros(2, dtype=torch.float64), "scale2": torch.ones(2, dtype=torch.float64),
-                              "w2": torch.tensor([1.0, 2.0], dtype=torch.float64), "b2": torch.tensor(-1.0, dtype=torch.float64)})
+    probe = PairProbe(
+        params={
+            "mean1": zero,
+            "scale1": one,
+            "w1": 2 * one,
+            "b1": torch.tensor(0.0, dtype=torch.float64),
+            "mean2": torch.zeros(2, dtype=torch.float64),
+            "scale2": torch.ones(2, dtype=torch.float64),
+            "w2": torch.tensor([1.0, 2.0], dtype=torch.float64),
+            "b2": torch.tensor(-1.0, dtype=torch.float64),
+        }
+    )
     s_bc, s_final = probe.score(torch.tensor([[0.5]]), torch.tensor([[0.3]]))
     close(s_bc, [sig(1.0)])
     close(s_final, [sig(0.3 + 2 * sig(0.5) - 1)])
@@ -170,13 +205,20 @@ def test_reach_turn_labels_first_wrong_move_dooms():
     assert turn_labels(env, row, ["4", "2"], moves, 0, cache) == [1, 1]
     assert turn_labels(env, row, ["3", "3"], moves, 0, cache) == [1, 1]
     assert turn_labels(env, row, ["4", "1"], moves, 0, cache) == [1, 0]  # 5 ≠ 6 after the last turn
-    assert turn_labels(env, row, ["1", "4"], moves, 0, cache) == [0, 0]  # after 1, 5 left in 1 turn: doomed, the later move too
+    assert turn_labels(env, row, ["1", "4"], moves, 0, cache) == [
+        0,
+        0,
+    ]  # after 1, 5 left in 1 turn: doomed, the later move too
     assert turn_labels(env, row, ["x", "4"], moves, 0, cache) == [0, 0]  # an invalid move spends the turn
     row9 = format_row(3, 12)  # distance 9, 3 turns
     assert turn_labels(env, row9, ["4", "4", "1"], moves, 0, cache) == [1, 1, 1]
     assert turn_labels(env, row9, ["2", "4", "3"], moves, 0, cache) == [1, 1, 1]
     assert turn_labels(env, row9, ["1", "4", "4"], moves, 0, cache) == [1, 1, 1]  # 8 left in 2 turns: 4 + 4 still wins
-    assert turn_labels(env, row9, ["2", "2", "4"], moves, 0, cache) == [1, 0, 0]  # 7 in 2 (ok), then 5 in 1: doomed, later turns too
+    assert turn_labels(env, row9, ["2", "2", "4"], moves, 0, cache) == [
+        1,
+        0,
+        0,
+    ]  # 7 in 2 (ok), then 5 in 1: doomed, later turns too
     assert turn_labels(env, row9, ["4", "3", "1"], moves, 0, cache) == [1, 1, 0]  # the last move misses (2 left)
 
 
@@ -205,8 +247,12 @@ def test_eager_quantities_match_the_models_own_forward():
     mask = torch.tensor([[[1, 1, 1], [1, 0, 0]], [[1, 1, 0], [1, 1, 1]]], dtype=torch.bool)
     rows = torch.ones(2, 2, dtype=torch.bool)
     with torch.no_grad():
-        out = completion_logprobs(model, prompts, actions, mask, rows, quantities=["logp", "attn_at(2)", "hidden_at(4)", "hidden(4)"])
-        alone = completion_logprobs(model, prompts, actions, mask, rows, quantities=["logp", "hidden_at(1)"])  # no attention asked
+        out = completion_logprobs(
+            model, prompts, actions, mask, rows, quantities=["logp", "attn_at(2)", "hidden_at(4)", "hidden(4)"]
+        )
+        alone = completion_logprobs(
+            model, prompts, actions, mask, rows, quantities=["logp", "hidden_at(1)"]
+        )  # no attention asked
         base = completion_logprobs(model, prompts, actions, mask, rows, quantities=["logp"])
         model.set_attn_implementation("eager")
         own = model(input_ids=torch.tensor([prompts[1] + [14, 15]]), output_attentions=True, output_hidden_states=True)
@@ -215,18 +261,30 @@ def test_eager_quantities_match_the_models_own_forward():
     assert got.shape == (2, 2, 3, 4, 6) and model.config._attn_implementation == "sdpa"
     # row (1, 0): prompt [8, 9], tokens 14, 15 at positions 2, 3: their own query rows of layer 2
     torch.testing.assert_close(got[1, 0, :2, :, :4], own.attentions[1][0][:, 2:4, :].transpose(0, 1), rtol=0, atol=1e-6)
-    torch.testing.assert_close(out["hidden_at(4)"][1, 0, :2], own.hidden_states[4][0, 2:4], rtol=0, atol=1e-5)  # after the final norm
+    torch.testing.assert_close(
+        out["hidden_at(4)"][1, 0, :2], own.hidden_states[4][0, 2:4], rtol=0, atol=1e-5
+    )  # after the final norm
     torch.testing.assert_close(alone["hidden_at(1)"][1, 0, :2], own.hidden_states[1][0, 2:4], rtol=0, atol=1e-5)
     # hidden(4) (before the norm, at the predicting position) of token 15 is not hidden_at(4) of token 14: different quantities
     assert not torch.allclose(out["hidden(4)"][1, 0, 1], out["hidden_at(4)"][1, 0, 0])
-    assert (got[1, 0, 2] == 0).all() and (got[0, 1, 1:] == 0).all() and (out["hidden_at(4)"][0, 1, 1:] == 0).all()  # padding: 0
+    assert (
+        (got[1, 0, 2] == 0).all() and (got[0, 1, 1:] == 0).all() and (out["hidden_at(4)"][0, 1, 1:] == 0).all()
+    )  # padding: 0
     torch.testing.assert_close(got[0, 0].sum(-1), torch.ones(3, 4), rtol=0, atol=1e-5)  # each row a distribution
     torch.testing.assert_close(out["logp"], base["logp"])  # logp unchanged by the extra pass
 
 
-PAIR_RUN = ['data.task="reach"', 'rollout.name="episodes"', "rollout.params={max_turns=16}", "rollout.max_new_tokens=1", "rollout.group_size=4",
-            "rollout.prompts_per_step=4", 'rewards=[{name="env_return", weight=0.0}, {name="pair", attn_layers=[1, 2, 3, 4], hidden_layer=4}]',
-            'advantage.estimator="pair"', 'phases=[{name="pair_probe", prompts=48, samples=4}]']
+PAIR_RUN = [
+    'data.task="reach"',
+    'rollout.name="episodes"',
+    "rollout.params={max_turns=16}",
+    "rollout.max_new_tokens=1",
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    'rewards=[{name="env_return", weight=0.0}, {name="pair", attn_layers=[1, 2, 3, 4], hidden_layer=4}]',
+    'advantage.estimator="pair"',
+    'phases=[{name="pair_probe", prompts=48, samples=4}]',
+]
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
@@ -242,10 +300,14 @@ def test_two_steps_with_the_probe_phase(tmp_path, objective):
         # the row's reward is Σ_t r_t (env_return has weight 0) and the advantage is the per-turn composition
         for b, g in batch.group_valid.nonzero().tolist():
             spans = turn_spans(own[b, g], batch.segment_id[b, g])
-            assert spans == turn_spans(own[b, g])  # an action per segment, holes between them: the same turns either way
+            assert spans == turn_spans(
+                own[b, g]
+            )  # an action per segment, holes between them: the same turns either way
             assert [int(batch.segment_id[b, g, s]) for s, _ in spans] == list(range(len(spans)))
             r = turns[b, g, : len(spans)]  # [n]
-            assert ((r > 0.0) & (r < 1.0)).all() and torch.isnan(turns[b, g, len(spans):]).all()  # r_t ∈ (0, 1) on its turns, NaN past them
+            assert ((r > 0.0) & (r < 1.0)).all() and torch.isnan(
+                turns[b, g, len(spans) :]
+            ).all()  # r_t ∈ (0, 1) on its turns, NaN past them
             assert float(batch.rewards[b, g]) == pytest.approx(float(r.sum()), abs=1e-5)
         torch.testing.assert_close(batch.advantages, PairAdvantage()(batch, info_for(batch.shape[2])))
         assert (batch.advantages[~own] == 0).all()
@@ -261,7 +323,9 @@ def test_attention_head_off_is_stage_two_on_s_bc_alone():
     y = (H[:, 0] > 0).double()
     s_bc, s_final = PairProbe(C=1.0).fit(H, torch.zeros(60, 0), y).score(H, torch.zeros(60, 0))
     order = s_bc.argsort()
-    assert float(s_final.std()) > 0.01 and (s_final[order].diff() >= -1e-12).all()  # stage 2's weight on s_bc is positive here
+    assert (
+        float(s_final.std()) > 0.01 and (s_final[order].diff() >= -1e-12).all()
+    )  # stage 2's weight on s_bc is positive here
     assert auroc(s_final, y) == pytest.approx(auroc(s_bc, y), abs=1e-12)  # a monotone map keeps the ranking
     assert [n.name for n in PairReward(attn_layers=[]).needs] == ["hidden_at"]
 

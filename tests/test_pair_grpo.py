@@ -33,15 +33,33 @@ import statistics
 
 import pytest
 import torch
+from helpers import (
+    assert_micro_batch_invariant,
+    info_for,
+    make_logp,
+    make_rollout,
+    objective_for,
+    permute_rows,
+    permute_tensor,
+    random_perm,
+    rollout_from,
+    train_recorded,
+)
 
-from groupwise.advantages.pair_grpo import (all_pairs, disjoint_pairs, pair_rewards, pairwise_binary_rewards, rollout_pairs, row_keys,
-                                            win_rates)
+from groupwise.advantages.pair_grpo import (
+    all_pairs,
+    disjoint_pairs,
+    pair_rewards,
+    pairwise_binary_rewards,
+    rollout_pairs,
+    row_keys,
+    win_rates,
+)
 from groupwise.errors import ConfigError
 from groupwise.losses.hard_pair import hard_pair_loss
 from groupwise.masked import group_normalize
 from groupwise.registry import build
 from groupwise.types import StepInfo
-from helpers import assert_micro_batch_invariant, info_for, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm, rollout_from, train_recorded
 
 SPEC = [0.9, 0.2, 0.5, 0.4]
 
@@ -71,7 +89,9 @@ def test_spec_unit_test():
     est = build("advantage", "pair_grpo")
     ro = _ro([SPEC])
     assert rollout_pairs(ro, info_for(2), torch.ones(1, 4, dtype=torch.bool), "random").tolist() == [[[0, 1], [2, 3]]]
-    assert pairwise_binary_rewards(torch.tensor([SPEC]), pairs=torch.tensor([[[0, 1], [2, 3]]])).tolist() == [[1.0, 0.0, 1.0, 0.0]]
+    assert pairwise_binary_rewards(torch.tensor([SPEC]), pairs=torch.tensor([[[0, 1], [2, 3]]])).tolist() == [
+        [1.0, 0.0, 1.0, 0.0]
+    ]
     assert est(ro, info_for(2)).tolist() == [[1.0, -1.0, 1.0, -1.0]]  # exactly
     scalar = build("advantage", "grpo", std="population", eps=0.0)(ro, info_for(2))
     _close(scalar, [[1.568929, -1.176697, 0.0, -0.392232]])  # item 2 gets 0 under scalar GRPO, +1 under Soft-Pair
@@ -81,7 +101,9 @@ def test_spec_unit_test():
 @pytest.mark.parametrize("std", ["population", "unbiased"])
 def test_group_of_two_equals_scalar_grpo_exactly(std):
     scores = torch.randn(64, 2, generator=torch.Generator().manual_seed(0))  # [B,2] distinct values
-    scores[:4] = torch.tensor([[0.9, 0.2], [0.2, 0.9], [0.5, 0.5], [-3e4, 7.0]])  # the spec's pair, reversed, a tie, a huge gap
+    scores[:4] = torch.tensor(
+        [[0.9, 0.2], [0.2, 0.9], [0.5, 0.5], [-3e4, 7.0]]
+    )  # the spec's pair, reversed, a tie, a huge gap
     ro = _ro(scores.tolist(), actions=_distinct(64, 2))
     pair = build("advantage", "pair_grpo", std=std)(ro, info_for(2))
     scalar = build("advantage", "grpo", std=std, eps=0.0)(ro, info_for(2))
@@ -95,19 +117,25 @@ def test_all_pairs_win_rates():
     _close(pairwise_binary_rewards(torch.tensor([[1.0, 1, 0, 0]]), "all"), [[5 / 6, 5 / 6, 1 / 6, 1 / 6]])
     est = build("advantage", "pair_grpo", pairing="all")
     _close(est(_ro([SPEC, [1, 1, 0, 0]]), info_for(2)), [[1.341641, -1.341641, 0.447214, -0.447214], [1, 1, -1, -1]])
-    _close(est(_ro([[1.0, 0, 0]]), info_for(2)), [[1.414214, -0.707107, -0.707107]])  # odd G is fine here: [1, .25, .25]
+    _close(
+        est(_ro([[1.0, 0, 0]]), info_for(2)), [[1.414214, -0.707107, -0.707107]]
+    )  # odd G is fine here: [1, .25, .25]
 
 
 def test_odd_valid_count_invalid_rows_and_constant_groups():
     est = build("advantage", "pair_grpo")
-    ro = _ro([[0.9, 0.2, 0.5, float("nan")], [0.3, 0.3, 0.3, 0.3], [1, 0, 1, 0], [0.7, 0.1, 0.2, 0.3]],
-             valid=[[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
+    ro = _ro(
+        [[0.9, 0.2, 0.5, float("nan")], [0.3, 0.3, 0.3, 0.3], [1, 0, 1, 0], [0.7, 0.1, 0.2, 0.3]],
+        valid=[[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]],
+    )
     adv = est(ro, info_for(2))
     # group 0: pair (0, 1), row 2 unpaired (r = ½ = the group mean) → exactly 0, NaN row exactly 0
     _close(adv[0], [1.224745, -1.224745, 0.0, 0.0])
     assert adv[0, 2] == 0 and adv[0, 3] == 0
     assert (adv[1:] == 0).all()  # all ties; one valid row; an empty group
-    assert est.step_stats()["pair_grpo/tie_frac"] == pytest.approx(2 / 3)  # pairs (0,1) decisive, group 1's two pairs tie
+    assert est.step_stats()["pair_grpo/tie_frac"] == pytest.approx(
+        2 / 3
+    )  # pairs (0,1) decisive, group 1's two pairs tie
     with pytest.raises(ConfigError, match="even group size"):
         est(_ro([[1.0, 0, 0]]), info_for(2))
 
@@ -117,18 +145,33 @@ def test_pairing_is_a_seeded_random_matching_independent_of_row_order():
     ro = _ro(torch.randn(B, G, generator=torch.Generator().manual_seed(1)).tolist(), actions=_distinct(B, G))
     valid = torch.ones(B, G, dtype=torch.bool)
     pairs = rollout_pairs(ro, info_for(3), valid, "random")  # [B,3,2]
-    assert torch.equal(pairs.flatten(1).sort(1).values, torch.arange(G).expand(B, G))  # a perfect matching of every group
+    assert torch.equal(
+        pairs.flatten(1).sort(1).values, torch.arange(G).expand(B, G)
+    )  # a perfect matching of every group
     assert torch.equal(pairs, rollout_pairs(ro, info_for(3), valid, "random"))  # deterministic
     assert not torch.equal(pairs, rollout_pairs(ro, info_for(3, step=1), valid, "random"))  # a new draw each step
     # row order does not matter: permuting the rows permutes the advantages
     est = build("advantage", "pair_grpo")
     perm = random_perm(B, G)
-    torch.testing.assert_close(est(permute_rows(ro, perm), info_for(3)), permute_tensor(est(ro, info_for(3)), perm), atol=0, rtol=0)
+    torch.testing.assert_close(
+        est(permute_rows(ro, perm), info_for(3)), permute_tensor(est(ro, info_for(3)), perm), atol=0, rtol=0
+    )
     # uniform over matchings: 4 rows have 3 matchings, each drawn ~1/3 of 600 times
     ro4 = _ro([[0.0] * 4], actions=_distinct(1, 4))
-    seen = [tuple(map(tuple, rollout_pairs(ro4, info_for(3, step=s), torch.ones(1, 4, dtype=torch.bool), "random")[0].sort(-1).values.tolist()))
-            for s in range(600)]
-    partner_of_0 = [next(b for a, b in p if a == 0) for p in seen]  # each pair sorted: row 0 is always first in its pair
+    seen = [
+        tuple(
+            map(
+                tuple,
+                rollout_pairs(ro4, info_for(3, step=s), torch.ones(1, 4, dtype=torch.bool), "random")[0]
+                .sort(-1)
+                .values.tolist(),
+            )
+        )
+        for s in range(600)
+    ]
+    partner_of_0 = [
+        next(b for a, b in p if a == 0) for p in seen
+    ]  # each pair sorted: row 0 is always first in its pair
     counts = [partner_of_0.count(k) for k in (1, 2, 3)]
     assert all(150 <= c <= 250 for c in counts), counts
 
@@ -152,7 +195,9 @@ def test_advantages_bounded_by_sqrt_g_minus_one():
             adv = build("advantage", "pair_grpo", pairing=pairing)(ro, info_for(3))
             assert adv.abs().max() <= math.sqrt(G - 1) + 1e-6
         adv = build("advantage", "pair_grpo")(ro, info_for(3))
-        assert adv.abs().max() <= 2.0 + 1e-6  # random pairs, G = 8: the extreme is one decisive pair among ties, ±.5/.25
+        assert (
+            adv.abs().max() <= 2.0 + 1e-6
+        )  # random pairs, G = 8: the extreme is one decisive pair among ties, ±.5/.25
 
 
 def test_errors():
@@ -251,7 +296,9 @@ def test_hard_invalid_rows_masked_rows_and_micro_batching():
     assert torch.isfinite(loss) and (grad[~obj.loss_mask(ro)] == 0).all()
     assert (grad[1, 0] == 0).all()  # the NaN-reward row is in no pair
     assert_micro_batch_invariant(build("objective", "hard_pair"), "group_mean", ro, make_logp(ro, seed=4))
-    assert_micro_batch_invariant(build("objective", "hard_pair", pairing="all"), "group_mean", ro, make_logp(ro, seed=4))
+    assert_micro_batch_invariant(
+        build("objective", "hard_pair", pairing="all"), "group_mean", ro, make_logp(ro, seed=4)
+    )
 
 
 def test_hard_errors():
@@ -267,22 +314,32 @@ def test_hard_errors():
 # ---------------------------------------------------------------------------------------------- the embedded model
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    rows, seen = train_recorded(tmp_path, objective, 'advantage.estimator="pair_grpo"', "rollout.group_size=8", "rollout.prompts_per_step=8")
+    rows, seen = train_recorded(
+        tmp_path, objective, 'advantage.estimator="pair_grpo"', "rollout.group_size=8", "rollout.prompts_per_step=8"
+    )
     for step, (row, batch) in enumerate(zip(rows, seen)):
         valid = batch.group_valid & torch.isfinite(batch.rewards)
         pairs = rollout_pairs(batch, StepInfo(step=step, seed=0, max_new_tokens=6), valid, "random")  # [B,4,2]
         r = pair_rewards(batch.rewards, pairs, valid)  # [B,G]
-        torch.testing.assert_close(batch.advantages, group_normalize(r, valid, "group", 0, 0.0).float())  # Soft-Pair's, not GRPO's
+        torch.testing.assert_close(
+            batch.advantages, group_normalize(r, valid, "group", 0, 0.0).float()
+        )  # Soft-Pair's, not GRPO's
         s = batch.rewards.gather(1, pairs.clamp(min=0).flatten(1)).view(pairs.shape)  # [B,4,2]
         a = batch.advantages.gather(1, pairs.clamp(min=0).flatten(1)).view(pairs.shape)  # [B,4,2]
         decisive = (pairs[..., 0] >= 0) & (s[..., 0] != s[..., 1])  # [B,4]
-        assert decisive.any() and ((a[..., 0] > a[..., 1]) == (s[..., 0] > s[..., 1]))[decisive].all()  # the winner is credited
+        assert (
+            decisive.any() and ((a[..., 0] > a[..., 1]) == (s[..., 0] > s[..., 1]))[decisive].all()
+        )  # the winner is credited
         assert 0 <= row["pair_grpo/tie_frac"] < 1
 
 
 def test_hard_pair_two_steps_on_the_embedded_model(tmp_path):
-    rows, seen = train_recorded(tmp_path, "hard_pair", 'advantage.estimator="pair_grpo"', "rollout.group_size=8", "rollout.prompts_per_step=8")
-    assert all(r["divergence"] >= 0 for r in rows) and rows[0]["divergence"] > 0  # decisive pairs start off their target
+    rows, seen = train_recorded(
+        tmp_path, "hard_pair", 'advantage.estimator="pair_grpo"', "rollout.group_size=8", "rollout.prompts_per_step=8"
+    )
+    assert (
+        all(r["divergence"] >= 0 for r in rows) and rows[0]["divergence"] > 0
+    )  # decisive pairs start off their target
     assert rows[0]["pair_clip"] == 0.0
 
 
@@ -311,9 +368,17 @@ def test_soft_gradient_is_a_positive_multiple_of_grpo_to_first_order(tmp_path):
         grpo = build("advantage", "grpo")(batch, info)  # [B,G]
         shuffled = grpo[:, torch.randperm(8, generator=torch.Generator().manual_seed(step))]
         g_grpo = gradient(batch, grpo)
-        cos.append(float(torch.nn.functional.cosine_similarity(g_grpo, gradient(batch, build("advantage", "pair_grpo")(batch, info)), dim=0)))
+        cos.append(
+            float(
+                torch.nn.functional.cosine_similarity(
+                    g_grpo, gradient(batch, build("advantage", "pair_grpo")(batch, info)), dim=0
+                )
+            )
+        )
         guard.append(float(torch.nn.functional.cosine_similarity(g_grpo, gradient(batch, shuffled), dim=0)))
-    print(f"cosine(Soft-Pair, GRPO) = {statistics.mean(cos):.3f} {[round(c, 2) for c in cos]}; shuffled: {statistics.mean(guard):.3f}")
+    print(
+        f"cosine(Soft-Pair, GRPO) = {statistics.mean(cos):.3f} {[round(c, 2) for c in cos]}; shuffled: {statistics.mean(guard):.3f}"
+    )
     assert statistics.mean(cos) > 0.3 and sum(c > 0 for c in cos) >= 5
     assert statistics.mean(cos) > statistics.mean(guard) + 0.3
 
@@ -323,7 +388,12 @@ def test_hard_pair_reads_the_reward_not_the_advantage(tmp_path):
     change its training: grpo and sign give the same losses step for step (the composition the issue asks)."""
     runs = {}
     for estimator in ("grpo", "sign"):
-        rows, _ = train_recorded(tmp_path / estimator, "hard_pair", f'advantage.estimator="{estimator}"', "rollout.group_size=8",
-                                 "rollout.prompts_per_step=8")
+        rows, _ = train_recorded(
+            tmp_path / estimator,
+            "hard_pair",
+            f'advantage.estimator="{estimator}"',
+            "rollout.group_size=8",
+            "rollout.prompts_per_step=8",
+        )
         runs[estimator] = [r["loss"] for r in rows]
     assert runs["grpo"] == runs["sign"] and runs["grpo"][0] != 0.0

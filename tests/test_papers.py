@@ -16,8 +16,53 @@ from groupwise.papers import PACKAGE, PAPERS, check, find, folders, papers, stan
 
 ROOT = Path(__file__).resolve().parents[1]
 # the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder)
-IMPLEMENTED = [2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 18, 20, 24, 25, 27, 29, 30, 31, 32, 33, 34, 35, 36, 38, 39,
-               40, 41, 42, 44, 46, 48, 49, 50, 51, 53, 55, 56, 57, 58, 59, 60, 61]
+IMPLEMENTED = [
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+    8,
+    9,
+    13,
+    14,
+    15,
+    16,
+    17,
+    18,
+    20,
+    24,
+    25,
+    27,
+    29,
+    30,
+    31,
+    32,
+    33,
+    34,
+    35,
+    36,
+    38,
+    39,
+    40,
+    41,
+    42,
+    44,
+    46,
+    48,
+    49,
+    50,
+    51,
+    53,
+    55,
+    56,
+    57,
+    58,
+    59,
+    60,
+    61,
+]
 
 
 def test_one_folder_per_implemented_paper_named_after_its_spec_file():
@@ -53,19 +98,24 @@ def test_an_unlisted_component_file_or_double_owner_is_reported(monkeypatch):
     problems = check.entry_problems(extra)
     assert problems == [  # the plug-in from outside the package needs no manifest
         "objective 'my_new_term' (groupwise.losses.my_new_term) belongs to no manifest: list it under [components] "
-        "of its paper's paper.toml, or of papers/standard.toml if it is a standard algorithm"]
+        "of its paper's paper.toml, or of papers/standard.toml if it is a standard algorithm"
+    ]
     assert check.file_problems([*check.source_files(), PACKAGE / "losses" / "my_new_term.py"]) == [
         "losses/my_new_term.py belongs to no manifest: move it into its paper's folder, or add it to `files` "
-        "of its paper's paper.toml (or to `files` / `core` of papers/standard.toml)"]
+        "of its paper's paper.toml (or to `files` / `core` of papers/standard.toml)"
+    ]
     sign, lpo = find(48), find(57)
-    twice = dataclasses.replace(lpo, components={**lpo.components, "advantage": ["sign"]},
-                                uses={"objective": ["lpo"], "view": ["nope"]})
+    twice = dataclasses.replace(
+        lpo, components={**lpo.components, "advantage": ["sign"]}, uses={"objective": ["lpo"], "view": ["nope"]}
+    )
     monkeypatch.setattr(check, "manifests", lambda: [twice if m is lpo else m for m in (*papers(), standard())])
     problems = check.entry_problems(entries)
     assert f"{lpo.path}: [uses] view 'nope' is not registered" in problems
     assert f"{lpo.path}: objective 'lpo' is both owned and in [uses]; keep it under [components]" in problems
-    assert "advantage 'sign' is owned by 48_sign_advantage and 57_lpo: own it once, list it under [uses] elsewhere" \
+    assert (
+        "advantage 'sign' is owned by 48_sign_advantage and 57_lpo: own it once, list it under [uses] elsewhere"
         in problems
+    )
     assert sign.name == "48_sign_advantage" and len(problems) == 3
     assert check.file_problems([PACKAGE / "advantages" / "sign.py"]) == []  # files are the manifest's own, untouched
 
@@ -78,22 +128,29 @@ def test_a_recipe_or_claim_file_its_manifest_does_not_list_is_reported(monkeypat
     assert check.recipe_and_claim_problems() == [
         f"{sign.path}: recipes = [] but {folder}/recipes holds ['sign']",
         f"{sign.path}: claims = ['48-other', '48-sign'] but {folder}/claims holds ['48-sign']",
-        f"{sign.path}: test 'tests/test_nope.py' does not exist"]
+        f"{sign.path}: test 'tests/test_nope.py' does not exist",
+    ]
 
 
 def test_no_stage_or_core_module_imports_a_paper_folder():
     stage_file, paper_file = PACKAGE / "rollout" / "mine.py", PACKAGE / "papers" / "27_alphagrpo" / "mine.py"
-    bad = ('import importlib\nfrom groupwise.papers import find\n'
-           'TASK = importlib.import_module("groupwise.papers.40_dgpo.fobar")\n')
+    bad = (
+        "import importlib\nfrom groupwise.papers import find\n"
+        'TASK = importlib.import_module("groupwise.papers.40_dgpo.fobar")\n'
+    )
     assert check.import_problems([(stage_file, bad)]) == [
         "rollout/mine.py imports groupwise.papers.40_dgpo.fobar: a stage or core module never imports a paper folder; "
-        "move the shared part out of the paper folder"]
+        "move the shared part out of the paper folder"
+    ]
     assert check.import_problems([(paper_file, bad)]) == [
         "papers/27_alphagrpo/mine.py imports groupwise.papers.40_dgpo.fobar: a paper folder imports no other paper's; "
-        "move the shared part into its stage folder"]
+        "move the shared part into its stage folder"
+    ]
     # its own folder, relatively or by name, and the papers package itself are fine
-    own = ('import importlib\nfrom . import yes_no\nfrom .yes_no import rows\n'
-           'importlib.import_module("groupwise.papers.27_alphagrpo.yes_no")\n')
+    own = (
+        "import importlib\nfrom . import yes_no\nfrom .yes_no import rows\n"
+        'importlib.import_module("groupwise.papers.27_alphagrpo.yes_no")\n'
+    )
     assert check.import_problems([(paper_file, own)]) == []
 
 
@@ -108,7 +165,9 @@ def test_a_paper_folders_task_recipe_and_claim_are_found_by_their_old_names(monk
     assert load_config("alphagrpo_flow")[0].data.task == "flow_attrs"
     monkeypatch.chdir(ROOT)  # `groupwise claims` reads the repository's claims/ from where it runs
     assert find_claims(["27-alphagrpo-flow", "17-bf16-demo"]) == [
-        PAPERS / "27_alphagrpo" / "claims" / "27-alphagrpo-flow.toml", Path("claims/17-bf16-demo.toml")]
+        PAPERS / "27_alphagrpo" / "claims" / "27-alphagrpo-flow.toml",
+        Path("claims/17-bf16-demo.toml"),
+    ]
     assert find_claims(["48"]) == [PAPERS / "48_sign_advantage" / "claims" / "48-sign.toml"]
     assert load_claim(find_claims(["48-sign"])[0], check_configs=False).slug == "48-sign"
     with pytest.raises(ConfigError, match="several claim files named '17'"):  # 17-bf16-demo (issue 17) and 17-vspo
@@ -187,9 +246,11 @@ def test_variants_page_is_generated_and_current():
     assert (ROOT / "docs" / "variants.md").read_text() == text, regenerate
     rows = [line for line in text.splitlines() if line.startswith("| ") and "](../src/groupwise/papers/" in line]
     assert len(rows) == 45
-    assert ("| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
-            "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | `sign` | "
-            "`48-sign` |") in rows
+    assert (
+        "| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
+        "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | `sign` | "
+        "`48-sign` |"
+    ) in rows
     assert rows[[r.startswith("| 36/43 ") for r in rows].index(True)].endswith("| `fg_expo` | `36-fg-expo` |")
 
 

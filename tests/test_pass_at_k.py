@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, rollout_from
 
 from groupwise.advantages.pass_at_k import chen_pair, pkpo_pair
 from groupwise.errors import ConfigError
 from groupwise.registry import build, build_spec
 from groupwise.run import Run
-from helpers import info_for, rollout_from
 
 NAN = float("nan")
 
@@ -42,7 +42,9 @@ def _brute_chen(f, k):
     sd = math.sqrt(sum((x - mean) ** 2 for x in R) / len(R))
     if sd == 0:
         return [0.0] * len(f)
-    return [sum((x - mean) / sd for x, s in zip(R, subsets) if i in s) / math.comb(len(f) - 1, k - 1) for i in range(len(f))]
+    return [
+        sum((x - mean) / sd for x, s in zip(R, subsets) if i in s) / math.comb(len(f) - 1, k - 1) for i in range(len(f))
+    ]
 
 
 def _brute_pkpo(f, k):
@@ -50,7 +52,9 @@ def _brute_pkpo(f, k):
     n = len(f)
     out = []
     for i in range(n):
-        total = sum(max(f[j] for j in s) - max(f[j] for j in s if j != i) for s in itertools.combinations(range(n), k) if i in s)
+        total = sum(
+            max(f[j] for j in s) - max(f[j] for j in s if j != i) for s in itertools.combinations(range(n), k) if i in s
+        )
         out.append(total / math.comb(n, k))
     return out
 
@@ -95,9 +99,13 @@ def test_chen_k1_is_population_std_grpo_not_default_grpo():
     #   correct 0.75/0.4330127 = √3 = 1.7320508;  wrong (1 − 0.25 − C(2,0)/C(3,0) = 1)/σ = −1/√3
     rewards = [[1, 0, 0, 0], [1, 1, 0, 1]]
     adv = _adv(rewards, k=1, eps=0.0)
-    torch.testing.assert_close(adv[0], torch.tensor([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)]))
+    torch.testing.assert_close(
+        adv[0], torch.tensor([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)])
+    )
     for eps in (0.0, 1e-6):
-        torch.testing.assert_close(_adv(rewards, k=1, eps=eps), _adv(rewards, name="grpo", std="population", eps=eps), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            _adv(rewards, k=1, eps=eps), _adv(rewards, name="grpo", std="population", eps=eps), rtol=1e-6, atol=1e-7
+        )
     # the default grpo uses the Bessel std (√(0.75/3) = 0.5) and eps 1e-4: 0.75/0.5001 = 1.49970
     default = _adv(rewards, name="grpo")
     assert default[0, 0].item() == pytest.approx(1.49970, abs=1e-5)
@@ -161,19 +169,28 @@ def test_k_larger_than_group_is_clamped():
 @pytest.mark.parametrize("form", ["chen", "pkpo"])
 def test_degenerate_groups_are_exactly_zero(form):
     # all correct, all wrong, one valid row, no valid row: 0 everywhere (σ = 0 / nothing to compare)
-    adv = _adv([[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0], [1, 0, 1, 0]], [[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]],
-               k=2, form=form, eps=0.0)
+    adv = _adv(
+        [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0], [1, 0, 1, 0]],
+        [[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]],
+        k=2,
+        form=form,
+        eps=0.0,
+    )
     assert (adv == 0).all()
 
 
 def test_correct_at_threshold():
     # rewards [0.7, 0.2, 0.2, 0.2]: at correct_at = 1.0 nothing is correct → 0; at 0.5 row 0 is → (1, −1/3, ...)
     assert (_adv([[0.7, 0.2, 0.2, 0.2]], k=2) == 0).all()
-    torch.testing.assert_close(_adv([[0.7, 0.2, 0.2, 0.2]], k=2, correct_at=0.5, eps=0.0), torch.tensor([[1.0, -1 / 3, -1 / 3, -1 / 3]]))
+    torch.testing.assert_close(
+        _adv([[0.7, 0.2, 0.2, 0.2]], k=2, correct_at=0.5, eps=0.0), torch.tensor([[1.0, -1 / 3, -1 / 3, -1 / 3]])
+    )
 
 
 # ---------------------------------------------------------------------------------------------- config
-@pytest.mark.parametrize("params", [{"k": 0}, {"k": -2}, {"k": 2.5}, {"k": True}, {"form": "loo"}, {"eps": -1.0}, {"correct_at": NAN}])
+@pytest.mark.parametrize(
+    "params", [{"k": 0}, {"k": -2}, {"k": 2.5}, {"k": True}, {"form": "loo"}, {"eps": -1.0}, {"correct_at": NAN}]
+)
 def test_bad_parameters_are_config_errors(params):
     from groupwise.advantages.pass_at_k import PassAtKAdvantage
 

@@ -21,18 +21,30 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, permute_rows, permute_tensor, random_perm, rollout_from
+from test_trainer import make_trainer
 
 from groupwise.registry import build
 from groupwise.run import Run
-from groupwise.weights.pcm import keep_probabilities, phase_divergence, sample_chunks, token_chunks, token_phase_divergence
-from helpers import info_for, permute_rows, permute_tensor, random_perm, rollout_from
-from test_trainer import make_trainer
+from groupwise.weights.pcm import (
+    keep_probabilities,
+    phase_divergence,
+    sample_chunks,
+    token_chunks,
+    token_phase_divergence,
+)
 
 SQRT_1_5 = math.sqrt(1.5)
 
 
 def _close(actual, expected, atol=1e-4):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=0, equal_nan=True)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64),
+        torch.as_tensor(expected, dtype=torch.float64),
+        atol=atol,
+        rtol=0,
+        equal_nan=True,
+    )
 
 
 def test_spec_keep_probabilities():
@@ -43,7 +55,9 @@ def test_spec_keep_probabilities():
 
 
 def test_spec_divergence_and_skipped_phase():
-    actions = torch.tensor([[[1.0, 0.0], [1.0, 1.0]], [[1.0, 0.0], [3.0, 3.0]], [[0.0, 0.0], [0.0, 0.0]]])  # [N=3,K=2,A=2]
+    actions = torch.tensor(
+        [[[1.0, 0.0], [1.0, 1.0]], [[1.0, 0.0], [3.0, 3.0]], [[0.0, 0.0], [0.0, 0.0]]]
+    )  # [N=3,K=2,A=2]
     phase = torch.tensor([[0, 1], [0, 1], [0, 2]])  # phase 1 holds successes only, phase 2 a failure only
     success = torch.tensor([True, True, False])
     C = phase_divergence(actions, phase, success, torch.ones(3, 2, dtype=torch.bool), 3)
@@ -60,7 +74,9 @@ def test_refresh_every_T_rc_steps():
     w = build("weight", "pcm", num_phases=3, refresh=2, p_min=0.1)
     _close(w._update(torch.tensor([1.0, 0.5, float("nan")]), step=0), [1.0, 0.5, 1.0])
     _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0])  # 1 step since: held fixed
-    _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0])  # same step again: no second append
+    _close(
+        w._update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0]
+    )  # same step again: no second append
     # step 2: 2 steps since → C̄ = mean([0,0]), mean([1,1]) = [0, 1] → ρ̃ = [0, 1] → p = [0.1, 1, 1]
     _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=2), [0.1, 1.0, 1.0])
 
@@ -112,17 +128,33 @@ def test_sample_chunks_spec_cases_and_plackett_luce_frequency():
     valid = torch.tensor([[True, True, True], [True, True, False]])
     for seed in range(50):
         g = torch.Generator().manual_seed(seed)
-        assert sample_chunks(torch.rand(2, 3, generator=g), 3, valid, g).tolist() == valid.tolist()  # budget ≥ N_i keeps all valid
-        assert sample_chunks(torch.tensor([[1.0, 0.0, 0.0]]), 1, torch.ones(1, 3, dtype=torch.bool), g).tolist() == [[True, False, False]]
+        assert (
+            sample_chunks(torch.rand(2, 3, generator=g), 3, valid, g).tolist() == valid.tolist()
+        )  # budget ≥ N_i keeps all valid
+        assert sample_chunks(torch.tensor([[1.0, 0.0, 0.0]]), 1, torch.ones(1, 3, dtype=torch.bool), g).tolist() == [
+            [True, False, False]
+        ]
     # weights [3, 1], budget 1: P(first) = 3/4 (10,000 draws, sd 0.0043)
-    keep = sample_chunks(torch.tensor([[3.0, 1.0]]).expand(10_000, 2), 1, torch.ones(10_000, 2, dtype=torch.bool), torch.Generator().manual_seed(0))
+    keep = sample_chunks(
+        torch.tensor([[3.0, 1.0]]).expand(10_000, 2),
+        1,
+        torch.ones(10_000, 2, dtype=torch.bool),
+        torch.Generator().manual_seed(0),
+    )
     assert keep.sum(1).eq(1).all() and abs(float(keep[:, 0].float().mean()) - 0.75) < 0.02
 
 
 def _rollout():
     """One group (G=4, T=3): the hand group above + an invalid row; a second, constant group."""
-    actions = torch.tensor([[[5, 7, 0], [5, 8, 0], [5, 9, 0], [1, 1, 1]], [[2, 3, 0], [2, 4, 0], [2, 3, 0], [2, 6, 0]]])  # [B=2,G=4,T=3]
-    ro = rollout_from(torch.zeros(2, 4, 3), torch.zeros(2, 4), actions=actions, rewards=torch.tensor([[1.0, 1.0, 0.0, float("nan")], [1.0] * 4]))
+    actions = torch.tensor(
+        [[[5, 7, 0], [5, 8, 0], [5, 9, 0], [1, 1, 1]], [[2, 3, 0], [2, 4, 0], [2, 3, 0], [2, 6, 0]]]
+    )  # [B=2,G=4,T=3]
+    ro = rollout_from(
+        torch.zeros(2, 4, 3),
+        torch.zeros(2, 4),
+        actions=actions,
+        rewards=torch.tensor([[1.0, 1.0, 0.0, float("nan")], [1.0] * 4]),
+    )
     ro.group_valid[0, 3] = False
     ro.mask[1, 3, 2] = False  # a masked token
     return ro
@@ -178,8 +210,13 @@ def test_state_round_trip():
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_composes_with_each_objective(tmp_path, objective):
-    trainer = make_trainer(tmp_path, f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]',
-                           'objective.weights=[{name="pcm", budget=1, chunk_size=1, num_phases=3}]', "train.steps=2", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path,
+        f'objective.terms=["{objective}", {{name="kl", coef=0.04}}]',
+        'objective.weights=[{name="pcm", budget=1, chunk_size=1, num_phases=3}]',
+        "train.steps=2",
+        "eval.size=0",
+    )
     seen = {}
     observe = trainer.observe
     trainer.observe = lambda batch: (seen.update(batch=batch), observe(batch))

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_trainer import make_trainer
 
 from groupwise.errors import ConfigError
 from groupwise.phases import load_output, save_output
 from groupwise.phases.sft import _loss, teacher_forced
 from groupwise.registry import register
 from groupwise.run import Run
-from test_trainer import make_trainer
 
 
 def test_teacher_forced_rows_and_the_token_mean_loss_by_hand():
@@ -33,7 +33,9 @@ def test_teacher_forced_rows_and_the_token_mean_loss_by_hand():
     fixed = Fixed()
     loss = _loss(fixed, batch)
     assert loss.item() == pytest.approx(6 / 5)  # −(−1 −2 −1 −1 −1) / 5 tokens
-    torch.testing.assert_close(fixed.logp.grad, torch.tensor([[[-0.2, -0.2, 0.0]], [[-0.2, -0.2, -0.2]]]))  # −1/5 per token, 0 on padding
+    torch.testing.assert_close(
+        fixed.logp.grad, torch.tensor([[[-0.2, -0.2, 0.0]], [[-0.2, -0.2, -0.2]]])
+    )  # −1/5 per token, 0 on padding
 
 
 def test_a_run_with_an_sft_phase_trains_first_and_does_not_redo_it(tmp_path, capsys):
@@ -48,6 +50,7 @@ def test_a_run_with_an_sft_phase_trains_first_and_does_not_redo_it(tmp_path, cap
     # a rerun in the same folder after a kill before any RL checkpoint: the phase output is loaded, not recomputed
     (tmp_path / "summary.json").unlink()
     import shutil
+
     shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
     again = make_trainer(tmp_path, phase, "train.steps=1", "eval.size=32")
     calls = []
@@ -105,7 +108,13 @@ def artifact_components():
 def test_an_artifact_no_phase_makes_is_a_build_error_and_a_made_one_is_injected(tmp_path, artifact_components):
     with pytest.raises(ConfigError, match="needs the artifact 'table', which no offline phase produces"):
         make_trainer(tmp_path / "a", 'objective.weights=["_test_reads_table"]')
-    trainer = make_trainer(tmp_path / "b", 'objective.weights=["_test_reads_table"]', 'phases=["_test_table"]', "train.steps=1", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path / "b",
+        'objective.weights=["_test_reads_table"]',
+        'phases=["_test_table"]',
+        "train.steps=1",
+        "eval.size=0",
+    )
     Run(trainer).train()
     assert artifact_components.seen == ("table", {"rows": len(trainer.train_rows)})
     assert load_output(tmp_path / "b" / "phases" / "table.pt")["artifact"] == {"rows": len(trainer.train_rows)}
@@ -142,8 +151,9 @@ def test_a_save_removes_the_old_digest_before_writing(tmp_path, monkeypatch):
     save_output(path, {"artifact": 1})
     seen = []
     real = runfolder.write_atomic
-    monkeypatch.setattr(runfolder, "write_atomic",
-                        lambda p, data: (seen.append((p.name, is_saved(path))), real(p, data)))
+    monkeypatch.setattr(
+        runfolder, "write_atomic", lambda p, data: (seen.append((p.name, is_saved(path))), real(p, data))
+    )
     save_output(path, {"artifact": 2})
     assert seen == [("probe.pt", False), ("probe.sha256", False)] and is_saved(path)
     assert load_output(path)["artifact"] == 2
@@ -209,8 +219,23 @@ def test_under_two_ranks_the_phase_file_is_decided_together_and_rank_0s_artifact
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "phases"),
-                             str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(tmp_path / "phases"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["artifact_rank"] for r in rows] == [0, 0] and [r["w"] for r in rows] == [[0.0, 0.0], [0.0, 0.0]]

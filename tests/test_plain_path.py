@@ -7,10 +7,15 @@ import copy
 
 import pytest
 import torch
-
 from test_trainer import grads_after_one_update, make_trainer
 
-PLAIN = ["perf.functional=false", "perf.share_prefix=false", "perf.packed=false", "perf.drop_finished=false", "perf.keep_freed_memory=false"]
+PLAIN = [
+    "perf.functional=false",
+    "perf.share_prefix=false",
+    "perf.packed=false",
+    "perf.drop_finished=false",
+    "perf.keep_freed_memory=false",
+]
 
 
 @pytest.mark.parametrize("extra", [[], ['objective.terms=["ppo_clip", {name="kl", coef=0.1}]', "train.epochs=2"]])
@@ -46,7 +51,13 @@ def test_optimised_and_plain_paths_agree(tmp_path, extra, memory_switch):
     # after all the optimiser steps (the second one's gradient is taken at weights that already
     # differ by float rounding, amplified by lr=0.1 on a loss of ~50 with the KL term)
     for (name, p), q in zip(fast.policy.module.named_parameters(), plain.policy.module.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")  # seen: 6.1e-5 on one of 40,832
+        torch.testing.assert_close(
+            p,
+            q,
+            atol=1e-4,
+            rtol=1e-4,
+            msg=lambda m: f"{name}: {m}",  # noqa: B023 (called at once, inside this iteration)
+        )  # seen: 6.1e-5 on one of 40,832
 
 
 @pytest.mark.parametrize("layout", ["optimised", "plain"])
@@ -56,22 +67,37 @@ def test_row_contexts_score_each_row_as_if_it_stood_alone(tmp_path, layout):
     # gets as a one-row group under its own prompt, in the optimised and the plain layout alike.
     import dataclasses
 
-    trainer = make_trainer(tmp_path, "rollout.group_size=3", "rollout.max_new_tokens=6", *(PLAIN if layout == "plain" else []))
+    trainer = make_trainer(
+        tmp_path, "rollout.group_size=3", "rollout.max_new_tokens=6", *(PLAIN if layout == "plain" else [])
+    )
     batch = trainer.collect()  # [B,3,T]
     B, G, T = batch.shape
     others = [batch.prompt_ids[(b + 1) % B] for b in range(B)]
-    ctx = [[batch.prompt_ids[b], others[b], others[b]] for b in range(B)]  # rows 1, 2 share a context that is not their group's
+    ctx = [
+        [batch.prompt_ids[b], others[b], others[b]] for b in range(B)
+    ]  # rows 1, 2 share a context that is not their group's
     mixed = dataclasses.replace(batch, ctx=ctx)
     with torch.no_grad():
         got = trainer.policy.forward(mixed, ("logp", "entropy"))
         for b in range(B):
             for g in range(G):
-                alone = dataclasses.replace(batch.select([b]), prompt_ids=[ctx[b][g]], actions=batch.actions[b : b + 1, g : g + 1],
-                                            mask=batch.mask[b : b + 1, g : g + 1], group_valid=batch.group_valid[b : b + 1, g : g + 1],
-                                            truncated=batch.truncated[b : b + 1, g : g + 1], logp_sampler=None, ctx=[])
+                alone = dataclasses.replace(
+                    batch.select([b]),
+                    prompt_ids=[ctx[b][g]],
+                    actions=batch.actions[b : b + 1, g : g + 1],
+                    mask=batch.mask[b : b + 1, g : g + 1],
+                    group_valid=batch.group_valid[b : b + 1, g : g + 1],
+                    truncated=batch.truncated[b : b + 1, g : g + 1],
+                    logp_sampler=None,
+                    ctx=[],
+                )
                 want = trainer.policy.forward(alone, ("logp", "entropy"))
                 for key in ("logp", "entropy"):
-                    torch.testing.assert_close(got[key][b, g], want[key][0, 0], atol=1e-5, rtol=1e-5, msg=f"{key} row {b},{g}")
+                    torch.testing.assert_close(
+                        got[key][b, g], want[key][0, 0], atol=1e-5, rtol=1e-5, msg=f"{key} row {b},{g}"
+                    )
         plain_rows = trainer.policy.forward(batch, ("logp",))["logp"]
     assert not torch.allclose(got["logp"][:, 1:], plain_rows[:, 1:])  # another context really changes the log-probs
-    torch.testing.assert_close(got["logp"][:, 0], plain_rows[:, 0], atol=1e-5, rtol=1e-5)  # row 0 kept its group's prompt
+    torch.testing.assert_close(
+        got["logp"][:, 0], plain_rows[:, 0], atol=1e-5, rtol=1e-5
+    )  # row 0 kept its group's prompt

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from groupwise.advantages.profil import AttnProbe, commitment_labels, committed_steps, profil_filter, rollout_score, segment_steps
+from groupwise.advantages.profil import (
+    AttnProbe,
+    commitment_labels,
+    committed_steps,
+    profil_filter,
+    rollout_score,
+    segment_steps,
+)
 
 NAN = float("nan")
 
@@ -37,7 +44,11 @@ def test_commitment_labels_spec_numbers():
     # once committed, a later wobble stays post-commitment (the decision was already made)
     assert commitment_labels([7, 1, 7], 7).tolist() == [0.0, 1.0, 1.0]
     # a verifier comparison instead of ==
-    assert commitment_labels(["7.0", "7", "x"], "7", equal=lambda a, b: a.strip() == b or a == b + ".0").tolist() == [0.0, 1.0, 1.0]
+    assert commitment_labels(["7.0", "7", "x"], "7", equal=lambda a, b: a.strip() == b or a == b + ".0").tolist() == [
+        0.0,
+        1.0,
+        1.0,
+    ]
     assert commitment_labels([], 7).tolist() == []
 
 
@@ -129,5 +140,5 @@ def test_probe_learns_a_separable_step_labelling():
         loss.backward()
         opt.step()
     acc = ((probe.probe_scores(h_te, id_te) > 0.5).float() == y_te).float().mean().item()
-    print(f'probe accuracy {acc0:.3f} -> {acc:.3f}')
+    print(f"probe accuracy {acc0:.3f} -> {acc:.3f}")
     assert acc > 0.95 and acc > acc0 + 0.2, (acc0, acc)

@@ -12,8 +12,14 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 
 def test_the_documented_example_runs(tmp_path):
     code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("3 ") and lines[1] == "torch.Size([4, 4]) torch.Size([4, 4])"

@@ -7,14 +7,14 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, make_rollout
+from test_trainer import make_trainer
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rollout.context import RolloutContext, check_strategy
 from groupwise.run import Run
 from groupwise.types import Request
-from helpers import info_for, make_rollout
-from test_trainer import make_trainer
 
 NAN = float("nan")
 
@@ -55,9 +55,18 @@ def test_a_strategy_asking_for_an_option_the_policy_lacks_fails_at_build():
 
 def _context(trainer):
     ro = trainer.cfg.rollout
-    return RolloutContext(trainer.policy, trainer.sampler, trainer.reward_stage, lambda r: None,
-                          lambda i: trainer.prompts("train", trainer.train_rows, i), lambda i: trainer.train_rows[i], trainer.info,
-                          trainer.sampling_params, ro.prompts_per_step, ro.group_size)
+    return RolloutContext(
+        trainer.policy,
+        trainer.sampler,
+        trainer.reward_stage,
+        lambda r: None,
+        lambda i: trainer.prompts("train", trainer.train_rows, i),
+        lambda i: trainer.train_rows[i],
+        trainer.info,
+        trainer.sampling_params,
+        ro.prompts_per_step,
+        ro.group_size,
+    )
 
 
 def test_mixed_sampling_overrides_come_back_in_request_order_and_equal_separate_calls(tmp_path):
@@ -79,12 +88,21 @@ def test_mixed_sampling_overrides_come_back_in_request_order_and_equal_separate_
 
 
 def test_remax_trains_on_the_samples_with_the_greedy_reward_as_baseline(tmp_path):
-    trainer = make_trainer(tmp_path, 'rollout.name="remax"', 'advantage.estimator="remax"', "rollout.group_size=2", "train.steps=1", "eval.size=0")
+    trainer = make_trainer(
+        tmp_path,
+        'rollout.name="remax"',
+        'advantage.estimator="remax"',
+        "rollout.group_size=2",
+        "train.steps=1",
+        "eval.size=0",
+    )
     seen = {}
     prepare = trainer.prepare
 
     def prepare_and_rescore(batch):  # before the update: the weights that sampled the batch
-        seen["greedy"] = _context(trainer).rollout([Request(int(k), 1, sampling={"greedy": True}) for k in batch.prompt_index])
+        seen["greedy"] = _context(trainer).rollout(
+            [Request(int(k), 1, sampling={"greedy": True}) for k in batch.prompt_index]
+        )
         seen["batch"] = prepare(batch)
         return seen["batch"]
 
@@ -114,7 +132,7 @@ def test_remax_equals_verls_outcome_advantage_broadcast_over_the_tokens():
     token_rewards = torch.where(last, ro.rewards.reshape(12, 1).expand(12, 5), torch.zeros(()))  # [N,T]
     returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [N,T]
     verl = returns - baseline.repeat_interleave(3)[:, None] * mask  # [N,T]
-    mine = (ours.reshape(12, 1) * mask)  # [N,T] our row value on each response token
+    mine = ours.reshape(12, 1) * mask  # [N,T] our row value on each response token
     print(f"verl parity remax: max |diff| = {(verl - mine).abs().max():.2e}")
     torch.testing.assert_close(mine, verl, atol=1e-6, rtol=0)
     assert verl.abs().sum() > 0

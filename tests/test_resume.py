@@ -17,12 +17,26 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = os.environ.get("GROUPWISE_TEST_MODEL", "default")
-ARGS = ["train", "demo", "train.steps=12", "checkpoint.every=1", "eval.size=20", "rollout.prompts_per_step=16", "threads=1", f'model.path="{MODEL}"']
+ARGS = [
+    "train",
+    "demo",
+    "train.steps=12",
+    "checkpoint.every=1",
+    "eval.size=20",
+    "rollout.prompts_per_step=16",
+    "threads=1",
+    f'model.path="{MODEL}"',
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def start(out, *extra, **env):
-    return subprocess.Popen([sys.executable, "-m", "groupwise", *ARGS, *extra, f"out={out}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**ENV, **env})
+    return subprocess.Popen(
+        [sys.executable, "-m", "groupwise", *ARGS, *extra, f"out={out}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**ENV, **env},
+    )
 
 
 def final_sha(out):
@@ -87,10 +101,14 @@ def test_sigkill_at_random_moments(tmp_path, reference):
 def test_sigterm_checkpoints_and_resumes(tmp_path, reference):
     terms = 0
     for delay in (0.2, 0.6, 1.0):
-        seen = len((tmp_path / "metrics.jsonl").read_text().splitlines()) if (tmp_path / "metrics.jsonl").exists() else 0
+        seen = (
+            len((tmp_path / "metrics.jsonl").read_text().splitlines()) if (tmp_path / "metrics.jsonl").exists() else 0
+        )
         proc = start(tmp_path)
         while proc.poll() is None:  # wait until this launch has trained a step: the handler is installed
-            lines = (tmp_path / "metrics.jsonl").read_text().splitlines() if (tmp_path / "metrics.jsonl").exists() else []
+            lines = (
+                (tmp_path / "metrics.jsonl").read_text().splitlines() if (tmp_path / "metrics.jsonl").exists() else []
+            )
             if len(lines) > seen or (lines and seen == 0):
                 break
             time.sleep(0.05)
@@ -122,7 +140,9 @@ def test_ctrl_c_checkpoints_and_the_rerun_says_it_resumes(tmp_path):
     since the last checkpoint (with checkpoint.every=0, the whole run)."""
     long_run = ("train.steps=200", "checkpoint.every=0")  # long enough to be interrupted mid-run
     proc = start(tmp_path, *long_run)
-    while proc.poll() is None and not ((tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 2):
+    while proc.poll() is None and not (
+        (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") >= 2
+    ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 0
@@ -137,7 +157,9 @@ def test_ctrl_c_checkpoints_and_the_rerun_says_it_resumes(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
-    assert re.search(rf"resuming .* from step {stopped} \(checkpoint checkpoints/step_0*{stopped}\)", proc.stderr.read().decode())
+    assert re.search(
+        rf"resuming .* from step {stopped} \(checkpoint checkpoints/step_0*{stopped}\)", proc.stderr.read().decode()
+    )
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(len(steps))) and len(steps) > stopped  # every step once, in order
 
@@ -170,10 +192,34 @@ def test_sigkill_with_keep_last_one(tmp_path, reference):
 # (recipe and overrides, the final model files to compare, at most this many kills): a run with two trained models, one
 # with phases before RL (an sft phase whose output is saved, then loaded on a rerun)
 SETUPS = {
-    "two_roles": (["codistill", "rollout.prompts_per_step=8", "rollout.group_size=4"], ["model.safetensors", "teacher/model.safetensors"], 6),
-    "phases": (["demo", "rollout.prompts_per_step=8", "rollout.group_size=4", 'phases=[{name="sft", steps=40, batch_size=16}]'], ["model.safetensors"], 6),
+    "two_roles": (
+        ["codistill", "rollout.prompts_per_step=8", "rollout.group_size=4"],
+        ["model.safetensors", "teacher/model.safetensors"],
+        6,
+    ),
+    "phases": (
+        [
+            "demo",
+            "rollout.prompts_per_step=8",
+            "rollout.group_size=4",
+            'phases=[{name="sft", steps=40, batch_size=16}]',
+        ],
+        ["model.safetensors"],
+        6,
+    ),
     # multi-turn episodes in an environment: env tokens as loss-mask holes, per-episode seeds
-    "env": (["grow", "rollout.prompts_per_step=8", "rollout.group_size=4", 'rollout.name="episodes"', "rollout.params={max_turns=16}", "train.max_seconds=0"], ["model.safetensors"], 6),
+    "env": (
+        [
+            "grow",
+            "rollout.prompts_per_step=8",
+            "rollout.group_size=4",
+            'rollout.name="episodes"',
+            "rollout.params={max_turns=16}",
+            "train.max_seconds=0",
+        ],
+        ["model.safetensors"],
+        6,
+    ),
 }
 
 
@@ -183,17 +229,33 @@ def test_sigkill_with_roles_phases_and_environments(tmp_path, setup):
     phase before RL — (the checkpoint holds every role's model, optimiser and component states; a
     phase's output is saved as it completes and loaded, not redone, on a rerun)."""
     recipe, files, want_kills = SETUPS[setup]
-    args = ["train", recipe[0], "train.steps=12", "checkpoint.every=1", "eval.size=0", "threads=1", f'model.path="{MODEL}"', *recipe[1:]]
+    args = [
+        "train",
+        recipe[0],
+        "train.steps=12",
+        "checkpoint.every=1",
+        "eval.size=0",
+        "threads=1",
+        f'model.path="{MODEL}"',
+        *recipe[1:],
+    ]
 
     def launch(out):
-        return subprocess.Popen([sys.executable, "-m", "groupwise", *args, f"out={out}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+        return subprocess.Popen(
+            [sys.executable, "-m", "groupwise", *args, f"out={out}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=ENV,
+        )
 
     def shas(out):
         return [hashlib.sha256((out / "final" / f).read_bytes()).hexdigest() for f in files]
 
     t0 = time.monotonic()
     proc = launch(tmp_path / "straight")
-    while proc.poll() is None and not ((tmp_path / "straight" / "metrics.jsonl").exists() and (tmp_path / "straight" / "metrics.jsonl").read_text()):
+    while proc.poll() is None and not (
+        (tmp_path / "straight" / "metrics.jsonl").exists() and (tmp_path / "straight" / "metrics.jsonl").read_text()
+    ):
         time.sleep(0.02)
     first = time.monotonic() - t0
     assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-2000:]

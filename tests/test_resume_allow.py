@@ -25,12 +25,12 @@ import shutil
 
 import pytest
 import torch
+from test_trainer import make_trainer
 
 from groupwise import checkpoint
 from groupwise.errors import ConfigError
 from groupwise.rubric_bank import RubricBank
 from groupwise.run import Run
-from test_trainer import make_trainer
 
 BASE = ["train.steps=2", "checkpoint.every=1", "eval.size=0"]
 
@@ -83,8 +83,9 @@ def test_a_new_lr_moves_the_weights_by_the_new_lr(tmp_path):
 
 def test_adamw_hyper_parameters_reach_the_param_groups(tmp_path):
     stopped(tmp_path, "update.lr=1e-3")
-    trainer = resumed(tmp_path, ["update"], "update.lr=5e-4", "update.betas=[0.8, 0.9]", "update.weight_decay=0.25",
-                      "update.eps=1e-6")
+    trainer = resumed(
+        tmp_path, ["update"], "update.lr=5e-4", "update.betas=[0.8, 0.9]", "update.weight_decay=0.25", "update.eps=1e-6"
+    )
     for group in trainer.updater.optimizer.param_groups:
         hyper = (group["lr"], group["initial_lr"], group["betas"], group["weight_decay"], group["eps"])
         assert hyper == (5e-4, 5e-4, (0.8, 0.9), 0.25, 1e-6)
@@ -101,14 +102,24 @@ def test_gxpo_inner_optimiser_takes_the_new_lr(tmp_path):
 
 
 def test_a_roles_lr_reaches_its_optimiser(tmp_path):
-    from groupwise.config import load_config
-    from groupwise.build import build
-    from groupwise.trainer import Trainer
     from test_trainer import MODEL, SMALL
 
+    from groupwise.build import build
+    from groupwise.config import load_config
+    from groupwise.trainer import Trainer
+
     def codistill(lr, steps):
-        cfg, _ = load_config("codistill", [*SMALL, f'out="{tmp_path}"', f'model.path="{MODEL}"', *BASE[1:],
-                                           f"train.steps={steps}", f"roles.teacher.update.lr={lr}"])
+        cfg, _ = load_config(
+            "codistill",
+            [
+                *SMALL,
+                f'out="{tmp_path}"',
+                f'model.path="{MODEL}"',
+                *BASE[1:],
+                f"train.steps={steps}",
+                f"roles.teacher.update.lr={lr}",
+            ],
+        )
         return Trainer(build(cfg))
 
     first = codistill(1e-3, 2)
@@ -141,8 +152,14 @@ def test_a_new_warmup_gives_the_lr_by_hand(tmp_path):
 # ---------------------------------------------------------------------------------------------- C. run-loop settings
 def test_run_loop_settings_take_effect(tmp_path):
     stopped(tmp_path)
-    resumed(tmp_path, ["checkpoint.keep_last", "eval", "train.steps"], "checkpoint.keep_last=1", "eval.every=1",
-            "eval.size=4", steps=3)
+    resumed(
+        tmp_path,
+        ["checkpoint.keep_last", "eval", "train.steps"],
+        "checkpoint.keep_last=1",
+        "eval.every=1",
+        "eval.size=4",
+        steps=3,
+    )
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step_000003_r1"]  # keep_last 1 (2 before): one folder
     assert [v is not None for v in logged(tmp_path, "eval_accuracy")] == [False, True, True]  # eval.every=1 from step 1
 
@@ -150,8 +167,12 @@ def test_run_loop_settings_take_effect(tmp_path):
 # ---------------------------------------------------------------------------------------------- D. component parameters
 def test_component_parameters_take_effect(tmp_path):
     stopped(tmp_path)
-    trainer = resumed(tmp_path, ["objective.terms", "rollout.temperature"],
-                      'objective.terms=[{name="ppo_clip", eps_low=0.1, eps_high=0.3}]', "rollout.temperature=0.7")
+    trainer = resumed(
+        tmp_path,
+        ["objective.terms", "rollout.temperature"],
+        'objective.terms=[{name="ppo_clip", eps_low=0.1, eps_high=0.3}]',
+        "rollout.temperature=0.7",
+    )
     term = trainer.objective.terms[0]
     assert (term.eps_low, term.eps_high, trainer.sampling_params["temperature"]) == (0.1, 0.3, 0.7)
 
@@ -170,6 +191,7 @@ def test_a_rubric_bank_keeps_its_configured_capacity():
 def test_a_schedules_parameters_take_effect(tmp_path):
     """kl coef linear from 0 to `end` over 4 steps (value at step s = end·s/4): end 0.4 → 0.8 on
     resume at step 1: steps 1, 2 log 0.2, 0.4 (the old end would give 0.1, 0.2)."""
+
     def kl(end):
         schedule = f'{{schedule="linear", start_value=0.0, end={end}, steps=4}}'
         return f'objective.terms=["ppo_clip", {{name="kl", coef={schedule}}}]'
@@ -194,14 +216,17 @@ def test_a_controllers_init_is_refused_naming_it(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- F. fixed on resume
-@pytest.mark.parametrize(("key", "override"), [
-    ("seed", "seed=3"),
-    ("model.dtype", 'model.dtype="bfloat16"'),
-    ("model.lora.r", "model.lora={r=2}"),
-    ("data.train_size", "data.train_size=50"),
-    ("phases", 'phases=[{name="sft", steps=1}]'),
-    ("update.optimizer", 'update={name="gxpo", optimizer="sgd"}'),
-])
+@pytest.mark.parametrize(
+    ("key", "override"),
+    [
+        ("seed", "seed=3"),
+        ("model.dtype", 'model.dtype="bfloat16"'),
+        ("model.lora.r", "model.lora={r=2}"),
+        ("data.train_size", "data.train_size=50"),
+        ("phases", 'phases=[{name="sft", steps=1}]'),
+        ("update.optimizer", 'update={name="gxpo", optimizer="sgd"}'),
+    ],
+)
 def test_keys_fixed_at_start_are_refused_even_when_allowed(tmp_path, key, override):
     extra = ['update={name="gxpo"}'] if key == "update.optimizer" else []
     stopped(tmp_path, *extra)

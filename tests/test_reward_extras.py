@@ -11,6 +11,8 @@ import time
 
 import pytest
 import torch
+from helpers import info_for, make_rollout, run_two_ranks
+from test_trainer import make_trainer
 
 from groupwise.logging import sample_rows
 from groupwise.rewards import _async
@@ -21,12 +23,9 @@ from groupwise.rewards.score import RewardAborted, RewardError, score
 from groupwise.rewards.stage import RewardStage
 from groupwise.run import Run
 
-from helpers import info_for, make_rollout, run_two_ranks
-from test_trainer import make_trainer
-
 P3, C3 = ["p", "q", "r"], ["a", "bb", "ccc"]
 
-REWARD_FILE = '''
+REWARD_FILE = """
 def lens(prompts, completions, completion_ids, log_extra, log_metric, **kwargs):
     log_extra("len", [len(c) for c in completions])
     log_extra("text", list(completions))
@@ -34,15 +33,23 @@ def lens(prompts, completions, completion_ids, log_extra, log_metric, **kwargs):
     log_metric("m", 2.0)
     log_metric("m", 4.0)
     return [1.0 if c.strip().isdigit() else 0.0 for c in completions]
-'''
+"""
 
 
 # ---------------------------------------------------------------------------- end to end
 def test_logged_columns_reach_samples_jsonl_and_metrics_are_averaged(tmp_path, monkeypatch):
-    monkeypatch.setattr("groupwise.run.plot_rewards", lambda *args, **kwargs: None)  # matplotlib's import: 2 s of nothing tested here
+    monkeypatch.setattr(
+        "groupwise.run.plot_rewards", lambda *args, **kwargs: None
+    )  # matplotlib's import: 2 s of nothing tested here
     (tmp_path / "rw.py").write_text(REWARD_FILE)
     run = tmp_path / "run"
-    trainer = make_trainer(run, "train.steps=1", "eval.size=0", "log.samples=16", f'rewards=[{{name="python", fn="{tmp_path / "rw.py"}:lens"}}]')
+    trainer = make_trainer(
+        run,
+        "train.steps=1",
+        "eval.size=0",
+        "log.samples=16",
+        f'rewards=[{{name="python", fn="{tmp_path / "rw.py"}:lens"}}]',
+    )
     Run(trainer).train()
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 16  # 4 prompts × 4 rows, all logged
@@ -114,7 +121,10 @@ def test_wrong_length_extra_is_an_error_naming_function_column_and_lengths(on_er
             pass
         return [0.0] * len(completions)
 
-    with pytest.raises(RewardError, match=r"reward '.*short': log_extra\('len', values\) got 1 values for 3 completions \(expected 3, got 1\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward '.*short': log_extra\('len', values\) got 1 values for 3 completions \(expected 3, got 1\)",
+    ):
         score([short], P3, C3, {}, on_error=on_error)
 
 
@@ -138,7 +148,11 @@ def test_a_failed_call_logs_nothing():
         raise ValueError("late")
 
     res = score([logs_then_fails], P3, C3, {}, on_error="exclude")
-    assert res.extra == {} and res.metrics == {} and res.counts[f"{__name__}.test_a_failed_call_logs_nothing.<locals>.logs_then_fails/error"] == 3
+    assert (
+        res.extra == {}
+        and res.metrics == {}
+        and res.counts[f"{__name__}.test_a_failed_call_logs_nothing.<locals>.logs_then_fails/error"] == 3
+    )
 
 
 # ---------------------------------------------------------------------------- async rewards
@@ -185,7 +199,9 @@ def test_async_blocking_the_loop_times_out_and_a_fresh_loop_serves_the_next_call
         time.sleep(0.8)  # synchronous work on the loop thread: cannot be cancelled
         return [1.0] * 3
 
-    with pytest.raises(RewardError, match=r"reward '.*blocks' did not return within timeout_s=0.2 s \(the event loop was blocked"):
+    with pytest.raises(
+        RewardError, match=r"reward '.*blocks' did not return within timeout_s=0.2 s \(the event loop was blocked"
+    ):
         score([Python(fn=blocks)], P3, C3, {}, timeout_s=0.2)
     assert "thread" not in _async._state  # retired: the next call starts a fresh loop
     assert score([Python(fn=nap_a)], P3, C3, {}, timeout_s=2.0).total.tolist() == [1.0, 1.0, 1.0]
@@ -214,7 +230,7 @@ def test_async_exception_and_exit():
 
 
 # ---------------------------------------------------------------------------- two ranks
-DRIVER = '''
+DRIVER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from groupwise import dist
@@ -242,7 +258,7 @@ batch = dist.gather_rollout(ro)
 with open(f"{sys.argv[2]}/rank{rank}.json", "w") as fh:  # a file each: printed lines of two ranks interleave
     json.dump([stage.pop_metrics(), [[r["extra"]["rank"] for r in g] for g in batch.info]], fh)
 dist.shutdown()
-'''
+"""
 
 
 @pytest.mark.slow

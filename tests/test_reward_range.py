@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
+from helpers import fill_inputs, info_for, make_rollout, rollout_from
 
 from groupwise.registry import build, names
 from groupwise.rewards.score import combine, score
 from groupwise.rewards.stage import RewardStage
-from helpers import fill_inputs, info_for, make_rollout, rollout_from
 
 A = float(torch.tensor(3e38))  # the float32 value nearest 3e38
 E20 = float(torch.tensor(1e20))
@@ -130,7 +130,11 @@ def _float64_grpo(r: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["binary", "uniform"])
 def test_grpo_ordinary_rewards_match_float32_formula(G, kind):
     gen = torch.Generator().manual_seed(G)
-    r = torch.randint(0, 2, (2000, G), generator=gen).float() if kind == "binary" else torch.rand(2000, G, generator=gen)
+    r = (
+        torch.randint(0, 2, (2000, G), generator=gen).float()
+        if kind == "binary"
+        else torch.rand(2000, G, generator=gen)
+    )
     adv = build("advantage", "grpo")(_ro(r.tolist()), info_for(1))
     # within float32 rounding of the old all-float32 formula (the default path does not move). That
     # formula's own error grows like 1e-7/std (cancellation), so uniform groups are compared where
@@ -179,7 +183,9 @@ def test_score_counts_overflowing_totals_as_excluded():
     assert res.total[:2].isnan().all() and res.total[2] == 2.0
     # a Python float beyond float32 (finite as a float64) is excluded too, not turned into inf
     res = score([_const([1e39, 0.5], "wide")], ["p"] * 2, ["a", "b"], {})
-    assert res.excluded.tolist() == [True, False] and res.counts["excluded"] == 1 and torch.isfinite(res.total[1:]).all()
+    assert (
+        res.excluded.tolist() == [True, False] and res.counts["excluded"] == 1 and torch.isfinite(res.total[1:]).all()
+    )
 
 
 class _Policy:
@@ -188,7 +194,9 @@ class _Policy:
 
 def _decode(rollout):
     B, G, _ = rollout.shape
-    return [[" ".join(map(str, rollout.actions[b, g][rollout.mask[b, g]].tolist())) for g in range(G)] for b in range(B)]
+    return [
+        [" ".join(map(str, rollout.actions[b, g][rollout.mask[b, g]].tolist())) for g in range(G)] for b in range(B)
+    ]
 
 
 def test_reward_stage_counts_overflow_in_excluded():

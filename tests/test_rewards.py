@@ -16,11 +16,11 @@ import torch
 from groupwise.errors import ConfigError
 from groupwise.registry import build, names, param_names
 from groupwise.rewards import RewardError, ScoreResult, reward_label, score
-from groupwise.rewards.score import score_parts
 from groupwise.rewards.exact import Exact
 from groupwise.rewards.format import Format
 from groupwise.rewards.overlong import Overlong
 from groupwise.rewards.python import Python
+from groupwise.rewards.score import score_parts
 
 NAN = float("nan")
 
@@ -38,7 +38,12 @@ def same(a: torch.Tensor, b: list[float]) -> bool:
 def test_all_rewards_registered_with_weight():
     for name in ("exact", "math", "format", "overlong", "python"):
         assert name in names("reward")
-    for name, params in [("exact", {}), ("format", {"pattern": "x"}), ("overlong", {}), ("python", {"fn": "os.path:basename"})]:
+    for name, params in [
+        ("exact", {}),
+        ("format", {"pattern": "x"}),
+        ("overlong", {}),
+        ("python", {"fn": "os.path:basename"}),
+    ]:
         reward = build("reward", name, **params)
         assert "weight" in param_names(type(reward)) and reward.weight == 1.0
 
@@ -214,7 +219,12 @@ def test_trl_function_through_python_and_score(user_module):
     exact = Exact()
     prompts = ["p"] * 3
     completions = ["abc", "abcdefg", "x"]
-    cols = {"answer": ["abc", "abc", None], "completion_lengths": [3, 7, 1], "truncated": [False] * 3, "max_new_tokens": 8}
+    cols = {
+        "answer": ["abc", "abc", None],
+        "completion_lengths": [3, 7, 1],
+        "truncated": [False] * 3,
+        "max_new_tokens": 8,
+    }
     res = score([exact, user], prompts, completions, cols)
     # parts: exact [1, 0, None->NaN], user [-0.0, -0.4, NaN]
     # total = 1*exact + 2*user: [1 + 0, 0 - 0.8, NaN (excluded: a function gave no verdict)]
@@ -223,8 +233,13 @@ def test_trl_function_through_python_and_score(user_module):
     assert same(res.total, [1.0, -0.8, NAN])
     assert res.total.dtype == torch.float32 and res.parts.dtype == torch.float32 and res.parts.shape == (3, 2)
     assert res.excluded.tolist() == [False, False, True]
-    assert res.counts == {"excluded": 1, "exact/missing": 1, "exact/error": 0,
-                          "my_user_rewards.length_reward/missing": 1, "my_user_rewards.length_reward/error": 0}
+    assert res.counts == {
+        "excluded": 1,
+        "exact/missing": 1,
+        "exact/error": 0,
+        "my_user_rewards.length_reward/missing": 1,
+        "my_user_rewards.length_reward/error": 0,
+    }
 
 
 # ----------------------------------------------------------------------------- score
@@ -260,7 +275,13 @@ def test_score_missing_exclude_vs_zero():
     # exclude (default): row 0 = 1 + 2 = 3; rows 1 (None) and 2 (NaN, inf) excluded -> NaN
     assert same(res.total, [3.0, NAN, NAN])
     assert res.excluded.tolist() == [False, True, True]
-    assert res.counts == {"excluded": 2, "tests.f/missing": 2, "tests.f/error": 0, "tests.g/missing": 1, "tests.g/error": 0}
+    assert res.counts == {
+        "excluded": 2,
+        "tests.f/missing": 2,
+        "tests.f/error": 0,
+        "tests.g/missing": 1,
+        "tests.g/error": 0,
+    }
     zero = score([f, g], P3, C3, {}, missing="zero")
     # zero (TRL's nansum): row 1 = 0 + 3 = 3; row 2 = 0 + 0 = 0; nothing excluded, still counted
     assert same(zero.total, [3.0, 3.0, 0.0])
@@ -276,7 +297,9 @@ def test_score_accepts_tuples_ints_bools():
 
 def test_score_raising_function_named_and_chained(user_module):
     broken = Python(fn="my_user_rewards:broken")
-    with pytest.raises(RewardError, match=r"reward 'my_user_rewards.broken' raised ZeroDivisionError: user bug") as info:
+    with pytest.raises(
+        RewardError, match=r"reward 'my_user_rewards.broken' raised ZeroDivisionError: user bug"
+    ) as info:
         score([Exact(), broken], P3, C3, {"answer": C3})
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
@@ -293,12 +316,17 @@ def test_score_on_error_exclude(user_module):
 
 
 def test_score_component_error_is_named():
-    with pytest.raises(RewardError, match=r"reward 'exact' raised RewardError: reward 'exact' needs the dataset column 'answer'"):
+    with pytest.raises(
+        RewardError, match=r"reward 'exact' raised RewardError: reward 'exact' needs the dataset column 'answer'"
+    ):
         score([Exact()], P3, C3, {})
 
 
 def test_score_wrong_length_named(user_module):
-    with pytest.raises(RewardError, match=r"reward 'my_user_rewards.too_short' returned 2 values for 3 completions \(expected 3, got 2\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'my_user_rewards.too_short' returned 2 values for 3 completions \(expected 3, got 2\)",
+    ):
         score([Python(fn="my_user_rewards:too_short")], P3, C3, {})
     # never broadcast: a single value for three completions is an error too
     with pytest.raises(RewardError, match=r"reward 'tests.one' returned 1 values for 3 completions"):
@@ -393,9 +421,10 @@ def test_score_reward_exit_stops_the_run_naming_it(exc, what, on_error, timeout_
 
 
 def test_rollout_scorer_exit_stops_the_run_naming_it():
+    from helpers import info_for, make_rollout
+
     from groupwise.rewards.score import RewardAborted
     from groupwise.rewards.stage import RewardStage
-    from helpers import info_for, make_rollout
 
     class Quits:
         weight = 1.0

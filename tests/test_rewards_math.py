@@ -19,7 +19,14 @@ import pytest
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rewards import RewardError, score
-from groupwise.rewards.math import Math, completion_answer_text, gold_answer, gsm8k_answer, last_boxed, verify_in_process
+from groupwise.rewards.math import (
+    Math,
+    completion_answer_text,
+    gold_answer,
+    gsm8k_answer,
+    last_boxed,
+    verify_in_process,
+)
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 GSM8K = DATA / "gsm8k" / "test.jsonl"

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from test_trainer import MODEL
 
 from groupwise.build import build as build_parts
 from groupwise.config import load_config
@@ -19,10 +20,14 @@ from groupwise.run import Run
 from groupwise.trainer import Trainer
 from groupwise.types import Rollout, StepInfo
 
-from test_trainer import MODEL
-
 INFO = StepInfo(step=0, seed=0, max_new_tokens=4)
-SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "eval.size=8", "threads=1", 'roles.teacher.model.path="hinted"']
+SMALL = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "eval.size=8",
+    "threads=1",
+    'roles.teacher.model.path="hinted"',
+]
 
 
 def codistill(out, *overrides):
@@ -32,8 +37,14 @@ def codistill(out, *overrides):
 
 def test_kd_reward_component_spec_numbers():
     # student log-probs [-1, -2], teacher [-0.5, -1] -> r_kd = mean(0.5, 1.0) = 0.75; padding ignored
-    ro = Rollout(prompt_ids=[[1]], actions=torch.ones(1, 1, 3, dtype=torch.long), mask=torch.tensor([[[True, True, False]]]),
-                 group_valid=torch.ones(1, 1, dtype=torch.bool), truncated=torch.zeros(1, 1, dtype=torch.bool), prompt_index=torch.zeros(1, dtype=torch.long))
+    ro = Rollout(
+        prompt_ids=[[1]],
+        actions=torch.ones(1, 1, 3, dtype=torch.long),
+        mask=torch.tensor([[[True, True, False]]]),
+        group_valid=torch.ones(1, 1, dtype=torch.bool),
+        truncated=torch.zeros(1, 1, dtype=torch.bool),
+        prompt_index=torch.zeros(1, dtype=torch.long),
+    )
     ro.logp_old = torch.tensor([[[-1.0, -2.0, 0.0]]])
     ro.set_extra("teacher.logp", torch.tensor([[[-0.5, -1.0, 9.0]]]), "token")
     kd = CoDistillKD()
@@ -48,10 +59,18 @@ def test_the_composed_teacher_objective_is_the_papers_teacher_loss():
     mask = torch.rand(B, G, T, generator=g) > 0.2  # [B,G,T]
     student = -torch.rand(B, G, T, generator=g) * 3  # [B,G,T] behaviour log-probs
     teacher_old = -torch.rand(B, G, T, generator=g) * 3  # [B,G,T]
-    teacher_now = (teacher_old + 0.3 * torch.randn(B, G, T, generator=g)).requires_grad_()  # [B,G,T] after a step: ratio != 1
+    teacher_now = (
+        teacher_old + 0.3 * torch.randn(B, G, T, generator=g)
+    ).requires_grad_()  # [B,G,T] after a step: ratio != 1
     adv = torch.randn(B, G, generator=g)  # [B,G]
-    ro = Rollout(prompt_ids=[[1]] * B, actions=torch.ones(B, G, T, dtype=torch.long), mask=mask, group_valid=torch.ones(B, G, dtype=torch.bool),
-                 truncated=torch.zeros(B, G, dtype=torch.bool), prompt_index=torch.arange(B))
+    ro = Rollout(
+        prompt_ids=[[1]] * B,
+        actions=torch.ones(B, G, T, dtype=torch.long),
+        mask=mask,
+        group_valid=torch.ones(B, G, dtype=torch.bool),
+        truncated=torch.zeros(B, G, dtype=torch.bool),
+        prompt_index=torch.arange(B),
+    )
     ro.logp_old, ro.logp_sampler, ro.advantages = teacher_old, student, adv
     weight = build("weight", "sampler_is", mode="token_truncate", hi=2.0)
     ro.weight, counted = token_weights([weight], ro, INFO)  # [B,G,T], [B,G,T]
@@ -60,8 +79,8 @@ def test_the_composed_teacher_objective_is_the_papers_teacher_loss():
     ours = objective.loss(ro, {"logp": teacher_now}, objective.normalizers(ro, INFO, None), INFO)
     theirs = codistill_teacher_loss(teacher_now, teacher_old, student, adv, mask, eps=0.2, C=2.0)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-7)
-    g1, = torch.autograd.grad(ours, teacher_now)
-    g2, = torch.autograd.grad(theirs, teacher_now)
+    (g1,) = torch.autograd.grad(ours, teacher_now)
+    (g2,) = torch.autograd.grad(theirs, teacher_now)
     torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
 
 
@@ -74,7 +93,9 @@ def test_both_models_train_on_the_students_rollouts(tmp_path):
     assert any(not torch.equal(p, student0[n]) for n, p in trainer.policy.module.named_parameters())
     assert any(not torch.equal(p, teacher0[n]) for n, p in teacher.policy.module.named_parameters())
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["teacher/ratio"] == pytest.approx(1.0) and rows[0]["teacher/grad_norm"] > 0  # its own old log-probs: on its first pass ratio 1
+    assert (
+        rows[0]["teacher/ratio"] == pytest.approx(1.0) and rows[0]["teacher/grad_norm"] > 0
+    )  # its own old log-probs: on its first pass ratio 1
     assert rows[0]["reward/codistill_kd"] < 0 < rows[0]["reward_std"]  # the student's samples are likelier under itself
     assert {"teacher/accuracy_before", "teacher/accuracy_after"} <= set(summary)
     assert (tmp_path / "run" / "final" / "teacher" / "model.safetensors").exists()
@@ -102,7 +123,10 @@ def test_resume_with_two_trained_models_is_exact(tmp_path):
     Run(first).train()
     resumed = codistill(tmp_path / "b", "train.steps=4", "eval.size=0", "checkpoint.every=2")
     Run(resumed).train(resume_allow=["train.steps"])
-    for module_a, module_b in ((straight.policy.module, resumed.policy.module), (straight.roles[0].policy.module, resumed.roles[0].policy.module)):
+    for module_a, module_b in (
+        (straight.policy.module, resumed.policy.module),
+        (straight.roles[0].policy.module, resumed.roles[0].policy.module),
+    ):
         for (name, p), q in zip(module_a.named_parameters(), module_b.parameters()):
             assert torch.equal(p, q), name
 
@@ -110,7 +134,10 @@ def test_resume_with_two_trained_models_is_exact(tmp_path):
 def test_role_configuration_errors(tmp_path):
     with pytest.raises(ConfigError, match="roles.ref: 'policy' and 'ref' are the trained policy and its reference"):
         load_config("codistill", ['roles.ref={model={path="hinted"}}'])
-    with pytest.raises(ConfigError, match=r"roles.teacher.rewards names \['nope'\]; the run's reward functions are \['exact', 'codistill_kd'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"roles.teacher.rewards names \['nope'\]; the run's reward functions are \['exact', 'codistill_kd'\]",
+    ):
         codistill(tmp_path / "x", 'roles.teacher.rewards=["nope"]')
 
 
@@ -118,8 +145,12 @@ def test_a_role_identical_to_the_policy_takes_identical_steps(tmp_path):
     """The role's update path is the policy's: a teacher that starts as the same model, with the same
     objective and no IS weight, sees the same batch, rewards and advantages (the models stay equal,
     so the IS ratio would be 1 anyway) and must end every step with bit-identical weights."""
-    trainer = codistill(tmp_path / "run", 'rewards=["exact"]', f'roles.teacher.model.path="{MODEL}"',
-                        'roles.teacher.objective={agg="seq_mean_token_mean", terms=[{name="ppo_clip", eps_low=0.2, eps_high=0.2}], weights=[]}')
+    trainer = codistill(
+        tmp_path / "run",
+        'rewards=["exact"]',
+        f'roles.teacher.model.path="{MODEL}"',
+        'roles.teacher.objective={agg="seq_mean_token_mean", terms=[{name="ppo_clip", eps_low=0.2, eps_high=0.2}], weights=[]}',
+    )
     for step in range(3):
         trainer.step = step
         row = trainer.run_step()
@@ -133,14 +164,20 @@ def test_a_frozen_role_serves_needs_and_is_never_trained(tmp_path):
     # nothing of it is trained, logged or checkpointed
     import json
 
+    from test_trainer import make_trainer
     from transformers import AutoModelForCausalLM
 
     from groupwise.losses.codistill import kd_reward
     from groupwise.policy.lm import resolve_model_path
-    from test_trainer import make_trainer
 
-    trainer = make_trainer(tmp_path, 'rewards=["exact", {name="codistill_kd", teacher="teacher"}]', 'roles.teacher={model={path="hinted"}, frozen=true}',
-                           "train.steps=2", "eval.size=0", "checkpoint.every=1")
+    trainer = make_trainer(
+        tmp_path,
+        'rewards=["exact", {name="codistill_kd", teacher="teacher"}]',
+        'roles.teacher={model={path="hinted"}, frozen=true}',
+        "train.steps=2",
+        "eval.size=0",
+        "checkpoint.every=1",
+    )
     assert trainer.roles == [] and list(trainer.parts.frozen) == ["teacher"]
     seen = {}
     prepare = trainer.prepare
@@ -152,7 +189,9 @@ def test_a_frozen_role_serves_needs_and_is_never_trained(tmp_path):
         teacher_logp = trainer.policy.forward(batch, ("logp",), module=shipped)["logp"]  # [B,G,T]
     torch.testing.assert_close(batch.extras["teacher.logp"], teacher_logp, atol=1e-5, rtol=1e-5)
     B, G, T = batch.shape
-    want = kd_reward(batch.logp_old.reshape(B * G, T), teacher_logp.reshape(B * G, T), batch.row_mask.reshape(B * G, T)).view(B, G)
+    want = kd_reward(
+        batch.logp_old.reshape(B * G, T), teacher_logp.reshape(B * G, T), batch.row_mask.reshape(B * G, T)
+    ).view(B, G)
     got = batch.reward_parts[..., 1]  # [B,G] the KD column
     torch.testing.assert_close(got[batch.group_valid], want[batch.group_valid], atol=1e-5, rtol=1e-5)
     for (name, p), q in zip(trainer.parts.frozen["teacher"].module.named_parameters(), shipped.parameters()):
@@ -160,4 +199,5 @@ def test_a_frozen_role_serves_needs_and_is_never_trained(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert not any(k.startswith("teacher/") for k in rows[-1])
     from groupwise import checkpoint
+
     assert checkpoint.load(checkpoint.latest_intact(tmp_path))["roles"] == {}

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, rollout_from, train_recorded
 
 from groupwise.losses.rspo import huber, rspo_gap
 from groupwise.registry import build
 from groupwise.types import Need
-from helpers import check_micro_batching, info_for, leaf, make_rollout, objective_for, rollout_from, train_recorded
 
 U = [0.2, 0.1, -0.3, 0.0]
 REWARDS = [1.0, 0.0, 0.0, 1.0]
@@ -46,7 +46,9 @@ def test_spec_loss_and_gradient():
     L, grad = _loss_grad(build("objective", "rspo"), ro, logp)
     _close(L, 0.185)
     _close(grad, [[-0.15, 0.30, 0.10, -0.25]])
-    _close(rspo_gap(torch.tensor([U]), ro.advantages, torch.ones(1, 4, dtype=torch.bool), 1.0), [[-0.3, 0.6, 0.2, -0.5]])
+    _close(
+        rspo_gap(torch.tensor([U]), ro.advantages, torch.ones(1, 4, dtype=torch.bool), 1.0), [[-0.3, 0.6, 0.2, -0.5]]
+    )
 
 
 def test_centring_beta_and_its_gradient():
@@ -83,7 +85,9 @@ def test_huber():
 # ---------------------------------------------------------------------------------------------- edge cases
 def test_invalid_nan_and_empty_rows_are_left_out():
     # the spec's group + an invalid row, a NaN reward and an empty completion (huge u on each)
-    ro, logp = _group([*U, 9.0, 9.0, 9.0], [*REWARDS, 1.0, float("nan"), 1.0], adv=[0.5, -0.5, -0.5, 0.5, 3.0, 0.0, 3.0])
+    ro, logp = _group(
+        [*U, 9.0, 9.0, 9.0], [*REWARDS, 1.0, float("nan"), 1.0], adv=[0.5, -0.5, -0.5, 0.5, 3.0, 0.0, 3.0]
+    )
     ro.group_valid[0, 4] = False
     ro.mask[0, 6] = False
     L, grad = _loss_grad(build("objective", "rspo"), ro, logp)
@@ -113,7 +117,9 @@ def test_constant_group_single_row_and_token_advantages():
 
 def test_micro_batching_invariance():
     ro = make_rollout(6, 4, 5, seed=4)  # awkward rows and garbage padding
-    check_micro_batching(objective_for([build("objective", "rspo")], "seq_mean_token_mean"), ro, [[3], [0, 5], [1, 2, 4]], info_for(5))
+    check_micro_batching(
+        objective_for([build("objective", "rspo")], "seq_mean_token_mean"), ro, [[3], [0, 5], [1, 2, 4]], info_for(5)
+    )
 
 
 def test_declaration_and_errors():

@@ -43,11 +43,19 @@ def _rows(prompts, rewards, texts, truncated=None):
     """A batch of len(prompts) groups, row g of group b: one token, reward rewards[b][g] (also its one reward column)."""
     B, G = len(rewards), len(rewards[0])
     r = torch.tensor(rewards, dtype=torch.float32)
-    return Rollout(prompt_ids=prompts, actions=torch.full((B, G, 1), 7), mask=torch.ones(B, G, 1, dtype=torch.bool),
-                   group_valid=torch.ones(B, G, dtype=torch.bool),
-                   truncated=torch.tensor(truncated if truncated is not None else [[False] * G] * B),
-                   prompt_index=torch.full((B,), KEY), meta=[{"prompt": PROMPT, "question": "add", "answer": "15"}] * B,
-                   completions=texts, rewards=r, reward_parts=r[..., None].clone(), info=[[{} for _ in range(G)] for _ in range(B)])
+    return Rollout(
+        prompt_ids=prompts,
+        actions=torch.full((B, G, 1), 7),
+        mask=torch.ones(B, G, 1, dtype=torch.bool),
+        group_valid=torch.ones(B, G, dtype=torch.bool),
+        truncated=torch.tensor(truncated if truncated is not None else [[False] * G] * B),
+        prompt_index=torch.full((B,), KEY),
+        meta=[{"prompt": PROMPT, "question": "add", "answer": "15"}] * B,
+        completions=texts,
+        rewards=r,
+        reward_parts=r[..., None].clone(),
+        info=[[{} for _ in range(G)] for _ in range(B)],
+    )
 
 
 class Scripted:
@@ -100,7 +108,9 @@ class Scripted:
 
 
 def close(got, want, atol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64), atol=atol, rtol=0.0)
+    torch.testing.assert_close(
+        torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64), atol=atol, rtol=0.0
+    )
 
 
 def test_pieces_feedback_hint_and_chat_hint():
@@ -121,8 +131,10 @@ def test_r_meta_by_hand_and_the_reflection_rows(baseline, want):
     # the reflection prompts: the task, the judged attempt and its per-stage feedback, token for token
     kind, requests = ctx.calls[1]
     assert kind == "generate" and [r.sampling for r in requests] == [{"max_new_tokens": 16}] * 3
-    assert [r.prompt for r in requests] == [enc(REFLECT_TEMPLATE.format(prompt=PROMPT, attempt=a, feedback=f"exact={s:.2g}"))
-                                            for a, s in zip(["14", "15", "16"], TASK_S)]
+    assert [r.prompt for r in requests] == [
+        enc(REFLECT_TEMPLATE.format(prompt=PROMPT, attempt=a, feedback=f"exact={s:.2g}"))
+        for a, s in zip(["14", "15", "16"], TASK_S)
+    ]
     assert [r.offset for r in requests] == [3, 4, 5] and [r.offset for r in ctx.calls[2][1]] == [6, 7, 8]
     # the re-attempts: each reflection in front of the task
     assert [r.prompt for r in ctx.calls[2][1]] == [enc(f"hint:{t}\n{PROMPT}") for t in REFLECTIONS]
@@ -138,8 +150,12 @@ def test_r_meta_by_hand_and_the_reflection_rows(baseline, want):
         close(adv[1], [0.75 / math.sqrt(0.875 / 3), -0.25 / math.sqrt(0.875 / 3), -0.5 / math.sqrt(0.875 / 3)])
         close(adv[1], [1.38873, -0.46291, -0.92582])
     stats = strategy.step_stats()
-    assert stats["rubricem_reflect/approved"] == pytest.approx(2 / 3) and stats["rubricem_reflect/accepted"] == pytest.approx(1 / 3)
-    assert stats["rubricem_reflect/reattempt_reward"] == pytest.approx(0.75) and stats["rubricem_reflect/bank_size"] == 1.0
+    assert stats["rubricem_reflect/approved"] == pytest.approx(2 / 3) and stats[
+        "rubricem_reflect/accepted"
+    ] == pytest.approx(1 / 3)
+    assert (
+        stats["rubricem_reflect/reattempt_reward"] == pytest.approx(0.75) and stats["rubricem_reflect/bank_size"] == 1.0
+    )
 
 
 def test_bank_reflection_is_retrieved_into_the_next_context_exactly():
@@ -150,7 +166,9 @@ def test_bank_reflection_is_retrieved_into_the_next_context_exactly():
     task_request = nxt.calls[0][1][0]
     assert task_request.prompt == enc("hint:carry the one\n" + PROMPT)
     stats = strategy.step_stats()  # the group had a reflection of its type: a second attempt
-    assert stats["rubricem_reflect/hinted_groups"] == 1.0 and stats["rubricem_reflect/second_attempt"] == pytest.approx(0.5)
+    assert stats["rubricem_reflect/hinted_groups"] == 1.0 and stats["rubricem_reflect/second_attempt"] == pytest.approx(
+        0.5
+    )
     assert math.isnan(stats["rubricem_reflect/first_attempt"])
     # over the run: step 0's three rows were first attempts (mean 0.5), step 1's three second attempts (mean 0.5)
     assert strategy.state_dict()["run"] == [1.5, 3, 1.5, 3] and stats["rubricem_reflect/gap_run"] == 0.0
@@ -159,13 +177,17 @@ def test_bank_reflection_is_retrieved_into_the_next_context_exactly():
     off.load_state_dict(strategy.state_dict())
     again = Scripted(step=1)
     off(again)
-    assert again.calls[0][1][0].prompt is None and off.step_stats()["rubricem_reflect/second_attempt"] == pytest.approx(0.5)
+    assert again.calls[0][1][0].prompt is None and off.step_stats()["rubricem_reflect/second_attempt"] == pytest.approx(
+        0.5
+    )
     # retrieve_share = 0: no group is in the retrieval arm, every group is a first attempt
     none = build("rollout", "rubricem_reflect", retrieve_share=0.0)
     none.load_state_dict(strategy.state_dict())
     third = Scripted(step=1)
     none(third)
-    assert third.calls[0][1][0].prompt is None and none.step_stats()["rubricem_reflect/first_attempt"] == pytest.approx(0.5)
+    assert third.calls[0][1][0].prompt is None and none.step_stats()["rubricem_reflect/first_attempt"] == pytest.approx(
+        0.5
+    )
     # two retrieved reflections are joined newest first
     two = build("rollout", "rubricem_reflect", retrieve=2)
     two.bank.add("add", "older")
@@ -178,9 +200,16 @@ def test_bank_reflection_is_retrieved_into_the_next_context_exactly():
 def test_untrained_reflections_and_config_errors():
     batch = build("rollout", "rubricem_reflect", train_reflections=False)(Scripted())
     assert batch.shape[:2] == (1, 3)
-    for bad, match in [({"baseline": "x"}, "baseline"), ({"approve": "x"}, "approve"), ({"retrieve": -1}, "retrieve"),
-                       ({"retrieve_share": 2.0}, "retrieve_share"), ({"reflect_template": "{prompt}"}, "attempt"),
-                       ({"context_template": "{prompt}"}, "hint"), ({"reflection_tokens": 0}, "reflection_tokens"), ({"capacity": 0}, "capacity")]:
+    for bad, match in [
+        ({"baseline": "x"}, "baseline"),
+        ({"approve": "x"}, "approve"),
+        ({"retrieve": -1}, "retrieve"),
+        ({"retrieve_share": 2.0}, "retrieve_share"),
+        ({"reflect_template": "{prompt}"}, "attempt"),
+        ({"context_template": "{prompt}"}, "hint"),
+        ({"reflection_tokens": 0}, "reflection_tokens"),
+        ({"capacity": 0}, "capacity"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             build("rollout", "rubricem_reflect", **bad)
     with pytest.raises(ConfigError, match="key_column"):
@@ -189,10 +218,18 @@ def test_untrained_reflections_and_config_errors():
 
 
 # ---------------------------------------------------------------------------------------------- through the trainer
-REWARDS = ('rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", tags=["<r>", "</r>"], label="compute"},'
-           ' {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]')
-RUN = ['data.task="evidence"', REWARDS, 'advantage.estimator="rubricem"', "rollout.max_new_tokens=12", 'rollout.name="rubricem_reflect"',
-       "rollout.params={accept_above=-1.0, reflection_tokens=6}"]
+REWARDS = (
+    'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", tags=["<r>", "</r>"], label="compute"},'
+    ' {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
+)
+RUN = [
+    'data.task="evidence"',
+    REWARDS,
+    'advantage.estimator="rubricem"',
+    "rollout.max_new_tokens=12",
+    'rollout.name="rubricem_reflect"',
+    "rollout.params={accept_above=-1.0, reflection_tokens=6}",
+]
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
@@ -204,7 +241,9 @@ def test_trains_two_steps_with(tmp_path, objective):
     rows, seen = train_recorded(tmp_path, objective, *RUN)
     for row, batch in zip(rows, seen):
         B = batch.shape[0] // 2  # task groups, then as many reflection groups (every task group kept)
-        assert B == 4 and batch.reward_parts.shape[-1] == 3 and batch.ctx and batch.advantages.shape == batch.actions.shape
+        assert (
+            B == 4 and batch.reward_parts.shape[-1] == 3 and batch.ctx and batch.advantages.shape == batch.actions.shape
+        )
         refl = batch.select(list(range(B, 2 * B)))
         # every reward column of a reflection row is its r_meta, and its tokens carry the population GRPO z-score of r_meta
         assert torch.equal(refl.reward_parts[..., 0], refl.reward_parts[..., 2])
@@ -212,7 +251,9 @@ def test_trains_two_steps_with(tmp_path, objective):
         z = group_normalize(torch.nan_to_num(refl.reward_parts[..., 0].double()), valid, "group", 0, 1e-6)  # [B,G]
         torch.testing.assert_close(refl.advantages.double(), z[..., None] * refl.row_mask, atol=1e-6, rtol=0)
         assert (batch.advantages[~batch.row_mask] == 0).all()
-        assert row["rubricem_reflect/accepted"] == row["rubricem_reflect/approved"]  # accept_above = -1: every approved one
+        assert (
+            row["rubricem_reflect/accepted"] == row["rubricem_reflect/approved"]
+        )  # accept_above = -1: every approved one
     assert rows[1]["rubricem_reflect/bank_size"] > 0 and rows[1]["rubricem_reflect/hinted_groups"] > 0
 
 
@@ -245,18 +286,40 @@ def test_two_ranks_hold_the_same_bank_and_train_the_same(tmp_path):
     """torchrun (gloo) over 2 ranks against one process, 2 steps: the same bank in the last checkpoint, the same weights."""
     from safetensors.torch import load_file
 
-    args = ["train", "rubricem", "phases=[]", "train.steps=2", "checkpoint.every=1", "eval.size=0", "eval.samples=0", "threads=1",
-            "rollout.prompts_per_step=4", "rollout.group_size=4", *RUN[3:], 'update={name="sgd", lr=1.0}']
+    args = [
+        "train",
+        "rubricem",
+        "phases=[]",
+        "train.steps=2",
+        "checkpoint.every=1",
+        "eval.size=0",
+        "eval.samples=0",
+        "threads=1",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        *RUN[3:],
+        'update={name="sgd", lr=1.0}',
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = {}
-    for label, cmd in (("one", [sys.executable, "-m", "groupwise"]),
-                       ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"])):
-        res = subprocess.run([*cmd, *args, f"out={tmp_path / label}"], capture_output=True, text=True, env=env, timeout=600)
+    for label, cmd in (
+        ("one", [sys.executable, "-m", "groupwise"]),
+        (
+            "two",
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
+        ),
+    ):
+        res = subprocess.run(
+            [*cmd, *args, f"out={tmp_path / label}"], capture_output=True, text=True, env=env, timeout=600
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         from groupwise import checkpoint
 
         state = checkpoint.load(checkpoint.latest(tmp_path / label))
-        out[label] = (state["components"]["rollout.rubricem_reflect"]["bank"], load_file(tmp_path / label / "final" / "model.safetensors"))
+        out[label] = (
+            state["components"]["rollout.rubricem_reflect"]["bank"],
+            load_file(tmp_path / label / "final" / "model.safetensors"),
+        )
     assert out["one"][0]["bank"] and out["one"][0] == out["two"][0]
     for name, w in out["one"][1].items():
         torch.testing.assert_close(out["two"][1][name], w, atol=1e-6, rtol=1e-5, msg=name)

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer import MODEL, make_trainer
 
 from groupwise import checkpoint, runfolder
 from groupwise.errors import ConfigError
 from groupwise.logging import MetricsLog
 from groupwise.run import Run
-
-from test_trainer import MODEL, make_trainer
 
 STATE = {"w": torch.arange(40_000, dtype=torch.float32), "step": 3}
 
@@ -92,7 +91,9 @@ def test_each_named_failure_says_what_failed(tmp_path):
         checkpoint.verify(path)
     path = checkpoint.save(tmp_path, 3, STATE)
     _damage(path, "edited_manifest")
-    with pytest.raises(checkpoint.CheckpointCorrupt, match=r"MANIFEST.json: sha256 differs from the one recorded in COMPLETE"):
+    with pytest.raises(
+        checkpoint.CheckpointCorrupt, match=r"MANIFEST.json: sha256 differs from the one recorded in COMPLETE"
+    ):
         checkpoint.verify(path)
 
 
@@ -126,7 +127,9 @@ def _kill_at(monkeypatch, target, name, nth):
 
 
 @pytest.mark.parametrize("keep_last", [1, 2])
-@pytest.mark.parametrize("point", ["rename:1", "rmtree:1", "rmtree:2", "fault:checkpoint.before_rename", "fault:checkpoint.before_prune"])
+@pytest.mark.parametrize(
+    "point", ["rename:1", "rmtree:1", "rmtree:2", "fault:checkpoint.before_rename", "fault:checkpoint.before_prune"]
+)
 def test_a_kill_anywhere_in_a_save_leaves_a_complete_checkpoint(tmp_path, monkeypatch, keep_last, point):
     """Before: saving step N again (the final save after the loop's) deleted step_N before renaming
     the new folder in: a kill in between left keep_last=1 runs with nothing, restarting at step 0."""
@@ -182,7 +185,10 @@ def test_disk_filling_up_during_the_write_cleans_up_and_keeps_the_old(tmp_path, 
             return self.fh.write(data)
 
     monkeypatch.setattr(checkpoint, "_Writes", Full)
-    with pytest.raises(checkpoint.CheckpointSpace, match=r"disk full while writing the step-2 checkpoint to .*\.tmp_step_000002.*needs about [\d,]+ bytes"):
+    with pytest.raises(
+        checkpoint.CheckpointSpace,
+        match=r"disk full while writing the step-2 checkpoint to .*\.tmp_step_000002.*needs about [\d,]+ bytes",
+    ):
         checkpoint.save(tmp_path, 2, {**STATE, "step": 2})
     monkeypatch.undo()
     assert not list((tmp_path / "checkpoints").glob(".tmp_*")), "the partial folder is removed"
@@ -195,7 +201,10 @@ def test_disk_filling_up_during_the_write_cleans_up_and_keeps_the_old(tmp_path, 
 def test_a_real_full_disk(tmp_path):
     mount = tmp_path / "tiny"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here")
     try:
         checkpoint.save(mount, 1, {"w": torch.zeros(10)})
@@ -256,8 +265,10 @@ def test_a_full_disk_while_appending_metrics_says_what_and_how_much(tmp_path, mo
     log = MetricsLog(tmp_path / "metrics.jsonl", None)
     monkeypatch.setattr(run_logging, "open", _FullDisk, raising=False)
     line = json.dumps({"step": 3, "loss": 0.5}) + "\n"  # 27 bytes
-    said = (rf"disk full while writing step 3's metrics to {tmp_path}/metrics.jsonl: it needs about {len(line)} bytes, "
-            r"[\d,]+ are free; free some space and rerun the same command to resume")
+    said = (
+        rf"disk full while writing step 3's metrics to {tmp_path}/metrics.jsonl: it needs about {len(line)} bytes, "
+        r"[\d,]+ are free; free some space and rerun the same command to resume"
+    )
     with pytest.raises(runfolder.NoSpace, match=said):
         log.write({"step": 3, "loss": 0.5})
     with pytest.raises(runfolder.NoSpace, match=r"disk full while writing 1 sample rows to .*samples.jsonl"):
@@ -269,8 +280,18 @@ def test_a_full_disk_stops_the_command_with_one_line(tmp_path, monkeypatch, caps
     from groupwise import logging as run_logging
 
     monkeypatch.setattr(run_logging, "open", _FullDisk, raising=False)
-    code = cli.main(["train", "demo", f"out={tmp_path}", "train.steps=2", "eval.size=0", "rollout.prompts_per_step=4",
-                     "rollout.group_size=4", f'model.path="{MODEL}"'])
+    code = cli.main(
+        [
+            "train",
+            "demo",
+            f"out={tmp_path}",
+            "train.steps=2",
+            "eval.size=0",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            f'model.path="{MODEL}"',
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     said = f"groupwise: [Errno 28] disk full while writing step 0's metrics to {tmp_path}/metrics.jsonl"
     assert code == 1 and err[-1].startswith(said)
@@ -318,8 +339,12 @@ def test_temporary_files_of_killed_runs_are_removed_when_a_run_starts(tmp_path, 
         file.write_text("keep")
     Run(make_trainer(run, "train.steps=1", "eval.size=0")).train()
     assert "removed 6 temporary file(s) a killed run left in" in capsys.readouterr().err
-    left = sorted(p.name for folder in (run, run / "checkpoints", run / "phases") for p in folder.iterdir()
-                  if ".tmp" in p.name or ".old" in p.name)
+    left = sorted(
+        p.name
+        for folder in (run, run / "checkpoints", run / "phases")
+        for p in folder.iterdir()
+        if ".tmp" in p.name or ".old" in p.name
+    )
     assert left == ["notes.tmp"] and all(p.exists() for p in mine)
 
 
@@ -344,11 +369,18 @@ def test_resume_with_another_configuration_is_refused_naming_each_key(tmp_path):
     run = tmp_path / "run"
     _stopped_run(run)
     stored = (run / "config.toml").read_text()
-    changed = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "update.lr=0.5", "rollout.temperature=0.7")
-    with pytest.raises(ConfigError, match=r"rollout.temperature: 1.0 -> 0.7; update.lr: 0.001 -> 0.5.*--resume-allow rollout.temperature,update.lr"):
+    changed = make_trainer(
+        run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "update.lr=0.5", "rollout.temperature=0.7"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.temperature: 1.0 -> 0.7; update.lr: 0.001 -> 0.5.*--resume-allow rollout.temperature,update.lr",
+    ):
         Run(changed).train()
     assert (run / "config.toml").read_text() == stored
-    allowed = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "update.lr=0.5", "rollout.temperature=0.7")
+    allowed = make_trainer(
+        run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "update.lr=0.5", "rollout.temperature=0.7"
+    )
     Run(allowed).train(resume_allow=["update", "rollout.temperature"])  # a section prefix allows its keys
     assert allowed.step == 2 and "temperature = 0.7" in (run / "config.toml").read_text()
 
@@ -358,7 +390,9 @@ def test_component_states_are_matched_by_name(tmp_path):
     run = tmp_path / "run"
     _stopped_run(run)
     other = make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", 'sampling={name="dynamic"}')
-    with pytest.raises(ConfigError, match=r"checkpoint holds the states of components .*sampling.uniform.*builds .*sampling.dynamic"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint holds the states of components .*sampling.uniform.*builds .*sampling.dynamic"
+    ):
         Run(other).train(resume_allow=["sampling"])
 
 
@@ -373,8 +407,22 @@ def test_a_second_process_on_the_run_folder_is_refused_with_the_holders_pid(tmp_
             Run(make_trainer(run, "train.steps=1", "eval.size=0")).train()
         t0 = time.monotonic()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "groupwise", "train", "demo", f"out={run}", "train.steps=1", f'model.path="{MODEL}"'],
-                              capture_output=True, text=True, env=env, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "groupwise",
+                "train",
+                "demo",
+                f"out={run}",
+                "train.steps=1",
+                f'model.path="{MODEL}"',
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert proc.returncode == 1 and f"pid {os.getpid()}" in proc.stderr, proc.stderr[-2000:]
         assert time.monotonic() - t0 < 60  # refused at start-up, not after training
     finally:
@@ -406,7 +454,9 @@ def test_defaults_bound_what_an_interruption_or_a_hung_reward_costs():
 
 def test_time_based_checkpoints(tmp_path, monkeypatch):
     saved = []
-    trainer = make_trainer(tmp_path / "run", "train.steps=3", "eval.size=0", "checkpoint.every=0", "checkpoint.minutes=1e-9")
+    trainer = make_trainer(
+        tmp_path / "run", "train.steps=3", "eval.size=0", "checkpoint.every=0", "checkpoint.minutes=1e-9"
+    )
     job = Run(trainer)
     real = job.save_checkpoint
     monkeypatch.setattr(job, "save_checkpoint", lambda: (saved.append(trainer.step), real()))
@@ -440,7 +490,9 @@ def test_in_row_counters_are_checkpointed(tmp_path):
 # ---------------------------------------------------------------------------- 9. non-finite weights
 def test_an_update_that_makes_weights_non_finite_is_rolled_back(tmp_path):
     """Before: update.lr=1e39 wrote all-inf weights (then said it stopped before saving them)."""
-    trainer = make_trainer(tmp_path / "run", "train.steps=3", "eval.size=0", "update.lr=1e39", "train.max_skipped_in_row=2")
+    trainer = make_trainer(
+        tmp_path / "run", "train.steps=3", "eval.size=0", "update.lr=1e39", "train.max_skipped_in_row=2"
+    )
     before = {k: v.clone() for k, v in trainer.policy.module.state_dict().items()}
     with pytest.raises(RuntimeError, match="2 optimiser steps in a row .* rolled back"):
         Run(trainer).train()
@@ -486,7 +538,13 @@ def test_a_run_without_any_finite_reward_is_an_error(tmp_path):
     """Before: all-NaN rewards for the whole run ended as a 'successful' run that learned nothing."""
     _with_reward(tmp_path, "return [math.inf] * len(completions)")
     try:
-        trainer = make_trainer(tmp_path / "run", "train.steps=10", "eval.size=0", 'rewards=[{name="python", fn="odd_reward:odd"}]', "reward.max_empty_steps=2")
+        trainer = make_trainer(
+            tmp_path / "run",
+            "train.steps=10",
+            "eval.size=0",
+            'rewards=[{name="python", fn="odd_reward:odd"}]',
+            "reward.max_empty_steps=2",
+        )
         with pytest.raises(RuntimeError, match="2 steps in a row had no sample with a finite reward"):
             Run(trainer).train()
         assert trainer.step == 1 and trainer.reward_stage.excluded == 16  # every sample counted as excluded
@@ -499,9 +557,27 @@ def test_a_reward_that_exits_stops_the_command_with_non_zero_status(tmp_path):
     _with_reward(tmp_path, "sys.exit(0)")
     sys.path.remove(str(tmp_path))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "groupwise", "train", "demo", f"out={tmp_path / 'run'}", "train.steps=1", "eval.size=0",
-                           f'model.path="{MODEL}"', 'rewards=[{name="python", fn="odd_reward:odd"}]'], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 1 and "odd_reward.odd" in proc.stderr and "SystemExit(0)" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "groupwise",
+            "train",
+            "demo",
+            f"out={tmp_path / 'run'}",
+            "train.steps=1",
+            "eval.size=0",
+            f'model.path="{MODEL}"',
+            'rewards=[{name="python", fn="odd_reward:odd"}]',
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "odd_reward.odd" in proc.stderr and "SystemExit(0)" in proc.stderr, proc.stderr[
+        -2000:
+    ]
 
 
 def test_no_held_out_split_writes_valid_json_saying_so(tmp_path):
@@ -524,12 +600,22 @@ def test_a_run_cut_short_by_the_time_limit_says_so(tmp_path, capsys):
 
 def test_sample_completions_are_logged_and_cut_back_on_resume(tmp_path):
     run = tmp_path / "run"
-    trainer = _stopped_run(run, "log.samples=3", "log.samples_every=1").trainer  # stopped after step 0, checkpoint at step 1
+    trainer = _stopped_run(
+        run, "log.samples=3", "log.samples_every=1"
+    ).trainer  # stopped after step 0, checkpoint at step 1
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 0, 0] and set(rows[0]) == {"step", "prompt", "completion", "reward", "advantage"}
+    assert [r["step"] for r in rows] == [0, 0, 0] and set(rows[0]) == {
+        "step",
+        "prompt",
+        "completion",
+        "reward",
+        "advantage",
+    }
     assert all(isinstance(r["completion"], str) and r["prompt"].endswith("=") for r in rows)
     with open(run / "samples.jsonl", "a") as fh:  # a step logged by a run killed before its checkpoint
         fh.write(json.dumps({"step": 1, "prompt": "x"}) + "\n")
-    Run(make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "log.samples=3", "log.samples_every=1")).train()
+    Run(
+        make_trainer(run, "train.steps=2", "checkpoint.every=1", "eval.size=0", "log.samples=3", "log.samples_every=1")
+    ).train()
     steps = [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()]
     assert steps == [0, 0, 0, 1, 1, 1] and trainer.step == 1

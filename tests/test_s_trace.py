@@ -15,11 +15,21 @@ import math
 
 import pytest
 import torch
+from helpers import (
+    check_micro_batching,
+    fill_needs,
+    info_for,
+    leaf,
+    make_logp,
+    make_rollout,
+    objective_for,
+    rollout_from,
+    train_recorded,
+)
 
+from groupwise.losses.s_trace import trace_log_ratio
 from groupwise.registry import build
 from groupwise.types import Need
-from groupwise.losses.s_trace import trace_log_ratio
-from helpers import check_micro_batching, fill_needs, info_for, leaf, make_logp, make_rollout, objective_for, rollout_from, train_recorded
 
 DELTA = [0.1, -0.2, 0.3]
 W_HALF = [1.105171, 0.904837, 1.137203]
@@ -65,7 +75,9 @@ def test_term_value_and_gradient_through_the_trace():
     _close(grad, [[[-1.569241, -0.928140, -0.649830]]])
     _close(term.stats(ro, {"logp": logp})["ratio"], [[W_HALF]])
     # trace_grad = "token": the same values, each token only its own ∇logp_t: −w_t
-    values_tok, grad_tok = _values_grad(build("objective", "s_trace", mode="p_trace", lam=0.5, eps_low=0.9, eps_high=0.9, trace_grad="token"), ro, logp)
+    values_tok, grad_tok = _values_grad(
+        build("objective", "s_trace", mode="p_trace", lam=0.5, eps_low=0.9, eps_high=0.9, trace_grad="token"), ro, logp
+    )
     _close(values_tok, values)
     _close(grad_tok, [[[-w for w in W_HALF]]])
 
@@ -75,7 +87,9 @@ def test_clipping_is_per_token():
     # → only token 3 loses its own gradient; tokens 1, 2 still get theirs (and token 3's trace term is gone):
     #   k=1: −(1.105171 + 0.904837/3) = −1.406783;  k=2: −2·0.904837/3 = −0.603225;  k=3: 0
     ro, logp = _one_row()
-    values, grad = _values_grad(build("objective", "s_trace", mode="p_trace", lam=0.5, eps_low=0.12, eps_high=0.12), ro, logp)
+    values, grad = _values_grad(
+        build("objective", "s_trace", mode="p_trace", lam=0.5, eps_low=0.12, eps_high=0.12), ro, logp
+    )
     _close(values, [[[-1.105171, -0.904837, -1.12]]])
     _close(grad, [[[-1.406783, -0.603225, 0.0]]])
 
@@ -98,7 +112,9 @@ def test_s_trace_selection_by_hand():
     assert stats["trace_frac"].tolist() == [[[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]]
     # "all": every token bears −A·w; non-trace tokens pass their gradient to the trace tokens before them
     # row 0: k=1 −(w1 + w2 + 0.2·w3) = −2.469728, k=3 −0.8·w3; row 1: k=2 +(w2 + w3) = 1.809675, token 1 (e = 0): none
-    values, grad = _values_grad(build("objective", "s_trace", lam=0.5, rho=0.5, eps_low=0.9, eps_high=0.9, loss_mask_mode="all"), ro, logp)
+    values, grad = _values_grad(
+        build("objective", "s_trace", lam=0.5, rho=0.5, eps_low=0.9, eps_high=0.9, loss_mask_mode="all"), ro, logp
+    )
     _close(values, [[[-1.105171, -1.105171, -1.296930], [1.0, 0.904837, 0.904837]]])
     _close(grad, [[[-2.469728, 0.0, -1.037544], [0.0, 1.809675, 0.0]]])
 
@@ -135,7 +151,9 @@ def test_lam_one_broadcast_is_gspo(agg, eps):
     ro = make_rollout(4, 5, 6, seed=5)
     base = (ro.logp_old + 0.05 * torch.randn(ro.logp_old.shape, generator=torch.Generator().manual_seed(1))).detach()
     kw = dict(eps_low=eps[0], eps_high=eps[1])
-    l1, g1 = _loss_and_grad(build("objective", "s_trace", mode="p_trace", lam=1.0, broadcast_last=True, **kw), ro, base, agg)
+    l1, g1 = _loss_and_grad(
+        build("objective", "s_trace", mode="p_trace", lam=1.0, broadcast_last=True, **kw), ro, base, agg
+    )
     l2, g2 = _loss_and_grad(build("objective", "gspo", **kw), ro, base, agg)
     torch.testing.assert_close(l1, l2, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(g1, g2, atol=1e-7, rtol=1e-5)
@@ -150,7 +168,12 @@ def test_lam_one_broadcast_token_grad_is_gspo_token_with_token_advantages():
     ro = make_rollout(4, 5, 6, seed=6, token_adv=True)
     base = make_logp(ro, seed=2, scale=0.02).detach()
     kw = dict(eps_low=0.01, eps_high=0.01)
-    l1, g1 = _loss_and_grad(build("objective", "s_trace", mode="p_trace", lam=1.0, broadcast_last=True, trace_grad="token", **kw), ro, base, "token_mean")
+    l1, g1 = _loss_and_grad(
+        build("objective", "s_trace", mode="p_trace", lam=1.0, broadcast_last=True, trace_grad="token", **kw),
+        ro,
+        base,
+        "token_mean",
+    )
     l2, g2 = _loss_and_grad(build("objective", "gspo", **kw), ro, base, "token_mean")
     torch.testing.assert_close(l1, l2, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(g1, g2, atol=1e-7, rtol=1e-5)
@@ -201,7 +224,14 @@ def test_declaration_and_errors():
     assert not build("objective", "s_trace").on_policy_reinforce
     assert build("objective", "s_trace", mode="p_trace", lam=0.0).on_policy_reinforce
     assert build("objective", "s_trace", mode="p_trace", trace_grad="token").on_policy_reinforce
-    for key, bad in (("mode", "q_trace"), ("loss_mask_mode", "some"), ("trace_grad", "none"), ("lam", 1.5), ("rho", 0.0), ("eps_low", 1.0)):
+    for key, bad in (
+        ("mode", "q_trace"),
+        ("loss_mask_mode", "some"),
+        ("trace_grad", "none"),
+        ("lam", 1.5),
+        ("rho", 0.0),
+        ("eps_low", 1.0),
+    ):
         with pytest.raises(ValueError, match=key):
             build("objective", "s_trace", **{key: bad})
     ro, logp = _one_row()

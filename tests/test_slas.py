@@ -16,10 +16,10 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, rollout_from, train_recorded
 
 from groupwise.advantages.slas import slas_advantages
 from groupwise.registry import build
-from helpers import info_for, rollout_from, train_recorded
 
 SPEC = [[0.0, 1.0, 1.0, 2.0], [3.0, 3.0, 3.0, 5.0]]
 
@@ -122,7 +122,9 @@ def test_step_stats_and_errors():
     slas(_ro(SPEC), info_for(2))
     stats = slas.step_stats()
     # 6 non-zero rows; |z| > 1 for 1.2649 (×2) and 1.8974 → 3/6
-    assert stats["slas/batch_std"] == pytest.approx(math.sqrt(5 / 8)) and stats["slas/amplified_frac"] == pytest.approx(0.5)
+    assert stats["slas/batch_std"] == pytest.approx(math.sqrt(5 / 8)) and stats["slas/amplified_frac"] == pytest.approx(
+        0.5
+    )
     for bad in ({"gamma": -0.1}, {"order": "both"}, {"std": "sample"}, {"eps": -1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             build("advantage", "slas", **bad)
@@ -133,14 +135,18 @@ def test_function_matches_component():
     valid = torch.ones(3, 5, dtype=torch.bool)
     adv, std, amplified = slas_advantages(r, valid, gamma=0.7)
     ro = _ro(r.float().tolist())
-    torch.testing.assert_close(build("advantage", "slas", gamma=0.7)(ro, info_for(2)), adv.float(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        build("advantage", "slas", gamma=0.7)(ro, info_for(2)), adv.float(), atol=1e-6, rtol=1e-6
+    )
     assert 0 < int(amplified.sum()) < 15
 
 
 # ---------------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_on_the_embedded_model(tmp_path, objective):
-    rows, seen = train_recorded(tmp_path, objective, 'advantage.estimator={name="slas", gamma=1.0}', "rollout.group_size=8")
+    rows, seen = train_recorded(
+        tmp_path, objective, 'advantage.estimator={name="slas", gamma=1.0}', "rollout.group_size=8"
+    )
     for row, batch in zip(rows, seen):
         r, valid = batch.rewards.double(), batch.group_valid & torch.isfinite(batch.rewards)
         want, std, _ = slas_advantages(r, valid, gamma=1.0)

@@ -25,12 +25,12 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, objective_for, rollout_from, train_recorded
 
 from groupwise.losses.ssopd import select_witness_pairs, ssopd_loss, token_divergence
 from groupwise.registry import build
 from groupwise.types import Need
 from groupwise.views.sibling_hint import SPEC_TEMPLATE, pick_row, verdicts
-from helpers import info_for, objective_for, rollout_from, train_recorded
 
 KL_SPEC = 0.9 * math.log(1.8) + 0.1 * math.log(0.2)  # .368064
 TEACHER = "policy@sibling_hint.logprobs"
@@ -55,7 +55,9 @@ def test_spec_all_correct_all_wrong_invalid():
 
 
 def test_ties_go_to_the_first_row():
-    pos, neg, _, _ = select_witness_pairs(torch.tensor([[3, 3, 7, 7], [4, 2, 2, 4]]), torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0]]).bool())
+    pos, neg, _, _ = select_witness_pairs(
+        torch.tensor([[3, 3, 7, 7], [4, 2, 2, 4]]), torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0]]).bool()
+    )
     assert pos.tolist() == [0, 1] and neg.tolist() == [2, 0]
     assert pick_row(torch.tensor([[4, 2, 2, 4]]), torch.tensor([[1, 1, 1, 1]]).bool(), "first").tolist() == [0]
 
@@ -89,11 +91,19 @@ def test_spec_kl_and_its_gradient():
         ssopd_loss(student, teacher.clone().requires_grad_(True), torch.ones(1, 1, dtype=torch.bool), torch.ones(1))
 
 
-@pytest.mark.parametrize("kind, tau, expected", [
-    ("rkl", 1.0, 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)),  # .510826
-    ("jsd", 1.0, 0.5 * (0.9 * math.log(0.9 / 0.7) + 0.1 * math.log(0.1 / 0.3)) + 0.5 * (0.5 * math.log(0.5 / 0.7) + 0.5 * math.log(0.5 / 0.3))),
-    ("fkl", 2.0, 0.75 * math.log(1.5) + 0.25 * math.log(0.5)),  # .130812
-])
+@pytest.mark.parametrize(
+    "kind, tau, expected",
+    [
+        ("rkl", 1.0, 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)),  # .510826
+        (
+            "jsd",
+            1.0,
+            0.5 * (0.9 * math.log(0.9 / 0.7) + 0.1 * math.log(0.1 / 0.3))
+            + 0.5 * (0.5 * math.log(0.5 / 0.7) + 0.5 * math.log(0.5 / 0.3)),
+        ),
+        ("fkl", 2.0, 0.75 * math.log(1.5) + 0.25 * math.log(0.5)),  # .130812
+    ],
+)
 def test_other_divergences_by_hand(kind, tau, expected):
     p, q = torch.log(torch.tensor([[0.5, 0.5]])), torch.log(torch.tensor([[0.9, 0.1]]))
     _close(token_divergence(p, q, torch.ones(1, dtype=torch.bool), kind, tau), [expected])
@@ -107,7 +117,10 @@ def test_divergence_is_zero_outside_the_mask_even_for_nan():
     (grad,) = torch.autograd.grad(ell.sum(), p)
     _close(grad, [[-0.4, 0.4], [0.0, 0.0]])  # p − q inside, exactly 0 at the padding
     one_hot = torch.tensor([[0.0, -float("inf")]])  # q = [1, 0]: 1·ln(1/.5) + 0·log 0 = ln 2
-    _close(token_divergence(torch.log(torch.tensor([[0.5, 0.5]])), one_hot, torch.ones(1, dtype=torch.bool)), [math.log(2.0)])
+    _close(
+        token_divergence(torch.log(torch.tensor([[0.5, 0.5]])), one_hot, torch.ones(1, dtype=torch.bool)),
+        [math.log(2.0)],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the term
@@ -181,7 +194,13 @@ def test_nan_rewards_padding_and_removed_tokens():
     loss, grad, _, _ = _loss(ro, student)
     assert loss.item() == 0.0 and (grad == 0).all()
     ro, student = _batch()
-    ro.set_extra("counted", torch.ones(2, 4, 3, dtype=torch.bool).index_put_((torch.tensor([0]), torch.tensor([1]), torch.tensor([0])), torch.tensor(False)), "token")
+    ro.set_extra(
+        "counted",
+        torch.ones(2, 4, 3, dtype=torch.bool).index_put_(
+            (torch.tensor([0]), torch.tensor([1]), torch.tensor([0])), torch.tensor(False)
+        ),
+        "token",
+    )
     loss, grad, _, _ = _loss(ro, student)  # y⁻'s token 0 removed by a token weight: tokens 1, 2 remain, both 0
     assert loss.item() == 0.0 and (grad == 0).all()
 
@@ -193,7 +212,10 @@ def test_micro_batches_add_up_to_the_whole_batch():
     info = info_for(3)
     norms = obj.normalizers(ro, info)
     whole = obj.loss(ro, {"logp": torch.zeros(ro.shape), "logprobs": student}, norms, info)
-    parts = sum(obj.loss(ro.select([b]), {"logp": torch.zeros(1, 4, 3), "logprobs": student[b : b + 1]}, norms, info) for b in range(2))
+    parts = sum(
+        obj.loss(ro.select([b]), {"logp": torch.zeros(1, 4, 3), "logprobs": student[b : b + 1]}, norms, info)
+        for b in range(2)
+    )
     _close(parts, whole.item())
 
 
@@ -201,8 +223,14 @@ def test_needs_and_errors():
     term = build("objective", "ssopd")
     assert term.needs == (Need("logprobs", grad=True), Need("logprobs", view="sibling_hint"))
     assert build("objective", "ssopd", view="other").needs[1].key == "policy@other.logprobs"
-    for bad, match in [({"kind": "kl"}, "kind"), ({"frontier": "x"}, "frontier"), ({"tau": 0.0}, "tau"),
-                       ({"max_prefix": -1}, "max_prefix"), ({"max_prefix": 1.5}, "max_prefix"), ({"threshold": float("nan")}, "threshold")]:
+    for bad, match in [
+        ({"kind": "kl"}, "kind"),
+        ({"frontier": "x"}, "frontier"),
+        ({"tau": 0.0}, "tau"),
+        ({"max_prefix": -1}, "max_prefix"),
+        ({"max_prefix": 1.5}, "max_prefix"),
+        ({"threshold": float("nan")}, "threshold"),
+    ]:
         with pytest.raises(ValueError, match=match):
             build("objective", "ssopd", **bad)
     ro, student = _batch()
@@ -219,19 +247,28 @@ def _encode(text):
 def _view_batch(rewards, completions, lengths):
     B, G = len(rewards), len(rewards[0])
     mask = torch.arange(4)[None, None, :] < torch.tensor(lengths)[..., None]
-    return rollout_from(torch.zeros(B, G, 4), mask=mask, rewards=torch.tensor(rewards), completions=completions,
-                        meta=[{"prompt": "37+45=", "answer": "82"}, {"prompt": "1+2=", "answer": "3"}][:B],
-                        prompt_ids=[_encode("37+45="), _encode("1+2=")][:B])
+    return rollout_from(
+        torch.zeros(B, G, 4),
+        mask=mask,
+        rewards=torch.tensor(rewards),
+        completions=completions,
+        meta=[{"prompt": "37+45=", "answer": "82"}, {"prompt": "1+2=", "answer": "3"}][:B],
+        prompt_ids=[_encode("37+45="), _encode("1+2=")][:B],
+    )
 
 
 def test_view_shortest_correct_sibling_before_the_prompt():
-    ro = _view_batch([[1.0, 0.0, 1.0], [0.0, 0.0, float("nan")]], [["082", "83", "82"], ["4", "5", "3"]], [[4, 3, 3], [2, 2, 2]])
+    ro = _view_batch(
+        [[1.0, 0.0, 1.0], [0.0, 0.0, float("nan")]], [["082", "83", "82"], ["4", "5", "3"]], [[4, 3, 3], [2, 2, 2]]
+    )
     view = build("view", "sibling_hint")
     assert view._hints(ro).tolist() == [2, -1]  # group 1: no correct row (the NaN one has no verdict)
     edited = view.apply(ro, _encode)
     assert edited.prompt_ids == [_encode("Reference solution: 82\n37+45="), _encode("1+2=")]
     assert edited.actions is ro.actions and edited.extras is not ro.extras
-    assert build("view", "sibling_hint", pick="longest").apply(ro, _encode).prompt_ids[0] == _encode("Reference solution: 082\n37+45=")
+    assert build("view", "sibling_hint", pick="longest").apply(ro, _encode).prompt_ids[0] == _encode(
+        "Reference solution: 082\n37+45="
+    )
     spec = build("view", "sibling_hint", template=SPEC_TEMPLATE).apply(ro, _encode).prompt_ids[0]
     assert spec == _encode("37+45=\n\nA correct solution:\n82\n\nNow solve it yourself:\n")
     other = build("view", "sibling_hint", template="{answer}|{hint}|{prompt}", threshold=0.5).apply(ro, _encode)
@@ -251,7 +288,10 @@ def test_view_errors():
 
 
 # ---------------------------------------------------------------------------------------------- logprobs
-@pytest.mark.parametrize("packed,share_prefix,functional", [(True, False, True), (True, True, True), (True, False, False), (False, False, False)])
+@pytest.mark.parametrize(
+    "packed,share_prefix,functional",
+    [(True, False, True), (True, True, True), (True, False, False), (False, False, False)],
+)
 def test_logprobs_quantity_is_the_whole_next_token_distribution(packed, share_prefix, functional):
     """``logprobs`` [B,G,T,V] on every forward path equals a per-row forward's log_softmax; its entry at
     the sampled token is ``logp``; 0 outside the scored tokens; differentiable (the student's grad need)."""
@@ -261,15 +301,28 @@ def test_logprobs_quantity_is_the_whole_next_token_distribution(packed, share_pr
 
     model = tiny_model()
     prompts, actions, mask, rows = batch()
-    out = completion_logprobs(model, prompts, actions, mask, rows, packed=packed, share_prefix=share_prefix, functional=functional,
-                              quantities=["logp", "logprobs", "topk(2)"])
+    out = completion_logprobs(
+        model,
+        prompts,
+        actions,
+        mask,
+        rows,
+        packed=packed,
+        share_prefix=share_prefix,
+        functional=functional,
+        quantities=["logp", "logprobs", "topk(2)"],
+    )
     with torch.no_grad():
         _, _, ref = naive_quantities(model, prompts, actions, mask, rows, k=1, layer=0)
     scored = mask & rows[..., None]  # [B,G,T]
     assert out["logprobs"].shape == (2, 3, 6, 64)
     torch.testing.assert_close(out["logprobs"].detach(), ref, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(out["logprobs"].gather(-1, actions[..., None])[..., 0].detach(), out["logp"].detach(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(out["logprobs"].topk(2, dim=-1).values.detach()[scored], out["topk(2)"].detach()[scored], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        out["logprobs"].gather(-1, actions[..., None])[..., 0].detach(), out["logp"].detach(), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        out["logprobs"].topk(2, dim=-1).values.detach()[scored], out["topk(2)"].detach()[scored], atol=1e-6, rtol=0
+    )
     assert (out["logprobs"][~scored] == 0).all()
     out["logprobs"][scored].exp()[:, 0].sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
@@ -278,8 +331,14 @@ def test_logprobs_quantity_is_the_whole_next_token_distribution(packed, share_pr
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("objective, estimator", [("ppo_clip", "grpo"), ("gspo", "sign")])
 def test_composes_with_objectives_and_estimators(tmp_path, objective, estimator):
-    rows, seen = train_recorded(tmp_path, objective, f'objective.terms=["{objective}", "ssopd"]', f'advantage.estimator="{estimator}"',
-                                "rollout.group_size=4", "rollout.prompts_per_step=6")
+    rows, seen = train_recorded(
+        tmp_path,
+        objective,
+        f'objective.terms=["{objective}", "ssopd"]',
+        f'advantage.estimator="{estimator}"',
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=6",
+    )
     for row, batch in zip(rows, seen):
         teacher = batch.extras[TEACHER]  # [B,G,T,V] the no-grad teacher under the hint view
         assert not teacher.requires_grad

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, make_rollout, rollout_from
 
 from groupwise.registry import build
-from helpers import info_for, make_rollout, rollout_from
 
 
 def _rollout(rewards, lengths, T=4):
@@ -41,7 +41,9 @@ def test_reinforce_pp_discounted_return_by_hand():
 def test_opo_length_weighted_baseline_by_hand():
     # r = [1, 0, 1], L = [1, 3, 2]: b = (1·1 + 3·0 + 2·1) / 6 = 0.5 → adv [0.5, -0.5, 0.5]
     # second group: the NaN row is excluded (advantage 0) and does not enter the baseline
-    adv = build("advantage", "opo")(_rollout([[1.0, 0.0, 1.0], [0.7, float("nan"), 0.2]], [[1, 3, 2], [2, 2, 2]]), info_for(4))
+    adv = build("advantage", "opo")(
+        _rollout([[1.0, 0.0, 1.0], [0.7, float("nan"), 0.2]], [[1, 3, 2], [2, 2, 2]]), info_for(4)
+    )
     torch.testing.assert_close(adv[0], torch.tensor([0.5, -0.5, 0.5]))
     # group 2: rows 0 and 2 valid: b = (2·0.7 + 2·0.2)/4 = 0.45 → [0.25, 0, -0.25]
     torch.testing.assert_close(adv[1], torch.tensor([0.25, 0.0, -0.25]))

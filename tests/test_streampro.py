@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from helpers import paper_module, train_recorded
 
 from groupwise.errors import ConfigError
 from groupwise.phases.cb_stream import balanced_from_ce, cb_stream_loss, class_balanced_weights
 from groupwise.registry import build
-from helpers import paper_module, train_recorded
 
 _clue = paper_module("42_streampro", "clue_stream")
 ClueStream, RewardConfig, decision_rows = _clue.ClueStream, _clue.RewardConfig, _clue.decision_rows
@@ -30,7 +30,7 @@ def test_class_balanced_weights_spec_hand_numbers():
     w = class_balanced_weights(torch.tensor([9, 1]), 0.9)
     torch.testing.assert_close(w, torch.tensor([0.280670, 1.719330], dtype=torch.float64), atol=1e-6, rtol=0)
     # E_sil = (1 − 0.9^9)/0.1 = 6.125795: w_sil / w_resp = 1 / E_sil
-    assert math.isclose(float(w[1] / w[0]), (1 - 0.9 ** 9) / 0.1, rel_tol=1e-9)
+    assert math.isclose(float(w[1] / w[0]), (1 - 0.9**9) / 0.1, rel_tol=1e-9)
 
 
 def test_cb_stream_loss_spec_hand_number_and_plain_mean():
@@ -41,12 +41,16 @@ def test_cb_stream_loss_spec_hand_number_and_plain_mean():
     torch.testing.assert_close(loss, torch.tensor(0.869481), atol=1e-6, rtol=0)
     assert math.isclose(m["plain_ce"], 0.29, abs_tol=1e-6)  # the plain mean CE the spec contrasts
     # dataset counts given explicitly win over the batch's: counts (1, 1) → uniform → the plain mean
-    loss_u, _ = cb_stream_loss(_logits_for(ce), labels, torch.ones(10, 1, dtype=torch.bool), cls, beta=0.9, counts=torch.tensor([1, 1]))
+    loss_u, _ = cb_stream_loss(
+        _logits_for(ce), labels, torch.ones(10, 1, dtype=torch.bool), cls, beta=0.9, counts=torch.tensor([1, 1])
+    )
     torch.testing.assert_close(loss_u, torch.tensor(0.29), atol=1e-6, rtol=0)
 
 
 def test_beta_limits_uniform_and_inverse_frequency():
-    torch.testing.assert_close(class_balanced_weights(torch.tensor([9, 1]), 0.0), torch.tensor([1.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        class_balanced_weights(torch.tensor([9, 1]), 0.0), torch.tensor([1.0, 1.0], dtype=torch.float64)
+    )
     w = class_balanced_weights(torch.tensor([9, 1]), 0.999999)  # → inverse frequency: w ∝ (1/9, 1)
     torch.testing.assert_close(w, torch.tensor([0.2, 1.8], dtype=torch.float64), atol=1e-5, rtol=0)
 
@@ -96,7 +100,9 @@ def test_sft_balanced_loss_weighs_the_first_answer_token_as_the_decision():
     w0, w1 = float(w[0]), float(w[1])
     want = (2 * w0 * 0.1 + w1 * 2.0) / (2 * w0 + w1) + (0.2 + 0.2 + 0.4) / 3
     torch.testing.assert_close(loss, torch.tensor(want), atol=1e-6, rtol=0)
-    torch.testing.assert_close(logp.grad[2, 0, 0], torch.tensor(-w1 / (2 * w0 + w1)))  # d loss / d logp of the respond decision
+    torch.testing.assert_close(
+        logp.grad[2, 0, 0], torch.tensor(-w1 / (2 * w0 + w1))
+    )  # d loss / d logp of the respond decision
 
 
 def test_bad_options_are_config_errors():
@@ -120,7 +126,9 @@ CFG = RewardConfig()
 
 def test_reward_spec_hand_number_and_components():
     traj_only = RewardConfig(alpha=0.0)
-    assert math.isclose(episode_reward(["sil"] * 4 + [7], 7, 2, 10, traj_only), 1.3)  # T=10, t_resp=4 correct: 1 + 0.5·6/10
+    assert math.isclose(
+        episode_reward(["sil"] * 4 + [7], 7, 2, 10, traj_only), 1.3
+    )  # T=10, t_resp=4 correct: 1 + 0.5·6/10
     # default alpha 0.3: turns r = (0.05, 0.05, 0, 0, 0) → mean 0.02; R = 0.3·0.02 + 0.7·1.3
     assert math.isclose(episode_reward(["sil"] * 4 + [7], 7, 2, 10, CFG), 0.3 * 0.02 + 0.7 * 1.3)
     # false alarm at turn 1 (wrong digit): r = (0.05, −0.5), no trajectory credit, not a miss
@@ -131,7 +139,9 @@ def test_reward_spec_hand_number_and_components():
     assert math.isclose(episode_reward(["invalid", "sil", 7], 7, 2, 4, CFG), 0.3 * (0.05 / 3) + 0.7 * (1 + 0.5 * 2 / 4))
     # correctness only (lambda_time = alpha = 0): the timing no longer matters
     plain = RewardConfig(lambda_time=0.0, alpha=0.0)
-    assert episode_reward(["sil"] * 2 + [7], 7, 2, 10, plain) == episode_reward(["sil"] * 8 + [7], 7, 2, 10, plain) == 1.0
+    assert (
+        episode_reward(["sil"] * 2 + [7], 7, 2, 10, plain) == episode_reward(["sil"] * 8 + [7], 7, 2, 10, plain) == 1.0
+    )
 
 
 def test_streampro_reward_batches_and_pads_ragged_groups_with_nan():
@@ -171,7 +181,8 @@ def test_task_rows_are_decision_positions_with_disjoint_streams():
     assert decision_rows(3, 2, 5) == [
         {"prompt": "?", "answer": ".", "decision": 0, "env": "streampro", "label": 3, "t_open": 2, "turns": 5},
         {"prompt": "?.?", "answer": ".", "decision": 0, "env": "streampro", "label": 3, "t_open": 2, "turns": 5},
-        {"prompt": "?.?.3", "answer": "3", "decision": 1, "env": "streampro", "label": 3, "t_open": 2, "turns": 5}]
+        {"prompt": "?.?.3", "answer": "3", "decision": 1, "env": "streampro", "label": 3, "t_open": 2, "turns": 5},
+    ]
     train, test = rows("train", 0), rows("test", 0)
     assert all(r["decision"] == 1 for r in test) and len(test) == 40
     assert not {(r["label"], r["t_open"]) for r in train} & {(r["label"], r["t_open"]) for r in test}
@@ -182,17 +193,31 @@ def test_task_rows_are_decision_positions_with_disjoint_streams():
 
 
 # ---------------------------------------------------------------------------------------------- composition
-STREAM = ['data.task="clue_stream"', 'rollout.name="episodes"', 'rollout.params={max_turns=24, separator="", env_params={alpha=0.3}}',
-          "rollout.max_new_tokens=1", "rollout.prompts_per_step=4", "rollout.group_size=4"]
+STREAM = [
+    'data.task="clue_stream"',
+    'rollout.name="episodes"',
+    'rollout.params={max_turns=24, separator="", env_params={alpha=0.3}}',
+    "rollout.max_new_tokens=1",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+]
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
 def test_two_steps_reward_every_episode_with_the_multi_grained_return(tmp_path, objective):
-    extra = ['phases=[{name="sft", loss="cb_stream", cb_beta=0.9, steps=2, batch_size=8}]'] if objective == "ppo_clip" else []
+    extra = (
+        ['phases=[{name="sft", loss="cb_stream", cb_beta=0.9, steps=2, batch_size=8}]']
+        if objective == "ppo_clip"
+        else []
+    )
     logged, seen = train_recorded(tmp_path, objective, *STREAM, *extra)
     for row, batch in zip(logged, seen):
-        answered = [any(isinstance(parse_action(a), int) for a in info["actions"]) for group in batch.info for info in group]
-        assert math.isclose(row["env/answered"], sum(answered) / len(answered), rel_tol=1e-6)  # the env's outcome() means
+        answered = [
+            any(isinstance(parse_action(a), int) for a in info["actions"]) for group in batch.info for info in group
+        ]
+        assert math.isclose(
+            row["env/answered"], sum(answered) / len(answered), rel_tol=1e-6
+        )  # the env's outcome() means
         B, G = batch.rewards.shape
         for b in range(B):
             meta = batch.meta[b]

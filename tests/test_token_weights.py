@@ -23,11 +23,11 @@ import math
 
 import pytest
 import torch
+from helpers import info_for, leaf, objective_for, rollout_from
 
 from groupwise.errors import ConfigError
 from groupwise.objective import Objective, check_token_weights, geo_mean_factor, token_weight_mode, token_weights
 from groupwise.registry import build
-from helpers import info_for, leaf, objective_for, rollout_from
 
 SQRT2 = math.sqrt(2.0)
 

@@ -14,14 +14,13 @@ import types
 import pytest
 import torch
 from rich.console import Console
+from test_run_folder import _stopped_run
+from test_trainer import make_trainer
 
 from groupwise import tracking
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
 from groupwise.run import Run
-
-from test_run_folder import _stopped_run
-from test_trainer import make_trainer
 
 
 def _metrics(run):
@@ -38,14 +37,26 @@ def _tensorboard(run, tag):
 
 # ---------------------------------------------------------------------------- what is logged
 def test_only_finite_numeric_scalars_are_logged():
-    row = {"step": 3, "loss": 0.5, "n": 2, "ok": True, "kl": None, "name": "x", "bad": float("nan"),
-           "big": float("inf"), "t": torch.tensor(0.25), "vec": torch.tensor([1.0, 2.0])}
+    row = {
+        "step": 3,
+        "loss": 0.5,
+        "n": 2,
+        "ok": True,
+        "kl": None,
+        "name": "x",
+        "bad": float("nan"),
+        "big": float("inf"),
+        "t": torch.tensor(0.25),
+        "vec": torch.tensor([1.0, 2.0]),
+    }
     # step is the x axis, not a value; True = 1.0; a 0-d tensor is a number, a vector is not
     assert tracking.scalars(row) == {"loss": 0.5, "n": 2.0, "ok": 1.0, "t": 0.25}
 
 
 def test_unknown_backend_is_an_error_naming_the_allowed_ones():
-    with pytest.raises(ConfigError, match=r"log.backends: unknown backend 'tensorbord'; allowed: tensorboard, trackio, wandb"):
+    with pytest.raises(
+        ConfigError, match=r"log.backends: unknown backend 'tensorbord'; allowed: tensorboard, trackio, wandb"
+    ):
         load_config(None, ['log.backends=["tensorbord"]'])
     assert load_config(None, [])[0].log.backends == []  # default: metrics.jsonl only
 
@@ -53,7 +64,9 @@ def test_unknown_backend_is_an_error_naming_the_allowed_ones():
 @pytest.mark.parametrize("name", tracking.BACKENDS)
 def test_a_backend_whose_package_is_missing_names_the_extra(monkeypatch, name):
     monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: import fails, find_spec says absent
-    with pytest.raises(ConfigError, match=rf"backend '{name}' needs the {name} package.*pip install 'groupwise\[{name}\]'"):
+    with pytest.raises(
+        ConfigError, match=rf"backend '{name}' needs the {name} package.*pip install 'groupwise\[{name}\]'"
+    ):
         load_config(None, [f'log.backends=["{name}"]'])
 
 
@@ -65,7 +78,9 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
     rows = _metrics(run)
     acc, reward = _tensorboard(run, "reward_mean")
     # float32 in the event file: equal to metrics.jsonl's float64 up to ~6e-8 relative
-    assert reward == [(r["step"], pytest.approx(r["reward_mean"], rel=1e-6)) for r in rows] and [s for s, _ in reward] == [0, 1]
+    assert reward == [(r["step"], pytest.approx(r["reward_mean"], rel=1e-6)) for r in rows] and [
+        s for s, _ in reward
+    ] == [0, 1]
     assert set(acc.Tags()["scalars"]) == set(tracking.scalars(rows[0])) | set(tracking.scalars(rows[1]))
 
 
@@ -116,7 +131,11 @@ def test_wandb_is_offline_under_the_run_folder_and_keeps_its_id_on_resume(tmp_pa
     first.log({"step": 0, "loss": 0.5, "name": "x", "kl": None}, 0)
     first.close()
     kw = runs[0].kwargs
-    assert tracking.os.environ["WANDB_MODE"] == "offline" and kw["mode"] == "offline" and kw["settings"]["mode"] == "offline"
+    assert (
+        tracking.os.environ["WANDB_MODE"] == "offline"
+        and kw["mode"] == "offline"
+        and kw["settings"]["mode"] == "offline"
+    )
     assert kw["dir"] == str(tmp_path) and kw["resume"] == "allow" and kw["config"] == {"seed": 0}
     assert runs[0].logged == [({"loss": 0.5}, 0)] and runs[0].finished
     tracking.open_trackers(["wandb"], tmp_path, 5, {}).close()  # resumed at step 5: the same run
@@ -133,7 +152,11 @@ def test_trackio_never_sees_a_space_or_server(tmp_path, monkeypatch):
     trackers.close()
     assert runs[0].kwargs["env"] == {"TRACKIO_SPACE_ID": None, "TRACKIO_SERVER_URL": None}
     assert tracking.os.environ["TRACKIO_SPACE_ID"] == "someone/space"  # put back after init
-    assert runs[0].logged == [({"reward_mean": 0.75}, 2)] and runs[0].finished and runs[0].kwargs["name"].startswith(tmp_path.name + "-")
+    assert (
+        runs[0].logged == [({"reward_mean": 0.75}, 2)]
+        and runs[0].finished
+        and runs[0].kwargs["name"].startswith(tmp_path.name + "-")
+    )
 
 
 def _wandb_history(folder):
@@ -198,8 +221,17 @@ def _render(table, width=160):
 
 def test_sample_table_formats_and_truncates():
     prompt = "Q" * 60 + "What is 2+3="
-    rows = [{"step": 7, "prompt": prompt, "completion": "5[bold]\nok", "reward": 0.25, "advantage": -0.8660254, "extra": {"len": 3}},
-            {"step": 7, "prompt": "1+1=", "completion": "2", "reward": None, "advantage": 0.8660254}]
+    rows = [
+        {
+            "step": 7,
+            "prompt": prompt,
+            "completion": "5[bold]\nok",
+            "reward": 0.25,
+            "advantage": -0.8660254,
+            "extra": {"len": 3},
+        },
+        {"step": 7, "prompt": "1+1=", "completion": "2", "reward": None, "advantage": 0.8660254},
+    ]
     text = _render(tracking.sample_table(rows, width=20))
     assert "samples at step 7" in text
     assert "0.250" in text and "-0.866" in text and "+0.866" in text  # reward .3f, advantage signed .3f

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import info_for, leaf, make_logp, make_rollout, objective_for, rollout_from
 
 from groupwise.registry import build
-from helpers import info_for, leaf, make_logp, make_rollout, objective_for, rollout_from
 
 E05, E01, EM05 = math.exp(0.5), math.exp(0.1), math.exp(-0.5)  # 1.648721, 1.105171, 0.606531
 NAN = float("nan")
@@ -91,7 +91,9 @@ def test_cispo_ratio_exactly_on_cap():
 
 def test_cispo_garbage_padding_and_token_mean():
     # one row, tokens d = [0.5, −0.5, (masked: logp_old NaN, A NaN, logp 1e4)], A_t = [+1, −1]
-    mb = rollout_from(torch.tensor([[[-1.5, -0.5, NAN]]]), torch.tensor([[[1.0, -1.0, NAN]]]), mask=torch.tensor([[[1, 1, 0]]]))
+    mb = rollout_from(
+        torch.tensor([[[-1.5, -0.5, NAN]]]), torch.tensor([[[1.0, -1.0, NAN]]]), mask=torch.tensor([[[1, 1, 0]]])
+    )
     logp = leaf([[[-1.0, -1.0, 1e4]]])
     term = build("objective", "cispo", eps_max=1.2)
     values = term(mb, {"logp": logp}, info_for(3))
@@ -196,7 +198,9 @@ def test_sapo_soft_decay_instead_of_hard_clip():
 
 def test_sapo_garbage_padding_and_seq_mean():
     # row 0: tokens [d=0 A=+1, masked garbage], row 1: one token d=0 A=−1 → per-token −2 and +1.904762
-    mb = rollout_from(torch.tensor([[[-1.0, 1e4], [-1.0, 0.0]]]), torch.tensor([[1.0, -1.0]]), mask=torch.tensor([[[1, 0], [1, 0]]]))
+    mb = rollout_from(
+        torch.tensor([[[-1.0, 1e4], [-1.0, 0.0]]]), torch.tensor([[1.0, -1.0]]), mask=torch.tensor([[[1, 0], [1, 0]]])
+    )
     logp = leaf([[[-1.0, -1e4], [-1.0, NAN]]])
     values = build("objective", "sapo")(mb, {"logp": logp}, info_for(2))
     assert torch.isfinite(values).all()
@@ -319,8 +323,10 @@ def test_gmpo_token_weights_verl_parity(mode):
     (grad_ref,) = torch.autograd.grad(ref, logp)
     _, unweighted = _verl_geo_mean(ro.logp_old.view(12, 6), logp.detach().view(12, 6), adv, m, 0.4, 0.4)
     d_loss, d_grad = (loss - ref.detach()).abs().item(), (grad - grad_ref).abs().max().item()
-    print(f"gmpo + sampler_is({mode}) vs verl geo_mean with rollout_is_weights: max |Δ| loss {d_loss:.2e}, "
-          f"grad {d_grad:.2e}")
+    print(
+        f"gmpo + sampler_is({mode}) vs verl geo_mean with rollout_is_weights: max |Δ| loss {d_loss:.2e}, "
+        f"grad {d_grad:.2e}"
+    )
     assert d_loss < 1e-6 and d_grad < 1e-6
     assert abs(ref.item() - unweighted.item()) > 1e-3  # the weights move verl's loss: the comparison is not vacuous
 
@@ -368,7 +374,9 @@ def test_luspo_is_length_times_gspo_and_sum_over_rows():
 def test_luspo_token_level_and_boundary():
     # level="token": row = Σ_t ppo_clip(token): d = [0.5, 0.1], A=+1 → −1.2 − e^0.1 = −2.305171
     mb = rollout_from(torch.zeros(1, 1, 2), torch.tensor([[1.0]]))
-    values, grad = _term_grad(build("objective", "luspo", eps_low=0.2, eps_high=0.2, level="token"), mb, leaf([[[0.5, 0.1]]]))
+    values, grad = _term_grad(
+        build("objective", "luspo", eps_low=0.2, eps_high=0.2, level="token"), mb, leaf([[[0.5, 0.1]]])
+    )
     torch.testing.assert_close(values[0, 0], torch.tensor([-1.2, -E01]))
     torch.testing.assert_close(grad[0, 0], torch.tensor([0.0, -E01]))
     # sequence ratio exactly 1 + eps_high: one token d = 0.1, eps_high = e^0.1 − 1 (float32) → full gradient −s
@@ -382,7 +390,11 @@ def test_luspo_token_level_and_boundary():
 
 def test_luspo_on_policy_gradient_is_the_token_sum():
     # on-policy, A_i = 1: d/d logp_t of Σ_i |y_i| l_i / rows = −A·1·(1/|y|)·|y| / rows = −1/2 per token
-    mb = rollout_from(torch.tensor([[[-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0]]]), torch.tensor([[1.0, 1.0]]), mask=torch.tensor([[[1, 1, 1], [1, 0, 0]]]))
+    mb = rollout_from(
+        torch.tensor([[[-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0]]]),
+        torch.tensor([[1.0, 1.0]]),
+        mask=torch.tensor([[[1, 1, 1], [1, 0, 0]]]),
+    )
     logp = leaf(mb.logp_old)
     loss, grad, _ = _agg_loss_grad(build("objective", "luspo"), mb, logp, "seq_mean_token_mean")
     assert loss.item() == pytest.approx(-(3 + 1) / 2)  # −(3·1 + 1·1)/2
@@ -409,7 +421,9 @@ def test_vespo_by_hand():
     term = build("objective", "vespo")
     values, grad = _term_grad(term, mb, logp)
     p_pos, p_neg = 0.637898, 1.221748
-    torch.testing.assert_close(values, torch.tensor([[[p_pos, 2 * p_pos, 0.0], [-p_neg, -2 * p_neg, 0.0]]]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        values, torch.tensor([[[p_pos, 2 * p_pos, 0.0], [-p_neg, -2 * p_neg, 0.0]]]), rtol=1e-5, atol=1e-6
+    )
     torch.testing.assert_close(grad, torch.tensor([[[-p_pos, -p_pos, 0.0], [p_neg, p_neg, 0.0]]]), rtol=1e-5, atol=1e-6)
     st = term.stats(mb, {"logp": logp})
     torch.testing.assert_close(st["log_w"], torch.tensor([[0.3, 0.3]]))
@@ -438,7 +452,9 @@ def test_vespo_sampler_is_truncate_and_mask():
     # token_truncate (max 3): is = [min(e^2, 3), 1] → log_w = log 3 = 1.098612, w = 3
     #   A=+1: log φ = 3 + 2·1.098612 − 9 = −3.802775 → φ = 0.022314; grad −φ
     # token_mask: e^2 = 7.389 > 3 → is 0 → log clamped to log 1e-8 → log_w = −18.4207 → φ ≈ 2e-15
-    mb = rollout_from(torch.tensor([[[-1.0, -1.0]]]), torch.tensor([[1.0]]), logp_sampler=torch.tensor([[[-3.0, -1.0]]]))
+    mb = rollout_from(
+        torch.tensor([[[-1.0, -1.0]]]), torch.tensor([[1.0]]), logp_sampler=torch.tensor([[[-3.0, -1.0]]])
+    )
     logp = leaf([[[-1.0, -1.0]]])
     _, grad = _term_grad(build("objective", "vespo", sampler_is="token_truncate"), mb, logp)
     torch.testing.assert_close(grad[0, 0], torch.full((2,), -math.exp(3 + 2 * math.log(3) - 9)))
@@ -466,8 +482,19 @@ class _Spy:
         return other
 
 
-def _trl_compute_loss(loss_type, logp, logp_old, adv, mask, level="token", eps=(0.2, 0.2), is_ratio=None, entropy=None,
-                      top_entropy_quantile=1.0, **args):
+def _trl_compute_loss(
+    loss_type,
+    logp,
+    logp_old,
+    adv,
+    mask,
+    level="token",
+    eps=(0.2, 0.2),
+    is_ratio=None,
+    entropy=None,
+    top_entropy_quantile=1.0,
+    **args,
+):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` (trl/trainer/grpo_trainer.py) on [N,T] tensors, via a
     stand-in ``self``: returns (per-token loss before masking, the returned loss, metrics). ``is_ratio``
     [N,T] or [N,1] turns vLLM IS correction on (``importance_sampling_ratio``); ``entropy`` [N,T] with
@@ -476,27 +503,57 @@ def _trl_compute_loss(loss_type, logp, logp_old, adv, mask, level="token", eps=(
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     spy = _Spy()
-    config = dict(delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
-                  vespo_k_neg=3.0, vespo_lambda_neg=2.0, steps_per_generation=1, use_bias_correction_kl=False)
+    config = dict(
+        delta=None,
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
+        vespo_k_pos=2.0,
+        vespo_lambda_pos=3.0,
+        vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0,
+        steps_per_generation=1,
+        use_bias_correction_kl=False,
+    )
     config.update(args)
     metrics = defaultdict(lambda: defaultdict(list))
     entropies = torch.zeros_like(logp) if entropy is None else entropy  # [N,T]
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropies, None),
-        top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=1.0, get_off_policy_mask=lambda **k: spy,
-        importance_sampling_level=level, beta=0.0, loss_type=loss_type, epsilon_low=eps[0], epsilon_high=eps[1],
+        top_entropy_quantile=top_entropy_quantile,
+        off_policy_mask_threshold=1.0,
+        get_off_policy_mask=lambda **k: spy,
+        importance_sampling_level=level,
+        beta=0.0,
+        loss_type=loss_type,
+        epsilon_low=eps[0],
+        epsilon_high=eps[1],
         args=SimpleNamespace(**config),
-        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, _metrics=metrics, get_gamma_weights=GRPOTrainer.get_gamma_weights,
-        accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction="sum": t, gather=lambda t: t,
-                                    pad_across_processes=lambda t, dim=0, pad_index=0: t),
+        use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        _metrics=metrics,
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        accelerator=SimpleNamespace(
+            num_processes=1,
+            reduce=lambda t, reduction="sum": t,
+            gather=lambda t: t,
+            pad_across_processes=lambda t, dim=0, pad_index=0: t,
+        ),
     )
     fake.get_high_entropy_mask = lambda e, m, threshold: GRPOTrainer.get_high_entropy_mask(fake, e, m, threshold)
     N, T = logp.shape
-    inputs = dict(prompt_ids=torch.zeros(N, 1, dtype=torch.long), prompt_mask=torch.ones(N, 1, dtype=torch.long),
-                  completion_ids=torch.zeros(N, T, dtype=torch.long), completion_mask=mask.long(),
-                  advantages=adv, old_per_token_logps=logp_old, num_items_in_batch=mask.sum().float())
+    inputs = dict(
+        prompt_ids=torch.zeros(N, 1, dtype=torch.long),
+        prompt_mask=torch.ones(N, 1, dtype=torch.long),
+        completion_ids=torch.zeros(N, T, dtype=torch.long),
+        completion_mask=mask.long(),
+        advantages=adv,
+        old_per_token_logps=logp_old,
+        num_items_in_batch=mask.sum().float(),
+    )
     if is_ratio is not None:
         inputs["importance_sampling_ratio"] = is_ratio
     loss = GRPOTrainer._compute_loss(fake, None, inputs)
@@ -516,8 +573,14 @@ CASES = [
     ("cispo", {"eps_max": 5.0, "level": "sequence"}, "cispo", "sequence", (0.2, 5.0), "token_mean"),
     ("cispo", {"eps_max": 1.03, "level": "sequence"}, "cispo", "sequence", (0.2, 1.03), "token_mean"),
     ("sapo", {"level": "sequence"}, "sapo", "sequence", (0.2, 0.2), "seq_mean_token_mean"),
-    ("sapo", {"tau_pos": 2.0, "tau_neg": 3.0, "level": "sequence"}, "sapo", "sequence", (0.2, 0.2),
-     "seq_mean_token_mean"),
+    (
+        "sapo",
+        {"tau_pos": 2.0, "tau_neg": 3.0, "level": "sequence"},
+        "sapo",
+        "sequence",
+        (0.2, 0.2),
+        "seq_mean_token_mean",
+    ),
     ("luspo", {"eps_low": 0.03, "eps_high": 0.05, "delta": 1.06}, "luspo", "sequence", (0.03, 0.05), None),
     ("luspo", {"eps_low": 0.2, "eps_high": 0.28, "level": "token", "delta": 1.3}, "luspo", "token", (0.2, 0.28), None),
 ]
@@ -537,7 +600,9 @@ def test_trl_parity(name, params, loss_type, level, eps, agg, token_adv):
         tr_args["delta"] = params["delta"]
     N = B * G
     adv = ro.advantages.reshape(N, T) if token_adv else ro.advantages.reshape(N)
-    ptl, trl_loss, trl_metrics = _trl_compute_loss(loss_type, logp.reshape(N, T), ro.logp_old.reshape(N, T), adv, ro.mask.reshape(N, T), level, eps, **tr_args)
+    ptl, trl_loss, trl_metrics = _trl_compute_loss(
+        loss_type, logp.reshape(N, T), ro.logp_old.reshape(N, T), adv, ro.mask.reshape(N, T), level, eps, **tr_args
+    )
     (trl_grad,) = torch.autograd.grad(trl_loss, logp, retain_graph=True)
     values = term(ro, {"logp": logp}, info_for(T)).detach()
     loss, grad, obj = _agg_loss_grad(term, ro, logp, agg or "seq_mean_token_mean")
@@ -546,7 +611,9 @@ def test_trl_parity(name, params, loss_type, level, eps, agg, token_adv):
     d_tok = (values.reshape(N, T)[m] - ptl[m]).abs().max()
     d_loss, d_grad = (loss - trl_loss.detach()).abs(), (grad - trl_grad).abs().max()
     scale = max(1.0, trl_loss.abs().item())
-    print(f"TRL parity {name} {params} token_adv={token_adv}: max |Δ| per-token {d_tok:.2e}, loss {d_loss:.2e}, grad {d_grad:.2e}")
+    print(
+        f"TRL parity {name} {params} token_adv={token_adv}: max |Δ| per-token {d_tok:.2e}, loss {d_loss:.2e}, grad {d_grad:.2e}"
+    )
     assert d_tok < 1e-5 * max(1.0, ptl[m].abs().max().item())
     assert d_loss < 1e-6 * scale and d_grad < 1e-6
     assert trl_grad.abs().sum() > 0  # the comparison is not vacuous
@@ -582,11 +649,15 @@ def test_trl_parity_vespo_gamma_weights_with_sampler_is(mode):
     else:
         is_ratio = is_ratio.masked_fill(is_ratio > 2.0, 0.0)
     adv = ro.advantages.reshape(N, 1)
-    phi_trl = GRPOTrainer.get_gamma_weights(adv, (logp - ro.logp_old).detach().reshape(N, T), m.float(), is_ratio)  # [N,1]
+    phi_trl = GRPOTrainer.get_gamma_weights(
+        adv, (logp - ro.logp_old).detach().reshape(N, T), m.float(), is_ratio
+    )  # [N,1]
     term = build("objective", "vespo", sampler_is=mode, is_max=2.0)
     phi = term.stats(ro, {"logp": logp})["phi"].reshape(N, T)
     diff = (phi[m] - phi_trl.expand(N, T)[m]).abs().max()
-    print(f"TRL parity vespo phi sampler_is={mode}: max |Δ| {diff:.2e} (phi range {phi_trl.min():.3g}..{phi_trl.max():.3g})")
+    print(
+        f"TRL parity vespo phi sampler_is={mode}: max |Δ| {diff:.2e} (phi range {phi_trl.min():.3g}..{phi_trl.max():.3g})"
+    )
     assert diff < 1e-6 * max(1.0, phi_trl.abs().max().item())
     assert (phi_trl - 1).abs().max() > 0.1  # the IS ratio moved the weights
     if mode == "token_mask":
@@ -603,10 +674,19 @@ def test_trl_delta_is_ppo_clip_dual_clip():
     hit = (ratio > 1.3) & (ro.advantages[..., None] < 0) & ro.row_mask  # tokens the dual clip bounds
     assert hit.sum() >= 3, "the comparison must reach the dual clip"
     N = B * G
-    _, trl_loss, _ = _trl_compute_loss("grpo", logp.reshape(N, T), ro.logp_old.reshape(N, T), ro.advantages.reshape(N), ro.mask.reshape(N, T), delta=1.3)
+    _, trl_loss, _ = _trl_compute_loss(
+        "grpo",
+        logp.reshape(N, T),
+        ro.logp_old.reshape(N, T),
+        ro.advantages.reshape(N),
+        ro.mask.reshape(N, T),
+        delta=1.3,
+    )
     (trl_grad,) = torch.autograd.grad(trl_loss, logp, retain_graph=True)
     loss, grad, _ = _agg_loss_grad(build("objective", "ppo_clip", dual_clip=1.3), ro, logp, "seq_mean_token_mean")
-    print(f"TRL parity ppo_clip dual_clip=1.3 vs delta=1.3: loss {abs(loss - trl_loss.detach()):.2e}, grad {(grad - trl_grad).abs().max():.2e}")
+    print(
+        f"TRL parity ppo_clip dual_clip=1.3 vs delta=1.3: loss {abs(loss - trl_loss.detach()):.2e}, grad {(grad - trl_grad).abs().max():.2e}"
+    )
     assert abs(loss - trl_loss.detach()) < 1e-6 and (grad - trl_grad).abs().max() < 1e-6
     undual, _, _ = _agg_loss_grad(build("objective", "ppo_clip"), ro, logp, "seq_mean_token_mean")
     assert abs(undual - loss) > 1e-4  # without the dual clip the loss differs: the test can fail
@@ -617,8 +697,9 @@ def test_trl_delta_is_ppo_clip_dual_clip():
 def test_trl_parity_luspo_with_sampler_is(mode, level):
     # TRL multiplies luspo's per_token_loss by its vLLM IS ratio (from _generate_and_score_completions,
     # re-derived in tests/test_sampler_is.py) before the row sums; ours: the sampler_is weight per token.
-    from groupwise.objective import token_weights
     from test_sampler_is import _trl_is_ratio
+
+    from groupwise.objective import token_weights
 
     B, G, T = 3, 4, 7
     ro = make_rollout(B, G, T, seed=61, awkward=False)
@@ -636,8 +717,10 @@ def test_trl_parity_luspo_with_sampler_is(mode, level):
     term = build("objective", "luspo", eps_low=eps[0], eps_high=eps[1], level=level)
     loss, grad, _ = _agg_loss_grad(term, ro, logp, "seq_mean_token_mean")
     d_loss, d_grad = abs(loss.item() - trl_loss.item()), (grad - trl_grad).abs().max().item()
-    print(f"TRL parity luspo level={level} + sampler_is {mode}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e} "
-          f"(loss {trl_loss.item():.4f})")
+    print(
+        f"TRL parity luspo level={level} + sampler_is {mode}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e} "
+        f"(loss {trl_loss.item():.4f})"
+    )
     assert d_loss < 1e-6 * max(1.0, abs(trl_loss.item())) and d_grad < 1e-6
     ro.weight = None
     unweighted, _, _ = _agg_loss_grad(term, ro, logp, "seq_mean_token_mean")
@@ -659,8 +742,9 @@ def test_trl_parity_luspo_with_top_entropy(rho, level):
     N, m = B * G, ro.mask.reshape(B * G, T)
     eps = (0.2, 0.28)
     old, adv = ro.logp_old.reshape(N, T), ro.advantages.reshape(N)
-    _, trl_loss, _ = _trl_compute_loss("luspo", logp.reshape(N, T), old, adv, m, level, eps,
-                                       entropy=entropy.reshape(N, T), top_entropy_quantile=rho)
+    _, trl_loss, _ = _trl_compute_loss(
+        "luspo", logp.reshape(N, T), old, adv, m, level, eps, entropy=entropy.reshape(N, T), top_entropy_quantile=rho
+    )
     (trl_grad,) = torch.autograd.grad(trl_loss, logp)
     ro.weight, counted = token_weights([build("weight", "top_entropy", rho=rho)], ro, info_for(T))
     ro.set_extra("counted", counted, "token")
@@ -668,7 +752,9 @@ def test_trl_parity_luspo_with_top_entropy(rho, level):
     loss, grad, _ = _agg_loss_grad(term, ro, logp, "seq_mean_token_mean")
     d_loss, d_grad = abs(loss.item() - trl_loss.item()), (grad - trl_grad).abs().max().item()
     kept = int((ro.weight > 0).sum())
-    print(f"TRL parity luspo level={level} + top_entropy rho={rho}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e} "
-          f"({kept} of {int(m.sum())} tokens kept)")
+    print(
+        f"TRL parity luspo level={level} + top_entropy rho={rho}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e} "
+        f"({kept} of {int(m.sum())} tokens kept)"
+    )
     assert d_loss < 1e-6 * max(1.0, abs(trl_loss.item())) and d_grad < 1e-6
     assert 0 < kept < int(m.sum())

@@ -15,14 +15,26 @@ import math
 
 import pytest
 import torch
+from helpers import (
+    info_for,
+    leaf,
+    make_logp,
+    make_rollout,
+    objective_for,
+    permute_rows,
+    permute_tensor,
+    random_perm,
+    rollout_from,
+)
 
 from groupwise import schedules
 from groupwise.losses.clip_cov import token_priority
 from groupwise.registry import build
 from groupwise.types import Need
-from helpers import info_for, leaf, make_logp, make_rollout, objective_for, permute_rows, permute_tensor, random_perm, rollout_from
 
-E01, E02, E03, E04, E05 = (math.exp(x) for x in (0.1, 0.2, 0.3, 0.4, 0.5))  # 1.105171 1.221403 1.349859 1.491825 1.648721
+E01, E02, E03, E04, E05 = (
+    math.exp(x) for x in (0.1, 0.2, 0.3, 0.4, 0.5)
+)  # 1.105171 1.221403 1.349859 1.491825 1.648721
 
 
 def _values_grad(term, mb, logp, info=None):
@@ -47,7 +59,9 @@ def _clip_cov_case():
     # adv = [2, −2, 2, −2] (mean 0); logp_old = [−0.5, −2.5, −1.5, −1.5] (mean −1.5)
     # cov = (A − 0)·(logp_old + 1.5) = [2·1, −2·−1, 2·0, −2·0] = [2, 2, 0, 0] → candidates (1 < cov < 5): rows 0, 1
     # d = [0, 0, 0.1, 0.5]
-    mb = rollout_from(_col([-0.5, -2.5, -1.5, -1.5]), torch.tensor([[2.0, -2.0, 2.0, -2.0]]), actions=torch.arange(4).view(1, 4, 1))
+    mb = rollout_from(
+        _col([-0.5, -2.5, -1.5, -1.5]), torch.tensor([[2.0, -2.0, 2.0, -2.0]]), actions=torch.arange(4).view(1, 4, 1)
+    )
     return mb, leaf(mb.logp_old + _col([0.0, 0.0, 0.1, 0.5]))
 
 
@@ -87,7 +101,9 @@ def test_clip_cov_bounds_are_strict_and_no_candidate_is_ppo():
 
 def test_clip_cov_constant_group_and_masked_tokens():
     # adv all 0 → cov 0 → nothing selected, loss 0; a masked token with garbage logp_old stays out
-    mb = rollout_from(torch.tensor([[[-1.0, 40.0], [-2.0, -1.0]]]), torch.zeros(1, 2), mask=torch.tensor([[[1, 0], [1, 1]]]))
+    mb = rollout_from(
+        torch.tensor([[[-1.0, 40.0], [-2.0, -1.0]]]), torch.zeros(1, 2), mask=torch.tensor([[[1, 0], [1, 1]]])
+    )
     logp = leaf([[[-0.9, 3.0], [-2.1, -1.0]]])
     values, grad = _values_grad(build("objective", "clip_cov", clip_cov_lb=-1.0, clip_cov_ratio=1.0), mb, logp)
     assert torch.isfinite(values).all() and values.abs().sum() == 0 and grad.abs().sum() == 0
@@ -133,15 +149,28 @@ def test_clip_cov_verl_parity_random(seed):
     ro = make_rollout(4, 4, 6, seed=seed, awkward=False, token_adv=True)
     logp = make_logp(ro, seed=seed + 3)
     N = 16
-    ref = _verl_clip_cov(ro.logp_old.view(N, 6), logp.detach().view(N, 6), ro.advantages.view(N, 6), ro.mask.view(N, 6), 1.0, 0.05, 5.0, 0.2)
+    ref = _verl_clip_cov(
+        ro.logp_old.view(N, 6),
+        logp.detach().view(N, 6),
+        ro.advantages.view(N, 6),
+        ro.mask.view(N, 6),
+        1.0,
+        0.05,
+        5.0,
+        0.2,
+    )
     ref = ref.view(4, 4, 6)
-    ours = build("objective", "clip_cov", clip_cov_ratio=1.0, clip_cov_lb=0.05, cov_logp="current")(ro, {"logp": logp}, info_for(6))
+    ours = build("objective", "clip_cov", clip_cov_ratio=1.0, clip_cov_lb=0.05, cov_logp="current")(
+        ro, {"logp": logp}, info_for(6)
+    )
     m = ro.mask
     assert (ref[m] == 0).sum() >= 3  # the statistic really dropped tokens
     assert _report(f"clip_cov (random, seed {seed})", ours[m], ref[m]) < 1e-6
     # on-policy (logp_old = logp) the "old" statistic is verl's exactly
     ro.logp_old = logp.detach().clone()
-    ref = _verl_clip_cov(ro.logp_old.view(N, 6), logp.detach().view(N, 6), ro.advantages.view(N, 6), m.view(N, 6), 1.0, 0.05, 5.0, 0.2).view(4, 4, 6)
+    ref = _verl_clip_cov(
+        ro.logp_old.view(N, 6), logp.detach().view(N, 6), ro.advantages.view(N, 6), m.view(N, 6), 1.0, 0.05, 5.0, 0.2
+    ).view(4, 4, 6)
     ours = build("objective", "clip_cov", clip_cov_ratio=1.0, clip_cov_lb=0.05)(ro, {"logp": logp}, info_for(6))
     assert _report(f"clip_cov (on-policy old, seed {seed})", ours[m], ref[m]) < 1e-6
 
@@ -151,7 +180,9 @@ def test_token_priority_is_row_order_and_padding_free():
     u = token_priority(ro, info_for(5, step=3))
     assert u.dtype == torch.float64 and (u >= 0).all() and (u < 1).all()
     perm = random_perm(3, 4)
-    torch.testing.assert_close(token_priority(permute_rows(ro, perm), info_for(5, step=3)), permute_tensor(u, perm), atol=0, rtol=0)
+    torch.testing.assert_close(
+        token_priority(permute_rows(ro, perm), info_for(5, step=3)), permute_tensor(u, perm), atol=0, rtol=0
+    )
     torch.testing.assert_close(token_priority(ro.pad_tokens(8), info_for(8, step=3))[..., :5], u, atol=0, rtol=0)
     assert not torch.equal(token_priority(ro, info_for(5, step=4)), u)  # a new step draws anew
     assert u[ro.mask].unique().numel() == int(ro.mask.sum())  # distinct rows and positions: no ties
@@ -216,14 +247,23 @@ def test_kl_cov_verl_parity_random(seed):
     ro = make_rollout(4, 4, 6, seed=seed, awkward=False, token_adv=True)
     logp = make_logp(ro, seed=seed + 3)
     N, m = 16, ro.mask
-    ref = _verl_kl_cov(ro.logp_old.view(N, 6), logp.detach().view(N, 6), ro.advantages.view(N, 6), m.view(N, 6), 0.1, 1.0).view(4, 4, 6)
-    ours = build("objective", "kl_cov", kl_cov_ratio=0.1, kl_coef=1.0, cov_logp="current")(ro, {"logp": logp}, info_for(6))
+    ref = _verl_kl_cov(
+        ro.logp_old.view(N, 6), logp.detach().view(N, 6), ro.advantages.view(N, 6), m.view(N, 6), 0.1, 1.0
+    ).view(4, 4, 6)
+    ours = build("objective", "kl_cov", kl_cov_ratio=0.1, kl_coef=1.0, cov_logp="current")(
+        ro, {"logp": logp}, info_for(6)
+    )
     assert _report(f"kl_cov (random, seed {seed})", ours[m], ref[m]) < 1e-6
 
 
 # ============================================================================================ whole-batch statistic
-@pytest.mark.parametrize("name,params", [("clip_cov", {"clip_cov_ratio": 0.1, "clip_cov_lb": 0.0, "clip_cov_ub": 100.0}),
-                                         ("kl_cov", {"kl_cov_ratio": 0.1, "kl_coef": 1.0})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("clip_cov", {"clip_cov_ratio": 0.1, "clip_cov_lb": 0.0, "clip_cov_ub": 100.0}),
+        ("kl_cov", {"kl_cov_ratio": 0.1, "kl_coef": 1.0}),
+    ],
+)
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
 def test_cov_terms_do_not_depend_on_the_micro_batch_split(name, params, agg):
     B, G, T = 8, 4, 6
@@ -262,7 +302,9 @@ def test_prepare_selection_equals_the_in_call_one_and_is_refreshed():
     term.prepare(ro, info_for(6, step=1))
     assert torch.equal(ro.extras["clip_cov.select"], direct)
     term.prepare(ro, info_for(6, step=2))  # a later step replaces, never reuses, the stored selection
-    assert torch.equal(ro.extras["clip_cov.select"], term._selection(_without(ro, "clip_cov.select"), out, info_for(6, step=2)))
+    assert torch.equal(
+        ro.extras["clip_cov.select"], term._selection(_without(ro, "clip_cov.select"), out, info_for(6, step=2))
+    )
 
 
 def _without(ro, key):
@@ -358,7 +400,9 @@ def test_dppo_sampler_anchor():
     mb, logp = _dppo_case([0.8, 0.6, 0.2, 0.9], [0.5] * 4, [1.0, 1.0, -1.0, -1.0])
     expected = build("objective", "dppo_tv")(mb, {"logp": logp}, info_for(1))
     mb.logp_sampler, mb.logp_old = mb.logp_old, mb.logp_old + 5.0  # anchor moved to the sampler; logp_old is ignored
-    torch.testing.assert_close(build("objective", "dppo_tv", anchor="sampler")(mb, {"logp": logp}, info_for(1)), expected)
+    torch.testing.assert_close(
+        build("objective", "dppo_tv", anchor="sampler")(mb, {"logp": logp}, info_for(1)), expected
+    )
     mb.logp_sampler = None
     with pytest.raises(ValueError, match="logp_sampler"):
         build("objective", "dppo_tv", anchor="sampler")(mb, {"logp": logp}, info_for(1))
@@ -401,17 +445,22 @@ def _entropy_case():
     return mb, leaf([[[0.5, 1.0], [2.0, 9.9]]])  # H; 9.9 sits on padding
 
 
-@pytest.mark.parametrize("agg,expected", [
-    ("token_mean", -0.01 * 3.5 / 3),  # −coef·(0.5 + 1 + 2)/3 = −0.0116667
-    ("seq_mean_token_mean", -0.01 * 1.375),  # rows 0.75 and 2.0 → mean 1.375 → −0.01375
-])
+@pytest.mark.parametrize(
+    "agg,expected",
+    [
+        ("token_mean", -0.01 * 3.5 / 3),  # −coef·(0.5 + 1 + 2)/3 = −0.0116667
+        ("seq_mean_token_mean", -0.01 * 1.375),  # rows 0.75 and 2.0 → mean 1.375 → −0.01375
+    ],
+)
 def test_entropy_bonus_by_hand_and_verl_parity(agg, expected):
     # verl dp_actor.update_policy: policy_loss −= agg_loss(entropy, response_mask, loss_agg_mode) · entropy_coeff
     mb, H = _entropy_case()
     term = build("objective", "entropy_bonus", coef=0.01)
     obj = objective_for([term], agg)
     mb.weight = torch.full((1, 2, 2), 0.5)  # not weighted (verl: IS weights scale the policy loss only)
-    loss = obj.loss(mb, {"logp": leaf(torch.zeros(1, 2, 2)), "entropy": H}, obj.normalizers(mb, info_for(2)), info_for(2))
+    loss = obj.loss(
+        mb, {"logp": leaf(torch.zeros(1, 2, 2)), "entropy": H}, obj.normalizers(mb, info_for(2)), info_for(2)
+    )
     (grad,) = torch.autograd.grad(loss, H)
     _report(f"entropy_bonus ({agg})", loss.detach(), torch.tensor(expected))
     assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -422,7 +471,9 @@ def test_entropy_bonus_by_hand_and_verl_parity(agg, expected):
 
 def test_entropy_bonus_needs_and_errors():
     term = build("objective", "entropy_bonus")
-    assert Need("entropy", grad=True) in term.needs and Need("entropy") in term.needs  # whole-batch H for the controller
+    assert (
+        Need("entropy", grad=True) in term.needs and Need("entropy") in term.needs
+    )  # whole-batch H for the controller
     mb, _ = _entropy_case()
     with pytest.raises(ValueError, match="entropy"):
         term(mb, {"logp": leaf(torch.zeros(1, 2, 2))}, info_for(2))

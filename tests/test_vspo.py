@@ -9,18 +9,38 @@ import math
 import pytest
 import torch
 import transformers
+from helpers import info_for, make_rollout, train_recorded
 from transformers import AutoModelForCausalLM
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build
-from groupwise.rollout.vspo import ALPHA, COEF, VSPO, alpha_rows, compute_steering_vector, residual_at_last, steering_hook, vspo_rewards
-from helpers import info_for, make_rollout, train_recorded
+from groupwise.rollout.vspo import (
+    ALPHA,
+    COEF,
+    VSPO,
+    alpha_rows,
+    compute_steering_vector,
+    residual_at_last,
+    steering_hook,
+    vspo_rewards,
+)
 
 
 def tiny_model():
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                      intermediate_size=64, initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -39,7 +59,10 @@ def test_the_block_output_changes_by_exactly_alpha_v():
     model, ids = tiny_model(), torch.tensor([[3, 4, 5, 6]])
     v = torch.randn(32)
     seen = {}
-    grab = model.model.layers[2].register_forward_pre_hook(lambda m, args, kwargs: seen.__setitem__(len(seen), args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    grab = model.model.layers[2].register_forward_pre_hook(
+        lambda m, args, kwargs: seen.__setitem__(len(seen), args[0] if args else kwargs["hidden_states"]),
+        with_kwargs=True,
+    )
     try:
         with torch.no_grad():
             model(ids)
@@ -55,14 +78,18 @@ def test_caa_vector_is_the_mean_difference_at_the_last_token():
     model = tiny_model()
     pos, neg = [[3, 4, 9], [5, 9]], [[3, 4], [5, 6, 7]]
     with torch.no_grad():
-        h = [model(torch.tensor([p]), output_hidden_states=True).hidden_states[1][0, -1] for p in pos + neg]  # after layer 1
+        h = [
+            model(torch.tensor([p]), output_hidden_states=True).hidden_states[1][0, -1] for p in pos + neg
+        ]  # after layer 1
     raw = (h[0] + h[1]) / 2 - (h[2] + h[3]) / 2
     v, stats = compute_steering_vector(model, 1, pos, neg, normalise="none")
     torch.testing.assert_close(v, raw, atol=1e-5, rtol=0)
     typical = sum(float(x.norm()) for x in h) / 4
     v_h, stats = compute_steering_vector(model, 1, pos, neg)  # hidden_norm: unit direction x the typical norm
     torch.testing.assert_close(v_h, raw / raw.norm() * typical, atol=1e-4, rtol=0)
-    assert stats["norm"] == pytest.approx(typical, abs=1e-4) and stats["raw_norm"] == pytest.approx(float(raw.norm()), abs=1e-5)
+    assert stats["norm"] == pytest.approx(typical, abs=1e-4) and stats["raw_norm"] == pytest.approx(
+        float(raw.norm()), abs=1e-5
+    )
     v_u, _ = compute_steering_vector(model, 1, pos, neg, normalise="unit")
     assert float(v_u.norm()) == pytest.approx(1.0, abs=1e-6)
     assert residual_at_last(model, 0, [[7]]).shape == (1, 32)  # layer 0: the embeddings
@@ -104,7 +131,9 @@ def test_row_extra_reward_scores_the_rows_label():
     ro.set_extra(COEF, torch.tensor([[-1.0, 0.5, 1.0], [0.0, 0.25, -0.5]]), "row")
     reward = build("reward", "row_extra", key=COEF)
     assert reward.rollout_extras == (COEF,)
-    torch.testing.assert_close(reward.score_rollout(ro, info_for(4)), torch.tensor([[-1.0, 0.5, 0.0], [0.0, 0.25, -0.5]]))  # invalid row: 0
+    torch.testing.assert_close(
+        reward.score_rollout(ro, info_for(4)), torch.tensor([[-1.0, 0.5, 0.0], [0.0, 0.25, -0.5]])
+    )  # invalid row: 0
 
 
 def test_row_extra_reward_needs_a_strategy_that_collects_the_extra(tmp_path):
@@ -116,8 +145,15 @@ def test_row_extra_reward_needs_a_strategy_that_collects_the_extra(tmp_path):
 
 # --------------------------------------------------------------------------- (3) end to end: the update is unsteered
 PHASE = 'phases=[{name="steering_vector", layer=2, rows=4}]'
-RUN = ['rollout.name="vspo"', PHASE, "rollout.group_size=4", "rollout.prompts_per_step=4", "threads=1",
-       'rollout.params={alphas=[-1.0, 0.0, 1.0, 0.0]}', 'rewards=["exact", {name="row_extra", key="steer_coef", weight=0.5}]']
+RUN = [
+    'rollout.name="vspo"',
+    PHASE,
+    "rollout.group_size=4",
+    "rollout.prompts_per_step=4",
+    "threads=1",
+    "rollout.params={alphas=[-1.0, 0.0, 1.0, 0.0]}",
+    'rewards=["exact", {name="row_extra", key="steer_coef", weight=0.5}]',
+]
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import info_for, leaf, objective_for, rollout_from
 
 from groupwise.registry import build
 from groupwise.types import Need
-from helpers import info_for, leaf, objective_for, rollout_from
 
 
 def _with_entropy(H, mask=None, valid=None):
@@ -100,7 +100,9 @@ def test_top_entropy_keeps_the_full_token_count_like_the_paper_and_trl():
         ro.weight, counted = token_weights([top], ro, info_for(5))
         ro.set_extra("counted", counted, "token")
         assert ro.weight.tolist() == [[[1.0, 0.0, 1.0, 0.0, 0.0]]]
-        obj = objective_for([build("objective", "reinforce"), build("objective", "kl", coef=1.0, estimator="k2")], "token_mean")
+        obj = objective_for(
+            [build("objective", "reinforce"), build("objective", "kl", coef=1.0, estimator="k2")], "token_mean"
+        )
         logp = torch.full((1, 1, 5), -2.0)
         results[scope] = float(obj.loss(ro, {"logp": logp}, obj.normalizers(ro, info_for(5)), info_for(5)))
     assert results["loss"] == pytest.approx(1.3) and results["token"] == pytest.approx(2.5)

@@ -14,7 +14,8 @@ Importing the package loads nothing heavy: torch and transformers come with the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["Run", "Trainer", "load_config", "train"]

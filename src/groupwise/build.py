@@ -96,8 +96,16 @@ class Parts:
     phases: list[Any]  # what runs before the RL steps, in order
 
 
-def step_components(strategy: Any, sampler: Any, reward_stage: RewardStage, estimator: Any, shapers: list[Any],
-                    weights: list[Any], objective: Objective, updater: Any) -> list[Any]:
+def step_components(
+    strategy: Any,
+    sampler: Any,
+    reward_stage: RewardStage,
+    estimator: Any,
+    shapers: list[Any],
+    weights: list[Any],
+    objective: Objective,
+    updater: Any,
+) -> list[Any]:
     """The components of the policy's step, in the one order that checkpoints name their states by."""
     return [strategy, sampler, *reward_stage.scorers, estimator, *shapers, *weights, *objective.terms, updater]
 
@@ -132,8 +140,10 @@ def build(cfg: Config) -> Parts:
     eval_stage = RewardStage([cfg.eval.reward or task_reward], _eval_reward_cfg(cfg), policy.decode, max_new)
     estimator = build_spec("advantage", cfg.advantage.estimator)
     if ro.group_size < 2 and getattr(estimator, "group_relative", False):
-        raise ConfigError(f"rollout.group_size={ro.group_size} with the group-relative advantage "
-                          f"{estimator.registry_name!r}: every advantage would be 0; use group_size >= 2")
+        raise ConfigError(
+            f"rollout.group_size={ro.group_size} with the group-relative advantage "
+            f"{estimator.registry_name!r}: every advantage would be 0; use group_size >= 2"
+        )
     shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
     weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
     objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs
@@ -142,8 +152,11 @@ def build(cfg: Config) -> Parts:
 
     # further roles train on the same rollouts; frozen ones only serve the needs that name them
     total_updates = cfg.train.steps * cfg.train.epochs * cfg.train.minibatches
-    trained = [roles.build_role(name, rc, cfg, policy, reward_stage.labels, total_updates)
-               for name, rc in cfg.roles.items() if not rc.frozen]
+    trained = [
+        roles.build_role(name, rc, cfg, policy, reward_stage.labels, total_updates)
+        for name, rc in cfg.roles.items()
+        if not rc.frozen
+    ]
     frozen = {name: roles.build_frozen(name, rc, cfg, policy) for name, rc in cfg.roles.items() if rc.frozen}
 
     # every declared need, checked against the models and views that can serve it. With one mini-batch
@@ -155,15 +168,20 @@ def build(cfg: Config) -> Parts:
     needs += [] if cfg.train.minibatches == 1 else [Need("logp")]
     needs += [n for role in trained for n in roles.role_needs(role)]
     models = policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
-    models.update({name: role_policy.scoring_models(with_reference=False)["policy"] for name, role_policy in
-                   [*((role.name, role.policy) for role in trained), *frozen.items()]})
+    models.update(
+        {
+            name: role_policy.scoring_models(with_reference=False)["policy"]
+            for name, role_policy in [*((role.name, role.policy) for role in trained), *frozen.items()]
+        }
+    )
 
     def bind_view(view: Any) -> None:  # what a view reads besides the rollout: token texts, the train rows
         bind_vocabulary([view], policy)
         bind_rows([view], train_rows)
 
-    resolver = NeedResolver(needs, models, cfg.views, policy.score, policy.encode, context=policy.context,
-                            bind_view=bind_view)
+    resolver = NeedResolver(
+        needs, models, cfg.views, policy.score, policy.encode, context=policy.context, bind_view=bind_view
+    )
 
     # held-out prompts are also scored under eval.views, and on the held-out rows of eval.tasks
     eval_views = {name: eval_view(resolver, name) for name in cfg.eval.views}
@@ -186,15 +204,36 @@ def build(cfg: Config) -> Parts:
     updater.bind(params, total_updates)
     bind_parameter_names(updater, policy)  # an updater that treats parameters by name (a LoRA-B mask)
     return Parts(
-        cfg=cfg, rank=rank, world=world, policy=policy, train_rows=train_rows, eval_rows=eval_rows,
-        rows_skipped=rows_skipped, prompts=prompts, sampling_params=sampling_params, strategy=strategy,
-        sampler=sampler, reward_stage=reward_stage, eval_stage=eval_stage, estimator=estimator, shapers=shapers,
-        weights=weights, objective=objective, updater=updater, prompt_stats=prompt_stats, roles=trained,
-        frozen=frozen, needs=resolver,
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        policy=policy,
+        train_rows=train_rows,
+        eval_rows=eval_rows,
+        rows_skipped=rows_skipped,
+        prompts=prompts,
+        sampling_params=sampling_params,
+        strategy=strategy,
+        sampler=sampler,
+        reward_stage=reward_stage,
+        eval_stage=eval_stage,
+        estimator=estimator,
+        shapers=shapers,
+        weights=weights,
+        objective=objective,
+        updater=updater,
+        prompt_stats=prompt_stats,
+        roles=trained,
+        frozen=frozen,
+        needs=resolver,
         round_needs=[n for n in needs if not n.grad and n in scorer_needs],  # before dynamic sampling's keep
         step_needs=[n for n in needs if not n.grad],
         grad_quantities=sorted({n.quantity for n in needs if n.grad} | {"entropy"}),  # entropy is logged
-        params=params, eval_views=eval_views, eval_tasks=eval_tasks, phases=phases)
+        params=params,
+        eval_views=eval_views,
+        eval_tasks=eval_tasks,
+        phases=phases,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- build steps
@@ -210,11 +249,16 @@ def fitting_rows(policy: Any, split: str, rows: list[dict], max_new_tokens: int,
             continue
     if len(kept) < len(rows):
         skipped[split] = len(rows) - len(kept)
-        print(f"groupwise: data.on_bad_row=skip: {len(rows) - len(kept)} {split} rows skipped (prompt + "
-              f"max_new_tokens longer than the model's context of {policy.context})", file=sys.stderr)
+        print(
+            f"groupwise: data.on_bad_row=skip: {len(rows) - len(kept)} {split} rows skipped (prompt + "
+            f"max_new_tokens longer than the model's context of {policy.context})",
+            file=sys.stderr,
+        )
     if not kept and rows:
-        raise ConfigError(f"every {split} prompt is longer than the model's context allows with "
-                          f"rollout.max_new_tokens={max_new_tokens}")
+        raise ConfigError(
+            f"every {split} prompt is longer than the model's context allows with "
+            f"rollout.max_new_tokens={max_new_tokens}"
+        )
     return kept
 
 
@@ -227,9 +271,11 @@ def eval_view(needs: NeedResolver, name: str) -> Any:
     """``eval.views`` entry ``name``: a built view that edits only the prompt (``prompt(meta, key)``)."""
     view = needs.view(name)
     if not hasattr(view, "prompt"):
-        raise ConfigError(f"eval.views: view {name!r} edits more than the prompt (no prompt(meta, key)); held-out "
-                          f"prompts can only be scored under views that edit the prompt, e.g. corrupt_context or "
-                          f"ground_truth")
+        raise ConfigError(
+            f"eval.views: view {name!r} edits more than the prompt (no prompt(meta, key)); held-out "
+            f"prompts can only be scored under views that edit the prompt, e.g. corrupt_context or "
+            f"ground_truth"
+        )
     return view
 
 
@@ -247,5 +293,7 @@ def check_modality(components: list[Any], policy: Any, kind: str) -> None:
     for component in components:
         if getattr(component, "modality", policy.modality) != policy.modality:
             name = getattr(component, "registry_name", type(component).__name__)
-            raise ConfigError(f"{getattr(component, 'stage', '')} component {name!r} works on {component.modality} "
-                              f"policies; this run's policy is {policy.modality} (model.policy={kind!r})")
+            raise ConfigError(
+                f"{getattr(component, 'stage', '')} component {name!r} works on {component.modality} "
+                f"policies; this run's policy is {policy.modality} (model.policy={kind!r})"
+            )

@@ -108,9 +108,12 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
     needed = _tensor_bytes(state) + (1 << 16)  # tensors dominate; 64 KiB for the pickled rest
     free = shutil.disk_usage(root).free
     if free < needed:
-        raise CheckpointSpace(errno.ENOSPC, f"no space for the step-{step} checkpoint in {root}: it needs about {needed:,} bytes, "
-                              f"{free:,} are free; free some space (or lower checkpoint.keep_last) and rerun the same command to resume "
-                              f"from the last complete checkpoint")
+        raise CheckpointSpace(
+            errno.ENOSPC,
+            f"no space for the step-{step} checkpoint in {root}: it needs about {needed:,} bytes, "
+            f"{free:,} are free; free some space (or lower checkpoint.keep_last) and rerun the same command to resume "
+            f"from the last complete checkpoint",
+        )
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -125,17 +128,27 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
             fh.flush()
             os.fsync(fh.fileno())
         # hashed as read back: the manifest describes the bytes the disk holds
-        manifest = {"step": step, "files": {STATE: {"bytes": (tmp / STATE).stat().st_size, "sha256": _sha256(tmp / STATE)}}}
+        manifest = {
+            "step": step,
+            "files": {STATE: {"bytes": (tmp / STATE).stat().st_size, "sha256": _sha256(tmp / STATE)}},
+        }
         manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
         _write(tmp / MANIFEST, manifest_bytes)
         _fault("checkpoint.before_marker")
-        _write(tmp / MARKER, f"{step} {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode())  # last: everything above is on disk
+        _write(
+            tmp / MARKER, f"{step} {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode()
+        )  # last: everything above is on disk
         _fsync_dir(tmp)
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_no_space(err):
-            full = no_space(f"the step-{step} checkpoint", tmp, needed, err, "the partial folder was removed, earlier "
-                            "checkpoints are intact; free some space and rerun to resume")
+            full = no_space(
+                f"the step-{step} checkpoint",
+                tmp,
+                needed,
+                err,
+                "the partial folder was removed, earlier checkpoints are intact; free some space and rerun to resume",
+            )
             raise CheckpointSpace(full.errno, full.strerror) from err
         raise
     _fault("checkpoint.before_rename")
@@ -144,7 +157,9 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
     _fsync_dir(root)
     _fault("checkpoint.before_prune")
     done = complete(run_dir)
-    superseded = [p for p in done if p != final and _NAME.match(p.name).group(1) == _NAME.match(final.name).group(1)]  # same step, older revision
+    superseded = [
+        p for p in done if p != final and _NAME.match(p.name).group(1) == _NAME.match(final.name).group(1)
+    ]  # same step, older revision
     others = [p for p in done if p not in superseded]
     for old in superseded + (others[:-keep_last] if keep_last > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
@@ -177,17 +192,23 @@ def verify(path: Path) -> None:
     if len(marker) != 2 or not marker[0].isdigit():
         raise CheckpointCorrupt(f"{path / MARKER}: malformed marker {' '.join(marker)[:80]!r}")
     if hashlib.sha256(manifest_bytes).hexdigest() != marker[1]:
-        raise CheckpointCorrupt(f"{path / MANIFEST}: sha256 differs from the one recorded in {MARKER} (edited or damaged)")
+        raise CheckpointCorrupt(
+            f"{path / MANIFEST}: sha256 differs from the one recorded in {MARKER} (edited or damaged)"
+        )
     manifest = json.loads(manifest_bytes)
     if match is None or int(marker[0]) != manifest["step"] or int(match.group(1)) != manifest["step"]:
-        raise CheckpointCorrupt(f"{path}: folder name, {MARKER} ({marker[0]}) and {MANIFEST} (step {manifest['step']}) disagree")
+        raise CheckpointCorrupt(
+            f"{path}: folder name, {MARKER} ({marker[0]}) and {MANIFEST} (step {manifest['step']}) disagree"
+        )
     for name, expect in manifest["files"].items():
         file = path / name
         if not file.exists():
             raise CheckpointCorrupt(f"{file}: listed in {MANIFEST} but missing")
         size = file.stat().st_size
         if size != expect["bytes"]:
-            raise CheckpointCorrupt(f"{file}: {size:,} bytes, {MANIFEST} says {expect['bytes']:,} (truncated or extended)")
+            raise CheckpointCorrupt(
+                f"{file}: {size:,} bytes, {MANIFEST} says {expect['bytes']:,} (truncated or extended)"
+            )
         if _sha256(file) != expect["sha256"]:
             raise CheckpointCorrupt(f"{file}: sha256 differs from {MANIFEST} (bit flip or overwritten bytes)")
 
@@ -220,4 +241,6 @@ def load(path: Path) -> dict[str, Any]:
     """The state of a checkpoint folder, verified against its manifest first."""
     verify(path)
     with open(Path(path) / STATE, "rb") as fh:
-        return torch.load(fh, map_location="cpu", weights_only=False)  # a GPU run resumes anywhere; load_state_dict moves back
+        return torch.load(
+            fh, map_location="cpu", weights_only=False
+        )  # a GPU run resumes anywhere; load_state_dict moves back

@@ -62,7 +62,9 @@ def cmd_train(args: list[str]) -> int:
         if item == "--resume-allow" or item.startswith("--resume-allow="):
             value = item.partition("=")[2] if "=" in item else next(items, "")
             if not value:
-                raise ConfigError("--resume-allow needs the config keys that may differ from the stored run, e.g. --resume-allow train.steps,eval.every")
+                raise ConfigError(
+                    "--resume-allow needs the config keys that may differ from the stored run, e.g. --resume-allow train.steps,eval.every"
+                )
             allow += [k.strip() for k in value.split(",") if k.strip()]
         else:
             rest.append(item)
@@ -147,8 +149,11 @@ def cmd_explain(args: list[str]) -> int:
 
     args = _plugin_option(args)
     if not args:
-        print("usage: groupwise explain NAME [--plugins MODULES]  (a component, module:Class, a shipped recipe, a "
-              "recipe file or a paper's spec number)", file=sys.stderr)
+        print(
+            "usage: groupwise explain NAME [--plugins MODULES]  (a component, module:Class, a shipped recipe, a "
+            "recipe file or a paper's spec number)",
+            file=sys.stderr,
+        )
         return 2
     if args[0].isdigit():
         return cmd_paper(args)
@@ -166,9 +171,13 @@ def cmd_explain(args: list[str]) -> int:
         recipes = list(shipped_recipes())
         close = [f"{n} (component)" for n in difflib.get_close_matches(args[0], components, n=3)]
         close += [f"{n} (recipe)" for n in difflib.get_close_matches(args[0], recipes, n=3)]
-        print(f"no component or recipe named {args[0]!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
-              + " (`groupwise list` shows the components, `groupwise train --help` the recipes; a plug-in's name needs "
-              "--plugins MODULE, or name it as module:Class)", file=sys.stderr)
+        print(
+            f"no component or recipe named {args[0]!r}"
+            + (f"; did you mean {', '.join(close)}?" if close else "")
+            + " (`groupwise list` shows the components, `groupwise train --help` the recipes; a plug-in's name needs "
+            "--plugins MODULE, or name it as module:Class)",
+            file=sys.stderr,
+        )
         return 2
     for st, name, cls in found:
         _explain_component(st, name, cls)
@@ -183,8 +192,10 @@ def cmd_paper(args: list[str]) -> int:
     from groupwise.papers.index import paper_text
 
     if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: groupwise paper NN   (a spec number: groupwise paper 27; docs/variants.md lists them)",
-              file=sys.stderr if len(args) != 1 else sys.stdout)
+        print(
+            "usage: groupwise paper NN   (a spec number: groupwise paper 27; docs/variants.md lists them)",
+            file=sys.stderr if len(args) != 1 else sys.stdout,
+        )
         return 0 if args[:1] in (["-h"], ["--help"]) else 2
     print(paper_text(args[0]))
     return 0
@@ -207,8 +218,10 @@ def _explain_plugin(spec: str) -> int:
     if not dataclasses.is_dataclass(cls):
         print(f"{cls.__qualname__} is not a dataclass, so no stage can build it: decorate it with @dataclass")
         return 2
-    print(f"not registered: name it as {spec!r} in a component entry of a stage whose contract it meets "
-          f"({', '.join(stages) or 'none: it lacks the methods every stage requires'}; groupwise/components.py)")
+    print(
+        f"not registered: name it as {spec!r} in a component entry of a stage whose contract it meets "
+        f"({', '.join(stages) or 'none: it lacks the methods every stage requires'}; groupwise/components.py)"
+    )
     return 0
 
 
@@ -226,7 +239,11 @@ def _explain_component(st: str, name: str, cls: type) -> None:
         print("\nparameters:")
         for f in dataclasses.fields(cls):
             if f.init:
-                default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")  # type: ignore[misc]
+                default = (
+                    f.default
+                    if f.default is not dataclasses.MISSING
+                    else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+                )  # type: ignore[misc]
                 print(f"  {f.name} = {default!r}")
     print()
 
@@ -270,10 +287,17 @@ def cmd_eval(args: list[str]) -> int:
     if args and "=" not in args[0]:
         model, args = args[0], args[1:]
     run = Path(model)
-    if (run / "config.toml").exists() and (run / "final").is_dir():  # a run folder: its own data, reward and eval settings, its final model
-        cfg, _ = load_config(str(run / "config.toml"), [f'model.path="{run / "final"}"', "model.lora={}", "roles={}", "train.steps=0", *args])
+    if (run / "config.toml").exists() and (
+        run / "final"
+    ).is_dir():  # a run folder: its own data, reward and eval settings, its final model
+        cfg, _ = load_config(
+            str(run / "config.toml"),
+            [f'model.path="{run / "final"}"', "model.lora={}", "roles={}", "train.steps=0", *args],
+        )
         if cfg.model.policy != "lm":
-            raise ConfigError(f"groupwise eval reads language-model folders; {run} trained a {cfg.model.policy!r} policy (its summary.json has its accuracy)")
+            raise ConfigError(
+                f"groupwise eval reads language-model folders; {run} trained a {cfg.model.policy!r} policy (its summary.json has its accuracy)"
+            )
     else:
         cfg, _ = load_config(None, [f'model.path="{model}"', "train.steps=0", *args])
     from groupwise.build import build
@@ -282,8 +306,12 @@ def cmd_eval(args: list[str]) -> int:
 
     parts = build(cfg)
     heldout = HeldOut(Trainer(parts))
-    result = {"model": model, "task": cfg.data.path or cfg.data.task,
-              "eval_size": min(cfg.eval.size, len(parts.eval_rows)), "accuracy": heldout.evaluate()}
+    result = {
+        "model": model,
+        "task": cfg.data.path or cfg.data.task,
+        "eval_size": min(cfg.eval.size, len(parts.eval_rows)),
+        "accuracy": heldout.evaluate(),
+    }
     result.update(heldout.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
     print(json.dumps(result))
     return 0
@@ -348,20 +376,34 @@ def cmd_cp(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"config": cmd_config, "cp": cmd_cp, "train": cmd_train, "list": cmd_list, "explain": cmd_explain,
-            "paper": cmd_paper, "eval": cmd_eval, "warmstart": cmd_warmstart, "compare": cmd_compare,
-            "claims": cmd_claims}
+COMMANDS = {
+    "config": cmd_config,
+    "cp": cmd_cp,
+    "train": cmd_train,
+    "list": cmd_list,
+    "explain": cmd_explain,
+    "paper": cmd_paper,
+    "eval": cmd_eval,
+    "warmstart": cmd_warmstart,
+    "compare": cmd_compare,
+    "claims": cmd_claims,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO and its variants as composable components.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help=(
-        "train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] [--plugins M] | "
-        "explain NAME (component, module:Class, recipe or spec number) [--plugins M] | paper NN (a paper's files, "
-        "components, recipes, claims, tests) | eval [MODEL] [key=value ...] | warmstart [...] | compare "
-        "RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] "
-        "[--out DIR]"))
+    parser.add_argument(
+        "command",
+        choices=sorted(COMMANDS),
+        help=(
+            "train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] [--plugins M] | "
+            "explain NAME (component, module:Class, recipe or spec number) [--plugins M] | paper NN (a paper's files, "
+            "components, recipes, claims, tests) | eval [MODEL] [key=value ...] | warmstart [...] | compare "
+            "RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] "
+            "[--out DIR]"
+        ),
+    )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
@@ -376,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groupwise: config error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `groupwise explain X | head`: the reader left; not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush must not fail too
+        os.dup2(
+            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+        )  # the interpreter's final flush must not fail too
         return 0
     except FileNotFoundError as err:  # a model, recipe or data file that is not there: one line, not a traceback
         print(f"groupwise: {err}", file=sys.stderr)

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from groupwise.errors import ConfigError
 from groupwise.registry import STAGES
 from groupwise.types import Need, Rollout, StepInfo
-
 
 # ---------------------------------------------------------------------------------------------- protocols
 # What a component of each stage must define. Optional members are hooks (``HOOKS`` below), not here.
@@ -57,6 +57,7 @@ class Policy(Protocol):
     trainable: bool
     request_options: frozenset[str]
     context: int | None  # the longest prompt + completion, or None
+
     def generate(self, requests: Sequence[Any], sampling: dict, info: StepInfo) -> Rollout: ...
     def forward(self, rollout: Rollout, quantities: Sequence[str] = ("logp",)) -> dict[str, Tensor]: ...
     def scoring_models(self, with_reference: bool) -> dict[str, Any]: ...
@@ -129,6 +130,7 @@ class Provider(Protocol):
     computed with autograd in a micro-batch."""
 
     grad_ok: bool
+
     def check(self, need: Need) -> None: ...
     def plan(self, need: Need) -> dict[tuple[str, str], set[str]]: ...
     def finish(self, need: Need, results: dict, model: Any) -> Tensor: ...
@@ -139,6 +141,7 @@ class Phase(Protocol):
     policy) or ``"offline"`` (returns an artifact); ``phase(ctx)`` runs it with a ``PhaseContext``."""
 
     kind: str
+
     def __call__(self, ctx: Any) -> dict | None: ...
 
 
@@ -181,6 +184,7 @@ class Term(Protocol):
     weights reach a term as its ``token_weights`` declares (objective.py)."""
 
     coef: float
+
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor: ...
 
 
@@ -260,206 +264,520 @@ class Hook:
 
 HOOKS: tuple[Hook, ...] = (
     # -- build
-    Hook("needs", OWNERS, "attribute", "build",
-         "at build: the trainer collects every component's needs (and its schedules'; a role's components name "
-         "the role's model) and `NeedResolver` checks them; each step the no-grad ones are computed on the whole "
-         "batch before advantages, the grad ones in each micro-batch's forward (`out[...]`)",
-         "tuple[Need, ...]", "Model outputs beyond the policy's log-probs (`Need(quantity, model, view, grad)`)."),
-    Hook("modality", OWNERS, "attribute", "build",
-         "at build: a component whose modality is not the policy's is refused (eval and task scorers too)",
-         "str", "The policy modality it works on (`\"text\"`, `\"flow\"`); absent: any policy."),
-    Hook("rollout_extras", OWNERS, "attribute", "build",
-         "at build (`rollout.context.check_strategy`): each must be an extra the configured strategy `collects`",
-         "tuple[str, ...]",
-         "Extras only a rollout strategy fills that the component reads (ReMax's `baseline_reward`)."),
-    Hook("artifacts", OWNERS, "attribute", "build",
-         "at build (`phases.check_artifacts`): each must be the artifact of a configured offline phase",
-         "tuple[str, ...]", "The names of the offline artifacts it reads (each given by `use_artifact`)."),
-    Hook("use_artifact", OWNERS, "method", "build",
-         "once per name in `artifacts`, after the phases ran or were loaded and before the first RL step "
-         "(`phases.inject`)",
-         "use_artifact(name: str, value: dict) -> None", "Keeps an offline phase's artifact (a probe, a table)."),
-    Hook("use_vocabulary", OWNERS + ("view",), "method", "build",
-         "once at build (`bind_vocabulary`), with the policy's `token_texts()`; a policy without token texts "
-         "(the flow toy) fails such a run at build",
-         "use_vocabulary(token_text: list[str]) -> None",
-         "For a component that maps token positions to spans of the completion text (a phase or role map from tags)."),
-    Hook("use_rows", OWNERS + ("view",), "method", "build",
-         "once at build (`bind_rows`), with the train split (the same on every rank); views when they are built",
-         "use_rows(rows: list[dict]) -> None",
-         "For a component that draws from the training rows (a view that swaps in another row's passage), so that "
-         "what it draws does not depend on the batch or world size."),
-    Hook("use_models", OWNERS, "method", "build",
-         "once at build (`bind_models`), with the policies of every `roles.NAME` with `frozen = true` (eval and task "
-         "scorers too)",
-         "use_models(models: dict[str, Policy]) -> None",
-         "For a component that calls a frozen role's model itself (a judge asked questions whose contexts are not the "
-         "rollout's rows, as DVReward's); it scores through the policy protocol (`scoring_models` / `score`), under "
-         "no grad."),
-    Hook("use_parameter_names", ("update",), "method", "build",
-         "once after `bind` (`bind_parameter_names`), with the policy's `parameter_names()`: the names of the "
-         "parameters `bind` got, in the same order; a policy without names fails such a run at build",
-         "use_parameter_names(names: list[str]) -> None",
-         "For an updater that treats parameters by what they are (a LoRA-B mask, per-layer gradient norms)."),
-    Hook("check", ("rollout",), "method", "build",
-         "once at build (`check_strategy`), with the run's components",
-         "check(components: list) -> None",
-         "The strategy's own build-time check of the others (an env strategy's rewards); raises `ConfigError`."),
-    Hook("request_options", ("rollout",), "attribute", "build",
-         "at build (`check_strategy`): each must be one of the policy's `request_options`",
-         "tuple[str, ...]", "The `Request.sampling` keys the strategy sets (ReMax's `greedy`)."),
-    Hook("collects", ("rollout",), "attribute", "build",
-         "at build (`check_strategy`): the extras other components may list in `rollout_extras`",
-         "tuple[str, ...]", "The extras the strategy fills."),
-    Hook("hooks", ("rollout",), "attribute", "build",
-         "at build (`hooks.check_hooks`): each kind must be one the policy's engine applies (`Policy.hooks`)",
-         "tuple[str, ...]", "The generation hook kinds (`groupwise.hooks.KINDS`) its requests carry."),
-    Hook("group_relative", ("advantage",), "attribute", "build",
-         "at build: an estimator with `group_relative = True` is refused with `rollout.group_size < 2`",
-         "bool", "Its advantages compare the rows of a group (every advantage would be 0 with one row)."),
-    Hook("by", ("advantage",), "attribute", "build",
-         "at build, by rollout `alphagrpo_reflect`'s `check` (with `train_first`): `\"prompt\"` is refused",
-         "str", "A field: `\"prompt\"` when the estimator pools the groups of a prompt."),
-    Hook("baseline", ("advantage",), "attribute", "build",
-         "at build, by rollout `alphagrpo_reflect`'s `check` (with `train_first`): anything but `\"group\"` is refused",
-         "str", "A field: which baseline the estimator subtracts (`\"group\"`: the group's own)."),
-    Hook("prompt", ("view",), "method", "build",
-         "at build (a view in `eval.views` without it is refused), then for each held-out prompt scored under the view",
-         "prompt(meta: dict, key: int) -> str | list",
-         "The edited prompt of one dataset row (`key` its index), for views that edit only the prompt."),
-    Hook("artifact", ("phase",), "attribute", "build",
-         "at build: the phase's name and its artifact's; empty or absent: the registry name",
-         "str", "A field of the offline phases."),
+    Hook(
+        "needs",
+        OWNERS,
+        "attribute",
+        "build",
+        "at build: the trainer collects every component's needs (and its schedules'; a role's components name "
+        "the role's model) and `NeedResolver` checks them; each step the no-grad ones are computed on the whole "
+        "batch before advantages, the grad ones in each micro-batch's forward (`out[...]`)",
+        "tuple[Need, ...]",
+        "Model outputs beyond the policy's log-probs (`Need(quantity, model, view, grad)`).",
+    ),
+    Hook(
+        "modality",
+        OWNERS,
+        "attribute",
+        "build",
+        "at build: a component whose modality is not the policy's is refused (eval and task scorers too)",
+        "str",
+        'The policy modality it works on (`"text"`, `"flow"`); absent: any policy.',
+    ),
+    Hook(
+        "rollout_extras",
+        OWNERS,
+        "attribute",
+        "build",
+        "at build (`rollout.context.check_strategy`): each must be an extra the configured strategy `collects`",
+        "tuple[str, ...]",
+        "Extras only a rollout strategy fills that the component reads (ReMax's `baseline_reward`).",
+    ),
+    Hook(
+        "artifacts",
+        OWNERS,
+        "attribute",
+        "build",
+        "at build (`phases.check_artifacts`): each must be the artifact of a configured offline phase",
+        "tuple[str, ...]",
+        "The names of the offline artifacts it reads (each given by `use_artifact`).",
+    ),
+    Hook(
+        "use_artifact",
+        OWNERS,
+        "method",
+        "build",
+        "once per name in `artifacts`, after the phases ran or were loaded and before the first RL step "
+        "(`phases.inject`)",
+        "use_artifact(name: str, value: dict) -> None",
+        "Keeps an offline phase's artifact (a probe, a table).",
+    ),
+    Hook(
+        "use_vocabulary",
+        OWNERS + ("view",),
+        "method",
+        "build",
+        "once at build (`bind_vocabulary`), with the policy's `token_texts()`; a policy without token texts "
+        "(the flow toy) fails such a run at build",
+        "use_vocabulary(token_text: list[str]) -> None",
+        "For a component that maps token positions to spans of the completion text (a phase or role map from tags).",
+    ),
+    Hook(
+        "use_rows",
+        OWNERS + ("view",),
+        "method",
+        "build",
+        "once at build (`bind_rows`), with the train split (the same on every rank); views when they are built",
+        "use_rows(rows: list[dict]) -> None",
+        "For a component that draws from the training rows (a view that swaps in another row's passage), so that "
+        "what it draws does not depend on the batch or world size.",
+    ),
+    Hook(
+        "use_models",
+        OWNERS,
+        "method",
+        "build",
+        "once at build (`bind_models`), with the policies of every `roles.NAME` with `frozen = true` (eval and task "
+        "scorers too)",
+        "use_models(models: dict[str, Policy]) -> None",
+        "For a component that calls a frozen role's model itself (a judge asked questions whose contexts are not the "
+        "rollout's rows, as DVReward's); it scores through the policy protocol (`scoring_models` / `score`), under "
+        "no grad.",
+    ),
+    Hook(
+        "use_parameter_names",
+        ("update",),
+        "method",
+        "build",
+        "once after `bind` (`bind_parameter_names`), with the policy's `parameter_names()`: the names of the "
+        "parameters `bind` got, in the same order; a policy without names fails such a run at build",
+        "use_parameter_names(names: list[str]) -> None",
+        "For an updater that treats parameters by what they are (a LoRA-B mask, per-layer gradient norms).",
+    ),
+    Hook(
+        "check",
+        ("rollout",),
+        "method",
+        "build",
+        "once at build (`check_strategy`), with the run's components",
+        "check(components: list) -> None",
+        "The strategy's own build-time check of the others (an env strategy's rewards); raises `ConfigError`.",
+    ),
+    Hook(
+        "request_options",
+        ("rollout",),
+        "attribute",
+        "build",
+        "at build (`check_strategy`): each must be one of the policy's `request_options`",
+        "tuple[str, ...]",
+        "The `Request.sampling` keys the strategy sets (ReMax's `greedy`).",
+    ),
+    Hook(
+        "collects",
+        ("rollout",),
+        "attribute",
+        "build",
+        "at build (`check_strategy`): the extras other components may list in `rollout_extras`",
+        "tuple[str, ...]",
+        "The extras the strategy fills.",
+    ),
+    Hook(
+        "hooks",
+        ("rollout",),
+        "attribute",
+        "build",
+        "at build (`hooks.check_hooks`): each kind must be one the policy's engine applies (`Policy.hooks`)",
+        "tuple[str, ...]",
+        "The generation hook kinds (`groupwise.hooks.KINDS`) its requests carry.",
+    ),
+    Hook(
+        "group_relative",
+        ("advantage",),
+        "attribute",
+        "build",
+        "at build: an estimator with `group_relative = True` is refused with `rollout.group_size < 2`",
+        "bool",
+        "Its advantages compare the rows of a group (every advantage would be 0 with one row).",
+    ),
+    Hook(
+        "by",
+        ("advantage",),
+        "attribute",
+        "build",
+        'at build, by rollout `alphagrpo_reflect`\'s `check` (with `train_first`): `"prompt"` is refused',
+        "str",
+        'A field: `"prompt"` when the estimator pools the groups of a prompt.',
+    ),
+    Hook(
+        "baseline",
+        ("advantage",),
+        "attribute",
+        "build",
+        'at build, by rollout `alphagrpo_reflect`\'s `check` (with `train_first`): anything but `"group"` is refused',
+        "str",
+        'A field: which baseline the estimator subtracts (`"group"`: the group\'s own).',
+    ),
+    Hook(
+        "prompt",
+        ("view",),
+        "method",
+        "build",
+        "at build (a view in `eval.views` without it is refused), then for each held-out prompt scored under the view",
+        "prompt(meta: dict, key: int) -> str | list",
+        "The edited prompt of one dataset row (`key` its index), for views that edit only the prompt.",
+    ),
+    Hook(
+        "artifact",
+        ("phase",),
+        "attribute",
+        "build",
+        "at build: the phase's name and its artifact's; empty or absent: the registry name",
+        "str",
+        "A field of the offline phases.",
+    ),
     # -- step
-    Hook("prepare", STEP, "method", "step",
-         "each step on the whole batch, after advantages and token weights, before the update",
-         "prepare(batch: Rollout, info: StepInfo) -> None",
-         "Whole-batch statistics a term needs in every micro-batch (so the loss does not depend on the split), stored "
-         "on the component or as extras of the batch."),
-    Hook("step_stats", STEP, "method", "step",
-         "each step, right after `prepare`: merged into the step's metrics row",
-         "step_stats() -> dict[str, float]", "What the component measured this step, under its own keys (`edas/...`)."),
-    Hook("observe", STEP, "method", "step",
-         "once per step after the update, in the order the components are configured, then the shared `PromptStats`",
-         "observe(rollout: Rollout, info: StepInfo) -> None",
-         "Sees the step's whole batch with rewards, advantages and weights filled (curricula, trackers)."),
-    Hook("max_rounds", ("sampling",), "attribute", "step",
-         "each step (`RolloutContext`): how many draw / generate / score rounds may fill the batch (absent: 1)",
-         "int", "Dynamic sampling's refill budget."),
-    Hook("on_step", ("rollout",), "method", "step",
-         "by the env strategies (`rollout.env.play`) after every turn, for each group that played its k-th action",
-         "on_step(group: list[Episode], k: int) -> \"continue\" | \"cut\"",
-         "A group hook: `\"cut\"` stops the group's live episodes (selective rollout's gate); `None`: no hook."),
-    Hook("weight", ("reward",), "attribute", "step",
-         "each scoring: the reward's weight in the total, applied once in `rewards.score.combine` (absent: 1.0)",
-         "float"),
-    Hook("label", ("reward",), "attribute", "step",
-         "each scoring: how errors, counts and `reward/<label>` name the reward (absent: its registry name)",
-         "str", "The python reward's `module:function`."),
-    Hook("is_async", ("reward",), "attribute", "step",
-         "each scoring: whether calling it returns a coroutine (absent: read from its `__call__`)",
-         "bool", "A reward answering for a user function it wraps."),
-    Hook("accepts_kwarg", ("reward",), "method", "step",
-         "each scoring: whether it is passed TRL's keyword `name` (`log_extra`, `log_metric`, `completion_ids`, "
-         "`trainer_state`); a built-in reward without it is passed none",
-         "accepts_kwarg(name: str) -> bool"),
-    Hook("scope", ("weight",), "attribute", "step",
-         "each step (`objective.token_weights`): `\"token\"` (absent) removes its zero-weight tokens from the loss and "
-         "every normaliser; `\"loss\"` only scales the terms",
-         "str"),
-    Hook("agg", ("objective",), "attribute", "step",
-         "at build (the aggregations are built) and in every micro-batch",
-         "str | None", "The term's aggregation (registry stage `aggregation`); None or absent: `objective.agg`."),
-    Hook("token_weights", ("objective",), "attribute", "step",
-         "at build (`objective.check_token_weights`: a `\"none\"` term with any token weight is refused) and in every "
-         "micro-batch: how the token weights reach the term (absent: `\"token\"`)",
-         "str", "`\"token\"` (each per-token value times its weight), `\"row:<reduction>\"` (the weight reduced per "
-         "row: `row:geo_mean`), `\"exempt\"` (never scaled: KL, entropy bonus), `\"none\"` (cannot take weights)."),
-    Hook("token_weights_reason", ("objective",), "attribute", "step",
-         "in the error that refuses token weights to a `token_weights = \"none\"` term (at build, or in a "
-         "micro-batch that carries them)",
-         "str", "Why the term takes no token weights (a contrast of whole sequences, ...)."),
-    Hook("token_subset", ("objective",), "method", "step",
-         "each optimiser step on the whole batch (its normaliser, all ranks) and in every micro-batch",
-         "token_subset(rollout: Rollout) -> Tensor [B,G,T] bool",
-         "The term's own tokens: it is aggregated over them alone and its normaliser counts only them "
-         "(LA-GRPO's functional-token anchor)."),
-    Hook("stats", ("objective",), "method", "step",
-         "in every micro-batch of the first call of each closure, under no grad: averaged by the objective over "
-         "the loss mask",
-         "stats(mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor [b,G,T] or [b,G]]",
-         "Values for logging (clip fractions)."),
-    Hook("action_value", ("env",), "method", "step",
-         "by reward `env_return` scoring a lone completion",
-         "action_value(row: dict, action: str) -> float",
-         "The best return reachable after one action from the row's first state."),
-    Hook("outcome", ("env",), "method", "step",
-         "by the env strategies after each episode: stored in the row's `info[b][g][\"env\"]`; `episodes` logs each "
-         "numeric key's mean over the episodes where it is finite as `env/<key>`",
-         "outcome() -> dict", "What the finished episode came to (a termination cause, per-step scores)."),
-    Hook("skipped", ("update",), "attribute", "step",
-         "at the end of the run: `skipped_updates` in the summary (absent: 0)",
-         "int", "Optimiser steps the updater rolled back (a non-finite result)."),
+    Hook(
+        "prepare",
+        STEP,
+        "method",
+        "step",
+        "each step on the whole batch, after advantages and token weights, before the update",
+        "prepare(batch: Rollout, info: StepInfo) -> None",
+        "Whole-batch statistics a term needs in every micro-batch (so the loss does not depend on the split), stored "
+        "on the component or as extras of the batch.",
+    ),
+    Hook(
+        "step_stats",
+        STEP,
+        "method",
+        "step",
+        "each step, right after `prepare`: merged into the step's metrics row",
+        "step_stats() -> dict[str, float]",
+        "What the component measured this step, under its own keys (`edas/...`).",
+    ),
+    Hook(
+        "observe",
+        STEP,
+        "method",
+        "step",
+        "once per step after the update, in the order the components are configured, then the shared `PromptStats`",
+        "observe(rollout: Rollout, info: StepInfo) -> None",
+        "Sees the step's whole batch with rewards, advantages and weights filled (curricula, trackers).",
+    ),
+    Hook(
+        "max_rounds",
+        ("sampling",),
+        "attribute",
+        "step",
+        "each step (`RolloutContext`): how many draw / generate / score rounds may fill the batch (absent: 1)",
+        "int",
+        "Dynamic sampling's refill budget.",
+    ),
+    Hook(
+        "on_step",
+        ("rollout",),
+        "method",
+        "step",
+        "by the env strategies (`rollout.env.play`) after every turn, for each group that played its k-th action",
+        'on_step(group: list[Episode], k: int) -> "continue" | "cut"',
+        "A group hook: `\"cut\"` stops the group's live episodes (selective rollout's gate); `None`: no hook.",
+    ),
+    Hook(
+        "weight",
+        ("reward",),
+        "attribute",
+        "step",
+        "each scoring: the reward's weight in the total, applied once in `rewards.score.combine` (absent: 1.0)",
+        "float",
+    ),
+    Hook(
+        "label",
+        ("reward",),
+        "attribute",
+        "step",
+        "each scoring: how errors, counts and `reward/<label>` name the reward (absent: its registry name)",
+        "str",
+        "The python reward's `module:function`.",
+    ),
+    Hook(
+        "is_async",
+        ("reward",),
+        "attribute",
+        "step",
+        "each scoring: whether calling it returns a coroutine (absent: read from its `__call__`)",
+        "bool",
+        "A reward answering for a user function it wraps.",
+    ),
+    Hook(
+        "accepts_kwarg",
+        ("reward",),
+        "method",
+        "step",
+        "each scoring: whether it is passed TRL's keyword `name` (`log_extra`, `log_metric`, `completion_ids`, "
+        "`trainer_state`); a built-in reward without it is passed none",
+        "accepts_kwarg(name: str) -> bool",
+    ),
+    Hook(
+        "scope",
+        ("weight",),
+        "attribute",
+        "step",
+        'each step (`objective.token_weights`): `"token"` (absent) removes its zero-weight tokens from the loss and '
+        'every normaliser; `"loss"` only scales the terms',
+        "str",
+    ),
+    Hook(
+        "agg",
+        ("objective",),
+        "attribute",
+        "step",
+        "at build (the aggregations are built) and in every micro-batch",
+        "str | None",
+        "The term's aggregation (registry stage `aggregation`); None or absent: `objective.agg`.",
+    ),
+    Hook(
+        "token_weights",
+        ("objective",),
+        "attribute",
+        "step",
+        'at build (`objective.check_token_weights`: a `"none"` term with any token weight is refused) and in every '
+        'micro-batch: how the token weights reach the term (absent: `"token"`)',
+        "str",
+        '`"token"` (each per-token value times its weight), `"row:<reduction>"` (the weight reduced per '
+        'row: `row:geo_mean`), `"exempt"` (never scaled: KL, entropy bonus), `"none"` (cannot take weights).',
+    ),
+    Hook(
+        "token_weights_reason",
+        ("objective",),
+        "attribute",
+        "step",
+        'in the error that refuses token weights to a `token_weights = "none"` term (at build, or in a '
+        "micro-batch that carries them)",
+        "str",
+        "Why the term takes no token weights (a contrast of whole sequences, ...).",
+    ),
+    Hook(
+        "token_subset",
+        ("objective",),
+        "method",
+        "step",
+        "each optimiser step on the whole batch (its normaliser, all ranks) and in every micro-batch",
+        "token_subset(rollout: Rollout) -> Tensor [B,G,T] bool",
+        "The term's own tokens: it is aggregated over them alone and its normaliser counts only them "
+        "(LA-GRPO's functional-token anchor).",
+    ),
+    Hook(
+        "stats",
+        ("objective",),
+        "method",
+        "step",
+        "in every micro-batch of the first call of each closure, under no grad: averaged by the objective over "
+        "the loss mask",
+        "stats(mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor [b,G,T] or [b,G]]",
+        "Values for logging (clip fractions).",
+    ),
+    Hook(
+        "action_value",
+        ("env",),
+        "method",
+        "step",
+        "by reward `env_return` scoring a lone completion",
+        "action_value(row: dict, action: str) -> float",
+        "The best return reachable after one action from the row's first state.",
+    ),
+    Hook(
+        "outcome",
+        ("env",),
+        "method",
+        "step",
+        'by the env strategies after each episode: stored in the row\'s `info[b][g]["env"]`; `episodes` logs each '
+        "numeric key's mean over the episodes where it is finite as `env/<key>`",
+        "outcome() -> dict",
+        "What the finished episode came to (a termination cause, per-step scores).",
+    ),
+    Hook(
+        "skipped",
+        ("update",),
+        "attribute",
+        "step",
+        "at the end of the run: `skipped_updates` in the summary (absent: 0)",
+        "int",
+        "Optimiser steps the updater rolled back (a non-finite result).",
+    ),
     # -- checkpoint
-    Hook("state_dict", OWNERS, "method", "checkpoint",
-         "at every checkpoint (components by `stage.name`, schedules, roles' components)",
-         "state_dict() -> dict",
-         "The state of a stateful component (curricula, controllers, trackers), so a resumed run is the "
-         "uninterrupted one. Required of samplers and updaters."),
-    Hook("load_state_dict", OWNERS, "method", "checkpoint",
-         "on resume, with what `state_dict` returned", "load_state_dict(state: dict) -> None"),
+    Hook(
+        "state_dict",
+        OWNERS,
+        "method",
+        "checkpoint",
+        "at every checkpoint (components by `stage.name`, schedules, roles' components)",
+        "state_dict() -> dict",
+        "The state of a stateful component (curricula, controllers, trackers), so a resumed run is the "
+        "uninterrupted one. Required of samplers and updaters.",
+    ),
+    Hook(
+        "load_state_dict",
+        OWNERS,
+        "method",
+        "checkpoint",
+        "on resume, with what `state_dict` returned",
+        "load_state_dict(state: dict) -> None",
+    ),
     # -- lifecycle
-    Hook("close", ("reward",), "method", "lifecycle",
-         "by the code that built the component (a script, a test); a run leaves it to the end of the process",
-         "close() -> None", "Releases what it holds outside Python (the math reward's worker processes)."),
+    Hook(
+        "close",
+        ("reward",),
+        "method",
+        "lifecycle",
+        "by the code that built the component (a script, a test); a run leaves it to the end of the process",
+        "close() -> None",
+        "Releases what it holds outside Python (the math reward's worker processes).",
+    ),
     # -- declarations for the contract tests
-    Hook("on_policy_reinforce", ("objective",), "attribute", "declaration",
-         "by the contract tests (on-policy, a ratio term's gradient equals REINFORCE's unless False) and "
-         "`lope`'s wrapper of another term",
-         "bool", "False for a ratio term whose on-policy gradient legitimately differs from REINFORCE."),
-    Hook("binary_rewards", ("objective",), "attribute", "declaration",
-         "by the contract tests: such a term is given 0/1 rewards", "bool", "It reads right / wrong verdicts."),
-    Hook("couples", ("objective",), "attribute", "declaration",
-         "by no code: micro-batches are sets of whole groups, so every term may couple a group's rows",
-         "str", "`\"group\"`: the term couples the rows of a group."),
-    Hook("shaper", ("advantage",), "attribute", "declaration",
-         "by the test fixtures: a shaper runs after an estimator (`advantage.shapers`), never alone",
-         "bool", "It reshapes `rollout.advantages`."),
-    Hook("reads_completions", ("advantage",), "attribute", "declaration",
-         "by the test fixtures (`tests/helpers.py`): they decode texts for it", "bool"),
-    Hook("row_info", ("advantage",), "attribute", "declaration",
-         "by the test fixtures (`tests/helpers.py`): they fill a value per row for each column", "tuple[str, ...]",
-         "The reward `log_extra` columns it reads from `rollout.info` (EDAS's answers)."),
+    Hook(
+        "on_policy_reinforce",
+        ("objective",),
+        "attribute",
+        "declaration",
+        "by the contract tests (on-policy, a ratio term's gradient equals REINFORCE's unless False) and "
+        "`lope`'s wrapper of another term",
+        "bool",
+        "False for a ratio term whose on-policy gradient legitimately differs from REINFORCE.",
+    ),
+    Hook(
+        "binary_rewards",
+        ("objective",),
+        "attribute",
+        "declaration",
+        "by the contract tests: such a term is given 0/1 rewards",
+        "bool",
+        "It reads right / wrong verdicts.",
+    ),
+    Hook(
+        "couples",
+        ("objective",),
+        "attribute",
+        "declaration",
+        "by no code: micro-batches are sets of whole groups, so every term may couple a group's rows",
+        "str",
+        '`"group"`: the term couples the rows of a group.',
+    ),
+    Hook(
+        "shaper",
+        ("advantage",),
+        "attribute",
+        "declaration",
+        "by the test fixtures: a shaper runs after an estimator (`advantage.shapers`), never alone",
+        "bool",
+        "It reshapes `rollout.advantages`.",
+    ),
+    Hook(
+        "reads_completions",
+        ("advantage",),
+        "attribute",
+        "declaration",
+        "by the test fixtures (`tests/helpers.py`): they decode texts for it",
+        "bool",
+    ),
+    Hook(
+        "row_info",
+        ("advantage",),
+        "attribute",
+        "declaration",
+        "by the test fixtures (`tests/helpers.py`): they fill a value per row for each column",
+        "tuple[str, ...]",
+        "The reward `log_extra` columns it reads from `rollout.info` (EDAS's answers).",
+    ),
     # -- set by the registry
-    Hook("registry_name", STAGES, "attribute", "registry",
-         "set by `@register`; read in messages, logs and checkpoint keys", "str"),
-    Hook("stage", STAGES, "attribute", "registry",
-         "set by `@register`; read in messages and checkpoint keys", "str"),
-    Hook("schedules", STAGES, "attribute", "registry",
-         "set by `registry.build` when a parameter is scheduled; each step `schedules.resolve` sets the parameter",
-         "dict[str, Schedule]", "`{parameter: schedule}`; the component only ever sees a number."),
+    Hook(
+        "registry_name",
+        STAGES,
+        "attribute",
+        "registry",
+        "set by `@register`; read in messages, logs and checkpoint keys",
+        "str",
+    ),
+    Hook("stage", STAGES, "attribute", "registry", "set by `@register`; read in messages and checkpoint keys", "str"),
+    Hook(
+        "schedules",
+        STAGES,
+        "attribute",
+        "registry",
+        "set by `registry.build` when a parameter is scheduled; each step `schedules.resolve` sets the parameter",
+        "dict[str, Schedule]",
+        "`{parameter: schedule}`; the component only ever sees a number.",
+    ),
     # -- helpers of library base classes
-    Hook("artifact_value", OWNERS, "method", "base",
-         "by the component (`components.ReadsArtifact`)", "artifact_value() -> Any",
-         "The artifact its `artifact` field names; an error naming the phase to add when it never came."),
-    Hook("phase_hint", OWNERS, "attribute", "base",
-         "by `ReadsArtifact.artifact_value`'s error", "str", "The phase to add, in words."),
-    Hook("role", ("reward",), "attribute", "base",
-         "by the component (`rewards._judge.FrozenJudge`)", "str | None", "The frozen role its `judge` field names."),
-    Hook("judge_model", ("reward",), "method", "base",
-         "by the component (`FrozenJudge`)",
-         "judge_model() -> Policy",
-         "The frozen role's policy given by `use_models`."),
-    Hook("check_judge", ("reward",), "method", "base",
-         "by the component at build (`FrozenJudge`)", "check_judge(programmatic: str) -> None",
-         "Validates the judge fields (`judge`, `template`, `match`, `top_logprobs`)."),
-    Hook("make_optimizer", ("update",), "method", "base",
-         "by `updates._base.TorchUpdater.bind`", "make_optimizer(params: list) -> torch.optim.Optimizer"),
-    Hook("torch_optim", ("update",), "method", "base",
-         "by `TorchUpdater.step` (the rollback) and its subclasses", "torch_optim() -> torch.optim.Optimizer"),
-    Hook("fit", ("phase",), "method", "base",
-         "by the `sft` phase itself and by `groupwise warmstart` (`models/warmstart.py`)",
-         "fit(policy, rows, val, seed, prompt, accuracy, ...) -> dict", "The supervised loop of the sft phase."),
+    Hook(
+        "artifact_value",
+        OWNERS,
+        "method",
+        "base",
+        "by the component (`components.ReadsArtifact`)",
+        "artifact_value() -> Any",
+        "The artifact its `artifact` field names; an error naming the phase to add when it never came.",
+    ),
+    Hook(
+        "phase_hint",
+        OWNERS,
+        "attribute",
+        "base",
+        "by `ReadsArtifact.artifact_value`'s error",
+        "str",
+        "The phase to add, in words.",
+    ),
+    Hook(
+        "role",
+        ("reward",),
+        "attribute",
+        "base",
+        "by the component (`rewards._judge.FrozenJudge`)",
+        "str | None",
+        "The frozen role its `judge` field names.",
+    ),
+    Hook(
+        "judge_model",
+        ("reward",),
+        "method",
+        "base",
+        "by the component (`FrozenJudge`)",
+        "judge_model() -> Policy",
+        "The frozen role's policy given by `use_models`.",
+    ),
+    Hook(
+        "check_judge",
+        ("reward",),
+        "method",
+        "base",
+        "by the component at build (`FrozenJudge`)",
+        "check_judge(programmatic: str) -> None",
+        "Validates the judge fields (`judge`, `template`, `match`, `top_logprobs`).",
+    ),
+    Hook(
+        "make_optimizer",
+        ("update",),
+        "method",
+        "base",
+        "by `updates._base.TorchUpdater.bind`",
+        "make_optimizer(params: list) -> torch.optim.Optimizer",
+    ),
+    Hook(
+        "torch_optim",
+        ("update",),
+        "method",
+        "base",
+        "by `TorchUpdater.step` (the rollback) and its subclasses",
+        "torch_optim() -> torch.optim.Optimizer",
+    ),
+    Hook(
+        "fit",
+        ("phase",),
+        "method",
+        "base",
+        "by the `sft` phase itself and by `groupwise warmstart` (`models/warmstart.py`)",
+        "fit(policy, rows, val, seed, prompt, accuracy, ...) -> dict",
+        "The supervised loop of the sft phase.",
+    ),
 )
 
 HOOKS_BY_NAME: dict[str, Hook] = {hook.name: hook for hook in HOOKS}
@@ -525,11 +843,14 @@ def check_component(stage: str, cls: type) -> list[str]:
         if hook is None:
             other = HOOKS_BY_NAME.get(member)
             why = f"a hook of stages {', '.join(other.stages)} only" if other else "not a declared hook"
-            problems.append(f"{name} defines {member!r}, {why}: prefix a helper with '_', "
-                            f"or declare the hook in components.HOOKS")
+            problems.append(
+                f"{name} defines {member!r}, {why}: prefix a helper with '_', or declare the hook in components.HOOKS"
+            )
         elif hook.kind == "attribute" and inspect.isfunction(value):
-            problems.append(f"{name} defines {member!r} as a method; the hook is an attribute "
-                            f"(a field, class attribute or property)")
+            problems.append(
+                f"{name} defines {member!r} as a method; the hook is an attribute "
+                f"(a field, class attribute or property)"
+            )
         elif hook.kind == "method" and not (value is None or callable(value) or isinstance(value, classmethod)):
             problems.append(f"{name} defines {member!r} as a {type(value).__name__}; the hook is a method")
     return problems
@@ -554,7 +875,9 @@ class ReadsArtifact:
     def artifact_value(self) -> Any:
         value = getattr(self, "_artifact_value", None)
         if value is None:
-            raise ConfigError(f"{getattr(self, 'registry_name', type(self).__name__)}: the artifact {self.artifact!r} was not given (add {self.phase_hint})")
+            raise ConfigError(
+                f"{getattr(self, 'registry_name', type(self).__name__)}: the artifact {self.artifact!r} was not given (add {self.phase_hint})"
+            )
         return value
 
 
@@ -565,8 +888,12 @@ def bind_vocabulary(components: list[Any], policy: Any) -> None:
     if not readers:
         return
     if not hasattr(policy, "token_texts"):
-        names = ", ".join(f"{getattr(c, 'stage', '')} {getattr(c, 'registry_name', type(c).__name__)!r}" for c in readers)
-        raise ConfigError(f"{names} read token texts, which a {policy.modality} policy does not have; use a text policy (model.policy)")
+        names = ", ".join(
+            f"{getattr(c, 'stage', '')} {getattr(c, 'registry_name', type(c).__name__)!r}" for c in readers
+        )
+        raise ConfigError(
+            f"{names} read token texts, which a {policy.modality} policy does not have; use a text policy (model.policy)"
+        )
     texts = policy.token_texts()
     for component in readers:
         component.use_vocabulary(texts)
@@ -584,8 +911,10 @@ def bind_parameter_names(updater: Any, policy: Any) -> None:
     if not hasattr(updater, "use_parameter_names"):
         return
     if not hasattr(policy, "parameter_names"):
-        raise ConfigError(f"update {getattr(updater, 'registry_name', type(updater).__name__)!r} reads parameter names, which a "
-                          f"{policy.modality} policy does not give; use a text policy (model.policy)")
+        raise ConfigError(
+            f"update {getattr(updater, 'registry_name', type(updater).__name__)!r} reads parameter names, which a "
+            f"{policy.modality} policy does not give; use a text policy (model.policy)"
+        )
     updater.use_parameter_names(policy.parameter_names())
 
 
@@ -641,22 +970,40 @@ def hooks_markdown() -> str:
         names = " or ".join(f"`{p.__name__}`" for p in protocols)
         members = " — or — ".join(", ".join(_member_text(p, m) for m in protocol_members(p)) for p in protocols)
         lines.append(f"| `{stage}` | {names} | {members} |")
-    lines += ["", f"Step components: {', '.join(f'`{s}`' for s in STEP)}",
-              "(the trainer's own, read every step); their schedules and a role's components get the same calls.", "",
-              "## The hook table", ""]
+    lines += [
+        "",
+        f"Step components: {', '.join(f'`{s}`' for s in STEP)}",
+        "(the trainer's own, read every step); their schedules and a role's components get the same calls.",
+        "",
+        "## The hook table",
+        "",
+    ]
     for group, title in GROUPS.items():
         rows = [hook for hook in HOOKS if hook.group == group]
-        lines += [f"### {title[0].upper()}{title[1:]}", "", "| hook | kind | stages | when | returns | meaning |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| `{h.name}` | {h.kind} | {_stages_text(h.stages)} | {_cell(h.when)} | `{_cell(h.returns)}` | "
-                  f"{_cell(h.doc)} |" for h in rows]
+        lines += [
+            f"### {title[0].upper()}{title[1:]}",
+            "",
+            "| hook | kind | stages | when | returns | meaning |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| `{h.name}` | {h.kind} | {_stages_text(h.stages)} | {_cell(h.when)} | `{_cell(h.returns)}` | "
+            f"{_cell(h.doc)} |"
+            for h in rows
+        ]
         lines.append("")
     lines += ["## Hooks by stage", "", "| stage | hooks |", "|---|---|"]
     for stage in STAGES:
         lines.append(f"| `{stage}` | {', '.join(f'`{name}`' for name in hooks_for(stage))} |")
-    lines += ["", "## A policy's optional members", "",
-              "A policy (`Policy`) is not a component; the library reads these of it only when it has them.", "",
-              "| member | meaning |", "|---|---|"]
+    lines += [
+        "",
+        "## A policy's optional members",
+        "",
+        "A policy (`Policy`) is not a component; the library reads these of it only when it has them.",
+        "",
+        "| member | meaning |",
+        "|---|---|",
+    ]
     lines += [f"| `{name}` | {_cell(text)} |" for name, text in POLICY_OPTIONAL.items()]
     return "\n".join(lines) + "\n"
 

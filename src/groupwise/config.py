@@ -26,13 +26,23 @@ RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a pa
 @dataclass
 class ModelCfg:
     path: str = "default"  # "default" = the tiny model shipped in the package; or a folder / hub id
-    dtype: str = "float32"  # float32 | bfloat16: the dtype the WEIGHTS are loaded and trained in (bfloat16 weights have no float32 master; for bfloat16 products over float32 weights use `matmul`)
-    matmul: str = "float32"  # float32 | bfloat16 | auto: the dtype of the model's matrix products over float32 master weights (generation and training); norms, attention softmax, log-probs, ratios, advantages and losses stay float32. auto: a GEMM probe at start turns bfloat16 on where it measures >= 1.3x faster (the decision and both GFLOP/s are said and kept in summary.json `matmul`)
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda when available); under torchrun each rank takes cuda:LOCAL_RANK
+    # float32 | bfloat16: the dtype the WEIGHTS are loaded and trained in (bfloat16 weights have no float32 master; for
+    # bfloat16 products over float32 weights use `matmul`)
+    dtype: str = "float32"
+    # float32 | bfloat16 | auto: the dtype of the model's matrix products over float32 master weights (generation and
+    # training); norms, attention softmax, log-probs, ratios, advantages and losses stay float32. auto: a GEMM probe at
+    # start turns bfloat16 on where it measures >= 1.3x faster (the decision and both GFLOP/s are said and kept in
+    # summary.json `matmul`)
+    matmul: str = "float32"
+    # cpu | cuda | cuda:N | auto (cuda when available); under torchrun each rank takes cuda:LOCAL_RANK
+    device: str = "cpu"
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
-    policy: str = "lm"  # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy (arguments in `params`)
+    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy (arguments in `params`)
+    policy: str = "lm"
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}
-    ref_sync_every: int = 0  # every N steps mix the policy into the reference: ref = α·policy + (1−α)·ref (TR-DPO; TRL sync_ref_model); 0 = never
+    # every N steps mix the policy into the reference: ref = α·policy + (1−α)·ref (TR-DPO; TRL sync_ref_model); 0 =
+    # never
+    ref_sync_every: int = 0
     ref_sync_alpha: float = 0.6  # α of that mix [CODE] TRL ref_model_mixup_alpha = 0.6
 
 
@@ -62,7 +72,8 @@ class RolloutCfg:
 
 @dataclass
 class RewardCfg:
-    on_error: str = "raise"  # raise: a reward function that raises stops the run; exclude: its samples are excluded and counted
+    # raise: a reward function that raises stops the run; exclude: its samples are excluded and counted
+    on_error: str = "raise"
     missing: str = "exclude"  # None/NaN verdicts: exclude the sample (counted) or count as zero (TRL's nansum)
     timeout_s: float = 300.0  # per reward-function call: a hung reward fails the step after this (0 = no limit)
     max_error_rate: float = 0.1  # with on_error=exclude: abort when more than this share of a step's samples failed
@@ -97,11 +108,19 @@ class EvalCfg:
     size: int = 200  # held-out prompts scored greedily before and after training (0 = skip)
     every: int = 0  # also evaluate every N steps (0 = only before/after)
     reward: str = ""  # reward used for accuracy (default: the task's)
-    samples: int = 0  # also sample n completions per held-out prompt (rollout temperature): mean@n and pass@k (0 = greedy only)
+    # also sample n completions per held-out prompt (rollout temperature): mean@n and pass@k (0 = greedy only)
+    samples: int = 0
     pass_at: list = field(default_factory=list)  # the k of pass@k (each 1..samples; empty = [1, samples])
-    by: str = ""  # a held-out column (e.g. fobar's direction): also the accuracy of each of its values, eval_accuracy/VALUE at eval.every and accuracy_after/VALUE in summary.json
-    views: list = field(default_factory=list)  # views the held-out prompts are also scored under (prompt views, e.g. corrupt_context): logs eval_accuracy@VIEW and eval_gap@VIEW (accuracy minus it) at eval.every, and accuracy_after@VIEW in summary.json
-    tasks: list = field(default_factory=list)  # further built-in tasks whose first eval.size held-out prompts are also scored greedily, each with its own default reward (what training did to another skill): logs eval_accuracy@task:NAME and eval_nll@task:NAME (mean token NLL of its answers) at eval.every, and accuracy_after@task:NAME, nll_after@task:NAME in summary.json
+    # a held-out column (e.g. fobar's direction): also the accuracy of each of its values, eval_accuracy/VALUE at
+    # eval.every and accuracy_after/VALUE in summary.json
+    by: str = ""
+    # views the held-out prompts are also scored under (prompt views, e.g. corrupt_context): logs eval_accuracy@VIEW and
+    # eval_gap@VIEW (accuracy minus it) at eval.every, and accuracy_after@VIEW in summary.json
+    views: list = field(default_factory=list)
+    # further built-in tasks whose first eval.size held-out prompts are also scored greedily, each with its own default
+    # reward (what training did to another skill): logs eval_accuracy@task:NAME and eval_nll@task:NAME (mean token NLL
+    # of its answers) at eval.every, and accuracy_after@task:NAME, nll_after@task:NAME in summary.json
+    tasks: list = field(default_factory=list)
 
 
 @dataclass
@@ -113,10 +132,14 @@ class CheckpointCfg:
 
 @dataclass
 class LogCfg:
-    samples: int = 4  # completions per logged step written to samples.jsonl (prompt, completion, reward, advantage); 0 = off
+    # completions per logged step written to samples.jsonl (prompt, completion, reward, advantage); 0 = off
+    samples: int = 4
     samples_every: int = 10  # steps between logged samples
-    table_every: int = 100  # steps between console tables of log.samples completions with their rewards and advantages (0 = off)
-    backends: list = field(default_factory=list)  # also log each step's metrics to: tensorboard, wandb, trackio (offline; pip install 'groupwise[NAME]'); metrics.jsonl is always written
+    # steps between console tables of log.samples completions with their rewards and advantages (0 = off)
+    table_every: int = 100
+    # also log each step's metrics to: tensorboard, wandb, trackio (offline; pip install 'groupwise[NAME]');
+    # metrics.jsonl is always written
+    backends: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         from groupwise.tracking import check_backends
@@ -133,8 +156,10 @@ class PerfCfg:
     share_prefix: bool = True  # a prompt's KV once per group in generation; tree attention in training where it pays
     packed: bool = True  # training forward on packed rows (no padding); false = one padded batch
     drop_finished: bool = True  # finished rows leave the decode batch
-    keep_freed_memory: bool = True  # glibc keeps freed blocks for reuse instead of page-faulting fresh ones (policy/memory.py)
-    recompute_mlp: bool = False  # functional training forward: each MLP recomputes gate|up in the backward (less memory, one more GEMM)
+    # glibc keeps freed blocks for reuse instead of page-faulting fresh ones (policy/memory.py)
+    keep_freed_memory: bool = True
+    # functional training forward: each MLP recomputes gate|up in the backward (less memory, one more GEMM)
+    recompute_mlp: bool = False
 
 
 @dataclass
@@ -147,12 +172,17 @@ class RoleCfg:
     objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)  # the role's objective, as [objective]
     update: Any = field(default_factory=lambda: {"name": "adamw"})  # the role's updater (a component of stage update)
     advantage: AdvantageCfg = field(default_factory=AdvantageCfg)  # the role's advantage estimator, as [advantage]
-    rewards: list = field(default_factory=list)  # labels of the reward functions whose weighted sum is this role's reward (empty: the policy's total)
-    frozen: bool = False  # a fixed model that is never trained: it only serves needs of model=NAME (objective, update, advantage, rewards unused)
+    # labels of the reward functions whose weighted sum is this role's reward (empty: the policy's total)
+    rewards: list = field(default_factory=list)
+    # a fixed model that is never trained: it only serves needs of model=NAME (objective, update, advantage, rewards
+    # unused)
+    frozen: bool = False
 
     def __post_init__(self) -> None:
         if self.frozen and self.rewards:
-            raise ConfigError("a frozen role is not trained: roles.NAME.rewards has no use there; remove it or set frozen = false")
+            raise ConfigError(
+                "a frozen role is not trained: roles.NAME.rewards has no use there; remove it or set frozen = false"
+            )
         if isinstance(self.update, dict) and "name" not in self.update:
             self.update = {"name": "adamw", **self.update}
 
@@ -171,15 +201,19 @@ class Config:
     reward: RewardCfg = field(default_factory=RewardCfg)  # how reward failures are handled
     advantage: AdvantageCfg = field(default_factory=AdvantageCfg)
     objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)
-    update: Any = field(default_factory=lambda: {"name": "adamw"})  # the policy's updater (a component of stage update; `update.lr=...` keeps adamw)
+    # the policy's updater (a component of stage update; `update.lr=...` keeps adamw)
+    update: Any = field(default_factory=lambda: {"name": "adamw"})
     train: TrainCfg = field(default_factory=TrainCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
     log: LogCfg = field(default_factory=LogCfg)
     perf: PerfCfg = field(default_factory=PerfCfg)
-    views: dict = field(default_factory=dict)  # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
-    roles: dict = field(default_factory=dict)  # further trainable models by name: {teacher = {model = {...}, objective = {...}, update = {...}}}
-    phases: list = field(default_factory=list)  # what runs before the RL steps, in order (components of stage phase): [{name = "sft", steps = 200}]
+    # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
+    views: dict = field(default_factory=dict)
+    # further trainable models by name: {teacher = {model = {...}, objective = {...}, update = {...}}}
+    roles: dict = field(default_factory=dict)
+    # what runs before the RL steps, in order (components of stage phase): [{name = "sft", steps = 200}]
+    phases: list = field(default_factory=list)
     plugins: list = field(default_factory=list)  # your component modules, imported before any build (docs/extending.md)
 
     def __post_init__(self) -> None:
@@ -194,7 +228,9 @@ class Config:
             self.sampling = {"name": "uniform", **self.sampling}
         for name, role in list(self.roles.items()):
             if name in ("policy", "ref"):
-                raise ConfigError(f"roles.{name}: 'policy' and 'ref' are the trained policy and its reference; name the role otherwise")
+                raise ConfigError(
+                    f"roles.{name}: 'policy' and 'ref' are the trained policy and its reference; name the role otherwise"
+                )
             if isinstance(role, dict):
                 self.roles[name] = _from_dict(RoleCfg, role, f"roles.{name}.")
 
@@ -229,7 +265,10 @@ def _from_dict(cls: type, data: dict, where: str) -> Any:
 
 _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
     "RolloutCfg": {
-        "group_size": (lambda v: v >= 1, "an integer >= 1 (G completions per prompt; >= 2 for a group-relative advantage)"),
+        "group_size": (
+            lambda v: v >= 1,
+            "an integer >= 1 (G completions per prompt; >= 2 for a group-relative advantage)",
+        ),
         "prompts_per_step": (lambda v: v >= 1, "an integer >= 1"),
         "max_new_tokens": (lambda v: v >= 1, "an integer >= 1"),
         "temperature": (lambda v: v > 0, "a number > 0 (greedy decoding is eval's, not the rollout's)"),
@@ -243,15 +282,30 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "micro_batch_groups": (lambda v: v >= 0, "an integer >= 0 (0 = the whole mini-batch)"),
         "max_seconds": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
     },
-    "ModelCfg": {"ref_sync_every": (lambda v: v >= 0, "an integer >= 0 (0 = never)"), "ref_sync_alpha": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-                 "matmul": (lambda v: v in ("float32", "bfloat16", "auto"), "one of float32, bfloat16, auto")},
-    "LogCfg": {"samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"), "samples_every": (lambda v: v >= 1, "an integer >= 1"),
-               "table_every": (lambda v: v >= 0, "an integer >= 0 (0 = off)")},
-    "RewardCfg": {"timeout_s": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"), "max_empty_steps": (lambda v: v >= 1, "an integer >= 1")},
-    "EvalCfg": {"size": (lambda v: v >= 0, "an integer >= 0"), "every": (lambda v: v >= 0, "an integer >= 0"),
-                "samples": (lambda v: v >= 0, "an integer >= 0 (0 = greedy accuracy only)")},
-    "CheckpointCfg": {"every": (lambda v: v >= 0, "an integer >= 0"), "minutes": (lambda v: v >= 0, "a number >= 0 (0 = off)"),
-                      "keep_last": (lambda v: v >= 1, "an integer >= 1")},
+    "ModelCfg": {
+        "ref_sync_every": (lambda v: v >= 0, "an integer >= 0 (0 = never)"),
+        "ref_sync_alpha": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "matmul": (lambda v: v in ("float32", "bfloat16", "auto"), "one of float32, bfloat16, auto"),
+    },
+    "LogCfg": {
+        "samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+        "samples_every": (lambda v: v >= 1, "an integer >= 1"),
+        "table_every": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    },
+    "RewardCfg": {
+        "timeout_s": (lambda v: v >= 0, "a number >= 0 (0 = no limit)"),
+        "max_empty_steps": (lambda v: v >= 1, "an integer >= 1"),
+    },
+    "EvalCfg": {
+        "size": (lambda v: v >= 0, "an integer >= 0"),
+        "every": (lambda v: v >= 0, "an integer >= 0"),
+        "samples": (lambda v: v >= 0, "an integer >= 0 (0 = greedy accuracy only)"),
+    },
+    "CheckpointCfg": {
+        "every": (lambda v: v >= 0, "an integer >= 0"),
+        "minutes": (lambda v: v >= 0, "a number >= 0 (0 = off)"),
+        "keep_last": (lambda v: v >= 1, "an integer >= 1"),
+    },
 }
 
 
@@ -304,7 +358,9 @@ def _list_entry(entries: list, part: str, where: str) -> dict:
     else:
         matches = [i for i, entry in enumerate(entries) if _entry_key(entry) == part]
         if len(matches) > 1:
-            raise ConfigError(f"override {where}.{part}: entries {matches} are all named {part!r}; give them distinct `key`s or use a position")
+            raise ConfigError(
+                f"override {where}.{part}: entries {matches} are all named {part!r}; give them distinct `key`s or use a position"
+            )
         if not matches:
             entries.append({"name": part})
             matches = [len(entries) - 1]
@@ -409,7 +465,9 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> tuple[C
     data: dict = {}
     path = resolve_recipe(recipe)
     if path is not None:
-        if not path.resolve().is_relative_to(RECIPES.parent):  # a user's recipe: its folder holds its plug-ins (groupwise.plugins)
+        if not path.resolve().is_relative_to(
+            RECIPES.parent
+        ):  # a user's recipe: its folder holds its plug-ins (groupwise.plugins)
             from groupwise.plugins import add_recipe_dir
 
             add_recipe_dir(path.resolve().parent)
@@ -438,8 +496,10 @@ def with_defaults(stored: dict) -> dict:
     filled = fill(stored, as_stored)
     role_defaults = tomllib.loads(to_toml({"role": dataclasses.asdict(RoleCfg())}))["role"]
     if isinstance(filled.get("roles"), dict):
-        filled["roles"] = {name: fill(role, role_defaults) if isinstance(role, dict) else role
-                           for name, role in filled["roles"].items()}
+        filled["roles"] = {
+            name: fill(role, role_defaults) if isinstance(role, dict) else role
+            for name, role in filled["roles"].items()
+        }
     return filled
 
 
@@ -474,7 +534,13 @@ def toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):  # a TOML basic string: backslash, quote and control characters escaped
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+        escaped = (
+            value.replace("\\", "\\\\")
+            .replace('"', '\\"')
+            .replace("\n", "\\n")
+            .replace("\t", "\\t")
+            .replace("\r", "\\r")
+        )
         return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c for c in escaped) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
@@ -491,11 +557,20 @@ def reference_markdown() -> str:
     import inspect
 
     def comments(cls: type) -> dict[str, str]:
-        out = {}
+        # a field's meaning is the comment on its line, or else the comment lines right above it
+        out, above = {}, []
         for line in inspect.getsource(cls).splitlines():
-            name, _, rest = line.strip().partition(":")
-            if "#" in rest and name.isidentifier():
-                out[name] = rest.split("#", 1)[1].strip()
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                above.append(stripped.lstrip("# ").rstrip())
+                continue
+            name, _, rest = stripped.partition(":")
+            if name.isidentifier() and rest:
+                if "#" in rest:
+                    out[name] = rest.split("#", 1)[1].strip()
+                elif above:
+                    out[name] = " ".join(above)
+            above = []
         return out
 
     def default(f: dataclasses.Field) -> str:
@@ -504,13 +579,20 @@ def reference_markdown() -> str:
         value = f.default_factory()  # type: ignore[misc]
         return "(section)" if dataclasses.is_dataclass(value) else repr(value)
 
-    lines = ["# Configuration reference", "", "Generated from `src/groupwise/config.py` (`groupwise config` prints it; `tests/test_config.py`",
-             "checks this page is current). Every key can be set in a recipe's TOML or as `key=value` on the command",
-             "line (`rollout.group_size=4`, `objective.terms.ppo_clip.eps_high=0.28`); component parameters are",
-             "documented by `groupwise explain NAME`.", ""]
-    sections = [("(top level)", Config)] + [(f.name, globals()[f.type] if isinstance(f.type, str) else f.type)
-                                            for f in dataclasses.fields(Config) if isinstance(f.type, str) and f.type in globals()
-                                            and dataclasses.is_dataclass(globals()[f.type])]
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `src/groupwise/config.py` (`groupwise config` prints it; `tests/test_config.py`",
+        "checks this page is current). Every key can be set in a recipe's TOML or as `key=value` on the command",
+        "line (`rollout.group_size=4`, `objective.terms.ppo_clip.eps_high=0.28`); component parameters are",
+        "documented by `groupwise explain NAME`.",
+        "",
+    ]
+    sections = [("(top level)", Config)] + [
+        (f.name, globals()[f.type] if isinstance(f.type, str) else f.type)
+        for f in dataclasses.fields(Config)
+        if isinstance(f.type, str) and f.type in globals() and dataclasses.is_dataclass(globals()[f.type])
+    ]
     sections.append(("roles.NAME", RoleCfg))
     for title, cls in sections:
         notes = comments(cls)
@@ -520,7 +602,12 @@ def reference_markdown() -> str:
             lines += [" ".join(doc.split()), ""]
         lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
-            if title == "(top level)" and isinstance(f.type, str) and f.type in globals() and dataclasses.is_dataclass(globals()[f.type]):
+            if (
+                title == "(top level)"
+                and isinstance(f.type, str)
+                and f.type in globals()
+                and dataclasses.is_dataclass(globals()[f.type])
+            ):
                 continue  # a section of its own below
             meaning = notes.get(f.name, "").replace("|", "\\|")
             lines.append(f"| `{f.name}` | `{f.type}` | `{default(f)}` | {meaning} |")

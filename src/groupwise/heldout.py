@@ -34,8 +34,14 @@ class HeldOut:
         self.prompts, self.sampling_params = parts.prompts, parts.sampling_params
 
     @torch.no_grad()
-    def evaluate(self, policy: Any = None, rows: list[dict] | None = None, split: str = "eval", view: str | None = None,
-                 stage: RewardStage | None = None) -> float:
+    def evaluate(
+        self,
+        policy: Any = None,
+        rows: list[dict] | None = None,
+        split: str = "eval",
+        view: str | None = None,
+        stage: RewardStage | None = None,
+    ) -> float:
         """Held-out greedy accuracy (share of prompts whose eval reward is ≥ 1) of ``policy`` (default: the
         trained policy) on ``rows`` (default: the first ``eval.size`` held-out rows; ``split`` names them),
         with each prompt edited by ``view`` (one of ``eval.views``) when given; the reward still
@@ -66,8 +72,10 @@ class HeldOut:
         total, count = 0.0, 0
         for start in range(0, len(rows), 256):
             chunk = range(start, min(start + 256, len(rows)))
-            batch = teacher_forced([self.prompts(split, rows, i) for i in chunk],
-                                   [policy.encode_completion(str(rows[i]["answer"])) for i in chunk])
+            batch = teacher_forced(
+                [self.prompts(split, rows, i) for i in chunk],
+                [policy.encode_completion(str(rows[i]["answer"])) for i in chunk],
+            )
             logp = policy.forward(batch, ("logp",))["logp"]  # [n,1,T]
             total += float(-(logp * batch.mask).sum())
             count += int(batch.mask.sum())

@@ -35,8 +35,9 @@ values differ from row to row), so it does not share the prompt's KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -66,12 +67,16 @@ class EmbedDelta:
     kind: ClassVar[str] = "embed_delta"
     positions: Tensor  # [P] int64, indices into the request's prompt ids
     delta: Tensor  # [n,P,D] float32, one perturbation per row of the request
-    rho: float | None = None  # the noise-aware schedule γ(σ) of an engine that samples over noise levels (flow); None: on at every step
+    rho: float | None = (
+        None  # the noise-aware schedule γ(σ) of an engine that samples over noise levels (flow); None: on at every step
+    )
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 1 or self.delta.dim() != 3 or self.delta.shape[1] != self.positions.shape[0]:
-            raise ValueError(f"EmbedDelta: positions [P] and delta [n,P,D] do not agree (positions {tuple(self.positions.shape)}, "
-                             f"delta {tuple(self.delta.shape)})")
+            raise ValueError(
+                f"EmbedDelta: positions [P] and delta [n,P,D] do not agree (positions {tuple(self.positions.shape)}, "
+                f"delta {tuple(self.delta.shape)})"
+            )
         if self.rho is not None and not 0 < self.rho <= 1:
             raise ValueError(f"EmbedDelta: rho={self.rho} must be in (0, 1] (or None: no schedule)")
 
@@ -87,8 +92,10 @@ class ResidualAdd:
 
     def __post_init__(self) -> None:
         if self.layer < 0 or self.vector.dim() != 1 or self.alpha.dim() != 1:
-            raise ValueError(f"ResidualAdd: need layer >= 0, vector [D] and alpha [n]; got layer={self.layer}, vector "
-                             f"{tuple(self.vector.shape)}, alpha {tuple(self.alpha.shape)}")
+            raise ValueError(
+                f"ResidualAdd: need layer >= 0, vector [D] and alpha [n]; got layer={self.layer}, vector "
+                f"{tuple(self.vector.shape)}, alpha {tuple(self.alpha.shape)}"
+            )
 
 
 def hook_kinds(hooks: Sequence[Any]) -> set[str]:
@@ -102,15 +109,21 @@ def check_hooks(strategy: Any, policy: Any) -> None:
     unknown = used - set(KINDS)
     name = getattr(strategy, "registry_name", type(strategy).__name__)
     if unknown:
-        raise ConfigError(f"rollout strategy {name!r} declares unknown hook kinds {sorted(unknown)}; known: {list(KINDS)}")
+        raise ConfigError(
+            f"rollout strategy {name!r} declares unknown hook kinds {sorted(unknown)}; known: {list(KINDS)}"
+        )
     offered = set(getattr(policy, "hooks", ()))
     missing = used - offered
     if missing:
-        raise ConfigError(f"rollout strategy {name!r} samples under generation hooks {sorted(missing)} that the {policy.modality} policy's "
-                          f"engine cannot apply (it applies {sorted(offered) or 'none'}); use a text policy (model.policy) or another rollout strategy")
+        raise ConfigError(
+            f"rollout strategy {name!r} samples under generation hooks {sorted(missing)} that the {policy.modality} policy's "
+            f"engine cannot apply (it applies {sorted(offered) or 'none'}); use a text policy (model.policy) or another rollout strategy"
+        )
 
 
-def row_hooks(hooks: Sequence[Any], n: int, prompt_lengths: Sequence[int], width: int, dim: int) -> tuple[Tensor | None, tuple[int, Tensor] | None]:
+def row_hooks(
+    hooks: Sequence[Any], n: int, prompt_lengths: Sequence[int], width: int, dim: int
+) -> tuple[Tensor | None, tuple[int, Tensor] | None]:
     """The per-row form the decoders apply, for a call of ``B`` prompts with ``n`` rows each
     (rows ``b*n .. b*n+n-1`` are prompt b), left-padded to ``width``:
 
@@ -125,21 +138,31 @@ def row_hooks(hooks: Sequence[Any], n: int, prompt_lengths: Sequence[int], width
             continue
         if isinstance(hook, EmbedDelta):
             if hook.rho is not None:
-                raise ValueError(f"EmbedDelta of prompt {b}: rho={hook.rho} is a noise-level schedule; the text engine has no noise levels "
-                                 f"(it applies the delta to the whole completion): leave rho unset (rollout e2po: rho = none)")
+                raise ValueError(
+                    f"EmbedDelta of prompt {b}: rho={hook.rho} is a noise-level schedule; the text engine has no noise levels "
+                    f"(it applies the delta to the whole completion): leave rho unset (rollout e2po: rho = none)"
+                )
             if hook.delta.shape[0] != n or hook.delta.shape[2] != dim:
-                raise ValueError(f"EmbedDelta of prompt {b}: delta {tuple(hook.delta.shape)} must be [n={n}, P, D={dim}]")
+                raise ValueError(
+                    f"EmbedDelta of prompt {b}: delta {tuple(hook.delta.shape)} must be [n={n}, P, D={dim}]"
+                )
             if bool((hook.positions < 0).any()) or bool((hook.positions >= prompt_lengths[b]).any()):
-                raise ValueError(f"EmbedDelta of prompt {b}: positions {hook.positions.tolist()} outside its {prompt_lengths[b]} prompt tokens")
+                raise ValueError(
+                    f"EmbedDelta of prompt {b}: positions {hook.positions.tolist()} outside its {prompt_lengths[b]} prompt tokens"
+                )
             if embed_add is None:
                 embed_add = torch.zeros(R, width, dim)  # [R,W,D]
             columns = width - prompt_lengths[b] + hook.positions  # [P]
             embed_add[b * n : (b + 1) * n, columns] = hook.delta.float()
         elif isinstance(hook, ResidualAdd):
             if hook.alpha.shape[0] != n or hook.vector.shape[0] != dim:
-                raise ValueError(f"ResidualAdd of prompt {b}: alpha {tuple(hook.alpha.shape)} must be [n={n}] and vector {tuple(hook.vector.shape)} [D={dim}]")
+                raise ValueError(
+                    f"ResidualAdd of prompt {b}: alpha {tuple(hook.alpha.shape)} must be [n={n}] and vector {tuple(hook.vector.shape)} [D={dim}]"
+                )
             if steer_layer is not None and hook.layer != steer_layer:
-                raise ValueError(f"ResidualAdd hooks of one call name layers {steer_layer} and {hook.layer}; generate them in separate calls")
+                raise ValueError(
+                    f"ResidualAdd hooks of one call name layers {steer_layer} and {hook.layer}; generate them in separate calls"
+                )
             if steer is None:
                 steer_layer, steer = hook.layer, torch.zeros(R, dim)  # [R,D]
             steer[b * n : (b + 1) * n] = hook.alpha.float()[:, None] * hook.vector.float()[None, :]
@@ -156,7 +179,11 @@ def residual_module(model, layer: int):
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", base)
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None:
-        raise ValueError(f"residual_add hook: no decoder layer list found on {type(base).__name__} (looked for .layers and .h)")
+        raise ValueError(
+            f"residual_add hook: no decoder layer list found on {type(base).__name__} (looked for .layers and .h)"
+        )
     if not 1 <= layer <= len(layers):
-        raise ValueError(f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(layers)} (0: the embeddings)")
+        raise ValueError(
+            f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(layers)} (0: the embeddings)"
+        )
     return layers[layer - 1]

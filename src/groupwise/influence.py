@@ -31,7 +31,7 @@ Notes
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -60,7 +60,9 @@ def influence_terms(D: Tensor, grad_f: Tensor, hess_f: Operator) -> tuple[Tensor
     return D @ grad_f.double(), D @ apply_rows(hess_f, D).T  # [n], [n,n]
 
 
-def interaction_influence(D: Tensor, grad_f: Tensor, hess_f_vp: Operator, group: list[int], include_self: bool = True, pair: bool = True) -> float:
+def interaction_influence(
+    D: Tensor, grad_f: Tensor, hess_f_vp: Operator, group: list[int], include_self: bool = True, pair: bool = True
+) -> float:
     """Predicted f(θ̂ + Δθ_S) − f(θ̂) for removing ``group`` S: Σ I (+ Σ_{i<j} J) (+ ½ Σ J_ii)."""
     I, J = influence_terms(D[list(group)], grad_f, hess_f_vp)  # [s], [s,s]
     diag = J.diagonal().sum()
@@ -68,8 +70,15 @@ def interaction_influence(D: Tensor, grad_f: Tensor, hess_f_vp: Operator, group:
     return float(total)
 
 
-def greedy_select(D: Tensor, grad_f: Tensor, hess_f_vp: Operator, k: int, include_self: bool = True, pair: bool = True,
-                  order: list[int] | None = None) -> list[int]:
+def greedy_select(
+    D: Tensor,
+    grad_f: Tensor,
+    hess_f_vp: Operator,
+    k: int,
+    include_self: bool = True,
+    pair: bool = True,
+    order: list[int] | None = None,
+) -> list[int]:
     """k examples to add that minimise the predicted target (Δθ^add = −D): the greedy second-order rule;
     ``pair = include_self = False`` is first-order top-k. ``order`` breaks ties (default: index order)."""
     D = D.double()  # [n,P]
@@ -102,13 +111,24 @@ def ridge_fit(X: Tensor, y: Tensor, lam: float, keep: Tensor | None = None) -> T
     return torch.linalg.solve(Xk.T @ Xk / n + lam * torch.eye(d, dtype=torch.float64), Xk.T @ yk / n)  # [d]
 
 
-def ridge_lgo_benchmark(n: int = 100, d: int = 5, groups: int = 300, size: int = 20, lam: float = 0.1, m: int = 50,
-                        noise: float = 0.5, seed: int = 0) -> dict[str, float]:
+def ridge_lgo_benchmark(
+    n: int = 100,
+    d: int = 5,
+    groups: int = 300,
+    size: int = 20,
+    lam: float = 0.1,
+    m: int = 50,
+    noise: float = 0.5,
+    seed: int = 0,
+) -> dict[str, float]:
     """Pearson correlation and MAE of three estimators with the exact leave-group-out change of a
     held-out squared loss, over ``groups`` random groups of ``size`` removed examples."""
     g = torch.Generator().manual_seed(seed)
     w_true = torch.randn(d, generator=g, dtype=torch.float64)  # [d]
-    X, Xv = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(m, d, generator=g, dtype=torch.float64)  # [n,d], [m,d]
+    X, Xv = (
+        torch.randn(n, d, generator=g, dtype=torch.float64),
+        torch.randn(m, d, generator=g, dtype=torch.float64),
+    )  # [n,d], [m,d]
     y = X @ w_true + noise * torch.randn(n, generator=g, dtype=torch.float64)  # [n]
     yv = Xv @ w_true + noise * torch.randn(m, generator=g, dtype=torch.float64)  # [m]
     f = lambda w: float(((Xv @ w - yv) ** 2).sum() / (2 * m))  # noqa: E731  held-out loss

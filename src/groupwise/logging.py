@@ -86,9 +86,15 @@ def sample_rows(batch: Any, step: int, n: int) -> list[dict[str, Any]]:
             adv, mask = batch.advantages[b, g], batch.mask[b, g]  # [] or [T], [T]
             advantage = float(adv) if adv.dim() == 0 else float(adv[mask].mean()) if mask.any() else None
         reward = float(batch.rewards[b, g])
-        out.append({"step": step, "prompt": batch.meta[b].get("prompt") if batch.meta else None,
-                    "completion": batch.completions[b][g] if batch.completions else None,
-                    "reward": reward if math.isfinite(reward) else None, "advantage": advantage})
+        out.append(
+            {
+                "step": step,
+                "prompt": batch.meta[b].get("prompt") if batch.meta else None,
+                "completion": batch.completions[b][g] if batch.completions else None,
+                "reward": reward if math.isfinite(reward) else None,
+                "advantage": advantage,
+            }
+        )
         info = batch.info[b][g] if batch.info else None
         if isinstance(info, dict) and info.get("extra"):
             out[-1]["extra"] = {str(k): _jsonable(v) for k, v in info["extra"].items()}
@@ -133,7 +139,9 @@ def progress_bar(console: Console | None = None) -> Progress:
         TextColumn("{task.fields[speed]:.0f} tok/s"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        console=console if console is not None else Console(stderr=True),  # stdout stays the caller's (the Python API, pipes)
+        console=console
+        if console is not None
+        else Console(stderr=True),  # stdout stays the caller's (the Python API, pipes)
         transient=False,
     )
 
@@ -151,7 +159,10 @@ def plot_rewards(rows: list[dict], evals: list[tuple[int, float]], path: Path) -
     ax.plot(steps, reward, alpha=0.35, label="reward (batch mean)")
     if len(reward) >= 5:
         k = max(2, len(reward) // 15)
-        smooth = [sum(x for x in reward[max(0, i - k + 1) : i + 1] if x is not None) / len(reward[max(0, i - k + 1) : i + 1]) for i in range(len(reward))]
+        smooth = [
+            sum(x for x in reward[max(0, i - k + 1) : i + 1] if x is not None) / len(reward[max(0, i - k + 1) : i + 1])
+            for i in range(len(reward))
+        ]
         ax.plot(steps, smooth, label=f"reward ({k}-step mean)")
     if evals:
         ax.plot([s for s, _ in evals], [a for _, a in evals], "o-", label="held-out greedy accuracy")

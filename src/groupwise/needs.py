@@ -13,7 +13,8 @@ is the sampling policy's log-prob, computed anyway.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -41,11 +42,26 @@ def store(rollout: Rollout, need: Need, value: torch.Tensor) -> None:
 class NeedResolver:
     """Every need of the run, checked at build; ``fill`` computes the missing no-grad ones."""
 
-    def __init__(self, needs: list[Need], models: dict[str, Callable[[], contextlib.AbstractContextManager]],
-                 view_params: dict[str, dict], forward: Callable[..., dict], encode: Callable[[Any], list[int]], context: int | None = None,
-                 bind_view: Callable[[Any], None] | None = None):
-        self.models, self.forward, self.encode, self.view_params, self.context = models, forward, encode, view_params, context
-        self.bind_view = bind_view  # called once on each view built (the trainer gives it token texts and the train rows)
+    def __init__(
+        self,
+        needs: list[Need],
+        models: dict[str, Callable[[], contextlib.AbstractContextManager]],
+        view_params: dict[str, dict],
+        forward: Callable[..., dict],
+        encode: Callable[[Any], list[int]],
+        context: int | None = None,
+        bind_view: Callable[[Any], None] | None = None,
+    ):
+        self.models, self.forward, self.encode, self.view_params, self.context = (
+            models,
+            forward,
+            encode,
+            view_params,
+            context,
+        )
+        self.bind_view = (
+            bind_view  # called once on each view built (the trainer gives it token texts and the train rows)
+        )
         self.providers: dict[str, Any] = {}
         self.views: dict[str, Any] = {}
         for need in needs:
@@ -62,8 +78,10 @@ class NeedResolver:
         provider = self.providers[need.name]
         provider.check(need)
         if need.grad and not (provider.grad_ok and need.model == "policy" and need.view == "default"):
-            raise ConfigError(f"{need} cannot be computed with autograd: grad needs are the policy's own "
-                              f"forward quantities ({', '.join(n for n in names('provider') if build('provider', n).grad_ok)})")
+            raise ConfigError(
+                f"{need} cannot be computed with autograd: grad needs are the policy's own "
+                f"forward quantities ({', '.join(n for n in names('provider') if build('provider', n).grad_ok)})"
+            )
         for model, view in provider.plan(need):
             if model not in self.models:
                 raise ConfigError(f"{need} names model {model!r}; models: {', '.join(sorted(self.models))}")
@@ -123,7 +141,9 @@ class NeedResolver:
                 store(rollout, need, self.providers[need.name].finish(need, results, model))
 
 
-def remap_back(out: dict[str, torch.Tensor], positions: torch.Tensor, row_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def remap_back(
+    out: dict[str, torch.Tensor], positions: torch.Tensor, row_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Token quantities [B,G,T',...] of a view's edited rows -> [B,G,T,...] on the original axis:
     token t takes the value at ``positions[b,g,t]``; 0 where it has no counterpart (−1) or is off
     ``row_mask``. ``scored`` [B,G,T] marks the tokens that got a value."""
@@ -139,37 +159,54 @@ def remap_back(out: dict[str, torch.Tensor], positions: torch.Tensor, row_mask: 
     return back
 
 
-def check_view_rollout(view_name: str, before: Rollout, after: Rollout, context: int | None = None,
-                       positions: torch.Tensor | None = None) -> None:
+def check_view_rollout(
+    view_name: str, before: Rollout, after: Rollout, context: int | None = None, positions: torch.Tensor | None = None
+) -> None:
     """A view must keep the token axis (same actions shape and mask) and fit the model's context; one that
     edits the groups' prompts cannot re-score rows with their own contexts (it may set ``ctx`` itself). A view
     that edits completions (``positions`` given) must keep the groups and rows, and map each original
     token either to the same token id inside the edited row's mask or to −1."""
     if before.ctx and after.ctx == before.ctx and after.prompt_ids != before.prompt_ids:
-        raise ValueError(f"view {view_name!r} edits the group's prompt, but these rows have their own contexts (rollout.ctx); "
-                         f"a view cannot re-score them")
+        raise ValueError(
+            f"view {view_name!r} edits the group's prompt, but these rows have their own contexts (rollout.ctx); "
+            f"a view cannot re-score them"
+        )
     if positions is None:
         if after.actions.shape != before.actions.shape or not torch.equal(after.mask, before.mask):
-            raise ValueError(f"view {view_name!r} changed the token axis; a view edits the context, or returns views.Remapped "
-                             f"with the position of each original token in its edited rows")
+            raise ValueError(
+                f"view {view_name!r} changed the token axis; a view edits the context, or returns views.Remapped "
+                f"with the position of each original token in its edited rows"
+            )
     else:
         B, G, T = before.shape
         T2 = after.shape[2]
-        if tuple(after.actions.shape[:2]) != (B, G) or tuple(positions.shape) != (B, G, T) or positions.dtype != torch.long:
-            raise ValueError(f"view {view_name!r}: edited rows {tuple(after.actions.shape)} and positions {tuple(positions.shape)} "
-                             f"({positions.dtype}) must keep the {B} groups x {G} rows and give a long index per original token [{B},{G},{T}]")
+        if (
+            tuple(after.actions.shape[:2]) != (B, G)
+            or tuple(positions.shape) != (B, G, T)
+            or positions.dtype != torch.long
+        ):
+            raise ValueError(
+                f"view {view_name!r}: edited rows {tuple(after.actions.shape)} and positions {tuple(positions.shape)} "
+                f"({positions.dtype}) must keep the {B} groups x {G} rows and give a long index per original token [{B},{G},{T}]"
+            )
         mapped = (positions >= 0) & before.mask  # [B,G,T]
         if bool(((positions >= 0) & ~before.mask).any()) or bool((positions >= T2).any()):
-            raise ValueError(f"view {view_name!r}: positions map padding tokens, or point past the edited rows' {T2} tokens")
+            raise ValueError(
+                f"view {view_name!r}: positions map padding tokens, or point past the edited rows' {T2} tokens"
+            )
         index = positions.clamp(min=0, max=max(T2 - 1, 0))  # [B,G,T]
         if T2 == 0:
             same = ~mapped
         else:
             same = (after.actions.gather(2, index) == before.actions) & after.mask.gather(2, index)  # [B,G,T]
         if bool((mapped & ~same).any()):
-            raise ValueError(f"view {view_name!r}: a mapped token is not the same token inside the edited row's mask; "
-                             f"positions must point at the original token's copy")
+            raise ValueError(
+                f"view {view_name!r}: a mapped token is not the same token inside the edited row's mask; "
+                f"positions must point at the original token's copy"
+            )
     longest = max((len(c) for row in after.row_contexts() for c in row), default=0) + after.shape[2]
     if context and longest > context:
-        raise ValueError(f"view {view_name!r}: an edited prompt plus the completion is {longest} tokens, more than the model's context of {context}; "
-                         f"shorten the view's template (views.{view_name}.template) or rollout.max_new_tokens")
+        raise ValueError(
+            f"view {view_name!r}: an edited prompt plus the completion is {longest} tokens, more than the model's context of {context}; "
+            f"shorten the view's template (views.{view_name}.template) or rollout.max_new_tokens"
+        )

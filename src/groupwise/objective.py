@@ -32,8 +32,9 @@ e.g. a term on a sparse set of token positions averaged over their number (LA-GR
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,8 +65,10 @@ def token_weight_mode(term: Any) -> str:
     """How token weights reach ``term``: its ``token_weights`` declaration ("token" when it has none)."""
     mode = getattr(term, "token_weights", "token")
     if mode not in TOKEN_WEIGHT_MODES:
-        raise ConfigError(f"objective term {_name(term)!r} declares token_weights={mode!r}; "
-                          f"a term declares one of {TOKEN_WEIGHT_MODES}")
+        raise ConfigError(
+            f"objective term {_name(term)!r} declares token_weights={mode!r}; "
+            f"a term declares one of {TOKEN_WEIGHT_MODES}"
+        )
     return mode
 
 
@@ -78,13 +81,17 @@ def check_token_weights(terms: list[Any], weights: list[Any]) -> None:
     for term, mode in zip(terms, modes):
         if mode == "none":
             reason = getattr(term, "token_weights_reason", "it declares token_weights = 'none'")
-            raise ConfigError(f"objective term {_name(term)!r} cannot take the token weight(s) {named}: {reason}. "
-                              f"Remove objective.weights or use a term that takes token weights "
-                              f"(e.g. ppo_clip, gspo, luspo, gmpo)")
+            raise ConfigError(
+                f"objective term {_name(term)!r} cannot take the token weight(s) {named}: {reason}. "
+                f"Remove objective.weights or use a term that takes token weights "
+                f"(e.g. ppo_clip, gspo, luspo, gmpo)"
+            )
     if terms and all(mode == "exempt" for mode in modes):
         exempt = ", ".join(repr(_name(t)) for t in terms)
-        raise ConfigError(f"the token weight(s) {named} reach no objective term: every term ({exempt}) is exempt from "
-                          f"token weights; add a policy-gradient term (ppo_clip, gspo, ...) or drop objective.weights")
+        raise ConfigError(
+            f"the token weight(s) {named} reach no objective term: every term ({exempt}) is exempt from "
+            f"token weights; add a policy-gradient term (ppo_clip, gspo, ...) or drop objective.weights"
+        )
 
 
 @dataclass
@@ -96,7 +103,7 @@ class Objective:
     stat_counts: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, term_specs: list, default_agg: str, weights: list[Any] = ()) -> "Objective":
+    def from_config(cls, term_specs: list, default_agg: str, weights: list[Any] = ()) -> Objective:
         """The objective of ``term_specs``; ``weights``: the built token-weight components it will be
         given (a combination a term cannot take is a ``ConfigError`` here, at build)."""
         terms = [build_spec("objective", spec) for spec in term_specs]
@@ -134,7 +141,9 @@ class Objective:
             mask = mask & (rollout.weight != 0)  # [B,G,T]
         return mask
 
-    def normalizers(self, rollout: Rollout, info: StepInfo, all_reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, dict[str, Tensor]]:
+    def normalizers(
+        self, rollout: Rollout, info: StepInfo, all_reduce: Callable[[Tensor], Tensor] | None = None
+    ) -> dict[str, dict[str, Tensor]]:
         """Once per optimiser step, over the whole step batch; every value is a sum over rows so
         that summing over ranks gives the global value."""
         mask = self.loss_mask(rollout)  # [B,G,T]
@@ -147,10 +156,19 @@ class Objective:
         for index, term in enumerate(self.terms):  # terms with their own tokens: in term order, the same on every rank
             if hasattr(term, "token_subset"):
                 norm = self.aggregations[self._agg_name(term)].normalizer(self._term_mask(term, mask, rollout), info)
-                norms[self._norm_key(index, term)] = {k: all_reduce(v) for k, v in norm.items()} if all_reduce is not None else norm
+                norms[self._norm_key(index, term)] = (
+                    {k: all_reduce(v) for k, v in norm.items()} if all_reduce is not None else norm
+                )
         return norms
 
-    def loss(self, mb: Rollout, out: dict[str, Tensor], norms: dict[str, dict[str, Tensor]], info: StepInfo, record: bool = True) -> Tensor:
+    def loss(
+        self,
+        mb: Rollout,
+        out: dict[str, Tensor],
+        norms: dict[str, dict[str, Tensor]],
+        info: StepInfo,
+        record: bool = True,
+    ) -> Tensor:
         """Scalar loss of one micro-batch: its share of the whole step's loss. ``record``: accumulate
         the terms' statistics (the trainer records them on the first call of a closure only)."""
         mask = self.loss_mask(mb)  # [b,G,T]
@@ -172,18 +190,24 @@ class Objective:
         mode = token_weight_mode(term)
         name = _name(term)
         if mode == "token" and values.dim() != 3:
-            raise ValueError(f"objective term {name!r} returned row values {tuple(values.shape)} but takes token "
-                             f"weights per token (token_weights = 'token'): return [b,G,T] values or declare "
-                             f"token_weights = 'row:<reduction>' or 'none'")
+            raise ValueError(
+                f"objective term {name!r} returned row values {tuple(values.shape)} but takes token "
+                f"weights per token (token_weights = 'token'): return [b,G,T] values or declare "
+                f"token_weights = 'row:<reduction>' or 'none'"
+            )
         if mode.startswith("row:") and values.dim() != 2:
-            raise ValueError(f"objective term {name!r} declares token_weights = {mode!r} but returned "
-                             f"{tuple(values.shape)}, not [b,G] row values")
+            raise ValueError(
+                f"objective term {name!r} declares token_weights = {mode!r} but returned "
+                f"{tuple(values.shape)}, not [b,G] row values"
+            )
         if weight is None or mode == "exempt":
             return values
         if mode == "none":
             reason = getattr(term, "token_weights_reason", "token_weights = 'none'")
-            raise ValueError(f"objective term {name!r} cannot take token weights ({reason}), but the batch carries "
-                             f"them: build the objective with Objective.from_config(..., weights) to refuse the pair")
+            raise ValueError(
+                f"objective term {name!r} cannot take token weights ({reason}), but the batch carries "
+                f"them: build the objective with Objective.from_config(..., weights) to refuse the pair"
+            )
         if mode == "token":
             return values * weight  # [b,G,T]
         return values * ROW_REDUCTIONS[mode[4:]](weight, mask)  # [b,G]
@@ -198,7 +222,9 @@ class Objective:
     def pop_stats(self, all_reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, float]:
         """Token-mean of every term statistic since the last call (e.g. clip fractions), over all ranks."""
         keys = sorted(self.stat_sums)
-        sums = torch.tensor([[self.stat_sums[k], self.stat_counts[k]] for k in keys], dtype=torch.float64).reshape(-1, 2)  # [K,2]
+        sums = torch.tensor([[self.stat_sums[k], self.stat_counts[k]] for k in keys], dtype=torch.float64).reshape(
+            -1, 2
+        )  # [K,2]
         if all_reduce is not None:
             sums = all_reduce(sums)
         self.stat_sums.clear()
@@ -221,7 +247,9 @@ def token_weights(components: list[Any], rollout: Rollout, info: StepInfo) -> tu
         weight = weight * w  # [B,G,T]
         scope = getattr(component, "scope", "token")
         if scope not in ("token", "loss"):
-            raise ValueError(f"{getattr(component, 'registry_name', component)}: scope must be 'token' or 'loss', got {scope!r}")
+            raise ValueError(
+                f"{getattr(component, 'registry_name', component)}: scope must be 'token' or 'loss', got {scope!r}"
+            )
         if scope == "token":
             counted = counted & (w != 0)  # [B,G,T]
     return weight, counted

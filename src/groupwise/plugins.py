@@ -40,6 +40,7 @@ from typing import Any
 from groupwise.errors import ConfigError
 from groupwise.registry import STAGES, entries, load_all, register
 
+
 def required(stage: str) -> list[tuple[str, ...]]:
     """The members a ``stage`` component must have, one tuple per form of its contract (a reward is a
     text scorer or a rollout scorer): the ``Protocol`` members of ``components.PROTOCOLS``, the same
@@ -49,6 +50,7 @@ def required(stage: str) -> list[tuple[str, ...]]:
     if stage not in PROTOCOLS:
         raise ConfigError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
     return [protocol_members(protocol) for protocol in PROTOCOLS[stage]]
+
 
 _RECIPE_DIRS: list[str] = []  # folders of the recipe files loaded in this process (config.load_config)
 

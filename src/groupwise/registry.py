@@ -18,7 +18,8 @@ import dataclasses
 import difflib
 import importlib
 import pkgutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.validate import check_type
@@ -56,9 +57,13 @@ def register(stage: str, name: str) -> Callable[[type], type]:
             builtin = [c for c in (table[name], cls) if c.__module__.startswith("groupwise.")]
             if len(builtin) == 1:  # a plug-in (plugins.py) takes a built-in's name, whichever was imported first
                 plugin = cls if builtin[0] is table[name] else table[name]
-                raise ConfigError(f"{plugin.__module__}.{plugin.__qualname__} takes the name {name!r} of the built-in "
-                                  f"{stage} component ({builtin[0].__module__}); register it under another name")
-            raise ConfigError(f"{stage} component {name!r} is registered twice ({table[name].__module__}, {cls.__module__})")
+                raise ConfigError(
+                    f"{plugin.__module__}.{plugin.__qualname__} takes the name {name!r} of the built-in "
+                    f"{stage} component ({builtin[0].__module__}); register it under another name"
+                )
+            raise ConfigError(
+                f"{stage} component {name!r} is registered twice ({table[name].__module__}, {cls.__module__})"
+            )
         cls.registry_name = name
         cls.stage = stage
         table[name] = cls
@@ -75,7 +80,21 @@ def load_all() -> None:
         return
     _LOADED = True
     importlib.import_module("groupwise.kl_estimators")
-    for sub in ("sampling", "rollout", "rewards", "advantages", "weights", "losses", "updates", "schedules", "views", "providers", "tasks", "modalities", "phases"):
+    for sub in (
+        "sampling",
+        "rollout",
+        "rewards",
+        "advantages",
+        "weights",
+        "losses",
+        "updates",
+        "schedules",
+        "views",
+        "providers",
+        "tasks",
+        "modalities",
+        "phases",
+    ):
         pkg = importlib.import_module(f"groupwise.{sub}")
         for info in pkgutil.iter_modules(pkg.__path__):
             if not info.name.startswith("_"):

@@ -70,18 +70,29 @@ def build_frozen(name: str, cfg: Any, run_cfg: Any, main_policy: Any) -> Any:
 
 
 def _check_tokenizer(name: str, cfg: Any, policy: Any, main_policy: Any) -> None:
-    if getattr(policy, "tokenizer", None) is not None and policy.tokenizer.get_vocab() != main_policy.tokenizer.get_vocab():
-        raise ConfigError(f"roles.{name}: model {cfg.model.path!r} has another tokenizer than the policy's; a role scores the policy's tokens")
+    if (
+        getattr(policy, "tokenizer", None) is not None
+        and policy.tokenizer.get_vocab() != main_policy.tokenizer.get_vocab()
+    ):
+        raise ConfigError(
+            f"roles.{name}: model {cfg.model.path!r} has another tokenizer than the policy's; a role scores the policy's tokens"
+        )
 
 
 def _on_policy_device(model_cfg: Any, main_cfg: Any) -> Any:
     """A role's model lives where the policy's does unless its own ``model.device`` names another than cpu."""
     import dataclasses
 
-    return dataclasses.replace(model_cfg, device=main_cfg.device) if getattr(model_cfg, "device", "cpu") == "cpu" else model_cfg
+    return (
+        dataclasses.replace(model_cfg, device=main_cfg.device)
+        if getattr(model_cfg, "device", "cpu") == "cpu"
+        else model_cfg
+    )
 
 
-def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_labels: list[str], total_updates: int) -> Trainable:
+def build_role(
+    name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_labels: list[str], total_updates: int
+) -> Trainable:
     policy = build_policy(_on_policy_device(cfg.model, run_cfg.model), run_cfg.perf)
     _check_tokenizer(name, cfg, policy, main_policy)
     unknown = [r for r in cfg.rewards if r not in reward_labels]
@@ -89,9 +100,16 @@ def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_label
         raise ConfigError(f"roles.{name}.rewards names {unknown}; the run's reward functions are {reward_labels}")
     weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
     objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs
-    role = Trainable(name, policy, objective, build_spec("update", cfg.update), [],
-                     build_spec("advantage", cfg.advantage.estimator), weights,
-                     [reward_labels.index(r) for r in cfg.rewards] or None)
+    role = Trainable(
+        name,
+        policy,
+        objective,
+        build_spec("update", cfg.update),
+        [],
+        build_spec("advantage", cfg.advantage.estimator),
+        weights,
+        [reward_labels.index(r) for r in cfg.rewards] or None,
+    )
     own = [n for c in role.components for n in getattr(c, "needs", ())]
     if any(n.model == "ref" for n in own):
         raise ConfigError(f"roles.{name}: its components ask for the reference model, which a role does not have")
@@ -104,7 +122,9 @@ def build_role(name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_label
 def role_needs(role: Trainable) -> list[Need]:
     """The role's no-grad needs, ``policy`` meaning the role's own model, and its old log-probs."""
     own = [n for c in role.components for n in getattr(c, "needs", ()) if not n.grad]
-    return [dataclasses.replace(n, model=role.name) if n.model == "policy" else n for n in own] + [Need("logp", model=role.name)]
+    return [dataclasses.replace(n, model=role.name) if n.model == "policy" else n for n in own] + [
+        Need("logp", model=role.name)
+    ]
 
 
 def role_rewards(role: Trainable, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +133,9 @@ def role_rewards(role: Trainable, batch: Rollout) -> tuple[torch.Tensor, torch.T
         return batch.rewards, batch.group_valid
     cols = role.reward_columns
     weights = batch.extras["reward_weights"][0, cols].tolist()
-    total, excluded = combine(batch.reward_parts[..., cols], weights, torch.zeros(batch.group_valid.shape, dtype=torch.bool))  # [B,G], [B,G]
+    total, excluded = combine(
+        batch.reward_parts[..., cols], weights, torch.zeros(batch.group_valid.shape, dtype=torch.bool)
+    )  # [B,G], [B,G]
     return total, batch.group_valid & ~excluded
 
 
@@ -130,7 +152,12 @@ def view(role: Trainable, batch: Rollout, behaviour_logp: torch.Tensor, info: St
     out.extras, out.extra_levels = dict(batch.extras), dict(batch.extra_levels)
     out.rewards, out.group_valid = role_rewards(role, batch)
     out.advantages = batch.extras[f"{role.name}.advantages"]
-    out.logp_old, out.logp_sampler, out.logp_ref, out.weight = batch.extras[f"{role.name}.logp"], behaviour_logp, None, None
+    out.logp_old, out.logp_sampler, out.logp_ref, out.weight = (
+        batch.extras[f"{role.name}.logp"],
+        behaviour_logp,
+        None,
+        None,
+    )
     for need in role_needs(role):  # its components read "policy" quantities under their usual keys
         if need.model == role.name and need.quantity != "logp":
             out.set_extra(dataclasses.replace(need, model="policy").key, batch.extras[need.key], "token")

@@ -111,7 +111,9 @@ class Run:
         resume = checkpoint.latest_intact(self.out)
         stored = self.out / "config.toml"
         if resume is not None and stored.exists():
-            runfolder.check_resume({**with_defaults(tomllib.loads(stored.read_text())), "out": None}, {**current, "out": None}, allow)
+            runfolder.check_resume(
+                {**with_defaults(tomllib.loads(stored.read_text())), "out": None}, {**current, "out": None}, allow
+            )
         if resume is not None:
             self.load_state_dict(checkpoint.load(resume))
             self._say(f"resuming {self.out} from step {self.trainer.step} (checkpoint {resume.relative_to(self.out)})")
@@ -121,7 +123,9 @@ class Run:
     def _finished(self) -> bool:
         """The checkpoint is the run's final one: trained to the end (or out of time) and evaluated.
         Its outputs may still be missing: :meth:`_finish_outputs` decides from ``FINISHED``."""
-        out_of_time = bool(self.cfg.train.max_seconds) and self.summary.get("wall_seconds", 0.0) > self.cfg.train.max_seconds
+        out_of_time = (
+            bool(self.cfg.train.max_seconds) and self.summary.get("wall_seconds", 0.0) > self.cfg.train.max_seconds
+        )
         return bool(self.summary.get("finished")) and (self.trainer.step >= self.cfg.train.steps or out_of_time)
 
     def _finish_outputs(self) -> dict[str, Any]:
@@ -132,13 +136,17 @@ class Run:
             return self.summary
         step, why = runfolder.finished_step(self.out)
         if step == self.trainer.step:
-            self._say(f"{self.out} finished at step {self.trainer.step} already (summary.json); nothing to do. To "
-                      f"train further, raise train.steps and add --resume-allow train.steps; for a new run, pick "
-                      f"another out=")
+            self._say(
+                f"{self.out} finished at step {self.trainer.step} already (summary.json); nothing to do. To "
+                f"train further, raise train.steps and add --resume-allow train.steps; for a new run, pick "
+                f"another out="
+            )
             return self.summary
         why = why if step is None else f"{runfolder.FINISHED} is for step {step}"
-        self._say(f"{self.out} finished training at step {self.trainer.step}, but its outputs were not all written "
-                  f"({why}); writing final/ and summary.json from its final checkpoint")
+        self._say(
+            f"{self.out} finished training at step {self.trainer.step}, but its outputs were not all written "
+            f"({why}); writing final/ and summary.json from its final checkpoint"
+        )
         self._write_outputs(logged_rows(self.out / "metrics.jsonl", self.trainer.step - 1))
         return self.summary
 
@@ -147,10 +155,19 @@ class Run:
         if not self.parts.phases:
             return
         trainer = self.trainer
-        ctx = PhaseContext(trainer.policy, trainer.train_rows, self.parts.eval_rows, self.cfg.seed, trainer.prompts,
-                           lambda policy, rows, split: self.heldout.evaluate(policy, rows, split), self._say,
-                           score=trainer.score, advantage=lambda rollout, info: trainer.estimator(rollout, info),
-                           models=dict(self.parts.frozen), max_new_tokens=self.cfg.rollout.max_new_tokens)
+        ctx = PhaseContext(
+            trainer.policy,
+            trainer.train_rows,
+            self.parts.eval_rows,
+            self.cfg.seed,
+            trainer.prompts,
+            lambda policy, rows, split: self.heldout.evaluate(policy, rows, split),
+            self._say,
+            score=trainer.score,
+            advantage=lambda rollout, info: trainer.estimator(rollout, info),
+            models=dict(self.parts.frozen),
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+        )
         artifacts = run_phases(self.parts.phases, ctx, self.out / "phases", rl_started=trainer.step > 0, rank=self.rank)
         inject(artifacts, [*trainer.components(), *schedules.all_schedules(trainer.components())])
         self.summary.setdefault("phases", {}).update(ctx.summary)
@@ -168,8 +185,11 @@ class Run:
         if self.rank == 0:
             cut_back(self.out / "samples.jsonl", step - 1 if step else None)
         # TensorBoard / wandb / trackio (rank 0): the resumed steps replace what a killed run logged after its checkpoint
-        trackers = (tracking.open_trackers(self.cfg.log.backends, self.out, step, to_dict(self.cfg)) if self.rank == 0
-                    else tracking.Trackers())
+        trackers = (
+            tracking.open_trackers(self.cfg.log.backends, self.out, step, to_dict(self.cfg))
+            if self.rank == 0
+            else tracking.Trackers()
+        )
         previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:  # the handlers stay until the outputs are written: a signal during the final evaluation waits for it
             return self._steps(log, trackers)
@@ -203,28 +223,49 @@ class Run:
                     log.write(row)
                     trackers.log(row, trainer.step)
                     self._log_samples(bar.console)
-                bar.update(task, advance=1, reward=row.get("reward_mean", 0.0), speed=row.get("tokens_per_s", 0.0),
-                           kl=f"kl {row['kl']:.4f}" if row.get("kl") is not None else "")  # the KL to the reference, when one is measured
+                bar.update(
+                    task,
+                    advance=1,
+                    reward=row.get("reward_mean", 0.0),
+                    speed=row.get("tokens_per_s", 0.0),
+                    kl=f"kl {row['kl']:.4f}" if row.get("kl") is not None else "",
+                )  # the KL to the reference, when one is measured
                 trainer.step += 1
                 self.summary["wall_seconds"] = time.perf_counter() - start
                 # decided together: every rank stops, and checkpoints, at the same step
                 ck = cfg.checkpoint
-                due = (ck.every and trainer.step % ck.every == 0) or (ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes)
-                stop, out_of_time, due = dist.agree([self._stop_requested is not None, bool(cfg.train.max_seconds) and self.summary["wall_seconds"] > cfg.train.max_seconds, bool(due)])
+                due = (ck.every and trainer.step % ck.every == 0) or (
+                    ck.minutes and time.perf_counter() - last_save > 60 * ck.minutes
+                )
+                stop, out_of_time, due = dist.agree(
+                    [
+                        self._stop_requested is not None,
+                        bool(cfg.train.max_seconds) and self.summary["wall_seconds"] > cfg.train.max_seconds,
+                        bool(due),
+                    ]
+                )
                 if due or stop or out_of_time:
                     self.save_checkpoint()
                     last_save = time.perf_counter()
         if stop:
-            self._say(f"stopped by {self._stop_requested or 'another rank'} at step {trainer.step} (checkpointed). Rerun the same command to resume.")
+            self._say(
+                f"stopped by {self._stop_requested or 'another rank'} at step {trainer.step} (checkpointed). Rerun the same command to resume."
+            )
             return self.summary
         if out_of_time and trainer.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
-            self.summary["stopped_early"] = f"train.max_seconds={cfg.train.max_seconds:g} reached after step {trainer.step} of {cfg.train.steps}"
+            self.summary["stopped_early"] = (
+                f"train.max_seconds={cfg.train.max_seconds:g} reached after step {trainer.step} of {cfg.train.steps}"
+            )
             self._say(f"{self.summary['stopped_early']}; raise train.max_seconds (0 = no limit) to train longer")
         self._record_eval("accuracy_after", trainer.step)
         # the final checkpoint holds the final weights and summary ("finished": trained and evaluated);
         # the outputs follow it, FINISHED last: a kill in between is completed by the rerun from this checkpoint
-        self.summary.update(steps=trainer.step, wall_seconds=time.perf_counter() - start,
-                            skipped_updates=getattr(trainer.updater, "skipped", 0), finished=True)
+        self.summary.update(
+            steps=trainer.step,
+            wall_seconds=time.perf_counter() - start,
+            skipped_updates=getattr(trainer.updater, "skipped", 0),
+            finished=True,
+        )
         self.save_checkpoint()
         if self.rank == 0:
             self._write_outputs(log.rows if log is not None else [])
@@ -254,8 +295,9 @@ class Run:
         accuracy = self.heldout.evaluate()
         if accuracy != accuracy:  # NaN: nothing to evaluate on
             self.summary[key] = None
-            self.summary["eval_note"] = (f"no held-out evaluation: eval.size={self.cfg.eval.size} and "
-                                         f"{len(self.parts.eval_rows)} held-out rows")
+            self.summary["eval_note"] = (
+                f"no held-out evaluation: eval.size={self.cfg.eval.size} and {len(self.parts.eval_rows)} held-out rows"
+            )
             return
         self.summary[key] = accuracy
         self.summary["evals"].append((step, accuracy))
@@ -264,7 +306,9 @@ class Run:
             if name.startswith("eval_accuracy@"):
                 self.summary[f"{key}@{name.split('@', 1)[1]}"] = value
             elif name.startswith("eval_nll@"):  # accuracy_after -> nll_after@task:NAME
-                self.summary[f"nll_{key.split('_', 1)[1]}@{name.split('@', 1)[1]}"] = value if value == value else None  # NaN: no text policy
+                self.summary[f"nll_{key.split('_', 1)[1]}@{name.split('@', 1)[1]}"] = (
+                    value if value == value else None
+                )  # NaN: no text policy
 
     def _column_accuracies(self, key: str) -> dict[str, float]:
         """Held-out accuracy on the rows of each value of column ``eval.by`` (``KEY/VALUE``), over the
@@ -275,7 +319,10 @@ class Run:
         if any(by not in r for r in rows):
             raise ConfigError(f"eval.by={by!r}: not every held-out row has that column (columns: {sorted(rows[0])})")
         values = list(dict.fromkeys(str(r[by]) for r in rows))
-        return {f"{key}/{v}": self.heldout.evaluate(rows=[r for r in rows if str(r[by]) == v], split=f"eval.by={v}") for v in values}
+        return {
+            f"{key}/{v}": self.heldout.evaluate(rows=[r for r in rows if str(r[by]) == v], split=f"eval.by={v}")
+            for v in values
+        }
 
     def _view_accuracies(self, accuracy: float) -> dict[str, float]:
         """Held-out accuracy under each of ``eval.views`` (``eval_accuracy@VIEW``) and its gap to the
@@ -298,12 +345,16 @@ class Run:
         cfg = self.cfg
         self._skipped_in_row = self._skipped_in_row + 1 if row.get("nonfinite") else 0
         if self._skipped_in_row >= cfg.train.max_skipped_in_row:
-            raise RuntimeError(f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss, gradient or result and were skipped or "
-                               f"rolled back (train.max_skipped_in_row={cfg.train.max_skipped_in_row}); check update.lr and the rewards")
+            raise RuntimeError(
+                f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss, gradient or result and were skipped or "
+                f"rolled back (train.max_skipped_in_row={cfg.train.max_skipped_in_row}); check update.lr and the rewards"
+            )
         self._empty_in_row = self._empty_in_row + 1 if row.get("reward_finite_frac", 1.0) == 0 else 0
         if self._empty_in_row >= cfg.reward.max_empty_steps:
-            raise RuntimeError(f"{self._empty_in_row} steps in a row had no sample with a finite reward (every reward None, NaN or inf; "
-                               f"reward.max_empty_steps={cfg.reward.max_empty_steps}): nothing can be learned; check the reward functions")
+            raise RuntimeError(
+                f"{self._empty_in_row} steps in a row had no sample with a finite reward (every reward None, NaN or inf; "
+                f"reward.max_empty_steps={cfg.reward.max_empty_steps}): nothing can be learned; check the reward functions"
+            )
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         if self._stop_requested and signum == signal.SIGINT:
@@ -331,7 +382,7 @@ class Run:
 class _Quiet:
     """Stand-in for the progress bar on ranks other than 0."""
 
-    def __enter__(self) -> "_Quiet":
+    def __enter__(self) -> _Quiet:
         return self
 
     def __exit__(self, *exc: Any) -> None:

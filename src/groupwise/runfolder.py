@@ -18,8 +18,9 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from groupwise.errors import ConfigError
 
@@ -46,8 +47,9 @@ def no_space(what: str, path: Path, needed: int, cause: OSError | None = None, t
     free = shutil.disk_usage(folder).free
     code = cause.errno if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT) else errno.ENOSPC
     then = then or "free some space and rerun the same command to resume from the last checkpoint"
-    return NoSpace(code, f"disk full while writing {what} to {path}: it needs about {needed:,} bytes, "
-                         f"{free:,} are free; {then}")
+    return NoSpace(
+        code, f"disk full while writing {what} to {path}: it needs about {needed:,} bytes, {free:,} are free; {then}"
+    )
 
 
 def is_no_space(err: BaseException) -> bool:
@@ -68,8 +70,13 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         if is_no_space(err):
-            raise no_space(path.name, path, len(data), err, f"the previous {path.name} is untouched; free some space "
-                           f"and rerun the same command to resume") from err
+            raise no_space(
+                path.name,
+                path,
+                len(data),
+                err,
+                f"the previous {path.name} is untouched; free some space and rerun the same command to resume",
+            ) from err
         raise
     os.replace(tmp, path)
 
@@ -142,15 +149,17 @@ class RunLock:
         self.path = Path(run_dir) / LOCK
         self.fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunLocked(f"run folder {self.path.parent} is in use by another groupwise process (pid {holder}); "
-                            f"wait for it or stop it, or train into another folder with out=...") from None
+            raise RunLocked(
+                f"run folder {self.path.parent} is in use by another groupwise process (pid {holder}); "
+                f"wait for it or stop it, or train into another folder with out=..."
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
@@ -216,8 +225,11 @@ def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> dict[str,
     """``{dotted key: (stored value, current value)}`` for every leaf that differs (lists compare whole)."""
     old, new = _flatten(stored), _flatten(current)
     missing = object()
-    return {k: (old.get(k, missing), new.get(k, missing)) for k in sorted(old.keys() | new.keys())
-            if old.get(k, missing) != new.get(k, missing)}
+    return {
+        k: (old.get(k, missing), new.get(k, missing))
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, missing) != new.get(k, missing)
+    }
 
 
 # Keys that cannot take effect on a resumed run, whatever --resume-allow says: what they decided is
@@ -226,13 +238,30 @@ def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> dict[str,
 # never overrides a configured value (docs/reliability.md lists the classes and their tests).
 FIXED_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
     (("seed",), "the seed chose the data split, the prompt order and the initial noise when the run started"),
-    (("model.path", "model.dtype", "model.lora", "model.policy", "model.params", "roles.*.model.path",
-      "roles.*.model.dtype", "roles.*.model.lora", "roles.*.model.policy", "roles.*.model.params", "roles.*.frozen"),
-     "the checkpoint holds the weights this setting made (their file, dtype or adapters)"),
-    (("update.optimizer", "roles.*.update.optimizer"),
-     "the checkpoint holds that optimiser's state (moments, step counts)"),
-    (("data.task", "data.path", "data.columns", "data.train_size", "data.on_bad_row"),
-     "the training rows were fixed when the run started (the sampler's position and the prompt statistics count them)"),
+    (
+        (
+            "model.path",
+            "model.dtype",
+            "model.lora",
+            "model.policy",
+            "model.params",
+            "roles.*.model.path",
+            "roles.*.model.dtype",
+            "roles.*.model.lora",
+            "roles.*.model.policy",
+            "roles.*.model.params",
+            "roles.*.frozen",
+        ),
+        "the checkpoint holds the weights this setting made (their file, dtype or adapters)",
+    ),
+    (
+        ("update.optimizer", "roles.*.update.optimizer"),
+        "the checkpoint holds that optimiser's state (moments, step counts)",
+    ),
+    (
+        ("data.task", "data.path", "data.columns", "data.train_size", "data.on_bad_row"),
+        "the training rows were fixed when the run started (the sampler's position and the prompt statistics count them)",
+    ),
     (("phases",), "the phases ran before the first RL step; their outputs are in phases/ and in the checkpoint"),
 )
 
@@ -253,13 +282,16 @@ def check_resume(stored: dict[str, Any], current: dict[str, Any], allowed: list[
     fixed = {k: (v, why) for k, v in changes.items() if (why := fixed_on_resume(k))}
     if fixed:
         shown = "; ".join(f"{k}: {_show(a)} -> {_show(b)} ({why})" for k, ((a, b), why) in fixed.items())
-        raise ConfigError(f"not changeable on resume: {shown}; rerun with the stored value, or train into a new folder "
-                          f"with out=...")
+        raise ConfigError(
+            f"not changeable on resume: {shown}; rerun with the stored value, or train into a new folder with out=..."
+        )
     refused = {k: v for k, v in changes.items() if not any(k == a or k.startswith(a + ".") for a in allowed)}
     if refused:
         shown = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
-        raise ConfigError(f"this run folder was started with another configuration ({shown}); rerun with the stored settings, "
-                          f"or allow the change with --resume-allow {','.join(refused)}, or train into a new folder with out=...")
+        raise ConfigError(
+            f"this run folder was started with another configuration ({shown}); rerun with the stored settings, "
+            f"or allow the change with --resume-allow {','.join(refused)}, or train into a new folder with out=..."
+        )
 
 
 def _show(value: Any) -> str:
@@ -280,7 +312,10 @@ def publish_dir(tmp: Path, final: Path) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     renameat2 = getattr(libc, "renameat2", None)
     at_fdcwd = -100
-    if renameat2 is not None and renameat2(at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(final), _RENAME_EXCHANGE) == 0:
+    if (
+        renameat2 is not None
+        and renameat2(at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(final), _RENAME_EXCHANGE) == 0
+    ):
         shutil.rmtree(tmp)  # now holds the previous final
         return
     aside = final.with_name(f".{final.name}.old{os.getpid()}")

@@ -73,8 +73,13 @@ def _finalise(z: Tensor) -> Tensor:
     return z ^ _shift_right(z, 31)  # [N]
 
 
-def noise_at(row_seeds: Tensor, position: int, token_ids: Tensor, out: Tensor | None = None,
-             scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def noise_at(
+    row_seeds: Tensor,
+    position: int,
+    token_ids: Tensor,
+    out: Tensor | None = None,
+    scratch: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """[N,K] float32 uniforms in (0,1) for the vocabulary ids ``token_ids`` ([N,K] or [K]) of each row.
 
     ``noise_at(s, p, ids)[r, j] == uniform_noise(s, p, V)[r, ids[r, j]]``, so sampling among a few
@@ -83,8 +88,14 @@ def noise_at(row_seeds: Tensor, position: int, token_ids: Tensor, out: Tensor | 
     """
     keys = _mix_rows(row_seeds, position)  # [N]
     shape = (keys.shape[0], token_ids.shape[-1])
-    z, shifted = scratch if scratch is not None else (torch.empty(shape, dtype=torch.long, device=keys.device),
-                                                       torch.empty(shape, dtype=torch.long, device=keys.device))
+    z, shifted = (
+        scratch
+        if scratch is not None
+        else (
+            torch.empty(shape, dtype=torch.long, device=keys.device),
+            torch.empty(shape, dtype=torch.long, device=keys.device),
+        )
+    )
     # splitmix64 stream of each row key, read at counter = token id (multiplication wraps mod 2^64)
     counters = token_ids.to(torch.long) * _signed(_GOLDEN)  # [N,K] or [K]
     torch.add(counters, keys[:, None], out=z)  # [N,K]
@@ -100,7 +111,9 @@ def noise_at(row_seeds: Tensor, position: int, token_ids: Tensor, out: Tensor | 
 def gumbel_span(row_seeds: Tensor, start: int, width: int, vocab: int) -> Tensor:
     """[N,width,V] float32 Gumbel noise ``-log(-log u)`` for positions ``start .. start+width-1`` in one
     vectorised pass, with ``u`` exactly ``uniform_noise(row_seeds, position, vocab)`` (the same integer ops)."""
-    keys = _finalise(row_seeds.to(torch.long)[:, None] + _position_constants(range(start, start + width), row_seeds.device)[None, :])  # [N,W]
+    keys = _finalise(
+        row_seeds.to(torch.long)[:, None] + _position_constants(range(start, start + width), row_seeds.device)[None, :]
+    )  # [N,W]
     z = keys[:, :, None] + torch.arange(vocab, device=row_seeds.device) * _signed(_GOLDEN)  # [N,W,V] wraps
     for bits, multiplier in ((30, _MIX1), (27, _MIX2)):
         z = z.bitwise_xor_(_shift_right(z, bits)).mul_(_signed(multiplier))  # [N,W,V]

@@ -95,4 +95,7 @@ class PromptStats:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = int(state["history"])
-        self._table = {int(p): _Entry(**{k: (list(v) if isinstance(v, list) else v) for k, v in e.items()}) for p, e in state["table"].items()}
+        self._table = {
+            int(p): _Entry(**{k: (list(v) if isinstance(v, list) else v) for k, v in e.items()})
+            for p, e in state["table"].items()
+        }

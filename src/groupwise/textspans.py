@@ -20,7 +20,7 @@ Conventions:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -30,7 +30,12 @@ from groupwise.errors import ConfigError
 
 def check_tags(tags: Sequence[str], who: str, need_open: bool) -> tuple[str, str]:
     """``(open, close)`` of a tag option, or a ConfigError naming ``who`` (``need_open``: both non-empty)."""
-    if isinstance(tags, str) or len(tags) != 2 or not all(isinstance(t, str) for t in tags) or (need_open and not (tags[0] and tags[1])):
+    if (
+        isinstance(tags, str)
+        or len(tags) != 2
+        or not all(isinstance(t, str) for t in tags)
+        or (need_open and not (tags[0] and tags[1]))
+    ):
         want = "two non-empty strings" if need_open else "two strings (empty = none)"
         raise ConfigError(f"{who} must be [open, close], {want}; got {tags!r}")
     return tags[0], tags[1]
@@ -52,8 +57,9 @@ def starts_of(texts: Sequence[str]) -> list[int]:
     return out
 
 
-def label_tokens(actions: Tensor, mask: Tensor, token_text: Sequence[str],
-                 label: Callable[[str, list[int]], Sequence[int]]) -> Tensor:
+def label_tokens(
+    actions: Tensor, mask: Tensor, token_text: Sequence[str], label: Callable[[str, list[int]], Sequence[int]]
+) -> Tensor:
     """[N,T] long: ``label(text, starts)`` gives one label per token of a row's mask prefix; −1 outside the mask.
 
     ``text`` is the row's joined text and ``starts`` the offset of each token's first character."""

@@ -38,8 +38,9 @@ import numbers
 import os
 import secrets
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 from groupwise.errors import ConfigError
 
@@ -56,11 +57,15 @@ def check_backends(names: list[str]) -> None:
     """``log.backends``: known names whose packages are installed (checked with the config, on every rank)."""
     for name in names:
         if name not in BACKENDS:
-            raise ConfigError(f"config key log.backends: unknown backend {name!r}; allowed: {', '.join(BACKENDS)} "
-                              f"(metrics.jsonl is always written)")
+            raise ConfigError(
+                f"config key log.backends: unknown backend {name!r}; allowed: {', '.join(BACKENDS)} "
+                f"(metrics.jsonl is always written)"
+            )
         if not _installed(name):
-            raise ConfigError(f"config key log.backends: backend {name!r} needs the {name} package, which is not installed; "
-                              f"pip install 'groupwise[{name}]'")
+            raise ConfigError(
+                f"config key log.backends: backend {name!r} needs the {name} package, which is not installed; "
+                f"pip install 'groupwise[{name}]'"
+            )
 
 
 def _installed(module: str) -> bool:
@@ -143,10 +148,20 @@ class WandB:
         os.environ["WANDB_MODE"] = "offline"  # read by wandb and the service it starts: no login, no network
         import wandb
 
-        settings = wandb.Settings(mode="offline", console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False)
+        settings = wandb.Settings(
+            mode="offline", console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False
+        )
         with _stdout_to_stderr():
-            self.run = wandb.init(project="groupwise", name=out.name, id=run_id, resume="allow",
-                                  dir=str(out), mode="offline", config=config, settings=settings)
+            self.run = wandb.init(
+                project="groupwise",
+                name=out.name,
+                id=run_id,
+                resume="allow",
+                dir=str(out),
+                mode="offline",
+                config=config,
+                settings=settings,
+            )
 
     def log(self, row: dict[str, Any], step: int) -> None:
         self.run.log(row, step=step)
@@ -161,8 +176,15 @@ class Trackio:
         import trackio
 
         with _stdout_to_stderr(), _without_env("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
-            self.run = trackio.init(project="groupwise", name=f"{out.name}-{run_id}", resume="allow",
-                                    config=config, embed=False, auto_log_cpu=False, auto_log_gpu=False)
+            self.run = trackio.init(
+                project="groupwise",
+                name=f"{out.name}-{run_id}",
+                resume="allow",
+                config=config,
+                embed=False,
+                auto_log_cpu=False,
+                auto_log_gpu=False,
+            )
 
     def log(self, row: dict[str, Any], step: int) -> None:
         self.run.log(row, step=step)
@@ -210,7 +232,7 @@ def _clip(text: Any, width: int, keep_end: bool = False) -> str:
     text = "" if text is None else str(text).replace("\n", "⏎")
     if len(text) <= width:
         return text
-    return "…" + text[-(width - 1):] if keep_end else text[: width - 1] + "…"
+    return "…" + text[-(width - 1) :] if keep_end else text[: width - 1] + "…"
 
 
 def _number(value: Any, fmt: str) -> str:
@@ -234,8 +256,12 @@ def sample_table(rows: list[dict[str, Any]], width: int = 48) -> Any:
     for key in extras:
         table.add_column(_clip(key, 16), justify="right")
     for row in rows:  # Text: a completion's "[bold]" is shown, not read as markup
-        cells = [_clip(row.get("prompt"), width, keep_end=True), _clip(row.get("completion"), width),
-                 _number(row.get("reward"), ".3f"), _number(row.get("advantage"), "+.3f")]
+        cells = [
+            _clip(row.get("prompt"), width, keep_end=True),
+            _clip(row.get("completion"), width),
+            _number(row.get("reward"), ".3f"),
+            _number(row.get("advantage"), "+.3f"),
+        ]
         cells += [_number(row.get("extra", {}).get(key), ".3f") for key in extras]
         table.add_row(*map(Text, cells))
     return table

@@ -32,9 +32,11 @@ class Trainer:
 
     def __init__(self, parts: Parts):
         if not isinstance(parts, Parts):
-            raise TypeError(f"Trainer takes the Parts that build(cfg) returns (from groupwise.build import build), "
-                            f"not a {type(parts).__name__}: Trainer(build(cfg)) for the step alone, "
-                            f"groupwise.Run.from_config(cfg) for a whole run")
+            raise TypeError(
+                f"Trainer takes the Parts that build(cfg) returns (from groupwise.build import build), "
+                f"not a {type(parts).__name__}: Trainer(build(cfg)) for the step alone, "
+                f"groupwise.Run.from_config(cfg) for a whole run"
+            )
         self.parts, self.cfg = parts, parts.cfg
         self.rank, self.world = parts.rank, parts.world
         # what the step uses of the parts (the policy's module and tokenizer: policy.module, policy.tokenizer)
@@ -59,13 +61,30 @@ class Trainer:
 
     def components(self) -> list[Any]:
         """The policy's step components, in the order checkpoints name their states by."""
-        return step_components(self.strategy, self.sampler, self.reward_stage, self.estimator, self.shapers,
-                               self.weights, self.objective, self.updater)
+        return step_components(
+            self.strategy,
+            self.sampler,
+            self.reward_stage,
+            self.estimator,
+            self.shapers,
+            self.weights,
+            self.objective,
+            self.updater,
+        )
 
     def info(self, round_: int = 0) -> StepInfo:
         """What a component is told of the current step (``round_``: the strategy's scoring round)."""
-        return StepInfo(self.step, self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, round_,
-                        total_steps=self.cfg.train.steps, phase="rl", prompt_stats=self.prompt_stats)
+        return StepInfo(
+            self.step,
+            self.cfg.seed,
+            self.cfg.rollout.max_new_tokens,
+            self.world,
+            self.rank,
+            round_,
+            total_steps=self.cfg.train.steps,
+            phase="rl",
+            prompt_stats=self.prompt_stats,
+        )
 
     def _share(self, batch: Rollout) -> Rollout:
         """This rank's groups of the whole batch (the batch itself at world size 1)."""
@@ -78,9 +97,18 @@ class Trainer:
     def collect(self) -> Rollout:
         """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
         ro = self.cfg.rollout
-        ctx = RolloutContext(self.policy, self.sampler, self.reward_stage, lambda rollout: self.needs.fill(rollout, self.round_needs),
-                             lambda i: self.prompts("train", self.train_rows, i), lambda i: self.train_rows[i],
-                             self.info, self.sampling_params, ro.prompts_per_step, ro.group_size)
+        ctx = RolloutContext(
+            self.policy,
+            self.sampler,
+            self.reward_stage,
+            lambda rollout: self.needs.fill(rollout, self.round_needs),
+            lambda i: self.prompts("train", self.train_rows, i),
+            lambda i: self.train_rows[i],
+            self.info,
+            self.sampling_params,
+            ro.prompts_per_step,
+            ro.group_size,
+        )
         batch = self.strategy(ctx)
         # over every scored round: a step whose groups were all dropped still had rewards
         self.finite_reward_frac = ctx.finite_fraction
@@ -106,7 +134,9 @@ class Trainer:
             batch.weight, counted = token_weights(self.weights, batch, info)  # [B,G,T], [B,G,T]
             batch.set_extra("counted", counted, "token")
         for component in self.components():
-            if hasattr(component, "prepare"):  # whole-batch statistics a term needs in every micro-batch (micro-batch invariance)
+            if hasattr(
+                component, "prepare"
+            ):  # whole-batch statistics a term needs in every micro-batch (micro-batch invariance)
                 component.prepare(batch, info)
             if hasattr(component, "step_stats"):
                 self.coefficients.update(component.step_stats())
@@ -129,7 +159,13 @@ class Trainer:
         stats: list[dict[str, float]] = []
         self._entropy = [0.0, 0.0]  # masked sum, count: logged every step
         for epoch in range(cfg.epochs):
-            order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step * 101 + epoch)) if cfg.epochs > 1 or cfg.minibatches > 1 else torch.arange(B)
+            order = (
+                torch.randperm(
+                    B, generator=torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step * 101 + epoch)
+                )
+                if cfg.epochs > 1 or cfg.minibatches > 1
+                else torch.arange(B)
+            )
             for mb_groups in torch.tensor_split(order, cfg.minibatches):
                 batch = rollout.select(mb_groups)
                 if not int(dist.all_reduce_sum(role.objective.loss_mask(batch).sum())):
@@ -138,7 +174,9 @@ class Trainer:
                 norms = role.objective.normalizers(batch, self.info(), dist.all_reduce_sum if self.world > 1 else None)
                 stats.append(role.updater.step(self._closure(batch, norms, role)))
                 if rollout.logp_old is None and batch.logp_old is not None:  # epoch 0 of one mini-batch filled them
-                    rollout.logp_old = torch.zeros_like(batch.logp_old).index_copy(0, mb_groups, batch.logp_old)  # [B,G,T]
+                    rollout.logp_old = torch.zeros_like(batch.logp_old).index_copy(
+                        0, mb_groups, batch.logp_old
+                    )  # [B,G,T]
         row = {key: float(np.nanmean([s.get(key, float("nan")) for s in stats])) for key in stats[0]} if stats else {}
         row["skipped"] = float(sum(s.get("skipped", 0.0) for s in stats))
         row["nonfinite"] = float(sum(s.get("nonfinite", 0.0) for s in stats))
@@ -178,7 +216,9 @@ class Trainer:
                     self._entropy[0] += float(out["entropy"][mb.row_mask].sum())
                     self._entropy[1] += float(mb.row_mask.sum())
             if take_old:
-                mb.logp_old = out["logp"].detach()  # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
+                mb.logp_old = out[
+                    "logp"
+                ].detach()  # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
                 batch.logp_old[start : start + len(groups)] = mb.logp_old
             loss = role.objective.loss(mb, out, norms, self.info(), record=first)
             if loss.requires_grad:
@@ -199,10 +239,16 @@ class Trainer:
         update = self.update(local) if batch.shape[0] else {"loss": 0.0, "skipped": 1.0}  # nothing kept: no step
         row.update(_rollout_stats(local))  # after the update: the old log-probs may come from its first pass
         row.update(_reward_means(batch, self.reward_stage.labels))
-        row.update(self.reward_stage.pop_metrics())  # reward functions' log_metric values, averaged over the step and ranks
+        row.update(
+            self.reward_stage.pop_metrics()
+        )  # reward functions' log_metric values, averaged over the step and ranks
         row.update(update)
-        for role in self.roles if batch.shape[0] else ():  # further roles learn from the same rollouts, behaviour = the policy's log-probs
-            behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)  # [B,G,T]
+        for role in (
+            self.roles if batch.shape[0] else ()
+        ):  # further roles learn from the same rollouts, behaviour = the policy's log-probs
+            behaviour = (
+                batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)
+            )  # [B,G,T]
             stats = self.update(self._share(roles.view(role, batch, behaviour, self.info())), role)
             row.update({f"{role.name}/{k}": v for k, v in stats.items()})
         row.update(self.coefficients)
@@ -212,8 +258,13 @@ class Trainer:
         self.last_batch = batch  # for samples.jsonl
         seconds = time.perf_counter() - t0
         generated = float(dist.all_reduce_sum(local.mask.sum()))
-        row.update(step_seconds=seconds, generation_seconds=t_gen, tokens_per_s=generated / seconds, reward_excluded=self.reward_stage.excluded,
-                   reward_finite_frac=self.finite_reward_frac)
+        row.update(
+            step_seconds=seconds,
+            generation_seconds=t_gen,
+            tokens_per_s=generated / seconds,
+            reward_excluded=self.reward_stage.excluded,
+            reward_finite_frac=self.finite_reward_frac,
+        )
         return row
 
     def score(self, rollout: Rollout, info: StepInfo) -> Rollout:
@@ -242,8 +293,11 @@ class Trainer:
 
     def named_schedules(self) -> dict[str, Any]:
         """Every schedule by ``<component key>.<attribute>``: controller states are matched by name."""
-        return {f"{key}.{attr}": schedule for key, component in self.named_components().items()
-                for attr, schedule in sorted(schedules.scheduled(component).items())}
+        return {
+            f"{key}.{attr}": schedule
+            for key, component in self.named_components().items()
+            for attr, schedule in sorted(schedules.scheduled(component).items())
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The step's state: the step count, the policy, every stateful component and schedule by name,
@@ -251,12 +305,18 @@ class Trainer:
         return {
             "step": self.step,
             "policy": self.policy.state_dict(),
-            "components": {key: c.state_dict() for key, c in self.named_components().items() if hasattr(c, "state_dict")},
-            "schedules": {key: s.state_dict() for key, s in self.named_schedules().items()
-                          if hasattr(s, "state_dict")},
+            "components": {
+                key: c.state_dict() for key, c in self.named_components().items() if hasattr(c, "state_dict")
+            },
+            "schedules": {key: s.state_dict() for key, s in self.named_schedules().items() if hasattr(s, "state_dict")},
             "prompt_stats": self.prompt_stats.state_dict(),
-            "roles": {r.name: {"policy": r.policy.state_dict(), "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in r.components]}
-                      for r in self.roles},
+            "roles": {
+                r.name: {
+                    "policy": r.policy.state_dict(),
+                    "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in r.components],
+                }
+                for r in self.roles
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -266,20 +326,31 @@ class Trainer:
         self.policy.load_state_dict(state["policy"])
         named = {key: c for key, c in self.named_components().items() if hasattr(c, "state_dict")}
         if sorted(named) != sorted(state["components"]):
-            raise ConfigError(f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
-                              f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=...")
+            raise ConfigError(
+                f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
+                f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=..."
+            )
         for key, component in named.items():
             component.load_state_dict(state["components"][key])
         self._load_schedules(state.get("schedules", {}))
         # the values in force before the resumed run's first resolve (a reward scored before it): the last step's
-        last = StepInfo(max(self.step - 1, 0), self.cfg.seed, self.cfg.rollout.max_new_tokens, self.world, self.rank, total_steps=self.cfg.train.steps)
+        last = StepInfo(
+            max(self.step - 1, 0),
+            self.cfg.seed,
+            self.cfg.rollout.max_new_tokens,
+            self.world,
+            self.rank,
+            total_steps=self.cfg.train.steps,
+        )
         for component in self.components():
             for attr, schedule in schedules.scheduled(component).items():
                 setattr(component, attr, schedule.start() if hasattr(schedule, "state_dict") else schedule(last, None))
         if "prompt_stats" in state:
             self.prompt_stats.load_state_dict(state["prompt_stats"])
         if sorted(state.get("roles", {})) != sorted(r.name for r in self.roles):
-            raise ConfigError(f"the checkpoint holds roles {sorted(state.get('roles', {}))}, this configuration builds {[r.name for r in self.roles]}")
+            raise ConfigError(
+                f"the checkpoint holds roles {sorted(state.get('roles', {}))}, this configuration builds {[r.name for r in self.roles]}"
+            )
         for role in self.roles:
             saved = state["roles"][role.name]
             role.policy.load_state_dict(saved["policy"])
@@ -296,9 +367,11 @@ class Trainer:
             return
         stateful = {key: s for key, s in self.named_schedules().items() if hasattr(s, "state_dict")}
         if sorted(stateful) != sorted(saved):
-            raise ConfigError(f"the checkpoint holds the states of the scheduled coefficients {sorted(saved)}, this "
-                              f"configuration schedules {sorted(stateful)} with a stateful controller; resume with the "
-                              f"schedules the run started with, or train into a new folder with out=...")
+            raise ConfigError(
+                f"the checkpoint holds the states of the scheduled coefficients {sorted(saved)}, this "
+                f"configuration schedules {sorted(stateful)} with a stateful controller; resume with the "
+                f"schedules the run started with, or train into a new folder with out=..."
+            )
         for key, schedule in stateful.items():
             try:
                 schedule.load_state_dict(saved[key])
@@ -311,7 +384,9 @@ def _rollout_stats(rollout: Rollout) -> dict[str, float]:
     from groupwise.masked import group_std, masked_mean
 
     valid = dist.all_gather_rows(rollout.group_valid)  # [B,G]
-    rewards = torch.nan_to_num(dist.all_gather_rows(rollout.rewards)).double()  # [B,G] float64: rewards near 3e38 square to inf in float32
+    rewards = torch.nan_to_num(
+        dist.all_gather_rows(rollout.rewards)
+    ).double()  # [B,G] float64: rewards near 3e38 square to inf in float32
     lengths = dist.all_gather_rows(rollout.mask.sum(-1)).float()  # [B,G]
     stats = {
         "groups": valid.shape[0],

@@ -147,7 +147,9 @@ class Rollout:
     info: list[list[dict[str, Any]]] = field(default_factory=list)  # [B][G] side outputs
     ctx: list[list[list[int]]] = field(default_factory=list)  # [B][G] each row's context; empty = the group's prompt
     loss_mask: Tensor | None = None  # [B,G,T] bool, the policy's own tokens within mask; None = all of mask
-    behav_ctx: list[list[list[int]]] = field(default_factory=list)  # [B][G] the context each row was sampled under; [] = its training context
+    behav_ctx: list[list[list[int]]] = field(
+        default_factory=list
+    )  # [B][G] the context each row was sampled under; [] = its training context
     row_flags: dict[str, Tensor] = field(default_factory=dict)  # name -> [B,G] bool
     segment_id: Tensor | None = None  # [B,G,T] int64 segment of each token (a turn), -1 in none
 
@@ -177,7 +179,7 @@ class Rollout:
             return train
         return [[list(c) if c else list(t) for c, t in zip(row, own)] for row, own in zip(self.behav_ctx, train)]
 
-    def under_prompts(self) -> "Rollout":
+    def under_prompts(self) -> Rollout:
         """This batch with every row trained and scored under its group's prompt (``ctx`` cleared); a
         row whose context was another keeps it as the context it was sampled under (``behav_ctx``)."""
         if not self.ctx:
@@ -193,18 +195,22 @@ class Rollout:
 
     def set_flag(self, name: str, value: Tensor) -> None:
         if tuple(value.shape) != tuple(self.actions.shape[:2]) or value.dtype != torch.bool:
-            raise ValueError(f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} bool tensor, got {tuple(value.shape)} {value.dtype}")
+            raise ValueError(
+                f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} bool tensor, got {tuple(value.shape)} {value.dtype}"
+            )
         self.row_flags[name] = value
 
     def set_extra(self, key: str, value: Tensor, level: Level) -> None:
         lead = _LEAD[level]
         if tuple(value.shape[:lead]) != self.actions.shape[:lead] or (level == "segment" and value.dim() != 3):
-            raise ValueError(f"extra {key!r} at level {level} needs leading shape {tuple(self.actions.shape[:lead])}"
-                             f"{' and one segment axis [B,G,S]' if level == 'segment' else ''}, got {tuple(value.shape)}")
+            raise ValueError(
+                f"extra {key!r} at level {level} needs leading shape {tuple(self.actions.shape[:lead])}"
+                f"{' and one segment axis [B,G,S]' if level == 'segment' else ''}, got {tuple(value.shape)}"
+            )
         self.extras[key] = value
         self.extra_levels[key] = level
 
-    def select(self, groups: Tensor | list[int]) -> "Rollout":
+    def select(self, groups: Tensor | list[int]) -> Rollout:
         """A new Rollout with only the given groups (every field sliced by its level, never by name)."""
         idx = torch.as_tensor(groups, dtype=torch.long)
         ids = idx.tolist()
@@ -226,7 +232,7 @@ class Rollout:
     def fields(self) -> list[tuple[str, Any]]:
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
 
-    def pad_tokens(self, T: int) -> "Rollout":
+    def pad_tokens(self, T: int) -> Rollout:
         """A copy whose token-level fields are padded (zeros / False, −1 for ``segment_id``) to ``T`` steps."""
         if self.actions.shape[2] == T:
             return self
@@ -240,14 +246,16 @@ class Rollout:
                 out[name] = v
         return Rollout(**out)
 
-    def pad_segments(self, S: int) -> "Rollout":
+    def pad_segments(self, S: int) -> Rollout:
         """A copy whose segment-level extras are padded (NaN) to ``S`` segments."""
         if all(t.shape[2] >= S for k, t in self.extras.items() if self.extra_levels[k] == "segment"):
             return self
-        extras = {k: _pad_last(t, S, float("nan")) if self.extra_levels[k] == "segment" else t for k, t in self.extras.items()}
+        extras = {
+            k: _pad_last(t, S, float("nan")) if self.extra_levels[k] == "segment" else t for k, t in self.extras.items()
+        }
         return dataclasses.replace(self, extras=extras, extra_levels=dict(self.extra_levels))
 
-    def pad_rows(self, G: int) -> "Rollout":
+    def pad_rows(self, G: int) -> Rollout:
         """A copy with ``G`` row slots per group, the new ones padding (``group_valid`` False, no tokens)."""
         extra = G - self.actions.shape[1]
         if extra <= 0:
@@ -266,13 +274,16 @@ class Rollout:
             elif name == "row_flags":
                 out[name] = {k: pad(t) for k, t in v.items()}
             elif name == "extras":
-                out[name] = {k: (t if self.extra_levels[k] == "group" else pad(t, _EXTRA_FILL[self.extra_levels[k]])) for k, t in v.items()}
+                out[name] = {
+                    k: (t if self.extra_levels[k] == "group" else pad(t, _EXTRA_FILL[self.extra_levels[k]]))
+                    for k, t in v.items()
+                }
             else:
                 out[name] = v
         return Rollout(**out)
 
     @staticmethod
-    def concat(parts: list["Rollout"]) -> "Rollout":
+    def concat(parts: list[Rollout]) -> Rollout:
         """Concatenate along the group axis, padding T, S (and G, with invalid rows) to the longest part."""
         if len(parts) == 1:
             return parts[0]
@@ -292,13 +303,14 @@ class Rollout:
             elif f.name == "row_flags":
                 out[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
             elif f.name == "extras":
-                out[f.name] = {k: torch.cat([_pad_level(p.extras[k], T, p.extra_levels[k]) for p in parts]) for k in vals[0]}
+                out[f.name] = {
+                    k: torch.cat([_pad_level(p.extras[k], T, p.extra_levels[k]) for p in parts]) for k in vals[0]
+                }
             elif f.name == "extra_levels":
                 out[f.name] = dict(vals[0])
         return Rollout(**out)
 
-
-    def join_rows(self, more: "Rollout", groups: list[int]) -> "Rollout":
+    def join_rows(self, more: Rollout, groups: list[int]) -> Rollout:
         """This batch with ``more``'s rows appended to its groups: group ``k`` of ``more`` holds further
         rows of group ``groups[k]`` of this batch; rows that ``more`` sampled under another context
         than their group's prompt keep that context (``ctx``). Every group gets ``more``'s G
@@ -309,11 +321,15 @@ class Rollout:
         T = max(self.shape[2], more.shape[2])
         own = [self.prompt_ids[g] for g in groups]
         if self.ctx or more.ctx or any(list(p) != list(q) for p, q in zip(more.prompt_ids, own)):
-            more = dataclasses.replace(more, ctx=more.row_contexts())  # the new rows keep the context they were sampled under
+            more = dataclasses.replace(
+                more, ctx=more.row_contexts()
+            )  # the new rows keep the context they were sampled under
         a, b = _same_optional_fields([self.pad_tokens(T), more.pad_tokens(T)])
         index = torch.as_tensor(groups, dtype=torch.long)  # [B2]
 
-        def spread(v: Tensor, fill: Any = 0) -> Tensor:  # [B2,G2,...] -> [B,G2,...] with padding rows for uncovered groups
+        def spread(
+            v: Tensor, fill: Any = 0
+        ) -> Tensor:  # [B2,G2,...] -> [B,G2,...] with padding rows for uncovered groups
             out = torch.full((B, *v.shape[1:]), fill, dtype=v.dtype)
             out[index] = v
             return out
@@ -334,14 +350,19 @@ class Rollout:
             elif name == "row_flags":
                 out[name] = {key: torch.cat([t, spread(b.row_flags[key])], dim=1) for key, t in v.items()}
             elif name == "extras":
-                out[name] = {key: (t if a.extra_levels[key] == "group" else
-                                   torch.cat([t, spread(b.extras[key], _EXTRA_FILL[a.extra_levels[key]])], dim=1)) for key, t in v.items()}
+                out[name] = {
+                    key: (
+                        t
+                        if a.extra_levels[key] == "group"
+                        else torch.cat([t, spread(b.extras[key], _EXTRA_FILL[a.extra_levels[key]])], dim=1)
+                    )
+                    for key, t in v.items()
+                }
             else:
                 out[name] = v
         return Rollout(**out)
 
-
-    def regroup(self, rows: list[list[tuple[int, int]]]) -> "Rollout":
+    def regroup(self, rows: list[list[tuple[int, int]]]) -> Rollout:
         """A new batch whose group ``k`` holds the rows ``rows[k]`` (``(b, g)`` pairs of this batch),
         padded to the longest with invalid rows. Group-level fields (prompt, dataset row, meta, group
         extras) come from the group of each new group's first row; every row keeps the context it
@@ -373,37 +394,64 @@ class Rollout:
                 out[name] = [v[b] for b in first] if v else []
             elif name == "ctx":
                 own = [[contexts[b][g] for b, g in r] + [[]] * (J - len(r)) for r in rows]
-                differs = any(list(c) != list(self.prompt_ids[r[0][0]]) for k, r in enumerate(rows) for c in own[k][: len(r)])
+                differs = any(
+                    list(c) != list(self.prompt_ids[r[0][0]]) for k, r in enumerate(rows) for c in own[k][: len(r)]
+                )
                 out[name] = own if differs else []
             elif level == "row" and isinstance(v, list):
                 out[name] = [[v[b][g] for b, g in r] + [copy.copy(fill)] * (J - len(r)) for r in rows] if v else []
             elif name == "row_flags":
                 out[name] = {key: take(t, "row", False) for key, t in v.items()}
             elif name == "extras":
-                out[name] = {key: take(t, self.extra_levels[key], _EXTRA_FILL[self.extra_levels[key]]) for key, t in v.items()}
+                out[name] = {
+                    key: take(t, self.extra_levels[key], _EXTRA_FILL[self.extra_levels[key]]) for key, t in v.items()
+                }
             else:
                 out[name] = v
         return Rollout(**out)
 
 
-INJECTED = "injected"  # row flag: a row not sampled by the policy under its training context (a swapped-in or guided row)
+INJECTED = (
+    "injected"  # row flag: a row not sampled by the policy under its training context (a swapped-in or guided row)
+)
 
 # Each field's level and the value of its padding (a padding row, or a padding token of a token field).
 # "auto": row-level [B,G] or token-level [B,G,T] by the tensor's rank (advantages). Dicts of tensors
 # (row_flags, extras) are handled by their own levels; extra_levels is their declaration.
 _LEVELS: dict[str, tuple[str, Any]] = {
-    "prompt_ids": ("group", None), "prompt_index": ("group", 0), "meta": ("group", None),
-    "actions": ("token", 0), "mask": ("token", False), "loss_mask": ("token", False), "segment_id": ("token", -1),
-    "logp_old": ("token", 0), "logp_ref": ("token", 0), "logp_sampler": ("token", 0), "weight": ("token", 0),
+    "prompt_ids": ("group", None),
+    "prompt_index": ("group", 0),
+    "meta": ("group", None),
+    "actions": ("token", 0),
+    "mask": ("token", False),
+    "loss_mask": ("token", False),
+    "segment_id": ("token", -1),
+    "logp_old": ("token", 0),
+    "logp_ref": ("token", 0),
+    "logp_sampler": ("token", 0),
+    "weight": ("token", 0),
     "advantages": ("auto", 0),
-    "group_valid": ("row", False), "truncated": ("row", False), "rewards": ("row", 0), "reward_parts": ("row", 0),
-    "completions": ("row", ""), "info": ("row", None), "ctx": ("row", []), "behav_ctx": ("row", []),
-    "row_flags": ("row", False), "extras": ("any", None), "extra_levels": ("declaration", None),
+    "group_valid": ("row", False),
+    "truncated": ("row", False),
+    "rewards": ("row", 0),
+    "reward_parts": ("row", 0),
+    "completions": ("row", ""),
+    "info": ("row", None),
+    "ctx": ("row", []),
+    "behav_ctx": ("row", []),
+    "row_flags": ("row", False),
+    "extras": ("any", None),
+    "extra_levels": ("declaration", None),
 }
-_EXTRA_FILL = {"group": 0, "row": 0, "token": 0, "segment": float("nan")}  # a padding row's value in an extra of each level
+_EXTRA_FILL = {
+    "group": 0,
+    "row": 0,
+    "token": 0,
+    "segment": float("nan"),
+}  # a padding row's value in an extra of each level
 
 
-def _same_optional_fields(parts: list["Rollout"]) -> list["Rollout"]:
+def _same_optional_fields(parts: list[Rollout]) -> list[Rollout]:
     """Parts to join where some set an optional field and others do not: the unset ones get its
     default, so nothing is dropped — ``ctx``: each group's prompt; ``loss_mask``: the whole ``mask``;
     ``segment_id``: −1 (no segment); another row list (``behav_ctx``, ``completions``, ``info``): its
@@ -413,12 +461,23 @@ def _same_optional_fields(parts: list["Rollout"]) -> list["Rollout"]:
     for name, (level, fill) in _LEVELS.items():
         if level == "row" and name != "ctx" and isinstance(getattr(parts[0], name), list):
             if any(getattr(p, name) for p in parts) and not all(getattr(p, name) for p in parts):
-                parts = [p if getattr(p, name) else dataclasses.replace(p, **{name: [[copy.copy(fill) for _ in range(p.shape[1])] for _ in range(p.shape[0])]})
-                         for p in parts]
+                parts = [
+                    p
+                    if getattr(p, name)
+                    else dataclasses.replace(
+                        p, **{name: [[copy.copy(fill) for _ in range(p.shape[1])] for _ in range(p.shape[0])]}
+                    )
+                    for p in parts
+                ]
     if any(p.loss_mask is not None for p in parts) and any(p.loss_mask is None for p in parts):
         parts = [p if p.loss_mask is not None else dataclasses.replace(p, loss_mask=p.mask.clone()) for p in parts]
     if any(p.segment_id is not None for p in parts) and any(p.segment_id is None for p in parts):
-        parts = [p if p.segment_id is not None else dataclasses.replace(p, segment_id=torch.full(p.shape, -1, dtype=torch.long)) for p in parts]
+        parts = [
+            p
+            if p.segment_id is not None
+            else dataclasses.replace(p, segment_id=torch.full(p.shape, -1, dtype=torch.long))
+            for p in parts
+        ]
     flags = sorted({k for p in parts for k in p.row_flags})
     if any(set(p.row_flags) != set(flags) for p in parts):
         parts = [dataclasses.replace(p, row_flags={k: p.flag(k) for k in flags}) for p in parts]

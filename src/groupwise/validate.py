@@ -10,7 +10,15 @@ from typing import Any
 from groupwise.errors import ConfigError
 
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,), "list": (list,)}
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "dict": "a table", "list": "an array", "None": "none"}
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "dict": "a table",
+    "list": "an array",
+    "None": "none",
+}
 
 
 def check_type(what: str, annotation: Any, value: Any) -> None:
@@ -35,4 +43,3 @@ def check_type(what: str, annotation: Any, value: Any) -> None:
             return
     wanted = " or ".join(_TYPE_WORDS.get(o, "an array" if o.startswith("tuple[") else o) for o in options)
     raise ConfigError(f"{what} must be {wanted}, got {value!r} ({type(value).__name__})")
-

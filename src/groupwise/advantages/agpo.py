@@ -54,8 +54,15 @@ from groupwise.types import Rollout, StepInfo
 POS_SCALES = ("std", "variance")
 
 
-def agpo_advantages(rewards: Tensor, valid: Tensor, lam_pos: float = 1.0, lam_neg: float = 1.0, eps: float = 1e-8,
-                    pos_scale: str = "std", threshold: float = 0.5) -> Tensor:
+def agpo_advantages(
+    rewards: Tensor,
+    valid: Tensor,
+    lam_pos: float = 1.0,
+    lam_neg: float = 1.0,
+    eps: float = 1e-8,
+    pos_scale: str = "std",
+    threshold: float = 0.5,
+) -> Tensor:
     """[B,G] float64 AGPO advantages of ``rewards`` [B,G] over ``valid`` rows (0 elsewhere)."""
     correct = valid & (rewards >= threshold)  # [B,G]
     n = valid.sum(1, keepdim=True).double()  # [B,1]
@@ -83,7 +90,9 @@ class AGPOAdvantage:
         if self.pos_scale not in POS_SCALES:
             raise ConfigError(f"agpo: pos_scale={self.pos_scale!r}; choose one of {POS_SCALES}")
         if self.eps <= 0:
-            raise ConfigError(f"agpo: eps={self.eps} must be > 0 (it keeps sqrt(p(1-p)) away from 0 in all-correct groups)")
+            raise ConfigError(
+                f"agpo: eps={self.eps} must be > 0 (it keeps sqrt(p(1-p)) away from 0 in all-correct groups)"
+            )
         self._stats: dict[str, float] = {}
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
@@ -92,8 +101,10 @@ class AGPOAdvantage:
         present = valid.any(1)  # [B]
         all_fail = present & ~(valid & (r >= self.threshold)).any(1)  # [B]
         pos = valid & (r >= self.threshold)  # [B,G]
-        self._stats = {"agpo/all_fail_frac": float(all_fail.sum()) / max(int(present.sum()), 1),
-                       "agpo/pos_mean": float(adv[pos].mean()) if pos.any() else float("nan")}
+        self._stats = {
+            "agpo/all_fail_frac": float(all_fail.sum()) / max(int(present.sum()), 1),
+            "agpo/pos_mean": float(adv[pos].mean()) if pos.any() else float("nan"),
+        }
         return to_float32(adv)  # [B,G]
 
     def step_stats(self) -> dict[str, float]:

@@ -54,8 +54,9 @@ are the two steps as functions (spec 27's interface).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -75,15 +76,23 @@ def fpr_rewards(refined: Tensor, init: Tensor) -> Tensor:
     return torch.where(refined <= init, worst, refined)  # [B,G]
 
 
-def per_prompt_advantages(rewards: Tensor, prompt_ids: Sequence[Any], group_mean: Mapping[Any, float] | None = None,
-                          kind: str = "group", eps: float = 1e-4, valid: Tensor | None = None) -> Tensor:
+def per_prompt_advantages(
+    rewards: Tensor,
+    prompt_ids: Sequence[Any],
+    group_mean: Mapping[Any, float] | None = None,
+    kind: str = "group",
+    eps: float = 1e-4,
+    valid: Tensor | None = None,
+) -> Tensor:
     """[N] float64 advantages of flat rewards, normalised per prompt id (module Math); invalid rows 0."""
     if kind not in KINDS:
         raise ValueError(f"per_prompt_advantages: kind={kind!r}; kinds: {', '.join(KINDS)}")
     r = rewards.double().reshape(-1)  # [N]
     ok = torch.isfinite(r) if valid is None else valid.reshape(-1).bool() & torch.isfinite(r)  # [N]
     codes: dict[Any, int] = {}
-    inv = torch.tensor([codes.setdefault(p, len(codes)) for p in prompt_ids], dtype=torch.long)  # [N] prompt code of each row
+    inv = torch.tensor(
+        [codes.setdefault(p, len(codes)) for p in prompt_ids], dtype=torch.long
+    )  # [N] prompt code of each row
     K = len(codes)
     x = torch.where(ok, r, torch.zeros((), dtype=r.dtype))  # [N]
 
@@ -95,8 +104,12 @@ def per_prompt_advantages(rewards: Tensor, prompt_ids: Sequence[Any], group_mean
     dev = torch.where(ok, r - mean[inv], torch.zeros((), dtype=r.dtype))  # [N]
     std = (per_prompt_sum(dev * dev) / count.clamp(min=1)).sqrt()  # [K] population std of each prompt's valid rows
     if kind == "group":
-        high = torch.full((K,), -torch.inf, dtype=r.dtype).scatter_reduce_(0, inv, torch.where(ok, r, -torch.inf), "amax")  # [K]
-        low = torch.full((K,), torch.inf, dtype=r.dtype).scatter_reduce_(0, inv, torch.where(ok, r, torch.inf), "amin")  # [K]
+        high = torch.full((K,), -torch.inf, dtype=r.dtype).scatter_reduce_(
+            0, inv, torch.where(ok, r, -torch.inf), "amax"
+        )  # [K]
+        low = torch.full((K,), torch.inf, dtype=r.dtype).scatter_reduce_(
+            0, inv, torch.where(ok, r, torch.inf), "amin"
+        )  # [K]
         constant = high == low  # [K] Note 2: a constant prompt gets exactly 0
         out = (r - mean[inv]) / (std[inv] + eps)  # [N]
         return torch.where(ok & ~constant[inv], out, torch.zeros((), dtype=r.dtype))  # [N]
@@ -104,7 +117,9 @@ def per_prompt_advantages(rewards: Tensor, prompt_ids: Sequence[Any], group_mean
     missing = [pid for pid, k in codes.items() if count[k] > 0 and (group_mean is None or pid not in group_mean)]
     if missing:
         raise ValueError(f"per_prompt_advantages: kind={kind!r} needs group_mean for prompt {missing[0]!r}")
-    m = torch.tensor([float(group_mean[pid]) if group_mean and pid in group_mean else 0.0 for pid in order], dtype=r.dtype)  # [K]
+    m = torch.tensor(
+        [float(group_mean[pid]) if group_mean and pid in group_mean else 0.0 for pid in order], dtype=r.dtype
+    )  # [K]
     if kind == "group_mean":
         out = (r - m[inv]) / (std[inv] + eps)  # [N]
     else:
@@ -136,15 +151,16 @@ class AlphaGRPOAdvantage:
             raise ValueError(f"alphagrpo: eps={self.eps} must be > 0 (the std may be 0)")
         self.rollout_extras = (self.stage1,) if self.fpr or self.baseline != "group" else ()
 
-
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G] float64, [B,G]
         B, G = r.shape
         s = None
         if self.rollout_extras:
             if self.stage1 not in rollout.extras:
-                raise ValueError(f"alphagrpo: fpr / baseline={self.baseline!r} read the extra {self.stage1!r} (the stage-1 reward per "
-                                 f"group), which this rollout lacks; a reflection rollout collects it")
+                raise ValueError(
+                    f"alphagrpo: fpr / baseline={self.baseline!r} read the extra {self.stage1!r} (the stage-1 reward per "
+                    f"group), which this rollout lacks; a reflection rollout collects it"
+                )
             s = rollout.extras[self.stage1].double().reshape(B, -1).expand(B, G)  # [B,G]
         if self.fpr:
             r = torch.where(valid, fpr_rewards(torch.where(valid, r, torch.zeros(())), s), r)  # [B,G]
@@ -153,5 +169,7 @@ class AlphaGRPOAdvantage:
         gm = None
         if s is not None and self.baseline != "group":
             gm = {k: float(s[[b for b in range(B) if keys[b] == k]].mean()) for k in dict.fromkeys(keys)}
-        adv = per_prompt_advantages(r.reshape(-1), ids, gm, self.baseline, self.eps, valid.reshape(-1)).reshape(B, G)  # [B,G]
+        adv = per_prompt_advantages(r.reshape(-1), ids, gm, self.baseline, self.eps, valid.reshape(-1)).reshape(
+            B, G
+        )  # [B,G]
         return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

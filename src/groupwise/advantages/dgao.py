@@ -83,8 +83,10 @@ class DGAO:
         adv = dgao_advantages(r, self.alpha, valid)  # [B,G] float64
         const = valid & constant_group(torch.nan_to_num(r), valid)  # [B,G]
         has = valid.any(1, keepdim=True)  # [B,1]
-        self._stats = {"dgao/baseline": float(masked_mean(group_mean(torch.nan_to_num(r), valid), has)),
-                       "dgao/constant_adv": float(adv.abs()[const].mean()) if const.any() else 0.0}
+        self._stats = {
+            "dgao/baseline": float(masked_mean(group_mean(torch.nan_to_num(r), valid), has)),
+            "dgao/constant_adv": float(adv.abs()[const].mean()) if const.any() else 0.0,
+        }
         return to_float32(adv)  # [B,G]
 
     def step_stats(self) -> dict[str, float]:

@@ -59,7 +59,9 @@ def _prefix_gains(A: Tensor) -> Tensor:
         n = A.shape[-1]
         K = A[bad] - torch.eye(n, dtype=A.dtype)  # [m,n,n]
         keep = torch.arange(n)[None, :] <= torch.arange(n)[:, None]  # [n,n] row k: the first k+1 players
-        prefix = K[:, None] * (keep[:, :, None] & keep[:, None, :])[None]  # [m,n,n,n] the k-th leading block, zero-padded
+        prefix = (
+            K[:, None] * (keep[:, :, None] & keep[:, None, :])[None]
+        )  # [m,n,n,n] the k-th leading block, zero-padded
         logdet = torch.linalg.eigvalsh(prefix).clamp(min=0.0).log1p().sum(-1)  # [m,n]
         gains[bad] = torch.diff(logdet, dim=-1, prepend=torch.zeros_like(logdet[:, :1]))  # [m,n]
     return gains
@@ -73,8 +75,10 @@ def _subsets(n: int) -> tuple[Tensor, Tensor, Tensor]:
     bit = 2 ** torch.arange(n)  # [n]
     masks = (ids[:, None] & bit[None, :]) > 0  # [2^n,n]
     size = masks.sum(1)  # [2^n]
-    w = torch.tensor([math.factorial(s) * math.factorial(n - s - 1) / math.factorial(n) if s < n else 0.0 for s in range(n + 1)],
-                     dtype=torch.float64)  # [n+1]
+    w = torch.tensor(
+        [math.factorial(s) * math.factorial(n - s - 1) / math.factorial(n) if s < n else 0.0 for s in range(n + 1)],
+        dtype=torch.float64,
+    )  # [n+1]
     weight = torch.where(masks, 0.0, w[size][:, None])  # [2^n,n]
     return masks, ids[:, None] | bit[None, :], weight
 
@@ -143,8 +147,9 @@ def _monte_carlo(K: Tensor, n_perm: int, generator: torch.Generator) -> Tensor:
     return psi / n_perm
 
 
-def shapley_values(phi: Tensor, exact: bool | None = None, n_perm: int = 256, seed: int = 0, exact_max: int = 16
-                   ) -> Tensor:
+def shapley_values(
+    phi: Tensor, exact: bool | None = None, n_perm: int = 256, seed: int = 0, exact_max: int = 16
+) -> Tensor:
     """ψ [G] float64: Shapley values of the players ``phi`` [G,d] in the game v = ``dpp_logvol``.
 
     ``exact`` True: over all subsets; False: ``n_perm`` seeded random orders; None: exact when at
@@ -160,6 +165,8 @@ def shapley_values(phi: Tensor, exact: bool | None = None, n_perm: int = 256, se
         vals = _exact(K)  # [n]
     else:
         vals = _monte_carlo(K, n_perm, torch.Generator().manual_seed(seed))  # [n]
-    tied = torch.zeros(rows.shape[0], dtype=torch.float64).index_add_(0, cls, vals) / torch.bincount(cls).double()  # [u]
+    tied = (
+        torch.zeros(rows.shape[0], dtype=torch.float64).index_add_(0, cls, vals) / torch.bincount(cls).double()
+    )  # [u]
     psi[live] = tied[cls]
     return psi

@@ -60,8 +60,9 @@ https://github.com/EDAS-jd/EDAS, ``verl/trainer/ppo/core_algos.py::_apply_branch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -90,8 +91,16 @@ def answer_classes(answers: list[Any], equiv_fn: Callable[[str, str], bool] | No
     return [cls[a] for a in norm]
 
 
-def edas_shape(adv: Tensor, wrong: Tensor, answers: list[list[Any]], alpha: float = 0.4, beta: float = 0.2, kappa: float = 2.0,
-               equiv_fn: Callable[[str, str], bool] | None = None, valid: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+def edas_shape(
+    adv: Tensor,
+    wrong: Tensor,
+    answers: list[list[Any]],
+    alpha: float = 0.4,
+    beta: float = 0.2,
+    kappa: float = 2.0,
+    equiv_fn: Callable[[str, str], bool] | None = None,
+    valid: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
     """(adv [B,G] float64, stats): ``adv`` [B,G] shaped on the rows of ``wrong`` [B,G] (the set W:
     valid, wrong, format-ok, answered) from their ``answers`` [B][G] (see the module's Math);
     ``valid`` [B,G] only counts the groups the branch shares are over (default: all B)."""
@@ -113,14 +122,19 @@ def edas_shape(adv: Tensor, wrong: Tensor, answers: list[list[Any]], alpha: floa
     C = (surprisal - H) / n_w.clamp(min=2).log()  # [B,G] in [−1, 1], zero-sum over W
     delta = torch.where(K == 1, -beta * S, alpha * S * C)  # [B,G] branch B | branch C
     cap = adv.abs() / kappa  # [B,G]
-    out = torch.where(shaped, adv + delta.sign() * torch.minimum(delta.abs(), cap), adv)  # [B,G] sign kept for kappa > 1
+    out = torch.where(
+        shaped, adv + delta.sign() * torch.minimum(delta.abs(), cap), adv
+    )  # [B,G] sign kept for kappa > 1
     groups = max(int(valid.any(1).sum()) if valid is not None else B, 1)
     some, many = wrong.any(1), n_w[:, 0] >= 2  # [B], [B]
     nan = float("nan")
-    stats = {"edas/groups_b": float((many & (K[:, 0] == 1)).sum()) / groups, "edas/groups_c": float((many & (K[:, 0] > 1)).sum()) / groups,
-             "edas/unique_wrong": float(K[some].mean()) if some.any() else nan,
-             "edas/unique_wrong_frac": float((K[:, 0] / n_w[:, 0])[many].mean()) if many.any() else nan,
-             "edas/clipped_frac": float((shaped & (delta.abs() > cap)).sum()) / max(int(shaped.sum()), 1)}
+    stats = {
+        "edas/groups_b": float((many & (K[:, 0] == 1)).sum()) / groups,
+        "edas/groups_c": float((many & (K[:, 0] > 1)).sum()) / groups,
+        "edas/unique_wrong": float(K[some].mean()) if some.any() else nan,
+        "edas/unique_wrong_frac": float((K[:, 0] / n_w[:, 0])[many].mean()) if many.any() else nan,
+        "edas/clipped_frac": float((shaped & (delta.abs() > cap)).sum()) / max(int(shaped.sum()), 1),
+    }
     return out, stats
 
 
@@ -153,14 +167,18 @@ class EDAS:
 
     def __post_init__(self) -> None:
         if not self.kappa > 1.0:
-            raise ConfigError(f"edas: kappa={self.kappa} must be > 1 (the clip |delta| <= |A|/kappa keeps signs only then); the paper uses 2.0")
+            raise ConfigError(
+                f"edas: kappa={self.kappa} must be > 1 (the clip |delta| <= |A|/kappa keeps signs only then); the paper uses 2.0"
+            )
         if self.alpha < 0 or self.beta < 0:
             raise ConfigError(f"edas: alpha={self.alpha} and beta={self.beta} must be >= 0 (0 turns a branch off)")
         if self.equiv not in EQUIVS:
             raise ConfigError(f"edas: equiv={self.equiv!r}; choose one of {EQUIVS}")
         if self.answers != "completion" and not (self.answers.startswith("info:") and self.answers[5:]):
-            raise ConfigError(f"edas: answers={self.answers!r}; use 'completion' or 'info:COLUMN' (a reward's log_extra column, "
-                              f"e.g. 'info:final_answer' with rewards exact/math log_answer=true)")
+            raise ConfigError(
+                f"edas: answers={self.answers!r}; use 'completion' or 'info:COLUMN' (a reward's log_extra column, "
+                f"e.g. 'info:final_answer' with rewards exact/math log_answer=true)"
+            )
         self._stats: dict[str, float] = {}
 
     def _equiv_fn(self) -> Callable[[str, str], bool] | None:
@@ -176,7 +194,9 @@ class EDAS:
         parts = rollout.reward_parts
         if parts is None or not -parts.shape[-1] <= k < parts.shape[-1]:
             have = "none" if parts is None else parts.shape[-1]
-            raise ConfigError(f"edas: {what}={k} but the rollout has {have} reward_parts columns (one per reward function, in config order)")
+            raise ConfigError(
+                f"edas: {what}={k} but the rollout has {have} reward_parts columns (one per reward function, in config order)"
+            )
         return parts[..., k].double()  # [B,G]
 
     def _answers(self, rollout: Rollout) -> list[list[Any]]:
@@ -191,24 +211,38 @@ class EDAS:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.advantages is None:
-            raise ValueError("edas is a shaper: configure an advantage estimator before it (rollout.advantages is None)")
+            raise ValueError(
+                "edas is a shaper: configure an advantage estimator before it (rollout.advantages is None)"
+            )
         B, G, _ = rollout.shape
         if tuple(rollout.advantages.shape) != (B, G):
-            raise ValueError(f"edas shapes sequence advantages [B,G] = {(B, G)}, got {tuple(rollout.advantages.shape)}; "
-                             f"put token-level shapers after it")
+            raise ValueError(
+                f"edas shapes sequence advantages [B,G] = {(B, G)}, got {tuple(rollout.advantages.shape)}; "
+                f"put token-level shapers after it"
+            )
         valid = rollout.group_valid.bool() & torch.isfinite(rollout.rewards)  # [B,G]
-        score = rollout.rewards.double() if self.correct_part is None else self._part(rollout, self.correct_part, "correct_part")  # [B,G]
+        score = (
+            rollout.rewards.double()
+            if self.correct_part is None
+            else self._part(rollout, self.correct_part, "correct_part")
+        )  # [B,G]
         wrong = valid & ~(score >= self.correct_threshold)  # [B,G] a NaN part is not a correct verdict
         if self.format_part is not None:
             fmt = self._part(rollout, self.format_part, "format_part")  # [B,G]
             wrong = wrong & ~(fmt < 0.5)  # [B,G] NaN: no flag, kept
         answers = self._answers(rollout)
-        answered = torch.tensor([[answers[b][g] is not None for g in range(G)] for b in range(B)], dtype=torch.bool)  # [B,G]
+        answered = torch.tensor(
+            [[answers[b][g] is not None for g in range(G)] for b in range(B)], dtype=torch.bool
+        )  # [B,G]
         if valid.any() and not (answered & valid).any():
-            raise ValueError(f"edas answers={self.answers!r}: no valid row has that info column; set log_answer=true on the "
-                             f"exact/math reward (it logs 'final_answer') or use answers='completion'")
+            raise ValueError(
+                f"edas answers={self.answers!r}: no valid row has that info column; set log_answer=true on the "
+                f"exact/math reward (it logs 'final_answer') or use answers='completion'"
+            )
         adv = finite_or_zero(rollout.advantages.double())  # [B,G]
-        out, self._stats = edas_shape(adv, wrong & answered, answers, self.alpha, self.beta, self.kappa, self._equiv_fn(), valid)  # [B,G]
+        out, self._stats = edas_shape(
+            adv, wrong & answered, answers, self.alpha, self.beta, self.kappa, self._equiv_fn(), valid
+        )  # [B,G]
         return to_float32(torch.where(valid, out, torch.zeros((), dtype=out.dtype)))  # [B,G]
 
     def step_stats(self) -> dict[str, float]:

@@ -44,8 +44,9 @@ the two-phase sequence-level loss: ``losses/f_grpo.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -95,7 +96,9 @@ class FGRPO:
         if self.std not in _DDOF:
             raise ConfigError(f"advantage f_grpo: std must be one of {tuple(_DDOF)}, got {self.std!r}")
         if self.eps < 0 or self.gen_part < 0 or self.rank_part < 0:
-            raise ConfigError(f"advantage f_grpo: eps={self.eps}, gen_part={self.gen_part}, rank_part={self.rank_part} must be >= 0")
+            raise ConfigError(
+                f"advantage f_grpo: eps={self.eps}, gen_part={self.gen_part}, rank_part={self.rank_part} must be >= 0"
+            )
         check_tags(self.cand_tags, "advantage f_grpo: cand_tags", need_open=True)
 
     def use_vocabulary(self, token_text: list[str]) -> None:
@@ -109,26 +112,36 @@ class FGRPO:
             return r, r
         K = parts.shape[-1]
         if max(self.gen_part, self.rank_part) >= K:
-            raise ConfigError(f"advantage f_grpo: gen_part={self.gen_part}, rank_part={self.rank_part} but the rollout has {K} reward columns "
-                              f"(one per entry of `rewards`, in order); e.g. rewards = [\"recall_at_k\", \"ndcg_at_k\"]")
+            raise ConfigError(
+                f"advantage f_grpo: gen_part={self.gen_part}, rank_part={self.rank_part} but the rollout has {K} reward columns "
+                f'(one per entry of `rewards`, in order); e.g. rewards = ["recall_at_k", "ndcg_at_k"]'
+            )
         return parts[..., self.gen_part].double(), parts[..., self.rank_part].double()  # [B,G], [B,G]
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if self._token_text is None:
-            raise ValueError("advantage f_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
+            raise ValueError(
+                "advantage f_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+            )
         B, G, T = rollout.shape
         _, valid = valid_rows(rollout)  # [B,G]
         r_gen, r_rank = self._phase_rewards(rollout)  # [B,G], [B,G]
         ok_gen, ok_rank = valid & torch.isfinite(r_gen), valid & torch.isfinite(r_rank)  # [B,G]
-        A_gen = group_normalize(torch.nan_to_num(r_gen), ok_gen, "group", _DDOF[self.std], self.eps)  # [B,G] 0 outside ok_gen
+        A_gen = group_normalize(
+            torch.nan_to_num(r_gen), ok_gen, "group", _DDOF[self.std], self.eps
+        )  # [B,G] 0 outside ok_gen
         A_rank = group_normalize(torch.nan_to_num(r_rank), ok_rank, "group", _DDOF[self.std], self.eps)  # [B,G]
         mask = rollout.row_mask & valid[..., None]  # [B,G,T]
-        phase = phase_ids(rollout.actions.reshape(B * G, T), mask.reshape(B * G, T), self._token_text, self.cand_tags).reshape(B, G, T)  # [B,G,T]
+        phase = phase_ids(
+            rollout.actions.reshape(B * G, T), mask.reshape(B * G, T), self._token_text, self.cand_tags
+        ).reshape(B, G, T)  # [B,G,T]
         adv = torch.where(phase == 0, A_gen[..., None], self.rank_coef * A_rank[..., None])  # [B,G,T] float64
         adv = to_float32(torch.where(mask, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G,T]
         n_tok, both = int(mask.sum()), valid & (A_gen != 0) & (A_rank != 0)  # [], [B,G]
-        self._stats = {"f_grpo/gen_share": float((phase == 0).sum()) / n_tok if n_tok else 0.0,
-                       "f_grpo/disagree": float((both & (A_gen.sign() != A_rank.sign())).sum()) / max(1, int(valid.sum()))}
+        self._stats = {
+            "f_grpo/gen_share": float((phase == 0).sum()) / n_tok if n_tok else 0.0,
+            "f_grpo/disagree": float((both & (A_gen.sign() != A_rank.sign())).sum()) / max(1, int(valid.sum())),
+        }
         return adv  # [B,G,T]
 
     def step_stats(self) -> dict[str, float]:

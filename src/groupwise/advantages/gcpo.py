@@ -100,9 +100,19 @@ def quality_weights(r: Tensor, valid: Tensor, quality: str = "clip") -> Tensor:
     return torch.where(valid, r - torch.where(torch.isfinite(low), low, 0.0), 0.0)  # [B,G]
 
 
-def gcpo_advantages(embeds: Tensor, rewards: Tensor, valid: Tensor | None = None, mix: float = 1.0, exact: bool | None = None,
-                    n_perm: int = 256, seeds: list[int] | None = None, ddof: int = 0, eps: float = 1e-6,
-                    exact_max: int = 16, quality: str = "clip") -> tuple[Tensor, Tensor]:
+def gcpo_advantages(
+    embeds: Tensor,
+    rewards: Tensor,
+    valid: Tensor | None = None,
+    mix: float = 1.0,
+    exact: bool | None = None,
+    n_perm: int = 256,
+    seeds: list[int] | None = None,
+    ddof: int = 0,
+    eps: float = 1e-6,
+    exact_max: int = 16,
+    quality: str = "clip",
+) -> tuple[Tensor, Tensor]:
     """(A [B,G] float64, v(N) [B]) from ``embeds`` [B,G,d] and ``rewards`` [B,G] (see the Math);
     ``valid`` [B,G] defaults to finite rewards; ``seeds`` [B] seed each group's Monte-Carlo orders."""
     r = rewards.double()  # [B,G]
@@ -112,7 +122,11 @@ def gcpo_advantages(embeds: Tensor, rewards: Tensor, valid: Tensor | None = None
     q = quality_weights(r, valid, quality)  # [B,G]
     phi = q[..., None] * e  # [B,G,d]
     B = r.shape[0]
-    psi = torch.stack([shapley_values(phi[b], exact, n_perm, seeds[b] if seeds else b, exact_max) for b in range(B)]) if B else q  # [B,G]
+    psi = (
+        torch.stack([shapley_values(phi[b], exact, n_perm, seeds[b] if seeds else b, exact_max) for b in range(B)])
+        if B
+        else q
+    )  # [B,G]
     team = torch.stack([dpp_logvol(phi[b][q[b] > 0]) for b in range(B)]) if B else q.new_zeros(0)  # [B]
     adv = group_normalize(psi, valid, "group", ddof, eps)  # [B,G]
     if mix != 1.0:
@@ -149,12 +163,16 @@ class GCPOAdvantage:
         if self.std not in _DDOF:
             raise ConfigError(f"gcpo: std={self.std!r}; choose one of {tuple(_DDOF)}")
         if not 0.0 <= self.mix <= 1.0:
-            raise ConfigError(f"gcpo: mix={self.mix} must be in [0, 1] (1 = pure Shapley credit, 0 = GRPO's normalised reward)")
+            raise ConfigError(
+                f"gcpo: mix={self.mix} must be in [0, 1] (1 = pure Shapley credit, 0 = GRPO's normalised reward)"
+            )
         for name, low in (("ngram", 1), ("dim", 1), ("n_perm", 1), ("exact_max", 1), ("layer", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"gcpo: {name}={getattr(self, name)} must be >= {low}")
         if self.exact_max > 16:
-            raise ConfigError(f"gcpo: exact_max={self.exact_max} would solve 2^{self.exact_max} subsets per group; use <= 16 (Monte-Carlo above)")
+            raise ConfigError(
+                f"gcpo: exact_max={self.exact_max} would solve 2^{self.exact_max} subsets per group; use <= 16 (Monte-Carlo above)"
+            )
         if self.eps < 0:
             raise ConfigError(f"gcpo: eps={self.eps} must be >= 0")
         self._stats: dict[str, float] = {}
@@ -173,10 +191,14 @@ class GCPOAdvantage:
         if self.embedding == "ngram":
             if not rollout.completions:
                 raise ValueError("gcpo embedding='ngram' needs rollout.completions (the decoded texts)")
-            return ngram_embeddings([t for row in rollout.completions for t in row], self.ngram, self.dim).reshape(B, G, -1)
+            return ngram_embeddings([t for row in rollout.completions for t in row], self.ngram, self.dim).reshape(
+                B, G, -1
+            )
         key = Need(f"hidden({self.layer})", model="ref").key
         if key not in rollout.extras:
-            raise ValueError(f"gcpo embedding='hidden' needs rollout.extras[{key!r}] (declared in its needs); extras present: {sorted(rollout.extras)}")
+            raise ValueError(
+                f"gcpo embedding='hidden' needs rollout.extras[{key!r}] (declared in its needs); extras present: {sorted(rollout.extras)}"
+            )
         m = rollout.mask.double()[..., None]  # [B,G,T,1]
         return (rollout.extras[key].double() * m).sum(2) / m.sum(2).clamp(min=1)  # [B,G,H] mean over completion tokens
 
@@ -186,13 +208,28 @@ class GCPOAdvantage:
         exact = {"auto": None, "exact": True, "mc": False}[self.shapley]
         ids = rollout.prompt_index.tolist()  # [B]
         seeds = [sample_seed(info.seed, info.step, int(ids[b]), b) for b in range(B)]
-        adv, team = gcpo_advantages(self._embeddings(rollout), r, valid, self.mix, exact, self.n_perm, seeds,
-                                    _DDOF[self.std], self.eps, self.exact_max, self.quality)
+        adv, team = gcpo_advantages(
+            self._embeddings(rollout),
+            r,
+            valid,
+            self.mix,
+            exact,
+            self.n_perm,
+            seeds,
+            _DDOF[self.std],
+            self.eps,
+            self.exact_max,
+            self.quality,
+        )
         present = valid.any(1)  # [B]
         texts = rollout.completions or [[""] * G for _ in range(B)]
-        distinct = [len({texts[b][g].strip() for g in range(G) if valid[b, g] and r[b, g] > 0}) for b in range(B) if present[b]]
-        self._stats = {"gcpo/team_value": float(team[present].mean()) if present.any() else float("nan"),
-                       "gcpo/distinct_correct": sum(distinct) / len(distinct) if distinct else float("nan")}
+        distinct = [
+            len({texts[b][g].strip() for g in range(G) if valid[b, g] and r[b, g] > 0}) for b in range(B) if present[b]
+        ]
+        self._stats = {
+            "gcpo/team_value": float(team[present].mean()) if present.any() else float("nan"),
+            "gcpo/distinct_correct": sum(distinct) / len(distinct) if distinct else float("nan"),
+        }
         return to_float32(adv)  # [B,G]
 
     def step_stats(self) -> dict[str, float]:

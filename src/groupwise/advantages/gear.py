@@ -82,8 +82,15 @@ def sequence_z(d: Tensor, mask: Tensor) -> Tensor:
     return torch.where(ok & spread, z, torch.zeros((), dtype=z.dtype))  # [N,T]
 
 
-def gear_segments(d: Tensor, entropy: Tensor, mask: Tensor, kappa: float = 1.0, h_tau: float = float("inf"),
-                  segments: bool = True, gap_is_boundary: bool = True) -> Tensor:
+def gear_segments(
+    d: Tensor,
+    entropy: Tensor,
+    mask: Tensor,
+    kappa: float = 1.0,
+    h_tau: float = float("inf"),
+    segments: bool = True,
+    gap_is_boundary: bool = True,
+) -> Tensor:
     """[N,T] long: the anchor index of each token (its segment's spike, or itself); −1 outside ``mask``."""
     mask = mask.bool()  # [N,T]
     N, T = d.shape
@@ -101,8 +108,15 @@ def gear_segments(d: Tensor, entropy: Tensor, mask: Tensor, kappa: float = 1.0, 
     return torch.where(mask, anchor, torch.full_like(pos, -1))  # [N,T]
 
 
-def gear_weights(d: Tensor, anchor_index: Tensor, seq_adv: Tensor, alpha: float = 0.5, w_min: float = 0.1,
-                 w_max: float = 3.0, renorm: bool = False) -> Tensor:
+def gear_weights(
+    d: Tensor,
+    anchor_index: Tensor,
+    seq_adv: Tensor,
+    alpha: float = 0.5,
+    w_min: float = 0.1,
+    w_max: float = 3.0,
+    renorm: bool = False,
+) -> Tensor:
     """[N,T] weights w = clip(1 + alpha·sgn·z*, w_min, w_max); ``seq_adv`` [N] (or [N,T]); 0 outside the mask."""
     mask = anchor_index >= 0  # [N,T]
     z = sequence_z(d, mask)  # [N,T]
@@ -124,7 +138,9 @@ def entropy_threshold(entropy: Tensor, mask: Tensor, q: float) -> float:
 
 def _extra(rollout: Rollout, key: str) -> Tensor:
     if key not in rollout.extras:
-        raise ValueError(f"gear needs rollout.extras[{key!r}] (declared in gear.needs); extras present: {sorted(rollout.extras)}")
+        raise ValueError(
+            f"gear needs rollout.extras[{key!r}] (declared in gear.needs); extras present: {sorted(rollout.extras)}"
+        )
     return rollout.extras[key].float()  # [B,G,T]
 
 
@@ -171,7 +187,9 @@ class GEAR:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.advantages is None:
-            raise ValueError("gear is a shaper: configure an advantage estimator before it (rollout.advantages is None)")
+            raise ValueError(
+                "gear is a shaper: configure an advantage estimator before it (rollout.advantages is None)"
+            )
         B, G, T = rollout.shape
         adv = finite_or_zero(rollout.advantages.float())  # [B,G] or [B,G,T]
         if adv.shape not in ((B, G), (B, G, T)):
@@ -183,8 +201,12 @@ class GEAR:
         d = self._token_divergence(rollout).reshape(B * G, T)  # [N,T]
         H = _extra(rollout, "entropy").reshape(B * G, T)  # [N,T]
         h_tau = self.h_tau if self.h_tau is not None else entropy_threshold(H, mask.reshape(B * G, T), self.h_quantile)
-        anchor = gear_segments(d, H, mask.reshape(B * G, T), self.kappa, h_tau, self.segments, self.gap_is_boundary)  # [N,T]
+        anchor = gear_segments(
+            d, H, mask.reshape(B * G, T), self.kappa, h_tau, self.segments, self.gap_is_boundary
+        )  # [N,T]
         seq_adv = adv.reshape(B * G) if adv.dim() == 2 else adv.reshape(B * G, T)  # [N] or [N,T]
         w = gear_weights(d, anchor, seq_adv, self.alpha, self.w_min, self.w_max, self.renorm)  # [N,T]
-        out = to_float32((seq_adv if seq_adv.dim() == 2 else seq_adv[:, None]).double() * w.double())  # [N,T] A·w ≤ 3·A can pass 3.4e38
+        out = to_float32(
+            (seq_adv if seq_adv.dim() == 2 else seq_adv[:, None]).double() * w.double()
+        )  # [N,T] A·w ≤ 3·A can pass 3.4e38
         return torch.where(mask, out.reshape(B, G, T), torch.zeros((), dtype=out.dtype))  # [B,G,T]

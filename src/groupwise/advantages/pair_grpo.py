@@ -86,7 +86,9 @@ def disjoint_pairs(keys: Tensor, valid: Tensor) -> Tensor:
     """[B,P,2] long, P = G // 2: the valid rows in key order (position breaks ties) paired in turn; −1 = no pair."""
     B, G = keys.shape
     by_key = torch.sort(keys, dim=1, stable=True).indices  # [B,G]
-    order = by_key.gather(1, torch.sort((~valid).gather(1, by_key).to(torch.int8), dim=1, stable=True).indices)  # [B,G] valid rows first
+    order = by_key.gather(
+        1, torch.sort((~valid).gather(1, by_key).to(torch.int8), dim=1, stable=True).indices
+    )  # [B,G] valid rows first
     P = G // 2
     pairs = torch.stack([order[:, 0 : 2 * P : 2], order[:, 1 : 2 * P : 2]], dim=-1)  # [B,P,2]
     exists = (2 * torch.arange(P) + 1)[None, :] < valid.sum(1, keepdim=True)  # [B,P] both members valid
@@ -130,14 +132,21 @@ def win_rates(scores: Tensor, valid: Tensor) -> Tensor:
     s = scores.double()  # [B,G]
     G = s.shape[1]
     both = valid[:, :, None] & valid[:, None, :] & ~torch.eye(G, dtype=torch.bool)  # [B,G,G]
-    wins = torch.where(both, 0.5 * (1 + torch.sign(s[:, :, None] - s[:, None, :])), torch.zeros((), dtype=s.dtype))  # [B,G,G]
+    wins = torch.where(
+        both, 0.5 * (1 + torch.sign(s[:, :, None] - s[:, None, :])), torch.zeros((), dtype=s.dtype)
+    )  # [B,G,G]
     n = both.sum(2)  # [B,G]
     r = torch.where(n > 0, wins.sum(2) / n.clamp(min=1), torch.full((), 0.5, dtype=s.dtype))  # [B,G]
     return torch.where(valid, r, torch.zeros((), dtype=r.dtype))  # [B,G]
 
 
-def pairwise_binary_rewards(scores: Tensor, pairing: str = "random", generator: torch.Generator | None = None,
-                            valid: Tensor | None = None, pairs: Tensor | None = None) -> Tensor:
+def pairwise_binary_rewards(
+    scores: Tensor,
+    pairing: str = "random",
+    generator: torch.Generator | None = None,
+    valid: Tensor | None = None,
+    pairs: Tensor | None = None,
+) -> Tensor:
     """The spec's interface: [B,G] float32 binary pairwise rewards of ``scores`` [B,G]. ``random`` pairs
     the rows by keys drawn from ``generator`` unless ``pairs`` [B,P,2] are given; ``all`` gives win rates."""
     valid = torch.isfinite(scores) if valid is None else valid & torch.isfinite(scores)  # [B,G]
@@ -156,8 +165,10 @@ def rollout_pairs(rollout: Rollout, info: StepInfo, valid: Tensor, pairing: str)
     if pairing == "all":
         return all_pairs(valid)
     if rollout.shape[1] % 2:
-        raise ConfigError(f"pairing='random' needs an even group size (the spec's disjoint pairs), got G={rollout.shape[1]}; "
-                          f"set rollout.group_size even or use pairing='all'")
+        raise ConfigError(
+            f"pairing='random' needs an even group size (the spec's disjoint pairs), got G={rollout.shape[1]}; "
+            f"set rollout.group_size even or use pairing='all'"
+        )
     return disjoint_pairs(row_keys(rollout, info), valid)
 
 

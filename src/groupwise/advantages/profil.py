@@ -44,7 +44,8 @@ offline labelling pass).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -55,7 +56,9 @@ SCORE_MODES = ("mean_flag", "max", "mean_prob")
 def profil_filter(adv: Tensor, rollout_scores: Tensor, tau: float = 0.5, only_positive: bool = False) -> Tensor:
     """adv float32 with 0 where the rollout's score exceeds ``tau`` (only where adv > 0 if ``only_positive``)."""
     if tuple(adv.shape[: rollout_scores.dim()]) != tuple(rollout_scores.shape):
-        raise ValueError(f"profil_filter: rollout_scores {tuple(rollout_scores.shape)} must be the leading shape of adv {tuple(adv.shape)}")
+        raise ValueError(
+            f"profil_filter: rollout_scores {tuple(rollout_scores.shape)} must be the leading shape of adv {tuple(adv.shape)}"
+        )
     flag = rollout_scores > tau  # [N]
     flag = flag.reshape(*flag.shape, *([1] * (adv.dim() - flag.dim())))  # [N] or [N,1] for token advantages
     if only_positive:
@@ -72,7 +75,9 @@ def committed_steps(forced_answers: list, final: Any, equal: Callable[[Any, Any]
 def commitment_labels(forced_answers: list, final: Any, equal: Callable[[Any, Any], bool] | None = None) -> Tensor:
     """[K] float32 post-commitment labels: 1 where some earlier step was already committed."""
     committed = committed_steps(forced_answers, final, equal)  # [K]
-    before = torch.cat([torch.zeros(1, dtype=torch.bool), committed[:-1]]) if len(committed) else committed  # [K] step k−1
+    before = (
+        torch.cat([torch.zeros(1, dtype=torch.bool), committed[:-1]]) if len(committed) else committed
+    )  # [K] step k−1
     return (torch.cumsum(before.long(), 0) > 0).float()  # [K]
 
 
@@ -91,7 +96,9 @@ class AttnProbe(nn.Module):
     def probe_scores(self, hidden: Tensor, step_ids: Tensor) -> Tensor:
         """p [N,K] float32 in (0,1) per step (K = max step id + 1); NaN where a row lacks step k."""
         if hidden.dim() != 3 or step_ids.shape != hidden.shape[:2]:
-            raise ValueError(f"probe_scores: need hidden [N,T,d] and step_ids [N,T], got {tuple(hidden.shape)} and {tuple(step_ids.shape)}")
+            raise ValueError(
+                f"probe_scores: need hidden [N,T,d] and step_ids [N,T], got {tuple(hidden.shape)} and {tuple(step_ids.shape)}"
+            )
         hidden = hidden.float()  # [N,T,d]
         K = int(step_ids.max().item()) + 1 if step_ids.numel() else 0
         member = step_ids[:, None, :] == torch.arange(K)[None, :, None]  # [N,K,T]
@@ -121,15 +128,20 @@ def rollout_score(p: Tensor, mode: str = "mean_flag", threshold: float = 0.5) ->
     present = ~torch.isnan(p)  # [N,K]
     n = present.sum(-1)  # [N]
     if mode == "max":
-        s = torch.where(present, p, torch.zeros((), dtype=p.dtype)).amax(-1) if p.shape[-1] else torch.zeros(p.shape[0])  # [N]
+        s = (
+            torch.where(present, p, torch.zeros((), dtype=p.dtype)).amax(-1) if p.shape[-1] else torch.zeros(p.shape[0])
+        )  # [N]
     else:
-        x = (p > threshold).float() if mode == "mean_flag" else torch.where(present, p, torch.zeros((), dtype=p.dtype))  # [N,K]
+        x = (
+            (p > threshold).float() if mode == "mean_flag" else torch.where(present, p, torch.zeros((), dtype=p.dtype))
+        )  # [N,K]
         s = x.sum(-1) / n.clamp(min=1)  # [N]; NaN > threshold is False, so absent steps add 0
     return torch.where(n > 0, s, torch.zeros((), dtype=s.dtype)).float()  # [N]
 
 
-def segment_steps(tokens: list[str] | str, offsets: list[tuple[int, int]] | None = None, pad_to: int | None = None,
-                  sep: str = "\n") -> Tensor:
+def segment_steps(
+    tokens: list[str] | str, offsets: list[tuple[int, int]] | None = None, pad_to: int | None = None, sep: str = "\n"
+) -> Tensor:
     """step_ids [T] int64 by ``sep`` boundaries (module note 3; default newlines); -1 = no step (and padding).
 
     ``tokens``: the decoded text of each token, or the completion text with ``offsets`` (a
@@ -154,7 +166,9 @@ def segment_steps(tokens: list[str] | str, offsets: list[tuple[int, int]] | None
     char_step, step, line_start = [-1] * len(text), -1, 0
     for end in ends + [len(text)]:
         body = text[line_start:end]
-        if (body[: -len(sep)] if body.endswith(sep) else body).strip():  # visible text besides sep: a step, its sep included
+        if (
+            body[: -len(sep)] if body.endswith(sep) else body
+        ).strip():  # visible text besides sep: a step, its sep included
             step += 1
             char_step[line_start:end] = [step] * (end - line_start)
         line_start = end

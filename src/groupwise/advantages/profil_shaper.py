@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupwise.masked import finite_or_zero
 from groupwise.advantages.profil import SCORE_MODES, AttnProbe, profil_filter, rollout_score, segment_steps
 from groupwise.errors import ConfigError
+from groupwise.masked import finite_or_zero
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
 
@@ -89,39 +89,58 @@ class ProFIL:
 
     def use_artifact(self, name: str, value: dict) -> None:
         if value.get("layer") != self.layer:
-            raise ConfigError(f"advantage profil: layer={self.layer}, but the artifact {name!r} holds a probe trained on layer {value.get('layer')}; "
-                              f"set advantage.shapers.profil.layer={value.get('layer')} (or the phase's layer to {self.layer})")
+            raise ConfigError(
+                f"advantage profil: layer={self.layer}, but the artifact {name!r} holds a probe trained on layer {value.get('layer')}; "
+                f"set advantage.shapers.profil.layer={value.get('layer')} (or the phase's layer to {self.layer})"
+            )
         probe = AttnProbe(int(value["d_model"]), int(value["n_heads"]), int(value["d_head"]))
         probe.load_state_dict(value["state"])
-        self._probe, self._sep, self._token_text = probe.eval().requires_grad_(False), value["sep"], list(value["token_text"])
+        self._probe, self._sep, self._token_text = (
+            probe.eval().requires_grad_(False),
+            value["sep"],
+            list(value["token_text"]),
+        )
 
     def _scores(self, rollout: Rollout) -> Tensor:
         """S [B,G] float32: each rollout's probe score."""
         if self._probe is None:
-            raise ValueError("advantage profil has no probe: configure the offline phase profil_probe (phases = [..., {name = \"profil_probe\"}])")
+            raise ValueError(
+                'advantage profil has no probe: configure the offline phase profil_probe (phases = [..., {name = "profil_probe"}])'
+            )
         key = Need(f"hidden({self.layer})", model="ref").key
         if key not in rollout.extras:
-            raise ValueError(f"advantage profil needs rollout.extras[{key!r}] (declared in its needs); extras present: {sorted(rollout.extras)}")
+            raise ValueError(
+                f"advantage profil needs rollout.extras[{key!r}] (declared in its needs); extras present: {sorted(rollout.extras)}"
+            )
         B, G, T = rollout.shape
         hidden = rollout.extras[key].reshape(B * G, T, -1)  # [N,T,d]
-        ids = rollout_step_ids(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, self._sep)  # [N,T]
+        ids = rollout_step_ids(
+            rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, self._sep
+        )  # [N,T]
         with torch.no_grad():
             p = self._probe.probe_scores(hidden, ids)  # [N,K]
         return rollout_score(p, self.mode, self.threshold).reshape(B, G)  # [B,G]
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.advantages is None:
-            raise ValueError("profil is a shaper: configure an advantage estimator before it (rollout.advantages is None)")
+            raise ValueError(
+                "profil is a shaper: configure an advantage estimator before it (rollout.advantages is None)"
+            )
         B, G, _ = rollout.shape
         adv = finite_or_zero(rollout.advantages.float())  # [B,G] or [B,G,T]
         valid = rollout.group_valid.bool()  # [B,G]
         if rollout.rewards is not None:
             valid = valid & torch.isfinite(rollout.rewards)  # [B,G]
         S = torch.where(valid, self._scores(rollout), torch.zeros(()))  # [B,G]
-        out = profil_filter(adv.reshape(B * G, *adv.shape[2:]), S.reshape(B * G), self.tau, self.only_positive).reshape(adv.shape)  # [B,G] / [B,G,T]
+        out = profil_filter(adv.reshape(B * G, *adv.shape[2:]), S.reshape(B * G), self.tau, self.only_positive).reshape(
+            adv.shape
+        )  # [B,G] / [B,G,T]
         out = torch.where(valid if adv.dim() == 2 else valid[..., None], out, torch.zeros(()))  # excluded rows: 0
         n, flagged = int(valid.sum()), (S > self.tau) & valid  # [B,G]
-        self._stats = {"profil/flagged": float(flagged.sum()) / n if n else 0.0, "profil/score": float(S[valid].mean()) if n else 0.0}
+        self._stats = {
+            "profil/flagged": float(flagged.sum()) / n if n else 0.0,
+            "profil/score": float(S[valid].mean()) if n else 0.0,
+        }
         return out  # [B,G] or [B,G,T]
 
     def step_stats(self) -> dict[str, float]:

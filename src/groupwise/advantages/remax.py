@@ -49,7 +49,9 @@ class ReMaxAdvantage:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if "baseline_reward" not in rollout.extras:
-            raise ValueError("advantage 'remax' needs rollout.extras['baseline_reward'], which rollout.name='remax' collects")
+            raise ValueError(
+                "advantage 'remax' needs rollout.extras['baseline_reward'], which rollout.name='remax' collects"
+            )
         r, valid = valid_rows(rollout)  # [B,G], [B,G] float64
         baseline = rollout.extras["baseline_reward"].double()[:, None]  # [B,1]
         keep = valid & torch.isfinite(baseline)  # [B,G] rows with a sample and a baseline

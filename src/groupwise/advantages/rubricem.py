@@ -52,8 +52,9 @@ without a verdict from stage k's judge do not enter its statistics; std populati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,19 +69,27 @@ _DDOF = {"unbiased": 1, "population": 0}
 OUTSIDE = ("final", "zero", "mean")
 
 
-def stage_masks(actions: Tensor, mask: Tensor, token_text: Sequence[str], stage_tags: Sequence[Sequence[str]]) -> Tensor:
+def stage_masks(
+    actions: Tensor, mask: Tensor, token_text: Sequence[str], stage_tags: Sequence[Sequence[str]]
+) -> Tensor:
     """The spec's interface: actions, mask [N,T] -> [N,K,T] bool, token t of row n inside stage k's tags."""
     seg = segment_ids(actions, mask, token_text, stage_tags)  # [N,T] k+1 inside stage k, 0 other, -1 off the mask
     K = len(stage_tags)
     return seg[:, None, :] == torch.arange(1, K + 1)[None, :, None]  # [N,K,T]
 
 
-def ss_grpo_advantages(scores: Tensor, valid: Tensor, mix_final: float = 0.0, final: int = -1, ddof: int = 0,
-                       eps: float = 1e-6) -> Tensor:
+def ss_grpo_advantages(
+    scores: Tensor, valid: Tensor, mix_final: float = 0.0, final: int = -1, ddof: int = 0, eps: float = 1e-6
+) -> Tensor:
     """The spec's interface: stage scores [B,G,K] (valid [B,G,K] bool: rows with a verdict) -> A [B,G,K] float64 (Math)."""
     K = scores.shape[-1]
-    adv = torch.stack([group_normalize(torch.nan_to_num(scores[..., k].double()), valid[..., k], "group", ddof, eps)
-                       for k in range(K)], dim=-1)  # [B,G,K]
+    adv = torch.stack(
+        [
+            group_normalize(torch.nan_to_num(scores[..., k].double()), valid[..., k], "group", ddof, eps)
+            for k in range(K)
+        ],
+        dim=-1,
+    )  # [B,G,K]
     adv = torch.where(valid, adv, torch.zeros((), dtype=adv.dtype))  # [B,G,K]
     if mix_final:
         adv = (1.0 - mix_final) * adv + mix_final * adv[..., final : final + 1 or None]  # [B,G,K]
@@ -115,16 +124,24 @@ class RubricEMAdvantage:
 
     def __post_init__(self) -> None:
         if isinstance(self.stage_tags, str) or not self.stage_tags:
-            raise ConfigError(f"advantage rubricem: stage_tags must be a non-empty list of [open, close] pairs, got {self.stage_tags!r}")
+            raise ConfigError(
+                f"advantage rubricem: stage_tags must be a non-empty list of [open, close] pairs, got {self.stage_tags!r}"
+            )
         for k, tags in enumerate(self.stage_tags):
             check_tags(tags, f"advantage rubricem: stage_tags[{k}]", need_open=True)
         K = len(self.stage_tags)
-        if self.stage_parts and (len(self.stage_parts) != K or not all(isinstance(c, int) and c >= 0 for c in self.stage_parts)):
-            raise ConfigError(f"advantage rubricem: stage_parts={self.stage_parts!r} must list one reward column index (>= 0) per stage ({K}), or be [] for 0..{K - 1}")
+        if self.stage_parts and (
+            len(self.stage_parts) != K or not all(isinstance(c, int) and c >= 0 for c in self.stage_parts)
+        ):
+            raise ConfigError(
+                f"advantage rubricem: stage_parts={self.stage_parts!r} must list one reward column index (>= 0) per stage ({K}), or be [] for 0..{K - 1}"
+            )
         if not 0.0 <= self.mix_final <= 1.0:
             raise ConfigError(f"advantage rubricem: mix_final={self.mix_final} must be in [0, 1]")
         if not -K <= self.final < K:
-            raise ConfigError(f"advantage rubricem: final={self.final} must index one of the {K} stages (-{K}..{K - 1})")
+            raise ConfigError(
+                f"advantage rubricem: final={self.final} must index one of the {K} stages (-{K}..{K - 1})"
+            )
         if self.outside not in OUTSIDE:
             raise ConfigError(f"advantage rubricem: outside must be one of {OUTSIDE}, got {self.outside!r}")
         if self.std not in _DDOF:
@@ -139,27 +156,37 @@ class RubricEMAdvantage:
         """(scores [B,G,K] float64, valid [B,G,K] bool) from ``reward_parts`` (Note 3 without it)."""
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
         K = len(self.stage_tags)
-        if rollout.reward_parts is None or (rollout.reward_parts.shape[-1] == 1 and not self.stage_parts):  # one reward (Note 3)
+        if rollout.reward_parts is None or (
+            rollout.reward_parts.shape[-1] == 1 and not self.stage_parts
+        ):  # one reward (Note 3)
             scores = r.double()[..., None].expand(*r.shape, K)  # [B,G,K]
         else:
             cols = list(self.stage_parts) or list(range(K))
             have = rollout.reward_parts.shape[-1]
             if max(cols) >= have:
-                raise ValueError(f"advantage rubricem: stage_parts {cols} need reward column {max(cols)}, but the run has {have} rewards; "
-                                 f"list one reward per stage (reward stage_rubric) in the order of stage_tags")
+                raise ValueError(
+                    f"advantage rubricem: stage_parts {cols} need reward column {max(cols)}, but the run has {have} rewards; "
+                    f"list one reward per stage (reward stage_rubric) in the order of stage_tags"
+                )
             scores = rollout.reward_parts[..., cols].double()  # [B,G,K]
         return scores, valid[..., None] & torch.isfinite(scores)  # [B,G,K]
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if self._token_text is None:
-            raise ValueError("advantage rubricem has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
+            raise ValueError(
+                "advantage rubricem has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+            )
         B, G, T = rollout.shape
         K = len(self.stage_tags)
         scores, valid = self._stage_scores(rollout)  # [B,G,K]
         adv = ss_grpo_advantages(scores, valid, self.mix_final, self.final, _DDOF[self.std], self.eps)  # [B,G,K]
-        masks = stage_masks(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, self.stage_tags)  # [N,K,T]
+        masks = stage_masks(
+            rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, self.stage_tags
+        )  # [N,K,T]
         flat = adv.reshape(B * G, K)  # [N,K]
-        rest = None if self.outside == "zero" else (flat[:, self.final] if self.outside == "final" else flat.mean(-1))  # [N]
+        rest = (
+            None if self.outside == "zero" else (flat[:, self.final] if self.outside == "final" else flat.mean(-1))
+        )  # [N]
         tok = stage_to_token_adv(flat, masks, rest).reshape(B, G, T)  # [B,G,T]
         row_mask = rollout.row_mask.bool() & valid_rows(rollout)[1][..., None]  # [B,G,T]
         out = torch.where(row_mask, tok, torch.zeros((), dtype=tok.dtype))  # [B,G,T]
@@ -167,8 +194,10 @@ class RubricEMAdvantage:
         fin = adv[..., self.final]  # [B,G]
         rows = valid_rows(rollout)[1] & (fin != 0)  # [B,G]
         differ = ((adv * fin[..., None]) < 0).any(-1) & rows  # [B,G] a stage credited against the final sign
-        self._stats = {"rubricem/stage_frac": float(inside.sum()) / max(int(row_mask.sum()), 1),
-                       "rubricem/disagree": float(differ.sum()) / max(int(rows.sum()), 1)}
+        self._stats = {
+            "rubricem/stage_frac": float(inside.sum()) / max(int(row_mask.sum()), 1),
+            "rubricem/disagree": float(differ.sum()) / max(int(rows.sum()), 1),
+        }
         return to_float32(out)  # [B,G,T]
 
     def step_stats(self) -> dict[str, float]:

@@ -67,8 +67,9 @@ def signed_power(x: Tensor, exponent: float) -> Tensor:
     return x.sign() * x.abs().pow(exponent)
 
 
-def slas_advantages(rewards: Tensor, valid: Tensor, gamma: float = 0.5, eps: float = 1e-6,
-                    order: str = "norm_then_power", ddof: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+def slas_advantages(
+    rewards: Tensor, valid: Tensor, gamma: float = 0.5, eps: float = 1e-6, order: str = "norm_then_power", ddof: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
     """(adv [B,G] float64, std_batch(dr) [] float64, amplified [B,G] bool) of rewards [B,G] over ``valid`` rows."""
     dr = group_center(rewards, valid)  # [B,G] float64, 0 outside valid / in constant groups
     lin_std = batch_std(dr, valid, ddof)  # []
@@ -110,7 +111,9 @@ class SLASAdvantage:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
-        adv, std, amplified = slas_advantages(r, valid, self.gamma, self.eps, self.order, _DDOF[self.std])  # [B,G], [], [B,G]
+        adv, std, amplified = slas_advantages(
+            r, valid, self.gamma, self.eps, self.order, _DDOF[self.std]
+        )  # [B,G], [], [B,G]
         moved = int((adv != 0).sum())
         self._stats = {"slas/batch_std": float(std), "slas/amplified_frac": float(amplified.sum()) / max(moved, 1)}
         return to_float32(adv)  # [B,G]

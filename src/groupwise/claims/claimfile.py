@@ -34,8 +34,22 @@ from pathlib import Path
 from groupwise.claims.compare import LABEL_RE, METRICS, TARGET_METRICS, ConfigSpec, is_metric, resolved_key
 from groupwise.errors import ConfigError
 
-KEYS = ("paper", "claim", "metric", "target", "direction", "kind", "margin", "companions", "exploratory_seeds",
-        "confirmatory_seeds", "baseline", "claimed", "common", "configs")
+KEYS = (
+    "paper",
+    "claim",
+    "metric",
+    "target",
+    "direction",
+    "kind",
+    "margin",
+    "companions",
+    "exploratory_seeds",
+    "confirmatory_seeds",
+    "baseline",
+    "claimed",
+    "common",
+    "configs",
+)
 KINDS = ("superiority", "non_inferiority", "mechanism")
 CONFIRM_BASE = 1000  # confirmatory seeds are CONFIRM_BASE.. (the same block for every claim)
 CONFIRM_BLOCK = 1000  # [CONFIRM_BASE, CONFIRM_BASE + CONFIRM_BLOCK): no exploratory or replication seed in it
@@ -100,8 +114,10 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     except tomllib.TOMLDecodeError as err:
         raise ClaimError(f"{where}: not valid TOML: {err}") from None
     if "seeds" in data:
-        raise ClaimError(f"{where}: key 'seeds' is now 'exploratory_seeds' (seeds 0..N-1, free to look at); "
-                         "the verdict shown is that of 'confirmatory_seeds' (groupwise claims --confirm)")
+        raise ClaimError(
+            f"{where}: key 'seeds' is now 'exploratory_seeds' (seeds 0..N-1, free to look at); "
+            "the verdict shown is that of 'confirmatory_seeds' (groupwise claims --confirm)"
+        )
     _unknown(where, list(data), KEYS)
     for key in REQUIRED:
         if key not in data:
@@ -112,10 +128,13 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     metric = data["metric"]
     if not is_metric(metric):
         close = difflib.get_close_matches(str(metric), METRICS, n=1)
-        raise ClaimError(f"{where}: metric = {metric!r} is not a metric" + (f" (did you mean {close[0]!r}?)" if close else "")
-                         + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % "
-                         "of the steps), std:<a metrics.jsonl key> (its std over the steps), cv:<a metrics.jsonl key> "
-                         "(that std over its mean)")
+        raise ClaimError(
+            f"{where}: metric = {metric!r} is not a metric"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % "
+            "of the steps), std:<a metrics.jsonl key> (its std over the steps), cv:<a metrics.jsonl key> "
+            "(that std over its mean)"
+        )
     if data["direction"] not in ("greater", "less"):
         raise ClaimError(f"{where}: direction = {data['direction']!r} must be 'greater' or 'less'")
     target = data.get("target")
@@ -125,36 +144,53 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
         raise ClaimError(f"{where}: target = {target!r} must be a held-out accuracy in (0, 1]")
     margin = data.get("margin", 0.0)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0:
-        raise ClaimError(f"{where}: margin = {margin!r} must be a number >= 0 (the non-inferiority margin, in the metric's units)")
+        raise ClaimError(
+            f"{where}: margin = {margin!r} must be a number >= 0 (the non-inferiority margin, in the metric's units)"
+        )
     kind = data.get("kind", "non_inferiority" if margin > 0 else "superiority")
     if kind not in KINDS:
         raise ClaimError(f"{where}: kind = {kind!r} must be one of {', '.join(KINDS)}")
     if kind == "non_inferiority" and margin <= 0:
-        raise ClaimError(f"{where}: kind = 'non_inferiority' needs margin > 0 (how much worse still counts as "
-                         "'no worse', in the metric's units, fixed before the confirmatory run)")
+        raise ClaimError(
+            f"{where}: kind = 'non_inferiority' needs margin > 0 (how much worse still counts as "
+            "'no worse', in the metric's units, fixed before the confirmatory run)"
+        )
     if kind != "non_inferiority" and margin > 0:
-        raise ClaimError(f"{where}: margin = {margin!r} is a non-inferiority margin: set kind = 'non_inferiority' "
-                         f"(or remove the margin for a {kind} claim)")
+        raise ClaimError(
+            f"{where}: margin = {margin!r} is a non-inferiority margin: set kind = 'non_inferiority' "
+            f"(or remove the margin for a {kind} claim)"
+        )
     parity = PARITY_RE.search(data["claim"])
     if parity and kind == "superiority":
-        raise ClaimError(f"{where}: the claim says {parity.group(0)!r}, a parity / non-inferiority claim, but "
-                         "is judged against 0: set kind = 'non_inferiority' and margin = M > 0 (in the metric's "
-                         "units, fixed before its confirmatory run), or reword the claim as a strict improvement")
+        raise ClaimError(
+            f"{where}: the claim says {parity.group(0)!r}, a parity / non-inferiority claim, but "
+            "is judged against 0: set kind = 'non_inferiority' and margin = M > 0 (in the metric's "
+            "units, fixed before its confirmatory run), or reword the claim as a strict improvement"
+        )
     seeds = data.get("exploratory_seeds", 3)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= CONFIRM_BASE:
-        raise ClaimError(f"{where}: exploratory_seeds = {seeds!r} must be an integer in 1..{CONFIRM_BASE} "
-                         f"(seeds {CONFIRM_BASE}.. are the confirmatory block)")
+        raise ClaimError(
+            f"{where}: exploratory_seeds = {seeds!r} must be an integer in 1..{CONFIRM_BASE} "
+            f"(seeds {CONFIRM_BASE}.. are the confirmatory block)"
+        )
     confirm = data.get("confirmatory_seeds")
     bad_count = isinstance(confirm, bool) or not isinstance(confirm, int) or not 2 <= confirm <= CONFIRM_BLOCK
     if confirm is not None and bad_count:
-        raise ClaimError(f"{where}: confirmatory_seeds = {confirm!r} must be an integer in 2..{CONFIRM_BLOCK} "
-                         "(one seed gives no interval)")
+        raise ClaimError(
+            f"{where}: confirmatory_seeds = {confirm!r} must be an integer in 2..{CONFIRM_BLOCK} "
+            "(one seed gives no interval)"
+        )
     companions = data.get("companions", [])
     companions = [companions] if isinstance(companions, str) else companions
-    if not isinstance(companions, list) or not all(is_metric(m) and m != metric for m in companions) \
-            or len(set(companions)) != len(companions):
-        raise ClaimError(f"{where}: companions = {data.get('companions')!r} must be a list of distinct metrics other "
-                         f"than the claim's ({', '.join(METRICS)}, or last:/std:/cv: + a metrics.jsonl key)")
+    if (
+        not isinstance(companions, list)
+        or not all(is_metric(m) and m != metric for m in companions)
+        or len(set(companions)) != len(companions)
+    ):
+        raise ClaimError(
+            f"{where}: companions = {data.get('companions')!r} must be a list of distinct metrics other "
+            f"than the claim's ({', '.join(METRICS)}, or last:/std:/cv: + a metrics.jsonl key)"
+        )
     timed = [m for m in companions if m in TARGET_METRICS]
     if timed and target is None:
         raise ClaimError(f"{where}: companion {timed[0]!r} needs key 'target'")
@@ -174,11 +210,15 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
             raise ClaimError(f"{at}: label {entry['label']!r} must be letters, digits and _ . + - (it names a folder)")
         if any(c.label == entry["label"] for c in configs):
             raise ClaimError(f"{at}: label {entry['label']!r} is used twice")
-        configs.append(ConfigSpec(entry["label"], entry["recipe"], _overrides(at, "overrides", entry.get("overrides", []))))
+        configs.append(
+            ConfigSpec(entry["label"], entry["recipe"], _overrides(at, "overrides", entry.get("overrides", [])))
+        )
     labels = [c.label for c in configs]
     baselines = [data["baseline"]] if isinstance(data["baseline"], str) else data["baseline"]
     if not isinstance(baselines, list) or not baselines or len(set(map(str, baselines))) != len(baselines):
-        raise ClaimError(f"{where}: baseline must be a config label or a list of distinct labels, got {data['baseline']!r}")
+        raise ClaimError(
+            f"{where}: baseline must be a config label or a list of distinct labels, got {data['baseline']!r}"
+        )
     for label in baselines:
         if label not in labels:
             raise ClaimError(f"{where}: baseline = {label!r} is not a config label; labels: {', '.join(labels)}")
@@ -188,11 +228,30 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
         raise ClaimError(f"{where}: claimed must be a config label or a list of them")
     for label in claimed:
         if label not in labels or label in baselines:
-            raise ClaimError(f"{where}: claimed label {label!r} is not a non-baseline config label; labels: {', '.join(labels)}")
+            raise ClaimError(
+                f"{where}: claimed label {label!r} is not a non-baseline config label; labels: {', '.join(labels)}"
+            )
     sha = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    claim = Claim(path.stem, path, data["paper"], data["claim"], metric, data["direction"], baselines[0], configs,
-                  list(claimed), None if target is None else float(target), seeds, common, sha, baselines,
-                  float(margin), kind, list(companions), confirm)
+    claim = Claim(
+        path.stem,
+        path,
+        data["paper"],
+        data["claim"],
+        metric,
+        data["direction"],
+        baselines[0],
+        configs,
+        list(claimed),
+        None if target is None else float(target),
+        seeds,
+        common,
+        sha,
+        baselines,
+        float(margin),
+        kind,
+        list(companions),
+        confirm,
+    )
     if check_configs:
         for spec in configs:
             try:
@@ -200,7 +259,9 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
             except ConfigError as err:
                 raise ClaimError(str(err)) from None
             if metric in TARGET_METRICS and not key["config"]["eval"]["every"]:
-                raise ClaimError(f"{where}: metric {metric!r} needs held-out evaluations during training: set 'eval.every' (in common or in config {spec.label!r})")
+                raise ClaimError(
+                    f"{where}: metric {metric!r} needs held-out evaluations during training: set 'eval.every' (in common or in config {spec.label!r})"
+                )
     return claim
 
 
@@ -252,8 +313,9 @@ def find_claims(names: list[str], folder: Path | None = None) -> list[Path]:
 PHASES = ("exploratory", "confirmatory", "replication")
 
 
-def claim_seeds(claim: Claim, phase: str = "exploratory", count: int | None = None,
-                offset: int | None = None) -> list[int]:
+def claim_seeds(
+    claim: Claim, phase: str = "exploratory", count: int | None = None, offset: int | None = None
+) -> list[int]:
     """The seeds a run of ``claim`` draws: ``exploratory`` 0..N-1 (N = ``count`` or the file's
     ``exploratory_seeds``), ``confirmatory`` CONFIRM_BASE..CONFIRM_BASE+M-1 (M = ``confirmatory_seeds``,
     nothing else allowed), ``replication`` offset..offset+N-1 (anyone's own seeds; never in the
@@ -263,20 +325,26 @@ def claim_seeds(claim: Claim, phase: str = "exploratory", count: int | None = No
         raise ClaimError(f"{where}: --seeds must be an integer >= 1, got {count!r}")
     if phase == "confirmatory":
         if count is not None or offset is not None:
-            raise ClaimError(f"{where}: --confirm draws the claim file's confirmatory_seeds from seed {CONFIRM_BASE}; "
-                             "--seeds and --seed-offset cannot change them (a confirmatory verdict has a fixed n: "
-                             "no seeds are added after a look)")
+            raise ClaimError(
+                f"{where}: --confirm draws the claim file's confirmatory_seeds from seed {CONFIRM_BASE}; "
+                "--seeds and --seed-offset cannot change them (a confirmatory verdict has a fixed n: "
+                "no seeds are added after a look)"
+            )
         if claim.confirmatory_seeds is None:
-            raise ClaimError(f"{where}: {claim.path} has no confirmatory_seeds: add confirmatory_seeds = N (N >= 5 for "
-                             "the table) before its first confirmatory run")
+            raise ClaimError(
+                f"{where}: {claim.path} has no confirmatory_seeds: add confirmatory_seeds = N (N >= 5 for "
+                "the table) before its first confirmatory run"
+            )
         return list(range(CONFIRM_BASE, CONFIRM_BASE + claim.confirmatory_seeds))
     n = claim.exploratory_seeds if count is None else count
     if phase == "exploratory":
         if offset is not None:
             raise ClaimError(f"{where}: internal: an exploratory run has no seed offset")
         if n > CONFIRM_BASE:
-            raise ClaimError(f"{where}: --seeds {n} would reach the confirmatory block (seeds {CONFIRM_BASE}..); "
-                             f"exploratory seeds are 0..{CONFIRM_BASE - 1}")
+            raise ClaimError(
+                f"{where}: --seeds {n} would reach the confirmatory block (seeds {CONFIRM_BASE}..); "
+                f"exploratory seeds are 0..{CONFIRM_BASE - 1}"
+            )
         return list(range(n))
     if phase != "replication":
         raise ValueError(f"claim_seeds: phase must be one of {', '.join(PHASES)}, got {phase!r}")
@@ -284,18 +352,26 @@ def claim_seeds(claim: Claim, phase: str = "exploratory", count: int | None = No
         raise ClaimError(f"{where}: --seed-offset must be an integer >= 0, got {offset!r}")
     seeds = list(range(offset, offset + n))
     if seeds[0] < CONFIRM_BASE + CONFIRM_BLOCK and seeds[-1] >= CONFIRM_BASE:
-        raise ClaimError(f"{where}: seeds {seeds[0]}..{seeds[-1]} overlap the confirmatory block "
-                         f"{CONFIRM_BASE}..{CONFIRM_BASE + CONFIRM_BLOCK - 1} (kept unseen for --confirm); "
-                         f"pick an offset below {CONFIRM_BASE - n + 1} or from {CONFIRM_BASE + CONFIRM_BLOCK}")
+        raise ClaimError(
+            f"{where}: seeds {seeds[0]}..{seeds[-1]} overlap the confirmatory block "
+            f"{CONFIRM_BASE}..{CONFIRM_BASE + CONFIRM_BLOCK - 1} (kept unseen for --confirm); "
+            f"pick an offset below {CONFIRM_BASE - n + 1} or from {CONFIRM_BASE + CONFIRM_BLOCK}"
+        )
     return seeds
 
 
 def fixed_fields(claim: Claim) -> dict:
     """What a confirmatory run fixes (module docstring), as plain JSON-able data."""
     return {
-        "kind": claim.kind, "metric": claim.metric, "target": claim.target, "direction": claim.direction,
-        "margin": claim.margin, "companions": list(claim.companions), "baselines": list(claim.baselines),
-        "claimed": list(claim.claimed), "common": list(claim.common),
+        "kind": claim.kind,
+        "metric": claim.metric,
+        "target": claim.target,
+        "direction": claim.direction,
+        "margin": claim.margin,
+        "companions": list(claim.companions),
+        "baselines": list(claim.baselines),
+        "claimed": list(claim.claimed),
+        "common": list(claim.common),
         "configs": [{"label": c.label, "recipe": c.recipe, "overrides": list(c.overrides)} for c in claim.configs],
         "confirmatory_seeds": claim.confirmatory_seeds,
     }
@@ -325,7 +401,9 @@ def check_fixed(claim: Claim, docs: Path) -> None:
     record = json.loads(path.read_text())
     changes = fixed_changes(claim, record)
     if changes:
-        raise ClaimError(f"{claim.path}: changed after its confirmatory run ({path}, {record.get('date', '?')}): "
-                         f"{'; '.join(changes)}. A confirmed claim's fixed fields cannot change: restore them, or "
-                         f"copy the file under a new id (e.g. {claim.slug}-2.toml, also listed in its paper.toml) and "
-                         "change that one; the old file and its record stay")
+        raise ClaimError(
+            f"{claim.path}: changed after its confirmatory run ({path}, {record.get('date', '?')}): "
+            f"{'; '.join(changes)}. A confirmed claim's fixed fields cannot change: restore them, or "
+            f"copy the file under a new id (e.g. {claim.slug}-2.toml, also listed in its paper.toml) and "
+            "change that one; the old file and its record stay"
+        )

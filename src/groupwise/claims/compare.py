@@ -43,9 +43,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from groupwise import runfolder
 from groupwise.claims.intervals import Interval, mean_interval
@@ -60,7 +61,15 @@ STD = "std:"  # prefix of a metric's spread over the steps (module docstring)
 CV = "cv:"  # prefix of a metric's spread relative to its mean (module docstring)
 KEYED = (LAST, STD, CV)  # the prefixes of a metric named by a metrics.jsonl key
 BUDGET = {"steps_to_target": "step_budget", "seconds_to_target": "seconds_budget"}
-DIGITS = {"final_accuracy": 3, "final_pass_at_k": 3, "steps_to_target": 1, "seconds_to_target": 1, "reward_area": 3, "last_reward": 3, "wall_seconds": 1}
+DIGITS = {
+    "final_accuracy": 3,
+    "final_pass_at_k": 3,
+    "steps_to_target": 1,
+    "seconds_to_target": 1,
+    "reward_area": 3,
+    "last_reward": 3,
+    "wall_seconds": 1,
+}
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -78,13 +87,18 @@ class ConfigSpec:
 
 def is_metric(name: object) -> bool:
     """One of ``METRICS``, or ``last:`` / ``std:`` / ``cv:`` + a metrics.jsonl key."""
-    return isinstance(name, str) and (name in METRICS or any(name.startswith(p) and bool(name[len(p):].strip()) for p in KEYED))
+    return isinstance(name, str) and (
+        name in METRICS or any(name.startswith(p) and bool(name[len(p) :].strip()) for p in KEYED)
+    )
 
 
 def last_of(rows: list[dict], key: str) -> float | None:
     """Mean of the finite values of ``key`` over the last 10 % (at least one) of the rows logging it."""
-    values = [float(r[key]) for r in sorted(rows, key=lambda r: r.get("step", 0))
-              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    values = [
+        float(r[key])
+        for r in sorted(rows, key=lambda r: r.get("step", 0))
+        if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])
+    ]
     if not values:
         return None
     tail = max(1, math.ceil(0.1 * len(values)))
@@ -93,7 +107,11 @@ def last_of(rows: list[dict], key: str) -> float | None:
 
 def std_of(rows: list[dict], key: str) -> float | None:
     """Standard deviation (n − 1) of the finite values of ``key`` over every row logging it; None with fewer than two."""
-    values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    values = [
+        float(r[key])
+        for r in rows
+        if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])
+    ]
     if len(values) < 2:
         return None
     mean = sum(values) / len(values)
@@ -105,8 +123,11 @@ def cv_of(rows: list[dict], key: str) -> float | None:
     std = std_of(rows, key)
     if std is None:
         return None
-    values = [float(r[key]) for r in rows
-              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    values = [
+        float(r[key])
+        for r in rows
+        if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])
+    ]
     mean = sum(values) / len(values)
     return None if mean == 0 else std / abs(mean)
 
@@ -191,8 +212,13 @@ def run_state(folder: Path, key: dict) -> str:
 def launch_subprocess(argv: list[str], log_path: Path) -> int:
     """Run one training child; it gets SIGTERM if this process dies (Linux ``PR_SET_PDEATHSIG``)."""
     with open(log_path, "w") as log:
-        return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              preexec_fn=runfolder.parent_death_signal()).returncode
+        return subprocess.run(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=runfolder.parent_death_signal(),
+        ).returncode
 
 
 def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
@@ -211,8 +237,14 @@ def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list
     out = {
         "accuracy_before": summary.get("accuracy_before"),
         "final_accuracy": summary.get("accuracy_after"),
-        "final_pass_at_k": max(((int(k.split("@")[1]), v) for k, v in (summary.get("accuracy_after_sampled") or {}).items() if k.startswith("pass@")),
-                               default=(0, None))[1],
+        "final_pass_at_k": max(
+            (
+                (int(k.split("@")[1]), v)
+                for k, v in (summary.get("accuracy_after_sampled") or {}).items()
+                if k.startswith("pass@")
+            ),
+            default=(0, None),
+        )[1],
         "steps": summary.get("steps", len(rows)),
         "wall_seconds": summary.get("wall_seconds"),
         "reward_area": sum(rewards) / len(rewards) if rewards else None,
@@ -226,11 +258,11 @@ def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list
     }
     for name in metrics:
         if name.startswith(LAST):
-            out[name] = last_of(rows, name[len(LAST):])
+            out[name] = last_of(rows, name[len(LAST) :])
         elif name.startswith(STD):
-            out[name] = std_of(rows, name[len(STD):])
+            out[name] = std_of(rows, name[len(STD) :])
         elif name.startswith(CV):
-            out[name] = cv_of(rows, name[len(CV):])
+            out[name] = cv_of(rows, name[len(CV) :])
     if target is not None:
         hit = next((s for s, a in evals if a >= target), None)
         if hit is not None:
@@ -275,7 +307,11 @@ def summarise(runs: list[dict], target: float | None, metrics: tuple[str, ...] |
         if metric == "final_pass_at_k" and not values:  # only runs with a sampled evaluation have it
             continue
         interval = mean_interval(list(values.values()))
-        out[metric] = {**interval.to_dict(), "censored": len(censored), "text": format_metric(metric, interval, len(censored))}
+        out[metric] = {
+            **interval.to_dict(),
+            "censored": len(censored),
+            "text": format_metric(metric, interval, len(censored)),
+        }
     return out
 
 
@@ -307,16 +343,21 @@ def compare(
     console = console or Console(stderr=True)
     check_specs(specs)
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    if not seed_list or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seed_list) \
-            or len(set(seed_list)) != len(seed_list):
+    if (
+        not seed_list
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seed_list)
+        or len(set(seed_list)) != len(seed_list)
+    ):
         raise ConfigError(f"compare: seeds must be a count >= 1 or distinct integers >= 0, got {seeds!r}")
     if target is not None and not 0 < target <= 1:
         raise ConfigError(f"compare: --target is a held-out accuracy in (0, 1], got {target}")
     metrics = [m for m in metrics if m not in METRICS]
     for name in metrics:
         if not is_metric(name):
-            raise ConfigError(f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, "
-                              "or last:<a metrics.jsonl key>, std:<a metrics.jsonl key>, cv:<a metrics.jsonl key>")
+            raise ConfigError(
+                f"compare: metric {name!r} is not a metric; valid: {', '.join(METRICS)}, "
+                "or last:<a metrics.jsonl key>, std:<a metrics.jsonl key>, cv:<a metrics.jsonl key>"
+            )
     out, shared = Path(out), list(shared)
     plan = []
     for seed in seed_list:  # seed-major: an interrupted compare still has paired seeds
@@ -358,13 +399,26 @@ def compare(
             planned = key["config"].get("train", {}).get("steps")
             if planned is not None and m["steps"] is not None and m["steps"] < planned:
                 record["short"] = f"stopped at {m['steps']}/{planned} steps (train.max_seconds?)"
-                console.print(f"{tag}: [yellow]{record['short']}: its numbers are not those of the planned run[/]", soft_wrap=True)
+                console.print(
+                    f"{tag}: [yellow]{record['short']}: its numbers are not those of the planned run[/]", soft_wrap=True
+                )
             acc = f"acc {_fmt(m['accuracy_before'])}→{_fmt(m['final_accuracy'])}"
-            hit = "" if target is None else f", to {target}: " + (f"{m['steps_to_target']} steps" if m["steps_to_target"] is not None else "not reached")
+            hit = (
+                ""
+                if target is None
+                else f", to {target}: "
+                + (f"{m['steps_to_target']} steps" if m["steps_to_target"] is not None else "not reached")
+            )
             how = "[dim]done before, skipped[/]" if record["skipped"] else f"{record['process_seconds']:.1f} s"
-            console.print(f"{tag}: [green]ok[/] {acc}, reward area {_fmt(m['reward_area'])}{hit} · {how}", soft_wrap=True)
+            console.print(
+                f"{tag}: [green]ok[/] {acc}, reward area {_fmt(m['reward_area'])}{hit} · {how}", soft_wrap=True
+            )
         else:
-            console.print(f"{tag}: [red]FAILED[/] (exit {record.get('returncode')}): {escape(record['error'])} · log {folder / 'train.log'}", highlight=False, soft_wrap=True)
+            console.print(
+                f"{tag}: [red]FAILED[/] (exit {record.get('returncode')}): {escape(record['error'])} · log {folder / 'train.log'}",
+                highlight=False,
+                soft_wrap=True,
+            )
         runs[spec.label].append(record)
     result = {
         "title": title or " vs ".join(s.label for s in specs),
@@ -373,8 +427,16 @@ def compare(
         "shared": shared,
         "target": target,
         "metrics": metrics,
-        "configs": [{"label": s.label, "recipe": s.recipe, "overrides": s.overrides, "runs": runs[s.label], "summary": summarise(runs[s.label], target, metrics)}
-                    for s in specs],
+        "configs": [
+            {
+                "label": s.label,
+                "recipe": s.recipe,
+                "overrides": s.overrides,
+                "runs": runs[s.label],
+                "summary": summarise(runs[s.label], target, metrics),
+            }
+            for s in specs
+        ],
     }
     write_outputs(result, out)
     return result
@@ -411,31 +473,58 @@ def compare_markdown(result: dict) -> str:
         keys += list(TARGET_METRICS)
     head += ["reward area", "last reward", *[f"`{m}`" for m in result.get("metrics", [])], "wall s / run"]
     keys += ["reward_area", "last_reward", *result.get("metrics", []), "wall_seconds"]
-    lines = [f"# compare: {result['title']}", "",
-             f"Seeds {seed_text(result.get('seed_list') or list(range(result['seeds'])))}; "
-             f"shared overrides: `{' '.join(result['shared']) or '(none)'}`"
-             + ("" if target is None else f"; target held-out accuracy {target}") + ".", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"# compare: {result['title']}",
+        "",
+        f"Seeds {seed_text(result.get('seed_list') or list(range(result['seeds'])))}; "
+        f"shared overrides: `{' '.join(result['shared']) or '(none)'}`"
+        + ("" if target is None else f"; target held-out accuracy {target}")
+        + ".",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for c in result["configs"]:
         ok = sum(r["status"] == "ok" for r in c["runs"])
         cells = [c["label"], "`" + " ".join([c["recipe"], *c["overrides"]]) + "`", f"{ok}/{len(c['runs'])}"]
         cells += [c["summary"][k]["text"] for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Mean ± 95 % Student-t interval over seeds (n − 1 degrees of freedom). Steps / seconds to "
-              "target: a run that never reached it counts as its whole budget, so `≥` marks a lower bound. "
-              "Reward area: mean batch reward over all steps; last reward: over the last 10 % of steps "
-              "(`last:KEY`: the same for the metrics.jsonl key KEY; `std:KEY`: its standard deviation over the steps; "
-              "`cv:KEY`: that standard deviation over its mean). "
-              "Seconds are training time (`step_seconds`), evaluation excluded.", "", "![curves](curves.png)", "",
-              "## Runs", "", "| config | seed | status | acc before | acc after | steps to target | reward area | wall s | folder |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Mean ± 95 % Student-t interval over seeds (n − 1 degrees of freedom). Steps / seconds to "
+        "target: a run that never reached it counts as its whole budget, so `≥` marks a lower bound. "
+        "Reward area: mean batch reward over all steps; last reward: over the last 10 % of steps "
+        "(`last:KEY`: the same for the metrics.jsonl key KEY; `std:KEY`: its standard deviation over the steps; "
+        "`cv:KEY`: that standard deviation over its mean). "
+        "Seconds are training time (`step_seconds`), evaluation excluded.",
+        "",
+        "![curves](curves.png)",
+        "",
+        "## Runs",
+        "",
+        "| config | seed | status | acc before | acc after | steps to target | reward area | wall s | folder |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in result["configs"]:
         for r in c["runs"]:
             if r["status"] != "ok":
-                lines.append(f"| {c['label']} | {r['seed']} | FAILED (exit {r.get('returncode')}): {r['error']} | | | | | | `{r['folder']}` |")
+                lines.append(
+                    f"| {c['label']} | {r['seed']} | FAILED (exit {r.get('returncode')}): {r['error']} | | | | | | `{r['folder']}` |"
+                )
                 continue
             m = r["metrics"]
-            hit = "–" if target is None else (str(m["steps_to_target"]) if m["steps_to_target"] is not None else "not reached")
+            hit = (
+                "–"
+                if target is None
+                else (str(m["steps_to_target"]) if m["steps_to_target"] is not None else "not reached")
+            )
             wall = "–" if m["wall_seconds"] is None else f"{m['wall_seconds']:.1f}"
-            status = "ok" + (" (resumed: done before)" if r["skipped"] else "") + (f", **{r['short']}**" if r.get("short") else "")
-            lines.append(f"| {c['label']} | {r['seed']} | {status} | {_fmt(m['accuracy_before'])} | {_fmt(m['final_accuracy'])} | {hit} | {_fmt(m['reward_area'])} | {wall} | `{r['folder']}` |")
+            status = (
+                "ok"
+                + (" (resumed: done before)" if r["skipped"] else "")
+                + (f", **{r['short']}**" if r.get("short") else "")
+            )
+            lines.append(
+                f"| {c['label']} | {r['seed']} | {status} | {_fmt(m['accuracy_before'])} | {_fmt(m['final_accuracy'])} | {hit} | {_fmt(m['reward_area'])} | {wall} | `{r['folder']}` |"
+            )
     return "\n".join(lines) + "\n"

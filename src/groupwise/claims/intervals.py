@@ -42,16 +42,70 @@ from dataclasses import dataclass, field
 
 # 0.975 quantiles of Student's t with ν = 1..30 degrees of freedom
 T975 = (
-    12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
-    2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
-    2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272,
+    12.706205,
+    4.302653,
+    3.182446,
+    2.776445,
+    2.570582,
+    2.446912,
+    2.364624,
+    2.306004,
+    2.262157,
+    2.228139,
+    2.200985,
+    2.178813,
+    2.160369,
+    2.144787,
+    2.131450,
+    2.119905,
+    2.109816,
+    2.100922,
+    2.093024,
+    2.085963,
+    2.079614,
+    2.073873,
+    2.068658,
+    2.063899,
+    2.059539,
+    2.055529,
+    2.051831,
+    2.048407,
+    2.045230,
+    2.042272,
 )
 Z975 = 1.959963985
 # 0.80 quantiles of Student's t with ν = 1..30 (the power term of the detectable effect)
 T80 = (
-    1.376382, 1.060660, 0.978472, 0.940965, 0.919544, 0.905703, 0.896030, 0.888890, 0.883404, 0.879058,
-    0.875530, 0.872609, 0.870152, 0.868055, 0.866245, 0.864667, 0.863279, 0.862049, 0.860951, 0.859964,
-    0.859074, 0.858266, 0.857530, 0.856855, 0.856236, 0.855665, 0.855137, 0.854647, 0.854192, 0.853767,
+    1.376382,
+    1.060660,
+    0.978472,
+    0.940965,
+    0.919544,
+    0.905703,
+    0.896030,
+    0.888890,
+    0.883404,
+    0.879058,
+    0.875530,
+    0.872609,
+    0.870152,
+    0.868055,
+    0.866245,
+    0.864667,
+    0.863279,
+    0.862049,
+    0.860951,
+    0.859964,
+    0.859074,
+    0.858266,
+    0.857530,
+    0.856855,
+    0.856236,
+    0.855665,
+    0.855137,
+    0.854647,
+    0.854192,
+    0.853767,
 )
 Z80 = 0.841621234
 ONE_SIDED_LEVEL = 0.025  # each side of a two-sided 95 % interval
@@ -63,8 +117,12 @@ def _quantile(table: tuple[float, ...], z: float, dof: int, name: str) -> float:
     if dof <= len(table):
         return table[dof - 1]
     v = float(dof)  # Cornish–Fisher expansion of the t quantile around the normal one
-    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3))
+    return (
+        z
+        + (z**3 + z) / (4 * v)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+    )
 
 
 def t975(dof: int) -> float:
@@ -116,7 +174,15 @@ class Interval:
         return f"{self.mean:.{digits}f} ± {self.half:.{digits}f}"
 
     def to_dict(self) -> dict:
-        return {"mean": self.mean, "half": self.half, "low": self.low, "high": self.high, "n": self.n, "sd": self.sd, "values": self.values}
+        return {
+            "mean": self.mean,
+            "half": self.half,
+            "low": self.low,
+            "high": self.high,
+            "n": self.n,
+            "sd": self.sd,
+            "values": self.values,
+        }
 
 
 def mean_interval(values: list[float]) -> Interval:
@@ -136,7 +202,11 @@ def mean_interval(values: list[float]) -> Interval:
 
 def paired_differences(claimed: dict[int, float], baseline: dict[int, float]) -> dict[int, float]:
     """Per-seed ``claimed − baseline`` over the seeds present (not None) in both."""
-    return {k: claimed[k] - baseline[k] for k in sorted(claimed) if k in baseline and claimed[k] is not None and baseline[k] is not None}
+    return {
+        k: claimed[k] - baseline[k]
+        for k in sorted(claimed)
+        if k in baseline and claimed[k] is not None and baseline[k] is not None
+    }
 
 
 def paired_effect(claimed: dict[int, float], baseline: dict[int, float]) -> Interval:
@@ -144,8 +214,9 @@ def paired_effect(claimed: dict[int, float], baseline: dict[int, float]) -> Inte
     return mean_interval(list(paired_differences(claimed, baseline).values()))
 
 
-def verdict(effect: Interval, direction: str, claimed_censored: int = 0, baseline_censored: int = 0,
-            margin: float = 0.0) -> tuple[str, str]:
+def verdict(
+    effect: Interval, direction: str, claimed_censored: int = 0, baseline_censored: int = 0, margin: float = 0.0
+) -> tuple[str, str]:
     """``(held | contradicted | inconclusive, reason)`` for a claimed ``direction`` (greater | less).
 
     ``margin`` > 0 turns the test into non-inferiority (a paper claiming parity): the interval is
@@ -166,9 +237,15 @@ def verdict(effect: Interval, direction: str, claimed_censored: int = 0, baselin
         return "inconclusive", f"the interval contains {where}"
     # censored values are lower bounds: a claimed one can raise the true d, a baseline one lower it
     if side == "greater" and baseline_censored:
-        return "inconclusive", f"interval above {where}, but {baseline_censored} baseline run(s) never reached the target (their true values may be larger)"
+        return (
+            "inconclusive",
+            f"interval above {where}, but {baseline_censored} baseline run(s) never reached the target (their true values may be larger)",
+        )
     if side == "less" and claimed_censored:
-        return "inconclusive", f"interval below {where}, but {claimed_censored} claimed run(s) never reached the target (their true values may be larger)"
+        return (
+            "inconclusive",
+            f"interval below {where}, but {claimed_censored} claimed run(s) never reached the target (their true values may be larger)",
+        )
     if side == direction:
         return "held", f"the interval excludes {where} on the claimed side ({direction})"
     return "contradicted", f"the interval excludes {where} on the other side (claimed {direction})"

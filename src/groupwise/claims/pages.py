@@ -19,8 +19,9 @@ from groupwise.claims.compare import seed_text
 from groupwise.claims.report import MECHANISM, detectable_text, load_records, readings, rejudge, shown_verdict
 
 HEADING = "## Claim, as measured\n"
-STATUS_OPEN = ("<!-- claims-status: generated from docs/claims.md by `groupwise claims` "
-               "(edit the claim files, readings) -->")
+STATUS_OPEN = (
+    "<!-- claims-status: generated from docs/claims.md by `groupwise claims` (edit the claim files, readings) -->"
+)
 STATUS_CLOSE = "<!-- /claims-status -->"
 STATUS_RE = re.compile(re.escape(STATUS_OPEN) + r".*?" + re.escape(STATUS_CLOSE) + r"\n*", re.S)
 WIDTH = 100
@@ -28,14 +29,19 @@ WIDTH = 100
 
 def wrap(text: str) -> str:
     """Each paragraph of ``text`` filled to ``WIDTH`` columns."""
-    return "\n\n".join(textwrap.fill(re.sub(r" *\n *", " ", p.strip()), width=WIDTH, break_long_words=False,
-                                     break_on_hyphens=False) for p in text.split("\n\n"))
+    return "\n\n".join(
+        textwrap.fill(re.sub(r" *\n *", " ", p.strip()), width=WIDTH, break_long_words=False, break_on_hyphens=False)
+        for p in text.split("\n\n")
+    )
 
 
 def status_line(claim: Claim, confirmed: dict | None, explored: dict | None) -> str:
     """One bullet: the claim's verdict as ``docs/claims.md`` shows it."""
-    how = {"superiority": "", "non_inferiority": f", non-inferiority margin {claim.margin:g}",
-           "mechanism": f", a {MECHANISM}"}
+    how = {
+        "superiority": "",
+        "non_inferiority": f", non-inferiority margin {claim.margin:g}",
+        "mechanism": f", a {MECHANISM}",
+    }
     head = f"- `{claim.slug}` (`{claim.metric}`, {claim.direction}{how[claim.kind]})"
     record = confirmed or explored
     if record is None:
@@ -72,8 +78,14 @@ def claim_section(text: str, lines: list[str], kept: dict[str, str], slugs: list
     if summary:
         out += [summary, ""]
     for slug in slugs:
-        out += [f"### {slug}", "", wrap(kept.get(slug, "")), "",
-                f"Table and curves: [docs/claims.md](../../../../docs/claims.md#{slug}).", ""]
+        out += [
+            f"### {slug}",
+            "",
+            wrap(kept.get(slug, "")),
+            "",
+            f"Table and curves: [docs/claims.md](../../../../docs/claims.md#{slug}).",
+            "",
+        ]
     return "\n".join(out).rstrip() + "\n"
 
 

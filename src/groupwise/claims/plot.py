@@ -18,7 +18,12 @@ def _by_step(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[flo
             if y is not None:
                 table.setdefault(step, []).append(y)
     steps = sorted(table)
-    return steps, [sum(table[s]) / len(table[s]) for s in steps], [min(table[s]) for s in steps], [max(table[s]) for s in steps]
+    return (
+        steps,
+        [sum(table[s]) / len(table[s]) for s in steps],
+        [min(table[s]) for s in steps],
+        [max(table[s]) for s in steps],
+    )
 
 
 def plot_curves(result: dict, path: Path) -> None:
@@ -29,7 +34,9 @@ def plot_curves(result: dict, path: Path) -> None:
 
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     colours = plt.get_cmap("tab10").colors
-    longest = max((len(r["metrics"]["curve"]) for c in result["configs"] for r in c["runs"] if r["status"] == "ok"), default=0)
+    longest = max(
+        (len(r["metrics"]["curve"]) for c in result["configs"] for r in c["runs"] if r["status"] == "ok"), default=0
+    )
     k = max(1, longest // 25)
     for i, config in enumerate(result["configs"]):
         colour = colours[i % len(colours)]
@@ -46,9 +53,17 @@ def plot_curves(result: dict, path: Path) -> None:
         ax_r.plot(steps, mean, color=colour, label=label)
         ax_r.fill_between(steps, low, high, color=colour, alpha=0.18, linewidth=0)
         steps, mean, low, high = _by_step([run["metrics"]["evals"] for run in ok])
-        yerr = [[max(0.0, m - lo) for m, lo in zip(mean, low)], [max(0.0, hi - m) for m, hi in zip(mean, high)]]  # equal seeds: the float mean may pass them by 1 ulp
+        yerr = [
+            [max(0.0, m - lo) for m, lo in zip(mean, low)],
+            [max(0.0, hi - m) for m, hi in zip(mean, high)],
+        ]  # equal seeds: the float mean may pass them by 1 ulp
         ax_a.errorbar(steps, mean, yerr=yerr, color=colour, marker="o", capsize=3, label=label)
-    ax_r.set_title(f"batch reward ({k}-step moving average), mean over seeds, band min–max" if k > 1 else "batch reward, mean over seeds, band min–max", fontsize=9)
+    ax_r.set_title(
+        f"batch reward ({k}-step moving average), mean over seeds, band min–max"
+        if k > 1
+        else "batch reward, mean over seeds, band min–max",
+        fontsize=9,
+    )
     ax_a.set_title("held-out greedy accuracy, mean over seeds, bars min–max", fontsize=9)
     if result.get("target") is not None:
         ax_a.axhline(result["target"], color="grey", linestyle=":", linewidth=1, label=f"target {result['target']}")

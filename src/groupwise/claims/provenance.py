@@ -68,10 +68,13 @@ def describe(prov: dict | None) -> str:
     """One sentence for the page."""
     if not prov:
         return "Provenance: not recorded (a record from before records stored it)."
-    threads = ", ".join(f"{t}" if t else f"0 (torch default, {prov.get('cpu_count')} cores)"
-                        for t in prov.get("threads", []))
+    threads = ", ".join(
+        f"{t}" if t else f"0 (torch default, {prov.get('cpu_count')} cores)" for t in prov.get("threads", [])
+    )
     commit = prov.get("commit", "unknown")
     modified = {True: " with modified sources", False: "", None: ""}[prov.get("source_modified")]
-    return (f"Provenance: commit `{commit[:12]}`{modified}, torch {prov.get('torch')}, transformers "
-            f"{prov.get('transformers')}, Python {prov.get('python')}, CPU {prov.get('cpu')} "
-            f"({prov.get('cpu_count')} cores), threads {threads or '?'}.")
+    return (
+        f"Provenance: commit `{commit[:12]}`{modified}, torch {prov.get('torch')}, transformers "
+        f"{prov.get('transformers')}, Python {prov.get('python')}, CPU {prov.get('cpu')} "
+        f"({prov.get('cpu_count')} cores), threads {threads or '?'}."
+    )

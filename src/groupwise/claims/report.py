@@ -16,14 +16,32 @@ import datetime
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from groupwise.claims.claimfile import (Claim, ClaimError, check_fixed, claim_files, claim_seeds,
-                                        fixed_fields, fixed_sha, load_claim, shown_path)
+from groupwise.claims.claimfile import (
+    Claim,
+    ClaimError,
+    check_fixed,
+    claim_files,
+    claim_seeds,
+    fixed_fields,
+    fixed_sha,
+    load_claim,
+    shown_path,
+)
 from groupwise.claims.compare import DIGITS, KEYED, compare, launch_subprocess, metric_values, seed_text
-from groupwise.claims.intervals import (ONE_SIDED_LEVEL, Interval, detectable_effect, expected_false_held,
-                                        mean_interval, paired_differences, paired_effect, verdict)
+from groupwise.claims.intervals import (
+    ONE_SIDED_LEVEL,
+    Interval,
+    detectable_effect,
+    expected_false_held,
+    mean_interval,
+    paired_differences,
+    paired_effect,
+    verdict,
+)
 from groupwise.claims.provenance import describe, provenance
 
 READING_RE = re.compile(r"<!-- reading:(?P<slug>[^ >]+) -->\n?(?P<text>.*?)\n?<!-- /reading -->", re.S)
@@ -130,8 +148,16 @@ def judge(claim: Claim, result: dict) -> list[dict[str, Any]]:
         main = _effect_of(configs, label, baseline, claim.metric)
         word, reason = rejudge(main, claim.direction, claim.margin)
         companions = [{"metric": m, **_effect_of(configs, label, baseline, m)} for m in claim.companions]
-        effects.append({"claimed": label, "baseline": baseline, **main, "verdict": word, "reason": reason,
-                        "companions": companions})
+        effects.append(
+            {
+                "claimed": label,
+                "baseline": baseline,
+                **main,
+                "verdict": word,
+                "reason": reason,
+                "companions": companions,
+            }
+        )
     return effects
 
 
@@ -154,9 +180,16 @@ def run_folder(claim: Claim, out: Path, phase: str, seeds: list[int]) -> Path:
     return Path(out) / claim.slug
 
 
-def run_claim(claim: Claim, out: Path, seeds: int | None = None, extra: list[str] = (), console: Any = None,
-              launch: Callable = launch_subprocess, phase: str = "exploratory",
-              seed_offset: int | None = None) -> dict[str, Any]:
+def run_claim(
+    claim: Claim,
+    out: Path,
+    seeds: int | None = None,
+    extra: list[str] = (),
+    console: Any = None,
+    launch: Callable = launch_subprocess,
+    phase: str = "exploratory",
+    seed_offset: int | None = None,
+) -> dict[str, Any]:
     """Run one claim's comparison (resuming) and return its record (not yet written to docs).
 
     ``phase``: ``exploratory`` (seeds 0..N-1, ``seeds`` overrides N), ``confirmatory`` (the file's
@@ -164,13 +197,24 @@ def run_claim(claim: Claim, out: Path, seeds: int | None = None, extra: list[str
     (``seed_offset``.., never recorded as the claim's verdict)."""
     seed_list = claim_seeds(claim, phase, seeds, seed_offset)
     if phase == "confirmatory" and extra:
-        raise ClaimError(f"claims {claim.slug}: --confirm runs the claim file as it is; extra overrides "
-                         f"{' '.join(extra)} would make it another comparison (put them in the file before its "
-                         "confirmatory run)")
+        raise ClaimError(
+            f"claims {claim.slug}: --confirm runs the claim file as it is; extra overrides "
+            f"{' '.join(extra)} would make it another comparison (put them in the file before its "
+            "confirmatory run)"
+        )
     folder = run_folder(claim, out, phase, seed_list)
     configs = [type(c)(c.label, c.recipe, list(c.overrides)) for c in claim.configs]
-    result = compare(configs, seed_list, folder, [*claim.common, *extra], claim.target, console, launch,
-                     title=f"{claim.slug} ({phase}): {claim.claim}", metrics=[claim.metric, *claim.companions])
+    result = compare(
+        configs,
+        seed_list,
+        folder,
+        [*claim.common, *extra],
+        claim.target,
+        console,
+        launch,
+        title=f"{claim.slug} ({phase}): {claim.claim}",
+        metrics=[claim.metric, *claim.companions],
+    )
     runs = [r for c in result["configs"] for r in c["runs"]]
     seconds = sum(r.get("process_seconds") or (r.get("metrics") or {}).get("wall_seconds") or 0.0 for r in runs)
     threads = []
@@ -182,15 +226,35 @@ def run_claim(claim: Claim, out: Path, seeds: int | None = None, extra: list[str
             pass
     fixed = fixed_fields(claim)
     return {
-        "slug": claim.slug, "paper": claim.paper, "claim": claim.claim, "phase": phase, "kind": claim.kind,
-        "metric": claim.metric, "target": claim.target, "companions": list(claim.companions),
-        "direction": claim.direction, "margin": claim.margin, "baseline": claim.baseline, "baselines": claim.baselines,
-        "seeds": len(seed_list), "seed_list": seed_list, "common": claim.common, "extra": list(extra),
+        "slug": claim.slug,
+        "paper": claim.paper,
+        "claim": claim.claim,
+        "phase": phase,
+        "kind": claim.kind,
+        "metric": claim.metric,
+        "target": claim.target,
+        "companions": list(claim.companions),
+        "direction": claim.direction,
+        "margin": claim.margin,
+        "baseline": claim.baseline,
+        "baselines": claim.baselines,
+        "seeds": len(seed_list),
+        "seed_list": seed_list,
+        "common": claim.common,
+        "extra": list(extra),
         "configs": [{"label": c.label, "recipe": c.recipe, "overrides": c.overrides} for c in claim.configs],
-        "claim_sha": claim.sha, "fixed": fixed, "fixed_sha": fixed_sha(fixed), "folder": str(folder),
-        "minutes": seconds / 60.0, "failed": sum(r["status"] != "ok" for r in runs), "runs": len(runs),
-        "short": sum(bool(r.get("short")) for r in runs), "resumed": sum(bool(r.get("skipped")) for r in runs),
-        "date": datetime.date.today().isoformat(), "provenance": provenance(threads), "effects": judge(claim, result),
+        "claim_sha": claim.sha,
+        "fixed": fixed,
+        "fixed_sha": fixed_sha(fixed),
+        "folder": str(folder),
+        "minutes": seconds / 60.0,
+        "failed": sum(r["status"] != "ok" for r in runs),
+        "runs": len(runs),
+        "short": sum(bool(r.get("short")) for r in runs),
+        "resumed": sum(bool(r.get("skipped")) for r in runs),
+        "date": datetime.date.today().isoformat(),
+        "provenance": provenance(threads),
+        "effects": judge(claim, result),
         "summaries": {c["label"]: {k: v["text"] for k, v in c["summary"].items()} for c in result["configs"]},
     }
 
@@ -248,9 +312,11 @@ def shown_verdict(kind: str, phase: str, word: str, detectable: str) -> str:
         return f"{MECHANISM}: {what}" + ("" if phase == "confirmatory" else ", exploratory seeds only")
     if phase == "confirmatory":
         return f"**{word}**" + (f"; {detectable}" if word == "inconclusive" else "")
-    lean = {"held": "interval on the claimed side, not confirmed",
-            "contradicted": "interval on the other side, not confirmed",
-            "inconclusive": f"inconclusive; {detectable}"}[word]
+    lean = {
+        "held": "interval on the claimed side, not confirmed",
+        "contradicted": "interval on the other side, not confirmed",
+        "inconclusive": f"inconclusive; {detectable}",
+    }[word]
     return f"exploratory: {lean}"
 
 
@@ -258,17 +324,23 @@ def _companions_text(effect: dict, claim: Claim) -> str:
     if not claim.companions:
         return ""
     stored = {c["metric"]: c for c in effect.get("companions", [])}
-    parts = [f"`{m}` {stored[m]['effect_text']}" if m in stored else f"`{m}` not in this record"
-             for m in claim.companions]
+    parts = [
+        f"`{m}` {stored[m]['effect_text']}" if m in stored else f"`{m}` not in this record" for m in claim.companions
+    ]
     return "; read with " + ", ".join(parts)
 
 
 def run_defining(data: dict) -> dict:
     """The fields that decide what was run (an exploratory record is stale when they changed)."""
-    configs = [{"label": c["label"], "recipe": c["recipe"], "overrides": list(c["overrides"])}
-               for c in data.get("configs", [])]
-    return {"metric": data.get("metric"), "target": data.get("target"), "common": list(data.get("common", [])),
-            "configs": configs}
+    configs = [
+        {"label": c["label"], "recipe": c["recipe"], "overrides": list(c["overrides"])} for c in data.get("configs", [])
+    ]
+    return {
+        "metric": data.get("metric"),
+        "target": data.get("target"),
+        "common": list(data.get("common", [])),
+        "configs": configs,
+    }
 
 
 def _fixed_error(claim: Claim, docs: Path | None) -> str | None:
@@ -302,19 +374,26 @@ def counts(claims: list, shown: dict[str, dict]) -> dict[str, int]:
 def power_paragraph(n: dict[str, int]) -> str:
     total = n["confirmatory"] + n["exploratory"]
     confirmed = n["confirmatory"]
-    return (f"**Error rates.** The table judges {total} comparisons ({n['mechanism']} mechanism checks not "
-            f"counted): {confirmed} confirmatory ({n['held']} held, {n['contradicted']} contradicted, "
-            f"{n['inconclusive']} inconclusive) and {n['exploratory']} exploratory. Each verdict's side is a "
-            f"one-sided test at {ONE_SIDED_LEVEL} (half of the two-sided 95 % interval), so if no effect were real "
-            "(every true effect at 0, or exactly at the margin's bound for a non-inferiority claim) about "
-            f"{ONE_SIDED_LEVEL} × {confirmed} = {expected_false_held(confirmed):.3g} of the confirmatory "
-            f"comparisons would read held by chance, and as many contradicted ({ONE_SIDED_LEVEL} × {total} = "
-            f"{expected_false_held(total):.3g} over all {total}). No correction for the number of comparisons is "
-            "applied: read a single held verdict with that in mind.\n")
+    return (
+        f"**Error rates.** The table judges {total} comparisons ({n['mechanism']} mechanism checks not "
+        f"counted): {confirmed} confirmatory ({n['held']} held, {n['contradicted']} contradicted, "
+        f"{n['inconclusive']} inconclusive) and {n['exploratory']} exploratory. Each verdict's side is a "
+        f"one-sided test at {ONE_SIDED_LEVEL} (half of the two-sided 95 % interval), so if no effect were real "
+        "(every true effect at 0, or exactly at the margin's bound for a non-inferiority claim) about "
+        f"{ONE_SIDED_LEVEL} × {confirmed} = {expected_false_held(confirmed):.3g} of the confirmatory "
+        f"comparisons would read held by chance, and as many contradicted ({ONE_SIDED_LEVEL} × {total} = "
+        f"{expected_false_held(total):.3g} over all {total}). No correction for the number of comparisons is "
+        "applied: read a single held verdict with that in mind.\n"
+    )
 
 
-def render(claims: list[Claim | tuple[str, str]], records: dict[str, dict], kept: dict[str, str],
-           confirmed: dict[str, dict] | None = None, docs: Path | None = None) -> str:
+def render(
+    claims: list[Claim | tuple[str, str]],
+    records: dict[str, dict],
+    kept: dict[str, str],
+    confirmed: dict[str, dict] | None = None,
+    docs: Path | None = None,
+) -> str:
     """The page: intro, one table row per claimed comparison, one section per claim. ``records``:
     exploratory records by slug; ``confirmed``: confirmatory ones; ``docs``: the page (to check
     each claim file's fixed fields against its confirmatory record)."""
@@ -328,15 +407,21 @@ def render(claims: list[Claim | tuple[str, str]], records: dict[str, dict], kept
                 errors[item.slug] = error
             elif confirmed.get(item.slug) or records.get(item.slug):
                 shown[item.slug] = confirmed.get(item.slug) or records[item.slug]
-    lines = [INTRO, power_paragraph(counts(claims, shown)),
-             "| paper | claim | metric | baseline | claimed | effect | verdict | seeds | minutes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        INTRO,
+        power_paragraph(counts(claims, shown)),
+        "| paper | claim | metric | baseline | claimed | effect | verdict | seeds | minutes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     sections = []
     for item in claims:
         if isinstance(item, tuple) or item.slug in errors:  # a file that does not load, or changed after confirmation
             slug, error = item if isinstance(item, tuple) else (item.slug, errors[item.slug])
-            what = ("invalid claim file" if isinstance(item, tuple)
-                    else "refused: claim file edited after its confirmatory run")
+            what = (
+                "invalid claim file"
+                if isinstance(item, tuple)
+                else "refused: claim file edited after its confirmatory run"
+            )
             lines.append(f"| [{slug}](#{slug}) | {what}: {_cell(error)} | | | | | | | |")
             sections += [f'<a id="{slug}"></a>', f"## {slug}", "", f"{what[0].upper()}{what[1:]}: `{_cell(error)}`", ""]
         else:
@@ -344,20 +429,35 @@ def render(claims: list[Claim | tuple[str, str]], records: dict[str, dict], kept
             timed = item.target is not None and item.metric.endswith("_to_target")
             metric = item.metric + (f" ≥ {item.target}" if timed else "")
             if record is None:
-                lines.append(f"| [{_cell(item.paper)}](#{slug}) | {_cell(item.claim)} | {metric} ({item.direction}) "
-                             "| | | | not run yet | | |")
+                lines.append(
+                    f"| [{_cell(item.paper)}](#{slug}) | {_cell(item.claim)} | {metric} ({item.direction}) "
+                    "| | | | not run yet | | |"
+                )
             else:
                 lines += _rows(item, record, metric)
             sections += _section(item, confirmed.get(slug), records.get(slug))
-        sections += ["### Reading", "", f"<!-- reading:{slug} -->", kept.get(slug) or PLACEHOLDER, "<!-- /reading -->", ""]
+        sections += [
+            "### Reading",
+            "",
+            f"<!-- reading:{slug} -->",
+            kept.get(slug) or PLACEHOLDER,
+            "<!-- /reading -->",
+            "",
+        ]
     slugs = {item.slug if isinstance(item, Claim) else item[0] for item in claims}
     retired = [r for s, r in sorted(confirmed.items()) if s not in slugs]
     if retired:
-        sections += ["## Retired claims", "",
-                     "Confirmatory records whose claim file is gone (kept: a changed claim gets a new id).", ""]
+        sections += [
+            "## Retired claims",
+            "",
+            "Confirmatory records whose claim file is gone (kept: a changed claim gets a new id).",
+            "",
+        ]
         for r in retired:
-            effects = "; ".join(f"{e['claimed']} − {e.get('baseline', r['baseline'])} {e['effect_text']} "
-                                f"→ {e['verdict']}" for e in r["effects"])
+            effects = "; ".join(
+                f"{e['claimed']} − {e.get('baseline', r['baseline'])} {e['effect_text']} → {e['verdict']}"
+                for e in r["effects"]
+            )
             sections.append(f"- `{r['slug']}` ({r['date']}): {effects}")
         sections.append("")
     return "\n".join([*lines, "", *sections]).rstrip() + "\n"
@@ -379,33 +479,55 @@ def _rows(claim: Claim, record: dict, metric: str) -> list[str]:
         cell = shown_verdict(claim.kind, phase, word, detectable_text(e, claim.metric, claim.direction, claim.margin))
         who = f" ({e['claimed']} vs {e.get('baseline', record['baseline'])})" if len(record["effects"]) > 1 else ""
         effect = e["effect_text"] + _cell(_companions_text(e, claim))
-        rows.append(f"| [{_cell(claim.paper)}](#{claim.slug}) | {_cell(claim.claim)}{who} | {metric} "
-                    f"({claim.direction}) | {e['baseline_text']} | {e['claimed_text']} | {effect} | {cell}{stale} "
-                    f"| {len(seeds)} ({seed_text(seeds)}) | {record['minutes']:.1f} |")
+        rows.append(
+            f"| [{_cell(claim.paper)}](#{claim.slug}) | {_cell(claim.claim)}{who} | {metric} "
+            f"({claim.direction}) | {e['baseline_text']} | {e['claimed_text']} | {effect} | {cell}{stale} "
+            f"| {len(seeds)} ({seed_text(seeds)}) | {record['minutes']:.1f} |"
+        )
     return rows
 
 
 def _section(claim: Claim, confirmed: dict | None, explored: dict | None) -> list[str]:
-    judged = {"superiority": "", "non_inferiority": f" within a non-inferiority margin of {claim.margin:g}",
-              "mechanism": f", a {MECHANISM}"}[claim.kind]
-    confirm = (f"confirmatory seeds {seed_text(claim_seeds(claim, 'confirmatory'))}." if claim.confirmatory_seeds
-               else "no confirmatory seeds set.")
-    out = [f'<a id="{claim.slug}"></a>', f"## {claim.slug}", "", f"**{claim.paper}**: {claim.claim}", "",
-           f"File `{shown_path(claim.path)}`; metric `{claim.metric}`"
-           + (f", target {claim.target}" if claim.target is not None else "")
-           + (f", read with `{'`, `'.join(claim.companions)}`" if claim.companions else "")
-           + f", claimed direction `{claim.direction}`{judged} against `{'`, `'.join(claim.baselines)}`; "
-           f"common overrides `{' '.join(claim.common) or '(none)'}`; exploratory seeds "
-           f"{seed_text(list(range(claim.exploratory_seeds)))}, {confirm}", "",
-           "| config | recipe + overrides |", "|---|---|"]
-    out += [f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | "
-            f"`{_cell(' '.join([c.recipe, *c.overrides]))}` |" for c in claim.configs]
+    judged = {
+        "superiority": "",
+        "non_inferiority": f" within a non-inferiority margin of {claim.margin:g}",
+        "mechanism": f", a {MECHANISM}",
+    }[claim.kind]
+    confirm = (
+        f"confirmatory seeds {seed_text(claim_seeds(claim, 'confirmatory'))}."
+        if claim.confirmatory_seeds
+        else "no confirmatory seeds set."
+    )
+    out = [
+        f'<a id="{claim.slug}"></a>',
+        f"## {claim.slug}",
+        "",
+        f"**{claim.paper}**: {claim.claim}",
+        "",
+        f"File `{shown_path(claim.path)}`; metric `{claim.metric}`"
+        + (f", target {claim.target}" if claim.target is not None else "")
+        + (f", read with `{'`, `'.join(claim.companions)}`" if claim.companions else "")
+        + f", claimed direction `{claim.direction}`{judged} against `{'`, `'.join(claim.baselines)}`; "
+        f"common overrides `{' '.join(claim.common) or '(none)'}`; exploratory seeds "
+        f"{seed_text(list(range(claim.exploratory_seeds)))}, {confirm}",
+        "",
+        "| config | recipe + overrides |",
+        "|---|---|",
+    ]
+    out += [
+        f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | "
+        f"`{_cell(' '.join([c.recipe, *c.overrides]))}` |"
+        for c in claim.configs
+    ]
     out.append("")
     if confirmed is None and explored is None:
         return out + ["Not run yet: `groupwise claims " + claim.slug + "`.", ""]
     if confirmed is None:
-        out += [f"Not confirmed yet: `groupwise claims --confirm {claim.slug}` runs its confirmatory seeds; until then "
-                "the table shows the exploratory run below, which is not a verdict.", ""]
+        out += [
+            f"Not confirmed yet: `groupwise claims --confirm {claim.slug}` runs its confirmatory seeds; until then "
+            "the table shows the exploratory run below, which is not a verdict.",
+            "",
+        ]
     for title, record in (("Confirmatory run", confirmed), ("Exploratory run", explored)):
         if record is not None:
             out += _record_block(claim, record, title)
@@ -416,28 +538,53 @@ def _record_block(claim: Claim, record: dict, title: str) -> list[str]:
     seeds = record.get("seed_list") or list(range(record["seeds"]))
     extra = f" with extra overrides `{' '.join(record['extra'])}`" if record.get("extra") else ""
     resumed = f", {record['resumed']} of them resumed from an earlier process" if record.get("resumed") else ""
-    out = [f"### {title}", "",
-           f"Run {record['date']}{extra}, seeds {seed_text(seeds)}: {record['runs']} runs ({record['failed']} "
-           f"failed{resumed}), {record['minutes']:.1f} min, folder `{record['folder']}` (`compare.md` there has every "
-           f"run). {describe(record.get('provenance'))}", ""]
-    names = [k for k in ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward", "wall_seconds")
-             if any(k in v for v in record["summaries"].values())]
+    out = [
+        f"### {title}",
+        "",
+        f"Run {record['date']}{extra}, seeds {seed_text(seeds)}: {record['runs']} runs ({record['failed']} "
+        f"failed{resumed}), {record['minutes']:.1f} min, folder `{record['folder']}` (`compare.md` there has every "
+        f"run). {describe(record.get('provenance'))}",
+        "",
+    ]
+    names = [
+        k
+        for k in (
+            "final_accuracy",
+            "final_pass_at_k",
+            "steps_to_target",
+            "seconds_to_target",
+            "reward_area",
+            "last_reward",
+            "wall_seconds",
+        )
+        if any(k in v for v in record["summaries"].values())
+    ]
     keyed = dict.fromkeys(k for v in record["summaries"].values() for k in v if k.startswith(KEYED))
     names[-1:-1] = list(keyed)  # keyed metrics before wall seconds
-    out += ["| config | " + " | ".join(f"`{n}`" if n.startswith(KEYED) else n.replace("_", " ") for n in names) + " |", "|---|" + "---|" * len(names)]
-    out += [f"| {label} | " + " | ".join(_cell(texts.get(n, "")) for n in names) + " |" for label, texts in record["summaries"].items()]
+    out += [
+        "| config | " + " | ".join(f"`{n}`" if n.startswith(KEYED) else n.replace("_", " ") for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    out += [
+        f"| {label} | " + " | ".join(_cell(texts.get(n, "")) for n in names) + " |"
+        for label, texts in record["summaries"].items()
+    ]
     out.append("")
     for e in record["effects"]:
         word, reason = rejudge(e, claim.direction, claim.margin)
         pairs = ", ".join(f"seed {k}: {v:+.4g}" for k, v in e["pairs"].items())
         detectable = detectable_text(e, claim.metric, claim.direction, claim.margin)
         shown = shown_verdict(claim.kind, record.get("phase", "exploratory"), word, detectable)
-        out += [f"- `{e['claimed']}` − `{e.get('baseline', record['baseline'])}`: {e['effect_text']} → {shown} "
-                f"({reason}). Per seed: {pairs or 'none'}."]
+        out += [
+            f"- `{e['claimed']}` − `{e.get('baseline', record['baseline'])}`: {e['effect_text']} → {shown} "
+            f"({reason}). Per seed: {pairs or 'none'}."
+        ]
         for c in e.get("companions", []):
             pairs = ", ".join(f"seed {k}: {v:+.4g}" for k, v in c["pairs"].items())
-            out += [f"  - read with `{c['metric']}`: {c['baseline_text']} → {c['claimed_text']}, {c['effect_text']} "
-                    f"(shown, not judged). Per seed: {pairs or 'none'}."]
+            out += [
+                f"  - read with `{c['metric']}`: {c['baseline_text']} → {c['claimed_text']}, {c['effect_text']} "
+                f"(shown, not judged). Per seed: {pairs or 'none'}."
+            ]
     image = f"{record_name(record)}.png"
     out += ["", f"![{claim.slug} {title.lower()} curves](claims/{image})", ""]
     return out
@@ -467,4 +614,3 @@ def regenerate(claims_dir: Path | None, docs: Path) -> str:
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text)
     return text
-

@@ -64,7 +64,9 @@ def ratio_and_adv(mb: Rollout, out: dict[str, Tensor], who: str) -> tuple[Tensor
     return ratio, token_advantages(mb, mask, who)
 
 
-def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None) -> Tensor:
+def clipped_surrogate(
+    ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None
+) -> Tensor:
     """Per-token PPO loss −min(ratio·adv, clip(ratio)·adv), optionally dual-clipped for adv < 0."""
     surr = ratio * adv  # [b,G,T]
     surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv  # [b,G,T]
@@ -75,7 +77,9 @@ def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: floa
     return loss
 
 
-def clip_stats(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None) -> dict[str, Tensor]:
+def clip_stats(
+    ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None
+) -> dict[str, Tensor]:
     """Per-token clip indicators (float 0/1) and the ratio, for logging."""
     ratio = ratio.detach()  # [b,G,T]
     stats = {

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from groupwise.masked import masked_mean, masked_sum

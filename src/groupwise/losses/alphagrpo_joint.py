@@ -51,8 +51,17 @@ def _image_positions(mb: Rollout, like: Tensor) -> Tensor:
     return mb.extras["image_token"].bool()  # [b,G,T]
 
 
-def joint_text_image_loss(text_logp: Tensor, text_old: Tensor, text_mask: Tensor, img_step_logp: Tensor, img_old_step_logp: Tensor, adv: Tensor,
-                          text_eps: tuple[float, float] = (0.2, 0.2), img_eps: float = 1e-3, adv_clip_max: float = 5.0) -> Tensor:
+def joint_text_image_loss(
+    text_logp: Tensor,
+    text_old: Tensor,
+    text_mask: Tensor,
+    img_step_logp: Tensor,
+    img_old_step_logp: Tensor,
+    adv: Tensor,
+    text_eps: tuple[float, float] = (0.2, 0.2),
+    img_eps: float = 1e-3,
+    adv_clip_max: float = 5.0,
+) -> Tensor:
     """Scalar: token-mean text surrogate ([N,Tt] log-probs, mask) + mean image surrogate ([N,K] step log-probs); ``adv`` [N]."""
     m = text_mask.bool()  # [N,Tt]
     ratio_t = torch.exp(torch.where(m, text_logp - text_old, torch.zeros(())))  # [N,Tt]
@@ -87,7 +96,9 @@ class AlphaGRPOJoint:
         ratio, adv = ratio_and_adv(mb, out, "alphagrpo_joint")  # [b,G,T], [b,G,T]
         image = _image_positions(mb, ratio)  # [b,G,T]
         text = clipped_surrogate(ratio, adv, self.text_eps_low, self.text_eps_high)  # [b,G,T]
-        img = clipped_surrogate(ratio, adv.clamp(-self.adv_clip_max, self.adv_clip_max), self.img_eps, self.img_eps)  # [b,G,T]
+        img = clipped_surrogate(
+            ratio, adv.clamp(-self.adv_clip_max, self.adv_clip_max), self.img_eps, self.img_eps
+        )  # [b,G,T]
         return torch.where(image, img, text)  # [b,G,T]
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:

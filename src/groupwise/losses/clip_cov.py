@@ -138,12 +138,16 @@ class _CovTerm:
 
     def _select(self, mb: Rollout, cov: Tensor, mask: Tensor, exclude: Tensor, info: StepInfo) -> Tensor: ...
 
-    def _selection(self, mb: Rollout, out: dict[str, Tensor] | None, info: StepInfo, exclude: Tensor | None = None) -> Tensor:
+    def _selection(
+        self, mb: Rollout, out: dict[str, Tensor] | None, info: StepInfo, exclude: Tensor | None = None
+    ) -> Tensor:
         key = f"{self.registry_name}.select"
         mask = stat_mask(mb)  # [b,G,T]
         if self.cov_logp == "old" and key in mb.extras:
             return mb.extras[key].bool() & mask  # [b,G,T] whole-batch selection from prepare
-        logp = required(mb, "logp_old", self.registry_name) if self.cov_logp == "old" else out["logp"].detach()  # [b,G,T]
+        logp = (
+            required(mb, "logp_old", self.registry_name) if self.cov_logp == "old" else out["logp"].detach()
+        )  # [b,G,T]
         cov = covariance(token_advantages(mb, mask, self.registry_name), masked_input(logp, mask), mask)  # [b,G,T]
         if exclude is None or self.cov_logp == "old":
             exclude = torch.zeros_like(mask)  # [b,G,T]
@@ -233,5 +237,7 @@ class KLCov(_CovTerm):
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
         mask = term_mask(mb)  # [b,G,T]
-        abs_kl = (masked_input(out["logp"], mask) - masked_input(required(mb, "logp_old", "kl_cov"), mask)).abs()  # [b,G,T]
+        abs_kl = (
+            masked_input(out["logp"], mask) - masked_input(required(mb, "logp_old", "kl_cov"), mask)
+        ).abs()  # [b,G,T]
         return {"cov_kl": self._selection(mb, out, StepInfo(0, 0, 0)).float(), "abs_kl": abs_kl.detach()}

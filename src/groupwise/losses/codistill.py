@@ -79,17 +79,25 @@ def kd_reward(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> Tenso
 def codistill_student_rewards(r_task: Tensor, r_kd: Tensor, lam: float = 1.0) -> Tensor:
     """rewards [B,G] float32 = r_task + lam · r_kd (the student's GRPO reward)."""
     if r_task.shape != r_kd.shape:
-        raise ValueError(f"codistill_student_rewards: r_task {tuple(r_task.shape)} and r_kd {tuple(r_kd.shape)} must match; reshape r_kd[N] to [B,G]")
+        raise ValueError(
+            f"codistill_student_rewards: r_task {tuple(r_task.shape)} and r_kd {tuple(r_kd.shape)} must match; reshape r_kd[N] to [B,G]"
+        )
     return r_task.float() + lam * r_kd.detach().float()  # [B,G]
 
 
-def truncated_is_weights(teacher_old_logp: Tensor, student_logp: Tensor, C: float = 2.0, *, mask: Tensor | None = None, level: str = "token") -> Tensor:
+def truncated_is_weights(
+    teacher_old_logp: Tensor, student_logp: Tensor, C: float = 2.0, *, mask: Tensor | None = None, level: str = "token"
+) -> Tensor:
     """w [N,T] float32 = sg[min(C, π_L,old / π_s)], per token or per sequence (geometric mean); 0 outside ``mask``."""
     if not C > 0:
         raise ValueError(f"truncated_is_weights: C must be > 0 (math.inf for no truncation), got {C}")
     if level not in IS_LEVELS:
         raise ValueError(f"truncated_is_weights: level must be one of {IS_LEVELS}, got {level!r}")
-    m = torch.ones_like(student_logp, dtype=torch.bool) if mask is None else _mask(mask, student_logp, "truncated_is_weights")  # [N,T]
+    m = (
+        torch.ones_like(student_logp, dtype=torch.bool)
+        if mask is None
+        else _mask(mask, student_logp, "truncated_is_weights")
+    )  # [N,T]
     d = masked_input(teacher_old_logp.detach(), m) - masked_input(student_logp.detach(), m)  # [N,T] log π_L,old/π_s
     if level == "seq":
         d = masked_mean(d, m, dim=-1)[..., None].expand_as(d)  # [N,T] the row's mean log-ratio on every token
@@ -101,7 +109,9 @@ def _token_adv(adv: Tensor, like: Tensor, m: Tensor) -> Tensor:
     if adv.shape == like.shape[:-1]:
         adv = adv[..., None].expand_as(like)  # [N,T]
     elif adv.shape != like.shape:
-        raise ValueError(f"codistill_teacher_loss: adv must be {tuple(like.shape[:-1])} (per completion) or {tuple(like.shape)}, got {tuple(adv.shape)}")
+        raise ValueError(
+            f"codistill_teacher_loss: adv must be {tuple(like.shape[:-1])} (per completion) or {tuple(like.shape)}, got {tuple(adv.shape)}"
+        )
     return masked_input(adv.detach(), m)  # [N,T]
 
 
@@ -124,7 +134,9 @@ def codistill_teacher_loss(
     return masked_sum(tok, m) / m.sum().clamp(min=1)  # []
 
 
-def teacher_is_stats(teacher_old_logp: Tensor, student_logp: Tensor, mask: Tensor, C: float = 2.0, level: str = "token") -> dict[str, float]:
+def teacher_is_stats(
+    teacher_old_logp: Tensor, student_logp: Tensor, mask: Tensor, C: float = 2.0, level: str = "token"
+) -> dict[str, float]:
     """Logging: mean weight and the share of loss tokens whose raw weight exceeds C (truncated)."""
     m = _mask(mask, student_logp, "teacher_is_stats")  # [N,T]
     w_raw = truncated_is_weights(teacher_old_logp, student_logp, math.inf, mask=m, level=level)  # [N,T]
@@ -150,5 +162,7 @@ class CoDistillKD:
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         teacher = rollout.extras.get(Need("logp", model=self.teacher).key)
         if teacher is None or rollout.logp_old is None:
-            raise ValueError(f"codistill_kd needs the policy's and role {self.teacher!r}'s log-probs; declare roles.{self.teacher} in the config")
+            raise ValueError(
+                f"codistill_kd needs the policy's and role {self.teacher!r}'s log-probs; declare roles.{self.teacher} in the config"
+            )
         return kd_reward(rollout.logp_old, teacher, rollout.row_mask)  # [B,G]

@@ -99,8 +99,9 @@ def conspo_group_loss(s: Tensor, pos: Tensor, neg: Tensor, tau: float, margin: f
     return masked_mean(l, on, dim=1), l  # [b], [b,G]
 
 
-def conspo_loss(logp: Tensor, mask: Tensor, rewards: Tensor, tau: float = 0.1, margin: float = 0.0,
-                threshold: float = 0.5) -> tuple[Tensor, Tensor]:
+def conspo_loss(
+    logp: Tensor, mask: Tensor, rewards: Tensor, tau: float = 0.1, margin: float = 0.0, threshold: float = 0.5
+) -> tuple[Tensor, Tensor]:
     """(batch loss = mean over the groups with a positive and a negative, seq_scores [B,G]) from
     ``logp`` [B,G,T], ``mask`` [B,G,T] and binary ``rewards`` [B,G] (spec interface)."""
     s = seq_scores(masked_input(logp, mask), mask)  # [B,G]
@@ -133,11 +134,15 @@ class ConSPO:
         if self.norm not in NORMS:
             raise ValueError(f"conspo: norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
         if not (math.isfinite(self.margin) and math.isfinite(self.threshold)):
-            raise ValueError(f"conspo: margin and threshold must be finite numbers, got margin={self.margin}, threshold={self.threshold}")
+            raise ValueError(
+                f"conspo: margin and threshold must be finite numbers, got margin={self.margin}, threshold={self.threshold}"
+            )
 
     def _sets(self, mb: Rollout, mask: Tensor) -> tuple[Tensor, Tensor]:
         if mb.rewards is None:
-            raise ValueError("objective term 'conspo' needs rollout.rewards (positives are rows with reward >= threshold)")
+            raise ValueError(
+                "objective term 'conspo' needs rollout.rewards (positives are rows with reward >= threshold)"
+            )
         return split_by_reward(mask, mb.rewards, self.threshold)  # [b,G] x2
 
     def _scale(self, mb: Rollout, mask: Tensor) -> Tensor:

@@ -77,8 +77,16 @@ SCORES = ("logp", "ref")
 DIRECTION = "direction"
 
 
-def dgpo_loss(logp: Tensor, mask: Tensor, labels: Tensor, group_ids: Tensor, beta: float = 1.0, gamma: float = 0.2,
-              lam_var: float = 1.0, ref_logp: Tensor | None = None) -> Tensor:
+def dgpo_loss(
+    logp: Tensor,
+    mask: Tensor,
+    labels: Tensor,
+    group_ids: Tensor,
+    beta: float = 1.0,
+    gamma: float = 0.2,
+    lam_var: float = 1.0,
+    ref_logp: Tensor | None = None,
+) -> Tensor:
     """The spec's interface: mean over the question groups ``group_ids`` [N] of L_q, from ``logp`` [N,T],
     ``mask`` [N,T], ``labels`` [N] (True = coherent) and optionally ``ref_logp`` [N,T] (score "ref")."""
     ids = torch.unique(group_ids, return_inverse=True)[1]  # [N] 0..Q-1
@@ -94,7 +102,9 @@ def dgpo_loss(logp: Tensor, mask: Tensor, labels: Tensor, group_ids: Tensor, bet
     return (loss[0] * share).sum() / share.sum().clamp(min=1)  # []
 
 
-def question_losses(s: Tensor, pos: Tensor, neg: Tensor, same: Tensor, gamma: float, lam_var: float) -> tuple[Tensor, Tensor, Tensor]:
+def question_losses(
+    s: Tensor, pos: Tensor, neg: Tensor, same: Tensor, gamma: float, lam_var: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """([b,G] L_q of each row's question group, 0 without a term; [b,G] the share of its pairs with
     s_p − s_n > gamma; [b,G] bool the group has a term) from scores ``s`` [b,G], coherent / inconsistent members and ``same`` [b,G,G]
     (rows i, j in one question group)."""
@@ -137,7 +147,9 @@ class DGPO:
         if not self.beta > 0:
             raise ValueError(f"dgpo: beta must be > 0 (the score's scale, spec default 1), got {self.beta}")
         if not self.gamma >= 0 or not self.lam_var >= 0:
-            raise ValueError(f"dgpo: gamma and lam_var must be >= 0 (spec defaults 0.2 and 1), got gamma={self.gamma}, lam_var={self.lam_var}")
+            raise ValueError(
+                f"dgpo: gamma and lam_var must be >= 0 (spec defaults 0.2 and 1), got gamma={self.gamma}, lam_var={self.lam_var}"
+            )
         if self.score not in SCORES:
             raise ValueError(f"dgpo: score must be one of {', '.join(SCORES)}, got {self.score!r}")
 
@@ -174,7 +186,9 @@ class DGPO:
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         _, loss, _, _, same, members, mask = self._parts(mb, out)
         n_q = same.sum(-1).to(loss.dtype)  # [b,G] members of the row's question group (0 off the members)
-        k = torch.where(members, 1.0 / n_q.clamp(min=1), 0.0).sum(1, keepdim=True)  # [b,1] question groups with a member
+        k = torch.where(members, 1.0 / n_q.clamp(min=1), 0.0).sum(
+            1, keepdim=True
+        )  # [b,1] question groups with a member
         n_rows = mask.any(-1).sum(1, keepdim=True).to(loss.dtype)  # [b,1]
         return torch.where(members, loss * n_rows / (k.clamp(min=1) * n_q.clamp(min=1)), 0.0)  # [b,G]
 

@@ -79,7 +79,9 @@ def estimate_logZ(r_hat: Tensor, lref_bar: Tensor, lq_bar: Tensor, beta: float, 
     valid = torch.isfinite(log_w) if valid is None else valid.bool() & torch.isfinite(log_w)  # [...,M]
     n = valid.sum(-1)  # [...]
     lse = masked_logsumexp(log_w, valid, dim=-1).squeeze(-1)  # [...]
-    return torch.where(n > 0, lse - n.clamp(min=1).double().log(), torch.full((), float("nan"), dtype=torch.float64)).float()  # [...]
+    return torch.where(
+        n > 0, lse - n.clamp(min=1).double().log(), torch.full((), float("nan"), dtype=torch.float64)
+    ).float()  # [...]
 
 
 def is_ess(log_w: Tensor, valid: Tensor) -> Tensor:
@@ -95,7 +97,9 @@ def tb_residual(logZ: Tensor, lp_bar: Tensor, ref_bar: Tensor, r_hat: Tensor, be
     return (logZ[:, None] if logZ.dim() == 1 else logZ) + lp_bar - beta * r_hat - ref_bar  # [B,G]
 
 
-def tb_loss(logZ: Tensor, lp_bar: Tensor, ref_bar: Tensor, r_hat: Tensor, w: Tensor, beta: float, valid: Tensor | None = None) -> Tensor:
+def tb_loss(
+    logZ: Tensor, lp_bar: Tensor, ref_bar: Tensor, r_hat: Tensor, w: Tensor, beta: float, valid: Tensor | None = None
+) -> Tensor:
     """[] mean over (valid) rows of w·δ², ``w`` detached."""
     values = w.detach() * tb_residual(logZ, lp_bar, ref_bar, r_hat, beta) ** 2  # [B,G]
     valid = torch.ones_like(values, dtype=torch.bool) if valid is None else valid.bool()
@@ -108,7 +112,13 @@ class LogZRegressor(torch.nn.Module):
     def __init__(self, embed_dim: int, hidden: int = 64):
         super().__init__()
         self.embed_dim, self.hidden = embed_dim, hidden
-        self.net = torch.nn.Sequential(torch.nn.Linear(embed_dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(embed_dim, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 1),
+        )
         for name, size in (("x_mean", embed_dim), ("x_std", embed_dim), ("y_mean", 1), ("y_std", 1)):
             self.register_buffer(name, torch.zeros(size) if "mean" in name else torch.ones(size))
 
@@ -172,18 +182,24 @@ class DISA:
 
     @property
     def needs(self) -> tuple[Need, ...]:
-        return (Need("logp", model="ref"),) + ((Need(f"hidden({self.embed_layer})", model="ref"),) if self.use_regressor else ())
+        return (Need("logp", model="ref"),) + (
+            (Need(f"hidden({self.embed_layer})", model="ref"),) if self.use_regressor else ()
+        )
 
     def use_artifact(self, name: str, value: dict) -> None:
         if abs(float(value["beta"]) - self.beta) > 1e-9:
-            raise ConfigError(f"objective disa: beta={self.beta}, but the artifact {name!r} estimated log Z for beta={value['beta']}; "
-                              f"set the phase's beta to {self.beta} (or objective.terms.disa.beta={value['beta']})")
+            raise ConfigError(
+                f"objective disa: beta={self.beta}, but the artifact {name!r} estimated log Z for beta={value['beta']}; "
+                f"set the phase's beta to {self.beta} (or objective.terms.disa.beta={value['beta']})"
+            )
         self._table = torch.as_tensor(value["table"], dtype=torch.float32)  # [N] NaN where not estimated
         reg = value.get("regressor")
         if self.use_regressor:
             if not reg or reg.get("layer") != self.embed_layer:
-                raise ConfigError(f"objective disa: use_regressor with embed_layer={self.embed_layer}, but the artifact {name!r} holds "
-                                  f"{'no regressor' if not reg else 'one fitted on layer ' + str(reg.get('layer'))}; set the phase's regressor = true, layer = {self.embed_layer}")
+                raise ConfigError(
+                    f"objective disa: use_regressor with embed_layer={self.embed_layer}, but the artifact {name!r} holds "
+                    f"{'no regressor' if not reg else 'one fitted on layer ' + str(reg.get('layer'))}; set the phase's regressor = true, layer = {self.embed_layer}"
+                )
             self._regressor = LogZRegressor(int(reg["embed_dim"]), int(reg["hidden"]))
             self._regressor.load_state_dict(reg["state"])
             self._regressor.eval().requires_grad_(False)
@@ -191,18 +207,26 @@ class DISA:
     def _anchor(self, mb: Rollout) -> Tensor:
         """[b,G] frozen log Z of each row's prompt: the table, else (use_regressor) the regressor."""
         if self._table is None:
-            raise ValueError('objective disa has no log Z table: configure the offline phase disa_logz (phases = [{name = "disa_logz"}])')
+            raise ValueError(
+                'objective disa has no log Z table: configure the offline phase disa_logz (phases = [{name = "disa_logz"}])'
+            )
         B, G, _ = mb.shape
         idx = mb.prompt_index.long()  # [b]
         inside = (idx >= 0) & (idx < len(self._table))  # [b]
-        logZ = torch.where(inside, self._table[idx.clamp(0, max(len(self._table) - 1, 0))], torch.full((), float("nan")))  # [b]
+        logZ = torch.where(
+            inside, self._table[idx.clamp(0, max(len(self._table) - 1, 0))], torch.full((), float("nan"))
+        )  # [b]
         logZ = logZ[:, None].expand(B, G)  # [b,G]
         missing = ~torch.isfinite(logZ)  # [b,G]
         if bool(missing.any()):
             if self._regressor is None:
-                raise ValueError(f"objective disa: prompt ids {sorted(set(idx[missing.any(-1)].tolist()))[:8]} have no log Z in the table; "
-                                 f"estimate them (phase disa_logz prompts = 0: every prompt) or set regressor = true on the phase and use_regressor = true here")
-            emb = mb.extras[Need(f"hidden({self.embed_layer})", model="ref").key][:, :, 0]  # [b,G,H] the state after the prompt
+                raise ValueError(
+                    f"objective disa: prompt ids {sorted(set(idx[missing.any(-1)].tolist()))[:8]} have no log Z in the table; "
+                    f"estimate them (phase disa_logz prompts = 0: every prompt) or set regressor = true on the phase and use_regressor = true here"
+                )
+            emb = mb.extras[Need(f"hidden({self.embed_layer})", model="ref").key][
+                :, :, 0
+            ]  # [b,G,H] the state after the prompt
             with torch.no_grad():
                 logZ = torch.where(missing, self._regressor(emb.reshape(B * G, -1)).reshape(B, G), logZ)  # [b,G]
         return logZ  # [b,G]
@@ -226,7 +250,14 @@ class DISA:
         delta = tb_residual(logZ, lp_bar, ref_bar, r_hat, self.beta)  # [b,G]
         delta = torch.where(rows, delta, torch.zeros(()))  # [b,G]
         raw = masked_mean(logp, mask, dim=-1).detach()  # [b,G] before the clamp
-        return {"delta": delta, "w": w, "logZ": logZ, "rows": rows, "clamp_low": (raw < low) & rows, "clamp_high": (raw > high) & rows}
+        return {
+            "delta": delta,
+            "w": w,
+            "logZ": logZ,
+            "rows": rows,
+            "clamp_low": (raw < low) & rows,
+            "clamp_high": (raw > high) & rows,
+        }
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         p = self._parts(mb, out)
@@ -234,5 +265,10 @@ class DISA:
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
         p = self._parts(mb, out)
-        return {"disa/delta": p["delta"].detach(), "disa/logz": p["logZ"], "disa/w": p["w"],
-                "disa/clamp_low": p["clamp_low"].float(), "disa/clamp_high": p["clamp_high"].float()}  # [b,G] each
+        return {
+            "disa/delta": p["delta"].detach(),
+            "disa/logz": p["logZ"],
+            "disa/w": p["w"],
+            "disa/clamp_low": p["clamp_low"].float(),
+            "disa/clamp_high": p["clamp_high"].float(),
+        }  # [b,G] each

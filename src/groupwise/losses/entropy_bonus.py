@@ -59,5 +59,7 @@ class EntropyBonus:
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         if "entropy" not in out:
-            raise ValueError("entropy_bonus needs out['entropy'] (the grad Need('entropy')); the forward did not return it")
+            raise ValueError(
+                "entropy_bonus needs out['entropy'] (the grad Need('entropy')); the forward did not return it"
+            )
         return -masked_input(out["entropy"], term_mask(mb))  # [b,G,T]

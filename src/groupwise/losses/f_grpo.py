@@ -61,8 +61,15 @@ from groupwise.types import Rollout, StepInfo
 PHASE_KEY = "f_grpo.phase"
 
 
-def fgrpo_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, phase: Tensor, mask: Tensor, eps_low: float = 0.2,
-               eps_high: float = 0.2) -> tuple[Tensor, Tensor, Tensor]:
+def fgrpo_loss(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    phase: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> tuple[Tensor, Tensor, Tensor]:
     """[b,G,T] inputs -> (row loss [b,G], rho [b,G,2], A [b,G,2]) of the two-phase objective."""
     rhos, advs, loss = [], [], torch.zeros(mask.shape[:2], dtype=torch.float32)  # [b,G]
     for p in (0, 1):
@@ -91,8 +98,10 @@ class FGRPOLoss:
     _token_text: Any = field(default=None, init=False, repr=False)
 
     needs = ()
-    token_weights_reason = ("at level = 'sequence' each phase of a row has one clipped ratio, with no weighted form "
-                            "(level = 'token' takes them)")
+    token_weights_reason = (
+        "at level = 'sequence' each phase of a row has one clipped ratio, with no weighted form "
+        "(level = 'token' takes them)"
+    )
 
     @property
     def token_weights(self) -> str:
@@ -110,9 +119,13 @@ class FGRPOLoss:
     def prepare(self, batch: Rollout, info: StepInfo) -> None:
         """Once per step on the whole batch: the phase map (Note 1)."""
         if self._token_text is None:
-            raise ValueError("objective f_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
+            raise ValueError(
+                "objective f_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+            )
         B, G, T = batch.shape
-        phase = phase_ids(batch.actions.reshape(B * G, T), batch.mask.reshape(B * G, T), self._token_text, self.cand_tags)  # [N,T]
+        phase = phase_ids(
+            batch.actions.reshape(B * G, T), batch.mask.reshape(B * G, T), self._token_text, self.cand_tags
+        )  # [N,T]
         batch.extras.pop(PHASE_KEY, None)
         batch.set_extra(PHASE_KEY, phase.reshape(B, G, T), "token")
 
@@ -136,6 +149,9 @@ class FGRPOLoss:
         if self.level == "token":
             return clip_stats(torch.exp(logp - logp_old), adv, self.eps_low, self.eps_high)
         _, rho, A = fgrpo_loss(logp, logp_old, adv, phase, mask, self.eps_low, self.eps_high)  # [b,G,2] x2
-        return {"ratio_gen": rho[..., 0], "ratio_rank": rho[..., 1],
-                "clip_low": ((rho < 1.0 - self.eps_low) & (A < 0)).any(-1).float(),  # [b,G]
-                "clip_high": ((rho > 1.0 + self.eps_high) & (A > 0)).any(-1).float()}  # [b,G]
+        return {
+            "ratio_gen": rho[..., 0],
+            "ratio_rank": rho[..., 1],
+            "clip_low": ((rho < 1.0 - self.eps_low) & (A < 0)).any(-1).float(),  # [b,G]
+            "clip_high": ((rho > 1.0 + self.eps_high) & (A > 0)).any(-1).float(),
+        }  # [b,G]

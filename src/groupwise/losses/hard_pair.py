@@ -75,8 +75,9 @@ from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 
-def pair_divergence(lam: Tensor, base: Tensor, pairs: Tensor, pref: Tensor, eps_p: float,
-                    clip_eps: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def pair_divergence(
+    lam: Tensor, base: Tensor, pairs: Tensor, pref: Tensor, eps_p: float, clip_eps: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """(KL(q ‖ pbar) per pair [B,P] with its gradient in ``lam`` [B,G], pair exists [B,P], gradient stopped [B,P])."""
     B, P, _ = pairs.shape
     has = pairs[..., 0] >= 0  # [B,P]
@@ -85,7 +86,9 @@ def pair_divergence(lam: Tensor, base: Tensor, pairs: Tensor, pref: Tensor, eps_
     tilt = eps_p * (2 * pref.float() - 1)  # [B,P] signed bonus of the first row
     target = torch.stack([torch.log1p(tilt), torch.log1p(-tilt)], dim=-1)  # [B,P,2] log c
     members = has[..., None].expand(B, P, 2).reshape(B * P, 2)  # [B·P,2]
-    value, _, _ = simplex_divergence(lam2.reshape(B * P, 2), target.reshape(B * P, 2), members, "fkl", 1.0, base2.reshape(B * P, 2))
+    value, _, _ = simplex_divergence(
+        lam2.reshape(B * P, 2), target.reshape(B * P, 2), members, "fkl", 1.0, base2.reshape(B * P, 2)
+    )
     value = torch.where(has, value.view(B, P), torch.zeros(()))  # [B,P]
     stopped = torch.zeros_like(has)  # [B,P]
     if clip_eps is not None:
@@ -95,8 +98,15 @@ def pair_divergence(lam: Tensor, base: Tensor, pairs: Tensor, pref: Tensor, eps_
     return value, has, stopped
 
 
-def hard_pair_loss(seq_logp: Tensor, old_seq_logp: Tensor, pairs: Tensor, eps_p: float = 0.2, beta: float = 0.0,
-                   ref_seq_logp: Tensor | None = None, pref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def hard_pair_loss(
+    seq_logp: Tensor,
+    old_seq_logp: Tensor,
+    pairs: Tensor,
+    eps_p: float = 0.2,
+    beta: float = 0.0,
+    ref_seq_logp: Tensor | None = None,
+    pref: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The spec's interface: (loss [], metrics) from sequence log-probs [B,G] and ``pairs`` [B,P,2]
     (winner first unless ``pref`` [B,P] says otherwise). loss = mean over groups with a pair of their
     mean KL(q ‖ pbar), plus β·mean over paired rows of k3(seq_logp, ref_seq_logp)."""
@@ -105,7 +115,9 @@ def hard_pair_loss(seq_logp: Tensor, old_seq_logp: Tensor, pairs: Tensor, eps_p:
     group = masked_mean(value, has, dim=1)  # [B]
     loss = masked_mean(group, has.any(1))  # []
     if beta and ref_seq_logp is not None:
-        paired = torch.zeros(seq_logp.shape, dtype=torch.bool).scatter_(1, pairs.clamp(min=0).flatten(1), has.repeat_interleave(2, 1))  # [B,G]
+        paired = torch.zeros(seq_logp.shape, dtype=torch.bool).scatter_(
+            1, pairs.clamp(min=0).flatten(1), has.repeat_interleave(2, 1)
+        )  # [B,G]
         loss = loss + beta * masked_mean(K3()(seq_logp, ref_seq_logp), paired)  # []
     return loss, {"pair_loss": value, "group_loss": group}
 
@@ -121,7 +133,9 @@ class HardPair(SimplexTerm):
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_p < 1.0:
-            raise ConfigError(f"hard_pair: eps_p must be in [0, 1) (the loser's target factor is 1 − eps_p), got {self.eps_p}")
+            raise ConfigError(
+                f"hard_pair: eps_p must be in [0, 1) (the loser's target factor is 1 − eps_p), got {self.eps_p}"
+            )
         if self.pairing not in PAIRINGS:
             raise ConfigError(f"hard_pair: pairing must be one of {PAIRINGS}, got {self.pairing!r}")
         if self.clip_eps is not None and not self.clip_eps > 0:
@@ -130,13 +144,17 @@ class HardPair(SimplexTerm):
     def _parts(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> tuple[Tensor, Tensor]:
         lam, base, mask = sequence_log_ratio(mb, out, "hard_pair")  # [b,G] x2, [b,G,T]
         if mb.rewards is None:
-            raise ValueError("objective term 'hard_pair' needs rollout.rewards (the pair preferences); run the reward stage first")
+            raise ValueError(
+                "objective term 'hard_pair' needs rollout.rewards (the pair preferences); run the reward stage first"
+            )
         valid = mb.group_valid.bool() & torch.isfinite(mb.rewards)  # [b,G] as pair_grpo's valid_rows
         pairs = rollout_pairs(mb, info, valid, self.pairing)  # [b,P,2]
         tokens = mask.any(-1)  # [b,G]
         both = tokens.gather(1, pairs.clamp(min=0).flatten(1)).view(pairs.shape).all(-1)  # [b,P]
         pairs = torch.where(both[..., None], pairs, torch.full((), -1, dtype=pairs.dtype))  # [b,P,2]
-        value, has, stopped = pair_divergence(lam, base, pairs, pair_preference(mb.rewards, pairs), self.eps_p, self.clip_eps)  # [b,P] x3
+        value, has, stopped = pair_divergence(
+            lam, base, pairs, pair_preference(mb.rewards, pairs), self.eps_p, self.clip_eps
+        )  # [b,P] x3
         group = masked_mean(value, has, dim=1)[:, None].expand(lam.shape)  # [b,G]
         clipped = masked_mean(stopped.float(), has, dim=1)[:, None].expand(lam.shape)  # [b,G]
         return group, clipped

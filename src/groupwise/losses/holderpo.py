@@ -106,7 +106,9 @@ def holder_p_table(kind: str, p_min: float = -2.0, p_max: float = 2.0, steps: in
     return table
 
 
-def holder_p_schedule(step: int, kind: str, p_min: float = -2.0, p_max: float = 2.0, steps: int = 500, power: float = 2.0) -> float:
+def holder_p_schedule(
+    step: int, kind: str, p_min: float = -2.0, p_max: float = 2.0, steps: int = 500, power: float = 2.0
+) -> float:
     """p at ``step`` (spec interface): progress u = min(1, step / steps) through the kind's shape."""
     table = holder_p_table(kind, p_min, p_max, steps, power)
     schedule = build("schedule", table.pop("schedule"), **table)
@@ -129,12 +131,22 @@ def holder_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor, p: float) -> Tens
     return torch.exp(log_power_mean(logp - logp_old, mask, p))  # [b,G]
 
 
-def holder_po_loss(logp: Tensor, logp_old: Tensor, mask: Tensor, adv: Tensor, p: float, eps_low: float = 0.2,
-                   eps_high: float = 0.2, variant: str = "sequence") -> tuple[Tensor, Tensor]:
+def holder_po_loss(
+    logp: Tensor,
+    logp_old: Tensor,
+    mask: Tensor,
+    adv: Tensor,
+    p: float,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    variant: str = "sequence",
+) -> tuple[Tensor, Tensor]:
     """(row loss [b,G], rho [b,G]) of HölderPO; ``adv`` [b,G] sequence advantages, inputs zero-safe outside ``mask``."""
     d = logp - logp_old  # [b,G,T]
     if variant == "holder_token":
-        d = torch.where(adv[..., None] > 0, d.clamp(max=math.log1p(eps_high)), d.clamp(min=math.log1p(-eps_low)))  # [b,G,T] min/max(r_t, clip(r_t))
+        d = torch.where(
+            adv[..., None] > 0, d.clamp(max=math.log1p(eps_high)), d.clamp(min=math.log1p(-eps_low))
+        )  # [b,G,T] min/max(r_t, clip(r_t))
         rho = torch.exp(log_power_mean(d, mask, p))  # [b,G]
         return -adv * rho, rho  # [b,G]
     if variant == "sequence_w_clip":
@@ -181,9 +193,13 @@ class HolderPO:
         _, rho = holder_po_loss(logp, logp_old, mask, adv, self.p, self.eps_low, self.eps_high, self.variant)  # [b,G]
         if self.variant == "holder_token":
             d, a = logp - logp_old, adv[..., None]  # [b,G,T], [b,G,1]
-            return {"ratio": rho,
-                    "clip_low": ((d < math.log1p(-self.eps_low)) & (a < 0) & mask).float(),  # [b,G,T]
-                    "clip_high": ((d > math.log1p(self.eps_high)) & (a > 0) & mask).float()}  # [b,G,T]
-        return {"ratio": rho,
-                "clip_low": ((rho < 1.0 - self.eps_low) & (adv < 0)).float(),  # [b,G]
-                "clip_high": ((rho > 1.0 + self.eps_high) & (adv > 0)).float()}  # [b,G]
+            return {
+                "ratio": rho,
+                "clip_low": ((d < math.log1p(-self.eps_low)) & (a < 0) & mask).float(),  # [b,G,T]
+                "clip_high": ((d > math.log1p(self.eps_high)) & (a > 0) & mask).float(),
+            }  # [b,G,T]
+        return {
+            "ratio": rho,
+            "clip_low": ((rho < 1.0 - self.eps_low) & (adv < 0)).float(),  # [b,G]
+            "clip_high": ((rho > 1.0 + self.eps_high) & (adv > 0)).float(),
+        }  # [b,G]

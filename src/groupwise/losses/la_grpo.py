@@ -79,8 +79,10 @@ def resolve_tokens(tokens: list[str], token_text: list[str], who: str) -> list[i
     for text in tokens:
         found = [i for i, t in enumerate(token_text) if t == text]
         if not found:
-            raise ConfigError(f"{who}: functional token {text!r} is not one token of the policy's vocabulary (no token id has "
-                              f"this text; the tokenizer splits it into several): list single-token texts, or add it to the tokenizer")
+            raise ConfigError(
+                f"{who}: functional token {text!r} is not one token of the policy's vocabulary (no token id has "
+                f"this text; the tokenizer splits it into several): list single-token texts, or add it to the tokenizer"
+            )
         ids += found
     return sorted(set(ids))
 
@@ -110,8 +112,14 @@ class LAGRPOAnchor:
         check_clip("la_grpo", self.eps_low, self.eps_high)
         if self.anchor not in ANCHORS:
             raise ConfigError(f"objective la_grpo: anchor must be one of {ANCHORS}, got {self.anchor!r}")
-        if not isinstance(self.tokens, (list, tuple)) or not self.tokens or not all(isinstance(t, str) and t for t in self.tokens):
-            raise ConfigError(f"objective la_grpo: tokens must be a non-empty list of non-empty token texts, got {self.tokens!r}")
+        if (
+            not isinstance(self.tokens, (list, tuple))
+            or not self.tokens
+            or not all(isinstance(t, str) and t for t in self.tokens)
+        ):
+            raise ConfigError(
+                f"objective la_grpo: tokens must be a non-empty list of non-empty token texts, got {self.tokens!r}"
+            )
         if len(set(self.tokens)) != len(self.tokens):
             raise ConfigError(f"objective la_grpo: tokens lists a text twice: {self.tokens!r}")
 
@@ -121,12 +129,16 @@ class LAGRPOAnchor:
     def token_subset(self, rollout: Rollout) -> Tensor:
         """[b,G,T] bool: positions holding a functional token (the objective intersects the loss mask)."""
         if self._ids is None:
-            raise ValueError("objective la_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
+            raise ValueError(
+                "objective la_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+            )
         return torch.isin(rollout.actions, self._ids)  # [b,G,T]
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         mask = term_mask(mb)  # [b,G,T]
-        f = functional_token_mask(mb.actions, self._ids, mask) if self._ids is not None else self.token_subset(mb)  # [b,G,T]
+        f = (
+            functional_token_mask(mb.actions, self._ids, mask) if self._ids is not None else self.token_subset(mb)
+        )  # [b,G,T]
         ratio, adv = ratio_and_adv(mb, out, "la_grpo")  # [b,G,T], [b,G,T]
         if self.anchor == "surrogate":
             loss = clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)  # [b,G,T]
@@ -135,5 +147,9 @@ class LAGRPOAnchor:
         return torch.where(f, loss, torch.zeros((), dtype=loss.dtype))  # [b,G,T] exactly 0 off f
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
-        f = functional_token_mask(mb.actions, self._ids, term_mask(mb)) if self._ids is not None else self.token_subset(mb)  # [b,G,T]
+        f = (
+            functional_token_mask(mb.actions, self._ids, term_mask(mb))
+            if self._ids is not None
+            else self.token_subset(mb)
+        )  # [b,G,T]
         return {"la_grpo/func_frac": f.float(), "la_grpo/func_rows": f.any(-1).float()}  # [b,G,T], [b,G]

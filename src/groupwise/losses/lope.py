@@ -102,12 +102,18 @@ class LoPEShaping:
         if self.level not in LEVELS:
             raise ConfigError(f"objective lope: level={self.level!r} must be one of {LEVELS}")
         if self.behaviour not in BEHAVIOURS:
-            raise ConfigError(f"objective lope: behaviour={self.behaviour!r} must be one of {BEHAVIOURS} (the sampler's log-probs, or the behaviour view's)")
+            raise ConfigError(
+                f"objective lope: behaviour={self.behaviour!r} must be one of {BEHAVIOURS} (the sampler's log-probs, or the behaviour view's)"
+            )
         if self.base == "lope":
-            raise ConfigError("objective lope: base='lope' would wrap itself; use a policy term such as 'ppo_clip' or 'gspo'")
+            raise ConfigError(
+                "objective lope: base='lope' would wrap itself; use a policy term such as 'ppo_clip' or 'gspo'"
+            )
         self.inner = build("objective", self.base, **self.base_params)
         if getattr(self.inner, "coef", 1.0) != 1.0 or getattr(self.inner, "agg", None) is not None:
-            raise ConfigError(f"objective lope: set coef and agg on the lope term, not in base_params (got coef={self.inner.coef}, agg={self.inner.agg!r})")
+            raise ConfigError(
+                f"objective lope: set coef and agg on the lope term, not in base_params (got coef={self.inner.coef}, agg={self.inner.agg!r})"
+            )
 
     @property
     def needs(self) -> tuple:
@@ -138,10 +144,16 @@ class LoPEShaping:
             return values
         mask = term_mask(mb)  # [b,G,T]
         if values.dim() == 2:
-            values = torch.where(mask, values[..., None], torch.zeros((), dtype=values.dtype))  # [b,G,T] a row loss on each of its tokens
-        behav = required(mb, "logp_sampler", "lope") if self.behaviour == "sampler" else mb.extras.get(BEHAVIOUR_NEED.key)  # [b,G,T]
+            values = torch.where(
+                mask, values[..., None], torch.zeros((), dtype=values.dtype)
+            )  # [b,G,T] a row loss on each of its tokens
+        behav = (
+            required(mb, "logp_sampler", "lope") if self.behaviour == "sampler" else mb.extras.get(BEHAVIOUR_NEED.key)
+        )  # [b,G,T]
         if behav is None:
-            raise ValueError(f"objective lope (behaviour='view') reads {BEHAVIOUR_NEED.key!r}, which this batch lacks; the trainer fills it from the term's needs")
+            raise ValueError(
+                f"objective lope (behaviour='view') reads {BEHAVIOUR_NEED.key!r}, which this batch lacks; the trainer fills it from the term's needs"
+            )
         log_rho = masked_input(out["logp"], mask) - masked_input(behav, mask)  # [b,G,T]
         if self.level == "sequence":
             seq = log_rho.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [b,G,1]

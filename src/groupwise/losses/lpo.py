@@ -86,15 +86,19 @@ def lpo_target(adv: Tensor, tau: float = 1.0, valid: Tensor | None = None) -> Te
     return torch.where(valid, group_log_softmax(adv / tau, valid).exp(), torch.zeros(()))  # [B,G]
 
 
-def simplex_divergence(lam: Tensor, target: Tensor, valid: Tensor, divergence: str = "fkl", tau: float = 1.0,
-                       base: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def simplex_divergence(
+    lam: Tensor, target: Tensor, valid: Tensor, divergence: str = "fkl", tau: float = 1.0, base: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The projection on each group's simplex (shared with ``hard_pair``): p = softmax_valid(base + lam),
     p_star = softmax_valid(base + target / tau) ([B,G] logits; ``base`` 0 by default). Returns (the
     divergence per group [B], with its closed-form gradient in ``lam`` (Note 7), p [B,G], p_star [B,G])."""
     top = torch.where(valid, target, torch.full((), -torch.inf)).amax(1, keepdim=True)  # [B,1]
     centred = torch.where(valid, target - top, torch.zeros(())) / tau  # [B,G] equal targets → exactly 0 (Note 7)
     shift = torch.zeros(()) if base is None else torch.where(valid, base, torch.zeros(()))  # [B,G] or []
-    log_p, log_star = group_log_softmax(shift + lam.detach(), valid), group_log_softmax(shift + centred, valid)  # [B,G] x2
+    log_p, log_star = (
+        group_log_softmax(shift + lam.detach(), valid),
+        group_log_softmax(shift + centred, valid),
+    )  # [B,G] x2
     p, p_star = torch.where(valid, log_p.exp(), 0.0), torch.where(valid, log_star.exp(), 0.0)  # [B,G] x2
     if divergence == "fkl":
         value = masked_sum(p_star * (log_star - log_p), valid, dim=1)  # [B]
@@ -104,11 +108,21 @@ def simplex_divergence(lam: Tensor, target: Tensor, valid: Tensor, divergence: s
         grad = torch.where(valid, p * (log_p - log_star - value[:, None]), 0.0)  # [B,G] ∂L/∂lam
     else:
         raise ValueError(f"lpo: divergence must be one of {', '.join(DIVERGENCES)}, got {divergence!r}")
-    return value + (grad * (lam - lam.detach())).sum(1), p, p_star  # [B] the value, with the closed-form gradient in lam
+    return (
+        value + (grad * (lam - lam.detach())).sum(1),
+        p,
+        p_star,
+    )  # [B] the value, with the closed-form gradient in lam
 
 
-def lpo_loss(seq_logp: Tensor, old_seq_logp: Tensor, adv: Tensor, tau: float = 1.0, divergence: str = "fkl",
-             valid: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def lpo_loss(
+    seq_logp: Tensor,
+    old_seq_logp: Tensor,
+    adv: Tensor,
+    tau: float = 1.0,
+    divergence: str = "fkl",
+    valid: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """(per-prompt mean of the divergence [], metrics) from sequence log-probs [B,G] (spec interface).
     metrics: ``group_loss`` [B] (differentiable in ``seq_logp``), ``p`` and ``p_star`` [B,G] on the valid rows."""
     valid = torch.ones_like(adv, dtype=torch.bool) if valid is None else valid
@@ -119,7 +133,9 @@ def lpo_loss(seq_logp: Tensor, old_seq_logp: Tensor, adv: Tensor, tau: float = 1
     return loss, {"group_loss": group, "p": p, "p_star": p_star}
 
 
-def sequence_log_ratio(mb: Rollout, out: dict[str, Tensor], who: str, length_norm: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def sequence_log_ratio(
+    mb: Rollout, out: dict[str, Tensor], who: str, length_norm: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """(lam [b,G] = Σ_t mask·(logp − logp_old) (mean_t with ``length_norm``), Σ_t mask·logp_old [b,G],
     mask [b,G,T] = the loss tokens): the sequence quantities of the simplex terms (lpo, hard_pair)."""
     mask = loss_tokens(mb)  # [b,G,T]

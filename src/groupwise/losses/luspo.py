@@ -78,8 +78,9 @@ from groupwise.types import Rollout, StepInfo
 LEVELS = ("sequence", "token")
 
 
-def two_sided_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, delta: float | None = None
-                        ) -> Tensor:
+def two_sided_surrogate(
+    ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, delta: float | None = None
+) -> Tensor:
     """[b,G,T] TRL's per-token loss −min(min(ratio, δ)·adv, clip(ratio, 1 − eps_low, 1 + eps_high)·adv)."""
     capped = ratio if delta is None else ratio.clamp(max=delta)  # [b,G,T] the unclipped branch, capped at δ
     return -torch.minimum(capped * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # [b,G,T]

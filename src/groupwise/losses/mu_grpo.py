@@ -107,6 +107,8 @@ class MuGRPO:
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
         ratio, adv = ratio_and_adv(mb, out, "mu_grpo")  # [b,G,T], [b,G,T]
         mask = term_mask(mb)  # [b,G,T]
-        return {**clip_stats(ratio, adv, self.eps_low, self.eps_high),
-                "mu_grpo/vetoed": (~self._keep(mb, ratio, adv) & mask).float(),  # [b,G,T]
-                "mu_grpo/triggered": triggers(ratio, adv, mask, self.delta).float()}  # [b,G,T]
+        return {
+            **clip_stats(ratio, adv, self.eps_low, self.eps_high),
+            "mu_grpo/vetoed": (~self._keep(mb, ratio, adv) & mask).float(),  # [b,G,T]
+            "mu_grpo/triggered": triggers(ratio, adv, mask, self.delta).float(),
+        }  # [b,G,T]

@@ -70,7 +70,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, loss_tokens, required, term_mask, token_advantages
+from groupwise.losses._common import (
+    check_clip,
+    clip_stats,
+    clipped_surrogate,
+    loss_tokens,
+    required,
+    term_mask,
+    token_advantages,
+)
 from groupwise.masked import masked_input
 from groupwise.registry import register
 from groupwise.types import Need, Rollout, StepInfo
@@ -86,7 +94,9 @@ def trace_log_ratio(delta: Tensor, sel: Tensor, lam: float) -> Tensor:
     T = delta.shape[-1]
     t = torch.arange(T)  # [T]
     gap = t[:, None] - t[None, :]  # [T,T] t − k
-    decay = torch.where(gap >= 0, torch.tensor(float(lam)).pow(gap.clamp(min=0).float()), torch.zeros(()))  # [T,T] lam^(t−k), k <= t
+    decay = torch.where(
+        gap >= 0, torch.tensor(float(lam)).pow(gap.clamp(min=0).float()), torch.zeros(())
+    )  # [T,T] lam^(t−k), k <= t
     w = sel.float()  # [...,T]
     num = (w * delta) @ decay.T  # [...,T] Σ_k lam^(t−k) sel_k delta_k
     den = w @ decay.T  # [...,T] >= 1 at trace tokens
@@ -118,7 +128,9 @@ class STrace:
             if getattr(self, key) not in allowed:
                 raise ValueError(f"s_trace: {key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"s_trace: lam must be in [0, 1] (0 = PPO's token ratio, 1 = uniform credit), got {self.lam}")
+            raise ValueError(
+                f"s_trace: lam must be in [0, 1] (0 = PPO's token ratio, 1 = uniform credit), got {self.lam}"
+            )
         self._select = TopEntropy(rho=self.rho)  # validates rho in (0, 1]
         self._info = StepInfo(0, 0, 0)
 
@@ -141,7 +153,9 @@ class STrace:
         if key in mb.extras:
             return mb.extras[key].bool() & mask  # [b,G,T] whole-batch selection
         if "entropy" not in mb.extras:
-            raise ValueError("s_trace (mode 's_trace') needs rollout.extras['entropy'] (declared Need('entropy')); or use mode='p_trace'")
+            raise ValueError(
+                "s_trace (mode 's_trace') needs rollout.extras['entropy'] (declared Need('entropy')); or use mode='p_trace'"
+            )
         return self._select(mb, info).bool() & mask  # [b,G,T] on the rows given
 
     def prepare(self, batch: Rollout, info: StepInfo) -> None:

@@ -80,8 +80,9 @@ KINDS = ("fkl", "rkl", "jsd")
 FRONTIERS = ("bernoulli", "none")
 
 
-def select_witness_pairs(lengths: Tensor, correct: Tensor, members: Tensor | None = None,
-                         frontier: str = "bernoulli") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def select_witness_pairs(
+    lengths: Tensor, correct: Tensor, members: Tensor | None = None, frontier: str = "bernoulli"
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(pos_idx [B], neg_idx [B] long, valid [B] bool, frontier_w [B] float32): shortest correct, longest
     wrong (ties → first, −1 where none), mixed group, 4 p̂ (1 − p̂) (``frontier="none"``: 1) on valid groups."""
     members = torch.ones_like(correct, dtype=torch.bool) if members is None else members.bool()  # [B,G]
@@ -124,12 +125,20 @@ def token_divergence(logp: Tensor, logq: Tensor, mask: Tensor, kind: str = "fkl"
     return torch.where(mask.bool(), ell, torch.zeros((), dtype=ell.dtype))  # [...]
 
 
-def ssopd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, frontier_w: Tensor,
-               kind: str = "fkl", tau: float = 1.0) -> Tensor:
+def ssopd_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    frontier_w: Tensor,
+    kind: str = "fkl",
+    tau: float = 1.0,
+) -> Tensor:
     """Scalar mean over the B pairs of w · mean_t ℓ_t (spec interface): logits [B,T,V] of y⁻ under the
     student and the teacher (detached), ``mask`` [B,T] its prefix tokens, ``frontier_w`` [B]."""
     if teacher_logits.requires_grad:
-        raise ValueError("ssopd_loss: teacher_logits must carry no gradient (detach them: the teacher is a stop-gradient copy)")
+        raise ValueError(
+            "ssopd_loss: teacher_logits must carry no gradient (detach them: the teacher is a stop-gradient copy)"
+        )
     logq = torch.log_softmax(teacher_logits.float() / tau, dim=-1)  # [B,T,V]
     ell = token_divergence(torch.log_softmax(student_logits.float(), dim=-1), logq, mask, kind)  # [B,T]
     m = mask.bool()  # [B,T]
@@ -165,9 +174,13 @@ class SSOPD:
         if not self.tau > 0:
             raise ValueError(f"ssopd: tau must be > 0 (the teacher's temperature), got {self.tau}")
         if isinstance(self.max_prefix, bool) or not isinstance(self.max_prefix, int) or self.max_prefix < 0:
-            raise ValueError(f"ssopd: max_prefix must be an integer >= 0 (0 = every prefix of the wrong row), got {self.max_prefix!r}")
+            raise ValueError(
+                f"ssopd: max_prefix must be an integer >= 0 (0 = every prefix of the wrong row), got {self.max_prefix!r}"
+            )
         if not math.isfinite(self.threshold):
-            raise ValueError(f"ssopd: threshold must be finite (a row is correct when its reward >= threshold), got {self.threshold}")
+            raise ValueError(
+                f"ssopd: threshold must be finite (a row is correct when its reward >= threshold), got {self.threshold}"
+            )
 
     @property
     def needs(self) -> tuple[Need, ...]:
@@ -177,7 +190,9 @@ class SSOPD:
         """(L [b], mean ℓ [b], valid [b], w [b]) of the micro-batch's groups."""
         teacher_key = Need("logprobs", view=self.view).key
         if teacher_key not in mb.extras:
-            raise ValueError(f"ssopd needs the teacher's log-probs {teacher_key!r} (the trainer fills the declared need)")
+            raise ValueError(
+                f"ssopd needs the teacher's log-probs {teacher_key!r} (the trainer fills the declared need)"
+            )
         student, teacher = out["logprobs"], mb.extras[teacher_key]  # [b,G,T,V] x2
         tokens = loss_tokens(mb)  # [b,G,T]
         b, G, T = tokens.shape
@@ -201,5 +216,8 @@ class SSOPD:
         with torch.no_grad():
             _, mean, keep, w = self._parts(mb, out)
         G = mb.group_valid.shape[1]
-        return {"ssopd_div": torch.where(keep, mean, torch.zeros(()))[:, None].expand(-1, G),  # [b,G]
-                "ssopd_pair": keep.float()[:, None].expand(-1, G), "ssopd_weight": w[:, None].expand(-1, G)}  # [b,G] x2
+        return {
+            "ssopd_div": torch.where(keep, mean, torch.zeros(()))[:, None].expand(-1, G),  # [b,G]
+            "ssopd_pair": keep.float()[:, None].expand(-1, G),
+            "ssopd_weight": w[:, None].expand(-1, G),
+        }  # [b,G] x2

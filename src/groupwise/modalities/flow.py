@@ -74,7 +74,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -97,7 +98,9 @@ class VelocityMLP(nn.Module):
     def __init__(self, n_labels: int, hidden: int = 64, layers: int = 3, freqs: int = 4, cond_dim: int | None = None):
         super().__init__()
         if n_labels < 1 or hidden < 1 or layers < 2 or (cond_dim is not None and cond_dim < 1):
-            raise ValueError(f"VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}")
+            raise ValueError(
+                f"VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}"
+            )
         self.n_labels = n_labels
         self.register_buffer("freqs", math.pi * torch.arange(1, freqs + 1, dtype=torch.float32))  # [F]
         self.inp = nn.Linear(3 + 2 * freqs, hidden)
@@ -105,7 +108,9 @@ class VelocityMLP(nn.Module):
             self.label = nn.Embedding(n_labels, hidden)
         else:
             self.cond = nn.Linear(cond_dim, hidden, bias=False)
-            nn.init.normal_(self.cond.weight, std=2.0 / math.sqrt(cond_dim))  # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
+            nn.init.normal_(
+                self.cond.weight, std=2.0 / math.sqrt(cond_dim)
+            )  # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
         self.out = nn.Linear(hidden, 2)
 
@@ -116,7 +121,9 @@ class VelocityMLP(nn.Module):
         feats = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f)], dim=-1)  # [N,3+2F]
         pre = self.inp(feats)  # [N,H]
         if label is not None:  # the label form's embedding row, or the embedding form's condition projected
-            pre = pre + (self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype)))  # [N,H]
+            pre = pre + (
+                self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype))
+            )  # [N,H]
         if extra is not None:
             pre = pre + extra.to(pre.dtype)  # [N,H]
         h = nn.functional.silu(pre)  # [N,H]
@@ -128,26 +135,49 @@ class VelocityMLP(nn.Module):
 class FlowPolicy:
     """Euler flow sampler over 2-D points conditioned on a label, SDE steps per ``sde`` (Flow-/Flash-GRPO)."""
 
-    def __init__(self, n_labels: int = 4, hidden: int = 64, layers: int = 3, steps: int = 10, sde: str = "one_shared",
-                 sde_window: int | None = None, shift: float = 1.0, init_seed: int = 0, condition: str = "label",
-                 embed_dim: int = 8, encoder_hidden: int = 32, cond_dim: int = 16, encoder_seed: int = 0):
+    def __init__(
+        self,
+        n_labels: int = 4,
+        hidden: int = 64,
+        layers: int = 3,
+        steps: int = 10,
+        sde: str = "one_shared",
+        sde_window: int | None = None,
+        shift: float = 1.0,
+        init_seed: int = 0,
+        condition: str = "label",
+        embed_dim: int = 8,
+        encoder_hidden: int = 32,
+        cond_dim: int = 16,
+        encoder_seed: int = 0,
+    ):
         if sde not in SDE_MODES:
             raise ValueError(f"FlowPolicy: sde must be one of {', '.join(SDE_MODES)}, got {sde!r}")
         if condition not in CONDITIONS:
             raise ValueError(f"FlowPolicy: condition must be one of {', '.join(CONDITIONS)}, got {condition!r}")
         window = steps // 2 if sde_window is None else sde_window
         if steps < 1 or not 1 <= window <= steps or shift <= 0:
-            raise ValueError(f"FlowPolicy: need steps >= 1, 1 <= sde_window <= steps, shift > 0; got {steps}, {window}, {shift}")
+            raise ValueError(
+                f"FlowPolicy: need steps >= 1, 1 <= sde_window <= steps, shift > 0; got {steps}, {window}, {shift}"
+            )
         self.config = {"n_labels": n_labels, "hidden": hidden, "layers": layers, "steps": steps, "shift": shift}
         if condition == "embedding":  # the label form's config (and so its checkpoints) stays as it was
-            self.config.update(condition=condition, embed_dim=embed_dim, encoder_hidden=encoder_hidden, cond_dim=cond_dim, encoder_seed=encoder_seed)
+            self.config.update(
+                condition=condition,
+                embed_dim=embed_dim,
+                encoder_hidden=encoder_hidden,
+                cond_dim=cond_dim,
+                encoder_seed=encoder_seed,
+            )
         self.condition = condition
         self.sde, self.window, self.steps = sde, window, steps
         self.sigmas = flow_sigmas(steps, shift)  # [K+1]
         self.sigma_max, self.sigma_min = float(self.sigmas[1]), float(self.sigmas[-1])
         with torch.random.fork_rng(devices=[]):  # seeded init that leaves the global stream alone
             torch.manual_seed(init_seed)
-            self.net = VelocityMLP(n_labels, hidden, layers, cond_dim=cond_dim if condition == "embedding" else None).double()  # float64: see Note 3
+            self.net = VelocityMLP(
+                n_labels, hidden, layers, cond_dim=cond_dim if condition == "embedding" else None
+            ).double()  # float64: see Note 3
         self.encoder: PromptEncoder | None = None
         if condition == "embedding":
             with torch.random.fork_rng(devices=[]):
@@ -156,7 +186,9 @@ class FlowPolicy:
         self.trainable = True
         self.modality = "flow"
         self.request_options = frozenset({"greedy"})  # greedy = the deterministic ODE (Request.sampling)
-        self.hooks = frozenset({"embed_delta"}) if condition == "embedding" else frozenset()  # groupwise.hooks kinds generate applies
+        self.hooks = (
+            frozenset({"embed_delta"}) if condition == "embedding" else frozenset()
+        )  # groupwise.hooks kinds generate applies
 
         self.reference: FlowPolicy | None = None
         self.context = None  # no context length: a label is the whole prompt
@@ -201,7 +233,9 @@ class FlowPolicy:
     def original_condition(self, labels: Tensor) -> Tensor:
         """[N,cond_dim] float64: the embedding form's condition C^orig = f(tokens[label]) of each label [N]."""
         if self.encoder is None:
-            raise ValueError("FlowPolicy.original_condition: the label form has no condition vector (model.params.condition = \"embedding\")")
+            raise ValueError(
+                'FlowPolicy.original_condition: the label form has no condition vector (model.params.condition = "embedding")'
+            )
         return self.encoder(self.encoder.tokens[labels])  # [N,c]
 
     def prompt_encoder(self) -> tuple[Tensor, Any]:
@@ -209,7 +243,9 @@ class FlowPolicy:
         ``(tokens [n_labels,d], f)`` with ``f(emb [M,S,d], real [M,S]) -> [M,cond_dim]`` the frozen
         encoder of the sum of the real tokens' embeddings (a flow prompt is one token: S = 1)."""
         if self.encoder is None:
-            raise ValueError("the flow policy's label form has no prompt embedding to perturb; set model.params.condition = \"embedding\"")
+            raise ValueError(
+                'the flow policy\'s label form has no prompt embedding to perturb; set model.params.condition = "embedding"'
+            )
         encoder = self.encoder
 
         def encode(emb: Tensor, real: Tensor) -> Tensor:
@@ -220,9 +256,13 @@ class FlowPolicy:
     def _conditions(self, requests: Sequence[Request], labels: Tensor, G: int) -> tuple[Tensor | None, ...]:
         """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``; None ×4 for the label form)."""
         if any(r.hook is not None for r in requests) and self.encoder is None:
-            raise ValueError("FlowPolicy.generate: a generation hook needs the embedding condition (model.params.condition = \"embedding\"); "
-                             "the label form applies no hooks")
-        return (None, None, None, None) if self.encoder is None else hooked_conditions(self.encoder, requests, labels, G)
+            raise ValueError(
+                'FlowPolicy.generate: a generation hook needs the embedding condition (model.params.condition = "embedding"); '
+                "the label form applies no hooks"
+            )
+        return (
+            (None, None, None, None) if self.encoder is None else hooked_conditions(self.encoder, requests, labels, G)
+        )
 
     def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
         """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]); ``cond`` [N,...] a subclass's further condition (None here)."""
@@ -236,7 +276,9 @@ class FlowPolicy:
     def generate(self, requests: Sequence[Request], sampling: dict, info: StepInfo) -> Rollout:
         return self._generate_flow(requests, sampling, info, None)
 
-    def _generate_flow(self, requests: Sequence[Request], sampling: dict, info: StepInfo, cond: Tensor | None) -> Rollout:
+    def _generate_flow(
+        self, requests: Sequence[Request], sampling: dict, info: StepInfo, cond: Tensor | None
+    ) -> Rollout:
         """The rows of ``requests`` (``cond`` [B,G,...]: a further per-row condition for ``_velocity``, or None)."""
         if not requests or any(r.n < 1 for r in requests):
             raise ValueError("FlowPolicy.generate needs at least one request, each with n >= 1")
@@ -253,16 +295,27 @@ class FlowPolicy:
         rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
         for i in range(K):
             s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
-            c = lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))  # [N] labels or [N,c]
+            c = (
+                lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))
+            )  # [N] labels or [N,c]
             v = self._velocity(x, s, c, None if cond is None else cond.reshape(N, *cond.shape[2:]))  # [N,2]
             sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
             x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,2] ODE step
             if sde_rows.any():
-                x_sde, logp, _, std, _, _ = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, noise=eps[:, i])
+                x_sde, logp, _, std, _, _ = sde_step_with_logprob(
+                    v, x, s, sp, self.sigma_min, self.sigma_max, noise=eps[:, i]
+                )
                 x_next = torch.where(sde_rows[:, None], x_sde, x_next)  # [N,2]
                 t = i if sde == "all" else 0
                 r = sde_rows.nonzero()[:, 0]  # rows whose trained step is i
-                for key, value in (("flow_x", x), ("flow_x_next", x_next), ("flow_sigma", s), ("flow_sigma_next", sp), ("flow_std", std), ("logp", logp)):
+                for key, value in (
+                    ("flow_x", x),
+                    ("flow_x_next", x_next),
+                    ("flow_sigma", s),
+                    ("flow_sigma_next", sp),
+                    ("flow_std", std),
+                    ("logp", logp),
+                ):
                     rec[key][r, t] = value[r]
                 rec["flow_step"][r, t] = i
             x = x_next
@@ -303,13 +356,20 @@ class FlowPolicy:
         s, sp = rollout.extras["flow_sigma"][sel], rollout.extras["flow_sigma_next"][sel]  # [M], [M]
         logp = torch.zeros(sel.shape)  # [B,G,T]
         if sel.any():
-            cond = lab if self.encoder is None else self.original_condition(lab)  # [M] labels or [M,c] C^orig: never a hook's condition
+            cond = (
+                lab if self.encoder is None else self.original_condition(lab)
+            )  # [M] labels or [M,c] C^orig: never a hook's condition
             v = self._velocity(x, s, cond, self._stored_condition(rollout, sel))  # [M,2]
             logp[sel] = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, prev_sample=x_next)[1]  # [M]
         out = {"logp": logp}
         if "entropy" in quantities:
-            scale = rollout.extras["flow_std"] * (rollout.extras["flow_sigma"] - rollout.extras["flow_sigma_next"]).clamp(min=0).sqrt()  # [B,G,T]
-            out["entropy"] = torch.where(sel, 0.5 * math.log(2 * math.pi * math.e) + scale.clamp(min=1e-30).log(), torch.zeros(()))  # [B,G,T]
+            scale = (
+                rollout.extras["flow_std"]
+                * (rollout.extras["flow_sigma"] - rollout.extras["flow_sigma_next"]).clamp(min=0).sqrt()
+            )  # [B,G,T]
+            out["entropy"] = torch.where(
+                sel, 0.5 * math.log(2 * math.pi * math.e) + scale.clamp(min=1e-30).log(), torch.zeros(())
+            )  # [B,G,T]
         return out
 
     def scoring_models(self, with_reference: bool) -> dict[str, Any]:
@@ -321,7 +381,7 @@ class FlowPolicy:
             models["ref"] = lambda: contextlib.nullcontext(self.reference)
         return models
 
-    def score(self, handle: "FlowPolicy", rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]:
+    def score(self, handle: FlowPolicy, rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]:
         return handle.forward(rollout, quantities)
 
     def save(self, folder: Any) -> None:
@@ -334,7 +394,7 @@ class FlowPolicy:
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.net.parameters() if p.requires_grad]
 
-    def snapshot(self) -> "FlowPolicy":
+    def snapshot(self) -> FlowPolicy:
         reference, self.reference = self.reference, None  # a snapshot holds no snapshot of its own
         twin = copy.deepcopy(self)
         self.reference = reference
@@ -352,7 +412,9 @@ class FlowPolicy:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("config") != self.config:
-            raise ValueError(f"FlowPolicy.load_state_dict: the state was saved from {state.get('config')}, this policy is {self.config}")
+            raise ValueError(
+                f"FlowPolicy.load_state_dict: the state was saved from {state.get('config')}, this policy is {self.config}"
+            )
         self.net.load_state_dict(state["net"])
         if self.reference is not None and "reference" in state:
             self.reference.net.load_state_dict(state["reference"])

@@ -10,7 +10,7 @@ mix are the ``embed_delta`` hook's ``noise_aware_gamma`` / ``mix_condition`` (``
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +28,9 @@ class PromptEncoder(nn.Module):
     def __init__(self, n_labels: int, embed_dim: int = 8, hidden: int = 32, cond_dim: int = 16):
         super().__init__()
         if min(n_labels, embed_dim, hidden, cond_dim) < 1:
-            raise ValueError(f"PromptEncoder needs positive sizes; got n_labels={n_labels}, embed_dim={embed_dim}, hidden={hidden}, cond_dim={cond_dim}")
+            raise ValueError(
+                f"PromptEncoder needs positive sizes; got n_labels={n_labels}, embed_dim={embed_dim}, hidden={hidden}, cond_dim={cond_dim}"
+            )
         self.register_buffer("tokens", torch.randn(n_labels, embed_dim))  # [n_labels,d] the prompts' token embeddings
         self.register_buffer("w1", torch.randn(embed_dim, hidden) / math.sqrt(embed_dim))  # [d,h]
         self.register_buffer("b1", 0.1 * torch.randn(hidden))  # [h]
@@ -40,7 +42,9 @@ class PromptEncoder(nn.Module):
         return torch.tanh(emb.to(self.w1.dtype) @ self.w1 + self.b1) @ self.w2 + self.b2  # [...,c]
 
 
-def hooked_conditions(encoder: PromptEncoder, requests: Sequence[Request], labels: Tensor, G: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def hooked_conditions(
+    encoder: PromptEncoder, requests: Sequence[Request], labels: Tensor, G: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The per-row conditions of one sampling call of ``len(requests)`` labels [B] × G row slots:
     ``c_orig`` [N,c] = f(E), ``c_pert`` [N,c] = f(E + δ_j) for rows an ``embed_delta`` hook
     perturbs, ``perturbed`` [N] bool (rows with a nonzero δ), ``rho`` [N] float64 (the hook's
@@ -57,9 +61,13 @@ def hooked_conditions(encoder: PromptEncoder, requests: Sequence[Request], label
         if hook.kind != "embed_delta":
             raise ValueError(f"FlowPolicy.generate applies embed_delta hooks only, got {hook.kind!r}")
         if hook.delta.shape[0] != req.n or hook.delta.shape[2] != d:
-            raise ValueError(f"EmbedDelta of request {b}: delta {tuple(hook.delta.shape)} must be [n={req.n}, P, embed_dim={d}]")
+            raise ValueError(
+                f"EmbedDelta of request {b}: delta {tuple(hook.delta.shape)} must be [n={req.n}, P, embed_dim={d}]"
+            )
         if bool((hook.positions != 0).any()):
-            raise ValueError(f"EmbedDelta of request {b}: positions {hook.positions.tolist()} outside the flow prompt's one token (position 0)")
+            raise ValueError(
+                f"EmbedDelta of request {b}: positions {hook.positions.tolist()} outside the flow prompt's one token (position 0)"
+            )
         delta[b, : req.n] = hook.delta.to(emb.dtype).sum(1)  # [n,d] (P is 0 or 1: the prompt is one token)
         if hook.rho is not None:
             rho[b, : req.n] = hook.rho

@@ -33,8 +33,16 @@ def rectification_coefficient(sigma: Tensor, sigma_prev: Tensor, std_t: Tensor) 
     return sqrt_neg_dt / std_t + std_t * sqrt_neg_dt * (1 - sigma) / (2 * sigma)
 
 
-def sde_step_with_logprob(v: Tensor, x: Tensor, sigma: Tensor | float, sigma_prev: Tensor | float, sigma_min: float, sigma_max: float,
-                          prev_sample: Tensor | None = None, noise: Tensor | None = None) -> tuple[Tensor, ...]:
+def sde_step_with_logprob(
+    v: Tensor,
+    x: Tensor,
+    sigma: Tensor | float,
+    sigma_prev: Tensor | float,
+    sigma_min: float,
+    sigma_max: float,
+    prev_sample: Tensor | None = None,
+    noise: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """One SDE step from σ to σ_prev (< σ) for v, x [N,D]; σ, σ_prev scalars or [N].
 
     Returns ``(x_prev [N,D], logp [N], mean [N,D], std_t [N], sqrt_neg_dt [N], coe [N])`` in x's
@@ -44,7 +52,9 @@ def sde_step_with_logprob(v: Tensor, x: Tensor, sigma: Tensor | float, sigma_pre
     s = torch.as_tensor(sigma, dtype=torch.float64).expand(N)[:, None]  # [N,1]
     sp = torch.as_tensor(sigma_prev, dtype=torch.float64).expand(N)[:, None]  # [N,1]
     if not bool(((s > 0) & (sp >= 0) & (sp < s)).all()):
-        raise ValueError("sde_step_with_logprob: need 0 <= sigma_prev < sigma for every row (sampling runs from sigma 1 down to 0)")
+        raise ValueError(
+            "sde_step_with_logprob: need 0 <= sigma_prev < sigma for every row (sampling runs from sigma 1 down to 0)"
+        )
     dt = sp - s  # [N,1] < 0
     sqrt_neg_dt = torch.sqrt(-dt)  # [N,1]
     std = noise_std(s, sigma_min, sigma_max)  # [N,1]
@@ -55,6 +65,8 @@ def sde_step_with_logprob(v: Tensor, x: Tensor, sigma: Tensor | float, sigma_pre
             raise ValueError("sde_step_with_logprob: give prev_sample (to score a transition) or noise (to draw one)")
         prev_sample = (mean + std * sqrt_neg_dt * noise.double()).to(out)  # [N,D] as it will be stored
     prev_sample = prev_sample.detach()  # the action is data: only the mean carries gradient
-    logp = (-((prev_sample.double() - mean) ** 2) / (2 * std**2 * (-dt)) - torch.log(std * sqrt_neg_dt) - _LOG_SQRT_2PI).mean(-1)  # [N]
+    logp = (
+        -((prev_sample.double() - mean) ** 2) / (2 * std**2 * (-dt)) - torch.log(std * sqrt_neg_dt) - _LOG_SQRT_2PI
+    ).mean(-1)  # [N]
     coe = 1 / rectification_coefficient(s, sp, std)  # [N,1]
     return prev_sample, logp.to(out), mean.to(out), std[:, 0].to(out), sqrt_neg_dt[:, 0].to(out), coe[:, 0].to(out)

@@ -60,7 +60,9 @@ def mixture_centres(n_labels: int = 4, ring: float = 2.0) -> Tensor:
     return (ring * torch.stack([torch.cos(angle), torch.sin(angle)], dim=-1)).float()  # [K,2]
 
 
-def region_reward(x_final: Tensor, labels: Tensor, n_labels: int = 4, radius: float = 0.75, ring: float = 2.0) -> Tensor:
+def region_reward(
+    x_final: Tensor, labels: Tensor, n_labels: int = 4, radius: float = 0.75, ring: float = 2.0
+) -> Tensor:
     """[B,G] float32: 1 where ``x_final`` [B,G,2] lies within ``radius`` of its label's centre."""
     labels = torch.as_tensor(labels, dtype=torch.long)  # [B]
     if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < n_labels):
@@ -85,14 +87,23 @@ class FlowRegionReward:
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if "x_final" not in rollout.extras:
-            raise ValueError("flow_region needs the row extra 'x_final' [B,G,2] (written by modalities.flow.FlowPolicy)")
+            raise ValueError(
+                "flow_region needs the row extra 'x_final' [B,G,2] (written by modalities.flow.FlowPolicy)"
+            )
         labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long)  # [B]
         reward = region_reward(rollout.extras["x_final"], labels, self.n_labels, self.radius, self.ring)  # [B,G]
         return torch.where(rollout.group_valid.bool(), reward, torch.zeros(()))  # [B,G]
 
 
-def trap_reward(x_final: Tensor, labels: Tensor, n_labels: int = 4, near: float = 1.0, far: float = 2.5, radius: float = 0.5,
-                near_reward: float = 0.5) -> Tensor:
+def trap_reward(
+    x_final: Tensor,
+    labels: Tensor,
+    n_labels: int = 4,
+    near: float = 1.0,
+    far: float = 2.5,
+    radius: float = 0.5,
+    near_reward: float = 0.5,
+) -> Tensor:
     """[B,G] float32: 1 within ``radius`` of the far optimum (``far`` from the origin, opposite the
     label's direction), else ``near_reward`` within ``radius`` of the near one (``near`` along the
     label's direction), else 0."""
@@ -122,13 +133,23 @@ class FlowTrapReward:
     modality = "flow"
 
     def __post_init__(self) -> None:
-        if self.radius <= 0 or self.near < 0 or self.far < 0 or not 0 <= self.near_reward < 1 or self.near + self.far <= 2 * self.radius:
-            raise ValueError(f"flow_trap: need radius > 0 ({self.radius}), near, far >= 0 ({self.near}, {self.far}), 0 <= near_reward < 1 "
-                             f"({self.near_reward}) and disjoint regions (near + far > 2·radius)")
+        if (
+            self.radius <= 0
+            or self.near < 0
+            or self.far < 0
+            or not 0 <= self.near_reward < 1
+            or self.near + self.far <= 2 * self.radius
+        ):
+            raise ValueError(
+                f"flow_trap: need radius > 0 ({self.radius}), near, far >= 0 ({self.near}, {self.far}), 0 <= near_reward < 1 "
+                f"({self.near_reward}) and disjoint regions (near + far > 2·radius)"
+            )
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if "x_final" not in rollout.extras:
             raise ValueError("flow_trap needs the row extra 'x_final' [B,G,2] (written by modalities.flow.FlowPolicy)")
         labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long)  # [B]
-        reward = trap_reward(rollout.extras["x_final"], labels, self.n_labels, self.near, self.far, self.radius, self.near_reward)  # [B,G]
+        reward = trap_reward(
+            rollout.extras["x_final"], labels, self.n_labels, self.near, self.far, self.radius, self.near_reward
+        )  # [B,G]
         return torch.where(rollout.group_valid.bool(), reward, torch.zeros(()))  # [B,G]

@@ -41,12 +41,12 @@ extra) is the plan the flow was conditioned on.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from groupwise.modalities.flow import FlowPolicy, VelocityMLP
+from groupwise.modalities.flow import FlowPolicy
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
@@ -67,15 +67,29 @@ class ThinkLM(nn.Module):
     def forward(self, label: Tensor, think: Tensor) -> Tensor:
         e = self.tok(think)  # [N,n,H]
         before = e.cumsum(1) - e  # [N,n,H] Σ of the tokens before each position
-        h = nn.functional.silu(self.label(label)[:, None, :] + before + self.pos.weight[None, : think.shape[1]])  # [N,n,H]
+        h = nn.functional.silu(
+            self.label(label)[:, None, :] + before + self.pos.weight[None, : think.shape[1]]
+        )  # [N,n,H]
         return self.out(nn.functional.silu(self.mid(h)))  # [N,n,V]
 
 
 class UnifiedPolicy(FlowPolicy):
     """Think tokens from a tiny causal LM, then a flow sample conditioned on them; one row, one advantage (AlphaGRPO toy)."""
 
-    def __init__(self, n_labels: int = 12, hidden: int = 64, layers: int = 3, steps: int = 10, sde: str = "all", sde_window: int | None = None,
-                 shift: float = 1.0, init_seed: int = 0, n_think: int = 3, think_hidden: int = 32, flow_sees_label: bool = False):
+    def __init__(
+        self,
+        n_labels: int = 12,
+        hidden: int = 64,
+        layers: int = 3,
+        steps: int = 10,
+        sde: str = "all",
+        sde_window: int | None = None,
+        shift: float = 1.0,
+        init_seed: int = 0,
+        n_think: int = 3,
+        think_hidden: int = 32,
+        flow_sees_label: bool = False,
+    ):
         super().__init__(n_labels, hidden, layers, steps, sde, sde_window, shift, init_seed)
         if n_think < 1 or think_hidden < 1:
             raise ValueError(f"UnifiedPolicy: need n_think >= 1 and think_hidden >= 1; got {n_think}, {think_hidden}")
@@ -105,7 +119,11 @@ class UnifiedPolicy(FlowPolicy):
         """Think tokens [B,G,n] (0 on padding rows) and their sampling log-probs [B,G,n], one token at a time."""
         B, n = len(requests), self.n_think
         labels = torch.tensor([self.encode(r.prompt)[0] for r in requests]).repeat_interleave(G)  # [B*G]
-        gens = [torch.Generator().manual_seed(sample_seed(info.seed, info.step, r.key, getattr(r, "offset", 0) + j) + 1) for r in requests for j in range(G)]
+        gens = [
+            torch.Generator().manual_seed(sample_seed(info.seed, info.step, r.key, getattr(r, "offset", 0) + j) + 1)
+            for r in requests
+            for j in range(G)
+        ]
         think = torch.zeros(B * G, n, dtype=torch.long)  # [N,n]
         for t in range(n):
             logq = torch.log_softmax(self.think_lm(labels, think)[:, t], -1)  # [N,V] position t sees tokens < t only
@@ -146,7 +164,10 @@ class UnifiedPolicy(FlowPolicy):
 
     def think_text(self, rollout: Rollout) -> list[list[str]]:
         """[B][G] each row's think tokens as text ("RIGHT UP NEAR")."""
-        return [[" ".join(THINK_VOCAB[int(t)] for t in row) for row in group] for group in rollout.extras["think_ids"].tolist()]
+        return [
+            [" ".join(THINK_VOCAB[int(t)] for t in row) for row in group]
+            for group in rollout.extras["think_ids"].tolist()
+        ]
 
     # ------------------------------------------------------------------ scoring and training
     def forward(self, rollout: Rollout, quantities: Sequence[str] = ("logp",)) -> dict[str, Tensor]:
@@ -155,14 +176,18 @@ class UnifiedPolicy(FlowPolicy):
         n = self.n_think
         flow_view = copy.copy(rollout)
         flow_view.actions, flow_view.mask = rollout.actions[:, :, n:], rollout.mask[:, :, n:]
-        flow_view.extras = {k: (v[:, :, n:] if rollout.extra_levels.get(k) == "token" else v) for k, v in rollout.extras.items()}
+        flow_view.extras = {
+            k: (v[:, :, n:] if rollout.extra_levels.get(k) == "token" else v) for k, v in rollout.extras.items()
+        }
         flow_out = super().forward(flow_view, quantities)
         B, G, _ = rollout.shape
         labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long).repeat_interleave(G)  # [B*G]
         think = rollout.actions[:, :, :n].reshape(B * G, n)  # [N,n]
         logq = torch.log_softmax(self.think_lm(labels, think), -1).view(B, G, n, -1)  # [B,G,n,V]
         text_mask = rollout.mask[:, :, :n]  # [B,G,n]
-        logp = torch.where(text_mask, logq.gather(-1, rollout.actions[:, :, :n, None])[..., 0], torch.zeros((), dtype=logq.dtype))  # [B,G,n]
+        logp = torch.where(
+            text_mask, logq.gather(-1, rollout.actions[:, :, :n, None])[..., 0], torch.zeros((), dtype=logq.dtype)
+        )  # [B,G,n]
         out = {"logp": torch.cat([logp.float(), flow_out["logp"]], dim=2)}  # [B,G,T]
         if "entropy" in quantities:
             ent = torch.where(text_mask, -(logq.exp() * logq).sum(-1), torch.zeros((), dtype=logq.dtype))  # [B,G,n]
@@ -172,7 +197,7 @@ class UnifiedPolicy(FlowPolicy):
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in (self.net, self.think_lm, self.think_emb) for p in m.parameters() if p.requires_grad]
 
-    def snapshot(self) -> "UnifiedPolicy":
+    def snapshot(self) -> UnifiedPolicy:
         twin = super().snapshot()
         for p in [*twin.think_lm.parameters(), *twin.think_emb.parameters()]:
             p.requires_grad_(False)
@@ -181,10 +206,17 @@ class UnifiedPolicy(FlowPolicy):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["think"] = {f"{name}.{k}": v.clone() for name, m in (("lm", self.think_lm), ("emb", self.think_emb)) for k, v in m.state_dict().items()}
+        state["think"] = {
+            f"{name}.{k}": v.clone()
+            for name, m in (("lm", self.think_lm), ("emb", self.think_emb))
+            for k, v in m.state_dict().items()
+        }
         if self.reference is not None:
-            state["reference_think"] = {f"{name}.{k}": v.clone() for name, m in (("lm", self.reference.think_lm), ("emb", self.reference.think_emb))
-                                        for k, v in m.state_dict().items()}
+            state["reference_think"] = {
+                f"{name}.{k}": v.clone()
+                for name, m in (("lm", self.reference.think_lm), ("emb", self.reference.think_emb))
+                for k, v in m.state_dict().items()
+            }
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -193,7 +225,7 @@ class UnifiedPolicy(FlowPolicy):
             if twin is None or key not in state:
                 continue
             for name, m in (("lm", twin.think_lm), ("emb", twin.think_emb)):
-                m.load_state_dict({k[len(name) + 1:]: v for k, v in state[key].items() if k.startswith(name + ".")})
+                m.load_state_dict({k[len(name) + 1 :]: v for k, v in state[key].items() if k.startswith(name + ".")})
 
     def train(self) -> None:
         super().train()

@@ -33,10 +33,33 @@ PACKAGE = PAPERS.parent  # manifest paths are relative to src/groupwise
 STANDARD = PAPERS / "standard.toml"
 FOLDER_RE = re.compile(r"^(?P<spec>\d\d)_[a-z0-9_]+$")
 COMPONENT_KEYS = (*STAGES, "task")  # tasks are registered by name too (groupwise.tasks.register_task)
-PAPER_KEYS = ("spec", "also", "title", "arxiv", "spec_file", "stage", "files", "data", "recipes", "claims", "tests",
-              "components", "uses")
-STANDARD_KEYS = ("title", "files", "core", "data", "recipes", "claims", "tests", "components", "algorithms",
-                 "infrastructure")
+PAPER_KEYS = (
+    "spec",
+    "also",
+    "title",
+    "arxiv",
+    "spec_file",
+    "stage",
+    "files",
+    "data",
+    "recipes",
+    "claims",
+    "tests",
+    "components",
+    "uses",
+)
+STANDARD_KEYS = (
+    "title",
+    "files",
+    "core",
+    "data",
+    "recipes",
+    "claims",
+    "tests",
+    "components",
+    "algorithms",
+    "infrastructure",
+)
 LIST_KEYS = ("files", "core", "data", "recipes", "claims", "tests", "arxiv")
 
 
@@ -105,17 +128,23 @@ def load_manifest(path: Path) -> Manifest:
     if not isinstance(data.get("title"), str) or not data["title"]:
         raise ConfigError(f"{where}: 'title' must be a non-empty string")
     lists = {k: _strings(where, k, data.get(k, [])) for k in LIST_KEYS if k in valid}
-    manifest = Manifest("standard" if standard else path.parent.name, path, data["title"],
-                        components=_by_stage(where, "components", data.get("components", {})),
-                        uses=_by_stage(where, "uses", data.get("uses", {})), **lists)
+    manifest = Manifest(
+        "standard" if standard else path.parent.name,
+        path,
+        data["title"],
+        components=_by_stage(where, "components", data.get("components", {})),
+        uses=_by_stage(where, "uses", data.get("uses", {})),
+        **lists,
+    )
     if standard:
         manifest.algorithms = list(data.get("algorithms", []))
         manifest.infrastructure = list(data.get("infrastructure", []))
         return manifest
     match = FOLDER_RE.match(path.parent.name)
     if match is None or data.get("spec") != int(match["spec"]):
-        raise ConfigError(f"{where}: 'spec' must be the folder's number ({path.parent.name[:2]}), "
-                          f"got {data.get('spec')!r}")
+        raise ConfigError(
+            f"{where}: 'spec' must be the folder's number ({path.parent.name[:2]}), got {data.get('spec')!r}"
+        )
     manifest.spec = data["spec"]
     manifest.also = [int(n) for n in data.get("also", [])]
     for key in ("spec_file", "stage"):
@@ -172,7 +201,8 @@ def named_files(first: Path | None, sub: str) -> dict[str, Path]:
     for folder in dirs:
         for path in sorted(folder.glob("*.toml")):
             if path.stem in found:
-                raise ConfigError(f"{sub[:-1]} {path.stem!r} is defined twice: {found[path.stem]} and {path}; "
-                                  "rename one")
+                raise ConfigError(
+                    f"{sub[:-1]} {path.stem!r} is defined twice: {found[path.stem]} and {path}; rename one"
+                )
             found[path.stem] = path
     return dict(sorted(found.items()))

@@ -47,25 +47,30 @@ def entry_problems(entries: Iterable[tuple[str, str, str]] | None = None) -> lis
         for key in m.owned():
             owners.setdefault(key, []).append(m.name)
             if key not in known:
-                problems.append(f"{m.path}: [components] {key[0]} {key[1]!r} is not registered; "
-                                "remove it or register it")
+                problems.append(
+                    f"{m.path}: [components] {key[0]} {key[1]!r} is not registered; remove it or register it"
+                )
         for stage, names in m.uses.items():
             for name in names:
                 if (stage, name) not in known:
                     problems.append(f"{m.path}: [uses] {stage} {name!r} is not registered")
                 elif (stage, name) in m.owned():
-                    problems.append(f"{m.path}: {stage} {name!r} is both owned and in [uses]; "
-                                    "keep it under [components]")
+                    problems.append(
+                        f"{m.path}: {stage} {name!r} is both owned and in [uses]; keep it under [components]"
+                    )
     for stage, name, module in entries:
         if not module.startswith("groupwise."):
             continue
         who = owners.get((stage, name), [])
         if not who:
-            problems.append(f"{stage} {name!r} ({module}) belongs to no manifest: list it under [components] "
-                            "of its paper's paper.toml, or of papers/standard.toml if it is a standard algorithm")
+            problems.append(
+                f"{stage} {name!r} ({module}) belongs to no manifest: list it under [components] "
+                "of its paper's paper.toml, or of papers/standard.toml if it is a standard algorithm"
+            )
         elif len(who) > 1:
-            problems.append(f"{stage} {name!r} is owned by {' and '.join(who)}: "
-                            "own it once, list it under [uses] elsewhere")
+            problems.append(
+                f"{stage} {name!r} is owned by {' and '.join(who)}: own it once, list it under [uses] elsewhere"
+            )
     return problems
 
 
@@ -106,11 +111,15 @@ def file_problems(files: Iterable[Path] | None = None) -> list[str]:
         folder = _paper_folder(rel)
         who = owners.get(path, [])
         if folder and who:
-            problems.append(f"{rel} is in paper folder {folder} and also named by {', '.join(who)}: "
-                            "remove it from those files lists")
+            problems.append(
+                f"{rel} is in paper folder {folder} and also named by {', '.join(who)}: "
+                "remove it from those files lists"
+            )
         elif not folder and not who:
-            problems.append(f"{rel} belongs to no manifest: move it into its paper's folder, or add it to `files` "
-                            "of its paper's paper.toml (or to `files` / `core` of papers/standard.toml)")
+            problems.append(
+                f"{rel} belongs to no manifest: move it into its paper's folder, or add it to `files` "
+                "of its paper's paper.toml (or to `files` / `core` of papers/standard.toml)"
+            )
         elif len(who) > 1:
             problems.append(f"{rel} is named by {' and '.join(who)}: one manifest owns a file")
     return problems
@@ -167,8 +176,11 @@ def import_problems(sources: Iterable[tuple[Path, str]] | None = None) -> list[s
             target = _paper_folder(Path(*parts[1:], "x")) if parts[0] == "groupwise" else None
             if target is None or target == own:
                 continue
-            why = ("a paper folder imports no other paper's; move the shared part into its stage folder" if own else
-                   "a stage or core module never imports a paper folder; move the shared part out of the paper folder")
+            why = (
+                "a paper folder imports no other paper's; move the shared part into its stage folder"
+                if own
+                else "a stage or core module never imports a paper folder; move the shared part out of the paper folder"
+            )
             problems.append(f"{rel} imports {module}: {why}")
     return problems
 

@@ -40,17 +40,28 @@ def index_markdown() -> str:
     std = standard()
     out = [HEADER, "## Standard algorithms", "", "| algorithm | stage | components | recipe |", "|---|---|---|---|"]
     out += [f"| {row['name']} | {row['stage']} | {row['components']} | {row['recipe']} |" for row in std.algorithms]
-    out += ["", "## Papers", "",
-            "| spec | paper | stage | components | recipes | claims |", "|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "## Papers",
+        "",
+        "| spec | paper | stage | components | recipes | claims |",
+        "|---|---|---|---|---|---|",
+    ]
     for m in papers():
         spec = "/".join(f"{n:02d}" for n in m.numbers)
         link = f"[{_cell(m.title)}](../src/groupwise/papers/{m.name}/README.md)"
         recipes = ", ".join(f"`{r}`" for r in m.recipes) or "—"
         claims = ", ".join(f"`{c}`" for c in m.claims) or "—"
         out.append(f"| {spec} | {link} | {_cell(m.stage)} | {_components(m)} | {recipes} | {claims} |")
-    out += ["", "## Infrastructure (not variants)", "",
-            "These modules carry no paper of their own (`papers/standard.toml` lists every such file as `core`).", "",
-            "| module | what it is | tested in |", "|---|---|---|"]
+    out += [
+        "",
+        "## Infrastructure (not variants)",
+        "",
+        "These modules carry no paper of their own (`papers/standard.toml` lists every such file as `core`).",
+        "",
+        "| module | what it is | tested in |",
+        "|---|---|---|",
+    ]
     out += [f"| {row['module']} | {_cell(row['what'])} | {row['tested']} |" for row in std.infrastructure]
     return "\n".join(out) + "\n"
 
@@ -79,10 +90,17 @@ def paper_text(number: int | str) -> str:
 
     owners = {key: other.name for other in (*papers(), standard()) for key in other.owned()}
     arxiv = ", ".join(f"{a} (https://arxiv.org/abs/{a})" for a in m.arxiv) or "—"
-    lines = [f"{'/'.join(f'{n:02d}' for n in m.numbers)} · {m.title}", "",
-             f"arXiv      {arxiv}", f"spec       specs/{m.spec_file}", f"page       {_where(folder / 'README.md')}",
-             f"manifest   {_where(m.path)}", f"stage      {m.stage}", "",
-             "components (stage · name — summary  [file]):"]
+    lines = [
+        f"{'/'.join(f'{n:02d}' for n in m.numbers)} · {m.title}",
+        "",
+        f"arXiv      {arxiv}",
+        f"spec       specs/{m.spec_file}",
+        f"page       {_where(folder / 'README.md')}",
+        f"manifest   {_where(m.path)}",
+        f"stage      {m.stage}",
+        "",
+        "components (stage · name — summary  [file]):",
+    ]
     lines += [f"  {component(stage, name)}" for stage, name in m.owned()]
     used = [(stage, name) for stage, names in m.uses.items() for name in names]
     if used:

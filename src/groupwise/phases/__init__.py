@@ -31,9 +31,10 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ def build_phases(specs: list) -> list[Any]:
         if kind not in KINDS:
             raise ConfigError(f"phase {name!r} has kind {kind!r}; a phase is one of {KINDS}")
         if name in seen:
-            raise ConfigError(f"two phases are named {name!r}; give one an `artifact = \"...\"` name")
+            raise ConfigError(f'two phases are named {name!r}; give one an `artifact = "..."` name')
         seen.add(name)
         phases.append(phase)
     return phases
@@ -98,8 +99,10 @@ def check_artifacts(phases: list[Any], components: list[Any]) -> None:
         for name in getattr(component, "artifacts", ()):
             if name not in made:
                 who = f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r}"
-                raise ConfigError(f"{who} needs the artifact {name!r}, which no offline phase produces (offline phases: {sorted(made) or 'none'}); "
-                                  f"add one to `phases`, e.g. phases = [{{name = \"...\", artifact = \"{name}\"}}]")
+                raise ConfigError(
+                    f"{who} needs the artifact {name!r}, which no offline phase produces (offline phases: {sorted(made) or 'none'}); "
+                    f'add one to `phases`, e.g. phases = [{{name = "...", artifact = "{name}"}}]'
+                )
 
 
 def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: bool, rank: int) -> dict[str, Any]:
@@ -122,11 +125,14 @@ def run_phases(phases: list[Any], ctx: PhaseContext, folder: Path, rl_started: b
             continue
         if rl_started:  # an artifact computed now would see the RL-trained policy, not the one the run began RL with
             digest = path.with_suffix(".sha256").name
-            raise RuntimeError(f"phase {name!r}: its output {path} (with its digest {digest}) is missing, but the "
-                               f"run's RL steps have begun; restore the files or train into a new folder")
+            raise RuntimeError(
+                f"phase {name!r}: its output {path} (with its digest {digest}) is missing, but the "
+                f"run's RL steps have begun; restore the files or train into a new folder"
+            )
         if path.exists():
-            ctx.say(f"phase {name!r}: {path.name} has no digest (a run killed while saving it): "
-                    f"running the phase again")
+            ctx.say(
+                f"phase {name!r}: {path.name} has no digest (a run killed while saving it): running the phase again"
+            )
         ctx.say(f"phase {name!r} ({phase.kind}) ...")
         out = phase(ctx) or {}
         if phase.kind == "sft":
@@ -153,7 +159,9 @@ def same_on_every_rank(name: str, artifact: Any, say: Callable[[str], None]) -> 
     digests = dist.all_gather_objects([hashlib.sha256(buffer.getvalue()).hexdigest()])
     if len(set(digests)) == 1:
         return artifact  # the same bytes everywhere: nothing to send
-    say(f"phase {name!r}: the ranks computed different artifacts (digests {[d[:8] for d in digests]}); every rank uses rank 0's")
+    say(
+        f"phase {name!r}: the ranks computed different artifacts (digests {[d[:8] for d in digests]}); every rank uses rank 0's"
+    )
     return dist.broadcast_object(artifact)
 
 
@@ -203,10 +211,14 @@ def load_output(path: Path) -> dict:
     """A saved phase output, checked against its digest (see :func:`is_saved` for one never finished)."""
     digest = path.with_suffix(".sha256")
     if not digest.exists():
-        raise RuntimeError(f"{path}: the phase output has no digest {digest.name}: it was never finished "
-                           f"(a rerun runs the phase again)")
+        raise RuntimeError(
+            f"{path}: the phase output has no digest {digest.name}: it was never finished "
+            f"(a rerun runs the phase again)"
+        )
     data = path.read_bytes()
     if digest.read_text().strip() != hashlib.sha256(data).hexdigest():
-        raise RuntimeError(f"{path}: the phase output is incomplete or damaged (its sha256 does not match {digest.name}); "
-                           f"delete both files to run that phase again")
+        raise RuntimeError(
+            f"{path}: the phase output is incomplete or damaged (its sha256 does not match {digest.name}); "
+            f"delete both files to run that phase again"
+        )
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)

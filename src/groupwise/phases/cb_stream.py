@@ -51,7 +51,9 @@ COUNTS = ("dataset", "batch")
 
 def check_beta(beta: float, who: str = "cb_stream") -> None:
     if not 0.0 <= beta < 1.0:
-        raise ConfigError(f"{who}: beta={beta} must be in [0, 1) (0 = uniform over classes, towards 1 = inverse frequency)")
+        raise ConfigError(
+            f"{who}: beta={beta} must be in [0, 1) (0 = uniform over classes, towards 1 = inverse frequency)"
+        )
 
 
 def class_balanced_weights(counts: torch.Tensor, beta: float) -> torch.Tensor:
@@ -61,33 +63,56 @@ def class_balanced_weights(counts: torch.Tensor, beta: float) -> torch.Tensor:
     present = n > 0  # [C]
     if not bool(present.any()):
         return torch.zeros_like(n)
-    effective = torch.where(present, (1.0 - beta ** n) / (1.0 - beta), torch.ones_like(n))  # [C] E_c (1 for absent: unused)
+    effective = torch.where(
+        present, (1.0 - beta**n) / (1.0 - beta), torch.ones_like(n)
+    )  # [C] E_c (1 for absent: unused)
     inv = torch.where(present, 1.0 / effective, torch.zeros_like(n))  # [C]
     return inv * n.numel() / inv.sum()  # [C]
 
 
-def balanced_from_ce(ce: torch.Tensor, valid: torch.Tensor, decision_mask: torch.Tensor, decision_class: torch.Tensor,
-                     weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def balanced_from_ce(
+    ce: torch.Tensor,
+    valid: torch.Tensor,
+    decision_mask: torch.Tensor,
+    decision_class: torch.Tensor,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``L_dec + L_con`` from the per-token cross-entropy ``ce`` [N,L] (module **Math**)."""
     dec = decision_mask & valid  # [N,L]
     con = valid & ~decision_mask  # [N,L]
-    w_pos = torch.where(dec, weights.to(ce.dtype)[decision_class.clamp(min=0, max=weights.numel() - 1)], torch.zeros_like(ce))  # [N,L]
+    w_pos = torch.where(
+        dec, weights.to(ce.dtype)[decision_class.clamp(min=0, max=weights.numel() - 1)], torch.zeros_like(ce)
+    )  # [N,L]
     ce0 = torch.where(dec | con, ce, torch.zeros_like(ce))  # [N,L] masked → exact 0
     denom = w_pos.sum()
     l_dec = (w_pos * ce0).sum() / denom if float(denom) > 0 else ce0.sum() * 0.0
     l_con = (ce0 * con).sum() / con.sum() if bool(con.any()) else ce0.sum() * 0.0
-    metrics = {"loss_dec": float(l_dec.detach()), "loss_content": float(l_con.detach()),
-               "plain_ce": float(ce0.detach().sum() / (dec | con).sum().clamp(min=1))}
+    metrics = {
+        "loss_dec": float(l_dec.detach()),
+        "loss_content": float(l_con.detach()),
+        "plain_ce": float(ce0.detach().sum() / (dec | con).sum().clamp(min=1)),
+    }
     metrics.update({f"w_{c}": float(w) for c, w in enumerate(weights.tolist())})
     return l_dec + l_con, metrics
 
 
-def cb_stream_loss(logits: torch.Tensor, labels: torch.Tensor, decision_mask: torch.Tensor, decision_class: torch.Tensor, beta: float,
-                   num_classes: int = 2, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def cb_stream_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    decision_mask: torch.Tensor,
+    decision_class: torch.Tensor,
+    beta: float,
+    num_classes: int = 2,
+    counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """CB-Stream loss of ``logits`` [N,L,V] against ``labels`` [N,L] (``-100`` = ignored); class
     counts from ``counts`` [C] when given (dataset counts), else from this batch's decisions."""
     valid = labels != -100  # [N,L]
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.clamp(min=0).flatten(), reduction="none").view(labels.shape)  # [N,L]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.clamp(min=0).flatten(), reduction="none").view(
+        labels.shape
+    )  # [N,L]
     if counts is None:
-        counts = torch.bincount(decision_class[decision_mask & valid].clamp(min=0), minlength=num_classes)[:num_classes]  # [C]
+        counts = torch.bincount(decision_class[decision_mask & valid].clamp(min=0), minlength=num_classes)[
+            :num_classes
+        ]  # [C]
     return balanced_from_ce(ce, valid, decision_mask, decision_class, class_balanced_weights(counts, beta))

@@ -87,25 +87,39 @@ class DisaLogZ:
         for key in ("samples", "batch_prompts", "hidden", "steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"phase disa_logz: {key}={getattr(self, key)} must be >= 1")
-        if self.prompts < 0 or self.max_new_tokens < 0 or self.layer < 0 or not self.temperature > 0 or not self.beta >= 0:
-            raise ConfigError(f"phase disa_logz: need prompts >= 0 (got {self.prompts}; 0 = all), max_new_tokens >= 0 (got {self.max_new_tokens}), "
-                              f"layer >= 0 (got {self.layer}), temperature > 0 (got {self.temperature}), beta >= 0 (got {self.beta})")
+        if (
+            self.prompts < 0
+            or self.max_new_tokens < 0
+            or self.layer < 0
+            or not self.temperature > 0
+            or not self.beta >= 0
+        ):
+            raise ConfigError(
+                f"phase disa_logz: need prompts >= 0 (got {self.prompts}; 0 = all), max_new_tokens >= 0 (got {self.max_new_tokens}), "
+                f"layer >= 0 (got {self.layer}), temperature > 0 (got {self.temperature}), beta >= 0 (got {self.beta})"
+            )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"phase disa_logz: val_fraction={self.val_fraction} must be in [0, 1)")
 
     def __call__(self, ctx: PhaseContext) -> dict:
         t0, policy = time.perf_counter(), ctx.policy
         if ctx.score is None or (self.estimator is None and ctx.advantage is None):
-            raise ConfigError("phase disa_logz needs the run's reward (and its advantage estimator, or `estimator`): run it through the trainer")
+            raise ConfigError(
+                "phase disa_logz needs the run's reward (and its advantage estimator, or `estimator`): run it through the trainer"
+            )
         if self.proposal and self.proposal not in ctx.models:
-            raise ConfigError(f"phase disa_logz: proposal={self.proposal!r} is not a frozen role (frozen roles: {sorted(ctx.models) or 'none'}); "
-                              f"add roles.{self.proposal} = {{frozen = true, model = {{path = \"...\"}}}} or leave proposal empty (the policy)")
+            raise ConfigError(
+                f"phase disa_logz: proposal={self.proposal!r} is not a frozen role (frozen roles: {sorted(ctx.models) or 'none'}); "
+                f'add roles.{self.proposal} = {{frozen = true, model = {{path = "..."}}}} or leave proposal empty (the policy)'
+            )
         q = ctx.models[self.proposal] if self.proposal else policy
         estimator = build_spec("advantage", self.estimator) if self.estimator is not None else None
         units = self._units(ctx)  # [(prompt ids, [rows])]
         max_new = self.max_new_tokens or ctx.max_new_tokens
         if max_new < 1:
-            raise ConfigError("phase disa_logz: max_new_tokens = 0 and the run gives no generation budget; set max_new_tokens")
+            raise ConfigError(
+                "phase disa_logz: max_new_tokens = 0 and the run gives no generation budget; set max_new_tokens"
+            )
         info = StepInfo(step=-3, seed=ctx.seed, max_new_tokens=max_new, phase=self.artifact)
         sampling = {"temperature": self.temperature, "top_p": 1.0, "top_k": 0, "max_new_tokens": max_new}
         N = len(ctx.train_rows)
@@ -115,7 +129,9 @@ class DisaLogZ:
         for start in range(0, len(units), self.batch_prompts):
             chunk = units[start : start + self.batch_prompts]
             with torch.no_grad():
-                roll = q.generate([Request(key=rows[0], n=self.samples, prompt=ids) for ids, rows in chunk], sampling, info)
+                roll = q.generate(
+                    [Request(key=rows[0], n=self.samples, prompt=ids) for ids, rows in chunk], sampling, info
+                )
                 roll.meta = [ctx.train_rows[rows[0]] for _, rows in chunk]
                 ctx.score(roll, info)
                 valid = roll.group_valid & torch.isfinite(roll.rewards)  # [P,M]
@@ -132,17 +148,36 @@ class DisaLogZ:
             reward_sum, scored = reward_sum + float(roll.rewards[valid].sum()), scored + int(valid.sum())
         logZ, ess = torch.cat(logZ_all), torch.cat(ess_all)  # [U]
         known = torch.isfinite(logZ)  # [U]
-        summary = {"prompts": len(units), "rows": int(torch.isfinite(table).sum()), "proposals": len(units) * self.samples, "scored": scored,
-                   "reward_mean": reward_sum / max(scored, 1), "logz_mean": float(logZ[known].mean()) if known.any() else float("nan"),
-                   "logz_min": float(logZ[known].min()) if known.any() else float("nan"), "logz_max": float(logZ[known].max()) if known.any() else float("nan"),
-                   "ess_mean": float(ess.mean()), "ess_min": float(ess.min()), "samples": self.samples}
+        summary = {
+            "prompts": len(units),
+            "rows": int(torch.isfinite(table).sum()),
+            "proposals": len(units) * self.samples,
+            "scored": scored,
+            "reward_mean": reward_sum / max(scored, 1),
+            "logz_mean": float(logZ[known].mean()) if known.any() else float("nan"),
+            "logz_min": float(logZ[known].min()) if known.any() else float("nan"),
+            "logz_max": float(logZ[known].max()) if known.any() else float("nan"),
+            "ess_mean": float(ess.mean()),
+            "ess_min": float(ess.min()),
+            "samples": self.samples,
+        }
         regressor = self._fit(torch.cat(emb_all)[known], logZ[known], ctx.seed, summary) if self.regressor else None
         summary["seconds"] = round(time.perf_counter() - t0, 1)
-        ctx.say(f"phase {self.artifact!r}: log Z of {len(units)} prompts ({summary['rows']} rows) from {self.samples} proposals each "
-                f"(proposal {self.proposal or 'policy'} at T={self.temperature}); mean {summary['logz_mean']:.3f}, ESS mean {summary['ess_mean']:.2f} of {self.samples}"
-                + (f", regressor held-out R² {summary['r2_val']:.3f}" if regressor else ""))
-        return {"table": table, "ess": ess_table, "beta": self.beta, "samples": self.samples, "temperature": self.temperature,
-                "proposal": self.proposal or "policy", "regressor": regressor, "summary": summary}
+        ctx.say(
+            f"phase {self.artifact!r}: log Z of {len(units)} prompts ({summary['rows']} rows) from {self.samples} proposals each "
+            f"(proposal {self.proposal or 'policy'} at T={self.temperature}); mean {summary['logz_mean']:.3f}, ESS mean {summary['ess_mean']:.2f} of {self.samples}"
+            + (f", regressor held-out R² {summary['r2_val']:.3f}" if regressor else "")
+        )
+        return {
+            "table": table,
+            "ess": ess_table,
+            "beta": self.beta,
+            "samples": self.samples,
+            "temperature": self.temperature,
+            "proposal": self.proposal or "policy",
+            "regressor": regressor,
+            "summary": summary,
+        }
 
     def _units(self, ctx: PhaseContext) -> list[tuple[list[int], list[int]]]:
         """The prompts to estimate: (prompt ids, the train rows sharing them), in row order; a seeded subset when `prompts` > 0."""
@@ -158,7 +193,9 @@ class DisaLogZ:
             else:
                 units.append((ids, [i]))
         if self.prompts and self.prompts < len(units):
-            keep = sorted(torch.randperm(len(units), generator=torch.Generator().manual_seed(ctx.seed))[: self.prompts].tolist())
+            keep = sorted(
+                torch.randperm(len(units), generator=torch.Generator().manual_seed(ctx.seed))[: self.prompts].tolist()
+            )
             units = [units[k] for k in keep]
         return units
 
@@ -166,15 +203,25 @@ class DisaLogZ:
         """(ℓ̄_ref [P,M], ℓ̄_q [P,M], prompt embedding [P,H] or None) of the proposals."""
         mask = roll.mask & roll.group_valid[..., None]  # [P,M,T]
         own_q = q is policy
-        wanted = ["logp"] + (["last_hidden"] if own_q and self.temperature != 1.0 else []) + ([f"hidden({self.layer})"] if self.regressor else [])
+        wanted = (
+            ["logp"]
+            + (["last_hidden"] if own_q and self.temperature != 1.0 else [])
+            + ([f"hidden({self.layer})"] if self.regressor else [])
+        )
         out = policy.forward(roll, wanted)
         lref = masked_mean(out["logp"], mask, dim=-1)  # [P,M]
         if own_q and self.temperature == 1.0:
             lq = lref  # [P,M] q is the reference itself
         else:
-            hidden = out["last_hidden"] if own_q else q.forward(roll, ["logp", "last_hidden"])["last_hidden"]  # [P,M,T,H]
-            lq = masked_mean(tempered_logp(q.module, hidden, roll.actions, mask, self.temperature), mask, dim=-1)  # [P,M]
-        emb = out[f"hidden({self.layer})"][:, 0, 0].float() if self.regressor else None  # [P,H] the state after the prompt
+            hidden = (
+                out["last_hidden"] if own_q else q.forward(roll, ["logp", "last_hidden"])["last_hidden"]
+            )  # [P,M,T,H]
+            lq = masked_mean(
+                tempered_logp(q.module, hidden, roll.actions, mask, self.temperature), mask, dim=-1
+            )  # [P,M]
+        emb = (
+            out[f"hidden({self.layer})"][:, 0, 0].float() if self.regressor else None
+        )  # [P,H] the state after the prompt
         return lref, lq, emb
 
     def _fit(self, emb: torch.Tensor, logZ: torch.Tensor, seed: int, summary: dict) -> dict:
@@ -183,7 +230,9 @@ class DisaLogZ:
         n_val = round(self.val_fraction * len(logZ))
         val, train = order[:n_val], order[n_val:]
         if len(train) < 2:
-            raise RuntimeError(f"phase disa_logz: {len(train)} prompts with an estimate to fit the regressor on; need >= 2")
+            raise RuntimeError(
+                f"phase disa_logz: {len(train)} prompts with an estimate to fit the regressor on; need >= 2"
+            )
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             reg = LogZRegressor(emb.shape[-1], self.hidden)

@@ -56,8 +56,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -75,7 +76,9 @@ def lm_encoder(model, pool: str = "last"):
 
     def encode(emb: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [M,S]
-        h = decoder(inputs_embeds=emb, attention_mask=real.long(), position_ids=positions).last_hidden_state.float()  # [M,S,D]
+        h = decoder(
+            inputs_embeds=emb, attention_mask=real.long(), position_ids=positions
+        ).last_hidden_state.float()  # [M,S,D]
         if pool == "last":
             return h[:, -1]  # [M,D] left-padded: the last column is the last prompt token
         w = real.float()[..., None]  # [M,S,1]
@@ -117,9 +120,16 @@ def prompt_space(policy, pool: str = "last") -> tuple[torch.Tensor, set[int], Ca
         return table.detach(), set(), encode, contextlib.nullcontext()
     model, tok = getattr(policy, "module", None), getattr(policy, "tokenizer", None)
     if model is None or tok is None:
-        raise ConfigError(f"phase e2po_perturbations needs a text policy with a tokenizer or a policy with a prompt encoder (the flow toy with "
-                          f"model.params.condition = \"embedding\"); this one is {getattr(policy, 'modality', '?')}")
-    return model.get_input_embeddings().weight.detach(), set(tok.all_special_ids), lm_encoder(model, pool), _frozen_lm(model)
+        raise ConfigError(
+            f"phase e2po_perturbations needs a text policy with a tokenizer or a policy with a prompt encoder (the flow toy with "
+            f'model.params.condition = "embedding"); this one is {getattr(policy, "modality", "?")}'
+        )
+    return (
+        model.get_input_embeddings().weight.detach(),
+        set(tok.all_special_ids),
+        lm_encoder(model, pool),
+        _frozen_lm(model),
+    )
 
 
 @register("phase", "e2po_perturbations")
@@ -142,13 +152,24 @@ class E2POPerturbations:
 
     def __post_init__(self) -> None:
         if self.conditions < 2:
-            raise ConfigError(f"phase e2po_perturbations: conditions={self.conditions} must be >= 2 (the original prompt plus at least one perturbation)")
+            raise ConfigError(
+                f"phase e2po_perturbations: conditions={self.conditions} must be >= 2 (the original prompt plus at least one perturbation)"
+            )
         for key in ("steps", "chunk"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"phase e2po_perturbations: {key}={getattr(self, key)} must be >= 1")
-        if self.rows < 0 or self.lam_div < 0 or self.eps < 0 or not -1.0 <= self.mu <= 1.0 or self.sigma_init <= 0 or self.lr <= 0:
-            raise ConfigError(f"phase e2po_perturbations: need rows >= 0 (got {self.rows}), lam_div >= 0 ({self.lam_div}), eps >= 0 ({self.eps}), "
-                              f"mu in [-1, 1] ({self.mu}), sigma_init > 0 ({self.sigma_init}), lr > 0 ({self.lr})")
+        if (
+            self.rows < 0
+            or self.lam_div < 0
+            or self.eps < 0
+            or not -1.0 <= self.mu <= 1.0
+            or self.sigma_init <= 0
+            or self.lr <= 0
+        ):
+            raise ConfigError(
+                f"phase e2po_perturbations: need rows >= 0 (got {self.rows}), lam_div >= 0 ({self.lam_div}), eps >= 0 ({self.eps}), "
+                f"mu in [-1, 1] ({self.mu}), sigma_init > 0 ({self.sigma_init}), lr > 0 ({self.lr})"
+            )
         if self.pool not in ("last", "mean"):
             raise ConfigError(f"phase e2po_perturbations: pool={self.pool!r} must be 'last' or 'mean'")
 
@@ -165,19 +186,33 @@ class E2POPerturbations:
                 prompts = [ctx.prompt("train", ctx.train_rows, i) for i in idx]
                 content = [[j for j, t in enumerate(p) if t not in special] for p in prompts]
                 if any(not c for c in content):
-                    raise ConfigError(f"phase e2po_perturbations: train row {idx[[bool(c) for c in content].index(False)]} has no content tokens to perturb")
+                    raise ConfigError(
+                        f"phase e2po_perturbations: train row {idx[[bool(c) for c in content].index(False)]} has no content tokens to perturb"
+                    )
                 S, L = max(len(p) for p in prompts), max(len(c) for c in content)
                 ids = torch.zeros(len(idx), S, dtype=torch.long)  # [N,S] left-padded
                 real = torch.zeros(len(idx), S, dtype=torch.bool)  # [N,S]
                 cols = torch.full((len(idx), L), -1, dtype=torch.long)  # [N,L] content columns
                 pos = torch.full((len(idx), L), -1, dtype=torch.long)  # [N,L] content prompt positions
                 for r, (p, c) in enumerate(zip(prompts, content)):
-                    ids[r, S - len(p):], real[r, S - len(p):] = torch.tensor(p), True
+                    ids[r, S - len(p) :], real[r, S - len(p) :] = torch.tensor(p), True
                     cols[r, : len(c)], pos[r, : len(c)] = torch.tensor(c) + S - len(p), torch.tensor(c)
                 emb = table[ids].float()  # [N,S,d]
                 gen = torch.Generator().manual_seed(ctx.seed * 1_000_003 + start)
-                delta, stats = learn_prompt_perturbations(emb, real, cols, encoder, K, self.steps, self.lam_div, self.mu, self.eps,
-                                                          self.sigma_init * scale, self.lr * scale, gen)  # [N,K,L,d]
+                delta, stats = learn_prompt_perturbations(
+                    emb,
+                    real,
+                    cols,
+                    encoder,
+                    K,
+                    self.steps,
+                    self.lam_div,
+                    self.mu,
+                    self.eps,
+                    self.sigma_init * scale,
+                    self.lr * scale,
+                    gen,
+                )  # [N,K,L,d]
                 keys += idx
                 positions.append(pos)
                 deltas.append(delta)
@@ -187,9 +222,25 @@ class E2POPerturbations:
         L = max(p.shape[1] for p in positions)
         position = torch.cat([torch.nn.functional.pad(p, (0, L - p.shape[1]), value=-1) for p in positions])  # [N,L]
         delta = torch.cat([torch.nn.functional.pad(d, (0, 0, 0, L - d.shape[2])) for d in deltas])  # [N,K,L,d]
-        summary = {"rows": n, "conditions": self.conditions, "loss": float(torch.cat(losses).mean()), "div": float(torch.cat(divs).mean()),
-                   "cos_anchor": float(torch.cat(coss).mean()), "delta_rms_over_embedding_rms": float(delta[position[:, None, :].expand(-1, K, -1) >= 0].pow(2).mean().sqrt() / scale),
-                   "seconds": round(time.perf_counter() - t0, 1)}
-        ctx.say(f"phase {self.artifact!r}: {n} prompts x {K} perturbations; L_emb {summary['loss']:.3f}, L_div {summary['div']:.3f}, "
-                f"cos to the original {summary['cos_anchor']:.3f} ({summary['seconds']} s)")
-        return {"keys": torch.tensor(keys, dtype=torch.long), "positions": position, "delta": delta, "conditions": self.conditions, "summary": summary}
+        summary = {
+            "rows": n,
+            "conditions": self.conditions,
+            "loss": float(torch.cat(losses).mean()),
+            "div": float(torch.cat(divs).mean()),
+            "cos_anchor": float(torch.cat(coss).mean()),
+            "delta_rms_over_embedding_rms": float(
+                delta[position[:, None, :].expand(-1, K, -1) >= 0].pow(2).mean().sqrt() / scale
+            ),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        ctx.say(
+            f"phase {self.artifact!r}: {n} prompts x {K} perturbations; L_emb {summary['loss']:.3f}, L_div {summary['div']:.3f}, "
+            f"cos to the original {summary['cos_anchor']:.3f} ({summary['seconds']} s)"
+        )
+        return {
+            "keys": torch.tensor(keys, dtype=torch.long),
+            "positions": position,
+            "delta": delta,
+            "conditions": self.conditions,
+            "summary": summary,
+        }

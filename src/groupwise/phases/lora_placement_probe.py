@@ -81,7 +81,9 @@ class LoraPlacementProbe:
     group_size: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
-    objective: str = "grpo"  # "sft": cross-entropy on the rows' answers instead, the spec's SFT control of the diagnostics
+    objective: str = (
+        "grpo"  # "sft": cross-entropy on the rows' answers instead, the spec's SFT control of the diagnostics
+    )
 
     def __post_init__(self) -> None:
         if self.objective not in ("grpo", "sft"):
@@ -92,9 +94,13 @@ class LoraPlacementProbe:
             if getattr(self, key) < 1:
                 raise ConfigError(f"phase lora_placement_probe: {key}={getattr(self, key)} must be >= 1")
         if self.group_size < 2:
-            raise ConfigError(f"phase lora_placement_probe: group_size={self.group_size}; GRPO's advantage needs >= 2 samples a prompt")
+            raise ConfigError(
+                f"phase lora_placement_probe: group_size={self.group_size}; GRPO's advantage needs >= 2 samples a prompt"
+            )
         if self.k < 0 or not 0.0 < self.fraction <= 1.0:
-            raise ConfigError(f"phase lora_placement_probe: need k >= 0 (got {self.k}) and fraction in (0, 1] (got {self.fraction})")
+            raise ConfigError(
+                f"phase lora_placement_probe: need k >= 0 (got {self.k}) and fraction in (0, 1] (got {self.fraction})"
+            )
 
     def __call__(self, ctx: PhaseContext) -> dict:
         t0, policy = time.perf_counter(), ctx.policy
@@ -102,7 +108,9 @@ class LoraPlacementProbe:
             raise ConfigError("phase lora_placement_probe needs a text policy and the run's rewards")
         named = [(n, p) for n, p in zip(policy.parameter_names(), policy.parameters()) if lora_side(n) == "B"]
         if not named:
-            raise ConfigError("phase lora_placement_probe: the policy has no trainable LoRA-B weight; set model.lora (PEFT LoraConfig arguments)")
+            raise ConfigError(
+                "phase lora_placement_probe: the policy has no trainable LoRA-B weight; set model.lora (PEFT LoraConfig arguments)"
+            )
         sizes = [p.numel() for _, p in named]
         P = sum(sizes)
         k = self.k or max(1, round(self.fraction * P))
@@ -118,14 +126,20 @@ class LoraPlacementProbe:
             for _, p in named:
                 p.grad = None
             if self.objective == "sft":  # the control: cross-entropy on the rows' answers (token mean)
-                batch = teacher_forced(prompts, [policy.encode_completion(str(ctx.train_rows[i]["answer"])) for i in order])
+                batch = teacher_forced(
+                    prompts, [policy.encode_completion(str(ctx.train_rows[i]["answer"])) for i in order]
+                )
                 logp = policy.forward(batch, ["logp"])["logp"]  # [B,1,T]
                 loss = -(logp * batch.mask).sum() / batch.mask.sum().clamp(min=1)
             else:
                 info = StepInfo(step=-3 - s, seed=ctx.seed, max_new_tokens=self.max_new_tokens, phase=self.artifact)
                 policy.eval()
                 with torch.no_grad():
-                    roll = policy.generate([Request(key=i, n=self.group_size, prompt=prompt) for i, prompt in zip(order, prompts)], sampling, info)
+                    roll = policy.generate(
+                        [Request(key=i, n=self.group_size, prompt=prompt) for i, prompt in zip(order, prompts)],
+                        sampling,
+                        info,
+                    )
                 roll.meta = [ctx.train_rows[i] for i in order]
                 ctx.score(roll, info)
                 adv = estimator(roll, info)  # [B,G]
@@ -137,7 +151,12 @@ class LoraPlacementProbe:
                 loss = -(adv * row_mean)[rows].sum() / rows.sum().clamp(min=1)
             if loss.requires_grad:
                 loss.backward()
-            grads[s] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu() for _, p in named])  # [P]
+            grads[s] = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                    for _, p in named
+                ]
+            )  # [P]
         for p in policy.parameters():  # no weight moves and no gradient is left behind
             p.grad = None
         scores = placement_scores(grads, self.score, seed=ctx.seed)  # [P]
@@ -149,10 +168,23 @@ class LoraPlacementProbe:
             kinds[module_kind(name)] += int(m.sum())
             layers[str(layer_of(name))] += int(m.sum())
             start += size
-        stats = {key: (None if value != value else value) for key, value in grad_structure_stats(grads).items()}  # NaN (one probe): None in summary.json
-        summary = {"k": k, "entries": P, "score": self.score, "probes": self.probes, **stats,
-                   "objective": self.objective, "probe_reward": sum(rewards) / len(rewards) if rewards else None, "by_module": dict(sorted(kinds.items())), "by_layer": dict(sorted(layers.items())),
-                   "seconds": round(time.perf_counter() - t0, 1)}
-        ctx.say(f"phase {self.artifact!r}: {k} of {P} LoRA-B entries by {self.score!r}; probe gradients eff_rank {stats['eff_rank']:.2f}, "
-                f"mean cos {stats['mean_cos'] if stats['mean_cos'] is not None else float('nan'):.3f}; per module {dict(sorted(kinds.items()))}")
+        stats = {
+            key: (None if value != value else value) for key, value in grad_structure_stats(grads).items()
+        }  # NaN (one probe): None in summary.json
+        summary = {
+            "k": k,
+            "entries": P,
+            "score": self.score,
+            "probes": self.probes,
+            **stats,
+            "objective": self.objective,
+            "probe_reward": sum(rewards) / len(rewards) if rewards else None,
+            "by_module": dict(sorted(kinds.items())),
+            "by_layer": dict(sorted(layers.items())),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        ctx.say(
+            f"phase {self.artifact!r}: {k} of {P} LoRA-B entries by {self.score!r}; probe gradients eff_rank {stats['eff_rank']:.2f}, "
+            f"mean cos {stats['mean_cos'] if stats['mean_cos'] is not None else float('nan'):.3f}; per module {dict(sorted(kinds.items()))}"
+        )
         return {"masks": masks, "score": self.score, "k": k, "entries": P, "summary": summary}

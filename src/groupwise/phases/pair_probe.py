@@ -124,9 +124,17 @@ class PairProbePhase:
         for key in ("prompts", "samples", "max_turns"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"phase pair_probe: {key}={getattr(self, key)} must be >= 1")
-        if self.C <= 0 or not 0.0 <= self.val_fraction < 1.0 or not self.actions or self.hidden_layer < 0 or any(l < 1 for l in self.attn_layers):
-            raise ConfigError(f"phase pair_probe: need C > 0 (got {self.C}), val_fraction in [0, 1) (got {self.val_fraction}), a non-empty "
-                              f"actions list (got {list(self.actions)}), hidden_layer >= 0 and attn_layers >= 1 (got {self.hidden_layer}, {list(self.attn_layers)})")
+        if (
+            self.C <= 0
+            or not 0.0 <= self.val_fraction < 1.0
+            or not self.actions
+            or self.hidden_layer < 0
+            or any(l < 1 for l in self.attn_layers)
+        ):
+            raise ConfigError(
+                f"phase pair_probe: need C > 0 (got {self.C}), val_fraction in [0, 1) (got {self.val_fraction}), a non-empty "
+                f"actions list (got {list(self.actions)}), hidden_layer >= 0 and attn_layers >= 1 (got {self.hidden_layer}, {list(self.attn_layers)})"
+            )
 
     def __call__(self, ctx: PhaseContext) -> dict:
         policy, t0 = ctx.policy, time.perf_counter()
@@ -134,11 +142,25 @@ class PairProbePhase:
         order = torch.randperm(len(ctx.train_rows), generator=torch.Generator().manual_seed(ctx.seed))[:n].tolist()
         rows = [ctx.train_rows[i] for i in order]
         info = StepInfo(step=-2, seed=ctx.seed, max_new_tokens=ctx.max_new_tokens or 1, phase=self.artifact)
-        sampling = {"temperature": self.temperature, "top_p": 1.0, "top_k": 0, "max_new_tokens": ctx.max_new_tokens or 1}
+        sampling = {
+            "temperature": self.temperature,
+            "top_p": 1.0,
+            "top_k": 0,
+            "max_new_tokens": ctx.max_new_tokens or 1,
+        }
         policy.eval()
         with torch.no_grad():
-            played = play(_Rows(policy, rows, sampling, info), list(range(n)), self.samples, self.max_turns, self.env, self.env_params,
-                          history=True, separator=self.separator, who=f"phase {self.artifact}")
+            played = play(
+                _Rows(policy, rows, sampling, info),
+                list(range(n)),
+                self.samples,
+                self.max_turns,
+                self.env,
+                self.env_params,
+                history=True,
+                separator=self.separator,
+                who=f"phase {self.artifact}",
+            )
             batch, _ = transcripts(played, self.separator)
             quantities = ["logp", f"hidden_at({self.hidden_layer})", *(f"attn_at({l})" for l in self.attn_layers)]
             out = policy.forward(batch, quantities)
@@ -152,28 +174,54 @@ class PairProbePhase:
                 if not ep.actions:
                     continue
                 labels = turn_labels(proto, rows[ep.key], ep.texts, list(self.actions), 0, cache.setdefault(name, {}))
-                spans, h, a = row_turn_features(out[f"hidden_at({self.hidden_layer})"][b, g], [out[f"attn_at({l})"][b, g] for l in self.attn_layers],
-                                                batch.row_mask[b, g], len(batch.prompt_ids[b]), int(lengths[b, g]), batch.segment_id[b, g])
+                spans, h, a = row_turn_features(
+                    out[f"hidden_at({self.hidden_layer})"][b, g],
+                    [out[f"attn_at({l})"][b, g] for l in self.attn_layers],
+                    batch.row_mask[b, g],
+                    len(batch.prompt_ids[b]),
+                    int(lengths[b, g]),
+                    batch.segment_id[b, g],
+                )
                 if len(spans) != len(labels):
-                    raise RuntimeError(f"phase {self.artifact}: episode {b}/{g} has {len(labels)} actions but {len(spans)} turns in its transcript")
+                    raise RuntimeError(
+                        f"phase {self.artifact}: episode {b}/{g} has {len(labels)} actions but {len(spans)} turns in its transcript"
+                    )
                 H.append(h)
                 A.append(a)
                 y += labels
                 row_of += [b] * len(labels)
         H, A, y, row_of = torch.cat(H), torch.cat(A), torch.tensor(y, dtype=torch.float64), torch.tensor(row_of)
-        val_rows = torch.randperm(n, generator=torch.Generator().manual_seed(ctx.seed + 1))[: round(self.val_fraction * n)]
+        val_rows = torch.randperm(n, generator=torch.Generator().manual_seed(ctx.seed + 1))[
+            : round(self.val_fraction * n)
+        ]
         is_val = torch.isin(row_of, val_rows)  # [N]
         train = self._balanced((~is_val).nonzero().flatten(), y, ctx.seed + 2)
         probe = PairProbe(self.C).fit(H[train], A[train], y[train])
-        summary = {"episodes": sum(len(g) for g in played.episodes), "turns": len(y), "positive_share": float(y.mean()),
-                   "train_turns": len(train), "val_turns": int(is_val.sum()), "seconds": 0.0}
+        summary = {
+            "episodes": sum(len(g) for g in played.episodes),
+            "turns": len(y),
+            "positive_share": float(y.mean()),
+            "train_turns": len(train),
+            "val_turns": int(is_val.sum()),
+            "seconds": 0.0,
+        }
         for split, index in (("train", train), ("val", is_val.nonzero().flatten())):
             s_bc, s_final = probe.score(H[index], A[index])
-            summary[f"{split}_auroc_bc"], summary[f"{split}_auroc_final"] = auroc(s_bc, y[index]), auroc(s_final, y[index])
+            summary[f"{split}_auroc_bc"], summary[f"{split}_auroc_final"] = (
+                auroc(s_bc, y[index]),
+                auroc(s_final, y[index]),
+            )
         summary["seconds"] = round(time.perf_counter() - t0, 1)
-        ctx.say(f"phase {self.artifact!r}: {summary['turns']} turns ({summary['positive_share']:.2f} clean); held-out AUROC "
-                f"s_bc {summary['val_auroc_bc']:.3f}, s_final {summary['val_auroc_final']:.3f}")
-        return {"probe": probe.state(), "hidden_layer": self.hidden_layer, "attn_layers": list(self.attn_layers), "summary": summary}
+        ctx.say(
+            f"phase {self.artifact!r}: {summary['turns']} turns ({summary['positive_share']:.2f} clean); held-out AUROC "
+            f"s_bc {summary['val_auroc_bc']:.3f}, s_final {summary['val_auroc_final']:.3f}"
+        )
+        return {
+            "probe": probe.state(),
+            "hidden_layer": self.hidden_layer,
+            "attn_layers": list(self.attn_layers),
+            "summary": summary,
+        }
 
     @staticmethod
     def _balanced(index: torch.Tensor, y: torch.Tensor, seed: int) -> torch.Tensor:
@@ -181,8 +229,10 @@ class PairProbePhase:
         pos, neg = index[y[index] == 1], index[y[index] == 0]
         k = min(len(pos), len(neg))
         if k == 0:
-            raise RuntimeError(f"phase pair_probe: the train turns are all of one label ({len(pos)} clean, {len(neg)} contaminated); "
-                               f"sample more episodes (prompts, samples) or raise the temperature")
+            raise RuntimeError(
+                f"phase pair_probe: the train turns are all of one label ({len(pos)} clean, {len(neg)} contaminated); "
+                f"sample more episodes (prompts, samples) or raise the temperature"
+            )
         g = torch.Generator().manual_seed(seed)
         pick = lambda x: x[torch.randperm(len(x), generator=g)[:k]]  # noqa: E731
         return torch.cat([pick(pos), pick(neg)]).sort().values

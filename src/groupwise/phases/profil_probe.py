@@ -93,13 +93,17 @@ class ProfilProbe:
             if getattr(self, key) < 1:
                 raise ConfigError(f"phase profil_probe: {key}={getattr(self, key)} must be >= 1")
         if self.layer < 0 or not 0.0 <= self.val_fraction < 1.0 or not self.marker or not self.sep:
-            raise ConfigError(f"phase profil_probe: need layer >= 0 (got {self.layer}), val_fraction in [0, 1) (got {self.val_fraction}), "
-                              f"a non-empty marker and sep (got {self.marker!r}, {self.sep!r})")
+            raise ConfigError(
+                f"phase profil_probe: need layer >= 0 (got {self.layer}), val_fraction in [0, 1) (got {self.val_fraction}), "
+                f"a non-empty marker and sep (got {self.marker!r}, {self.sep!r})"
+            )
 
     def __call__(self, ctx: PhaseContext) -> dict:
         policy, t0 = ctx.policy, time.perf_counter()
         if not hasattr(policy, "tokenizer"):
-            raise ConfigError(f"phase profil_probe needs a text policy with a tokenizer (this one is {getattr(policy, 'modality', '?')})")
+            raise ConfigError(
+                f"phase profil_probe needs a text policy with a tokenizer (this one is {getattr(policy, 'modality', '?')})"
+            )
         tok = policy.tokenizer
         token_text = [tok.decode([i], skip_special_tokens=True) for i in range(len(tok))]
         n = min(self.prompts, len(ctx.train_rows))
@@ -109,23 +113,40 @@ class ProfilProbe:
         info = StepInfo(step=-2, seed=ctx.seed, max_new_tokens=self.max_new_tokens, phase=self.artifact)
         sampling = {"temperature": self.temperature, "top_p": 1.0, "top_k": 0, "max_new_tokens": self.max_new_tokens}
         with torch.no_grad():
-            roll = policy.generate([Request(key=i, n=self.samples, prompt=ctx.prompt(f"phase:{self.artifact}", rows, i)) for i in range(n)], sampling, info)
+            roll = policy.generate(
+                [
+                    Request(key=i, n=self.samples, prompt=ctx.prompt(f"phase:{self.artifact}", rows, i))
+                    for i in range(n)
+                ],
+                sampling,
+                info,
+            )
             hidden = policy.forward(roll, ["logp", f"hidden({self.layer})"])[f"hidden({self.layer})"]  # [B,G,T,d]
         B, G, T = roll.shape
         hidden = hidden.reshape(B * G, T, -1).float()  # [N,T,d]
         lengths = roll.mask.reshape(B * G, T).sum(-1).tolist()  # [N]
         actions = roll.actions.reshape(B * G, T).tolist()
-        step_ids = torch.stack([step_ids_of(actions[r][: lengths[r]], token_text, self.sep, T) for r in range(B * G)])  # [N,T]
-        labels = self._labels(policy, roll.prompt_ids, actions, lengths, step_ids, token_text, G)  # per row: [K] or None
+        step_ids = torch.stack(
+            [step_ids_of(actions[r][: lengths[r]], token_text, self.sep, T) for r in range(B * G)]
+        )  # [N,T]
+        labels = self._labels(
+            policy, roll.prompt_ids, actions, lengths, step_ids, token_text, G
+        )  # per row: [K] or None
         used = [r for r in range(B * G) if labels[r] is not None and len(labels[r])]
         if not used:
-            raise RuntimeError(f"phase profil_probe: none of the {B * G} base rollouts states a final answer after {self.marker!r}; "
-                               f"the probe has no labels (check marker and sep against the task's format)")
+            raise RuntimeError(
+                f"phase profil_probe: none of the {B * G} base rollouts states a final answer after {self.marker!r}; "
+                f"the probe has no labels (check marker and sep against the task's format)"
+            )
         K = int(step_ids.max()) + 1
         y = torch.full((B * G, K), float("nan"))  # [N,K]
         for r in used:
             y[r, : len(labels[r])] = labels[r]
-        val_prompts = set(torch.randperm(B, generator=torch.Generator().manual_seed(ctx.seed + 1))[: round(self.val_fraction * B)].tolist())
+        val_prompts = set(
+            torch.randperm(B, generator=torch.Generator().manual_seed(ctx.seed + 1))[
+                : round(self.val_fraction * B)
+            ].tolist()
+        )
         train = [r for r in used if r // G not in val_prompts]
         val = [r for r in used if r // G in val_prompts]
         with torch.random.fork_rng():
@@ -141,21 +162,43 @@ class ProfilProbe:
             loss.backward()
             optimiser.step()
         probe.eval()
-        summary = {"rollouts": B * G, "labelled_rollouts": len(used), "train_rollouts": len(train), "val_rollouts": len(val),
-                   "labelled_steps": int((~torch.isnan(y[used])).sum()), "positive_share": _mean(y[used]),
-                   "train_accuracy": self._accuracy(probe, hidden, step_ids, y, train), "val_accuracy": self._accuracy(probe, hidden, step_ids, y, val),
-                   "val_majority": _majority(y[val]) if val else None, "final_loss": float(loss.detach()), "seconds": round(time.perf_counter() - t0, 1)}
-        ctx.say(f"phase {self.artifact!r}: {len(used)} labelled rollouts, {summary['labelled_steps']} steps ({summary['positive_share']:.2f} post-commitment); "
-                f"probe accuracy train {summary['train_accuracy']:.3f}, held-out {summary['val_accuracy'] if val else float('nan'):.3f}")
-        return {"state": probe.state_dict(), "layer": self.layer, "d_model": hidden.shape[-1], "n_heads": self.n_heads, "d_head": probe.d_head,
-                "sep": self.sep, "token_text": token_text, "summary": summary}
+        summary = {
+            "rollouts": B * G,
+            "labelled_rollouts": len(used),
+            "train_rollouts": len(train),
+            "val_rollouts": len(val),
+            "labelled_steps": int((~torch.isnan(y[used])).sum()),
+            "positive_share": _mean(y[used]),
+            "train_accuracy": self._accuracy(probe, hidden, step_ids, y, train),
+            "val_accuracy": self._accuracy(probe, hidden, step_ids, y, val),
+            "val_majority": _majority(y[val]) if val else None,
+            "final_loss": float(loss.detach()),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        ctx.say(
+            f"phase {self.artifact!r}: {len(used)} labelled rollouts, {summary['labelled_steps']} steps ({summary['positive_share']:.2f} post-commitment); "
+            f"probe accuracy train {summary['train_accuracy']:.3f}, held-out {summary['val_accuracy'] if val else float('nan'):.3f}"
+        )
+        return {
+            "state": probe.state_dict(),
+            "layer": self.layer,
+            "d_model": hidden.shape[-1],
+            "n_heads": self.n_heads,
+            "d_head": probe.d_head,
+            "sep": self.sep,
+            "token_text": token_text,
+            "summary": summary,
+        }
 
     def _labels(self, policy, prompts, actions, lengths, step_ids, token_text, G) -> list:
         """Per rollout: [K] commitment labels from forced answers, or None without a final answer."""
         marker_ids = policy.encode_completion(self.marker)[:-1]  # without the EOS
         requests, where, finals = [], [], []
         for r, n in enumerate(lengths):
-            ids, text = actions[r][:n], "".join(token_text[t] if 0 <= t < len(token_text) else "" for t in actions[r][:n])
+            ids, text = (
+                actions[r][:n],
+                "".join(token_text[t] if 0 <= t < len(token_text) else "" for t in actions[r][:n]),
+            )
             finals.append(answer_after(text, self.marker, self.sep))
             K = int(step_ids[r].max()) + 1
             if finals[r] is None or K < 1:
@@ -163,17 +206,31 @@ class ProfilProbe:
             for k in range(K - 1):  # the last step's forced answer is the final one: it never decides a label
                 end = int((step_ids[r] == k).nonzero().max()) + 1
                 prompt = list(prompts[r // G]) + ids[:end] + marker_ids
-                policy.check_fits(prompt, self.forced_tokens, f"phase {self.artifact}: forced answer of rollout {r}, step {k}")
+                policy.check_fits(
+                    prompt, self.forced_tokens, f"phase {self.artifact}: forced answer of rollout {r}, step {k}"
+                )
                 requests.append(Request(key=len(requests), n=1, prompt=prompt))
                 where.append((r, k))
         forced: dict[tuple[int, int], str | None] = {}
         if requests:
             info = StepInfo(step=-2, seed=0, max_new_tokens=self.forced_tokens, phase=self.artifact)
             with torch.no_grad():
-                gen = policy.generate(requests, {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": self.forced_tokens, "greedy": True}, info)
+                gen = policy.generate(
+                    requests,
+                    {
+                        "temperature": 1.0,
+                        "top_p": 1.0,
+                        "top_k": 0,
+                        "max_new_tokens": self.forced_tokens,
+                        "greedy": True,
+                    },
+                    info,
+                )
             counts = gen.mask[:, 0].sum(-1).tolist()
             for j, (r, k) in enumerate(where):
-                text = "".join(token_text[t] if 0 <= t < len(token_text) else "" for t in gen.actions[j, 0, : counts[j]].tolist())
+                text = "".join(
+                    token_text[t] if 0 <= t < len(token_text) else "" for t in gen.actions[j, 0, : counts[j]].tolist()
+                )
                 forced[(r, k)] = text.split(self.sep, 1)[0].strip()
         out = []
         for r, final in enumerate(finals):

@@ -42,8 +42,9 @@ trained on) is measured, and the phase stops once it reaches ``target_accuracy``
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -67,13 +68,25 @@ class SFT:
     eval_every: int = 25
     fine_eval_every: int = 5
     val_size: int = 500
-    update: Any = field(default_factory=lambda: {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.98], "warmup_steps": 50, "max_grad_norm": 1.0})
+    update: Any = field(
+        default_factory=lambda: {
+            "name": "adamw",
+            "lr": 1e-3,
+            "betas": [0.9, 0.98],
+            "warmup_steps": 50,
+            "max_grad_norm": 1.0,
+        }
+    )
     artifact: str = ""  # the phase's name in the run folder and summary (default "sft")
     task: str = ""  # train on this built-in task's train rows instead of the run's (a warm start shared by runs on different data)
     train_size: int = 0  # with task: that many of its train rows (0 = all)
-    loss: str = "ce"  # "ce" (token mean) or "cb_stream" (class-balanced decisions, phases/cb_stream.py) [INFERRED] spec 42
+    loss: str = (
+        "ce"  # "ce" (token mean) or "cb_stream" (class-balanced decisions, phases/cb_stream.py) [INFERRED] spec 42
+    )
     cb_beta: float = 0.999  # cb_stream: the effective-number beta in [0, 1) [INFERRED] spec 42
-    cb_counts: str = "dataset"  # cb_stream: class counts over the train rows ("dataset") or each batch ("batch") [INFERRED] spec 42
+    cb_counts: str = (
+        "dataset"  # cb_stream: class counts over the train rows ("dataset") or each batch ("batch") [INFERRED] spec 42
+    )
     decision_column: str = "decision"  # cb_stream: the rows' decision class column [INFERRED]
     num_classes: int = 2  # cb_stream: decision classes (silence / respond) [ABSTRACT] spec 42
 
@@ -83,7 +96,9 @@ class SFT:
         if self.loss == "cb_stream":
             check_beta(self.cb_beta, "phase sft: cb_beta")
             if self.cb_counts not in COUNTS or self.num_classes < 2:
-                raise ConfigError(f"phase sft: cb_counts={self.cb_counts!r} must be one of {COUNTS} and num_classes={self.num_classes} >= 2")
+                raise ConfigError(
+                    f"phase sft: cb_counts={self.cb_counts!r} must be one of {COUNTS} and num_classes={self.num_classes} >= 2"
+                )
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError(f"phase sft: steps={self.steps} and batch_size={self.batch_size} must be >= 1")
         if not 0.0 <= self.target_accuracy <= 1.0:
@@ -94,13 +109,30 @@ class SFT:
         random.Random(ctx.seed).shuffle(rows)
         val, rows = (rows[: self.val_size], rows[self.val_size :]) if self.target_accuracy else ([], rows)
         name = self.artifact or "sft"
-        result = self.fit(ctx.policy, rows, val, ctx.seed, lambda split, r, i: ctx.prompt(f"phase:{name}:{split}", r, i),
-                          lambda policy, r, split: ctx.accuracy(policy, r, f"phase:{name}:{split}"))
-        ctx.say(f"phase {name!r}: {result['steps']} steps" + (f", validation accuracy {result['val_accuracy']:.3f}" if self.target_accuracy else ""))
+        result = self.fit(
+            ctx.policy,
+            rows,
+            val,
+            ctx.seed,
+            lambda split, r, i: ctx.prompt(f"phase:{name}:{split}", r, i),
+            lambda policy, r, split: ctx.accuracy(policy, r, f"phase:{name}:{split}"),
+        )
+        ctx.say(
+            f"phase {name!r}: {result['steps']} steps"
+            + (f", validation accuracy {result['val_accuracy']:.3f}" if self.target_accuracy else "")
+        )
         return {"summary": result}
 
-    def fit(self, policy: Any, rows: list[dict], val: list[dict], seed: int, prompt: Callable, accuracy: Callable,
-            on_step: Callable[[int, float, float], None] | None = None) -> dict:
+    def fit(
+        self,
+        policy: Any,
+        rows: list[dict],
+        val: list[dict],
+        seed: int,
+        prompt: Callable,
+        accuracy: Callable,
+        on_step: Callable[[int, float, float], None] | None = None,
+    ) -> dict:
         """Train ``policy`` on ``rows`` until ``steps`` or the target accuracy on ``val``; ``prompt(split, rows, i)``
         gives a row's prompt ids, ``accuracy(policy, rows, split)`` a greedy accuracy. Returns the summary."""
         if not hasattr(policy, "encode_completion"):
@@ -124,11 +156,17 @@ class SFT:
             picked, order = order[: self.batch_size], order[self.batch_size :]
             batch = teacher_forced([prompts[i] for i in picked], [answers[i] for i in picked])
             if classes is None:
-                loss = float(updater.step(lambda: _loss(policy, batch))["loss"])
+                loss = float(updater.step(lambda: _loss(policy, batch))["loss"])  # noqa: B023 (called at once, inside this iteration)
             else:
                 picked_classes = classes[picked]  # [n]
-                w = weights if weights is not None else class_balanced_weights(torch.bincount(picked_classes, minlength=self.num_classes), self.cb_beta)
-                loss = float(updater.step(lambda: _balanced_loss(policy, batch, picked_classes, w))["loss"])
+                w = (
+                    weights
+                    if weights is not None
+                    else class_balanced_weights(
+                        torch.bincount(picked_classes, minlength=self.num_classes), self.cb_beta
+                    )
+                )
+                loss = float(updater.step(lambda: _balanced_loss(policy, batch, picked_classes, w))["loss"])  # noqa: B023 (called at once, inside this iteration)
             step += 1
             every = self.eval_every if val_accuracy < self.target_accuracy / 2 else self.fine_eval_every
             if self.target_accuracy and step % every == 0:
@@ -142,7 +180,12 @@ class SFT:
                 break
         policy.eval()
         reached = bool(self.target_accuracy) and val_accuracy >= self.target_accuracy
-        return {"steps": step, "val_accuracy": val_accuracy if self.target_accuracy else None, "reached_target": reached, "history": history}
+        return {
+            "steps": step,
+            "val_accuracy": val_accuracy if self.target_accuracy else None,
+            "reached_target": reached,
+            "history": history,
+        }
 
     def _classes(self, rows: list[dict]) -> torch.Tensor | None:
         if self.loss != "cb_stream":
@@ -150,10 +193,14 @@ class SFT:
         try:
             classes = torch.tensor([int(r[self.decision_column]) for r in rows], dtype=torch.long)  # [N]
         except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"phase sft: loss='cb_stream' needs an integer {self.decision_column!r} column in every train row "
-                              f"(the decision class; task 'clue_stream' has one); set decision_column") from None
+            raise ConfigError(
+                f"phase sft: loss='cb_stream' needs an integer {self.decision_column!r} column in every train row "
+                f"(the decision class; task 'clue_stream' has one); set decision_column"
+            ) from None
         if bool(((classes < 0) | (classes >= self.num_classes)).any()):
-            raise ConfigError(f"phase sft: column {self.decision_column!r} holds classes outside 0..{self.num_classes - 1}; set num_classes")
+            raise ConfigError(
+                f"phase sft: column {self.decision_column!r} holds classes outside 0..{self.num_classes - 1}; set num_classes"
+            )
         return classes
 
 
@@ -166,8 +213,14 @@ def teacher_forced(prompts: list[list[int]], answers: list[list[int]]) -> Rollou
     lengths = torch.tensor([len(a) for a in answers])  # [N]
     mask = (torch.arange(T)[None, :] < lengths[:, None])[:, None, :]  # [N,1,T]
     N = len(answers)
-    return Rollout(prompt_ids=prompts, actions=actions, mask=mask, group_valid=torch.ones(N, 1, dtype=torch.bool),
-                   truncated=torch.zeros(N, 1, dtype=torch.bool), prompt_index=torch.arange(N))
+    return Rollout(
+        prompt_ids=prompts,
+        actions=actions,
+        mask=mask,
+        group_valid=torch.ones(N, 1, dtype=torch.bool),
+        truncated=torch.zeros(N, 1, dtype=torch.bool),
+        prompt_index=torch.arange(N),
+    )
 
 
 def _loss(policy: Any, batch: Rollout) -> torch.Tensor:

@@ -61,11 +61,17 @@ class SteeringVector:
 
     def __post_init__(self) -> None:
         if self.layer < 0 or self.rows < 1:
-            raise ConfigError(f"phase steering_vector: need layer >= 0 (got {self.layer}) and rows >= 1 (got {self.rows})")
+            raise ConfigError(
+                f"phase steering_vector: need layer >= 0 (got {self.layer}) and rows >= 1 (got {self.rows})"
+            )
         if self.normalise not in ("hidden_norm", "unit", "none"):
-            raise ConfigError(f"phase steering_vector: normalise={self.normalise!r} must be 'hidden_norm', 'unit' or 'none'")
+            raise ConfigError(
+                f"phase steering_vector: normalise={self.normalise!r} must be 'hidden_norm', 'unit' or 'none'"
+            )
         if bool(self.positive) != bool(self.negative):
-            raise ConfigError("phase steering_vector: give both positive and negative texts, or neither (then the templates are used)")
+            raise ConfigError(
+                "phase steering_vector: give both positive and negative texts, or neither (then the templates are used)"
+            )
 
     def _texts(self, rows: list[dict]) -> tuple[list[str], list[str]]:
         """The contrast texts: the explicit lists, else the templates filled with the first ``rows`` rows."""
@@ -75,20 +81,32 @@ class SteeringVector:
         try:
             return [self.positive_template.format(**r) for r in use], [self.negative_template.format(**r) for r in use]
         except KeyError as err:
-            raise ConfigError(f"phase steering_vector: template field {err} is not a column of the train rows (columns: {sorted(use[0]) if use else []})") from None
+            raise ConfigError(
+                f"phase steering_vector: template field {err} is not a column of the train rows (columns: {sorted(use[0]) if use else []})"
+            ) from None
 
     def __call__(self, ctx: PhaseContext) -> dict:
         model = getattr(ctx.policy, "module", None)
         if model is None or not hasattr(ctx.policy, "encode"):
-            raise ConfigError(f"phase steering_vector needs a text policy (this one is {getattr(ctx.policy, 'modality', '?')})")
+            raise ConfigError(
+                f"phase steering_vector needs a text policy (this one is {getattr(ctx.policy, 'modality', '?')})"
+            )
         pos, neg = self._texts(ctx.train_rows)
         was_training = model.training
         model.eval()
         try:
-            vector, stats = compute_steering_vector(model, self.layer, [ctx.policy.encode(t) for t in pos], [ctx.policy.encode(t) for t in neg], self.normalise)
+            vector, stats = compute_steering_vector(
+                model,
+                self.layer,
+                [ctx.policy.encode(t) for t in pos],
+                [ctx.policy.encode(t) for t in neg],
+                self.normalise,
+            )
         finally:
             model.train(was_training)
         summary = {"layer": self.layer, "texts": len(pos) + len(neg), **stats}
-        ctx.say(f"phase {self.artifact!r}: layer {self.layer}, {len(pos)} + {len(neg)} contrast texts, |v| {stats['raw_norm']:.3f} -> {stats['norm']:.3f} "
-                f"(typical |h| {stats['hidden_norm']:.3f})")
+        ctx.say(
+            f"phase {self.artifact!r}: layer {self.layer}, {len(pos)} + {len(neg)} contrast texts, |v| {stats['raw_norm']:.3f} -> {stats['norm']:.3f} "
+            f"(typical |h| {stats['hidden_norm']:.3f})"
+        )
         return {"vector": vector, "layer": self.layer, "summary": summary}

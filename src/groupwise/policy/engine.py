@@ -119,31 +119,51 @@ class _Sampler:
     positions at once (``seeds.gumbel_span``: the same numbers as per position, in one vectorised
     pass instead of ~15 small ops every token) while a span of all rows fits the noise budget."""
 
-    def __init__(self, vocab: int, rows: int, *, temperature: float, top_k: int, top_p: float, greedy: bool, device: torch.device,
-                 row_seeds: Tensor | None = None, horizon: int = 0):
+    def __init__(
+        self,
+        vocab: int,
+        rows: int,
+        *,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        greedy: bool,
+        device: torch.device,
+        row_seeds: Tensor | None = None,
+        horizon: int = 0,
+    ):
         self.greedy = greedy or temperature <= 0.0
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.block = max(1, min(rows, _SAMPLE_BLOCK_ELEMENTS // vocab))  # rows per block
         self.vocab_ids = torch.arange(vocab, device=device)  # [V]
         full_vocab = not self.greedy and not (0 < top_k < vocab) and top_p >= 1.0
         # spans of positions: all rows x `span` positions x V within the noise budget
-        self.span = min(horizon, _SAMPLE_BLOCK_ELEMENTS // (rows * vocab)) if full_vocab and row_seeds is not None else 0
+        self.span = (
+            min(horizon, _SAMPLE_BLOCK_ELEMENTS // (rows * vocab)) if full_vocab and row_seeds is not None else 0
+        )
         self.row_seeds, self.horizon = row_seeds, horizon
         self.gumbel, self.gumbel_start = None, 0  # [R,span,V] float32, first position it covers
         # Workspaces (page-faulting a fresh 30+ MB tensor every token costs more than the maths).
         self.work = torch.empty(self.block, vocab, device=device)  # [blk,V] float32
         if full_vocab and not self.span:  # noise over the whole vocab each token
             self.noise = torch.empty(self.block, vocab, device=device)  # [blk,V] float32
-            self.hash = (torch.empty(self.block, vocab, dtype=torch.long, device=device),  # [blk,V]
-                         torch.empty(self.block, vocab, dtype=torch.long, device=device))  # [blk,V]
+            self.hash = (
+                torch.empty(self.block, vocab, dtype=torch.long, device=device),  # [blk,V]
+                torch.empty(self.block, vocab, dtype=torch.long, device=device),
+            )  # [blk,V]
 
-    def __call__(self, logits: Tensor, seeds: Tensor, position: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def __call__(
+        self, logits: Tensor, seeds: Tensor, position: int, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(tokens [N] int64, logp [N] float32) for float32 ``logits`` [N,V] at completion ``position``;
         ``rows`` [N] are the rows' indices among the ``row_seeds`` given at construction."""
         if self.span and rows is not None:
             if self.gumbel is None or position >= self.gumbel_start + self.gumbel.shape[1]:
                 width = min(self.span, self.horizon - position)
-                self.gumbel, self.gumbel_start = gumbel_span(self.row_seeds, position, width, logits.shape[-1]), position  # [R,W,V]
+                self.gumbel, self.gumbel_start = (
+                    gumbel_span(self.row_seeds, position, width, logits.shape[-1]),
+                    position,
+                )  # [R,W,V]
             gumbel = self.gumbel[:, position - self.gumbel_start].index_select(0, rows)  # [N,V]
             scores = logits / self.temperature if self.temperature != 1.0 else logits  # [N,V]
             tokens = gumbel.add_(scores).argmax(dim=-1)  # [N]
@@ -169,8 +189,13 @@ class _Sampler:
             scores = torch.div(logits, self.temperature, out=work)  # [n,V]
             ids, kept = _candidates(scores, self.top_k, self.top_p)  # [n,K] each
             if ids is None:  # full vocabulary: noise straight into the workspaces
-                uniform = noise_at(seeds, position, self.vocab_ids, out=self.noise[:rows],
-                                   scratch=(self.hash[0][:rows], self.hash[1][:rows]))  # [n,V]
+                uniform = noise_at(
+                    seeds,
+                    position,
+                    self.vocab_ids,
+                    out=self.noise[:rows],
+                    scratch=(self.hash[0][:rows], self.hash[1][:rows]),
+                )  # [n,V]
                 gumbel = uniform.log_().neg_().log_().neg_()  # [n,V] -log(-log u)
                 tokens = kept.add_(gumbel).argmax(dim=-1)  # [n]
             else:  # noise only at the candidates' vocab ids: the same draws as over the full vocab
@@ -215,7 +240,9 @@ class _HFState:
             self._handle.remove()
             self._handle = None
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, embed_add: Tensor | None = None) -> Tensor:
+    def _forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, embed_add: Tensor | None = None
+    ) -> Tensor:
         kwargs = {self.cache_arg: self.cache, "use_cache": True}
         if self.can_keep_last:
             kwargs["logits_to_keep"] = 1  # the lm_head runs on the last position only
@@ -228,7 +255,15 @@ class _HFState:
             out = self.model(attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         return out.logits[:, -1, :].float()  # [N,V]
 
-    def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int, embed_add: Tensor | None = None) -> Tensor:
+    def prefill(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        real: Tensor,
+        repeat: int,
+        capacity: int,
+        embed_add: Tensor | None = None,
+    ) -> Tensor:
         B, W = input_ids.shape
         self.attention = torch.zeros(B * repeat, capacity, dtype=torch.long, device=input_ids.device)  # [R,C]
         self.attention[:, :W] = real.repeat_interleave(repeat, dim=0)
@@ -260,8 +295,16 @@ class CPUEngine:
 
     hooks = frozenset(HOOK_KINDS)
 
-    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, share_prefix: bool = True, drop_finished: bool = True,
-                 functional: bool = True, matmul: torch.dtype | None = None):
+    def __init__(
+        self,
+        model,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        share_prefix: bool = True,
+        drop_finished: bool = True,
+        functional: bool = True,
+        matmul: torch.dtype | None = None,
+    ):
         self.model = model
         self.matmul = matmul
         self.eos_token_ids = torch.tensor(list(eos_token_ids), dtype=torch.long)
@@ -282,7 +325,9 @@ class CPUEngine:
     def _new_state(self, kinds: set[str] = frozenset()):
         """Decoding state for one call; the functional one snapshots the current weights. Generation
         hooks of a kind the functional decoder does not apply send the call down the model's own forward."""
-        if self.functional and unsupported_reason(self.model) is None and kinds <= DecodeState.hooks:  # module hooks may come and go
+        if (
+            self.functional and unsupported_reason(self.model) is None and kinds <= DecodeState.hooks
+        ):  # module hooks may come and go
             return DecodeState(self.model, self.matmul)
         return _HFState(self.model, self._cache_arg, self._can_keep_last, self.matmul)
 
@@ -294,7 +339,7 @@ class CPUEngine:
         width = int(lengths.max())
         input_ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)  # [B,L]
         for b, p in enumerate(prompt_ids):  # once per call, not per token
-            input_ids[b, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+            input_ids[b, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         attention_mask = torch.arange(width) >= (width - lengths)[:, None]  # [B,L]
         return input_ids, attention_mask, lengths
 
@@ -325,20 +370,36 @@ class CPUEngine:
         hooks = hooks if hooks is not None and any(h is not None for h in hooks) else None
         kinds = hook_kinds(hooks or [])
         if kinds - self.hooks:
-            raise ValueError(f"generation hooks {sorted(kinds - self.hooks)} cannot be applied by this engine (it applies {sorted(self.hooks)})")
+            raise ValueError(
+                f"generation hooks {sorted(kinds - self.hooks)} cannot be applied by this engine (it applies {sorted(self.hooks)})"
+            )
         state = self._new_state(kinds)
-        if isinstance(state, DecodeState):  # no dropout in the functional maths: no train/eval switch (~1 ms per module tree walk)
-            return self._generate(state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling, hooks)
+        if isinstance(
+            state, DecodeState
+        ):  # no dropout in the functional maths: no train/eval switch (~1 ms per module tree walk)
+            return self._generate(
+                state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling, hooks
+            )
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling, hooks)
+            return self._generate(
+                state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling, hooks
+            )
         finally:
             state.close()
             self.model.train(was_training)
 
-    def _generate(self, state, prompt_ids: list[list[int]], n: int, seeds: Tensor, max_new_tokens: int, sampling: dict,
-                  hooks: list | None = None) -> GenerationOutput:
+    def _generate(
+        self,
+        state,
+        prompt_ids: list[list[int]],
+        n: int,
+        seeds: Tensor,
+        max_new_tokens: int,
+        sampling: dict,
+        hooks: list | None = None,
+    ) -> GenerationOutput:
         device = seeds.device
         B, R = len(prompt_ids), len(prompt_ids) * n
         input_ids, prompt_mask, prompt_lengths = (t.to(device) for t in self._left_pad(prompt_ids))  # [B,L],[B,L],[B]
@@ -347,7 +408,9 @@ class CPUEngine:
         embed_add = None
         if hooks is not None:  # per-row perturbations (groupwise.hooks)
             dim = self.model.get_input_embeddings().weight.shape[1]
-            embed_add, steer = row_hooks(hooks, n, [len(p) for p in prompt_ids], width, dim)  # [R,W,D] | None, (layer, [R,D]) | None
+            embed_add, steer = row_hooks(
+                hooks, n, [len(p) for p in prompt_ids], width, dim
+            )  # [R,W,D] | None, (layer, [R,D]) | None
             embed_add = None if embed_add is None else embed_add.to(device)
             if steer is not None:
                 state.steer(steer[0], steer[1].to(device))
@@ -357,10 +420,18 @@ class CPUEngine:
             logits = state.prefill(input_ids, positions, prompt_mask, n, width + max_new_tokens)  # [B,V]
             logits = logits.repeat_interleave(n, dim=0)  # [R,V]
         else:  # every row's prompt separately (a hooked call: each row's prompt states differ)
-            logits = state.prefill(input_ids.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0),
-                                   prompt_mask.repeat_interleave(n, dim=0), 1, width + max_new_tokens, embed_add=embed_add)  # [R,V]
+            logits = state.prefill(
+                input_ids.repeat_interleave(n, dim=0),
+                positions.repeat_interleave(n, dim=0),
+                prompt_mask.repeat_interleave(n, dim=0),
+                1,
+                width + max_new_tokens,
+                embed_add=embed_add,
+            )  # [R,V]
 
-        sample = _Sampler(logits.shape[-1], R, device=device, row_seeds=seeds, horizon=max_new_tokens, **sampling)  # V from the logits (vocab may be padded)
+        sample = _Sampler(
+            logits.shape[-1], R, device=device, row_seeds=seeds, horizon=max_new_tokens, **sampling
+        )  # V from the logits (vocab may be padded)
 
         # ---- per-live-row state (compacted together when finished rows are dropped)
         live = torch.arange(R, device=device)  # [A] output row of each live row

@@ -89,7 +89,9 @@ def _layout_cost(model, sizes: list[int], capacity: int) -> float:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     hidden = getattr(config, "hidden_size", 1)
-    layer_params = 4 * hidden * hidden + 3 * hidden * getattr(config, "intermediate_size", 4 * hidden)  # attention + gated MLP
+    layer_params = 4 * hidden * hidden + 3 * hidden * getattr(
+        config, "intermediate_size", 4 * hidden
+    )  # attention + gated MLP
     return len(bins) * (width * 2 * layer_params + _ATTENTION_SLOWDOWN * 4 * hidden * width * width)
 
 
@@ -125,7 +127,11 @@ class _LayerTap:
         self.handles = []
         for l in sorted(wanted):
             module = decoder.embed_tokens if l == 0 else decoder.layers[l - 1]
-            self.handles.append(module.register_forward_hook(lambda m, i, o, l=l: self.states.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
+            self.handles.append(
+                module.register_forward_hook(
+                    lambda m, i, o, l=l: self.states.__setitem__(l, o[0] if isinstance(o, tuple) else o)
+                )
+            )
 
     def __enter__(self) -> dict[int, Tensor]:
         return self.states
@@ -135,21 +141,41 @@ class _LayerTap:
             handle.remove()
 
 
-def _decoder_hidden(model, input_ids: Tensor, position_ids: Tensor, allowed: Tensor | None, attention_mask, layers: set[int],
-                    functional: bool, matmul: torch.dtype | None = None, recompute_mlp: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+def _decoder_hidden(
+    model,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    allowed: Tensor | None,
+    attention_mask,
+    layers: set[int],
+    functional: bool,
+    matmul: torch.dtype | None = None,
+    recompute_mlp: bool = False,
+) -> tuple[Tensor, dict[int, Tensor]]:
     """([n,W,H] final-norm hidden states, {l: [n,W,H]}) from the functional decoder or the model's own
     (``matmul``: explicit low-precision GEMMs in the former, autocast around the latter;
     ``recompute_mlp``: the former's MLPs recompute gate|up in the backward instead of storing it)."""
     device = next(model.parameters()).device
     if functional and unsupported_reason(model) is None:
         kept: dict[int, Tensor] = dict.fromkeys(layers)
-        hidden = functional_forward.hidden_states(model, input_ids.to(device), position_ids.to(device), allowed.to(device), kept if layers else None,
-                                                  matmul=matmul, recompute_mlp=recompute_mlp)
+        hidden = functional_forward.hidden_states(
+            model,
+            input_ids.to(device),
+            position_ids.to(device),
+            allowed.to(device),
+            kept if layers else None,
+            matmul=matmul,
+            recompute_mlp=recompute_mlp,
+        )
         return hidden, kept
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with _LayerTap(model, layers) as kept, autocast(device, matmul):
-        hidden = base.get_decoder()(input_ids=input_ids.to(device), position_ids=position_ids.to(device), attention_mask=attention_mask,
-                                    use_cache=False).last_hidden_state  # [n,W,H]
+        hidden = base.get_decoder()(
+            input_ids=input_ids.to(device),
+            position_ids=position_ids.to(device),
+            attention_mask=attention_mask,
+            use_cache=False,
+        ).last_hidden_state  # [n,W,H]
     return hidden, dict(kept)
 
 
@@ -160,9 +186,17 @@ def _gather(hidden: Tensor, layers: dict[int, Tensor], at: Tensor) -> tuple[Tens
     return flat(hidden), {l: flat(x) for l, x in layers.items()}
 
 
-def _packed_hidden(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int], pack_tokens: int = 0,
-                   functional: bool = True, layers: set[int] = frozenset(), matmul: torch.dtype | None = None,
-                   recompute_mlp: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+def _packed_hidden(
+    model,
+    sequences: list[list[int]],
+    prompt_lengths: list[int],
+    completion_lengths: list[int],
+    pack_tokens: int = 0,
+    functional: bool = True,
+    layers: set[int] = frozenset(),
+    matmul: torch.dtype | None = None,
+    recompute_mlp: bool = False,
+) -> tuple[Tensor, dict[int, Tensor]]:
     """([K,H], {l: [K,H]}) hidden states predicting every completion token of the rows, in row order,
     from bins of packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and
     for each bin's padding tail), so every row attends only to itself."""
@@ -182,21 +216,39 @@ def _packed_hidden(model, sequences: list[list[int]], prompt_lengths: list[int],
     input_ids = torch.tensor(ids, dtype=torch.long).view(len(bins), width)  # [n_bins,width]
     position_ids = torch.tensor(positions, dtype=torch.long).view(len(bins), width)  # [n_bins,width]
     # completion token j of a row sits at start + P + j and is predicted from start + P + j - 1
-    predict_at = torch.tensor([flat_start[i] + p - 1 + j for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)) for j in range(c)],
-                              dtype=torch.long)  # [K]
+    predict_at = torch.tensor(
+        [
+            flat_start[i] + p - 1 + j
+            for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths))
+            for j in range(c)
+        ],
+        dtype=torch.long,
+    )  # [K]
     allowed = None
     if functional and unsupported_reason(model) is None:
         segment = (position_ids == 0).cumsum(dim=-1)  # [n_bins,width] a new row starts where positions restart
         index = torch.arange(width)
-        allowed = (segment[:, :, None] == segment[:, None, :]) & (index[:, None] >= index[None, :])  # [n_bins,q,k] own row, causal
+        allowed = (segment[:, :, None] == segment[:, None, :]) & (
+            index[:, None] >= index[None, :]
+        )  # [n_bins,q,k] own row, causal
     # off the functional path transformers reads the position restarts as packed sequences and builds the same mask
-    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, None, layers, functional, matmul, recompute_mlp)  # [n_bins,width,H]
+    hidden, kept = _decoder_hidden(
+        model, input_ids, position_ids, allowed, None, layers, functional, matmul, recompute_mlp
+    )  # [n_bins,width,H]
     return _gather(hidden, kept, predict_at)
 
 
-def _shared_prefix_hidden(model, prompts: list[list[int]], groups: list[int], completions: list[list[int]], pack_tokens: int = 0,
-                          functional: bool = True, layers: set[int] = frozenset(), matmul: torch.dtype | None = None,
-                          recompute_mlp: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+def _shared_prefix_hidden(
+    model,
+    prompts: list[list[int]],
+    groups: list[int],
+    completions: list[list[int]],
+    pack_tokens: int = 0,
+    functional: bool = True,
+    layers: set[int] = frozenset(),
+    matmul: torch.dtype | None = None,
+    recompute_mlp: bool = False,
+) -> tuple[Tensor, dict[int, Tensor]]:
     """([K,H], {l: [K,H]}) hidden states predicting every completion token, in row order, with each
     group's prompt computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G``
     and a custom attention mask lets completion k see the prompt and its own earlier tokens only (a
@@ -245,29 +297,56 @@ def _shared_prefix_hidden(model, prompts: list[list[int]], groups: list[int], co
     gather_at = torch.tensor([i for row in predict_at for i in row], dtype=torch.long)  # [K]
     index = torch.arange(width)
     same_tree = (tree_t[:, :, None] == tree_t[:, None, :]) & (tree_t[:, :, None] >= 0)  # [n_bins,q,k]
-    visible = (branch_t[:, None, :] == 0) | (branch_t[:, :, None] == branch_t[:, None, :])  # [n_bins,q,k] prompt or own branch
+    visible = (branch_t[:, None, :] == 0) | (
+        branch_t[:, :, None] == branch_t[:, None, :]
+    )  # [n_bins,q,k] prompt or own branch
     causal = index[None, :, None] >= index[None, None, :]  # [1,q,k]
-    allowed = (same_tree & visible & causal) | torch.eye(width, dtype=torch.bool)[None]  # [n_bins,q,k] padding sees itself
+    allowed = (same_tree & visible & causal) | torch.eye(width, dtype=torch.bool)[
+        None
+    ]  # [n_bins,q,k] padding sees itself
     additive = None
     if not (functional and unsupported_reason(model) is None):
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
-        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None].to(device)  # [n_bins,1,q,k]
-    hidden, kept = _decoder_hidden(model, input_ids, position_ids, allowed, additive, layers, functional, matmul, recompute_mlp)  # [n_bins,width,H]
+        additive = (
+            torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None].to(device)
+        )  # [n_bins,1,q,k]
+    hidden, kept = _decoder_hidden(
+        model, input_ids, position_ids, allowed, additive, layers, functional, matmul, recompute_mlp
+    )  # [n_bins,width,H]
     return _gather(hidden, kept, gather_at)
 
 
-def _padded_hidden(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int],
-                   layers: set[int] = frozenset(), matmul: torch.dtype | None = None) -> tuple[Tensor, dict[int, Tensor]]:
+def _padded_hidden(
+    model,
+    sequences: list[list[int]],
+    prompt_lengths: list[int],
+    completion_lengths: list[int],
+    layers: set[int] = frozenset(),
+    matmul: torch.dtype | None = None,
+) -> tuple[Tensor, dict[int, Tensor]]:
     """As ``_packed_hidden`` but from a right-padded batch with an attention mask through the model's
     own decoder (the reference path)."""
     N, width = len(sequences), max(len(s) for s in sequences)
-    input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long)  # [N,L] pad id is irrelevant: it is masked
+    input_ids = torch.tensor(
+        [s + [0] * (width - len(s)) for s in sequences], dtype=torch.long
+    )  # [N,L] pad id is irrelevant: it is masked
     attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long)  # [N,L]
-    at = torch.tensor([r * width + p - 1 + j for r, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)) for j in range(c)], dtype=torch.long)  # [K]
+    at = torch.tensor(
+        [r * width + p - 1 + j for r, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)) for j in range(c)],
+        dtype=torch.long,
+    )  # [K]
     device = next(model.parameters()).device
-    hidden, kept = _decoder_hidden(model, input_ids, torch.arange(width).expand(N, width), None, attention_mask.to(device), layers, functional=False,
-                                   matmul=matmul)
+    hidden, kept = _decoder_hidden(
+        model,
+        input_ids,
+        torch.arange(width).expand(N, width),
+        None,
+        attention_mask.to(device),
+        layers,
+        functional=False,
+        matmul=matmul,
+    )
     return _gather(hidden, kept, at)
 
 
@@ -278,7 +357,9 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
     for q in quantities:
         name, _, arg = q.partition("(")
         arg = arg.rstrip(")")
-        if name in ("logp", "logprobs") or (name in EAGER and arg.isdigit()):  # logprobs: read by completion_logprobs itself
+        if name in ("logp", "logprobs") or (
+            name in EAGER and arg.isdigit()
+        ):  # logprobs: read by completion_logprobs itself
             continue
         if name == "entropy":
             entropy = True
@@ -289,7 +370,9 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
         elif name == "last_hidden":
             last = True
         else:
-            raise ValueError(f"the packed forward cannot compute {q!r}; it computes logp, logprobs, entropy, topk(k), hidden(l), last_hidden, attn_at(l), hidden_at(l)")
+            raise ValueError(
+                f"the packed forward cannot compute {q!r}; it computes logp, logprobs, entropy, topk(k), hidden(l), last_hidden, attn_at(l), hidden_at(l)"
+            )
     return layers, topks, entropy, last
 
 
@@ -306,8 +389,13 @@ def eager_quantities(quantities) -> list[tuple[str, int]]:
     return sorted(set(out))
 
 
-def _eager_states(model, sequences: list[list[int]], prompt_lengths: list[int], completion_lengths: list[int],
-                  wanted: list[tuple[str, int]]) -> dict[str, Tensor]:
+def _eager_states(
+    model,
+    sequences: list[list[int]],
+    prompt_lengths: list[int],
+    completion_lengths: list[int],
+    wanted: list[tuple[str, int]],
+) -> dict[str, Tensor]:
     """{"attn_at(l)": [K,heads,S], "hidden_at(l)": [K,H]} at the position OF every completion token
     of the rows (the query at the token itself), in row order. ``attn_at(l)``: decoder layer l's
     (1-based) attention probabilities over the key positions 0..S-1 of the row's own ``prompt +
@@ -319,19 +407,33 @@ def _eager_states(model, sequences: list[list[int]], prompt_lengths: list[int], 
     n_layers = int(base.config.num_hidden_layers)
     for name, l in wanted:
         if l > n_layers or (name == "attn_at" and l < 1):
-            raise ValueError(f"{name}({l}) asked of a model with {n_layers} decoder layers; use attn_at(1..{n_layers}) or hidden_at(0..{n_layers})")
-    N, width = len(sequences), max(len(s) for s in sequences)
+            raise ValueError(
+                f"{name}({l}) asked of a model with {n_layers} decoder layers; use attn_at(1..{n_layers}) or hidden_at(0..{n_layers})"
+            )
+    _N, width = len(sequences), max(len(s) for s in sequences)
     device = next(model.parameters()).device
     input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)  # [N,S]
-    attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)  # [N,S]
-    rows = torch.tensor([r for r, c in enumerate(completion_lengths) for _ in range(c)], dtype=torch.long, device=device)  # [K]
-    at = torch.tensor([p + j for p, c in zip(prompt_lengths, completion_lengths) for j in range(c)], dtype=torch.long, device=device)  # [K]
+    attention_mask = torch.tensor(
+        [[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long, device=device
+    )  # [N,S]
+    rows = torch.tensor(
+        [r for r, c in enumerate(completion_lengths) for _ in range(c)], dtype=torch.long, device=device
+    )  # [K]
+    at = torch.tensor(
+        [p + j for p, c in zip(prompt_lengths, completion_lengths) for j in range(c)], dtype=torch.long, device=device
+    )  # [K]
     attend = any(name == "attn_at" for name, _ in wanted)
     before = base.config._attn_implementation
     if attend and before != "eager":
         base.set_attn_implementation("eager")
     try:
-        out = base(input_ids=input_ids, attention_mask=attention_mask, output_attentions=attend, output_hidden_states=True, use_cache=False)
+        out = base(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_attentions=attend,
+            output_hidden_states=True,
+            use_cache=False,
+        )
     finally:
         if attend and before != "eager":
             base.set_attn_implementation(before)
@@ -395,7 +497,9 @@ def completion_logprobs(
     lengths = _completion_lengths(mask.bool(), rows)  # [B,G]
     scored = lengths > 0  # [B,G] rows with at least one token to score
     device = next(model.parameters()).device
-    out_mask = (torch.arange(T, device=lengths.device) < lengths[..., None]).to(device)  # [B,G,T] tokens that get a value
+    out_mask = (torch.arange(T, device=lengths.device) < lengths[..., None]).to(
+        device
+    )  # [B,G,T] tokens that get a value
     result = {"logp": torch.zeros(B, G, T, dtype=torch.float32, device=device)}  # [B,G,T]
     if want_entropy:
         result["entropy"] = torch.zeros(B, G, T, dtype=torch.float32, device=device)  # [B,G,T]
@@ -411,10 +515,14 @@ def completion_logprobs(
     if eager:
         heads = int((model.get_base_model() if hasattr(model, "get_base_model") else model).config.num_attention_heads)
         contexts = [c for g in row_prompts for c in g] if row_prompts is not None else list(prompt_ids)
-        keys = max((len(c) for c in contexts), default=0) + T  # S: every key position a row's prompt + completion can have
+        keys = (
+            max((len(c) for c in contexts), default=0) + T
+        )  # S: every key position a row's prompt + completion can have
         for name, l in eager:
             shape = (B, G, T, heads, keys) if name == "attn_at" else (B, G, T, width)
-            result[f"{name}({l})"] = torch.zeros(*shape, dtype=torch.float32, device=device)  # [B,G,T,heads,S] or [B,G,T,H]
+            result[f"{name}({l})"] = torch.zeros(
+                *shape, dtype=torch.float32, device=device
+            )  # [B,G,T,heads,S] or [B,G,T,H]
     if not bool(scored.any()):
         return result
 
@@ -433,7 +541,9 @@ def completion_logprobs(
     completion_lengths = lengths[groups, members].tolist()
     action_ids = actions.tolist()  # [B][G][T] host ints: inputs are assembled on the host, moved once
     completions = [action_ids[b][g][:c] for b, g, c in zip(row_groups, member_ids, completion_lengths)]
-    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)  # [K] the completion tokens
+    targets = torch.tensor(
+        [t for c in completions for t in c], dtype=torch.long, device=device
+    )  # [K] the completion tokens
 
     if share_prefix is None:
         completed: dict[int, int] = {}
@@ -443,13 +553,23 @@ def completion_logprobs(
         row_sizes = [p + c for p, c in zip(prompt_lengths, completion_lengths)]
         share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, row_sizes, pack_tokens)
     if packed and share_prefix:
-        hidden, kept = _shared_prefix_hidden(model, prompts, group_ids, completions, pack_tokens, functional, layers, matmul,
-                                             recompute_mlp)  # [K,H]
+        hidden, kept = _shared_prefix_hidden(
+            model, prompts, group_ids, completions, pack_tokens, functional, layers, matmul, recompute_mlp
+        )  # [K,H]
     else:
         sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row
         if packed:
-            hidden, kept = _packed_hidden(model, sequences, prompt_lengths, completion_lengths, pack_tokens, functional, layers, matmul,
-                                          recompute_mlp)  # [K,H]
+            hidden, kept = _packed_hidden(
+                model,
+                sequences,
+                prompt_lengths,
+                completion_lengths,
+                pack_tokens,
+                functional,
+                layers,
+                matmul,
+                recompute_mlp,
+            )  # [K,H]
         else:
             hidden, kept = _padded_hidden(model, sequences, prompt_lengths, completion_lengths, layers, matmul)  # [K,H]
     logits = _head(model, hidden, matmul)  # [K,V]
@@ -466,10 +586,14 @@ def completion_logprobs(
     if last_wanted:
         result["last_hidden"] = _scatter_rows(result["last_hidden"], out_mask, hidden.float())  # [B,G,T,H]
     if full_wanted:
-        result["logprobs"] = _scatter_rows(result["logprobs"], out_mask, torch.log_softmax(logits.float(), dim=-1))  # [B,G,T,V]
+        result["logprobs"] = _scatter_rows(
+            result["logprobs"], out_mask, torch.log_softmax(logits.float(), dim=-1)
+        )  # [B,G,T,V]
     if eager:
         sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]
-        for key, values in _eager_states(model, sequences, prompt_lengths, completion_lengths, eager).items():  # [K,...]
+        for key, values in _eager_states(
+            model, sequences, prompt_lengths, completion_lengths, eager
+        ).items():  # [K,...]
             into = result[key]  # [B,G,T,...]
             if values.dim() == 3:
                 values = torch.nn.functional.pad(values, (0, into.shape[-1] - values.shape[-1]))  # [K,heads,S]
@@ -503,19 +627,27 @@ def token_kl(model, hidden_p: Tensor, hidden_q: Tensor, mask: Tensor, chunk_toke
     so no [tokens, V] tensor larger than [chunk_tokens, V] ever exists. 0 outside ``mask``."""
     index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
     weight = next(model.parameters())  # the head runs where the model lives, in its dtype (states are kept float32)
-    flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])[index.to(hidden_p.device)].to(weight.device, weight.dtype)  # [K,H]
-    flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])[index.to(hidden_q.device)].to(weight.device, weight.dtype)  # [K,H]
+    flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])[index.to(hidden_p.device)].to(
+        weight.device, weight.dtype
+    )  # [K,H]
+    flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])[index.to(hidden_q.device)].to(
+        weight.device, weight.dtype
+    )  # [K,H]
     parts = []
     for start in range(0, flat_p.shape[0], chunk_tokens):
         logp = torch.log_softmax(_head(model, flat_p[start : start + chunk_tokens]).float(), dim=-1)  # [c,V]
         logq = torch.log_softmax(_head(model, flat_q[start : start + chunk_tokens]).float(), dim=-1)  # [c,V]
         parts.append((logp.exp() * (logp - logq)).sum(-1))  # [c]
     kl = torch.cat(parts).to(mask.device) if parts else torch.zeros(0, device=mask.device)  # [K]
-    out = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # [B*G*T] beside the mask (the host's rollout)
+    out = torch.zeros(
+        mask.numel(), dtype=torch.float32, device=mask.device
+    )  # [B*G*T] beside the mask (the host's rollout)
     return out.index_copy(0, index, kl.float()).view(mask.shape)  # [B,G,T]
 
 
-def tempered_logp(model, last_hidden: Tensor, actions: Tensor, mask: Tensor, temperature: float, chunk_tokens: int = 1024) -> Tensor:
+def tempered_logp(
+    model, last_hidden: Tensor, actions: Tensor, mask: Tensor, temperature: float, chunk_tokens: int = 1024
+) -> Tensor:
     """[B,G,T] log-prob of each token of ``actions`` under the model's next-token distribution at
     ``temperature`` (``log_softmax(logits / temperature)``, no top-k / top-p), read from its final-norm
     states ``last_hidden`` [B,G,T,H] (the ``last_hidden`` quantity); the head runs ``chunk_tokens`` at a
@@ -524,12 +656,16 @@ def tempered_logp(model, last_hidden: Tensor, actions: Tensor, mask: Tensor, tem
         raise ValueError(f"tempered_logp: temperature must be > 0, got {temperature}")
     index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
     weight = next(model.parameters())
-    flat = last_hidden.reshape(-1, last_hidden.shape[-1])[index.to(last_hidden.device)].to(weight.device, weight.dtype)  # [K,H]
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])[index.to(last_hidden.device)].to(
+        weight.device, weight.dtype
+    )  # [K,H]
     targets = actions.reshape(-1)[index].to(weight.device)  # [K]
     parts = []
     for start in range(0, flat.shape[0], chunk_tokens):
         logits = _head(model, flat[start : start + chunk_tokens]).float() / temperature  # [c,V]
-        parts.append(logits.gather(1, targets[start : start + chunk_tokens, None]).squeeze(1) - torch.logsumexp(logits, dim=-1))  # [c]
+        parts.append(
+            logits.gather(1, targets[start : start + chunk_tokens, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        )  # [c]
     logp = torch.cat(parts).to(mask.device) if parts else torch.zeros(0, device=mask.device)  # [K]
     out = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)  # [B*G*T]
     return out.index_copy(0, index, logp.float()).view(mask.shape)  # [B,G,T]

@@ -64,7 +64,9 @@ def _static_reason(model) -> str | None:
         return f"hidden_act {config.hidden_act!r} (the family uses silu)"
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
         return "sliding-window layers"
-    if getattr(config, "sliding_window", None) and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+    if getattr(config, "sliding_window", None) and (
+        model_type == "mistral" or getattr(config, "use_sliding_window", False)
+    ):
         return "a sliding attention window"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout (not applied by the functional maths)"
@@ -76,7 +78,12 @@ def _static_reason(model) -> str | None:
     if any(p.dtype != torch.float32 for p in model.parameters()):
         return "weights that are not float32"
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+    if (
+        inner is None
+        or not hasattr(inner, "layers")
+        or not hasattr(inner, "rotary_emb")
+        or not hasattr(model, "lm_head")
+    ):
         return "an unexpected module layout"
     return None
 
@@ -134,7 +141,9 @@ class _RMSNorm(torch.autograd.Function):
         normed, rms, weight = ctx.saved_tensors
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad_out * normed).reshape(-1, *weight.shape).sum(0)  # weight's shape ([D], or per head [H,D])
+            grad_weight = (
+                (grad_out * normed).reshape(-1, *weight.shape).sum(0)
+            )  # weight's shape ([D], or per head [H,D])
         grad_normed = grad_out * weight  # [...,D]
         along = (grad_normed * normed).mean(dim=-1, keepdim=True)  # [...,1] the part of the gradient along x̂
         grad_x = grad_normed.sub_(normed * along).div_(rms)  # [...,D]
@@ -179,7 +188,9 @@ def _swiglu_down_backward(gate_up: Tensor, weight: Tensor, has_bias: bool, grad_
     flat_grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [N,D]
     grad_bias = flat_grad_out.sum(0) if has_bias else None  # [D]
     if weight.dtype == gate_up.dtype:
-        grad_weight = flat_grad_out.t() @ (silu * up).reshape(-1, up.shape[-1])  # [D,I] product recomputed, freed at once
+        grad_weight = flat_grad_out.t() @ (silu * up).reshape(
+            -1, up.shape[-1]
+        )  # [D,I] product recomputed, freed at once
         grad_product = grad_out @ weight  # [...,I]
     else:  # both backward GEMMs in the weight's dtype (its gradient is cast to the float32 master by autograd)
         low = weight.dtype
@@ -201,7 +212,9 @@ class _SwiGLUMLP(torch.autograd.Function):
     the gate|up product (the recomputed product is the forward's, bit for bit)."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, gate_up_weight: Tensor, gate_up_bias: Tensor | None, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(
+        ctx, h: Tensor, gate_up_weight: Tensor, gate_up_bias: Tensor | None, weight: Tensor, bias: Tensor | None
+    ) -> Tensor:
         gate_up = _lin(h, gate_up_weight, gate_up_bias)  # [...,2I] freed after this call
         gate, up = gate_up.chunk(2, dim=-1)  # [...,I] each
         ctx.save_for_backward(h, gate_up_weight, gate_up_bias, weight)
@@ -231,8 +244,15 @@ def _low(weight: Tensor, low: torch.dtype | None) -> Tensor:
     return weight if low is None else weight.to(low)
 
 
-def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, layers: dict[int, Tensor] | None = None,
-                  matmul: torch.dtype | None = None, recompute_mlp: bool = False) -> Tensor:
+def hidden_states(
+    model,
+    input_ids: Tensor,
+    positions: Tensor,
+    allowed: Tensor,
+    layers: dict[int, Tensor] | None = None,
+    matmul: torch.dtype | None = None,
+    recompute_mlp: bool = False,
+) -> Tensor:
     """[N,W,D] final-norm hidden states for ``input_ids`` [N,W] at ``positions`` [N,W]; ``allowed``
     [N,W,W] bool says which key each query sees (every query must see at least itself).
     ``layers``: a dict whose keys name residual-stream states to keep (0 = the embeddings, l = after
@@ -255,21 +275,30 @@ def hidden_states(model, input_ids: Tensor, positions: Tensor, allowed: Tensor, 
         H, K = attn.q_proj.weight.shape[0] // hd, attn.k_proj.weight.shape[0] // hd
         h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
         # one GEMM for q|k|v and one for gate|up: fewer, larger products (their backward splits the gradient)
-        qkv = _lin(h, _low(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), matmul),
-                   _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)).view(N, W, H + 2 * K, hd)  # [N,W,H+2K,hd]
+        qkv = _lin(
+            h,
+            _low(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), matmul),
+            _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+        ).view(N, W, H + 2 * K, hd)  # [N,W,H+2K,hd]
         q, k, v = qkv.split([H, K, K], dim=2)  # [N,W,H|K|K,hd]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q = _rotate(q.transpose(1, 2), cos, sin_signed)  # [N,H,W,hd]
         k = _rotate(k.transpose(1, 2), cos, sin_signed)  # [N,K,W,hd]
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K)  # [N,H,W,hd]
-        x = x + _lin(out.transpose(1, 2).reshape(N, W, H * hd), _low(attn.o_proj.weight, matmul), attn.o_proj.bias)  # [N,W,D]
+        out = F.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K
+        )  # [N,H,W,hd]
+        x = x + _lin(
+            out.transpose(1, 2).reshape(N, W, H * hd), _low(attn.o_proj.weight, matmul), attn.o_proj.bias
+        )  # [N,W,D]
         h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         gate_up_weight = _low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), matmul)  # [2I,D]
         gate_up_bias = _cat_bias(mlp.gate_proj, mlp.up_proj)
         if recompute_mlp and torch.is_grad_enabled():
-            x = x + _SwiGLUMLP.apply(h, gate_up_weight, gate_up_bias, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias)  # [N,W,D]
+            x = x + _SwiGLUMLP.apply(
+                h, gate_up_weight, gate_up_bias, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias
+            )  # [N,W,D]
         else:
             gate_up = _lin(h, gate_up_weight, gate_up_bias)  # [N,W,2I]
             x = x + _SwiGLUDown.apply(gate_up, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias)  # [N,W,D]
@@ -347,18 +376,30 @@ class DecodeState:
             attn, mlp = layer.self_attn, layer.mlp
             qk_norm = None
             if hasattr(attn, "q_norm"):
-                qk_norm = torch.cat([attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)]).contiguous()
+                qk_norm = torch.cat(
+                    [attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)]
+                ).contiguous()
             o, down = low(attn.o_proj.weight.detach().clone()), low(mlp.down_proj.weight.detach().clone())
-            self.layers.append(_LayerWeights(
-                norm_in=layer.input_layernorm.weight.detach().clone(), eps_in=layer.input_layernorm.variance_epsilon,
-                qkv=low(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-                qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                qk_norm=qk_norm, eps_qk=attn.q_norm.variance_epsilon if qk_norm is not None else 0.0,
-                o=o, o_t=o.t(), o_bias=_clone(attn.o_proj.bias),
-                norm_post=layer.post_attention_layernorm.weight.detach().clone(), eps_post=layer.post_attention_layernorm.variance_epsilon,
-                gate_up=low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-                down=down, down_t=down.t(), down_bias=_clone(mlp.down_proj.bias)))
+            self.layers.append(
+                _LayerWeights(
+                    norm_in=layer.input_layernorm.weight.detach().clone(),
+                    eps_in=layer.input_layernorm.variance_epsilon,
+                    qkv=low(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
+                    qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                    qk_norm=qk_norm,
+                    eps_qk=attn.q_norm.variance_epsilon if qk_norm is not None else 0.0,
+                    o=o,
+                    o_t=o.t(),
+                    o_bias=_clone(attn.o_proj.bias),
+                    norm_post=layer.post_attention_layernorm.weight.detach().clone(),
+                    eps_post=layer.post_attention_layernorm.variance_epsilon,
+                    gate_up=low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                    down=down,
+                    down_t=down.t(),
+                    down_bias=_clone(mlp.down_proj.bias),
+                )
+            )
         self.embed = inner.embed_tokens.weight.detach()  # [V,D] read-only lookups: no copy
         self.final_norm, self.eps_final = inner.norm.weight.detach().clone(), inner.norm.variance_epsilon
         self.head = low(model.lm_head.weight.detach().clone())  # [V,D]
@@ -371,7 +412,9 @@ class DecodeState:
     def steer(self, layer: int, add: Tensor) -> None:
         """Add ``add`` [R,D] to the residual stream after decoder layer ``layer`` (0: the embeddings), every position."""
         if not 0 <= layer <= len(self.layers):
-            raise ValueError(f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(self.layers)} (0: the embeddings)")
+            raise ValueError(
+                f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(self.layers)} (0: the embeddings)"
+            )
         self.steer_layer, self.steer_add = layer, add
 
     def close(self) -> None:
@@ -408,7 +451,15 @@ class DecodeState:
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor, positions: Tensor, real: Tensor, repeat: int, capacity: int, embed_add: Tensor | None = None) -> Tensor:
+    def prefill(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        real: Tensor,
+        repeat: int,
+        capacity: int,
+        embed_add: Tensor | None = None,
+    ) -> Tensor:
         """Run left-padded prompts ``input_ids`` [B,W] (``real`` [B,W] bool marks tokens, ``positions``
         [B,W] their positions), keep their KV ``repeat`` times per prompt (rows ``b*repeat+i``) in a
         cache of ``capacity`` >= W columns, and return the last column's logits [B,V] float32.
@@ -419,7 +470,9 @@ class DecodeState:
         # a padding query sees itself too, so no softmax row is empty (its output is never used)
         allowed = ((causal & real[:, None, :]) | torch.eye(W, dtype=torch.bool))[:, None]  # [B,1,W,W]
         # one rotary table for every position this batch can reach; decode steps index it
-        self.cos, self.sin_signed = rotary(self.model, torch.arange(int(positions.max()) + capacity - W + 1))  # [P,hd] each
+        self.cos, self.sin_signed = rotary(
+            self.model, torch.arange(int(positions.max()) + capacity - W + 1)
+        )  # [P,hd] each
         cos, sin_signed = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [B,1,W,hd] each
         R = B * repeat
         self.keys = [torch.empty(R, self.kv_heads, capacity, self.head_dim) for _ in self.layers]  # [R,K,C,hd] each
@@ -435,11 +488,14 @@ class DecodeState:
         if self.steer_layer == 0:
             x = x + steer
         for i, w in enumerate(self.layers):
+
             def attend(q: Tensor, k: Tensor, v: Tensor, i: int = i) -> Tensor:
                 self.keys[i][:, :, :W] = k.repeat_interleave(repeat, dim=0)
                 self.values[i][:, :, :W] = v.repeat_interleave(repeat, dim=0)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling,
-                                                      enable_gqa=self.gqa)  # [B,H,W,hd]
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=allowed, scale=self.scaling, enable_gqa=self.gqa
+                )  # [B,H,W,hd]
+
             x = self._layer(w, x, cos, sin_signed, attend)
             if self.steer_layer == i + 1:
                 x = x + steer  # [B,W,D]
@@ -472,15 +528,20 @@ class DecodeState:
             past_keys, past_values = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)  # [A,K,seen,hd] each
             q = qk.narrow(1, 0, H)  # [A,H,hd]
             if few_rows:
-                out = F.scaled_dot_product_attention(q.unsqueeze(2), past_keys, past_values, attn_mask=bias, scale=self.scaling,
-                                                     enable_gqa=self.gqa)  # [A,H,1,hd]
+                out = F.scaled_dot_product_attention(
+                    q.unsqueeze(2), past_keys, past_values, attn_mask=bias, scale=self.scaling, enable_gqa=self.gqa
+                )  # [A,H,1,hd]
             else:  # GQA without repeating the cache: the H/K query heads of each kv head share one matmul
-                scores = torch.matmul(q.reshape(A, K, H // K, hd), past_keys.transpose(-1, -2)).mul_(self.scaling).add_(bias)  # [A,K,H/K,seen]
+                scores = (
+                    torch.matmul(q.reshape(A, K, H // K, hd), past_keys.transpose(-1, -2)).mul_(self.scaling).add_(bias)
+                )  # [A,K,H/K,seen]
                 out = torch.matmul(scores.softmax(dim=-1), past_values)  # [A,K,H/K,hd]
             x = _addmm(x, out.reshape(A, H * hd), w.o_t)  # [A,D] residual folded in
             if w.o_bias is not None:
                 x = x + w.o_bias
-            gate, up = _lin(rms_norm(x, w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [A,I] each
+            gate, up = _lin(rms_norm(x, w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(
+                2, dim=-1
+            )  # [A,I] each
             x = _addmm(x, F.silu(gate).mul_(up), w.down_t)  # [A,D]
             if w.down_bias is not None:
                 x = x + w.down_bias

@@ -20,7 +20,9 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
         from groupwise.modalities.unified import UnifiedPolicy
 
         if getattr(model_cfg, "device", "cpu") not in ("cpu", "auto"):
-            raise ConfigError(f"model.device={model_cfg.device!r}: the flow toy runs on the CPU; use model.device=\"cpu\"")
+            raise ConfigError(
+                f'model.device={model_cfg.device!r}: the flow toy runs on the CPU; use model.device="cpu"'
+            )
         try:
             return (FlowPolicy if model_cfg.policy == "flow" else UnifiedPolicy)(**model_cfg.params)
         except TypeError as err:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -21,7 +22,9 @@ def resolve_model_path(path: str) -> str:
     ``groupwise/models/`` (``"hinted"``) is that shipped model; anything else is a local folder or hub id."""
     if path == "default":
         if not (DEFAULT_MODEL / "config.json").exists():
-            raise FileNotFoundError(f"the embedded default model is missing at {DEFAULT_MODEL}; rebuild it with `groupwise warmstart`")
+            raise FileNotFoundError(
+                f"the embedded default model is missing at {DEFAULT_MODEL}; rebuild it with `groupwise warmstart`"
+            )
         return str(DEFAULT_MODEL)
     shipped = DEFAULT_MODEL.parent / path
     if "/" not in path and not Path(path).exists() and (shipped / "config.json").exists():
@@ -40,11 +43,15 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cpu")
     if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
-            raise ConfigError(f"config key model.device: {name!r} but torch sees no CUDA device (torch {torch.__version__}); "
-                              f"use model.device=\"cpu\" or \"auto\", or install a CUDA build of torch")
+            raise ConfigError(
+                f"config key model.device: {name!r} but torch sees no CUDA device (torch {torch.__version__}); "
+                f'use model.device="cpu" or "auto", or install a CUDA build of torch'
+            )
         index = int(name.split(":", 1)[1]) if ":" in name else int(os.environ.get("LOCAL_RANK", 0))
         if index >= torch.cuda.device_count():
-            raise ConfigError(f"config key model.device: cuda:{index} does not exist ({torch.cuda.device_count()} visible)")
+            raise ConfigError(
+                f"config key model.device: cuda:{index} does not exist ({torch.cuda.device_count()} visible)"
+            )
         return torch.device("cuda", index)
     raise ConfigError(f"config key model.device: {name!r}; allowed: cpu, cuda, cuda:N, auto")
 
@@ -63,20 +70,30 @@ def load_policy(path: str, dtype: str = "float32", lora: dict | None = None) -> 
     path = resolve_model_path(path)
     local = Path(path).exists()
     shipped = ", ".join(sorted(p.name for p in DEFAULT_MODEL.parent.iterdir() if (p / "config.json").exists()))
-    if not local and (os.environ.get("HF_HUB_OFFLINE") == "1" or path.startswith((".", "/", "~")) or path.count("/") > 1):
-        raise FileNotFoundError(f"model.path={path!r} is not a local model folder (shipped models: {shipped}; or a folder with config.json)")
+    if not local and (
+        os.environ.get("HF_HUB_OFFLINE") == "1" or path.startswith((".", "/", "~")) or path.count("/") > 1
+    ):
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a local model folder (shipped models: {shipped}; or a folder with config.json)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], local_files_only=local, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=_DTYPES[dtype], local_files_only=local, attn_implementation="sdpa"
+        )
     except OSError as err:
-        raise FileNotFoundError(f"model.path={path!r}: no model could be loaded ({type(err).__name__}); it is neither a local model folder "
-                                f"nor a reachable hub id (shipped models: {shipped})") from err
+        raise FileNotFoundError(
+            f"model.path={path!r}: no model could be loaded ({type(err).__name__}); it is neither a local model folder "
+            f"nor a reachable hub id (shipped models: {shipped})"
+        ) from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        with torch.random.fork_rng(devices=[]):  # the adapters' random init (LoRA's A) is the same in every process: a run is reproducible
+        with torch.random.fork_rng(
+            devices=[]
+        ):  # the adapters' random init (LoRA's A) is the same in every process: a run is reproducible
             torch.manual_seed(0)
             model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     return model, tokenizer
@@ -138,7 +155,9 @@ class LMPolicy:
 
     trainable = True
     modality = "text"
-    request_options = frozenset({"greedy", "temperature", "top_p", "top_k", "max_new_tokens"})  # what Request.sampling may set
+    request_options = frozenset(
+        {"greedy", "temperature", "top_p", "top_k", "max_new_tokens"}
+    )  # what Request.sampling may set
 
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.policy.engine import CPUEngine
@@ -153,8 +172,15 @@ class LMPolicy:
         base = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
         # model.matmul: the products' dtype over float32 master weights (auto: measured here, once)
         self.matmul = precision.resolve(getattr(model_cfg, "matmul", "float32"), base.config, self.device)
-        self.engine = CPUEngine(self.module, self.eos, self.tokenizer.pad_token_id, share_prefix=perf.share_prefix,
-                                drop_finished=perf.drop_finished, functional=perf.functional, matmul=self.matmul.low)
+        self.engine = CPUEngine(
+            self.module,
+            self.eos,
+            self.tokenizer.pad_token_id,
+            share_prefix=perf.share_prefix,
+            drop_finished=perf.drop_finished,
+            functional=perf.functional,
+            matmul=self.matmul.low,
+        )
         self.context: int | None = getattr(self.module.config, "max_position_embeddings", None)
         self.reference: Reference | None = None
         self._token_texts: list[str] | None = None  # built on first use (token_texts)
@@ -171,14 +197,18 @@ class LMPolicy:
 
     def encode_completion(self, text: str) -> list[int]:
         """Token ids of a completion as the policy would write it: the text, then EOS (supervised phases)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos[0]]
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) + [
+            self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos[0]
+        ]
 
     def check_fits(self, ids: list[int], max_new_tokens: int, where: str) -> None:
         from groupwise.errors import ConfigError
 
         if self.context and len(ids) + max_new_tokens > self.context:
-            raise ConfigError(f"{where}: prompt of {len(ids)} tokens + rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
-                              f"{self.context}; lower rollout.max_new_tokens, or set data.on_bad_row=\"skip\" to drop such prompts")
+            raise ConfigError(
+                f"{where}: prompt of {len(ids)} tokens + rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
+                f'{self.context}; lower rollout.max_new_tokens, or set data.on_bad_row="skip" to drop such prompts'
+            )
 
     def token_texts(self) -> list[str]:
         """The text of each token id as ``decode`` writes it (special tokens are ""): what components
@@ -210,10 +240,24 @@ class LMPolicy:
         parts = {}
         for n in sorted({r.n for r in requests}):  # one engine call per distinct group size (usually one)
             chosen = [i for i, r in enumerate(requests) if r.n == n]
-            seeds = [sample_seed(info.seed, info.step, requests[i].key, requests[i].offset + j) for i in chosen for j in range(n)]
+            seeds = [
+                sample_seed(info.seed, info.step, requests[i].key, requests[i].offset + j)
+                for i in chosen
+                for j in range(n)
+            ]
             hooks = [requests[i].hook for i in chosen]  # generation hooks (groupwise.hooks), None: the clean model
-            parts[n] = (chosen, self.engine.generate([requests[i].prompt for i in chosen], n, torch.tensor(seeds, dtype=torch.long), max_new,
-                                                     greedy=greedy, hooks=hooks if any(h is not None for h in hooks) else None, **sampling))
+            parts[n] = (
+                chosen,
+                self.engine.generate(
+                    [requests[i].prompt for i in chosen],
+                    n,
+                    torch.tensor(seeds, dtype=torch.long),
+                    max_new,
+                    greedy=greedy,
+                    hooks=hooks if any(h is not None for h in hooks) else None,
+                    **sampling,
+                ),
+            )
         B, G = len(requests), max(r.n for r in requests)
         T = max(gen.tokens.shape[2] for _, gen in parts.values())
         tokens = torch.full((B, G, T), int(self.tokenizer.pad_token_id), dtype=torch.long)  # [B,G,T]
@@ -225,7 +269,12 @@ class LMPolicy:
                 tokens, lengths, truncated, logp = gen.tokens, gen.lengths, gen.truncated, gen.logp
                 break
             index, t = torch.tensor(chosen), gen.tokens.shape[2]
-            tokens[index, :n, :t], lengths[index, :n], truncated[index, :n], logp[index, :n, :t] = gen.tokens, gen.lengths, gen.truncated, gen.logp
+            tokens[index, :n, :t], lengths[index, :n], truncated[index, :n], logp[index, :n, :t] = (
+                gen.tokens,
+                gen.lengths,
+                gen.truncated,
+                gen.logp,
+            )
         sizes = torch.tensor([r.n for r in requests])  # [B]
         return Rollout(
             prompt_ids=[r.prompt for r in requests],
@@ -238,17 +287,32 @@ class LMPolicy:
         )
 
     # ------------------------------------------------------------------ scoring and training
-    def forward(self, rollout: Any, quantities: Any = ("logp",), module: Any = None, want_entropy: bool = False) -> dict:
+    def forward(
+        self, rollout: Any, quantities: Any = ("logp",), module: Any = None, want_entropy: bool = False
+    ) -> dict:
         """Per-token quantities of the rollout's completions under ``module`` (default: this policy's
         own weights), one packed forward; differentiable when grad is enabled."""
         from groupwise.policy.forward import completion_logprobs
 
         perf = self.perf
-        out = completion_logprobs(self.module if module is None else module, rollout.prompt_ids, rollout.actions, rollout.mask, rollout.group_valid,
-                                  want_entropy=want_entropy, packed=perf.packed, share_prefix=None if perf.share_prefix else False,
-                                  functional=perf.functional, quantities=quantities, row_prompts=rollout.ctx or None, matmul=self.matmul.low,
-                                  recompute_mlp=perf.recompute_mlp)
-        if self.device.type != "cpu":  # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
+        out = completion_logprobs(
+            self.module if module is None else module,
+            rollout.prompt_ids,
+            rollout.actions,
+            rollout.mask,
+            rollout.group_valid,
+            want_entropy=want_entropy,
+            packed=perf.packed,
+            share_prefix=None if perf.share_prefix else False,
+            functional=perf.functional,
+            quantities=quantities,
+            row_prompts=rollout.ctx or None,
+            matmul=self.matmul.low,
+            recompute_mlp=perf.recompute_mlp,
+        )
+        if (
+            self.device.type != "cpu"
+        ):  # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
             out = {key: value.to("cpu", non_blocking=False) for key, value in out.items()}
         return out
 
@@ -257,11 +321,15 @@ class LMPolicy:
         from groupwise.errors import ConfigError
 
         if self.ref_sync_every and not with_reference:
-            raise ConfigError(f"model.ref_sync_every={self.ref_sync_every}: no component reads the reference model (add a kl term or a ref need)")
+            raise ConfigError(
+                f"model.ref_sync_every={self.ref_sync_every}: no component reads the reference model (add a kl term or a ref need)"
+            )
         if with_reference and self.reference is None:
             self.reference = Reference(self.module)
             if self.ref_sync_every and self.reference.uses_adapter:
-                raise ConfigError("model.ref_sync_every needs a reference copy; with LoRA the reference is the base model with adapters off")
+                raise ConfigError(
+                    "model.ref_sync_every needs a reference copy; with LoRA the reference is the base model with adapters off"
+                )
         models = {"policy": lambda: contextlib.nullcontext(self.module)}
         if self.reference is not None:
             models["ref"] = self.reference.model
@@ -275,8 +343,10 @@ class LMPolicy:
         if self.reference.uses_adapter:
             from groupwise.errors import ConfigError
 
-            raise ConfigError("an sft phase with model.lora: the reference (the base with adapters off) would not be the fine-tuned policy; "
-                              "drop model.lora or the components that read the reference")
+            raise ConfigError(
+                "an sft phase with model.lora: the reference (the base with adapters off) would not be the fine-tuned policy; "
+                "drop model.lora or the components that read the reference"
+            )
         self.reference.load_state_dict(self.module.state_dict())
 
     def score(self, module: Any, rollout: Any, quantities: Any) -> dict:
@@ -318,7 +388,11 @@ class LMPolicy:
         return [self.matmul.line()] if self.matmul.setting != "float32" else []
 
     def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "reference": self.reference.state_dict() if self.reference else {}, "matmul": self.matmul.dtype}
+        return {
+            "model": self.module.state_dict(),
+            "reference": self.reference.state_dict() if self.reference else {},
+            "matmul": self.matmul.dtype,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # a resumed model.matmul=auto run keeps the dtype its start measured (a new probe could decide otherwise)
@@ -330,6 +404,8 @@ class LMPolicy:
 
     def save(self, folder: Any) -> None:
         """A loadable model folder (LoRA adapters merged into a copy: the live model keeps its adapters)."""
-        model = copy.deepcopy(self.module).merge_and_unload() if hasattr(self.module, "merge_and_unload") else self.module
+        model = (
+            copy.deepcopy(self.module).merge_and_unload() if hasattr(self.module, "merge_and_unload") else self.module
+        )
         model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)

@@ -23,8 +23,9 @@ model's own (Hugging Face) forward, used off the functional path, runs under aut
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -61,7 +62,9 @@ class MatmulChoice:
         return f"model.matmul={self.setting}: products in {self.dtype} ({self.reason})"
 
 
-def gemm_gflops(dtype: torch.dtype, rows: int, inner: int, outer: int, seconds: float = PROBE_SECONDS, device: str = "cpu") -> float:
+def gemm_gflops(
+    dtype: torch.dtype, rows: int, inner: int, outer: int, seconds: float = PROBE_SECONDS, device: str = "cpu"
+) -> float:
     """GFLOP/s of ``[rows,inner] @ [inner,outer]`` in ``dtype`` at the current thread count, timed for about ``seconds``."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(rows, inner, generator=gen).to(device, dtype)  # [M,K]
@@ -107,8 +110,12 @@ def probe_shape(config: Any) -> tuple[int, int, int]:
     return PROBE_ROWS, hidden, int(getattr(config, "intermediate_size", 0) or 4 * hidden)
 
 
-def resolve(setting: str, config: Any = None, device: str = "cpu",
-            measure: Callable[[int, int, int], tuple[float, float]] | None = None) -> MatmulChoice:
+def resolve(
+    setting: str,
+    config: Any = None,
+    device: str = "cpu",
+    measure: Callable[[int, int, int], tuple[float, float]] | None = None,
+) -> MatmulChoice:
     """``model.matmul`` -> a ``MatmulChoice``; ``auto`` runs ``measure`` (default ``probe``) on the model's shape."""
     from groupwise.errors import ConfigError
 
@@ -134,8 +141,15 @@ def restored(choice: MatmulChoice, dtype: str) -> MatmulChoice:
     """``choice`` with the products' dtype a checkpoint recorded (a resumed ``auto`` run keeps its start's decision)."""
     if choice.setting != "auto" or dtype == choice.dtype or dtype not in ("float32", "bfloat16"):
         return choice
-    return MatmulChoice(choice.setting, dtype, choice.fp32_gflops, choice.bf16_gflops, choice.shape, choice.threads,
-                        f"restored from the checkpoint (this start's probe said: {choice.reason})")
+    return MatmulChoice(
+        choice.setting,
+        dtype,
+        choice.fp32_gflops,
+        choice.bf16_gflops,
+        choice.shape,
+        choice.threads,
+        f"restored from the checkpoint (this start's probe said: {choice.reason})",
+    )
 
 
 # --------------------------------------------------------------------------- the products

@@ -72,7 +72,9 @@ from groupwise.types import Need
 def _arg_int(need: Need, low: int) -> int:
     arg = need.arg
     if arg is None or not arg.isdigit() or int(arg) < low:
-        raise ConfigError(f"need {need.quantity!r}: the argument must be an integer >= {low}, e.g. {need.name}({max(low, 1)})")
+        raise ConfigError(
+            f"need {need.quantity!r}: the argument must be an integer >= {low}, e.g. {need.name}({max(low, 1)})"
+        )
     return int(arg)
 
 

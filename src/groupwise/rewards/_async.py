@@ -29,7 +29,8 @@ import functools
 import inspect
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from groupwise.rewards._call import RewardAborted
 from groupwise.rewards._common import RewardError
@@ -44,7 +45,7 @@ def is_async_callable(fn: Any) -> bool:
     or an object whose ``__call__`` is ``async def`` (as TRL's ``is_async_callable``)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or (callable(fn) and inspect.iscoroutinefunction(fn.__call__))
 
 
 def _loop() -> asyncio.AbstractEventLoop:
@@ -91,7 +92,9 @@ def _timed_out(label: str, timeout_s: float, how: str) -> RewardError:
     return err
 
 
-def call_all(calls: list[tuple[Callable[..., Any], str, dict[str, Any]]], prompts, completions, timeout_s: float | None) -> list[Any]:
+def call_all(
+    calls: list[tuple[Callable[..., Any], str, dict[str, Any]]], prompts, completions, timeout_s: float | None
+) -> list[Any]:
     """Await every ``(fn, label, kwargs)`` concurrently; each call's values, or the
     :class:`RewardError` / :class:`RewardAborted` it ended in (returned, in order)."""
     results: list[Any] = [None] * len(calls)
@@ -128,4 +131,6 @@ def call_all(calls: list[tuple[Callable[..., Any], str, dict[str, Any]]], prompt
     except BaseException:  # Ctrl-C while waiting: the calls are cancelled, the interrupt goes on
         future.cancel()
         raise
-    return [results[i] if finished[i] else _timed_out(label, timeout_s or 0.0, how) for i, (_, label, _) in enumerate(calls)]
+    return [
+        results[i] if finished[i] else _timed_out(label, timeout_s or 0.0, how) for i, (_, label, _) in enumerate(calls)
+    ]

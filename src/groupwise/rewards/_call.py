@@ -9,7 +9,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from groupwise.rewards._common import RewardError
 
@@ -19,10 +20,12 @@ class RewardAborted(RuntimeError):
     Deliberately not a RewardError, so ``on_error="exclude"`` cannot swallow it."""
 
     @classmethod
-    def of(cls, label: str, err: BaseException) -> "RewardAborted":
+    def of(cls, label: str, err: BaseException) -> RewardAborted:
         what = f"SystemExit({err.code!r})" if isinstance(err, SystemExit) else type(err).__name__
-        return cls(f"reward {label!r} raised {what}; a reward function must return its values, not exit "
-                   f"or interrupt the process. The run is stopped (on_error cannot exclude this)")
+        return cls(
+            f"reward {label!r} raised {what}; a reward function must return its values, not exit "
+            f"or interrupt the process. The run is stopped (on_error cannot exclude this)"
+        )
 
 
 def call(fn: Callable[..., Any], label: str, prompts, completions, columns, timeout_s: float | None) -> Any:
@@ -33,7 +36,9 @@ def call(fn: Callable[..., Any], label: str, prompts, completions, columns, time
         with _deadline(timeout_s):
             return fn(prompts=prompts, completions=completions, **columns)
     except _Deadline:
-        raise RewardError(f"reward {label!r} did not return within timeout_s={timeout_s} s (interrupted; reward.timeout_s)") from TimeoutError(f"no result after {timeout_s} s")
+        raise RewardError(
+            f"reward {label!r} did not return within timeout_s={timeout_s} s (interrupted; reward.timeout_s)"
+        ) from TimeoutError(f"no result after {timeout_s} s")
     except Exception as err:
         raise RewardError(f"reward {label!r} raised {type(err).__name__}: {err}") from err
     except (SystemExit, KeyboardInterrupt) as err:
@@ -72,8 +77,12 @@ def _deadline(timeout_s: float | None):
         if armed[0]:
             signal.pthread_kill(main, _DEADLINE_SIGNAL)
             if not done.wait(_HARD_EXIT_GRACE_S):
-                print(f"groupwise: a reward call did not return {timeout_s + _HARD_EXIT_GRACE_S:.0f} s after it started and cannot be "
-                      f"interrupted (stuck outside Python); exiting so the run can resume from its last checkpoint", file=sys.stderr, flush=True)
+                print(
+                    f"groupwise: a reward call did not return {timeout_s + _HARD_EXIT_GRACE_S:.0f} s after it started and cannot be "
+                    f"interrupted (stuck outside Python); exiting so the run can resume from its last checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(3)
 
     done = threading.Event()
@@ -105,7 +114,9 @@ def _call_in_thread(fn: Callable[..., Any], label: str, prompts, completions, co
     thread.join(timeout_s)
     if thread.is_alive():
         err = TimeoutError(f"no result after {timeout_s} s")
-        raise RewardError(f"reward {label!r} did not return within timeout_s={timeout_s} s (its thread is abandoned)") from err
+        raise RewardError(
+            f"reward {label!r} did not return within timeout_s={timeout_s} s (its thread is abandoned)"
+        ) from err
     if "error" in box:
         err = box["error"]
         if isinstance(err, (SystemExit, KeyboardInterrupt)):

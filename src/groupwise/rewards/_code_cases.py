@@ -77,7 +77,15 @@ def _decode(tree: Any, depth: int = 0) -> Any:
     raise ValueError(f"malformed value tagged {tag!r}")
 
 
-_CALLS = {"float": float, "complex": complex, "set": set, "frozenset": frozenset, "tuple": tuple, "list": list, "dict": dict}
+_CALLS = {
+    "float": float,
+    "complex": complex,
+    "set": set,
+    "frozenset": frozenset,
+    "tuple": tuple,
+    "list": list,
+    "dict": dict,
+}
 
 
 def _literal(node: ast.AST) -> Any:
@@ -106,7 +114,7 @@ def _expected_canonical(expected: Any, where: str) -> str:
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, Unsupported) as err:
         raise RewardError(
             f"reward 'code': {where}: expected={expected!r} is not a Python literal ({type(err).__name__}: {err}); "
-            "write it as the literal's source, e.g. \"4\", \"'text'\", \"[1, 2]\""
+            'write it as the literal\'s source, e.g. "4", "\'text\'", "[1, 2]"'
         ) from err
 
 
@@ -116,7 +124,9 @@ def _from_assert(text: str, where: str) -> Case:
     except SyntaxError as err:
         raise RewardError(f"reward 'code': {where}: test {text!r} is not valid Python: {err}") from err
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
-        raise RewardError(f"reward 'code': {where}: a string test must be one `assert <call> == <literal>`, got {text!r}")
+        raise RewardError(
+            f"reward 'code': {where}: a string test must be one `assert <call> == <literal>`, got {text!r}"
+        )
     test = tree.body[0].test
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         left, op, right = test.left, test.ops[0], test.comparators[0]
@@ -129,9 +139,16 @@ def _from_assert(text: str, where: str) -> Case:
                 try:
                     expected = canonical(value)
                 except (TypeError, ValueError, RecursionError) as err:
-                    raise RewardError(f"reward 'code': {where}: {ast.unparse(lit)!r} is not a plain literal ({err})") from err
+                    raise RewardError(
+                        f"reward 'code': {where}: {ast.unparse(lit)!r} is not a plain literal ({err})"
+                    ) from err
                 return Case("call", call=ast.unparse(expr), expected=expected)
-        if isinstance(op, ast.Is) and isinstance(right, ast.Constant) and right.value in (True, False, None) and type(right.value) in (bool, type(None)):
+        if (
+            isinstance(op, ast.Is)
+            and isinstance(right, ast.Constant)
+            and right.value in (True, False, None)
+            and type(right.value) in (bool, type(None))
+        ):
             return Case("call", call=ast.unparse(left), expected=canonical(right.value))
     raise RewardError(
         f"reward 'code': {where}: unsupported test {text!r}; use `assert <call> == <literal>` or "

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import inspect
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from groupwise.rewards._common import RewardError
 
@@ -88,19 +89,27 @@ class Recorder:
 
     def log_extra(self, column: str, values: Any) -> None:
         if not self.open:
-            raise RewardError(f"reward {self.label!r} called log_extra after its call ended (timed out); the values are dropped")
+            raise RewardError(
+                f"reward {self.label!r} called log_extra after its call ended (timed out); the values are dropped"
+            )
         if not isinstance(column, str) or not column:
             self._fail(f"log_extra needs a non-empty column name (str), got {column!r}")
         values = values.tolist() if hasattr(values, "tolist") else values
         if not isinstance(values, (list, tuple)):
-            self._fail(f"log_extra({column!r}, values) needs a list of {self.n} values (one per completion), got a {type(values).__name__}")
+            self._fail(
+                f"log_extra({column!r}, values) needs a list of {self.n} values (one per completion), got a {type(values).__name__}"
+            )
         if len(values) != self.n:
-            self._fail(f"log_extra({column!r}, values) got {len(values)} values for {self.n} completions (expected {self.n}, got {len(values)})")
+            self._fail(
+                f"log_extra({column!r}, values) got {len(values)} values for {self.n} completions (expected {self.n}, got {len(values)})"
+            )
         self.extra[column] = list(values)
 
     def log_metric(self, name: str, value: float) -> None:
         if not self.open:
-            raise RewardError(f"reward {self.label!r} called log_metric after its call ended (timed out); the value is dropped")
+            raise RewardError(
+                f"reward {self.label!r} called log_metric after its call ended (timed out); the value is dropped"
+            )
         if not isinstance(name, str) or not name:
             self._fail(f"log_metric needs a non-empty metric name (str), got {name!r}")
         value = value.item() if hasattr(value, "item") else value

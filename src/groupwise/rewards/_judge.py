@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import string
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from groupwise.errors import ConfigError
 from groupwise.rewards._common import RewardError
 
 _STRIP = string.whitespace + string.punctuation
+
 
 def normalise(text: str) -> str:
     """Lower-case, whitespace and punctuation stripped: ``" Yes."`` -> ``"yes"``."""
@@ -39,8 +41,12 @@ def verdict_word(text: str, match: str = "word") -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def yes_no_confidence(top_logprobs: Mapping[str, float] | Sequence[tuple[str, float]], generated_text: str, binary: bool = False,
-                      match: str = "word") -> float:
+def yes_no_confidence(
+    top_logprobs: Mapping[str, float] | Sequence[tuple[str, float]],
+    generated_text: str,
+    binary: bool = False,
+    match: str = "word",
+) -> float:
     """P(yes) / (P(yes) + P(no)) over the first token's top log-probs; the answer text decides when neither appears."""
     if match not in MATCHES:
         raise ValueError(f"yes_no_confidence: match={match!r}; use one of {', '.join(MATCHES)}")
@@ -57,8 +63,14 @@ def yes_no_confidence(top_logprobs: Mapping[str, float] | Sequence[tuple[str, fl
     return p["yes"] / total if total > 0 else said_yes
 
 
-def ask_judge(judge: Any, questions: Sequence[str], template: str = "{question} Answer yes or no:", top_logprobs: int = 5,
-              binary: bool = False, match: str = "word") -> list[float]:
+def ask_judge(
+    judge: Any,
+    questions: Sequence[str],
+    template: str = "{question} Answer yes or no:",
+    top_logprobs: int = 5,
+    binary: bool = False,
+    match: str = "word",
+) -> list[float]:
     """A frozen judge policy's yes-confidence on each question (``yes_no_confidence`` of its first
     answer token), one no-grad batch of one-token rows through ``Policy.scoring_models`` / ``score``."""
     from groupwise.types import Rollout
@@ -67,15 +79,22 @@ def ask_judge(judge: Any, questions: Sequence[str], template: str = "{question} 
     if N == 0:
         return []
     prompts = [list(judge.encode(template.format(question=q))) for q in questions]
-    rows = Rollout(prompt_ids=prompts, actions=torch.zeros(N, 1, 1, dtype=torch.long), mask=torch.ones(N, 1, 1, dtype=torch.bool),
-                   group_valid=torch.ones(N, 1, dtype=torch.bool), truncated=torch.zeros(N, 1, dtype=torch.bool),
-                   prompt_index=torch.arange(N))
+    rows = Rollout(
+        prompt_ids=prompts,
+        actions=torch.zeros(N, 1, 1, dtype=torch.long),
+        mask=torch.ones(N, 1, 1, dtype=torch.bool),
+        group_valid=torch.ones(N, 1, dtype=torch.bool),
+        truncated=torch.zeros(N, 1, dtype=torch.bool),
+        prompt_index=torch.arange(N),
+    )
     with torch.no_grad(), judge.scoring_models(with_reference=False)["policy"]() as module:
         logq = judge.score(module, rows, ["logprobs"])["logprobs"][:, 0, 0, :].float().cpu()  # [N,V]
     texts = judge.token_texts()
     top = logq.topk(min(top_logprobs, logq.shape[-1]), dim=-1)  # [N,k]
-    return [yes_no_confidence([(texts[i], v) for v, i in zip(vals.tolist(), ids.tolist())], texts[ids[0]], binary, match)
-            for vals, ids in zip(top.values, top.indices)]
+    return [
+        yes_no_confidence([(texts[i], v) for v, i in zip(vals.tolist(), ids.tolist())], texts[ids[0]], binary, match)
+        for vals, ids in zip(top.values, top.indices)
+    ]
 
 
 class FrozenJudge:
@@ -101,22 +120,28 @@ class FrozenJudge:
         if self.role is None:
             return
         if self.role not in models:
-            raise ConfigError(f"{self._who()}: judge={self.judge!r} names no frozen role; frozen roles: {sorted(models) or 'none'} "
-                              f"(add [roles.{self.role}] with frozen = true and its model)")
+            raise ConfigError(
+                f"{self._who()}: judge={self.judge!r} names no frozen role; frozen roles: {sorted(models) or 'none'} "
+                f"(add [roles.{self.role}] with frozen = true and its model)"
+            )
         self._models = {self.role: models[self.role]}
 
     def judge_model(self) -> Any:
         if self.role not in self._models:
-            raise RewardError(f"{self._who()}: judge={self.judge!r} was never given its model; run it in a trainer with "
-                              f"[roles.{self.role}] frozen = true")
+            raise RewardError(
+                f"{self._who()}: judge={self.judge!r} was never given its model; run it in a trainer with "
+                f"[roles.{self.role}] frozen = true"
+            )
         return self._models[self.role]
 
     def check_judge(self, programmatic: str) -> None:
         """Validate the judge fields every such reward has: ``judge`` (``programmatic`` or ``role:NAME``),
         ``template`` (with ``{question}``), ``match``, ``top_logprobs``."""
         if self.judge != programmatic and not (self.judge.startswith("role:") and len(self.judge) > 5):
-            raise ConfigError(f"{self._who()}: judge={self.judge!r}; use {programmatic!r} (the programmatic judge) or 'role:NAME' "
-                              f"(a frozen LM role roles.NAME)")
+            raise ConfigError(
+                f"{self._who()}: judge={self.judge!r}; use {programmatic!r} (the programmatic judge) or 'role:NAME' "
+                f"(a frozen LM role roles.NAME)"
+            )
         if "{question}" not in self.template:
             raise ConfigError(f"{self._who()}: template={self.template!r} must contain {{question}}")
         if self.match not in MATCHES:

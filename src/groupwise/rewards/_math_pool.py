@@ -23,8 +23,8 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Sequence
 
 STARTUP_TIMEOUT_S = 120.0  # a cold worker imports SymPy; on a loaded machine this can take a while
 _WORKER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_math_worker.py")
@@ -148,7 +148,9 @@ class MathVerifierPool:
         except (EOFError, OSError):
             if not w.ready:
                 code = w.proc.wait()
-                raise RuntimeError(f"math-verify worker exited during start-up (exit code {code}); its stderr is above") from None
+                raise RuntimeError(
+                    f"math-verify worker exited during start-up (exit code {code}); its stderr is above"
+                ) from None
             self._fail_head(w, crashed=True)
             return
         if message[0] == "ready":

@@ -25,14 +25,20 @@ def attention_stats(A: Tensor, s: int, e: int) -> Tensor:
     return torch.cat([max_attn, std_attn, prefix, own])  # [4·heads]
 
 
-def pair_features(hidden_states: list[Tensor], attentions: list[Tensor], span: tuple[int, int]) -> tuple[Tensor, Tensor]:
+def pair_features(
+    hidden_states: list[Tensor], attentions: list[Tensor], span: tuple[int, int]
+) -> tuple[Tensor, Tensor]:
     """The spec's interface: (h [D], a [4·H·L]) of the turn ``span = (s, e)`` of a full dialog from
     per-layer states [S,D] and attentions [H,S,S] (queries and keys both dialog positions)."""
     s, e = span
     if not 0 <= s < e:
         raise ValueError(f"pair_features: a turn span needs 0 <= s < e, got {span}")
     h = hidden_states[-1][e - 1].double()  # [D]
-    a = torch.cat([attention_stats(A[:, s:e, :], s, e) for A in attentions]) if attentions else torch.zeros(0, dtype=torch.float64)
+    a = (
+        torch.cat([attention_stats(A[:, s:e, :], s, e) for A in attentions])
+        if attentions
+        else torch.zeros(0, dtype=torch.float64)
+    )
     return h, a  # [D], [4·H·L]
 
 
@@ -52,14 +58,28 @@ def turn_spans(row_mask: Tensor, segment_id: Tensor | None = None) -> list[tuple
     return spans
 
 
-def row_turn_features(hidden: Tensor, attns: list[Tensor], row_mask: Tensor, prompt_length: int, length: int,
-                      segment_id: Tensor | None = None) -> tuple[list, Tensor, Tensor]:
+def row_turn_features(
+    hidden: Tensor,
+    attns: list[Tensor],
+    row_mask: Tensor,
+    prompt_length: int,
+    length: int,
+    segment_id: Tensor | None = None,
+) -> tuple[list, Tensor, Tensor]:
     """(spans, h [n,D], a [n,4·heads·L]) of one row's turns (``turn_spans``) from its ``hidden_at(l)``
     [T,D] and ``attn_at(l)`` [T,heads,S] quantities (Notes 2-3); ``length`` = its completion tokens."""
     spans = turn_spans(row_mask, segment_id)
     K = prompt_length + length
-    h = torch.stack([hidden[e - 1].double() for _, e in spans]) if spans else torch.zeros(0, hidden.shape[-1], dtype=torch.float64)
-    rows = [torch.cat([attention_stats(A[s:e, :, :K].transpose(0, 1), prompt_length + s, prompt_length + e) for A in attns])
-            if attns else torch.zeros(0, dtype=torch.float64) for s, e in spans]
+    h = (
+        torch.stack([hidden[e - 1].double() for _, e in spans])
+        if spans
+        else torch.zeros(0, hidden.shape[-1], dtype=torch.float64)
+    )
+    rows = [
+        torch.cat([attention_stats(A[s:e, :, :K].transpose(0, 1), prompt_length + s, prompt_length + e) for A in attns])
+        if attns
+        else torch.zeros(0, dtype=torch.float64)
+        for s, e in spans
+    ]
     a = torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.float64)
     return spans, h, a

@@ -32,7 +32,9 @@ def fit_logistic(X: Tensor, y: Tensor, C: float = 0.01, max_iter: int = 200) -> 
     X, y = X.double(), y.double()  # [n,F], [n]
     n, F = X.shape
     w = torch.zeros(F + 1, dtype=torch.float64, requires_grad=True)  # [F+1] weights, then the bias
-    opt = torch.optim.LBFGS([w], lr=1.0, max_iter=max_iter, tolerance_grad=1e-12, tolerance_change=1e-14, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        [w], lr=1.0, max_iter=max_iter, tolerance_grad=1e-12, tolerance_change=1e-14, line_search_fn="strong_wolfe"
+    )
 
     def closure():
         opt.zero_grad()
@@ -54,11 +56,13 @@ class PairProbe:
     eps: float = 0.05
     params: dict = field(default_factory=dict)
 
-    def fit(self, H: Tensor, A: Tensor, y: Tensor) -> "PairProbe":
+    def fit(self, H: Tensor, A: Tensor, y: Tensor) -> PairProbe:
         """H [n,D], A [n,F], y [n] (1 = clean turn); stage 2 trains on stage 1's in-sample probabilities [CODE]."""
         H, A, y = H.double(), A.double().reshape(len(H), -1), y.double()
         if len(H) < 2 or y.min() == y.max():
-            raise ValueError(f"PairProbe.fit: need turns of both labels, got {len(H)} turns with labels {sorted(set(y.tolist()))}")
+            raise ValueError(
+                f"PairProbe.fit: need turns of both labels, got {len(H)} turns with labels {sorted(set(y.tolist()))}"
+            )
         m1, sc1 = _standardise(H)
         w1, b1 = fit_logistic((H - m1) / sc1, y, self.C)
         s_bc = torch.sigmoid((H - m1) / sc1 @ w1 + b1)  # [n] in-sample
@@ -78,9 +82,19 @@ class PairProbe:
         return s_bc, s_final
 
     def state(self) -> dict:
-        return {"C": self.C, "temperature": self.temperature, "eps": self.eps, **{k: v.clone() for k, v in self.params.items()}}
+        return {
+            "C": self.C,
+            "temperature": self.temperature,
+            "eps": self.eps,
+            **{k: v.clone() for k, v in self.params.items()},
+        }
 
     @classmethod
-    def from_state(cls, state: dict) -> "PairProbe":
+    def from_state(cls, state: dict) -> PairProbe:
         keys = ("mean1", "scale1", "w1", "b1", "mean2", "scale2", "w2", "b2")
-        return cls(state["C"], state["temperature"], state["eps"], {k: torch.as_tensor(state[k], dtype=torch.float64) for k in keys})
+        return cls(
+            state["C"],
+            state["temperature"],
+            state["eps"],
+            {k: torch.as_tensor(state[k], dtype=torch.float64) for k in keys},
+        )

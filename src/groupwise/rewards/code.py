@@ -127,9 +127,10 @@ import re
 import threading
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -182,16 +183,50 @@ class Code:
 
     def __post_init__(self) -> None:
         checks = [
-            ("timeout_s", isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and 0 < self.timeout_s <= 3600, "in (0, 3600]"),
-            ("memory_mb", isinstance(self.memory_mb, int) and self.memory_mb >= 64, "an int >= 64 (the interpreter needs ~30 MB of address space)"),
-            ("max_output_bytes", isinstance(self.max_output_bytes, int) and self.max_output_bytes >= 1024, "an int >= 1024"),
-            ("max_processes", isinstance(self.max_processes, int) and self.max_processes >= 2, "an int >= 2 (the sandbox's init counts)"),
+            (
+                "timeout_s",
+                isinstance(self.timeout_s, (int, float))
+                and math.isfinite(self.timeout_s)
+                and 0 < self.timeout_s <= 3600,
+                "in (0, 3600]",
+            ),
+            (
+                "memory_mb",
+                isinstance(self.memory_mb, int) and self.memory_mb >= 64,
+                "an int >= 64 (the interpreter needs ~30 MB of address space)",
+            ),
+            (
+                "max_output_bytes",
+                isinstance(self.max_output_bytes, int) and self.max_output_bytes >= 1024,
+                "an int >= 1024",
+            ),
+            (
+                "max_processes",
+                isinstance(self.max_processes, int) and self.max_processes >= 2,
+                "an int >= 2 (the sandbox's init counts)",
+            ),
             ("workers", isinstance(self.workers, int) and self.workers >= 1, "an int >= 1"),
-            ("wall_timeout_s", self.wall_timeout_s is None or (isinstance(self.wall_timeout_s, (int, float)) and math.isfinite(self.wall_timeout_s)
-                                                               and self.timeout_s <= self.wall_timeout_s <= 7200), "None or in [timeout_s, 7200]"),
-            ("cgroup", self.cgroup in ("auto", "off") or (isinstance(self.cgroup, str) and os.path.isfile(os.path.join(self.cgroup, "cgroup.controllers"))),
-             '"auto", "off" or a cgroup v2 directory (one holding cgroup.controllers)'),
-            ("python", self.python is None or (isinstance(self.python, str) and os.access(self.python, os.X_OK)), "None or an executable interpreter"),
+            (
+                "wall_timeout_s",
+                self.wall_timeout_s is None
+                or (
+                    isinstance(self.wall_timeout_s, (int, float))
+                    and math.isfinite(self.wall_timeout_s)
+                    and self.timeout_s <= self.wall_timeout_s <= 7200
+                ),
+                "None or in [timeout_s, 7200]",
+            ),
+            (
+                "cgroup",
+                self.cgroup in ("auto", "off")
+                or (isinstance(self.cgroup, str) and os.path.isfile(os.path.join(self.cgroup, "cgroup.controllers"))),
+                '"auto", "off" or a cgroup v2 directory (one holding cgroup.controllers)',
+            ),
+            (
+                "python",
+                self.python is None or (isinstance(self.python, str) and os.access(self.python, os.X_OK)),
+                "None or an executable interpreter",
+            ),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -211,8 +246,13 @@ class Code:
 
     @property
     def _limits(self) -> Limits:
-        return Limits(timeout_s=float(self.timeout_s), memory_mb=self.memory_mb, max_output_bytes=self.max_output_bytes,
-                      max_processes=self.max_processes, wall_timeout_s=self.wall_timeout_s)
+        return Limits(
+            timeout_s=float(self.timeout_s),
+            memory_mb=self.memory_mb,
+            max_output_bytes=self.max_output_bytes,
+            max_processes=self.max_processes,
+            wall_timeout_s=self.wall_timeout_s,
+        )
 
     def _run_case(self, code: str, case: Case) -> RunResult:
         """Run one case of ``code`` in a fresh sandbox (exposed for tests and debugging)."""

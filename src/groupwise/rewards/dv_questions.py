@@ -40,8 +40,9 @@ Domains (``DOMAINS``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from groupwise.rewards._common import RewardError
 
@@ -73,7 +74,11 @@ POINT_ATTRIBUTES: dict[str, tuple[str, str, Margin]] = {
     "upper": ("upper", "Is the point ({n}) above the horizontal axis?", lambda p: p[1]),
     "lower": ("lower", "Is the point ({n}) below the horizontal axis?", lambda p: -p[1]),
     "near": ("near", "Is the point ({n}) within distance 1 of the centre?", lambda p: 1.0 - _radius(p)),
-    "mid": ("mid", "Is the point ({n}) between distance 1 and 2 from the centre?", lambda p: min(_radius(p) - 1.0, 2.0 - _radius(p))),
+    "mid": (
+        "mid",
+        "Is the point ({n}) between distance 1 and 2 from the centre?",
+        lambda p: min(_radius(p) - 1.0, 2.0 - _radius(p)),
+    ),
     "far": ("far", "Is the point ({n}) farther than 2 from the centre?", lambda p: _radius(p) - 2.0),
 }
 CANVAS = 3.0
@@ -114,16 +119,28 @@ class Domain:
         keys = [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else [str(k) for k in value]
         bad = [k for k in keys if k not in self.attributes]
         if bad:
-            raise RewardError(f"reward 'dv_reward': unknown attribute {bad} for domain {self.name!r}; known: {', '.join(self.attributes)}")
+            raise RewardError(
+                f"reward 'dv_reward': unknown attribute {bad} for domain {self.name!r}; known: {', '.join(self.attributes)}"
+            )
         return keys
 
-    def decompose(self, completion: str, keys: Sequence[str]) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    def decompose(
+        self, completion: str, keys: Sequence[str]
+    ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
         """([(semantic question, margin)], [(quality question, margin)]) about ``completion``; margins −1 when it does not parse."""
         keys = self.keys(keys)
         subject = self.parse(completion)
         shown = completion.strip()
-        sem = [(self.attributes[k][1].format(n=shown), float(self.attributes[k][2](subject)) if subject is not None else -1.0) for k in keys]
-        qual = [(q.format(n=shown), float(m(subject)) if subject is not None else -1.0) for q, m in self.quality.values()]
+        sem = [
+            (
+                self.attributes[k][1].format(n=shown),
+                float(self.attributes[k][2](subject)) if subject is not None else -1.0,
+            )
+            for k in keys
+        ]
+        qual = [
+            (q.format(n=shown), float(m(subject)) if subject is not None else -1.0) for q, m in self.quality.values()
+        ]
         return sem, qual
 
 

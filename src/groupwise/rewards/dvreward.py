@@ -83,17 +83,24 @@ Judges (``judge``):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
-from groupwise.rewards._common import RewardError, get_column
-from groupwise.rewards._judge import (MATCHES, FrozenJudge, ask_judge, normalise, verdict_word,  # noqa: F401  (re-exported)
-                                      yes_no_confidence)
+from groupwise.rewards._common import get_column
+from groupwise.rewards._judge import (
+    FrozenJudge,
+    ask_judge,
+    verdict_word,  # noqa: F401  (re-exported)
+    yes_no_confidence,
+)
 from groupwise.rewards.dv_questions import ATTRIBUTES, DOMAINS, QUALITY, as_int, as_point  # noqa: F401  (re-exported)
 
 METHODS = ("geometric", "mean", "sum_mean", "holistic")
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 1.0
 
@@ -103,7 +110,9 @@ def sc_pq(question_scores_sem: Sequence[float], question_scores_qual: Sequence[f
     return _mean([float(c) for c in question_scores_sem]), _mean([float(c) for c in question_scores_qual])
 
 
-def dv_reward(question_scores_sem: Sequence[float], question_scores_qual: Sequence[float], method: str = "geometric") -> float:
+def dv_reward(
+    question_scores_sem: Sequence[float], question_scores_qual: Sequence[float], method: str = "geometric"
+) -> float:
     """Pool the semantic and quality verdicts: SC, PQ and the overall score of ``method``."""
     if method not in METHODS:
         raise ValueError(f"dv_reward: method={method!r}; methods: {', '.join(METHODS)}")
@@ -123,7 +132,9 @@ def parse_attrs(value: Any, domain: str = "number") -> list[str]:
     return DOMAINS[domain].keys(value)
 
 
-def decompose(completion: str, keys: Sequence[str], domain: str = "number") -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+def decompose(
+    completion: str, keys: Sequence[str], domain: str = "number"
+) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """Template decomposer: ([(semantic question, margin)], [(quality question, margin)]) about ``completion``
     (``rewards.dv_questions``); the margin is the programmatic truth (> 0: yes), −1 when the completion does not parse."""
     return DOMAINS[domain].decompose(completion, keys)
@@ -151,7 +162,9 @@ class DVReward(FrozenJudge):
             raise ConfigError(f"reward 'dv_reward': method={self.method!r}; use one of {', '.join(METHODS)}")
         self.check_judge("programmatic")
         if self.domain not in DOMAINS:
-            raise ConfigError(f"reward 'dv_reward': domain={self.domain!r}; use one of {', '.join(DOMAINS)} (rewards.dv_questions)")
+            raise ConfigError(
+                f"reward 'dv_reward': domain={self.domain!r}; use one of {', '.join(DOMAINS)} (rewards.dv_questions)"
+            )
         if not self.k > 0:
             raise ConfigError(f"reward 'dv_reward': k={self.k} must be > 0 (the programmatic judge's sharpness)")
 
@@ -170,7 +183,9 @@ class DVReward(FrozenJudge):
         return ask_judge(self.judge_model(), questions, self.template, self.top_logprobs, self.binary, self.match)
 
     # ------------------------------------------------------------------ the reward
-    def _components(self, completions: Sequence[str], attrs: Sequence[Any]) -> list[tuple[list[float], list[float], float]]:
+    def _components(
+        self, completions: Sequence[str], attrs: Sequence[Any]
+    ) -> list[tuple[list[float], list[float], float]]:
         """Per row (semantic confidences, quality confidences, share of attributes truly satisfied) — Note 4."""
         decomposed = [decompose(c, parse_attrs(a, self.domain), self.domain) for c, a in zip(completions, attrs)]
         flat = [qm for sem, qual in decomposed for qm in (*sem, *qual)]
@@ -180,7 +195,7 @@ class DVReward(FrozenJudge):
             conf = self._ask_lm([q for q, _ in flat])
         out, i = [], 0
         for sem, qual in decomposed:
-            s, q = conf[i: i + len(sem)], conf[i + len(sem): i + len(sem) + len(qual)]
+            s, q = conf[i : i + len(sem)], conf[i + len(sem) : i + len(sem) + len(qual)]
             i += len(sem) + len(qual)
             sat = sum(m > 0 for _, m in sem) / len(sem) if sem else 1.0
             out.append((s, q, sat))
@@ -189,7 +204,9 @@ class DVReward(FrozenJudge):
     def accepts_kwarg(self, name: str) -> bool:
         return name == "log_metric"
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], log_metric: Any = None, **columns: Any) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], log_metric: Any = None, **columns: Any
+    ) -> list[float | None]:
         attrs = get_column(columns, self.column, len(completions), "dv_reward")
         todo = [i for i, a in enumerate(attrs) if a is not None]
         scores: list[float | None] = [None] * len(completions)

@@ -30,8 +30,9 @@ No paper: the reward slot of an environment run (``rollout/env.py``). The env ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.registry import build, register
 from groupwise.rewards._common import RewardError, get_column
@@ -57,7 +58,9 @@ class EnvReturn:
                 envs[name] = build("env", name, **self.env_params)
             value = getattr(envs[name], "action_value", None)
             if value is None:
-                raise RewardError(f"reward 'env_return' scores a lone completion only for an env with action_value(row, action); env {name!r} has none: "
-                                  f"train with rollout.name='grow' or 'episodes' (they fill the return) and set another eval.reward")
+                raise RewardError(
+                    f"reward 'env_return' scores a lone completion only for an env with action_value(row, action); env {name!r} has none: "
+                    f"train with rollout.name='grow' or 'episodes' (they fill the return) and set another eval.reward"
+                )
             out.append(float(value({k: columns[k][i] for k in keys}, text)))
         return out

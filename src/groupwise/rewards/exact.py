@@ -47,8 +47,9 @@ GRPO's advantage estimator then centres and scales. Nothing else in the loop cha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.registry import register
 from groupwise.rewards._common import get_column
@@ -69,7 +70,9 @@ class Exact:
     def accepts_kwarg(self, name: str) -> bool:
         return self.log_answer and name == "log_extra"
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], log_extra: Any = None, **columns: Any) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], log_extra: Any = None, **columns: Any
+    ) -> list[float | None]:
         answers = get_column(columns, self.column, len(completions), "exact")
         scores: list[float | None] = []
         finals: list[str] = []

@@ -36,8 +36,9 @@ rollout strategy may read between generation rounds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -78,7 +79,9 @@ class ExactFeedback:
     def accepts_kwarg(self, name: str) -> bool:
         return name == "log_extra"
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], log_extra: Any = None, **columns: Any) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], log_extra: Any = None, **columns: Any
+    ) -> list[float | None]:
         answers = get_column(columns, self.column, len(completions), "exact_feedback")
         scores: list[float | None] = []
         notes: list[str] = []

@@ -36,8 +36,9 @@ fills the reward column that GRPO's advantage estimator then centres and scales.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -55,11 +56,15 @@ class Format:
 
     def __post_init__(self) -> None:
         if self.pattern is None or not isinstance(self.pattern, str) or self.pattern == "":
-            raise ConfigError(f"reward 'format' needs `pattern`, a non-empty regular expression string (got {self.pattern!r})")
+            raise ConfigError(
+                f"reward 'format' needs `pattern`, a non-empty regular expression string (got {self.pattern!r})"
+            )
         try:
             self._regex = re.compile(self.pattern, re.DOTALL)
         except re.error as err:
-            raise ConfigError(f"reward 'format': pattern {self.pattern!r} is not a valid regular expression: {err}") from err
+            raise ConfigError(
+                f"reward 'format': pattern {self.pattern!r} is not a valid regular expression: {err}"
+            ) from err
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]:
         match = self._regex.search if self.search else self._regex.fullmatch

@@ -32,8 +32,9 @@ validity rule is not published; this is the spec's reconstruction. The anchor lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -64,15 +65,29 @@ class FunctionalUsage:
     label: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tokens, (list, tuple)) or not self.tokens or not all(isinstance(t, str) and t for t in self.tokens):
-            raise ConfigError(f"reward functional_usage: tokens must be a non-empty list of non-empty texts, got {self.tokens!r}")
+        if (
+            not isinstance(self.tokens, (list, tuple))
+            or not self.tokens
+            or not all(isinstance(t, str) and t for t in self.tokens)
+        ):
+            raise ConfigError(
+                f"reward functional_usage: tokens must be a non-empty list of non-empty texts, got {self.tokens!r}"
+            )
         if not isinstance(self.min_count, int) or self.min_count < 0:
             raise ConfigError(f"reward functional_usage: min_count must be an int >= 0, got {self.min_count!r}")
-        if self.max_count is not None and (not isinstance(self.max_count, int) or self.max_count < max(self.min_count, 1)):
-            raise ConfigError(f"reward functional_usage: max_count must be None or an int >= max(min_count, 1), got {self.max_count!r}")
+        if self.max_count is not None and (
+            not isinstance(self.max_count, int) or self.max_count < max(self.min_count, 1)
+        ):
+            raise ConfigError(
+                f"reward functional_usage: max_count must be None or an int >= max(min_count, 1), got {self.max_count!r}"
+            )
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[Any], **columns: Any) -> list[float | None]:
-        allowed = get_column(columns, self.column, len(completions), "functional_usage") if self.column else [None] * len(completions)
+        allowed = (
+            get_column(columns, self.column, len(completions), "functional_usage")
+            if self.column
+            else [None] * len(completions)
+        )
         scores: list[float | None] = []
         for completion, ok in zip(completions, allowed, strict=True):
             n, used = count_functional(str(completion), self.tokens)

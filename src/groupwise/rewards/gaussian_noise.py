@@ -65,8 +65,16 @@ class GaussianNoise:
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         B, G, _ = rollout.shape
         ids = rollout.prompt_index.tolist()  # [B]
-        eps = torch.tensor([[self._draw(torch.Generator().manual_seed(sample_seed(info.seed, info.step, int(ids[b]), g)))
-                             for g in range(G)] for b in range(B)], dtype=torch.float32)  # [B,G]
+        eps = torch.tensor(
+            [
+                [
+                    self._draw(torch.Generator().manual_seed(sample_seed(info.seed, info.step, int(ids[b]), g)))
+                    for g in range(G)
+                ]
+                for b in range(B)
+            ],
+            dtype=torch.float32,
+        )  # [B,G]
         return torch.where(rollout.group_valid.bool(), self.sigma * eps, torch.zeros(()))  # [B,G]
 
     def _draw(self, generator: torch.Generator) -> float:

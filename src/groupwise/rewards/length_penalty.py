@@ -29,8 +29,9 @@ budget ``max_new_tokens``)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -51,5 +52,9 @@ class LengthPenalty:
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]:
         lengths = get_column(columns, "completion_lengths", len(completions), "length_penalty")
-        L = self.max_length if self.max_length is not None else int(get_scalar(columns, "max_new_tokens", "length_penalty"))
+        L = (
+            self.max_length
+            if self.max_length is not None
+            else int(get_scalar(columns, "max_new_tokens", "length_penalty"))
+        )
         return [None if n is None else -float(n) / L for n in lengths]

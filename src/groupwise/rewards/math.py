@@ -73,8 +73,9 @@ after the last one is parsed (:func:`completion_answer_text`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -214,7 +215,9 @@ class Math:
     def accepts_kwarg(self, name: str) -> bool:
         return self.log_answer and name == "log_extra"
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], log_extra: Any = None, **columns: Any) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], log_extra: Any = None, **columns: Any
+    ) -> list[float | None]:
         golds = get_column(columns, self.column, len(completions), "math")
         if self.log_answer and log_extra is not None:
             log_extra("final_answer", [final_answer(c) for c in completions])

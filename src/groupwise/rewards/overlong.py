@@ -39,8 +39,9 @@ completion's tokens; ``L_expected = L_max - L_cache`` the longest length with no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -64,7 +65,9 @@ class Overlong:
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]:
         lengths = get_column(columns, "completion_lengths", len(completions), "overlong")
-        L_max = self.max_length if self.max_length is not None else int(get_scalar(columns, "max_new_tokens", "overlong"))
+        L_max = (
+            self.max_length if self.max_length is not None else int(get_scalar(columns, "max_new_tokens", "overlong"))
+        )
         L_cache = self.overlong_buffer
         L_expected = L_max - L_cache  # longest length with no penalty
         if L_expected < 0:

@@ -75,8 +75,19 @@ from groupwise.rewards._pair_features import attention_stats, pair_features, row
 from groupwise.rewards._pair_probe import PairProbe, fit_logistic, tclip
 from groupwise.types import Need, Rollout, StepInfo
 
-__all__ = ["TURN_REWARD", "PairProbe", "PairReward", "attention_stats", "fit_logistic", "momentum_rewards", "pair_features",
-           "pair_turn_rewards", "row_turn_features", "tclip", "turn_spans"]
+__all__ = [
+    "TURN_REWARD",
+    "PairProbe",
+    "PairReward",
+    "attention_stats",
+    "fit_logistic",
+    "momentum_rewards",
+    "pair_features",
+    "pair_turn_rewards",
+    "row_turn_features",
+    "tclip",
+    "turn_spans",
+]
 
 TURN_REWARD = "pair_turn_reward"  # the segment extra [B,G,S]: r_t of turn t (NaN past a row's turns)
 
@@ -94,8 +105,9 @@ def momentum_rewards(s_tilde: Tensor, alpha: float = 5.0, clip_negative: bool = 
     return torch.cat([s[:1], rest])  # [n]
 
 
-def pair_turn_rewards(s_final, alpha: float = 5.0, T: float = 2.0, eps: float = 0.05, momentum: bool = True,
-                      clip_negative: bool = False) -> Tensor:
+def pair_turn_rewards(
+    s_final, alpha: float = 5.0, T: float = 2.0, eps: float = 0.05, momentum: bool = True, clip_negative: bool = False
+) -> Tensor:
     """[n] turn rewards from the probe's raw turn scores: tclip, then the momentum bonus (or s̃ itself)."""
     s_tilde = tclip(torch.as_tensor(s_final, dtype=torch.float64), T, eps)  # [n]
     return momentum_rewards(s_tilde, alpha, clip_negative) if momentum else s_tilde
@@ -119,11 +131,19 @@ class PairReward:
     def __post_init__(self) -> None:
         self.attn_layers = tuple(int(l) for l in self.attn_layers)
         if self.temperature <= 0 or not 0.0 <= self.eps < 0.5 or self.alpha < 0 or not math.isfinite(self.alpha):
-            raise ConfigError(f"reward pair: need temperature > 0 (got {self.temperature}), eps in [0, 0.5) (got {self.eps}), "
-                              f"a finite alpha >= 0 (got {self.alpha})")
-        if self.hidden_layer < 0 or any(l < 1 for l in self.attn_layers) or len(set(self.attn_layers)) != len(self.attn_layers):
-            raise ConfigError(f"reward pair: hidden_layer must be >= 0 (got {self.hidden_layer}) and attn_layers distinct layers >= 1 "
-                              f"(got {list(self.attn_layers)}); use the model's, e.g. hidden_layer=4, attn_layers=[1, 2, 3, 4]")
+            raise ConfigError(
+                f"reward pair: need temperature > 0 (got {self.temperature}), eps in [0, 0.5) (got {self.eps}), "
+                f"a finite alpha >= 0 (got {self.alpha})"
+            )
+        if (
+            self.hidden_layer < 0
+            or any(l < 1 for l in self.attn_layers)
+            or len(set(self.attn_layers)) != len(self.attn_layers)
+        ):
+            raise ConfigError(
+                f"reward pair: hidden_layer must be >= 0 (got {self.hidden_layer}) and attn_layers distinct layers >= 1 "
+                f"(got {list(self.attn_layers)}); use the model's, e.g. hidden_layer=4, attn_layers=[1, 2, 3, 4]"
+            )
         self._probe: PairProbe | None = None
         self._stats: dict[str, float] = {}
 
@@ -138,14 +158,18 @@ class PairReward:
     def use_artifact(self, name: str, value: dict) -> None:
         made = (int(value["hidden_layer"]), tuple(int(l) for l in value["attn_layers"]))
         if made != (self.hidden_layer, self.attn_layers):
-            raise ConfigError(f"reward pair: the probe {name!r} was fitted on hidden_at({made[0]}) and attn_at{list(made[1])}, but the reward reads "
-                              f"hidden_at({self.hidden_layer}) and attn_at{list(self.attn_layers)}; give both the same hidden_layer and attn_layers")
+            raise ConfigError(
+                f"reward pair: the probe {name!r} was fitted on hidden_at({made[0]}) and attn_at{list(made[1])}, but the reward reads "
+                f"hidden_at({self.hidden_layer}) and attn_at{list(self.attn_layers)}; give both the same hidden_layer and attn_layers"
+            )
         self._probe = PairProbe.from_state(value["probe"])
         self._probe.temperature, self._probe.eps = self.temperature, self.eps
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if self._probe is None:
-            raise ValueError(f"reward pair: no probe; add the offline phase pair_probe (artifact {self.artifact!r}) to `phases`")
+            raise ValueError(
+                f"reward pair: no probe; add the offline phase pair_probe (artifact {self.artifact!r}) to `phases`"
+            )
         B, G, T = rollout.shape
         hidden = rollout.extras[f"hidden_at({self.hidden_layer})"]  # [B,G,T,D]
         attns = [rollout.extras[f"attn_at({l})"] for l in self.attn_layers]  # each [B,G,T,heads,S]
@@ -160,9 +184,13 @@ class PairReward:
                     continue
                 P = len(rollout.ctx[b][g]) if rollout.ctx else len(rollout.prompt_ids[b])
                 seg = rollout.segment_id[b, g] if rollout.segment_id is not None else None  # [T]
-                spans, h, a = row_turn_features(hidden[b, g], [x[b, g] for x in attns], row_mask[b, g], P, int(lengths[b][g]), seg)
+                spans, h, a = row_turn_features(
+                    hidden[b, g], [x[b, g] for x in attns], row_mask[b, g], P, int(lengths[b][g]), seg
+                )
                 _, s_final = self._probe.score(h, a)  # [n]
-                r = pair_turn_rewards(s_final, self.alpha, self.temperature, self.eps, self.momentum, self.clip_negative)  # [n]
+                r = pair_turn_rewards(
+                    s_final, self.alpha, self.temperature, self.eps, self.momentum, self.clip_negative
+                )  # [n]
                 per_row[(b, g)] = r.tolist()
                 total[b, g] = float(r.sum())
                 finals += s_final.tolist()

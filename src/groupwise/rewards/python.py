@@ -56,8 +56,9 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -68,17 +69,23 @@ from groupwise.rewards._hooks import signature_accepts
 def load_function(spec: str) -> Callable[..., Any]:
     """Resolve ``"package.module:function"`` or ``"/path/file.py:function"`` to the callable."""
     if not isinstance(spec, str) or ":" not in spec:
-        raise ConfigError(f"reward 'python': fn={spec!r} must look like 'package.module:function' or '/path/file.py:function'")
+        raise ConfigError(
+            f"reward 'python': fn={spec!r} must look like 'package.module:function' or '/path/file.py:function'"
+        )
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
-        raise ConfigError(f"reward 'python': fn={spec!r} must look like 'package.module:function' or '/path/file.py:function'")
+        raise ConfigError(
+            f"reward 'python': fn={spec!r} must look like 'package.module:function' or '/path/file.py:function'"
+        )
     is_file = where.endswith(".py") or os.sep in where or "/" in where
     try:
         module = _import_file(where) if is_file else importlib.import_module(where)
     except ConfigError:
         raise
     except Exception as err:
-        raise ConfigError(f"reward 'python': cannot import {where!r} for fn={spec!r}: {type(err).__name__}: {err}") from err
+        raise ConfigError(
+            f"reward 'python': cannot import {where!r} for fn={spec!r}: {type(err).__name__}: {err}"
+        ) from err
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

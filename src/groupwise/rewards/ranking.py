@@ -53,8 +53,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -77,7 +78,9 @@ def phase_boundary(text: str, cand_tags: Sequence[str]) -> int | None:
     return None if end < 0 else end + len(close_tag)
 
 
-def parse_ranking(text: str, cand_tags: Sequence[str], rank_tags: Sequence[str] = ("", "")) -> tuple[list[str], list[str]] | None:
+def parse_ranking(
+    text: str, cand_tags: Sequence[str], rank_tags: Sequence[str] = ("", "")
+) -> tuple[list[str], list[str]] | None:
     """(candidate ids, ranked ids) of a completion, or None when it has no candidate segment."""
     cut = phase_boundary(text, cand_tags)
     if cut is None:
@@ -112,8 +115,13 @@ def recall_score(cand: Sequence[str] | None, gains: Mapping[str, float], k: int,
     return len(set(cand) & set(gains)) / min(len(gains), k)
 
 
-def ndcg_score(rank: Sequence[str] | None, gains: Mapping[str, float], k: int, cand: Sequence[str] | None = None,
-               mode: str = "plain") -> float:
+def ndcg_score(
+    rank: Sequence[str] | None,
+    gains: Mapping[str, float],
+    k: int,
+    cand: Sequence[str] | None = None,
+    mode: str = "plain",
+) -> float:
     """R_rank = DCG@k(rank) / IDCG@k (module Math); 0 for an invalid ranking."""
     if rank is None or not rank or len(set(rank)) < len(rank) or (cand is not None and not set(rank) <= set(cand)):
         return 0.0
@@ -122,8 +130,9 @@ def ndcg_score(rank: Sequence[str] | None, gains: Mapping[str, float], k: int, c
     return dcg([gains.get(i, 0.0) for i in rank], k) / ideal if ideal > 0 else 0.0
 
 
-def fgrpo_rewards(pred_sets: Sequence[Sequence[str]], pred_ranks: Sequence[Sequence[str]], rel: Any, k: int,
-                  mode: str = "plain") -> tuple[Tensor, Tensor]:
+def fgrpo_rewards(
+    pred_sets: Sequence[Sequence[str]], pred_ranks: Sequence[Sequence[str]], rel: Any, k: int, mode: str = "plain"
+) -> tuple[Tensor, Tensor]:
     """The spec's interface for one group: (R_gen [G], R_rank [G]) float32 from parsed sets and rankings."""
     gains = read_gains(rel)
     r_gen = [recall_score(s, gains, k, len(s)) for s in pred_sets]

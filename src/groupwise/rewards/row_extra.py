@@ -47,7 +47,7 @@ class RowExtra:
 
     def __post_init__(self) -> None:
         if not self.key:
-            raise ConfigError("reward row_extra: key must name a row extra, e.g. key = \"steer_coef\" (rollout vspo)")
+            raise ConfigError('reward row_extra: key must name a row extra, e.g. key = "steer_coef" (rollout vspo)')
 
     @property
     def rollout_extras(self) -> tuple[str, ...]:
@@ -55,6 +55,8 @@ class RowExtra:
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if self.key not in rollout.extras:
-            raise KeyError(f"reward row_extra: the rollout has no extra {self.key!r} (extras: {sorted(rollout.extras)})")
+            raise KeyError(
+                f"reward row_extra: the rollout has no extra {self.key!r} (extras: {sorted(rollout.extras)})"
+            )
         value = rollout.extras[self.key].float()  # [B,G]
         return torch.where(rollout.group_valid.bool(), value, torch.zeros(()))  # [B,G]

@@ -48,18 +48,30 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from groupwise.rewards._async import call_all as _call_async, is_async_callable
-from groupwise.rewards._call import RewardAborted, call as _call
+from groupwise.rewards._async import call_all as _call_async
+from groupwise.rewards._async import is_async_callable
+from groupwise.rewards._call import RewardAborted
+from groupwise.rewards._call import call as _call
 from groupwise.rewards._common import RewardError
 from groupwise.rewards._hooks import Recorder, RewardLog
 
-__all__ = ["score", "score_parts", "combine", "ScoreResult", "RewardError", "RewardAborted", "RewardLog", "reward_label"]
+__all__ = [
+    "score",
+    "score_parts",
+    "combine",
+    "ScoreResult",
+    "RewardError",
+    "RewardAborted",
+    "RewardLog",
+    "reward_label",
+]
 
 
 @dataclass
@@ -70,6 +82,7 @@ class ScoreResult:
     counts: dict[str, int]
     extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra: column -> N values
     metrics: dict[str, list[float]] = field(default_factory=dict)  # log_metric: name -> values logged
+
 
 def reward_label(fn: Any) -> str:
     """How errors and counts name a reward: ``label`` (python rewards), registry name, or qualname."""
@@ -103,25 +116,47 @@ def score(
         raise ValueError(f"missing must be 'exclude' or 'zero', got {missing!r}")
     if not reward_fns:
         raise ValueError("score needs at least one reward function")
-    N, K = len(completions), len(reward_fns)
+    N, _K = len(completions), len(reward_fns)
     if len(prompts) != N:
-        raise ValueError(f"score got {len(prompts)} prompts for {N} completions; repeat each prompt once per completion")
+        raise ValueError(
+            f"score got {len(prompts)} prompts for {N} completions; repeat each prompt once per completion"
+        )
     for key, values in columns.items():
         if isinstance(values, (list, tuple)) and len(values) != N:
             raise ValueError(f"column {key!r} has {len(values)} values for {N} completions")
 
     log = RewardLog()
-    parts, failed, counts = score_parts(reward_fns, prompts, completions, columns, on_error=on_error, timeout_s=timeout_s,
-                                        completion_ids=completion_ids, trainer_state=trainer_state, log=log)
+    parts, failed, counts = score_parts(
+        reward_fns,
+        prompts,
+        completions,
+        columns,
+        on_error=on_error,
+        timeout_s=timeout_s,
+        completion_ids=completion_ids,
+        trainer_state=trainer_state,
+        log=log,
+    )
     weights = [float(getattr(fn, "weight", 1.0)) for fn in reward_fns]
     total, excluded = combine(parts, weights, failed, missing)
     counts["excluded"] = int(excluded.sum())
-    return ScoreResult(total=total, parts=parts.float(), excluded=excluded, counts=counts, extra=log.extra, metrics=log.metrics)
+    return ScoreResult(
+        total=total, parts=parts.float(), excluded=excluded, counts=counts, extra=log.extra, metrics=log.metrics
+    )
 
 
-def score_parts(reward_fns, prompts, completions, columns, *, on_error: str = "raise", timeout_s: float | None = None,
-                completion_ids: list[list[int]] | None = None, trainer_state: Any = None,
-                log: RewardLog | None = None) -> tuple[Tensor, Tensor, dict[str, int]]:
+def score_parts(
+    reward_fns,
+    prompts,
+    completions,
+    columns,
+    *,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: Any = None,
+    log: RewardLog | None = None,
+) -> tuple[Tensor, Tensor, dict[str, int]]:
     """(parts [N,K] float64 with NaN = no verdict, failed [N] bool, counts): each function's own
     values, unweighted; ``failed`` marks samples lost to a function that raised (``on_error="exclude"``).
     What the functions log (point 7) is added to ``log``."""
@@ -170,7 +205,9 @@ def score_parts(reward_fns, prompts, completions, columns, *, on_error: str = "r
             continue
         settle(k, label, recorder, outcome)
     if later:
-        outcomes = _call_async([(fn, label, kwargs) for _, label, _, fn, kwargs in later], prompts, completions, timeout_s)
+        outcomes = _call_async(
+            [(fn, label, kwargs) for _, label, _, fn, kwargs in later], prompts, completions, timeout_s
+        )
         for (k, label, recorder, _, _), outcome in zip(later, outcomes):
             settle(k, label, recorder, outcome)
     return parts, failed, counts
@@ -208,9 +245,13 @@ def unique_labels(labels: list[str]) -> list[str]:
 def _validate(values: Any, label: str, n: int) -> list[float]:
     """One float per completion, NaN for no verdict; a contract violation raises naming ``label``."""
     if not isinstance(values, (list, tuple)):
-        raise RewardError(f"reward {label!r} returned a {type(values).__name__}; expected a list of {n} floats (one per completion, None for no verdict)")
+        raise RewardError(
+            f"reward {label!r} returned a {type(values).__name__}; expected a list of {n} floats (one per completion, None for no verdict)"
+        )
     if len(values) != n:
-        raise RewardError(f"reward {label!r} returned {len(values)} values for {n} completions (expected {n}, got {len(values)})")
+        raise RewardError(
+            f"reward {label!r} returned {len(values)} values for {n} completions (expected {n}, got {len(values)})"
+        )
     out = []
     for i, v in enumerate(values):
         if v is None:
@@ -219,5 +260,7 @@ def _validate(values: Any, label: str, n: int) -> list[float]:
             x = float(v)
             out.append(x if math.isfinite(x) else math.nan)
         else:
-            raise RewardError(f"reward {label!r} returned {v!r} ({type(v).__name__}) at index {i}; expected a float or None")
+            raise RewardError(
+                f"reward {label!r} returned {v!r} ({type(v).__name__}) at index {i}; expected a float or None"
+            )
     return out

@@ -73,9 +73,10 @@ import importlib
 import importlib.util
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -102,12 +103,16 @@ def script_ranges(spec: Any) -> tuple[tuple[int, int], ...]:
     """A script name of ``SCRIPTS`` or a list of ``[first, last]`` code-point pairs, as range tuples."""
     if isinstance(spec, str):
         if spec not in SCRIPTS:
-            raise ConfigError(f"unknown script {spec!r}; use one of {', '.join(SCRIPTS)} or a list of [first, last] code points")
+            raise ConfigError(
+                f"unknown script {spec!r}; use one of {', '.join(SCRIPTS)} or a list of [first, last] code points"
+            )
         return SCRIPTS[spec]
     try:
         ranges = tuple((int(lo), int(hi)) for lo, hi in spec)
     except (TypeError, ValueError):
-        raise ConfigError(f"script {spec!r} is neither a name ({', '.join(SCRIPTS)}) nor a list of [first, last] code points") from None
+        raise ConfigError(
+            f"script {spec!r} is neither a name ({', '.join(SCRIPTS)}) nor a list of [first, last] code points"
+        ) from None
     if not ranges or any(lo > hi or lo < 0 for lo, hi in ranges):
         raise ConfigError(f"script ranges {spec!r} need at least one [first, last] pair with 0 <= first <= last")
     return ranges
@@ -153,9 +158,13 @@ def check_encoder(encoder: str) -> None:
     """A ConfigError naming the install command when the encoder cannot be loaded here."""
     missing = [m for m in ("sentence_transformers", ENCODERS.get(encoder)) if m and importlib.util.find_spec(m) is None]
     if missing:
-        raise ConfigError(f"reward 'semantic_reward' needs {' and '.join(missing)} (encoder {encoder!r}), which is not installed; {INSTALL}")
+        raise ConfigError(
+            f"reward 'semantic_reward' needs {' and '.join(missing)} (encoder {encoder!r}), which is not installed; {INSTALL}"
+        )
     if encoder not in ENCODERS and not Path(encoder).is_dir():
-        raise ConfigError(f"reward 'semantic_reward': encoder {encoder!r} is neither a known name ({', '.join(ENCODERS)}) nor a local SentenceTransformer folder")
+        raise ConfigError(
+            f"reward 'semantic_reward': encoder {encoder!r} is neither a known name ({', '.join(ENCODERS)}) nor a local SentenceTransformer folder"
+        )
 
 
 @register("reward", "semantic_reward")
@@ -199,8 +208,19 @@ class Semantic:
             model = _load(self.encoder, self.device)
             cache = _refs[(os.getpid(), self.encoder, self.device)]
             new = list(dict.fromkeys([*completions, *(r for r in references if r not in cache)]))
-            got = model.encode(new, batch_size=self.batch_size, normalize_embeddings=True, convert_to_tensor=True,
-                               show_progress_bar=False).float().cpu() if new else torch.zeros(0, 0)  # [u,D]
+            got = (
+                model.encode(
+                    new,
+                    batch_size=self.batch_size,
+                    normalize_embeddings=True,
+                    convert_to_tensor=True,
+                    show_progress_bar=False,
+                )
+                .float()
+                .cpu()
+                if new
+                else torch.zeros(0, 0)
+            )  # [u,D]
             fresh = dict(zip(new, got))
             if len(cache) > _REF_CACHE:
                 cache.clear()
@@ -215,14 +235,24 @@ class Semantic:
         e_y, e_ref = self._embed(completions, references)  # [n,D], [n,D]
         cos = (e_y * e_ref).sum(-1).clamp(-1.0, 1.0)  # [n]
         r_sim = ((cos - self.tau) / (1.0 - self.tau)).clamp(min=0.0)  # [n]
-        frac = torch.tensor([script_fraction(c, self._target, self._others) for c in completions], dtype=torch.float32)  # [n]
+        frac = torch.tensor(
+            [script_fraction(c, self._target, self._others) for c in completions], dtype=torch.float32
+        )  # [n]
         r_lang = (frac >= self.theta_lang).float()  # [n]
-        return {"cos": cos, "r_sim": r_sim, "frac": frac, "r_lang": r_lang, "score": self.lam_sim * r_sim + self.lam_lang * r_lang}
+        return {
+            "cos": cos,
+            "r_sim": r_sim,
+            "frac": frac,
+            "r_lang": r_lang,
+            "score": self.lam_sim * r_sim + self.lam_lang * r_lang,
+        }
 
     def accepts_kwarg(self, name: str) -> bool:
         return name == "log_metric"
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], log_metric: Any = None, **columns: Any) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], log_metric: Any = None, **columns: Any
+    ) -> list[float | None]:
         refs = get_column(columns, self.column, len(completions), "semantic_reward")
         todo = [i for i, r in enumerate(refs) if r is not None]
         scores: list[float | None] = [None] * len(completions)

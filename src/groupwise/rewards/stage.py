@@ -31,7 +31,7 @@ import torch
 from groupwise import dist
 from groupwise.registry import build_spec
 from groupwise.rewards._hooks import RewardLog, TrainerState, accepts
-from groupwise.rewards.score import RewardAborted, unique_labels, combine, reward_label, score_parts
+from groupwise.rewards.score import RewardAborted, combine, reward_label, score_parts, unique_labels
 from groupwise.types import Need, Rollout, StepInfo
 
 
@@ -40,7 +40,11 @@ class RewardStage:
         self.scorers = [build_spec("reward", spec) for spec in specs]
         self.text = [s for s in self.scorers if not hasattr(s, "score_rollout")]
         self.tensor = [s for s in self.scorers if hasattr(s, "score_rollout")]
-        self.policy, self.decode, self.max_new_tokens = policy, decode, max_new_tokens  # decode(rollout) -> [B][G] texts
+        self.policy, self.decode, self.max_new_tokens = (
+            policy,
+            decode,
+            max_new_tokens,
+        )  # decode(rollout) -> [B][G] texts
         self.counts: dict[str, int] = {}
         self.metrics: dict[str, list[float]] = {}  # log_metric name -> [sum, count] since the last pop_metrics
 
@@ -56,7 +60,11 @@ class RewardStage:
     # ------------------------------------------------------------------ dataset columns
     def columns(self, meta: list[dict], repeat: int, lengths: list[int], truncated: list[bool]) -> dict[str, Any]:
         """Dataset columns repeated per completion, plus ``completion_lengths``, ``truncated``, ``max_new_tokens``."""
-        columns = {key: [m.get(key) for m in meta for _ in range(repeat)] for key in meta[0] if key != "prompt"} if meta else {}
+        columns = (
+            {key: [m.get(key) for m in meta for _ in range(repeat)] for key in meta[0] if key != "prompt"}
+            if meta
+            else {}
+        )
         columns.update(completion_lengths=lengths, truncated=truncated, max_new_tokens=self.max_new_tokens)
         return columns
 
@@ -80,18 +88,32 @@ class RewardStage:
                 prompts, flat = [prompts[i] for i in keep], [flat[i] for i in keep]
                 columns = {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in columns.items()}
             ids = None
-            if any(accepts(s, "completion_ids") for s in self.text):  # TRL's completion_ids: only built when a scorer takes it
+            if any(
+                accepts(s, "completion_ids") for s in self.text
+            ):  # TRL's completion_ids: only built when a scorer takes it
                 ids = [rollout.actions[i // G, i % G][rollout.mask[i // G, i % G]].tolist() for i in rows.tolist()]
             log = RewardLog()
-            scored, scored_failed, self.counts = score_parts(self.text, prompts, flat, columns, on_error=self.policy.on_error,
-                                                             timeout_s=self.policy.timeout_s or None, completion_ids=ids,
-                                                             trainer_state=TrainerState(info.step) if info is not None else None, log=log)
+            scored, scored_failed, self.counts = score_parts(
+                self.text,
+                prompts,
+                flat,
+                columns,
+                on_error=self.policy.on_error,
+                timeout_s=self.policy.timeout_s or None,
+                completion_ids=ids,
+                trainer_state=TrainerState(info.step) if info is not None else None,
+                log=log,
+            )
             self._keep_log(rollout, rows.tolist(), log)
-            parts = torch.full((B * G, scored.shape[1]), float("nan"), dtype=torch.float64).index_copy_(0, rows, scored)  # [B*G,K]
+            parts = torch.full((B * G, scored.shape[1]), float("nan"), dtype=torch.float64).index_copy_(
+                0, rows, scored
+            )  # [B*G,K]
             failed = failed.index_copy_(0, rows, scored_failed)  # [B*G]
             errors = sum(v for k, v in self.counts.items() if k.endswith("/error"))
             if errors > self.policy.max_error_rate * max(1, len(rows)):
-                raise RuntimeError(f"reward functions failed on {errors} of {len(rows)} samples this step (reward.max_error_rate={self.policy.max_error_rate}): {self.counts}")
+                raise RuntimeError(
+                    f"reward functions failed on {errors} of {len(rows)} samples this step (reward.max_error_rate={self.policy.max_error_rate}): {self.counts}"
+                )
         rollout.reward_parts = parts.view(B, G, -1)  # [B,G,K_text] float64 until finish
         rollout.set_extra("reward_failed", failed.view(B, G), "row")
 
@@ -116,13 +138,20 @@ class RewardStage:
         all ranks (sum and count all-reduced; call it on every rank). Resets the sums."""
         if not self.text:  # the same on every rank: no text scorer, nothing logged, no collective
             return {}
-        names = sorted(set(dist.all_gather_objects(list(self.metrics))))  # every rank reduces the same names in the same order
+        names = sorted(
+            set(dist.all_gather_objects(list(self.metrics)))
+        )  # every rank reduces the same names in the same order
         if not names:
             return {}
-        local = torch.tensor([self.metrics.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64).reshape(-1, 2)  # [M,2] sum, count
+        local = torch.tensor([self.metrics.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64).reshape(
+            -1, 2
+        )  # [M,2] sum, count
         total = dist.all_reduce_sum(local)  # [M,2]
         self.metrics = {}
-        return {f"reward_metric/{n}": float(total[m, 0] / total[m, 1]) if total[m, 1] else float("nan") for m, n in enumerate(names)}
+        return {
+            f"reward_metric/{n}": float(total[m, 0] / total[m, 1]) if total[m, 1] else float("nan")
+            for m, n in enumerate(names)
+        }
 
     def finish(self, batch: Rollout, info: StepInfo) -> None:
         """On the whole batch: the rollout scorers, then the weighted total (the one place weights apply)."""
@@ -139,6 +168,10 @@ class RewardStage:
         batch.extra_levels.pop("reward_failed", None)
         batch.rewards = total  # [B,G] float32, NaN where excluded
         batch.reward_parts = parts.float()  # [B,G,K] in the order text scorers, rollout scorers
-        batch.set_extra("reward_weights", torch.tensor(weights, dtype=torch.float32).expand(parts.shape[0], -1).clone(), "group")  # [B,K]
-        self.excluded = int((excluded & batch.group_valid).sum())  # real rows only: padding of ragged groups is not a lost sample
+        batch.set_extra(
+            "reward_weights", torch.tensor(weights, dtype=torch.float32).expand(parts.shape[0], -1).clone(), "group"
+        )  # [B,K]
+        self.excluded = int(
+            (excluded & batch.group_valid).sum()
+        )  # real rows only: padding of ragged groups is not a lost sample
         batch.group_valid = batch.group_valid & torch.isfinite(total)  # [B,G]

@@ -61,8 +61,9 @@ judge's first answer token, ``rewards/dvreward.py``: ``ask_judge``)::
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -112,9 +113,13 @@ class StageRubric(FrozenJudge):
         try:
             re.compile(self.split)
         except re.error as err:
-            raise ConfigError(f"reward stage_rubric: split={self.split!r} is not a regular expression ({err})") from None
+            raise ConfigError(
+                f"reward stage_rubric: split={self.split!r} is not a regular expression ({err})"
+            ) from None
         if re.fullmatch(self.split, "") is not None:
-            raise ConfigError(f"reward stage_rubric: split={self.split!r} matches the empty string; use e.g. '[\\\\s+]+'")
+            raise ConfigError(
+                f"reward stage_rubric: split={self.split!r} matches the empty string; use e.g. '[\\\\s+]+'"
+            )
 
     def _questions(self, stage: str, items: list[str]) -> list[str]:
         """The LM judge's question on each rubric item, the stage text shortened until it fits the judge (Notes 5)."""
@@ -145,11 +150,18 @@ class StageRubric(FrozenJudge):
                 spans = tag_spans(text, self.tags)
                 out.append(0.0)
                 if spans:
-                    asks.append((len(out) - 1, self._questions(text[spans[0][0]: spans[0][1]], ref_items)))
+                    asks.append((len(out) - 1, self._questions(text[spans[0][0] : spans[0][1]], ref_items)))
         if asks:
-            conf = ask_judge(self.judge_model(), [q for _, qs in asks for q in qs], self.template, self.top_logprobs, False, self.match)
+            conf = ask_judge(
+                self.judge_model(),
+                [q for _, qs in asks for q in qs],
+                self.template,
+                self.top_logprobs,
+                False,
+                self.match,
+            )
             i = 0
             for row, qs in asks:
-                out[row] = sum(conf[i: i + len(qs)]) / len(qs)
+                out[row] = sum(conf[i : i + len(qs)]) / len(qs)
                 i += len(qs)
         return out

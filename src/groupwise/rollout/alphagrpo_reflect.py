@@ -84,7 +84,9 @@ def reflection_context(prompt, completion: str, instruction: str = INSTRUCTION, 
     return template.format(prompt=prompt, completion=completion, instruction=instruction)
 
 
-def select_attempt(rewards: torch.Tensor, valid: torch.Tensor, select: str = "lowest", generator: torch.Generator | None = None) -> int:
+def select_attempt(
+    rewards: torch.Tensor, valid: torch.Tensor, select: str = "lowest", generator: torch.Generator | None = None
+) -> int:
     """The row of one group to refine: its lowest finite reward (first on ties), or a draw ∝ exp(1 − r); -1 when none is finite."""
     ok = valid & torch.isfinite(rewards)  # [I]
     if not bool(ok.any()):
@@ -110,9 +112,13 @@ class AlphaGRPOReflect:
 
     def __post_init__(self) -> None:
         if self.initial < 1:
-            raise ConfigError(f"rollout alphagrpo_reflect: initial={self.initial} must be >= 1 (attempts per prompt in stage 1)")
+            raise ConfigError(
+                f"rollout alphagrpo_reflect: initial={self.initial} must be >= 1 (attempts per prompt in stage 1)"
+            )
         if self.train_first and self.initial < 2:
-            raise ConfigError(f"rollout alphagrpo_reflect: train_first needs initial >= 2 (a group of one attempt has no advantage); got initial={self.initial}")
+            raise ConfigError(
+                f"rollout alphagrpo_reflect: train_first needs initial >= 2 (a group of one attempt has no advantage); got initial={self.initial}"
+            )
         if self.select not in SELECTS:
             raise ConfigError(f"rollout alphagrpo_reflect: select={self.select!r}; use one of {', '.join(SELECTS)}")
         for key in ("{prompt}", "{completion}", "{instruction}"):
@@ -130,9 +136,11 @@ class AlphaGRPOReflect:
             if getattr(c, "stage", "") != "advantage":
                 continue
             if getattr(c, "by", "group") == "prompt" or getattr(c, "baseline", "group") != "group":
-                raise ConfigError(f"rollout alphagrpo_reflect: train_first puts the first attempts and the refinements of a prompt in two groups; "
-                                  f"the estimator {getattr(c, 'registry_name', type(c).__name__)!r} pools by={getattr(c, 'by', None)!r} / "
-                                  f"baseline={getattr(c, 'baseline', None)!r}: use by=\"group\", baseline=\"group\"")
+                raise ConfigError(
+                    f"rollout alphagrpo_reflect: train_first puts the first attempts and the refinements of a prompt in two groups; "
+                    f"the estimator {getattr(c, 'registry_name', type(c).__name__)!r} pools by={getattr(c, 'by', None)!r} / "
+                    f'baseline={getattr(c, "baseline", None)!r}: use by="group", baseline="group"'
+                )
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
         ids = ctx.draw(ctx.batch_size)
@@ -140,7 +148,11 @@ class AlphaGRPOReflect:
         first = ctx.rollout([Request(key=i, n=self.initial) for i in ids])
         stage1, requests = [], []
         for b, key in enumerate(ids):
-            gen = torch.Generator().manual_seed((info.seed * 1_000_003 + info.step) * 1_000_003 + int(key)) if self.select == "softmax" else None
+            gen = (
+                torch.Generator().manual_seed((info.seed * 1_000_003 + info.step) * 1_000_003 + int(key))
+                if self.select == "softmax"
+                else None
+            )
             j = select_attempt(first.rewards[b], first.group_valid[b], self.select, gen)
             stage1.append(float(first.rewards[b, j]) if j >= 0 else float("nan"))
             j = max(j, 0)  # Note 2: no finite attempt -> the first row, stage-1 reward NaN
@@ -156,10 +168,12 @@ class AlphaGRPOReflect:
         better = ok & (refined.rewards > s[:, None])  # [B,G] NaN stage-1 never counts as improved
         n_ok = int(ok.sum())
         finite = torch.isfinite(s)
-        self._stats = {"reflect/improved": float(better.sum()) / max(1, n_ok),
-                       "reflect/any_improved": float(bool(better.any())),
-                       "reflect/stage1_reward": float(s[finite].mean()) if bool(finite.any()) else float("nan"),
-                       "reflect/refined_reward": float(refined.rewards[ok].mean()) if n_ok else float("nan")}
+        self._stats = {
+            "reflect/improved": float(better.sum()) / max(1, n_ok),
+            "reflect/any_improved": float(bool(better.any())),
+            "reflect/stage1_reward": float(s[finite].mean()) if bool(finite.any()) else float("nan"),
+            "reflect/refined_reward": float(refined.rewards[ok].mean()) if n_ok else float("nan"),
+        }
         if self.train_first:  # Defaults: the first attempts as groups of their own, under the plain prompt
             first.set_extra("stage1_reward", torch.full((first.shape[0],), float("nan")), "group")
             refined = Rollout.concat([first, refined])  # [2B,...]

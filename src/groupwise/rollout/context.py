@@ -29,7 +29,8 @@ which the trainer uses to stop a run whose rewards are never finite.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,23 +46,40 @@ def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
     name = getattr(strategy, "registry_name", type(strategy).__name__)
     missing = set(getattr(strategy, "request_options", ())) - set(getattr(policy, "request_options", ()))
     if missing:
-        raise ConfigError(f"rollout strategy {name!r} asks for sampling options {sorted(missing)} that the {policy.modality} policy does not offer "
-                          f"(it offers {sorted(getattr(policy, 'request_options', ()))})")
+        raise ConfigError(
+            f"rollout strategy {name!r} asks for sampling options {sorted(missing)} that the {policy.modality} policy does not offer "
+            f"(it offers {sorted(getattr(policy, 'request_options', ()))})"
+        )
     check_hooks(strategy, policy)  # the generation hooks it samples under (groupwise.hooks)
-    if hasattr(strategy, "check"):  # a strategy's own build-time check of the run's components (env runs: their rewards)
+    if hasattr(
+        strategy, "check"
+    ):  # a strategy's own build-time check of the run's components (env runs: their rewards)
         strategy.check(components)
     collected = set(getattr(strategy, "collects", ()))
     for component in components:
         for extra in getattr(component, "rollout_extras", ()):
             if extra not in collected:
                 who = f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r}"
-                raise ConfigError(f"{who} reads {extra!r}, which the rollout strategy {name!r} does not collect (it collects {sorted(collected) or 'nothing'}); "
-                                  f"pick a strategy that does, e.g. rollout.name='remax' for 'baseline_reward'")
+                raise ConfigError(
+                    f"{who} reads {extra!r}, which the rollout strategy {name!r} does not collect (it collects {sorted(collected) or 'nothing'}); "
+                    f"pick a strategy that does, e.g. rollout.name='remax' for 'baseline_reward'"
+                )
 
 
 class RolloutContext:
-    def __init__(self, policy: Any, sampler: Any, reward_stage: Any, fill_needs: Callable[[Rollout], None], prompt: Callable[[int], Any],
-                 meta: Callable[[int], dict], info: Callable[[int], StepInfo], sampling: dict, batch_size: int, group_size: int):
+    def __init__(
+        self,
+        policy: Any,
+        sampler: Any,
+        reward_stage: Any,
+        fill_needs: Callable[[Rollout], None],
+        prompt: Callable[[int], Any],
+        meta: Callable[[int], dict],
+        info: Callable[[int], StepInfo],
+        sampling: dict,
+        batch_size: int,
+        group_size: int,
+    ):
         self.policy, self.sampler, self.reward_stage, self.fill_needs = policy, sampler, reward_stage, fill_needs
         self.prompt, self.meta, self.info, self.sampling = prompt, meta, info, sampling
         self.batch_size, self.group_size = batch_size, group_size
@@ -112,7 +130,9 @@ class RolloutContext:
         """The request's own context (checked against the model's length), else its dataset row's prompt."""
         if request.prompt is None:
             return self.prompt(request.key)
-        self.policy.check_fits(request.prompt, self.sampling["max_new_tokens"], f"a request's own context for row {request.key}")
+        self.policy.check_fits(
+            request.prompt, self.sampling["max_new_tokens"], f"a request's own context for row {request.key}"
+        )
         return request.prompt
 
     def _generate(self, requests: list[Request], info: StepInfo) -> Rollout:
@@ -134,16 +154,22 @@ class RolloutContext:
         hooks = set(getattr(self.policy, "hooks", ()))
         for i, r in enumerate(requests):
             if r.hook is not None and r.hook.kind not in hooks:
-                raise ValueError(f"Request.hook of kind {r.hook.kind!r} cannot be applied by the {self.policy.modality} policy's engine "
-                                 f"(it applies {sorted(hooks) or 'none'})")
+                raise ValueError(
+                    f"Request.hook of kind {r.hook.kind!r} cannot be applied by the {self.policy.modality} policy's engine "
+                    f"(it applies {sorted(hooks) or 'none'})"
+                )
             if set(r.sampling or ()) - offered:
-                raise ValueError(f"Request.sampling keys {sorted(set(r.sampling) - offered)} are not offered by the policy (it offers {sorted(offered)})")
+                raise ValueError(
+                    f"Request.sampling keys {sorted(set(r.sampling) - offered)} are not offered by the policy (it offers {sorted(offered)})"
+                )
             by_override.setdefault(tuple(sorted((r.sampling or {}).items())), []).append(i)
         if len(by_override) == 1:
             override = dict(next(iter(by_override)))
             return self.policy.generate(requests, {**self.sampling, **override}, info)
         if len({max(requests[i].n for i in index) for index in by_override.values()}) > 1:
-            raise ValueError("requests with different sampling overrides in one rollout call must have the same largest n; make one call per override")
+            raise ValueError(
+                "requests with different sampling overrides in one rollout call must have the same largest n; make one call per override"
+            )
         parts, order = [], []
         for override, index in by_override.items():
             parts.append(self.policy.generate([requests[i] for i in index], {**self.sampling, **dict(override)}, info))

@@ -52,14 +52,14 @@ import itertools
 import math
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
 from groupwise.types import Request, Rollout
-
 
 SLOT = "{elements}"
 
@@ -69,7 +69,9 @@ def render(template: str, elements: Sequence[str], sep: str = " ") -> str:
     return template.replace(SLOT, sep.join(elements))
 
 
-def order_permutations(n: int, num_orders: int, rng: random.Random, include_original: bool = False) -> list[tuple[int, ...]]:
+def order_permutations(
+    n: int, num_orders: int, rng: random.Random, include_original: bool = False
+) -> list[tuple[int, ...]]:
     """``num_orders`` permutations of range(n), distinct while n! allows (then all of them, repeated)."""
     ident = tuple(range(n))
     if math.factorial(n) <= num_orders + include_original:
@@ -88,8 +90,9 @@ def order_permutations(n: int, num_orders: int, rng: random.Random, include_orig
     return out
 
 
-def make_order_variants(elements: Sequence[str], template: str, num_orders: int, seed: Any, include_original: bool = False,
-                        sep: str = " ") -> list[str]:
+def make_order_variants(
+    elements: Sequence[str], template: str, num_orders: int, seed: Any, include_original: bool = False, sep: str = " "
+) -> list[str]:
     """The spec's interface: ``num_orders`` prompts of one question, its elements in different orders."""
     perms = order_permutations(len(elements), num_orders, random.Random(seed), include_original)
     return [render(template, [elements[i] for i in perm], sep) for perm in perms]
@@ -138,7 +141,9 @@ class DGAOOrders:
 
     def __post_init__(self) -> None:
         if self.num_orders < 0 or self.rows_per_order < 1:
-            raise ConfigError(f"rollout dgao: num_orders={self.num_orders} must be >= 0 (0 = rollout.group_size) and rows_per_order={self.rows_per_order} >= 1")
+            raise ConfigError(
+                f"rollout dgao: num_orders={self.num_orders} must be >= 0 (0 = rollout.group_size) and rows_per_order={self.rows_per_order} >= 1"
+            )
 
     @property
     def request_options(self) -> tuple[str, ...]:
@@ -148,11 +153,19 @@ class DGAOOrders:
         meta = ctx.meta(key)
         elements, template = meta.get(self.elements_column), meta.get(self.template_column)
         if not isinstance(elements, (list, tuple)) or not isinstance(template, str) or SLOT not in template:
-            raise ConfigError(f"rollout dgao needs rows with a list column {self.elements_column!r} and a text column {self.template_column!r} "
-                              f"holding {SLOT!r}; row {key} has {sorted(meta)} (e.g. data.task=\"addition_orders\")")
+            raise ConfigError(
+                f"rollout dgao needs rows with a list column {self.elements_column!r} and a text column {self.template_column!r} "
+                f'holding {SLOT!r}; row {key} has {sorted(meta)} (e.g. data.task="addition_orders")'
+            )
         info = ctx.info(0)
-        return make_order_variants([str(e) for e in elements], template, num_orders, f"dgao:{info.seed}:{info.step}:{key}",
-                                   self.include_original, self.sep)
+        return make_order_variants(
+            [str(e) for e in elements],
+            template,
+            num_orders,
+            f"dgao:{info.seed}:{info.step}:{key}",
+            self.include_original,
+            self.sep,
+        )
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
         O, n = self.num_orders or ctx.group_size, self.rows_per_order
@@ -160,11 +173,23 @@ class DGAOOrders:
         variants = [self._variants(ctx, key, O) for key in ids]
         encoded = [[ctx.policy.encode(text) for text in vs] for vs in variants]
         batch = ctx.rollout([Request(key, n, o * n, encoded[b][o]) for b, key in enumerate(ids) for o in range(O)])
-        grouped = batch.regroup([[(b * O + o, j) for o in range(O) for j in range(n)] for b in range(len(ids))])  # [B, O·n]
+        grouped = batch.regroup(
+            [[(b * O + o, j) for o in range(O) for j in range(n)] for b in range(len(ids))]
+        )  # [B, O·n]
         self._stats = self._metrics(grouped, "dgao/")
         if self.greedy_probe:
-            probe = ctx.rollout([Request(key, 1, O * n + o, encoded[b][o], {"greedy": True}) for b, key in enumerate(ids) for o in range(O)])
-            self._stats.update(self._metrics(probe.regroup([[(b * O + o, 0) for o in range(O)] for b in range(len(ids))]), "dgao/greedy_"))
+            probe = ctx.rollout(
+                [
+                    Request(key, 1, O * n + o, encoded[b][o], {"greedy": True})
+                    for b, key in enumerate(ids)
+                    for o in range(O)
+                ]
+            )
+            self._stats.update(
+                self._metrics(
+                    probe.regroup([[(b * O + o, 0) for o in range(O)] for b in range(len(ids))]), "dgao/greedy_"
+                )
+            )
         keep = ctx.keep(grouped)  # [B] bool
         return grouped if bool(keep.all()) else grouped.select(keep.nonzero().flatten())
 
@@ -173,8 +198,11 @@ class DGAOOrders:
         answers = [[batch.completions[b][g] for g, ok in enumerate(row) if ok] for b, row in enumerate(valid)]
         gold = [str(m.get(self.answer_column, "")) for m in batch.meta]
         right = (batch.rewards >= self.solved_at) & batch.group_valid  # [B,G]
-        return {f"{prefix}accuracy": float(right.sum()) / max(1, int(batch.group_valid.sum())),
-                f"{prefix}consistency": consistency_rate(answers), f"{prefix}overconfidence": overconfidence_rate(answers, gold)}
+        return {
+            f"{prefix}accuracy": float(right.sum()) / max(1, int(batch.group_valid.sum())),
+            f"{prefix}consistency": consistency_rate(answers),
+            f"{prefix}overconfidence": overconfidence_rate(answers, gold),
+        }
 
     def step_stats(self) -> dict[str, float]:
         return dict(self._stats)

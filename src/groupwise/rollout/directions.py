@@ -69,8 +69,10 @@ class Directions:
         for key, row in enumerate(rows):
             for column in (self.problem_column, self.direction_column):
                 if column not in row:
-                    raise ConfigError(f"rollout directions: train row {key} has no column {column!r} (it has {sorted(row)}); "
-                                      f"use task 'fobar' or rows with a problem id and a direction")
+                    raise ConfigError(
+                        f"rollout directions: train row {key} has no column {column!r} (it has {sorted(row)}); "
+                        f"use task 'fobar' or rows with a problem id and a direction"
+                    )
             d = order.setdefault(row[self.direction_column], len(order))
             self._problem.append(row[self.problem_column])
             self._direction.append(d)
@@ -92,7 +94,9 @@ class Directions:
         slots, start = [], 0
         for ks in keys:
             groups = range(start, start + len(ks))
-            slots.append([(b, g) for b in groups for g in batch.group_valid[b].nonzero().flatten().tolist()] or [(start, 0)])
+            slots.append(
+                [(b, g) for b in groups for g in batch.group_valid[b].nonzero().flatten().tolist()] or [(start, 0)]
+            )
             start += len(ks)
         pooled = batch.regroup(slots)  # [P, directions·G], each row under its own question
         keep = ctx.keep(pooled)  # [P] bool

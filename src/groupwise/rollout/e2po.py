@@ -82,8 +82,9 @@ every step); the text engine has no noise levels and refuses a ``rho``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,9 +129,20 @@ def embedding_loss(e: Tensor, e_anc: Tensor, lam_div: float, mu: float, eps: flo
     return lam_div * diversity_loss(e) + anchor_loss(e, e_anc, mu, eps)
 
 
-def learn_prompt_perturbations(token_emb: Tensor, real: Tensor, content: Tensor, encoder: Callable[[Tensor, Tensor], Tensor], K: int,
-                               steps: int, lam_div: float, mu: float, eps: float, sigma_init: float, lr: float,
-                               generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def learn_prompt_perturbations(
+    token_emb: Tensor,
+    real: Tensor,
+    content: Tensor,
+    encoder: Callable[[Tensor, Tensor], Tensor],
+    K: int,
+    steps: int,
+    lam_div: float,
+    mu: float,
+    eps: float,
+    sigma_init: float,
+    lr: float,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Phase I for N prompts at once: ``delta`` [N,K,L,d] and the final losses.
 
     ``token_emb`` [N,S,d] the prompts' (left-padded) token embeddings, ``real`` [N,S] bool their
@@ -152,7 +164,11 @@ def learn_prompt_perturbations(token_emb: Tensor, real: Tensor, content: Tensor,
     def losses() -> tuple[Tensor, Tensor, Tensor]:
         add = torch.zeros(N, K, S, d, dtype=token_emb.dtype).scatter_add(2, columns, delta * keep)  # [N,K,S,d]
         e = encoder((token_emb[:, None] + add).reshape(N * K, S, d), real_k).view(N, K, -1)  # [N,K,d']
-        return embedding_loss(e, e_anc, lam_div, mu, eps), diversity_loss(e), F.cosine_similarity(e, e_anc[:, None], dim=-1)  # [N],[N],[N,K]
+        return (
+            embedding_loss(e, e_anc, lam_div, mu, eps),
+            diversity_loss(e),
+            F.cosine_similarity(e, e_anc[:, None], dim=-1),
+        )  # [N],[N],[N,K]
 
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -182,8 +198,10 @@ class E2PO(ReadsArtifact):
         if self.assign not in ("blocks", "round_robin"):
             raise ConfigError(f"rollout e2po: assign={self.assign!r} must be 'blocks' or 'round_robin'")
         if self.rho is not None and not 0 < self.rho <= 1:
-            raise ConfigError(f"rollout e2po: rho={self.rho} must be in (0, 1] (the share of the noise range, from σ = 1 down, where the "
-                              f"perturbation is on); leave it unset for no schedule (the text form)")
+            raise ConfigError(
+                f"rollout e2po: rho={self.rho} must be in (0, 1] (the share of the noise range, from σ = 1 down, where the "
+                f"perturbation is on); leave it unset for no schedule (the text form)"
+            )
         self._table: dict[int, int] = {}
         self._stats: dict[str, float] = {}
 
@@ -195,8 +213,10 @@ class E2PO(ReadsArtifact):
         """[G] int64: each row's condition (0 = the original prompt)."""
         K = int(self.artifact_value()["conditions"])
         if G % K:
-            raise ConfigError(f"rollout e2po: rollout.group_size={G} is not a multiple of the artifact's conditions={K}; "
-                              f"set group_size to a multiple of {K} (or the phase's conditions to a divisor of {G})")
+            raise ConfigError(
+                f"rollout e2po: rollout.group_size={G} is not a multiple of the artifact's conditions={K}; "
+                f"set group_size to a multiple of {K} (or the phase's conditions to a divisor of {G})"
+            )
         g = torch.arange(G)
         return g // (G // K) if self.assign == "blocks" else g % K  # [G]
 
@@ -204,8 +224,10 @@ class E2PO(ReadsArtifact):
         """The embedding perturbation of each of the G rows of train row ``key``."""
         value = self.artifact_value()
         if key not in self._table:
-            raise ConfigError(f"rollout e2po: train row {key} has no learned perturbations in {self.artifact!r}; the phase covers "
-                              f"{len(self._table)} rows: set the phase's rows = 0 (all train rows) or data.train_size to at most that")
+            raise ConfigError(
+                f"rollout e2po: train row {key} has no learned perturbations in {self.artifact!r}; the phase covers "
+                f"{len(self._table)} rows: set the phase's rows = 0 (all train rows) or data.train_size to at most that"
+            )
         j = self._table[key]
         positions = value["positions"][j]  # [L] (−1: padding)
         real = positions >= 0  # [L]
@@ -223,9 +245,11 @@ class E2PO(ReadsArtifact):
         r = torch.nan_to_num(batch.rewards)  # [B,G]
         orig, pert = ok & (cond == 0), ok & (cond > 0)  # [B,G]
         std = [float(r[b][ok[b]].std(unbiased=False)) for b in range(B) if int(ok[b].sum()) > 1]
-        self._stats = {"e2po/reward_orig": float(r[orig].mean()) if orig.any() else float("nan"),
-                       "e2po/reward_perturbed": float(r[pert].mean()) if pert.any() else float("nan"),
-                       "e2po/group_std": sum(std) / len(std) if std else float("nan")}
+        self._stats = {
+            "e2po/reward_orig": float(r[orig].mean()) if orig.any() else float("nan"),
+            "e2po/reward_perturbed": float(r[pert].mean()) if pert.any() else float("nan"),
+            "e2po/group_std": sum(std) / len(std) if std else float("nan"),
+        }
         return batch
 
     def step_stats(self) -> dict[str, float]:

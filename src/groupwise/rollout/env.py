@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -66,10 +67,14 @@ class Episode:
     texts: list[str] = field(default_factory=list)  # each action decoded
     rewards: list[float] = field(default_factory=list)  # r_t
     rows: list[int] = field(default_factory=list)  # each action's group in Played.turns
-    env_tokens: list[list[int]] = field(default_factory=list)  # history mode: encode(separator + o_{t+1}) after each non-final action
+    env_tokens: list[list[int]] = field(
+        default_factory=list
+    )  # history mode: encode(separator + o_{t+1}) after each non-final action
     done: bool = False
     cut: str = ""  # "" (done or still live), "max_turns", "context", "gate" (the group hook)
-    facts: dict = field(default_factory=dict)  # the env's ``outcome()`` after the episode (optional protocol method), else {}
+    facts: dict = field(
+        default_factory=dict
+    )  # the env's ``outcome()`` after the episode (optional protocol method), else {}
 
     @property
     def ret(self) -> float:
@@ -85,13 +90,19 @@ class Played:
     def fact_means(self, prefix: str = "env/") -> dict[str, float]:
         """Each numeric ``outcome()`` key's mean over the episodes where it is finite (NaN when none is);
         text and list facts (a cause, per-step scores) are left to the components that read them."""
+
         def numeric(value: Any) -> bool:
             return isinstance(value, (int, float))  # bools count (a share of episodes)
 
         keys = sorted({k for g in self.episodes for ep in g for k, v in ep.facts.items() if numeric(v)})
         out = {}
         for k in keys:
-            vals = [float(ep.facts[k]) for g in self.episodes for ep in g if numeric(ep.facts.get(k)) and math.isfinite(float(ep.facts[k]))]
+            vals = [
+                float(ep.facts[k])
+                for g in self.episodes
+                for ep in g
+                if numeric(ep.facts.get(k)) and math.isfinite(float(ep.facts[k]))
+            ]
             out[prefix + k] = sum(vals) / len(vals) if vals else float("nan")
         return out
 
@@ -104,17 +115,34 @@ class Played:
 def env_name(env: str | None, row: dict, who: str) -> str:
     name = env or row.get("env")
     if not name:
-        raise ConfigError(f"rollout {who}: no env to play: set rollout.params.env (a registered env) or use a task whose rows name one "
-                          f"in an 'env' column (data.task='reach')")
+        raise ConfigError(
+            f"rollout {who}: no env to play: set rollout.params.env (a registered env) or use a task whose rows name one "
+            f"in an 'env' column (data.task='reach')"
+        )
     return name
 
 
-def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = None, env_params: dict | None = None, *,
-         history: bool = False, separator: str = " ", max_context: int | None = None, who: str = "env", sampling: dict | None = None,
-         on_step: Callable[[list[Episode], int], str] | None = None, index_base: int = 0) -> Played:
+def play(
+    ctx: Any,
+    keys: list[int],
+    n: int,
+    max_turns: int,
+    env: str | None = None,
+    env_params: dict | None = None,
+    *,
+    history: bool = False,
+    separator: str = " ",
+    max_context: int | None = None,
+    who: str = "env",
+    sampling: dict | None = None,
+    on_step: Callable[[list[Episode], int], str] | None = None,
+    index_base: int = 0,
+) -> Played:
     """Play ``n`` episodes of each row in ``keys`` (see the module docstring; ``on_step``: the group hook)."""
     if max_turns < 1 or n < 1:
-        raise ConfigError(f"rollout {who}: need max_turns >= 1 and group_size >= 1, got max_turns={max_turns}, group_size={n}")
+        raise ConfigError(
+            f"rollout {who}: need max_turns >= 1 and group_size >= 1, got max_turns={max_turns}, group_size={n}"
+        )
     info, encode = ctx.info(0), _cached(ctx.policy.encode)
     limit = min(x for x in (getattr(ctx.policy, "context", None), max_context, 1 << 62) if x)
     budget = ctx.sampling["max_new_tokens"]
@@ -128,7 +156,11 @@ def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = No
         group = []
         for e in range(n):
             instance = copy.deepcopy(protos[name])
-            ep = Episode(key, index_base + e, [instance.reset(row, sample_seed(info.seed, info.step, key, ENV_STREAM + index_base + e))])
+            ep = Episode(
+                key,
+                index_base + e,
+                [instance.reset(row, sample_seed(info.seed, info.step, key, ENV_STREAM + index_base + e))],
+            )
             envs[id(ep)] = instance
             group.append(ep)
         episodes.append(group)
@@ -143,7 +175,9 @@ def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = No
             if len(context) + budget > limit:
                 ep.cut = "context"
                 continue
-            requests.append(Request(key=ep.key, n=1, offset=ep.index * max_turns + t, prompt=context, sampling=sampling))
+            requests.append(
+                Request(key=ep.key, n=1, offset=ep.index * max_turns + t, prompt=context, sampling=sampling)
+            )
             chosen.append((ep, context))
         if not requests:
             break
@@ -171,12 +205,16 @@ def play(ctx: Any, keys: list[int], n: int, max_turns: int, env: str | None = No
         outcome = getattr(envs[id(ep)], "outcome", None)
         ep.facts = dict(outcome()) if outcome is not None else {}
     if not parts:
-        raise ConfigError(f"rollout {who}: no episode could take a single turn (the first observation plus rollout.max_new_tokens={budget} "
-                          f"exceeds the context limit {limit}); raise max_context or shorten the observations")
+        raise ConfigError(
+            f"rollout {who}: no episode could take a single turn (the first observation plus rollout.max_new_tokens={budget} "
+            f"exceeds the context limit {limit}); raise max_context or shorten the observations"
+        )
     return Played(episodes, Rollout.concat(parts), gated)
 
 
-def _group_hook(episodes: list[list[Episode]], gated: list[bool], acted: set[int], k: int, on_step: Callable, who: str) -> None:
+def _group_hook(
+    episodes: list[list[Episode]], gated: list[bool], acted: set[int], k: int, on_step: Callable, who: str
+) -> None:
     """After turn ``k``: ``on_step`` for every group with an episode that played its k-th action now; a cut stops its live episodes."""
     for b, group in enumerate(episodes):
         if gated[b] or not any(id(ep) in acted for ep in group):
@@ -199,10 +237,19 @@ class _Rows(RolloutContext):
         self.info, self.meta = (lambda round_=0: info), rows.__getitem__
 
 
-def greedy_success(policy: Any, rows: list[dict], sampling: dict, info: Any, max_turns: int = 16, **play_options: Any) -> float:
+def greedy_success(
+    policy: Any, rows: list[dict], sampling: dict, info: Any, max_turns: int = 16, **play_options: Any
+) -> float:
     """The share of ``rows`` whose greedy closed-loop episode (one per row) ends with a positive
     return: the held-out success of a multi-turn policy (``play_options`` as for ``play``)."""
-    played = play(_Rows(policy, rows, sampling, info), list(range(len(rows))), 1, max_turns, sampling={"greedy": True}, **play_options)
+    played = play(
+        _Rows(policy, rows, sampling, info),
+        list(range(len(rows))),
+        1,
+        max_turns,
+        sampling={"greedy": True},
+        **play_options,
+    )
     return sum(g[0].ret > 0 for g in played.episodes) / max(1, len(rows))
 
 
@@ -225,12 +272,16 @@ def check_env_rewards(components: list[Any], who: str) -> None:
     text = [c for c in components if getattr(c, "stage", "") == "reward" and not hasattr(c, "score_rollout")]
     others = sorted({getattr(c, "registry_name", type(c).__name__) for c in text if not isinstance(c, EnvReturn)})
     if others:
-        raise ConfigError(f"rollout strategy {who!r} plays an environment: its rows are scored by the env's return (reward 'env_return'), "
-                          f"so the text rewards {others} have nothing to score; use rewards=['env_return'] (rollout scorers such as "
-                          f"'kl_penalty' may be added)")
+        raise ConfigError(
+            f"rollout strategy {who!r} plays an environment: its rows are scored by the env's return (reward 'env_return'), "
+            f"so the text rewards {others} have nothing to score; use rewards=['env_return'] (rollout scorers such as "
+            f"'kl_penalty' may be added)"
+        )
     if not text:
-        raise ConfigError(f"rollout strategy {who!r} plays an environment but no reward is 'env_return': add it (rewards=['env_return'], "
-                          f"the env tasks' default)")
+        raise ConfigError(
+            f"rollout strategy {who!r} plays an environment but no reward is 'env_return': add it (rewards=['env_return'], "
+            f"the env tasks' default)"
+        )
 
 
 def score_returns(ctx: Any, batch: Rollout, returns: torch.Tensor, who: str = "env") -> Rollout:

@@ -66,6 +66,7 @@ def turn_facts(episodes: list[list[Any]]) -> dict[str, torch.Tensor]:
     """Each ``outcome()`` fact that is a list of numbers in some episode, as [B,n,S] float32: entry
     (b, e, t) = the value at turn t of episode e of group b, NaN where the episode's list is shorter
     (or the fact is not a list there); S = the longest list."""
+
     def numbers(v: Any) -> bool:
         return isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v)
 
@@ -107,7 +108,9 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
     mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
     loss_mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
     logp = torch.zeros(B, n, T)  # [B,n,T]
-    segment_id = torch.full((B, n, T), -1, dtype=torch.long)  # [B,n,T] the action (turn) each token belongs to; -1: env token or padding
+    segment_id = torch.full(
+        (B, n, T), -1, dtype=torch.long
+    )  # [B,n,T] the action (turn) each token belongs to; -1: env token or padding
     for i, (tok, own, lp, st) in enumerate(rows):
         b, e = divmod(i, n)
         actions[b, e, : len(tok)], mask[b, e, : len(tok)] = torch.tensor(tok, dtype=torch.long), True
@@ -125,10 +128,23 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
         truncated=torch.tensor([[ep.cut == "context" for ep in g] for g in played.episodes]),  # [B,n]
         prompt_index=torch.tensor([g[0].key for g in played.episodes], dtype=torch.long),  # [B]
         meta=[meta[first_row[g[0].key]] if g[0].key in first_row else {} for g in played.episodes],
-        completions=[["".join(a + (separator + ep.observations[t + 1] if t < len(ep.texts) - 1 else "") for t, a in enumerate(ep.texts)) for ep in g]
-                     for g in played.episodes],
-        info=[[{"actions": list(ep.texts), "return": ep.ret, "cut": ep.cut, "env": dict(ep.facts)} for ep in g] for g in played.episodes],
-        ctx=firsts if any(f != p for fs, p in zip(firsts, prompts) for f in fs) else [],  # a random reset: each row its own prompt
+        completions=[
+            [
+                "".join(
+                    a + (separator + ep.observations[t + 1] if t < len(ep.texts) - 1 else "")
+                    for t, a in enumerate(ep.texts)
+                )
+                for ep in g
+            ]
+            for g in played.episodes
+        ],
+        info=[
+            [{"actions": list(ep.texts), "return": ep.ret, "cut": ep.cut, "env": dict(ep.facts)} for ep in g]
+            for g in played.episodes
+        ],
+        ctx=firsts
+        if any(f != p for fs, p in zip(firsts, prompts) for f in fs)
+        else [],  # a random reset: each row its own prompt
         loss_mask=loss_mask,
         logp_sampler=logp,
         segment_id=segment_id,
@@ -152,7 +168,9 @@ class Episodes:
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or (self.max_context is not None and self.max_context < 2):
-            raise ConfigError(f"rollout episodes: need max_turns >= 1 and max_context >= 2 or None, got max_turns={self.max_turns}, max_context={self.max_context}")
+            raise ConfigError(
+                f"rollout episodes: need max_turns >= 1 and max_context >= 2 or None, got max_turns={self.max_turns}, max_context={self.max_context}"
+            )
 
     on_step = None  # a group hook for rollout/env.py's play (``selective_rollout`` defines its gate here); None: none
 
@@ -164,13 +182,30 @@ class Episodes:
         return getattr(self, "registry_name", "episodes")
 
     def __call__(self, ctx) -> Rollout:
-        played = play(ctx, ctx.draw(ctx.batch_size), ctx.group_size, self.max_turns, self.env, self.env_params, history=True,
-                      separator=self.separator, max_context=self.max_context, who=self._who, on_step=self.on_step)
+        played = play(
+            ctx,
+            ctx.draw(ctx.batch_size),
+            ctx.group_size,
+            self.max_turns,
+            self.env,
+            self.env_params,
+            history=True,
+            separator=self.separator,
+            max_context=self.max_context,
+            who=self._who,
+            on_step=self.on_step,
+        )
         batch, outcome = transcripts(played, self.separator)
         score_returns(ctx, batch, outcome, self._who)
-        self._stats = {"episodes/env_steps": float(played.actions), "episodes/action_tokens": float(played.turns.mask.sum()),
-                       "episodes/gated_frac": sum(played.gated) / max(1, len(played.gated)), **played.fact_means()}
-        keep = ctx.keep(batch) & ~torch.tensor(played.gated, dtype=torch.bool)  # [B] bool: a gated group leaves the batch
+        self._stats = {
+            "episodes/env_steps": float(played.actions),
+            "episodes/action_tokens": float(played.turns.mask.sum()),
+            "episodes/gated_frac": sum(played.gated) / max(1, len(played.gated)),
+            **played.fact_means(),
+        }
+        keep = ctx.keep(batch) & ~torch.tensor(
+            played.gated, dtype=torch.bool
+        )  # [B] bool: a gated group leaves the batch
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
 
     def step_stats(self) -> dict[str, float]:

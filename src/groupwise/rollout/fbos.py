@@ -76,7 +76,11 @@ def build_fap(prompt, completion: str, feedback: str, template: str = TEMPLATE):
     """The feedback-augmented prompt: text from the template, or for a chat prompt (a list of
     messages) the attempt as an assistant turn and the feedback as a user turn."""
     if isinstance(prompt, list):
-        return [*prompt, {"role": "assistant", "content": completion}, {"role": "user", "content": f"{feedback}\nTry again."}]
+        return [
+            *prompt,
+            {"role": "assistant", "content": completion},
+            {"role": "user", "content": f"{feedback}\nTry again."},
+        ]
     return template.format(prompt=prompt, completion=completion, feedback=feedback)
 
 
@@ -95,9 +99,13 @@ class FBOS:
 
     def __post_init__(self) -> None:
         if self.initial < 1 or self.feedback_rows < 1:
-            raise ConfigError(f"rollout fbos: initial={self.initial} and feedback_rows={self.feedback_rows} must be >= 1")
+            raise ConfigError(
+                f"rollout fbos: initial={self.initial} and feedback_rows={self.feedback_rows} must be >= 1"
+            )
         if self.mode not in MODES or self.others not in ("more", "none"):
-            raise ConfigError(f"rollout fbos: mode={self.mode!r} (one of {MODES}), others={self.others!r} (more | none)")
+            raise ConfigError(
+                f"rollout fbos: mode={self.mode!r} (one of {MODES}), others={self.others!r} (more | none)"
+            )
         self._stats: dict[str, float] = {}
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
@@ -110,7 +118,9 @@ class FBOS:
             rows = first.group_valid[b].nonzero().flatten().tolist()
             for j in range(self.feedback_rows):
                 g = rows[j % len(rows)]
-                fap = build_fap(first.meta[b]["prompt"], first.completions[b][g], self._feedback(first, b, g), self.template)
+                fap = build_fap(
+                    first.meta[b]["prompt"], first.completions[b][g], self._feedback(first, b, g), self.template
+                )
                 requests.append(Request(key=ids[b], n=1, offset=self.initial + j, prompt=ctx.policy.encode(fap)))
                 owners.append(b)
         parts, groups = [], []
@@ -125,13 +135,17 @@ class FBOS:
             parts.append(ctx.rollout([Request(key=ids[b], n=self.feedback_rows, offset=self.initial) for b in others]))
             groups += others
         epa = first.join_rows(Rollout.concat(parts), groups) if parts else first
-        epa = epa.under_prompts()  # EPA: every row trained and scored under its original prompt, a guided row sampled under its FAP
+        epa = (
+            epa.under_prompts()
+        )  # EPA: every row trained and scored under its original prompt, a guided row sampled under its FAP
         injected = torch.zeros(epa.shape[:2], dtype=torch.bool)  # [B,I+feedback_rows]
-        injected[failing, self.initial:] = True
+        injected[failing, self.initial :] = True
         epa.set_flag(INJECTED, injected & epa.group_valid)
         keep = ctx.keep(epa)  # [B] bool
-        self._stats = {"fbos/failing_groups": len(failing) / max(1, len(ids)),
-                       "fbos/guided_reward": float(guided.rewards[guided.group_valid].mean()) if requests else float("nan")}
+        self._stats = {
+            "fbos/failing_groups": len(failing) / max(1, len(ids)),
+            "fbos/guided_reward": float(guided.rewards[guided.group_valid].mean()) if requests else float("nan"),
+        }
         epa_kept = epa.select(keep.nonzero().flatten())
         ecc_kept = [k for k, b in enumerate(failing) if bool(keep[b])]
         step = ctx.info(0).step
@@ -145,8 +159,10 @@ class FBOS:
         info = (batch.info[b][g] or {}) if batch.info else {}
         extra = info.get("extra", {})
         if self.feedback_column not in extra:
-            raise ConfigError(f"rollout fbos reads the feedback column {self.feedback_column!r} that a reward logs with log_extra, "
-                              f"but row {b},{g} has none; use a reward that gives feedback, e.g. rewards = [{{name = \"exact_feedback\"}}]")
+            raise ConfigError(
+                f"rollout fbos reads the feedback column {self.feedback_column!r} that a reward logs with log_extra, "
+                f'but row {b},{g} has none; use a reward that gives feedback, e.g. rewards = [{{name = "exact_feedback"}}]'
+            )
         return str(extra[self.feedback_column])
 
     def step_stats(self) -> dict[str, float]:

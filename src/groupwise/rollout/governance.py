@@ -111,21 +111,37 @@ class GovernedEpisodes(Episodes):
         if not (isinstance(self.max_resample, int) and self.max_resample >= 0):
             raise ConfigError(f"rollout governed_episodes: max_resample must be an int >= 0, got {self.max_resample!r}")
         if not (isinstance(self.min_valid, int) and self.min_valid >= 1):
-            raise ConfigError(f"rollout governed_episodes: min_valid must be an int >= 1 (2: a group needs two rollouts to compare), got {self.min_valid!r}")
+            raise ConfigError(
+                f"rollout governed_episodes: min_valid must be an int >= 1 (2: a group needs two rollouts to compare), got {self.min_valid!r}"
+            )
 
     def __call__(self, ctx) -> Rollout:
-        n, kw = ctx.group_size, dict(history=True, separator=self.separator, max_context=self.max_context, who=self._who)
+        n, kw = (
+            ctx.group_size,
+            dict(history=True, separator=self.separator, max_context=self.max_context, who=self._who),
+        )
         keys = ctx.draw(ctx.batch_size)
         played = play(ctx, keys, n, self.max_turns, self.env, self.env_params, on_step=self.on_step, **kw)
         all_causes = [cause_of(ep) for g in played.episodes for ep in g]
         resampled = 0
         for r in range(self.max_resample if self.govern else 0):
-            failed = [(b, e) for b, g in enumerate(played.episodes) for e, ep in enumerate(g) if cause_of(ep) == "env_fail"]
+            failed = [
+                (b, e) for b, g in enumerate(played.episodes) for e, ep in enumerate(g) if cause_of(ep) == "env_fail"
+            ]
             if not failed:
                 break
             groups = sorted({b for b, _ in failed})
             need = max(sum(1 for b2, _ in failed if b2 == b) for b in groups)
-            again = play(ctx, [keys[b] for b in groups], need, self.max_turns, self.env, self.env_params, index_base=n * (r + 1), **kw)
+            again = play(
+                ctx,
+                [keys[b] for b in groups],
+                need,
+                self.max_turns,
+                self.env,
+                self.env_params,
+                index_base=n * (r + 1),
+                **kw,
+            )
             slots = {b: iter(again.episodes[i]) for i, b in enumerate(groups)}
             replace = {(b, e): next(slots[b]) for b, e in failed}
             all_causes += [cause_of(ep) for g in again.episodes for ep in g]
@@ -143,12 +159,16 @@ class GovernedEpisodes(Episodes):
             dropped_groups = int((keep & ~group_keep).sum())
             keep = keep & group_keep
         solved = [len(ep.actions) for g in played.episodes for ep in g if cause_of(ep) == "success"]
-        self._stats = {"episodes/env_steps": float(played.actions), "episodes/action_tokens": float(played.turns.mask.sum()),
-                       "episodes/gated_frac": sum(played.gated) / max(1, len(played.gated)),
-                       **{f"govern/cause_{c}": all_causes.count(c) / max(1, len(all_causes)) for c in CAUSES},
-                       "govern/dropped_rows": float(dropped_rows), "govern/dropped_groups": float(dropped_groups),
-                       "govern/resampled": float(resampled),
-                       "govern/steps_to_solve": sum(solved) / len(solved) if solved else float("nan")}
+        self._stats = {
+            "episodes/env_steps": float(played.actions),
+            "episodes/action_tokens": float(played.turns.mask.sum()),
+            "episodes/gated_frac": sum(played.gated) / max(1, len(played.gated)),
+            **{f"govern/cause_{c}": all_causes.count(c) / max(1, len(all_causes)) for c in CAUSES},
+            "govern/dropped_rows": float(dropped_rows),
+            "govern/dropped_groups": float(dropped_groups),
+            "govern/resampled": float(resampled),
+            "govern/steps_to_solve": sum(solved) / len(solved) if solved else float("nan"),
+        }
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
 
     def prepare(self, batch: Rollout, info: StepInfo) -> None:
@@ -159,13 +179,32 @@ class GovernedEpisodes(Episodes):
         adv = batch.advantages.float()  # [B,G] or [B,G,T]
         row_adv = adv if adv.dim() == 2 else (adv * batch.row_mask).sum(-1)  # [B,G]
         B, G = row_adv.shape
-        fail = torch.tensor([[isinstance(x, dict) and (x.get("env") or {}).get("cause") == "env_fail" for x in row[:G]] for row in batch.info],
-                            dtype=torch.bool).view(B, G)  # [B,G]
+        fail = torch.tensor(
+            [
+                [isinstance(x, dict) and (x.get("env") or {}).get("cause") == "env_fail" for x in row[:G]]
+                for row in batch.info
+            ],
+            dtype=torch.bool,
+        ).view(B, G)  # [B,G]
         facts = [[(x.get("env") or {}) if isinstance(x, dict) else {} for x in row[:G]] for row in batch.info]
         neg = row_adv < 0  # [B,G]
-        real = [[f for g, f in enumerate(facts[b]) if f and f.get("cause") != "env_fail" and bool(batch.group_valid[b, g])] for b in range(B)]
-        mid = [b for b in range(B) if real[b] and not any(f.get("semantic") for f in real[b])
-               and 0 < sum(bool(f.get("compiled")) for f in real[b]) < len(real[b])]
-        self._stats.update({"govern/spurious_neg_frac": float((neg & fail).sum()) / max(1, int(neg.sum())),
-                            "govern/mid_groups": float(len(mid)),
-                            "govern/mid_signal_frac": sum(bool((row_adv[b] != 0).any()) for b in mid) / len(mid) if mid else float("nan")})
+        real = [
+            [f for g, f in enumerate(facts[b]) if f and f.get("cause") != "env_fail" and bool(batch.group_valid[b, g])]
+            for b in range(B)
+        ]
+        mid = [
+            b
+            for b in range(B)
+            if real[b]
+            and not any(f.get("semantic") for f in real[b])
+            and 0 < sum(bool(f.get("compiled")) for f in real[b]) < len(real[b])
+        ]
+        self._stats.update(
+            {
+                "govern/spurious_neg_frac": float((neg & fail).sum()) / max(1, int(neg.sum())),
+                "govern/mid_groups": float(len(mid)),
+                "govern/mid_signal_frac": sum(bool((row_adv[b] != 0).any()) for b in mid) / len(mid)
+                if mid
+                else float("nan"),
+            }
+        )

@@ -69,8 +69,14 @@ def step_returns(rewards: list[float], mode: str = "outcome", gamma: float = 1.0
     return out
 
 
-def decompose(played: Played, step_return: str = "outcome", gamma: float = 1.0, max_samples: int | None = None,
-              seed: int = 0, step: int = 0) -> tuple[Rollout, torch.Tensor]:
+def decompose(
+    played: Played,
+    step_return: str = "outcome",
+    gamma: float = 1.0,
+    max_samples: int | None = None,
+    seed: int = 0,
+    step: int = 0,
+) -> tuple[Rollout, torch.Tensor]:
     """(batch [B, max samples, T], g [B, max samples]): group b holds every (episode, turn) sample of task b
     in play order, each row under the context it was generated under; padding rows invalid, g = 0."""
     rows, values, info = [], [], []
@@ -91,7 +97,9 @@ def decompose(played: Played, step_return: str = "outcome", gamma: float = 1.0, 
         g[b, : len(v)] = torch.tensor(v, dtype=torch.float64)
     batch.info = [row + [None] * (G - len(row)) for row in info]
     batch.ctx = batch.row_contexts()  # every row keeps its own local context, whatever the group's prompt
-    batch.prompt_ids = [next(list(ep.contexts[0]) for ep in group if ep.contexts) for group in played.episodes]  # each task's first observation
+    batch.prompt_ids = [
+        next(list(ep.contexts[0]) for ep in group if ep.contexts) for group in played.episodes
+    ]  # each task's first observation
     return batch, g
 
 
@@ -109,16 +117,24 @@ class GROW:
 
     def __post_init__(self) -> None:
         step_returns([], self.step_return)  # a bad mode fails at build
-        if not 0.0 <= self.gamma <= 1.0 or self.max_turns < 1 or (self.max_samples is not None and self.max_samples < 1):
-            raise ConfigError(f"rollout grow: need 0 <= gamma <= 1, max_turns >= 1, max_samples >= 1 or None; "
-                              f"got gamma={self.gamma}, max_turns={self.max_turns}, max_samples={self.max_samples}")
+        if (
+            not 0.0 <= self.gamma <= 1.0
+            or self.max_turns < 1
+            or (self.max_samples is not None and self.max_samples < 1)
+        ):
+            raise ConfigError(
+                f"rollout grow: need 0 <= gamma <= 1, max_turns >= 1, max_samples >= 1 or None; "
+                f"got gamma={self.gamma}, max_turns={self.max_turns}, max_samples={self.max_samples}"
+            )
 
     def check(self, components: list) -> None:
         check_env_rewards(components, "grow")
 
     def __call__(self, ctx) -> Rollout:
         info = ctx.info(0)
-        played = play(ctx, ctx.draw(ctx.batch_size), ctx.group_size, self.max_turns, self.env, self.env_params, who="grow")
+        played = play(
+            ctx, ctx.draw(ctx.batch_size), ctx.group_size, self.max_turns, self.env, self.env_params, who="grow"
+        )
         batch, g = decompose(played, self.step_return, self.gamma, self.max_samples, info.seed, info.step)
         score_returns(ctx, batch, g, "grow")
         keep = ctx.keep(batch)  # [B] bool

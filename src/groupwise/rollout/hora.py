@@ -94,7 +94,9 @@ def _posterior(s, n, a0: float, b0: float, who: str) -> tuple[Tensor, Tensor]:
 def _log_miss(a: Tensor, b: Tensor, m: Tensor) -> Tensor:
     """[B] float64 log E[(1 − p)^m] = log B(a, b+m) − log B(a, b), via lgamma (any m >= 0)."""
     log_q = torch.lgamma(b + m) + torch.lgamma(a + b) - torch.lgamma(b) - torch.lgamma(a + b + m)  # [B]
-    return torch.where(m == 0, torch.zeros_like(log_q), log_q)  # the lgamma terms cancel only to ~1e-13: U(0) = 0 exactly
+    return torch.where(
+        m == 0, torch.zeros_like(log_q), log_q
+    )  # the lgamma terms cancel only to ~1e-13: U(0) = 0 exactly
 
 
 def _as_m(m, like: Tensor, who: str) -> Tensor:
@@ -136,9 +138,13 @@ def hora_allocate(
     if int(min_alloc) != min_alloc or min_alloc < 0:
         raise ValueError(f"hora_allocate: min_alloc must be an integer >= 0, got {min_alloc!r}")
     if max_alloc is not None and (int(max_alloc) != max_alloc or max_alloc < min_alloc):
-        raise ValueError(f"hora_allocate: max_alloc must be an integer >= min_alloc={min_alloc} (or None), got {max_alloc!r}")
+        raise ValueError(
+            f"hora_allocate: max_alloc must be an integer >= min_alloc={min_alloc} (or None), got {max_alloc!r}"
+        )
     if budget < B * min_alloc:
-        raise ValueError(f"hora_allocate: budget {budget} cannot give {B} prompts min_alloc={min_alloc} each; raise the budget or lower min_alloc")
+        raise ValueError(
+            f"hora_allocate: budget {budget} cannot give {B} prompts min_alloc={min_alloc} each; raise the budget or lower min_alloc"
+        )
     m = [int(min_alloc)] * B
     left = int(budget) - B * int(min_alloc)
     solved = (torch.as_tensor(s, dtype=torch.float64) > 0).tolist()
@@ -153,7 +159,9 @@ def hora_allocate(
         miss.append(q)
         eligible = not (only_unsolved and solved[i]) and (max_alloc is None or m[i] < max_alloc)
         if eligible:
-            heap.append((-(q * A[i] / (A[i] + Bb[i] + m[i])), i))  # (−Δ_i(m_i), index): min-heap pops max gain, lowest index
+            heap.append(
+                (-(q * A[i] / (A[i] + Bb[i] + m[i])), i)
+            )  # (−Δ_i(m_i), index): min-heap pops max gain, lowest index
     heapq.heapify(heap)
     while left > 0 and heap:
         _, i = heapq.heappop(heap)
@@ -180,19 +188,25 @@ class HORA:
 
     def __post_init__(self) -> None:
         if self.initial < 1 or (self.max_per_prompt is not None and self.max_per_prompt < self.initial):
-            raise ConfigError(f"rollout hora: need initial >= 1 and max_per_prompt >= initial, got initial={self.initial}, max_per_prompt={self.max_per_prompt}")
+            raise ConfigError(
+                f"rollout hora: need initial >= 1 and max_per_prompt >= initial, got initial={self.initial}, max_per_prompt={self.max_per_prompt}"
+            )
 
     def __call__(self, ctx) -> Rollout:
         B = ctx.batch_size
         budget = self.budget if self.budget is not None else B * ctx.group_size
         if budget < B * self.initial:
-            raise ConfigError(f"rollout hora: budget={budget} is less than initial={self.initial} rows for each of {B} prompts")
+            raise ConfigError(
+                f"rollout hora: budget={budget} is less than initial={self.initial} rows for each of {B} prompts"
+            )
         ids = ctx.draw(B)
         first = ctx.rollout([Request(key=i, n=self.initial) for i in ids])
         hits = ((first.rewards >= self.correct_at) & first.group_valid).sum(1)  # [B]
         seen = first.group_valid.sum(1)  # [B]
         cap = None if self.max_per_prompt is None else self.max_per_prompt - self.initial
-        extra = hora_allocate(hits, seen, budget - B * self.initial, self.a0, self.b0, 0, cap, self.only_unsolved).tolist()  # [B]
+        extra = hora_allocate(
+            hits, seen, budget - B * self.initial, self.a0, self.b0, 0, cap, self.only_unsolved
+        ).tolist()  # [B]
         chosen = [b for b in range(B) if extra[b] > 0]
         batch = first
         if chosen:

@@ -81,10 +81,11 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -101,12 +102,14 @@ REGROUP_STREAM = 1 << 44  # seed of the random choice of resamples
 EXTRA = "lope_extra_rewards"  # group extra [B,G'] float32: the rewards joining the group's statistics
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_words(path: str = "") -> tuple[str, ...]:
     """The vocabulary: the shipped list, or the words of ``path`` (one a line, ``#`` starts a comment)."""
     source = Path(path) if path else WORDS_FILE
     if not source.is_file():
-        raise ConfigError(f"rollout lope: vocabulary file {str(source)!r} does not exist; give a file of words, one a line (or \"\" for the shipped list)")
+        raise ConfigError(
+            f'rollout lope: vocabulary file {str(source)!r} does not exist; give a file of words, one a line (or "" for the shipped list)'
+        )
     words = tuple(w.strip() for w in source.read_text().splitlines() if w.strip() and not w.strip().startswith("#"))
     if not words:
         raise ConfigError(f"rollout lope: vocabulary file {str(source)!r} holds no words")
@@ -131,13 +134,22 @@ def lorem_prompt(prompt: Any, words: Sequence[str], tail: str = TAIL, separator:
     return separator.join(p for p in (lorem, tail, prompt) if p)
 
 
-def make_lorem_prompt(prompt: Any, rng: random.Random, n_min: int = 100, n_max: int = 300, tail: str = TAIL, separator: str = "\n",
-                      words: Sequence[str] | None = None) -> Any:
+def make_lorem_prompt(
+    prompt: Any,
+    rng: random.Random,
+    n_min: int = 100,
+    n_max: int = 300,
+    tail: str = TAIL,
+    separator: str = "\n",
+    words: Sequence[str] | None = None,
+) -> Any:
     """``lorem_prompt`` with freshly drawn words (spec 61's interface)."""
     return lorem_prompt(prompt, lorem_words(n_min, n_max, rng, words), tail, separator)
 
 
-def lope_regroup(base_rewards: Sequence[float], correct: Sequence[int], rng: random.Random) -> tuple[list[int], list[int]]:
+def lope_regroup(
+    base_rewards: Sequence[float], correct: Sequence[int], rng: random.Random
+) -> tuple[list[int], list[int]]:
     """(slots, chosen): which of the group's slots take which correct resamples (see the module Math).
     ``base_rewards`` [G] marks the valid slots (finite); ``correct`` lists the correct resamples."""
     slots = [g for g, r in enumerate(base_rewards) if math.isfinite(float(r))]
@@ -168,13 +180,17 @@ class LoPE:
 
     def __post_init__(self) -> None:
         if self.num_perturbation < 1 or self.n_per < 1:
-            raise ConfigError(f"rollout lope: num_perturbation={self.num_perturbation} and n_per={self.n_per} must be >= 1")
+            raise ConfigError(
+                f"rollout lope: num_perturbation={self.num_perturbation} and n_per={self.n_per} must be >= 1"
+            )
         if not 0 <= self.n_min <= self.n_max:
             raise ConfigError(f"rollout lope: need 0 <= n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
         if self.fit not in ("truncate", "error"):
             raise ConfigError(f"rollout lope: fit={self.fit!r} must be 'truncate' or 'error'")
         if self.resample_temperature is not None and not self.resample_temperature > 0:
-            raise ConfigError(f"rollout lope: resample_temperature={self.resample_temperature} must be > 0 (or None: the rollout temperature)")
+            raise ConfigError(
+                f"rollout lope: resample_temperature={self.resample_temperature} must be > 0 (or None: the rollout temperature)"
+            )
         self.words = load_words(self.vocabulary)
         self._stats: dict[str, float] = {}
 
@@ -188,10 +204,23 @@ class LoPE:
         ids = ctx.draw(B)
         first = ctx.rollout([Request(key=i, n=G) for i in ids])
         valid = first.group_valid & torch.isfinite(first.rewards)  # [B,G]
-        failing = [b for b in range(len(ids)) if bool(valid[b].any()) and not bool((valid[b] & (first.rewards[b] > self.correct_above)).any())]
+        failing = [
+            b
+            for b in range(len(ids))
+            if bool(valid[b].any()) and not bool((valid[b] & (first.rewards[b] > self.correct_above)).any())
+        ]
         sampling = None if self.resample_temperature is None else {"temperature": self.resample_temperature}
-        requests = [Request(key=ids[b], n=self.n_per, offset=G + j * self.n_per, prompt=self._perturbed(ctx, first.meta[b]["prompt"], ids[b], j, info),
-                            sampling=sampling) for b in failing for j in range(P)]
+        requests = [
+            Request(
+                key=ids[b],
+                n=self.n_per,
+                offset=G + j * self.n_per,
+                prompt=self._perturbed(ctx, first.meta[b]["prompt"], ids[b], j, info),
+                sampling=sampling,
+            )
+            for b in failing
+            for j in range(P)
+        ]
         injected = torch.zeros(len(ids), G, dtype=torch.bool)  # [B,G]
         extra = torch.full((len(ids), P * self.n_per), float("nan"))  # [B,G']
         batch, rescued, resample_acc = first, 0, float("nan")
@@ -203,7 +232,9 @@ class LoPE:
             both = Rollout.concat([first, res])  # groups 0..B−1 first, then the resample requests
             rows = [[(b, g) for g in range(G)] for b in range(len(ids))]
             for f, b in enumerate(failing):
-                flat = [(len(ids) + f * P + j, r) for j in range(P) for r in range(self.n_per)]  # resample k = j·n_per + r
+                flat = [
+                    (len(ids) + f * P + j, r) for j in range(P) for r in range(self.n_per)
+                ]  # resample k = j·n_per + r
                 scores = res.rewards[f * P : (f + 1) * P].reshape(-1)  # [G']
                 correct = [k for k, (q, r) in enumerate(flat) if bool(hits[q - len(ids), r])]
                 rng = random.Random(sample_seed(info.seed, info.step, ids[b], REGROUP_STREAM))
@@ -213,24 +244,37 @@ class LoPE:
                     rows[b][s] = flat[k]
                     injected[b, s] = True
                 taken = set(chosen)
-                pool = [float(first.rewards[b, s]) for s in slots] + [float(scores[k]) for k in range(len(flat)) if k not in taken]
+                pool = [float(first.rewards[b, s]) for s in slots] + [
+                    float(scores[k]) for k in range(len(flat)) if k not in taken
+                ]
                 extra[b, : len(pool)] = torch.tensor(pool)
                 rescued += bool(slots)
             batch = both.regroup(rows)
             batch.ctx = batch.row_contexts()  # the prompt each row was sampled under
-            batch.prompt_ids, batch.prompt_index, batch.meta = list(first.prompt_ids), first.prompt_index.clone(), list(first.meta)
+            batch.prompt_ids, batch.prompt_index, batch.meta = (
+                list(first.prompt_ids),
+                first.prompt_index.clone(),
+                list(first.meta),
+            )
             batch.extras.update({k: v for k, v in first.extras.items() if first.extra_levels[k] == "group"})
-            batch = batch.under_prompts()  # every row trained and scored under its original prompt, sampled under behav_ctx (note 2)
+            batch = (
+                batch.under_prompts()
+            )  # every row trained and scored under its original prompt, sampled under behav_ctx (note 2)
         batch.set_flag(INJECTED, injected)
         batch.set_extra(EXTRA, extra, "group")
-        self._stats = {"lope/all_wrong_frac": len(failing) / max(1, len(ids)), "lope/rescued_frac": rescued / max(1, len(ids)),
-                       "lope/resample_acc": resample_acc}
+        self._stats = {
+            "lope/all_wrong_frac": len(failing) / max(1, len(ids)),
+            "lope/rescued_frac": rescued / max(1, len(ids)),
+            "lope/resample_acc": resample_acc,
+        }
         keep = ctx.keep(batch)  # [B] bool
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
 
     def _perturbed(self, ctx: RolloutContext, prompt: Any, key: int, j: int, info: Any) -> list[int]:
         """Token ids of perturbation ``j`` of row ``key``: its drawn words, cut to fit the context (``fit``)."""
-        words = lorem_words(self.n_min, self.n_max, random.Random(sample_seed(info.seed, info.step, key, LOREM_STREAM + j)), self.words)
+        words = lorem_words(
+            self.n_min, self.n_max, random.Random(sample_seed(info.seed, info.step, key, LOREM_STREAM + j)), self.words
+        )
         encode = ctx.policy.encode
         limit = getattr(ctx.policy, "context", None)
         budget = ctx.sampling["max_new_tokens"]
@@ -240,7 +284,11 @@ class LoPE:
         lo, hi = 0, len(words)  # the longest prefix of the words that fits: fits(lo), not fits(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if len(encode(lorem_prompt(prompt, words[:mid], self.tail, self.separator))) + budget <= limit else (lo, mid)
+            lo, hi = (
+                (mid, hi)
+                if len(encode(lorem_prompt(prompt, words[:mid], self.tail, self.separator))) + budget <= limit
+                else (lo, mid)
+            )
         return encode(lorem_prompt(prompt, words[:lo], self.tail, self.separator))
 
     def step_stats(self) -> dict[str, float]:

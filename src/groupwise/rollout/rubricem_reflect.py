@@ -103,7 +103,9 @@ APPROVALS = ("nonempty", "always")
 
 def feedback_text(labels: list[str], parts: list[float]) -> str:
     """The judge's per-stage feedback of one attempt: ``"plan=0.5 compute=0 answer=1"`` (NaN: ``label=none``)."""
-    return " ".join(f"{label}={part:.2g}" if math.isfinite(part) else f"{label}=none" for label, part in zip(labels, parts))
+    return " ".join(
+        f"{label}={part:.2g}" if math.isfinite(part) else f"{label}=none" for label, part in zip(labels, parts)
+    )
 
 
 def with_hint(prompt: Any, hint: str, template: str = CONTEXT_TEMPLATE) -> Any:
@@ -111,8 +113,14 @@ def with_hint(prompt: Any, hint: str, template: str = CONTEXT_TEMPLATE) -> Any:
     if isinstance(prompt, list):
         last = max((i for i, m in enumerate(prompt) if m.get("role") == "user"), default=None)
         if last is None:
-            raise ConfigError("rollout rubricem_reflect: a chat prompt without a user message has nowhere to put the hint")
-        return [*prompt[:last], {**prompt[last], "content": template.format(hint=hint, prompt=prompt[last]["content"])}, *prompt[last + 1:]]
+            raise ConfigError(
+                "rollout rubricem_reflect: a chat prompt without a user message has nowhere to put the hint"
+            )
+        return [
+            *prompt[:last],
+            {**prompt[last], "content": template.format(hint=hint, prompt=prompt[last]["content"])},
+            *prompt[last + 1 :],
+        ]
     return template.format(hint=hint, prompt=prompt)
 
 
@@ -141,21 +149,30 @@ class RubricEMReflect:
     bank: RubricBank = field(init=False, repr=False, compare=False)
     last: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _run: list = field(default_factory=lambda: [0.0, 0, 0.0, 0], init=False, repr=False, compare=False)  # first sum, count, second sum, count
+    _run: list = field(
+        default_factory=lambda: [0.0, 0, 0.0, 0], init=False, repr=False, compare=False
+    )  # first sum, count, second sum, count
 
     def __post_init__(self) -> None:
-        for name, keys in (("reflect_template", ("{prompt}", "{attempt}", "{feedback}")), ("context_template", ("{hint}", "{prompt}"))):
+        for name, keys in (
+            ("reflect_template", ("{prompt}", "{attempt}", "{feedback}")),
+            ("context_template", ("{hint}", "{prompt}")),
+        ):
             missing = [k for k in keys if k not in getattr(self, name)]
             if missing:
                 raise ConfigError(f"rollout rubricem_reflect: {name}={getattr(self, name)!r} lacks {missing}")
         if not isinstance(self.reflection_tokens, int) or self.reflection_tokens < 1:
-            raise ConfigError(f"rollout rubricem_reflect: reflection_tokens={self.reflection_tokens!r} must be an int >= 1")
+            raise ConfigError(
+                f"rollout rubricem_reflect: reflection_tokens={self.reflection_tokens!r} must be an int >= 1"
+            )
         if self.baseline not in BASELINES:
             raise ConfigError(f"rollout rubricem_reflect: baseline={self.baseline!r}; use one of {BASELINES}")
         if self.approve not in APPROVALS:
             raise ConfigError(f"rollout rubricem_reflect: approve={self.approve!r}; use one of {APPROVALS}")
         if not isinstance(self.retrieve, int) or self.retrieve < 0:
-            raise ConfigError(f"rollout rubricem_reflect: retrieve={self.retrieve!r} must be an int >= 0 (0: the bank stays out of prompts)")
+            raise ConfigError(
+                f"rollout rubricem_reflect: retrieve={self.retrieve!r} must be an int >= 0 (0: the bank stays out of prompts)"
+            )
         if not 0.0 <= self.retrieve_share <= 1.0:
             raise ConfigError(f"rollout rubricem_reflect: retrieve_share={self.retrieve_share} must be in [0, 1]")
         if not math.isfinite(self.accept_above):
@@ -169,8 +186,10 @@ class RubricEMReflect:
         if not self.key_column:
             return _text(meta["prompt"])
         if self.key_column not in meta:
-            raise ConfigError(f"rollout rubricem_reflect: key_column={self.key_column!r} is not a column of the task's rows "
-                              f"(columns: {sorted(meta)}); name one, or key_column=\"\" to key by the prompt text")
+            raise ConfigError(
+                f"rollout rubricem_reflect: key_column={self.key_column!r} is not a column of the task's rows "
+                f'(columns: {sorted(meta)}); name one, or key_column="" to key by the prompt text'
+            )
         return str(meta[self.key_column])
 
     def _approved(self, text: str, truncated: bool) -> bool:
@@ -184,22 +203,30 @@ class RubricEMReflect:
             if room is None or len(ids) <= room:
                 return ids
             if not piece:
-                raise ConfigError(f"rollout rubricem_reflect: {where} does not fit the model's context even without it "
-                                  f"({len(ids)} tokens + rollout.max_new_tokens={ctx.sampling['max_new_tokens']} > {ctx.policy.context})")
+                raise ConfigError(
+                    f"rollout rubricem_reflect: {where} does not fit the model's context even without it "
+                    f"({len(ids)} tokens + rollout.max_new_tokens={ctx.sampling['max_new_tokens']} > {ctx.policy.context})"
+                )
             piece = piece[: max(0, len(piece) - max(1, (len(ids) - room)))]
 
     def _hinted(self, ctx: RolloutContext, key: int, hint: str) -> list[int]:
         """The context of row ``key``'s prompt with ``hint`` in front (exactly what the task and re-attempt rows are sampled under)."""
         prompt = ctx.meta(key)["prompt"]
         if list(ctx.policy.encode(prompt)) != list(ctx.prompt(key)):
-            raise ConfigError("rollout rubricem_reflect builds contexts from the rows' prompt column, but the trainer's prompts differ "
-                              "(data.system_prompt?); drop data.system_prompt for this strategy")
+            raise ConfigError(
+                "rollout rubricem_reflect builds contexts from the rows' prompt column, but the trainer's prompts differ "
+                "(data.system_prompt?); drop data.system_prompt for this strategy"
+            )
         return self._fit(ctx, lambda h: with_hint(prompt, h, self.context_template), hint, f"the hint for row {key}")
 
     def _reflection_prompt(self, ctx: RolloutContext, key: int, attempt: str, feedback: str) -> list[int]:
         prompt = _text(ctx.meta(key)["prompt"])
-        return self._fit(ctx, lambda a: self.reflect_template.format(prompt=prompt, attempt=a, feedback=feedback), attempt,
-                         f"the reflection prompt for row {key}")
+        return self._fit(
+            ctx,
+            lambda a: self.reflect_template.format(prompt=prompt, attempt=a, feedback=feedback),
+            attempt,
+            f"the reflection prompt for row {key}",
+        )
 
     # ------------------------------------------------------------------ the step
     def __call__(self, ctx: RolloutContext) -> Rollout:
@@ -211,37 +238,80 @@ class RubricEMReflect:
         arm = [rng.random() < self.retrieve_share for _ in ids]
         known = [a and bool(self.bank.retrieve(k, 1)) for a, k in zip(arm, keys)]  # second attempts of a type (Notes 4)
         hints = [self.bank.retrieve(k, self.retrieve) if a else [] for a, k in zip(arm, keys)]
-        task = ctx.rollout([Request(key=i, n=G, prompt=self._hinted(ctx, i, "; ".join(h)) if h else None) for i, h in zip(ids, hints)])
+        task = ctx.rollout(
+            [Request(key=i, n=G, prompt=self._hinted(ctx, i, "; ".join(h)) if h else None) for i, h in zip(ids, hints)]
+        )
         keep = ctx.keep(task)  # [B] bool
         kept = keep.nonzero().flatten().tolist()
         task = task.select(kept)
-        ids, keys, known, hints = [ids[b] for b in kept], [keys[b] for b in kept], [known[b] for b in kept], [hints[b] for b in kept]
+        ids, keys, known, hints = (
+            [ids[b] for b in kept],
+            [keys[b] for b in kept],
+            [known[b] for b in kept],
+            [hints[b] for b in kept],
+        )
         labels = ctx.reward_stage.labels[: len(ctx.reward_stage.text)]
-        slots = [(b, j) for b in range(len(ids)) for j in range(G) if bool(task.group_valid[b, j]) or bool(task.mask[b, j].any())]  # real rows
+        slots = [
+            (b, j)
+            for b in range(len(ids))
+            for j in range(G)
+            if bool(task.group_valid[b, j]) or bool(task.mask[b, j].any())
+        ]  # real rows
         self._stats = self._task_stats(task, known, hints)
         if not slots:
             self.last = {}
             return task
         parts = task.reward_parts.double()  # [B,G,K]
-        requests = [Request(key=ids[b], n=1, offset=G + j, sampling={"max_new_tokens": self.reflection_tokens},
-                            prompt=self._reflection_prompt(ctx, ids[b], task.completions[b][j], feedback_text(labels, parts[b, j, : len(labels)].tolist())))
-                    for b, j in slots]
+        requests = [
+            Request(
+                key=ids[b],
+                n=1,
+                offset=G + j,
+                sampling={"max_new_tokens": self.reflection_tokens},
+                prompt=self._reflection_prompt(
+                    ctx, ids[b], task.completions[b][j], feedback_text(labels, parts[b, j, : len(labels)].tolist())
+                ),
+            )
+            for b, j in slots
+        ]
         refl = ctx.generate(requests)  # [R,1,T] in request order, decoded, not scored
         texts = [refl.completions[k][0] for k in range(len(slots))]
-        again = ctx.rollout([Request(key=ids[b], n=1, offset=2 * G + j, prompt=self._hinted(ctx, ids[b], texts[k])) for k, (b, j) in enumerate(slots)])
-        r_meta, approved, accepted = self._meta(task, slots, texts, refl.truncated[:, 0].tolist(), again.rewards[:, 0].tolist(), keys)
+        again = ctx.rollout(
+            [
+                Request(key=ids[b], n=1, offset=2 * G + j, prompt=self._hinted(ctx, ids[b], texts[k]))
+                for k, (b, j) in enumerate(slots)
+            ]
+        )
+        r_meta, approved, accepted = self._meta(
+            task, slots, texts, refl.truncated[:, 0].tolist(), again.rewards[:, 0].tolist(), keys
+        )
         group_of = [[k for k, (b, _) in enumerate(slots) if b == g] for g in range(len(ids))]
         groups = [rows for rows in group_of if rows]
-        refl_groups = refl.regroup([[(k, 0) for k in rows] for rows in groups])  # [B',G] row j: reflection on attempt j, under its prompt
+        refl_groups = refl.regroup(
+            [[(k, 0) for k in rows] for rows in groups]
+        )  # [B',G] row j: reflection on attempt j, under its prompt
         self._score_reflections(ctx, refl_groups, [[r_meta[k] for k in rows] for rows in groups])
-        self.last = {"slots": slots, "reflections": texts, "r_meta": r_meta, "approved": approved, "accepted": accepted,
-                     "reattempt": again.rewards[:, 0].tolist(), "task": task, "reflection_batch": refl_groups}
+        self.last = {
+            "slots": slots,
+            "reflections": texts,
+            "r_meta": r_meta,
+            "approved": approved,
+            "accepted": accepted,
+            "reattempt": again.rewards[:, 0].tolist(),
+            "task": task,
+            "reflection_batch": refl_groups,
+        }
         finite = [r for r in r_meta if math.isfinite(r)]
         again_ok = again.rewards[:, 0][torch.isfinite(again.rewards[:, 0])]
-        self._stats.update({"rubricem_reflect/r_meta": sum(finite) / len(finite) if finite else float("nan"),
-                            "rubricem_reflect/approved": sum(approved) / len(slots), "rubricem_reflect/accepted": sum(accepted) / len(slots),
-                            "rubricem_reflect/reattempt_reward": float(again_ok.double().mean()) if len(again_ok) else float("nan"),
-                            "rubricem_reflect/bank_size": float(len(self.bank))})
+        self._stats.update(
+            {
+                "rubricem_reflect/r_meta": sum(finite) / len(finite) if finite else float("nan"),
+                "rubricem_reflect/approved": sum(approved) / len(slots),
+                "rubricem_reflect/accepted": sum(accepted) / len(slots),
+                "rubricem_reflect/reattempt_reward": float(again_ok.double().mean()) if len(again_ok) else float("nan"),
+                "rubricem_reflect/bank_size": float(len(self.bank)),
+            }
+        )
         if not self.train_reflections:
             return task
         return Rollout.concat([task, refl_groups])
@@ -288,15 +358,24 @@ class RubricEMReflect:
         def mean(m):
             return float(s[m].mean()) if bool(m.any()) else float("nan")
 
-        self._run = [self._run[0] + float(s[first].sum()), self._run[1] + int(first.sum()), self._run[2] + float(s[second].sum()),
-                     self._run[3] + int(second.sum())]
+        self._run = [
+            self._run[0] + float(s[first].sum()),
+            self._run[1] + int(first.sum()),
+            self._run[2] + float(s[second].sum()),
+            self._run[3] + int(second.sum()),
+        ]
         run_first = self._run[0] / self._run[1] if self._run[1] else float("nan")
         run_second = self._run[2] / self._run[3] if self._run[3] else float("nan")
-        return {"rubricem_reflect/first_attempt_run": run_first, "rubricem_reflect/second_attempt_run": run_second,
-                "rubricem_reflect/gap_run": run_second - run_first, "rubricem_reflect/task_reward": mean(valid),
-                "rubricem_reflect/first_attempt": mean(first),
-                "rubricem_reflect/second_attempt": mean(second), "rubricem_reflect/second_minus_first": mean(second) - mean(first),
-                "rubricem_reflect/hinted_groups": sum(bool(h) for h in hints) / max(1, len(hints))}
+        return {
+            "rubricem_reflect/first_attempt_run": run_first,
+            "rubricem_reflect/second_attempt_run": run_second,
+            "rubricem_reflect/gap_run": run_second - run_first,
+            "rubricem_reflect/task_reward": mean(valid),
+            "rubricem_reflect/first_attempt": mean(first),
+            "rubricem_reflect/second_attempt": mean(second),
+            "rubricem_reflect/second_minus_first": mean(second) - mean(first),
+            "rubricem_reflect/hinted_groups": sum(bool(h) for h in hints) / max(1, len(hints)),
+        }
 
     def step_stats(self) -> dict[str, float]:
         return dict(self._stats)

@@ -41,8 +41,9 @@ TRL ``GRPOConfig`` defaults (the ``rollout`` config).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from groupwise.registry import register
 from groupwise.rollout.context import RolloutContext
@@ -58,7 +59,9 @@ class Sample:
         return refill_rounds(ctx)
 
 
-def refill_rounds(ctx: RolloutContext, hook: Callable[[int, int], Any] | None = None, extras: dict[str, Any] | None = None) -> Rollout:
+def refill_rounds(
+    ctx: RolloutContext, hook: Callable[[int, int], Any] | None = None, extras: dict[str, Any] | None = None
+) -> Rollout:
     """The module's Math: rounds of B prompts, G rows each, until B groups are kept. ``hook(key, G)``
     gives each request's generation hook (``groupwise.hooks``; strategies that sample under one),
     ``extras`` the row labels of every request (``Request.extras``)."""
@@ -66,9 +69,17 @@ def refill_rounds(ctx: RolloutContext, hook: Callable[[int, int], Any] | None = 
     parts, kept = [], 0
     for round_ in range(ctx.max_rounds):
         ids = ctx.draw(B, round_)
-        batch = ctx.rollout([Request(key=i, n=G, offset=round_ * G, hook=None if hook is None else hook(i, G), extras=extras) for i in ids], round_)
+        batch = ctx.rollout(
+            [
+                Request(key=i, n=G, offset=round_ * G, hook=None if hook is None else hook(i, G), extras=extras)
+                for i in ids
+            ],
+            round_,
+        )
         keep = ctx.keep(batch)  # [B] bool
-        parts.append(batch if bool(keep.all()) else batch.select(keep.nonzero().flatten()))  # no copy when every group is kept
+        parts.append(
+            batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
+        )  # no copy when every group is kept
         kept += int(keep.sum())
         if kept >= B:
             break

@@ -56,9 +56,9 @@ three identical prefixes → d_K = 0 → cut; ``[a, b, c, d]`` vs ``[b, c, d, a]
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Sequence
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -88,7 +88,9 @@ def _prefix(actions: Sequence[str], K: int, end: str) -> list[str]:
 def prefix_edit_distance_mean(actions: list[list[str]], K: int, end: str = END) -> float:
     """d_K: the mean normalised edit distance over all pairs of the K-step action prefixes (padded with ``end``)."""
     if len(actions) < 2 or K < 1:
-        raise ValueError(f"prefix_edit_distance_mean needs at least 2 action sequences and K >= 1, got {len(actions)} and K={K}")
+        raise ValueError(
+            f"prefix_edit_distance_mean needs at least 2 action sequences and K >= 1, got {len(actions)} and K={K}"
+        )
     prefixes = [_prefix(a, K, end) for a in actions]
     pairs = list(combinations(range(len(prefixes)), 2))
     return sum(normalized_edit_distance(prefixes[i], prefixes[j]) for i, j in pairs) / len(pairs)
@@ -101,7 +103,9 @@ def termination_fraction(actions: list[list[str]], K: int) -> float:
 
 def selective_gate(actions: list[list[str]], K: int, d_low: float, t_high: float | None = None) -> bool:
     """Cut the group: d_K < d_low, or t_K >= t_high when ``t_high`` is set."""
-    return prefix_edit_distance_mean(actions, K) < d_low or (t_high is not None and termination_fraction(actions, K) >= t_high)
+    return prefix_edit_distance_mean(actions, K) < d_low or (
+        t_high is not None and termination_fraction(actions, K) >= t_high
+    )
 
 
 @register("rollout", "selective_rollout")
@@ -120,7 +124,9 @@ class SelectiveRollout(Episodes):
         if not 1 <= self.K <= self.max_turns:
             raise ConfigError(f"rollout selective_rollout: need 1 <= K <= max_turns={self.max_turns}, got K={self.K}")
         if not 0 <= self.d_low <= 1 or (self.t_high is not None and not 0 < self.t_high <= 1):
-            raise ConfigError(f"rollout selective_rollout: d_low={self.d_low} must be in [0, 1] and t_high={self.t_high} in (0, 1] (or None)")
+            raise ConfigError(
+                f"rollout selective_rollout: d_low={self.d_low} must be in [0, 1] and t_high={self.t_high} in (0, 1] (or None)"
+            )
         self._d: list[float] = []
 
     def on_step(self, group: list[Episode], k: int) -> str:
@@ -132,7 +138,9 @@ class SelectiveRollout(Episodes):
 
     def __call__(self, ctx) -> Rollout:
         if ctx.group_size < 2:
-            raise ConfigError(f"rollout selective_rollout: the gate compares episodes, so rollout.group_size must be >= 2, got {ctx.group_size}")
+            raise ConfigError(
+                f"rollout selective_rollout: the gate compares episodes, so rollout.group_size must be >= 2, got {ctx.group_size}"
+            )
         self._d = []
         batch = super().__call__(ctx)
         self._stats["selective/d_k"] = sum(self._d) / len(self._d) if self._d else float("nan")

@@ -54,8 +54,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -119,16 +120,22 @@ def residual_at_last(model: Any, layer: int, prompts: list[list[int]]) -> Tensor
     return torch.stack(out)  # [N,D]
 
 
-def compute_steering_vector(model: Any, layer: int, pos_prompts: list[list[int]], neg_prompts: list[list[int]],
-                            normalise: str = "hidden_norm") -> tuple[Tensor, dict[str, float]]:
+def compute_steering_vector(
+    model: Any, layer: int, pos_prompts: list[list[int]], neg_prompts: list[list[int]], normalise: str = "hidden_norm"
+) -> tuple[Tensor, dict[str, float]]:
     """CAA: ``v = mean h_l(x+)[last] − mean h_l(x−)[last]`` [D]; ``normalise``: ``"hidden_norm"``
     rescales it to unit norm × the mean ‖h_l‖ over all the prompts, ``"unit"`` to norm 1, ``"none"`` keeps it."""
-    pos, neg = residual_at_last(model, layer, pos_prompts), residual_at_last(model, layer, neg_prompts)  # [N+,D], [N−,D]
+    pos, neg = (
+        residual_at_last(model, layer, pos_prompts),
+        residual_at_last(model, layer, neg_prompts),
+    )  # [N+,D], [N−,D]
     v = pos.mean(0) - neg.mean(0)  # [D]
     raw = float(v.norm())
     typical = float(torch.cat([pos, neg]).norm(dim=-1).mean())
     if raw == 0.0 and normalise != "none":
-        raise ValueError("the contrastive prompts give identical mean activations (v = 0): nothing to normalise; check the templates")
+        raise ValueError(
+            "the contrastive prompts give identical mean activations (v = 0): nothing to normalise; check the templates"
+        )
     if normalise == "hidden_norm":
         v = v / raw * typical
     elif normalise == "unit":
@@ -150,7 +157,9 @@ class VSPO(ReadsArtifact):
 
     def __post_init__(self) -> None:
         if not self.alphas or not all(isinstance(a, (int, float)) and math.isfinite(a) for a in self.alphas):
-            raise ConfigError(f"rollout vspo: alphas={self.alphas!r} must be a non-empty list of finite numbers (e.g. [-1, 0, 0, 1])")
+            raise ConfigError(
+                f"rollout vspo: alphas={self.alphas!r} must be a non-empty list of finite numbers (e.g. [-1, 0, 0, 1])"
+            )
         self._stats: dict[str, float] = {}
 
     def _request_parts(self, G: int) -> tuple[ResidualAdd, dict[str, Tensor]]:
@@ -158,7 +167,10 @@ class VSPO(ReadsArtifact):
         value = self.artifact_value()
         alpha = alpha_rows(self.alphas, G)  # [G]
         coef = alpha / max(max(abs(float(a)) for a in self.alphas), 1e-30)  # [G] all-zero grid: 0
-        return ResidualAdd(layer=int(value["layer"]), vector=value["vector"].float(), alpha=alpha), {ALPHA: alpha, COEF: coef}
+        return ResidualAdd(layer=int(value["layer"]), vector=value["vector"].float(), alpha=alpha), {
+            ALPHA: alpha,
+            COEF: coef,
+        }
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
         G = ctx.group_size

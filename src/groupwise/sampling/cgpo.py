@@ -116,8 +116,16 @@ class CGPOSampler:
     max_rounds: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        if self.history < 1 or self.max_passes < 1 or self.calib_every < 0 or self.lam < 0 or not 0 <= self.init_prob <= 1:
-            raise ValueError(f"cgpo: need history >= 1, max_passes >= 1, calib_every >= 0, lam >= 0, 0 <= init_prob <= 1; got {self}")
+        if (
+            self.history < 1
+            or self.max_passes < 1
+            or self.calib_every < 0
+            or self.lam < 0
+            or not 0 <= self.init_prob <= 1
+        ):
+            raise ValueError(
+                f"cgpo: need history >= 1, max_passes >= 1, calib_every >= 0, lam >= 0, 0 <= init_prob <= 1; got {self}"
+            )
         self._n_rows: int | None = None
         self._seed = 0
         self._table: Tensor | None = None  # [N] float64 P_list
@@ -135,7 +143,9 @@ class CGPOSampler:
         if self._table is None:
             self._table = torch.full((n_rows,), float(self.init_prob), dtype=torch.float64)  # [N]
         if rows is not None and self.category_column:
-            self._cat.update({i: row[self.category_column] for i, row in enumerate(rows) if self.category_column in row})
+            self._cat.update(
+                {i: row[self.category_column] for i, row in enumerate(rows) if self.category_column in row}
+            )
 
     def _probabilities(self) -> Tensor:
         """[N] acceptance probability min(1, w[cat(p)]·P_list[p]) of every row."""
@@ -194,24 +204,36 @@ class CGPOSampler:
 
     def _observe_categories(self, rollout: Rollout, r: Tensor, valid: Tensor, info: StepInfo) -> None:
         if len(rollout.meta) != r.shape[0]:
-            raise ValueError(f"cgpo: category_column={self.category_column!r} needs rollout.meta (dataset columns) for every group")
+            raise ValueError(
+                f"cgpo: category_column={self.category_column!r} needs rollout.meta (dataset columns) for every group"
+            )
         for b, (row, meta) in enumerate(zip(rollout.prompt_index.tolist(), rollout.meta)):
             if self.category_column not in meta:
-                raise KeyError(f"cgpo: category_column {self.category_column!r} is not a dataset column (have {sorted(meta)})")
+                raise KeyError(
+                    f"cgpo: category_column {self.category_column!r} is not a dataset column (have {sorted(meta)})"
+                )
             cat = self._cat[row] = meta[self.category_column]
             acc = self._window.setdefault(cat, [0.0, 0.0])
             acc[0], acc[1] = acc[0] + float(r[b][valid[b]].sum()), acc[1] + float(valid[b].sum())
         if self.calib_every and (info.step + 1) % self.calib_every == 0:
             cats = [c for c, (_, count) in self._window.items() if count > 0]
             if cats:
-                q = category_weights(torch.tensor([self._window[c][0] / self._window[c][1] for c in cats]), self.lam, self.r_floor)  # [c]
+                q = category_weights(
+                    torch.tensor([self._window[c][0] / self._window[c][1] for c in cats]), self.lam, self.r_floor
+                )  # [c]
                 self._w.update({c: float(len(cats) * q_i) for c, q_i in zip(cats, q.tolist())})
             self._window = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"n_rows": self._n_rows, "seed": self._seed, "table": None if self._table is None else self._table.tolist(),
-                "history": [[p, h] for p, h in sorted(self._hist.items())], "categories": [[p, c] for p, c in sorted(self._cat.items())],
-                "weights": [[c, w] for c, w in self._w.items()], "window": [[c, s] for c, s in self._window.items()]}
+        return {
+            "n_rows": self._n_rows,
+            "seed": self._seed,
+            "table": None if self._table is None else self._table.tolist(),
+            "history": [[p, h] for p, h in sorted(self._hist.items())],
+            "categories": [[p, c] for p, c in sorted(self._cat.items())],
+            "weights": [[c, w] for c, w in self._w.items()],
+            "window": [[c, s] for c, s in self._window.items()],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         table = state["table"]

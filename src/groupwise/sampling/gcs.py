@@ -101,7 +101,10 @@ class GaussianCurriculumSampler:
             prior = self.mu if self.unseen is None else self.unseen
             self._acc = torch.full((n_rows,), float(prior), dtype=torch.float64)  # [N]
             self._seen = torch.zeros(n_rows, dtype=torch.bool)  # [N]
-            self._sum, self._count = torch.zeros(n_rows, dtype=torch.float64), torch.zeros(n_rows, dtype=torch.float64)  # [N], [N]
+            self._sum, self._count = (
+                torch.zeros(n_rows, dtype=torch.float64),
+                torch.zeros(n_rows, dtype=torch.float64),
+            )  # [N], [N]
 
     def _accuracy(self) -> Tensor:
         if self._acc is None:
@@ -151,6 +154,10 @@ class GaussianCurriculumSampler:
         if self._n_rows is not None and state["acc"] is not None and len(state["acc"]) != self._n_rows:
             raise ValueError(f"gcs: state is for {len(state['acc'])} rows, bound to {self._n_rows}")
         self._n_rows, self._seed = self._n_rows or state["n_rows"], int(state["seed"])
-        for key, dtype in (("acc", torch.float64), ("seen", torch.bool), ("sum", torch.float64), ("count", torch.float64)):
+        for key, dtype in (
+            ("acc", torch.float64),
+            ("seen", torch.bool),
+            ("sum", torch.float64),
+            ("count", torch.float64),
+        ):
             setattr(self, f"_{key}", None if state[key] is None else torch.tensor(state[key], dtype=dtype))
-

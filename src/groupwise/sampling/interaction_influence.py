@@ -95,9 +95,13 @@ class InteractionInfluenceSampler:
 
     def __post_init__(self) -> None:
         if self.feature not in ("tokens", "hidden") or self.hessian not in ("identity", "gauss_newton"):
-            raise ValueError(f"interaction_influence: feature must be 'tokens' or 'hidden' and hessian 'identity' or 'gauss_newton'; got {self.feature!r}, {self.hessian!r}")
+            raise ValueError(
+                f"interaction_influence: feature must be 'tokens' or 'hidden' and hessian 'identity' or 'gauss_newton'; got {self.feature!r}, {self.hessian!r}"
+            )
         if self.dim < 1 or self.layer < 0 or self.step_size <= 0 or not 0 <= self.explore <= 1 or self.pool < 0:
-            raise ValueError(f"interaction_influence: need dim >= 1, layer >= 0, step_size > 0, 0 <= explore <= 1, pool >= 0; got {self}")
+            raise ValueError(
+                f"interaction_influence: need dim >= 1, layer >= 0, step_size > 0, 0 <= explore <= 1, pool >= 0; got {self}"
+            )
         self._n_rows: int | None = None
         self._seed = 0
         self._features: dict[int, list[float]] = {}
@@ -110,7 +114,9 @@ class InteractionInfluenceSampler:
         if n_rows < 1:
             raise ValueError("interaction_influence: the dataset has no rows")
         if self._features and max(self._features) >= n_rows:
-            raise ValueError(f"interaction_influence: resumed state has row {max(self._features)}, the dataset has {n_rows} rows")
+            raise ValueError(
+                f"interaction_influence: resumed state has row {max(self._features)}, the dataset has {n_rows} rows"
+            )
         self._n_rows, self._seed = int(n_rows), int(seed)
 
     def draw(self, n: int, info: StepInfo) -> list[int]:
@@ -118,7 +124,9 @@ class InteractionInfluenceSampler:
             raise RuntimeError("interaction_influence: call bind(n_rows, seed) before draw")
         if n > self._n_rows:
             raise ValueError(f"interaction_influence: cannot draw {n} distinct prompts from {self._n_rows} rows")
-        perm = torch.randperm(self._n_rows, generator=step_generator(self._seed, info.step, info.round, salt=16)).tolist()
+        perm = torch.randperm(
+            self._n_rows, generator=step_generator(self._seed, info.step, info.round, salt=16)
+        ).tolist()
         seen = [p for p in perm if p in self._features]  # in tie-break order
         candidates = seen[: self.pool * n] if self.pool else seen
         picks = self._select(candidates, min(len(candidates), n - math.ceil(self.explore * n)), n)
@@ -133,7 +141,9 @@ class InteractionInfluenceSampler:
         F = torch.tensor([self._features[p] for p in rows], dtype=torch.float64)  # [m,F]
         rms = float(F.pow(2).sum(1).mean().sqrt())
         F = F / rms if rms > 0 else F  # [m,F]
-        hess = F.T @ F / F.shape[0] if self.hessian == "gauss_newton" else torch.eye(F.shape[1], dtype=torch.float64)  # [F,F]
+        hess = (
+            F.T @ F / F.shape[0] if self.hessian == "gauss_newton" else torch.eye(F.shape[1], dtype=torch.float64)
+        )  # [F,F]
         D = -(self.step_size / n) * F  # [m,F] removal shifts: adding p moves θ by +step·g̃_p/n
         chosen = greedy_select(D, -F.mean(0), hess, k, self.include_self, self.pair)
         return [rows[j] for j in chosen]
@@ -154,14 +164,20 @@ class InteractionInfluenceSampler:
         else:
             key = Need(f"hidden({self.layer})").key
             if key not in rollout.extras:
-                raise ValueError(f"interaction_influence: feature='hidden' needs rollout.extras[{key!r}] (declared Need({key!r}))")
+                raise ValueError(
+                    f"interaction_influence: feature='hidden' needs rollout.extras[{key!r}] (declared Need({key!r}))"
+                )
             feats = hidden_features(rollout.extras[key], mask, adv)  # [B,H]
         for row, valid, f in zip(rollout.prompt_index.tolist(), rollout.group_valid.any(1).tolist(), feats):
             if valid:
                 self._features[row] = f.tolist()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"n_rows": self._n_rows, "seed": self._seed, "features": [[p, f] for p, f in sorted(self._features.items())]}
+        return {
+            "n_rows": self._n_rows,
+            "seed": self._seed,
+            "features": [[p, f] for p, f in sorted(self._features.items())],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         features = {int(p): list(f) for p, f in state["features"]}

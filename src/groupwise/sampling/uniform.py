@@ -58,7 +58,9 @@ class UniformSampler:
         if n_rows < 1:
             raise ValueError(f"{self.registry_name}: the dataset has no rows")
         if self._n_rows is not None and self._n_rows != n_rows and (self._epoch or self._position):
-            raise ValueError(f"{self.registry_name}: resumed state was for {self._n_rows} rows, the dataset has {n_rows}")
+            raise ValueError(
+                f"{self.registry_name}: resumed state was for {self._n_rows} rows, the dataset has {n_rows}"
+            )
         self._n_rows, self._seed, self._perm = int(n_rows), int(seed), None
 
     def _order(self, epoch: int) -> list[int]:

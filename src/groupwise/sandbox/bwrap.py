@@ -166,26 +166,116 @@ class RunResult:
 # CLONE_NEW*; socket/socketpair only for families outside _FAMILIES (EAFNOSUPPORT); setrlimit/prlimit64
 # only when they would change RLIMIT_CORE. memfd_create and shmget are denied when no memory cgroup
 # bounds the run (their memory is not counted by RLIMIT_AS).
-_DENY = ("setns keyctl add_key request_key bpf perf_event_open userfaultfd io_uring_setup io_uring_enter "
-         "io_uring_register ptrace mount umount2 pivot_root chroot open_by_handle_at kexec_load kexec_file_load "
-         "init_module finit_module delete_module fsopen fsconfig fsmount fspick move_mount open_tree mount_setattr "
-         "swapon swapoff reboot syslog acct quotactl memfd_secret").split()
+_DENY = (
+    "setns keyctl add_key request_key bpf perf_event_open userfaultfd io_uring_setup io_uring_enter "
+    "io_uring_register ptrace mount umount2 pivot_root chroot open_by_handle_at kexec_load kexec_file_load "
+    "init_module finit_module delete_module fsopen fsconfig fsmount fspick move_mount open_tree mount_setattr "
+    "swapon swapoff reboot syslog acct quotactl memfd_secret"
+).split()
 _DENY_UNBOUNDED = ("memfd_create", "shmget")
 _SYSCALLS = {
-    "x86_64": (0xC000003E, dict(clone=56, clone3=435, unshare=272, setns=308, keyctl=250, add_key=248, request_key=249, bpf=321,
-        perf_event_open=298, userfaultfd=323, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, ptrace=101, mount=165,
-        umount2=166, pivot_root=155, chroot=161, open_by_handle_at=304, kexec_load=246, kexec_file_load=320, init_module=175,
-        finit_module=313, delete_module=176, fsopen=430, fsconfig=431, fsmount=432, fspick=433, move_mount=429, open_tree=428,
-        mount_setattr=442, swapon=167, swapoff=168, reboot=169, syslog=103, acct=163, quotactl=179, memfd_secret=447,
-        memfd_create=319, shmget=29, socket=41, socketpair=53, setrlimit=160, prlimit64=302)),
-    "aarch64": (0xC00000B7, dict(clone=220, clone3=435, unshare=97, setns=268, keyctl=219, add_key=217, request_key=218, bpf=280,
-        perf_event_open=241, userfaultfd=282, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, ptrace=117, mount=40,
-        umount2=39, pivot_root=41, chroot=51, open_by_handle_at=265, kexec_load=104, kexec_file_load=294, init_module=105,
-        finit_module=273, delete_module=106, fsopen=430, fsconfig=431, fsmount=432, fspick=433, move_mount=429, open_tree=428,
-        mount_setattr=442, swapon=224, swapoff=225, reboot=142, syslog=116, acct=89, quotactl=60, memfd_secret=447,
-        memfd_create=279, shmget=194, socket=198, socketpair=199, setrlimit=164, prlimit64=261)),
+    "x86_64": (
+        0xC000003E,
+        dict(
+            clone=56,
+            clone3=435,
+            unshare=272,
+            setns=308,
+            keyctl=250,
+            add_key=248,
+            request_key=249,
+            bpf=321,
+            perf_event_open=298,
+            userfaultfd=323,
+            io_uring_setup=425,
+            io_uring_enter=426,
+            io_uring_register=427,
+            ptrace=101,
+            mount=165,
+            umount2=166,
+            pivot_root=155,
+            chroot=161,
+            open_by_handle_at=304,
+            kexec_load=246,
+            kexec_file_load=320,
+            init_module=175,
+            finit_module=313,
+            delete_module=176,
+            fsopen=430,
+            fsconfig=431,
+            fsmount=432,
+            fspick=433,
+            move_mount=429,
+            open_tree=428,
+            mount_setattr=442,
+            swapon=167,
+            swapoff=168,
+            reboot=169,
+            syslog=103,
+            acct=163,
+            quotactl=179,
+            memfd_secret=447,
+            memfd_create=319,
+            shmget=29,
+            socket=41,
+            socketpair=53,
+            setrlimit=160,
+            prlimit64=302,
+        ),
+    ),
+    "aarch64": (
+        0xC00000B7,
+        dict(
+            clone=220,
+            clone3=435,
+            unshare=97,
+            setns=268,
+            keyctl=219,
+            add_key=217,
+            request_key=218,
+            bpf=280,
+            perf_event_open=241,
+            userfaultfd=282,
+            io_uring_setup=425,
+            io_uring_enter=426,
+            io_uring_register=427,
+            ptrace=117,
+            mount=40,
+            umount2=39,
+            pivot_root=41,
+            chroot=51,
+            open_by_handle_at=265,
+            kexec_load=104,
+            kexec_file_load=294,
+            init_module=105,
+            finit_module=273,
+            delete_module=106,
+            fsopen=430,
+            fsconfig=431,
+            fsmount=432,
+            fspick=433,
+            move_mount=429,
+            open_tree=428,
+            mount_setattr=442,
+            swapon=224,
+            swapoff=225,
+            reboot=142,
+            syslog=116,
+            acct=89,
+            quotactl=60,
+            memfd_secret=447,
+            memfd_create=279,
+            shmget=194,
+            socket=198,
+            socketpair=199,
+            setrlimit=164,
+            prlimit64=261,
+        ),
+    ),
 }
-_CLONE_NEW = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x00000080  # NS CGROUP UTS IPC USER PID NET TIME
+_CLONE_NEW = (
+    0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x00000080
+)  # NS CGROUP UTS IPC USER PID NET TIME
 # AF_UNIX: asyncio's self-pipe and multiprocessing use socketpair(AF_UNIX); AF_INET/AF_INET6 reach only the
 # run's own loopback (new network namespace). Python start-up and the harness create no socket at all.
 _FAMILIES = (1, 2, 10)
@@ -212,15 +302,33 @@ def seccomp_filter(machine: str | None = None, *, memory_bounded: bool = False) 
         prog += [(jeq, 0, 1, nr[name]), (ret, 0, 0, eperm)]
     prog += [(jeq, 0, 1, nr["clone3"]), (ret, 0, 0, enosys)]
     for name in ("clone", "unshare"):  # flags are the first argument of both
-        prog += [(jeq, 0, 4, nr[name]), (ld, 0, 0, lo(0)), (jset, 0, 1, _CLONE_NEW), (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+        prog += [
+            (jeq, 0, 4, nr[name]),
+            (ld, 0, 0, lo(0)),
+            (jset, 0, 1, _CLONE_NEW),
+            (ret, 0, 0, eperm),
+            (ret, 0, 0, allow),
+        ]
     n = len(_FAMILIES)
     for name in ("socket", "socketpair"):  # the family is the first argument; the i-th test jumps to "allow"
-        block = [(ld, 0, 0, lo(0))] + [(jeq, n - i, 0, fam) for i, fam in enumerate(_FAMILIES)] + [(ret, 0, 0, eafnosupport), (ret, 0, 0, allow)]
+        block = (
+            [(ld, 0, 0, lo(0))]
+            + [(jeq, n - i, 0, fam) for i, fam in enumerate(_FAMILIES)]
+            + [(ret, 0, 0, eafnosupport), (ret, 0, 0, allow)]
+        )
         prog += [(jeq, 0, len(block), nr[name])] + block
     # setrlimit(resource, new); prlimit64(pid, resource, new, old): deny changing RLIMIT_CORE (reading is fine)
     prog += [(jeq, 0, 3, nr["setrlimit"]), (ld, 0, 0, lo(0)), (jeq, 0, 1, _RLIMIT_CORE), (ret, 0, 0, eperm)]
-    prog += [(jeq, 0, 7, nr["prlimit64"]), (ld, 0, 0, lo(1)), (jeq, 0, 5, _RLIMIT_CORE),
-             (ld, 0, 0, lo(2)), (jeq, 0, 2, 0), (ld, 0, 0, lo(2) + 4), (jeq, 1, 0, 0), (ret, 0, 0, eperm)]
+    prog += [
+        (jeq, 0, 7, nr["prlimit64"]),
+        (ld, 0, 0, lo(1)),
+        (jeq, 0, 5, _RLIMIT_CORE),
+        (ld, 0, 0, lo(2)),
+        (jeq, 0, 2, 0),
+        (ld, 0, 0, lo(2) + 4),
+        (jeq, 1, 0, 0),
+        (ret, 0, 0, eperm),
+    ]
     prog += [(ret, 0, 0, allow)]
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
@@ -242,7 +350,9 @@ def _readonly_fd(data: bytes) -> int:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+            fcntl.fcntl(
+                fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+            )
             return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             os.close(fd)
@@ -393,7 +503,9 @@ class _ScratchMounts:
         path = os.path.join(self.root, "run-" + secrets.token_hex(6))
         os.mkdir(path, 0o700)
         try:
-            self._mount("tmpfs", path, "tmpfs", 0x2 | 0x4, f"size={size_bytes},nr_inodes={inodes},mode=1777")  # NOSUID NODEV
+            self._mount(
+                "tmpfs", path, "tmpfs", 0x2 | 0x4, f"size={size_bytes},nr_inodes={inodes},mode=1777"
+            )  # NOSUID NODEV
         except OSError:
             os.rmdir(path)
             raise
@@ -427,7 +539,9 @@ _HELP: dict[str, str] = {}  # bwrap path -> its --help text (which options this 
 def _bwrap_help(bwrap: str) -> str:
     if bwrap not in _HELP:
         try:
-            out = subprocess.run([bwrap, "--help"], capture_output=True, timeout=10, env=dict(SANDBOX_ENV), stdin=subprocess.DEVNULL)
+            out = subprocess.run(
+                [bwrap, "--help"], capture_output=True, timeout=10, env=dict(SANDBOX_ENV), stdin=subprocess.DEVNULL
+            )
             _HELP[bwrap] = (out.stdout + out.stderr).decode(errors="replace")
         except (OSError, subprocess.SubprocessError):
             return ""
@@ -447,11 +561,17 @@ class Sandbox:
     ``cgroup``: "auto" (per-run cgroups wherever this process may create them), "off" (none: the
     fallbacks of docs/sandbox.md), or the path of a cgroup v2 directory delegated to us."""
 
-    def __init__(self, *, unsafe_local: bool = False, bwrap: str | None = None, python: str | None = None, cgroup: str = "auto") -> None:
+    def __init__(
+        self, *, unsafe_local: bool = False, bwrap: str | None = None, python: str | None = None, cgroup: str = "auto"
+    ) -> None:
         self.unsafe_local = bool(unsafe_local)
         self.python = os.path.realpath(python or sys.executable)
         self.root = os.geteuid() == 0
-        self.bwrap = None if self.unsafe_local else (bwrap or shutil.which("bwrap") or shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin"))
+        self.bwrap = (
+            None
+            if self.unsafe_local
+            else (bwrap or shutil.which("bwrap") or shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin"))
+        )
         self.cgroup_spec = cgroup
         self._cg = _cgroup.discover(cgroup)
         self._flags = ""
@@ -474,7 +594,9 @@ class Sandbox:
             "pids_cgroup": roles["pids"],
             "cpu_weight_cgroup": roles["cpu"],
             "cpu_time": roles["acct"] or "proc",
-            "memfd_shmget": "allowed (bounded by the memory cgroup)" if roles["memory"] else ("allowed (unsafe mode: no seccomp)" if self.unsafe_local else "denied"),
+            "memfd_shmget": "allowed (bounded by the memory cgroup)"
+            if roles["memory"]
+            else ("allowed (unsafe mode: no seccomp)" if self.unsafe_local else "denied"),
             "scratch_inode_cap": scratch is not None,
         }
 
@@ -506,13 +628,23 @@ class Sandbox:
                 "within reach, so it is refused. Install bubblewrap instead (see docs/sandbox.md), or run as root."
             )
         try:
-            subprocess.run([self.python, "-s", "-B", "-c", "pass"], user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[],
-                           env=dict(SANDBOX_ENV), cwd="/", stdin=subprocess.DEVNULL, capture_output=True, timeout=STARTUP_TIMEOUT_S, check=True)
+            subprocess.run(
+                [self.python, "-s", "-B", "-c", "pass"],
+                user=SANDBOX_UID,
+                group=SANDBOX_UID,
+                extra_groups=[],
+                env=dict(SANDBOX_ENV),
+                cwd="/",
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=STARTUP_TIMEOUT_S,
+                check=True,
+            )
         except (OSError, subprocess.SubprocessError) as err:
             raise SandboxUnavailable(
                 f"unsafe_local=True: an unprivileged uid cannot run the interpreter {self.python} ({type(err).__name__}; typically a "
                 "directory above it, such as /root, is closed to other users), and candidates are never run as root. Give an "
-                "interpreter every user may execute (the code reward's `python` option, e.g. python = \"/usr/bin/python3\"), "
+                'interpreter every user may execute (the code reward\'s `python` option, e.g. python = "/usr/bin/python3"), '
                 "or install bubblewrap."
             ) from err
 
@@ -522,7 +654,9 @@ class Sandbox:
             return f"`{self.bwrap} --help` did not run or is not bubblewrap"
         if "--block-fd" not in self._flags or "--info-fd" not in self._flags:
             return f"`{self.bwrap}` is too old (no --block-fd/--info-fd)"
-        res = self.run(code="def f():\n    return 41 + 1\n", mode="call", call="f()", limits=Limits(timeout_s=STARTUP_TIMEOUT_S))
+        res = self.run(
+            code="def f():\n    return 41 + 1\n", mode="call", call="f()", limits=Limits(timeout_s=STARTUP_TIMEOUT_S)
+        )
         if not res.ready:
             return res.infra_error or "the sandbox did not start"
         recs = [r for r in res.records if r.get("kind") == "result"]
@@ -538,8 +672,16 @@ class Sandbox:
             self._flags = _bwrap_help(self.bwrap or "bwrap")
         return flag in self._flags
 
-    def _bwrap_argv(self, limits: Limits, info_fd: int, cfg_fd: int, res_fd: int, seccomp_fd: int, block_fd: int = -1,
-                    scratch: str | None = None) -> list[str]:
+    def _bwrap_argv(
+        self,
+        limits: Limits,
+        info_fd: int,
+        cfg_fd: int,
+        res_fd: int,
+        seccomp_fd: int,
+        block_fd: int = -1,
+        scratch: str | None = None,
+    ) -> list[str]:
         a: list[str] = [self.bwrap or "bwrap"]
         if self.root:
             # privileged bwrap, no user namespace (see module docstring); the harness drops to a fresh uid
@@ -568,7 +710,14 @@ class Sandbox:
             elif os.path.isdir(top):
                 a += ["--ro-bind", top, top]
                 bound.append(top)
-        a += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--ro-bind-try", "/etc/alternatives", "/etc/alternatives"]
+        a += [
+            "--ro-bind-try",
+            "/etc/ld.so.cache",
+            "/etc/ld.so.cache",
+            "--ro-bind-try",
+            "/etc/alternatives",
+            "/etc/alternatives",
+        ]
         if os.path.isdir("/nix/store"):  # a Nix interpreter's libraries live there, outside its prefix
             a += ["--ro-bind", "/nix/store", "/nix/store"]
             bound.append("/nix/store")
@@ -598,7 +747,9 @@ class Sandbox:
 
     # ---------------------------------------------------------------- one run
 
-    def run(self, *, code: str, mode: str, call: str | None = None, stdin: bytes = b"", limits: Limits = Limits()) -> RunResult:
+    def run(
+        self, *, code: str, mode: str, call: str | None = None, stdin: bytes = b"", limits: Limits = Limits()
+    ) -> RunResult:
         """Run one test case: ``mode="stdio"`` (``code`` as a program reading ``stdin``) or
         ``mode="call"`` (define ``code``, evaluate the expression ``call``, report its value)."""
         if mode not in ("stdio", "call"):
@@ -613,7 +764,9 @@ class Sandbox:
         try:
             if self._cg is not None:
                 try:
-                    cg = self._cg.new_run(memory_bytes=int(limits.memory_mb) << 20, max_pids=int(limits.max_processes) + 2)
+                    cg = self._cg.new_run(
+                        memory_bytes=int(limits.memory_mb) << 20, max_pids=int(limits.max_processes) + 2
+                    )
                 except OSError:
                     cg = None  # this run gets the fallbacks (memfd/shmget denied, /proc CPU accounting)
             if self.root and not self.unsafe_local and (mounts := _scratch_mounts()) is not None:
@@ -623,7 +776,9 @@ class Sandbox:
                     scratch = None  # bwrap's own tmpfs: size cap only
             return self._run(code, mode, call, stdin, limits, uid, nonce, t0, fds, cg, scratch)
         except OSError as err:  # no fds, no memory for the input, ...: the parent's problem, not the candidate's
-            return RunResult(infra_error=f"could not set up the run: {type(err).__name__}: {err}", elapsed_s=time.monotonic() - t0)
+            return RunResult(
+                infra_error=f"could not set up the run: {type(err).__name__}: {err}", elapsed_s=time.monotonic() - t0
+            )
         finally:
             for fd in fds:
                 try:
@@ -635,8 +790,20 @@ class Sandbox:
             if cg is not None:
                 cg.remove()
 
-    def _run(self, code: str, mode: str, call: str | None, stdin: bytes, limits: Limits, uid: int | None, nonce: str,
-             t0: float, fds: list[int], cg: _cgroup.RunCgroup | None, scratch: tuple | None) -> RunResult:
+    def _run(
+        self,
+        code: str,
+        mode: str,
+        call: str | None,
+        stdin: bytes,
+        limits: Limits,
+        uid: int | None,
+        nonce: str,
+        t0: float,
+        fds: list[int],
+        cg: _cgroup.RunCgroup | None,
+        scratch: tuple | None,
+    ) -> RunResult:
         workdir = None
         try:
             res_r, res_w = os.pipe()
@@ -645,10 +812,16 @@ class Sandbox:
             if cg is not None:  # the first process waits on this pipe until it is in the run's cgroup
                 go_r, go_w = os.pipe()
                 fds += [go_r, go_w]
-            cfg = {"nonce": nonce, "mode": mode, "code": code, "call": call, "rlimits": limits.rlimits(),
-                   # sandbox + root: the harness starts as root inside and drops itself; unsafe: Popen drops
-                   "switch_uid": uid if not self.unsafe_local else None,
-                   "go_fd": go_r if (self.unsafe_local and go_r >= 0) else None}
+            cfg = {
+                "nonce": nonce,
+                "mode": mode,
+                "code": code,
+                "call": call,
+                "rlimits": limits.rlimits(),
+                # sandbox + root: the harness starts as root inside and drops itself; unsafe: Popen drops
+                "switch_uid": uid if not self.unsafe_local else None,
+                "go_fd": go_r if (self.unsafe_local and go_r >= 0) else None,
+            }
             cfg_fd = _readonly_fd(json.dumps(cfg).encode())
             fds.append(cfg_fd)
             in_fd = _readonly_fd(stdin) if stdin else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -674,12 +847,22 @@ class Sandbox:
                     seccomp_fd = _readonly_fd(bpf)
                     fds.append(seccomp_fd)
                 env = dict(SANDBOX_ENV)
-                argv = self._bwrap_argv(limits, info_w, cfg_fd, res_w, seccomp_fd, go_r, scratch[1] if scratch else None)
+                argv = self._bwrap_argv(
+                    limits, info_w, cfg_fd, res_w, seccomp_fd, go_r, scratch[1] if scratch else None
+                )
                 pass_fds = (cfg_fd, res_w, info_w, go_r) + ((seccomp_fd,) if seccomp_fd >= 0 else ())
             try:
                 proc = subprocess.Popen(
-                    argv, stdin=in_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
-                    start_new_session=True, env=env, cwd=workdir or "/", close_fds=True, **popen_kw,
+                    argv,
+                    stdin=in_fd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=pass_fds,
+                    start_new_session=True,
+                    env=env,
+                    cwd=workdir or "/",
+                    close_fds=True,
+                    **popen_kw,
                 )
             except OSError as err:
                 return RunResult(infra_error=f"could not start {argv[0]}: {err}", elapsed_s=time.monotonic() - t0)
@@ -689,9 +872,19 @@ class Sandbox:
                     fds.remove(fd)
             if go_w >= 0:
                 fds.remove(go_w)  # the supervisor owns it now
-            sup = _Supervisor(proc, nonce, limits, res_r, info_r, go_w=go_w, cg=cg, ncpu=self._ncpu,
-                              unsafe_uid=uid if self.unsafe_local else None, python=self.python,
-                              on_ready=(lambda: scratch[0].release(scratch[1])) if scratch else None)
+            sup = _Supervisor(
+                proc,
+                nonce,
+                limits,
+                res_r,
+                info_r,
+                go_w=go_w,
+                cg=cg,
+                ncpu=self._ncpu,
+                unsafe_uid=uid if self.unsafe_local else None,
+                python=self.python,
+                on_ready=(lambda: scratch[0].release(scratch[1])) if scratch else None,
+            )
             result = sup.run()
             result.elapsed_s = time.monotonic() - t0
             return result
@@ -704,8 +897,21 @@ class _Supervisor:
     """Reads one run's pipes under the caps, lets the run start once it is in its cgroup, enforces
     the CPU budget and the wall-clock backstop, kills and reaps everything."""
 
-    def __init__(self, proc: subprocess.Popen, nonce: str, limits: Limits, res_r: int, info_r: int, *, go_w: int,
-                 cg: _cgroup.RunCgroup | None, ncpu: int, unsafe_uid: int | None, python: str, on_ready=None) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        nonce: str,
+        limits: Limits,
+        res_r: int,
+        info_r: int,
+        *,
+        go_w: int,
+        cg: _cgroup.RunCgroup | None,
+        ncpu: int,
+        unsafe_uid: int | None,
+        python: str,
+        on_ready=None,
+    ) -> None:
         self.proc, self.nonce, self.limits = proc, nonce, limits
         self.unsafe = unsafe_uid is not None
         self.unsafe_uid, self.python = unsafe_uid, python
@@ -715,7 +921,12 @@ class _Supervisor:
         if info_r >= 0:
             self.streams[info_r] = "info"
         self.buf: dict[str, bytearray] = {name: bytearray() for name in self.streams.values()}
-        self.cap = {"stdout": limits.max_output_bytes, "stderr": limits.max_output_bytes, "result": limits.max_output_bytes, "info": 1 << 16}
+        self.cap = {
+            "stdout": limits.max_output_bytes,
+            "stderr": limits.max_output_bytes,
+            "result": limits.max_output_bytes,
+            "info": 1 << 16,
+        }
         self.open: set[int] = set(self.streams)
         self.capped = False
         self.ready_at: float | None = None
@@ -963,8 +1174,18 @@ class _Supervisor:
         limit = time.monotonic() + KILL_GRACE_S
         while True:  # always at least once: a scan of /proc alone can miss a process that is forking
             try:
-                subprocess.run([self.python, "-S", "-I", "-c", _KILL_ALL], user=uid, group=uid, extra_groups=[], env={}, cwd="/",
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=KILL_GRACE_S)
+                subprocess.run(
+                    [self.python, "-S", "-I", "-c", _KILL_ALL],
+                    user=uid,
+                    group=uid,
+                    extra_groups=[],
+                    env={},
+                    cwd="/",
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=KILL_GRACE_S,
+                )
             except (OSError, subprocess.SubprocessError):
                 for pid in _uid_pids(uid, live_only=True):
                     try:
@@ -1018,4 +1239,6 @@ class _Supervisor:
             res.ready = False
             if res.infra_error is None:
                 tail = bytes(self.buf["stderr"]).decode(errors="replace").strip()[-2000:]
-                res.infra_error = f"the sandbox exited ({self.proc.returncode}) before the harness was ready: {tail or 'no output'}"
+                res.infra_error = (
+                    f"the sandbox exited ({self.proc.returncode}) before the harness was ready: {tail or 'no output'}"
+                )

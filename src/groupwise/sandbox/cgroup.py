@@ -91,7 +91,7 @@ def _own_paths() -> tuple[str | None, dict[str, str]]:
 def _dir(mount: tuple[str, str], path: str) -> str:
     point, root = mount
     if root != "/" and (path == root or path.startswith(root + "/")):
-        path = path[len(root):]
+        path = path[len(root) :]
     return os.path.join(point, path.lstrip("/"))
 
 
@@ -126,7 +126,7 @@ class Hierarchy:
     def describe(self) -> dict[str, str | None]:
         return {role: (f"cgroup-{self.bases[role][1]}" if role in self.bases else None) for role in ROLES}
 
-    def new_run(self, *, memory_bytes: int, max_pids: int) -> "RunCgroup":
+    def new_run(self, *, memory_bytes: int, max_pids: int) -> RunCgroup:
         self.retry_pending()
         try:
             return RunCgroup(self, memory_bytes=memory_bytes, max_pids=max_pids)
@@ -205,7 +205,9 @@ def _probe(base: str, kind: str, roles: list[str]) -> list[str]:
                 if role == "acct":
                     _read(os.path.join(child, "cpu.stat" if kind == "v2" else "cpuacct.usage"))
                 elif role == "memory":
-                    _write(os.path.join(child, "memory.max" if kind == "v2" else "memory.limit_in_bytes"), str(256 << 20))
+                    _write(
+                        os.path.join(child, "memory.max" if kind == "v2" else "memory.limit_in_bytes"), str(256 << 20)
+                    )
                 elif role == "pids":
                     _write(os.path.join(child, "pids.max"), "64")
                 elif role == "cpu":
@@ -382,7 +384,9 @@ class RunCgroup:
 
     def remove(self) -> None:
         """rmdir the run's cgroups; one still busy (a task still exiting) is retried later."""
-        for path in {p for p, _ in self.dirs.values()} | {os.path.join(b, self.name) for b, _ in self.hier.bases.values()}:
+        for path in {p for p, _ in self.dirs.values()} | {
+            os.path.join(b, self.name) for b, _ in self.hier.bases.values()
+        }:
             for attempt in range(20):
                 try:
                     os.rmdir(path)

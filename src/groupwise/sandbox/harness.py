@@ -65,7 +65,11 @@ def encode(value: object, depth: int = 0) -> list:
     if t is float:
         return ["float", float.__repr__(value)]
     if t is complex:
-        return ["complex", float.__repr__(complex.__getattribute__(value, "real")), float.__repr__(complex.__getattribute__(value, "imag"))]
+        return [
+            "complex",
+            float.__repr__(complex.__getattribute__(value, "real")),
+            float.__repr__(complex.__getattribute__(value, "imag")),
+        ]
     if t is str:
         return ["str", str.__str__(value)]
     if t is bytes:

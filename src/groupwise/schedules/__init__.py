@@ -38,9 +38,11 @@ def refuse_changed_start(owner: str, state: dict[str, Any], **configured: Any) -
         from groupwise.errors import ConfigError
 
         shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
-        raise ConfigError(f"{owner}: {shown} is not changeable on resume (it sets the value before the first step; "
-                          f"the run continues from the checkpointed value {state.get('value')!r}); rerun with the "
-                          f"stored value, or train into a new folder with out=...")
+        raise ConfigError(
+            f"{owner}: {shown} is not changeable on resume (it sets the value before the first step; "
+            f"the run continues from the checkpointed value {state.get('value')!r}); rerun with the "
+            f"stored value, or train into a new folder with out=..."
+        )
 
 
 def scheduled(component: Any) -> dict[str, Any]:

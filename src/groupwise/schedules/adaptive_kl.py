@@ -66,8 +66,10 @@ LEVELS = ("sequence", "token_mean")
 def observed_kl(rollout: Rollout, estimator: Any, level: str = "sequence") -> tuple[float, int] | None:
     """(mean over valid rows of the row KL, #valid rows) from ``logp_old`` vs ``logp_ref``; None if no row."""
     if rollout.logp_old is None or rollout.logp_ref is None:
-        raise ValueError("adaptive_kl needs rollout.logp_old and rollout.logp_ref: the owner of the scheduled coefficient "
-                         "must declare Need('logp') and Need('logp', model='ref') (kl_penalty does)")
+        raise ValueError(
+            "adaptive_kl needs rollout.logp_old and rollout.logp_ref: the owner of the scheduled coefficient "
+            "must declare Need('logp') and Need('logp', model='ref') (kl_penalty does)"
+        )
     mask = rollout.row_mask.bool()  # [B,G,T]
     valid = rollout.group_valid.bool()  # [B,G]
     n = int(valid.sum())
@@ -100,7 +102,9 @@ class AdaptiveKL:
         if self.level not in LEVELS:
             raise ValueError(f"adaptive_kl: level must be one of {', '.join(LEVELS)}, got {self.level!r}")
         if not (self.target > 0 and self.horizon > 0 and self.clip >= 0 and self.init >= 0 and self.n_steps >= 0):
-            raise ValueError(f"adaptive_kl: need target > 0, horizon > 0, clip >= 0, init >= 0, n_steps >= 0; got {self}")
+            raise ValueError(
+                f"adaptive_kl: need target > 0, horizon > 0, clip >= 0, init >= 0, n_steps >= 0; got {self}"
+            )
         self._kl = build("kl", self.estimator)
         self._value = float(self.init)
         self.last_kl: float | None = None

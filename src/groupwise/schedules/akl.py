@@ -53,8 +53,15 @@ from groupwise.types import Rollout, StepInfo
 SHAPES = ("sigmoid", "tanh", "power")
 
 
-def akl_beta(mean_acc: float, beta_min: float = 0.0, beta_max: float = 0.04, k: float = 10.0, center: float = 0.5,
-             shape: str = "sigmoid", gamma: float = 2.0) -> float:
+def akl_beta(
+    mean_acc: float,
+    beta_min: float = 0.0,
+    beta_max: float = 0.04,
+    k: float = 10.0,
+    center: float = 0.5,
+    shape: str = "sigmoid",
+    gamma: float = 2.0,
+) -> float:
     """β(acc): beta_min + (beta_max − beta_min)·f(acc) with f a sigmoid, tanh or power curve in [0, 1]."""
     if shape == "sigmoid":
         f = 1.0 / (1.0 + math.exp(-k * (mean_acc - center)))

@@ -62,8 +62,10 @@ MODES = ("additive", "multiplicative")
 def batch_entropy(rollout: Rollout) -> float | None:
     """Mean of ``extras["entropy"]`` over valid completion tokens; None when there are none."""
     if "entropy" not in rollout.extras:
-        raise ValueError("target_entropy needs rollout.extras['entropy']: the scheduled component must declare a "
-                         "no-grad Need('entropy') (entropy_bonus does)")
+        raise ValueError(
+            "target_entropy needs rollout.extras['entropy']: the scheduled component must declare a "
+            "no-grad Need('entropy') (entropy_bonus does)"
+        )
     H = rollout.extras["entropy"].double()  # [B,G,T]
     ok = rollout.row_mask.bool() & torch.isfinite(H)  # [B,G,T]
     return float(H[ok].mean()) if bool(ok.any()) else None
@@ -87,7 +89,9 @@ class TargetEntropySchedule:
         if self.mode not in MODES:
             raise ValueError(f"target_entropy: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not self.coef_min <= self.init <= self.coef_max:
-            raise ValueError(f"target_entropy: need coef_min <= init <= coef_max, got {self.coef_min}, {self.init}, {self.coef_max}")
+            raise ValueError(
+                f"target_entropy: need coef_min <= init <= coef_max, got {self.coef_min}, {self.init}, {self.coef_max}"
+            )
         if self.mode == "multiplicative" and not self.init > 0:
             raise ValueError(f"target_entropy: multiplicative mode needs init > 0 (0 stays 0), got {self.init}")
         if self.delta < 0 or self.lr < 0:

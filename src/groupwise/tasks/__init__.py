@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import importlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from groupwise.errors import ConfigError
 
@@ -82,8 +82,14 @@ def load_splits(data_cfg, seed: int, own_rewards: bool = False) -> tuple[list[di
         from groupwise.tasks.data import load_rows
 
         columns = dict(data_cfg.columns) or None
-        train = load_rows(data_cfg.path, columns=columns, on_bad_row=data_cfg.on_bad_row, require_answer=not own_rewards).rows
-        held = load_rows(data_cfg.eval_path, columns=columns, on_bad_row=data_cfg.on_bad_row).rows if data_cfg.eval_path else []
+        train = load_rows(
+            data_cfg.path, columns=columns, on_bad_row=data_cfg.on_bad_row, require_answer=not own_rewards
+        ).rows
+        held = (
+            load_rows(data_cfg.eval_path, columns=columns, on_bad_row=data_cfg.on_bad_row).rows
+            if data_cfg.eval_path
+            else []
+        )
         if data_cfg.train_size > 0:
             train = train[: data_cfg.train_size]
         return train, resampled(held, seed) if data_cfg.resample_eval else held, "exact"

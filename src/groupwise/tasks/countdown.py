@@ -50,9 +50,10 @@ import itertools
 import random
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.registry import register
 from groupwise.rewards._common import get_column

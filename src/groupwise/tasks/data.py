@@ -46,9 +46,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from groupwise.errors import ConfigError
 
@@ -115,7 +116,9 @@ def _read_json(path: Path, split: str) -> Iterator[_Record]:
         else:
             arrays = [k for k, v in whole.items() if isinstance(v, list)]
             hint = f"; its list-valued keys are {', '.join(map(repr, arrays))}" if arrays else ""
-            raise DataError(f"{path}: a JSON object with no {split!r} list of rows{hint}; expected an array of row objects")
+            raise DataError(
+                f"{path}: a JSON object with no {split!r} list of rows{hint}; expected an array of row objects"
+            )
     elif isinstance(whole, list):
         items, label = whole, str(path)
     else:
@@ -274,13 +277,19 @@ def _check_row(
         raise missing("prompt")
     prompt = row[columns["prompt"]]
     if isinstance(prompt, list):  # a conversation: [{"role": ..., "content": ...}, ...], rendered by the chat template
-        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
-            raise _BadRow(f"{where}: column {describe('prompt')} is a list but not of {{'role': str, 'content': str}} messages")
+        if not prompt or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        ):
+            raise _BadRow(
+                f"{where}: column {describe('prompt')} is a list but not of {{'role': str, 'content': str}} messages"
+            )
         text = "".join(m["content"] for m in prompt)
     elif isinstance(prompt, str):
         text = prompt
     else:
-        raise _BadRow(f"{where}: column {describe('prompt')} is {type(prompt).__name__}, expected a string or a list of chat messages")
+        raise _BadRow(
+            f"{where}: column {describe('prompt')} is {type(prompt).__name__}, expected a string or a list of chat messages"
+        )
     if not text.strip():
         raise _BadRow(f"{where}: column {describe('prompt')} is empty")
     if max_prompt_chars is not None and len(text) > max_prompt_chars:
@@ -293,10 +302,14 @@ def _check_row(
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
         elif not isinstance(answer, str):
-            raise _BadRow(f"{where}: column {describe('answer')} is {type(answer).__name__}, expected a string or number")
+            raise _BadRow(
+                f"{where}: column {describe('answer')} is {type(answer).__name__}, expected a string or number"
+            )
     elif require_answer:
         if columns["answer"] in row:
-            raise _BadRow(f"{where}: column {describe('answer')} is null (pass require_answer=False to allow rows without one)")
+            raise _BadRow(
+                f"{where}: column {describe('answer')} is null (pass require_answer=False to allow rows without one)"
+            )
         raise missing("answer")
     else:
         answer = None
@@ -313,7 +326,9 @@ def _normalise_columns(columns: dict[str, str] | None) -> dict[str, str]:
     if columns is None:
         columns = {}
     if not isinstance(columns, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items()):
-        raise ConfigError(f"columns must map our column names to the source's, e.g. {{'prompt': 'question'}}; got {columns!r}")
+        raise ConfigError(
+            f"columns must map our column names to the source's, e.g. {{'prompt': 'question'}}; got {columns!r}"
+        )
     return {"prompt": "prompt", "answer": "answer", **columns}
 
 

@@ -66,10 +66,18 @@ def format_row(values: dict[str, int], order: str, x: str, y: str, shortcut: boo
     """One row: ``values`` per letter, shown in ``order``; the question ``x+y``."""
     passage = " ".join(f"{k}={values[k]}" for k in order)
     total = values[x] + values[y]
-    answer = (f"{PERCEPTION[0]}{x}={values[x]} {y}={values[y]}{PERCEPTION[1]}{REASONING[0]}{values[x]}+{values[y]}{REASONING[1]}"
-              f"{ANSWER[0]}{total}{ANSWER[1]}")
-    return {"prompt": f"{passage}\n{x}+{y}?", "answer": answer, "value": str(total), "passage": passage, "question": f"{x}+{y}",
-            "shortcut": shortcut}
+    answer = (
+        f"{PERCEPTION[0]}{x}={values[x]} {y}={values[y]}{PERCEPTION[1]}{REASONING[0]}{values[x]}+{values[y]}{REASONING[1]}"
+        f"{ANSWER[0]}{total}{ANSWER[1]}"
+    )
+    return {
+        "prompt": f"{passage}\n{x}+{y}?",
+        "answer": answer,
+        "value": str(total),
+        "passage": passage,
+        "question": f"{x}+{y}",
+        "shortcut": shortcut,
+    }
 
 
 def make_problem(rng: random.Random) -> dict:
@@ -115,8 +123,14 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [dict(r) for r in (pool[:n] if n > 0 else pool)]
 
 
-register_task(Task("evidence", "quote two facts of a passage, add them: 'c=5 a=3 d=1 b=7\\na+d?' -> '<p>a=3 d=1</p><r>3+1</r><a>4</a>'",
-                   rows, reward=REWARD))
+register_task(
+    Task(
+        "evidence",
+        "quote two facts of a passage, add them: 'c=5 a=3 d=1 b=7\\na+d?' -> '<p>a=3 d=1</p><r>3+1</r><a>4</a>'",
+        rows,
+        reward=REWARD,
+    )
+)
 
 
 HINT_RATE, HINT_CHARS = 0.5, 16
@@ -130,9 +144,15 @@ def hinted_rows(split: str, n: int, seed: int = 0) -> list[dict]:
         if rng.random() < HINT_RATE:
             other = out[rng.randrange(len(out))]["answer"]
             start = rng.randrange(len(other))
-            row["prompt"] = f"hint:{other[start: start + rng.randint(1, HINT_CHARS)]}\n{row['prompt']}"
+            row["prompt"] = f"hint:{other[start : start + rng.randint(1, HINT_CHARS)]}\n{row['prompt']}"
     return out
 
 
-register_task(Task("evidence_hinted", "evidence with a random hint line before half the prompts (a warm start for rollout rubricem_reflect)",
-                   hinted_rows, reward=REWARD))
+register_task(
+    Task(
+        "evidence_hinted",
+        "evidence with a random hint line before half the prompts (a warm start for rollout rubricem_reflect)",
+        hinted_rows,
+        reward=REWARD,
+    )
+)

@@ -14,7 +14,20 @@ def _rows(split: str, n: int, seed: int) -> list[dict]:
     return mixture_rows(size, seed=seed if split == "train" else seed + 10_007)
 
 
-register_task(Task("flow2d", "2-D flow toy: samples must land in the region of their label's mixture centre", _rows, reward="flow_region"))
-register_task(Task("flow2d_trap", "2-D flow toy with a trap: an easy near region worth 0.5, a far one worth 1 on the opposite side "
-                   "(E²PO's behavioural test, spec 15)", _rows, reward="flow_trap"))
-
+register_task(
+    Task(
+        "flow2d",
+        "2-D flow toy: samples must land in the region of their label's mixture centre",
+        _rows,
+        reward="flow_region",
+    )
+)
+register_task(
+    Task(
+        "flow2d_trap",
+        "2-D flow toy with a trap: an easy near region worth 0.5, a far one worth 1 on the opposite side "
+        "(E²PO's behavioural test, spec 15)",
+        _rows,
+        reward="flow_trap",
+    )
+)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from functools import lru_cache
+from functools import cache
 
 from groupwise.tasks import Task, register_task
 
@@ -58,7 +58,7 @@ def _level_terms(level: int) -> list[tuple[int, ...]]:
     raise ValueError(f"mixed has levels 0..{len(LEVELS) - 1}, not {level!r}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _pools(level: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """(test problems, train problems) of one level."""
     problems = _level_terms(level)
@@ -87,4 +87,11 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return out[:n] if n > 0 else out
 
 
-register_task(Task("mixed", "addition in 5 difficulty levels (one-digit .. three terms / three digits), 'level' column, exact-match reward", rows, reward="exact"))
+register_task(
+    Task(
+        "mixed",
+        "addition in 5 difficulty levels (one-digit .. three terms / three digits), 'level' column, exact-match reward",
+        rows,
+        reward="exact",
+    )
+)

@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -117,11 +117,17 @@ def plan(dist: int, max_move: int = MAX_MOVE) -> list[int]:
 def format_row(start: int, goal: int) -> dict:
     """``{"prompt": "left 4=", "answer": "4", "env": "reach", "start": 7, "goal": 11, "turns": 1}``."""
     moves = plan(goal - start)
-    return {"prompt": render(start, goal), "answer": " ".join(map(str, moves)), "env": "reach", "start": start, "goal": goal,
-            "turns": len(moves) + SLACK}
+    return {
+        "prompt": render(start, goal),
+        "answer": " ".join(map(str, moves)),
+        "env": "reach",
+        "start": start,
+        "goal": goal,
+        "turns": len(moves) + SLACK,
+    }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _problems(task: str) -> tuple[tuple[int, int], ...]:
     (lo, hi), (dlo, dhi) = SIZES[task]
     pairs = [(s, s + d) for s in range(lo, hi + 1) for d in range(dlo, dhi + 1)]
@@ -137,5 +143,19 @@ def _rows(task: str):
     return rows
 
 
-register_task(Task("reach", "multi-turn: land exactly on the goal with moves 1-4 ('left 6=' -> '4', 'left 2=' -> '2'), 1-4 moves; reward env_return", _rows("reach"), reward="env_return"))
-register_task(Task("reach_long", "multi-turn reach with 8-10 moves (distance 29-40); reward env_return", _rows("reach_long"), reward="env_return"))
+register_task(
+    Task(
+        "reach",
+        "multi-turn: land exactly on the goal with moves 1-4 ('left 6=' -> '4', 'left 2=' -> '2'), 1-4 moves; reward env_return",
+        _rows("reach"),
+        reward="env_return",
+    )
+)
+register_task(
+    Task(
+        "reach_long",
+        "multi-turn reach with 8-10 moves (distance 29-40); reward env_return",
+        _rows("reach_long"),
+        reward="env_return",
+    )
+)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from functools import lru_cache
-from typing import Sequence
+from collections.abc import Sequence
+from functools import cache
 
 from groupwise.tasks import Task, register_task
 
@@ -26,7 +26,7 @@ TEST_PER_LENGTH = 100
 _SPLIT_SEED = 2024
 
 
-@lru_cache(maxsize=None)
+@cache
 def _problems(length: int) -> tuple[tuple[int, ...], ...]:
     """All digit sequences of ``length`` in split order (the first ``TEST_PER_LENGTH`` are test)."""
     seqs = list(itertools.product(range(10), repeat=length))
@@ -67,4 +67,6 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [format_row(seq) for seq in seqs]
 
 
-register_task(Task("sorting", "sort 3-5 digits ascending: 'sort 5 2 9:' -> '2 5 9', exact-match reward", rows, reward="exact"))
+register_task(
+    Task("sorting", "sort 3-5 digits ascending: 'sort 5 2 9:' -> '2 5 9', exact-match reward", rows, reward="exact")
+)

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.registry import register
 from groupwise.rewards._common import get_column
@@ -107,5 +108,11 @@ class SumPairReward:
         return scores
 
 
-register_task(Task("sum_pairs", "write two numbers that add up to N, any of N+1 answers: '82=' -> '37+45' (or '45+37', '0+82', ...)",
-                   rows, reward="sum_pair"))
+register_task(
+    Task(
+        "sum_pairs",
+        "write two numbers that add up to N, any of N+1 answers: '82=' -> '37+45' (or '45+37', '0+82', ...)",
+        rows,
+        reward="sum_pair",
+    )
+)

@@ -7,7 +7,8 @@ non-finite ever reaches the weights."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -81,7 +82,11 @@ class TorchUpdater:
         return {"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0, "nonfinite": 0.0}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "skipped": self.skipped}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "skipped": self.skipped,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_keeping_configuration(self.torch_optim(), self.scheduler, state)
@@ -116,7 +121,10 @@ class OptimizerSnapshot:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.state = {p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for p, s in optimizer.state.items()}
+        self.state = {
+            p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        }
 
     def restore(self) -> None:
         live = self.optimizer.state
@@ -150,8 +158,18 @@ class WeightBackup:
             kept: dict[Any, dict[str, Any]] = {}
             for p, live in optimizer.state.items():
                 old = self.state.get(p, {})
-                kept[p] = {k: (old[k].copy_(v) if isinstance(v, torch.Tensor) and isinstance(old.get(k), torch.Tensor) and old[k].shape == v.shape
-                               else v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in live.items()}
+                kept[p] = {
+                    k: (
+                        old[k].copy_(v)
+                        if isinstance(v, torch.Tensor)
+                        and isinstance(old.get(k), torch.Tensor)
+                        and old[k].shape == v.shape
+                        else v.detach().clone()
+                        if isinstance(v, torch.Tensor)
+                        else v
+                    )
+                    for k, v in live.items()
+                }
             self.state = kept
 
     def restore(self) -> None:

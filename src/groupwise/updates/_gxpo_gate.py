@@ -10,16 +10,31 @@ import torch
 
 from groupwise.errors import ConfigError
 
+
 class GXPOGate:
     """Rolling z-score shutoff: ``update(H, step) -> (z, tripped)``, ``enabled(step)``."""
 
     MODES, FALLBACKS = ("trajectory_aware", "legacy_g0"), ("permanent", "temporary")
 
-    def __init__(self, tau: float = 3.0, window: int = 30, patience: int = 3, mode: str = "trajectory_aware", fallback_mode: str = "permanent", warmup: int = 50, fallback_window: int = 10, ddof: int = 0) -> None:
+    def __init__(
+        self,
+        tau: float = 3.0,
+        window: int = 30,
+        patience: int = 3,
+        mode: str = "trajectory_aware",
+        fallback_mode: str = "permanent",
+        warmup: int = 50,
+        fallback_window: int = 10,
+        ddof: int = 0,
+    ) -> None:
         if mode not in self.MODES or fallback_mode not in self.FALLBACKS:
-            raise ConfigError(f"gxpo: gate_mode must be one of {self.MODES} and fallback_mode one of {self.FALLBACKS}, got {mode!r}, {fallback_mode!r}")
+            raise ConfigError(
+                f"gxpo: gate_mode must be one of {self.MODES} and fallback_mode one of {self.FALLBACKS}, got {mode!r}, {fallback_mode!r}"
+            )
         if window < 2 or patience < 1 or fallback_window < 1 or ddof not in (0, 1):
-            raise ConfigError(f"gxpo: need window >= 2, patience >= 1, fallback_window >= 1, gate_ddof in (0, 1); got {window}, {patience}, {fallback_window}, {ddof}")
+            raise ConfigError(
+                f"gxpo: need window >= 2, patience >= 1, fallback_window >= 1, gate_ddof in (0, 1); got {window}, {patience}, {fallback_window}, {ddof}"
+            )
         self.tau, self.window, self.patience, self.mode, self.ddof = tau, window, patience, mode, ddof
         self.fallback_mode, self.fallback_window, self.warmup = fallback_mode, fallback_window, warmup
         self.history: deque[float] = deque(maxlen=window)

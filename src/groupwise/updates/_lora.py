@@ -57,5 +57,7 @@ def assert_lora_param_count(model: Any, expected: int) -> None:
     key that matched nothing leaves its modules at the default rank: this catches it)."""
     got = lora_param_count(model)
     if got != expected:
-        raise ValueError(f"the LoRA adapters hold {got} parameters, expected {expected}: a rank_pattern key matched no module "
-                         f"(keys are regexes on full module names), or a target module is missing")
+        raise ValueError(
+            f"the LoRA adapters hold {got} parameters, expected {expected}: a rank_pattern key matched no module "
+            f"(keys are regexes on full module names), or a target module is missing"
+        )

@@ -5,7 +5,8 @@ what ``inner`` is bound to or what its closure does."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -85,4 +85,11 @@ class AdamW(TorchUpdater):
         # The fused kernel updates each tensor in one pass (6x faster than the per-op loop on a CPU);
         # it covers floating-point tensors on CPU and CUDA.
         fused = self.fused and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-        return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay, fused=fused or None)
+        return torch.optim.AdamW(
+            params,
+            lr=self.lr,
+            betas=tuple(self.betas),
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            fused=fused or None,
+        )

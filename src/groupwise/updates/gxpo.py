@@ -63,8 +63,9 @@ On a separable quadratic GD has g_{k+1} = r·g_k with r = 1 − lr·h, so θ_K �
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -78,7 +79,16 @@ from groupwise.updates.adamw import AdamW
 __all__ = ["GXPO", "GXPOGate", "OptimizerSnapshot", "gxpo_retention_scale"]
 
 
-def gxpo_retention_scale(g0: Tensor, g1: Tensor, K: int, delta: float, c0: float = 1.0, c1: float = 1.0, r_min: float = -2.0, r_max: float = 3.0) -> tuple[Tensor, Tensor, Tensor]:
+def gxpo_retention_scale(
+    g0: Tensor,
+    g1: Tensor,
+    K: int,
+    delta: float,
+    c0: float = 1.0,
+    c1: float = 1.0,
+    r_min: float = -2.0,
+    r_max: float = 3.0,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-coordinate retention r, extrapolation scale S_K/S_2 (clamped to [1, K/2+1]) and the active mask."""
     g0, g1 = g0.float(), g1.float()  # [n]
     ones = torch.ones_like(g0)  # [n]
@@ -132,29 +142,50 @@ class GXPO(TorchUpdater):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, value, allowed in (("optimizer", self.optimizer, ("adamw", "sgd")), ("state_mode", self.state_mode, ("transactional", "transactional_fast_state")), ("retention_space", self.retention_space, ("grad", "adamw_direction"))):
+        for name, value, allowed in (
+            ("optimizer", self.optimizer, ("adamw", "sgd")),
+            ("state_mode", self.state_mode, ("transactional", "transactional_fast_state")),
+            ("retention_space", self.retention_space, ("grad", "adamw_direction")),
+        ):
             if value not in allowed:
                 raise ConfigError(f"gxpo: {name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.K < 2 or not self.alpha > 0 or not self.r_min < self.r_max:
-            raise ConfigError(f"gxpo: need K >= 2, alpha > 0, r_min < r_max; got K={self.K}, alpha={self.alpha}, r=[{self.r_min}, {self.r_max}]")
-        self.gate = GXPOGate(self.tau, self.window, self.patience, self.gate_mode, self.fallback_mode, self.gate_warmup, self.fallback_window, self.gate_ddof)
+            raise ConfigError(
+                f"gxpo: need K >= 2, alpha > 0, r_min < r_max; got K={self.K}, alpha={self.alpha}, r=[{self.r_min}, {self.r_max}]"
+            )
+        self.gate = GXPOGate(
+            self.tau,
+            self.window,
+            self.patience,
+            self.gate_mode,
+            self.fallback_mode,
+            self.gate_warmup,
+            self.fallback_window,
+            self.gate_ddof,
+        )
         self.t = 0  # outer steps taken (the gate's clock)
 
     def make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if self.optimizer == "adamw":
-            return AdamW(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, eps=self.eps, fused=self.fused).make_optimizer(params)
+            return AdamW(
+                lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, eps=self.eps, fused=self.fused
+            ).make_optimizer(params)
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
 
     def bind(self, params: list[torch.nn.Parameter], total_steps: int) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.torch_optimizer = self.make_optimizer(self.params)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.torch_optimizer, lambda s: self._lr_factor(s, total_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.torch_optimizer, lambda s: self._lr_factor(s, total_steps)
+        )
 
     def _backward(self, closure: Callable[[], Tensor]) -> Tensor:
         self.torch_optimizer.zero_grad(set_to_none=True)
         return closure()
 
-    def _skip(self, out: dict[str, float], theta0: list[Tensor] | None, snap: OptimizerSnapshot | None) -> dict[str, float]:
+    def _skip(
+        self, out: dict[str, float], theta0: list[Tensor] | None, snap: OptimizerSnapshot | None
+    ) -> dict[str, float]:
         if theta0 is not None:  # a probe went non-finite: back to θ0 and its optimiser state
             with torch.no_grad():
                 for p, t0 in zip(self.params, theta0):
@@ -176,7 +207,18 @@ class GXPO(TorchUpdater):
         loss = self._backward(closure)  # pass 1 at θ0
         g0 = grads_of(params) if on else None  # per parameter [*p.shape], raw (before clipping)
         norm0, c0 = clip_grads(params, self.max_grad_norm)
-        out = {"loss": float(loss), "grad_norm": float(norm0), "lr": lr, "skipped": 0.0, "nonfinite": 0.0, "gxpo_enabled": 0.0, "gxpo_scale_mean": 1.0, "gxpo_active_frac": 0.0, "gxpo_z": 0.0, "backward_passes": 1.0}
+        out = {
+            "loss": float(loss),
+            "grad_norm": float(norm0),
+            "lr": lr,
+            "skipped": 0.0,
+            "nonfinite": 0.0,
+            "gxpo_enabled": 0.0,
+            "gxpo_scale_mean": 1.0,
+            "gxpo_active_frac": 0.0,
+            "gxpo_z": 0.0,
+            "backward_passes": 1.0,
+        }
         if not _finite(loss, norm0):
             return self._skip({**out, "grad_norm": float("nan")}, None, None)
         if not on or float(norm0) <= 1e-8:  # fallback: the plain GRPO step
@@ -197,14 +239,27 @@ class GXPO(TorchUpdater):
         if direction:
             before = [decay * p.detach() for p in params]  # c·θ1 per parameter [*p.shape]
             opt.step()  # θ2
-            g1, c0, c1 = [(b - p.detach()) / lr for p, b in zip(params, before)], 1.0, 1.0  # d1 per parameter [*p.shape]
+            g1, c0, c1 = (
+                [(b - p.detach()) / lr for p, b in zip(params, before)],
+                1.0,
+                1.0,
+            )  # d1 per parameter [*p.shape]
         else:
-            g1, c1 = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params], 1.0  # c1·g1 per parameter [*p.shape]
+            g1, c1 = (
+                [p.grad if p.grad is not None else torch.zeros_like(p) for p in params],
+                1.0,
+            )  # c1·g1 per parameter [*p.shape]
         scales, n_active, n_total, scale_sum = [], 0, 0, 0.0
         for a, b in zip(g0, g1):
-            _, scale, active = gxpo_retention_scale(a.flatten(), b.flatten(), self.K, self.delta, c0, c1, self.r_min, self.r_max)  # [n] each
+            _, scale, active = gxpo_retention_scale(
+                a.flatten(), b.flatten(), self.K, self.delta, c0, c1, self.r_min, self.r_max
+            )  # [n] each
             scales.append(scale.view_as(a))  # [*p.shape]
-            n_active, n_total, scale_sum = n_active + int(active.sum()), n_total + active.numel(), scale_sum + float(scale.sum())
+            n_active, n_total, scale_sum = (
+                n_active + int(active.sum()),
+                n_total + active.numel(),
+                scale_sum + float(scale.sum()),
+            )
         if not direction:
             opt.step()  # θ2; r was read first: some optimiser paths change p.grad in place
         with torch.no_grad():
@@ -222,10 +277,23 @@ class GXPO(TorchUpdater):
         opt.step()  # corrective step from θ̃
         self.scheduler.step()
         z, _ = self.gate.update(self.gate.statistic(float(norm0), float(norm2)), s)
-        return {**out, "gxpo_enabled": 1.0, "gxpo_scale_mean": scale_sum / max(1, n_total), "gxpo_active_frac": n_active / max(1, n_total), "gxpo_z": z, "backward_passes": 3.0}
+        return {
+            **out,
+            "gxpo_enabled": 1.0,
+            "gxpo_scale_mean": scale_sum / max(1, n_total),
+            "gxpo_active_frac": n_active / max(1, n_total),
+            "gxpo_z": z,
+            "backward_passes": 3.0,
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.torch_optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "skipped": self.skipped, "t": self.t, "gate": self.gate.state_dict()}
+        return {
+            "optimizer": self.torch_optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "skipped": self.skipped,
+            "t": self.t,
+            "gate": self.gate.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_keeping_configuration(self.torch_optimizer, self.scheduler, state)

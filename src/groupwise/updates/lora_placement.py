@@ -52,8 +52,9 @@ updater then trains exactly those k entries with any updater (``inner``) — eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -117,7 +118,9 @@ def grad_structure_stats(grads: torch.Tensor) -> dict[str, float]:
         return {"eff_rank": eff_rank, "mean_cos": float("nan")}
     a, b = grads[:-1], grads[1:]  # [S-1,P]
     norms = a.norm(dim=1) * b.norm(dim=1)  # [S-1]
-    cos = torch.where(norms > 0, (a * b).sum(1) / norms.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros(()))  # [S-1]
+    cos = torch.where(
+        norms > 0, (a * b).sum(1) / norms.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros(())
+    )  # [S-1]
     return {"eff_rank": eff_rank, "mean_cos": float(cos.mean())}
 
 
@@ -131,11 +134,15 @@ class LoraPlacement(Wrapped):
 
     def __post_init__(self) -> None:
         if not self.artifact:
-            raise ConfigError("update lora_placement: artifact must name the placement phase's output (default \"placement\")")
+            raise ConfigError(
+                'update lora_placement: artifact must name the placement phase\'s output (default "placement")'
+            )
         self.inner_updater = build_inner(self.inner, "lora_placement")
         self.names: list[str] | None = None
         self.params: list[torch.nn.Parameter] = []
-        self.slots: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (B weight, flat indices of its trained entries [k_i])
+        self.slots: list[
+            tuple[torch.nn.Parameter, torch.Tensor]
+        ] = []  # (B weight, flat indices of its trained entries [k_i])
         self.values: list[torch.nn.Parameter] = []  # [k_i] each: what the inner updater trains
         self._pending: dict | None = None  # inner state from a checkpoint, loaded once the mask is known
         self._total = 0
@@ -161,18 +168,24 @@ class LoraPlacement(Wrapped):
         self.slots, self.values, placed = [], [], []
         for pname, mask in value["masks"].items():
             if pname not in by_name:
-                raise ConfigError(f"update lora_placement: the placement artifact masks {pname!r}, which this policy does not train "
-                                  f"(model.lora differs from the run that probed it?)")
+                raise ConfigError(
+                    f"update lora_placement: the placement artifact masks {pname!r}, which this policy does not train "
+                    f"(model.lora differs from the run that probed it?)"
+                )
             p = by_name[pname]
             if tuple(mask.shape) != tuple(p.shape) or not p.is_contiguous():
-                raise ConfigError(f"update lora_placement: mask of {pname!r} has shape {tuple(mask.shape)}, the weight {tuple(p.shape)}")
+                raise ConfigError(
+                    f"update lora_placement: mask of {pname!r} has shape {tuple(mask.shape)}, the weight {tuple(p.shape)}"
+                )
             index = mask.reshape(-1).nonzero().flatten().to(p.device)  # [k_i]
             if index.numel():
                 self.slots.append((p, index))
                 self.values.append(torch.nn.Parameter(p.detach().reshape(-1)[index].clone()))  # [k_i]
                 placed.append(f"{pname}[placed]")
         if not self.values:
-            raise ConfigError(f"update lora_placement: the artifact {self.artifact!r} places no entry (k = 0); give the probe phase k >= 1")
+            raise ConfigError(
+                f"update lora_placement: the artifact {self.artifact!r} places no entry (k = 0); give the probe phase k >= 1"
+            )
         self.inner_updater.bind(self.values, self._total)
         if hasattr(self.inner_updater, "use_parameter_names"):
             self.inner_updater.use_parameter_names(placed)
@@ -188,8 +201,10 @@ class LoraPlacement(Wrapped):
 
     def step(self, closure: Callable[[], torch.Tensor]) -> dict[str, float]:
         if not self._placed:
-            raise RuntimeError(f"update lora_placement: no placement yet; add the phase that writes the artifact {self.artifact!r} "
-                               f"(phases=[{{name=\"lora_placement_probe\", artifact=\"{self.artifact}\"}}])")
+            raise RuntimeError(
+                f"update lora_placement: no placement yet; add the phase that writes the artifact {self.artifact!r} "
+                f'(phases=[{{name="lora_placement_probe", artifact="{self.artifact}"}}])'
+            )
 
         def placed() -> torch.Tensor:
             self._write()  # the forward sees the current values (a multi-pass updater moved them)
@@ -197,7 +212,9 @@ class LoraPlacement(Wrapped):
                 p.grad = None
             loss = closure()
             for (p, index), v in zip(self.slots, self.values):
-                v.grad = p.grad.detach().reshape(-1)[index].clone() if p.grad is not None else torch.zeros_like(v)  # [k_i]
+                v.grad = (
+                    p.grad.detach().reshape(-1)[index].clone() if p.grad is not None else torch.zeros_like(v)
+                )  # [k_i]
             return loss
 
         out = self.inner_updater.step(placed)
@@ -213,4 +230,6 @@ class LoraPlacement(Wrapped):
         if self._placed:
             self.inner_updater.load_state_dict(state["inner"])
         else:
-            self._pending = state["inner"]  # the mask (and the inner parameters) arrive with the artifact, after the checkpoint
+            self._pending = state[
+                "inner"
+            ]  # the mask (and the inner parameters) arrive with the artifact, after the checkpoint

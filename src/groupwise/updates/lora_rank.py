@@ -61,9 +61,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -76,15 +77,26 @@ STRATEGIES = ("uniform", "proportional", "random", "reduced")
 METRIC = "lora_grad/L"
 
 
-def allocate_ranks(share: Any, budget: int, strategy: str = "uniform", seed: int = 0, r_min: int = 1, r_max: int | None = None,
-                   r_lo: float | None = None, r_hi: float | None = None, reduce: float = 0.7) -> list[int]:
+def allocate_ranks(
+    share: Any,
+    budget: int,
+    strategy: str = "uniform",
+    seed: int = 0,
+    r_min: int = 1,
+    r_max: int | None = None,
+    r_lo: float | None = None,
+    r_hi: float | None = None,
+    reduce: float = 0.7,
+) -> list[int]:
     """Per-layer ranks [L] summing to the budget (``reduced``: to round(reduce · budget)); **Math**."""
     share = torch.as_tensor(share, dtype=torch.float64)  # [L]
     L = share.numel()
     if strategy not in STRATEGIES:
         raise ConfigError(f"rank allocation strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
     if L == 0 or budget < 0 or (share < 0).any() or not torch.isfinite(share).all():
-        raise ValueError(f"allocate_ranks: need >= 1 layer, a budget >= 0 and finite shares >= 0 (got {L} layers, budget {budget})")
+        raise ValueError(
+            f"allocate_ranks: need >= 1 layer, a budget >= 0 and finite shares >= 0 (got {L} layers, budget {budget})"
+        )
     if strategy == "reduced":
         budget, strategy = int(math.floor(reduce * budget + 0.5)), "proportional"
     if L * r_min > budget or (r_max is not None and L * r_max < budget):
@@ -150,7 +162,9 @@ def layer_rank_pattern(module_names: list[str], ranks: list[int]) -> dict[str, i
         if layer is None:
             raise ValueError(f"layer_rank_pattern: module {name!r} has no layer index")
         if layer >= len(ranks):
-            raise ValueError(f"layer_rank_pattern: module {name!r} is in layer {layer}, ranks cover {len(ranks)} layers")
+            raise ValueError(
+                f"layer_rank_pattern: module {name!r} is in layer {layer}, ranks cover {len(ranks)} layers"
+            )
         pattern[re.escape(name)] = int(ranks[layer])
     return pattern
 
@@ -159,10 +173,14 @@ def shares_from_metrics(path: str | Path, first: int = 0, last: int | None = Non
     """share_l from a run's ``metrics.jsonl``: the mean ``lora_grad/L<l>`` over steps [first, last), normalised."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     rows = [r for r in rows if first <= r.get("step", 0) and (last is None or r.get("step", 0) < last)]
-    keys = sorted({k for r in rows for k in r if k.startswith(METRIC)}, key=lambda k: int(k[len(METRIC):]))
+    keys = sorted({k for r in rows for k in r if k.startswith(METRIC)}, key=lambda k: int(k[len(METRIC) :]))
     if not keys:
-        raise ValueError(f"{path}: no {METRIC}<l> metrics (train with update={{name=\"lora_rank_allocation\", inner=...}})")
-    means = torch.tensor([sum(r[k] for r in rows if k in r) / max(1, sum(k in r for r in rows)) for k in keys], dtype=torch.float64)  # [L]
+        raise ValueError(
+            f'{path}: no {METRIC}<l> metrics (train with update={{name="lora_rank_allocation", inner=...}})'
+        )
+    means = torch.tensor(
+        [sum(r[k] for r in rows if k in r) / max(1, sum(k in r for r in rows)) for k in keys], dtype=torch.float64
+    )  # [L]
     return (means / means.sum()).tolist()
 
 
@@ -211,7 +229,9 @@ class LoraGradProfile(Wrapped):
         super().use_parameter_names(names)
         self.profiler = GradNormProfiler(list(zip(names, self.params, strict=True)))
         if not self.profiler.items:
-            raise ConfigError("update lora_rank_allocation: no trainable LoRA weight with a layer index; set model.lora")
+            raise ConfigError(
+                "update lora_rank_allocation: no trainable LoRA weight with a layer index; set model.lora"
+            )
 
     def step(self, closure: Callable[[], torch.Tensor]) -> dict[str, float]:
         seen: dict[str, float] = {}

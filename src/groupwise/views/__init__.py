@@ -13,8 +13,9 @@ dataset row): such a view can score held-out prompts too (``eval.views``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torch import Tensor
 

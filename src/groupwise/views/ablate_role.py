@@ -43,8 +43,9 @@ segment, ``textspans.segment_ids``; ``φ`` = the placeholder's token ids)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -70,7 +71,9 @@ def spell(text: str, token_text: list[str]) -> list[int]:
                 at += n
                 break
         else:
-            raise ConfigError(f"view ablate_role: no token of the vocabulary spells {text[at]!r} of placeholder {text!r}")
+            raise ConfigError(
+                f"view ablate_role: no token of the vocabulary spells {text[at]!r} of placeholder {text!r}"
+            )
     return ids
 
 
@@ -109,11 +112,18 @@ class AblateRole:
 
     def apply(self, rollout: Rollout, encode: Callable[[Any], list[int]]) -> Remapped:
         if self._token_text is None:
-            raise ValueError("view ablate_role has no vocabulary: it needs a text policy (the trainer calls use_vocabulary when it builds the view)")
+            raise ValueError(
+                "view ablate_role has no vocabulary: it needs a text policy (the trainer calls use_vocabulary when it builds the view)"
+            )
         B, G, T = rollout.shape
-        seg = segment_ids(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, [self.tags]).reshape(B, G, T)  # [B,G,T]
+        seg = segment_ids(
+            rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, [self.tags]
+        ).reshape(B, G, T)  # [B,G,T]
         counts, ids, inside = rollout.mask.sum(-1).tolist(), rollout.actions.tolist(), (seg == 1).tolist()
-        edited = [[ablate(ids[b][g][: counts[b][g]], inside[b][g][: counts[b][g]], self._placeholder_ids) for g in range(G)] for b in range(B)]
+        edited = [
+            [ablate(ids[b][g][: counts[b][g]], inside[b][g][: counts[b][g]], self._placeholder_ids) for g in range(G)]
+            for b in range(B)
+        ]
         T2 = max((len(e) for row in edited for e, _ in row), default=0)
         actions = torch.zeros(B, G, T2, dtype=torch.long)  # [B,G,T2]
         mask = torch.zeros(B, G, T2, dtype=torch.bool)  # [B,G,T2]
@@ -129,7 +139,14 @@ class AblateRole:
                     kept = [(t, p) for t, p in enumerate(pos) if p >= 0]
                     for t, p in kept:
                         loss_mask[b, g, p] = bool(rollout.loss_mask[b, g, t])
-        rows = Rollout(prompt_ids=[list(p) for p in rollout.prompt_ids], actions=actions, mask=mask, group_valid=rollout.group_valid.clone(),
-                       truncated=rollout.truncated.clone(), prompt_index=rollout.prompt_index.clone(), meta=list(rollout.meta),
-                       loss_mask=loss_mask)
+        rows = Rollout(
+            prompt_ids=[list(p) for p in rollout.prompt_ids],
+            actions=actions,
+            mask=mask,
+            group_valid=rollout.group_valid.clone(),
+            truncated=rollout.truncated.clone(),
+            prompt_index=rollout.prompt_index.clone(),
+            meta=list(rollout.meta),
+            loss_mask=loss_mask,
+        )
         return Remapped(rows, positions)

@@ -35,8 +35,9 @@ so ``logp`` under this view at token t is log π(y_t | context(b,g), y_<t).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from groupwise.registry import register
 from groupwise.types import Rollout
@@ -49,4 +50,6 @@ class Behaviour:
 
     def apply(self, rollout: Rollout, encode: Callable[[Any], list[int]]) -> Rollout:
         ctx = rollout.behaviour_contexts() if rollout.behav_ctx else rollout.ctx
-        return dataclasses.replace(rollout, ctx=ctx, behav_ctx=[], extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels))
+        return dataclasses.replace(
+            rollout, ctx=ctx, behav_ctx=[], extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels)
+        )

@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
@@ -94,8 +95,18 @@ class CorruptContext:
         """The edited prompt of one dataset row (``key``: its index), or the row's own prompt (``on_missing="keep"``)."""
         passage = meta.get(self.column)
         prompt = meta.get("prompt")
-        text = prompt if isinstance(prompt, str) else next((m.get("content", "") for m in reversed(prompt or [])
-                                                            if isinstance(m, dict) and m.get("role") == "user"), "")
+        text = (
+            prompt
+            if isinstance(prompt, str)
+            else next(
+                (
+                    m.get("content", "")
+                    for m in reversed(prompt or [])
+                    if isinstance(m, dict) and m.get("role") == "user"
+                ),
+                "",
+            )
+        )
         why = None
         if not isinstance(passage, str) or not passage:
             why = f"has no {self.column!r} column (columns: {sorted(meta)})"
@@ -104,20 +115,30 @@ class CorruptContext:
         else:
             other = self._donor(passage, key)
             if other is None:
-                why = f"has no donor: the train rows hold no other {self.column!r}" + ("" if self._pool is not None else " (use_rows was never called)")
+                why = f"has no donor: the train rows hold no other {self.column!r}" + (
+                    "" if self._pool is not None else " (use_rows was never called)"
+                )
             else:
                 return edit_user_text(prompt, lambda t: t.replace(passage, other, 1), "corrupt_context view", key)
         if self.on_missing == "raise":
-            raise ValueError(f"corrupt_context view: dataset row {key} {why}; give the task a passage column (views.corrupt_context.column) "
-                             f"or set views.corrupt_context.on_missing=\"keep\"")
+            raise ValueError(
+                f"corrupt_context view: dataset row {key} {why}; give the task a passage column (views.corrupt_context.column) "
+                f'or set views.corrupt_context.on_missing="keep"'
+            )
         return prompt
 
     def apply(self, rollout: Rollout, encode: Callable[[Any], list[int]]) -> Rollout:
         B = len(rollout.prompt_ids)
         if len(rollout.meta) != B:
-            raise ValueError(f"corrupt_context view needs rollout.meta for each of the {B} groups, got {len(rollout.meta)}")
+            raise ValueError(
+                f"corrupt_context view needs rollout.meta for each of the {B} groups, got {len(rollout.meta)}"
+            )
         prompt_ids = []
         for b, meta in enumerate(rollout.meta):
             edited = self.prompt(meta, int(rollout.prompt_index[b]))
-            prompt_ids.append(list(rollout.prompt_ids[b]) if edited is meta.get("prompt") else list(encode(edited)))  # B token lists
-        return dataclasses.replace(rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels))
+            prompt_ids.append(
+                list(rollout.prompt_ids[b]) if edited is meta.get("prompt") else list(encode(edited))
+            )  # B token lists
+        return dataclasses.replace(
+            rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels)
+        )

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from groupwise.registry import register
 from groupwise.types import Rollout
@@ -54,9 +55,13 @@ def template_columns(template: str) -> tuple[str, ...]:
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as err:
-        raise ValueError(f"ground_truth: template {template!r} is malformed ({err}); write literal braces as {{{{ }}}}") from err
+        raise ValueError(
+            f"ground_truth: template {template!r} is malformed ({err}); write literal braces as {{{{ }}}}"
+        ) from err
     if any(not f or f.isdigit() for f in fields):
-        raise ValueError(f"ground_truth: template {template!r} uses positional fields; name dataset columns, e.g. {{answer}}")
+        raise ValueError(
+            f"ground_truth: template {template!r} uses positional fields; name dataset columns, e.g. {{answer}}"
+        )
     return tuple(dict.fromkeys(f.split(".")[0].split("[")[0] for f in fields))
 
 
@@ -75,13 +80,21 @@ class GroundTruthView:
         """The edited prompt of one group: a string, or a copy of its chat messages."""
         for col in template_columns(self.template):
             if meta.get(col) is None:
-                raise ValueError(f"ground_truth view: template {self.template!r} needs column {col!r}, "
-                               f"which group {group} lacks; its columns are {sorted(meta)}")
-        return edit_user_text(meta["prompt"], lambda text: self.template.format(**{**meta, "prompt": text}), "ground_truth view", group)
+                raise ValueError(
+                    f"ground_truth view: template {self.template!r} needs column {col!r}, "
+                    f"which group {group} lacks; its columns are {sorted(meta)}"
+                )
+        return edit_user_text(
+            meta["prompt"], lambda text: self.template.format(**{**meta, "prompt": text}), "ground_truth view", group
+        )
 
     def apply(self, rollout: Rollout, encode: Callable[[Any], list[int]]) -> Rollout:
         B = len(rollout.prompt_ids)
         if len(rollout.meta) != B:
-            raise ValueError(f"ground_truth view needs rollout.meta for each of the {B} groups, got {len(rollout.meta)}")
+            raise ValueError(
+                f"ground_truth view needs rollout.meta for each of the {B} groups, got {len(rollout.meta)}"
+            )
         prompt_ids = [list(encode(self._text(meta, b))) for b, meta in enumerate(rollout.meta)]  # B token lists
-        return dataclasses.replace(rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels))
+        return dataclasses.replace(
+            rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels)
+        )

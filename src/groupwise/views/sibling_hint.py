@@ -49,8 +49,9 @@ edited prompt.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,7 +69,9 @@ PICKS = ("shortest", "longest", "first")
 def verdicts(rewards: Tensor, group_valid: Tensor, threshold: float = 1.0) -> tuple[Tensor, Tensor]:
     """(members [B,G], correct [B,G]) bool: rows with a verdict (valid, finite reward), and those ≥ threshold."""
     if rewards is None or rewards.dim() != 2:
-        raise ValueError(f"correct/wrong rows need the total rewards [B,G], got {None if rewards is None else tuple(rewards.shape)}")
+        raise ValueError(
+            f"correct/wrong rows need the total rewards [B,G], got {None if rewards is None else tuple(rewards.shape)}"
+        )
     members = group_valid.bool() & torch.isfinite(rewards)  # [B,G]
     correct = members & (rewards >= threshold)  # [B,G]; NaN compares False
     return members, correct
@@ -113,22 +116,33 @@ class SiblingHint:
     def _hints(self, rollout: Rollout) -> Tensor:
         """[B] long: the row whose completion is each group's hint, −1 where the group has no correct row."""
         if rollout.rewards is None:
-            raise ValueError("sibling_hint view reads the group's rewards, which are not scored yet: it serves needs computed after the "
-                             "rewards (objective terms, weights, shapers), not a reward scorer's needs")
+            raise ValueError(
+                "sibling_hint view reads the group's rewards, which are not scored yet: it serves needs computed after the "
+                "rewards (objective terms, weights, shapers), not a reward scorer's needs"
+            )
         _, correct = verdicts(rollout.rewards, rollout.group_valid, self.threshold)  # [B,G]
         return pick_row(rollout.mask.sum(-1), correct, self.pick)  # [B]
 
     def apply(self, rollout: Rollout, encode: Callable[[Any], list[int]]) -> Rollout:
         B, G, _ = rollout.shape
         if len(rollout.meta) != B or len(rollout.completions) != B:
-            raise ValueError(f"sibling_hint view needs rollout.meta and decoded rollout.completions for each of the {B} groups, "
-                             f"got {len(rollout.meta)} and {len(rollout.completions)}")
+            raise ValueError(
+                f"sibling_hint view needs rollout.meta and decoded rollout.completions for each of the {B} groups, "
+                f"got {len(rollout.meta)} and {len(rollout.completions)}"
+            )
         prompt_ids = []
         for b, h in enumerate(self._hints(rollout).tolist()):
             if h < 0:  # Note 2: no correct sibling, the group's own prompt
                 prompt_ids.append(list(rollout.prompt_ids[b]))
                 continue
             meta, hint = rollout.meta[b], rollout.completions[b][h]
-            text = edit_user_text(meta["prompt"], lambda t: self.template.format(**{**meta, "prompt": t, "hint": hint}), "sibling_hint view", b)
+            text = edit_user_text(
+                meta["prompt"],
+                lambda t: self.template.format(**{**meta, "prompt": t, "hint": hint}),  # noqa: B023 (called at once, inside this iteration)
+                "sibling_hint view",
+                b,
+            )
             prompt_ids.append(list(encode(text)))  # B token lists
-        return dataclasses.replace(rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels))
+        return dataclasses.replace(
+            rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels)
+        )

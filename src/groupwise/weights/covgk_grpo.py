@@ -80,8 +80,9 @@ def _centred(x: Tensor, seg: Tensor, S: int) -> Tensor:
     return torch.where((hi > lo)[seg], dev, torch.zeros((), dtype=x.dtype))  # [M]
 
 
-def cov_gaussian_weights(logp: Tensor, adv: Tensor, seg: Tensor, center: str = "batch_mean",
-                         bandwidth: str = "std") -> tuple[Tensor, Tensor]:
+def cov_gaussian_weights(
+    logp: Tensor, adv: Tensor, seg: Tensor, center: str = "batch_mean", bandwidth: str = "std"
+) -> tuple[Tensor, Tensor]:
     """(w [M], c [M]) float64 for M statistics tokens with log-probs, advantages and scope ids ``seg`` [M] long."""
     S = int(seg.max()) + 1 if seg.numel() else 1
     logp, adv = logp.double(), adv.double()  # [M], [M]
@@ -89,7 +90,7 @@ def cov_gaussian_weights(logp: Tensor, adv: Tensor, seg: Tensor, center: str = "
     dc = _centred(c, seg, S)  # [M] c − mu_c
     off = dc if center == "batch_mean" else c  # [M]
     var = _segment_mean(dc**2 if bandwidth == "std" else c**2, seg, S)[seg]  # [M] sig_c²
-    w = torch.exp(-off**2 / (2 * torch.where(var > 0, var, torch.ones_like(var))))  # [M]
+    w = torch.exp(-(off**2) / (2 * torch.where(var > 0, var, torch.ones_like(var))))  # [M]
     return torch.where(var > 0, w, torch.ones_like(w)), c
 
 
@@ -107,16 +108,25 @@ class CovGKGRPO:
     scope = "loss"  # w > 0 on every loss token: no token leaves a normaliser either way
 
     def __post_init__(self) -> None:
-        for key, allowed in (("center", CENTERS), ("bandwidth", BANDWIDTHS), ("stats_scope", SCOPES), ("stats_tokens", STATS_TOKENS)):
+        for key, allowed in (
+            ("center", CENTERS),
+            ("bandwidth", BANDWIDTHS),
+            ("stats_scope", SCOPES),
+            ("stats_tokens", STATS_TOKENS),
+        ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"covgk_grpo: {key} must be one of {allowed}, got {getattr(self, key)!r}")
         self._stats: dict[str, float] = {}
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.logp_old is None:
-            raise ValueError("covgk_grpo needs rollout.logp_old: declared Need('logp'), filled by the trainer before the weight stage")
+            raise ValueError(
+                "covgk_grpo needs rollout.logp_old: declared Need('logp'), filled by the trainer before the weight stage"
+            )
         if rollout.advantages is None:
-            raise ValueError("covgk_grpo needs rollout.advantages (configure an advantage estimator; weights run after it)")
+            raise ValueError(
+                "covgk_grpo needs rollout.advantages (configure an advantage estimator; weights run after it)"
+            )
         B, G, T = rollout.shape
         mask = rollout.row_mask.bool()  # [B,G,T]
         adv = rollout.advantages.float()  # [B,G] or [B,G,T]
@@ -127,15 +137,22 @@ class CovGKGRPO:
             ok = ok & torch.isfinite(rollout.rewards)[..., None]  # [B,G,T]
         if self.stats_tokens == "nonzero_adv":
             ok = ok & (adv != 0)  # [B,G,T]
-        rows = {"batch": torch.zeros(B, G), "group": torch.arange(B)[:, None].expand(B, G),
-                "sequence": torch.arange(B * G).view(B, G)}[self.stats_scope].long()  # [B,G] scope id of each row
+        rows = {
+            "batch": torch.zeros(B, G),
+            "group": torch.arange(B)[:, None].expand(B, G),
+            "sequence": torch.arange(B * G).view(B, G),
+        }[self.stats_scope].long()  # [B,G] scope id of each row
         seg = rows[..., None].expand(B, G, T)[ok]  # [M]
         w_tok, c = cov_gaussian_weights(logp[ok], adv[ok], seg, self.center, self.bandwidth)  # [M], [M]
         weight = mask.float()  # [B,G,T] 1 on loss tokens outside the statistics, 0 off the mask
         weight[ok] = w_tok.float()
         n = max(int(ok.sum()), 1)
-        self._stats = {"covgk/cov": float(c.sum()) / n, "covgk/w_mean": float(w_tok.sum()) / n,
-                       "covgk/w_min": float(w_tok.min()) if w_tok.numel() else 1.0, "covgk/low_frac": float((w_tok < 0.5).sum()) / n}
+        self._stats = {
+            "covgk/cov": float(c.sum()) / n,
+            "covgk/w_mean": float(w_tok.sum()) / n,
+            "covgk/w_min": float(w_tok.min()) if w_tok.numel() else 1.0,
+            "covgk/low_frac": float((w_tok < 0.5).sum()) / n,
+        }
         return weight  # [B,G,T]
 
     def step_stats(self) -> dict[str, float]:

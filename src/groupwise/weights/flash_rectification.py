@@ -78,8 +78,10 @@ class FlashRectification:
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         missing = [k for k in EXTRAS if k not in rollout.extras]
         if missing:
-            raise ValueError(f"flash_rectification needs the token extras {missing} of a flow policy (modalities.flow.FlowPolicy); "
-                             "this rollout has none: use it only with a flow policy")
+            raise ValueError(
+                f"flash_rectification needs the token extras {missing} of a flow policy (modalities.flow.FlowPolicy); "
+                "this rollout has none: use it only with a flow policy"
+            )
         mask = rollout.row_mask.bool()  # [B,G,T]
         weight = torch.zeros(mask.shape, dtype=torch.float32)  # [B,G,T]
         if not mask.any():

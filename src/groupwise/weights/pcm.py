@@ -92,7 +92,9 @@ def phase_divergence(actions: Tensor, phase: Tensor, success: Tensor, valid: Ten
     return C
 
 
-def token_phase_divergence(tokens: Tensor, chunk: Tensor, offset: Tensor, phase: Tensor, success: Tensor, ok: Tensor, num_phases: int) -> Tensor:
+def token_phase_divergence(
+    tokens: Tensor, chunk: Tensor, offset: Tensor, phase: Tensor, success: Tensor, ok: Tensor, num_phases: int
+) -> Tensor:
     """:func:`phase_divergence` of one group with a chunk's action = one-hot of its (offset, token) pairs, sparse.
 
     tokens/chunk/offset/phase/ok [G,T] (ok: the tokens that count), success [G] → C [num_phases]."""
@@ -161,10 +163,18 @@ class PCM:
     needs = ()
 
     def __post_init__(self) -> None:
-        if self.budget < 1 or self.chunk_size < 1 or self.num_phases < 1 or self.refresh < 1 or not 0 <= self.p_min <= 1:
+        if (
+            self.budget < 1
+            or self.chunk_size < 1
+            or self.num_phases < 1
+            or self.refresh < 1
+            or not 0 <= self.p_min <= 1
+        ):
             raise ValueError(f"pcm: need budget, chunk_size, num_phases, refresh >= 1 and 0 <= p_min <= 1; got {self}")
         if self.phase_by not in ("index", "relative") or self.scope not in ("token", "loss"):
-            raise ValueError(f"pcm: phase_by must be 'index' or 'relative' and scope 'token' or 'loss'; got {self.phase_by!r}, {self.scope!r}")
+            raise ValueError(
+                f"pcm: phase_by must be 'index' or 'relative' and scope 'token' or 'loss'; got {self.phase_by!r}, {self.scope!r}"
+            )
         self._buffers: list[list[float]] = [[] for _ in range(self.num_phases)]
         self._cbar = [float("nan")] * self.num_phases
         self._p = [1.0] * self.num_phases
@@ -194,21 +204,33 @@ class PCM:
         seq = (rollout.mask & rollout.group_valid[..., None]).reshape(N, T)  # [N,T] the sequence of valid rows
         chunk, offset = token_chunks(tokens, seq, self.chunk_size, list(self.delimiter_ids))  # [N,T], [N,T]
         K = T  # at most one chunk per token
-        has = torch.zeros(N, K, dtype=torch.bool).index_put_((torch.arange(N)[:, None].expand(N, T)[loss], chunk[loss]), torch.tensor(True))  # [N,K] chunks with a loss token
+        has = torch.zeros(N, K, dtype=torch.bool).index_put_(
+            (torch.arange(N)[:, None].expand(N, T)[loss], chunk[loss]), torch.tensor(True)
+        )  # [N,K] chunks with a loss token
         n_chunks = (chunk.max(-1).values + 1).clamp(min=1)  # [N]
         k = torch.arange(K).expand(N, K)  # [N,K]
-        phase = (k.clamp(max=self.num_phases - 1) if self.phase_by == "index" else (k * self.num_phases) // n_chunks[:, None]).clamp(max=self.num_phases - 1)  # [N,K]
+        phase = (
+            k.clamp(max=self.num_phases - 1) if self.phase_by == "index" else (k * self.num_phases) // n_chunks[:, None]
+        ).clamp(max=self.num_phases - 1)  # [N,K]
         tok_phase = torch.where(chunk >= 0, phase.gather(1, chunk.clamp(min=0)), -1)  # [N,T]
         p = self._update(self._divergence(rollout, tokens, chunk, offset, tok_phase, loss), info.step)  # [P]
         weights = p[phase]  # [N,K]
-        seeds = torch.tensor([sample_seed(info.seed, info.step, int(rollout.prompt_index[i // G]), h) for i, h in enumerate(_row_hashes(tokens, seq))], dtype=torch.long)  # [N]
+        seeds = torch.tensor(
+            [
+                sample_seed(info.seed, info.step, int(rollout.prompt_index[i // G]), h)
+                for i, h in enumerate(_row_hashes(tokens, seq))
+            ],
+            dtype=torch.long,
+        )  # [N]
         keep = sample_chunks(weights, self.budget, has, noise_at(seeds, 13, torch.arange(K)))  # [N,K]
         value = (1.0 / weights if self.reweight else torch.ones_like(weights)) * keep  # [N,K]
         w = torch.where(loss, value.gather(1, chunk.clamp(min=0)), 0.0).float()  # [N,T]
         self._record(w, loss, keep, has, p, self._last_C)
         return w.reshape(B, G, T)  # [B,G,T]
 
-    def _divergence(self, rollout: Rollout, tokens: Tensor, chunk: Tensor, offset: Tensor, tok_phase: Tensor, loss: Tensor) -> Tensor:
+    def _divergence(
+        self, rollout: Rollout, tokens: Tensor, chunk: Tensor, offset: Tensor, tok_phase: Tensor, loss: Tensor
+    ) -> Tensor:
         """C [P]: the mean over groups with a success and a failure of their per-group phase divergence."""
         B, G, T = rollout.shape
         r = rollout.rewards if rollout.rewards is not None else torch.full((B, G), float("nan"))  # [B,G]
@@ -220,14 +242,30 @@ class PCM:
             if not ((success[b] & rows).any() and (~success[b] & rows).any()):
                 continue
             sl = slice(b * G, (b + 1) * G)
-            per_group.append(token_phase_divergence(tokens[sl], chunk[sl], offset[sl], tok_phase[sl], success[b], loss[sl] & rows[:, None], self.num_phases))
-        C = torch.stack(per_group).nanmean(0) if per_group else torch.full((self.num_phases,), float("nan"), dtype=torch.float64)  # [P]
+            per_group.append(
+                token_phase_divergence(
+                    tokens[sl],
+                    chunk[sl],
+                    offset[sl],
+                    tok_phase[sl],
+                    success[b],
+                    loss[sl] & rows[:, None],
+                    self.num_phases,
+                )
+            )
+        C = (
+            torch.stack(per_group).nanmean(0)
+            if per_group
+            else torch.full((self.num_phases,), float("nan"), dtype=torch.float64)
+        )  # [P]
         self._last_C = C
         return C
 
     def _record(self, w: Tensor, loss: Tensor, keep: Tensor, has: Tensor, p: Tensor, C: Tensor) -> None:
-        stats = {"pcm/kept_token_frac": float((w[loss] != 0).float().sum() / max(int(loss.sum()), 1)),
-                 "pcm/kept_chunk_frac": float(keep.sum() / max(int(has.sum()), 1))}
+        stats = {
+            "pcm/kept_token_frac": float((w[loss] != 0).float().sum() / max(int(loss.sum()), 1)),
+            "pcm/kept_chunk_frac": float(keep.sum() / max(int(has.sum()), 1)),
+        }
         stats.update({f"pcm/p{c}": float(v) for c, v in enumerate(p.tolist())})
         stats.update({f"pcm/C{c}": float(v) for c, v in enumerate(C.tolist()) if math.isfinite(v)})
         self._stats = stats
@@ -236,8 +274,14 @@ class PCM:
         return dict(self._stats)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffers": [list(b) for b in self._buffers], "cbar": list(self._cbar), "p": list(self._p), "since": self._since,
-                "started": self._started, "last_step": self._last_step}
+        return {
+            "buffers": [list(b) for b in self._buffers],
+            "cbar": list(self._cbar),
+            "p": list(self._p),
+            "since": self._since,
+            "started": self._started,
+            "last_step": self._last_step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["p"]) != self.num_phases:

@@ -54,8 +54,14 @@ from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 
-def process_token_weights(step_scores: list[list[float]], step_of_token: Tensor, adv: Tensor, sign_aware: bool = True,
-                          w_min: float = 0.1, mask: Tensor | None = None) -> Tensor:
+def process_token_weights(
+    step_scores: list[list[float]],
+    step_of_token: Tensor,
+    adv: Tensor,
+    sign_aware: bool = True,
+    w_min: float = 0.1,
+    mask: Tensor | None = None,
+) -> Tensor:
     """w [N,T] float32 for N rows: ``step_scores`` (N lists; NaN = no score), ``step_of_token`` [N,T] long, ``adv`` [N] or [N,T], ``mask`` [N,T] bool."""
     N, T = step_of_token.shape
     mask = torch.ones(N, T, dtype=torch.bool) if mask is None else mask.bool()  # [N,T]
@@ -76,7 +82,9 @@ def process_token_weights(step_scores: list[list[float]], step_of_token: Tensor,
         u = torch.where(adv_tok[i][on] >= 0, s, 1.0 - s) if sign_aware else s  # [M]
         v = u.clamp(min=w_min)  # [M]
         steps = torch.unique(kk)  # [K_i] the steps with a loss token
-        v_step = scores.new_zeros(scores.numel()).index_put_((kk,), v)  # [K] (a step's tokens share one sign for row advantages)
+        v_step = scores.new_zeros(scores.numel()).index_put_(
+            (kk,), v
+        )  # [K] (a step's tokens share one sign for row advantages)
         mean = v_step[steps].mean()
         if mean > 0:
             w[i, on] = v / mean
@@ -113,12 +121,16 @@ class ProcessScore:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.w_min <= 1.0:
-            raise ValueError(f"process_score: w_min must be in [0, 1] (the floor of a step's score), got {self.w_min!r}")
+            raise ValueError(
+                f"process_score: w_min must be in [0, 1] (the floor of a step's score), got {self.w_min!r}"
+            )
         self._stats: dict[str, float] = {}
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.advantages is None:
-            raise ValueError("process_score needs rollout.advantages (configure an advantage estimator; weights run after it)")
+            raise ValueError(
+                "process_score needs rollout.advantages (configure an advantage estimator; weights run after it)"
+            )
         B, G, T = rollout.shape
         mask = rollout.row_mask.bool()  # [B,G,T]
         steps = rollout.segment_id
@@ -127,11 +139,15 @@ class ProcessScore:
         scores = step_scores_of(rollout)
         adv = rollout.advantages.float()  # [B,G] or [B,G,T]
         flat_adv = adv.reshape(B * G) if adv.dim() == 2 else adv.reshape(B * G, T)  # [N] or [N,T]
-        w = process_token_weights(scores, steps.reshape(B * G, T).long(), flat_adv, self.sign_aware, self.w_min,
-                                  mask.reshape(B * G, T)).view(B, G, T)  # [B,G,T]
+        w = process_token_weights(
+            scores, steps.reshape(B * G, T).long(), flat_adv, self.sign_aware, self.w_min, mask.reshape(B * G, T)
+        ).view(B, G, T)  # [B,G,T]
         n = max(int(mask.sum()), 1)
-        self._stats = {"process/w_mean_tok": float(w[mask].sum()) / n, "process/w_max": float(w[mask].max()) if mask.any() else 1.0,
-                       "process/rows": float(sum(bool(s) for s in scores))}
+        self._stats = {
+            "process/w_mean_tok": float(w[mask].sum()) / n,
+            "process/w_max": float(w[mask].max()) if mask.any() else 1.0,
+            "process/rows": float(sum(bool(s) for s in scores)),
+        }
         return w  # [B,G,T]
 
     def step_stats(self) -> dict[str, float]:

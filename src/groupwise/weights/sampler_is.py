@@ -83,7 +83,9 @@ class SamplerIS:
     hi: float | None = 3.0
     lo: float | None = None
     off_policy_threshold: float | None = None
-    scope: str = "loss"  # "loss": zeros stay in the normalisers (TRL) | "token": they leave everything (verl rollout_rs)
+    scope: str = (
+        "loss"  # "loss": zeros stay in the normalisers (TRL) | "token": they leave everything (verl rollout_rs)
+    )
 
     needs = (Need("logp"),)
 
@@ -100,7 +102,9 @@ class SamplerIS:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.logp_old is None:
-            raise ValueError("sampler_is needs rollout.logp_old: declared Need('logp'), filled by the trainer before the weight stage")
+            raise ValueError(
+                "sampler_is needs rollout.logp_old: declared Need('logp'), filled by the trainer before the weight stage"
+            )
         mask = rollout.row_mask.bool()  # [B,G,T]
         rows = mask.any(-1)  # [B,G] rows with a loss token
         sampler = rollout.logp_sampler if rollout.logp_sampler is not None else rollout.logp_old  # [B,G,T]
@@ -130,7 +134,9 @@ class SamplerIS:
     def _opsm(self, rollout: Rollout, mask: Tensor) -> Tensor:
         """[B,G,1] ([B,G,T] for token advantages) bool: keep unless adv < 0 and the row's mean KL > δ."""
         if rollout.advantages is None:
-            raise ValueError("sampler_is: off_policy_threshold needs rollout.advantages (the weight stage runs after them)")
+            raise ValueError(
+                "sampler_is: off_policy_threshold needs rollout.advantages (the weight stage runs after them)"
+            )
         sampler = rollout.logp_sampler if rollout.logp_sampler is not None else rollout.logp_old  # [B,G,T]
         kl = torch.nan_to_num(sampler.float() - rollout.logp_old.float(), nan=0.0) * mask  # [B,G,T]
         mean_kl = kl.sum(-1) / mask.sum(-1).clamp(min=1)  # [B,G]
@@ -139,7 +145,9 @@ class SamplerIS:
         adv = adv if adv.dim() == 3 else adv[..., None]  # [B,G,1] or [B,G,T]
         return (adv >= 0) | low_kl[..., None]  # [B,G,1] or [B,G,T]
 
-    def _record(self, w: Tensor, rho: Tensor, outside: Tensor, gap: Tensor, mask: Tensor, sel: Tensor, keep: Tensor) -> None:
+    def _record(
+        self, w: Tensor, rho: Tensor, outside: Tensor, gap: Tensor, mask: Tensor, sel: Tensor, keep: Tensor
+    ) -> None:
         """Statistics over ``sel``: the loss tokens (token modes) or the rows with a loss token (sequence)."""
         with torch.no_grad():
             applied, raw = w.expand(sel.shape)[sel], rho.expand(sel.shape)[sel]  # [n], [n]

@@ -68,8 +68,16 @@ CORRUPT = Need("logp", view="corrupt_context")
 ABLATE = Need("logp", view="ablate_role")
 
 
-def srpo_token_weights(d: Tensor, c: Tensor, perc_mask: Tensor, reas_mask: Tensor, kappa: float = 1.0,
-                       clip: float = 3.0, role_norm: bool = False, eps: float = 1e-6) -> Tensor:
+def srpo_token_weights(
+    d: Tensor,
+    c: Tensor,
+    perc_mask: Tensor,
+    reas_mask: Tensor,
+    kappa: float = 1.0,
+    clip: float = 3.0,
+    role_norm: bool = False,
+    eps: float = 1e-6,
+) -> Tensor:
     """The spec's interface: d, c, masks [N,T] -> w [N,T] float64 (Math); 1 off the role tokens."""
     perc, reas = perc_mask.bool() & torch.isfinite(d), reas_mask.bool() & ~perc_mask.bool() & torch.isfinite(c)  # [N,T]
     s = torch.where(perc, d.double(), torch.where(reas, c.double(), torch.zeros((), dtype=torch.float64)))  # [N,T]
@@ -77,7 +85,11 @@ def srpo_token_weights(d: Tensor, c: Tensor, perc_mask: Tensor, reas_mask: Tenso
         for m in (perc, reas):
             if m.any():
                 x = s[m]  # [M]
-                z = (x - x.mean()) / (x.std(unbiased=False) + eps) if x.numel() > 1 and x.max() > x.min() else torch.zeros_like(x)
+                z = (
+                    (x - x.mean()) / (x.std(unbiased=False) + eps)
+                    if x.numel() > 1 and x.max() > x.min()
+                    else torch.zeros_like(x)
+                )
                 s = s.masked_scatter(m, z)
     role = perc | reas  # [N,T]
     n = role.sum(-1, keepdim=True).double()  # [N,1]
@@ -123,30 +135,45 @@ class SRPO:
     def _role_masks(self, actions: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """The spec's interface: actions, mask [N,T] -> (perc_mask, reas_mask) [N,T] bool."""
         if self._token_text is None:
-            raise ValueError("weight srpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)")
+            raise ValueError(
+                "weight srpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+            )
         seg = segment_ids(actions, mask, self._token_text, [self.perception_tags, self.reasoning_tags])  # [N,T]
         return seg == 1, seg == 2
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
-        missing = [k for k in ("logp", CORRUPT.key, ABLATE.key) if (rollout.logp_old if k == "logp" else rollout.extras.get(k)) is None]
+        missing = [
+            k
+            for k in ("logp", CORRUPT.key, ABLATE.key)
+            if (rollout.logp_old if k == "logp" else rollout.extras.get(k)) is None
+        ]
         if missing:
-            raise ValueError(f"weight srpo needs {missing}: declared needs, filled by the trainer before the weight stage")
+            raise ValueError(
+                f"weight srpo needs {missing}: declared needs, filled by the trainer before the weight stage"
+            )
         B, G, T = rollout.shape
         mask = rollout.row_mask.bool()  # [B,G,T]
-        perc, reas = self._role_masks(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T))  # [N,T] over the sequence (a prefix)
+        perc, reas = self._role_masks(
+            rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T)
+        )  # [N,T] over the sequence (a prefix)
         perc, reas = perc & mask.reshape(B * G, T), reas & mask.reshape(B * G, T)  # [N,T] loss tokens of valid rows
         logp = rollout.logp_old.reshape(B * G, T).double()  # [N,T]
         d = logp - rollout.extras[CORRUPT.key].reshape(B * G, T).double()  # [N,T]
         c = logp - rollout.extras[ABLATE.key].reshape(B * G, T).double()  # [N,T]
-        w = srpo_token_weights(d, c, perc, reas, self.kappa, self.clip, self.role_norm, self.eps).reshape(B, G, T)  # [B,G,T]
+        w = srpo_token_weights(d, c, perc, reas, self.kappa, self.clip, self.role_norm, self.eps).reshape(
+            B, G, T
+        )  # [B,G,T]
         weight = torch.where(mask, w, torch.zeros_like(w)).float()  # [B,G,T]
         p_ok, r_ok = (perc & torch.isfinite(d)).reshape(B, G, T), (reas & torch.isfinite(c)).reshape(B, G, T)  # [B,G,T]
         n = max(int(mask.sum()), 1)
-        self._stats = {"srpo/perc_frac": float(p_ok.sum()) / n, "srpo/reas_frac": float(r_ok.sum()) / n,
-                       "srpo/w_perc": float(weight[p_ok].mean()) if p_ok.any() else 1.0,
-                       "srpo/w_reas": float(weight[r_ok].mean()) if r_ok.any() else 1.0,
-                       "srpo/d_mean": float(d.reshape(B, G, T)[p_ok].mean()) if p_ok.any() else 0.0,
-                       "srpo/c_mean": float(c.reshape(B, G, T)[r_ok].mean()) if r_ok.any() else 0.0}
+        self._stats = {
+            "srpo/perc_frac": float(p_ok.sum()) / n,
+            "srpo/reas_frac": float(r_ok.sum()) / n,
+            "srpo/w_perc": float(weight[p_ok].mean()) if p_ok.any() else 1.0,
+            "srpo/w_reas": float(weight[r_ok].mean()) if r_ok.any() else 1.0,
+            "srpo/d_mean": float(d.reshape(B, G, T)[p_ok].mean()) if p_ok.any() else 0.0,
+            "srpo/c_mean": float(c.reshape(B, G, T)[r_ok].mean()) if r_ok.any() else 0.0,
+        }
         return weight  # [B,G,T]
 
     def step_stats(self) -> dict[str, float]:

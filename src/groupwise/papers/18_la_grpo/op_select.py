@@ -48,8 +48,13 @@ def _apply(a: int, op: str, b: int) -> int:
 @lru_cache(maxsize=1)
 def _problems() -> tuple[tuple[int, str, int], ...]:
     """Every (a, op, b) in split order (the first ``TEST_SIZE`` are test)."""
-    probs = [(a, op, b) for a in range(LOW, HIGH + 1) for b in range(LOW, HIGH + 1) for op in OPS
-             if (a, b) != (2, 2) and not (op == "-" and a < b)]
+    probs = [
+        (a, op, b)
+        for a in range(LOW, HIGH + 1)
+        for b in range(LOW, HIGH + 1)
+        for op in OPS
+        if (a, b) != (2, 2) and not (op == "-" and a < b)
+    ]
     random.Random(_SPLIT_SEED).shuffle(probs)
     return tuple(probs)
 
@@ -65,4 +70,10 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [format_row(*p) for p in split_pool(_problems(), split, n, seed, TEST_SIZE, "op_select")]
 
 
-register_task(Task("op_select", "write the equation with the operator that makes it true: '13?7=91:' -> '13*7=91' (functional tokens + - *)", rows))
+register_task(
+    Task(
+        "op_select",
+        "write the equation with the operator that makes it true: '13?7=91:' -> '13*7=91' (functional tokens + - *)",
+        rows,
+    )
+)

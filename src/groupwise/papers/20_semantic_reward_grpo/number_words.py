@@ -21,8 +21,28 @@ from groupwise.tasks import Task, register_task, split_pool
 
 TEST_SIZE = 30
 _SPLIT_SEED = 2020
-UNITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-         "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
+UNITS = (
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+)
 TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 
 
@@ -47,4 +67,11 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [format_row(k) for k in split_pool(numbers, split, n, seed, TEST_SIZE, "number_words")]
 
 
-register_task(Task("number_words", "a number 0..99 in English words ('37 in words=' -> 'thirty-seven'), 70 train / 30 test, exact-match reward", rows, reward="exact"))
+register_task(
+    Task(
+        "number_words",
+        "a number 0..99 in English words ('37 in words=' -> 'thirty-seven'), 70 train / 30 test, exact-match reward",
+        rows,
+        reward="exact",
+    )
+)

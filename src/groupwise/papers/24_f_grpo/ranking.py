@@ -49,9 +49,13 @@ def make_problem(rng: random.Random) -> dict:
     digits = rng.sample(range(10), len(ITEMS))
     score = dict(zip(ITEMS, digits))
     best = sorted(ITEMS, key=lambda item: -score[item])[:K]  # relevant ids, best first
-    return {"prompt": " ".join(f"{item}{score[item]}" for item in ITEMS) + ":",
-            "answer": "[" + ",".join(sorted(best)) + "]" + ">".join(best),
-            "gains": {item: K - i for i, item in enumerate(best)}, "relevant": best, "pool": list(ITEMS)}
+    return {
+        "prompt": " ".join(f"{item}{score[item]}" for item in ITEMS) + ":",
+        "answer": "[" + ",".join(sorted(best)) + "]" + ">".join(best),
+        "gains": {item: K - i for i, item in enumerate(best)},
+        "relevant": best,
+        "pool": list(ITEMS),
+    }
 
 
 @lru_cache(maxsize=1)
@@ -79,8 +83,17 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
             random.Random(seed).shuffle(pool)
     else:
         raise ValueError(f"ranking has splits 'train' and 'test', not {split!r}")
-    return [dict(r, gains=dict(r["gains"]), relevant=list(r["relevant"]), pool=list(r["pool"])) for r in (pool[:n] if n > 0 else pool)]
+    return [
+        dict(r, gains=dict(r["gains"]), relevant=list(r["relevant"]), pool=list(r["pool"]))
+        for r in (pool[:n] if n > 0 else pool)
+    ]
 
 
-register_task(Task("ranking", "pick the 3 largest-digit items of an 8-item pool, then rank them: 'A3 B7 C1 D9 E4 F2 G8 H5:' -> '[B,D,G]D>G>B'",
-                   rows, reward="ndcg_at_k"))
+register_task(
+    Task(
+        "ranking",
+        "pick the 3 largest-digit items of an 8-item pool, then rank them: 'A3 B7 C1 D9 E4 F2 G8 H5:' -> '[B,D,G]D>G>B'",
+        rows,
+        reward="ndcg_at_k",
+    )
+)

@@ -28,9 +28,17 @@ def label_attrs(label: int) -> str:
 
 def _rows(split: str, n: int, seed: int) -> list[dict]:
     size = n or (256 if split == "train" else 64)
-    labels = torch.randint(N_LABELS, (size,), generator=torch.Generator().manual_seed(seed if split == "train" else seed + 10_007))  # [n]
+    labels = torch.randint(
+        N_LABELS, (size,), generator=torch.Generator().manual_seed(seed if split == "train" else seed + 10_007)
+    )  # [n]
     return [{"prompt": int(k), "attrs": label_attrs(int(k))} for k in labels]
 
 
-register_task(Task("flow_attrs", "2-D flow toy: a label asks for a quadrant and a radius band; dv_reward (point2d, holistic)", _rows,
-                   reward={"name": "dv_reward", "domain": "point2d", "method": "holistic"}))
+register_task(
+    Task(
+        "flow_attrs",
+        "2-D flow toy: a label asks for a quadrant and a radius band; dv_reward (point2d, holistic)",
+        _rows,
+        reward={"name": "dv_reward", "domain": "point2d", "method": "holistic"},
+    )
+)

@@ -43,7 +43,11 @@ def problems() -> list[list[str]]:
 
 def format_row(keys: list[str]) -> dict:
     labels = " ".join(ATTRIBUTES[k][0] for k in keys)
-    return {"prompt": f"number {labels}=", "attrs": ",".join(keys), "answer": str(next(n for n in range(10, 100) if satisfies(n, keys)))}
+    return {
+        "prompt": f"number {labels}=",
+        "attrs": ",".join(keys),
+        "answer": str(next(n for n in range(10, 100) if satisfies(n, keys))),
+    }
 
 
 def rows(split: str, n: int, seed: int = 0) -> list[dict]:
@@ -53,5 +57,12 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [format_row(k) for k in split_pool(pool, split, n, seed, TEST_SIZE, "number_attrs")]
 
 
-register_task(Task("number_attrs", "a two-digit number with the asked attributes ('number even >50=' -> '52'), 20 train / 9 test, "
-                   "dv_reward (programmatic judge, holistic: every attribute)", rows, reward={"name": "dv_reward", "method": "holistic"}))
+register_task(
+    Task(
+        "number_attrs",
+        "a two-digit number with the asked attributes ('number even >50=' -> '52'), 20 train / 9 test, "
+        "dv_reward (programmatic judge, holistic: every attribute)",
+        rows,
+        reward={"name": "dv_reward", "method": "holistic"},
+    )
+)

@@ -42,5 +42,12 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [format_row(p) for p in split_pool(pool, split, n, seed, TEST_SIZE, "yes_no")]
 
 
-register_task(Task("yes_no", "yes/no questions about a number ('Is 52 even? Answer yes or no:' -> 'yes'), 1280 train / 320 test, "
-                   "exact-match reward (the judge model's fine-tuning labels)", rows, reward="exact"))
+register_task(
+    Task(
+        "yes_no",
+        "yes/no questions about a number ('Is 52 even? Answer yes or no:' -> 'yes'), 1280 train / 320 test, "
+        "exact-match reward (the judge model's fine-tuning labels)",
+        rows,
+        reward="exact",
+    )
+)

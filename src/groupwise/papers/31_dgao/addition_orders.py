@@ -56,5 +56,10 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [format_row(a, b) for a, b in split_pool(_pairs(), split, n, seed, TEST_SIZE, "addition_orders")]
 
 
-register_task(Task("addition_orders", "two-number addition whose operands may come in any order: '37+45=' -> '82' (rows carry elements/template)",
-                   rows))
+register_task(
+    Task(
+        "addition_orders",
+        "two-number addition whose operands may come in any order: '37+45=' -> '82' (rows carry elements/template)",
+        rows,
+    )
+)

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from groupwise.registry import register
 from groupwise.rewards._common import get_column
@@ -84,7 +85,13 @@ def _problems() -> tuple[tuple[int, ...], ...]:
 def format_row(terms: Sequence[int], theater: bool) -> dict:
     """``{"prompt": "3+4+5=", "answer": <trace>, "result": "12", "terms": [3, 4, 5], "theater": bool}``."""
     trace = theater_trace(terms) if theater else faithful_trace(terms)
-    return {"prompt": "+".join(str(t) for t in terms) + "=", "answer": trace, "result": str(sum(terms)), "terms": list(terms), "theater": theater}
+    return {
+        "prompt": "+".join(str(t) for t in terms) + "=",
+        "answer": trace,
+        "result": str(sum(terms)),
+        "terms": list(terms),
+        "theater": theater,
+    }
 
 
 def rows(split: str, n: int, seed: int = 0) -> list[dict]:
@@ -114,8 +121,14 @@ def theater_fraction(text: str, sep: str = SEP, marker: str = MARKER) -> float:
     final = final_answer(text, marker)
     if not final:
         return 0.0
+
     def reaches(s: str) -> bool:  # states the final answer (#12) or computes it (...=12)
-        return s[len(marker):].strip() == final if s.startswith(marker) else "=" in s and s.rsplit("=", 1)[1].strip() == final
+        return (
+            s[len(marker) :].strip() == final
+            if s.startswith(marker)
+            else "=" in s and s.rsplit("=", 1)[1].strip() == final
+        )
+
     reach = next((i for i, s in enumerate(segments) if reaches(s)), None)
     others = [i for i, s in enumerate(segments) if not s.startswith(marker) and i != reach]
     if reach is None or not others:
@@ -134,7 +147,10 @@ class FinalAnswer:
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]:
         gold = get_column(columns, self.column, len(completions), "final_answer")
-        return [None if g is None else float(final_answer(text, self.marker) == str(g).strip()) for text, g in zip(completions, gold)]
+        return [
+            None if g is None else float(final_answer(text, self.marker) == str(g).strip())
+            for text, g in zip(completions, gold)
+        ]
 
 
 @register("reward", "theater_steps")
@@ -150,5 +166,11 @@ class TheaterSteps:
         return [theater_fraction(text, self.sep, self.marker) for text in completions]
 
 
-register_task(Task("theater", "three-term addition as ';' steps; half of the sft traces state the answer first ('theater'); final-answer reward", rows,
-                   reward="final_answer"))
+register_task(
+    Task(
+        "theater",
+        "three-term addition as ';' steps; half of the sft traces state the answer first ('theater'); final-answer reward",
+        rows,
+        reward="final_answer",
+    )
+)

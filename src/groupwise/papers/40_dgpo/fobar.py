@@ -49,15 +49,17 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 from groupwise.registry import register
 from groupwise.tasks import Task, register_task
 from groupwise.tasks.arithmetic import TEST_SIZE, _problems
 
-FOBAR_TEMPLATE = "{question} If we know the answer to the above question is {answer}, what is the value of unknown variable X?"
+FOBAR_TEMPLATE = (
+    "{question} If we know the answer to the above question is {answer}, what is the value of unknown variable X?"
+)
 COMPACT_TEMPLATE = "{question}{answer};X="
 DIRECTIONS = ("forward", "reverse")
 _NUMBER = re.compile(r"\d+")
@@ -72,7 +74,7 @@ def make_reverse_question(q: str, a: str | int, which: int = 0, template: str = 
     if not -len(numbers) <= which < len(numbers):
         raise ValueError(f"make_reverse_question: which={which} but the question has {len(numbers)} numbers: {q!r}")
     hit = numbers[which]
-    masked = q[: hit.start()] + "X" + q[hit.end():]
+    masked = q[: hit.start()] + "X" + q[hit.end() :]
     return template.format(question=masked, answer=a), hit.group()
 
 
@@ -110,7 +112,9 @@ def solve(prompt: str) -> int:
     if (m := _REVERSE.match(prompt)) and (m.group(1) == "X") != (m.group(2) == "X"):
         known = m.group(2) if m.group(1) == "X" else m.group(1)
         return int(m.group(3)) - int(known)
-    raise ValueError(f"reward 'fobar' cannot read the question {prompt!r}: it verifies 'a+b=' and 'X+b=s;X=' / 'a+X=s;X=' (tasks fobar, fobar_forward)")
+    raise ValueError(
+        f"reward 'fobar' cannot read the question {prompt!r}: it verifies 'a+b=' and 'X+b=s;X=' / 'a+X=s;X=' (tasks fobar, fobar_forward)"
+    )
 
 
 @register("reward", "fobar")
@@ -124,6 +128,19 @@ class FobarVerifier:
         return [1.0 if text.strip() == str(solve(prompt)) else 0.0 for prompt, text in zip(prompts, completions)]
 
 
-register_task(Task("fobar", "addition 'a+b=' and its reverse 'X+b=s;X=' in problem pairs (FOBAR-style), verifier reward", rows, reward="fobar"))
-register_task(Task("fobar_forward", "the fobar problems, forward rows only in train (held out: both directions)",
-                   lambda split, n, seed: rows(split, n, seed, ("forward",)), reward="fobar"))
+register_task(
+    Task(
+        "fobar",
+        "addition 'a+b=' and its reverse 'X+b=s;X=' in problem pairs (FOBAR-style), verifier reward",
+        rows,
+        reward="fobar",
+    )
+)
+register_task(
+    Task(
+        "fobar_forward",
+        "the fobar problems, forward rows only in train (held out: both directions)",
+        lambda split, n, seed: rows(split, n, seed, ("forward",)),
+        reward="fobar",
+    )
+)

@@ -69,8 +69,8 @@ The env pays ``R`` at the episode's last step (0 before), so ``env_return`` (the
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence, Union
 
 import torch
 
@@ -84,7 +84,7 @@ OPEN = (10, 23)
 TEST_STREAMS = 40
 _SPLIT_SEED = 4242
 
-Event = Union[str, int]  # "sil", "invalid", or the answered digit
+Event = str | int  # "sil", "invalid", or the answered digit
 
 
 def parse_action(action: str) -> Event:
@@ -108,9 +108,13 @@ class RewardConfig:
     def __post_init__(self) -> None:
         for name in ("c_sil", "c_fa", "lambda_time", "c_miss"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"streampro reward: {name}={getattr(self, name)} must be >= 0 (it is a bonus or penalty size; 0 turns it off)")
+                raise ConfigError(
+                    f"streampro reward: {name}={getattr(self, name)} must be >= 0 (it is a bonus or penalty size; 0 turns it off)"
+                )
         if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"streampro reward: alpha={self.alpha} must be in [0, 1] (the turn-level share; 0 = trajectory only)")
+            raise ConfigError(
+                f"streampro reward: alpha={self.alpha} must be in [0, 1] (the turn-level share; 0 = trajectory only)"
+            )
 
 
 def episode_reward(events: Sequence[Event], y_true: int, t_open: int, T: int, cfg: RewardConfig) -> float:
@@ -133,8 +137,13 @@ def episode_reward(events: Sequence[Event], y_true: int, t_open: int, T: int, cf
     return cfg.alpha * mean_turn + (1.0 - cfg.alpha) * traj
 
 
-def streampro_reward(turn_events: Sequence[Sequence[Sequence[Event]]], y_true: Sequence[int], t_open: Sequence[int], T: int,
-                     cfg: RewardConfig) -> torch.Tensor:
+def streampro_reward(
+    turn_events: Sequence[Sequence[Sequence[Event]]],
+    y_true: Sequence[int],
+    t_open: Sequence[int],
+    T: int,
+    cfg: RewardConfig,
+) -> torch.Tensor:
     """``rewards`` [B,G]: ``episode_reward`` of every episode ``turn_events[b][g]`` of stream ``b``
     (label ``y_true[b]``, opening turn ``t_open[b]``); a ragged group's missing episodes are NaN."""
     B, G = len(turn_events), max((len(g) for g in turn_events), default=0)
@@ -170,7 +179,9 @@ class ClueStream:
     def reset(self, row: dict, seed: int) -> str:
         self.y, self.t_open, self.turns, self.events = int(row["label"]), int(row["t_open"]), int(row["turns"]), []
         if not 0 <= self.t_open < self.turns:
-            raise ConfigError(f"env streampro: a row needs 0 <= t_open < turns, got t_open={self.t_open}, turns={self.turns}")
+            raise ConfigError(
+                f"env streampro: a row needs 0 <= t_open < turns, got t_open={self.t_open}, turns={self.turns}"
+            )
         return observation(self.y, self.t_open, 0)
 
     def step(self, action: str) -> tuple[str, float, bool]:
@@ -187,8 +198,12 @@ class ClueStream:
         ``delay`` = response turn − t_open of a correct answer (NaN otherwise)."""
         t = next((i for i, e in enumerate(self.events) if isinstance(e, int)), None)
         correct = t is not None and self.events[t] == self.y
-        return {"answered": float(t is not None), "correct": float(correct), "response_turn": float("nan") if t is None else float(t),
-                "delay": float(t - self.t_open) if correct else float("nan")}
+        return {
+            "answered": float(t is not None),
+            "correct": float(correct),
+            "response_turn": float("nan") if t is None else float(t),
+            "delay": float(t - self.t_open) if correct else float("nan"),
+        }
 
     def action_value(self, row: dict, action: str) -> float:
         """1 when ``action`` is the row's oracle action (silence before ``t_open``, the label after), else 0."""
@@ -202,8 +217,17 @@ def decision_rows(y: int, t_open: int, turns: int = TURNS, respond_only: bool = 
         prefix += observation(y, t_open, t)
         answer = str(y) if t == t_open else SILENT
         if not respond_only or t == t_open:
-            rows.append({"prompt": prefix, "answer": answer, "decision": int(t == t_open), "env": "streampro", "label": y,
-                         "t_open": t_open, "turns": turns})
+            rows.append(
+                {
+                    "prompt": prefix,
+                    "answer": answer,
+                    "decision": int(t == t_open),
+                    "env": "streampro",
+                    "label": y,
+                    "t_open": t_open,
+                    "turns": turns,
+                }
+            )
         prefix += answer
     return rows
 
@@ -228,5 +252,12 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return out[:n] if n > 0 else out
 
 
-register_task(Task("clue_stream", "streaming multi-turn: stay silent ('.') while the clue is '?', answer the digit once shown "
-                   "(StreamPro analogue); rows are decision positions; reward env_return", rows, reward="env_return"))
+register_task(
+    Task(
+        "clue_stream",
+        "streaming multi-turn: stay silent ('.') while the clue is '?', answer the digit once shown "
+        "(StreamPro analogue); rows are decision positions; reward env_return",
+        rows,
+        reward="env_return",
+    )
+)

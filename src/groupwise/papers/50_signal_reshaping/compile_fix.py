@@ -66,7 +66,7 @@ _SPLIT_SEED = 5050
 TOP = 50  # operands 0..49
 
 # Runs INSIDE the sandbox: compile the slot text as a mini-language expression and evaluate it.
-CHECKER = '''
+CHECKER = """
 def check(src):
     text = src.strip()
     if not text or set(text) - set("0123456789+ ") or len(text) > 32:
@@ -76,7 +76,7 @@ def check(src):
     except SyntaxError:
         return [False, None]
     return [True, eval(code, {"__builtins__": {}}, {})]
-'''
+"""
 
 _CACHE: dict[str, tuple[bool, int | None]] = {}
 _SANDBOXES: dict[tuple, object] = {}
@@ -101,7 +101,9 @@ def sandbox_check(text: str, timeout_s: float = 2.0, unsafe_local: bool = False)
         return _CACHE[text]
     from groupwise.sandbox.bwrap import Limits
 
-    res = _sandbox(unsafe_local).run(code=CHECKER, mode="call", call=f"check({text!r})", limits=Limits(timeout_s=timeout_s, memory_mb=256))
+    res = _sandbox(unsafe_local).run(
+        code=CHECKER, mode="call", call=f"check({text!r})", limits=Limits(timeout_s=timeout_s, memory_mb=256)
+    )
     results = [r for r in res.records if r.get("kind") == "result"]
     if res.infra_error or len(results) != 1:
         return None
@@ -163,7 +165,11 @@ class CompileFix:
 
     def step(self, action: str) -> tuple[str, float, bool]:
         self.left -= 1
-        verdict = None if self._rng.random() < self.env_fail_prob else sandbox_check(str(action), self.timeout_s, self.unsafe_local)
+        verdict = (
+            None
+            if self._rng.random() < self.env_fail_prob
+            else sandbox_check(str(action), self.timeout_s, self.unsafe_local)
+        )
         if verdict is None:  # the sandbox failed (injected or real): nothing is known about the action
             self.cause, self.last = "env_fail", (False, False)
             return "sandbox error", 0.0, True
@@ -178,8 +184,13 @@ class CompileFix:
         return render(self.a, self.b), float(semantic), bool(self.cause)
 
     def outcome(self) -> dict:
-        return {"cause": self.cause, "compiled": self.last[0], "semantic": self.last[1], "step_scores": list(self.scores),
-                "steps": len(self.scores) + (self.cause == "env_fail")}
+        return {
+            "cause": self.cause,
+            "compiled": self.last[0],
+            "semantic": self.last[1],
+            "step_scores": list(self.scores),
+            "steps": len(self.scores) + (self.cause == "env_fail"),
+        }
 
     def action_value(self, row: dict, action: str) -> float:
         verdict = sandbox_check(str(action), self.timeout_s, self.unsafe_local)
@@ -197,5 +208,11 @@ def _rows(split: str, n: int, seed: int = 0) -> list[dict]:
     return [format_row(a, b) for a, b in split_pool(pairs, split, n, seed, TEST_SIZE, "compile_fix")]
 
 
-register_task(Task("compile_fix", "multi-turn code repair: fill the slot of 'a+b=' (compile + semantic check in the sandbox), up to 8 steps; reward env_return",
-                   _rows, reward="env_return"))
+register_task(
+    Task(
+        "compile_fix",
+        "multi-turn code repair: fill the slot of 'a+b=' (compile + semantic check in the sandbox), up to 8 steps; reward env_return",
+        _rows,
+        reward="env_return",
+    )
+)
