@@ -20,7 +20,7 @@ import torch
 
 from groupwise import dist, roles, schedules
 from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
-from groupwise.config import Config
+from groupwise.config import Config, _entry_name
 from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective
@@ -94,6 +94,9 @@ class Parts:
     eval_views: dict[str, Any]  # eval.views: held-out prompts also scored under these
     eval_tasks: dict[str, tuple[list[dict], RewardStage]]  # eval.tasks: (rows, reward stage) of further tasks
     phases: list[Any]  # what runs before the RL steps, in order
+    # what the rollout stage generates with: the policy itself (rollout.backend="local") or a ServedPolicy over it
+    # (rollout/served.py: generation servers, weight pushes, train.max_staleness)
+    generation: Any = None
 
 
 def step_components(
@@ -145,7 +148,10 @@ def build(cfg: Config) -> Parts:
             f"{estimator.registry_name!r}: every advantage would be 0; use group_size >= 2"
         )
     shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
-    weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
+    weight_specs = list(cfg.objective.weights)
+    if cfg.train.max_staleness > 0 and "sampler_is" not in [_entry_name(w) for w in weight_specs]:
+        weight_specs.append("sampler_is")  # asynchronous rows come from older weights: correct for it by default
+    weights = [build_spec("weight", spec) for spec in weight_specs]
     objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs
     updater = build_spec("update", cfg.update)
     prompt_stats = PromptStats()
@@ -192,7 +198,8 @@ def build(cfg: Config) -> Parts:
 
     # each component against the policy it will run with, before anything runs
     check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
-    check_strategy(strategy, policy, owners)  # sampling options it asks for, extras others read
+    generation = served_policy(cfg, policy, world)
+    check_strategy(strategy, generation, owners)  # sampling options it asks for, hooks, extras others read
     bind_vocabulary(owners + role_components, policy)  # token texts for phase / role maps
     bind_rows(owners, train_rows)  # components that draw from or index the train rows (components.py)
     bind_models(owners + eval_stage.scorers + task_scorers, frozen)  # frozen roles' policies (a judge)
@@ -233,7 +240,35 @@ def build(cfg: Config) -> Parts:
         eval_views=eval_views,
         eval_tasks=eval_tasks,
         phases=phases,
+        generation=generation,
     )
+
+
+def served_policy(cfg: Config, policy: Any, world: int) -> Any:
+    """What rollouts generate with: the policy, or under ``rollout.backend = "server"`` a ServedPolicy over it."""
+    k, ro = cfg.train.max_staleness, cfg.rollout
+    if k < 0:
+        raise ConfigError(f"train.max_staleness={k}: must be >= 0 (0 = synchronous)")
+    if ro.backend == "local":
+        if k > 0:
+            raise ConfigError(
+                f"train.max_staleness={k} generates ahead on a generation server; set rollout.backend='server'"
+            )
+        return policy
+    if ro.push_every - 1 > k:
+        raise ConfigError(
+            f"rollout.push_every={ro.push_every} samples rows up to {ro.push_every - 1} versions stale, more than "
+            f"train.max_staleness={k} allows; set train.max_staleness >= {ro.push_every - 1}"
+        )
+    if k > 0 and ro.push_every > 1:
+        raise ConfigError(
+            "train.max_staleness > 0 decides the versions rows are sampled under: leave rollout.push_every=1"
+        )
+    if k > 0 and world > 1:
+        raise ConfigError(f"train.max_staleness={k} runs on one process; run it without torchrun (world size {world})")
+    from groupwise.rollout.served import ServedPolicy
+
+    return ServedPolicy(policy, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- build steps

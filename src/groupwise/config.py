@@ -68,6 +68,19 @@ class RolloutCfg:
     top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # top-k sampling (0 = off)
     params: dict = field(default_factory=dict)  # extra parameters of the rollout strategy
+    # local: the trainer's own engine samples; server: generation servers (`groupwise serve`, rollout/served.py)
+    backend: str = "local"
+    servers: list = field(default_factory=list)  # server URLs, load-balanced (empty: start one local server)
+    push_every: int = 1  # backend server: push the weights to the servers after every N-th update
+    server_threads: int = 1  # the torch threads of the local server that rollout.servers = [] starts
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("local", "server"):
+            raise ConfigError(f"rollout.backend={self.backend!r}; choices: local, server")
+        if self.servers and self.backend != "server":
+            raise ConfigError("rollout.servers is set but rollout.backend='local'; set rollout.backend='server'")
+        if self.push_every < 1 or self.server_threads < 1:
+            raise ConfigError("rollout.push_every and rollout.server_threads must be >= 1")
 
 
 @dataclass
@@ -101,6 +114,10 @@ class TrainCfg:
     micro_batch_groups: int = 0  # groups per forward/backward (0 = the whole mini-batch)
     max_seconds: float = 0.0  # stop early after this wall time (0 = no limit)
     max_skipped_in_row: int = 5  # abort after this many optimiser steps skipped for non-finite loss/gradients
+    # rollout.backend = server: generation runs up to k policy versions ahead of the update (step t samples under
+    # version max(0, t - k)); rows staler than k are dropped and counted; k > 0 adds the sampler_is weight. 0 =
+    # synchronous
+    max_staleness: int = 0
 
 
 @dataclass

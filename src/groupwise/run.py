@@ -197,6 +197,8 @@ class Run:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             trackers.close()
+            if hasattr(self.trainer.generation, "close"):  # generation servers the run started (rollout/served.py)
+                self.trainer.generation.close()
 
     def _steps(self, log: MetricsLog | None, trackers: tracking.Trackers) -> dict[str, Any]:
         """Evaluate (once), train until done / stopped / out of time with the checkpoints due, then

@@ -417,10 +417,10 @@ def _envelope(kind: str, server: GenerationServer, gen: dict, choices: list[dict
 # --------------------------------------------------------------------------- running it
 def build_server(model: str = "default", overrides: list[str] = ()) -> GenerationServer:
     """The served policy: ``model.*`` / ``perf.*`` / ``threads`` overrides as ``groupwise train`` takes them."""
-    from groupwise.config import load_config
+    from groupwise.config import load_config, toml_value
     from groupwise.policy.lm import LMPolicy
 
-    cfg, _ = load_config(None, [f"model.path={model!r}" if "'" not in model else f'model.path="{model}"', *overrides])
+    cfg, _ = load_config(None, [f"model.path={toml_value(model)}", *overrides])
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     policy = LMPolicy(cfg.model, cfg.perf)
@@ -461,13 +461,21 @@ class Running:
         self.sock.close()
 
 
-SERVE_HELP = """usage: groupwise serve [MODEL] [--host H] [--port P] [--port-file FILE] [key=value ...]
+def _exit_with(parent: int) -> None:
+    import os
+
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+SERVE_HELP = """usage: groupwise serve [MODEL] [--host H] [--port P] [--port-file FILE] [--parent-pid PID] [key=value ...]
 
 Serve MODEL ("default", a shipped model's name or a model folder) over HTTP, OpenAI-compatible:
 /v1/completions, /v1/chat/completions (token ids and per-token log-probs with return_token_ids),
 /v1/load_weights, /pause, /resume, /health. key=value sets model.* / perf.* / threads as for
 `groupwise train`. --port 0 (the default) takes a free port; the URL is printed and, with
---port-file, written to FILE."""
+--port-file, written to FILE. --parent-pid: exit when that process (the run that started it) is gone."""
 
 
 def main(args: list[str]) -> int:
@@ -478,10 +486,10 @@ def main(args: list[str]) -> int:
 
     from groupwise.errors import ConfigError
 
-    host, port, port_file, rest = "127.0.0.1", 0, None, []
+    host, port, port_file, parent, rest = "127.0.0.1", 0, None, None, []
     items = iter(args)
     for item in items:
-        if item in ("--host", "--port", "--port-file"):
+        if item in ("--host", "--port", "--port-file", "--parent-pid"):
             value = next(items, None)
             if value is None:
                 raise ConfigError(f"{item} needs a value")
@@ -489,6 +497,8 @@ def main(args: list[str]) -> int:
                 host = value
             elif item == "--port":
                 port = int(value)
+            elif item == "--parent-pid":
+                parent = int(value)
             else:
                 port_file = value
         else:
@@ -500,5 +510,7 @@ def main(args: list[str]) -> int:
     print(f"groupwise serve: {model} on {url}", flush=True)
     if port_file:
         Path(port_file).write_text(url)
+    if parent is not None:  # a server a training run started ends with it, even when the run is SIGKILLed
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off")).run(sockets=[sock])
     return 0

@@ -228,13 +228,15 @@ class LMPolicy:
         return [flat[b * G : (b + 1) * G] for b in range(B)]
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, requests: list[Any], sampling: dict, info: Any) -> Any:
+    def generate(self, requests: list[Any], sampling: dict, info: Any, engine: Any = None) -> Any:
         """One group per request, ``request.n`` rows each (rows past a request's n are padding with
         ``group_valid`` False). Row j of a request draws its randomness from
-        ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch."""
+        ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch. ``engine``: what
+        samples (default this policy's own ``CPUEngine``; ``rollout/served.py``: a generation server)."""
         from groupwise.seeds import sample_seed
         from groupwise.types import Rollout
 
+        engine = self.engine if engine is None else engine
         sampling = dict(sampling)
         max_new, greedy = sampling.pop("max_new_tokens"), sampling.pop("greedy", False)
         parts = {}
@@ -248,7 +250,7 @@ class LMPolicy:
             hooks = [requests[i].hook for i in chosen]  # generation hooks (groupwise.hooks), None: the clean model
             parts[n] = (
                 chosen,
-                self.engine.generate(
+                engine.generate(
                     [requests[i].prompt for i in chosen],
                     n,
                     torch.tensor(seeds, dtype=torch.long),
