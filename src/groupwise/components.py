@@ -85,6 +85,13 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "module": "module: the trained torch module (phases that probe the network: steering_vector, e2po_perturbations)",
     "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy",
     "prompt_encoder": "prompt_encoder: the flow toy's condition encoder (the e2po_perturbations phase)",
+    "engine": "engine: a text policy's CPUEngine (rollout.backend='server' samples through its contract over HTTP)",
+    # what the rollout stage generates with is the policy or, under rollout.backend="server", a view of it
+    # (rollout/served.py) with these members besides the policy's own
+    "after_step": "after_step(trainer): a generation backend's upkeep after each update (push weights, generate ahead)",
+    "pop_stats": "pop_stats() -> dict: a generation backend's per-step counts (rows per staleness, dropped rows)",
+    "rollout_state": "rollout_state() -> dict: a generation backend's in-flight rollouts, for the checkpoint",
+    "load_rollout_state": "load_rollout_state(state, step): the in-flight rollouts a checkpoint holds",
 }
 
 

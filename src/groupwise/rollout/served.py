@@ -264,9 +264,11 @@ class ServedPolicy:
         if self._remote is None:
             urls = [u.rstrip("/") for u in self.cfg.rollout.servers]
             if not urls:
+                t0 = time.perf_counter()
                 self._local = LocalServer(
                     self.cfg.model, self.cfg.perf, self.policy.matmul.dtype, self.cfg.rollout.server_threads
                 )
+                self.stats["serve/start_seconds"] += time.perf_counter() - t0  # logged with the first step
                 urls = [self._local.url]
             self._remote = RemoteEngine(urls, self.policy.tokenizer.pad_token_id)
         return self._remote
