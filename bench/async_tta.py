@@ -86,7 +86,8 @@ def markdown(results: list[dict], target: float) -> str:
         "training seconds include step 0 (and the local server's start in the served rows; its start alone in "
         "the last column).",
         "",
-        "| configuration | time to target (s), per seed | steps to target, per seed | final accuracy | server start (s) |",
+        "| configuration | time to target (s), per seed | steps to target, per seed | final accuracy "
+        "| server start (s) |",
         "|---|---|---|---|---|",
     ]
     for c in configs:

@@ -469,7 +469,7 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
-SERVE_HELP = """usage: groupwise serve [MODEL] [--host H] [--port P] [--port-file FILE] [--parent-pid PID] [key=value ...]
+SERVE_HELP = """usage: groupwise serve [MODEL] [--host H] [--port P] [--port-file FILE] [--parent-pid PID] [k=v ...]
 
 Serve MODEL ("default", a shipped model's name or a model folder) over HTTP, OpenAI-compatible:
 /v1/completions, /v1/chat/completions (token ids and per-token log-probs with return_token_ids),
