@@ -121,6 +121,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise",
             "groupwise.__main__",
             "groupwise.cli",
+            "groupwise.serve",
             "groupwise.claims",
             "groupwise.claims.*",
             "groupwise.models.warmstart",

@@ -110,7 +110,7 @@ def test_staleness_1_samples_step_t_under_version_t_minus_1(served):
 
 
 def test_rows_staler_than_k_are_dropped_and_counted():
-    from groupwise.rollout.served import ServedPolicy
+    from groupwise.policy.served import ServedPolicy
     from groupwise.types import Rollout
 
     served = ServedPolicy.__new__(ServedPolicy)

@@ -20,7 +20,7 @@ import torch
 
 from groupwise import dist, roles, schedules
 from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
-from groupwise.config import Config, _entry_name
+from groupwise.config import Config, _entry_name, toml_value
 from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective
@@ -95,7 +95,7 @@ class Parts:
     eval_tasks: dict[str, tuple[list[dict], RewardStage]]  # eval.tasks: (rows, reward stage) of further tasks
     phases: list[Any]  # what runs before the RL steps, in order
     # what the rollout stage generates with: the policy itself (rollout.backend="local") or a ServedPolicy over it
-    # (rollout/served.py: generation servers, weight pushes, train.max_staleness)
+    # (policy/served.py: generation servers, weight pushes, train.max_staleness)
     generation: Any = None
 
 
@@ -266,9 +266,13 @@ def served_policy(cfg: Config, policy: Any, world: int) -> Any:
         )
     if k > 0 and world > 1:
         raise ConfigError(f"train.max_staleness={k} runs on one process; run it without torchrun (world size {world})")
-    from groupwise.rollout.served import ServedPolicy
+    from groupwise.policy.served import ServedPolicy
 
-    return ServedPolicy(policy, cfg)
+    # a local server loads the run's model as the run does: its dtype, adapters, products' dtype and perf settings
+    args = [f"model.matmul={toml_value(policy.matmul.dtype)}"]
+    args += [f"model.{key}={toml_value(getattr(cfg.model, key))}" for key in ("dtype", "lora")]
+    args += [f"perf.{k}={toml_value(v)}" for k, v in dataclasses.asdict(cfg.perf).items()]
+    return ServedPolicy(policy, cfg, args)
 
 
 # ---------------------------------------------------------------------------------------------- build steps

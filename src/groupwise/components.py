@@ -87,7 +87,7 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "prompt_encoder": "prompt_encoder: the flow toy's condition encoder (the e2po_perturbations phase)",
     "engine": "engine: a text policy's CPUEngine (rollout.backend='server' samples through its contract over HTTP)",
     # what the rollout stage generates with is the policy or, under rollout.backend="server", a view of it
-    # (rollout/served.py) with these members besides the policy's own
+    # (policy/served.py) with these members besides the policy's own
     "after_step": "after_step(trainer): a generation backend's upkeep after each update (push weights, generate ahead)",
     "pop_stats": "pop_stats() -> dict: a generation backend's per-step counts (rows per staleness, dropped rows)",
     "rollout_state": "rollout_state() -> dict: a generation backend's in-flight rollouts, for the checkpoint",

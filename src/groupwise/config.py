@@ -68,7 +68,7 @@ class RolloutCfg:
     top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # top-k sampling (0 = off)
     params: dict = field(default_factory=dict)  # extra parameters of the rollout strategy
-    # local: the trainer's own engine samples; server: generation servers (`groupwise serve`, rollout/served.py)
+    # local: the trainer's own engine samples; server: generation servers (`groupwise serve`, policy/served.py)
     backend: str = "local"
     servers: list = field(default_factory=list)  # server URLs, load-balanced (empty: start one local server)
     push_every: int = 1  # backend server: push the weights to the servers after every N-th update

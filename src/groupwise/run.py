@@ -197,7 +197,7 @@ class Run:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             trackers.close()
-            if hasattr(self.trainer.generation, "close"):  # generation servers the run started (rollout/served.py)
+            if hasattr(self.trainer.generation, "close"):  # generation servers the run started (policy/served.py)
                 self.trainer.generation.close()
 
     def _steps(self, log: MetricsLog | None, trackers: tracking.Trackers) -> dict[str, Any]:

@@ -259,7 +259,7 @@ class Trainer:
             self.policy.end_step(self.step)
         if hasattr(self.generation, "after_step"):  # a generation backend's: push weights, generate ahead
             self.generation.after_step(self)
-        if hasattr(self.generation, "pop_stats"):  # rows per staleness, dropped rows (rollout/served.py)
+        if hasattr(self.generation, "pop_stats"):  # rows per staleness, dropped rows (policy/served.py)
             row.update(self.generation.pop_stats())
         self.last_batch = batch  # for samples.jsonl
         seconds = time.perf_counter() - t0

@@ -232,7 +232,7 @@ class LMPolicy:
         """One group per request, ``request.n`` rows each (rows past a request's n are padding with
         ``group_valid`` False). Row j of a request draws its randomness from
         ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch. ``engine``: what
-        samples (default this policy's own ``CPUEngine``; ``rollout/served.py``: a generation server)."""
+        samples (default this policy's own ``CPUEngine``; ``policy/served.py``: a generation server)."""
         from groupwise.seeds import sample_seed
         from groupwise.types import Rollout
 

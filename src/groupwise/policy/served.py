@@ -154,25 +154,17 @@ class RemoteEngine:
 class LocalServer:
     """A ``groupwise serve`` process on a free port of this machine, ended with the run."""
 
-    def __init__(self, model_cfg: Any, perf_cfg: Any, matmul: str, threads: int):
-        import dataclasses
-
-        from groupwise.config import toml_value
-
+    def __init__(self, model: str, overrides: list[str], threads: int):
         folder = tempfile.mkdtemp(prefix="groupwise-serve-")
         port_file = Path(folder) / "url"
-        overrides = [f"threads={threads}", f"model.matmul={toml_value(matmul)}"]
-        for key, value in dataclasses.asdict(model_cfg).items():
-            if key not in ("path", "matmul", "device", "policy", "params", "ref_sync_every", "ref_sync_alpha"):
-                overrides.append(f"model.{key}={toml_value(value)}")
-        overrides += [f"perf.{k}={toml_value(v)}" for k, v in dataclasses.asdict(perf_cfg).items()]
+        overrides = [f"threads={threads}", *overrides]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         src = str(Path(__file__).resolve().parents[2])  # this groupwise's sources first, as in this process
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
         self.log = open(Path(folder) / "serve.log", "w")  # noqa: SIM115 (open while the process runs)
         self.process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "groupwise", "serve", model_cfg.path, "--port-file", str(port_file)),
+                *(sys.executable, "-m", "groupwise", "serve", model, "--port-file", str(port_file)),
                 *("--parent-pid", str(os.getpid()), *overrides),
             ],
             stdout=self.log,
@@ -233,13 +225,14 @@ class ServedPolicy:
 
     hooks = frozenset()
 
-    def __init__(self, policy: Any, cfg: Any):
+    def __init__(self, policy: Any, cfg: Any, server_args: list[str] = ()):
         if getattr(policy, "modality", None) != "text" or not hasattr(policy, "engine"):
             raise ConfigError(
                 f"rollout.backend='server' serves a text LM policy; model.policy={cfg.model.policy!r} generates in the "
                 f"trainer: use rollout.backend='local'"
             )
         self.policy, self.cfg = policy, cfg
+        self.server_args = list(server_args)  # model.* / perf.* overrides of a local server: the run's own model
         self.k, self.push_every = int(cfg.train.max_staleness), int(cfg.rollout.push_every)
         self._local: LocalServer | None = None
         self._remote: RemoteEngine | None = None
@@ -265,9 +258,7 @@ class ServedPolicy:
             urls = [u.rstrip("/") for u in self.cfg.rollout.servers]
             if not urls:
                 t0 = time.perf_counter()
-                self._local = LocalServer(
-                    self.cfg.model, self.cfg.perf, self.policy.matmul.dtype, self.cfg.rollout.server_threads
-                )
+                self._local = LocalServer(self.cfg.model.path, self.server_args, self.cfg.rollout.server_threads)
                 self.stats["serve/start_seconds"] += time.perf_counter() - t0  # logged with the first step
                 urls = [self._local.url]
             self._remote = RemoteEngine(urls, self.policy.tokenizer.pad_token_id)
