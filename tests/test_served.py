@@ -205,3 +205,42 @@ def test_sigkill_resume_under_async_is_exact(tmp_path):
     assert killed == 3
     assert _sha(out) == _sha(straight)
     assert _losses(out) == _losses(straight)
+
+
+def test_two_servers_split_the_prompts_and_give_one_servers_rows(served):
+    """Load balancing: the prompts go in contiguous shards to each URL with their rows' own seeds, so
+    two servers return the tokens one server returns (log-probs to float rounding: another batch
+    shape rounds the products differently), and each served a request; one server with the whole
+    batch is the local engine to the bit."""
+    from groupwise.policy.served import RemoteEngine
+
+    second = Running(build_server("default", ["threads=1"]))
+    try:
+        policy = served.server.policy
+        second.server.policy.module.load_state_dict(policy.module.state_dict())  # what earlier runs pushed to it
+        prompts = [policy.encode(f"What is {a}+{b}?") for a, b in [(1, 2), (30, 4), (5, 60), (7, 7), (12, 9)]]
+        seeds = torch.arange(5 * 3) * 7919  # [B*n]
+        before = (served.server.served, second.server.served)
+        one = RemoteEngine([served.url], policy.tokenizer.pad_token_id).generate(prompts, 3, seeds, 6)
+        two = RemoteEngine([served.url, second.url], policy.tokenizer.pad_token_id).generate(prompts, 3, seeds, 6)
+        assert served.server.served - before[0] == 2 and second.server.served - before[1] == 1
+        T = one.tokens.shape[2]
+        assert torch.equal(one.lengths, two.lengths) and torch.equal(one.tokens, two.tokens[..., :T])
+        torch.testing.assert_close(one.logp, two.logp[..., :T], atol=1e-5, rtol=0)
+        local = policy.engine.generate(prompts, 3, seeds, 6)  # and the local engine's, to the bit
+        assert torch.equal(local.tokens, one.tokens) and torch.equal(local.logp, one.logp)
+    finally:
+        second.stop()
+
+
+def test_unforeseen_steps_are_generated_when_they_come_under_the_current_weights(served, monkeypatch):
+    """A step whose first call cannot be foreseen is generated in its own step: staleness 0, counted."""
+    from groupwise.policy.served import ServedPolicy
+
+    monkeypatch.setattr(ServedPolicy, "foresee", lambda self, trainer, step: None)
+    cfg = ['rollout.backend="server"', f'rollout.servers=["{served.url}"]', "train.max_staleness=1"]
+    _, rows, batches = _steps(cfg)
+    assert [r.get("staleness/0") for r in rows] == [32, 32, 32]
+    # after step 0: steps 1 and 2 (versions 0 and 1); after step 1: step 2 again; after step 2: none (3 > the last)
+    assert [r.get("async/unforeseen", 0) for r in rows] == [2, 1, 0]
+    assert [float(b.extras["policy_version"].unique()) for b in batches] == [0.0, 1.0, 2.0]

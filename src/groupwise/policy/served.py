@@ -81,7 +81,8 @@ def post(url: str, path: str, body: dict, timeout: float = 600.0) -> dict:
 class RemoteEngine:
     """``CPUEngine.generate``'s contract over HTTP: the prompts are split over the servers in
     contiguous shards (load balancing), each shard one ``/v1/completions`` request carrying its
-    rows' seeds (``row_seeds``), so a row's tokens do not depend on the split. ``calls``: per call,
+    rows' seeds (``row_seeds``), so a row's tokens do not depend on the split (its log-probs only to the
+    float rounding of another batch shape). ``calls``: per call,
     the version each prompt's rows were sampled under ([B])."""
 
     hooks = frozenset()  # a generation hook (groupwise.hooks) cannot cross the wire
