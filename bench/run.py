@@ -516,9 +516,8 @@ def learning_per_step(
         return {seed: next(acc for _, n, acc in curve if n == step) for seed, curve in curves[fw].items()}
 
     every_curve = [curve for per_seed in curves.values() for curve in per_seed.values()]
-    points = sorted(
-        set.intersection(*({n for _, n, _ in curve} for curve in every_curve))
-    )  # steps evaluated in every run
+    # steps evaluated in every run
+    points = sorted(set.intersection(*({n for _, n, _ in curve} for curve in every_curve)))
     rows = []
     for n in points:
         gw, trl = at("groupwise", n), at("trl", n)

@@ -285,9 +285,8 @@ def _trl_trainer(args, model_dir: str, callbacks: list, task: str = "arithmetic"
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
     )
-    dataset = Dataset.from_list(
-        train_rows(task)
-    )  # columns: prompt (plain text: no chat template), answer (+ the task's own)
+    # columns: prompt (plain text: no chat template), answer (+ the task's own)
+    dataset = Dataset.from_list(train_rows(task))
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[exact_answer],

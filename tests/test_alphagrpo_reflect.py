@@ -44,9 +44,8 @@ def test_select_attempt_lowest_skips_invalid_and_nan():
     t = torch.tensor
     assert select_attempt(t([0.6, 0.3, 0.9]), t([True, True, True])) == 1
     assert select_attempt(t([0.3, 0.3]), t([True, True])) == 0  # ties: the first
-    assert (
-        select_attempt(t([0.6, 0.1, float("nan")]), t([True, False, True])) == 0
-    )  # invalid and NaN rows are never picked
+    # invalid and NaN rows are never picked
+    assert select_attempt(t([0.6, 0.1, float("nan")]), t([True, False, True])) == 0
     assert select_attempt(t([float("nan"), 0.2]), t([True, False])) == -1
 
 
@@ -269,9 +268,8 @@ def test_contexts_are_prompt_attempt_instruction_and_the_forward_runs_under_them
     torch.testing.assert_close(
         batch.logp_old[0, 0, :n].double(), torch.tensor(seen["under_ctx"], dtype=torch.float64), atol=1e-4, rtol=0
     )
-    assert (
-        max(abs(a - b) for a, b in zip(seen["under_ctx"], seen["under_prompt"])) > 1e-3
-    )  # the context matters to the forward
+    # the context matters to the forward
+    assert max(abs(a - b) for a, b in zip(seen["under_ctx"], seen["under_prompt"])) > 1e-3
     better = (batch.rewards > batch.extras["stage1_reward"][:, None]) & batch.group_valid
     assert row["reflect/improved"] == pytest.approx(float(better.sum()) / float(batch.group_valid.sum()))
 

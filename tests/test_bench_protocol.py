@@ -91,9 +91,8 @@ def test_gemm_floor_counts_the_products_one_step_needs_worked_by_hand():
 def test_gemm_floor_sums_timed_products(monkeypatch):
     import floor
 
-    monkeypatch.setattr(
-        floor, "time_product", lambda m, k, n, dtype="float32": m * k * n * 1e-9
-    )  # a machine at 1 GMAC/s
+    # a machine at 1 GMAC/s
+    monkeypatch.setattr(floor, "time_product", lambda m, k, n, dtype="float32": m * k * n * 1e-9)
     cell = common.Cell("tiny", 1, 2, 3)
     seconds = floor.gemm_floors([cell], {"tiny": TOY}, prompt_tokens=5, threads=1)[cell.name]
     macs = sum(m * k * n * count for (m, k, n), count in floor.step_products(cell, TOY, 5).items())

@@ -189,9 +189,8 @@ def test_verdict_rules_without_sandbox():
     ):
         assert verdict(call, RunResult(**{**good.__dict__, **change})) is False, change
     stdio = Case("stdio", stdout="1 2\n3\n")
-    assert (
-        verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1 2  \r\n3\n\n")) is True
-    )  # line ends, trailing space
+    # line ends, trailing space
+    assert verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1 2  \r\n3\n\n")) is True
     assert verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1  2\n3\n")) is False
     assert verdict(stdio, RunResult(ready=True, exit_code=1, stdout=b"1 2\n3\n")) is False
 
@@ -877,9 +876,8 @@ with open("/proc/self/fd/0", "rb") as f:
 @needs_bwrap
 def test_stdin_cannot_be_reopened_for_writing(reward):
     res = reward._run_case(STDIN_REOPEN, Case("stdio", stdin="1 2\n"))
-    assert res.stdout.decode().split() in (["EPERM", "True", "4"], ["EACCES", "True", "4"]), (
-        res.stdout
-    )  # (user mode: test_unprivileged_user_path)
+    # (user mode: test_unprivileged_user_path)
+    assert res.stdout.decode().split() in (["EPERM", "True", "4"], ["EACCES", "True", "4"]), res.stdout
 
 
 def test_output_check_forgives_only_ascii_trailing_space():
@@ -1224,7 +1222,6 @@ def test_unprivileged_user_path():
     assert (uid, net, write, unshare, nproc) == (65534, "ConnectionRefusedError", "OSError", -1, 16)
     assert 10 <= _decode(out["forks"]) < 16
     assert out["stdin"] == ["EPERM", "True", "4"]  # the candidate owns the file here, yet cannot change its stdin
-    assert (
-        _decode(out["memfd"]) == 1 and _decode(out["vsock"]) == 97
-    )  # no memory cgroup for a normal user: memfd refused; EAFNOSUPPORT
+    # no memory cgroup for a normal user: memfd refused; EAFNOSUPPORT
+    assert _decode(out["memfd"]) == 1 and _decode(out["vsock"]) == 97
     assert out["spin"][0] is True and out["spin_s"] < 1.0 + 1.5

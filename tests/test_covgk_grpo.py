@@ -125,9 +125,8 @@ def test_masked_tokens_invalid_rows_and_nan_rewards_are_ignored():
     w2 = _w(ro)
     _close(w2[0], W)
     assert torch.equal(w2[1, 1], torch.zeros(2))  # group_valid False: exactly 0
-    assert torch.equal(
-        w2[1, 0], torch.ones(2)
-    )  # NaN reward: out of the statistics, left at 1 (its A is 0 from any estimator)
+    # NaN reward: out of the statistics, left at 1 (its A is 0 from any estimator)
+    assert torch.equal(w2[1, 0], torch.ones(2))
     assert torch.isfinite(w2).all()
 
 
@@ -165,9 +164,8 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
     rows, seen = train_recorded(tmp_path, objective, 'objective.weights=["covgk_grpo"]', "rollout.group_size=8")
     acted = False
     for row, batch in zip(rows, seen):
-        want = build("weight", "covgk_grpo")(
-            batch, info_for(batch.shape[2])
-        )  # recomputed from the batch's logp_old and A
+        # recomputed from the batch's logp_old and A
+        want = build("weight", "covgk_grpo")(batch, info_for(batch.shape[2]))
         torch.testing.assert_close(batch.weight, want)
         mask = batch.row_mask
         assert (batch.weight[~mask] == 0).all() and (batch.weight[mask] > 0).all()

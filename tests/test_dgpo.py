@@ -53,9 +53,8 @@ def _group(scores, rewards, T=2, lengths=None, ref=0.0):
         rewards=torch.tensor([rewards]),
         logp_ref=torch.full((1, G, T), ref),
     )
-    logp = torch.tensor(
-        [[[ref + s if t < n else 1e4 for t in range(T)] for s, n in zip(scores, lengths)]]
-    )  # garbage off the mask
+    # garbage off the mask
+    logp = torch.tensor([[[ref + s if t < n else 1e4 for t in range(T)] for s, n in zip(scores, lengths)]])
     return ro, leaf(logp)
 
 
@@ -421,9 +420,8 @@ def test_directions_rollout_pairs_by_problem_and_samples_a_lone_row_alone():
         rollout=rollout,
         keep=lambda b: torch.ones(b.shape[0], dtype=torch.bool),
     )
-    batch = strategy(
-        ctx
-    )  # ceil(3/2) = 2 drawn rows: 8's lone forward row, then 7's reverse row → 7's forward and reverse
+    # ceil(3/2) = 2 drawn rows: 8's lone forward row, then 7's reverse row → 7's forward and reverse
+    batch = strategy(ctx)
     assert asked == [(2, 2), (0, 2), (1, 2)]
     assert batch.shape[:2] == (2, 4)
     assert batch.group_valid.tolist() == [[True, True, False, False], [True] * 4]

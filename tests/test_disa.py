@@ -330,9 +330,8 @@ def test_composes_with_grpo_and_sign_advantages(tmp_path, estimator):
     table = load_output(tmp_path / "phases" / "logz.pt")["artifact"]["table"]
     for row, batch in zip(rows, seen):
         members = batch.row_mask.any(-1)  # [B,G] rows with a loss token
-        expected = (
-            table[batch.prompt_index][:, None].expand_as(members)[members].mean()
-        )  # the anchor's row mean, by lookup
+        # the anchor's row mean, by lookup
+        expected = table[batch.prompt_index][:, None].expand_as(members)[members].mean()
         assert row["disa/logz"] == pytest.approx(float(expected), abs=1e-5)
         assert row["disa/w"] == 1.0  # one update a rollout: on-policy, ratio 1
     if estimator == "sign":

@@ -74,9 +74,8 @@ def test_two_trained_roles_under_two_ranks_equal_one_process(tmp_path):
         tmp_path / "two",
     )
     teacher_start = load_file(Path(groupwise.models.__file__).parent / "hinted" / "model.safetensors")
-    assert any(
-        not torch.equal(single[1][n], w) for n, w in teacher_start.items()
-    )  # the teacher took a step: the comparison means something
+    # the teacher took a step: the comparison means something
+    assert any(not torch.equal(single[1][n], w) for n, w in teacher_start.items())
     for one, two in zip(single, ddp):
         for name, weight in one.items():
             torch.testing.assert_close(two[name], weight, atol=1e-6, rtol=1e-5, msg=name)

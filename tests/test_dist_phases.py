@@ -61,9 +61,8 @@ def _run(cmd, args, out):
         [*cmd, "train", *args, *COMMON, f"out={out}"], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        "the ranks computed different artifacts" not in result.stderr
-    )  # each phase itself is rank-independent (phases.same_on_every_rank)
+    # each phase itself is rank-independent (phases.same_on_every_rank)
+    assert "the ranks computed different artifacts" not in result.stderr
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), load_file(
         out / "final" / "model.safetensors"
     )

@@ -39,9 +39,8 @@ def _delta(n, scale=0.7, seed=0):
 # --------------------------------------------------------------------------- the spec's numbers
 def test_the_spec_schedule_on_the_flow_samplers_noise_levels():
     sigmas = flow_sigmas(5)  # 1.0, 0.8, 0.6, 0.4, 0.2, 0.0: the toy's linear schedule
-    torch.testing.assert_close(
-        noise_aware_gamma(sigmas[:3], 0.4), torch.tensor([1.0, 0.5, 0.0]), atol=1e-6, rtol=0
-    )  # spec: 1.0→1, 0.8→0.5, 0.6→0
+    # spec: 1.0→1, 0.8→0.5, 0.6→0
+    torch.testing.assert_close(noise_aware_gamma(sigmas[:3], 0.4), torch.tensor([1.0, 0.5, 0.0]), atol=1e-6, rtol=0)
     torch.testing.assert_close(noise_aware_gamma(torch.tensor(0.5), 0.4), torch.tensor(0.0))  # spec: 0.5→0
     assert noise_aware_gamma(sigmas[3:], 0.4).tolist() == [0.0, 0.0, 0.0]
 
@@ -49,15 +48,12 @@ def test_the_spec_schedule_on_the_flow_samplers_noise_levels():
 def test_the_spec_loss_numbers():
     anc = torch.tensor([1.0, 0.0])
     on_band, off_band = torch.tensor([[0.85, math.sqrt(1 - 0.85**2)]]), torch.tensor([[0.6, 0.8]])
-    torch.testing.assert_close(
-        anchor_loss(on_band, anc, mu=0.8, eps=0.1), torch.tensor(0.0), atol=1e-6, rtol=0
-    )  # |0.85−0.8| < ε
-    torch.testing.assert_close(
-        anchor_loss(off_band, anc, mu=0.8, eps=0.1), torch.tensor(0.1), atol=1e-6, rtol=0
-    )  # |0.6−0.8|−0.1
-    torch.testing.assert_close(
-        diversity_loss(torch.tensor([[2.0, 0.0], [0.0, 0.5]])), torch.tensor(0.0)
-    )  # orthogonal: L_div = 0
+    # |0.85−0.8| < ε
+    torch.testing.assert_close(anchor_loss(on_band, anc, mu=0.8, eps=0.1), torch.tensor(0.0), atol=1e-6, rtol=0)
+    # |0.6−0.8|−0.1
+    torch.testing.assert_close(anchor_loss(off_band, anc, mu=0.8, eps=0.1), torch.tensor(0.1), atol=1e-6, rtol=0)
+    # orthogonal: L_div = 0
+    torch.testing.assert_close(diversity_loss(torch.tensor([[2.0, 0.0], [0.0, 0.5]])), torch.tensor(0.0))
 
 
 class _Recorder:
@@ -76,9 +72,8 @@ class _Recorder:
 def test_each_denoising_step_reads_the_mixed_condition():
     policy = FlowPolicy(condition="embedding", steps=5, hidden=16)
     delta = _delta(2)
-    hook = EmbedDelta(
-        positions=torch.tensor([0]), delta=torch.cat([torch.zeros(1, 1, 8), delta[:1]]), rho=0.4
-    )  # row 0 clean, row 1 perturbed
+    # row 0 clean, row 1 perturbed
+    hook = EmbedDelta(positions=torch.tensor([0]), delta=torch.cat([torch.zeros(1, 1, 8), delta[:1]]), rho=0.4)
     rec = _Recorder(policy)
     policy.generate([Request(key=0, n=2, prompt=1, hook=hook)], {}, INFO)
     enc = policy.encoder
@@ -289,9 +284,8 @@ def test_composition_rows_trained_on_the_original_condition(tmp_path, objective)
     policy = trainer.policy
     old = []
     generate = policy.generate
-    policy.generate = lambda *a, **k: (out := generate(*a, **k), old.append(policy.forward(out)["logp"].detach()))[
-        0
-    ]  # unhooked forward, the sampling weights
+    # unhooked forward, the sampling weights
+    policy.generate = lambda *a, **k: (out := generate(*a, **k), old.append(policy.forward(out)["logp"].detach()))[0]
     Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows) and all("e2po/group_std" in r for r in rows)
@@ -300,9 +294,8 @@ def test_composition_rows_trained_on_the_original_condition(tmp_path, objective)
         cond = batch.extras[CONDITION]  # [B,G]
         assert cond[0].tolist() == [0, 1, 2, 3]
         mask = batch.mask  # [B,G,1]
-        torch.testing.assert_close(
-            batch.logp_old * mask, want * mask, atol=1e-6, rtol=0
-        )  # logp_old = the unhooked forward on the stored trajectory
+        # logp_old = the unhooked forward on the stored trajectory
+        torch.testing.assert_close(batch.logp_old * mask, want * mask, atol=1e-6, rtol=0)
         clean = ((batch.logp_old - batch.logp_sampler).abs() * mask)[cond == 0]
         assert float(clean.max()) < 1e-6  # the clean rows: the sampler's log-probs are the update's
         steps = batch.extras["flow_sigma"][..., 0]  # [B,G] σ of the trained step (shared by the group)

@@ -125,9 +125,8 @@ def test_phase_advantages_by_hand():
 
 def test_phase_ids_boundary_tags_and_straddling_token():
     vocab, mask = VOCAB, torch.ones(3, 6, dtype=torch.bool)
-    actions = torch.tensor(
-        [[1, 5, 2, 5, 0, 0], [1, 5, 10, 4, 6, 0], [5, 4, 6, 0, 0, 0]]
-    )  # "[A]A", "[A]A>B", "A>B" (no set)
+    # "[A]A", "[A]A>B", "A>B" (no set)
+    actions = torch.tensor([[1, 5, 2, 5, 0, 0], [1, 5, 10, 4, 6, 0], [5, 4, 6, 0, 0, 0]])
     mask[0, 5] = False
     ph = phase_ids(actions, mask, vocab, ["[", "]"])
     assert ph[0].tolist() == [0, 0, 0, 1, 1, -1]  # the close tag is generation; EOS after it is ranking; masked → −1
@@ -264,9 +263,8 @@ def test_the_trainer_gives_the_policy_vocabulary_and_token_texts_spell_the_compl
     assert texts == trainer.objective.terms[0]._token_text  # both readers got the vocabulary
     assert len(texts) == len(trainer.policy.tokenizer)
     ids = trainer.policy.tokenizer.encode("[A, B] > B > A", add_special_tokens=False)
-    assert "".join(texts[i] for i in ids) == trainer.policy.tokenizer.decode(
-        ids
-    )  # the phase map's character offsets are the decoded text's
+    # the phase map's character offsets are the decoded text's
+    assert "".join(texts[i] for i in ids) == trainer.policy.tokenizer.decode(ids)
     assert all(texts[i] == "" for i in trainer.policy.tokenizer.all_special_ids)
 
 

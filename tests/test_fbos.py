@@ -73,9 +73,8 @@ class Scripted:
         self.requests.append(requests)
         if len(self.requests) == 1:  # the first round: both rows wrong, with feedback
             return _rows([5], [[0.0, 0.0]], [["14", "16"]], [[1, 2]], [["wrong: a", "wrong: b"]])
-        return _rows(
-            [5, 5], [[1.0], [0.0]], [["15"], ["13"]], [r.prompt for r in requests]
-        )  # guided: one right, one wrong
+        # guided: one right, one wrong
+        return _rows([5, 5], [[1.0], [0.0]], [["15"], ["13"]], [r.prompt for r in requests])
 
     def keep(self, batch):
         return torch.ones(batch.shape[0], dtype=torch.bool)
@@ -136,9 +135,8 @@ def test_fbos_through_the_trainer_scores_guided_rows_against_the_original_answer
     assert row["fbos/failing_groups"] > 0, "the seed must give the test an all-fail group"
     n_fail = round(row["fbos/failing_groups"] * 8)
     assert batch.shape[0] == 8 + n_fail and batch.shape[1] == 4
-    for b in range(
-        8, 8 + n_fail
-    ):  # ECC rows: the context is the FAP, which quotes the feedback verbatim; the reward is exact vs the row's answer
+    # ECC rows: the context is the FAP, which quotes the feedback verbatim; the reward is exact vs the row's answer
+    for b in range(8, 8 + n_fail):
         for g in range(2):
             text = trainer.policy.tokenizer.decode(batch.ctx[b][g])
             assert ": wrong" in text or ": the answer is not a number" in text

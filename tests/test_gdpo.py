@@ -66,9 +66,8 @@ def test_invalid_rows_and_missing_verdicts():
     # reward 2 has verdicts on rows 0 and 2 only (row 1 no verdict, row 3 invalid): z2 = [-c, ·, +c] with c = 1/(sqrt(2) + 1e-4)
     raw = build("advantage", "gdpo", batch_norm=False)(ro, INFO)[0]
     c = 1.0 / (math.sqrt(2.0) + 1e-4)
-    z1 = [
-        v / (math.sqrt(1 / 3) + 1e-4) for v in (1 / 3, -2 / 3, 1 / 3)
-    ]  # r1 over rows 0-2: mean 2/3, Bessel std sqrt(1/3)
+    # r1 over rows 0-2: mean 2/3, Bessel std sqrt(1/3)
+    z1 = [v / (math.sqrt(1 / 3) + 1e-4) for v in (1 / 3, -2 / 3, 1 / 3)]
     assert raw[:3].tolist() == pytest.approx([z1[0] - 0.5 * c, z1[1], z1[2] + 0.5 * c], rel=1e-5)
 
 

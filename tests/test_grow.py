@@ -191,9 +191,8 @@ def test_return_to_go_and_the_sample_cut():
 def test_an_env_run_rejects_other_text_rewards(tmp_path):
     with pytest.raises(ConfigError, match=r"plays an environment.*\['exact'\]"):  # at the first call
         build("rollout", "grow")(scripted_ctx([ROW], SPEC, 2, rewards=("env_return", "exact")))
-    with pytest.raises(
-        ConfigError, match=r"'episodes' plays an environment.*\['exact'\]"
-    ):  # at build, through the trainer
+    # at build, through the trainer
+    with pytest.raises(ConfigError, match=r"'episodes' plays an environment.*\['exact'\]"):
         make_trainer(tmp_path, *REACH, 'rollout.name="episodes"', 'rewards=["exact"]')
 
 
@@ -309,6 +308,5 @@ def test_two_trainer_steps_reward_every_row_with_its_episodes_return(tmp_path, s
                     assert done and batch.rewards[b, e].item() == ret
                     own = batch.loss_mask[b, e][batch.mask[b, e]]
                     env_tokens = batch.actions[b, e][batch.mask[b, e]][~own].tolist()
-                    assert env_tokens == [
-                        t for o in obs[1:-1] for t in encode(" " + o)
-                    ]  # the holes are exactly the observations
+                    # the holes are exactly the observations
+                    assert env_tokens == [t for o in obs[1:-1] for t in encode(" " + o)]

@@ -359,9 +359,8 @@ def test_state_round_trip_equals_uninterrupted():
     tail = _run(second, theta_b, 7, start=5)
     assert torch.equal(theta_b.detach(), theta.detach())
     assert json.dumps(head + tail) == json.dumps(straight)  # every metric, bit for bit
-    assert [o["backward_passes"] for o in straight].count(
-        1.0
-    ) > 0  # the spike at step 7 tripped the gate across the resume
+    # the spike at step 7 tripped the gate across the resume
+    assert [o["backward_passes"] for o in straight].count(1.0) > 0
 
 
 # ---------------------------------------------------------------------------------------------- end to end

@@ -393,9 +393,8 @@ def test_adaptive_kl_as_kl_penalty_coefficient():
     scorer = build("reward", "kl_penalty", coef={"schedule": "adaptive_kl", "target": 6.0, "horizon": 10000})
     assert scorer.coef == 0.2 and type(scorer.schedules["coef"]).__name__ == "AdaptiveKL"
     ro = _kl_batch([[[4.0, 5.0], [6.0, 3.0]]])  # row sums 9, 9 → KL 9 → e = 0.2 → 0.2·(1 + 0.2·2/10000)
-    torch.testing.assert_close(
-        scorer.score_rollout(ro, info_for(2)), torch.tensor([[-0.2 * 9, -0.2 * 9]])
-    )  # scored with β_t
+    # scored with β_t
+    torch.testing.assert_close(scorer.score_rollout(ro, info_for(2)), torch.tensor([[-0.2 * 9, -0.2 * 9]]))
     logged = schedules.resolve([scorer], info_for(2), ro)
     assert scorer.coef == pytest.approx(0.2 * 1.00004) and logged == {"coef/kl_penalty.coef": scorer.coef}
 

@@ -24,9 +24,8 @@ def test_the_shipped_vocabulary_and_the_word_draw():
     assert len(words) == 200 and len(set(words)) == 200 and all(w.isalpha() and w.islower() for w in words)
     assert {"lorem", "ipsum", "dolor", "sit", "amet"} <= set(words)
     counts = [len(lorem_words(100, 300, random.Random(s))) for s in range(200)]
-    assert (
-        min(counts) >= 100 and max(counts) <= 300 and len(set(counts)) > 50
-    )  # uniform over the range, both ends inclusive
+    # uniform over the range, both ends inclusive
+    assert min(counts) >= 100 and max(counts) <= 300 and len(set(counts)) > 50
     assert {len(lorem_words(2, 3, random.Random(s))) for s in range(50)} == {2, 3}
     assert lorem_words(5, 5, random.Random(7)) == lorem_words(5, 5, random.Random(7))  # seeded: same words
     assert lorem_words(0, 0, random.Random(0)) == []
@@ -90,9 +89,8 @@ def test_advantage_shaping_spec_numbers():
     assert round(float(full.mean()), 6) == 0.214286 and round(float(full.std()), 6) == 0.417855
     adv = build("advantage", "lope", eps=0.0)(_rescued(extra), info_for(1))  # the spec's numbers are worked without eps
     torch.testing.assert_close(adv, torch.tensor([[1.880350, 1.880350, 1.880350, -0.512823]]), atol=1e-6, rtol=0)
-    with_eps = build("advantage", "lope")(
-        _rescued(extra), info_for(1)
-    )  # eps = 1e-6: (1 − 0.214286) / (0.417855 + 1e-6)
+    # eps = 1e-6: (1 − 0.214286) / (0.417855 + 1e-6)
+    with_eps = build("advantage", "lope")(_rescued(extra), info_for(1))
     torch.testing.assert_close(with_eps, torch.tensor([[1.880346, 1.880346, 1.880346, -0.512822]]), atol=1e-6, rtol=0)
     plain = build("advantage", "lope", shaping=False)(_rescued(extra), info_for(1))  # GRPO on [1, 1, 1, 0]
     torch.testing.assert_close(plain, torch.tensor([[0.5, 0.5, 0.5, -1.5]]), atol=1e-5, rtol=0)
@@ -155,13 +153,11 @@ def test_the_term_shapes_swapped_rows_and_clips_real_ones():
     torch.testing.assert_close(values, torch.tensor([[[-1.2, -1.2], [-1.0, -2 * 0.952381]]]), atol=1e-5, rtol=0)
     torch.testing.assert_close(values[0, 0], build("objective", "ppo_clip")(ro, {"logp": logp}, info_for(2))[0, 0])
     (grad,) = torch.autograd.grad(values.sum(), logp)
-    torch.testing.assert_close(
-        grad, torch.tensor([[[0.0, 0.0], [-2 * 0.25, -2 * 0.045351]]]), atol=1e-5, rtol=0
-    )  # unclipped: ρ = 2 still pushes
+    # unclipped: ρ = 2 still pushes
+    torch.testing.assert_close(grad, torch.tensor([[[0.0, 0.0], [-2 * 0.25, -2 * 0.045351]]]), atol=1e-5, rtol=0)
     seq = build("objective", "lope", level="sequence")(ro, {"logp": logp}, info_for(2))
-    rho = (
-        0.5 * (torch.log(torch.tensor(0.1)) + torch.log(torch.tensor(2.0)))
-    ).exp()  # the row's mean log-ratio: ρ = sqrt(0.2)
+    # the row's mean log-ratio: ρ = sqrt(0.2)
+    rho = (0.5 * (torch.log(torch.tensor(0.1)) + torch.log(torch.tensor(2.0)))).exp()
     torch.testing.assert_close(seq[0, 1], torch.full((2,), float(-2 * rho / (rho + 0.1))), atol=1e-6, rtol=0)
     stats = term.stats(ro, {"logp": logp})
     assert stats["lope_shaped"].tolist() == [[0.0, 1.0]] and "clip_high" in stats
@@ -281,9 +277,8 @@ def test_lope_keeps_one_failure_when_at_least_g_resamples_are_right():
         True,
         False,
     ]
-    assert [r.prompt for r in ctx.requests[1]] == [
-        [ord(c) for c in "5+1="]
-    ] * 3  # 0 words, no tail: the original prompt
+    # 0 words, no tail: the original prompt
+    assert [r.prompt for r in ctx.requests[1]] == [[ord(c) for c in "5+1="]] * 3
     extra = batch.extras[EXTRA][0]
     assert sorted(extra.tolist()) == [
         0.0,
@@ -333,14 +328,12 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
 
     def prepare(batch, prepare=trainer.prepare):
         out = prepare(batch)
-        sampled = out.select(
-            list(range(out.shape[0]))
-        )  # re-score every row under "+" + its prompt, before the update moves the weights
+        # re-score every row under "+" + its prompt, before the update moves the weights
+        sampled = out.select(list(range(out.shape[0])))
         sampled.ctx = [[trainer.policy.encode("+" + m["prompt"])] * out.shape[1] for m in out.meta]
         probe = out.select(list(range(out.shape[0])))
-        trainer.needs.fill(
-            probe, [Need("logp", view="behaviour")]
-        )  # the behaviour view: each row under the context it was sampled under
+        # the behaviour view: each row under the context it was sampled under
+        trainer.needs.fill(probe, [Need("logp", view="behaviour")])
         with torch.no_grad():
             seen.append(
                 (
@@ -360,9 +353,8 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
     assert any(r["lope/rescued_frac"] > 0 for r in rows), "the seed must rescue a group"
     for row, (batch, perturbed, original, behaviour) in zip(rows, seen):
         swapped = batch.row_flags[INJECTED]  # [B,G]
-        prompts = [
-            trainer.policy.encode("+" + m["prompt"]) for m in batch.meta
-        ]  # the one perturbed prompt of this vocabulary
+        # the one perturbed prompt of this vocabulary
+        prompts = [trainer.policy.encode("+" + m["prompt"]) for m in batch.meta]
         assert (
             all(
                 c == (prompts[b] if swapped[b, g] else [])
@@ -379,15 +371,13 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
             behaviour[own & ~swapped[..., None]], original[own & ~swapped[..., None]], atol=1e-5, rtol=0
         )  # = under x
         assert row["lope/rescued_frac"] == float(swapped.any(1).float().mean())
-        for b in (
-            swapped.any(1).nonzero().flatten().tolist()
-        ):  # every rescued group: ≥ 1 success (the swapped rows) and ≥ 1 original failure
+        # every rescued group: ≥ 1 success (the swapped rows) and ≥ 1 original failure
+        for b in swapped.any(1).nonzero().flatten().tolist():
             assert (batch.rewards[b][swapped[b]] == 1).all() and ((batch.rewards[b] == 0) & ~swapped[b]).any()
             assert (batch.advantages[b][swapped[b]] > 0).all() and (batch.advantages[b][~swapped[b]] < 0).all()
         m = batch.row_mask & swapped[..., None]  # [B,G,T] tokens of swapped rows
-        torch.testing.assert_close(
-            batch.logp_sampler[m], perturbed[m], atol=1e-4, rtol=0
-        )  # behaviour = the policy under δ ⊕ x
+        # behaviour = the policy under δ ⊕ x
+        torch.testing.assert_close(batch.logp_sampler[m], perturbed[m], atol=1e-4, rtol=0)
         if m.any():
             assert (batch.logp_sampler[m] - original[m]).abs().max() > 0.1  # … which is not the policy under x
             assert 0 < row["lope_shaped"] < 1
@@ -400,9 +390,8 @@ def test_two_steps_with_ppo_clip_and_gspo(tmp_path, objective):
     rows, seen = train_recorded(tmp_path, objective, *PLUS, _plus_params(tmp_path), 'advantage.estimator="lope"')
     assert any(r["lope/rescued_frac"] > 0 for r in rows)
     for batch in seen:
-        torch.testing.assert_close(
-            batch.advantages, build("advantage", "lope")(batch, info_for(6))
-        )  # the shaped advantage, not GRPO's
+        # the shaped advantage, not GRPO's
+        torch.testing.assert_close(batch.advantages, build("advantage", "lope")(batch, info_for(6)))
         assert batch.shape[1] == 4 and batch.extras[EXTRA].shape[1] == 8
 
 

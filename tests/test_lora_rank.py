@@ -71,9 +71,8 @@ def test_importance_map_diagnostics():
     assert top_frac_share([0.1, 0.2, 0.3, 0.4], 0.5) == pytest.approx(0.7)
     assert max_min_ratio([0.0468, 0.0215, 0.03]) == pytest.approx(0.0468 / 0.0215)  # the blog's 2.17x
     assert corr([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and corr([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
-    assert corr([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(
-        0.8
-    )  # centred: [-1.5,-.5,.5,1.5]·[-1.5,.5,-.5,1.5] = 4 over 5
+    # centred: [-1.5,-.5,.5,1.5]·[-1.5,.5,-.5,1.5] = 4 over 5
+    assert corr([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
     assert corr([1, 1], [1, 2]) != corr([1, 1], [1, 2])  # NaN for a constant vector
 
 
@@ -186,9 +185,8 @@ def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_p
         )
         + "}"
     )
-    init = (
-        "" if arch == "qwen3" else "init_lora_weights=false, "
-    )  # the random Llama earns no reward: random adapters make the merge matter
+    # the random Llama earns no reward: random adapters make the merge matter
+    init = "" if arch == "qwen3" else "init_lora_weights=false, "
     lora = f'model.lora={{r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], {init}rank_pattern={pattern}}}'
     trainer = make_trainer(
         tmp_path / "run",
@@ -201,9 +199,8 @@ def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_p
     assert_lora_param_count(trainer.policy.module, sum(ranks) * (d_q + d_v))
     ids = torch.tensor([trainer.policy.encode("12+34=")])
     Run(trainer).train()
-    assert any(
-        "lora" in n for n, _ in trainer.policy.module.named_parameters()
-    )  # saving merged a copy: the live model keeps its adapters
+    # saving merged a copy: the live model keeps its adapters
+    assert any("lora" in n for n, _ in trainer.policy.module.named_parameters())
     with torch.no_grad():
         adapted = trainer.policy.module(ids).logits
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -33,9 +33,8 @@ def test_teacher_forced_rows_and_the_token_mean_loss_by_hand():
     fixed = Fixed()
     loss = _loss(fixed, batch)
     assert loss.item() == pytest.approx(6 / 5)  # −(−1 −2 −1 −1 −1) / 5 tokens
-    torch.testing.assert_close(
-        fixed.logp.grad, torch.tensor([[[-0.2, -0.2, 0.0]], [[-0.2, -0.2, -0.2]]])
-    )  # −1/5 per token, 0 on padding
+    # −1/5 per token, 0 on padding
+    torch.testing.assert_close(fixed.logp.grad, torch.tensor([[[-0.2, -0.2, 0.0]], [[-0.2, -0.2, -0.2]]]))
 
 
 def test_a_run_with_an_sft_phase_trains_first_and_does_not_redo_it(tmp_path, capsys):

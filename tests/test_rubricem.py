@@ -53,9 +53,8 @@ def test_mix_final_blends_in_the_final_stage():
     full = ss_grpo_advantages(
         torch.tensor([SPEC], dtype=torch.float64), torch.ones(1, 3, 2, dtype=torch.bool), mix_final=1.0, final=0
     )
-    close(
-        full, [[[A_PLAN, A_PLAN], [-A_PLAN, -A_PLAN], [0.0, 0.0]]]
-    )  # λ = 1, final = plan: terminal GRPO on the plan score
+    # λ = 1, final = plan: terminal GRPO on the plan score
+    close(full, [[[A_PLAN, A_PLAN], [-A_PLAN, -A_PLAN], [0.0, 0.0]]])
 
 
 def test_stage_without_verdict_and_constant_stage():
@@ -151,9 +150,8 @@ def test_component_invalid_rows_masked_tokens_and_stage_parts():
     # two valid rows: plan (0.8, 0.4) -> ±0.2/(0.2+1e-6); answer (1.0, 0.5) -> ±0.25/(0.25+1e-6)
     p, a = 0.2 / 0.200001, 0.25 / 0.250001
     close(out, [[0, 0, 0, 0, a, 0, 0, 0], [0, -p, 0, 0, -a, 0, 0, 0], [0] * 8], atol=1e-5)
-    swapped = _component(outside="zero", stage_parts=[1, 0])(_rollout(), info_for(8))[
-        0
-    ]  # plan tokens read the answer column
+    # plan tokens read the answer column
+    swapped = _component(outside="zero", stage_parts=[1, 0])(_rollout(), info_for(8))[0]
     close(swapped[:, 1], [A_ANS, 0.0, -A_ANS], atol=1e-5)
     with pytest.raises(ValueError, match="reward column 2"):
         _component(stage_parts=[0, 2])(_rollout(), info_for(8))

@@ -251,9 +251,8 @@ def test_trains_two_steps_with(tmp_path, objective):
         z = group_normalize(torch.nan_to_num(refl.reward_parts[..., 0].double()), valid, "group", 0, 1e-6)  # [B,G]
         torch.testing.assert_close(refl.advantages.double(), z[..., None] * refl.row_mask, atol=1e-6, rtol=0)
         assert (batch.advantages[~batch.row_mask] == 0).all()
-        assert (
-            row["rubricem_reflect/accepted"] == row["rubricem_reflect/approved"]
-        )  # accept_above = -1: every approved one
+        # accept_above = -1: every approved one
+        assert row["rubricem_reflect/accepted"] == row["rubricem_reflect/approved"]
     assert rows[1]["rubricem_reflect/bank_size"] > 0 and rows[1]["rubricem_reflect/hinted_groups"] > 0
 
 

@@ -600,9 +600,8 @@ def test_a_run_cut_short_by_the_time_limit_says_so(tmp_path, capsys):
 
 def test_sample_completions_are_logged_and_cut_back_on_resume(tmp_path):
     run = tmp_path / "run"
-    trainer = _stopped_run(
-        run, "log.samples=3", "log.samples_every=1"
-    ).trainer  # stopped after step 0, checkpoint at step 1
+    # stopped after step 0, checkpoint at step 1
+    trainer = _stopped_run(run, "log.samples=3", "log.samples_every=1").trainer
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 0, 0] and set(rows[0]) == {
         "step",

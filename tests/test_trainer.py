@@ -265,9 +265,8 @@ def test_reference_sync_mixes_the_policy_into_the_reference(tmp_path):
     trainer.step = 1
     trainer.run_step()  # step 1: sync
     for (name, p), live in zip(ref.named_parameters(), trainer.policy.module.parameters()):
-        torch.testing.assert_close(
-            p, 0.6 * live.detach() + 0.4 * initial[name], rtol=1e-6, atol=1e-7
-        )  # float32 rounding of the in-place mix
+        # float32 rounding of the in-place mix
+        torch.testing.assert_close(p, 0.6 * live.detach() + 0.4 * initial[name], rtol=1e-6, atol=1e-7)
     with pytest.raises(ConfigError, match="no component reads the reference model"):
         make_trainer(tmp_path / "other", "model.ref_sync_every=2")
 
@@ -282,9 +281,8 @@ def test_lora_trains_only_the_adapters_and_saves_a_merged_model(tmp_path):
     assert trainable and all("lora_" in n for n in trainable)
     base = {n: p.detach().clone() for n, p in trainer.policy.module.named_parameters() if not p.requires_grad}
     Run(trainer).train()
-    assert all(
-        torch.equal(p, base[n]) for n, p in trainer.policy.module.named_parameters() if n in base
-    )  # the base is frozen
+    # the base is frozen
+    assert all(torch.equal(p, base[n]) for n, p in trainer.policy.module.named_parameters() if n in base)
     assert trainer.policy.reference.uses_adapter  # no second copy of the model for the reference
     from transformers import AutoModelForCausalLM
 
@@ -322,8 +320,7 @@ def test_chat_prompts_and_system_prompt_use_the_chat_template(tmp_path):
     trainer = make_trainer(tmp_path / "run", f'data.path="{data}"', "eval.size=0", 'data.system_prompt="add:"')
     with pytest.raises(ValueError, match="chat template"):  # the embedded tokenizer has none
         trainer.prompts("train", trainer.train_rows, 0)
-    trainer.policy.tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"  # a minimal template
-    )
+    # a minimal template
+    trainer.policy.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     ids = trainer.prompts("train", trainer.train_rows, 0)
     assert trainer.policy.tokenizer.decode(ids) == "<system>add:<user>1+1="

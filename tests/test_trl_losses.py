@@ -649,9 +649,8 @@ def test_trl_parity_vespo_gamma_weights_with_sampler_is(mode):
     else:
         is_ratio = is_ratio.masked_fill(is_ratio > 2.0, 0.0)
     adv = ro.advantages.reshape(N, 1)
-    phi_trl = GRPOTrainer.get_gamma_weights(
-        adv, (logp - ro.logp_old).detach().reshape(N, T), m.float(), is_ratio
-    )  # [N,1]
+    # [N,1]
+    phi_trl = GRPOTrainer.get_gamma_weights(adv, (logp - ro.logp_old).detach().reshape(N, T), m.float(), is_ratio)
     term = build("objective", "vespo", sampler_is=mode, is_max=2.0)
     phi = term.stats(ro, {"logp": logp})["phi"].reshape(N, T)
     diff = (phi[m] - phi_trl.expand(N, T)[m]).abs().max()

@@ -32,9 +32,8 @@ from groupwise.losses.clip_cov import token_priority
 from groupwise.registry import build
 from groupwise.types import Need
 
-E01, E02, E03, E04, E05 = (
-    math.exp(x) for x in (0.1, 0.2, 0.3, 0.4, 0.5)
-)  # 1.105171 1.221403 1.349859 1.491825 1.648721
+# 1.105171 1.221403 1.349859 1.491825 1.648721
+E01, E02, E03, E04, E05 = (math.exp(x) for x in (0.1, 0.2, 0.3, 0.4, 0.5))
 
 
 def _values_grad(term, mb, logp, info=None):
@@ -471,9 +470,8 @@ def test_entropy_bonus_by_hand_and_verl_parity(agg, expected):
 
 def test_entropy_bonus_needs_and_errors():
     term = build("objective", "entropy_bonus")
-    assert (
-        Need("entropy", grad=True) in term.needs and Need("entropy") in term.needs
-    )  # whole-batch H for the controller
+    # whole-batch H for the controller
+    assert Need("entropy", grad=True) in term.needs and Need("entropy") in term.needs
     mb, _ = _entropy_case()
     with pytest.raises(ValueError, match="entropy"):
         term(mb, {"logp": leaf(torch.zeros(1, 2, 2))}, info_for(2))

@@ -287,9 +287,8 @@ def cmd_eval(args: list[str]) -> int:
     if args and "=" not in args[0]:
         model, args = args[0], args[1:]
     run = Path(model)
-    if (run / "config.toml").exists() and (
-        run / "final"
-    ).is_dir():  # a run folder: its own data, reward and eval settings, its final model
+    # a run folder: its own data, reward and eval settings, its final model
+    if (run / "config.toml").exists() and (run / "final").is_dir():
         cfg, _ = load_config(
             str(run / "config.toml"),
             [f'model.path="{run / "final"}"', "model.lora={}", "roles={}", "train.steps=0", *args],
@@ -418,9 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groupwise: config error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `groupwise explain X | head`: the reader left; not an error of ours
-        os.dup2(
-            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
-        )  # the interpreter's final flush must not fail too
+        # the interpreter's final flush must not fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except FileNotFoundError as err:  # a model, recipe or data file that is not there: one line, not a traceback
         print(f"groupwise: {err}", file=sys.stderr)

@@ -465,9 +465,8 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> tuple[C
     data: dict = {}
     path = resolve_recipe(recipe)
     if path is not None:
-        if not path.resolve().is_relative_to(
-            RECIPES.parent
-        ):  # a user's recipe: its folder holds its plug-ins (groupwise.plugins)
+        # a user's recipe: its folder holds its plug-ins (groupwise.plugins)
+        if not path.resolve().is_relative_to(RECIPES.parent):
             from groupwise.plugins import add_recipe_dir
 
             add_recipe_dir(path.resolve().parent)

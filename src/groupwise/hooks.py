@@ -67,9 +67,8 @@ class EmbedDelta:
     kind: ClassVar[str] = "embed_delta"
     positions: Tensor  # [P] int64, indices into the request's prompt ids
     delta: Tensor  # [n,P,D] float32, one perturbation per row of the request
-    rho: float | None = (
-        None  # the noise-aware schedule γ(σ) of an engine that samples over noise levels (flow); None: on at every step
-    )
+    # the noise-aware schedule γ(σ) of an engine that samples over noise levels (flow); None: on at every step
+    rho: float | None = None
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 1 or self.delta.dim() != 3 or self.delta.shape[1] != self.positions.shape[0]:

@@ -59,9 +59,8 @@ class NeedResolver:
             view_params,
             context,
         )
-        self.bind_view = (
-            bind_view  # called once on each view built (the trainer gives it token texts and the train rows)
-        )
+        # called once on each view built (the trainer gives it token texts and the train rows)
+        self.bind_view = bind_view
         self.providers: dict[str, Any] = {}
         self.views: dict[str, Any] = {}
         for need in needs:

@@ -90,9 +90,8 @@ def per_prompt_advantages(
     r = rewards.double().reshape(-1)  # [N]
     ok = torch.isfinite(r) if valid is None else valid.reshape(-1).bool() & torch.isfinite(r)  # [N]
     codes: dict[Any, int] = {}
-    inv = torch.tensor(
-        [codes.setdefault(p, len(codes)) for p in prompt_ids], dtype=torch.long
-    )  # [N] prompt code of each row
+    # [N] prompt code of each row
+    inv = torch.tensor([codes.setdefault(p, len(codes)) for p in prompt_ids], dtype=torch.long)
     K = len(codes)
     x = torch.where(ok, r, torch.zeros((), dtype=r.dtype))  # [N]
 
@@ -107,9 +106,8 @@ def per_prompt_advantages(
         high = torch.full((K,), -torch.inf, dtype=r.dtype).scatter_reduce_(
             0, inv, torch.where(ok, r, -torch.inf), "amax"
         )  # [K]
-        low = torch.full((K,), torch.inf, dtype=r.dtype).scatter_reduce_(
-            0, inv, torch.where(ok, r, torch.inf), "amin"
-        )  # [K]
+        # [K]
+        low = torch.full((K,), torch.inf, dtype=r.dtype).scatter_reduce_(0, inv, torch.where(ok, r, torch.inf), "amin")
         constant = high == low  # [K] Note 2: a constant prompt gets exactly 0
         out = (r - mean[inv]) / (std[inv] + eps)  # [N]
         return torch.where(ok & ~constant[inv], out, torch.zeros((), dtype=r.dtype))  # [N]
@@ -169,7 +167,6 @@ class AlphaGRPOAdvantage:
         gm = None
         if s is not None and self.baseline != "group":
             gm = {k: float(s[[b for b in range(B) if keys[b] == k]].mean()) for k in dict.fromkeys(keys)}
-        adv = per_prompt_advantages(r.reshape(-1), ids, gm, self.baseline, self.eps, valid.reshape(-1)).reshape(
-            B, G
-        )  # [B,G]
+        # [B,G]
+        adv = per_prompt_advantages(r.reshape(-1), ids, gm, self.baseline, self.eps, valid.reshape(-1)).reshape(B, G)
         return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

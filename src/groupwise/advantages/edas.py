@@ -122,9 +122,8 @@ def edas_shape(
     C = (surprisal - H) / n_w.clamp(min=2).log()  # [B,G] in [−1, 1], zero-sum over W
     delta = torch.where(K == 1, -beta * S, alpha * S * C)  # [B,G] branch B | branch C
     cap = adv.abs() / kappa  # [B,G]
-    out = torch.where(
-        shaped, adv + delta.sign() * torch.minimum(delta.abs(), cap), adv
-    )  # [B,G] sign kept for kappa > 1
+    # [B,G] sign kept for kappa > 1
+    out = torch.where(shaped, adv + delta.sign() * torch.minimum(delta.abs(), cap), adv)
     groups = max(int(valid.any(1).sum()) if valid is not None else B, 1)
     some, many = wrong.any(1), n_w[:, 0] >= 2  # [B], [B]
     nan = float("nan")
@@ -231,9 +230,8 @@ class EDAS:
             fmt = self._part(rollout, self.format_part, "format_part")  # [B,G]
             wrong = wrong & ~(fmt < 0.5)  # [B,G] NaN: no flag, kept
         answers = self._answers(rollout)
-        answered = torch.tensor(
-            [[answers[b][g] is not None for g in range(G)] for b in range(B)], dtype=torch.bool
-        )  # [B,G]
+        # [B,G]
+        answered = torch.tensor([[answers[b][g] is not None for g in range(G)] for b in range(B)], dtype=torch.bool)
         if valid.any() and not (answered & valid).any():
             raise ValueError(
                 f"edas answers={self.answers!r}: no valid row has that info column; set log_answer=true on the "

@@ -127,9 +127,8 @@ class FGRPO:
         _, valid = valid_rows(rollout)  # [B,G]
         r_gen, r_rank = self._phase_rewards(rollout)  # [B,G], [B,G]
         ok_gen, ok_rank = valid & torch.isfinite(r_gen), valid & torch.isfinite(r_rank)  # [B,G]
-        A_gen = group_normalize(
-            torch.nan_to_num(r_gen), ok_gen, "group", _DDOF[self.std], self.eps
-        )  # [B,G] 0 outside ok_gen
+        # [B,G] 0 outside ok_gen
+        A_gen = group_normalize(torch.nan_to_num(r_gen), ok_gen, "group", _DDOF[self.std], self.eps)
         A_rank = group_normalize(torch.nan_to_num(r_rank), ok_rank, "group", _DDOF[self.std], self.eps)  # [B,G]
         mask = rollout.row_mask & valid[..., None]  # [B,G,T]
         phase = phase_ids(

@@ -75,9 +75,8 @@ def committed_steps(forced_answers: list, final: Any, equal: Callable[[Any, Any]
 def commitment_labels(forced_answers: list, final: Any, equal: Callable[[Any, Any], bool] | None = None) -> Tensor:
     """[K] float32 post-commitment labels: 1 where some earlier step was already committed."""
     committed = committed_steps(forced_answers, final, equal)  # [K]
-    before = (
-        torch.cat([torch.zeros(1, dtype=torch.bool), committed[:-1]]) if len(committed) else committed
-    )  # [K] step k−1
+    # [K] step k−1
+    before = torch.cat([torch.zeros(1, dtype=torch.bool), committed[:-1]]) if len(committed) else committed
     return (torch.cumsum(before.long(), 0) > 0).float()  # [K]
 
 
@@ -166,9 +165,8 @@ def segment_steps(
     char_step, step, line_start = [-1] * len(text), -1, 0
     for end in ends + [len(text)]:
         body = text[line_start:end]
-        if (
-            body[: -len(sep)] if body.endswith(sep) else body
-        ).strip():  # visible text besides sep: a step, its sep included
+        # visible text besides sep: a step, its sep included
+        if (body[: -len(sep)] if body.endswith(sep) else body).strip():
             step += 1
             char_step[line_start:end] = [step] * (end - line_start)
         line_start = end

@@ -156,9 +156,8 @@ class RubricEMAdvantage:
         """(scores [B,G,K] float64, valid [B,G,K] bool) from ``reward_parts`` (Note 3 without it)."""
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
         K = len(self.stage_tags)
-        if rollout.reward_parts is None or (
-            rollout.reward_parts.shape[-1] == 1 and not self.stage_parts
-        ):  # one reward (Note 3)
+        # one reward (Note 3)
+        if rollout.reward_parts is None or (rollout.reward_parts.shape[-1] == 1 and not self.stage_parts):
             scores = r.double()[..., None].expand(*r.shape, K)  # [B,G,K]
         else:
             cols = list(self.stage_parts) or list(range(K))
@@ -184,9 +183,8 @@ class RubricEMAdvantage:
             rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, self.stage_tags
         )  # [N,K,T]
         flat = adv.reshape(B * G, K)  # [N,K]
-        rest = (
-            None if self.outside == "zero" else (flat[:, self.final] if self.outside == "final" else flat.mean(-1))
-        )  # [N]
+        # [N]
+        rest = None if self.outside == "zero" else (flat[:, self.final] if self.outside == "final" else flat.mean(-1))
         tok = stage_to_token_adv(flat, masks, rest).reshape(B, G, T)  # [B,G,T]
         row_mask = rollout.row_mask.bool() & valid_rows(rollout)[1][..., None]  # [B,G,T]
         out = torch.where(row_mask, tok, torch.zeros((), dtype=tok.dtype))  # [B,G,T]

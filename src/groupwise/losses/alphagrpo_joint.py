@@ -96,9 +96,8 @@ class AlphaGRPOJoint:
         ratio, adv = ratio_and_adv(mb, out, "alphagrpo_joint")  # [b,G,T], [b,G,T]
         image = _image_positions(mb, ratio)  # [b,G,T]
         text = clipped_surrogate(ratio, adv, self.text_eps_low, self.text_eps_high)  # [b,G,T]
-        img = clipped_surrogate(
-            ratio, adv.clamp(-self.adv_clip_max, self.adv_clip_max), self.img_eps, self.img_eps
-        )  # [b,G,T]
+        # [b,G,T]
+        img = clipped_surrogate(ratio, adv.clamp(-self.adv_clip_max, self.adv_clip_max), self.img_eps, self.img_eps)
         return torch.where(image, img, text)  # [b,G,T]
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:

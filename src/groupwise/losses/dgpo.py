@@ -186,9 +186,8 @@ class DGPO:
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         _, loss, _, _, same, members, mask = self._parts(mb, out)
         n_q = same.sum(-1).to(loss.dtype)  # [b,G] members of the row's question group (0 off the members)
-        k = torch.where(members, 1.0 / n_q.clamp(min=1), 0.0).sum(
-            1, keepdim=True
-        )  # [b,1] question groups with a member
+        # [b,1] question groups with a member
+        k = torch.where(members, 1.0 / n_q.clamp(min=1), 0.0).sum(1, keepdim=True)
         n_rows = mask.any(-1).sum(1, keepdim=True).to(loss.dtype)  # [b,1]
         return torch.where(members, loss * n_rows / (k.clamp(min=1) * n_q.clamp(min=1)), 0.0)  # [b,G]
 

@@ -224,9 +224,8 @@ class DISA:
                     f"objective disa: prompt ids {sorted(set(idx[missing.any(-1)].tolist()))[:8]} have no log Z in the table; "
                     f"estimate them (phase disa_logz prompts = 0: every prompt) or set regressor = true on the phase and use_regressor = true here"
                 )
-            emb = mb.extras[Need(f"hidden({self.embed_layer})", model="ref").key][
-                :, :, 0
-            ]  # [b,G,H] the state after the prompt
+            # [b,G,H] the state after the prompt
+            emb = mb.extras[Need(f"hidden({self.embed_layer})", model="ref").key][:, :, 0]
             with torch.no_grad():
                 logZ = torch.where(missing, self._regressor(emb.reshape(B * G, -1)).reshape(B, G), logZ)  # [b,G]
         return logZ  # [b,G]

@@ -144,9 +144,8 @@ class LoPEShaping:
             return values
         mask = term_mask(mb)  # [b,G,T]
         if values.dim() == 2:
-            values = torch.where(
-                mask, values[..., None], torch.zeros((), dtype=values.dtype)
-            )  # [b,G,T] a row loss on each of its tokens
+            # [b,G,T] a row loss on each of its tokens
+            values = torch.where(mask, values[..., None], torch.zeros((), dtype=values.dtype))
         behav = (
             required(mb, "logp_sampler", "lope") if self.behaviour == "sampler" else mb.extras.get(BEHAVIOUR_NEED.key)
         )  # [b,G,T]

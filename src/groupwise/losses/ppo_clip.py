@@ -66,9 +66,8 @@ class PPOClip:
     needs = ()
 
     def __post_init__(self) -> None:
-        check_clip(
-            "ppo_clip", self.eps_low, self.eps_high, no_lower_clip=True
-        )  # eps_low = 1: μ-GRPO's relaxed [0, 1 + eps_high]
+        # eps_low = 1: μ-GRPO's relaxed [0, 1 + eps_high]
+        check_clip("ppo_clip", self.eps_low, self.eps_high, no_lower_clip=True)
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"ppo_clip: dual_clip must be > 1 (or None), got {self.dual_clip}")
 

@@ -94,9 +94,8 @@ def trace_log_ratio(delta: Tensor, sel: Tensor, lam: float) -> Tensor:
     T = delta.shape[-1]
     t = torch.arange(T)  # [T]
     gap = t[:, None] - t[None, :]  # [T,T] t − k
-    decay = torch.where(
-        gap >= 0, torch.tensor(float(lam)).pow(gap.clamp(min=0).float()), torch.zeros(())
-    )  # [T,T] lam^(t−k), k <= t
+    # [T,T] lam^(t−k), k <= t
+    decay = torch.where(gap >= 0, torch.tensor(float(lam)).pow(gap.clamp(min=0).float()), torch.zeros(()))
     w = sel.float()  # [...,T]
     num = (w * delta) @ decay.T  # [...,T] Σ_k lam^(t−k) sel_k delta_k
     den = w @ decay.T  # [...,T] >= 1 at trace tokens

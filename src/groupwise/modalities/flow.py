@@ -108,9 +108,8 @@ class VelocityMLP(nn.Module):
             self.label = nn.Embedding(n_labels, hidden)
         else:
             self.cond = nn.Linear(cond_dim, hidden, bias=False)
-            nn.init.normal_(
-                self.cond.weight, std=2.0 / math.sqrt(cond_dim)
-            )  # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
+            # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
+            nn.init.normal_(self.cond.weight, std=2.0 / math.sqrt(cond_dim))
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
         self.out = nn.Linear(hidden, 2)
 
@@ -121,9 +120,8 @@ class VelocityMLP(nn.Module):
         feats = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f)], dim=-1)  # [N,3+2F]
         pre = self.inp(feats)  # [N,H]
         if label is not None:  # the label form's embedding row, or the embedding form's condition projected
-            pre = pre + (
-                self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype))
-            )  # [N,H]
+            # [N,H]
+            pre = pre + (self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype)))
         if extra is not None:
             pre = pre + extra.to(pre.dtype)  # [N,H]
         h = nn.functional.silu(pre)  # [N,H]
@@ -186,9 +184,8 @@ class FlowPolicy:
         self.trainable = True
         self.modality = "flow"
         self.request_options = frozenset({"greedy"})  # greedy = the deterministic ODE (Request.sampling)
-        self.hooks = (
-            frozenset({"embed_delta"}) if condition == "embedding" else frozenset()
-        )  # groupwise.hooks kinds generate applies
+        # groupwise.hooks kinds generate applies
+        self.hooks = frozenset({"embed_delta"}) if condition == "embedding" else frozenset()
 
         self.reference: FlowPolicy | None = None
         self.context = None  # no context length: a label is the whole prompt
@@ -295,9 +292,8 @@ class FlowPolicy:
         rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
         for i in range(K):
             s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
-            c = (
-                lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))
-            )  # [N] labels or [N,c]
+            # [N] labels or [N,c]
+            c = lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))
             v = self._velocity(x, s, c, None if cond is None else cond.reshape(N, *cond.shape[2:]))  # [N,2]
             sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
             x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,2] ODE step
@@ -356,9 +352,8 @@ class FlowPolicy:
         s, sp = rollout.extras["flow_sigma"][sel], rollout.extras["flow_sigma_next"][sel]  # [M], [M]
         logp = torch.zeros(sel.shape)  # [B,G,T]
         if sel.any():
-            cond = (
-                lab if self.encoder is None else self.original_condition(lab)
-            )  # [M] labels or [M,c] C^orig: never a hook's condition
+            # [M] labels or [M,c] C^orig: never a hook's condition
+            cond = lab if self.encoder is None else self.original_condition(lab)
             v = self._velocity(x, s, cond, self._stored_condition(rollout, sel))  # [M,2]
             logp[sel] = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, prev_sample=x_next)[1]  # [M]
         out = {"logp": logp}

@@ -213,15 +213,12 @@ class DisaLogZ:
         if own_q and self.temperature == 1.0:
             lq = lref  # [P,M] q is the reference itself
         else:
-            hidden = (
-                out["last_hidden"] if own_q else q.forward(roll, ["logp", "last_hidden"])["last_hidden"]
-            )  # [P,M,T,H]
-            lq = masked_mean(
-                tempered_logp(q.module, hidden, roll.actions, mask, self.temperature), mask, dim=-1
-            )  # [P,M]
-        emb = (
-            out[f"hidden({self.layer})"][:, 0, 0].float() if self.regressor else None
-        )  # [P,H] the state after the prompt
+            # [P,M,T,H]
+            hidden = out["last_hidden"] if own_q else q.forward(roll, ["logp", "last_hidden"])["last_hidden"]
+            # [P,M]
+            lq = masked_mean(tempered_logp(q.module, hidden, roll.actions, mask, self.temperature), mask, dim=-1)
+        # [P,H] the state after the prompt
+        emb = out[f"hidden({self.layer})"][:, 0, 0].float() if self.regressor else None
         return lref, lq, emb
 
     def _fit(self, emb: torch.Tensor, logZ: torch.Tensor, seed: int, summary: dict) -> dict:

@@ -76,9 +76,8 @@ def lm_encoder(model, pool: str = "last"):
 
     def encode(emb: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [M,S]
-        h = decoder(
-            inputs_embeds=emb, attention_mask=real.long(), position_ids=positions
-        ).last_hidden_state.float()  # [M,S,D]
+        # [M,S,D]
+        h = decoder(inputs_embeds=emb, attention_mask=real.long(), position_ids=positions).last_hidden_state.float()
         if pool == "last":
             return h[:, -1]  # [M,D] left-padded: the last column is the last prompt token
         w = real.float()[..., None]  # [M,S,1]

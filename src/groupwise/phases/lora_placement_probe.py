@@ -81,9 +81,8 @@ class LoraPlacementProbe:
     group_size: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
-    objective: str = (
-        "grpo"  # "sft": cross-entropy on the rows' answers instead, the spec's SFT control of the diagnostics
-    )
+    # "sft": cross-entropy on the rows' answers instead, the spec's SFT control of the diagnostics
+    objective: str = "grpo"
 
     def __post_init__(self) -> None:
         if self.objective not in ("grpo", "sft"):
@@ -168,9 +167,8 @@ class LoraPlacementProbe:
             kinds[module_kind(name)] += int(m.sum())
             layers[str(layer_of(name))] += int(m.sum())
             start += size
-        stats = {
-            key: (None if value != value else value) for key, value in grad_structure_stats(grads).items()
-        }  # NaN (one probe): None in summary.json
+        # NaN (one probe): None in summary.json
+        stats = {key: (None if value != value else value) for key, value in grad_structure_stats(grads).items()}
         summary = {
             "k": k,
             "entries": P,

@@ -126,12 +126,10 @@ class ProfilProbe:
         hidden = hidden.reshape(B * G, T, -1).float()  # [N,T,d]
         lengths = roll.mask.reshape(B * G, T).sum(-1).tolist()  # [N]
         actions = roll.actions.reshape(B * G, T).tolist()
-        step_ids = torch.stack(
-            [step_ids_of(actions[r][: lengths[r]], token_text, self.sep, T) for r in range(B * G)]
-        )  # [N,T]
-        labels = self._labels(
-            policy, roll.prompt_ids, actions, lengths, step_ids, token_text, G
-        )  # per row: [K] or None
+        # [N,T]
+        step_ids = torch.stack([step_ids_of(actions[r][: lengths[r]], token_text, self.sep, T) for r in range(B * G)])
+        # per row: [K] or None
+        labels = self._labels(policy, roll.prompt_ids, actions, lengths, step_ids, token_text, G)
         used = [r for r in range(B * G) if labels[r] is not None and len(labels[r])]
         if not used:
             raise RuntimeError(

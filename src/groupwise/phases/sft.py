@@ -80,13 +80,11 @@ class SFT:
     artifact: str = ""  # the phase's name in the run folder and summary (default "sft")
     task: str = ""  # train on this built-in task's train rows instead of the run's (a warm start shared by runs on different data)
     train_size: int = 0  # with task: that many of its train rows (0 = all)
-    loss: str = (
-        "ce"  # "ce" (token mean) or "cb_stream" (class-balanced decisions, phases/cb_stream.py) [INFERRED] spec 42
-    )
+    # "ce" (token mean) or "cb_stream" (class-balanced decisions, phases/cb_stream.py) [INFERRED] spec 42
+    loss: str = "ce"
     cb_beta: float = 0.999  # cb_stream: the effective-number beta in [0, 1) [INFERRED] spec 42
-    cb_counts: str = (
-        "dataset"  # cb_stream: class counts over the train rows ("dataset") or each batch ("batch") [INFERRED] spec 42
-    )
+    # cb_stream: class counts over the train rows ("dataset") or each batch ("batch") [INFERRED] spec 42
+    cb_counts: str = "dataset"
     decision_column: str = "decision"  # cb_stream: the rows' decision class column [INFERRED]
     num_classes: int = 2  # cb_stream: decision classes (silence / respond) [ABSTRACT] spec 42
 

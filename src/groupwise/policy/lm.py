@@ -91,9 +91,8 @@ def load_policy(path: str, dtype: str = "float32", lora: dict | None = None) -> 
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        with torch.random.fork_rng(
-            devices=[]
-        ):  # the adapters' random init (LoRA's A) is the same in every process: a run is reproducible
+        # the adapters' random init (LoRA's A) is the same in every process: a run is reproducible
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     return model, tokenizer
@@ -155,9 +154,8 @@ class LMPolicy:
 
     trainable = True
     modality = "text"
-    request_options = frozenset(
-        {"greedy", "temperature", "top_p", "top_k", "max_new_tokens"}
-    )  # what Request.sampling may set
+    # what Request.sampling may set
+    request_options = frozenset({"greedy", "temperature", "top_p", "top_k", "max_new_tokens"})
 
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.policy.engine import CPUEngine
@@ -310,9 +308,8 @@ class LMPolicy:
             matmul=self.matmul.low,
             recompute_mlp=perf.recompute_mlp,
         )
-        if (
-            self.device.type != "cpu"
-        ):  # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
+        # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
+        if self.device.type != "cpu":
             out = {key: value.to("cpu", non_blocking=False) for key, value in out.items()}
         return out
 

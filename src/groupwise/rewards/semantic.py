@@ -235,9 +235,8 @@ class Semantic:
         e_y, e_ref = self._embed(completions, references)  # [n,D], [n,D]
         cos = (e_y * e_ref).sum(-1).clamp(-1.0, 1.0)  # [n]
         r_sim = ((cos - self.tau) / (1.0 - self.tau)).clamp(min=0.0)  # [n]
-        frac = torch.tensor(
-            [script_fraction(c, self._target, self._others) for c in completions], dtype=torch.float32
-        )  # [n]
+        # [n]
+        frac = torch.tensor([script_fraction(c, self._target, self._others) for c in completions], dtype=torch.float32)
         r_lang = (frac >= self.theta_lang).float()  # [n]
         return {
             "cos": cos,

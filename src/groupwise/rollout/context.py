@@ -51,9 +51,8 @@ def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
             f"(it offers {sorted(getattr(policy, 'request_options', ()))})"
         )
     check_hooks(strategy, policy)  # the generation hooks it samples under (groupwise.hooks)
-    if hasattr(
-        strategy, "check"
-    ):  # a strategy's own build-time check of the run's components (env runs: their rewards)
+    # a strategy's own build-time check of the run's components (env runs: their rewards)
+    if hasattr(strategy, "check"):
         strategy.check(components)
     collected = set(getattr(strategy, "collects", ()))
     for component in components:

@@ -173,9 +173,8 @@ class DGAOOrders:
         variants = [self._variants(ctx, key, O) for key in ids]
         encoded = [[ctx.policy.encode(text) for text in vs] for vs in variants]
         batch = ctx.rollout([Request(key, n, o * n, encoded[b][o]) for b, key in enumerate(ids) for o in range(O)])
-        grouped = batch.regroup(
-            [[(b * O + o, j) for o in range(O) for j in range(n)] for b in range(len(ids))]
-        )  # [B, O·n]
+        # [B, O·n]
+        grouped = batch.regroup([[(b * O + o, j) for o in range(O) for j in range(n)] for b in range(len(ids))])
         self._stats = self._metrics(grouped, "dgao/")
         if self.greedy_probe:
             probe = ctx.rollout(

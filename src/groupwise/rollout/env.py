@@ -67,14 +67,12 @@ class Episode:
     texts: list[str] = field(default_factory=list)  # each action decoded
     rewards: list[float] = field(default_factory=list)  # r_t
     rows: list[int] = field(default_factory=list)  # each action's group in Played.turns
-    env_tokens: list[list[int]] = field(
-        default_factory=list
-    )  # history mode: encode(separator + o_{t+1}) after each non-final action
+    # history mode: encode(separator + o_{t+1}) after each non-final action
+    env_tokens: list[list[int]] = field(default_factory=list)
     done: bool = False
     cut: str = ""  # "" (done or still live), "max_turns", "context", "gate" (the group hook)
-    facts: dict = field(
-        default_factory=dict
-    )  # the env's ``outcome()`` after the episode (optional protocol method), else {}
+    # the env's ``outcome()`` after the episode (optional protocol method), else {}
+    facts: dict = field(default_factory=dict)
 
     @property
     def ret(self) -> float:

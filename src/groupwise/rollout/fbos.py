@@ -135,9 +135,8 @@ class FBOS:
             parts.append(ctx.rollout([Request(key=ids[b], n=self.feedback_rows, offset=self.initial) for b in others]))
             groups += others
         epa = first.join_rows(Rollout.concat(parts), groups) if parts else first
-        epa = (
-            epa.under_prompts()
-        )  # EPA: every row trained and scored under its original prompt, a guided row sampled under its FAP
+        # EPA: every row trained and scored under its original prompt, a guided row sampled under its FAP
+        epa = epa.under_prompts()
         injected = torch.zeros(epa.shape[:2], dtype=torch.bool)  # [B,I+feedback_rows]
         injected[failing, self.initial :] = True
         epa.set_flag(INJECTED, injected & epa.group_valid)

@@ -94,9 +94,8 @@ def _posterior(s, n, a0: float, b0: float, who: str) -> tuple[Tensor, Tensor]:
 def _log_miss(a: Tensor, b: Tensor, m: Tensor) -> Tensor:
     """[B] float64 log E[(1 − p)^m] = log B(a, b+m) − log B(a, b), via lgamma (any m >= 0)."""
     log_q = torch.lgamma(b + m) + torch.lgamma(a + b) - torch.lgamma(b) - torch.lgamma(a + b + m)  # [B]
-    return torch.where(
-        m == 0, torch.zeros_like(log_q), log_q
-    )  # the lgamma terms cancel only to ~1e-13: U(0) = 0 exactly
+    # the lgamma terms cancel only to ~1e-13: U(0) = 0 exactly
+    return torch.where(m == 0, torch.zeros_like(log_q), log_q)
 
 
 def _as_m(m, like: Tensor, who: str) -> Tensor:
@@ -159,9 +158,8 @@ def hora_allocate(
         miss.append(q)
         eligible = not (only_unsolved and solved[i]) and (max_alloc is None or m[i] < max_alloc)
         if eligible:
-            heap.append(
-                (-(q * A[i] / (A[i] + Bb[i] + m[i])), i)
-            )  # (−Δ_i(m_i), index): min-heap pops max gain, lowest index
+            # (−Δ_i(m_i), index): min-heap pops max gain, lowest index
+            heap.append((-(q * A[i] / (A[i] + Bb[i] + m[i])), i))
     heapq.heapify(heap)
     while left > 0 and heap:
         _, i = heapq.heappop(heap)

@@ -232,9 +232,8 @@ class LoPE:
             both = Rollout.concat([first, res])  # groups 0..B−1 first, then the resample requests
             rows = [[(b, g) for g in range(G)] for b in range(len(ids))]
             for f, b in enumerate(failing):
-                flat = [
-                    (len(ids) + f * P + j, r) for j in range(P) for r in range(self.n_per)
-                ]  # resample k = j·n_per + r
+                # resample k = j·n_per + r
+                flat = [(len(ids) + f * P + j, r) for j in range(P) for r in range(self.n_per)]
                 scores = res.rewards[f * P : (f + 1) * P].reshape(-1)  # [G']
                 correct = [k for k, (q, r) in enumerate(flat) if bool(hits[q - len(ids), r])]
                 rng = random.Random(sample_seed(info.seed, info.step, ids[b], REGROUP_STREAM))
@@ -257,9 +256,8 @@ class LoPE:
                 list(first.meta),
             )
             batch.extras.update({k: v for k, v in first.extras.items() if first.extra_levels[k] == "group"})
-            batch = (
-                batch.under_prompts()
-            )  # every row trained and scored under its original prompt, sampled under behav_ctx (note 2)
+            # every row trained and scored under its original prompt, sampled under behav_ctx (note 2)
+            batch = batch.under_prompts()
         batch.set_flag(INJECTED, injected)
         batch.set_extra(EXTRA, extra, "group")
         self._stats = {

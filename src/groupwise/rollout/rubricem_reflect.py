@@ -149,9 +149,8 @@ class RubricEMReflect:
     bank: RubricBank = field(init=False, repr=False, compare=False)
     last: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _run: list = field(
-        default_factory=lambda: [0.0, 0, 0.0, 0], init=False, repr=False, compare=False
-    )  # first sum, count, second sum, count
+    # first sum, count, second sum, count
+    _run: list = field(default_factory=lambda: [0.0, 0, 0.0, 0], init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, keys in (
@@ -287,9 +286,8 @@ class RubricEMReflect:
         )
         group_of = [[k for k, (b, _) in enumerate(slots) if b == g] for g in range(len(ids))]
         groups = [rows for rows in group_of if rows]
-        refl_groups = refl.regroup(
-            [[(k, 0) for k in rows] for rows in groups]
-        )  # [B',G] row j: reflection on attempt j, under its prompt
+        # [B',G] row j: reflection on attempt j, under its prompt
+        refl_groups = refl.regroup([[(k, 0) for k in rows] for rows in groups])
         self._score_reflections(ctx, refl_groups, [[r_meta[k] for k in rows] for rows in groups])
         self.last = {
             "slots": slots,

@@ -141,9 +141,8 @@ class InteractionInfluenceSampler:
         F = torch.tensor([self._features[p] for p in rows], dtype=torch.float64)  # [m,F]
         rms = float(F.pow(2).sum(1).mean().sqrt())
         F = F / rms if rms > 0 else F  # [m,F]
-        hess = (
-            F.T @ F / F.shape[0] if self.hessian == "gauss_newton" else torch.eye(F.shape[1], dtype=torch.float64)
-        )  # [F,F]
+        # [F,F]
+        hess = F.T @ F / F.shape[0] if self.hessian == "gauss_newton" else torch.eye(F.shape[1], dtype=torch.float64)
         D = -(self.step_size / n) * F  # [m,F] removal shifts: adding p moves θ by +step·g̃_p/n
         chosen = greedy_select(D, -F.mean(0), hess, k, self.include_self, self.pair)
         return [rows[j] for j in chosen]

@@ -136,9 +136,8 @@ class CorruptContext:
         prompt_ids = []
         for b, meta in enumerate(rollout.meta):
             edited = self.prompt(meta, int(rollout.prompt_index[b]))
-            prompt_ids.append(
-                list(rollout.prompt_ids[b]) if edited is meta.get("prompt") else list(encode(edited))
-            )  # B token lists
+            # B token lists
+            prompt_ids.append(list(rollout.prompt_ids[b]) if edited is meta.get("prompt") else list(encode(edited)))
         return dataclasses.replace(
             rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels)
         )

@@ -83,9 +83,8 @@ class SamplerIS:
     hi: float | None = 3.0
     lo: float | None = None
     off_policy_threshold: float | None = None
-    scope: str = (
-        "loss"  # "loss": zeros stay in the normalisers (TRL) | "token": they leave everything (verl rollout_rs)
-    )
+    # "loss": zeros stay in the normalisers (TRL) | "token": they leave everything (verl rollout_rs)
+    scope: str = "loss"
 
     needs = (Need("logp"),)
 

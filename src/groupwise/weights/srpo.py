@@ -153,16 +153,14 @@ class SRPO:
             )
         B, G, T = rollout.shape
         mask = rollout.row_mask.bool()  # [B,G,T]
-        perc, reas = self._role_masks(
-            rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T)
-        )  # [N,T] over the sequence (a prefix)
+        # [N,T] over the sequence (a prefix)
+        perc, reas = self._role_masks(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T))
         perc, reas = perc & mask.reshape(B * G, T), reas & mask.reshape(B * G, T)  # [N,T] loss tokens of valid rows
         logp = rollout.logp_old.reshape(B * G, T).double()  # [N,T]
         d = logp - rollout.extras[CORRUPT.key].reshape(B * G, T).double()  # [N,T]
         c = logp - rollout.extras[ABLATE.key].reshape(B * G, T).double()  # [N,T]
-        w = srpo_token_weights(d, c, perc, reas, self.kappa, self.clip, self.role_norm, self.eps).reshape(
-            B, G, T
-        )  # [B,G,T]
+        # [B,G,T]
+        w = srpo_token_weights(d, c, perc, reas, self.kappa, self.clip, self.role_norm, self.eps).reshape(B, G, T)
         weight = torch.where(mask, w, torch.zeros_like(w)).float()  # [B,G,T]
         p_ok, r_ok = (perc & torch.isfinite(d)).reshape(B, G, T), (reas & torch.isfinite(c)).reshape(B, G, T)  # [B,G,T]
         n = max(int(mask.sum()), 1)
