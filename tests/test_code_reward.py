@@ -223,8 +223,8 @@ def test_fails_closed_without_bwrap(monkeypatch):
 def test_fails_closed_when_bwrap_cannot_create_namespaces(tmp_path):
     fake = tmp_path / "bwrap"
     fake.write_text(
-        '#!/bin/sh\nif [ "$1" = --help ]; then echo "--unshare-all --size --disable-userns --block-fd --info-fd"; exit 0; fi\n'
-        'echo "bwrap: No permissions to creating new namespace" >&2\nexit 1\n'
+        '#!/bin/sh\nif [ "$1" = --help ]; then echo "--unshare-all --size --disable-userns --block-fd '
+        '--info-fd"; exit 0; fi\necho "bwrap: No permissions to creating new namespace" >&2\nexit 1\n'
     )
     fake.chmod(0o755)
     with pytest.raises(SandboxUnavailable, match="No permissions to creating new namespace"):
@@ -275,7 +275,10 @@ def test_all_or_nothing_and_column_name():
 
 @needs_bwrap
 def test_value_comparison_is_strict(reward):
-    code = "def f(k):\n    return {'int': 4, 'float': 4.0, 'bool': True, 'tuple': (1, 2), 'list': [1, 2], 'set': {3, 1}, 'nan': float('nan'), 'big': 7**3000}[k]\n"
+    code = (
+        "def f(k):\n    return {'int': 4, 'float': 4.0, 'bool': True, 'tuple': (1, "
+        "2), 'list': [1, 2], 'set': {3, 1}, 'nan': float('nan'), 'big': 7**3000}[k]\n"
+    )
     tests = [
         {"call": "f('int')", "expected": "4"},
         {"call": "f('float')", "expected": "4"},
@@ -524,7 +527,8 @@ def test_memory_bomb_hits_address_space_limit():
     assert (
         observe(
             r,
-            "def probe():\n    try:\n        bytearray(1 << 30)\n    except MemoryError:\n        return 'MemoryError'\n",
+            "def probe():\n    try:\n        bytearray(1 << 30)\n  "
+            "  except MemoryError:\n        return 'MemoryError'\n",
         )
         == "MemoryError"
     )
@@ -537,7 +541,8 @@ def test_output_flood_capped():
     floods = {
         "stdout": "while True:\n    print('x' * 100000)\n",
         "stderr": "import sys\nwhile True:\n    sys.stderr.write('y' * 100000)\n",
-        "result": "import os, sys\nfd = sys._getframe(1).f_locals['res_fd']\nwhile True:\n    os.write(fd, b'z' * 100000)\n",
+        "result": "import os, sys\nfd = sys._getframe(1).f_locals['res_fd']\nwhile "
+        "True:\n    os.write(fd, b'z' * 100000)\n",
     }
     t0 = time.monotonic()
     for name, code in floods.items():
@@ -750,13 +755,17 @@ def test_inode_flood_teardown_stays_inside_the_bound(inode_cap, cgroup, teardown
         pytest.skip("no inode cap here (not root)")
     if not inode_cap and cgroup == "auto" and not r._sandbox.features()["memory_cgroup"]:
         pytest.skip("no memory cgroup here")
-    flood = "import os\nn = 0\nwhile True:\n    try:\n        open(f'/tmp/{n}', 'w').close()\n    except OSError:\n        pass\n    n += 1\n"
+    flood = (
+        "import os\nn = 0\nwhile True:\n    try:\n        open(f'/tmp/{n}', "
+        "'w').close()\n    except OSError:\n        pass\n    n += 1\n"
+    )
     t0 = time.monotonic()
     res = r._run_case(flood, Case("stdio", stdout="x"))
     elapsed = time.monotonic() - t0
     teardown = elapsed - res.startup_s - res.run_s  # from the kill decision to the namespace being empty
     print(
-        f"\ninode flood (cap {inode_cap}, cgroup {cgroup}): {elapsed:.2f} s, CPU {res.cpu_s:.2f} s, teardown {teardown:.3f} s, oom {res.oom_kills}"
+        f"\ninode flood (cap {inode_cap}, cgroup {cgroup}): {elapsed:.2f} s, "
+        f"CPU {res.cpu_s:.2f} s, teardown {teardown:.3f} s, oom {res.oom_kills}"
     )
     assert res.timed_out or res.oom_kills >= 1
     assert teardown < teardown_max, teardown
@@ -804,7 +813,8 @@ def _bomb_beside_correct(cgroup: str) -> tuple[list, float, Code]:
 def test_cpu_bomb_does_not_change_a_neighbours_verdict(cgroup):
     if os.getloadavg()[0] > (os.cpu_count() or 1):  # the neighbour's 0.4 s of CPU must fit its 2 s of wall time
         pytest.skip(
-            f"machine busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): other jobs, not the bomb, would starve the neighbour"
+            f"machine busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
+            "cores): other jobs, not the bomb, would starve the neighbour"
         )
     out, elapsed, r = _bomb_beside_correct(cgroup)
     assert out == [0.0, 1.0]  # the bomb scores 0, the slow correct neighbour still passes
@@ -1009,8 +1019,8 @@ def test_forgeries_earn_nothing(reward):
     codes = [textwrap.dedent(FORGERIES[n]) for n in names_]
     # control: the same harness-tampering preamble with a CORRECT function still passes
     control = (
-        "import builtins, json\nbuiltins.print = lambda *a, **k: None\njson.dumps = None\nbuiltins.repr = lambda x: 'nope'\n"
-        + ADD
+        "import builtins, json\nbuiltins.print = lambda *a, **k: "
+        "None\njson.dumps = None\nbuiltins.repr = lambda x: 'nope'\n" + ADD
     )
     out = reward(
         [""] * (len(codes) + 1), codes + [control], tests=[[{"call": "add(1, 2)", "expected": "3"}]] * (len(codes) + 1)

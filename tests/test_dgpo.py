@@ -221,8 +221,8 @@ def test_reverse_builder_by_hand():
     q_rev, a_rev = make_reverse_question("Tom has 3 apples and buys 4. How many?", 7)
     assert a_rev == "3"
     assert (
-        q_rev
-        == "Tom has X apples and buys 4. How many? If we know the answer to the above question is 7, what is the value of unknown variable X?"
+        q_rev == "Tom has X apples and buys 4. How many? If we know the answer to "
+        "the above question is 7, what is the value of unknown variable X?"
     )
     assert make_reverse_question("Tom has 3 apples and buys 4. How many?", 7, which=1)[1] == "4"
     assert make_reverse_question("37+45=", "82", 0, COMPACT_TEMPLATE) == ("X+45=82;X=", "37")

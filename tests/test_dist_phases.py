@@ -41,7 +41,8 @@ CASES = {
     "streampro": ["phases=[]", SGD],
     "signal_reshaping": [SGD],
     "e2po": [
-        'phases=[{name="e2po_perturbations", conditions=4, steps=3, lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]',
+        'phases=[{name="e2po_perturbations", conditions=4, steps=3, '
+        "lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]",
         "data.train_size=8",
         SGD,
     ],

@@ -277,7 +277,8 @@ def test_trl_parity_kl_term(loss_type, agg, level, bias_correction):
     d_loss, d_grad = (loss - trl_loss).abs().item(), (grad - trl_grad).abs().max().item()
     d_kl = abs(obj.pop_stats()["kl"] - trl_metrics["kl"][-1])
     print(
-        f"TRL parity kl {loss_type}/{level} bias_correction={bias_correction}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e}, kl stat {d_kl:.2e}"
+        f"TRL parity kl {loss_type}/{level} bias_correction={bias_correction}: "
+        f"max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e}, kl stat {d_kl:.2e}"
     )
     assert d_loss < 1e-6 and d_grad < 1e-7 and d_kl < 1e-6
     # guard: the KL part matters, and the correction changes it (off-policy ratio ≠ 1)

@@ -255,8 +255,8 @@ def test_trains_two_steps_with(tmp_path, objective):
     from helpers import train_recorded
 
     rewards = (
-        'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", tags=["<r>", "</r>"], label="compute"},'
-        ' {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
+        'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", '
+        'tags=["<r>", "</r>"], label="compute"}, {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
     )
     rows, seen = train_recorded(
         tmp_path,

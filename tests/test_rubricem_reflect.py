@@ -219,8 +219,8 @@ def test_untrained_reflections_and_config_errors():
 
 # ---------------------------------------------------------------------------------------------- through the trainer
 REWARDS = (
-    'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", tags=["<r>", "</r>"], label="compute"},'
-    ' {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
+    'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", '
+    'tags=["<r>", "</r>"], label="compute"}, {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
 )
 RUN = [
     'data.task="evidence"',

@@ -321,8 +321,9 @@ class Trainer:
         named = {key: c for key, c in self.named_components().items() if hasattr(c, "state_dict")}
         if sorted(named) != sorted(state["components"]):
             raise ConfigError(
-                f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
-                f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=..."
+                f"the checkpoint holds the states of components {sorted(state['components'])}, "
+                f"this configuration builds {sorted(named)}; resume with the components the "
+                "run started with, or train into a new folder with out=..."
             )
         for key, component in named.items():
             component.load_state_dict(state["components"][key])
@@ -343,7 +344,8 @@ class Trainer:
             self.prompt_stats.load_state_dict(state["prompt_stats"])
         if sorted(state.get("roles", {})) != sorted(r.name for r in self.roles):
             raise ConfigError(
-                f"the checkpoint holds roles {sorted(state.get('roles', {}))}, this configuration builds {[r.name for r in self.roles]}"
+                f"the checkpoint holds roles {sorted(state.get('roles', {}))}, "
+                f"this configuration builds {[r.name for r in self.roles]}"
             )
         for role in self.roles:
             saved = state["roles"][role.name]

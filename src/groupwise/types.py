@@ -195,7 +195,8 @@ class Rollout:
     def set_flag(self, name: str, value: Tensor) -> None:
         if tuple(value.shape) != tuple(self.actions.shape[:2]) or value.dtype != torch.bool:
             raise ValueError(
-                f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} bool tensor, got {tuple(value.shape)} {value.dtype}"
+                f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} "
+                f"bool tensor, got {tuple(value.shape)} {value.dtype}"
             )
         self.row_flags[name] = value
 

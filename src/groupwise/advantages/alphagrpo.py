@@ -156,8 +156,8 @@ class AlphaGRPOAdvantage:
         if self.rollout_extras:
             if self.stage1 not in rollout.extras:
                 raise ValueError(
-                    f"alphagrpo: fpr / baseline={self.baseline!r} read the extra {self.stage1!r} (the stage-1 reward per "
-                    f"group), which this rollout lacks; a reflection rollout collects it"
+                    f"alphagrpo: fpr / baseline={self.baseline!r} read the extra {self.stage1!r} (the "
+                    "stage-1 reward per group), which this rollout lacks; a reflection rollout collects it"
                 )
             s = rollout.extras[self.stage1].double().reshape(B, -1).expand(B, G)  # [B,G]
         if self.fpr:

@@ -125,7 +125,8 @@ class RubricEMAdvantage:
     def __post_init__(self) -> None:
         if isinstance(self.stage_tags, str) or not self.stage_tags:
             raise ConfigError(
-                f"advantage rubricem: stage_tags must be a non-empty list of [open, close] pairs, got {self.stage_tags!r}"
+                "advantage rubricem: stage_tags must be a non-empty "
+                f"list of [open, close] pairs, got {self.stage_tags!r}"
             )
         for k, tags in enumerate(self.stage_tags):
             check_tags(tags, f"advantage rubricem: stage_tags[{k}]", need_open=True)
@@ -134,7 +135,8 @@ class RubricEMAdvantage:
             len(self.stage_parts) != K or not all(isinstance(c, int) and c >= 0 for c in self.stage_parts)
         ):
             raise ConfigError(
-                f"advantage rubricem: stage_parts={self.stage_parts!r} must list one reward column index (>= 0) per stage ({K}), or be [] for 0..{K - 1}"
+                f"advantage rubricem: stage_parts={self.stage_parts!r} must list one "
+                f"reward column index (>= 0) per stage ({K}), or be [] for 0..{K - 1}"
             )
         if not 0.0 <= self.mix_final <= 1.0:
             raise ConfigError(f"advantage rubricem: mix_final={self.mix_final} must be in [0, 1]")
@@ -164,8 +166,8 @@ class RubricEMAdvantage:
             have = rollout.reward_parts.shape[-1]
             if max(cols) >= have:
                 raise ValueError(
-                    f"advantage rubricem: stage_parts {cols} need reward column {max(cols)}, but the run has {have} rewards; "
-                    f"list one reward per stage (reward stage_rubric) in the order of stage_tags"
+                    f"advantage rubricem: stage_parts {cols} need reward column {max(cols)}, but the run has "
+                    f"{have} rewards; list one reward per stage (reward stage_rubric) in the order of stage_tags"
                 )
             scores = rollout.reward_parts[..., cols].double()  # [B,G,K]
         return scores, valid[..., None] & torch.isfinite(scores)  # [B,G,K]
@@ -173,7 +175,8 @@ class RubricEMAdvantage:
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if self._token_text is None:
             raise ValueError(
-                "advantage rubricem has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+                "advantage rubricem has no vocabulary: it needs a text "
+                "policy (the trainer calls use_vocabulary at build)"
             )
         B, G, T = rollout.shape
         K = len(self.stage_tags)

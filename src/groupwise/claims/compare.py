@@ -415,7 +415,8 @@ def compare(
             )
         else:
             console.print(
-                f"{tag}: [red]FAILED[/] (exit {record.get('returncode')}): {escape(record['error'])} · log {folder / 'train.log'}",
+                f"{tag}: [red]FAILED[/] (exit {record.get('returncode')}): "
+                f"{escape(record['error'])} · log {folder / 'train.log'}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -509,7 +510,8 @@ def compare_markdown(result: dict) -> str:
         for r in c["runs"]:
             if r["status"] != "ok":
                 lines.append(
-                    f"| {c['label']} | {r['seed']} | FAILED (exit {r.get('returncode')}): {r['error']} | | | | | | `{r['folder']}` |"
+                    f"| {c['label']} | {r['seed']} | FAILED (exit "
+                    f"{r.get('returncode')}): {r['error']} | | | | | | `{r['folder']}` |"
                 )
                 continue
             m = r["metrics"]
@@ -525,6 +527,7 @@ def compare_markdown(result: dict) -> str:
                 + (f", **{r['short']}**" if r.get("short") else "")
             )
             lines.append(
-                f"| {c['label']} | {r['seed']} | {status} | {_fmt(m['accuracy_before'])} | {_fmt(m['final_accuracy'])} | {hit} | {_fmt(m['reward_area'])} | {wall} | `{r['folder']}` |"
+                f"| {c['label']} | {r['seed']} | {status} | {_fmt(m['accuracy_before'])} | "
+                f"{_fmt(m['final_accuracy'])} | {hit} | {_fmt(m['reward_area'])} | {wall} | `{r['folder']}` |"
             )
     return "\n".join(lines) + "\n"

@@ -148,7 +148,8 @@ class DGPO:
             raise ValueError(f"dgpo: beta must be > 0 (the score's scale, spec default 1), got {self.beta}")
         if not self.gamma >= 0 or not self.lam_var >= 0:
             raise ValueError(
-                f"dgpo: gamma and lam_var must be >= 0 (spec defaults 0.2 and 1), got gamma={self.gamma}, lam_var={self.lam_var}"
+                "dgpo: gamma and lam_var must be >= 0 (spec defaults 0.2 "
+                f"and 1), got gamma={self.gamma}, lam_var={self.lam_var}"
             )
         if self.score not in SCORES:
             raise ValueError(f"dgpo: score must be one of {', '.join(SCORES)}, got {self.score!r}")

@@ -141,8 +141,8 @@ class FlowTrapReward:
             or self.near + self.far <= 2 * self.radius
         ):
             raise ValueError(
-                f"flow_trap: need radius > 0 ({self.radius}), near, far >= 0 ({self.near}, {self.far}), 0 <= near_reward < 1 "
-                f"({self.near_reward}) and disjoint regions (near + far > 2·radius)"
+                f"flow_trap: need radius > 0 ({self.radius}), near, far >= 0 ({self.near}, {self.far}), "
+                f"0 <= near_reward < 1 ({self.near_reward}) and disjoint regions (near + far > 2·radius)"
             )
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:

@@ -152,7 +152,8 @@ class E2POPerturbations:
     def __post_init__(self) -> None:
         if self.conditions < 2:
             raise ConfigError(
-                f"phase e2po_perturbations: conditions={self.conditions} must be >= 2 (the original prompt plus at least one perturbation)"
+                f"phase e2po_perturbations: conditions={self.conditions} must "
+                "be >= 2 (the original prompt plus at least one perturbation)"
             )
         for key in ("steps", "chunk"):
             if getattr(self, key) < 1:
@@ -166,8 +167,9 @@ class E2POPerturbations:
             or self.lr <= 0
         ):
             raise ConfigError(
-                f"phase e2po_perturbations: need rows >= 0 (got {self.rows}), lam_div >= 0 ({self.lam_div}), eps >= 0 ({self.eps}), "
-                f"mu in [-1, 1] ({self.mu}), sigma_init > 0 ({self.sigma_init}), lr > 0 ({self.lr})"
+                f"phase e2po_perturbations: need rows >= 0 (got {self.rows}), lam_div "
+                f">= 0 ({self.lam_div}), eps >= 0 ({self.eps}), mu in [-1, 1] "
+                f"({self.mu}), sigma_init > 0 ({self.sigma_init}), lr > 0 ({self.lr})"
             )
         if self.pool not in ("last", "mean"):
             raise ConfigError(f"phase e2po_perturbations: pool={self.pool!r} must be 'last' or 'mean'")
@@ -186,7 +188,8 @@ class E2POPerturbations:
                 content = [[j for j, t in enumerate(p) if t not in special] for p in prompts]
                 if any(not c for c in content):
                     raise ConfigError(
-                        f"phase e2po_perturbations: train row {idx[[bool(c) for c in content].index(False)]} has no content tokens to perturb"
+                        "phase e2po_perturbations: train row "
+                        f"{idx[[bool(c) for c in content].index(False)]} has no content tokens to perturb"
                     )
                 S, L = max(len(p) for p in prompts), max(len(c) for c in content)
                 ids = torch.zeros(len(idx), S, dtype=torch.long)  # [N,S] left-padded
@@ -233,8 +236,8 @@ class E2POPerturbations:
             "seconds": round(time.perf_counter() - t0, 1),
         }
         ctx.say(
-            f"phase {self.artifact!r}: {n} prompts x {K} perturbations; L_emb {summary['loss']:.3f}, L_div {summary['div']:.3f}, "
-            f"cos to the original {summary['cos_anchor']:.3f} ({summary['seconds']} s)"
+            f"phase {self.artifact!r}: {n} prompts x {K} perturbations; L_emb {summary['loss']:.3f}, L_div "
+            f"{summary['div']:.3f}, cos to the original {summary['cos_anchor']:.3f} ({summary['seconds']} s)"
         )
         return {
             "keys": torch.tensor(keys, dtype=torch.long),

@@ -132,8 +132,9 @@ class PairProbePhase:
             or any(l < 1 for l in self.attn_layers)
         ):
             raise ConfigError(
-                f"phase pair_probe: need C > 0 (got {self.C}), val_fraction in [0, 1) (got {self.val_fraction}), a non-empty "
-                f"actions list (got {list(self.actions)}), hidden_layer >= 0 and attn_layers >= 1 (got {self.hidden_layer}, {list(self.attn_layers)})"
+                f"phase pair_probe: need C > 0 (got {self.C}), val_fraction in [0, 1) (got "
+                f"{self.val_fraction}), a non-empty actions list (got {list(self.actions)}), hidden_layer "
+                f">= 0 and attn_layers >= 1 (got {self.hidden_layer}, {list(self.attn_layers)})"
             )
 
     def __call__(self, ctx: PhaseContext) -> dict:
@@ -184,7 +185,8 @@ class PairProbePhase:
                 )
                 if len(spans) != len(labels):
                     raise RuntimeError(
-                        f"phase {self.artifact}: episode {b}/{g} has {len(labels)} actions but {len(spans)} turns in its transcript"
+                        f"phase {self.artifact}: episode {b}/{g} has {len(labels)} "
+                        f"actions but {len(spans)} turns in its transcript"
                     )
                 H.append(h)
                 A.append(a)
@@ -213,8 +215,8 @@ class PairProbePhase:
             )
         summary["seconds"] = round(time.perf_counter() - t0, 1)
         ctx.say(
-            f"phase {self.artifact!r}: {summary['turns']} turns ({summary['positive_share']:.2f} clean); held-out AUROC "
-            f"s_bc {summary['val_auroc_bc']:.3f}, s_final {summary['val_auroc_final']:.3f}"
+            f"phase {self.artifact!r}: {summary['turns']} turns ({summary['positive_share']:.2f} clean); "
+            f"held-out AUROC s_bc {summary['val_auroc_bc']:.3f}, s_final {summary['val_auroc_final']:.3f}"
         )
         return {
             "probe": probe.state(),

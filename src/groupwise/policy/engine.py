@@ -370,7 +370,8 @@ class CPUEngine:
         kinds = hook_kinds(hooks or [])
         if kinds - self.hooks:
             raise ValueError(
-                f"generation hooks {sorted(kinds - self.hooks)} cannot be applied by this engine (it applies {sorted(self.hooks)})"
+                f"generation hooks {sorted(kinds - self.hooks)} cannot be "
+                f"applied by this engine (it applies {sorted(self.hooks)})"
             )
         state = self._new_state(kinds)
         # no dropout in the functional maths: no train/eval switch (~1 ms per module tree walk)

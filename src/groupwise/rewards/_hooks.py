@@ -97,11 +97,13 @@ class Recorder:
         values = values.tolist() if hasattr(values, "tolist") else values
         if not isinstance(values, (list, tuple)):
             self._fail(
-                f"log_extra({column!r}, values) needs a list of {self.n} values (one per completion), got a {type(values).__name__}"
+                f"log_extra({column!r}, values) needs a list of {self.n} "
+                f"values (one per completion), got a {type(values).__name__}"
             )
         if len(values) != self.n:
             self._fail(
-                f"log_extra({column!r}, values) got {len(values)} values for {self.n} completions (expected {self.n}, got {len(values)})"
+                f"log_extra({column!r}, values) got {len(values)} values for "
+                f"{self.n} completions (expected {self.n}, got {len(values)})"
             )
         self.extra[column] = list(values)
 

@@ -120,7 +120,8 @@ class Domain:
         bad = [k for k in keys if k not in self.attributes]
         if bad:
             raise RewardError(
-                f"reward 'dv_reward': unknown attribute {bad} for domain {self.name!r}; known: {', '.join(self.attributes)}"
+                f"reward 'dv_reward': unknown attribute {bad} for domain "
+                f"{self.name!r}; known: {', '.join(self.attributes)}"
             )
         return keys
 

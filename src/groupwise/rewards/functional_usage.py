@@ -79,7 +79,8 @@ class FunctionalUsage:
             not isinstance(self.max_count, int) or self.max_count < max(self.min_count, 1)
         ):
             raise ConfigError(
-                f"reward functional_usage: max_count must be None or an int >= max(min_count, 1), got {self.max_count!r}"
+                "reward functional_usage: max_count must be None or "
+                f"an int >= max(min_count, 1), got {self.max_count!r}"
             )
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[Any], **columns: Any) -> list[float | None]:

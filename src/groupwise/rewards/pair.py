@@ -141,8 +141,9 @@ class PairReward:
             or len(set(self.attn_layers)) != len(self.attn_layers)
         ):
             raise ConfigError(
-                f"reward pair: hidden_layer must be >= 0 (got {self.hidden_layer}) and attn_layers distinct layers >= 1 "
-                f"(got {list(self.attn_layers)}); use the model's, e.g. hidden_layer=4, attn_layers=[1, 2, 3, 4]"
+                f"reward pair: hidden_layer must be >= 0 (got {self.hidden_layer}) and "
+                f"attn_layers distinct layers >= 1 (got {list(self.attn_layers)}); use "
+                "the model's, e.g. hidden_layer=4, attn_layers=[1, 2, 3, 4]"
             )
         self._probe: PairProbe | None = None
         self._stats: dict[str, float] = {}
@@ -159,8 +160,9 @@ class PairReward:
         made = (int(value["hidden_layer"]), tuple(int(l) for l in value["attn_layers"]))
         if made != (self.hidden_layer, self.attn_layers):
             raise ConfigError(
-                f"reward pair: the probe {name!r} was fitted on hidden_at({made[0]}) and attn_at{list(made[1])}, but the reward reads "
-                f"hidden_at({self.hidden_layer}) and attn_at{list(self.attn_layers)}; give both the same hidden_layer and attn_layers"
+                f"reward pair: the probe {name!r} was fitted on hidden_at({made[0]}) and "
+                f"attn_at{list(made[1])}, but the reward reads hidden_at({self.hidden_layer}) and "
+                f"attn_at{list(self.attn_layers)}; give both the same hidden_layer and attn_layers"
             )
         self._probe = PairProbe.from_state(value["probe"])
         self._probe.temperature, self._probe.eps = self.temperature, self.eps

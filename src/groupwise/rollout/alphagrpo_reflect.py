@@ -117,7 +117,8 @@ class AlphaGRPOReflect:
             )
         if self.train_first and self.initial < 2:
             raise ConfigError(
-                f"rollout alphagrpo_reflect: train_first needs initial >= 2 (a group of one attempt has no advantage); got initial={self.initial}"
+                "rollout alphagrpo_reflect: train_first needs initial >= 2 (a "
+                f"group of one attempt has no advantage); got initial={self.initial}"
             )
         if self.select not in SELECTS:
             raise ConfigError(f"rollout alphagrpo_reflect: select={self.select!r}; use one of {', '.join(SELECTS)}")

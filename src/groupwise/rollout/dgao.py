@@ -142,7 +142,8 @@ class DGAOOrders:
     def __post_init__(self) -> None:
         if self.num_orders < 0 or self.rows_per_order < 1:
             raise ConfigError(
-                f"rollout dgao: num_orders={self.num_orders} must be >= 0 (0 = rollout.group_size) and rows_per_order={self.rows_per_order} >= 1"
+                f"rollout dgao: num_orders={self.num_orders} must be >= 0 (0 = "
+                f"rollout.group_size) and rows_per_order={self.rows_per_order} >= 1"
             )
 
     @property

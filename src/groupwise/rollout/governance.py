@@ -112,7 +112,8 @@ class GovernedEpisodes(Episodes):
             raise ConfigError(f"rollout governed_episodes: max_resample must be an int >= 0, got {self.max_resample!r}")
         if not (isinstance(self.min_valid, int) and self.min_valid >= 1):
             raise ConfigError(
-                f"rollout governed_episodes: min_valid must be an int >= 1 (2: a group needs two rollouts to compare), got {self.min_valid!r}"
+                "rollout governed_episodes: min_valid must be an int >= 1 (2: "
+                f"a group needs two rollouts to compare), got {self.min_valid!r}"
             )
 
     def __call__(self, ctx) -> Rollout:

@@ -170,7 +170,8 @@ class RubricEMReflect:
             raise ConfigError(f"rollout rubricem_reflect: approve={self.approve!r}; use one of {APPROVALS}")
         if not isinstance(self.retrieve, int) or self.retrieve < 0:
             raise ConfigError(
-                f"rollout rubricem_reflect: retrieve={self.retrieve!r} must be an int >= 0 (0: the bank stays out of prompts)"
+                f"rollout rubricem_reflect: retrieve={self.retrieve!r} "
+                "must be an int >= 0 (0: the bank stays out of prompts)"
             )
         if not 0.0 <= self.retrieve_share <= 1.0:
             raise ConfigError(f"rollout rubricem_reflect: retrieve_share={self.retrieve_share} must be in [0, 1]")
@@ -203,8 +204,9 @@ class RubricEMReflect:
                 return ids
             if not piece:
                 raise ConfigError(
-                    f"rollout rubricem_reflect: {where} does not fit the model's context even without it "
-                    f"({len(ids)} tokens + rollout.max_new_tokens={ctx.sampling['max_new_tokens']} > {ctx.policy.context})"
+                    f"rollout rubricem_reflect: {where} does not fit the model's context even "
+                    f"without it ({len(ids)} tokens + "
+                    f"rollout.max_new_tokens={ctx.sampling['max_new_tokens']} > {ctx.policy.context})"
                 )
             piece = piece[: max(0, len(piece) - max(1, (len(ids) - room)))]
 
@@ -213,8 +215,8 @@ class RubricEMReflect:
         prompt = ctx.meta(key)["prompt"]
         if list(ctx.policy.encode(prompt)) != list(ctx.prompt(key)):
             raise ConfigError(
-                "rollout rubricem_reflect builds contexts from the rows' prompt column, but the trainer's prompts differ "
-                "(data.system_prompt?); drop data.system_prompt for this strategy"
+                "rollout rubricem_reflect builds contexts from the rows' prompt column, but the trainer's "
+                "prompts differ (data.system_prompt?); drop data.system_prompt for this strategy"
             )
         return self._fit(ctx, lambda h: with_hint(prompt, h, self.context_template), hint, f"the hint for row {key}")
 

@@ -621,9 +621,10 @@ class Sandbox:
         interpreter that such a uid may execute."""
         if not self.root:
             raise SandboxUnavailable(
-                f"unsafe_local=True runs each candidate as a fresh unprivileged uid, which needs root; as uid {os.geteuid()} "
-                "the candidates would run as you, with your files (the dataset and its expected answers) and your processes "
-                "within reach, so it is refused. Install bubblewrap instead (see docs/sandbox.md), or run as root."
+                "unsafe_local=True runs each candidate as a fresh unprivileged uid, which needs "
+                f"root; as uid {os.geteuid()} the candidates would run as you, with your files "
+                "(the dataset and its expected answers) and your processes within reach, so it "
+                "is refused. Install bubblewrap instead (see docs/sandbox.md), or run as root."
             )
         try:
             subprocess.run(

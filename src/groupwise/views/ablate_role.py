@@ -113,7 +113,8 @@ class AblateRole:
     def apply(self, rollout: Rollout, encode: Callable[[Any], list[int]]) -> Remapped:
         if self._token_text is None:
             raise ValueError(
-                "view ablate_role has no vocabulary: it needs a text policy (the trainer calls use_vocabulary when it builds the view)"
+                "view ablate_role has no vocabulary: it needs a text policy "
+                "(the trainer calls use_vocabulary when it builds the view)"
             )
         B, G, T = rollout.shape
         seg = segment_ids(

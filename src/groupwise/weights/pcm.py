@@ -173,7 +173,8 @@ class PCM:
             raise ValueError(f"pcm: need budget, chunk_size, num_phases, refresh >= 1 and 0 <= p_min <= 1; got {self}")
         if self.phase_by not in ("index", "relative") or self.scope not in ("token", "loss"):
             raise ValueError(
-                f"pcm: phase_by must be 'index' or 'relative' and scope 'token' or 'loss'; got {self.phase_by!r}, {self.scope!r}"
+                "pcm: phase_by must be 'index' or 'relative' and scope "
+                f"'token' or 'loss'; got {self.phase_by!r}, {self.scope!r}"
             )
         self._buffers: list[list[float]] = [[] for _ in range(self.num_phases)]
         self._cbar = [float("nan")] * self.num_phases

@@ -109,7 +109,8 @@ class RewardConfig:
         for name in ("c_sil", "c_fa", "lambda_time", "c_miss"):
             if getattr(self, name) < 0:
                 raise ConfigError(
-                    f"streampro reward: {name}={getattr(self, name)} must be >= 0 (it is a bonus or penalty size; 0 turns it off)"
+                    f"streampro reward: {name}={getattr(self, name)} must be "
+                    ">= 0 (it is a bonus or penalty size; 0 turns it off)"
                 )
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(

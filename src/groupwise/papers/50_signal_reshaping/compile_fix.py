@@ -211,7 +211,8 @@ def _rows(split: str, n: int, seed: int = 0) -> list[dict]:
 register_task(
     Task(
         "compile_fix",
-        "multi-turn code repair: fill the slot of 'a+b=' (compile + semantic check in the sandbox), up to 8 steps; reward env_return",
+        "multi-turn code repair: fill the slot of 'a+b=' (compile + "
+        "semantic check in the sandbox), up to 8 steps; reward env_return",
         _rows,
         reward="env_return",
     )
