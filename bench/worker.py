@@ -161,7 +161,8 @@ def trl_config(
         # objective
         loss_type=loss,
         beta=beta,
-        use_bias_correction_kl=False,  # TRL 1.16 default True multiplies the KL by the ratio; groupwise's k3 term does not
+        # TRL 1.16 default True multiplies the KL by the ratio; groupwise's k3 term does not
+        use_bias_correction_kl=False,
         epsilon=epsilon,
         epsilon_high=epsilon,
         scale_rewards="group",

@@ -601,7 +601,7 @@ def test_ctypes_cannot_touch_host(reward):
         canary.wait()
 
 
-# ----------------------------------------------------------------------------- kernel surfaces, shared memory, inodes, neighbours
+# ------------------------------------------------------------------- kernel surfaces, shared memory, inodes, neighbours
 
 
 @needs_bwrap

@@ -128,7 +128,7 @@ def test_plus_forms_zero_at_equal_and_finite_on_padding():
         assert logp.grad[0, 0, 2].item() == 0.0 and torch.isfinite(logp.grad).all(), name
 
 
-# ---------------------------------------------------------------------------------------------- KL term, bias correction
+# --------------------------------------------------------------------------------------------- KL term, bias correction
 def _two_tokens():
     # logp = [−1, −1], logp_old = [−1.2, −0.9] → ratio [e^0.2, e^−0.1] = [1.221403, 0.904837]
     # logp_ref = [−1.5, −0.5] → d = [−0.5, +0.5], k3 = [0.106531, 0.148721]

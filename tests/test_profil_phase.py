@@ -177,7 +177,8 @@ def test_a_run_with_sft_and_probe_phases_saves_and_injects_the_probe(tmp_path):
     from test_trainer import make_trainer
 
     phases = (
-        'phases=[{name="sft", steps=2, batch_size=8}, {name="profil_probe", prompts=6, samples=2, steps=5, marker="#", sep=";", '
+        'phases=[{name="sft", steps=2, batch_size=8}, {name="profil_probe", '
+        'prompts=6, samples=2, steps=5, marker="#", sep=";", '
         "max_new_tokens=28, forced_tokens=3}]"
     )
     trainer = make_trainer(

@@ -97,7 +97,7 @@ def test_concat_pads_the_row_axis_with_invalid_rows():
     assert out.ctx[1] == [[1], [2], []]
 
 
-# ---------------------------------------------------------------------------------------------- behav_ctx, row_flags, segments
+# --------------------------------------------------------------------------------------- behav_ctx, row_flags, segments
 def _with_row_fields(B: int, G: int, T: int, seed: int, S: int = 2):
     """A hand-built batch carrying every row-context field: row g of group b sampled under [100 + b, g] when g is odd,
     flag injected on those rows, segment g // 2 of every token of the mask, a segment extra (b, g, s) -> 100b + 10g + s."""

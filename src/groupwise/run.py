@@ -184,7 +184,8 @@ class Run:
         log = MetricsLog(self.out / "metrics.jsonl", step - 1 if step else None) if self.rank == 0 else None
         if self.rank == 0:
             cut_back(self.out / "samples.jsonl", step - 1 if step else None)
-        # TensorBoard / wandb / trackio (rank 0): the resumed steps replace what a killed run logged after its checkpoint
+        # TensorBoard / wandb / trackio (rank 0):
+        # the resumed steps replace what a killed run logged after its checkpoint
         trackers = (
             tracking.open_trackers(self.cfg.log.backends, self.out, step, to_dict(self.cfg))
             if self.rank == 0

@@ -93,7 +93,7 @@ class Trainer:
         start, stop = dist.shard_bounds(batch.shape[0])
         return batch.select(list(range(start, stop)))
 
-    # ------------------------------------------------------------------ stage 1–3: collect the step's whole scored batch
+    # ----------------------------------------------------------------- stage 1–3: collect the step's whole scored batch
     def collect(self) -> Rollout:
         """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
         ro = self.cfg.rollout
@@ -277,7 +277,10 @@ class Trainer:
         """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
         named: dict[str, Any] = {}
         for component in self.components():
-            key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
+            key = (
+                f"{getattr(component, 'stage', type(component).__module__)}."
+                f"{getattr(component, 'registry_name', type(component).__name__)}"
+            )
             k, n = key, 1
             while k in named:
                 n += 1

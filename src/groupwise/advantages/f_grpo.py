@@ -113,7 +113,8 @@ class FGRPO:
         K = parts.shape[-1]
         if max(self.gen_part, self.rank_part) >= K:
             raise ConfigError(
-                f"advantage f_grpo: gen_part={self.gen_part}, rank_part={self.rank_part} but the rollout has {K} reward columns "
+                f"advantage f_grpo: gen_part={self.gen_part}, "
+                f"rank_part={self.rank_part} but the rollout has {K} reward columns "
                 f'(one per entry of `rewards`, in order); e.g. rewards = ["recall_at_k", "ndcg_at_k"]'
             )
         return parts[..., self.gen_part].double(), parts[..., self.rank_part].double()  # [B,G], [B,G]

@@ -257,7 +257,8 @@ class FlowPolicy:
         """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``; None ×4 for the label form)."""
         if any(r.hook is not None for r in requests) and self.encoder is None:
             raise ValueError(
-                'FlowPolicy.generate: a generation hook needs the embedding condition (model.params.condition = "embedding"); '
+                "FlowPolicy.generate: a generation hook needs the embedding "
+                'condition (model.params.condition = "embedding"); '
                 "the label form applies no hooks"
             )
         return (

@@ -103,7 +103,8 @@ def check_artifacts(phases: list[Any], components: list[Any]) -> None:
                     f"{getattr(component, 'registry_name', type(component).__name__)!r}"
                 )
                 raise ConfigError(
-                    f"{who} needs the artifact {name!r}, which no offline phase produces (offline phases: {sorted(made) or 'none'}); "
+                    f"{who} needs the artifact {name!r}, which no offline phase "
+                    f"produces (offline phases: {sorted(made) or 'none'}); "
                     f'add one to `phases`, e.g. phases = [{{name = "...", artifact = "{name}"}}]'
                 )
 

@@ -111,8 +111,10 @@ class DisaLogZ:
             )
         if self.proposal and self.proposal not in ctx.models:
             raise ConfigError(
-                f"phase disa_logz: proposal={self.proposal!r} is not a frozen role (frozen roles: {sorted(ctx.models) or 'none'}); "
-                f'add roles.{self.proposal} = {{frozen = true, model = {{path = "..."}}}} or leave proposal empty (the policy)'
+                f"phase disa_logz: proposal={self.proposal!r} is not a frozen "
+                f"role (frozen roles: {sorted(ctx.models) or 'none'}); "
+                f"add roles.{self.proposal} = {{frozen = true, model = "
+                '{path = "..."}} or leave proposal empty (the policy)'
             )
         q = ctx.models[self.proposal] if self.proposal else policy
         estimator = build_spec("advantage", self.estimator) if self.estimator is not None else None

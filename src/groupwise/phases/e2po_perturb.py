@@ -120,7 +120,8 @@ def prompt_space(policy, pool: str = "last") -> tuple[torch.Tensor, set[int], Ca
     model, tok = getattr(policy, "module", None), getattr(policy, "tokenizer", None)
     if model is None or tok is None:
         raise ConfigError(
-            f"phase e2po_perturbations needs a text policy with a tokenizer or a policy with a prompt encoder (the flow toy with "
+            "phase e2po_perturbations needs a text policy with a tokenizer "
+            "or a policy with a prompt encoder (the flow toy with "
             f'model.params.condition = "embedding"); this one is {getattr(policy, "modality", "?")}'
         )
     return (

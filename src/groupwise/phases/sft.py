@@ -78,7 +78,8 @@ class SFT:
         }
     )
     artifact: str = ""  # the phase's name in the run folder and summary (default "sft")
-    task: str = ""  # train on this built-in task's train rows instead of the run's (a warm start shared by runs on different data)
+    # train on this built-in task's train rows instead of the run's (a warm start shared by runs on different data)
+    task: str = ""
     train_size: int = 0  # with task: that many of its train rows (0 = all)
     # "ce" (token mean) or "cb_stream" (class-balanced decisions, phases/cb_stream.py) [INFERRED] spec 42
     loss: str = "ce"

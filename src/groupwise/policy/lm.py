@@ -204,7 +204,8 @@ class LMPolicy:
 
         if self.context and len(ids) + max_new_tokens > self.context:
             raise ConfigError(
-                f"{where}: prompt of {len(ids)} tokens + rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
+                f"{where}: prompt of {len(ids)} tokens + "
+                f"rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
                 f'{self.context}; lower rollout.max_new_tokens, or set data.on_bad_row="skip" to drop such prompts'
             )
 

@@ -138,8 +138,10 @@ class AlphaGRPOReflect:
                 continue
             if getattr(c, "by", "group") == "prompt" or getattr(c, "baseline", "group") != "group":
                 raise ConfigError(
-                    f"rollout alphagrpo_reflect: train_first puts the first attempts and the refinements of a prompt in two groups; "
-                    f"the estimator {getattr(c, 'registry_name', type(c).__name__)!r} pools by={getattr(c, 'by', None)!r} / "
+                    "rollout alphagrpo_reflect: train_first puts the first "
+                    "attempts and the refinements of a prompt in two groups; "
+                    f"the estimator {getattr(c, 'registry_name', type(c).__name__)!r} "
+                    f"pools by={getattr(c, 'by', None)!r} / "
                     f'baseline={getattr(c, "baseline", None)!r}: use by="group", baseline="group"'
                 )
 

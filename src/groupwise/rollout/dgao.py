@@ -155,7 +155,8 @@ class DGAOOrders:
         elements, template = meta.get(self.elements_column), meta.get(self.template_column)
         if not isinstance(elements, (list, tuple)) or not isinstance(template, str) or SLOT not in template:
             raise ConfigError(
-                f"rollout dgao needs rows with a list column {self.elements_column!r} and a text column {self.template_column!r} "
+                f"rollout dgao needs rows with a list column {self.elements_column!r} "
+                f"and a text column {self.template_column!r} "
                 f'holding {SLOT!r}; row {key} has {sorted(meta)} (e.g. data.task="addition_orders")'
             )
         info = ctx.info(0)

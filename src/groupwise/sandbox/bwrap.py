@@ -641,9 +641,12 @@ class Sandbox:
             )
         except (OSError, subprocess.SubprocessError) as err:
             raise SandboxUnavailable(
-                f"unsafe_local=True: an unprivileged uid cannot run the interpreter {self.python} ({type(err).__name__}; typically a "
-                "directory above it, such as /root, is closed to other users), and candidates are never run as root. Give an "
-                'interpreter every user may execute (the code reward\'s `python` option, e.g. python = "/usr/bin/python3"), '
+                "unsafe_local=True: an unprivileged uid cannot run the "
+                f"interpreter {self.python} ({type(err).__name__}; typically a "
+                "directory above it, such as /root, is closed to other "
+                "users), and candidates are never run as root. Give an "
+                "interpreter every user may execute (the code reward's "
+                '`python` option, e.g. python = "/usr/bin/python3"), '
                 "or install bubblewrap."
             ) from err
 

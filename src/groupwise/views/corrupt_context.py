@@ -122,7 +122,8 @@ class CorruptContext:
                 return edit_user_text(prompt, lambda t: t.replace(passage, other, 1), "corrupt_context view", key)
         if self.on_missing == "raise":
             raise ValueError(
-                f"corrupt_context view: dataset row {key} {why}; give the task a passage column (views.corrupt_context.column) "
+                f"corrupt_context view: dataset row {key} {why}; give the "
+                "task a passage column (views.corrupt_context.column) "
                 f'or set views.corrupt_context.on_missing="keep"'
             )
         return prompt
