@@ -283,6 +283,7 @@ torch.distributed.destroy_process_group()  # no rank exits while the other still
 """
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("measured, dtype", [(["fast", "fast"], "bfloat16"), (["fast", "slow"], "float32")])
 def test_ranks_agree_on_the_products(tmp_path, measured, dtype):
     """Under torchrun every rank runs the same products: bfloat16 only where every rank measured it faster."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -36,6 +37,7 @@ def run(cmd, out):
     )
 
 
+@pytest.mark.dist
 def test_two_ranks_equal_one_process(tmp_path):
     single_row, single = run([sys.executable, "-m", "groupwise"], tmp_path / "one")
     torchrun = [
@@ -56,6 +58,7 @@ def test_two_ranks_equal_one_process(tmp_path):
         torch.testing.assert_close(ddp[name], weight, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.dist
 def test_two_trained_roles_under_two_ranks_equal_one_process(tmp_path):
     """A run with a second trained model (CoDistill's teacher: its own rollouts, rewards, advantage,
     objective and optimiser) over 2 ranks equals one process: both models' weights after one SGD step."""

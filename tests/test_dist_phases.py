@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.dist  # launches torchrun
+
 COMMON = [
     "rollout.prompts_per_step=4",
     "rollout.group_size=4",

@@ -206,6 +206,7 @@ dist.shutdown()
 """
 
 
+@pytest.mark.dist
 def test_under_two_ranks_the_phase_file_is_decided_together_and_rank_0s_artifact_is_everyones(tmp_path):
     """Two failures of a phase under torchrun. (1) A rank that looked for the phase's file after rank
     0 had written it loaded it and skipped the barrier rank 0 waited in: the ranks' collectives

@@ -518,6 +518,7 @@ def test_plugin_run_resumes_bit_for_bit_after_sigkills(tmp_path):
     assert result(killed) == result(straight)
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_plugin_run_on_two_ranks_equals_one_process(tmp_path):
     """torchrun --nproc_per_node 2 (gloo, CPU): every rank imports the plug-ins from the working

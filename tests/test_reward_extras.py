@@ -260,6 +260,7 @@ dist.shutdown()
 """
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_average_metrics_and_gather_extras(tmp_path):
     got = run_two_ranks(DRIVER, tmp_path)

@@ -244,6 +244,7 @@ dist.shutdown()
 """
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_gather_flags_behaviour_contexts_and_segments(tmp_path):
     got = run_two_ranks(GATHER, tmp_path)

@@ -282,6 +282,7 @@ def test_bank_and_weights_resume_exactly(tmp_path):
     assert rows[2]["rubricem_reflect/hinted_groups"] > 0  # the resumed step retrieved from the restored bank
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_hold_the_same_bank_and_train_the_same(tmp_path):
     """torchrun (gloo) over 2 ranks against one process, 2 steps: the same bank in the last checkpoint, the same weights."""

@@ -215,8 +215,8 @@ class Trainer:
                     self._entropy[1] += float(mb.row_mask.sum())
             if take_old:
                 # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
-                mb.logp_old = out["logp"].detach()
-                batch.logp_old[start : start + len(groups)] = mb.logp_old
+                mb.logp_old = logp_old = out["logp"].detach()
+                _present(batch.logp_old)[start : start + len(groups)] = logp_old
             loss = role.objective.loss(mb, out, norms, self.info(), record=first)
             if loss.requires_grad:
                 loss.backward()
@@ -242,7 +242,7 @@ class Trainer:
         # further roles learn from the same rollouts, behaviour = the policy's log-probs
         for role in self.roles if batch.shape[0] else ():
             # [B,G,T]
-            behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)
+            behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(_present(local.logp_old))
             stats = self.update(self._share(roles.view(role, batch, behaviour, self.info())), role)
             row.update({f"{role.name}/{k}": v for k, v in stats.items()})
         row.update(self.coefficients)
@@ -384,7 +384,7 @@ def _rollout_stats(rollout: Rollout) -> dict[str, float]:
 
     valid = dist.all_gather_rows(rollout.group_valid)  # [B,G]
     # [B,G] float64: rewards near 3e38 square to inf in float32
-    rewards = torch.nan_to_num(dist.all_gather_rows(rollout.rewards)).double()
+    rewards = torch.nan_to_num(dist.all_gather_rows(_present(rollout.rewards))).double()
     lengths = dist.all_gather_rows(rollout.mask.sum(-1)).float()  # [B,G]
     stats = {
         "groups": valid.shape[0],
@@ -402,12 +402,20 @@ def _rollout_stats(rollout: Rollout) -> dict[str, float]:
     return stats
 
 
+def _present(x: torch.Tensor | None) -> torch.Tensor:
+    """``x``, which the step has filled by the time it is read (rewards after scoring, log-probs after the forward)."""
+    if x is None:
+        raise RuntimeError("a rollout field was read before the step filled it")
+    return x
+
+
 def _reward_means(batch: Rollout, labels: list[str]) -> dict[str, float]:
     """``reward/<label>``: each reward function's own (unweighted) mean over the step's rows with a verdict."""
     out = {}
-    real = batch.group_valid | ~torch.isfinite(batch.rewards)  # [B,G] excluded rows too: their other parts count
+    # [B,G] excluded rows too: their other parts count
+    real = batch.group_valid | ~torch.isfinite(_present(batch.rewards))
     for k, label in enumerate(labels):
-        part = batch.reward_parts[..., k]  # [B,G]
+        part = _present(batch.reward_parts)[..., k]  # [B,G]
         seen = real & torch.isfinite(part)  # [B,G]
         out[f"reward/{label}"] = float(part[seen].double().mean()) if seen.any() else float("nan")
     return out

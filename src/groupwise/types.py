@@ -346,7 +346,7 @@ class Rollout:
                 extra = {g: w[k] for k, g in enumerate(groups)} if w else {}
                 out[name] = [list(v[g]) + list(extra.get(g, [copy.copy(fill)] * G2)) for g in range(B)]
             elif name == "row_flags":
-                out[name] = {key: torch.cat([t, spread(b.row_flags[key])], dim=1) for key, t in v.items()}
+                out[name] = {key: torch.cat([t, spread(b.row_flags[key])], dim=1) for key, t in a.row_flags.items()}
             elif name == "extras":
                 out[name] = {
                     key: (
@@ -354,7 +354,7 @@ class Rollout:
                         if a.extra_levels[key] == "group"
                         else torch.cat([t, spread(b.extras[key], _EXTRA_FILL[a.extra_levels[key]])], dim=1)
                     )
-                    for key, t in v.items()
+                    for key, t in a.extras.items()
                 }
             else:
                 out[name] = v
