@@ -2,7 +2,8 @@
 time-to-accuracy run).
 
     python bench/worker.py measure --framework {groupwise,trl} --cells JSON_LIST --models-dir DIR --threads T --out FILE
-    python bench/worker.py gen --framework {groupwise,hf} --model DIR --threads T [--batches 8,64,512 --length 64] --out FILE
+    python bench/worker.py gen --framework {groupwise,hf} --model DIR --threads T \
+        [--batches 8,64,512 --length 64] --out FILE
     python bench/worker.py tta --framework {groupwise,trl} --model DIR --threads T --seconds S \
         --eval-every S [--target ACC] [--steps N --eval-every-steps K --seed S] --out FILE
 

@@ -330,7 +330,7 @@ def test_no_network(reward):
                 with open("/proc/net/dev") as f:  # (if_nameindex needs netlink, which the filter refuses)
                     out["interfaces"] = sorted(line.split(":")[0].strip() for line in f.read().splitlines()[2:])
                 return out
-        """,
+        """,  # noqa: E501
         )
         assert "connected" not in out.values(), out
         assert out["interfaces"] == ["lo"]  # a fresh network namespace: its own loopback only
@@ -411,7 +411,7 @@ def test_secrets_and_host_files_invisible(reward, tmp_path, monkeypatch):
                         pass
             return {{"env": dict(os.environ), "leaks": leaks, "parent_visible": os.path.exists("/proc/{os.getpid()}/environ"),
                     "visible": [p for p in {host_files!r} if os.path.lexists(p)]}}
-    """,
+    """,  # noqa: E501
     )
     assert "GROUPWISE_TEST_SECRET" not in out["env"] and token not in str(out["env"])
     assert set(out["env"]) <= set(SANDBOX_ENV) | {"PWD", "LC_CTYPE"}, out["env"]
@@ -437,7 +437,7 @@ def test_limits_applied_and_privileges_dropped(reward):
             status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
             return {"uid": os.getuid(), "euid": os.geteuid(), "limits": limits, "raised": raised, "unshare": new_userns,
                     "cap_eff": status["CapEff"].strip(), "no_new_privs": status["NoNewPrivs"].strip()}
-    """,
+    """,  # noqa: E501
     )
     assert out["uid"] != 0 and out["euid"] != 0 and out["cap_eff"] == "0000000000000000" and out["no_new_privs"] == "1"
     assert out["limits"]["RLIMIT_AS"] == (512 << 20, 512 << 20) and out["limits"]["RLIMIT_NPROC"] == (16, 16)
@@ -635,7 +635,7 @@ def test_socket_families_outside_the_allowlist_are_refused(reward):
             out["inet"] = attempt(socket.AF_INET, socket.SOCK_STREAM)
             out["asyncio"] = asyncio.run(asyncio.sleep(0, result="ran"))
             return out
-    """,
+    """,  # noqa: E501
     )
     refused = {k: out.pop(k) for k in ("vsock", "uevent", "rtnetlink", "packet", "alg", "vsock_pair")}
     assert refused == dict.fromkeys(refused, "EAFNOSUPPORT"), refused
@@ -666,7 +666,7 @@ def probe():
     libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
     out["shmget"] = "created" if libc.shmget(0, 1 << 20, 0o1600) >= 0 else errno.errorcode[ctypes.get_errno()]  # IPC_PRIVATE, IPC_CREAT|0600
     return out
-"""
+"""  # noqa: E501
 
 
 def _shmem_kib() -> int:
@@ -942,7 +942,7 @@ FORGERIES = {
         frame = sys._getframe(1)
         os.write(frame.f_locals["res_fd"], (json.dumps({"nonce": frame.f_locals["nonce"], "kind": "result", "ok": True, "value": ["str", "PASS"], "verdict": "pass"}) + "\\n").encode())
         os._exit(0)
-    """,
+    """,  # noqa: E501
     "monkeypatched harness encoder": """
         import sys
         harness = sys.modules["__main__"]
@@ -1189,7 +1189,7 @@ t0 = time.monotonic()
 out["spin"] = value("def f():\\n    while True:\\n        pass\\n", timeout_s=1.0)
 out["spin_s"] = time.monotonic() - t0
 print(json.dumps(out))
-"""
+"""  # noqa: E501
 
 
 @needs_bwrap

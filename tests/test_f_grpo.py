@@ -4,7 +4,8 @@ Spec unit test: Rel = {A, B} (binary gains), K = 3, G = 4 rollouts whose set is 
 
     [A,B,C]  recall 2/2 = 1     DCG = 1 + 1/log2 3 = 1.63093 = IDCG          NDCG 1
     [C,A,B]  recall 1           DCG = 1/log2 3 + 1/log2 4 = .63093 + .5 = 1.13093  NDCG 1.13093/1.63093 = .69342
-    [C,D,A]  recall 1/2         DCG = 1/log2 4 = .5      NDCG .5/1.63093 = .30657; conditional: IDCG(S∩Rel = {A}) = 1 → .5
+    [C,D,A]  recall 1/2         DCG = 1/log2 4 = .5      NDCG .5/1.63093 = .30657;
+                                conditional: IDCG(S∩Rel = {A}) = 1 → .5
     [C,D,E]  recall 0           NDCG 0
     A_gen  (population std): mean .625, dev [.375, .375, −.125, −.625], var .6875/4 = .171875, std .414578
            → [.90453, .90453, −.30151, −1.50756]

@@ -139,7 +139,8 @@ def test_shaped_ratio_spec_numbers(rho, value, grad):
 
 
 def _term_case():
-    """One group of 2 rows, 2 tokens: row 0 real, row 1 swapped in; logp − logp_old = log 2 (beyond the clip), logp − logp_sampler = log 0.1 / log 2."""
+    """One group of 2 rows, 2 tokens: row 0 real, row 1 swapped in; logp − logp_old = log 2 (beyond the clip),
+    logp − logp_sampler = log 0.1 / log 2."""
     logp = torch.log(torch.tensor([[[0.4, 0.4], [0.4, 0.4]]])).requires_grad_(True)  # [1,2,2]
     ro = rollout_from(torch.log(torch.tensor([[[0.2, 0.2], [0.2, 0.2]]])), adv=torch.tensor([[1.0, 2.0]]))
     ro.logp_sampler = torch.log(torch.tensor([[[0.4, 0.4], [4.0, 0.2]]]))  # row 1: ρ = 0.1 at token 0, ρ = 2 at token 1
@@ -303,7 +304,8 @@ PLUS = ['rollout.name="lope"', "rollout.prompts_per_step=8", "rollout.group_size
 
 
 def _plus_params(tmp_path, **more):
-    """A vocabulary of one word, "+": on the embedded model "+12+34=" is the one prefix that keeps some accuracy (~9 %)."""
+    """A vocabulary of one word, "+": on the embedded model "+12+34=" is
+    the one prefix that keeps some accuracy (~9 %)."""
     (tmp_path / "plus.txt").write_text("+\n")
     params = {
         "num_perturbation": 2,

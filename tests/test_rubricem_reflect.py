@@ -40,7 +40,8 @@ def enc(text):
 
 
 def _rows(prompts, rewards, texts, truncated=None):
-    """A batch of len(prompts) groups, row g of group b: one token, reward rewards[b][g] (also its one reward column)."""
+    """A batch of len(prompts) groups, row g of group b: one token, reward rewards[b][g]
+    (also its one reward column)."""
     B, G = len(rewards), len(rewards[0])
     r = torch.tensor(rewards, dtype=torch.float32)
     return Rollout(
@@ -285,7 +286,8 @@ def test_bank_and_weights_resume_exactly(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_hold_the_same_bank_and_train_the_same(tmp_path):
-    """torchrun (gloo) over 2 ranks against one process, 2 steps: the same bank in the last checkpoint, the same weights."""
+    """torchrun (gloo) over 2 ranks against one process, 2 steps:
+    the same bank in the last checkpoint, the same weights."""
     from safetensors.torch import load_file
 
     args = [

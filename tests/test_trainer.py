@@ -274,7 +274,8 @@ def test_reference_sync_mixes_the_policy_into_the_reference(tmp_path):
 
 
 def test_lora_trains_only_the_adapters_and_saves_a_merged_model(tmp_path):
-    """The documented LoRA example (README): PEFT adapters on q/v, the KL reference is the base with the adapters off."""
+    """The documented LoRA example (README): PEFT adapters on q/v,
+    the KL reference is the base with the adapters off."""
     lora = 'model.lora={r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=false}'
     trainer = make_trainer(
         tmp_path / "run", "train.steps=2", "eval.size=0", lora, 'objective.terms=["ppo_clip", {name="kl", coef=0.05}]'

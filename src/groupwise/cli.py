@@ -275,7 +275,8 @@ def _explain_recipe(name: str, path) -> None:
 
 
 def cmd_eval(args: list[str]) -> int:
-    """``groupwise eval [MODEL | RUN] [key=value ...]``: held-out greedy accuracy of a model folder or a run's final model."""
+    """``groupwise eval [MODEL | RUN] [key=value ...]``:
+    held-out greedy accuracy of a model folder or a run's final model."""
     from groupwise.config import load_config
     from groupwise.errors import ConfigError
 

@@ -909,7 +909,8 @@ def bind_rows(components: list[Any], rows: list[dict]) -> None:
 
 
 def bind_parameter_names(updater: Any, policy: Any) -> None:
-    """Give an updater that reads parameter names (``use_parameter_names``) the names of the parameters it was bound to."""
+    """Give an updater that reads parameter names (``use_parameter_names``)
+    the names of the parameters it was bound to."""
     if not hasattr(updater, "use_parameter_names"):
         return
     if not hasattr(policy, "parameter_names"):

@@ -82,7 +82,8 @@ class EmbedDelta:
 
 @dataclass
 class ResidualAdd:
-    """Row j of the request samples with ``alpha[j] * vector`` added to the residual stream after decoder layer ``layer``."""
+    """Row j of the request samples with ``alpha[j] * vector`` added to the
+    residual stream after decoder layer ``layer``."""
 
     kind: ClassVar[str] = "residual_add"
     layer: int  # 0 = the embeddings, l = after decoder layer l (1-based, like policy.functional.hidden_states' layers)

@@ -91,7 +91,8 @@ class NeedResolver:
                     raise ConfigError(f"{need} names view {view!r}: {err}") from None
 
     def view(self, name: str) -> Any:
-        """The run's view ``name`` (built once with its ``views.NAME`` parameters; shared by needs and ``eval.views``)."""
+        """The run's view ``name`` (built once with its ``views.NAME`` parameters;
+        shared by needs and ``eval.views``)."""
         if name not in self.views:
             view = build("view", name, **self.view_params.get(name, {}))
             if self.bind_view is not None:

@@ -172,7 +172,8 @@ class Rollout:
         return [[list(p)] * G for p in self.prompt_ids]
 
     def behaviour_contexts(self) -> list[list[list[int]]]:
-        """[B][G] the context every row was sampled under: its ``behav_ctx`` entry when non-empty, else its training context."""
+        """[B][G] the context every row was sampled under: its ``behav_ctx`` entry when non-empty,
+        else its training context."""
         train = self.row_contexts()
         if not self.behav_ctx:
             return train

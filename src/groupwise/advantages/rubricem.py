@@ -1,4 +1,5 @@
-"""SS-GRPO (registered as ``rubricem``): stage-structured group-relative advantages — each stage's tokens get their own stage's advantage.
+"""SS-GRPO (registered as ``rubricem``): stage-structured group-relative advantages —
+each stage's tokens get their own stage's advantage.
 
 "RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards", arXiv
 2605.10899, 2026 (spec 39; known from a summary, no code: every form is [INFERRED] from the spec).
@@ -81,7 +82,8 @@ def stage_masks(
 def ss_grpo_advantages(
     scores: Tensor, valid: Tensor, mix_final: float = 0.0, final: int = -1, ddof: int = 0, eps: float = 1e-6
 ) -> Tensor:
-    """The spec's interface: stage scores [B,G,K] (valid [B,G,K] bool: rows with a verdict) -> A [B,G,K] float64 (Math)."""
+    """The spec's interface: stage scores [B,G,K] (valid [B,G,K] bool: rows with a verdict) ->
+    A [B,G,K] float64 (Math)."""
     K = scores.shape[-1]
     adv = torch.stack(
         [
@@ -97,7 +99,8 @@ def ss_grpo_advantages(
 
 
 def stage_to_token_adv(adv: Tensor, masks: Tensor, outside: Tensor | None = None) -> Tensor:
-    """The spec's interface: adv [N,K], masks [N,K,T] -> [N,T]: A_{n,k} on stage k's tokens, ``outside`` [N] (or 0) elsewhere."""
+    """The spec's interface: adv [N,K], masks [N,K,T] -> [N,T]: A_{n,k} on stage k's tokens,
+    ``outside`` [N] (or 0) elsewhere."""
     inside = masks.any(1)  # [N,T]
     first = masks.double().argmax(1)  # [N,T] the stage of each token (stages do not overlap)
     tok = adv.gather(1, first)  # [N,T]
@@ -108,7 +111,7 @@ def stage_to_token_adv(adv: Tensor, masks: Tensor, outside: Tensor | None = None
 @register("advantage", "rubricem")
 @dataclass
 class RubricEMAdvantage:
-    """Stage-structured GRPO: each stage's score normalised in its group, each stage's tokens get its advantage (RubricEM, spec 39)."""
+    """Stage-structured GRPO: each stage's score normalised in its group, each stage's tokens get its advantage (RubricEM, spec 39)."""  # noqa: E501
 
     group_relative = True
 

@@ -106,7 +106,8 @@ def last_of(rows: list[dict], key: str) -> float | None:
 
 
 def std_of(rows: list[dict], key: str) -> float | None:
-    """Standard deviation (n − 1) of the finite values of ``key`` over every row logging it; None with fewer than two."""
+    """Standard deviation (n − 1) of the finite values of ``key`` over every row logging it;
+    None with fewer than two."""
     values = [
         float(r[key])
         for r in rows

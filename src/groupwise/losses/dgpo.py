@@ -106,7 +106,8 @@ def question_losses(
     s: Tensor, pos: Tensor, neg: Tensor, same: Tensor, gamma: float, lam_var: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """([b,G] L_q of each row's question group, 0 without a term; [b,G] the share of its pairs with
-    s_p − s_n > gamma; [b,G] bool the group has a term) from scores ``s`` [b,G], coherent / inconsistent members and ``same`` [b,G,G]
+    s_p − s_n > gamma; [b,G] bool the group has a term) from scores ``s`` [b,G],
+    coherent / inconsistent members and ``same`` [b,G,G]
     (rows i, j in one question group)."""
     pair = pos[:, :, None] & neg[:, None, :] & same  # [b,G,G] [b,p,n]
     gap = s[:, :, None] - s[:, None, :] - gamma  # [b,G,G] s_p − s_n − γ

@@ -254,7 +254,8 @@ class FlowPolicy:
         return encoder.tokens, encode
 
     def _conditions(self, requests: Sequence[Request], labels: Tensor, G: int) -> tuple[Tensor | None, ...]:
-        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``; None ×4 for the label form)."""
+        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``;
+        None ×4 for the label form)."""
         if any(r.hook is not None for r in requests) and self.encoder is None:
             raise ValueError(
                 "FlowPolicy.generate: a generation hook needs the embedding "
@@ -266,7 +267,8 @@ class FlowPolicy:
         )
 
     def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
-        """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]); ``cond`` [N,...] a subclass's further condition (None here)."""
+        """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]);
+        ``cond`` [N,...] a subclass's further condition (None here)."""
         return self.net(x, sigma, label)  # [N,2]
 
     def _stored_condition(self, rollout: Rollout, sel: Tensor) -> Tensor | None:

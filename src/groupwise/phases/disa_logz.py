@@ -185,7 +185,8 @@ class DisaLogZ:
         }
 
     def _units(self, ctx: PhaseContext) -> list[tuple[list[int], list[int]]]:
-        """The prompts to estimate: (prompt ids, the train rows sharing them), in row order; a seeded subset when `prompts` > 0."""
+        """The prompts to estimate: (prompt ids, the train rows sharing them), in row order;
+        a seeded subset when `prompts` > 0."""
         by_prompt: dict[tuple[int, ...], list[int]] = {}
         units = []
         for i in range(len(ctx.train_rows)):

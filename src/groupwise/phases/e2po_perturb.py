@@ -12,7 +12,8 @@ produces the artifact that the rollout strategy ``e2po`` (``rollout/e2po.py``) s
     ids   = the row's prompt ids (as RL encodes them);  𝓘 = positions of its non-special tokens
     E     = table[ids] [S,d];  scale = RMS of the table's entries          (prompt_space: below)
     δ_k   ~ N(0, (sigma_init · scale)²) on 𝓘, k = 1..conditions−1
-    e_k   = f(E + δ_k),  e_anc = f(E)        f = text: final-norm hidden state, last prompt token (pool = "last") or mean;
+    e_k   = f(E + δ_k),  e_anc = f(E)        f = text: final-norm hidden state, last prompt token
+                                                    (pool = "last") or mean;
                                              flow (condition = "embedding"): the policy's frozen random MLP encoder
     L_emb = lam_div · mean_{k≠k'} cos(e_k, e_k') + Σ_k max(0, |cos(e_k, e_anc) − mu| − eps)
     Adam(lr · scale) on δ for ``steps`` steps
@@ -135,7 +136,7 @@ def prompt_space(policy, pool: str = "last") -> tuple[torch.Tensor, set[int], Ca
 @register("phase", "e2po_perturbations")
 @dataclass
 class E2POPerturbations:
-    """E²PO phase I: conditions−1 diverse, meaning-anchored perturbations of each train prompt's content-token embeddings."""
+    """E²PO phase I: conditions−1 diverse, meaning-anchored perturbations of each train prompt's content-token embeddings."""  # noqa: E501
 
     kind = "offline"
     artifact: str = "e2po_perturbations"

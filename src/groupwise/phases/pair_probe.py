@@ -62,7 +62,8 @@ from groupwise.types import StepInfo
 
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve of ``scores`` for ``labels`` (1 positive), ties counted half; NaN without both classes."""
+    """Area under the ROC curve of ``scores`` for ``labels`` (1 positive), ties counted half;
+    NaN without both classes."""
     s, y = scores.double(), labels.bool()
     pos, neg = s[y], s[~y]
     if len(pos) == 0 or len(neg) == 0:
@@ -102,7 +103,7 @@ def turn_labels(env_proto, row: dict, texts: list[str], actions: list[str], seed
 @register("phase", "pair_probe")
 @dataclass
 class PairProbePhase:
-    """PAIR's probe: turn labels from an outcome search on the base's own episodes, the two-stage linear probe on hidden states and attention."""
+    """PAIR's probe: turn labels from an outcome search on the base's own episodes, the two-stage linear probe on hidden states and attention."""  # noqa: E501
 
     kind = "offline"
     artifact: str = "pair_probe"

@@ -224,7 +224,8 @@ class _HFState:
         self._handle = None
 
     def steer(self, layer: int, add: Tensor) -> None:
-        """Add ``add`` [R,D] (one vector per row) to the residual stream after decoder layer ``layer`` (0: the embeddings)."""
+        """Add ``add`` [R,D] (one vector per row) to the residual stream after
+        decoder layer ``layer`` (0: the embeddings)."""
         self.steer_add = add
         module = residual_module(self.model, layer)
 

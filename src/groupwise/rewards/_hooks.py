@@ -79,7 +79,8 @@ class Recorder:
         self.open = True
 
     def hooks(self, fn: Any, given: dict[str, Any]) -> dict[str, Any]:
-        """The hooks ``fn`` takes: ours, and those in ``given`` (``completion_ids``, ``trainer_state``) that are not None."""
+        """The hooks ``fn`` takes: ours, and those in ``given``
+        (``completion_ids``, ``trainer_state``) that are not None."""
         given = {"log_extra": self.log_extra, "log_metric": self.log_metric, **given}
         return {k: v for k, v in given.items() if v is not None and accepts(fn, k)}
 

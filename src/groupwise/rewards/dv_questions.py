@@ -128,7 +128,8 @@ class Domain:
     def decompose(
         self, completion: str, keys: Sequence[str]
     ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-        """([(semantic question, margin)], [(quality question, margin)]) about ``completion``; margins −1 when it does not parse."""
+        """([(semantic question, margin)], [(quality question, margin)]) about ``completion``;
+        margins −1 when it does not parse."""
         keys = self.keys(keys)
         subject = self.parse(completion)
         shown = completion.strip()

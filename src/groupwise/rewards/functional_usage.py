@@ -55,7 +55,7 @@ def count_functional(text: str, tokens: Sequence[str]) -> tuple[int, set[str]]:
 @register("reward", "functional_usage")
 @dataclass
 class FunctionalUsage:
-    """1.0 when the completion's functional tokens are valid: their count in range (and each in the row's ``column``)."""
+    """1.0 when the completion's functional tokens are valid: their count in range (and each in the row's ``column``)."""  # noqa: E501
 
     tokens: list = field(default_factory=lambda: ["+", "-", "*"])
     min_count: int = 1

@@ -10,7 +10,8 @@ policy's own tokens between environment holes) is scored by a two-stage linear p
 offline on the frozen base (phase ``pair_probe``, artifact ``pair_probe``), as clean (1) vs
 contaminated (0); the softened score with a logit-space momentum bonus is the turn's reward ``r_t``.
 The row's reward is ``Σ_t r_t``; the per-turn rewards go to the segment extra ``pair_turn_reward``
-([B,G,S], entry t = turn t) for the ``pair`` advantage (``advantages/pair.py``: ``A_t = (r_t − mean_t r) + group-normalised total``).
+([B,G,S], entry t = turn t) for the ``pair`` advantage (``advantages/pair.py``:
+``A_t = (r_t − mean_t r) + group-normalised total``).
 
 **Math** (turn t = completion tokens ``[s, e)``; ``P`` = the row's prompt length; the quantities
 ``hidden_at(l)`` / ``attn_at(l)`` sit at each token's own position, ``providers/forward.py``)::
@@ -116,7 +117,7 @@ def pair_turn_rewards(
 @register("reward", "pair")
 @dataclass
 class PairReward:
-    """Dense per-turn reward from the frozen base's two-stage probe on the policy's own hidden states and attention (PAIR)."""
+    """Dense per-turn reward from the frozen base's two-stage probe on the policy's own hidden states and attention (PAIR)."""  # noqa: E501
 
     alpha: float = 5.0
     temperature: float = 2.0

@@ -214,7 +214,8 @@ def play(
 def _group_hook(
     episodes: list[list[Episode]], gated: list[bool], acted: set[int], k: int, on_step: Callable, who: str
 ) -> None:
-    """After turn ``k``: ``on_step`` for every group with an episode that played its k-th action now; a cut stops its live episodes."""
+    """After turn ``k``: ``on_step`` for every group with an episode that played its k-th action now;
+    a cut stops its live episodes."""
     for b, group in enumerate(episodes):
         if gated[b] or not any(id(ep) in acted for ep in group):
             continue

@@ -164,7 +164,7 @@ def lope_regroup(
 @register("rollout", "lope")
 @dataclass
 class LoPE:
-    """All-wrong prompts are resampled under Lorem-prefixed prompts; correct resamples join the group under the original prompt (LoPE)."""
+    """All-wrong prompts are resampled under Lorem-prefixed prompts; correct resamples join the group under the original prompt (LoPE)."""  # noqa: E501
 
     num_perturbation: int = 6
     n_per: int = 4

@@ -131,7 +131,7 @@ def _text(prompt: Any) -> str:
 @register("rollout", "rubricem_reflect")
 @dataclass
 class RubricEMReflect:
-    """Task rows, then G reflections per group rewarded by r_meta (judge-gated re-attempt gain), a rubric bank into later prompts (RubricEM, spec 39)."""
+    """Task rows, then G reflections per group rewarded by r_meta (judge-gated re-attempt gain), a rubric bank into later prompts (RubricEM, spec 39)."""  # noqa: E501
 
     reflect_template: str = REFLECT_TEMPLATE
     context_template: str = CONTEXT_TEMPLATE
@@ -196,7 +196,8 @@ class RubricEMReflect:
         return True if self.approve == "always" else bool(text.strip()) and not truncated
 
     def _fit(self, ctx: RolloutContext, build, piece: str, where: str) -> list[int]:
-        """``encode(build(piece))``, the piece shortened from its end until it fits with the step's max_new_tokens (Note 2)."""
+        """``encode(build(piece))``, the piece shortened from its end until it
+        fits with the step's max_new_tokens (Note 2)."""
         room = ctx.policy.context - ctx.sampling["max_new_tokens"] if getattr(ctx.policy, "context", None) else None
         while True:
             ids = ctx.policy.encode(build(piece))
@@ -211,7 +212,8 @@ class RubricEMReflect:
             piece = piece[: max(0, len(piece) - max(1, (len(ids) - room)))]
 
     def _hinted(self, ctx: RolloutContext, key: int, hint: str) -> list[int]:
-        """The context of row ``key``'s prompt with ``hint`` in front (exactly what the task and re-attempt rows are sampled under)."""
+        """The context of row ``key``'s prompt with ``hint`` in front
+        (exactly what the task and re-attempt rows are sampled under)."""
         prompt = ctx.meta(key)["prompt"]
         if list(ctx.policy.encode(prompt)) != list(ctx.prompt(key)):
             raise ConfigError(

@@ -81,7 +81,8 @@ def keep_probabilities(cbar: Tensor, p_min: float) -> Tensor:
 
 
 def phase_divergence(actions: Tensor, phase: Tensor, success: Tensor, valid: Tensor, num_phases: int) -> Tensor:
-    """C [num_phases] = ‖μ⁺_c − μ⁻_c‖₂ of chunk actions [N,K,A]; NaN where phase c lacks a success or a failure chunk."""
+    """C [num_phases] = ‖μ⁺_c − μ⁻_c‖₂ of chunk actions [N,K,A];
+    NaN where phase c lacks a success or a failure chunk."""
     C = torch.full((num_phases,), float("nan"), dtype=torch.float64)  # [P]
     a = actions.double().flatten(2)  # [N,K,A]
     for c in range(num_phases):

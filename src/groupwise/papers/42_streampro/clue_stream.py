@@ -240,7 +240,8 @@ def _streams() -> list[tuple[int, int]]:
 
 
 def rows(split: str, n: int, seed: int = 0) -> list[dict]:
-    """``split`` rows (module Note 3); ``n > 0`` train rows are a ``seed``-shuffled sample, ``n <= 0`` the whole split."""
+    """``split`` rows (module Note 3); ``n > 0`` train rows are a ``seed``-shuffled sample,
+    ``n <= 0`` the whole split."""
     streams = _streams()
     if split == "test":
         out = [r for y, o in streams[:TEST_STREAMS] for r in decision_rows(y, o, respond_only=True)]
