@@ -80,7 +80,8 @@ def main(out_dir: str, only: str = "") -> None:
             [
                 *BASE,
                 *extra,
-                f'out="{out_dir}/{label.replace(":", "_")}/world{os.environ.get("WORLD_SIZE", "1")}_rank{os.environ.get("RANK", "0")}"',
+                f'out="{out_dir}/{label.replace(":", "_")}/'
+                f'world{os.environ.get("WORLD_SIZE", "1")}_rank{os.environ.get("RANK", "0")}"',
             ],
         )
         trainer = Trainer(build(cfg))

@@ -157,7 +157,8 @@ def _example_probe(seed: int) -> dict:
     }
 
 
-# what a component defining ``use_vocabulary`` gets in the sweeps: a text per token id of make_rollout's actions (0..49),
+# what a component defining ``use_vocabulary`` gets in the sweeps:
+# a text per token id of make_rollout's actions (0..49),
 # with the tags the defaults name: "[", "]" (F-GRPO's candidates) and "+", "-", "*" (LA-GRPO's functional tokens)
 EXAMPLE_VOCABULARY = ["", "[", "]", ",", ">", "+", "-", "*", "x", " "] * 5
 

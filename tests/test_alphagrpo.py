@@ -91,7 +91,7 @@ def test_dv_reward_empty_lists_count_as_one():
         dv_reward(SEM, QUAL, "median")
 
 
-# ---------------------------------------------------------------------------------------------- decomposer, programmatic judge
+# --------------------------------------------------------------------------------------- decomposer, programmatic judge
 def test_decomposer_questions_and_margins():
     sem, qual = decompose(" 52", ["even", "gt50", "ends5"])
     assert [q for q, _ in sem] == ["Is 52 even?", "Is 52 greater than 50?", "Does 52 end in 5?"]
@@ -141,7 +141,7 @@ def test_reward_config_errors():
         build("reward", "dv_reward", judge="role:judge").use_models({})
 
 
-# ---------------------------------------------------------------------------------------------- LM judge through the policy protocol
+# --------------------------------------------------------------------------------- LM judge through the policy protocol
 class FakeJudge:
     """A policy whose next-token distribution after a question is fixed per question (protocol check)."""
 

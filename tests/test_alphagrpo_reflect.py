@@ -71,7 +71,7 @@ def test_config_errors_and_the_strategy_collects_the_stage1_reward():
         check_strategy(build("rollout", "sample"), policy, [fpr])
 
 
-# ---------------------------------------------------------------------------------------------- by hand on a scripted context
+# ---------------------------------------------------------------------------------------- by hand on a scripted context
 def _rows(keys, rewards, texts, prompts):
     B, G = len(keys), len(rewards[0])
     return Rollout(
@@ -130,7 +130,8 @@ def test_strategy_output_and_fpr_advantage_by_hand():
     assert batch.extra_levels["stage1_reward"] == "group" and batch.extras["stage1_reward"].tolist() == [
         pytest.approx(0.3)
     ]
-    # spec 27's FPR numbers: refined [0.5, 0.25, 0.3, 0.7] vs 0.3 -> [0.5, 0.3, 0.3, 0.7] -> [0.3013, −0.9040, −0.9040, 1.5066]
+    # spec 27's FPR numbers: refined [0.5, 0.25, 0.3, 0.7] vs 0.3 -> [0.5, 0.3, 0.3, 0.7] ->
+    # [0.3013, −0.9040, −0.9040, 1.5066]
     info = ctx.info()
     _close(build("advantage", "alphagrpo", fpr=True)(batch, info), [[0.3013, -0.9040, -0.9040, 1.5066]])
     # without FPR: plain per-prompt normalisation of [0.5, 0.25, 0.3, 0.7]: mean 0.4375, std 0.17410
@@ -151,7 +152,8 @@ def test_train_first_adds_the_attempts_as_their_own_group():
     s = batch.extras["stage1_reward"]
     assert math.isnan(float(s[0])) and float(s[1]) == pytest.approx(0.3)
     adv = build("advantage", "alphagrpo", fpr=True, by="group")(batch, ctx.info())
-    # the attempts' group: plain (r − mean)/(std + 1e-4) of [0.6, 0.3] (FPR leaves a NaN stage-1 group alone); the refinements: spec 27's FPR numbers
+    # the attempts' group: plain (r − mean)/(std + 1e-4) of [0.6, 0.3] (FPR leaves a NaN stage-1 group alone);
+    # the refinements: spec 27's FPR numbers
     _close(adv, [[0.15 / 0.1501, -0.15 / 0.1501, 0, 0], [0.3013, -0.9040, -0.9040, 1.5066]])
     policy = type("P", (), {"request_options": (), "modality": "text", "hooks": ()})()
     strategy = build("rollout", "alphagrpo_reflect", initial=2, train_first=True)

@@ -105,7 +105,8 @@ def test_joint_loss_by_hand():
     ro.set_extra("image_token", torch.tensor([[[0.0, 1.0, 1.0]], [[0.0, 0.0, 1.0]]]), "token")
     ratio = torch.tensor([[[1.5, 1.01, 0.99]], [[0.5, 1.0, 1.0005]]])
     loss = term(ro, {"logp": ratio.log()}, INFO)
-    # row 0 (A = 7): text −min(1.5·7, 1.2·7) = −8.4; image A' = 5: −min(1.01·5, 1.001·5) = −5.005, −min(0.99·5, 0.999·5)... = −4.95
+    # row 0 (A = 7): text −min(1.5·7, 1.2·7) = −8.4; image A' = 5: −min(1.01·5, 1.001·5) = −5.005,
+    # −min(0.99·5, 0.999·5)... = −4.95
     # row 1 (A = −2): text −min(−1, 0.8·−2) = 1.6, −min(−2, −2) = 2; image −min(1.0005·−2, 1.0005·−2) = 2.001
     torch.testing.assert_close(loss, torch.tensor([[[-8.4, -5.005, -4.95]], [[1.6, 2.0, 2.001]]]), atol=1e-5, rtol=0)
     stats = term.stats(ro, {"logp": ratio.log()})
@@ -168,7 +169,8 @@ def test_one_update_trains_both_nets_from_the_shared_advantage(tmp_path):
     )
     torch.testing.assert_close(batch.advantages, want.float())
     assert float(batch.advantages.abs().max()) < 5.0  # no advantage clip on the image part here
-    # the hand gradient: on-policy, token_mean: −Σ A_row · ∇logp[b,g,t] / Σ mask over every position, think and flow alike
+    # the hand gradient: on-policy, token_mean: −Σ A_row · ∇logp[b,g,t] / Σ mask over every position,
+    # think and flow alike
     params = policy.parameters()
     logp = policy.forward(batch)["logp"]  # [B,G,T]
     mask = batch.mask & batch.group_valid[..., None]  # [B,G,T]

@@ -280,7 +280,7 @@ open(f'{sys.argv[1]}/rank{rank}.txt', 'w').write(choice.dtype)  # a file per ran
 import torch.distributed
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()  # no rank exits while the other still talks to it (gloo aborts then)
-"""
+"""  # noqa: E501
 
 
 @pytest.mark.dist

@@ -89,8 +89,8 @@ def test_every_process_reduces_the_normalizers_in_one_order():
     follow the per-process string hash (a set), or two ranks sum one aggregation's row count into the
     other's group count (ConSPO's group_mean next to the KL term's seq_mean_token_mean did at world size 2)."""
     code = (
-        "from groupwise.objective import Objective; "
-        "print(list(Objective.from_config(['conspo', 'lpo', {'name': 'kl', 'agg': 'token_mean'}], 'seq_mean_token_mean').aggregations))"
+        "from groupwise.objective import Objective; print(list(Objective.from_config(['conspo', "
+        "'lpo', {'name': 'kl', 'agg': 'token_mean'}], 'seq_mean_token_mean').aggregations))"
     )
     orders = {
         subprocess.run(

@@ -2,7 +2,8 @@
 one process — same loss and, after one SGD step of lr 1, the same weights. The offline phases (DISA's
 frozen log Z table, LoRA placement's trained-entry mask, E²PO's prompt perturbations, VSPO's steering
 vector, PAIR's probe) run on every rank with the same seeds, so their artifacts must come out the
-same (every rank then uses rank 0's; a rank whose own differs would say so, which fails here); the rest checks the rollout strategies, rewards, advantages
+same (every rank then uses rank 0's; a rank whose own differs would say so, which fails here);
+the rest checks the rollout strategies, rewards, advantages
 and terms of each recipe at world size 2 (sft warm starts are dropped: ``phases=[]``). la_grpo and
 rubricem are left out: without their warm start one step has no gradient (no functional tokens, no
 stage tags); their components are in the registry's world-size sweep (tests/test_dist_scope.py)."""
@@ -43,7 +44,8 @@ CASES = {
     "streampro": ["phases=[]", SGD],
     "signal_reshaping": [SGD],
     "e2po": [
-        'phases=[{name="e2po_perturbations", conditions=4, steps=3, lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]',
+        'phases=[{name="e2po_perturbations", conditions=4, steps=3, '
+        "lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]",
         "data.train_size=8",
         SGD,
     ],

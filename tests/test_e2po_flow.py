@@ -139,7 +139,8 @@ def test_the_update_recomputes_logp_on_the_original_condition():
     ro = policy.generate([Request(key=1, n=4, prompt=3, hook=EmbedDelta(torch.tensor([0]), delta, rho=0.4))], {}, INFO)
     with torch.no_grad():
         logp = policy.forward(ro)["logp"]  # [1,4,5]
-    # by hand: the net on the stored x under C^orig (never the hook's condition), the SDE step's log-prob of the stored x'
+    # by hand: the net on the stored x under C^orig (never the hook's condition),
+    # the SDE step's log-prob of the stored x'
     c = policy.encoder(policy.encoder.tokens[3]).expand(4, -1)  # [4,c]
     for t in range(5):
         x, x_next = ro.extras["flow_x"][0, :, t], ro.extras["flow_x_next"][0, :, t]  # [4,2]
@@ -149,7 +150,8 @@ def test_the_update_recomputes_logp_on_the_original_condition():
                 policy.net(x, s, c), x, s, sp, policy.sigma_min, policy.sigma_max, prev_sample=x_next
             )[1]  # [4]
         torch.testing.assert_close(logp[0, :, t], want, atol=1e-6, rtol=0)
-    # clean rows: the sampler's log-probs are the update's; perturbed rows differ where γ > 0 (σ = 1.0, 0.8) and agree after
+    # clean rows: the sampler's log-probs are the update's;
+    # perturbed rows differ where γ > 0 (σ = 1.0, 0.8) and agree after
     torch.testing.assert_close(logp[0, :2], ro.logp_sampler[0, :2], atol=1e-6, rtol=0)
     gap = (logp[0, 2:] - ro.logp_sampler[0, 2:]).abs()  # [2,5]
     assert bool((gap[:, :2] > 1e-3).all()) and float(gap[:, 2:].max()) < 1e-6
@@ -213,7 +215,8 @@ def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, m
     assert art["keys"].tolist() == list(range(8)) and art["conditions"] == 4
     assert art["positions"].tolist() == [[0]] * 8  # the one prompt token of each row
     assert art["delta"].shape == (8, 3, 1, 8) and bool((art["delta"].abs().sum(-1) > 0).all())
-    # the summary's L_emb is the final loss: recompute it from the artifact's δ with the frozen encoder (λ_div = 1, μ = 0.8, ε = 0.1)
+    # the summary's L_emb is the final loss: recompute it from the artifact's δ with the frozen encoder
+    # (λ_div = 1, μ = 0.8, ε = 0.1)
     table, f = trainer.policy.prompt_encoder()
     one = torch.ones(3, 1, dtype=torch.bool)
     l_emb = []
@@ -223,7 +226,8 @@ def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, m
         l_emb.append(float(diversity_loss(e) + anchor_loss(e, e_anc, 0.8, 0.1)))
     summary = run.summary["phases"]["e2po_perturbations"]
     assert summary["rows"] == 8 and summary["loss"] == pytest.approx(sum(l_emb) / 8, abs=1e-5)
-    # 20 Adam steps lowered it: the same initial δ (the phase's generator, seeded by the run seed and chunk start 0) after 0 steps
+    # 20 Adam steps lowered it: the same initial δ (the phase's generator, seeded by the run seed and chunk start 0)
+    # after 0 steps
     from groupwise.rollout.e2po import learn_prompt_perturbations
 
     emb = table[[row["prompt"] for row in trainer.train_rows]].float()[:, None]  # [8,1,d]

@@ -89,12 +89,14 @@ def test_fbos_batch_by_hand_and_the_epa_advantage():
     guided = ctx.requests[1]
     faps = [build_fap("7+8=", "14", "wrong: a"), build_fap("7+8=", "16", "wrong: b")]
     assert [r.prompt for r in guided] == [[ord(c) for c in f] for f in faps] and [r.offset for r in guided] == [2, 3]
-    # EPA group: the two failed rows and the two guided rows, all under the original prompt; ECC group: the guided rows under their FAPs
+    # EPA group: the two failed rows and the two guided rows, all under the original prompt;
+    # ECC group: the guided rows under their FAPs
     assert batch.shape[:2] == (2, 4) and batch.prompt_ids[0] == [1, 2]
     assert batch.rewards[0].tolist() == [0.0, 0.0, 1.0, 0.0]
     assert batch.rewards[1, :2].tolist() == [1.0, 0.0] and batch.group_valid[1].tolist() == [True, True, False, False]
     assert batch.ctx[0] == [[1, 2]] * 4 and batch.ctx[1][:2] == [r.prompt for r in guided]
-    # the EPA group's guided rows were sampled under their FAPs and are flagged injected; the ECC rows are trained under the FAP they were sampled under
+    # the EPA group's guided rows were sampled under their FAPs and are flagged injected;
+    # the ECC rows are trained under the FAP they were sampled under
     assert batch.behav_ctx[0] == [[], [], guided[0].prompt, guided[1].prompt] and batch.behav_ctx[1] == [[]] * 4
     assert batch.row_flags["injected"].tolist() == [[False, False, True, True], [False] * 4]
     assert batch.behaviour_contexts()[1][:2] == batch.ctx[1][:2]

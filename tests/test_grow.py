@@ -204,7 +204,7 @@ def test_greedy_closed_loop_success():
     assert greedy_success(Scripted(SPEC), rows, {"max_new_tokens": 1}, StepInfo(0, 0, 1)) == 0.5
 
 
-# ---------------------------------------------------------------------------------------------- the trajectory-level baseline
+# ---------------------------------------------------------------------------------------- the trajectory-level baseline
 def test_episodes_holes_are_the_env_tokens_and_get_no_gradient():
     ctx = scripted_ctx([ROW], SPEC[:1], group_size=1)
     batch = build("rollout", "episodes")(ctx)
@@ -226,7 +226,8 @@ def test_episodes_holes_are_the_env_tokens_and_get_no_gradient():
 
 
 def test_episodes_truncate_at_the_context_limit():
-    # prompt 7 tokens; each later turn adds 1 action + 8 env tokens. Limit 17: turn 1 sees 16 (+1 fits), turn 2 would see 25: cut
+    # prompt 7 tokens; each later turn adds 1 action + 8 env tokens. Limit 17:
+    # turn 1 sees 16 (+1 fits), turn 2 would see 25: cut
     batch = build("rollout", "episodes", max_context=17)(scripted_ctx([ROW], SPEC[:1], group_size=1))
     assert (
         batch.info[0][0]["cut"] == "context"

@@ -114,7 +114,8 @@ def _batch(ids, actions, adv, valid=None):
 
 
 def test_token_and_hidden_features_by_hand():
-    # one group, rows "3 4" (A = +1) and "3 5" (A = −1): slot(3, t=0) gets 1 − 1 = 0, slot(4, 1) +1, slot(5, 1) −1, / 2 rows
+    # one group, rows "3 4" (A = +1) and "3 5" (A = −1):
+    # slot(3, t=0) gets 1 − 1 = 0, slot(4, 1) +1, slot(5, 1) −1, / 2 rows
     actions, adv = torch.tensor([[[3, 4], [3, 5]]]), torch.tensor([[1.0, -1.0]])
     # [1,dim]
     f = token_features(actions, torch.ones(1, 2, 2, dtype=torch.bool), adv[..., None].expand(1, 2, 2), 10_000)

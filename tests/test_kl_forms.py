@@ -128,7 +128,7 @@ def test_plus_forms_zero_at_equal_and_finite_on_padding():
         assert logp.grad[0, 0, 2].item() == 0.0 and torch.isfinite(logp.grad).all(), name
 
 
-# ---------------------------------------------------------------------------------------------- KL term, bias correction
+# --------------------------------------------------------------------------------------------- KL term, bias correction
 def _two_tokens():
     # logp = [−1, −1], logp_old = [−1.2, −0.9] → ratio [e^0.2, e^−0.1] = [1.221403, 0.904837]
     # logp_ref = [−1.5, −0.5] → d = [−0.5, +0.5], k3 = [0.106531, 0.148721]
@@ -277,7 +277,8 @@ def test_trl_parity_kl_term(loss_type, agg, level, bias_correction):
     d_loss, d_grad = (loss - trl_loss).abs().item(), (grad - trl_grad).abs().max().item()
     d_kl = abs(obj.pop_stats()["kl"] - trl_metrics["kl"][-1])
     print(
-        f"TRL parity kl {loss_type}/{level} bias_correction={bias_correction}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e}, kl stat {d_kl:.2e}"
+        f"TRL parity kl {loss_type}/{level} bias_correction={bias_correction}: "
+        f"max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e}, kl stat {d_kl:.2e}"
     )
     assert d_loss < 1e-6 and d_grad < 1e-7 and d_kl < 1e-6
     # guard: the KL part matters, and the correction changes it (off-policy ratio ≠ 1)

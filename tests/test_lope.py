@@ -57,7 +57,8 @@ def test_a_vocabulary_file_replaces_the_shipped_words(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- regroup
 def test_regroup_spec_numbers():
-    # G = 4, every original wrong, 6 of 24 resamples correct: 6 >= G, so G − 1 = 3 slots take 3 of them and one failure stays
+    # G = 4, every original wrong, 6 of 24 resamples correct: 6 >= G,
+    # so G − 1 = 3 slots take 3 of them and one failure stays
     correct = [1, 4, 9, 10, 17, 23]
     slots, chosen = lope_regroup([0.0, 0.0, 0.0, 0.0], correct, random.Random(0))
     assert slots == [0, 1, 2] and len(chosen) == 3 and len(set(chosen)) == 3 and set(chosen) <= set(correct)
@@ -83,7 +84,8 @@ def _rescued(extra):
 
 
 def test_advantage_shaping_spec_numbers():
-    # base [0, 0, 0, 0] + 24 resamples (6 right): 3 swapped in; the extra holds the 3 replaced originals and the 21 others (3 right)
+    # base [0, 0, 0, 0] + 24 resamples (6 right): 3 swapped in;
+    # the extra holds the 3 replaced originals and the 21 others (3 right)
     extra = [0.0] * 3 + [1.0] * 3 + [0.0] * 18
     full = torch.tensor([0.0] * 4 + [1.0] * 6 + [0.0] * 18, dtype=torch.float64)  # the 28-vector
     assert round(float(full.mean()), 6) == 0.214286 and round(float(full.std()), 6) == 0.417855
@@ -127,7 +129,7 @@ def test_the_advantage_fails_at_build_without_the_lope_strategy(tmp_path):
         make_trainer(tmp_path, 'advantage.estimator="lope"')
 
 
-# ---------------------------------------------------------------------------------------------- shaped ratio and the objective term
+# ---------------------------------------------------------------------------------- shaped ratio and the objective term
 @pytest.mark.parametrize("rho,value,grad", [(1.0, 0.909091, 0.082645), (0.1, 0.5, 0.25), (2.0, 0.952381, 0.045351)])
 def test_shaped_ratio_spec_numbers(rho, value, grad):
     log_rho = torch.tensor(rho, dtype=torch.float64).log().requires_grad_(True)
@@ -137,7 +139,8 @@ def test_shaped_ratio_spec_numbers(rho, value, grad):
 
 
 def _term_case():
-    """One group of 2 rows, 2 tokens: row 0 real, row 1 swapped in; logp − logp_old = log 2 (beyond the clip), logp − logp_sampler = log 0.1 / log 2."""
+    """One group of 2 rows, 2 tokens: row 0 real, row 1 swapped in; logp − logp_old = log 2 (beyond the clip),
+    logp − logp_sampler = log 0.1 / log 2."""
     logp = torch.log(torch.tensor([[[0.4, 0.4], [0.4, 0.4]]])).requires_grad_(True)  # [1,2,2]
     ro = rollout_from(torch.log(torch.tensor([[[0.2, 0.2], [0.2, 0.2]]])), adv=torch.tensor([[1.0, 2.0]]))
     ro.logp_sampler = torch.log(torch.tensor([[[0.4, 0.4], [4.0, 0.2]]]))  # row 1: ρ = 0.1 at token 0, ρ = 2 at token 1
@@ -149,7 +152,8 @@ def test_the_term_shapes_swapped_rows_and_clips_real_ones():
     ro, logp = _term_case()
     term = build("objective", "lope")
     values = term(ro, {"logp": logp}, info_for(2))
-    # row 0 (real): ppo_clip, ratio 2 clipped at 1.2 → −1.2·A = −1.2, no gradient; row 1: −A·ρ/(ρ+0.1) = −2·0.5, −2·0.952381
+    # row 0 (real): ppo_clip, ratio 2 clipped at 1.2 → −1.2·A = −1.2, no gradient;
+    # row 1: −A·ρ/(ρ+0.1) = −2·0.5, −2·0.952381
     torch.testing.assert_close(values, torch.tensor([[[-1.2, -1.2], [-1.0, -2 * 0.952381]]]), atol=1e-5, rtol=0)
     torch.testing.assert_close(values[0, 0], build("objective", "ppo_clip")(ro, {"logp": logp}, info_for(2))[0, 0])
     (grad,) = torch.autograd.grad(values.sum(), logp)
@@ -247,7 +251,8 @@ def test_lope_batch_by_hand():
     # 2 correct (< G = 4): slots 0 and 1 take resamples 1 and 3; slots 2, 3 keep original failures
     assert batch.rewards.tolist() == [[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
     assert batch.row_flags[INJECTED].tolist() == [[True, True, False, False], [False] * 4]
-    # the swapped rows were sampled under their perturbed prompts (resample 1 of perturbation j: asked[j]); the others under their own
+    # the swapped rows were sampled under their perturbed prompts (resample 1 of perturbation j: asked[j]);
+    # the others under their own
     assert batch.behav_ctx == [[asked[0].prompt, asked[1].prompt, [], []], [[]] * 4]
     assert batch.behaviour_contexts()[0] == [asked[0].prompt, asked[1].prompt, [1], [1]]
     assert batch.actions[0, :, 0].tolist() == [21, 21, 22, 23]  # resample r = 1 of each perturbation (token 20 + r)
@@ -299,7 +304,8 @@ PLUS = ['rollout.name="lope"', "rollout.prompts_per_step=8", "rollout.group_size
 
 
 def _plus_params(tmp_path, **more):
-    """A vocabulary of one word, "+": on the embedded model "+12+34=" is the one prefix that keeps some accuracy (~9 %)."""
+    """A vocabulary of one word, "+": on the embedded model "+12+34=" is
+    the one prefix that keeps some accuracy (~9 %)."""
     (tmp_path / "plus.txt").write_text("+\n")
     params = {
         "num_perturbation": 2,

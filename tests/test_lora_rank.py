@@ -46,13 +46,15 @@ def test_spec_allocation_examples():
 def test_uniform_reduced_and_bounds_keep_the_budget_exactly():
     assert allocate_ranks([0.9, 0.05, 0.05], 96, "uniform") == [32, 32, 32]  # the shares do not matter
     assert allocate_ranks([0.25] * 4, 10, "uniform") == [3, 3, 2, 2]  # 2.5 each: the remainders to the first layers
-    # reduced: budget round(0.7 * 40) = 28; raw [2.8, 5.6, 8.4, 11.2] -> [2, 5, 8, 11] + the 2 largest fractions (.8, .6)
+    # reduced: budget round(0.7 * 40) = 28; raw [2.8, 5.6, 8.4, 11.2] ->
+    # [2, 5, 8, 11] + the 2 largest fractions (.8, .6)
     assert allocate_ranks([0.1, 0.2, 0.3, 0.4], 40, "reduced") == [3, 6, 8, 11]
     # r_max = 8: raw [14, 2, 2, 2] -> layer 0 fixed at 8, the other 12 shared equally
     assert allocate_ranks([0.7, 0.1, 0.1, 0.1], 20, "proportional", r_max=8) == [8, 4, 4, 4]
     # r_min = 2: raw [0.2, 4.9, 4.9] -> layer 0 fixed at 2, the other 8 split [4, 4]
     assert allocate_ranks([0.02, 0.49, 0.49], 10, "proportional", r_min=2) == [2, 4, 4]
-    # both bounds in one pass, then again: raw [16, 2, 1, 1] (r_min 2, r_max 10) -> [10, ., 2, 2]; the 6 left go to layer 1 alone
+    # both bounds in one pass, then again: raw [16, 2, 1, 1] (r_min 2, r_max 10) -> [10, ., 2, 2];
+    # the 6 left go to layer 1 alone
     assert allocate_ranks([0.8, 0.1, 0.05, 0.05], 20, "proportional", r_min=2, r_max=10) == [10, 6, 2, 2]
     with pytest.raises(ConfigError, match="cannot keep every rank"):
         allocate_ranks([0.5, 0.5], 3, "proportional", r_min=2)

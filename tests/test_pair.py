@@ -104,7 +104,8 @@ def test_attention_ratio_features_by_hand():
     hidden = [torch.arange(8.0).view(4, 2), torch.arange(8.0).view(4, 2) * 10]  # layers' [S,D]; the last one is read
     h, a = pair_features(hidden, [A], (2, 4))
     close(h, [60.0, 70.0])  # hidden_states[-1][e − 1]
-    # max: (0.5 + 0.4)/2 = 0.45;  std (population over the 4 keys): row 2 √(0.125/4) = 0.176777, row 3 √(0.05/4) = 0.111803 → 0.144290
+    # max: (0.5 + 0.4)/2 = 0.45;  std (population over the 4 keys): row 2 √(0.125/4) = 0.176777,
+    # row 3 √(0.05/4) = 0.111803 → 0.144290
     # prefix Σ_{k<2}: 0.75, 0.3 → 0.525;  self Σ_{2≤k<4}: 0.25, 0.7 → 0.475
     close(a, [0.45, (math.sqrt(0.125 / 4) + math.sqrt(0.05 / 4)) / 2, 0.525, 0.475])
     _, a0 = pair_features(hidden, [A], (0, 2))  # s = 0: prefix ratio 0; rows 0, 1 entirely on the turn's own keys
@@ -260,7 +261,8 @@ def test_eager_quantities_match_the_models_own_forward():
     # after the final norm
     torch.testing.assert_close(out["hidden_at(4)"][1, 0, :2], own.hidden_states[4][0, 2:4], rtol=0, atol=1e-5)
     torch.testing.assert_close(alone["hidden_at(1)"][1, 0, :2], own.hidden_states[1][0, 2:4], rtol=0, atol=1e-5)
-    # hidden(4) (before the norm, at the predicting position) of token 15 is not hidden_at(4) of token 14: different quantities
+    # hidden(4) (before the norm, at the predicting position) of token 15 is
+    # not hidden_at(4) of token 14: different quantities
     assert not torch.allclose(out["hidden(4)"][1, 0, 1], out["hidden_at(4)"][1, 0, 0])
     # padding: 0
     assert (got[1, 0, 2] == 0).all() and (got[0, 1, 1:] == 0).all() and (out["hidden_at(4)"][0, 1, 1:] == 0).all()

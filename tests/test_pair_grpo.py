@@ -368,7 +368,8 @@ def test_soft_gradient_is_a_positive_multiple_of_grpo_to_first_order(tmp_path):
         )
         guard.append(float(torch.nn.functional.cosine_similarity(g_grpo, gradient(batch, shuffled), dim=0)))
     print(
-        f"cosine(Soft-Pair, GRPO) = {statistics.mean(cos):.3f} {[round(c, 2) for c in cos]}; shuffled: {statistics.mean(guard):.3f}"
+        f"cosine(Soft-Pair, GRPO) = {statistics.mean(cos):.3f} "
+        f"{[round(c, 2) for c in cos]}; shuffled: {statistics.mean(guard):.3f}"
     )
     assert statistics.mean(cos) > 0.3 and sum(c > 0 for c in cos) >= 5
     assert statistics.mean(cos) > statistics.mean(guard) + 0.3

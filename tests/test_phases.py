@@ -203,7 +203,7 @@ dist.barrier()
 out = {"rank": rank, "artifact_rank": artifacts["rank_table"]["rank"], "w": artifacts["rank_table"]["w"].tolist(), "said": said}
 Path(sys.argv[2], f"rank{rank}.json").write_text(json.dumps(out))  # one file a rank: two ranks' stdout lines can interleave
 dist.shutdown()
-"""
+"""  # noqa: E501
 
 
 @pytest.mark.dist

@@ -177,7 +177,8 @@ def test_a_run_with_sft_and_probe_phases_saves_and_injects_the_probe(tmp_path):
     from test_trainer import make_trainer
 
     phases = (
-        'phases=[{name="sft", steps=2, batch_size=8}, {name="profil_probe", prompts=6, samples=2, steps=5, marker="#", sep=";", '
+        'phases=[{name="sft", steps=2, batch_size=8}, {name="profil_probe", '
+        'prompts=6, samples=2, steps=5, marker="#", sep=";", '
         "max_new_tokens=28, forced_tokens=3}]"
     )
     trainer = make_trainer(
@@ -221,7 +222,10 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
     from groupwise.policy.lm import resolve_model_path
 
     assert resolve_model_path("theater").endswith("models/theater")  # a bare shipped name is the package's folder
-    phase = 'phases=[{name="profil_probe", prompts=16, samples=2, steps=100, marker="#", sep=";", max_new_tokens=28, forced_tokens=3}]'
+    phase = (
+        'phases=[{name="profil_probe", prompts=16, samples=2, steps=100, '
+        'marker="#", sep=";", max_new_tokens=28, forced_tokens=3}]'
+    )
     trainer = make_trainer(
         tmp_path,
         'model.path="theater"',

@@ -147,7 +147,8 @@ def test_a_role_identical_to_the_policy_takes_identical_steps(tmp_path):
         tmp_path / "run",
         'rewards=["exact"]',
         f'roles.teacher.model.path="{MODEL}"',
-        'roles.teacher.objective={agg="seq_mean_token_mean", terms=[{name="ppo_clip", eps_low=0.2, eps_high=0.2}], weights=[]}',
+        'roles.teacher.objective={agg="seq_mean_token_mean", '
+        'terms=[{name="ppo_clip", eps_low=0.2, eps_high=0.2}], weights=[]}',
     )
     for step in range(3):
         trainer.step = step

@@ -97,10 +97,11 @@ def test_concat_pads_the_row_axis_with_invalid_rows():
     assert out.ctx[1] == [[1], [2], []]
 
 
-# ---------------------------------------------------------------------------------------------- behav_ctx, row_flags, segments
+# --------------------------------------------------------------------------------------- behav_ctx, row_flags, segments
 def _with_row_fields(B: int, G: int, T: int, seed: int, S: int = 2):
     """A hand-built batch carrying every row-context field: row g of group b sampled under [100 + b, g] when g is odd,
-    flag injected on those rows, segment g // 2 of every token of the mask, a segment extra (b, g, s) -> 100b + 10g + s."""
+    flag injected on those rows, segment g // 2 of every token of the
+    mask, a segment extra (b, g, s) -> 100b + 10g + s."""
     ro = make_rollout(B, G, T, seed=seed)
     ro.behav_ctx = [[[100 + b, g] if g % 2 else [] for g in range(G)] for b in range(B)]
     ro.set_flag("injected", torch.tensor([[g % 2 == 1 for g in range(G)] for _ in range(B)]))

@@ -430,7 +430,7 @@ def test_a_second_process_on_the_run_folder_is_refused_with_the_holders_pid(tmp_
     runfolder.RunLock(run).acquire().release()  # free again once the holder let go
 
 
-# ---------------------------------------------------------------------------- 7, 8. finished runs, defaults, atomic outputs
+# ------------------------------------------------------------------------ 7, 8. finished runs, defaults, atomic outputs
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     """Before: a rerun evaluated again and appended to summary.json's evals each time."""
     run = tmp_path / "run"

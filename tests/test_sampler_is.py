@@ -185,7 +185,8 @@ def test_trl_parity_is_ratio(mode, lo, hi):
     ours = _w(ro, mode=mode, lo=lo, hi=hi).reshape(N, T)
     diff = (ours[m] - trl[m]).abs().max().item()
     print(
-        f"TRL parity sampler_is {mode} lo={lo} hi={hi}: max |Δ| {diff:.2e} (range {trl[m].min():.3g}..{trl[m].max():.3g})"
+        f"TRL parity sampler_is {mode} lo={lo} hi={hi}: max |Δ| "
+        f"{diff:.2e} (range {trl[m].min():.3g}..{trl[m].max():.3g})"
     )
     assert diff < 1e-6 and (ours[~m] == 0).all()
     assert (trl[m] != 1).float().mean() > 0.5  # the ratios are really away from 1

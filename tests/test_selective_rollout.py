@@ -51,7 +51,8 @@ def test_prefix_distance_termination_and_gate_spec_numbers():
 
 
 def test_dilution_dropping_zero_variance_groups_doubles_the_gradient_norm():
-    # 4 groups × 4 trajectories, 3 tokens each; groups 1 and 3 are zero-variance (all 0, all 1); token-mean REINFORCE loss
+    # 4 groups × 4 trajectories, 3 tokens each; groups 1 and 3 are zero-variance (all 0, all 1);
+    # token-mean REINFORCE loss
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
     ro = rollout_from(torch.zeros(4, 4, 3), rewards=rewards)
     ro.advantages = build("advantage", "grpo")(ro, info_for(3))
@@ -69,7 +70,7 @@ def test_dilution_dropping_zero_variance_groups_doubles_the_gradient_norm():
     torch.testing.assert_close(kept.norm() / full.norm(), torch.tensor(2.0))
 
 
-# ---------------------------------------------------------------------------------------------- the group hook, scripted
+# --------------------------------------------------------------------------------------------- the group hook, scripted
 class Keyed(Scripted):
     """The scripted policy of test_grow, with a script per dataset row: ``script[key][e][t]``."""
 
@@ -125,7 +126,8 @@ def test_selective_rollout_drops_the_gated_group_by_hand():
     assert (
         ungated(_ctx([ROW7, ROW9], [SAME, MIXED], 3)).shape[0] == 2 and ungated.step_stats()["episodes/env_steps"] == 18
     )
-    # an episode that ends before K: ROW3 needs one move of 3; with K = 2 no episode reaches step 2, so the gate never runs
+    # an episode that ends before K: ROW3 needs one move of 3;
+    # with K = 2 no episode reaches step 2, so the gate never runs
     row3 = {"env": "reach", "start": 0, "goal": 3, "turns": 1, "prompt": "left 3="}
     strategy(_ctx([row3], [[["3"], ["3"], ["3"]]], 3))
     assert (

@@ -169,7 +169,8 @@ def test_governed_episodes_drop_env_fail_and_segment_steps():
     # step segmentation: "8" (step 0) + " 3+4=" (env: -1) + "8" (step 1)
     assert batch.segment_id[0, 1].tolist()[:7] == [0, -1, -1, -1, -1, -1, 1]
     assert batch.segment_id[0, 0].tolist()[:1] == [0] and batch.segment_id[0, 0, 1:].eq(-1).all()
-    # the per-step scores as segment values, (compiled + semantic) / 2 per step: row 0 "7" (1), row 1 "8" "8" (0.5, 0.5), row 2 "x" "x" (0, 0); row 3: the crash scored nothing
+    # the per-step scores as segment values, (compiled + semantic) / 2 per step: row 0 "7" (1),
+    # row 1 "8" "8" (0.5, 0.5), row 2 "x" "x" (0, 0); row 3: the crash scored nothing
     steps = batch.extras["env/step_scores"]  # [B,G,S]
     assert batch.extra_levels["env/step_scores"] == "segment" and steps.shape == (1, 4, 2)
     torch.testing.assert_close(

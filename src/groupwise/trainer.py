@@ -93,7 +93,7 @@ class Trainer:
         start, stop = dist.shard_bounds(batch.shape[0])
         return batch.select(list(range(start, stop)))
 
-    # ------------------------------------------------------------------ stage 1–3: collect the step's whole scored batch
+    # ----------------------------------------------------------------- stage 1–3: collect the step's whole scored batch
     def collect(self) -> Rollout:
         """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
         ro = self.cfg.rollout
@@ -277,7 +277,10 @@ class Trainer:
         """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
         named: dict[str, Any] = {}
         for component in self.components():
-            key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
+            key = (
+                f"{getattr(component, 'stage', type(component).__module__)}."
+                f"{getattr(component, 'registry_name', type(component).__name__)}"
+            )
             k, n = key, 1
             while k in named:
                 n += 1
@@ -321,8 +324,9 @@ class Trainer:
         named = {key: c for key, c in self.named_components().items() if hasattr(c, "state_dict")}
         if sorted(named) != sorted(state["components"]):
             raise ConfigError(
-                f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
-                f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=..."
+                f"the checkpoint holds the states of components {sorted(state['components'])}, "
+                f"this configuration builds {sorted(named)}; resume with the components the "
+                "run started with, or train into a new folder with out=..."
             )
         for key, component in named.items():
             component.load_state_dict(state["components"][key])
@@ -343,7 +347,8 @@ class Trainer:
             self.prompt_stats.load_state_dict(state["prompt_stats"])
         if sorted(state.get("roles", {})) != sorted(r.name for r in self.roles):
             raise ConfigError(
-                f"the checkpoint holds roles {sorted(state.get('roles', {}))}, this configuration builds {[r.name for r in self.roles]}"
+                f"the checkpoint holds roles {sorted(state.get('roles', {}))}, "
+                f"this configuration builds {[r.name for r in self.roles]}"
             )
         for role in self.roles:
             saved = state["roles"][role.name]

@@ -172,7 +172,8 @@ class Rollout:
         return [[list(p)] * G for p in self.prompt_ids]
 
     def behaviour_contexts(self) -> list[list[list[int]]]:
-        """[B][G] the context every row was sampled under: its ``behav_ctx`` entry when non-empty, else its training context."""
+        """[B][G] the context every row was sampled under: its ``behav_ctx`` entry when non-empty,
+        else its training context."""
         train = self.row_contexts()
         if not self.behav_ctx:
             return train
@@ -195,7 +196,8 @@ class Rollout:
     def set_flag(self, name: str, value: Tensor) -> None:
         if tuple(value.shape) != tuple(self.actions.shape[:2]) or value.dtype != torch.bool:
             raise ValueError(
-                f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} bool tensor, got {tuple(value.shape)} {value.dtype}"
+                f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} "
+                f"bool tensor, got {tuple(value.shape)} {value.dtype}"
             )
         self.row_flags[name] = value
 

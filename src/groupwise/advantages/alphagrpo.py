@@ -130,7 +130,7 @@ def per_prompt_advantages(
 @register("advantage", "alphagrpo")
 @dataclass
 class AlphaGRPOAdvantage:
-    """Per-prompt (r − baseline)/(std + eps), baseline the mean, a stage-1 reward or their max; optional FPR (AlphaGRPO, spec 27)."""
+    """Per-prompt (r − baseline)/(std + eps), baseline the mean, a stage-1 reward or their max; optional FPR (AlphaGRPO, spec 27)."""  # noqa: E501
 
     group_relative = True
     rollout_extras = ()  # (the instance's: ``stage1`` when fpr or a stage-1 baseline reads it, Note 4)
@@ -156,8 +156,8 @@ class AlphaGRPOAdvantage:
         if self.rollout_extras:
             if self.stage1 not in rollout.extras:
                 raise ValueError(
-                    f"alphagrpo: fpr / baseline={self.baseline!r} read the extra {self.stage1!r} (the stage-1 reward per "
-                    f"group), which this rollout lacks; a reflection rollout collects it"
+                    f"alphagrpo: fpr / baseline={self.baseline!r} read the extra {self.stage1!r} (the "
+                    "stage-1 reward per group), which this rollout lacks; a reflection rollout collects it"
                 )
             s = rollout.extras[self.stage1].double().reshape(B, -1).expand(B, G)  # [B,G]
         if self.fpr:

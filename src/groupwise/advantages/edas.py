@@ -167,7 +167,8 @@ class EDAS:
     def __post_init__(self) -> None:
         if not self.kappa > 1.0:
             raise ConfigError(
-                f"edas: kappa={self.kappa} must be > 1 (the clip |delta| <= |A|/kappa keeps signs only then); the paper uses 2.0"
+                f"edas: kappa={self.kappa} must be > 1 (the clip |delta| "
+                "<= |A|/kappa keeps signs only then); the paper uses 2.0"
             )
         if self.alpha < 0 or self.beta < 0:
             raise ConfigError(f"edas: alpha={self.alpha} and beta={self.beta} must be >= 0 (0 turns a branch off)")
@@ -194,7 +195,8 @@ class EDAS:
         if parts is None or not -parts.shape[-1] <= k < parts.shape[-1]:
             have = "none" if parts is None else parts.shape[-1]
             raise ConfigError(
-                f"edas: {what}={k} but the rollout has {have} reward_parts columns (one per reward function, in config order)"
+                f"edas: {what}={k} but the rollout has {have} reward_parts "
+                "columns (one per reward function, in config order)"
             )
         return parts[..., k].double()  # [B,G]
 

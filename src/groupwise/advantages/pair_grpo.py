@@ -33,7 +33,8 @@ different values is ±1 whatever they are).
   the output; the micro-batch split and world size do not matter).
 - ``std = "population"``, ``eps = 0.0`` [INFERRED] the spec's numbers ([1, −1, 1, −1] exactly; |adv|
   ≤ √(G − 1)). Binary rewards need no eps: a group's std is 0 only when every reward is equal,
-  and such a group gets exactly 0 (``constant_group``). ``scale = "group"`` [ABSTRACT] the group normalisation the abstract keeps (DeepSeekMath's, as ``grpo``);
+  and such a group gets exactly 0 (``constant_group``). ``scale = "group"`` [ABSTRACT] the group normalisation the
+  abstract keeps (DeepSeekMath's, as ``grpo``);
   ``"batch"``, ``"none"`` as ``grpo``.
 
 **Notes**

@@ -57,7 +57,8 @@ def profil_filter(adv: Tensor, rollout_scores: Tensor, tau: float = 0.5, only_po
     """adv float32 with 0 where the rollout's score exceeds ``tau`` (only where adv > 0 if ``only_positive``)."""
     if tuple(adv.shape[: rollout_scores.dim()]) != tuple(rollout_scores.shape):
         raise ValueError(
-            f"profil_filter: rollout_scores {tuple(rollout_scores.shape)} must be the leading shape of adv {tuple(adv.shape)}"
+            f"profil_filter: rollout_scores {tuple(rollout_scores.shape)} "
+            f"must be the leading shape of adv {tuple(adv.shape)}"
         )
     flag = rollout_scores > tau  # [N]
     flag = flag.reshape(*flag.shape, *([1] * (adv.dim() - flag.dim())))  # [N] or [N,1] for token advantages
@@ -96,7 +97,8 @@ class AttnProbe(nn.Module):
         """p [N,K] float32 in (0,1) per step (K = max step id + 1); NaN where a row lacks step k."""
         if hidden.dim() != 3 or step_ids.shape != hidden.shape[:2]:
             raise ValueError(
-                f"probe_scores: need hidden [N,T,d] and step_ids [N,T], got {tuple(hidden.shape)} and {tuple(step_ids.shape)}"
+                "probe_scores: need hidden [N,T,d] and step_ids [N,T], "
+                f"got {tuple(hidden.shape)} and {tuple(step_ids.shape)}"
             )
         hidden = hidden.float()  # [N,T,d]
         K = int(step_ids.max().item()) + 1 if step_ids.numel() else 0

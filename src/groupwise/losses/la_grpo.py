@@ -130,7 +130,8 @@ class LAGRPOAnchor:
         """[b,G,T] bool: positions holding a functional token (the objective intersects the loss mask)."""
         if self._ids is None:
             raise ValueError(
-                "objective la_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+                "objective la_grpo has no vocabulary: it needs a text "
+                "policy (the trainer calls use_vocabulary at build)"
             )
         return torch.isin(rollout.actions, self._ids)  # [b,G,T]
 

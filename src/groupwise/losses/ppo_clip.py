@@ -55,7 +55,7 @@ from groupwise.types import Rollout, StepInfo
 @register("objective", "ppo_clip")
 @dataclass
 class PPOClip:
-    """PPO clipped surrogate with asymmetric clip (clip-higher) and optional dual clip (GRPO/PPO, Schulman et al. 2017)."""
+    """PPO clipped surrogate with asymmetric clip (clip-higher) and optional dual clip (GRPO/PPO, Schulman et al. 2017)."""  # noqa: E501
 
     eps_low: float = 0.2
     eps_high: float = 0.2

@@ -153,7 +153,8 @@ class STrace:
             return mb.extras[key].bool() & mask  # [b,G,T] whole-batch selection
         if "entropy" not in mb.extras:
             raise ValueError(
-                "s_trace (mode 's_trace') needs rollout.extras['entropy'] (declared Need('entropy')); or use mode='p_trace'"
+                "s_trace (mode 's_trace') needs rollout.extras['entropy'] "
+                "(declared Need('entropy')); or use mode='p_trace'"
             )
         return self._select(mb, info).bool() & mask  # [b,G,T] on the rows given
 

@@ -99,7 +99,8 @@ class VelocityMLP(nn.Module):
         super().__init__()
         if n_labels < 1 or hidden < 1 or layers < 2 or (cond_dim is not None and cond_dim < 1):
             raise ValueError(
-                f"VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}"
+                "VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, "
+                f"cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}"
             )
         self.n_labels = n_labels
         self.register_buffer("freqs", math.pi * torch.arange(1, freqs + 1, dtype=torch.float32))  # [F]
@@ -231,7 +232,8 @@ class FlowPolicy:
         """[N,cond_dim] float64: the embedding form's condition C^orig = f(tokens[label]) of each label [N]."""
         if self.encoder is None:
             raise ValueError(
-                'FlowPolicy.original_condition: the label form has no condition vector (model.params.condition = "embedding")'
+                "FlowPolicy.original_condition: the label form has no "
+                'condition vector (model.params.condition = "embedding")'
             )
         return self.encoder(self.encoder.tokens[labels])  # [N,c]
 
@@ -241,7 +243,8 @@ class FlowPolicy:
         encoder of the sum of the real tokens' embeddings (a flow prompt is one token: S = 1)."""
         if self.encoder is None:
             raise ValueError(
-                'the flow policy\'s label form has no prompt embedding to perturb; set model.params.condition = "embedding"'
+                "the flow policy's label form has no prompt embedding "
+                'to perturb; set model.params.condition = "embedding"'
             )
         encoder = self.encoder
 
@@ -251,10 +254,12 @@ class FlowPolicy:
         return encoder.tokens, encode
 
     def _conditions(self, requests: Sequence[Request], labels: Tensor, G: int) -> tuple[Tensor | None, ...]:
-        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``; None ×4 for the label form)."""
+        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``;
+        None ×4 for the label form)."""
         if any(r.hook is not None for r in requests) and self.encoder is None:
             raise ValueError(
-                'FlowPolicy.generate: a generation hook needs the embedding condition (model.params.condition = "embedding"); '
+                "FlowPolicy.generate: a generation hook needs the embedding "
+                'condition (model.params.condition = "embedding"); '
                 "the label form applies no hooks"
             )
         return (
@@ -262,7 +267,8 @@ class FlowPolicy:
         )
 
     def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
-        """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]); ``cond`` [N,...] a subclass's further condition (None here)."""
+        """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]);
+        ``cond`` [N,...] a subclass's further condition (None here)."""
         return self.net(x, sigma, label)  # [N,2]
 
     def _stored_condition(self, rollout: Rollout, sel: Tensor) -> Tensor | None:
@@ -408,7 +414,8 @@ class FlowPolicy:
     def load_state_dict(self, state: dict) -> None:
         if state.get("config") != self.config:
             raise ValueError(
-                f"FlowPolicy.load_state_dict: the state was saved from {state.get('config')}, this policy is {self.config}"
+                "FlowPolicy.load_state_dict: the state was saved from "
+                f"{state.get('config')}, this policy is {self.config}"
             )
         self.net.load_state_dict(state["net"])
         if self.reference is not None and "reference" in state:

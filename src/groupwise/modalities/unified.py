@@ -73,7 +73,8 @@ class ThinkLM(nn.Module):
 
 
 class UnifiedPolicy(FlowPolicy):
-    """Think tokens from a tiny causal LM, then a flow sample conditioned on them; one row, one advantage (AlphaGRPO toy)."""
+    """Think tokens from a tiny causal LM, then a flow sample conditioned on them;
+    one row, one advantage (AlphaGRPO toy)."""
 
     def __init__(
         self,

@@ -94,7 +94,8 @@ class LoraPlacementProbe:
                 raise ConfigError(f"phase lora_placement_probe: {key}={getattr(self, key)} must be >= 1")
         if self.group_size < 2:
             raise ConfigError(
-                f"phase lora_placement_probe: group_size={self.group_size}; GRPO's advantage needs >= 2 samples a prompt"
+                f"phase lora_placement_probe: group_size={self.group_size}; "
+                "GRPO's advantage needs >= 2 samples a prompt"
             )
         if self.k < 0 or not 0.0 < self.fraction <= 1.0:
             raise ConfigError(
@@ -108,7 +109,8 @@ class LoraPlacementProbe:
         named = [(n, p) for n, p in zip(policy.parameter_names(), policy.parameters()) if lora_side(n) == "B"]
         if not named:
             raise ConfigError(
-                "phase lora_placement_probe: the policy has no trainable LoRA-B weight; set model.lora (PEFT LoraConfig arguments)"
+                "phase lora_placement_probe: the policy has no trainable "
+                "LoRA-B weight; set model.lora (PEFT LoraConfig arguments)"
             )
         sizes = [p.numel() for _, p in named]
         P = sum(sizes)
@@ -182,7 +184,9 @@ class LoraPlacementProbe:
             "seconds": round(time.perf_counter() - t0, 1),
         }
         ctx.say(
-            f"phase {self.artifact!r}: {k} of {P} LoRA-B entries by {self.score!r}; probe gradients eff_rank {stats['eff_rank']:.2f}, "
-            f"mean cos {stats['mean_cos'] if stats['mean_cos'] is not None else float('nan'):.3f}; per module {dict(sorted(kinds.items()))}"
+            f"phase {self.artifact!r}: {k} of {P} LoRA-B entries by {self.score!r}; "
+            f"probe gradients eff_rank {stats['eff_rank']:.2f}, mean cos "
+            f"{stats['mean_cos'] if stats['mean_cos'] is not None else float('nan'):.3f}; "
+            f"per module {dict(sorted(kinds.items()))}"
         )
         return {"masks": masks, "score": self.score, "k": k, "entries": P, "summary": summary}

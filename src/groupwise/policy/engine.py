@@ -224,7 +224,8 @@ class _HFState:
         self._handle = None
 
     def steer(self, layer: int, add: Tensor) -> None:
-        """Add ``add`` [R,D] (one vector per row) to the residual stream after decoder layer ``layer`` (0: the embeddings)."""
+        """Add ``add`` [R,D] (one vector per row) to the residual stream after
+        decoder layer ``layer`` (0: the embeddings)."""
         self.steer_add = add
         module = residual_module(self.model, layer)
 
@@ -370,7 +371,8 @@ class CPUEngine:
         kinds = hook_kinds(hooks or [])
         if kinds - self.hooks:
             raise ValueError(
-                f"generation hooks {sorted(kinds - self.hooks)} cannot be applied by this engine (it applies {sorted(self.hooks)})"
+                f"generation hooks {sorted(kinds - self.hooks)} cannot be "
+                f"applied by this engine (it applies {sorted(self.hooks)})"
             )
         state = self._new_state(kinds)
         # no dropout in the functional maths: no train/eval switch (~1 ms per module tree walk)

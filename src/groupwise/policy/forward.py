@@ -365,7 +365,8 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
             last = True
         else:
             raise ValueError(
-                f"the packed forward cannot compute {q!r}; it computes logp, logprobs, entropy, topk(k), hidden(l), last_hidden, attn_at(l), hidden_at(l)"
+                f"the packed forward cannot compute {q!r}; it computes logp, logprobs, "
+                "entropy, topk(k), hidden(l), last_hidden, attn_at(l), hidden_at(l)"
             )
     return layers, topks, entropy, last
 
@@ -402,7 +403,8 @@ def _eager_states(
     for name, l in wanted:
         if l > n_layers or (name == "attn_at" and l < 1):
             raise ValueError(
-                f"{name}({l}) asked of a model with {n_layers} decoder layers; use attn_at(1..{n_layers}) or hidden_at(0..{n_layers})"
+                f"{name}({l}) asked of a model with {n_layers} decoder layers; "
+                f"use attn_at(1..{n_layers}) or hidden_at(0..{n_layers})"
             )
     _N, width = len(sequences), max(len(s) for s in sequences)
     device = next(model.parameters()).device

@@ -407,10 +407,12 @@ class DecodeState:
         self.steer_layer, self.steer_add = -1, None  # residual_add: the layer, [A,D] per live row
 
     def steer(self, layer: int, add: Tensor) -> None:
-        """Add ``add`` [R,D] to the residual stream after decoder layer ``layer`` (0: the embeddings), every position."""
+        """Add ``add`` [R,D] to the residual stream after decoder layer
+        ``layer`` (0: the embeddings), every position."""
         if not 0 <= layer <= len(self.layers):
             raise ValueError(
-                f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(self.layers)} (0: the embeddings)"
+                f"residual_add hook: layer={layer} but the model has "
+                f"decoder layers 1..{len(self.layers)} (0: the embeddings)"
             )
         self.steer_layer, self.steer_add = layer, add
 

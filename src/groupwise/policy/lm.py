@@ -204,7 +204,8 @@ class LMPolicy:
 
         if self.context and len(ids) + max_new_tokens > self.context:
             raise ConfigError(
-                f"{where}: prompt of {len(ids)} tokens + rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
+                f"{where}: prompt of {len(ids)} tokens + "
+                f"rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
                 f'{self.context}; lower rollout.max_new_tokens, or set data.on_bad_row="skip" to drop such prompts'
             )
 
@@ -319,13 +320,15 @@ class LMPolicy:
 
         if self.ref_sync_every and not with_reference:
             raise ConfigError(
-                f"model.ref_sync_every={self.ref_sync_every}: no component reads the reference model (add a kl term or a ref need)"
+                f"model.ref_sync_every={self.ref_sync_every}: no component "
+                "reads the reference model (add a kl term or a ref need)"
             )
         if with_reference and self.reference is None:
             self.reference = Reference(self.module)
             if self.ref_sync_every and self.reference.uses_adapter:
                 raise ConfigError(
-                    "model.ref_sync_every needs a reference copy; with LoRA the reference is the base model with adapters off"
+                    "model.ref_sync_every needs a reference copy; with "
+                    "LoRA the reference is the base model with adapters off"
                 )
         models = {"policy": lambda: contextlib.nullcontext(self.module)}
         if self.reference is not None:
@@ -341,8 +344,8 @@ class LMPolicy:
             from groupwise.errors import ConfigError
 
             raise ConfigError(
-                "an sft phase with model.lora: the reference (the base with adapters off) would not be the fine-tuned policy; "
-                "drop model.lora or the components that read the reference"
+                "an sft phase with model.lora: the reference (the base with adapters off) would not "
+                "be the fine-tuned policy; drop model.lora or the components that read the reference"
             )
         self.reference.load_state_dict(self.module.state_dict())
 

@@ -159,11 +159,13 @@ def check_encoder(encoder: str) -> None:
     missing = [m for m in ("sentence_transformers", ENCODERS.get(encoder)) if m and importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(
-            f"reward 'semantic_reward' needs {' and '.join(missing)} (encoder {encoder!r}), which is not installed; {INSTALL}"
+            f"reward 'semantic_reward' needs {' and '.join(missing)} "
+            f"(encoder {encoder!r}), which is not installed; {INSTALL}"
         )
     if encoder not in ENCODERS and not Path(encoder).is_dir():
         raise ConfigError(
-            f"reward 'semantic_reward': encoder {encoder!r} is neither a known name ({', '.join(ENCODERS)}) nor a local SentenceTransformer folder"
+            f"reward 'semantic_reward': encoder {encoder!r} is neither a known "
+            f"name ({', '.join(ENCODERS)}) nor a local SentenceTransformer folder"
         )
 
 

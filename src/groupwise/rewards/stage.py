@@ -110,7 +110,8 @@ class RewardStage:
             errors = sum(v for k, v in self.counts.items() if k.endswith("/error"))
             if errors > self.policy.max_error_rate * max(1, len(rows)):
                 raise RuntimeError(
-                    f"reward functions failed on {errors} of {len(rows)} samples this step (reward.max_error_rate={self.policy.max_error_rate}): {self.counts}"
+                    f"reward functions failed on {errors} of {len(rows)} samples this step "
+                    f"(reward.max_error_rate={self.policy.max_error_rate}): {self.counts}"
                 )
         rollout.reward_parts = parts.view(B, G, -1)  # [B,G,K_text] float64 until finish
         rollout.set_extra("reward_failed", failed.view(B, G), "row")

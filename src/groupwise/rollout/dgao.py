@@ -142,7 +142,8 @@ class DGAOOrders:
     def __post_init__(self) -> None:
         if self.num_orders < 0 or self.rows_per_order < 1:
             raise ConfigError(
-                f"rollout dgao: num_orders={self.num_orders} must be >= 0 (0 = rollout.group_size) and rows_per_order={self.rows_per_order} >= 1"
+                f"rollout dgao: num_orders={self.num_orders} must be >= 0 (0 = "
+                f"rollout.group_size) and rows_per_order={self.rows_per_order} >= 1"
             )
 
     @property
@@ -154,7 +155,8 @@ class DGAOOrders:
         elements, template = meta.get(self.elements_column), meta.get(self.template_column)
         if not isinstance(elements, (list, tuple)) or not isinstance(template, str) or SLOT not in template:
             raise ConfigError(
-                f"rollout dgao needs rows with a list column {self.elements_column!r} and a text column {self.template_column!r} "
+                f"rollout dgao needs rows with a list column {self.elements_column!r} "
+                f"and a text column {self.template_column!r} "
                 f'holding {SLOT!r}; row {key} has {sorted(meta)} (e.g. data.task="addition_orders")'
             )
         info = ctx.info(0)

@@ -114,8 +114,8 @@ def env_name(env: str | None, row: dict, who: str) -> str:
     name = env or row.get("env")
     if not name:
         raise ConfigError(
-            f"rollout {who}: no env to play: set rollout.params.env (a registered env) or use a task whose rows name one "
-            f"in an 'env' column (data.task='reach')"
+            f"rollout {who}: no env to play: set rollout.params.env (a registered env) "
+            "or use a task whose rows name one in an 'env' column (data.task='reach')"
         )
     return name
 
@@ -204,8 +204,9 @@ def play(
         ep.facts = dict(outcome()) if outcome is not None else {}
     if not parts:
         raise ConfigError(
-            f"rollout {who}: no episode could take a single turn (the first observation plus rollout.max_new_tokens={budget} "
-            f"exceeds the context limit {limit}); raise max_context or shorten the observations"
+            f"rollout {who}: no episode could take a single turn (the first "
+            f"observation plus rollout.max_new_tokens={budget} exceeds the context "
+            f"limit {limit}); raise max_context or shorten the observations"
         )
     return Played(episodes, Rollout.concat(parts), gated)
 
@@ -213,7 +214,8 @@ def play(
 def _group_hook(
     episodes: list[list[Episode]], gated: list[bool], acted: set[int], k: int, on_step: Callable, who: str
 ) -> None:
-    """After turn ``k``: ``on_step`` for every group with an episode that played its k-th action now; a cut stops its live episodes."""
+    """After turn ``k``: ``on_step`` for every group with an episode that played its k-th action now;
+    a cut stops its live episodes."""
     for b, group in enumerate(episodes):
         if gated[b] or not any(id(ep) in acted for ep in group):
             continue
@@ -271,14 +273,14 @@ def check_env_rewards(components: list[Any], who: str) -> None:
     others = sorted({getattr(c, "registry_name", type(c).__name__) for c in text if not isinstance(c, EnvReturn)})
     if others:
         raise ConfigError(
-            f"rollout strategy {who!r} plays an environment: its rows are scored by the env's return (reward 'env_return'), "
-            f"so the text rewards {others} have nothing to score; use rewards=['env_return'] (rollout scorers such as "
-            f"'kl_penalty' may be added)"
+            f"rollout strategy {who!r} plays an environment: its rows are scored by the env's "
+            f"return (reward 'env_return'), so the text rewards {others} have nothing to score; "
+            "use rewards=['env_return'] (rollout scorers such as 'kl_penalty' may be added)"
         )
     if not text:
         raise ConfigError(
-            f"rollout strategy {who!r} plays an environment but no reward is 'env_return': add it (rewards=['env_return'], "
-            f"the env tasks' default)"
+            f"rollout strategy {who!r} plays an environment but no reward is "
+            "'env_return': add it (rewards=['env_return'], the env tasks' default)"
         )
 
 

@@ -157,7 +157,7 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
 @register("rollout", "episodes")
 @dataclass
 class Episodes:
-    """One row per episode: the whole multi-turn transcript, environment tokens masked out of the loss (trajectory-level GRPO)."""
+    """One row per episode: the whole multi-turn transcript, environment tokens masked out of the loss (trajectory-level GRPO)."""  # noqa: E501
 
     max_turns: int = 16
     separator: str = " "
@@ -168,7 +168,8 @@ class Episodes:
     def __post_init__(self) -> None:
         if self.max_turns < 1 or (self.max_context is not None and self.max_context < 2):
             raise ConfigError(
-                f"rollout episodes: need max_turns >= 1 and max_context >= 2 or None, got max_turns={self.max_turns}, max_context={self.max_context}"
+                "rollout episodes: need max_turns >= 1 and max_context >= 2 or None, "
+                f"got max_turns={self.max_turns}, max_context={self.max_context}"
             )
 
     on_step = None  # a group hook for rollout/env.py's play (``selective_rollout`` defines its gate here); None: none

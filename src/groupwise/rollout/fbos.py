@@ -160,7 +160,8 @@ class FBOS:
         if self.feedback_column not in extra:
             raise ConfigError(
                 f"rollout fbos reads the feedback column {self.feedback_column!r} that a reward logs with log_extra, "
-                f'but row {b},{g} has none; use a reward that gives feedback, e.g. rewards = [{{name = "exact_feedback"}}]'
+                f"but row {b},{g} has none; use a reward that gives "
+                'feedback, e.g. rewards = [{name = "exact_feedback"}]'
             )
         return str(extra[self.feedback_column])
 

@@ -142,7 +142,8 @@ def hora_allocate(
         )
     if budget < B * min_alloc:
         raise ValueError(
-            f"hora_allocate: budget {budget} cannot give {B} prompts min_alloc={min_alloc} each; raise the budget or lower min_alloc"
+            f"hora_allocate: budget {budget} cannot give {B} prompts "
+            f"min_alloc={min_alloc} each; raise the budget or lower min_alloc"
         )
     m = [int(min_alloc)] * B
     left = int(budget) - B * int(min_alloc)
@@ -174,7 +175,7 @@ def hora_allocate(
 @register("rollout", "hora")
 @dataclass
 class HORA:
-    """HORA: a first round of rollouts per prompt, then the rest of the budget where an extra rollout most likely hits (Wang et al. 2026)."""
+    """HORA: a first round of rollouts per prompt, then the rest of the budget where an extra rollout most likely hits (Wang et al. 2026)."""  # noqa: E501
 
     initial: int = 4
     budget: int | None = None
@@ -187,7 +188,8 @@ class HORA:
     def __post_init__(self) -> None:
         if self.initial < 1 or (self.max_per_prompt is not None and self.max_per_prompt < self.initial):
             raise ConfigError(
-                f"rollout hora: need initial >= 1 and max_per_prompt >= initial, got initial={self.initial}, max_per_prompt={self.max_per_prompt}"
+                "rollout hora: need initial >= 1 and max_per_prompt >= initial, "
+                f"got initial={self.initial}, max_per_prompt={self.max_per_prompt}"
             )
 
     def __call__(self, ctx) -> Rollout:

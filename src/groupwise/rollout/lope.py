@@ -108,7 +108,8 @@ def load_words(path: str = "") -> tuple[str, ...]:
     source = Path(path) if path else WORDS_FILE
     if not source.is_file():
         raise ConfigError(
-            f'rollout lope: vocabulary file {str(source)!r} does not exist; give a file of words, one a line (or "" for the shipped list)'
+            f"rollout lope: vocabulary file {str(source)!r} does not exist; "
+            'give a file of words, one a line (or "" for the shipped list)'
         )
     words = tuple(w.strip() for w in source.read_text().splitlines() if w.strip() and not w.strip().startswith("#"))
     if not words:
@@ -163,7 +164,7 @@ def lope_regroup(
 @register("rollout", "lope")
 @dataclass
 class LoPE:
-    """All-wrong prompts are resampled under Lorem-prefixed prompts; correct resamples join the group under the original prompt (LoPE)."""
+    """All-wrong prompts are resampled under Lorem-prefixed prompts; correct resamples join the group under the original prompt (LoPE)."""  # noqa: E501
 
     num_perturbation: int = 6
     n_per: int = 4
@@ -189,7 +190,8 @@ class LoPE:
             raise ConfigError(f"rollout lope: fit={self.fit!r} must be 'truncate' or 'error'")
         if self.resample_temperature is not None and not self.resample_temperature > 0:
             raise ConfigError(
-                f"rollout lope: resample_temperature={self.resample_temperature} must be > 0 (or None: the rollout temperature)"
+                f"rollout lope: resample_temperature={self.resample_temperature} "
+                "must be > 0 (or None: the rollout temperature)"
             )
         self.words = load_words(self.vocabulary)
         self._stats: dict[str, float] = {}

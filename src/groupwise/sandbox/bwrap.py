@@ -621,9 +621,10 @@ class Sandbox:
         interpreter that such a uid may execute."""
         if not self.root:
             raise SandboxUnavailable(
-                f"unsafe_local=True runs each candidate as a fresh unprivileged uid, which needs root; as uid {os.geteuid()} "
-                "the candidates would run as you, with your files (the dataset and its expected answers) and your processes "
-                "within reach, so it is refused. Install bubblewrap instead (see docs/sandbox.md), or run as root."
+                "unsafe_local=True runs each candidate as a fresh unprivileged uid, which needs "
+                f"root; as uid {os.geteuid()} the candidates would run as you, with your files "
+                "(the dataset and its expected answers) and your processes within reach, so it "
+                "is refused. Install bubblewrap instead (see docs/sandbox.md), or run as root."
             )
         try:
             subprocess.run(
@@ -640,9 +641,12 @@ class Sandbox:
             )
         except (OSError, subprocess.SubprocessError) as err:
             raise SandboxUnavailable(
-                f"unsafe_local=True: an unprivileged uid cannot run the interpreter {self.python} ({type(err).__name__}; typically a "
-                "directory above it, such as /root, is closed to other users), and candidates are never run as root. Give an "
-                'interpreter every user may execute (the code reward\'s `python` option, e.g. python = "/usr/bin/python3"), '
+                "unsafe_local=True: an unprivileged uid cannot run the "
+                f"interpreter {self.python} ({type(err).__name__}; typically a "
+                "directory above it, such as /root, is closed to other "
+                "users), and candidates are never run as root. Give an "
+                "interpreter every user may execute (the code reward's "
+                '`python` option, e.g. python = "/usr/bin/python3"), '
                 "or install bubblewrap."
             ) from err
 

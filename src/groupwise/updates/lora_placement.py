@@ -173,7 +173,8 @@ class LoraPlacement(Wrapped):
             p = by_name[pname]
             if tuple(mask.shape) != tuple(p.shape) or not p.is_contiguous():
                 raise ConfigError(
-                    f"update lora_placement: mask of {pname!r} has shape {tuple(mask.shape)}, the weight {tuple(p.shape)}"
+                    f"update lora_placement: mask of {pname!r} has shape "
+                    f"{tuple(mask.shape)}, the weight {tuple(p.shape)}"
                 )
             index = mask.reshape(-1).nonzero().flatten().to(p.device)  # [k_i]
             if index.numel():
@@ -182,7 +183,8 @@ class LoraPlacement(Wrapped):
                 placed.append(f"{pname}[placed]")
         if not self.values:
             raise ConfigError(
-                f"update lora_placement: the artifact {self.artifact!r} places no entry (k = 0); give the probe phase k >= 1"
+                f"update lora_placement: the artifact {self.artifact!r} "
+                "places no entry (k = 0); give the probe phase k >= 1"
             )
         self.inner_updater.bind(self.values, self._total)
         if hasattr(self.inner_updater, "use_parameter_names"):

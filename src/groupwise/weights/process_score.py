@@ -62,7 +62,8 @@ def process_token_weights(
     w_min: float = 0.1,
     mask: Tensor | None = None,
 ) -> Tensor:
-    """w [N,T] float32 for N rows: ``step_scores`` (N lists; NaN = no score), ``step_of_token`` [N,T] long, ``adv`` [N] or [N,T], ``mask`` [N,T] bool."""
+    """w [N,T] float32 for N rows: ``step_scores`` (N lists; NaN = no score), ``step_of_token`` [N,T] long,
+    ``adv`` [N] or [N,T], ``mask`` [N,T] bool."""
     N, T = step_of_token.shape
     mask = torch.ones(N, T, dtype=torch.bool) if mask is None else mask.bool()  # [N,T]
     adv = adv.double()

@@ -102,7 +102,8 @@ class SamplerIS:
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.logp_old is None:
             raise ValueError(
-                "sampler_is needs rollout.logp_old: declared Need('logp'), filled by the trainer before the weight stage"
+                "sampler_is needs rollout.logp_old: declared Need('logp'), "
+                "filled by the trainer before the weight stage"
             )
         mask = rollout.row_mask.bool()  # [B,G,T]
         rows = mask.any(-1)  # [B,G] rows with a loss token

@@ -1,4 +1,5 @@
-"""SRPO: role-aware positive token weights — perception tokens by context dependency, reasoning tokens by consistency with the perception.
+"""SRPO: role-aware positive token weights — perception tokens by context dependency,
+reasoning tokens by consistency with the perception.
 
 "Structured Role-Aware Policy Optimization for Multimodal Reasoning", Bingqing Jiang, Difan Zou
 (HKU), 2026. https://arxiv.org/abs/2605.07274 (spec: specs/51; abstract only, no code). Views:
@@ -109,7 +110,7 @@ def apply_token_weights(adv: Tensor, w: Tensor, mask: Tensor) -> Tensor:
 @register("weight", "srpo")
 @dataclass
 class SRPO:
-    """Positive token weights from self-distilled contrasts: perception by context dependency, reasoning by perception consistency (SRPO, Jiang & Zou 2026)."""
+    """Positive token weights from self-distilled contrasts: perception by context dependency, reasoning by perception consistency (SRPO, Jiang & Zou 2026)."""  # noqa: E501
 
     kappa: float = 1.0
     clip: float = 3.0
