@@ -3,7 +3,7 @@ accuracy per optimiser step for ``train.max_staleness`` k in {0, 1, 2, 4} on a g
 
 Configurations (the ``demo`` recipe's algorithm, 2 cores):
 
-- ``local``: today's run, ``rollout.backend = "local"``, 2 torch threads in the trainer;
+- ``local``: today's run, ``rollout.backend = "local"``, 2 torch threads in the trainer (``local-1t``: 1);
 - ``k=K``: ``rollout.backend = "server"``, a local ``groupwise serve`` process with 1 thread and a
   trainer with 1 thread, ``train.max_staleness = K`` (k = 0: the served synchronous step).
 
@@ -30,6 +30,7 @@ import torch
 
 CONFIGS = {
     "local": ["threads=2"],
+    "local-1t": ["threads=1"],  # the synchronous step with one thread: k=0's numbers, without a server
     "k=0": ["threads=1", 'rollout.backend="server"', "train.max_staleness=0"],
     "k=1": ["threads=1", 'rollout.backend="server"', "train.max_staleness=1"],
     "k=2": ["threads=1", 'rollout.backend="server"', "train.max_staleness=2"],
@@ -56,6 +57,7 @@ def run(config: str, seed: int, steps: int, every: int, eval_size: int) -> dict:
             trainer.step += 1
             if trainer.step % every == 0:
                 snapshots.append((trainer.step, clock, _copy(trainer)))
+                print(f"  {config} seed {seed}: step {trainer.step}, {clock:.1f} s", flush=True)
     finally:
         if hasattr(trainer.generation, "close"):
             trainer.generation.close()
