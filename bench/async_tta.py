@@ -35,6 +35,13 @@ CONFIGS = {
     "k=1": ["threads=1", 'rollout.backend="server"', "train.max_staleness=1"],
     "k=2": ["threads=1", 'rollout.backend="server"', "train.max_staleness=2"],
     "k=4": ["threads=1", 'rollout.backend="server"', "train.max_staleness=4"],
+    # a diagnostic: k = 1 without the sampler/trainer correction (sampler_is with mode "none": weight 1)
+    "k=1-noIS": [
+        "threads=1",
+        'rollout.backend="server"',
+        "train.max_staleness=1",
+        'objective.weights=[{name="sampler_is", mode="none"}]',
+    ],
 }
 OUT = Path(__file__).resolve().parent / "async_tta.json"
 
@@ -128,9 +135,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--target", type=float, default=0.75)
-    parser.add_argument("--markdown", action="store_true", help="print the tables of bench/async_tta.json")
+    parser.add_argument("--markdown", action="store_true", help="print the tables of the results file")
+    parser.add_argument("--out", type=Path, default=OUT, help="the results file (default bench/async_tta.json)")
     args = parser.parse_args()
-    results = json.loads(OUT.read_text()) if OUT.exists() else []
+    out = args.out
+    results = json.loads(out.read_text()) if out.exists() else []
     if args.markdown:
         print(markdown(results, args.target))
         return
@@ -138,8 +147,9 @@ def main() -> None:
     for seed in args.seeds:  # seeds outside: an interrupted sweep still has every configuration of a seed
         for config in args.configs:
             result = run(config, seed, args.steps, args.every, args.eval_size)
+            results = json.loads(out.read_text()) if out.exists() else []  # another sweep may have added to it
             results = [r for r in results if (r["config"], r["seed"]) != (config, seed)] + [result]
-            OUT.write_text(json.dumps(results, indent=1))
+            out.write_text(json.dumps(results, indent=1))
             last = result["points"][-1]
             print(f"{config} seed {seed}: {last['train_s']:.1f} s, accuracy {last['accuracy']:.3f}", flush=True)
 

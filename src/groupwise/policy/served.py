@@ -19,10 +19,12 @@ as that version exists, so it is generated while steps t − k .. t − 1 train.
 foreseen by running the rollout strategy for step t against copies of the prompt sampler (the draw
 only: the strategy is stopped at its first generation call); when step t's real first call asks for
 other requests (a sampler that learns from the steps in between), they are generated then, under
-the current weights, and counted (``async/miss``). One worker thread feeds the servers in order:
-before each job it loads the job's version (kept as a file until no pending job needs it). Rows
-staler than k are dropped (``group_valid`` false; ``async/dropped``): with a fixed lag only a
-server that missed a push makes any. ``staleness/<s>`` logs each step's rows per staleness.
+the current weights, and counted (``async/miss``; a strategy that cannot be run ahead:
+``async/unforeseen``). One worker thread feeds the servers in order: before each job it loads the
+job's version (kept as a file until no pending job needs it). Rows staler than k are dropped
+(``group_valid`` false; ``async/dropped``): with the fixed lag none are expected; the check guards
+against a server that answers under another version than asked (restarted, or fed by someone else).
+``staleness/<s>`` logs each step's rows per staleness.
 ``k = 0`` generates each step's batch in the step, under its own weights: today's synchronous step.
 
 **Resume** is exact by checkpointing the in-flight rollouts: ``rollout_state`` waits for every
