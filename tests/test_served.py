@@ -114,7 +114,7 @@ def test_rows_staler_than_k_are_dropped_and_counted():
     from groupwise.types import Rollout
 
     served = ServedPolicy.__new__(ServedPolicy)
-    served.__dict__.update(k=1, stats=__import__("collections").Counter())
+    served.__dict__.update(k=1, bound=1, stats=__import__("collections").Counter())
     out = Rollout(
         prompt_ids=[[1], [2], [3]],
         actions=torch.zeros(3, 2, 1, dtype=torch.long),
@@ -134,7 +134,7 @@ def test_rows_staler_than_k_are_dropped_and_counted():
     "overrides, words",
     [
         (["train.max_staleness=1"], "rollout.backend='server'"),
-        (['rollout.backend="server"', "rollout.push_every=3"], "train.max_staleness >= 2"),
+        (['rollout.backend="server"', "rollout.push_every=3", "train.max_staleness=1"], "leave rollout.push_every=1"),
         (['rollout.backend="server"', "train.max_staleness=-1"], ">= 0"),
         (['rollout.servers=["http://x"]'], "rollout.backend='server'"),
         (['rollout.backend="remote"'], "choices: local, server"),
@@ -244,3 +244,13 @@ def test_unforeseen_steps_are_generated_when_they_come_under_the_current_weights
     # after step 0: steps 1 and 2 (versions 0 and 1); after step 1: step 2 again; after step 2: none (3 > the last)
     assert [r.get("async/unforeseen", 0) for r in rows] == [2, 1, 0]
     assert [float(b.extras["policy_version"].unique()) for b in batches] == [0.0, 1.0, 2.0]
+
+
+def test_push_every_2_leaves_the_server_one_version_behind_every_other_step(served):
+    """push_every = 2: pushes after updates 2, 4, ... (versions 2, 4); step 0 pushes its own weights
+    (version 0), so steps 0, 1, 2 sample under versions 0, 0, 2: staleness 0, 1, 0."""
+    cfg = ['rollout.backend="server"', f'rollout.servers=["{served.url}"]', "rollout.push_every=2"]
+    trainer, rows, batches = _steps(cfg)
+    assert "sampler_is" in [w.registry_name for w in trainer.weights]  # stale rows: corrected by default
+    assert [float(b.extras["policy_version"].unique()) for b in batches] == [0.0, 0.0, 2.0]
+    assert [(r.get("staleness/0", 0), r.get("staleness/1", 0)) for r in rows] == [(32, 0), (0, 32), (32, 0)]

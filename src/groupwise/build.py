@@ -149,7 +149,8 @@ def build(cfg: Config) -> Parts:
         )
     shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
     weight_specs = list(cfg.objective.weights)
-    if cfg.train.max_staleness > 0 and "sampler_is" not in [_entry_name(w) for w in weight_specs]:
+    stale = cfg.train.max_staleness > 0 or cfg.rollout.push_every > 1  # rows from older weights than they train
+    if stale and cfg.rollout.backend == "server" and "sampler_is" not in [_entry_name(w) for w in weight_specs]:
         weight_specs.append("sampler_is")  # asynchronous rows come from older weights: correct for it by default
     weights = [build_spec("weight", spec) for spec in weight_specs]
     objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs
@@ -255,11 +256,6 @@ def served_policy(cfg: Config, policy: Any, world: int) -> Any:
                 f"train.max_staleness={k} generates ahead on a generation server; set rollout.backend='server'"
             )
         return policy
-    if ro.push_every - 1 > k:
-        raise ConfigError(
-            f"rollout.push_every={ro.push_every} samples rows up to {ro.push_every - 1} versions stale, more than "
-            f"train.max_staleness={k} allows; set train.max_staleness >= {ro.push_every - 1}"
-        )
     if k > 0 and ro.push_every > 1:
         raise ConfigError(
             "train.max_staleness > 0 decides the versions rows are sampled under: leave rollout.push_every=1"

@@ -71,7 +71,9 @@ class RolloutCfg:
     # local: the trainer's own engine samples; server: generation servers (`groupwise serve`, policy/served.py)
     backend: str = "local"
     servers: list = field(default_factory=list)  # server URLs, load-balanced (empty: start one local server)
-    push_every: int = 1  # backend server: push the weights to the servers after every N-th update
+    # backend server, train.max_staleness = 0: push the weights after every N-th update (rows up to N - 1 versions
+    # stale; N > 1 adds the sampler_is weight)
+    push_every: int = 1
     server_threads: int = 1  # the torch threads of the local server that rollout.servers = [] starts
 
     def __post_init__(self) -> None:

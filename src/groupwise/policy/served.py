@@ -8,9 +8,11 @@ weights, up to k versions ahead of the update, and the sampler/trainer correctio
 Yao et al. 2025, https://fengyao.notion.site/off-policy-rl) re-weights what the lag changed.
 
 **Versions.** The policy's version is the number of RL steps whose update it has taken (step t
-trains on version t). ``rollout.push_every = p`` pushes the weights to every server after each p-th
-update (``POST /v1/load_weights`` with a state-dict file on ``/dev/shm`` when it exists, else the
-temp folder); every row is tagged with the version the server sampled it under (row extra
+trains on version t). Weights go to every server as a state-dict file on ``/dev/shm`` when it exists
+(else the temp folder) named in ``POST /v1/load_weights``. At k = 0, ``rollout.push_every = p`` pushes
+after each p-th update, so rows are up to p − 1 versions stale (the bound rows are checked against;
+p > 1 adds ``sampler_is`` as k > 0 does). Every row is tagged with the version the server sampled it
+under (row extra
 ``policy_version``), and its staleness is ``t − version``.
 
 **Asynchrony** (``train.max_staleness = k > 0``): step t's first generation call (round 0) is
@@ -237,6 +239,7 @@ class ServedPolicy:
         self.policy, self.cfg = policy, cfg
         self.server_args = list(server_args)  # model.* / perf.* overrides of a local server: the run's own model
         self.k, self.push_every = int(cfg.train.max_staleness), int(cfg.rollout.push_every)
+        self.bound = max(self.k, self.push_every - 1)  # the staleness a row may have: the lag, or the push period
         self._local: LocalServer | None = None
         self._remote: RemoteEngine | None = None
         self.version = 0  # the trainer's policy version: the number of updates taken
@@ -329,11 +332,12 @@ class ServedPolicy:
         return self._tag(out, versions, info.step)
 
     def _tag(self, out: Rollout, versions: torch.Tensor, step: int) -> Rollout:
-        """Rows tagged with their version; rows staler than k dropped and counted; the histogram."""
+        """Rows tagged with their version; rows staler than the bound (k, or ``push_every − 1`` at k = 0)
+        dropped and counted; the histogram."""
         G = out.shape[1]
         out.set_extra("policy_version", versions[:, None].expand(-1, G).float().clone(), "row")  # [B,G]
         staleness = step - versions  # [B]
-        stale = staleness > self.k  # [B]
+        stale = staleness > self.bound  # [B]
         if bool(stale.any()):
             self.stats["async/dropped"] += int(out.group_valid[stale].sum())
             out.group_valid = out.group_valid & ~stale[:, None]  # [B,G]
