@@ -12,8 +12,7 @@ trains on version t). Weights go to every server as a state-dict file on ``/dev/
 (else the temp folder) named in ``POST /v1/load_weights``. At k = 0, ``rollout.push_every = p`` pushes
 after each p-th update, so rows are up to p − 1 versions stale (the bound rows are checked against;
 p > 1 adds ``sampler_is`` as k > 0 does). Every row is tagged with the version the server sampled it
-under (row extra
-``policy_version``), and its staleness is ``t − version``.
+under (row extra ``policy_version``), and its staleness is ``t − version``.
 
 **Asynchrony** (``train.max_staleness = k > 0``): step t's first generation call (round 0) is
 sampled under version ``max(0, t − k)`` (a fixed lag: the same rows on every run), submitted as soon
