@@ -25,7 +25,9 @@ RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a pa
 
 @dataclass
 class ModelCfg:
-    path: str = "default"  # "default" = the tiny model shipped in the package; or a folder / hub id
+    # "default" = the tiny model shipped in the package (a toy kind: fresh weights); or a folder / hub id (a toy kind:
+    # the folder its save wrote, <path>/flow_policy.pt, e.g. a run's final/)
+    path: str = "default"
     # float32 | bfloat16: the dtype the WEIGHTS are loaded and trained in (bfloat16 weights have no float32 master; for
     # bfloat16 products over float32 weights use `matmul`)
     dtype: str = "float32"

@@ -67,6 +67,13 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
    label, cond)`` (``cond`` [N,...] per row, from ``_generate_flow``'s ``cond`` [B,G,...]) and
    ``_stored_condition(rollout, sel)`` (the same condition for the stored steps, at training); the
    ``unified`` policy (``modalities/unified.py``) passes its think tokens this way.
+7. Demonstrations (the ``sft`` phase, ``Policy.supervised_loss``): the net is fitted by
+   rectified flow matching. A point at noise level σ is x_σ = (1 − σ)·x_0 + σ·ε (x_0 the
+   demonstration, ε the noise the sampler starts from at σ = 1), so dx_σ/dσ = ε − x_0 is the
+   velocity the Euler sampler integrates from σ = 1 down to 0; the loss regresses v_θ(x_σ, σ) on
+   it, the mean over rows and the 2 dimensions. ``model.path`` loads a saved policy
+   (``policy/kinds.build_policy``: ``<path>/flow_policy.pt``), so a fitted toy is a warm start,
+   a frozen role or a teacher.
 """
 
 from __future__ import annotations
@@ -88,6 +95,12 @@ from groupwise.types import Request, Rollout, StepInfo
 SDE_MODES = ("all", "one_shared", "one_per_row", "none")
 CONDITIONS = ("label", "embedding")
 TOKEN_EXTRAS = ("flow_x", "flow_x_next", "flow_sigma", "flow_sigma_next", "flow_std", "flow_step")
+
+
+def flow_matching_pair(x0: Tensor, noise: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:
+    """Rectified flow's regression pair (Note 7): the point x_σ = (1 − σ)·x_0 + σ·ε [N,D] between a
+    demonstration x_0 [N,D] and noise ε [N,D] at noise level σ [N], and its velocity ε − x_0 [N,D]."""
+    return (1 - sigma[:, None]) * x0 + sigma[:, None] * noise, noise - x0
 
 
 class VelocityMLP(nn.Module):
@@ -337,6 +350,37 @@ class FlowPolicy:
         out.set_extra("x_final", torch.where(valid[..., None], finals, torch.zeros(())), "row")  # [B,G,2]
         out.completions = self.decode(out)
         return out
+
+    # ------------------------------------------------------------------ demonstrations (M1)
+    def encode_target(self, row: dict) -> Tensor:
+        """A demonstration row's ``target`` (a point ``[x, y]``) as a float64 tensor [2]."""
+        if "target" not in row:
+            raise ValueError(
+                "FlowPolicy.encode_target: a demonstration row needs a `target` column (a point [x, y]); "
+                f"got the columns {sorted(row)}"
+            )
+        target = torch.as_tensor(row["target"], dtype=torch.float64)  # [D]
+        if target.shape != (2,) or not bool(torch.isfinite(target).all()):
+            raise ValueError(f"FlowPolicy.encode_target: `target` must be 2 finite numbers, got {row['target']!r}")
+        return target
+
+    def supervised_loss(self, prompts: Sequence[list[int]], targets: Sequence[Tensor], gen: torch.Generator) -> Tensor:
+        """The rectified-flow matching loss of demonstrations (a scalar with grad; Note 7):
+        ``mean_{n,d} (v_θ(x_σ, σ, c_n) − (ε − x_0))²`` with x_σ = (1 − σ)·x_0 + σ·ε, σ ~ U(0, 1) and
+        ε ~ N(0, I) drawn from ``gen`` (σ then ε, per row in order), x_0 the target [2]."""
+        if len(prompts) != len(targets) or not prompts:
+            raise ValueError(
+                "FlowPolicy.supervised_loss: need as many prompts as targets (>= 1), "
+                f"got {len(prompts)} and {len(targets)}"
+            )
+        labels = torch.tensor([self.encode(p)[0] for p in prompts], dtype=torch.long)  # [N]
+        x0 = torch.stack([torch.as_tensor(t, dtype=torch.float64) for t in targets])  # [N,2]
+        sigma = torch.rand(len(prompts), generator=gen, dtype=torch.float64)  # [N]
+        noise = torch.randn(x0.shape, generator=gen, dtype=torch.float64)  # [N,2]
+        x_sigma, velocity = flow_matching_pair(x0, noise, sigma)  # [N,2], [N,2]
+        cond = labels if self.encoder is None else self.original_condition(labels)  # [N] or [N,c]
+        v = self._velocity(x_sigma, sigma, cond, None)  # [N,2]
+        return ((v - velocity) ** 2).mean()
 
     # ------------------------------------------------------------------ scoring and training
     def forward(self, rollout: Rollout, quantities: Sequence[str] = ("logp",)) -> dict[str, Tensor]:

@@ -54,6 +54,22 @@ def mixture_rows(n: int, n_labels: int = 4, seed: int = 0) -> list[dict]:
     return [{"prompt": int(k)} for k in labels]
 
 
+def bimodal_rows(n: int, n_labels: int = 4, ring: float = 2.0, spread: float = 0.2, seed: int = 0) -> list[dict]:
+    """``n`` demonstration rows ``{"prompt": k, "target": [x, y], "mode": m}`` (seeded): label k's
+    points are a 50/50 mixture of the centres μ_k (``mode`` 0) and μ_{k+1 mod K} (``mode`` 1), each
+    with isotropic Gaussian scatter of std ``spread`` (task ``flow2d_bimodal``; the reward pays μ_k only)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(n_labels, (n,), generator=g)  # [n]
+    modes = torch.randint(2, (n,), generator=g)  # [n]
+    points = mixture_centres(n_labels, ring)[(labels + modes) % n_labels] + spread * torch.randn(
+        n, 2, generator=g
+    )  # [n,2]
+    return [
+        {"prompt": int(k), "target": [float(x), float(y)], "mode": int(m)}
+        for k, m, (x, y) in zip(labels, modes, points.tolist())
+    ]
+
+
 def mixture_centres(n_labels: int = 4, ring: float = 2.0) -> Tensor:
     """[n_labels, 2] float32: centre k at angle 2πk/n_labels on the circle of radius ``ring``."""
     angle = 2 * math.pi * torch.arange(n_labels, dtype=torch.float64) / n_labels  # [K]

@@ -50,6 +50,10 @@ from groupwise.modalities.flow import FlowPolicy
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
+_NO_DEMONSTRATIONS = (
+    "the unified policy has no demonstration fit (its flow is conditioned on think tokens a target row does not give); "
+    'fit a model.policy = "flow" instead'
+)
 THINK_VOCAB = ("RIGHT", "LEFT", "UP", "DOWN", "NEAR", "MID", "FAR")
 
 
@@ -104,6 +108,15 @@ class UnifiedPolicy(FlowPolicy):
     @property
     def T(self) -> int:
         return self.n_think + self._steps_trained(self.sde)
+
+    def encode_target(self, row: dict) -> Tensor:
+        """Not defined: a demonstration would need the think tokens' plan too (the planner kind K4 of
+        the non-text design brings one); the flow policy's own fit does not apply."""
+        raise ValueError(_NO_DEMONSTRATIONS)
+
+    def supervised_loss(self, prompts: Sequence[list[int]], targets: Sequence[Tensor], gen: torch.Generator) -> Tensor:
+        """Not defined (see :meth:`encode_target`)."""
+        raise ValueError(_NO_DEMONSTRATIONS)
 
     # ------------------------------------------------------------------ the flow's condition
     def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
