@@ -50,8 +50,10 @@ class Policy(Protocol):
     a request's ``n`` are padding); ``forward`` gives per-token quantities of a rollout's actions
     (differentiable under grad); ``scoring_models`` / ``score`` serve no-grad needs by model name.
     ``request_options`` are the sampling keys a ``Request.sampling`` may set; ``modality`` must match
-    every component's own (``"text"`` when a component declares none). A policy is not a component:
-    its optional members are ``POLICY_OPTIONAL``."""
+    every component's own (``"text"`` when a component declares none). ``encode`` gives the policy's
+    own prompt form: token ids for text, a ``[label]`` or an observation vector of floats for a toy
+    (nothing outside the policy reads a non-text encoding as ids). A policy is not a component: its
+    optional members are ``POLICY_OPTIONAL``."""
 
     modality: str
     trainable: bool

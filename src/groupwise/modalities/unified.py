@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from groupwise.modalities.flow import FlowPolicy
+from groupwise.modalities.flow import FlowPolicy, row_labels
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
@@ -194,7 +194,7 @@ class UnifiedPolicy(FlowPolicy):
         }
         flow_out = super().forward(flow_view, quantities)
         B, G, _ = rollout.shape
-        labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long).repeat_interleave(G)  # [B*G]
+        labels = row_labels(rollout).view(B * G)  # [B*G] each row's own label (its context's)
         think = rollout.actions[:, :, :n].reshape(B * G, n)  # [N,n]
         logq = torch.log_softmax(self.think_lm(labels, think), -1).view(B, G, n, -1)  # [B,G,n,V]
         text_mask = rollout.mask[:, :, :n]  # [B,G,n]
