@@ -180,7 +180,14 @@ def build(cfg: Config) -> Parts:
         bind_rows([view], train_rows)
 
     resolver = NeedResolver(
-        needs, models, cfg.views, policy.score, policy.encode, context=policy.context, bind_view=bind_view
+        needs,
+        models,
+        cfg.views,
+        policy.score,
+        policy.encode,
+        context=policy.context,
+        bind_view=bind_view,
+        quantities=getattr(policy, "quantities", None),
     )
 
     # held-out prompts are also scored under eval.views, and on the held-out rows of eval.tasks

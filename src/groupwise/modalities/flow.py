@@ -88,6 +88,19 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
    it ends up in. The label and embedding forms read the label of the row's own context
    (``Rollout.row_contexts``: a strategy's ``ctx``, else the group's prompt), in ``forward`` as in
    the rewards ``flow_region`` / ``flow_trap``.
+9. Kernels (issue 37 M3). ``sampler = "euler"`` (above; ``noise = "flash"``, Flash-GRPO's std_t,
+   the default, or ``"flow_grpo"``, Flow-GRPO's a·√(σ/(1−σ)) with ``noise_level = a = 0.7`` [CODE]
+   ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``, which replaces σ = 1 by σ_max in the
+   denominator) or ``"consistency"`` (CM-GRPO, spec 19 [CODE] RAVEN ``consistency.py`` with the
+   lerp schedule): x̂₀ = x_t − t·v_θ, x_s = (1 − s)·x̂₀ + s·ε, so π(x_s | x_t) = N((1 − s)·x̂₀, s²I);
+   every step is the kernel's draw (ε = 0 when greedy), the last (s = 0) is deterministic and never
+   trained (``all`` trains steps − 1; ``sde_window <= steps − 1``). ``cfg_w`` ≠ 0 guides toward the
+   ``condition_extras`` condition: v = v_u + w·(v_c − v_u), v_u under the null codes, two velocity
+   calls per step in sampling and in ``forward`` alike. A greedy call may override ``sampler``,
+   ``steps`` and ``cfg_w`` (``Request.sampling``, ``eval.sampling``: deploy with another kernel);
+   a sampled call must use the policy's own, which ``forward`` re-scores. ``forward`` also gives
+   ``step_mean`` (the Gaussian step's mean) and ``x0_pred`` (x̂₀ = x − σ·v_θ) [B,G,T,D], with grad
+   when asked with grad, for the policy and its frozen snapshot alike (``quantities``).
 """
 
 from __future__ import annotations
@@ -102,12 +115,15 @@ import torch
 from torch import Tensor, nn
 
 from groupwise.modalities.flow_condition import PromptEncoder, hooked_conditions, mixed_condition
-from groupwise.modalities.flow_sde import flow_sigmas, sde_step_with_logprob
+from groupwise.modalities.flow_sde import NOISE_SCHEDULES, consistency_step, flow_sigmas, sde_step_with_logprob
+from groupwise.modalities.gauss import cfg_velocity
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
 SDE_MODES = ("all", "one_shared", "one_per_row", "none")
 CONDITIONS = ("label", "embedding", "vector")
+SAMPLERS = ("euler", "consistency")
+QUANTITIES = frozenset({"logp", "entropy", "step_mean", "x0_pred"})
 TOKEN_EXTRAS = ("flow_x", "flow_x_next", "flow_sigma", "flow_sigma_next", "flow_std", "flow_step")
 
 
@@ -206,6 +222,10 @@ class FlowPolicy:
         dim: int = 2,
         obs_dim: int = 0,
         condition_extras: dict[str, int] | None = None,
+        sampler: str = "euler",
+        noise: str = "flash",
+        noise_level: float = 0.7,
+        cfg_w: float = 0.0,
     ):
         if sde not in SDE_MODES:
             raise ValueError(f"FlowPolicy: sde must be one of {', '.join(SDE_MODES)}, got {sde!r}")
@@ -215,6 +235,21 @@ class FlowPolicy:
         if steps < 1 or not 1 <= window <= steps or shift <= 0:
             raise ValueError(
                 f"FlowPolicy: need steps >= 1, 1 <= sde_window <= steps, shift > 0; got {steps}, {window}, {shift}"
+            )
+        if sampler not in SAMPLERS or noise not in NOISE_SCHEDULES or noise_level <= 0:
+            raise ValueError(
+                f"FlowPolicy: sampler must be one of {SAMPLERS} ({sampler!r}), noise one of {NOISE_SCHEDULES} "
+                f"({noise!r}), noise_level > 0 ({noise_level})"
+            )
+        if sampler == "consistency" and not window <= steps - 1:
+            raise ValueError(
+                f"FlowPolicy: the consistency sampler's last step (to noise level 0) is deterministic and never "
+                f"trained: need sde_window <= steps - 1 = {steps - 1}, got {window}"
+            )
+        if cfg_w and not condition_extras:
+            raise ValueError(
+                f"FlowPolicy: cfg_w = {cfg_w} guides toward a condition_extras condition (its null value is the "
+                "unconditional velocity); set condition_extras, or cfg_w = 0"
             )
         extras = dict(condition_extras or {})
         if (
@@ -243,7 +278,8 @@ class FlowPolicy:
                 encoder_seed=encoder_seed,
             )
         self.condition = condition
-        self.sde, self.window, self.steps = sde, window, steps
+        self.sde, self.window, self.steps, self.shift = sde, window, steps, shift
+        self.sampler, self.noise, self.noise_level, self.cfg_w = sampler, noise, noise_level, float(cfg_w)
         self.sigmas = flow_sigmas(steps, shift)  # [K+1]
         self.sigma_max, self.sigma_min = float(self.sigmas[1]), float(self.sigmas[-1])
         with torch.random.fork_rng(devices=[]):  # seeded init that leaves the global stream alone
@@ -263,7 +299,9 @@ class FlowPolicy:
                 self.encoder = PromptEncoder(n_labels, embed_dim, encoder_hidden, cond_dim).double()
         self.trainable = True
         self.modality = "flow"
-        self.request_options = frozenset({"greedy"})  # greedy = the deterministic ODE (Request.sampling)
+        # greedy = the deterministic sampler; sampler, steps, cfg_w: a greedy (evaluation) call's kernel (Note 9)
+        self.request_options = frozenset({"greedy", "sampler", "steps", "cfg_w"})
+        self.quantities = QUANTITIES  # what forward computes (the providers of these needs check it at build)
         self.hooks = (
             frozenset({"embed_delta"}) if condition == "embedding" else frozenset()
         )  # groupwise.hooks kinds generate applies
@@ -275,8 +313,11 @@ class FlowPolicy:
     def T(self) -> int:
         return self._steps_trained(self.sde)
 
-    def _steps_trained(self, sde: str) -> int:
-        return {"all": self.steps, "none": 0}.get(sde, 1)
+    def _steps_trained(self, sde: str, sampler: str | None = None, steps: int | None = None) -> int:
+        """Trained steps per row: every step (``all``; the consistency kernel's last one excepted), none, or one."""
+        steps = self.steps if steps is None else steps
+        every = steps - 1 if (sampler or self.sampler) == "consistency" else steps
+        return {"all": every, "none": 0}.get(sde, 1)
 
     def check_fits(self, ids: list[int], max_new_tokens: int, where: str) -> None:
         """Nothing to check: the sampler's length is ``steps``, not a token budget."""
@@ -308,9 +349,11 @@ class FlowPolicy:
             for row, oks in zip(finals, valid)
         ]
 
-    def _draws(self, requests: Sequence[Request], info: StepInfo, G: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _draws(
+        self, requests: Sequence[Request], info: StepInfo, G: int, K: int | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """x_1 [B,G,D], ε [B,G,K,D] and the SDE step index [B,G] of every row, from its own seed."""
-        B, K, D = len(requests), self.steps, self.dim
+        B, K, D = len(requests), self.steps if K is None else K, self.dim
         x1, eps, idx = torch.zeros(B, G, D), torch.zeros(B, G, K, D), torch.zeros(B, G, dtype=torch.long)
         for b, req in enumerate(requests):
             offset = getattr(req, "offset", 0)
@@ -364,6 +407,36 @@ class FlowPolicy:
         here); ``codes`` [N,E] the discrete conditions (request extras, Note 8), None without them."""
         return self.net(x, sigma, label) if codes is None else self.net(x, sigma, label, None, codes)  # [N,D]
 
+    def _guided(
+        self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None, codes: Tensor | None, w: float
+    ) -> Tensor:
+        """v [N,D]; with guidance w ≠ 0, v_u + w·(v_c − v_u), v_u under the null codes (Note 9)."""
+        if not w:
+            return self._velocity(x, sigma, label, cond, *(() if codes is None else (codes,)))  # [N,D]
+        v_cond = self._velocity(x, sigma, label, cond, codes)  # [N,D]
+        v_null = self._velocity(x, sigma, label, cond, torch.full_like(codes, -1))  # [N,D]
+        return cfg_velocity(v_null, v_cond, w)  # [N,D]
+
+    def _call_kernel(self, sampling: dict, greedy: bool) -> tuple[str, int, float]:
+        """The sampler, number of steps and guidance of one call: the policy's own, or a greedy call's
+        ``sampling`` overrides (``eval.sampling``: deploy a trained net with another sampler, Note 9)."""
+        sampler = sampling.get("sampler", self.sampler)
+        K = int(sampling.get("steps", self.steps))
+        w = float(sampling.get("cfg_w", self.cfg_w))
+        if sampler not in SAMPLERS or K < 2 - (sampler == "euler"):
+            raise ValueError(
+                f"FlowPolicy.generate: sampler {sampler!r} must be one of {SAMPLERS}, with steps >= 1 ({K})"
+            )
+        if w and not self.condition_extras:
+            raise ValueError(f"FlowPolicy.generate: cfg_w = {w} needs condition_extras to guide toward")
+        if not greedy and (sampler, K, w) != (self.sampler, self.steps, self.cfg_w):
+            raise ValueError(
+                f"FlowPolicy.generate: a sampled (trainable) call runs the policy's own kernel {self.sampler!r}, "
+                f"{self.steps} steps, cfg_w {self.cfg_w} (what forward re-scores); got {sampler!r}, {K}, {w}. "
+                "Overrides of sampler / steps / cfg_w are for greedy calls (evaluation)"
+            )
+        return sampler, K, w
+
     def _request_codes(self, requests: Sequence[Request], G: int) -> Tensor | None:
         """[B,G,E] int64: each row's value of every ``condition_extras`` name from its request's
         ``extras`` (-1, the null condition, where a request does not set it); None without any."""
@@ -402,10 +475,14 @@ class FlowPolicy:
             labels = torch.tensor(prompts, dtype=torch.float32).double()  # [B,C]
         else:
             labels = torch.tensor([p[0] for p in prompts])  # [B]
-        sde = "none" if sampling.get("greedy") else self.sde  # evaluation: the deterministic ODE
-        B, G, K, T, D = len(requests), max(r.n for r in requests), self.steps, self._steps_trained(sde), self.dim
+        greedy = bool(sampling.get("greedy"))
+        sampler, K, w = self._call_kernel(sampling, greedy)
+        sigmas = self.sigmas if K == self.steps else flow_sigmas(K, self.shift)  # [K+1]
+        sigma_min, sigma_max = float(sigmas[-1]), float(sigmas[1])
+        sde = "none" if greedy else self.sde  # evaluation: the deterministic sampler
+        B, G, T, D = len(requests), max(r.n for r in requests), self._steps_trained(sde, sampler, K), self.dim
         valid = torch.arange(G)[None, :] < torch.tensor([r.n for r in requests])[:, None]  # [B,G]
-        x1, eps, idx = self._draws(requests, info, G)  # [B,G,D], [B,G,K,D], [B,G]
+        x1, eps, idx = self._draws(requests, info, G, K)  # [B,G,D], [B,G,K,D], [B,G]
         codes = self._request_codes(requests, G)  # [B,G,E] or None
         N = B * G
         x, lab, idx, eps = x1.view(N, D), labels.repeat_interleave(G, dim=0), idx.view(N), eps.view(N, K, D)
@@ -417,19 +494,32 @@ class FlowPolicy:
         rec.update({k: torch.zeros(N, T) for k in ("flow_sigma", "flow_sigma_next", "flow_std", "logp")})
         rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
         for i in range(K):
-            s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
+            s, sp = sigmas[i].expand(N), sigmas[i + 1].expand(N)  # [N], [N]
             c = (
-                lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))
+                lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(sigmas[i]))
             )  # [N] labels, [N,c] or [N,C]
             further = None if cond is None else cond.reshape(N, *cond.shape[2:])
-            v = self._velocity(x, s, c, further, *(() if codes is None else (codes,)))  # [N,D]
+            v = self._guided(x, s, c, further, codes, w)  # [N,D]
             sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
-            x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,D] ODE step
-            if sde_rows.any():
+            if sampler == "consistency":  # every step is the kernel's own draw (ε = 0 when greedy)
+                sde_rows = sde_rows & (i < K - 1)  # [N] its last step (to σ = 0) is deterministic, never trained
+                x_next, logp, _, std, _ = consistency_step(v, x, s, sp, noise=eps[:, i] * (not greedy))
+            else:
+                x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,D] ODE step
+            if sampler == "euler" and sde_rows.any():
                 x_sde, logp, _, std, _, _ = sde_step_with_logprob(
-                    v, x, s, sp, self.sigma_min, self.sigma_max, noise=eps[:, i]
+                    v,
+                    x,
+                    s,
+                    sp,
+                    sigma_min,
+                    sigma_max,
+                    noise=eps[:, i],
+                    schedule=self.noise,
+                    noise_level=self.noise_level,
                 )
                 x_next = torch.where(sde_rows[:, None], x_sde, x_next)  # [N,D]
+            if sde_rows.any():
                 t = i if sde == "all" else 0
                 r = sde_rows.nonzero()[:, 0]  # rows whose trained step is i
                 for key, value in (
@@ -508,12 +598,14 @@ class FlowPolicy:
 
     # ------------------------------------------------------------------ scoring and training
     def forward(self, rollout: Rollout, quantities: Sequence[str] = ("logp",)) -> dict[str, Tensor]:
-        """``{"logp": [B,G,T] float32}``: log-prob of each stored SDE transition under the current net;
-        ``"entropy"`` on request: the Gaussian step's entropy per dimension, ½·log(2πe) + log(std_t·√−dt)
-        (fixed by the schedule, logged like an LM's token entropy)."""
-        unknown = [q for q in quantities if q not in ("logp", "entropy")]
+        """``{"logp": [B,G,T] float32}``: log-prob of each stored trained transition under the current net
+        and the policy's kernel; on request ``"entropy"``: the Gaussian step's entropy per dimension,
+        ½·log(2πe) + log(scale) (scale std_t·√−dt, or s for the consistency kernel; fixed by the
+        schedule, logged like an LM's token entropy); ``"step_mean"`` [B,G,T,D]: the mean of that
+        Gaussian step; ``"x0_pred"`` [B,G,T,D]: the clean-sample prediction x̂₀ = x − σ·v_θ (Note 9)."""
+        unknown = [q for q in quantities if q not in QUANTITIES]
         if unknown:
-            raise ValueError(f"FlowPolicy.forward computes 'logp' and 'entropy', not {unknown}")
+            raise ValueError(f"FlowPolicy.forward computes {sorted(QUANTITIES)}, not {unknown}")
         missing = [k for k in TOKEN_EXTRAS if k not in rollout.extras]
         if missing:
             raise ValueError(f"FlowPolicy.forward needs the token extras {missing}, written by FlowPolicy.generate")
@@ -521,16 +613,29 @@ class FlowPolicy:
         x, x_next = rollout.extras["flow_x"][sel], rollout.extras["flow_x_next"][sel]  # [M,D], [M,D]
         s, sp = rollout.extras["flow_sigma"][sel], rollout.extras["flow_sigma_next"][sel]  # [M], [M]
         logp = torch.zeros(sel.shape)  # [B,G,T]
+        shape = (*sel.shape, x.shape[-1])  # [B,G,T,D]
+        mean, x0 = torch.zeros(shape), torch.zeros(shape)  # [B,G,T,D]
         if sel.any():
             cond, codes = self._step_condition(rollout, sel)  # [M] labels / [M,c] C^orig / [M,C]; [M,E] or None
             further = self._stored_condition(rollout, sel)
-            v = self._velocity(x, s, cond, further, *(() if codes is None else (codes,)))  # [M,D]
-            logp[sel] = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, prev_sample=x_next)[1]  # [M]
+            v = self._guided(x, s, cond, further, codes, self.cfg_w)  # [M,D]
+            if self.sampler == "consistency":
+                _, logp[sel], mean[sel], _, x0[sel] = consistency_step(v, x, s, sp, prev_sample=x_next)
+            else:
+                _, logp[sel], mean[sel], *_ = sde_step_with_logprob(
+                    v, x, s, sp, self.sigma_min, self.sigma_max, x_next, None, self.noise, self.noise_level
+                )  # [M], [M,D]
+                if "x0_pred" in quantities:
+                    x0[sel] = (x.double() - s.double()[:, None] * v.double()).to(x.dtype)  # [M,D]
         out = {"logp": logp}
+        if "step_mean" in quantities:
+            out["step_mean"] = mean  # [B,G,T,D]
+        if "x0_pred" in quantities:
+            out["x0_pred"] = x0  # [B,G,T,D]
         if "entropy" in quantities:
-            scale = (
-                rollout.extras["flow_std"]
-                * (rollout.extras["flow_sigma"] - rollout.extras["flow_sigma_next"]).clamp(min=0).sqrt()
+            gap = (rollout.extras["flow_sigma"] - rollout.extras["flow_sigma_next"]).clamp(min=0)  # [B,G,T]
+            scale = rollout.extras["flow_std"] * (
+                torch.ones(()) if self.sampler == "consistency" else gap.sqrt()
             )  # [B,G,T]
             out["entropy"] = torch.where(
                 sel, 0.5 * math.log(2 * math.pi * math.e) + scale.clamp(min=1e-30).log(), torch.zeros(())

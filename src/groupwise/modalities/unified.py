@@ -104,6 +104,7 @@ class UnifiedPolicy(FlowPolicy):
             self.think_lm = ThinkLM(n_labels, self.vocab, n_think, think_hidden).double()
             self.think_emb = nn.Embedding(self.vocab, hidden).double()  # E_think: the plan as the flow's condition
         self.modality = "unified"
+        self.quantities = frozenset({"logp", "entropy"})  # the think tokens have no Gaussian step
 
     @property
     def T(self) -> int:
@@ -186,6 +187,9 @@ class UnifiedPolicy(FlowPolicy):
     def forward(self, rollout: Rollout, quantities: Sequence[str] = ("logp",)) -> dict[str, Tensor]:
         """``{"logp": [B,G,T]}``: the think tokens' log-probs under the think LM, then the flow steps'
         (``FlowPolicy.forward`` on the flow positions); ``"entropy"``: the categorical's, then the flow's."""
+        unknown = [q for q in quantities if q not in self.quantities]
+        if unknown:
+            raise ValueError(f"UnifiedPolicy.forward computes {sorted(self.quantities)}, not {unknown}")
         n = self.n_think
         flow_view = copy.copy(rollout)
         flow_view.actions, flow_view.mask = rollout.actions[:, :, n:], rollout.mask[:, :, n:]

@@ -158,6 +158,8 @@ class LMPolicy:
     request_options = frozenset(
         {"greedy", "temperature", "top_p", "top_k", "max_new_tokens"}
     )  # what Request.sampling may set
+    # what forward computes (providers/forward.py); step_mean / x0_pred are a continuous policy's
+    quantities = frozenset({"logp", "logprobs", "entropy", "topk", "hidden", "attn_at", "hidden_at"})
 
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.policy.engine import CPUEngine
