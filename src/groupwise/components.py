@@ -81,7 +81,7 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "encode_completion": "encode_completion(text) -> list[int]: an answer's token ids (the sft phase, the answer NLL)",
     "encode_target": "encode_target(row) -> a demonstration row's target in the policy's form (sft, non-text kinds)",
     "supervised_loss": "supervised_loss(prompts, targets, gen) -> scalar with grad: the demonstration loss (sft)",
-    "quantities": "quantities: frozenset[str], the forward quantities it computes (a need of another is refused at build)",
+    "quantities": "quantities: frozenset[str], what its forward computes (a need of another is refused at build)",
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
@@ -881,7 +881,8 @@ class ReadsArtifact:
         value = getattr(self, "_artifact_value", None)
         if value is None:
             raise ConfigError(
-                f"{getattr(self, 'registry_name', type(self).__name__)}: the artifact {self.artifact!r} was not given (add {self.phase_hint})"
+                f"{getattr(self, 'registry_name', type(self).__name__)}: the "
+                f"artifact {self.artifact!r} was not given (add {self.phase_hint})"
             )
         return value
 
@@ -897,7 +898,8 @@ def bind_vocabulary(components: list[Any], policy: Any) -> None:
             f"{getattr(c, 'stage', '')} {getattr(c, 'registry_name', type(c).__name__)!r}" for c in readers
         )
         raise ConfigError(
-            f"{names} read token texts, which a {policy.modality} policy does not have; use a text policy (model.policy)"
+            f"{names} read token texts, which a {policy.modality} "
+            "policy does not have; use a text policy (model.policy)"
         )
     texts = policy.token_texts()
     for component in readers:
@@ -912,7 +914,8 @@ def bind_rows(components: list[Any], rows: list[dict]) -> None:
 
 
 def bind_parameter_names(updater: Any, policy: Any) -> None:
-    """Give an updater that reads parameter names (``use_parameter_names``) the names of the parameters it was bound to."""
+    """Give an updater that reads parameter names (``use_parameter_names``)
+    the names of the parameters it was bound to."""
     if not hasattr(updater, "use_parameter_names"):
         return
     if not hasattr(policy, "parameter_names"):

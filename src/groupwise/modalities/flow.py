@@ -159,7 +159,8 @@ class VelocityMLP(nn.Module):
             raise ValueError(f"VelocityMLP needs dim >= 1 and code sizes >= 1; got {dim}, {list(code_sizes)}")
         if n_labels < 1 or hidden < 1 or layers < 2 or (cond_dim is not None and cond_dim < 1):
             raise ValueError(
-                f"VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}"
+                "VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, "
+                f"cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}"
             )
         self.n_labels = n_labels
         self.register_buffer("freqs", math.pi * torch.arange(1, freqs + 1, dtype=torch.float32))  # [F]
@@ -168,9 +169,8 @@ class VelocityMLP(nn.Module):
             self.label = nn.Embedding(n_labels, hidden)
         else:
             self.cond = nn.Linear(cond_dim, hidden, bias=False)
-            nn.init.normal_(
-                self.cond.weight, std=2.0 / math.sqrt(cond_dim)
-            )  # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
+            # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
+            nn.init.normal_(self.cond.weight, std=2.0 / math.sqrt(cond_dim))
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
         self.out = nn.Linear(hidden, dim)
         # one table per discrete condition (a request extra, Note 8); its last row is the null condition (code -1)
@@ -186,9 +186,8 @@ class VelocityMLP(nn.Module):
         feats = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f)], dim=-1)  # [N,D+1+2F]
         pre = self.inp(feats)  # [N,H]
         if label is not None:  # the label form's embedding row, or the embedding form's condition projected
-            pre = pre + (
-                self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype))
-            )  # [N,H]
+            # [N,H]
+            pre = pre + (self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype)))
         if extra is not None:
             pre = pre + extra.to(pre.dtype)  # [N,H]
         for e, table in enumerate(self.codes):
@@ -302,9 +301,8 @@ class FlowPolicy:
         # greedy = the deterministic sampler; sampler, steps, cfg_w: a greedy (evaluation) call's kernel (Note 9)
         self.request_options = frozenset({"greedy", "sampler", "steps", "cfg_w"})
         self.quantities = QUANTITIES  # what forward computes (the providers of these needs check it at build)
-        self.hooks = (
-            frozenset({"embed_delta"}) if condition == "embedding" else frozenset()
-        )  # groupwise.hooks kinds generate applies
+        # groupwise.hooks kinds generate applies
+        self.hooks = frozenset({"embed_delta"}) if condition == "embedding" else frozenset()
 
         self.reference: FlowPolicy | None = None
         self.context = None  # no context length: a label is the whole prompt
@@ -369,7 +367,8 @@ class FlowPolicy:
         """[N,cond_dim] float64: the embedding form's condition C^orig = f(tokens[label]) of each label [N]."""
         if self.encoder is None:
             raise ValueError(
-                'FlowPolicy.original_condition: the label form has no condition vector (model.params.condition = "embedding")'
+                "FlowPolicy.original_condition: the label form has no "
+                'condition vector (model.params.condition = "embedding")'
             )
         return self.encoder(self.encoder.tokens[labels])  # [N,c]
 
@@ -379,7 +378,8 @@ class FlowPolicy:
         encoder of the sum of the real tokens' embeddings (a flow prompt is one token: S = 1)."""
         if self.encoder is None:
             raise ValueError(
-                'the flow policy\'s label form has no prompt embedding to perturb; set model.params.condition = "embedding"'
+                "the flow policy's label form has no prompt embedding "
+                'to perturb; set model.params.condition = "embedding"'
             )
         encoder = self.encoder
 
@@ -389,10 +389,12 @@ class FlowPolicy:
         return encoder.tokens, encode
 
     def _conditions(self, requests: Sequence[Request], labels: Tensor, G: int) -> tuple[Tensor | None, ...]:
-        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``; None ×4 for the label form)."""
+        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``;
+        None ×4 for the label form)."""
         if any(r.hook is not None for r in requests) and self.encoder is None:
             raise ValueError(
-                'FlowPolicy.generate: a generation hook needs the embedding condition (model.params.condition = "embedding"); '
+                "FlowPolicy.generate: a generation hook needs the embedding "
+                'condition (model.params.condition = "embedding"); '
                 "the label form applies no hooks"
             )
         return (
@@ -711,7 +713,8 @@ class FlowPolicy:
     def load_state_dict(self, state: dict) -> None:
         if state.get("config") != self.config:
             raise ValueError(
-                f"FlowPolicy.load_state_dict: the state was saved from {state.get('config')}, this policy is {self.config}"
+                "FlowPolicy.load_state_dict: the state was saved from "
+                f"{state.get('config')}, this policy is {self.config}"
             )
         self.net.load_state_dict(state["net"])
         if self.reference is not None and "reference" in state:
