@@ -200,6 +200,12 @@ def build(cfg: Config) -> Parts:
     # each component against the policy it will run with, before anything runs
     check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
     check_strategy(strategy, policy, owners)  # sampling options it asks for, extras others read
+    unknown = set(cfg.eval.sampling) - set(getattr(policy, "request_options", ()))
+    if unknown:  # the held-out calls' own settings: keys the policy's requests may set
+        raise ConfigError(
+            f"eval.sampling sets {sorted(unknown)}, which the {policy.modality} policy does not take "
+            f"(it takes {sorted(getattr(policy, 'request_options', ()))})"
+        )
     bind_vocabulary(owners + role_components, policy)  # token texts for phase / role maps
     bind_rows(owners, train_rows)  # components that draw from or index the train rows (components.py)
     bind_models(owners + eval_stage.scorers + task_scorers, frozen)  # frozen roles' policies (a judge)

@@ -123,6 +123,9 @@ class EvalCfg:
     # reward (what training did to another skill): logs eval_accuracy@task:NAME and eval_nll@task:NAME (mean token NLL
     # of its answers) at eval.every, and accuracy_after@task:NAME, nll_after@task:NAME in summary.json
     tasks: list = field(default_factory=list)
+    # sampling settings of the greedy held-out calls, merged over the rollout's (keys from the policy's request
+    # options): e.g. {sampler = "consistency", steps = 4} deploys a flow policy with another sampler than it trained on
+    sampling: dict = field(default_factory=dict)
 
 
 @dataclass

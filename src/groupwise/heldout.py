@@ -1,6 +1,12 @@
 """Held-out evaluation of the trained policy: greedy accuracy (under ``eval.views`` and on
 ``eval.tasks``), the answer NLL of another task, and sampled ``mean@n`` / ``pass@k``.
 
+The greedy calls take the rollout's sampling settings with ``eval.sampling`` merged over them (a
+flow policy deployed with another sampler than it trained on, issue 37 M4). ``evaluate_full``
+also gives the mean eval reward over the held-out rows (rows whose reward failed are left out of
+the mean; they count as wrong in the accuracy) and the eval reward's ``log_metric`` means: the
+measures of a continuous reward, where "reward ≥ 1" is not the question.
+
 ``HeldOut(trainer)`` holds the trainer: it reads the trainer's policy and step (the ``StepInfo`` its
 calls get) and, of the parts, the held-out rows, the eval reward stage and the prompts; it changes
 nothing of the run's state but the prompt cache. The views and tasks it scores under are built with
@@ -46,20 +52,40 @@ class HeldOut:
         trained policy) on ``rows`` (default: the first ``eval.size`` held-out rows; ``split`` names them),
         with each prompt edited by ``view`` (one of ``eval.views``) when given; the reward still
         compares with the row's own answer. ``stage`` scores instead of the eval reward (``eval.tasks``)."""
+        return self.evaluate_full(policy, rows, split, view, stage)["accuracy"]
+
+    @torch.no_grad()
+    def evaluate_full(
+        self,
+        policy: Any = None,
+        rows: list[dict] | None = None,
+        split: str = "eval",
+        view: str | None = None,
+        stage: RewardStage | None = None,
+    ) -> dict[str, float]:
+        """:meth:`evaluate`'s greedy pass, with all it measures: ``accuracy``, ``reward_mean`` (the mean
+        eval reward over the rows whose reward did not fail; NaN when none) and ``metric/<name>``
+        (the mean of each ``log_metric`` of the eval reward over these rows); NaNs without rows."""
         policy, stage = policy or self.trainer.policy, stage or self.eval_stage
         rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
         if not rows:
-            return float("nan")
-        correct, info = 0, self.trainer.info()
+            return {"accuracy": float("nan"), "reward_mean": float("nan")}
+        correct, total, counted, info = 0, 0.0, 0, self.trainer.info()
+        stage.pop_metrics()  # drop what other calls left, so the metrics below are these rows' own
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
             requests = [Request(key=i, n=1, prompt=self.prompts(split, rows, i, view)) for i in chunk]
-            gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
+            sampling = {**self.sampling_params, **self.cfg.eval.sampling, "greedy": True}
+            gen = policy.generate(requests, sampling, info)
             gen.meta = [rows[i] for i in chunk]
             stage.score_local(gen, info)
             stage.finish(gen, info)
-            correct += int((gen.rewards[:, 0] >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
-        return correct / len(rows)
+            reward = gen.rewards[:, 0].double()  # [n] NaN where the reward failed
+            correct += int((reward >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
+            total += float(reward[torch.isfinite(reward)].sum())
+            counted += int(torch.isfinite(reward).sum())
+        metrics = {f"metric/{k.split('/', 1)[1]}": v for k, v in stage.pop_metrics().items()}
+        return {"accuracy": correct / len(rows), "reward_mean": total / counted if counted else float("nan"), **metrics}
 
     @torch.no_grad()
     def answer_nll(self, rows: list[dict], split: str, policy: Any = None) -> float:

@@ -216,7 +216,10 @@ class Run:
                 self._check_health(row)
                 eval_due = cfg.eval.every and (trainer.step + 1) % cfg.eval.every == 0
                 if eval_due and cfg.eval.size and self.parts.eval_rows:
-                    row["eval_accuracy"] = self.heldout.evaluate()
+                    full = self.heldout.evaluate_full()
+                    row["eval_accuracy"] = full["accuracy"]
+                    row["eval_reward_mean"] = full["reward_mean"]
+                    row.update({f"eval_{k}": v for k, v in full.items() if k.startswith("metric/")})
                     row.update(self._view_accuracies(row["eval_accuracy"]))
                     row.update(self._column_accuracies("eval_accuracy"))
                     self.summary["evals"].append((trainer.step + 1, row["eval_accuracy"]))
@@ -294,7 +297,8 @@ class Run:
         for role in self.trainer.roles:  # each further trained model on the same held-out prompts
             value = self.heldout.evaluate(role.policy)
             self.summary[f"{role.name}/{key}"] = None if value != value else value
-        accuracy = self.heldout.evaluate()
+        full = self.heldout.evaluate_full()
+        accuracy = full["accuracy"]
         if accuracy != accuracy:  # NaN: nothing to evaluate on
             self.summary[key] = None
             self.summary["eval_note"] = (
@@ -302,6 +306,14 @@ class Run:
             )
             return
         self.summary[key] = accuracy
+        when = key.split("_", 1)[1]  # before / after
+        # the mean eval reward and the eval reward's metrics (a continuous reward's measures); NaN is written as null
+        self.summary[f"reward_mean_{when}"] = (
+            full["reward_mean"] if full["reward_mean"] == full["reward_mean"] else None
+        )
+        self.summary.update(
+            {f"metric_{when}/{k.split('/', 1)[1]}": (v if v == v else None) for k, v in full.items() if "/" in k}
+        )
         self.summary["evals"].append((step, accuracy))
         self.summary.update(self._column_accuracies(key))
         for name, value in self._view_accuracies(accuracy).items():
