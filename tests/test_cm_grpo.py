@@ -1,0 +1,100 @@
+"""CM-GRPO (spec 19, ``losses/cm_grpo.py``): the spec's autograd test worked by hand, the
+equivalence with REINFORCE on the consistency kernel's log-prob, the objective term on a real flow
+rollout, and its refusal of Euler steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from groupwise.losses.cm_grpo import CMGRPO, cm_grpo_step_loss
+from groupwise.losses.reinforce import Reinforce
+from groupwise.modalities.flow import FlowPolicy
+from groupwise.modalities.gauss import gauss_logp
+from groupwise.types import Request, StepInfo
+
+INFO = StepInfo(step=0, seed=3, max_new_tokens=0)
+
+
+def _spec_case(adv: float):
+    # A(s) = 0.8, B(s) = 0.6 (so s = 0.2 would give A = 0.8, B = 0.2: the spec's pair is not the lerp
+    # schedule's; the surrogate is written for A, B directly below), x̂₀ = [1,0], x_s = [1.1,−0.3]
+    x0 = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    A, B = 0.8, 0.6
+    x_s = torch.tensor([1.1, -0.3], dtype=torch.float64)
+    mean = A * x0.detach()  # [0.8, 0]
+    target = x0.detach() - 0.5 * A * (-adv) * (x_s - mean) / B**2
+    return x0, A, B, x_s, target
+
+
+def test_the_specs_autograd_case_by_hand():
+    # ∇_{x̂₀}(Â log π) = Â·A·(x_s − A x̂₀)/B² = 2·0.8·[0.3, −0.3]/0.36 = [1.3333, −1.3333];
+    # the surrogate Σ(x̂₀ − target)² has gradient 2(x̂₀ − target) = Â·A(−1)(x_s − mean)/B² = [−1.3333, +1.3333]
+    x0, A, B, x_s, target = _spec_case(2.0)
+    logp = gauss_logp(x_s[None], A * x0[None], B, reduce="sum")
+    (grad_logp,) = torch.autograd.grad(2.0 * logp.sum(), x0)
+    assert grad_logp.tolist() == pytest.approx([1.333333, -1.333333], abs=1e-6)
+    (grad_sum,) = torch.autograd.grad(((x0 - target) ** 2).sum(), x0)
+    assert grad_sum.tolist() == pytest.approx([-1.333333, 1.333333], abs=1e-6)
+    # mean over D = 2 dims: half of it
+    (grad_mean,) = torch.autograd.grad(((x0 - target) ** 2).mean(), x0)
+    assert grad_mean.tolist() == pytest.approx([-0.666667, 0.666667], abs=1e-6)
+    # Â = 0: no gradient
+    x0, _, _, _, target = _spec_case(0.0)
+    assert torch.autograd.grad(((x0 - target) ** 2).mean(), x0)[0].tolist() == [0.0, 0.0]
+
+
+def test_the_step_loss_on_the_lerp_schedule_by_hand():
+    # s = 0.25: A = 0.75, std = 0.25; x̂₀ = [1,1], x_s = [1, 0.5] (mean [0.75,0.75]), Â = 2, scale 1:
+    # score_grad = ½·0.75·(−2)·[0.25,−0.25]/0.0625 = −0.75·[4,−4] = [−3, 3]; loss = mean([3², 3²]) = 9;
+    # ∂loss/∂x̂₀ = 2·(x̂₀ − target)/D = 2·[−3, 3]/2 = [−3, 3]
+    x0 = torch.tensor([[1.0, 1.0]], dtype=torch.float64, requires_grad=True)
+    loss = cm_grpo_step_loss(
+        x0, torch.tensor([[1.0, 0.5]], dtype=torch.float64), torch.tensor([0.25]), torch.tensor([2.0]), 1.0
+    )
+    assert float(loss) == pytest.approx(9.0)
+    loss.sum().backward()
+    assert x0.grad.tolist() == [[-3.0, 3.0]]
+
+
+def _batch(policy: FlowPolicy):
+    out = policy.generate([Request(key=0, n=4, prompt=1), Request(key=1, n=4, prompt=2)], {}, INFO)
+    out.advantages = torch.tensor([[1.5, -0.5, 7.0, -1.0], [0.0, 2.0, -3.0, -6.0]])  # [B,G] (7, -6 get clipped at ±5)
+    return out
+
+
+def _grads(policy, loss):
+    policy.net.zero_grad()
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in policy.parameters()])
+
+
+def test_cm_grpo_gradient_equals_reinforce_on_the_kernels_logp_times_scale():
+    policy = FlowPolicy(sampler="consistency", steps=4, sde="all")
+    batch = _batch(policy)
+    term, reinforce = CMGRPO(scale=100.0), Reinforce()
+    out = policy.forward(batch, ("logp", "x0_pred"))
+    g_cm = _grads(policy, term(batch, out, INFO).sum())
+    clipped = batch.advantages.clamp(-5, 5)
+    batch.advantages = clipped
+    out = policy.forward(batch, ("logp",))
+    g_pg = _grads(policy, 100.0 * reinforce(batch, out, INFO).sum())
+    # equal up to the float32 rounding of the stored steps and outputs (the maths runs in float64)
+    assert g_cm.abs().max() > 0
+    assert float((g_cm - g_pg).norm() / g_pg.norm()) < 1e-5
+
+
+def test_cm_grpo_needs_the_consistency_kernel_and_the_anchor_reads_the_reference():
+    euler = FlowPolicy(sde="all")
+    batch = _batch(euler)
+    with pytest.raises(ValueError, match='not the consistency kernel\'s .*sampler = "consistency"'):
+        CMGRPO()(batch, euler.forward(batch, ("logp", "x0_pred")), INFO)
+    assert [n.key for n in CMGRPO().needs] == ["x0_pred"]
+    assert [n.key for n in CMGRPO(beta=0.1).needs] == ["x0_pred", "ref.step_mean"]
+    # with β > 0 and the reference equal to the policy, the anchor adds no gradient (mean = mean_ref)
+    policy = FlowPolicy(sampler="consistency", steps=4, sde="all")
+    batch = _batch(policy)
+    batch.set_extra("ref.step_mean", policy.forward(batch, ("step_mean",))["step_mean"].detach(), "token")
+    g0 = _grads(policy, CMGRPO()(batch, policy.forward(batch, ("logp", "x0_pred")), INFO).sum())
+    g1 = _grads(policy, CMGRPO(beta=0.5)(batch, policy.forward(batch, ("logp", "x0_pred")), INFO).sum())
+    torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-9)
