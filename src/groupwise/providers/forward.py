@@ -134,8 +134,9 @@ class TopK(_ForwardQuantity):
 @register("provider", "step_mean")
 @dataclass
 class StepMean(_ForwardQuantity):
-    """The mean of each trained Gaussian step of a continuous policy [B,G,T,D] (the flow toy's SDE or
-    consistency step; ``modalities/flow.py`` Note 9); a policy kind without it is refused at build."""
+    """The mean of each trained Gaussian step of a continuous policy [B,G,T,D] (Euler SDE or consistency).
+
+    ``modalities/flow.py`` Note 9; a policy kind without it is refused at build."""
 
 
 @register("provider", "x0_pred")
