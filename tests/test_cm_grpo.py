@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import permute_rows, permute_tensor
 
 from groupwise.losses.cm_grpo import CMGRPO, cm_grpo_step_loss
 from groupwise.losses.reinforce import Reinforce
@@ -98,3 +99,68 @@ def test_cm_grpo_needs_the_consistency_kernel_and_the_anchor_reads_the_reference
     g0 = _grads(policy, CMGRPO()(batch, policy.forward(batch, ("logp", "x0_pred")), INFO).sum())
     g1 = _grads(policy, CMGRPO(beta=0.5)(batch, policy.forward(batch, ("logp", "x0_pred")), INFO).sum())
     torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-9)
+
+
+def _contract_batch():
+    policy = FlowPolicy(sampler="consistency", steps=4, sde="all")
+    # a ragged batch: group 1 has 2 real rows and 2 padding rows
+    out = policy.generate([Request(key=0, n=4, prompt=1), Request(key=1, n=2, prompt=3)], {}, INFO)
+    out.advantages = torch.tensor([[1.0, -2.0, 0.5, 8.0], [-1.0, 1.0, 0.0, 0.0]])  # [B,G]
+    return policy, out
+
+
+def test_contract_shape_finite_and_padding_gets_no_gradient():
+    policy, batch = _contract_batch()
+    out = policy.forward(batch, ("logp", "x0_pred"))
+    loss = CMGRPO()(batch, out, INFO)  # [B,G,T]
+    assert loss.shape == batch.mask.shape and loss.dtype == torch.float32 and bool(torch.isfinite(loss).all())
+    assert bool((loss[~batch.mask.bool()] == 0).all())
+    (grad,) = torch.autograd.grad(loss.sum(), out["x0_pred"])
+    assert grad[1, 2:].abs().sum() == 0 and grad[0].abs().sum() > 0  # padding rows: exactly zero
+
+
+def test_contract_row_permutation_permutes_the_loss():
+    policy, batch = _contract_batch()
+    loss = CMGRPO()(batch, policy.forward(batch, ("logp", "x0_pred")), INFO)  # [B,G,T]
+    perm = torch.tensor([[2, 0, 3, 1], [1, 0, 2, 3]])  # [B,G] (group 1 keeps its padding rows last)
+    shuffled = permute_rows(batch, perm)
+    again = CMGRPO()(shuffled, policy.forward(shuffled, ("logp", "x0_pred")), INFO)
+    torch.testing.assert_close(again, permute_tensor(loss, perm), rtol=0, atol=0)
+
+
+@pytest.mark.dist
+def test_two_ranks_equal_one_process(tmp_path):
+    """One CM-GRPO step (SGD, lr 1) over 2 ranks equals one process: the same weights after it."""
+    import os
+    import subprocess
+    import sys
+
+    args = [
+        "train",
+        "cm_grpo",
+        'phases=[{name="sft", steps=3, batch_size=16}]',
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "train.steps=1",
+        "eval.size=0",
+        'update={name="sgd", lr=1.0}',
+        "threads=1",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    weights = []
+    for launcher, folder in (
+        ([sys.executable, "-m", "groupwise"], "one"),
+        (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
+            "two",
+        ),
+    ):
+        result = subprocess.run(
+            [*launcher, *args, f"out={tmp_path / folder}"], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        weights.append(torch.load(tmp_path / folder / "final" / "flow_policy.pt", weights_only=False)["net"])
+    start = FlowPolicy(steps=4, sampler="consistency", sde_window=3).state_dict()["net"]
+    assert any(not torch.equal(weights[0][k], start[k]) for k in start)  # it trained
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, atol=1e-9, rtol=1e-7, msg=name)

@@ -154,3 +154,15 @@ def test_a_fitted_toy_is_a_warm_start_and_a_frozen_role(tmp_path):
         for key, value in fitted.state_dict()["net"].items():
             assert torch.equal(policy.state_dict()["net"][key], value), key
     assert not any(p.requires_grad for p in parts.frozen["teacher"].parameters())
+
+
+def test_after_a_fit_the_reference_is_the_fitted_policy():
+    from groupwise.phases import rebase_reference
+
+    policy = FlowPolicy()
+    policy.scoring_models(with_reference=True)  # the reference snapshot exists before the fit (a KL run)
+    SFT(steps=3, batch_size=8).fit(policy, bimodal_rows(16), [], 0, lambda s, r, i: [r[i]["prompt"]], None)
+    assert any(not torch.equal(policy.net.state_dict()[k], v) for k, v in policy.reference.net.state_dict().items())
+    rebase_reference(policy)  # what run_phases does after an sft phase
+    for key, value in policy.reference.net.state_dict().items():
+        assert torch.equal(policy.net.state_dict()[key], value), key

@@ -681,6 +681,11 @@ class FlowPolicy:
             models["ref"] = lambda: contextlib.nullcontext(self.reference)
         return models
 
+    def rebase_reference(self) -> None:
+        """After an sft phase (a demonstration fit) the frozen reference is the fitted policy RL starts from."""
+        if self.reference is not None:
+            self.reference = self.snapshot()
+
     def score(self, handle: FlowPolicy, rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]:
         return handle.forward(rollout, quantities)
 

@@ -27,6 +27,8 @@ register_task(
         reward="flow_region",
     )
 )
+
+
 def _bimodal(split: str, n: int, seed: int) -> list[dict]:
     from groupwise.modalities.flow_toy import bimodal_rows
 
