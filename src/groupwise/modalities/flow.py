@@ -115,7 +115,13 @@ import torch
 from torch import Tensor, nn
 
 from groupwise.modalities.flow_condition import PromptEncoder, hooked_conditions, mixed_condition
-from groupwise.modalities.flow_sde import NOISE_SCHEDULES, consistency_step, flow_sigmas, sde_step_with_logprob
+from groupwise.modalities.flow_sde import (
+    NOISE_SCHEDULES,
+    consistency_step,
+    flow_sigmas,
+    row_labels,
+    sde_step_with_logprob,
+)
 from groupwise.modalities.gauss import cfg_velocity
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
@@ -125,12 +131,6 @@ CONDITIONS = ("label", "embedding", "vector")
 SAMPLERS = ("euler", "consistency")
 QUANTITIES = frozenset({"logp", "entropy", "step_mean", "x0_pred"})
 TOKEN_EXTRAS = ("flow_x", "flow_x_next", "flow_sigma", "flow_sigma_next", "flow_std", "flow_step")
-
-
-def row_labels(rollout: Rollout) -> Tensor:
-    """[B,G] int64: the label of every row's own context (``ctx`` when a strategy set one, else its
-    group's prompt ``[label]``); 0 for padding rows without a context."""
-    return torch.tensor([[int(c[0]) if c else 0 for c in row] for row in rollout.row_contexts()], dtype=torch.long)
 
 
 def flow_matching_pair(x0: Tensor, noise: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,8 @@
-"""Flow-GRPO's SDE step with its Gaussian log-prob, and the noise schedule: the maths of the flow
-toy's sampler (``modalities/flow.py``) that a token weight reads too (``weights/flash_rectification.py``),
-so it sits below both. The formulas are ``modalities/flow.py``'s **Math**.
+"""Flow-GRPO's SDE step with its Gaussian log-prob, the noise schedules (Flash-GRPO's and Flow-GRPO's),
+CM-GRPO's consistency kernel, and ``row_labels`` (each flow row's own label): the maths of the flow
+toy's sampler (``modalities/flow.py``) that components read too (``weights/flash_rectification.py``,
+the rewards of ``modalities/flow_toy.py``), so it sits below both. The formulas are
+``modalities/flow.py``'s **Math** and Note 9.
 
 Flow-GRPO: "Flow-GRPO: Training Flow Matching Models via Online RL", Jie Liu, Gongye Liu, Jiajun
 Liang et al., 2025, https://arxiv.org/abs/2505.05470; Flash-GRPO: arXiv 2605.15980, spec 14.
@@ -12,6 +14,7 @@ import torch
 from torch import Tensor
 
 from groupwise.modalities.gauss import gauss_logp
+from groupwise.types import Rollout
 
 NOISE_SCHEDULES = ("flash", "flow_grpo")
 
@@ -114,3 +117,9 @@ def consistency_step(
     prev_sample = prev_sample.detach()
     logp = gauss_logp(prev_sample.double(), mean, s64)  # [N]
     return prev_sample, logp.to(out), mean.to(out), s64[:, 0].to(out), x0.to(out)
+
+
+def row_labels(rollout: Rollout) -> Tensor:
+    """[B,G] int64: the label of every row's own context (``ctx`` when a strategy set one, else its
+    group's prompt ``[label]``); 0 for padding rows without a context."""
+    return torch.tensor([[int(c[0]) if c else 0 for c in row] for row in rollout.row_contexts()], dtype=torch.long)

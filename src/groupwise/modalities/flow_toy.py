@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from groupwise.modalities.flow_sde import row_labels
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
@@ -51,8 +52,6 @@ from groupwise.types import Rollout, StepInfo
 def _points_and_labels(rollout: Rollout, name: str) -> Tensor:
     """[B,G] the label of each row's own context (``modalities.flow.row_labels``), after checking that
     the rollout holds 2-D samples ``x_final`` [B,G,2]."""
-    from groupwise.modalities.flow import row_labels
-
     points = rollout.extras.get("x_final")
     if points is None or points.shape[-1] != 2:
         raise ValueError(

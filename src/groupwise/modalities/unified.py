@@ -46,7 +46,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from groupwise.modalities.flow import FlowPolicy, row_labels
+from groupwise.modalities.flow import FlowPolicy
+from groupwise.modalities.flow_sde import row_labels
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
