@@ -89,3 +89,15 @@ def test_request_extras_are_conditions_read_while_sampling():
         policy.generate([Request(key=0, n=1, prompt=0, extras={"intent": [4]})], {}, INFO)
     with pytest.raises(ValueError, match="need dim >= 1 .*condition_extras as"):
         FlowPolicy(condition_extras={"intent": 0})
+
+
+def test_a_strategy_that_sets_no_condition_is_refused_at_build(tmp_path):
+    from groupwise.build import build
+    from groupwise.config import load_config
+    from groupwise.errors import ConfigError
+
+    cfg, _ = load_config("flash_grpo", [f'out="{tmp_path}"', "model.params={condition_extras={intent=4}}"])
+    with pytest.raises(
+        ConfigError, match=r"samples under the request extras \['intent'\] .* strategy 'sample' does not set"
+    ):
+        build(cfg)
