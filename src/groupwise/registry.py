@@ -159,9 +159,9 @@ def build_spec(stage: str, spec: Any) -> Any:
 
 
 def describe(cls: type) -> str:
-    """First line of the component's docstring."""
+    """The component's summary: the first paragraph of its docstring, on one line."""
     doc = (cls.__doc__ or "").strip()
-    return doc.splitlines()[0] if doc else ""
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def entries() -> list[tuple[str, str, type]]:

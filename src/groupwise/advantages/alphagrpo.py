@@ -130,7 +130,8 @@ def per_prompt_advantages(
 @register("advantage", "alphagrpo")
 @dataclass
 class AlphaGRPOAdvantage:
-    """Per-prompt (r − baseline)/(std + eps), baseline the mean, a stage-1 reward or their max; optional FPR (AlphaGRPO, spec 27)."""  # noqa: E501
+    """Per-prompt (r − baseline)/(std + eps), baseline the mean, a stage-1 reward or their max; optional FPR (AlphaGRPO,
+    spec 27)."""
 
     group_relative = True
     rollout_extras = ()  # (the instance's: ``stage1`` when fpr or a stage-1 baseline reads it, Note 4)

@@ -80,7 +80,8 @@ def fgrpo_token_adv(A_gen: Tensor, A_rank: Tensor, m_gen: Tensor, m_rank: Tensor
 @register("advantage", "f_grpo")
 @dataclass
 class FGRPO:
-    """Group-normalise the coverage and ranking rewards separately; credit each to its own phase's tokens (F-GRPO, Surana et al. 2026)."""  # noqa: E501
+    """Group-normalise the coverage and ranking rewards separately; credit each to its own phase's tokens (F-GRPO,
+    Surana et al. 2026)."""
 
     gen_part: int = 0
     rank_part: int = 1

@@ -48,7 +48,8 @@ from groupwise.types import Rollout, StepInfo
 @register("advantage", "gdpo")
 @dataclass
 class GDPOAdvantage:
-    """Normalise each reward function within its group, sum the weighted z-scores, whiten over the batch (GDPO, Liu et al. 2026; TRL normalize_then_sum)."""  # noqa: E501
+    """Normalise each reward function within its group, sum the weighted z-scores, whiten over the batch (GDPO, Liu et
+    al. 2026; TRL normalize_then_sum)."""
 
     eps: float = 1e-4
     batch_norm: bool = True

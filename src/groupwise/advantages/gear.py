@@ -147,7 +147,8 @@ def _extra(rollout: Rollout, key: str) -> Tensor:
 @register("advantage", "gear")
 @dataclass
 class GEAR:
-    """Reweight A_i per token/segment by divergence spikes against a ground-truth self-teacher (GEAR, Li et al. 2026)."""  # noqa: E501
+    """Reweight A_i per token/segment by divergence spikes against a ground-truth self-teacher (GEAR, Li et al.
+    2026)."""
 
     divergence: str = "kl"  # "kl" (full vocabulary, Need kl_to(view)) | "sampled_gap" (logp − logp under view)
     view: str = "ground_truth"

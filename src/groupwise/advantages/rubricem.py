@@ -111,7 +111,8 @@ def stage_to_token_adv(adv: Tensor, masks: Tensor, outside: Tensor | None = None
 @register("advantage", "rubricem")
 @dataclass
 class RubricEMAdvantage:
-    """Stage-structured GRPO: each stage's score normalised in its group, each stage's tokens get its advantage (RubricEM, spec 39)."""  # noqa: E501
+    """Stage-structured GRPO: each stage's score normalised in its group, each stage's tokens get its advantage
+    (RubricEM, spec 39)."""
 
     group_relative = True
 

@@ -76,7 +76,8 @@ def joint_text_image_loss(
 @register("objective", "alphagrpo_joint")
 @dataclass
 class AlphaGRPOJoint:
-    """Clipped surrogate with a text clip on think tokens and Flow-GRPO's clip + advantage clip on denoising steps (AlphaGRPO)."""  # noqa: E501
+    """Clipped surrogate with a text clip on think tokens and Flow-GRPO's clip + advantage clip on denoising steps
+    (AlphaGRPO)."""
 
     text_eps_low: float = 0.2
     text_eps_high: float = 0.2

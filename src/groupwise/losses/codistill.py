@@ -152,7 +152,8 @@ def teacher_is_stats(
 @register("reward", "codistill_kd")
 @dataclass
 class CoDistillKD:
-    """On-policy KD reward mean_t[log π_teacher − log π_student] from a trained role (CoDistill-GRPO, Kwon et al. 2026)."""  # noqa: E501
+    """On-policy KD reward mean_t[log π_teacher − log π_student] from a trained role (CoDistill-GRPO, Kwon et al.
+    2026)."""
 
     teacher: str = "teacher"  # the role whose log-probs are the teacher's
     weight: float = 1.0  # λ_kd [INFERRED]

@@ -114,7 +114,8 @@ def conspo_loss(
 @register("objective", "conspo")
 @dataclass
 class ConSPO:
-    """Group-wise InfoNCE of each correct rollout against the group's incorrect ones on mean token log-probs (ConSPO, Zhang et al. 2026)."""  # noqa: E501
+    """Group-wise InfoNCE of each correct rollout against the group's incorrect ones on mean token log-probs (ConSPO,
+    Zhang et al. 2026)."""
 
     tau: float = 0.1
     margin: float = 0.0

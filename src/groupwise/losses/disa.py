@@ -155,7 +155,8 @@ def r_squared(pred: Tensor, target: Tensor) -> float:
 @register("objective", "disa")
 @dataclass
 class DISA:
-    """Trajectory-balance residual w·(logZ + ℓ̄_θ − β r̂ − ℓ̄_ref)² with an offline, frozen logZ (DISA, 2026; FlowRL, Zhu et al. 2025)."""  # noqa: E501
+    """Trajectory-balance residual w·(logZ + ℓ̄_θ − β r̂ − ℓ̄_ref)² with an offline, frozen logZ (DISA, 2026; FlowRL,
+    Zhu et al. 2025)."""
 
     beta: float = 15.0
     eps_low: float = 0.2

@@ -86,7 +86,8 @@ def shaped_ratio(log_ratio: Tensor, gamma: float = 0.1) -> Tensor:
 @register("objective", "lope")
 @dataclass
 class LoPEShaping:
-    """Swapped-in resamples: unclipped ρ/(ρ+γ) against the perturbed-prompt behaviour; other rows: the base term (LoPE)."""  # noqa: E501
+    """Swapped-in resamples: unclipped ρ/(ρ+γ) against the perturbed-prompt behaviour; other rows: the base term
+    (LoPE)."""
 
     gamma: float = 0.1
     base: str = "ppo_clip"

@@ -55,7 +55,8 @@ from groupwise.types import Rollout, StepInfo
 @register("objective", "ppo_clip")
 @dataclass
 class PPOClip:
-    """PPO clipped surrogate with asymmetric clip (clip-higher) and optional dual clip (GRPO/PPO, Schulman et al. 2017)."""  # noqa: E501
+    """PPO clipped surrogate with asymmetric clip (clip-higher) and optional dual clip (GRPO/PPO, Schulman et al.
+    2017)."""
 
     eps_low: float = 0.2
     eps_high: float = 0.2

@@ -150,7 +150,8 @@ def trap_reward(
 @register("reward", "flow_trap")
 @dataclass
 class FlowTrapReward:
-    """A near, easy optimum worth ``near_reward`` and a far one worth 1 on the opposite side (Toy-Flow-2D; spec 15's behavioural test)."""  # noqa: E501
+    """A near, easy optimum worth ``near_reward`` and a far one worth 1 on the opposite side (Toy-Flow-2D; spec 15's
+    behavioural test)."""
 
     n_labels: int = 4
     near: float = 1.0

@@ -136,7 +136,8 @@ def prompt_space(policy, pool: str = "last") -> tuple[torch.Tensor, set[int], Ca
 @register("phase", "e2po_perturbations")
 @dataclass
 class E2POPerturbations:
-    """E²PO phase I: conditions−1 diverse, meaning-anchored perturbations of each train prompt's content-token embeddings."""  # noqa: E501
+    """E²PO phase I: conditions−1 diverse, meaning-anchored perturbations of each train prompt's content-token
+    embeddings."""
 
     kind = "offline"
     artifact: str = "e2po_perturbations"

@@ -103,7 +103,8 @@ def turn_labels(env_proto, row: dict, texts: list[str], actions: list[str], seed
 @register("phase", "pair_probe")
 @dataclass
 class PairProbePhase:
-    """PAIR's probe: turn labels from an outcome search on the base's own episodes, the two-stage linear probe on hidden states and attention."""  # noqa: E501
+    """PAIR's probe: turn labels from an outcome search on the base's own episodes, the two-stage linear probe on hidden
+    states and attention."""
 
     kind = "offline"
     artifact: str = "pair_probe"

@@ -71,7 +71,8 @@ def step_ids_of(tokens: list[int], token_text: list[str], sep: str, pad_to: int)
 @register("phase", "profil_probe")
 @dataclass
 class ProfilProbe:
-    """ProFIL's probe: forced-answer commitment labels on the base model's rollouts, an attention-pooling probe on hidden(layer)."""  # noqa: E501
+    """ProFIL's probe: forced-answer commitment labels on the base model's rollouts, an attention-pooling probe on
+    hidden(layer)."""
 
     kind = "offline"
     artifact: str = "probe"

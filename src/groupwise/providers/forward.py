@@ -165,7 +165,8 @@ class _EagerQuantity(_ForwardQuantity):
 @register("provider", "attn_at")
 @dataclass
 class AttentionAt(_EagerQuantity):
-    """Layer l's attention probabilities (every head, every key position of the row) of the query at each token [B,G,T,heads,S]; no grad."""  # noqa: E501
+    """Layer l's attention probabilities (every head, every key position of the row) of the query at each token
+    [B,G,T,heads,S]; no grad."""
 
     _low = 1
 

@@ -55,7 +55,8 @@ def count_functional(text: str, tokens: Sequence[str]) -> tuple[int, set[str]]:
 @register("reward", "functional_usage")
 @dataclass
 class FunctionalUsage:
-    """1.0 when the completion's functional tokens are valid: their count in range (and each in the row's ``column``)."""  # noqa: E501
+    """1.0 when the completion's functional tokens are valid: their count in range (and each in the row's
+    ``column``)."""
 
     tokens: list = field(default_factory=lambda: ["+", "-", "*"])
     min_count: int = 1

@@ -117,7 +117,8 @@ def pair_turn_rewards(
 @register("reward", "pair")
 @dataclass
 class PairReward:
-    """Dense per-turn reward from the frozen base's two-stage probe on the policy's own hidden states and attention (PAIR)."""  # noqa: E501
+    """Dense per-turn reward from the frozen base's two-stage probe on the policy's own hidden states and attention
+    (PAIR)."""
 
     alpha: float = 5.0
     temperature: float = 2.0

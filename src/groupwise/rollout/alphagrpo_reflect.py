@@ -102,7 +102,8 @@ def select_attempt(
 @register("rollout", "alphagrpo_reflect")
 @dataclass
 class AlphaGRPOReflect:
-    """A first attempt per prompt, then G refinements of its worst attempt under a reflection context; ``stage1_reward`` for FPR (AlphaGRPO)."""  # noqa: E501
+    """A first attempt per prompt, then G refinements of its worst attempt under a reflection context; ``stage1_reward``
+    for FPR (AlphaGRPO)."""
 
     collects = ("stage1_reward",)
     initial: int = 1

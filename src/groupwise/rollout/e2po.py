@@ -184,7 +184,8 @@ def learn_prompt_perturbations(
 @register("rollout", "e2po")
 @dataclass
 class E2PO(ReadsArtifact):
-    """Each group under the original prompt and K−1 learned prompt-embedding perturbations; trained on the original (E²PO)."""  # noqa: E501
+    """Each group under the original prompt and K−1 learned prompt-embedding perturbations; trained on the original
+    (E²PO)."""
 
     artifact: str = "e2po_perturbations"
     assign: str = "blocks"

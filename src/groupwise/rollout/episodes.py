@@ -157,7 +157,8 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
 @register("rollout", "episodes")
 @dataclass
 class Episodes:
-    """One row per episode: the whole multi-turn transcript, environment tokens masked out of the loss (trajectory-level GRPO)."""  # noqa: E501
+    """One row per episode: the whole multi-turn transcript, environment tokens masked out of the loss (trajectory-level
+    GRPO)."""
 
     max_turns: int = 16
     separator: str = " "

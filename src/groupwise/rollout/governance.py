@@ -101,7 +101,8 @@ def _merge(first: Played, again: Played, replace: dict[tuple[int, int], object])
 @register("rollout", "governed_episodes")
 @dataclass
 class GovernedEpisodes(Episodes):
-    """Trajectory-level episodes whose env-failed rollouts leave their group (failure-cause-aware governance, spec 50)."""  # noqa: E501
+    """Trajectory-level episodes whose env-failed rollouts leave their group (failure-cause-aware governance, spec
+    50)."""
 
     govern: bool = True
     max_resample: int = 0

@@ -175,7 +175,8 @@ def hora_allocate(
 @register("rollout", "hora")
 @dataclass
 class HORA:
-    """HORA: a first round of rollouts per prompt, then the rest of the budget where an extra rollout most likely hits (Wang et al. 2026)."""  # noqa: E501
+    """HORA: a first round of rollouts per prompt, then the rest of the budget where an extra rollout most likely hits
+    (Wang et al. 2026)."""
 
     initial: int = 4
     budget: int | None = None

@@ -164,7 +164,8 @@ def lope_regroup(
 @register("rollout", "lope")
 @dataclass
 class LoPE:
-    """All-wrong prompts are resampled under Lorem-prefixed prompts; correct resamples join the group under the original prompt (LoPE)."""  # noqa: E501
+    """All-wrong prompts are resampled under Lorem-prefixed prompts; correct resamples join the group under the original
+    prompt (LoPE)."""
 
     num_perturbation: int = 6
     n_per: int = 4

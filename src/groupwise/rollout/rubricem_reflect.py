@@ -131,7 +131,8 @@ def _text(prompt: Any) -> str:
 @register("rollout", "rubricem_reflect")
 @dataclass
 class RubricEMReflect:
-    """Task rows, then G reflections per group rewarded by r_meta (judge-gated re-attempt gain), a rubric bank into later prompts (RubricEM, spec 39)."""  # noqa: E501
+    """Task rows, then G reflections per group rewarded by r_meta (judge-gated re-attempt gain), a rubric bank into
+    later prompts (RubricEM, spec 39)."""
 
     reflect_template: str = REFLECT_TEMPLATE
     context_template: str = CONTEXT_TEMPLATE

@@ -111,7 +111,8 @@ def selective_gate(actions: list[list[str]], K: int, d_low: float, t_high: float
 @register("rollout", "selective_rollout")
 @dataclass
 class SelectiveRollout(Episodes):
-    """Trajectory-level GRPO whose groups are stopped at env step K and dropped when their action prefixes barely differ (Selective Rollout)."""  # noqa: E501
+    """Trajectory-level GRPO whose groups are stopped at env step K and dropped when their action prefixes barely differ
+    (Selective Rollout)."""
 
     max_turns: int = 30
     K: int = 10

@@ -147,7 +147,8 @@ def compute_steering_vector(
 @register("rollout", "vspo")
 @dataclass
 class VSPO(ReadsArtifact):
-    """Each group under a grid of steering intensities of a CAA behaviour vector; the unsteered policy is trained (VSPO)."""  # noqa: E501
+    """Each group under a grid of steering intensities of a CAA behaviour vector; the unsteered policy is trained
+    (VSPO)."""
 
     alphas: list = field(default_factory=lambda: [-4.0, -2.0, -1.0, 0.0, 0.0, 1.0, 2.0, 4.0])
     artifact: str = "steering_vector"

@@ -79,7 +79,8 @@ def hidden_features(hidden: Tensor, mask: Tensor, adv: Tensor) -> Tensor:
 @register("sampling", "interaction_influence")
 @dataclass
 class InteractionInfluenceSampler:
-    """Greedy second-order (interaction-aware) influence selection of prompts from gradient features (arXiv 2605.15675)."""  # noqa: E501
+    """Greedy second-order (interaction-aware) influence selection of prompts from gradient features (arXiv
+    2605.15675)."""
 
     feature: str = "tokens"
     dim: int = 512

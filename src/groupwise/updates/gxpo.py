@@ -110,7 +110,8 @@ def _finite(*xs: Tensor) -> bool:
 @register("update", "gxpo")
 @dataclass
 class GXPO(TorchUpdater):
-    """GXPO: two probe steps, per-coordinate geometric extrapolation to K steps, a corrective step, z-score shutoff (Swapnil et al. 2026)."""  # noqa: E501
+    """GXPO: two probe steps, per-coordinate geometric extrapolation to K steps, a corrective step, z-score shutoff
+    (Swapnil et al. 2026)."""
 
     optimizer: str = "adamw"
     lr: float = 1e-6

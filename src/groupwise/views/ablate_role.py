@@ -94,7 +94,8 @@ def ablate(ids: list[int], inside: list[bool], placeholder: list[int]) -> tuple[
 @register("view", "ablate_role")
 @dataclass
 class AblateRole:
-    """Completion with its perception segment emptied; reasoning tokens re-scored after it (SRPO's P̸, Jiang & Zou 2026)."""  # noqa: E501
+    """Completion with its perception segment emptied; reasoning tokens re-scored after it (SRPO's P̸, Jiang & Zou
+    2026)."""
 
     tags: list = field(default_factory=lambda: ["<perception>", "</perception>"])
     placeholder: str = ""

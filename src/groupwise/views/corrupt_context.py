@@ -63,7 +63,8 @@ MISSING = ("keep", "raise")
 @register("view", "corrupt_context")
 @dataclass
 class CorruptContext:
-    """Prompt with its evidence passage replaced by another train row's passage (SRPO's corrupted input, Jiang & Zou 2026)."""  # noqa: E501
+    """Prompt with its evidence passage replaced by another train row's passage (SRPO's corrupted input, Jiang & Zou
+    2026)."""
 
     column: str = "passage"
     seed: int = 0

@@ -110,7 +110,8 @@ def apply_token_weights(adv: Tensor, w: Tensor, mask: Tensor) -> Tensor:
 @register("weight", "srpo")
 @dataclass
 class SRPO:
-    """Positive token weights from self-distilled contrasts: perception by context dependency, reasoning by perception consistency (SRPO, Jiang & Zou 2026)."""  # noqa: E501
+    """Positive token weights from self-distilled contrasts: perception by context dependency, reasoning by perception
+    consistency (SRPO, Jiang & Zou 2026)."""
 
     kappa: float = 1.0
     clip: float = 3.0

@@ -134,7 +134,8 @@ def render(a: int, b: int) -> str:
 @register("env", "compile_fix")
 @dataclass
 class CompileFix:
-    """Repair the slot of ``a+b=<slot>``: each action is checked (compile, then the hidden semantic test) in the sandbox."""  # noqa: E501
+    """Repair the slot of ``a+b=<slot>``: each action is checked (compile, then the hidden semantic test) in the
+    sandbox."""
 
     steps: int = 8
     env_fail_prob: float = 0.05
