@@ -81,6 +81,7 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "encode_completion": "encode_completion(text) -> list[int]: an answer's token ids (the sft phase, the answer NLL)",
     "encode_target": "encode_target(row) -> a demonstration row's target in the policy's form (sft, non-text kinds)",
     "supervised_loss": "supervised_loss(prompts, targets, gen) -> scalar with grad: the demonstration loss (sft)",
+    "condition_extras": "condition_extras: {name: n}, the request extras it samples under (its strategy must set them)",
     "quantities": "quantities: frozenset[str], what its forward computes (a need of another is refused at build)",
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
