@@ -87,7 +87,7 @@ def main() -> None:
         "4-step consistency samples (circle k: label k's rewarded mode; demonstrations split between μ_k and μ_(k+1))",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))  # room for the suptitle
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
