@@ -5,6 +5,7 @@ with other sampling settings than it trained on (the flow toy with the consisten
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from groupwise.claims.compare import read_run
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
 from groupwise.heldout import HeldOut
+from groupwise.rollout.sample import Sample
 from groupwise.run import Run
 from groupwise.trainer import Trainer
+from groupwise.types import Request
 
 
 def _trainer(out, *overrides):
@@ -72,3 +75,34 @@ def test_eval_sampling_deploys_another_kernel_and_is_checked(tmp_path):
     assert seen[1]["greedy"] is True
     with pytest.raises(ConfigError, match=r"eval.sampling sets \['temperature'\], which the flow policy does not take"):
         _trainer(tmp_path / "c", "eval.sampling={temperature=0.5}")
+
+
+@dataclass
+class _BestOfTwo(Sample):
+    """The default strategy, with its own held-out evaluation: the best of 2 samples per held-out row."""
+
+    def evaluate(self, ctx, rows, info):
+        scored = ctx.rollout([Request(key=i, n=2) for i in range(len(rows))])  # [B,2] rewards
+        return {"best_of_2": float(scored.rewards.max(1).values.mean()), "rows": float(len(rows))}
+
+
+def test_a_strategys_own_evaluation_is_logged(tmp_path, monkeypatch):
+    from groupwise import registry
+
+    registry.load_all()
+    monkeypatch.setitem(registry._REGISTRY["rollout"], "test_best_of_two", _BestOfTwo)
+    trainer = _trainer(tmp_path, "train.steps=2", "eval.size=8", "eval.every=1", 'rollout.name="test_best_of_two"')
+    seen = []
+    original = trainer.policy.generate
+
+    def spy(requests, sampling, info):
+        seen.append((len(requests), sampling.get("greedy"), info.step))
+        return original(requests, sampling, info)
+
+    trainer.policy.generate = spy
+    summary = Run(trainer).train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["eval/rows"] == 8.0 and 0.0 <= r["eval/best_of_2"] <= 1.0 for r in rows)
+    assert summary["rows_after"] == 8.0 and "best_of_2_before" in summary
+    # its calls: 8 held-out requests of 2 rows, greedy (the flow toy's deterministic sampler), step -1's noise
+    assert (8, True, -1) in seen

@@ -96,7 +96,9 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
 
 class RolloutStrategy(Protocol):
     """Stages 1–3 together: ``strategy(ctx) -> Rollout`` collects the step's whole scored batch
-    through ``rollout.context.RolloutContext``."""
+    through ``rollout.context.RolloutContext``. Optional: ``evaluate(ctx, rows, info) -> dict[str,
+    float]``, its own held-out evaluation (``heldout.HeldOut.evaluate_strategy``: greedy settings,
+    the eval reward; logged as ``eval/<key>``, ``<key>_after``)."""
 
     def __call__(self, ctx: Any) -> Rollout: ...
 
@@ -628,6 +630,17 @@ HOOKS: tuple[Hook, ...] = (
         "checkpoint",
         "on resume, with what `state_dict` returned",
         "load_state_dict(state: dict) -> None",
+    ),
+    Hook(
+        "evaluate",
+        ("rollout",),
+        "method",
+        "lifecycle",
+        "at each held-out evaluation (`HeldOut.evaluate_strategy`: greedy settings with `eval.sampling`, the eval "
+        "reward, step -1's noise)",
+        "evaluate(ctx: RolloutContext, rows: list[dict], info: StepInfo) -> dict[str, float]",
+        "The strategy's own held-out measures (a chain, a game, best-of-N), logged as `eval/<key>` and "
+        "`<key>_before` / `<key>_after`.",
     ),
     # -- lifecycle
     Hook(

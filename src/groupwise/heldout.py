@@ -5,7 +5,12 @@ The greedy calls take the rollout's sampling settings with ``eval.sampling`` mer
 flow policy deployed with another sampler than it trained on, issue 37 M4). ``evaluate_full``
 also gives the mean eval reward over the held-out rows (rows whose reward failed are left out of
 the mean; they count as wrong in the accuracy) and the eval reward's ``log_metric`` means: the
-measures of a continuous reward, where "reward ≥ 1" is not the question.
+measures of a continuous reward, where "reward ≥ 1" is not the question. A rollout strategy may
+define its own held-out evaluation, ``evaluate(ctx, rows, info) -> dict[str, float]`` (a chain, a
+game, best-of-N: what "the policy's answer" means is the strategy's); ``evaluate_strategy`` calls
+it with a rollout context over the held-out rows, the eval reward, the greedy settings (with
+``eval.sampling``) and step −1's noise (as ``evaluate_sampled``), and the run logs each key as
+``eval/<key>`` and ``<key>_before`` / ``<key>_after``.
 
 ``HeldOut(trainer)`` holds the trainer: it reads the trainer's policy and step (the ``StepInfo`` its
 calls get) and, of the parts, the held-out rows, the eval reward stage and the prompts; it changes
@@ -86,6 +91,30 @@ class HeldOut:
             counted += int(torch.isfinite(reward).sum())
         metrics = {f"metric/{k.split('/', 1)[1]}": v for k, v in stage.pop_metrics().items()}
         return {"accuracy": correct / len(rows), "reward_mean": total / counted if counted else float("nan"), **metrics}
+
+    @torch.no_grad()
+    def evaluate_strategy(self) -> dict[str, float]:
+        """The rollout strategy's own held-out measures (module docstring); {} when it defines none."""
+        strategy = self.trainer.strategy
+        rows = self.eval_rows[: self.cfg.eval.size]
+        if not hasattr(strategy, "evaluate") or not rows:
+            return {}
+        from groupwise.rollout.context import RolloutContext
+
+        info = dataclasses.replace(self.trainer.info(), step=-1)
+        ctx = RolloutContext(
+            self.trainer.policy,
+            self.trainer.sampler,
+            self.eval_stage,
+            lambda rollout: None,  # no needs: nothing is trained on these rows
+            lambda i: self.prompts("eval", rows, i),
+            lambda i: rows[i],
+            lambda round_=0: info,
+            {**self.sampling_params, **self.cfg.eval.sampling, "greedy": True},
+            len(rows),
+            self.cfg.rollout.group_size,
+        )
+        return {str(k): float(v) for k, v in strategy.evaluate(ctx, rows, info).items()}
 
     @torch.no_grad()
     def answer_nll(self, rows: list[dict], split: str, policy: Any = None) -> float:

@@ -220,6 +220,7 @@ class Run:
                     row["eval_accuracy"] = full["accuracy"]
                     row["eval_reward_mean"] = full["reward_mean"]
                     row.update({f"eval_{k}": v for k, v in full.items() if k.startswith("metric/")})
+                    row.update({f"eval/{k}": v for k, v in self.heldout.evaluate_strategy().items()})
                     row.update(self._view_accuracies(row["eval_accuracy"]))
                     row.update(self._column_accuracies("eval_accuracy"))
                     self.summary["evals"].append((trainer.step + 1, row["eval_accuracy"]))
@@ -313,6 +314,10 @@ class Run:
         )
         self.summary.update(
             {f"metric_{when}/{k.split('/', 1)[1]}": (v if v == v else None) for k, v in full.items() if "/" in k}
+        )
+        # the rollout strategy's own held-out measures, when it defines them
+        self.summary.update(
+            {f"{k}_{when}": (v if v == v else None) for k, v in self.heldout.evaluate_strategy().items()}
         )
         self.summary["evals"].append((step, accuracy))
         self.summary.update(self._column_accuracies(key))
