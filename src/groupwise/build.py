@@ -93,6 +93,7 @@ class Parts:
     params: list[torch.Tensor]  # the policy's trained parameters
     eval_views: dict[str, Any]  # eval.views: held-out prompts also scored under these
     eval_tasks: dict[str, tuple[list[dict], RewardStage]]  # eval.tasks: (rows, reward stage) of further tasks
+    closed_loop: bool  # held-out rows are episodes the strategy plays (eval.closed_loop resolved; heldout.py)
     phases: list[Any]  # what runs before the RL steps, in order
 
 
@@ -187,6 +188,7 @@ def build(cfg: Config) -> Parts:
     eval_views = {name: eval_view(resolver, name) for name in cfg.eval.views}
     prompts.views = eval_views
     eval_tasks = {name: eval_task(cfg, policy, name) for name in cfg.eval.tasks}
+    closed_loop = closed_loop_eval(cfg, strategy, task_reward)
     task_scorers = [s for _, stage in eval_tasks.values() for s in stage.scorers]
     role_components = [c for r in trained for c in r.components]
 
@@ -232,6 +234,7 @@ def build(cfg: Config) -> Parts:
         params=params,
         eval_views=eval_views,
         eval_tasks=eval_tasks,
+        closed_loop=closed_loop,
         phases=phases,
     )
 
@@ -265,6 +268,28 @@ def fitting_rows(policy: Any, split: str, rows: list[dict], max_new_tokens: int,
 def _eval_reward_cfg(cfg: Config) -> Any:
     """The reward settings of held-out scoring: a failed reward excludes its sample, never stops the run."""
     return dataclasses.replace(cfg.reward, on_error="exclude", max_error_rate=1.0)
+
+
+def closed_loop_eval(cfg: Config, strategy: Any, task_reward: str) -> bool:
+    """``eval.closed_loop`` resolved: whether held-out rows are episodes the strategy plays closed-loop
+    (its ``play_heldout``). Unset: yes for a strategy that can, unless an eval reward scores the first
+    action (``eval.reward``, or a built-in env task's own ``env_return``: Q* of the first move)."""
+    plays = hasattr(strategy, "play_heldout")
+    name = getattr(strategy, "registry_name", cfg.rollout.name)
+    wanted = cfg.eval.closed_loop
+    if wanted is None:
+        wanted = plays and not cfg.eval.reward and task_reward != "env_return"
+    if wanted and not plays:
+        raise ConfigError(
+            f"eval.closed_loop=true: rollout strategy {name!r} plays no episodes to evaluate (no play_heldout); "
+            f"use an environment strategy (rollout.name='episodes' or 'grow') or eval.closed_loop=false"
+        )
+    if wanted and cfg.eval.views:
+        raise ConfigError(
+            f"eval.views={cfg.eval.views}: a view edits a text prompt, and this run's held-out rows are episodes "
+            f"played closed-loop (eval.closed_loop); drop eval.views or set eval.closed_loop=false"
+        )
+    return bool(wanted)
 
 
 def eval_view(needs: NeedResolver, name: str) -> Any:

@@ -37,7 +37,9 @@ EVAL_HELP = """usage: groupwise eval [MODEL | RUN] [key=value ...]
 Held-out greedy accuracy of a model folder (default: the shipped `default` model) on the task of
 `data.task` / `data.path` (key=value overrides as for train, e.g. data.task=countdown eval.size=500).
 Given a run folder (runs/demo), its final model on the run's own data, reward and eval settings;
-with eval.samples=n also mean@n and pass@k."""
+with eval.samples=n also mean@n and pass@k. An environment run's held-out rows are episodes played
+closed-loop (eval.closed_loop): accuracy is the share of greedy episodes that succeed, return their
+mean return."""
 
 
 def _shipped_recipes() -> str:
@@ -306,11 +308,12 @@ def cmd_eval(args: list[str]) -> int:
 
     parts = build(cfg)
     heldout = HeldOut(Trainer(parts))
+    detail = heldout.evaluate_detail()  # an env run's held-out episodes: greedy success and mean return
     result = {
         "model": model,
         "task": cfg.data.path or cfg.data.task,
         "eval_size": min(cfg.eval.size, len(parts.eval_rows)),
-        "accuracy": heldout.evaluate(),
+        **detail,
     }
     result.update(heldout.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
     print(json.dumps(result))

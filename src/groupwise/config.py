@@ -107,7 +107,15 @@ class TrainCfg:
 class EvalCfg:
     size: int = 200  # held-out prompts scored greedily before and after training (0 = skip)
     every: int = 0  # also evaluate every N steps (0 = only before/after)
-    reward: str = ""  # reward used for accuracy (default: the task's)
+    # reward used for accuracy (default: the task's): a name, or a reward entry as in `rewards`
+    # ({name = "python", fn = "my_rewards:exact"}, a "module:Class" plug-in)
+    reward: str | dict = ""
+    # an environment run (rollout.name = "episodes", "grow", ...): true plays each held-out row's episode
+    # closed-loop, as training does (accuracy = the share of greedy episodes with a positive return, return_after =
+    # their mean return; with eval.samples, mean@n / pass@k of sampled episodes and return@n); false scores one greedy
+    # completion per prompt with eval.reward. Unset: closed-loop unless an eval reward scores the first action
+    # (eval.reward, or a built-in env task's own env_return, Q* of the first move, as reach's recipes measure)
+    closed_loop: bool | None = None
     # also sample n completions per held-out prompt (rollout temperature): mean@n and pass@k (0 = greedy only)
     samples: int = 0
     pass_at: list = field(default_factory=list)  # the k of pass@k (each 1..samples; empty = [1, samples])
@@ -451,6 +459,8 @@ def component_entries(cfg: Config) -> list[tuple[str, Any, str]]:
     for name, role in cfg.roles.items():
         if not role.frozen:
             add_training(f"roles.{name}.", role.objective, role.advantage, role.update)
+    if cfg.eval.reward:
+        add("reward", cfg.eval.reward, "eval.reward")
     for i, spec in enumerate(cfg.eval.views):
         add("view", spec, f"eval.views[{i}]")
     return out

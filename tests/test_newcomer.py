@@ -1,0 +1,96 @@
+"""What a new user still tripped on (issue 36): an environment of their own from a recipe, held-out
+evaluation that plays its episodes closed-loop, their own reward as the held-out metric, TRL's
+conversational completions, a demo budgeted in steps, every GRPOConfig field in docs/from-trl.md,
+and one clear line for a bad data file or reward, checked before the model loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+from test_grow import ROW, SPEC, Scripted
+from test_trainer import make_trainer
+
+from groupwise.cli import main
+from groupwise.config import Config, EvalCfg, load_config
+from groupwise.errors import ConfigError
+from groupwise.heldout import HeldOut
+from groupwise.registry import build
+from groupwise.types import StepInfo
+
+# two reach rows: from 0 to 7 and from 0 to 5, 3 turns each
+ROWS = [ROW, {**ROW, "goal": 5, "prompt": "left 5="}]
+
+
+def scripted_heldout(rows, closed_loop=True, samples=0, strategy="episodes"):
+    """A HeldOut over a scripted policy (test_grow.Scripted: episode e plays SPEC[e]) and ``rows``."""
+    policy = Scripted(SPEC)
+    parts = SimpleNamespace(
+        cfg=Config(eval=EvalCfg(size=len(rows), samples=samples)),
+        eval_rows=rows,
+        eval_stage=None,  # never used by closed-loop evaluation
+        prompts=None,
+        sampling_params={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 1},
+        closed_loop=closed_loop,
+        strategy=build("rollout", strategy),
+    )
+    trainer = SimpleNamespace(parts=parts, policy=policy, info=lambda: StepInfo(step=5, seed=0, max_new_tokens=1))
+    return HeldOut(trainer)
+
+
+# ---------------------------------------------------------------------------------------------- item 2
+@pytest.mark.parametrize("strategy", ["episodes", "grow"])
+def test_heldout_plays_each_row_closed_loop(strategy):
+    """Greedy: one episode per row, SPEC[0] = moves 3, 3, 1. Row 1 (goal 7): 3+3+1 = 7, won (return 1);
+    row 2 (goal 5): 3+3 = 6 > 5, overshot (return 0). Accuracy 1/2, mean return 1/2.
+    Sampled, eval.samples = 2: episode 1 plays SPEC[1] = 4, 4: 8 overshoots both goals. Successes per
+    row [1, 0] of 2: mean@2 = 1/4, return@2 = 1/4, pass@1 = (1/2 + 0)/2 = 1/4, pass@2 = (1 + 0)/2 = 1/2.
+    The text evaluation scored one completion per row: here the first move, 3, of each."""
+    heldout = scripted_heldout(ROWS, samples=2, strategy=strategy)
+    assert heldout.evaluate_detail() == {"accuracy": 0.5, "return": 0.5}
+    assert heldout.evaluate() == 0.5
+    assert heldout.evaluate_sampled() == {"mean@2": 0.25, "return@2": 0.25, "pass@1": 0.25, "pass@2": 0.5}
+    assert heldout.evaluate(rows=ROWS[1:]) == 0.0  # eval.by's subsets are played too
+
+
+def test_closed_loop_is_the_default_for_your_env_and_not_for_reach(tmp_path):
+    """Unset eval.closed_loop: on for an env strategy on your own data (its default eval reward, exact
+    match, cannot score an episode); off for the built-in env task reach, whose own reward env_return
+    scores the first move by Q* (its recipes' claims were measured that way); off for a text strategy."""
+    rows = tmp_path / "guess.jsonl"
+    rows.write_text("".join(json.dumps({**ROW, "answer": "3"}) + "\n" for _ in range(4)))
+    env = ['rollout.name="episodes"', 'rewards=["env_return"]', "rollout.max_new_tokens=1"]
+    data = [f'data.path="{rows}"', f'data.eval_path="{rows}"']
+    assert make_trainer(tmp_path / "a", *env, *data).parts.closed_loop
+    assert not make_trainer(tmp_path / "b", *env, *data, "eval.closed_loop=false").parts.closed_loop
+    assert not make_trainer(tmp_path / "c", *env, 'data.task="reach"').parts.closed_loop
+    assert make_trainer(tmp_path / "d", *env, 'data.task="reach"', "eval.closed_loop=true").parts.closed_loop
+    assert not make_trainer(tmp_path / "e").parts.closed_loop
+    with pytest.raises(ConfigError, match=r"eval.closed_loop=true: rollout strategy 'sample' plays no episodes"):
+        make_trainer(tmp_path / "f", "eval.closed_loop=true")
+    with pytest.raises(ConfigError, match=r"eval.views=.*a view edits a text prompt"):
+        make_trainer(tmp_path / "g", *env, *data, 'eval.views=["corrupt_context"]')
+
+
+# ---------------------------------------------------------------------------------------------- item 1
+def test_an_env_that_does_not_exist_fails_at_build(tmp_path):
+    """Before: the env name was first looked up by the first rollout, after the model had loaded."""
+    env = ['rollout.name="episodes"', 'rewards=["env_return"]', "rollout.max_new_tokens=1", 'data.task="reach"']
+    with pytest.raises(ConfigError, match=r"rollout.params.env='guess_game' cannot be built: unknown env component"):
+        make_trainer(tmp_path / "a", *env, 'rollout.params={env="guess_game"}')
+    with pytest.raises(ConfigError, match=r"rollout.params.env='no_such_module:Env' cannot be built"):
+        make_trainer(tmp_path / "b", *env, 'rollout.params={env="no_such_module:Env"}')
+    with pytest.raises(ConfigError, match=r"env 'reach' has no parameter 'hight'"):
+        make_trainer(tmp_path / "c", *env, "rollout.params={env_params={hight=3}}")
+
+
+def test_groupwise_eval_names_an_env_that_is_not_registered(tmp_path, capsys):
+    """Before: `groupwise eval` with eval.reward=env_return on rows naming an unknown env reported
+    accuracy 0.0 (each failed score excluded as wrong); now a config error naming the env."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "guess 1-16=", "answer": "7", "env": "guess_game"}) + "\n")
+    code = main(["eval", f'data.path="{rows}"', f'data.eval_path="{rows}"', 'eval.reward="env_return"', "threads=1"])
+    assert code == 2
+    assert "unknown env component 'guess_game'" in capsys.readouterr().err
