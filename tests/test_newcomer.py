@@ -5,8 +5,8 @@ and one clear line for a bad data file or reward, checked before the model loads
 
 from __future__ import annotations
 
-import dataclasses
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +14,7 @@ from test_grow import ROW, SPEC, Scripted
 from test_trainer import make_trainer
 
 from groupwise.cli import main
-from groupwise.config import Config, EvalCfg, load_config
+from groupwise.config import Config, EvalCfg
 from groupwise.errors import ConfigError
 from groupwise.heldout import HeldOut
 from groupwise.registry import build
@@ -94,3 +94,45 @@ def test_groupwise_eval_names_an_env_that_is_not_registered(tmp_path, capsys):
     code = main(["eval", f'data.path="{rows}"', f'data.eval_path="{rows}"', 'eval.reward="env_return"', "threads=1"])
     assert code == 2
     assert "unknown env component 'guess_game'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- item 4
+def test_a_trl_conversational_reward_gets_assistant_messages():
+    """TRL's own think_format_reward reads completion[0]["content"]: on chat prompts it scores 1 for a
+    "<think>...</think>" answer, 0 otherwise; on text prompts a reward still gets strings."""
+    rewards = pytest.importorskip("trl.rewards")
+    chat = [{"role": "user", "content": "2+2?"}]
+    got = []
+
+    def spy(prompts, completions, **kwargs):
+        got.append((prompts, completions))
+        return [0.0] * len(completions)
+
+    think = build("reward", "python", fn="trl.rewards:think_format_reward")
+    assert think._func is rewards.think_format_reward
+    assert think(prompts=[chat, chat], completions=["<think>\nfour\n</think>\n4", "4"]) == [1.0, 0.0]
+    build("reward", "python", fn=spy)(prompts=[chat], completions=["4"])
+    build("reward", "python", fn=spy)(prompts=["2+2="], completions=["4"])
+    assert got == [([chat], [[{"role": "assistant", "content": "4"}]]), (["2+2="], ["4"])]
+
+
+def test_training_logprobs_are_not_divided_by_the_temperature(tmp_path):
+    """docs/from-trl.md: TRL's training log-probs are log_softmax(logits / temperature); groupwise's
+    are the model's own (temperature 1), at any rollout.temperature. Checked with TRL's function."""
+    import torch
+
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from groupwise.phases.sft import teacher_forced
+
+    policy = make_trainer(tmp_path, "rollout.temperature=0.7").policy
+    prompt, answer = policy.encode("12+34="), policy.encode_completion("46")  # answer: its tokens then EOS
+    batch = teacher_forced([prompt], [answer])
+    logp = policy.forward(batch, ("logp",))["logp"][0, 0][batch.mask[0, 0]]  # [L]
+    with torch.no_grad():
+        logits = policy.module(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].float()  # [L,V]
+    index = torch.tensor(answer)  # [L]
+    assert torch.allclose(logp, trl_utils.selective_log_softmax(logits, index), atol=1e-5)
+    tempered = trl_utils.selective_log_softmax(logits, index, temperature=0.7)  # [L] TRL's at 0.7
+    assert (logp - tempered).abs().max() > 1e-2
+    page = (Path(__file__).resolve().parents[1] / "docs" / "from-trl.md").read_text()
+    assert "TRL divides the logits by `temperature`" in page and "groupwise trains on the model's own log-probs" in page
