@@ -136,3 +136,37 @@ def test_training_logprobs_are_not_divided_by_the_temperature(tmp_path):
     assert (logp - tempered).abs().max() > 1e-2
     page = (Path(__file__).resolve().parents[1] / "docs" / "from-trl.md").read_text()
     assert "TRL divides the logits by `temperature`" in page and "groupwise trains on the model's own log-probs" in page
+
+
+# ---------------------------------------------------------------------------------------------- item 3
+def test_your_own_reward_is_the_heldout_metric(tmp_path):
+    """eval.reward as a reward entry: a python reward that calls every completion right makes the
+    held-out accuracy exactly 1.0 (16 of 16), whatever the untrained model writes."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def always(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    spec = f'eval.reward={{name="python", fn="{tmp_path}/my_rewards.py:always"}}'
+    trainer = make_trainer(tmp_path / "run", spec)
+    assert trainer.parts.eval_stage.labels == [f"{tmp_path}/my_rewards.py:always"]
+    assert HeldOut(trainer).evaluate() == 1.0
+
+
+def test_a_missing_answer_says_what_needs_it_and_the_setting_that_does_not(tmp_path):
+    from groupwise.tasks.data import DataError
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}+1="}) + "\n" for a in range(8)))
+    (tmp_path / "my_rewards.py").write_text(
+        "def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
+    own = f'{{name="python", fn="{tmp_path}/my_rewards.py:zero"}}'
+    with pytest.raises(DataError, match=r"no column 'answer'.*training needs it because the default reward 'exact'"):
+        make_trainer(tmp_path / "a", f'data.path="{rows}"')
+    with pytest.raises(
+        DataError, match=r"no column 'answer'.*held-out evaluation \(data.eval_path\) needs it.*eval.reward"
+    ):
+        make_trainer(tmp_path / "b", f'data.path="{rows}"', f'data.eval_path="{rows}"', f"rewards=[{own}]")
+    parts = make_trainer(
+        tmp_path / "c", f'data.path="{rows}"', f'data.eval_path="{rows}"', f"rewards=[{own}]", f"eval.reward={own}"
+    ).parts
+    assert len(parts.eval_rows) == 8 and parts.eval_rows[0]["answer"] is None

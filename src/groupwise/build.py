@@ -28,7 +28,7 @@ from groupwise.phases import build_phases, check_artifacts
 from groupwise.policy.kinds import build_policy
 from groupwise.policy.memory import keep_freed_memory
 from groupwise.registry import build as build_component
-from groupwise.registry import build_spec
+from groupwise.registry import build_spec, lookup
 from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.context import check_strategy
 from groupwise.stats import PromptStats
@@ -122,7 +122,9 @@ def build(cfg: Config) -> Parts:
     policy = build_policy(cfg.model, cfg.perf)
 
     # the rows, and a prompt that cannot fit the model's context is a bad row too
-    train_rows, eval_rows, task_reward = load_splits(cfg.data, cfg.seed, own_rewards=bool(cfg.rewards))
+    train_rows, eval_rows, task_reward = load_splits(
+        cfg.data, cfg.seed, own_rewards=bool(cfg.rewards), eval_needs_answer=eval_needs_answer(cfg)
+    )
     prompts = Prompts(policy, cfg.data.system_prompt, max_new)
     rows_skipped: dict[str, int] = {}
     if cfg.data.on_bad_row == "skip":
@@ -268,6 +270,15 @@ def fitting_rows(policy: Any, split: str, rows: list[dict], max_new_tokens: int,
 def _eval_reward_cfg(cfg: Config) -> Any:
     """The reward settings of held-out scoring: a failed reward excludes its sample, never stops the run."""
     return dataclasses.replace(cfg.reward, on_error="exclude", max_error_rate=1.0)
+
+
+def eval_needs_answer(cfg: Config) -> bool:
+    """Whether the held-out rows of ``data.eval_path`` need an ``answer``: when held-out evaluation
+    compares with it (the default eval reward of user data, 'exact'), not with an eval.reward of
+    your own or episodes played closed-loop (``closed_loop_eval``'s rule, before the strategy is built)."""
+    plays = hasattr(lookup("rollout", cfg.rollout.name), "play_heldout")
+    closed = cfg.eval.closed_loop if cfg.eval.closed_loop is not None else plays and not cfg.eval.reward
+    return cfg.eval.size > 0 and not cfg.eval.reward and not closed
 
 
 def closed_loop_eval(cfg: Config, strategy: Any, task_reward: str) -> bool:
