@@ -170,3 +170,57 @@ def test_a_missing_answer_says_what_needs_it_and_the_setting_that_does_not(tmp_p
         tmp_path / "c", f'data.path="{rows}"', f'data.eval_path="{rows}"', f"rewards=[{own}]", f"eval.reward={own}"
     ).parts
     assert len(parts.eval_rows) == 8 and parts.eval_rows[0]["answer"] is None
+
+
+# ---------------------------------------------------------------------------------------------- item 7
+RUN = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4", "eval.size=0", "threads=1"]
+
+
+def test_a_bad_data_file_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """Before: the model loaded first (30-40 s for a real one), then a 100-line traceback."""
+    import groupwise.build
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the data was checked")
+
+    monkeypatch.setattr(groupwise.build, "build_policy", no_model)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+1=", "solution": "2"}) + "\n")
+    assert main(["train", f'data.path="{rows}"', f'out="{tmp_path / "run"}"', *RUN]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert (
+        err[0].startswith("groupwise: ")
+        and "no column 'answer'" in err[0]
+        and err[0].endswith("--debug prints the traceback)")
+    )
+    from groupwise.tasks.data import DataError
+
+    with pytest.raises(DataError, match="no column 'answer'"):  # --debug: the exception itself
+        main(["train", f'data.path="{rows}"', f'out="{tmp_path / "run"}"', *RUN, "--debug"])
+
+
+def test_a_failing_reward_is_one_line_and_its_traceback_is_in_the_run_folder(tmp_path, capsys):
+    (tmp_path / "bad.py").write_text("def broken(prompts, completions, **kw):\n    return 1 / 0\n")
+    out = tmp_path / "run"
+    code = main(["train", f'rewards=[{{name="python", fn="{tmp_path}/bad.py:broken"}}]', f'out="{out}"', *RUN])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("groupwise: ")]
+    assert code == 1 and len(err) == 1 and "raised ZeroDivisionError: division by zero" in err[0]
+    assert err[0].endswith(f"(traceback: {out / 'error.log'}; --debug prints it)")
+    log = (out / "error.log").read_text()
+    assert log.startswith("Traceback") and "return 1 / 0" in log
+
+
+def test_the_resolved_config_is_one_line_naming_what_differs(tmp_path, capsys):
+    """Before: ~100 lines of TOML before every run."""
+    out = tmp_path / "run"
+    assert main(["train", "demo", "train.steps=1", f'out="{out}"', *RUN, "log.table_every=0"]) == 0
+    err = capsys.readouterr().err
+    assert "[rollout]" not in err and "group_size = " not in err
+    line = next(x for x in err.splitlines() if x.startswith("resolved config"))
+    assert line == (
+        f"resolved config written to {out / 'config.toml'}; differs from the recipe in: threads=1, "
+        "rollout.group_size=4, rollout.prompts_per_step=4, rollout.max_new_tokens=4, train.steps=1, eval.size=0, "
+        "log.table_every=0"
+    )
+    assert (out / "config.toml").exists()

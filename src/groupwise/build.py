@@ -119,12 +119,24 @@ def build(cfg: Config) -> Parts:
     if cfg.perf.keep_freed_memory:
         keep_freed_memory()  # process-wide: activation-sized blocks are reused, not faulted in afresh each step
     ro, max_new = cfg.rollout, cfg.rollout.max_new_tokens
-    policy = build_policy(cfg.model, cfg.perf)
 
-    # the rows, and a prompt that cannot fit the model's context is a bad row too
+    # before the model loads (which can take a minute): the data, the rewards, the rollout strategy and the
+    # envs it plays, so a bad file, reward or env name fails at once. None of them draws from torch's RNG.
     train_rows, eval_rows, task_reward = load_splits(
         cfg.data, cfg.seed, own_rewards=bool(cfg.rewards), eval_needs_answer=eval_needs_answer(cfg)
     )
+
+    def decode(rollout: Any) -> list[list[str]]:  # the policy's, once it is loaded below
+        return policy.decode(rollout)
+
+    reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, decode, max_new)
+    # held-out scoring never stops a run: a failed eval reward excludes its sample (counted as wrong)
+    eval_stage = RewardStage([cfg.eval.reward or task_reward], _eval_reward_cfg(cfg), decode, max_new)
+    strategy = build_component("rollout", ro.name, **ro.params)
+    bind_rows([strategy], train_rows)  # an env strategy checks its envs here (use_rows: again below, on the kept rows)
+
+    policy = build_policy(cfg.model, cfg.perf)
+    # a prompt that cannot fit the model's context is a bad row too
     prompts = Prompts(policy, cfg.data.system_prompt, max_new)
     rows_skipped: dict[str, int] = {}
     if cfg.data.on_bad_row == "skip":
@@ -134,13 +146,9 @@ def build(cfg: Config) -> Parts:
         raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide by the world size {world}")
     sampling_params = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k, "max_new_tokens": max_new}
 
-    # the policy's step: one component (or an ordered list) per stage
-    strategy = build_component("rollout", ro.name, **ro.params)
+    # the policy's step: one component (or an ordered list) per stage (the strategy and rewards: above)
     sampler = build_spec("sampling", cfg.sampling)
     sampler.bind(len(train_rows), cfg.seed)
-    reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, policy.decode, max_new)
-    # held-out scoring never stops a run: a failed eval reward excludes its sample (counted as wrong)
-    eval_stage = RewardStage([cfg.eval.reward or task_reward], _eval_reward_cfg(cfg), policy.decode, max_new)
     estimator = build_spec("advantage", cfg.advantage.estimator)
     if ro.group_size < 2 and getattr(estimator, "group_relative", False):
         raise ConfigError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -515,6 +516,28 @@ def with_defaults(stored: dict) -> dict:
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def changed_keys(cfg: Config, base: Config) -> list[str]:
+    """``key=value`` for every config key (dotted) whose value in ``cfg`` differs from ``base``'s, in
+    the order of ``groupwise config``: what the command line changed of a recipe."""
+
+    def flat(data: dict, prefix: str = "") -> dict[str, Any]:  # sections into their keys; a key's table stays whole
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if (
+                not prefix
+                and isinstance(value, dict)
+                and hasattr(cfg, key)
+                and dataclasses.is_dataclass(getattr(cfg, key))
+            ):
+                out.update(flat(value, f"{key}."))
+            else:
+                out[prefix + key] = value
+        return out
+
+    mine, theirs = flat(to_dict(cfg)), flat(to_dict(base))
+    return [f"{k}={json.dumps(v)}" for k, v in mine.items() if theirs.get(k, object()) != v]
 
 
 def to_toml(data: dict) -> str:
