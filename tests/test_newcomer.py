@@ -56,7 +56,7 @@ def test_heldout_plays_each_row_closed_loop(strategy):
 
 
 def test_closed_loop_is_the_default_for_your_env_and_not_for_reach(tmp_path):
-    """Unset eval.closed_loop: on for an env strategy on your own data (its default eval reward, exact
+    """eval.closed_loop = "auto": on for an env strategy on your own data (its default eval reward, exact
     match, cannot score an episode); off for the built-in env task reach, whose own reward env_return
     scores the first move by Q* (its recipes' claims were measured that way); off for a text strategy."""
     rows = tmp_path / "guess.jsonl"

@@ -285,18 +285,18 @@ def eval_needs_answer(cfg: Config) -> bool:
     compares with it (the default eval reward of user data, 'exact'), not with an eval.reward of
     your own or episodes played closed-loop (``closed_loop_eval``'s rule, before the strategy is built)."""
     plays = hasattr(lookup("rollout", cfg.rollout.name), "play_heldout")
-    closed = cfg.eval.closed_loop if cfg.eval.closed_loop is not None else plays and not cfg.eval.reward
+    closed = cfg.eval.closed_loop if cfg.eval.closed_loop != "auto" else plays and not cfg.eval.reward
     return cfg.eval.size > 0 and not cfg.eval.reward and not closed
 
 
 def closed_loop_eval(cfg: Config, strategy: Any, task_reward: str) -> bool:
     """``eval.closed_loop`` resolved: whether held-out rows are episodes the strategy plays closed-loop
-    (its ``play_heldout``). Unset: yes for a strategy that can, unless an eval reward scores the first
+    (its ``play_heldout``). "auto": yes for a strategy that can, unless an eval reward scores the first
     action (``eval.reward``, or a built-in env task's own ``env_return``: Q* of the first move)."""
     plays = hasattr(strategy, "play_heldout")
     name = getattr(strategy, "registry_name", cfg.rollout.name)
     wanted = cfg.eval.closed_loop
-    if wanted is None:
+    if wanted == "auto":
         wanted = plays and not cfg.eval.reward and task_reward != "env_return"
     if wanted and not plays:
         raise ConfigError(

@@ -479,7 +479,7 @@ HOOKS: tuple[Hook, ...] = (
         ("rollout",),
         "method",
         "eval",
-        "by the held-out evaluation (`heldout.py`) when `eval.closed_loop` resolves to true (unset: for a strategy "
+        'by the held-out evaluation (`heldout.py`) when `eval.closed_loop` resolves to true ("auto": for a strategy '
         "that defines it, unless an eval reward scores the first action), before and after training and at "
         "`eval.every`; with `eval.samples = n` also with `n` sampled episodes per row",
         "play_heldout(policy, rows: list[dict], sampling: dict, info: StepInfo, n: int, greedy: bool) -> "

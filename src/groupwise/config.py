@@ -114,9 +114,9 @@ class EvalCfg:
     # an environment run (rollout.name = "episodes", "grow", ...): true plays each held-out row's episode
     # closed-loop, as training does (accuracy = the share of greedy episodes with a positive return, return_after =
     # their mean return; with eval.samples, mean@n / pass@k of sampled episodes and return@n); false scores one greedy
-    # completion per prompt with eval.reward. Unset: closed-loop unless an eval reward scores the first action
+    # completion per prompt with eval.reward. "auto": closed-loop unless an eval reward scores the first action
     # (eval.reward, or a built-in env task's own env_return, Q* of the first move, as reach's recipes measure)
-    closed_loop: bool | None = None
+    closed_loop: bool | str = "auto"
     # also sample n completions per held-out prompt (rollout temperature): mean@n and pass@k (0 = greedy only)
     samples: int = 0
     pass_at: list = field(default_factory=list)  # the k of pass@k (each 1..samples; empty = [1, samples])
@@ -309,6 +309,7 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "size": (lambda v: v >= 0, "an integer >= 0"),
         "every": (lambda v: v >= 0, "an integer >= 0"),
         "samples": (lambda v: v >= 0, "an integer >= 0 (0 = greedy accuracy only)"),
+        "closed_loop": (lambda v: v is True or v is False or v == "auto", 'true, false or "auto"'),
     },
     "CheckpointCfg": {
         "every": (lambda v: v >= 0, "an integer >= 0"),
@@ -643,6 +644,7 @@ def reference_markdown() -> str:
             ):
                 continue  # a section of its own below
             meaning = notes.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{f.name}` | `{f.type}` | `{default(f)}` | {meaning} |")
+            kind = str(f.type).replace("|", "\\|")  # `str | dict`: a table cell, not two
+            lines.append(f"| `{f.name}` | `{kind}` | `{default(f)}` | {meaning} |")
         lines.append("")
     return "\n".join(lines)
