@@ -14,7 +14,7 @@ from test_grow import ROW, SPEC, Scripted
 from test_trainer import make_trainer
 
 from groupwise.cli import main
-from groupwise.config import Config, EvalCfg
+from groupwise.config import Config, EvalCfg, load_config
 from groupwise.errors import ConfigError
 from groupwise.heldout import HeldOut
 from groupwise.registry import build
@@ -170,6 +170,32 @@ def test_a_missing_answer_says_what_needs_it_and_the_setting_that_does_not(tmp_p
         tmp_path / "c", f'data.path="{rows}"', f'data.eval_path="{rows}"', f"rewards=[{own}]", f"eval.reward={own}"
     ).parts
     assert len(parts.eval_rows) == 8 and parts.eval_rows[0]["answer"] is None
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+def test_the_demo_ends_at_its_step_budget_on_a_slow_machine(tmp_path, monkeypatch):
+    """Each step takes 150 s of (simulated) wall time. Before: train.max_seconds = 170 stopped the demo
+    after step 2 (300 s > 170 s); now it is a far safety net (3600 s) and the run ends at its steps (3)."""
+    import time
+
+    from groupwise.run import Run
+
+    cfg, _ = load_config(
+        "demo", ["train.steps=3", "eval.size=0", "threads=1", "log.table_every=0", f'out="{tmp_path}"']
+    )
+    run = Run.from_config(cfg)
+    offset, real = [0.0], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
+    step = run.trainer.run_step
+
+    def slow_step():
+        offset[0] += 150.0
+        return step()
+
+    run.trainer.run_step = slow_step
+    summary = run.train()
+    assert summary["steps"] == 3 and "stopped_early" not in summary
+    assert cfg.train.max_seconds == 3600
 
 
 # ---------------------------------------------------------------------------------------------- item 7
