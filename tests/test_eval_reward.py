@@ -26,7 +26,7 @@ def _trainer(out, *overrides):
     return Trainer(build(cfg))
 
 
-def test_evaluate_full_gives_the_mean_reward_beside_the_accuracy(tmp_path, monkeypatch):
+def test_evaluate_detail_gives_the_mean_reward_beside_the_accuracy(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "eval.size=4")
     heldout = HeldOut(trainer)
     rewards = iter([torch.tensor([[1.0], [0.5], [float("nan")], [0.0]])])
@@ -35,7 +35,7 @@ def test_evaluate_full_gives_the_mean_reward_beside_the_accuracy(tmp_path, monke
         gen.rewards = next(rewards)
 
     monkeypatch.setattr(heldout.eval_stage, "finish", finish)
-    full = heldout.evaluate_full()
+    full = heldout.evaluate_detail()
     # accuracy: 1 of 4 rows ≥ 1 (the failed NaN row counts as wrong); the mean over the 3 finite
     # rewards: (1 + 0.5 + 0) / 3 = 0.5
     assert full["accuracy"] == 0.25 and full["reward_mean"] == pytest.approx(0.5)
@@ -70,7 +70,7 @@ def test_eval_sampling_deploys_another_kernel_and_is_checked(tmp_path):
             return original(requests, sampling, info)
 
         heldout.trainer.policy.generate = spy
-        heldout.evaluate_full()
+        heldout.evaluate_detail()
     assert "sampler" not in seen[0] and seen[1]["sampler"] == "consistency" and seen[1]["steps"] == 4
     assert seen[1]["greedy"] is True
     with pytest.raises(ConfigError, match=r"eval.sampling sets \['temperature'\], which the flow policy does not take"):
