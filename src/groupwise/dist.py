@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def init() -> tuple[int, int]:
@@ -60,8 +61,12 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
-    """Sum gradients over ranks in one flat buffer (the loss is already globally normalised)."""
+    """Sum gradients over ranks in one flat buffer (the loss is already globally normalised). Sharded
+    parameters (FSDP2's DTensors) are left out: their gradients were reduce-scattered in the backward."""
     if world_size() == 1:
+        return
+    params = [p for p in params if not isinstance(p, DTensor)]
+    if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])  # [P]
