@@ -196,7 +196,11 @@ def _decoder_hidden(
         return hidden, kept
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     recompute = checkpoint_layers and torch.is_grad_enabled()
-    with _LayerTap(model, layers) as kept, autocast(device, matmul), _checkpointed(base.get_decoder().layers, recompute):
+    with (
+        _LayerTap(model, layers) as kept,
+        autocast(device, matmul),
+        _checkpointed(base.get_decoder().layers, recompute),
+    ):
         hidden = base.get_decoder()(
             input_ids=input_ids.to(device),
             position_ids=position_ids.to(device),
@@ -584,7 +588,16 @@ def completion_logprobs(
         share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, row_sizes, pack_tokens)
     if packed and share_prefix:
         hidden, kept = _shared_prefix_hidden(
-            model, prompts, group_ids, completions, pack_tokens, functional, layers, matmul, recompute_mlp, checkpoint_layers
+            model,
+            prompts,
+            group_ids,
+            completions,
+            pack_tokens,
+            functional,
+            layers,
+            matmul,
+            recompute_mlp,
+            checkpoint_layers,
         )  # [K,H]
     else:
         sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row

@@ -455,7 +455,9 @@ class LMPolicy:
     def save(self, folder: Any) -> None:
         """A loadable model folder (LoRA adapters merged into a copy: the live model keeps its adapters)."""
         if self.full is not None and not self.full.current:
-            raise RuntimeError("save() of a sharded policy needs its whole weights gathered on every rank first (whole())")
+            raise RuntimeError(
+                "save() of a sharded policy needs its whole weights gathered on every rank first (whole())"
+            )
         module = self.whole()
         model = copy.deepcopy(module).merge_and_unload() if hasattr(module, "merge_and_unload") else module
         model.save_pretrained(folder)
