@@ -54,7 +54,14 @@ def worker(model: str, mode: str, steps: int, out: Path) -> None:
         seconds.append(time.perf_counter() - t0)
 
     def nbytes(tensors) -> int:
-        return sum(local(t).untyped_storage().nbytes() for t in tensors if t is not None)
+        """Bytes of the distinct storages under ``tensors`` (FSDP2's gradient shards can be views of one
+        reduce-scatter buffer: counted once)."""
+        storages = {}
+        for t in tensors:
+            if t is not None:
+                storage = local(t).untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     params = trainer.params
     optimizer = trainer.updater.torch_optim()
@@ -131,6 +138,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "scaling.json"))
     parser.add_argument("--worker", nargs=4, metavar=("MODEL", "MODE", "STEPS", "DIR"))
     parser.add_argument("--skip-dist", action="store_true", help="only the activation checkpointing measurement")
+    parser.add_argument("--skip-activation", action="store_true", help="keep --out's activation measurement")
     args = parser.parse_args()
     if args.worker:
         model, mode, steps, out = args.worker
@@ -139,7 +147,11 @@ def main() -> None:
     from build_models import build
 
     model = build(args.preset)
-    activation = activation_cost(model, rows=32, length=64, repeats=3)
+    activation = (
+        json.loads(Path(args.out).read_text())["activation"]
+        if args.skip_activation
+        else activation_cost(model, rows=32, length=64, repeats=3)
+    )
     runs = HERE / "runs" / "scaling"
     runs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
