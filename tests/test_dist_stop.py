@@ -18,7 +18,7 @@ import pytest
 
 from groupwise import checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 MODEL = os.environ.get("GROUPWISE_TEST_MODEL", "default")
 ARGS = [
@@ -167,7 +167,6 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list:
     return codes
 
 
-@pytest.mark.dist
 def test_two_nodes_stop_together_on_the_time_limit_and_on_sigterm_to_one(tmp_path):
     """As on one node, over two launchers acting as two nodes and with sharded weights (each rank
     writes its own checkpoint shards): the time limit ends both nodes at the same step with a
