@@ -32,7 +32,7 @@ def worker(model: str, mode: str, steps: int, out: Path) -> None:
     from groupwise import dist
     from groupwise.build import build
     from groupwise.config import load_config
-    from groupwise.policy.sharding import local
+    from groupwise.dist import local
     from groupwise.trainer import Trainer
 
     overrides = [

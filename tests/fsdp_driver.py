@@ -15,7 +15,6 @@ import torch
 from groupwise import dist
 from groupwise.build import build
 from groupwise.config import load_config
-from groupwise.policy import sharding
 from groupwise.trainer import Trainer
 
 
@@ -26,8 +25,8 @@ def main(out: str, overrides: list[str]) -> None:
     record = {
         "world": dist.world_size(),
         "gathers_at_start": policy.full.gathers,
-        "all_sharded": all(sharding.is_sharded(p) for p in params),
-        "local_elements": sum(sharding.local(p).numel() for p in params),
+        "all_sharded": all(dist.is_sharded(p) for p in params),
+        "local_elements": sum(dist.local(p).numel() for p in params),
         "shapes": [list(p.shape) for p in params],  # the whole parameters' shapes
         "gathers_after_step": [],
         "copy_elements_after_step": [],

@@ -132,7 +132,7 @@ class Sharded:
 def split_sharded(state: Any) -> tuple[Any, dict[str, Any]]:
     """(``state`` with every sharded tensor replaced by a :class:`Sharded` placeholder, {key: tensor});
     the state itself and {} when nothing in it is sharded. Keys are the tensors' paths in the state."""
-    from groupwise.policy.sharding import is_sharded
+    from groupwise.dist import is_sharded
 
     shards: dict[str, Any] = {}
 

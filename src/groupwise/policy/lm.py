@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from groupwise.dist import like
 from groupwise.policy import precision, sharding
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
@@ -444,7 +445,7 @@ class LMPolicy:
         else:  # each rank keeps its shard of the whole weights; the copy holds them whole already
             with torch.no_grad():
                 for name, param in self.module.named_parameters():
-                    param.copy_(sharding.like(state["model"][name], param))
+                    param.copy_(like(state["model"][name], param))
                 for name, target in self.full.module.named_parameters():  # tied weights: one parameter
                     target.data = state["model"][name].to(target.dtype)
             self.full.current = True

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-SHARD_MODES = ("none", "fsdp2")
+from groupwise.dist import full
 
 
 def decoder_layers(module: Any) -> list[Any]:
@@ -56,39 +56,6 @@ def shard(module: Any, forward_methods: tuple[str, ...] = ()) -> None:
             sub.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     for name in forward_methods:
         register_fsdp_forward_method(module, name)
-
-
-def is_sharded(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def local(tensor: Any) -> Any:
-    """This rank's shard of a sharded tensor (a view: writing it writes the parameter); others as they are."""
-    return tensor.to_local() if is_sharded(tensor) else tensor
-
-
-def full(obj: Any) -> Any:
-    """``obj`` (a tensor or nested dicts / lists of them) with every sharded tensor gathered whole
-    (a collective: every rank calls it with the same structure); other values as they are."""
-    if is_sharded(obj):
-        return obj.full_tensor()
-    if isinstance(obj, dict):
-        return {k: full(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(full(v) for v in obj)
-    return obj
-
-
-def like(value: Any, param: Any) -> Any:
-    """A whole tensor ``value`` sharded as ``param`` is (its mesh and placements); a tensor of
-    another shape (a step counter) or a non-tensor as it is."""
-    if not is_sharded(param) or not isinstance(value, torch.Tensor) or value.shape != param.shape:
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
 
 
 class FullWeights:
