@@ -243,6 +243,7 @@ OWNERS = STEP + ("schedule",)  # and the schedules they hold: what the run binds
 GROUPS = {  # the sections of the table, in order
     "build": "read when the run is built",
     "step": "read every step",
+    "eval": "read by the held-out evaluation",
     "checkpoint": "checkpoints and resume",
     "lifecycle": "called by the code that built the component",
     "declaration": "declarations read by the contract tests (or by no code)",
@@ -476,6 +477,20 @@ HOOKS: tuple[Hook, ...] = (
         "each step (`RolloutContext`): how many draw / generate / score rounds may fill the batch (absent: 1)",
         "int",
         "Dynamic sampling's refill budget.",
+    ),
+    Hook(
+        "play_heldout",
+        ("rollout",),
+        "method",
+        "eval",
+        'by the held-out evaluation (`heldout.py`) when `eval.closed_loop` resolves to true ("auto": for a strategy '
+        "that defines it, unless an eval reward scores the first action), before and after training and at "
+        "`eval.every`; with `eval.samples = n` also with `n` sampled episodes per row",
+        "play_heldout(policy, rows: list[dict], sampling: dict, info: StepInfo, n: int, greedy: bool) -> "
+        "list[list[float]]",
+        "An environment strategy plays `n` closed-loop episodes of each held-out row (greedy actions, or sampled at "
+        "`sampling`) and returns their returns [row][episode]; a positive return is a success "
+        "(`rollout.env.heldout_returns` plays them as `play` does).",
     ),
     Hook(
         "on_step",

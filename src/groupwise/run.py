@@ -216,7 +216,8 @@ class Run:
                 self._check_health(row)
                 eval_due = cfg.eval.every and (trainer.step + 1) % cfg.eval.every == 0
                 if eval_due and cfg.eval.size and self.parts.eval_rows:
-                    row["eval_accuracy"] = self.heldout.evaluate()
+                    detail = self.heldout.evaluate_detail()  # an env run's held-out episodes: also their mean return
+                    row.update({f"eval_{k}": v for k, v in detail.items()})
                     row.update(self._view_accuracies(row["eval_accuracy"]))
                     row.update(self._column_accuracies("eval_accuracy"))
                     self.summary["evals"].append((trainer.step + 1, row["eval_accuracy"]))
@@ -254,7 +255,7 @@ class Run:
                 f"{trainer.step} (checkpointed). Rerun the same command to resume."
             )
             return self.summary
-        if out_of_time and trainer.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
+        if out_of_time and trainer.step < cfg.train.steps:  # a time limit cut the run short of its steps: say so
             self.summary["stopped_early"] = (
                 f"train.max_seconds={cfg.train.max_seconds:g} reached after step {trainer.step} of {cfg.train.steps}"
             )
@@ -297,7 +298,8 @@ class Run:
         for role in self.trainer.roles:  # each further trained model on the same held-out prompts
             value = self.heldout.evaluate(role.policy)
             self.summary[f"{role.name}/{key}"] = None if value != value else value
-        accuracy = self.heldout.evaluate()
+        detail = self.heldout.evaluate_detail()
+        accuracy = detail["accuracy"]
         if accuracy != accuracy:  # NaN: nothing to evaluate on
             self.summary[key] = None
             self.summary["eval_note"] = (
@@ -305,6 +307,8 @@ class Run:
             )
             return
         self.summary[key] = accuracy
+        if "return" in detail:  # held-out episodes (eval.closed_loop): accuracy_after -> return_after
+            self.summary[f"return_{key.split('_', 1)[1]}"] = detail["return"]
         self.summary["evals"].append((step, accuracy))
         self.summary.update(self._column_accuracies(key))
         for name, value in self._view_accuracies(accuracy).items():
