@@ -148,6 +148,7 @@ def test_fsdp2_shards_and_gathers_once_per_rollout_phase(tmp_path):
         ("model.ref_sync_every=2", "model.ref_sync_every"),
         ('phases=[{name="sft", steps=1}]', "phases"),
         ('model.policy="flow"', "model.policy"),
+        ('rollout.backend="server"', "rollout.backend"),
     ],
 )
 def test_fsdp2_refuses_what_it_does_not_support(override, named):

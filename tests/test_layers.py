@@ -79,6 +79,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise.policy.functional",
             "groupwise.policy.precision",
             "groupwise.modalities.flow_sde",
+            "groupwise.modalities.gauss",
         ),
     ),
     (
@@ -122,6 +123,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise.discovery",
             "groupwise.__main__",
             "groupwise.cli",
+            "groupwise.serve",
             "groupwise.claims",
             "groupwise.claims.*",
             "groupwise.models.warmstart",

@@ -20,7 +20,7 @@ import torch
 
 from groupwise import dist, roles, schedules
 from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
-from groupwise.config import Config
+from groupwise.config import Config, _entry_name, toml_value
 from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective
@@ -96,6 +96,9 @@ class Parts:
     eval_tasks: dict[str, tuple[list[dict], RewardStage]]  # eval.tasks: (rows, reward stage) of further tasks
     closed_loop: bool  # held-out rows are episodes the strategy plays (eval.closed_loop resolved; heldout.py)
     phases: list[Any]  # what runs before the RL steps, in order
+    # what the rollout stage generates with: the policy itself (rollout.backend="local") or a ServedPolicy over it
+    # (policy/served.py: generation servers, weight pushes, train.max_staleness)
+    generation: Any = None
 
 
 def step_components(
@@ -160,7 +163,11 @@ def build(cfg: Config) -> Parts:
             f"{estimator.registry_name!r}: every advantage would be 0; use group_size >= 2"
         )
     shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
-    weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
+    weight_specs = list(cfg.objective.weights)
+    stale = cfg.train.max_staleness > 0 or cfg.rollout.push_every > 1  # rows from older weights than they train
+    if stale and cfg.rollout.backend == "server" and "sampler_is" not in [_entry_name(w) for w in weight_specs]:
+        weight_specs.append("sampler_is")  # asynchronous rows come from older weights: correct for it by default
+    weights = [build_spec("weight", spec) for spec in weight_specs]
     objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs
     updater = build_spec("update", cfg.update)
     prompt_stats = PromptStats()
@@ -195,7 +202,14 @@ def build(cfg: Config) -> Parts:
         bind_rows([view], train_rows)
 
     resolver = NeedResolver(
-        needs, models, cfg.views, policy.score, policy.encode, context=policy.context, bind_view=bind_view
+        needs,
+        models,
+        cfg.views,
+        policy.score,
+        policy.encode,
+        context=policy.context,
+        bind_view=bind_view,
+        quantities=getattr(policy, "quantities", None),
     )
 
     # held-out prompts are also scored under eval.views, and on the held-out rows of eval.tasks
@@ -208,7 +222,14 @@ def build(cfg: Config) -> Parts:
 
     # each component against the policy it will run with, before anything runs
     check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
-    check_strategy(strategy, policy, owners)  # sampling options it asks for, extras others read
+    generation = served_policy(cfg, policy, world)
+    check_strategy(strategy, generation, owners)  # sampling options it asks for, hooks, extras others read
+    unknown = set(cfg.eval.sampling) - set(getattr(policy, "request_options", ()))
+    if unknown:  # the held-out calls' own settings: keys the policy's requests may set
+        raise ConfigError(
+            f"eval.sampling sets {sorted(unknown)}, which the {policy.modality} policy does not take "
+            f"(it takes {sorted(getattr(policy, 'request_options', ()))})"
+        )
     bind_vocabulary(owners + role_components, policy)  # token texts for phase / role maps
     bind_rows(owners, train_rows)  # components that draw from or index the train rows (components.py)
     bind_models(owners + eval_stage.scorers + task_scorers, frozen)  # frozen roles' policies (a judge)
@@ -252,7 +273,34 @@ def build(cfg: Config) -> Parts:
         eval_tasks=eval_tasks,
         closed_loop=closed_loop,
         phases=phases,
+        generation=generation,
     )
+
+
+def served_policy(cfg: Config, policy: Any, world: int) -> Any:
+    """What rollouts generate with: the policy, or under ``rollout.backend = "server"`` a ServedPolicy over it."""
+    k, ro = cfg.train.max_staleness, cfg.rollout
+    if k < 0:
+        raise ConfigError(f"train.max_staleness={k}: must be >= 0 (0 = synchronous)")
+    if ro.backend == "local":
+        if k > 0:
+            raise ConfigError(
+                f"train.max_staleness={k} generates ahead on a generation server; set rollout.backend='server'"
+            )
+        return policy
+    if k > 0 and ro.push_every > 1:
+        raise ConfigError(
+            "train.max_staleness > 0 decides the versions rows are sampled under: leave rollout.push_every=1"
+        )
+    if k > 0 and world > 1:
+        raise ConfigError(f"train.max_staleness={k} runs on one process; run it without torchrun (world size {world})")
+    from groupwise.policy.served import ServedPolicy
+
+    # a local server loads the run's model as the run does: its dtype, adapters, products' dtype and perf settings
+    args = [f"model.matmul={toml_value(policy.matmul.dtype)}"]
+    args += [f"model.{key}={toml_value(getattr(cfg.model, key))}" for key in ("dtype", "lora")]
+    args += [f"perf.{k}={toml_value(v)}" for k, v in dataclasses.asdict(cfg.perf).items()]
+    return ServedPolicy(policy, cfg, args)
 
 
 # ---------------------------------------------------------------------------------------------- build steps

@@ -50,8 +50,10 @@ class Policy(Protocol):
     a request's ``n`` are padding); ``forward`` gives per-token quantities of a rollout's actions
     (differentiable under grad); ``scoring_models`` / ``score`` serve no-grad needs by model name.
     ``request_options`` are the sampling keys a ``Request.sampling`` may set; ``modality`` must match
-    every component's own (``"text"`` when a component declares none). A policy is not a component:
-    its optional members are ``POLICY_OPTIONAL``."""
+    every component's own (``"text"`` when a component declares none). ``encode`` gives the policy's
+    own prompt form: token ids for text, a ``[label]`` or an observation vector of floats for a toy
+    (nothing outside the policy reads a non-text encoding as ids). A policy is not a component: its
+    optional members are ``POLICY_OPTIONAL``."""
 
     modality: str
     trainable: bool
@@ -77,6 +79,10 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "token_texts": "token_texts() -> list[str]: the text of each token id (for use_vocabulary; a text policy's)",
     "parameter_names": "parameter_names() -> list[str]: the names of parameters() in order (for use_parameter_names)",
     "encode_completion": "encode_completion(text) -> list[int]: an answer's token ids (the sft phase, the answer NLL)",
+    "encode_target": "encode_target(row) -> a demonstration row's target in the policy's form (sft, non-text kinds)",
+    "supervised_loss": "supervised_loss(prompts, targets, gen) -> scalar with grad: the demonstration loss (sft)",
+    "condition_extras": "condition_extras: {name: n}, the request extras it samples under (its strategy must set them)",
+    "quantities": "quantities: frozenset[str], what its forward computes (a need of another is refused at build)",
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
@@ -89,12 +95,21 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     'shard() under dist.shard="fsdp2"); such a policy has idle_pass() -> Tensor, a zero loss through every sharded '
     "layer that a rank with fewer micro-batches runs",
     "whole": "whole(): the module with whole weights, gathered on every rank when sharded (before rank 0 saves)",
+    "engine": "engine: a text policy's CPUEngine (rollout.backend='server' samples through its contract over HTTP)",
+    # what the rollout stage generates with is the policy or, under rollout.backend="server", a view of it
+    # (policy/served.py) with these members besides the policy's own
+    "after_step": "after_step(trainer): a generation backend's upkeep after each update (push weights, generate ahead)",
+    "pop_stats": "pop_stats() -> dict: a generation backend's per-step counts (rows per staleness, dropped rows)",
+    "rollout_state": "rollout_state() -> dict: a generation backend's in-flight rollouts, for the checkpoint",
+    "load_rollout_state": "load_rollout_state(state, step): the in-flight rollouts a checkpoint holds",
 }
 
 
 class RolloutStrategy(Protocol):
     """Stages 1–3 together: ``strategy(ctx) -> Rollout`` collects the step's whole scored batch
-    through ``rollout.context.RolloutContext``."""
+    through ``rollout.context.RolloutContext``. Optional: ``evaluate(ctx, rows, info) -> dict[str,
+    float]``, its own held-out evaluation (``heldout.HeldOut.evaluate_strategy``: greedy settings,
+    the eval reward; logged as ``eval/<key>``, ``<key>_after``)."""
 
     def __call__(self, ctx: Any) -> Rollout: ...
 
@@ -641,6 +656,17 @@ HOOKS: tuple[Hook, ...] = (
         "checkpoint",
         "on resume, with what `state_dict` returned",
         "load_state_dict(state: dict) -> None",
+    ),
+    Hook(
+        "evaluate",
+        ("rollout",),
+        "method",
+        "lifecycle",
+        "at each held-out evaluation (`HeldOut.evaluate_strategy`: greedy settings with `eval.sampling`, the eval "
+        "reward, step -1's noise)",
+        "evaluate(ctx: RolloutContext, rows: list[dict], info: StepInfo) -> dict[str, float]",
+        "The strategy's own held-out measures (a chain, a game, best-of-N), logged as `eval/<key>` and "
+        "`<key>_before` / `<key>_after`.",
     ),
     # -- lifecycle
     Hook(

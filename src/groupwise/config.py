@@ -26,7 +26,9 @@ RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a pa
 
 @dataclass
 class ModelCfg:
-    path: str = "default"  # "default" = the tiny model shipped in the package; or a folder / hub id
+    # "default" = the tiny model shipped in the package (a toy kind: fresh weights); or a folder / hub id (a toy kind:
+    # the folder its save wrote, <path>/flow_policy.pt or gaussian_policy.pt, e.g. a run's final/)
+    path: str = "default"
     # float32 | bfloat16: the dtype the WEIGHTS are loaded and trained in (bfloat16 weights have no float32 master; for
     # bfloat16 products over float32 weights use `matmul`)
     dtype: str = "float32"
@@ -38,7 +40,8 @@ class ModelCfg:
     # cpu | cuda | cuda:N | auto (cuda when available); under torchrun each rank takes cuda:LOCAL_RANK
     device: str = "cpu"
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
-    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy (arguments in `params`)
+    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow;
+    # gaussian: observation -> N(mu(s), sigma^2 I) (arguments of the toy kinds in `params`)
     policy: str = "lm"
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}
     # every N steps mix the policy into the reference: ref = α·policy + (1−α)·ref (TR-DPO; TRL sync_ref_model); 0 =
@@ -69,6 +72,21 @@ class RolloutCfg:
     top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # top-k sampling (0 = off)
     params: dict = field(default_factory=dict)  # extra parameters of the rollout strategy
+    # local: the trainer's own engine samples; server: generation servers (`groupwise serve`, policy/served.py)
+    backend: str = "local"
+    servers: list = field(default_factory=list)  # server URLs, load-balanced (empty: start one local server)
+    # backend server, train.max_staleness = 0: push the weights after every N-th update (rows up to N - 1 versions
+    # stale; N > 1 adds the sampler_is weight)
+    push_every: int = 1
+    server_threads: int = 1  # the torch threads of the local server that rollout.servers = [] starts
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("local", "server"):
+            raise ConfigError(f"rollout.backend={self.backend!r}; choices: local, server")
+        if self.servers and self.backend != "server":
+            raise ConfigError("rollout.servers is set but rollout.backend='local'; set rollout.backend='server'")
+        if self.push_every < 1 or self.server_threads < 1:
+            raise ConfigError("rollout.push_every and rollout.server_threads must be >= 1")
 
 
 @dataclass
@@ -102,6 +120,10 @@ class TrainCfg:
     micro_batch_groups: int = 0  # groups per forward/backward (0 = the whole mini-batch)
     max_seconds: float = 0.0  # stop early after this wall time (0 = no limit)
     max_skipped_in_row: int = 5  # abort after this many optimiser steps skipped for non-finite loss/gradients
+    # rollout.backend = server: generation runs up to k policy versions ahead of the update (step t samples under
+    # version max(0, t - k)); rows staler than k are dropped and counted; k > 0 adds the sampler_is weight. 0 =
+    # synchronous
+    max_staleness: int = 0
 
 
 @dataclass
@@ -130,6 +152,9 @@ class EvalCfg:
     # reward (what training did to another skill): logs eval_accuracy@task:NAME and eval_nll@task:NAME (mean token NLL
     # of its answers) at eval.every, and accuracy_after@task:NAME, nll_after@task:NAME in summary.json
     tasks: list = field(default_factory=list)
+    # sampling settings of the greedy held-out calls, merged over the rollout's (keys from the policy's request
+    # options): e.g. {sampler = "consistency", steps = 4} deploys a flow policy with another sampler than it trained on
+    sampling: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -18,6 +18,17 @@ return is positive (``rollout.env.greedy_success``'s rule)::
 
 Held-out episodes take their env seeds (and sampled actions their noise) from step −1, so the
 evaluation before and after training plays the same episodes and differs by the weights.
+
+**Continuous rewards and other samplers** (issue 37 M4). The greedy calls take the rollout's
+sampling settings with ``eval.sampling`` merged over them (a flow policy deployed with another
+sampler than it trained on). ``evaluate_detail`` also gives the mean eval reward over the held-out
+rows (rows whose reward failed are left out of the mean; they count as wrong in the accuracy) and
+the eval reward's ``log_metric`` means (``metric/<name>``): the measures of a continuous reward,
+where "reward ≥ 1" is not the question. A rollout strategy may define its own held-out evaluation,
+``evaluate(ctx, rows, info) -> dict[str, float]`` (a chain, best-of-N: what "the policy's answer"
+means is the strategy's); ``evaluate_strategy`` calls it with a rollout context over the held-out
+rows, the eval reward, the greedy settings (with ``eval.sampling``) and step −1's noise, and the run
+logs each key as ``eval/<key>`` and ``<key>_before`` / ``<key>_after``.
 """
 
 from __future__ import annotations
@@ -72,12 +83,15 @@ class HeldOut:
         view: str | None = None,
         stage: RewardStage | None = None,
     ) -> dict[str, float]:
-        """``evaluate``'s accuracy as ``{"accuracy": ...}``; an environment run's held-out episodes add
-        ``"return"``, the mean return of the greedy episodes (module docstring)."""
+        """``evaluate``'s greedy pass with all it measures (module docstring): ``accuracy``,
+        ``reward_mean`` (the mean eval reward over the rows whose reward did not fail; NaN when none)
+        and ``metric/<name>`` (the mean of each ``log_metric`` of the eval reward over these rows); an
+        environment run's held-out episodes give ``accuracy`` and ``return``, the mean return of the
+        greedy episodes."""
         policy = policy or self.trainer.policy
         rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
         if not rows:
-            return {"accuracy": float("nan")}
+            return {"accuracy": float("nan"), "reward_mean": float("nan")}
         if self.closed_loop and view is None and stage is None:
             returns = self._episode_returns(policy, rows, 1, greedy=True)  # [rows][1]
             return {
@@ -85,16 +99,46 @@ class HeldOut:
                 "return": sum(r[0] for r in returns) / len(rows),
             }
         stage = stage or self.eval_stage
-        correct, info = 0, self.trainer.info()
+        correct, total, counted, info = 0, 0.0, 0, self.trainer.info()
+        stage.pop_metrics()  # drop what other calls left, so the metrics below are these rows' own
+        sampling = {**self.sampling_params, **self.cfg.eval.sampling, "greedy": True}
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
             requests = [Request(key=i, n=1, prompt=self.prompts(split, rows, i, view)) for i in chunk]
-            gen = policy.generate(requests, {**self.sampling_params, "greedy": True}, info)
+            gen = policy.generate(requests, sampling, info)
             gen.meta = [rows[i] for i in chunk]
             stage.score_local(gen, info)
             stage.finish(gen, info)
-            correct += int((gen.rewards[:, 0] >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
-        return {"accuracy": correct / len(rows)}
+            reward = gen.rewards[:, 0].double()  # [n] NaN where the reward failed
+            correct += int((reward >= 1.0 - 1e-6).sum())  # NaN (excluded) counts as wrong
+            total += float(reward[torch.isfinite(reward)].sum())
+            counted += int(torch.isfinite(reward).sum())
+        metrics = {f"metric/{k.split('/', 1)[1]}": v for k, v in stage.pop_metrics().items()}
+        reward_mean = total / counted if counted else float("nan")
+        return {"accuracy": correct / len(rows), "reward_mean": reward_mean, **metrics}
+
+    @torch.no_grad()
+    def evaluate_strategy(self) -> dict[str, float]:
+        """The rollout strategy's own held-out measures (module docstring); {} when it defines none."""
+        rows = self.eval_rows[: self.cfg.eval.size]
+        if not hasattr(self.strategy, "evaluate") or not rows:
+            return {}
+        from groupwise.rollout.context import RolloutContext
+
+        info = dataclasses.replace(self.trainer.info(), step=-1)
+        ctx = RolloutContext(
+            self.trainer.policy,
+            self.trainer.sampler,
+            self.eval_stage,
+            lambda rollout: None,  # no needs: nothing is trained on these rows
+            lambda i: self.prompts("eval", rows, i),
+            lambda i: rows[i],
+            lambda round_=0: info,
+            {**self.sampling_params, **self.cfg.eval.sampling, "greedy": True},
+            len(rows),
+            self.cfg.rollout.group_size,
+        )
+        return {str(k): float(v) for k, v in self.strategy.evaluate(ctx, rows, info).items()}
 
     def _episode_returns(self, policy: Any, rows: list[dict], n: int, greedy: bool) -> list[list[float]]:
         """[row][episode] returns of ``n`` closed-loop episodes per row, by the strategy's ``play_heldout``."""

@@ -198,6 +198,8 @@ class Run:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             trackers.close()
+            if hasattr(self.trainer.generation, "close"):  # generation servers the run started (policy/served.py)
+                self.trainer.generation.close()
 
     def _steps(self, log: MetricsLog | None, trackers: tracking.Trackers) -> dict[str, Any]:
         """Evaluate (once), train until done / stopped / out of time with the checkpoints due, then
@@ -216,8 +218,10 @@ class Run:
                 self._check_health(row)
                 eval_due = cfg.eval.every and (trainer.step + 1) % cfg.eval.every == 0
                 if eval_due and cfg.eval.size and self.parts.eval_rows:
-                    detail = self.heldout.evaluate_detail()  # an env run's held-out episodes: also their mean return
+                    # eval_accuracy, eval_reward_mean, eval_metric/<name> (an env run's: eval_return)
+                    detail = self.heldout.evaluate_detail()
                     row.update({f"eval_{k}": v for k, v in detail.items()})
+                    row.update({f"eval/{k}": v for k, v in self.heldout.evaluate_strategy().items()})
                     row.update(self._view_accuracies(row["eval_accuracy"]))
                     row.update(self._column_accuracies("eval_accuracy"))
                     self.summary["evals"].append((trainer.step + 1, row["eval_accuracy"]))
@@ -307,8 +311,20 @@ class Run:
             )
             return
         self.summary[key] = accuracy
+        when = key.split("_", 1)[1]  # before / after
         if "return" in detail:  # held-out episodes (eval.closed_loop): accuracy_after -> return_after
-            self.summary[f"return_{key.split('_', 1)[1]}"] = detail["return"]
+            self.summary[f"return_{when}"] = detail["return"]
+        if "reward_mean" in detail:  # the mean eval reward and its metrics (a continuous reward's); NaN -> null
+            self.summary[f"reward_mean_{when}"] = (
+                detail["reward_mean"] if detail["reward_mean"] == detail["reward_mean"] else None
+            )
+            self.summary.update(
+                {f"metric_{when}/{k.split('/', 1)[1]}": (v if v == v else None) for k, v in detail.items() if "/" in k}
+            )
+        # the rollout strategy's own held-out measures, when it defines them
+        self.summary.update(
+            {f"{k}_{when}": (v if v == v else None) for k, v in self.heldout.evaluate_strategy().items()}
+        )
         self.summary["evals"].append((step, accuracy))
         self.summary.update(self._column_accuracies(key))
         for name, value in self._view_accuracies(accuracy).items():

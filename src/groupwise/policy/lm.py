@@ -157,6 +157,8 @@ class LMPolicy:
     modality = "text"
     # what Request.sampling may set
     request_options = frozenset({"greedy", "temperature", "top_p", "top_k", "max_new_tokens"})
+    # what forward computes (providers/forward.py); step_mean / x0_pred are a continuous policy's
+    quantities = frozenset({"logp", "logprobs", "entropy", "topk", "hidden", "attn_at", "hidden_at"})
 
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.policy.engine import CPUEngine
@@ -259,14 +261,16 @@ class LMPolicy:
         return [flat[b * G : (b + 1) * G] for b in range(B)]
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, requests: list[Any], sampling: dict, info: Any) -> Any:
+    def generate(self, requests: list[Any], sampling: dict, info: Any, engine: Any = None) -> Any:
         """One group per request, ``request.n`` rows each (rows past a request's n are padding with
         ``group_valid`` False). Row j of a request draws its randomness from
-        ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch."""
+        ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch. ``engine``: what
+        samples (default this policy's own ``CPUEngine``; ``policy/served.py``: a generation server)."""
         from groupwise.seeds import sample_seed
         from groupwise.types import Rollout
 
         self.whole()  # sharded: the engine decodes on the gathered copy (gathered once per rollout phase)
+        engine = self.engine if engine is None else engine
         sampling = dict(sampling)
         max_new, greedy = sampling.pop("max_new_tokens"), sampling.pop("greedy", False)
         parts = {}
@@ -280,7 +284,7 @@ class LMPolicy:
             hooks = [requests[i].hook for i in chosen]  # generation hooks (groupwise.hooks), None: the clean model
             parts[n] = (
                 chosen,
-                self.engine.generate(
+                engine.generate(
                     [requests[i].prompt for i in chosen],
                     n,
                     torch.tensor(seeds, dtype=torch.long),

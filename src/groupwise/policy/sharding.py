@@ -125,6 +125,11 @@ def refusals(cfg: Any) -> list[str]:
             f"model.ref_sync_every={cfg.model.ref_sync_every}: {where} keeps the reference whole and the policy "
             f'sharded, the mix is not implemented across them; use 0 or dist.shard="none"'
         )
+    if cfg.rollout.backend != "local":
+        out.append(
+            f"rollout.backend={cfg.rollout.backend!r}: {where} pushes no weights to a generation server yet (they are "
+            f'sharded); use rollout.backend="local" or dist.shard="none"'
+        )
     if cfg.phases:
         names = [p if isinstance(p, str) else p.get("name") for p in cfg.phases]
         out.append(f"phases={names}: {where} runs RL steps only for now; run the phases without sharding first")
