@@ -25,6 +25,7 @@ from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective
 from groupwise.phases import build_phases, check_artifacts
+from groupwise.policy import sharding
 from groupwise.policy.kinds import build_policy
 from groupwise.policy.memory import keep_freed_memory
 from groupwise.registry import build as build_component
@@ -117,6 +118,9 @@ def step_components(
 def build(cfg: Config) -> Parts:
     """Build and check everything the run of ``cfg`` is made of (module docstring)."""
     rank, world = dist.init()
+    refused = sharding.refusals(cfg) if cfg.dist.shard != "none" else []
+    if refused:
+        raise ConfigError("; ".join(refused))
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     if cfg.perf.keep_freed_memory:
@@ -233,6 +237,8 @@ def build(cfg: Config) -> Parts:
     check_artifacts(phases, owners)
 
     scorer_needs = set(reward_stage.needs)
+    if sharding.wanted(cfg, world):  # after the reference copy was taken whole, before the optimiser sees parameters
+        policy.shard()
     params = policy.parameters()
     updater.bind(params, total_updates)
     bind_parameter_names(updater, policy)  # an updater that treats parameters by name (a LoRA-B mask)

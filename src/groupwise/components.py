@@ -91,6 +91,10 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "module": "module: the trained torch module (phases that probe the network: steering_vector, e2po_perturbations)",
     "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy",
     "prompt_encoder": "prompt_encoder: the flow toy's condition encoder (the e2po_perturbations phase)",
+    "collective_forward": "collective_forward: bool, every training forward is a collective (weights sharded by "
+    'shard() under dist.shard="fsdp2"); such a policy has idle_pass() -> Tensor, a zero loss through every sharded '
+    "layer that a rank with fewer micro-batches runs",
+    "whole": "whole(): the module with whole weights, gathered on every rank when sharded (before rank 0 saves)",
     "engine": "engine: a text policy's CPUEngine (rollout.backend='server' samples through its contract over HTTP)",
     # what the rollout stage generates with is the policy or, under rollout.backend="server", a view of it
     # (policy/served.py) with these members besides the policy's own

@@ -194,6 +194,19 @@ class PerfCfg:
     keep_freed_memory: bool = True
     # functional training forward: each MLP recomputes gate|up in the backward (less memory, one more GEMM)
     recompute_mlp: bool = False
+    # training forward: each decoder layer keeps only its input and runs again in the backward (activations of one
+    # layer at a time instead of all of them; about one more forward of compute)
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DistCfg:
+    """How the ranks of a torchrun launch hold the model (docs/scaling.md)."""
+
+    # none: every rank holds the whole model, its gradients and optimiser state (data parallel, gradients
+    # all-reduced); fsdp2: each rank holds 1/W of every trained parameter, gradient and optimiser state (FSDP2
+    # fully_shard per decoder layer and at the root; whole weights gathered once per rollout phase for generation)
+    shard: str = "none"
 
 
 @dataclass
@@ -242,6 +255,7 @@ class Config:
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
     log: LogCfg = field(default_factory=LogCfg)
     perf: PerfCfg = field(default_factory=PerfCfg)
+    dist: DistCfg = field(default_factory=DistCfg)
     # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
     views: dict = field(default_factory=dict)
     # further trainable models by name: {teacher = {model = {...}, objective = {...}, update = {...}}}
@@ -322,6 +336,7 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "ref_sync_alpha": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
         "matmul": (lambda v: v in ("float32", "bfloat16", "auto"), "one of float32, bfloat16, auto"),
     },
+    "DistCfg": {"shard": (lambda v: v in ("none", "fsdp2"), "one of none, fsdp2")},
     "LogCfg": {
         "samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
         "samples_every": (lambda v: v >= 1, "an integer >= 1"),

@@ -207,7 +207,13 @@ class Trainer:
         if take_old:
             batch.logp_old = torch.zeros_like(batch.mask, dtype=torch.float32)  # [b,G,T] filled below
         total = torch.zeros(())
-        for start in range(0, batch.shape[0], size):
+        starts = range(0, batch.shape[0], size)
+        # a sharded model's forward and backward are collectives: every rank runs as many (a rank with
+        # fewer micro-batches than another runs idle passes, which add nothing)
+        collective = getattr(role.policy, "collective_forward", False)
+        for _ in range(dist.all_max(len(starts)) - len(starts) if collective else 0):
+            role.policy.idle_pass().backward()
+        for start in starts:
             groups = list(range(start, min(start + size, batch.shape[0])))
             mb = batch.select(groups)
             out = role.policy.forward(mb, role.grad_quantities)
@@ -220,6 +226,8 @@ class Trainer:
                 mb.logp_old = logp_old = out["logp"].detach()
                 _present(batch.logp_old)[start : start + len(groups)] = logp_old
             loss = role.objective.loss(mb, out, norms, self.info(), record=first)
+            if collective and not loss.requires_grad:  # no token of this micro-batch has a loss: still a backward
+                loss = loss + 0.0 * out["logp"].sum()
             if loss.requires_grad:
                 loss.backward()
             total = total + loss.detach()
