@@ -365,6 +365,16 @@ HOOKS: tuple[Hook, ...] = (
         "no grad.",
     ),
     Hook(
+        "whole_parameters",
+        ("update",),
+        "attribute",
+        "build",
+        'at build (`policy.sharding.refusals`): `dist.shard="fsdp2"` refuses an updater that sets it, naming it',
+        "bool",
+        "True for an updater whose step reads each parameter whole (GXPO flattens every gradient); "
+        "absent: it works on sharded parameters too.",
+    ),
+    Hook(
         "use_parameter_names",
         ("update",),
         "method",

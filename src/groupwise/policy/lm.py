@@ -345,7 +345,10 @@ class LMPolicy:
             want_entropy=want_entropy,
             packed=perf.packed,
             share_prefix=None if perf.share_prefix else False,
-            functional=perf.functional,
+            # sharded, the training forward runs on the shards, where the functional decoder steps aside (FSDP2's
+            # hooks): the gathered copy's no-grad scoring (logp_old) takes the same forward, so on-policy the two
+            # log-probs are equal, not a rounding apart (|logp - logp_old| terms: KL-Cov's gradient there is 0)
+            functional=perf.functional and self.full is None,
             quantities=quantities,
             row_prompts=rollout.ctx or None,
             matmul=self.matmul.low,

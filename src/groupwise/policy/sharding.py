@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from groupwise.dist import full
+from groupwise.registry import lookup
 
 
 def decoder_layers(module: Any) -> list[Any]:
@@ -119,6 +120,16 @@ def refusals(cfg: Any) -> list[str]:
             out.append(
                 f"{key}.dtype={m.dtype!r}, {key}.matmul={m.matmul!r}: {where} trains float32 weights and products only "
                 f'(FSDP2\'s MixedPrecisionPolicy is not wired in); use float32 or dist.shard="none"'
+            )
+    updaters = [("update", cfg.update)] + [
+        (f"roles.{name}.update", rc.update) for name, rc in cfg.roles.items() if not rc.frozen
+    ]
+    for key, spec in updaters:
+        name = spec if isinstance(spec, str) else spec.get("name")
+        if getattr(lookup("update", name), "whole_parameters", False):
+            out.append(
+                f'{key}={{name="{name}"}}: {where} shards each parameter, and the updater {name!r} reads every '
+                f'parameter whole (whole_parameters); use another updater (adamw, sgd) or dist.shard="none"'
             )
     if cfg.model.ref_sync_every:
         out.append(

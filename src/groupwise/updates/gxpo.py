@@ -113,6 +113,9 @@ class GXPO(TorchUpdater):
     """GXPO: two probe steps, per-coordinate geometric extrapolation to K steps, a corrective step, z-score shutoff
     (Swapnil et al. 2026)."""
 
+    # its per-coordinate extrapolation flattens each parameter and its gradient: a DTensor shard cut unevenly
+    # (the 319-row embedding over 2 ranks) cannot be flattened, so dist.shard="fsdp2" refuses it at build
+    whole_parameters = True
     optimizer: str = "adamw"
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
