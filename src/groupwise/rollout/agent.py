@@ -8,7 +8,11 @@ same way multi-turn RL frameworks train tool-using agents (TRL's GRPO tool loop,
 ``trl/trainer/grpo_trainer.py`` ``_tool_call_loop``: prompt + completion + rendered tool suffix,
 tool tokens masked; slime's ``MultiTurnLossMaskGenerator``).
 
-**Episode** (episode e of row ``key``; the env as in ``rollout/env.py``: ``reset(row, seed)`` gives
+**Change vs GRPO**: the G completions of a prompt are G chat episodes: each row is the assistant's
+sampled turns and the rendered tool / environment messages between them (holes in the loss mask);
+the reward is the episode's return; the advantage is the configured estimator.
+
+**Math** (episode e of row ``key``; the env as in ``rollout/env.py``: ``reset(row, seed)`` gives
 the first user message (a string, or a list of messages), ``step(answer)`` the reply)::
 
     M_0 = [system?] + reset(row)                          messages

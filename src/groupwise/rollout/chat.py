@@ -88,7 +88,7 @@ def assistant_mask(
         return list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
     ids: list[int] = []
     mask: list[bool] = []
-    eos = {tokenizer.eos_token_id} | set(getattr(tokenizer, "all_special_ids", []) or [])
+    eos = {tokenizer.eos_token_id} | set(tokenizer.all_special_ids)
     for i, message in enumerate(messages):
         if message.get("role") == "assistant":
             ids, mask = _extend(tokenizer, messages, tools, i, ids, mask, generation_prompt=True, own=False)
