@@ -170,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % args.eval_every == 0:
-            check = {"step": step, "loss": round(float(loss), 4), **tool_success(model, tokenizer, val, schemas)}
+            check = {"step": step, "loss": round(float(loss.detach()), 4), **tool_success(model, tokenizer, val, schemas)}
             checks.append(check)
             print(json.dumps(check), flush=True)
+            save_pretrained(model, tokenizer, args.out)  # the latest check's weights, should the fit be stopped
             if check["success"] >= args.target:
                 break
     model.eval()
