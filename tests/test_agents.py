@@ -95,6 +95,14 @@ def test_schema_is_transformers_own_and_a_trl_tools_list_works_unchanged():
         Toolbox([calculator, "groupwise.rollout.tools:calculator"])
 
 
+def test_a_function_in_a_python_config_is_stored_as_its_import_spelling():
+    from groupwise.config import toml_value
+
+    assert toml_value([calculator]) == '["groupwise.rollout.tools:calculator"]'  # what a recipe would name
+    with pytest.raises(ConfigError, match="top level of an importable module"):
+        toml_value(lambda x: x)
+
+
 def test_hermes_parsing_of_good_and_malformed_calls():
     assert parse_hermes("no call here") == []
     assert parse_hermes(CALL) == [Call("calculator", {"expression": "12*34"})]
@@ -131,7 +139,7 @@ def test_execution_results_errors_timeouts_and_counts():
     # calculator: 3 calls, 2 errors; sleepy: 2 calls, 1 error; broken: 1 of 1; 'nope' counts as a call of no tool
     assert stats["tools/calculator/calls"] == 3 and stats["tools/calculator/error_rate"] == pytest.approx(2 / 3)
     assert stats["tools/sleepy/calls"] == 2 and stats["tools/sleepy/error_rate"] == 0.5
-    assert stats["tools/broken/error_rate"] == 1.0 and stats["tools/malformed"] == 1.0
+    assert stats["tools/broken/error_rate"] == 1.0 and stats["tools/malformed"] == 1.0 and stats["tools/unknown"] == 1
     assert box.stats()["tools/calculator/calls"] == 0  # counts are per step
 
 
@@ -285,3 +293,119 @@ def test_agent_needs_a_chat_template_and_env_return():
         build("rollout", "agent")(chat_ctx(plain, [ROW], [["1"]], 1))
     with pytest.raises(ConfigError, match="not a function|no function"):
         build("rollout", "agent", tools=["groupwise.rollout.tools:nothing"])
+
+
+# ---------------------------------------------------------------------------------------------- through the trainer
+AGENT = [
+    "agent",
+    "train.steps=2",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=2",
+    "threads=1",
+    "log.samples=4",
+    "log.table_every=0",
+]
+
+
+def test_two_agent_steps_on_the_shipped_chat_model(tmp_path):
+    from groupwise.build import build as build_parts
+    from groupwise.config import load_config
+    from groupwise.run import Run
+    from groupwise.trainer import Trainer
+
+    cfg, _ = load_config(AGENT[0], [*AGENT[1:], f'out="{tmp_path}"'])
+    trainer = Trainer(build_parts(cfg))
+    seen, prepare = [], trainer.prepare
+    trainer.prepare = lambda batch: seen.append(prepare(batch)) or seen[-1]
+    Run(trainer).train()
+    tok = trainer.policy.tokenizer
+    calls = 0
+    for batch in seen:
+        for b in range(batch.shape[0]):
+            for e in range(batch.shape[1]):
+                info = batch.info[b][e]
+                # the reward is the episode's return: 1 exactly when the last reply is the row's product
+                transcript = info["log"]["transcript"]
+                last = transcript[-1]
+                right = last["role"] == "assistant" and last["content"].strip() == batch.meta[b]["answer"]
+                assert batch.rewards[b, e].item() == float(right and info["cut"] == "")
+                # the row is the rendered transcript after the prompt (each turn ends at its EOS)
+                own = batch.loss_mask[b, e][batch.mask[b, e]]
+                ids = batch.actions[b, e][batch.mask[b, e]].tolist()
+                sampled = [t for t, o in zip(ids, own.tolist()) if o]
+                assert sampled == [t for turn in info["log"]["turns"] for t in turn["action"]]
+                calls += sum(m["role"] == "tool" for m in transcript)
+                assert tok.decode(batch.prompt_ids[b]).startswith("<|im_start|>system\ntools: calculator(expression)")
+    assert calls > 0, "the shipped chat model calls its tool"
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert rows and all("transcript" in r and "turns" in r for r in rows)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # every tool message answers one call: a calculator call, a call of no tool, or a malformed one
+    counted = sum(m["tools/calculator/calls"] + m["tools/unknown"] + m["tools/malformed"] for m in metrics)
+    assert counted == calls == sum(m["agent/tool_calls"] for m in metrics)
+    assert all(0.0 <= m["agent/success"] <= 1.0 for m in metrics)
+
+
+@pytest.mark.slow
+def test_a_tool_using_run_resumes_bit_for_bit_after_sigkills(tmp_path):
+    """SIGKILLs at seeded random moments, the same command rerun each time: the final weights (sha256)
+    and every logged step's tool counts and success equal the uninterrupted run's."""
+    import hashlib
+    import os
+    import random
+    import subprocess
+    import sys
+
+    from test_resume import kill_at_random_moment
+
+    args = [
+        "train",
+        "agent",
+        "train.steps=8",
+        "checkpoint.every=1",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "threads=1",
+        "log.table_every=0",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+    def launch(out):
+        return subprocess.Popen(
+            [sys.executable, "-m", "groupwise", *args, f"out={out}"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    def result(out):
+        keys = ("step", "agent/success", "agent/tool_calls", "tools/calculator/calls", "tools/malformed", "loss")
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return (
+            hashlib.sha256((out / "final" / "model.safetensors").read_bytes()).hexdigest(),
+            [{k: m.get(k) for k in keys} for m in metrics],
+        )
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    t0 = time.monotonic()
+    proc = launch(straight)
+    while proc.poll() is None and not (
+        (straight / "metrics.jsonl").exists() and (straight / "metrics.jsonl").read_text()
+    ):
+        time.sleep(0.02)
+    first = time.monotonic() - t0
+    assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-2000:]
+    timing = {"first_step": first, "training": time.monotonic() - t0 - first}
+    rng, kills = random.Random(20261240), 0
+    while True:
+        proc = launch(killed)
+        if kills < 5 and kill_at_random_moment(proc, killed, rng, timing):
+            kills += 1
+            continue
+        assert proc.wait(timeout=900) == 0, proc.stderr.read().decode()[-2000:]
+        if (killed / "final" / "model.safetensors").exists():
+            break
+    assert kills >= 3, "the kills must land before the run ends"
+    want = result(straight)
+    assert sum(m["tools/calculator/calls"] for m in want[1]) > 0, "a tool-using run"
+    assert result(killed) == want

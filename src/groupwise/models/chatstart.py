@@ -141,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--target", type=float, default=0.4, help="stop at this validation tool-use success")
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--val", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--val", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     from groupwise.models.build import save_pretrained
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % args.eval_every == 0:
-            check = {"step": step, "loss": round(float(loss.detach()), 4), **tool_success(model, tokenizer, val, schemas)}
+            measured = tool_success(model, tokenizer, val, schemas)
+            check = {"step": step, "loss": round(float(loss.detach()), 4), **measured}
             checks.append(check)
             print(json.dumps(check), flush=True)
             save_pretrained(model, tokenizer, args.out)  # the latest check's weights, should the fit be stopped

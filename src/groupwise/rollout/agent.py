@@ -49,7 +49,8 @@ too, ``is_chat_template_prefix_preserving``).
    sampled token ids, and the ids of the rendered messages after it) through ``info["log"]``.
 3. ``step_stats``: ``agent/turns`` (assistant turns this step), ``agent/tool_calls``,
    ``agent/success`` (share of episodes with a positive return), ``tools/<name>/calls``,
-   ``tools/<name>/error_rate`` (errors / calls), ``tools/malformed`` (unreadable calls), and the
+   ``tools/<name>/error_rate`` (errors / calls), ``tools/malformed`` (unreadable calls), ``tools/unknown``
+   (calls of no such tool), and the
    env's ``outcome()`` means as ``env/<key>``.
 """
 

@@ -25,7 +25,7 @@ a tool must not hold resources forever). The result becomes a tool message
 ``{"role": "tool", "name": name, "content": str(result)}`` (TRL's form); an unknown tool, bad
 arguments, an exception, a timeout or a malformed call become a tool message whose content is
 ``{"error": "..."}``, never a crash. ``Toolbox.stats()`` counts calls and errors per tool
-(``tools/<name>/calls``, ``tools/<name>/error_rate``, ``tools/malformed``).
+(``tools/<name>/calls``, ``tools/<name>/error_rate``, ``tools/malformed``, ``tools/unknown``).
 """
 
 from __future__ import annotations
@@ -172,8 +172,12 @@ class Toolbox:
         return {"role": "tool", "name": name, "content": json.dumps({"error": message})}
 
     def stats(self) -> dict[str, float]:
-        """Counts since the last call: ``tools/<name>/calls``, ``tools/<name>/error_rate``, ``tools/malformed``."""
-        out = {"tools/malformed": float(self.malformed)}
+        """Counts since the last call: ``tools/<name>/calls``, ``tools/<name>/error_rate``, ``tools/malformed``
+        (unreadable calls), ``tools/unknown`` (calls of a tool that does not exist)."""
+        out = {
+            "tools/malformed": float(self.malformed),
+            "tools/unknown": float(sum(n for name, n in self.calls.items() if name not in self.functions)),
+        }
         for name in self.functions:
             n = self.calls.get(name, 0)
             out[f"tools/{name}/calls"] = float(n)
