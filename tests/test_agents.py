@@ -268,6 +268,15 @@ def test_a_turn_stopped_by_another_eos_gets_the_templates_end_in_its_hole(tok):
     assert batch.actions[0, 0, : len(want)].tolist() == want and batch.rewards.tolist() == [[1.0]]
 
 
+def test_a_special_token_sampled_mid_turn_stays_in_the_message(tok):
+    # the model may sample <|im_start|> inside a turn: the message keeps it, so the rendering stays a prefix
+    script = [["<tool_call>{oops<|im_start|>}</tool_call>", "408"]]
+    batch = build("rollout", "agent", tools=[calculator])(chat_ctx(tok, [ROW], script, 1))
+    transcript = batch.info[0][0]["log"]["transcript"]
+    assert transcript[1]["content"] == "<tool_call>{oops<|im_start|>}</tool_call>"
+    assert "not valid JSON" in transcript[2]["content"] and batch.rewards.tolist() == [[1.0]]
+
+
 def test_agent_cuts_at_max_turns_and_at_the_context(tok):
     script = [[CALL] * 3]
     batch = build("rollout", "agent", tools=[calculator], max_turns=3)(chat_ctx(tok, [ROW], script, 1))

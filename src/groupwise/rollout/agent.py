@@ -140,7 +140,9 @@ def play_chat(
         for i, ep in enumerate(chosen):
             st = state[id(ep)]
             action = gen.actions[i, 0, : lengths[i]].tolist()
-            text = gen.completions[i][0]
+            stop = len(action) - 1 if action and action[-1] in eos else len(action)
+            text = tokenizer.decode(action[:stop], skip_special_tokens=False)  # special tokens sampled mid-turn stay:
+            # the message then renders to exactly the sampled text (a prefix-preserving template's condition)
             st["messages"].append({"role": "assistant", "content": text})
             calls = toolbox.parse(text)
             reward = 0.0
