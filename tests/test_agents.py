@@ -418,3 +418,55 @@ def test_a_tool_using_run_resumes_bit_for_bit_after_sigkills(tmp_path):
     want = result(straight)
     assert sum(m["tools/calculator/calls"] for m in want[1]) > 0, "a tool-using run"
     assert result(killed) == want
+
+
+# ------------------------------------------------------------------------------------------ adapters (optional extras)
+def test_a_textarena_game_trains_through_the_adapter(tmp_path):
+    """A real single-player TextArena game (GuessTheNumber) played by the `agent` strategy on the chat model
+    (its context raised to 1024 positions: the game's rules alone are about 450 tokens), two steps."""
+    pytest.importorskip("textarena")
+    import shutil
+
+    from groupwise.build import build as build_parts
+    from groupwise.config import load_config
+    from groupwise.models.chatstart import DEFAULT_OUT
+    from groupwise.run import Run
+    from groupwise.trainer import Trainer
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_OUT, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    (tmp_path / "games.jsonl").write_text(json.dumps({"prompt": "guess", "game": "GuessTheNumber-v0-raw"}) + "\n")
+    cfg, _ = load_config(
+        "agent",
+        [
+            f'model.path="{model}"',
+            f'data.path="{tmp_path / "games.jsonl"}"',
+            'rollout.params={env = "textarena", max_turns = 2}',
+            "rollout.max_new_tokens=6",
+            "rollout.prompts_per_step=1",
+            "rollout.group_size=2",
+            "train.steps=2",
+            "threads=1",
+            "log.table_every=0",
+            f'out="{tmp_path / "run"}"',
+        ],
+    )
+    trainer = Trainer(build_parts(cfg))
+    seen, prepare = [], trainer.prepare
+    trainer.prepare = lambda batch: seen.append(prepare(batch)) or seen[-1]
+    Run(trainer).train()
+    assert len(seen) == 2
+    for batch in seen:
+        for e in range(batch.shape[1]):
+            info = batch.info[0][e]
+            transcript = info["log"]["transcript"]
+            assert transcript[0]["role"] == "user" and "Guess The Number" in transcript[0]["content"]
+            # the game answers each guess it did not end on: a hint, or the game's complaint about the format
+            replies = [m["content"] for m in transcript[2::2]]
+            assert len(replies) == len(transcript[1::2]) - (info["cut"] == "")
+            assert batch.rewards[0, e].item() == info["env"]["reward"]
+            assert info["env"]["turns"] == len(transcript[1::2])
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1] and all(m["agent/turns"] >= 2 for m in metrics)
