@@ -13,7 +13,7 @@ import torch
 
 from groupwise.config import RewardCfg
 from groupwise.errors import ConfigError
-from groupwise.models.chatstart import chat_tokenizer_and_model, conversation
+from groupwise.models.chatstart import conversation
 from groupwise.registry import build
 from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.chat import assistant_mask, render
@@ -24,7 +24,11 @@ from groupwise.types import Rollout, StepInfo
 
 @pytest.fixture(scope="module")
 def tok():
-    return chat_tokenizer_and_model()[0]
+    from transformers import AutoTokenizer
+
+    from groupwise.models.chatstart import DEFAULT_OUT
+
+    return AutoTokenizer.from_pretrained(DEFAULT_OUT)  # the shipped chat model's tokenizer and template
 
 
 CALL = '<tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>'
