@@ -68,7 +68,7 @@ from groupwise.rollout.env import ENV_STREAM, Episode, Played, check_env_rewards
 from groupwise.rollout.episodes import transcripts
 from groupwise.rollout.tools import Toolbox
 from groupwise.seeds import sample_seed
-from groupwise.types import Request
+from groupwise.types import Request, Rollout
 
 
 def _messages(observation: Any, who: str) -> list[dict]:
@@ -121,7 +121,7 @@ def play_chat(
             state[id(ep)] = {"env": instance, "messages": messages, "ids": encode_text(tokenizer, text), "text": text}
             group.append(ep)
         episodes.append(group)
-    parts, seen, tool_calls = [], 0, 0
+    parts, seen = [], 0
     for t in range(max_turns):
         requests, chosen = [], []
         for ep in (ep for group in episodes for ep in group if not ep.done and not ep.cut):
@@ -147,7 +147,6 @@ def play_chat(
             calls = toolbox.parse(text)
             reward = 0.0
             if calls:
-                tool_calls += len(calls)
                 st["messages"] += [toolbox.run(call) for call in calls]
             else:
                 obs, reward, done = st["env"].step(text)
@@ -190,10 +189,7 @@ def play_chat(
             f"rollout.max_new_tokens={budget} exceeds the context limit {limit}); raise max_context, shorten the "
             f"messages or use a model with a longer context"
         )
-    from groupwise.types import Rollout
-
     played = Played(episodes, Rollout.concat(parts), [False] * len(episodes))
-    played.tool_calls = tool_calls  # type: ignore[attr-defined]
     return played, [[state[id(ep)]["messages"] for ep in g] for g in episodes]
 
 
@@ -255,7 +251,7 @@ class Agent:
         success = [ep.ret > 0 for g in played.episodes for ep in g]
         self._stats = {
             "agent/turns": float(played.actions),
-            "agent/tool_calls": float(played.tool_calls),  # type: ignore[attr-defined]
+            "agent/tool_calls": float(sum(m["role"] == "tool" for g in messages for ms in g for m in ms)),
             "agent/success": sum(success) / max(1, len(success)),
             **self._toolbox.stats(),
             **played.fact_means(),
