@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 TORCH  ?= torch==2.13.0
 
-.PHONY: install sandbox demo test test-slow test-gpu bench bench-tta claims clean
+.PHONY: install sandbox demo lint format test test-slow test-dist test-gpu bench bench-tta claims clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,17 @@ sandbox:
 demo: $(STAMP)
 	$(BIN)/groupwise train demo out=runs/demo
 
-test: $(STAMP) sandbox
+# ruff (format and lint, pyproject.toml [tool.ruff]) over the tree; pyright over the typed core ([tool.pyright])
+lint: $(STAMP)
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
+	$(BIN)/pyright --warnings
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 BENCH_STAMP := $(VENV)/.bench-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
@@ -45,6 +55,10 @@ claims: $(STAMP)
 
 test-slow: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
+
+# the tests that launch torchrun processes (most are in make test too; the slow ones in test-slow)
+test-dist: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m dist
 
 # On a machine with a CUDA build of torch (not the CPU build .venv gets): the CUDA suite, tests/test_gpu.py
 GPU_PYTHON ?= python3

@@ -66,7 +66,8 @@ def absent_note(decision: dict[str, Any] | None) -> str:
 def present_note(decision: dict[str, Any]) -> str:
     """The line under the results table when bf16 rows were run."""
     return (
-        f"_Rows ending `-bf16`: the same cell with bfloat16 matrix products (groupwise `model.matmul=bfloat16` over "
-        f"float32 master weights; TRL `bf16=True`), GEMM floor and FLOP efficiency in bfloat16 — {decision['reason']}, "
-        f"GEMM {decision['shape'][0]}×{decision['shape'][1]}×{decision['shape'][2]} at {decision['threads']} thread(s)._"
+        "_Rows ending `-bf16`: the same cell with bfloat16 matrix products (groupwise `model.matmul=bfloat16` "
+        "over float32 master weights; TRL `bf16=True`), GEMM floor and FLOP efficiency in bfloat16 — "
+        f"{decision['reason']}, GEMM {decision['shape'][0]}×{decision['shape'][1]}×{decision['shape'][2]} at "
+        f"{decision['threads']} thread(s)._"
     )

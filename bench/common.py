@@ -56,9 +56,8 @@ class Cell:
     warmup: int = 2  # steps run before timing starts
     steps: int = 5  # timed steps (one step = one rollout + its mu optimiser steps)
     max_pairs: int = 0  # cap on A/B pairs for this cell (0 = no cap)
-    matmul: str = (
-        "float32"  # float32 | bfloat16: the products' dtype (groupwise model.matmul; TRL bf16=True), bench/bf16.py
-    )
+    # float32 | bfloat16: the products' dtype (groupwise model.matmul; TRL bf16=True), bench/bf16.py
+    matmul: str = "float32"
 
     @property
     def name(self) -> str:
@@ -109,9 +108,8 @@ def matrix() -> list[Cell]:
         cell("small", 4, 128, 1, 1),
         cell("small", 64, 16, 0, 1),
         cell("small", 64, 128, 0, 1),
-        cell(
-            "medium", 4, 128, 1, 1
-        ),  # warmed up: its FLOP efficiency is a target, and a cold first step is ~15 % slower
+        # warmed up: its FLOP efficiency is a target, and a cold first step is ~15 % slower
+        cell("medium", 4, 128, 1, 1),
         # the algorithm variants, each against the base tiny-4x8-L16 cell
         cell("tiny", 4, 16, 1, 3, loss="grpo"),
         cell("tiny", 4, 16, 1, 3, beta=0.04),
@@ -186,9 +184,8 @@ def greedy_accuracy(model: Any, tokenizer: Any, rows: Sequence[dict], max_new_to
     from rewards import exact_answer  # noqa: E402 (bench/ is on sys.path)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cache_kw = (
-        "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-    )  # renamed in transformers 5.x
+    # renamed in transformers 5.x
+    cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
     def returned_cache(output):
         cache = output.get("cache")

@@ -61,9 +61,9 @@ def main(argv: list[str]) -> int:
     saved = (eager_s - compiled_s) * (tokens - 1)  # per rollout
     payback = f"{first / saved:,.0f} rollouts" if saved > 0 else "never (the compiled step is not faster)"
     print(
-        f"{preset}, {rows} rows, {tokens - 1} decode steps, {torch.get_num_threads()} thread(s): eager step {eager_s * 1e3:.3f} ms, "
-        f"compiled {compiled_s * 1e3:.3f} ms ({eager_s / compiled_s:.2f}x); first compiled pass {first:.1f} s; "
-        f"the compile pays back after {payback}"
+        f"{preset}, {rows} rows, {tokens - 1} decode steps, {torch.get_num_threads()} thread(s): eager "
+        f"step {eager_s * 1e3:.3f} ms, compiled {compiled_s * 1e3:.3f} ms ({eager_s / compiled_s:.2f}x); "
+        f"first compiled pass {first:.1f} s; the compile pays back after {payback}"
     )
     return 0
 

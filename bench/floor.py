@@ -80,7 +80,8 @@ def step_products(cell: Cell, config: dict[str, Any], prompt_tokens: int) -> Cou
 
 
 def time_product(m: int, k: int, n: int, repeats: int = 5, budget_s: float = 0.3, dtype: str = "float32") -> float:
-    """Best seconds of ``[m,k] @ [k,n]`` in ``dtype`` into a reused output over ``repeats`` (fewer past ``budget_s``)."""
+    """Best seconds of ``[m,k] @ [k,n]`` in ``dtype`` into a reused output over ``repeats``
+    (fewer past ``budget_s``)."""
     import torch
 
     kind = getattr(torch, dtype)

@@ -215,7 +215,8 @@ def measure_cells(
                 if "error" not in m:
                     steps = ", ".join(f"{s:.3g}" for s in m["step_seconds"])
                     log(
-                        f"  {m['cell']}{tag} pair {pair + 1} {framework:9s}: steps [{steps}] s, peak RSS {m['peak_rss_mb']:.0f} MB"
+                        f"  {m['cell']}{tag} pair {pair + 1} {framework:9s}: "
+                        f"steps [{steps}] s, peak RSS {m['peak_rss_mb']:.0f} MB"
                     )
                 else:
                     log(f"  {m['cell']}{tag} pair {pair + 1} {framework:9s}: FAILED {m['error']}")
@@ -341,7 +342,8 @@ def time_to_accuracy(
     ]
     tag = "" if (task, seed) == ("arithmetic", 0) else f"-{task}-{seed}"
     log(
-        f"time to accuracy ({task}, seed {seed}): TRL for {seconds:.0f} s of training from {model}, {threads} torch thread(s) in both runs"
+        f"time to accuracy ({task}, seed {seed}): TRL for {seconds:.0f} s "
+        f"of training from {model}, {threads} torch thread(s) in both runs"
     )
     trl = run_worker(
         ["tta", "--framework", "trl", *common, "--eval-every", str(eval_every)],
@@ -516,9 +518,8 @@ def learning_per_step(
         return {seed: next(acc for _, n, acc in curve if n == step) for seed, curve in curves[fw].items()}
 
     every_curve = [curve for per_seed in curves.values() for curve in per_seed.values()]
-    points = sorted(
-        set.intersection(*({n for _, n, _ in curve} for curve in every_curve))
-    )  # steps evaluated in every run
+    # steps evaluated in every run
+    points = sorted(set.intersection(*({n for _, n, _ in curve} for curve in every_curve)))
     rows = []
     for n in points:
         gw, trl = at("groupwise", n), at("trl", n)
@@ -594,17 +595,18 @@ def generation_section(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"_Generation throughput failed: {result['error']} (log {result.get('log')})._"
     lines = [
-        f"Sampling alone (no scoring or training): rows of exactly {result['length']} completion tokens (the bench models "
-        f"cannot emit EOS), batch = prompts × G = 8, temperature 1 over the whole vocabulary, median of {result['reps']} timed "
-        f"calls after one untimed; {result['threads']} torch thread(s). HF = `model.generate` (SDPA, KV cache) on the same "
-        "prompts, each repeated G times.",
+        f"Sampling alone (no scoring or training): rows of exactly {result['length']} completion tokens "
+        "(the bench models cannot emit EOS), batch = prompts × G = 8, temperature 1 over the whole "
+        f"vocabulary, median of {result['reps']} timed calls after one untimed; {result['threads']} torch "
+        "thread(s). HF = `model.generate` (SDPA, KV cache) on the same prompts, each repeated G times.",
         "",
         "| model | batch (rows) | groupwise tok/s | HF generate tok/s | groupwise / HF |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['preset']} | {r['batch']} | {r['groupwise_tok_s']:,.0f} | {r['hf_tok_s']:,.0f} | **{r['ratio']:.2f}×** |"
+            f"| {r['preset']} | {r['batch']} | {r['groupwise_tok_s']:,.0f} "
+            f"| {r['hf_tok_s']:,.0f} | **{r['ratio']:.2f}×** |"
         )
     return "\n".join(lines)
 
@@ -619,17 +621,19 @@ def per_step_section(result: dict[str, Any]) -> str:
         return f"{mean} ± {iv['half']:.3f}" if iv.get("half") is not None else mean
 
     lines = [
-        f"The `{a['recipe']}` recipe's algorithm on both ({a['prompts']} prompts × G = {a['group']}, {a['length']} new tokens, "
-        f"lr {a['lr']:g}, loss `{a['loss']}`, μ = {a['mu']}), {result['seeds']} seeds each (seed s seeds both frameworks), "
-        f"held-out greedy accuracy on {result['eval_size'] or 500} test prompts every {result['every']} optimiser steps; "
-        "mean ± 95 % t half-width over seeds; difference = groupwise − TRL, paired by seed.",
+        f"The `{a['recipe']}` recipe's algorithm on both ({a['prompts']} prompts × G = "
+        f"{a['group']}, {a['length']} new tokens, lr {a['lr']:g}, loss `{a['loss']}`, μ = "
+        f"{a['mu']}), {result['seeds']} seeds each (seed s seeds both frameworks), held-out greedy "
+        f"accuracy on {result['eval_size'] or 500} test prompts every {result['every']} optimiser "
+        "steps; mean ± 95 % t half-width over seeds; difference = groupwise − TRL, paired by seed.",
         "",
         "| optimiser steps | TRL | groupwise | groupwise − TRL |",
         "|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         lines.append(
-            f"| {row['step']} | {cell(row['trl'])} | {cell(row['groupwise'])} | {cell(row['difference'], signed=True)} |"
+            f"| {row['step']} | {cell(row['trl'])} | {cell(row['groupwise'])} "
+            f"| {cell(row['difference'], signed=True)} |"
         )
     return "\n".join(lines)
 
@@ -656,9 +660,9 @@ def results_table(entries: list[dict[str, Any]]) -> str:
             f"{_f(e.get('groupwise_gen_tok_s'), '{:,.0f}')} / {_f(e.get('trl_gen_tok_s'), '{:,.0f}')} | "
             f"{_f(e.get('groupwise_train_tok_s'), '{:,.0f}')} / {_f(e.get('trl_train_tok_s'), '{:,.0f}')} | "
             f"{_f(e.get('groupwise_rss_mb'), '{:,.0f}')} / {_f(e.get('trl_rss_mb'), '{:,.0f}')} | "
-            f"{_f(e.get('groupwise_flop_efficiency'), '{:.1%}')} / {_f(e.get('trl_flop_efficiency'), '{:.1%}')} | "
-            f"{_f(e.get('gemm_floor_s'))} | {_f(e.get('groupwise_gemm_share'), '{:.0%}')} / {_f(e.get('trl_gemm_share'), '{:.0%}')} | "
-            f"{_f(e.get('speedup_ceiling'), '{:.2f}×')} |"
+            f"{_f(e.get('groupwise_flop_efficiency'), '{:.1%}')} / {_f(e.get('trl_flop_efficiency'), '{:.1%}')} "
+            f"| {_f(e.get('gemm_floor_s'))} | {_f(e.get('groupwise_gemm_share'), '{:.0%}')} / "
+            f"{_f(e.get('trl_gemm_share'), '{:.0%}')} | {_f(e.get('speedup_ceiling'), '{:.2f}×')} |"
         )
     return "\n".join(lines)
 
@@ -670,21 +674,25 @@ def tta_section(tta: dict[str, Any] | None) -> str:
         return f"_Time to accuracy failed: {tta['error']} (see the worker logs)._"
     a = tta["algorithm"]
     lines = [
-        f"Model `{Path(tta['model']).relative_to(ROOT) if Path(tta['model']).is_relative_to(ROOT) else tta['model']}`; "
-        f"the `{a['recipe']}` recipe's algorithm: {a['prompts']} prompts × G = {a['group']}, {a['length']} new tokens, "
-        f"lr {a['lr']:g}, clip ε = {a['epsilon']:g}, loss `{a['loss']}`, β = {a['beta']:g}, μ = {a['mu']}. "
-        f"Held-out greedy accuracy on {tta['eval_size']} test prompts every {tta['eval_every_seconds']:g} s of training "
-        f"time (evaluation time excluded), same evaluation code for both; {tta.get('threads', '?')} torch thread(s) in both runs.",
+        "Model "
+        f"`{Path(tta['model']).relative_to(ROOT) if Path(tta['model']).is_relative_to(ROOT) else tta['model']}`; "
+        f"the `{a['recipe']}` recipe's algorithm: {a['prompts']} prompts × G = {a['group']}, "
+        f"{a['length']} new tokens, lr {a['lr']:g}, clip ε = {a['epsilon']:g}, loss `{a['loss']}`, β "
+        f"= {a['beta']:g}, μ = {a['mu']}. Held-out greedy accuracy on {tta['eval_size']} test "
+        f"prompts every {tta['eval_every_seconds']:g} s of training time (evaluation time excluded), "
+        f"same evaluation code for both; {tta.get('threads', '?')} torch thread(s) in both runs.",
         "",
-        f"- TRL: {tta['trl_curve'][0][2]:.3f} → **{tta['target_accuracy']:.3f}** after {tta['trl_seconds']:.0f} s "
-        f"({tta['trl_curve'][-1][1]} optimiser steps); first reached at {_f(tta['trl_first_reach_seconds'], '{:.0f}')} s.",
+        f"- TRL: {tta['trl_curve'][0][2]:.3f} → **{tta['target_accuracy']:.3f}** "
+        f"after {tta['trl_seconds']:.0f} s ({tta['trl_curve'][-1][1]} optimiser "
+        f"steps); first reached at {_f(tta['trl_first_reach_seconds'], '{:.0f}')} s.",
         f"- groupwise: reached {tta['target_accuracy']:.3f} at **{_f(tta['groupwise_reach_seconds'], '{:.0f} s')}** "
         f"({tta['groupwise_curve'][-1][1]} optimiser steps; final accuracy {tta['groupwise_final_accuracy']:.3f}).",
         f"- Time ratio (TRL's {tta['trl_seconds']:.0f} s / groupwise's time to the same accuracy): "
         f"**{_f(tta['time_ratio'], '{:.2f}×')}**; first-reach ratio {_f(tta['time_ratio_first_reach'], '{:.2f}×')} "
         f"(accuracy curves are noisy: a single run each, evaluated every {tta['eval_every_seconds']:g} s).",
-        f"- Optimiser steps per training second: groupwise {_f(tta.get('groupwise_steps_per_s'), '{:.2f}')}, "
-        f"TRL {_f(tta.get('trl_steps_per_s'), '{:.2f}')} (same batch; completions end at EOS here, unlike the fixed-length matrix).",
+        "- Optimiser steps per training second: groupwise "
+        f"{_f(tta.get('groupwise_steps_per_s'), '{:.2f}')}, TRL {_f(tta.get('trl_steps_per_s'), '{:.2f}')} "
+        "(same batch; completions end at EOS here, unlike the fixed-length matrix).",
         "",
         "| training s (TRL) | steps | accuracy | | training s (groupwise) | steps | accuracy |",
         "|---:|---:|---:|---|---:|---:|---:|",
@@ -702,16 +710,18 @@ def tta_seeded_section(result: dict[str, Any]) -> str:
         return f"_Seeded time to accuracy failed: {result['error']} (see the worker logs)._"
     a = result["algorithm"]
     lines = [
-        f"The `demo` recipe's algorithm ({a['prompts']} prompts × G = {a['group']}, {a['length']} new tokens, lr {a['lr']:g}, "
-        f"loss `{a['loss']}`, β = {a['beta']:g}, μ = {a['mu']}) on the embedded model, {result['seeds']} seeds per task "
-        f"(seed s seeds both frameworks). Per seed, TRL trains {result['budget_seconds']:.0f} s (evaluated every "
-        f"{result['eval_every_seconds']:g} s); its held-out greedy accuracy at the end is that seed's target, and groupwise "
-        f"trains until an evaluation (every {result['groupwise_eval_every_seconds']:g} s of training time) reaches it. "
-        f"Ratio = TRL's {result['budget_seconds']:.0f} s / groupwise's time to the target; geometric mean over seeds with "
-        f"a 95 % t interval on the log ratios. Evaluation time is excluded; {result['threads']} torch thread(s) in both.",
+        f"The `demo` recipe's algorithm ({a['prompts']} prompts × G = {a['group']}, {a['length']} new "
+        f"tokens, lr {a['lr']:g}, loss `{a['loss']}`, β = {a['beta']:g}, μ = {a['mu']}) on the embedded "
+        f"model, {result['seeds']} seeds per task (seed s seeds both frameworks). Per seed, TRL trains "
+        f"{result['budget_seconds']:.0f} s (evaluated every {result['eval_every_seconds']:g} s); its "
+        "held-out greedy accuracy at the end is that seed's target, and groupwise trains until an "
+        f"evaluation (every {result['groupwise_eval_every_seconds']:g} s of training time) reaches it. "
+        f"Ratio = TRL's {result['budget_seconds']:.0f} s / groupwise's time to the target; geometric "
+        "mean over seeds with a 95 % t interval on the log ratios. Evaluation time is excluded; "
+        f"{result['threads']} torch thread(s) in both.",
         "",
-        "| task | held-out prompts | start accuracy | TRL accuracy at the budget | groupwise time to it (s) | ratio (TRL/gw) | per seed | "
-        "optimiser steps/s gw / TRL | ≥ 3× |",
+        "| task | held-out prompts | start accuracy | TRL accuracy at the budget | groupwise "
+        "time to it (s) | ratio (TRL/gw) | per seed | optimiser steps/s gw / TRL | ≥ 3× |",
         "|---|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for task, s in result["summary"].items():
@@ -721,15 +731,16 @@ def tta_seeded_section(result: dict[str, Any]) -> str:
         lo, hi = s["ratio_interval"]
         met = "yes" if lo >= 3.0 else ("no" if hi < 3.0 else "not resolved")
         lines.append(
-            f"| {task} | {result['eval_sizes'][task]} | {s['trl_start_accuracy']:.3f} | {acc['mean']:.3f} ± {_f(acc['half'], '{:.3f}')} | "
-            f"{reach['mean']:.0f} ± {_f(reach['half'], '{:.0f}')} | **{s['ratio_geomean']:.2f}×** [{lo:.2f}, {hi:.2f}] | "
-            f"{per_seed} | {steps} | {met} |"
+            f"| {task} | {result['eval_sizes'][task]} | {s['trl_start_accuracy']:.3f} | {acc['mean']:.3f} "
+            f"± {_f(acc['half'], '{:.3f}')} | {reach['mean']:.0f} ± {_f(reach['half'], '{:.0f}')} | "
+            f"**{s['ratio_geomean']:.2f}×** [{lo:.2f}, {hi:.2f}] | {per_seed} | {steps} | {met} |"
         )
     lines += [
         "",
         "Per seed (`*`: groupwise did not reach the target within the budget; counted at the budget):",
         "",
-        "| task | seed | TRL accuracy at the budget | TRL first at it (s) | groupwise reach (s) | ratio | first-reach ratio | groupwise accuracy then |",
+        "| task | seed | TRL accuracy at the budget | TRL first at it (s) | "
+        "groupwise reach (s) | ratio | first-reach ratio | groupwise accuracy then |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for task, per_seed in result["runs"].items():
@@ -746,11 +757,14 @@ def machine_section(info: dict[str, Any], flops: dict[str, float], command: str,
     load = info.get("load_average_at_start")
     return "\n".join(
         [
-            f"- CPU: {info['cpu']} ({info['logical_cores']} logical cores, {info['cores_available']} available to the run)",
-            f"- torch {info['torch']} with **torch threads = {info['torch_threads']}** in every worker; transformers {info['transformers']}, "
-            f"TRL {info['trl']}, accelerate {info['accelerate']}, Python {info['python']}",
+            f"- CPU: {info['cpu']} ({info['logical_cores']} logical "
+            f"cores, {info['cores_available']} available to the run)",
+            f"- torch {info['torch']} with **torch threads = {info['torch_threads']}** "
+            f"in every worker; transformers {info['transformers']}, TRL {info['trl']}, "
+            f"accelerate {info['accelerate']}, Python {info['python']}",
             f"- fp32 GEMM (1024³ matmul, best of repeats, threads = {info['torch_threads']}): "
-            f"{flops['used'] / 1e9:.1f} GFLOP/s (before the matrix {flops['before'] / 1e9:.1f}, after {flops['after'] / 1e9:.1f}; the larger is used)",
+            f"{flops['used'] / 1e9:.1f} GFLOP/s (before the matrix {flops['before'] / 1e9:.1f}, "
+            f"after {flops['after'] / 1e9:.1f}; the larger is used)",
             *(
                 [
                     f"- bf16 GEMM (512³, threads = {info['torch_threads']}): {flops['bf16'] / 1e9:.1f} GFLOP/s"
@@ -765,9 +779,9 @@ def machine_section(info: dict[str, Any], flops: dict[str, float], command: str,
             ),
             *(
                 [
-                    f"- peak RSS of a bare process (the floor under both frameworks' RSS column): `import torch` "
-                    f"{floor['torch']:,.0f} MB; with transformers' modeling code, which every Hugging Face model load imports, "
-                    f"{floor['torch_transformers_modeling']:,.0f} MB"
+                    "- peak RSS of a bare process (the floor under both frameworks' RSS column): `import "
+                    f"torch` {floor['torch']:,.0f} MB; with transformers' modeling code, which every "
+                    f"Hugging Face model load imports, {floor['torch_transformers_modeling']:,.0f} MB"
                 ]
                 if len(floor := info.get("import_floor_rss_mb") or {}) == 2
                 else []
@@ -970,9 +984,10 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {info['torch']}, transformers {info['transformers']}, TRL {info['trl']}"
     )
     log(
-        "TRL settings made explicit (its defaults are wrong for this CPU comparison): bf16=False, fp16=False, "
-        "gradient_checkpointing=False, use_cpu=True, learning_rate=<cell lr>, lr_scheduler_type=constant, adam_beta2=0.99, "
-        "use_bias_correction_kl=False; logging/saving/eval off, dataloader_num_workers=0 (the -bf16 rows: bf16=True)"
+        "TRL settings made explicit (its defaults are wrong for this CPU comparison): "
+        "bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, learning_rate=<cell "
+        "lr>, lr_scheduler_type=constant, adam_beta2=0.99, use_bias_correction_kl=False; "
+        "logging/saving/eval off, dataloader_num_workers=0 (the -bf16 rows: bf16=True)"
     )
     if args.tta_seeded:
         result = seeded_time_to_accuracy(
@@ -1064,8 +1079,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             workers = len(worker_groups(cells, pairs_of)) * 2
             log(
-                f"{len(cells)} cells, {workers} worker processes (up to {pairs} A/B pairs per cell; one process per framework "
-                f"and round): "
+                f"{len(cells)} cells, {workers} worker processes (up to {pairs} "
+                "A/B pairs per cell; one process per framework and round): "
                 + ", ".join(f"{c.name} ({c.warmup}+{c.steps} steps, {pairs_of[c.name]} pair(s))" for c in cells)
             )
             rounds = measure_cells(cells, pairs_of, threads, rundir)

@@ -2,7 +2,8 @@
 time-to-accuracy run).
 
     python bench/worker.py measure --framework {groupwise,trl} --cells JSON_LIST --models-dir DIR --threads T --out FILE
-    python bench/worker.py gen --framework {groupwise,hf} --model DIR --threads T [--batches 8,64,512 --length 64] --out FILE
+    python bench/worker.py gen --framework {groupwise,hf} --model DIR --threads T \
+        [--batches 8,64,512 --length 64] --out FILE
     python bench/worker.py tta --framework {groupwise,trl} --model DIR --threads T --seconds S \
         --eval-every S [--target ACC] [--steps N --eval-every-steps K --seed S] --out FILE
 
@@ -161,7 +162,8 @@ def trl_config(
         # objective
         loss_type=loss,
         beta=beta,
-        use_bias_correction_kl=False,  # TRL 1.16 default True multiplies the KL by the ratio; groupwise's k3 term does not
+        # TRL 1.16 default True multiplies the KL by the ratio; groupwise's k3 term does not
+        use_bias_correction_kl=False,
         epsilon=epsilon,
         epsilon_high=epsilon,
         scale_rewards="group",
@@ -285,9 +287,8 @@ def _trl_trainer(args, model_dir: str, callbacks: list, task: str = "arithmetic"
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
     )
-    dataset = Dataset.from_list(
-        train_rows(task)
-    )  # columns: prompt (plain text: no chat template), answer (+ the task's own)
+    # columns: prompt (plain text: no chat template), answer (+ the task's own)
+    dataset = Dataset.from_list(train_rows(task))
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[exact_answer],

@@ -45,23 +45,20 @@ def configurations() -> dict[str, list[str]]:
         if getattr(cls, "artifacts", ()):  # needs an offline phase's artifact (ProFIL's probe); its filter is per row
             continue
         if stage == "advantage":
-            key = (
-                "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"
-            )  # shapers run after grpo
+            # shapers run after grpo
+            key = "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"
             configs[f"advantage:{name}"] = [f'{key}=["{name}"]' if key.endswith("shapers") else f'{key}="{name}"']
             wanted = set(getattr(cls, "rollout_extras", ()))
-            if (
-                wanted
-            ):  # an estimator that reads what only some strategy collects (ReMax's greedy baseline) runs with it
+            # an estimator that reads what only some strategy collects (ReMax's greedy baseline) runs with it
+            if wanted:
                 strategy = next(
                     n for s, n, c in entries() if s == "rollout" and wanted <= set(getattr(c, "collects", ()))
                 )
                 configs[f"advantage:{name}"].append(f'rollout.name="{strategy}"')
         elif stage == "weight":
             configs[f"weight:{name}"] = [f'objective.weights=["{name}"]']
-        elif stage == "objective" and (
-            hasattr(cls, "prepare") or hasattr(cls, "token_subset")
-        ):  # whole-batch state once per step
+        # whole-batch state once per step
+        elif stage == "objective" and (hasattr(cls, "prepare") or hasattr(cls, "token_subset")):
             configs[f"objective:{name}"] = EXAMPLE_OVERRIDES.get(
                 f"objective:{name}", [f'objective.terms=["{name}", {{name="kl", coef=0.1}}]']
             )
@@ -83,7 +80,8 @@ def main(out_dir: str, only: str = "") -> None:
             [
                 *BASE,
                 *extra,
-                f'out="{out_dir}/{label.replace(":", "_")}/world{os.environ.get("WORLD_SIZE", "1")}_rank{os.environ.get("RANK", "0")}"',
+                f'out="{out_dir}/{label.replace(":", "_")}/'
+                f'world{os.environ.get("WORLD_SIZE", "1")}_rank{os.environ.get("RANK", "0")}"',
             ],
         )
         trainer = Trainer(build(cfg))

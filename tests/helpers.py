@@ -157,7 +157,8 @@ def _example_probe(seed: int) -> dict:
     }
 
 
-# what a component defining ``use_vocabulary`` gets in the sweeps: a text per token id of make_rollout's actions (0..49),
+# what a component defining ``use_vocabulary`` gets in the sweeps:
+# a text per token id of make_rollout's actions (0..49),
 # with the tags the defaults name: "[", "]" (F-GRPO's candidates) and "+", "-", "*" (LA-GRPO's functional tokens)
 EXAMPLE_VOCABULARY = ["", "[", "]", ",", ">", "+", "-", "*", "x", " "] * 5
 
@@ -189,9 +190,8 @@ def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]
     for key in getattr(component, "rollout_extras", ()):
         rollout.set_extra(key, torch.rand(rollout.shape[0], generator=g), "group")
     B, G, _ = rollout.shape
-    if (
-        getattr(component, "reads_completions", False) and not rollout.completions
-    ):  # decoded texts, few distinct (EDAS's answers)
+    # decoded texts, few distinct (EDAS's answers)
+    if getattr(component, "reads_completions", False) and not rollout.completions:
         rollout.completions = [[str(v) for v in row] for row in torch.randint(0, 3, (B, G), generator=g).tolist()]
     for column in getattr(component, "row_info", ()):  # a reward's log_extra column per row, few distinct values
         values = torch.randint(0, 3, (B, G), generator=g).tolist()

@@ -103,9 +103,8 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
     )
     for row, batch in zip(rows, seen):
         valid = batch.group_valid & torch.isfinite(batch.rewards)
-        torch.testing.assert_close(
-            batch.advantages, agpo_advantages(batch.rewards.double(), valid).float()
-        )  # AGPO's, not GRPO's
+        # AGPO's, not GRPO's
+        torch.testing.assert_close(batch.advantages, agpo_advantages(batch.rewards.double(), valid).float())
         wrong = valid & (batch.rewards < 0.5)
         assert wrong.any() and (batch.advantages[wrong] == -1).all()  # every wrong row −1, all-fail groups included
         assert 0 <= row["agpo/all_fail_frac"] <= 1

@@ -33,9 +33,8 @@ def _close(actual, expected, atol=1e-4):
 # ---------------------------------------------------------------------------------------------- yes/no confidence
 def test_yes_no_confidence_spec_numbers():
     assert yes_no_confidence({"yes": math.log(0.6), "no": math.log(0.2)}, "yes") == pytest.approx(0.75, abs=1e-12)
-    assert (
-        yes_no_confidence({"maybe": math.log(0.5), "The": math.log(0.3)}, "Yes.") == 1.0
-    )  # neither in the top-5: the text
+    # neither in the top-5: the text
+    assert yes_no_confidence({"maybe": math.log(0.5), "The": math.log(0.3)}, "Yes.") == 1.0
     assert yes_no_confidence({"maybe": -0.1}, "no") == 0.0
 
 
@@ -44,9 +43,8 @@ def test_yes_no_confidence_normalises_and_sums_token_texts():
     assert yes_no_confidence(pairs, "no") == pytest.approx(0.4 / 0.5, abs=1e-12)  # "nope" is neither word
     assert yes_no_confidence([("yes", -math.inf), ("no", math.log(0.2))], "yes") == 0.0  # -inf adds nothing
     assert yes_no_confidence([("yes", -math.inf), ("no", -math.inf)], "Yes!") == 1.0  # both zero: the answer text
-    assert (
-        yes_no_confidence({"yes": math.log(0.6), "no": math.log(0.2)}, "no", binary=True) == 0.0
-    )  # binary: the answer only
+    # binary: the answer only
+    assert yes_no_confidence({"yes": math.log(0.6), "no": math.log(0.2)}, "no", binary=True) == 0.0
 
 
 def test_prefix_match_for_split_words():
@@ -93,7 +91,7 @@ def test_dv_reward_empty_lists_count_as_one():
         dv_reward(SEM, QUAL, "median")
 
 
-# ---------------------------------------------------------------------------------------------- decomposer, programmatic judge
+# --------------------------------------------------------------------------------------- decomposer, programmatic judge
 def test_decomposer_questions_and_margins():
     sem, qual = decompose(" 52", ["even", "gt50", "ends5"])
     assert [q for q, _ in sem] == ["Is 52 even?", "Is 52 greater than 50?", "Does 52 end in 5?"]
@@ -112,9 +110,8 @@ def test_programmatic_reward_by_hand():
     yes, no = sig(4.0), sig(-4.0)
     want_52 = math.sqrt((yes + sig(4 * 0.3)) / 2 * yes)  # SC = (even, >50 at margin 0.3) / 2, PQ = both quality yes
     want_55 = math.sqrt((yes + yes + sig(4 * 0.9)) / 3 * yes)
-    assert got[0] == pytest.approx(want_52, abs=1e-9) and got[1] == pytest.approx(
-        no, abs=1e-9
-    )  # no integer: every c = sigmoid(-4)
+    # no integer: every c = sigmoid(-4)
+    assert got[0] == pytest.approx(want_52, abs=1e-9) and got[1] == pytest.approx(no, abs=1e-9)
     assert got[2] is None and got[3] == pytest.approx(want_55, abs=1e-9)
     metrics = {}
     r(["p"], ["7"], attrs=["even,lt50"], log_metric=lambda k, v: metrics.__setitem__(k, v))
@@ -144,7 +141,7 @@ def test_reward_config_errors():
         build("reward", "dv_reward", judge="role:judge").use_models({})
 
 
-# ---------------------------------------------------------------------------------------------- LM judge through the policy protocol
+# --------------------------------------------------------------------------------- LM judge through the policy protocol
 class FakeJudge:
     """A policy whose next-token distribution after a question is fixed per question (protocol check)."""
 
@@ -171,9 +168,8 @@ class FakeJudge:
             and quantities == ["logprobs"]
             and tuple(rollout.actions.shape) == (len(rollout.prompt_ids), 1, 1)
         )
-        p = torch.tensor(
-            [[0.0, 0.5, 0.25, 0.2, 0.05], [0.0, 0.1, 0.6, 0.3, 0.0]]
-        )  # [2,V]: question 1 leans yes, question 2 no
+        # [2,V]: question 1 leans yes, question 2 no
+        p = torch.tensor([[0.0, 0.5, 0.25, 0.2, 0.05], [0.0, 0.1, 0.6, 0.3, 0.0]])
         rows = torch.stack([p[(ids[0] - 1) % 2] for ids in rollout.prompt_ids])  # [N,V]
         return {"logprobs": rows.clamp(min=1e-30).log()[:, None, None, :]}  # [N,1,1,V]
 
@@ -182,9 +178,8 @@ def test_lm_judge_asks_each_question_once_through_score():
     judge = FakeJudge()
     r = build("reward", "dv_reward", judge="role:judge", match="prefix", top_logprobs=3, template="Q: {question} A:")
     r.use_models({"judge": judge, "other": None})
-    (got,) = r(
-        ["p"], ["52"], attrs=["even"]
-    )  # 3 questions: even (q1, yes-leaning), whole number (q2), two-digit (q3 = like q1)
+    # 3 questions: even (q1, yes-leaning), whole number (q2), two-digit (q3 = like q1)
+    (got,) = r(["p"], ["52"], attrs=["even"])
     assert judge.seen == ["Q: Is 52 even? A:", "Q: Is 52 a whole number? A:", "Q: Is 52 a two-digit number? A:"]
     c1 = 0.5 / 0.75  # top-3 of row 1: y 0.5, n 0.25, 0 0.2 -> "Yes" (0.05) is not in the top 3
     c2 = 0.1 / 0.7
@@ -256,9 +251,8 @@ def test_two_steps_with_the_frozen_judge_role(tmp_path, objective, judge_lm):
                     [first_token_confidence(tokenizer, model, q) for q, _ in sem],
                     [first_token_confidence(tokenizer, model, q) for q, _ in qual],
                 )
-                assert float(batch.rewards[b, g]) == pytest.approx(
-                    want, abs=1e-5
-                )  # the run's reward is the judge's, asked here
+                # the run's reward is the judge's, asked here
+                assert float(batch.rewards[b, g]) == pytest.approx(want, abs=1e-5)
         ids = [int(i) for i in batch.prompt_index for _ in range(batch.shape[1])]
         want = per_prompt_advantages(batch.rewards.reshape(-1), ids, valid=batch.group_valid.reshape(-1)).reshape(
             batch.shape[:2]
@@ -299,9 +293,8 @@ def test_number_attrs_task():
             int(r["answer"]), keys
         )
     assert rows("train", 5, seed=1) != rows("train", 5, seed=2)
-    task_reward = build(
-        "reward", "dv_reward", method="holistic"
-    )  # the task's default: 1 exactly when every attribute holds
+    # the task's default: 1 exactly when every attribute holds
+    task_reward = build("reward", "dv_reward", method="holistic")
     assert task_reward(["p"] * 3, ["52", "51", "152"], attrs=["even,gt50"] * 3) == [1.0, 0.0, 0.0]
 
 
@@ -385,9 +378,8 @@ def test_estimator_pools_groups_of_one_prompt_and_skips_invalid_rows():
     ro = _batch([[1.0, 2.0], [3.0, 4.0], [0.0, 9.0]], [5, 5, 6], valid=[[True, True], [True, True], [True, False]])
     pooled = build("advantage", "alphagrpo")(ro, info_for(2))  # prompt 5: [1,2,3,4] mean 2.5, std sqrt(1.25)
     s = math.sqrt(1.25) + 1e-4
-    _close(
-        pooled, [[-1.5 / s, -0.5 / s], [0.5 / s, 1.5 / s], [0.0, 0.0]], atol=1e-6
-    )  # prompt 6: one valid row -> 0, the invalid one 0
+    # prompt 6: one valid row -> 0, the invalid one 0
+    _close(pooled, [[-1.5 / s, -0.5 / s], [0.5 / s, 1.5 / s], [0.0, 0.0]], atol=1e-6)
     apart = build("advantage", "alphagrpo", by="group")(ro, info_for(2))
     _close(apart, [[-0.5 / 0.5001, 0.5 / 0.5001], [-0.5 / 0.5001, 0.5 / 0.5001], [0.0, 0.0]], atol=1e-6)
     ro.rewards[0, 0] = float("nan")

@@ -44,9 +44,8 @@ def test_select_attempt_lowest_skips_invalid_and_nan():
     t = torch.tensor
     assert select_attempt(t([0.6, 0.3, 0.9]), t([True, True, True])) == 1
     assert select_attempt(t([0.3, 0.3]), t([True, True])) == 0  # ties: the first
-    assert (
-        select_attempt(t([0.6, 0.1, float("nan")]), t([True, False, True])) == 0
-    )  # invalid and NaN rows are never picked
+    # invalid and NaN rows are never picked
+    assert select_attempt(t([0.6, 0.1, float("nan")]), t([True, False, True])) == 0
     assert select_attempt(t([float("nan"), 0.2]), t([True, False])) == -1
 
 
@@ -72,7 +71,7 @@ def test_config_errors_and_the_strategy_collects_the_stage1_reward():
         check_strategy(build("rollout", "sample"), policy, [fpr])
 
 
-# ---------------------------------------------------------------------------------------------- by hand on a scripted context
+# ---------------------------------------------------------------------------------------- by hand on a scripted context
 def _rows(keys, rewards, texts, prompts):
     B, G = len(keys), len(rewards[0])
     return Rollout(
@@ -131,7 +130,8 @@ def test_strategy_output_and_fpr_advantage_by_hand():
     assert batch.extra_levels["stage1_reward"] == "group" and batch.extras["stage1_reward"].tolist() == [
         pytest.approx(0.3)
     ]
-    # spec 27's FPR numbers: refined [0.5, 0.25, 0.3, 0.7] vs 0.3 -> [0.5, 0.3, 0.3, 0.7] -> [0.3013, −0.9040, −0.9040, 1.5066]
+    # spec 27's FPR numbers: refined [0.5, 0.25, 0.3, 0.7] vs 0.3 -> [0.5, 0.3, 0.3, 0.7] ->
+    # [0.3013, −0.9040, −0.9040, 1.5066]
     info = ctx.info()
     _close(build("advantage", "alphagrpo", fpr=True)(batch, info), [[0.3013, -0.9040, -0.9040, 1.5066]])
     # without FPR: plain per-prompt normalisation of [0.5, 0.25, 0.3, 0.7]: mean 0.4375, std 0.17410
@@ -152,7 +152,8 @@ def test_train_first_adds_the_attempts_as_their_own_group():
     s = batch.extras["stage1_reward"]
     assert math.isnan(float(s[0])) and float(s[1]) == pytest.approx(0.3)
     adv = build("advantage", "alphagrpo", fpr=True, by="group")(batch, ctx.info())
-    # the attempts' group: plain (r − mean)/(std + 1e-4) of [0.6, 0.3] (FPR leaves a NaN stage-1 group alone); the refinements: spec 27's FPR numbers
+    # the attempts' group: plain (r − mean)/(std + 1e-4) of [0.6, 0.3] (FPR leaves a NaN stage-1 group alone);
+    # the refinements: spec 27's FPR numbers
     _close(adv, [[0.15 / 0.1501, -0.15 / 0.1501, 0, 0], [0.3013, -0.9040, -0.9040, 1.5066]])
     policy = type("P", (), {"request_options": (), "modality": "text", "hooks": ()})()
     strategy = build("rollout", "alphagrpo_reflect", initial=2, train_first=True)
@@ -269,9 +270,8 @@ def test_contexts_are_prompt_attempt_instruction_and_the_forward_runs_under_them
     torch.testing.assert_close(
         batch.logp_old[0, 0, :n].double(), torch.tensor(seen["under_ctx"], dtype=torch.float64), atol=1e-4, rtol=0
     )
-    assert (
-        max(abs(a - b) for a, b in zip(seen["under_ctx"], seen["under_prompt"])) > 1e-3
-    )  # the context matters to the forward
+    # the context matters to the forward
+    assert max(abs(a - b) for a, b in zip(seen["under_ctx"], seen["under_prompt"])) > 1e-3
     better = (batch.rewards > batch.extras["stage1_reward"][:, None]) & batch.group_valid
     assert row["reflect/improved"] == pytest.approx(float(better.sum()) / float(batch.group_valid.sum()))
 
@@ -321,6 +321,7 @@ def test_two_steps_with_fpr_compose(tmp_path, objective):
         assert 0.0 <= row["reflect/improved"] <= 1.0 and "reflect/refined_reward" in row
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("select", ["lowest", pytest.param("softmax", marks=pytest.mark.slow)])
 def test_reflection_step_under_two_ranks_equals_one_process(tmp_path, select):
     """The two rounds shard their requests over ranks and gather; the selection and the FPR advantage

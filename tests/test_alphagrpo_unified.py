@@ -62,16 +62,14 @@ def test_generate_layout_and_log_probs_by_hand():
     torch.testing.assert_close(logp * batch.mask, batch.logp_sampler, atol=1e-6, rtol=0)
     assert policy.think_text(batch)[0][0] == " ".join(THINK_VOCAB[int(t)] for t in batch.actions[0, 0, :n])
     again = policy.generate([Request(key=2, n=3, prompt=[5]), Request(key=7, n=2, prompt=[0])], {}, INFO)
-    assert torch.equal(again.actions, batch.actions) and torch.equal(
-        again.extras["x_final"], batch.extras["x_final"]
-    )  # seeded
+    # seeded
+    assert torch.equal(again.actions, batch.actions) and torch.equal(again.extras["x_final"], batch.extras["x_final"])
     greedy = policy.generate([Request(key=2, n=2, prompt=[5])], {"greedy": True}, INFO)
     plan = torch.zeros(1, n, dtype=torch.long)
     for t in range(n):  # greedy decoding by hand: the argmax token at each position
         plan[0, t] = policy.think_lm(torch.tensor([5]), plan)[0, t].argmax()
-    assert (
-        greedy.shape[2] == n and greedy.actions[0].tolist() == [plan[0].tolist()] * 2
-    )  # the ODE: no trained flow step
+    # the ODE: no trained flow step
+    assert greedy.shape[2] == n and greedy.actions[0].tolist() == [plan[0].tolist()] * 2
 
 
 def test_flow_sees_the_plan_not_the_label():
@@ -79,9 +77,8 @@ def test_flow_sees_the_plan_not_the_label():
     x, s = torch.tensor([[0.3, -0.2]], dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)
     plan, other = torch.tensor([[0, 2, 4]]), torch.tensor([[1, 3, 6]])
     v0 = policy._velocity(x, s, torch.tensor([0]), plan)
-    torch.testing.assert_close(
-        v0, policy._velocity(x, s, torch.tensor([9]), plan), atol=0, rtol=0
-    )  # the label does not enter
+    # the label does not enter
+    torch.testing.assert_close(v0, policy._velocity(x, s, torch.tensor([9]), plan), atol=0, rtol=0)
     assert (v0 - policy._velocity(x, s, torch.tensor([0]), other)).abs().max() > 1e-6
     seeing = _policy(flow_sees_label=True)
     assert (
@@ -108,14 +105,14 @@ def test_joint_loss_by_hand():
     ro.set_extra("image_token", torch.tensor([[[0.0, 1.0, 1.0]], [[0.0, 0.0, 1.0]]]), "token")
     ratio = torch.tensor([[[1.5, 1.01, 0.99]], [[0.5, 1.0, 1.0005]]])
     loss = term(ro, {"logp": ratio.log()}, INFO)
-    # row 0 (A = 7): text −min(1.5·7, 1.2·7) = −8.4; image A' = 5: −min(1.01·5, 1.001·5) = −5.005, −min(0.99·5, 0.999·5)... = −4.95
+    # row 0 (A = 7): text −min(1.5·7, 1.2·7) = −8.4; image A' = 5: −min(1.01·5, 1.001·5) = −5.005,
+    # −min(0.99·5, 0.999·5)... = −4.95
     # row 1 (A = −2): text −min(−1, 0.8·−2) = 1.6, −min(−2, −2) = 2; image −min(1.0005·−2, 1.0005·−2) = 2.001
     torch.testing.assert_close(loss, torch.tensor([[[-8.4, -5.005, -4.95]], [[1.6, 2.0, 2.001]]]), atol=1e-5, rtol=0)
     stats = term.stats(ro, {"logp": ratio.log()})
     assert stats["clip_high"][0, 0].tolist() == [1.0, 1.0, 0.0] and stats["clip_low"][1, 0].tolist() == [1.0, 0.0, 0.0]
-    plain = rollout_from(
-        logp_old, adv=torch.tensor([[7.0], [-2.0]])
-    )  # no image_token extra: every position is text (= ppo_clip)
+    # no image_token extra: every position is text (= ppo_clip)
+    plain = rollout_from(logp_old, adv=torch.tensor([[7.0], [-2.0]]))
     torch.testing.assert_close(
         term(plain, {"logp": ratio.log()}, INFO), build("objective", "ppo_clip")(plain, {"logp": ratio.log()}, INFO)
     )
@@ -127,9 +124,8 @@ def test_joint_loss_on_policy_gradient_and_the_interface_function():
     ro.set_extra("image_token", torch.tensor([[[0.0, 1.0], [0.0, 1.0]]]), "token")
     logp = leaf(torch.zeros(1, 2, 2))
     term(ro, {"logp": logp}, INFO).sum().backward()
-    torch.testing.assert_close(
-        logp.grad, torch.tensor([[[-8.0, -5.0], [1.0, 1.0]]])
-    )  # −A on text, −clip(A, ±5) on image
+    # −A on text, −clip(A, ±5) on image
+    torch.testing.assert_close(logp.grad, torch.tensor([[[-8.0, -5.0], [1.0, 1.0]]]))
     # spec 27's interface: token-mean text part + mean image part
     got = joint_text_image_loss(
         torch.log(torch.tensor([[1.5, 1.0], [1.0, 1.0]])),
@@ -173,7 +169,8 @@ def test_one_update_trains_both_nets_from_the_shared_advantage(tmp_path):
     )
     torch.testing.assert_close(batch.advantages, want.float())
     assert float(batch.advantages.abs().max()) < 5.0  # no advantage clip on the image part here
-    # the hand gradient: on-policy, token_mean: −Σ A_row · ∇logp[b,g,t] / Σ mask over every position, think and flow alike
+    # the hand gradient: on-policy, token_mean: −Σ A_row · ∇logp[b,g,t] / Σ mask over every position,
+    # think and flow alike
     params = policy.parameters()
     logp = policy.forward(batch)["logp"]  # [B,G,T]
     mask = batch.mask & batch.group_valid[..., None]  # [B,G,T]
@@ -214,7 +211,6 @@ def test_two_unified_steps_compose(tmp_path, objective):
     rows = [trainer.run_step() for _ in range(2)]
     for batch, row in zip(seen, rows):
         assert batch.shape[2] == 3 + 3 and math.isfinite(row["loss"])
-        torch.testing.assert_close(
-            batch.logp_old * batch.mask, batch.logp_sampler, atol=1e-6, rtol=0
-        )  # one-step-old forward = the sampler
+        # one-step-old forward = the sampler
+        torch.testing.assert_close(batch.logp_old * batch.mask, batch.logp_sampler, atol=1e-6, rtol=0)
         assert 0.0 <= row["reward_metric/dv_sat"] <= 1.0

@@ -91,9 +91,8 @@ def test_gemm_floor_counts_the_products_one_step_needs_worked_by_hand():
 def test_gemm_floor_sums_timed_products(monkeypatch):
     import floor
 
-    monkeypatch.setattr(
-        floor, "time_product", lambda m, k, n, dtype="float32": m * k * n * 1e-9
-    )  # a machine at 1 GMAC/s
+    # a machine at 1 GMAC/s
+    monkeypatch.setattr(floor, "time_product", lambda m, k, n, dtype="float32": m * k * n * 1e-9)
     cell = common.Cell("tiny", 1, 2, 3)
     seconds = floor.gemm_floors([cell], {"tiny": TOY}, prompt_tokens=5, threads=1)[cell.name]
     macs = sum(m * k * n * count for (m, k, n), count in floor.step_products(cell, TOY, 5).items())
@@ -221,7 +220,8 @@ def test_seeded_time_to_accuracy_takes_the_geometric_mean_and_counts_a_miss_at_t
 
     arithmetic = result["summary"]["arithmetic"]
     # ratios 300/75 = 4 and 300/150 = 2: geometric mean sqrt(8) = 2.828; log ratios ln 4, ln 2 have mean 1.0397 and
-    # sd 0.4901, t(1) = 12.706 -> half-width 12.706 * 0.4901 / sqrt 2 = 4.404 -> [exp(-3.364), exp(5.443)] = [0.0346, 231.2]
+    # sd 0.4901, t(1) = 12.706 -> half-width 12.706 * 0.4901 / sqrt 2 = 4.404 ->
+    # [exp(-3.364), exp(5.443)] = [0.0346, 231.2]
     assert arithmetic["ratios"] == [4.0, 2.0] and arithmetic["ratio_geomean"] == pytest.approx(8**0.5)
     assert arithmetic["ratio_interval"] == pytest.approx([0.0346, 231.2], rel=1e-3)
     assert arithmetic["groupwise_reach_seconds"]["mean"] == pytest.approx(112.5) and arithmetic["not_reached"] == []
@@ -229,8 +229,8 @@ def test_seeded_time_to_accuracy_takes_the_geometric_mean_and_counts_a_miss_at_t
     assert mixed["ratios"][0] == 1.0 and mixed["not_reached"] == [0]  # the miss counts at the budget: ratio 1, flagged
     text = run.tta_seeded_section(result)
     assert (
-        "| arithmetic | 500 | 0.300 | 0.900 ± 0.000 | 112 ± 476 | **2.83×** [0.03, 231.22] | 4.00, 2.00 | 12.00 / 4.00 | not resolved |"
-        in text
+        "| arithmetic | 500 | 0.300 | 0.900 ± 0.000 | 112 ± 476 | **2.83×** "
+        "[0.03, 231.22] | 4.00, 2.00 | 12.00 / 4.00 | not resolved |" in text
     )
     assert (
         "| mixed | 0 | 0.900 | 300 | – | – | – | 0.800 |" in text

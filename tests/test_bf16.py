@@ -131,9 +131,8 @@ def test_training_forward_gradients_land_float32_on_the_master_weights(arch):
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 0, 0]])  # [N,W]
     positions = torch.arange(6).expand(2, 6)  # [N,W]
     allowed = torch.ones(6, 6, dtype=torch.bool).tril_().expand(2, 6, 6)  # [N,W,W]
-    direction = torch.randn(
-        2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1)
-    )  # [N,W,D] a fixed readout
+    # [N,W,D] a fixed readout
+    direction = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     grads = {}
     outs = {}
     for low in (None, BF16):
@@ -256,9 +255,8 @@ def test_resume_under_bf16_equals_the_uninterrupted_bf16_run(tmp_path):
 
 
 def test_a_resumed_auto_run_keeps_the_dtype_its_start_measured(tmp_path, monkeypatch):
-    measured = iter(
-        [(100.0, 400.0), (100.0, 400.0), (100.0, 50.0)]
-    )  # straight, first half: bf16; the resume's probe would say fp32
+    # straight, first half: bf16; the resume's probe would say fp32
+    measured = iter([(100.0, 400.0), (100.0, 400.0), (100.0, 50.0)])
     monkeypatch.setattr(precision, "probe", lambda m, k, n, device="cpu": next(measured))
     straight, resumed = _straight_and_resumed(tmp_path, "model.matmul=auto")
     assert (
@@ -282,9 +280,10 @@ open(f'{sys.argv[1]}/rank{rank}.txt', 'w').write(choice.dtype)  # a file per ran
 import torch.distributed
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()  # no rank exits while the other still talks to it (gloo aborts then)
-"""
+"""  # noqa: E501
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("measured, dtype", [(["fast", "fast"], "bfloat16"), (["fast", "slow"], "float32")])
 def test_ranks_agree_on_the_products(tmp_path, measured, dtype):
     """Under torchrun every rank runs the same products: bfloat16 only where every rank measured it faster."""

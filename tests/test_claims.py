@@ -238,7 +238,7 @@ def test_split_configs_tells_labels_from_overrides():
     assert shared == ["train.steps=3", "seed=1", "threads=1"]
 
 
-# ---------------------------------------------------------------------------------------------- compare, with a fake trainer
+# ----------------------------------------------------------------------------------------- compare, with a fake trainer
 class FakeTrainer:
     """Stands in for ``python -m groupwise train``: writes a run folder whose numbers depend on
     the label and seed; ``fail`` names (label, seed) pairs that crash."""
@@ -623,7 +623,7 @@ def test_compare_end_to_end(tmp_path):
     assert again.returncode == 0 and again.stderr.count("done before, skipped") == 4
 
 
-# ---------------------------------------------------------------------------------------------- last:KEY metrics, several baselines
+# ---------------------------------------------------------------------------------- last:KEY metrics, several baselines
 def _add_key(folder: Path, key: str, value) -> None:
     """Add ``key`` = value(step) to every row of a run folder's metrics.jsonl (None: leave the row without it)."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

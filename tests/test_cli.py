@@ -24,9 +24,8 @@ def test_cp_copies_a_shipped_recipe_that_then_loads(tmp_path, capsys):
     assert cfg.name == "demo"
     assert cli.main(["cp", "demo", str(target)]) == 2  # never overwrites without --force
     assert "exists; add --force" in capsys.readouterr().err
-    assert (
-        cli.main(["cp", "demo", str(tmp_path)]) == 0 and (tmp_path / "demo.toml").exists()
-    )  # a folder: keeps the name
+    # a folder: keeps the name
+    assert cli.main(["cp", "demo", str(tmp_path)]) == 0 and (tmp_path / "demo.toml").exists()
     assert cli.main(["cp", "nope", str(target)]) == 2 and "shipped recipes:" in capsys.readouterr().err
 
 

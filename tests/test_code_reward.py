@@ -189,9 +189,8 @@ def test_verdict_rules_without_sandbox():
     ):
         assert verdict(call, RunResult(**{**good.__dict__, **change})) is False, change
     stdio = Case("stdio", stdout="1 2\n3\n")
-    assert (
-        verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1 2  \r\n3\n\n")) is True
-    )  # line ends, trailing space
+    # line ends, trailing space
+    assert verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1 2  \r\n3\n\n")) is True
     assert verdict(stdio, RunResult(ready=True, exit_code=0, stdout=b"1  2\n3\n")) is False
     assert verdict(stdio, RunResult(ready=True, exit_code=1, stdout=b"1 2\n3\n")) is False
 
@@ -224,8 +223,8 @@ def test_fails_closed_without_bwrap(monkeypatch):
 def test_fails_closed_when_bwrap_cannot_create_namespaces(tmp_path):
     fake = tmp_path / "bwrap"
     fake.write_text(
-        '#!/bin/sh\nif [ "$1" = --help ]; then echo "--unshare-all --size --disable-userns --block-fd --info-fd"; exit 0; fi\n'
-        'echo "bwrap: No permissions to creating new namespace" >&2\nexit 1\n'
+        '#!/bin/sh\nif [ "$1" = --help ]; then echo "--unshare-all --size --disable-userns --block-fd '
+        '--info-fd"; exit 0; fi\necho "bwrap: No permissions to creating new namespace" >&2\nexit 1\n'
     )
     fake.chmod(0o755)
     with pytest.raises(SandboxUnavailable, match="No permissions to creating new namespace"):
@@ -276,7 +275,10 @@ def test_all_or_nothing_and_column_name():
 
 @needs_bwrap
 def test_value_comparison_is_strict(reward):
-    code = "def f(k):\n    return {'int': 4, 'float': 4.0, 'bool': True, 'tuple': (1, 2), 'list': [1, 2], 'set': {3, 1}, 'nan': float('nan'), 'big': 7**3000}[k]\n"
+    code = (
+        "def f(k):\n    return {'int': 4, 'float': 4.0, 'bool': True, 'tuple': (1, "
+        "2), 'list': [1, 2], 'set': {3, 1}, 'nan': float('nan'), 'big': 7**3000}[k]\n"
+    )
     tests = [
         {"call": "f('int')", "expected": "4"},
         {"call": "f('float')", "expected": "4"},
@@ -328,7 +330,7 @@ def test_no_network(reward):
                 with open("/proc/net/dev") as f:  # (if_nameindex needs netlink, which the filter refuses)
                     out["interfaces"] = sorted(line.split(":")[0].strip() for line in f.read().splitlines()[2:])
                 return out
-        """,
+        """,  # noqa: E501
         )
         assert "connected" not in out.values(), out
         assert out["interfaces"] == ["lo"]  # a fresh network namespace: its own loopback only
@@ -409,7 +411,7 @@ def test_secrets_and_host_files_invisible(reward, tmp_path, monkeypatch):
                         pass
             return {{"env": dict(os.environ), "leaks": leaks, "parent_visible": os.path.exists("/proc/{os.getpid()}/environ"),
                     "visible": [p for p in {host_files!r} if os.path.lexists(p)]}}
-    """,
+    """,  # noqa: E501
     )
     assert "GROUPWISE_TEST_SECRET" not in out["env"] and token not in str(out["env"])
     assert set(out["env"]) <= set(SANDBOX_ENV) | {"PWD", "LC_CTYPE"}, out["env"]
@@ -435,7 +437,7 @@ def test_limits_applied_and_privileges_dropped(reward):
             status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
             return {"uid": os.getuid(), "euid": os.geteuid(), "limits": limits, "raised": raised, "unshare": new_userns,
                     "cap_eff": status["CapEff"].strip(), "no_new_privs": status["NoNewPrivs"].strip()}
-    """,
+    """,  # noqa: E501
     )
     assert out["uid"] != 0 and out["euid"] != 0 and out["cap_eff"] == "0000000000000000" and out["no_new_privs"] == "1"
     assert out["limits"]["RLIMIT_AS"] == (512 << 20, 512 << 20) and out["limits"]["RLIMIT_NPROC"] == (16, 16)
@@ -525,7 +527,8 @@ def test_memory_bomb_hits_address_space_limit():
     assert (
         observe(
             r,
-            "def probe():\n    try:\n        bytearray(1 << 30)\n    except MemoryError:\n        return 'MemoryError'\n",
+            "def probe():\n    try:\n        bytearray(1 << 30)\n  "
+            "  except MemoryError:\n        return 'MemoryError'\n",
         )
         == "MemoryError"
     )
@@ -538,7 +541,8 @@ def test_output_flood_capped():
     floods = {
         "stdout": "while True:\n    print('x' * 100000)\n",
         "stderr": "import sys\nwhile True:\n    sys.stderr.write('y' * 100000)\n",
-        "result": "import os, sys\nfd = sys._getframe(1).f_locals['res_fd']\nwhile True:\n    os.write(fd, b'z' * 100000)\n",
+        "result": "import os, sys\nfd = sys._getframe(1).f_locals['res_fd']\nwhile "
+        "True:\n    os.write(fd, b'z' * 100000)\n",
     }
     t0 = time.monotonic()
     for name, code in floods.items():
@@ -597,7 +601,7 @@ def test_ctypes_cannot_touch_host(reward):
         canary.wait()
 
 
-# ----------------------------------------------------------------------------- kernel surfaces, shared memory, inodes, neighbours
+# ------------------------------------------------------------------- kernel surfaces, shared memory, inodes, neighbours
 
 
 @needs_bwrap
@@ -631,7 +635,7 @@ def test_socket_families_outside_the_allowlist_are_refused(reward):
             out["inet"] = attempt(socket.AF_INET, socket.SOCK_STREAM)
             out["asyncio"] = asyncio.run(asyncio.sleep(0, result="ran"))
             return out
-    """,
+    """,  # noqa: E501
     )
     refused = {k: out.pop(k) for k in ("vsock", "uevent", "rtnetlink", "packet", "alg", "vsock_pair")}
     assert refused == dict.fromkeys(refused, "EAFNOSUPPORT"), refused
@@ -662,7 +666,7 @@ def probe():
     libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
     out["shmget"] = "created" if libc.shmget(0, 1 << 20, 0o1600) >= 0 else errno.errorcode[ctypes.get_errno()]  # IPC_PRIVATE, IPC_CREAT|0600
     return out
-"""
+"""  # noqa: E501
 
 
 def _shmem_kib() -> int:
@@ -751,13 +755,17 @@ def test_inode_flood_teardown_stays_inside_the_bound(inode_cap, cgroup, teardown
         pytest.skip("no inode cap here (not root)")
     if not inode_cap and cgroup == "auto" and not r._sandbox.features()["memory_cgroup"]:
         pytest.skip("no memory cgroup here")
-    flood = "import os\nn = 0\nwhile True:\n    try:\n        open(f'/tmp/{n}', 'w').close()\n    except OSError:\n        pass\n    n += 1\n"
+    flood = (
+        "import os\nn = 0\nwhile True:\n    try:\n        open(f'/tmp/{n}', "
+        "'w').close()\n    except OSError:\n        pass\n    n += 1\n"
+    )
     t0 = time.monotonic()
     res = r._run_case(flood, Case("stdio", stdout="x"))
     elapsed = time.monotonic() - t0
     teardown = elapsed - res.startup_s - res.run_s  # from the kill decision to the namespace being empty
     print(
-        f"\ninode flood (cap {inode_cap}, cgroup {cgroup}): {elapsed:.2f} s, CPU {res.cpu_s:.2f} s, teardown {teardown:.3f} s, oom {res.oom_kills}"
+        f"\ninode flood (cap {inode_cap}, cgroup {cgroup}): {elapsed:.2f} s, "
+        f"CPU {res.cpu_s:.2f} s, teardown {teardown:.3f} s, oom {res.oom_kills}"
     )
     assert res.timed_out or res.oom_kills >= 1
     assert teardown < teardown_max, teardown
@@ -805,7 +813,8 @@ def _bomb_beside_correct(cgroup: str) -> tuple[list, float, Code]:
 def test_cpu_bomb_does_not_change_a_neighbours_verdict(cgroup):
     if os.getloadavg()[0] > (os.cpu_count() or 1):  # the neighbour's 0.4 s of CPU must fit its 2 s of wall time
         pytest.skip(
-            f"machine busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): other jobs, not the bomb, would starve the neighbour"
+            f"machine busy (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
+            "cores): other jobs, not the bomb, would starve the neighbour"
         )
     out, elapsed, r = _bomb_beside_correct(cgroup)
     assert out == [0.0, 1.0]  # the bomb scores 0, the slow correct neighbour still passes
@@ -877,9 +886,8 @@ with open("/proc/self/fd/0", "rb") as f:
 @needs_bwrap
 def test_stdin_cannot_be_reopened_for_writing(reward):
     res = reward._run_case(STDIN_REOPEN, Case("stdio", stdin="1 2\n"))
-    assert res.stdout.decode().split() in (["EPERM", "True", "4"], ["EACCES", "True", "4"]), (
-        res.stdout
-    )  # (user mode: test_unprivileged_user_path)
+    # (user mode: test_unprivileged_user_path)
+    assert res.stdout.decode().split() in (["EPERM", "True", "4"], ["EACCES", "True", "4"]), res.stdout
 
 
 def test_output_check_forgives_only_ascii_trailing_space():
@@ -934,7 +942,7 @@ FORGERIES = {
         frame = sys._getframe(1)
         os.write(frame.f_locals["res_fd"], (json.dumps({"nonce": frame.f_locals["nonce"], "kind": "result", "ok": True, "value": ["str", "PASS"], "verdict": "pass"}) + "\\n").encode())
         os._exit(0)
-    """,
+    """,  # noqa: E501
     "monkeypatched harness encoder": """
         import sys
         harness = sys.modules["__main__"]
@@ -1011,8 +1019,8 @@ def test_forgeries_earn_nothing(reward):
     codes = [textwrap.dedent(FORGERIES[n]) for n in names_]
     # control: the same harness-tampering preamble with a CORRECT function still passes
     control = (
-        "import builtins, json\nbuiltins.print = lambda *a, **k: None\njson.dumps = None\nbuiltins.repr = lambda x: 'nope'\n"
-        + ADD
+        "import builtins, json\nbuiltins.print = lambda *a, **k: "
+        "None\njson.dumps = None\nbuiltins.repr = lambda x: 'nope'\n" + ADD
     )
     out = reward(
         [""] * (len(codes) + 1), codes + [control], tests=[[{"call": "add(1, 2)", "expected": "3"}]] * (len(codes) + 1)
@@ -1181,7 +1189,7 @@ t0 = time.monotonic()
 out["spin"] = value("def f():\\n    while True:\\n        pass\\n", timeout_s=1.0)
 out["spin_s"] = time.monotonic() - t0
 print(json.dumps(out))
-"""
+"""  # noqa: E501
 
 
 @needs_bwrap
@@ -1224,7 +1232,6 @@ def test_unprivileged_user_path():
     assert (uid, net, write, unshare, nproc) == (65534, "ConnectionRefusedError", "OSError", -1, 16)
     assert 10 <= _decode(out["forks"]) < 16
     assert out["stdin"] == ["EPERM", "True", "4"]  # the candidate owns the file here, yet cannot change its stdin
-    assert (
-        _decode(out["memfd"]) == 1 and _decode(out["vsock"]) == 97
-    )  # no memory cgroup for a normal user: memfd refused; EAFNOSUPPORT
+    # no memory cgroup for a normal user: memfd refused; EAFNOSUPPORT
+    assert _decode(out["memfd"]) == 1 and _decode(out["vsock"]) == 97
     assert out["spin"][0] is True and out["spin_s"] < 1.0 + 1.5

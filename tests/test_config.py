@@ -99,9 +99,8 @@ def test_component_parameters_are_type_checked():
         build_spec("objective", {"name": "ppo_clip", "eps_high": True})
     assert build_spec("update", {"name": "adamw", "lr": 1}).lr == 1  # an integer is a number
     assert build_spec("objective", {"name": "ppo_clip", "dual_clip": None}).dual_clip is None
-    assert (
-        build_spec("objective", {"name": "kl", "coef": {"schedule": "linear", "end": 0.1}}).coef == 0.0
-    )  # a schedule table is allowed
+    # a schedule table is allowed
+    assert build_spec("objective", {"name": "kl", "coef": {"schedule": "linear", "end": 0.1}}).coef == 0.0
 
 
 def test_group_size_one_with_a_group_relative_advantage_is_refused(tmp_path):

@@ -35,9 +35,8 @@ from helpers import (
 from groupwise.registry import build, entries
 
 STAGES = ("advantage", "objective", "weight", "aggregation", "kl")
-ALL = [
-    (s, n) for s, n, c in entries() if s in STAGES and getattr(c, "modality", "text") == "text"
-]  # the sweeps build text rollouts
+# the sweeps build text rollouts
+ALL = [(s, n) for s, n, c in entries() if s in STAGES and getattr(c, "modality", "text") == "text"]
 ADV = [n for s, n in ALL if s == "advantage"]
 TERMS = [n for s, n in ALL if s == "objective"]
 WEIGHTS = [n for s, n in ALL if s == "weight"]
@@ -49,16 +48,13 @@ B, G, T = 3, 4, 5
 
 def _term_setup(name, seed=0, **kw):
     term = build("objective", name)
-    kw.setdefault(
-        "binary", getattr(term, "binary_rewards", False)
-    )  # a term that reads right/wrong verdicts gets 0/1 rewards
+    # a term that reads right/wrong verdicts gets 0/1 rewards
+    kw.setdefault("binary", getattr(term, "binary_rewards", False))
     ro = make_rollout(B, G, T, seed=seed, **kw)
-    out = fill_inputs(
-        ro, term, seed=seed + 10
-    )  # needs, and token texts for a term that reads them (la_grpo's functional tokens)
-    for artifact in getattr(
-        term, "artifacts", ()
-    ):  # an offline phase's output (DISA's log Z table): the sweeps' example
+    # needs, and token texts for a term that reads them (la_grpo's functional tokens)
+    out = fill_inputs(ro, term, seed=seed + 10)
+    # an offline phase's output (DISA's log Z table): the sweeps' example
+    for artifact in getattr(term, "artifacts", ()):
         term.use_artifact(artifact, EXAMPLE_ARTIFACTS[artifact](seed))
     logp = make_logp(ro, seed=seed + 1)
     out["logp"] = logp

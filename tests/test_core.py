@@ -291,16 +291,14 @@ def test_prompt_stats_by_hand():
     ro.prompt_index = torch.tensor([7, 9])
     stats = PromptStats(history=2)
     stats.update(ro, StepInfo(3, 0, 2))
-    assert stats.last_mean(7, -1) == pytest.approx(2 / 3) and stats.recent_variances(7) == [
-        pytest.approx(2 / 9)
-    ]  # ((1/3)²·2+(2/3)²)/3
+    # ((1/3)²·2+(2/3)²)/3
+    assert stats.last_mean(7, -1) == pytest.approx(2 / 3) and stats.recent_variances(7) == [pytest.approx(2 / 9)]
     assert stats.last_mean(9, -1) == 0.5 and stats.recent_variances(9) == [0.0]  # NaN row excluded
     ro.rewards = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     stats.update(ro, StepInfo(4, 0, 2))
     stats.update(ro, StepInfo(5, 0, 2))
-    assert (
-        stats.recent_means(7) == [0.0, 0.0] and stats.seen(7) == 3 and stats.last_step(7) == 5
-    )  # history keeps the last 2
+    # history keeps the last 2
+    assert stats.recent_means(7) == [0.0, 0.0] and stats.seen(7) == 3 and stats.last_step(7) == 5
     assert stats.running_mean(7, -1) == pytest.approx(2 / 9)  # (2 + 0 + 0) / 9 rewards
     again = PromptStats()
     again.load_state_dict(copy.deepcopy(stats.state_dict()))

@@ -68,7 +68,8 @@ def test_options_by_hand():
     ro = _spec_rollout()
     # center="zero": exp(−c²/(2·.4825)): .64/.965 → .5152, 1.21/.965 → .2854, .16/.965 → .8472, .01/.965 → .9897
     _close(_w(ro, center="zero"), [[[0.5152, 0.2854], [0.8472, 0.9897]]])
-    # bandwidth="rms": sig² = mean c² = (.64 + 1.21 + .16 + .01)/4 = .505 → exp(−.9025/1.01) = .4092, exp(−.0625/1.01) = .9400
+    # bandwidth="rms": sig² = mean c² = (.64 + 1.21 + .16 + .01)/4 = .505 →
+    # exp(−.9025/1.01) = .4092, exp(−.0625/1.01) = .9400
     _close(_w(ro, bandwidth="rms"), [[[0.4092, 0.4092], [0.9400, 0.9400]]])
 
 
@@ -125,9 +126,8 @@ def test_masked_tokens_invalid_rows_and_nan_rewards_are_ignored():
     w2 = _w(ro)
     _close(w2[0], W)
     assert torch.equal(w2[1, 1], torch.zeros(2))  # group_valid False: exactly 0
-    assert torch.equal(
-        w2[1, 0], torch.ones(2)
-    )  # NaN reward: out of the statistics, left at 1 (its A is 0 from any estimator)
+    # NaN reward: out of the statistics, left at 1 (its A is 0 from any estimator)
+    assert torch.equal(w2[1, 0], torch.ones(2))
     assert torch.isfinite(w2).all()
 
 
@@ -165,9 +165,8 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
     rows, seen = train_recorded(tmp_path, objective, 'objective.weights=["covgk_grpo"]', "rollout.group_size=8")
     acted = False
     for row, batch in zip(rows, seen):
-        want = build("weight", "covgk_grpo")(
-            batch, info_for(batch.shape[2])
-        )  # recomputed from the batch's logp_old and A
+        # recomputed from the batch's logp_old and A
+        want = build("weight", "covgk_grpo")(batch, info_for(batch.shape[2]))
         torch.testing.assert_close(batch.weight, want)
         mask = batch.row_mask
         assert (batch.weight[~mask] == 0).all() and (batch.weight[mask] > 0).all()

@@ -125,9 +125,8 @@ def test_cgpo_calibration_period_and_bind_rows():
     s.observe(scored([[0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]], [0, 1], [{"level": 0}, {"level": 1}]), info(1))
     # r = [0.25, 0.75]: 1/r = [4, 4/3] → v = [0.75, 0.25]; q = (1 + v)/3 → w = 2q = [7/6, 5/6]
     assert s._w == pytest.approx({0: 7 / 6, 1: 5 / 6})
-    assert s._probabilities()[2].item() == pytest.approx(
-        5 / 6
-    )  # row 2: level 1 from bind, table 1 (1 + 2/3 clipped) × 5/6
+    # row 2: level 1 from bind, table 1 (1 + 2/3 clipped) × 5/6
+    assert s._probabilities()[2].item() == pytest.approx(5 / 6)
 
 
 def test_cgpo_edge_cases_nan_constant_and_flat_batches():
@@ -387,9 +386,8 @@ def test_akl_shapes():
     assert akl_beta(1.3, 0, 1, shape="power") == 1.0 and akl_beta(-1.0, 0, 1, shape="power") == 0.0  # clipped accuracy
     for shape in ("sigmoid", "tanh", "power"):
         values = [akl_beta(a / 10, 0.0, 0.04, shape=shape) for a in range(11)]
-        assert (
-            all(x < y for x, y in zip(values, values[1:])) and 0 <= values[0] and values[-1] <= 0.04
-        )  # increasing, bounded
+        # increasing, bounded
+        assert all(x < y for x, y in zip(values, values[1:])) and 0 <= values[0] and values[-1] <= 0.04
     with pytest.raises(ValueError, match="shape"):
         akl_beta(0.5, shape="cubic")
     with pytest.raises(ValueError, match="shape"):
@@ -413,9 +411,8 @@ def test_akl_schedule_reads_batch_accuracy():
 
 def test_akl_ema_and_resume():
     sched = build("schedule", "akl", beta_max=1.0, ema_decay=0.9)
-    assert sched(info(0), scored([[1.0, 0.0, 0.0, 0.0, 0.0]], [0])) == pytest.approx(
-        0.047426, abs=1e-6
-    )  # first: acc_s = 0.2
+    # first: acc_s = 0.2
+    assert sched(info(0), scored([[1.0, 0.0, 0.0, 0.0, 0.0]], [0])) == pytest.approx(0.047426, abs=1e-6)
     # acc 0.8: acc_s = 0.9·0.2 + 0.1·0.8 = 0.26 → σ(10·(−0.24)) = σ(−2.4) = 0.0831727
     batch = scored([[1.0, 1.0, 1.0, 1.0, 0.0]], [0])
     assert sched(info(1), batch) == pytest.approx(1 / (1 + math.exp(2.4)))

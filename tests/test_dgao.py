@@ -137,9 +137,8 @@ def test_composes_with_objectives(tmp_path, objective):
     for row, batch in zip(rows, seen):
         assert "dgao/greedy_consistency" in row and "dgao/baseline" in row
         torch.testing.assert_close(batch.advantages, dgao_advantages(batch.rewards, 0.5, batch.group_valid).float())
-        assert row["dgao/baseline"] == pytest.approx(
-            float(batch.rewards[batch.group_valid].mean())
-        )  # equal groups: mean of means
+        # equal groups: mean of means
+        assert row["dgao/baseline"] == pytest.approx(float(batch.rewards[batch.group_valid].mean()))
         assert batch.ctx  # rows carry their own contexts
     checked = 0
     for row, b in zip(rows, seen):  # a constant group whose mean is not the step's keeps its credit (GRPO gives it 0)

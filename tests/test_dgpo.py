@@ -53,9 +53,8 @@ def _group(scores, rewards, T=2, lengths=None, ref=0.0):
         rewards=torch.tensor([rewards]),
         logp_ref=torch.full((1, G, T), ref),
     )
-    logp = torch.tensor(
-        [[[ref + s if t < n else 1e4 for t in range(T)] for s, n in zip(scores, lengths)]]
-    )  # garbage off the mask
+    # garbage off the mask
+    logp = torch.tensor([[[ref + s if t < n else 1e4 for t in range(T)] for s, n in zip(scores, lengths)]])
     return ro, leaf(logp)
 
 
@@ -94,8 +93,10 @@ def test_spec_numbers_through_the_objective_with_gradient():
 
 
 def test_ref_score_is_length_normalised_log_ratio():
-    # score "ref", beta 0.5: s = 0.5·(logp − logp_ref) per token averaged over 1..4 tokens → s_P = [−.25, −.35], s_N = [−.3, −.75]
-    # gaps −0.15, 0.3, −0.25, 0.2 → softplus(−gap) 0.770957, 0.554355, 0.825939, 0.598139 → 0.687348; Var = 0.0025 → 0.689848
+    # score "ref", beta 0.5: s = 0.5·(logp − logp_ref) per token averaged over
+    # 1..4 tokens → s_P = [−.25, −.35], s_N = [−.3, −.75]
+    # gaps −0.15, 0.3, −0.25, 0.2 → softplus(−gap) 0.770957, 0.554355,
+    # 0.825939, 0.598139 → 0.687348; Var = 0.0025 → 0.689848
     ro, logp = _group(S_SPEC, R_SPEC, T=4, lengths=[1, 2, 3, 4], ref=-2.0)
     term = build("objective", "dgpo", score="ref", beta=0.5)
     assert term.needs == (Need("logp", model="ref"),)
@@ -136,7 +137,8 @@ def test_coherent_labels_above_the_mean_or_a_threshold():
 
 
 def test_invalid_nan_and_empty_rows_are_not_members():
-    # the spec's group plus an invalid coherent row, a NaN-reward row and an empty completion: the spec's value, no gradient to them
+    # the spec's group plus an invalid coherent row, a NaN-reward row and an empty completion: the spec's value,
+    # no gradient to them
     ro, logp = _group([*S_SPEC, 5.0, 5.0, 5.0], [*R_SPEC, 1.0, float("nan"), 0.0])
     ro.group_valid[0, 4] = False
     ro.mask[0, 6] = False
@@ -162,7 +164,8 @@ def test_directions_split_or_pooled():
     # rows: forward [coherent −0.5, wrong −0.6], reverse [coherent −0.7, wrong −1.5] in one pooled group
     ro, logp = _group([-0.5, -0.6, -0.7, -1.5], [1.0, 0.0, 1.0, 0.0])
     ro.set_extra("direction", torch.tensor([[0, 0, 1, 1]]), "row")
-    # per direction: L_f = softplus(0.1) = 0.744397, L_r = softplus(−0.6) = 0.437488, no variance (one coherent row each) → mean 0.590942
+    # per direction: L_f = softplus(0.1) = 0.744397, L_r = softplus(−0.6) = 0.437488,
+    # no variance (one coherent row each) → mean 0.590942
     _close(_loss_grad(build("objective", "dgpo"), ro, logp)[0], 0.590942)
     # pooled: the spec's group → 0.611835
     _close(_loss_grad(build("objective", "dgpo", pool_directions=True), ro, logp)[0], 0.611835)
@@ -222,8 +225,8 @@ def test_reverse_builder_by_hand():
     q_rev, a_rev = make_reverse_question("Tom has 3 apples and buys 4. How many?", 7)
     assert a_rev == "3"
     assert (
-        q_rev
-        == "Tom has X apples and buys 4. How many? If we know the answer to the above question is 7, what is the value of unknown variable X?"
+        q_rev == "Tom has X apples and buys 4. How many? If we know the answer to "
+        "the above question is 7, what is the value of unknown variable X?"
     )
     assert make_reverse_question("Tom has 3 apples and buys 4. How many?", 7, which=1)[1] == "4"
     assert make_reverse_question("37+45=", "82", 0, COMPACT_TEMPLATE) == ("X+45=82;X=", "37")
@@ -386,7 +389,8 @@ def test_ref_score_in_a_run_reads_the_reference(tmp_path):
     trainer = _trainer(tmp_path, 'objective.terms=[{name="dgpo", score="ref"}]', "train.steps=1", "eval.size=0")
     rows, (batch,) = _observed(trainer)
     assert batch.logp_ref is not None
-    # on step 0 the policy is the reference: every score is 0, so every pair loses softplus(gamma) = log(1 + e^0.2) = 0.798139
+    # on step 0 the policy is the reference: every score is 0, so every pair loses
+    # softplus(gamma) = log(1 + e^0.2) = 0.798139
     # and no variance; the loss is that times the share of groups with a term (group_mean counts every group)
     members = batch.row_mask.any(-1) & torch.isfinite(batch.rewards)  # [B,G]
     ok = batch.rewards >= 1.0
@@ -421,9 +425,8 @@ def test_directions_rollout_pairs_by_problem_and_samples_a_lone_row_alone():
         rollout=rollout,
         keep=lambda b: torch.ones(b.shape[0], dtype=torch.bool),
     )
-    batch = strategy(
-        ctx
-    )  # ceil(3/2) = 2 drawn rows: 8's lone forward row, then 7's reverse row → 7's forward and reverse
+    # ceil(3/2) = 2 drawn rows: 8's lone forward row, then 7's reverse row → 7's forward and reverse
+    batch = strategy(ctx)
     assert asked == [(2, 2), (0, 2), (1, 2)]
     assert batch.shape[:2] == (2, 4)
     assert batch.group_valid.tolist() == [[True, True, False, False], [True] * 4]

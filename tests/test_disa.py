@@ -139,7 +139,8 @@ def test_clipped_weight_and_the_clamp_of_the_mean_logp(clamp):
 
 
 def test_edge_rows_constant_group_nan_advantage_masked_row():
-    # a constant group (r̂ = 0): δ = log Z + ℓ̄_θ − ℓ̄_ref, finite; a NaN advantage or a fully masked row: exactly 0 and no gradient
+    # a constant group (r̂ = 0): δ = log Z + ℓ̄_θ − ℓ̄_ref, finite; a NaN advantage or a fully masked row:
+    # exactly 0 and no gradient
     logp = torch.tensor([[[-1.0, -1.0], [-2.0, -2.0], [-1.0, -1.0]]], requires_grad=True)  # [1,3,2]
     mask = torch.tensor([[[True, True], [True, True], [False, False]]])
     ro = rollout_from(
@@ -153,7 +154,8 @@ def test_edge_rows_constant_group_nan_advantage_masked_row():
 
 
 def test_the_anchor_table_regressor_and_refusals():
-    # prompt ids 0 and 2: table values; prompt 1 has NaN (not estimated): the regressor's prediction from hidden(1) at t = 0
+    # prompt ids 0 and 2: table values; prompt 1 has NaN (not estimated):
+    # the regressor's prediction from hidden(1) at t = 0
     reg = LogZRegressor(3, 4)
     emb = torch.tensor([[0.5, -1.0, 2.0]])
     artifact = {
@@ -238,7 +240,8 @@ def test_tempered_logp_matches_the_full_softmax_at_temperature(tmp_path):
         torch.testing.assert_close(
             tempered_logp(policy.module, out["last_hidden"], roll.actions, mask, 1.0), out["logp"], atol=1e-5, rtol=0
         )
-        # by hand at T = 2: the model's full logits on prompt + completion, log_softmax(logits / 2) at the predicting positions
+        # by hand at T = 2: the model's full logits on prompt + completion,
+        # log_softmax(logits / 2) at the predicting positions
         prompt = list(roll.prompt_ids[0])
         for g in range(2):
             n = int(mask[0, g].sum())
@@ -330,9 +333,8 @@ def test_composes_with_grpo_and_sign_advantages(tmp_path, estimator):
     table = load_output(tmp_path / "phases" / "logz.pt")["artifact"]["table"]
     for row, batch in zip(rows, seen):
         members = batch.row_mask.any(-1)  # [B,G] rows with a loss token
-        expected = (
-            table[batch.prompt_index][:, None].expand_as(members)[members].mean()
-        )  # the anchor's row mean, by lookup
+        # the anchor's row mean, by lookup
+        expected = table[batch.prompt_index][:, None].expand_as(members)[members].mean()
         assert row["disa/logz"] == pytest.approx(float(expected), abs=1e-5)
         assert row["disa/w"] == 1.0  # one update a rollout: on-policy, ratio 1
     if estimator == "sign":

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -36,6 +37,7 @@ def run(cmd, out):
     )
 
 
+@pytest.mark.dist
 def test_two_ranks_equal_one_process(tmp_path):
     single_row, single = run([sys.executable, "-m", "groupwise"], tmp_path / "one")
     torchrun = [
@@ -56,6 +58,7 @@ def test_two_ranks_equal_one_process(tmp_path):
         torch.testing.assert_close(ddp[name], weight, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.dist
 def test_two_trained_roles_under_two_ranks_equal_one_process(tmp_path):
     """A run with a second trained model (CoDistill's teacher: its own rollouts, rewards, advantage,
     objective and optimiser) over 2 ranks equals one process: both models' weights after one SGD step."""
@@ -74,9 +77,8 @@ def test_two_trained_roles_under_two_ranks_equal_one_process(tmp_path):
         tmp_path / "two",
     )
     teacher_start = load_file(Path(groupwise.models.__file__).parent / "hinted" / "model.safetensors")
-    assert any(
-        not torch.equal(single[1][n], w) for n, w in teacher_start.items()
-    )  # the teacher took a step: the comparison means something
+    # the teacher took a step: the comparison means something
+    assert any(not torch.equal(single[1][n], w) for n, w in teacher_start.items())
     for one, two in zip(single, ddp):
         for name, weight in one.items():
             torch.testing.assert_close(two[name], weight, atol=1e-6, rtol=1e-5, msg=name)
@@ -87,8 +89,8 @@ def test_every_process_reduces_the_normalizers_in_one_order():
     follow the per-process string hash (a set), or two ranks sum one aggregation's row count into the
     other's group count (ConSPO's group_mean next to the KL term's seq_mean_token_mean did at world size 2)."""
     code = (
-        "from groupwise.objective import Objective; "
-        "print(list(Objective.from_config(['conspo', 'lpo', {'name': 'kl', 'agg': 'token_mean'}], 'seq_mean_token_mean').aggregations))"
+        "from groupwise.objective import Objective; print(list(Objective.from_config(['conspo', "
+        "'lpo', {'name': 'kl', 'agg': 'token_mean'}], 'seq_mean_token_mean').aggregations))"
     )
     orders = {
         subprocess.run(

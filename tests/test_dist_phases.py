@@ -2,7 +2,8 @@
 one process — same loss and, after one SGD step of lr 1, the same weights. The offline phases (DISA's
 frozen log Z table, LoRA placement's trained-entry mask, E²PO's prompt perturbations, VSPO's steering
 vector, PAIR's probe) run on every rank with the same seeds, so their artifacts must come out the
-same (every rank then uses rank 0's; a rank whose own differs would say so, which fails here); the rest checks the rollout strategies, rewards, advantages
+same (every rank then uses rank 0's; a rank whose own differs would say so, which fails here);
+the rest checks the rollout strategies, rewards, advantages
 and terms of each recipe at world size 2 (sft warm starts are dropped: ``phases=[]``). la_grpo and
 rubricem are left out: without their warm start one step has no gradient (no functional tokens, no
 stage tags); their components are in the registry's world-size sweep (tests/test_dist_scope.py)."""
@@ -15,6 +16,8 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.dist  # launches torchrun
 
 COMMON = [
     "rollout.prompts_per_step=4",
@@ -41,7 +44,8 @@ CASES = {
     "streampro": ["phases=[]", SGD],
     "signal_reshaping": [SGD],
     "e2po": [
-        'phases=[{name="e2po_perturbations", conditions=4, steps=3, lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]',
+        'phases=[{name="e2po_perturbations", conditions=4, steps=3, '
+        "lam_div=0.1, mu=0.95, eps=0.03, sigma_init=0.1, lr=0.05}]",
         "data.train_size=8",
         SGD,
     ],
@@ -61,9 +65,8 @@ def _run(cmd, args, out):
         [*cmd, "train", *args, *COMMON, f"out={out}"], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        "the ranks computed different artifacts" not in result.stderr
-    )  # each phase itself is rank-independent (phases.same_on_every_rank)
+    # each phase itself is rank-independent (phases.same_on_every_rank)
+    assert "the ranks computed different artifacts" not in result.stderr
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), load_file(
         out / "final" / "model.safetensors"
     )

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.dist  # launches torchrun
+
 DRIVER = Path(__file__).with_name("dist_scope_driver.py")
 
 

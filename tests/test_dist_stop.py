@@ -17,7 +17,7 @@ import pytest
 
 from groupwise import checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 MODEL = os.environ.get("GROUPWISE_TEST_MODEL", "default")
 ARGS = [

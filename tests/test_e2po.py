@@ -31,13 +31,11 @@ def unit(cos: float) -> torch.Tensor:
 # --------------------------------------------------------------------------- the spec's numbers
 def test_noise_aware_gamma_and_the_mixed_condition():
     sigma = torch.tensor([1.0, 0.8, 0.6, 0.5])
-    torch.testing.assert_close(
-        noise_aware_gamma(sigma, 0.4), torch.tensor([1.0, 0.5, 0.0, 0.0]), atol=1e-6, rtol=0
-    )  # spec's unit test
+    # spec's unit test
+    torch.testing.assert_close(noise_aware_gamma(sigma, 0.4), torch.tensor([1.0, 0.5, 0.0, 0.0]), atol=1e-6, rtol=0)
     c_orig, c_opt = torch.tensor([1.0, 0.0]), torch.tensor([3.0, 2.0])
-    torch.testing.assert_close(
-        mix_condition(c_orig, c_opt, torch.tensor(0.5)), torch.tensor([2.0, 1.0])
-    )  # 0.5·[3,2] + 0.5·[1,0]
+    # 0.5·[3,2] + 0.5·[1,0]
+    torch.testing.assert_close(mix_condition(c_orig, c_opt, torch.tensor(0.5)), torch.tensor([2.0, 1.0]))
     with pytest.raises(ValueError, match="rho=0"):
         noise_aware_gamma(sigma, 0.0)
 
@@ -47,9 +45,8 @@ def test_eps_insensitive_anchor_loss_from_the_spec():
     torch.testing.assert_close(
         anchor_loss(unit(0.85)[None], anc, mu=0.8, eps=0.1), torch.tensor(0.0), atol=1e-6, rtol=0
     )  # |0.05| < ε
-    torch.testing.assert_close(
-        anchor_loss(unit(0.6)[None], anc, mu=0.8, eps=0.1), torch.tensor(0.1), atol=1e-6, rtol=0
-    )  # |0.6−0.8|−0.1
+    # |0.6−0.8|−0.1
+    torch.testing.assert_close(anchor_loss(unit(0.6)[None], anc, mu=0.8, eps=0.1), torch.tensor(0.1), atol=1e-6, rtol=0)
     # Σ_k over perturbations: cos 0.6 (0.1) + cos 0.95 (0.15 − 0.1 = 0.05) + cos 0.8 (0)
     torch.testing.assert_close(
         anchor_loss(torch.stack([unit(0.6), unit(0.95), unit(0.8)]), anc, 0.8, 0.1),
@@ -61,9 +58,8 @@ def test_eps_insensitive_anchor_loss_from_the_spec():
 
 
 def test_diversity_loss_by_hand():
-    torch.testing.assert_close(
-        diversity_loss(torch.tensor([[1.0, 0.0], [0.0, 2.0]])), torch.tensor(0.0)
-    )  # orthogonal: 0 (spec)
+    # orthogonal: 0 (spec)
+    torch.testing.assert_close(diversity_loss(torch.tensor([[1.0, 0.0], [0.0, 2.0]])), torch.tensor(0.0))
     three = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # cos pairs 0, 1/√2, 1/√2; mean over the 6 ordered pairs
     torch.testing.assert_close(diversity_loss(three), torch.tensor(2 * (2 / math.sqrt(2)) / 6), atol=1e-6, rtol=0)
     assert diversity_loss(torch.ones(4, 1, 3)).tolist() == [0.0] * 4  # one perturbation: no diversity term
@@ -214,9 +210,8 @@ def test_the_phase_freezes_the_policy_and_perturbs_content_tokens_only(tmp_path)
     assert delta[positions[:, None, :] < 0].abs().sum() == 0  # off the content positions: exactly 0
     assert bool((delta[positions[:, None, :] >= 0].abs().sum(-1) > 0).all())  # every content token perturbed
     prompt = trainer.prompts("train", trainer.train_rows, 0)
-    assert positions[0][positions[0] >= 0].tolist() == list(
-        range(len(prompt))
-    )  # the arithmetic prompts have no special tokens
+    # the arithmetic prompts have no special tokens
+    assert positions[0][positions[0] >= 0].tolist() == list(range(len(prompt)))
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])

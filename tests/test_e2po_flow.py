@@ -39,9 +39,8 @@ def _delta(n, scale=0.7, seed=0):
 # --------------------------------------------------------------------------- the spec's numbers
 def test_the_spec_schedule_on_the_flow_samplers_noise_levels():
     sigmas = flow_sigmas(5)  # 1.0, 0.8, 0.6, 0.4, 0.2, 0.0: the toy's linear schedule
-    torch.testing.assert_close(
-        noise_aware_gamma(sigmas[:3], 0.4), torch.tensor([1.0, 0.5, 0.0]), atol=1e-6, rtol=0
-    )  # spec: 1.0→1, 0.8→0.5, 0.6→0
+    # spec: 1.0→1, 0.8→0.5, 0.6→0
+    torch.testing.assert_close(noise_aware_gamma(sigmas[:3], 0.4), torch.tensor([1.0, 0.5, 0.0]), atol=1e-6, rtol=0)
     torch.testing.assert_close(noise_aware_gamma(torch.tensor(0.5), 0.4), torch.tensor(0.0))  # spec: 0.5→0
     assert noise_aware_gamma(sigmas[3:], 0.4).tolist() == [0.0, 0.0, 0.0]
 
@@ -49,15 +48,12 @@ def test_the_spec_schedule_on_the_flow_samplers_noise_levels():
 def test_the_spec_loss_numbers():
     anc = torch.tensor([1.0, 0.0])
     on_band, off_band = torch.tensor([[0.85, math.sqrt(1 - 0.85**2)]]), torch.tensor([[0.6, 0.8]])
-    torch.testing.assert_close(
-        anchor_loss(on_band, anc, mu=0.8, eps=0.1), torch.tensor(0.0), atol=1e-6, rtol=0
-    )  # |0.85−0.8| < ε
-    torch.testing.assert_close(
-        anchor_loss(off_band, anc, mu=0.8, eps=0.1), torch.tensor(0.1), atol=1e-6, rtol=0
-    )  # |0.6−0.8|−0.1
-    torch.testing.assert_close(
-        diversity_loss(torch.tensor([[2.0, 0.0], [0.0, 0.5]])), torch.tensor(0.0)
-    )  # orthogonal: L_div = 0
+    # |0.85−0.8| < ε
+    torch.testing.assert_close(anchor_loss(on_band, anc, mu=0.8, eps=0.1), torch.tensor(0.0), atol=1e-6, rtol=0)
+    # |0.6−0.8|−0.1
+    torch.testing.assert_close(anchor_loss(off_band, anc, mu=0.8, eps=0.1), torch.tensor(0.1), atol=1e-6, rtol=0)
+    # orthogonal: L_div = 0
+    torch.testing.assert_close(diversity_loss(torch.tensor([[2.0, 0.0], [0.0, 0.5]])), torch.tensor(0.0))
 
 
 class _Recorder:
@@ -76,9 +72,8 @@ class _Recorder:
 def test_each_denoising_step_reads_the_mixed_condition():
     policy = FlowPolicy(condition="embedding", steps=5, hidden=16)
     delta = _delta(2)
-    hook = EmbedDelta(
-        positions=torch.tensor([0]), delta=torch.cat([torch.zeros(1, 1, 8), delta[:1]]), rho=0.4
-    )  # row 0 clean, row 1 perturbed
+    # row 0 clean, row 1 perturbed
+    hook = EmbedDelta(positions=torch.tensor([0]), delta=torch.cat([torch.zeros(1, 1, 8), delta[:1]]), rho=0.4)
     rec = _Recorder(policy)
     policy.generate([Request(key=0, n=2, prompt=1, hook=hook)], {}, INFO)
     enc = policy.encoder
@@ -144,7 +139,8 @@ def test_the_update_recomputes_logp_on_the_original_condition():
     ro = policy.generate([Request(key=1, n=4, prompt=3, hook=EmbedDelta(torch.tensor([0]), delta, rho=0.4))], {}, INFO)
     with torch.no_grad():
         logp = policy.forward(ro)["logp"]  # [1,4,5]
-    # by hand: the net on the stored x under C^orig (never the hook's condition), the SDE step's log-prob of the stored x'
+    # by hand: the net on the stored x under C^orig (never the hook's condition),
+    # the SDE step's log-prob of the stored x'
     c = policy.encoder(policy.encoder.tokens[3]).expand(4, -1)  # [4,c]
     for t in range(5):
         x, x_next = ro.extras["flow_x"][0, :, t], ro.extras["flow_x_next"][0, :, t]  # [4,2]
@@ -154,7 +150,8 @@ def test_the_update_recomputes_logp_on_the_original_condition():
                 policy.net(x, s, c), x, s, sp, policy.sigma_min, policy.sigma_max, prev_sample=x_next
             )[1]  # [4]
         torch.testing.assert_close(logp[0, :, t], want, atol=1e-6, rtol=0)
-    # clean rows: the sampler's log-probs are the update's; perturbed rows differ where γ > 0 (σ = 1.0, 0.8) and agree after
+    # clean rows: the sampler's log-probs are the update's;
+    # perturbed rows differ where γ > 0 (σ = 1.0, 0.8) and agree after
     torch.testing.assert_close(logp[0, :2], ro.logp_sampler[0, :2], atol=1e-6, rtol=0)
     gap = (logp[0, 2:] - ro.logp_sampler[0, 2:]).abs()  # [2,5]
     assert bool((gap[:, :2] > 1e-3).all()) and float(gap[:, 2:].max()) < 1e-6
@@ -218,7 +215,8 @@ def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, m
     assert art["keys"].tolist() == list(range(8)) and art["conditions"] == 4
     assert art["positions"].tolist() == [[0]] * 8  # the one prompt token of each row
     assert art["delta"].shape == (8, 3, 1, 8) and bool((art["delta"].abs().sum(-1) > 0).all())
-    # the summary's L_emb is the final loss: recompute it from the artifact's δ with the frozen encoder (λ_div = 1, μ = 0.8, ε = 0.1)
+    # the summary's L_emb is the final loss: recompute it from the artifact's δ with the frozen encoder
+    # (λ_div = 1, μ = 0.8, ε = 0.1)
     table, f = trainer.policy.prompt_encoder()
     one = torch.ones(3, 1, dtype=torch.bool)
     l_emb = []
@@ -228,7 +226,8 @@ def test_the_phase_learns_on_the_flow_toy_with_the_flow_model_frozen(tmp_path, m
         l_emb.append(float(diversity_loss(e) + anchor_loss(e, e_anc, 0.8, 0.1)))
     summary = run.summary["phases"]["e2po_perturbations"]
     assert summary["rows"] == 8 and summary["loss"] == pytest.approx(sum(l_emb) / 8, abs=1e-5)
-    # 20 Adam steps lowered it: the same initial δ (the phase's generator, seeded by the run seed and chunk start 0) after 0 steps
+    # 20 Adam steps lowered it: the same initial δ (the phase's generator, seeded by the run seed and chunk start 0)
+    # after 0 steps
     from groupwise.rollout.e2po import learn_prompt_perturbations
 
     emb = table[[row["prompt"] for row in trainer.train_rows]].float()[:, None]  # [8,1,d]
@@ -289,9 +288,8 @@ def test_composition_rows_trained_on_the_original_condition(tmp_path, objective)
     policy = trainer.policy
     old = []
     generate = policy.generate
-    policy.generate = lambda *a, **k: (out := generate(*a, **k), old.append(policy.forward(out)["logp"].detach()))[
-        0
-    ]  # unhooked forward, the sampling weights
+    # unhooked forward, the sampling weights
+    policy.generate = lambda *a, **k: (out := generate(*a, **k), old.append(policy.forward(out)["logp"].detach()))[0]
     Run(trainer).train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows) and all("e2po/group_std" in r for r in rows)
@@ -300,9 +298,8 @@ def test_composition_rows_trained_on_the_original_condition(tmp_path, objective)
         cond = batch.extras[CONDITION]  # [B,G]
         assert cond[0].tolist() == [0, 1, 2, 3]
         mask = batch.mask  # [B,G,1]
-        torch.testing.assert_close(
-            batch.logp_old * mask, want * mask, atol=1e-6, rtol=0
-        )  # logp_old = the unhooked forward on the stored trajectory
+        # logp_old = the unhooked forward on the stored trajectory
+        torch.testing.assert_close(batch.logp_old * mask, want * mask, atol=1e-6, rtol=0)
         clean = ((batch.logp_old - batch.logp_sampler).abs() * mask)[cond == 0]
         assert float(clean.max()) < 1e-6  # the clean rows: the sampler's log-probs are the update's
         steps = batch.extras["flow_sigma"][..., 0]  # [B,G] σ of the trained step (shared by the group)

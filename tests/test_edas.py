@@ -249,9 +249,8 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
     for row, batch in zip(rows, seen):
         B, G, _ = batch.shape
         answers = [[batch.info[b][g]["extra"]["final_answer"] for g in range(G)] for b in range(B)]
-        assert answers == [
-            [c.strip() for c in group] for group in batch.completions
-        ]  # the reward's per-row info reached the shaper
+        # the reward's per-row info reached the shaper
+        assert answers == [[c.strip() for c in group] for group in batch.completions]
         grpo = build("advantage", "grpo", eps=1e-6)(batch, info_for(6))  # [B,G] what the estimator gave
         valid = batch.group_valid & torch.isfinite(batch.rewards)
         want, stats = edas_shape(grpo, valid & (batch.rewards < 0.5), answers, valid=valid)

@@ -59,9 +59,8 @@ def test_sample_seed_is_stable_and_non_negative():
     seeds = {sample_seed(s, t, p, i) for s in range(3) for t in range(3) for p in range(3) for i in range(3)}
     assert len(seeds) == 81  # every field changes the seed
     assert all(0 <= s < 2**63 for s in seeds)
-    assert (
-        sample_seed(0, 1, 0, 0) != sample_seed(0, 0, 1, 0) != sample_seed(0, 0, 0, 1)
-    )  # fields are not interchangeable
+    # fields are not interchangeable
+    assert sample_seed(0, 1, 0, 0) != sample_seed(0, 0, 1, 0) != sample_seed(0, 0, 0, 1)
     assert row_seeds(7, 2, [4, 9], 3).tolist() == [sample_seed(7, 2, p, i) for p in (4, 9) for i in range(3)]
 
 

@@ -4,7 +4,8 @@ Spec unit test: Rel = {A, B} (binary gains), K = 3, G = 4 rollouts whose set is 
 
     [A,B,C]  recall 2/2 = 1     DCG = 1 + 1/log2 3 = 1.63093 = IDCG          NDCG 1
     [C,A,B]  recall 1           DCG = 1/log2 3 + 1/log2 4 = .63093 + .5 = 1.13093  NDCG 1.13093/1.63093 = .69342
-    [C,D,A]  recall 1/2         DCG = 1/log2 4 = .5      NDCG .5/1.63093 = .30657; conditional: IDCG(S∩Rel = {A}) = 1 → .5
+    [C,D,A]  recall 1/2         DCG = 1/log2 4 = .5      NDCG .5/1.63093 = .30657;
+                                conditional: IDCG(S∩Rel = {A}) = 1 → .5
     [C,D,E]  recall 0           NDCG 0
     A_gen  (population std): mean .625, dev [.375, .375, −.125, −.625], var .6875/4 = .171875, std .414578
            → [.90453, .90453, −.30151, −1.50756]
@@ -125,9 +126,8 @@ def test_phase_advantages_by_hand():
 
 def test_phase_ids_boundary_tags_and_straddling_token():
     vocab, mask = VOCAB, torch.ones(3, 6, dtype=torch.bool)
-    actions = torch.tensor(
-        [[1, 5, 2, 5, 0, 0], [1, 5, 10, 4, 6, 0], [5, 4, 6, 0, 0, 0]]
-    )  # "[A]A", "[A]A>B", "A>B" (no set)
+    # "[A]A", "[A]A>B", "A>B" (no set)
+    actions = torch.tensor([[1, 5, 2, 5, 0, 0], [1, 5, 10, 4, 6, 0], [5, 4, 6, 0, 0, 0]])
     mask[0, 5] = False
     ph = phase_ids(actions, mask, vocab, ["[", "]"])
     assert ph[0].tolist() == [0, 0, 0, 1, 1, -1]  # the close tag is generation; EOS after it is ranking; masked → −1
@@ -179,7 +179,8 @@ def test_two_phase_loss_by_hand():
     ]
     (grad,) = torch.autograd.grad(loss.sum(), logp)
     assert (grad == 0).all()
-    # rank tokens [−.1, .1] → rho 1 (inside the clip), A = −1: loss_rank = rho → d/dlogp_t = rho/2 = .5 on each rank token
+    # rank tokens [−.1, .1] → rho 1 (inside the clip), A = −1: loss_rank = rho →
+    # d/dlogp_t = rho/2 = .5 on each rank token
     logp = torch.tensor([[[0.1, 0.3, -0.1, 0.1]]], requires_grad=True)
     loss, _, _ = fgrpo_loss(logp, old, adv, phase, mask)
     assert loss.item() == pytest.approx(-1.2 + 1.0, abs=1e-6)
@@ -201,7 +202,8 @@ def test_loss_term_reads_the_phase_map_and_token_level_is_ppo():
     logp = (0.05 * torch.arange(13.0)).expand(1, 4, 13).clone().requires_grad_(True)  # off-policy, inside the clip
     out = term(ro, {"logp": logp}, info_for(13))  # [1,4] rows: −(rho_gen A_gen + rho_rank A_rank)
     # gen tokens t = 0..6: mean log-ratio .05·3 = .15 → rho_gen = e^.15 = 1.16183 (inside [.8, 1.2]): −rho_gen·A_gen
-    # rank tokens t = 7..12: mean .05·9.5 = .475 → rho_rank = 1.60801 > 1.2: −1.2·A_rank if A_rank > 0, else −rho_rank·A_rank
+    # rank tokens t = 7..12: mean .05·9.5 = .475 → rho_rank = 1.60801 > 1.2:
+    # −1.2·A_rank if A_rank > 0, else −rho_rank·A_rank
     rho_gen, rho_rank = math.exp(0.15), math.exp(0.475)
     expect = [-rho_gen * a + (-1.2 * b if b > 0 else -rho_rank * b) for a, b in zip(A_GEN, A_RANK)]
     torch.testing.assert_close(out[0], torch.tensor(expect), atol=1e-4, rtol=0)
@@ -264,9 +266,8 @@ def test_the_trainer_gives_the_policy_vocabulary_and_token_texts_spell_the_compl
     assert texts == trainer.objective.terms[0]._token_text  # both readers got the vocabulary
     assert len(texts) == len(trainer.policy.tokenizer)
     ids = trainer.policy.tokenizer.encode("[A, B] > B > A", add_special_tokens=False)
-    assert "".join(texts[i] for i in ids) == trainer.policy.tokenizer.decode(
-        ids
-    )  # the phase map's character offsets are the decoded text's
+    # the phase map's character offsets are the decoded text's
+    assert "".join(texts[i] for i in ids) == trainer.policy.tokenizer.decode(ids)
     assert all(texts[i] == "" for i in trainer.policy.tokenizer.all_special_ids)
 
 

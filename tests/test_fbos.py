@@ -73,9 +73,8 @@ class Scripted:
         self.requests.append(requests)
         if len(self.requests) == 1:  # the first round: both rows wrong, with feedback
             return _rows([5], [[0.0, 0.0]], [["14", "16"]], [[1, 2]], [["wrong: a", "wrong: b"]])
-        return _rows(
-            [5, 5], [[1.0], [0.0]], [["15"], ["13"]], [r.prompt for r in requests]
-        )  # guided: one right, one wrong
+        # guided: one right, one wrong
+        return _rows([5, 5], [[1.0], [0.0]], [["15"], ["13"]], [r.prompt for r in requests])
 
     def keep(self, batch):
         return torch.ones(batch.shape[0], dtype=torch.bool)
@@ -90,12 +89,14 @@ def test_fbos_batch_by_hand_and_the_epa_advantage():
     guided = ctx.requests[1]
     faps = [build_fap("7+8=", "14", "wrong: a"), build_fap("7+8=", "16", "wrong: b")]
     assert [r.prompt for r in guided] == [[ord(c) for c in f] for f in faps] and [r.offset for r in guided] == [2, 3]
-    # EPA group: the two failed rows and the two guided rows, all under the original prompt; ECC group: the guided rows under their FAPs
+    # EPA group: the two failed rows and the two guided rows, all under the original prompt;
+    # ECC group: the guided rows under their FAPs
     assert batch.shape[:2] == (2, 4) and batch.prompt_ids[0] == [1, 2]
     assert batch.rewards[0].tolist() == [0.0, 0.0, 1.0, 0.0]
     assert batch.rewards[1, :2].tolist() == [1.0, 0.0] and batch.group_valid[1].tolist() == [True, True, False, False]
     assert batch.ctx[0] == [[1, 2]] * 4 and batch.ctx[1][:2] == [r.prompt for r in guided]
-    # the EPA group's guided rows were sampled under their FAPs and are flagged injected; the ECC rows are trained under the FAP they were sampled under
+    # the EPA group's guided rows were sampled under their FAPs and are flagged injected;
+    # the ECC rows are trained under the FAP they were sampled under
     assert batch.behav_ctx[0] == [[], [], guided[0].prompt, guided[1].prompt] and batch.behav_ctx[1] == [[]] * 4
     assert batch.row_flags["injected"].tolist() == [[False, False, True, True], [False] * 4]
     assert batch.behaviour_contexts()[1][:2] == batch.ctx[1][:2]
@@ -136,9 +137,8 @@ def test_fbos_through_the_trainer_scores_guided_rows_against_the_original_answer
     assert row["fbos/failing_groups"] > 0, "the seed must give the test an all-fail group"
     n_fail = round(row["fbos/failing_groups"] * 8)
     assert batch.shape[0] == 8 + n_fail and batch.shape[1] == 4
-    for b in range(
-        8, 8 + n_fail
-    ):  # ECC rows: the context is the FAP, which quotes the feedback verbatim; the reward is exact vs the row's answer
+    # ECC rows: the context is the FAP, which quotes the feedback verbatim; the reward is exact vs the row's answer
+    for b in range(8, 8 + n_fail):
         for g in range(2):
             text = trainer.policy.tokenizer.decode(batch.ctx[b][g])
             assert ": wrong" in text or ": the answer is not a number" in text

@@ -97,9 +97,8 @@ def test_wan_reference_table():
     s = flow_sigmas(20, shift=3.0).double()
     std = noise_std(s[:10], float(s[-1]), float(s[1]))
     coe = 1 / rectification_coefficient(s[:10], s[1:11], std)
-    assert ((coe / table - 1).abs() < 1.5e-3).all(), (
-        coe
-    )  # measured: 0.10 % at most (our timesteps are not floored to ints)
+    # measured: 0.10 % at most (our timesteps are not floored to ints)
+    assert ((coe / table - 1).abs() < 1.5e-3).all(), coe
 
 
 def test_autograd_identity_coe_times_grad_is_timestep_independent():

@@ -88,9 +88,8 @@ def test_forward_recomputes_sampling_logp_and_is_differentiable(sde):
     torch.testing.assert_close(logp, ro.logp_sampler, atol=1e-6, rtol=0)
     logp.sum().backward()
     grads = [p.grad for p in policy.parameters()]
-    assert all(
-        g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads
-    )  # every layer gets gradient
+    # every layer gets gradient
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
     # a micro-batch of groups scores the same as the whole batch
     torch.testing.assert_close(
         policy.forward(ro.select([2, 0]), ["logp"])["logp"].detach(), logp.detach()[[2, 0]], atol=1e-6, rtol=0
@@ -107,9 +106,8 @@ def test_forward_uses_the_current_weights():
         policy.net.out.bias.add_(0.3)  # move the velocity
     moved = policy.forward(ro, ["logp"])["logp"].detach()
     assert (moved - ro.logp_sampler).abs().max() > 1e-2
-    torch.testing.assert_close(
-        old.forward(ro, ["logp"])["logp"], ro.logp_sampler, atol=1e-6, rtol=0
-    )  # the snapshot did not move
+    # the snapshot did not move
+    torch.testing.assert_close(old.forward(ro, ["logp"])["logp"], ro.logp_sampler, atol=1e-6, rtol=0)
 
 
 def test_samples_do_not_depend_on_the_rest_of_the_batch():
@@ -121,9 +119,8 @@ def test_samples_do_not_depend_on_the_rest_of_the_batch():
     for name in ("x_final", "flow_x", "flow_x_next", "flow_step"):
         assert torch.equal(crowd.extras[name][1, :4], alone.extras[name][0]), name  # float64 maths: bitwise here
     later = policy.generate([Request(key=5, n=4, prompt=1)], {}, StepInfo(step=4, seed=7, max_new_tokens=0))
-    refill = policy.generate(
-        [Request(key=5, n=4, offset=4, prompt=1)], {}, INFO
-    )  # a second request of the prompt this step
+    # a second request of the prompt this step
+    refill = policy.generate([Request(key=5, n=4, offset=4, prompt=1)], {}, INFO)
     assert not torch.allclose(later.extras["x_final"], alone.extras["x_final"])
     assert not torch.allclose(refill.extras["x_final"], alone.extras["x_final"])
 
@@ -134,9 +131,8 @@ def test_ode_steps_are_deterministic_around_the_one_sde_step():
     sig, net, lab = policy.sigmas, policy.net, torch.tensor([3])
     for j in range(2):
         i = int(ro.extras["flow_step"][0, j, 0])
-        x = torch.randn(2, generator=torch.Generator().manual_seed(sample_seed(7, 3, 11, j)))[
-            None
-        ]  # the row's x_1 by its seed
+        # the row's x_1 by its seed
+        x = torch.randn(2, generator=torch.Generator().manual_seed(sample_seed(7, 3, 11, j)))[None]
         with torch.no_grad():
             for k in range(i):  # Euler steps (float64 maths, float32 state) up to the SDE step reach the stored x_t
                 x = (x.double() + net(x, sig[k : k + 1], lab) * float(sig[k + 1] - sig[k])).float()
@@ -212,9 +208,8 @@ def test_bad_inputs_name_the_problem():
     assert policy.decode(ro) == ro.completions and ro.completions[0][1] == f"{x:.4f},{y:.4f}"
     with pytest.raises(ValueError, match="computes 'logp' and 'entropy', not \\['topk\\(2\\)'\\]"):
         policy.forward(ro, ["topk(2)"])
-    entropy = policy.forward(ro, ["logp", "entropy"])[
-        "entropy"
-    ]  # [1,2,1] Gaussian entropy per dim: ½log(2πe) + log(std·√−dt)
+    # [1,2,1] Gaussian entropy per dim: ½log(2πe) + log(std·√−dt)
+    entropy = policy.forward(ro, ["logp", "entropy"])["entropy"]
     step = int(ro.extras["flow_step"][0, 0, 0])
     dt = float(policy.sigmas[step] - policy.sigmas[step + 1])
     std = float(ro.extras["flow_std"][0, 0, 0])

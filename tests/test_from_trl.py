@@ -77,9 +77,8 @@ def test_every_field_and_component_in_the_table_exists():
         "seq_mean_token_mean",
         "uniform",
     }
-    assert (
-        named - {w for span in re.findall(r"`([^`]+)`", mapped) for w in re.findall(r"[a-z_]+", span)} == set()
-    )  # the table names each of them ...
+    # the table names each of them ...
+    assert named - {w for span in re.findall(r"`([^`]+)`", mapped) for w in re.findall(r"[a-z_]+", span)} == set()
     assert named - components == set()  # ... and each is a registered component
     trl = pytest.importorskip("trl")
     known = set(trl.GRPOConfig.__dataclass_fields__) | {"peft_config"}

@@ -154,9 +154,8 @@ def test_decode_state_matches_full_forward_at_every_step(arch, repeat):
     lengths = torch.tensor([len(p) for p in prompts])  # [B]
     real = torch.arange(W) >= (W - lengths)[:, None]  # [B,W]
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [B,W]
-    fed = torch.tensor(
-        [[2 + (7 * t + 5 * r) % 60 for r in range(B * repeat)] for t in range(steps)]
-    )  # [steps,R] rows differ
+    # [steps,R] rows differ
+    fed = torch.tensor([[2 + (7 * t + 5 * r) % 60 for r in range(B * repeat)] for t in range(steps)])
 
     @torch.no_grad()
     def reference(row: int, t: int) -> torch.Tensor:
@@ -350,9 +349,8 @@ def test_recompute_mlp_saves_the_gate_up_products_and_changes_no_gradient(arch):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             hidden = hidden_states(model, input_ids, positions, allowed, recompute_mlp=recompute)  # [N,W,D]
         hidden.pow(2).sum().backward()
-        grads = {
-            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
-        }  # the head is unused here
+        # the head is unused here
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         return hidden.detach(), grads, sum(saved.values())
 
     hidden_stored, grads_stored, bytes_stored = run(False)
@@ -363,9 +361,8 @@ def test_recompute_mlp_saves_the_gate_up_products_and_changes_no_gradient(arch):
         torch.testing.assert_close(grads_recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
     cfg = model.config
     gate_up_bytes = cfg.num_hidden_layers * N * W * 2 * cfg.intermediate_size * 4  # float32 [N,W,2I] per layer
-    bias_bytes = (
-        cfg.num_hidden_layers * 2 * cfg.intermediate_size * 4 if getattr(cfg, "mlp_bias", False) else 0
-    )  # [2I] per layer
+    # [2I] per layer
+    bias_bytes = cfg.num_hidden_layers * 2 * cfg.intermediate_size * 4 if getattr(cfg, "mlp_bias", False) else 0
     assert bytes_stored - bytes_recomputed == gate_up_bytes - bias_bytes
 
 

@@ -148,9 +148,8 @@ def test_hidden_embedding_mean_over_completion_tokens():
     assert est.needs == (Need("hidden(2)", model="ref"),)
     ro = _ro([["a", "b", "c", "d"]], [[1, 1, 1, 0]])
     ro.mask = torch.tensor([[[True, True], [True, False], [True, True], [True, True]]])
-    hidden = torch.tensor(
-        [[[[2.0, 0], [0, 0]], [[3, 0], [99, 99]], [[0, 1], [0, 3]], [[5, 5], [5, 5]]]]
-    )  # [1,4,2,2]; masked token: garbage
+    # [1,4,2,2]; masked token: garbage
+    hidden = torch.tensor([[[[2.0, 0], [0, 0]], [[3, 0], [99, 99]], [[0, 1], [0, 3]], [[5, 5], [5, 5]]]])
     ro.set_extra(Need("hidden(2)", model="ref").key, hidden, "token")
     _close(est(ro, info_for(2)), [SPEC_A], atol=6e-5)  # means [1,0], [3,0], [0,2] → directions e1, e1, e2
     with pytest.raises(ValueError, match="hidden"):

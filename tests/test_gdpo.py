@@ -34,7 +34,8 @@ def rollout(parts, weights, valid=None):
 
 def test_hand_worked_group():
     # r1 = [1,0,1,0]: mean 0.5, Bessel std sqrt(1/3) = 0.577350 → z1 = ±0.5 / 0.577450
-    # r2 = [0,0,0,3]: mean 0.75, Bessel var (3·0.5625 + 5.0625)/3 = 2.25, std 1.5 → z2 = [-0.75,-0.75,-0.75,2.25] / 1.5001
+    # r2 = [0,0,0,3]: mean 0.75, Bessel var (3·0.5625 + 5.0625)/3 = 2.25, std 1.5 →
+    # z2 = [-0.75,-0.75,-0.75,2.25] / 1.5001
     z1 = [0.5 / (math.sqrt(1 / 3) + 1e-4) * s for s in (1, -1, 1, -1)]
     z2 = [v / 1.5001 for v in (-0.75, -0.75, -0.75, 2.25)]
     s = [a + b for a, b in zip(z1, z2)]  # weights 1, 1
@@ -63,12 +64,12 @@ def test_invalid_rows_and_missing_verdicts():
     ro = rollout(parts, [1.0, 0.5], valid=[[True, True, True, False]])
     adv = build("advantage", "gdpo")(ro, INFO)
     assert adv[0, 3] == 0 and torch.isfinite(adv).all()
-    # reward 2 has verdicts on rows 0 and 2 only (row 1 no verdict, row 3 invalid): z2 = [-c, ·, +c] with c = 1/(sqrt(2) + 1e-4)
+    # reward 2 has verdicts on rows 0 and 2 only (row 1 no verdict, row 3 invalid):
+    # z2 = [-c, ·, +c] with c = 1/(sqrt(2) + 1e-4)
     raw = build("advantage", "gdpo", batch_norm=False)(ro, INFO)[0]
     c = 1.0 / (math.sqrt(2.0) + 1e-4)
-    z1 = [
-        v / (math.sqrt(1 / 3) + 1e-4) for v in (1 / 3, -2 / 3, 1 / 3)
-    ]  # r1 over rows 0-2: mean 2/3, Bessel std sqrt(1/3)
+    # r1 over rows 0-2: mean 2/3, Bessel std sqrt(1/3)
+    z1 = [v / (math.sqrt(1 / 3) + 1e-4) for v in (1 / 3, -2 / 3, 1 / 3)]
     assert raw[:3].tolist() == pytest.approx([z1[0] - 0.5 * c, z1[1], z1[2] + 0.5 * c], rel=1e-5)
 
 

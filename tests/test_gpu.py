@@ -123,9 +123,8 @@ def test_a_device_run_takes_the_cpu_runs_first_step(tmp_path):
             ]
         )
     (cpu, dev) = rows
-    assert (
-        cpu[0]["reward_mean"] == dev[0]["reward_mean"]
-    )  # the same samples: sampling noise is counter-based, not device RNG
+    # the same samples: sampling noise is counter-based, not device RNG
+    assert cpu[0]["reward_mean"] == dev[0]["reward_mean"]
     assert abs(cpu[0]["loss"] - dev[0]["loss"]) < 1e-5 and abs(cpu[0]["grad_norm"] - dev[0]["grad_norm"]) < 1e-4 * max(
         1.0, cpu[0]["grad_norm"]
     )

@@ -82,8 +82,10 @@ def test_ties_form_layers_with_no_loss_between_them():
     ro, logp = _group(H, [0.5] * 4)  # every score equal: one layer, no term
     L, grad = _loss_grad(build("objective", "graphdpo"), ro, logp)
     assert L == 0 and torch.equal(grad, torch.zeros_like(grad))
-    # two tied winners over two tied losers: each winner's denominator has itself and both losers, never the other winner
-    # h = [1, 0, 0, −1], scores [1, 1, 0, 0] → loss_0 = −1 + log(e + 1 + e⁻¹) = 0.407606, loss_1 = log(1 + 1 + e⁻¹) = 0.861994
+    # two tied winners over two tied losers: each winner's denominator has
+    # itself and both losers, never the other winner
+    # h = [1, 0, 0, −1], scores [1, 1, 0, 0] → loss_0 = −1 + log(e + 1 + e⁻¹) = 0.407606,
+    # loss_1 = log(1 + 1 + e⁻¹) = 0.861994
     s = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     assert preference_layers(s, torch.ones(1, 4, dtype=torch.bool)).tolist() == [[0, 0, 1, 1]]
     loss, has = graphdpo_node_losses(torch.tensor([[1.0, 0.0, 0.0, -1.0]]), s, torch.ones(1, 4, dtype=torch.bool))
@@ -119,7 +121,8 @@ def test_scores_from_advantages_rank_like_the_rewards():
     L, grad = _loss_grad(build("objective", "graphdpo", beta=1.0, scores="advantages"), ro, logp)
     _close(L, 0.293460)
     ro.advantages = torch.tensor([[0.0, 1.0, 2.0, 3.0]])  # a shaper's reversed order: row 3 now the best
-    # h = [2, 1, 0, −1] reversed ranking: loss_3 = 1 + log(e^−1 + 1 + e + e²) = 3.440190, loss_2 = log(1 + e + e²) = 2.407606,
+    # h = [2, 1, 0, −1] reversed ranking: loss_3 = 1 + log(e^−1 + 1 + e + e²) = 3.440190,
+    # loss_2 = log(1 + e + e²) = 2.407606,
     # loss_1 = −1 + log(e + e²) = 1.313262 → mean 2.387019
     _close(_loss_grad(build("objective", "graphdpo", beta=1.0, scores="advantages"), ro, logp)[0], 2.387019)
 

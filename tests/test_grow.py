@@ -191,9 +191,8 @@ def test_return_to_go_and_the_sample_cut():
 def test_an_env_run_rejects_other_text_rewards(tmp_path):
     with pytest.raises(ConfigError, match=r"plays an environment.*\['exact'\]"):  # at the first call
         build("rollout", "grow")(scripted_ctx([ROW], SPEC, 2, rewards=("env_return", "exact")))
-    with pytest.raises(
-        ConfigError, match=r"'episodes' plays an environment.*\['exact'\]"
-    ):  # at build, through the trainer
+    # at build, through the trainer
+    with pytest.raises(ConfigError, match=r"'episodes' plays an environment.*\['exact'\]"):
         make_trainer(tmp_path, *REACH, 'rollout.name="episodes"', 'rewards=["exact"]')
 
 
@@ -205,7 +204,7 @@ def test_greedy_closed_loop_success():
     assert greedy_success(Scripted(SPEC), rows, {"max_new_tokens": 1}, StepInfo(0, 0, 1)) == 0.5
 
 
-# ---------------------------------------------------------------------------------------------- the trajectory-level baseline
+# ---------------------------------------------------------------------------------------- the trajectory-level baseline
 def test_episodes_holes_are_the_env_tokens_and_get_no_gradient():
     ctx = scripted_ctx([ROW], SPEC[:1], group_size=1)
     batch = build("rollout", "episodes")(ctx)
@@ -227,7 +226,8 @@ def test_episodes_holes_are_the_env_tokens_and_get_no_gradient():
 
 
 def test_episodes_truncate_at_the_context_limit():
-    # prompt 7 tokens; each later turn adds 1 action + 8 env tokens. Limit 17: turn 1 sees 16 (+1 fits), turn 2 would see 25: cut
+    # prompt 7 tokens; each later turn adds 1 action + 8 env tokens. Limit 17:
+    # turn 1 sees 16 (+1 fits), turn 2 would see 25: cut
     batch = build("rollout", "episodes", max_context=17)(scripted_ctx([ROW], SPEC[:1], group_size=1))
     assert (
         batch.info[0][0]["cut"] == "context"
@@ -309,6 +309,5 @@ def test_two_trainer_steps_reward_every_row_with_its_episodes_return(tmp_path, s
                     assert done and batch.rewards[b, e].item() == ret
                     own = batch.loss_mask[b, e][batch.mask[b, e]]
                     env_tokens = batch.actions[b, e][batch.mask[b, e]][~own].tolist()
-                    assert env_tokens == [
-                        t for o in obs[1:-1] for t in encode(" " + o)
-                    ]  # the holes are exactly the observations
+                    # the holes are exactly the observations
+                    assert env_tokens == [t for o in obs[1:-1] for t in encode(" " + o)]

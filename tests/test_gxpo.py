@@ -316,7 +316,8 @@ def test_fewer_outer_steps_than_plain_sgd_and_adamw_on_ill_conditioned_quadratic
     adam = steps_to_target("adamw", h, 1e-4, lr=0.02, betas=(0.9, 0.99))
     gx_adam = steps_to_target("gxpo", h, 1e-4, lr=0.02, optimizer="adamw", betas=(0.9, 0.99), weight_decay=0.0)
     print(
-        f"outer steps to loss < 1e-4: sgd {sgd}, gxpo(sgd) {gx} ({sgd / gx:.2f}x, backward passes {3 * gx} vs {sgd}); adamw {adam}, gxpo(adamw) {gx_adam} ({adam / gx_adam:.2f}x)"
+        f"outer steps to loss < 1e-4: sgd {sgd}, gxpo(sgd) {gx} ({sgd / gx:.2f}x, backward "
+        f"passes {3 * gx} vs {sgd}); adamw {adam}, gxpo(adamw) {gx_adam} ({adam / gx_adam:.2f}x)"
     )
     assert gx * 2 < sgd
     assert gx_adam < adam
@@ -359,9 +360,8 @@ def test_state_round_trip_equals_uninterrupted():
     tail = _run(second, theta_b, 7, start=5)
     assert torch.equal(theta_b.detach(), theta.detach())
     assert json.dumps(head + tail) == json.dumps(straight)  # every metric, bit for bit
-    assert [o["backward_passes"] for o in straight].count(
-        1.0
-    ) > 0  # the spike at step 7 tripped the gate across the resume
+    # the spike at step 7 tripped the gate across the resume
+    assert [o["backward_passes"] for o in straight].count(1.0) > 0
 
 
 # ---------------------------------------------------------------------------------------------- end to end

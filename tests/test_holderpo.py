@@ -51,9 +51,8 @@ def _close(actual, expected, atol=1e-6):
 def _ro(d, adv, mask=None):
     """One group of len(d) rows of T tokens, logp_old = −1, so that logp = −1 + d."""
     d = torch.as_tensor(d, dtype=torch.float32)  # [G,T]
-    return rollout_from(torch.full((1, *d.shape), -1.0), torch.tensor([adv], dtype=torch.float32), mask=mask), d[
-        None
-    ]  # [1,G,T]
+    # [1,G,T]
+    return rollout_from(torch.full((1, *d.shape), -1.0), torch.tensor([adv], dtype=torch.float32), mask=mask), d[None]
 
 
 def _loss(d, adv, agg="seq_mean_token_mean", mask=None, **params):
@@ -207,9 +206,8 @@ def test_masked_tokens_and_a_row_without_tokens():
         assert torch.equal(grad[~mask], torch.zeros(int((~mask).sum())))
     ro, dd = _ro(d, [1.0, 3.0], mask)
     loss, rho = holder_po_loss(ro.logp_old + dd, ro.logp_old, mask, torch.tensor([[1.0, 0.0]]), 2.0)
-    assert (
-        rho[0, 1] == 1.0 and loss[0, 1] == 0.0
-    )  # an empty row: rho = 1, and with its adv 0 from row_advantages, loss 0
+    # an empty row: rho = 1, and with its adv 0 from row_advantages, loss 0
+    assert rho[0, 1] == 1.0 and loss[0, 1] == 0.0
 
 
 def test_zero_and_constant_advantages_give_exact_zero():

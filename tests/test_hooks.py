@@ -114,9 +114,8 @@ def test_functional_and_hf_paths_agree_under_hooks(greedy):
     clean = _generate(model, None, greedy=greedy)
     for b in range(2):
         assert _seq(fast, b, 0) == _seq(clean, b, 0)  # row 0 of each prompt is clean (zero delta, alpha 0)
-        assert _seq(fast, b, 1) != _seq(clean, b, 1) or _seq(fast, b, 2) != _seq(
-            clean, b, 2
-        )  # the perturbed rows do change
+        # the perturbed rows do change
+        assert _seq(fast, b, 1) != _seq(clean, b, 1) or _seq(fast, b, 2) != _seq(clean, b, 2)
     assert not any(m._forward_hooks for m in model.modules())  # the fallback's module hook is removed afterwards
 
 
@@ -189,9 +188,8 @@ def test_an_engine_that_cannot_apply_a_hook_refuses_at_build_and_at_run_time():
     with pytest.raises(ConfigError, match=r"generation hooks \['residual_add'\].*applies none"):
         check_hooks(_Strategy(), _NoHookPolicy())
     engine = CPUEngine(tiny_model(), [EOS], PAD)
-    check_hooks(
-        _Strategy(), type("P", (), {"modality": "text", "hooks": engine.hooks})()
-    )  # the text engine applies both kinds
+    # the text engine applies both kinds
+    check_hooks(_Strategy(), type("P", (), {"modality": "text", "hooks": engine.hooks})())
     engine.hooks = frozenset()
     with pytest.raises(ValueError, match="cannot be applied"):
         engine.generate(PROMPTS, 3, torch.arange(6), 4, greedy=True, hooks=_hooks())

@@ -227,9 +227,8 @@ def test_join_rows_by_level():
     assert j.group_valid.tolist() == [[True, True, False, False, False]] * 2 + [[True] * 5]
     assert j.rewards[2].tolist() == [1, 1, 7, 7, 7] and j.rewards[0, 2:].tolist() == [0, 0, 0]
     assert j.actions[0, 0].tolist() == [1, 1, 1, 1, 0] and j.actions[2, 4].tolist() == [7] * 5  # tokens padded to T = 5
-    assert (
-        j.extras["w"].tolist() == [1, 1, 1] and j.extras["tok"][2, 3].tolist() == [7] * 5
-    )  # group level kept, token level joined
+    # group level kept, token level joined
+    assert j.extras["w"].tolist() == [1, 1, 1] and j.extras["tok"][2, 3].tolist() == [7] * 5
     assert j.prompt_ids == a.prompt_ids and j.prompt_index.tolist() == [0, 1, 2]
 
 

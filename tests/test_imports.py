@@ -43,8 +43,9 @@ def test_list_needs_torch_only(tmp_path):
 )
 def test_training_does_not_import_trl_or_datasets(tmp_path):
     command = (
-        "import contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-        "    cli.main(['train', 'rollout.prompts_per_step=2', 'rollout.group_size=2', 'train.steps=1', 'eval.size=0', 'threads=1', 'out=run'])"
+        "import contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()), "
+        "contextlib.redirect_stderr(io.StringIO()):\n    cli.main(['train', 'rollout.prompts_per_step=2', "
+        "'rollout.group_size=2', 'train.steps=1', 'eval.size=0', 'threads=1', 'out=run'])"
     )
     seen = probe(command, tmp_path)
     assert "transformers" in seen["after_command"]  # it did train

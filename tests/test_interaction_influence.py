@@ -114,11 +114,11 @@ def _batch(ids, actions, adv, valid=None):
 
 
 def test_token_and_hidden_features_by_hand():
-    # one group, rows "3 4" (A = +1) and "3 5" (A = −1): slot(3, t=0) gets 1 − 1 = 0, slot(4, 1) +1, slot(5, 1) −1, / 2 rows
+    # one group, rows "3 4" (A = +1) and "3 5" (A = −1):
+    # slot(3, t=0) gets 1 − 1 = 0, slot(4, 1) +1, slot(5, 1) −1, / 2 rows
     actions, adv = torch.tensor([[[3, 4], [3, 5]]]), torch.tensor([[1.0, -1.0]])
-    f = token_features(
-        actions, torch.ones(1, 2, 2, dtype=torch.bool), adv[..., None].expand(1, 2, 2), 10_000
-    )  # [1,dim]
+    # [1,dim]
+    f = token_features(actions, torch.ones(1, 2, 2, dtype=torch.bool), adv[..., None].expand(1, 2, 2), 10_000)
     s = lambda tok, t: (tok * 1_000_003 + t * 7_919) % 10_000  # noqa: E731
     assert (
         float(f[0, s(4, 1)]) == 0.5
@@ -167,9 +167,8 @@ def test_sampler_prefers_signal_and_skips_the_redundant_copy():
 
 def test_sampler_explore_pool_invalid_groups_and_resume():
     s = _sampler(n_rows=20, explore=0.5)
-    assert (
-        s.draw(4, StepInfo(0, 0, 2)) == s.draw(4, StepInfo(0, 0, 2)) != s.draw(4, StepInfo(1, 0, 2))
-    )  # nothing seen: seeded uniform
+    # nothing seen: seeded uniform
+    assert s.draw(4, StepInfo(0, 0, 2)) == s.draw(4, StepInfo(0, 0, 2)) != s.draw(4, StepInfo(1, 0, 2))
     a = torch.randint(2, 9, (4, 3, 2), generator=torch.Generator().manual_seed(0))
     valid = torch.ones(4, 3, dtype=torch.bool)
     valid[3] = False  # a group without a valid row is not recorded

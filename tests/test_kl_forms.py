@@ -128,7 +128,7 @@ def test_plus_forms_zero_at_equal_and_finite_on_padding():
         assert logp.grad[0, 0, 2].item() == 0.0 and torch.isfinite(logp.grad).all(), name
 
 
-# ---------------------------------------------------------------------------------------------- KL term, bias correction
+# --------------------------------------------------------------------------------------------- KL term, bias correction
 def _two_tokens():
     # logp = [−1, −1], logp_old = [−1.2, −0.9] → ratio [e^0.2, e^−0.1] = [1.221403, 0.904837]
     # logp_ref = [−1.5, −0.5] → d = [−0.5, +0.5], k3 = [0.106531, 0.148721]
@@ -277,7 +277,8 @@ def test_trl_parity_kl_term(loss_type, agg, level, bias_correction):
     d_loss, d_grad = (loss - trl_loss).abs().item(), (grad - trl_grad).abs().max().item()
     d_kl = abs(obj.pop_stats()["kl"] - trl_metrics["kl"][-1])
     print(
-        f"TRL parity kl {loss_type}/{level} bias_correction={bias_correction}: max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e}, kl stat {d_kl:.2e}"
+        f"TRL parity kl {loss_type}/{level} bias_correction={bias_correction}: "
+        f"max |Δ| loss {d_loss:.2e}, grad {d_grad:.2e}, kl stat {d_kl:.2e}"
     )
     assert d_loss < 1e-6 and d_grad < 1e-7 and d_kl < 1e-6
     # guard: the KL part matters, and the correction changes it (off-policy ratio ≠ 1)
@@ -393,9 +394,8 @@ def test_adaptive_kl_as_kl_penalty_coefficient():
     scorer = build("reward", "kl_penalty", coef={"schedule": "adaptive_kl", "target": 6.0, "horizon": 10000})
     assert scorer.coef == 0.2 and type(scorer.schedules["coef"]).__name__ == "AdaptiveKL"
     ro = _kl_batch([[[4.0, 5.0], [6.0, 3.0]]])  # row sums 9, 9 → KL 9 → e = 0.2 → 0.2·(1 + 0.2·2/10000)
-    torch.testing.assert_close(
-        scorer.score_rollout(ro, info_for(2)), torch.tensor([[-0.2 * 9, -0.2 * 9]])
-    )  # scored with β_t
+    # scored with β_t
+    torch.testing.assert_close(scorer.score_rollout(ro, info_for(2)), torch.tensor([[-0.2 * 9, -0.2 * 9]]))
     logged = schedules.resolve([scorer], info_for(2), ro)
     assert scorer.coef == pytest.approx(0.2 * 1.00004) and logged == {"coef/kl_penalty.coef": scorer.coef}
 

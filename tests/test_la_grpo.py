@@ -177,7 +177,7 @@ def test_functional_token_mask_interface():
     assert f.tolist() == [[False, True, False, True, False]]
 
 
-# ---------------------------------------------------------------------------------------------- micro-batch and world size
+# ------------------------------------------------------------------------------------------- micro-batch and world size
 def _random_case(seed=4):
     ro = make_rollout(6, 4, 6, seed=seed)
     vocab = ["+" if i % 5 == 0 else "x" for i in range(50)]  # every fifth id functional
@@ -215,7 +215,7 @@ def test_guard_per_micro_batch_count_would_differ():
     assert not torch.allclose(whole, local, atol=1e-4)
 
 
-# ---------------------------------------------------------------------------------------------- vocabulary and validation
+# -------------------------------------------------------------------------------------------- vocabulary and validation
 def _tiny_token_texts():
     from transformers import AutoTokenizer
 

@@ -119,6 +119,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "entry points",
         (
             "groupwise",
+            "groupwise.discovery",
             "groupwise.__main__",
             "groupwise.cli",
             "groupwise.claims",
@@ -131,21 +132,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 # (importer, imported): why the import runs up the layers. Each is a function-level import, made when called.
-UPWARD: dict[tuple[str, str], str] = {
-    (
-        "groupwise.registry",
-        "groupwise.kl_estimators",
-    ): "discovery: load_all imports every component module so its @register runs (the stage folders by walking "
-    "them, kl_estimators by name)",
-    (
-        "groupwise.registry",
-        "groupwise.papers",
-    ): "discovery: load_all imports the paper folders' modules, which the manifests list (papers.module_names)",
-    (
-        "groupwise.registry",
-        "groupwise.plugins",
-    ): "a component named 'module:Class' is looked up by importing the user's module through the plug-in loader",
-}
+UPWARD: dict[tuple[str, str], str] = {}
 
 
 # ---------------------------------------------------------------------------------------------- the graph

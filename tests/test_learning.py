@@ -17,7 +17,8 @@ def test_reward_rises_on_addition(tmp_path):
     early = sum(r["reward_mean"] for r in rows[:third]) / third
     late = sum(r["reward_mean"] for r in rows[-third:]) / third
     print(
-        f"reward {early:.3f} -> {late:.3f}; held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} in {summary['wall_seconds']:.0f} s"
+        f"reward {early:.3f} -> {late:.3f}; held-out accuracy {summary['accuracy_before']:.3f} "
+        f"-> {summary['accuracy_after']:.3f} in {summary['wall_seconds']:.0f} s"
     )
     assert late > early + 0.05
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.05

@@ -24,9 +24,8 @@ def test_the_shipped_vocabulary_and_the_word_draw():
     assert len(words) == 200 and len(set(words)) == 200 and all(w.isalpha() and w.islower() for w in words)
     assert {"lorem", "ipsum", "dolor", "sit", "amet"} <= set(words)
     counts = [len(lorem_words(100, 300, random.Random(s))) for s in range(200)]
-    assert (
-        min(counts) >= 100 and max(counts) <= 300 and len(set(counts)) > 50
-    )  # uniform over the range, both ends inclusive
+    # uniform over the range, both ends inclusive
+    assert min(counts) >= 100 and max(counts) <= 300 and len(set(counts)) > 50
     assert {len(lorem_words(2, 3, random.Random(s))) for s in range(50)} == {2, 3}
     assert lorem_words(5, 5, random.Random(7)) == lorem_words(5, 5, random.Random(7))  # seeded: same words
     assert lorem_words(0, 0, random.Random(0)) == []
@@ -58,7 +57,8 @@ def test_a_vocabulary_file_replaces_the_shipped_words(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- regroup
 def test_regroup_spec_numbers():
-    # G = 4, every original wrong, 6 of 24 resamples correct: 6 >= G, so G − 1 = 3 slots take 3 of them and one failure stays
+    # G = 4, every original wrong, 6 of 24 resamples correct: 6 >= G,
+    # so G − 1 = 3 slots take 3 of them and one failure stays
     correct = [1, 4, 9, 10, 17, 23]
     slots, chosen = lope_regroup([0.0, 0.0, 0.0, 0.0], correct, random.Random(0))
     assert slots == [0, 1, 2] and len(chosen) == 3 and len(set(chosen)) == 3 and set(chosen) <= set(correct)
@@ -84,15 +84,15 @@ def _rescued(extra):
 
 
 def test_advantage_shaping_spec_numbers():
-    # base [0, 0, 0, 0] + 24 resamples (6 right): 3 swapped in; the extra holds the 3 replaced originals and the 21 others (3 right)
+    # base [0, 0, 0, 0] + 24 resamples (6 right): 3 swapped in;
+    # the extra holds the 3 replaced originals and the 21 others (3 right)
     extra = [0.0] * 3 + [1.0] * 3 + [0.0] * 18
     full = torch.tensor([0.0] * 4 + [1.0] * 6 + [0.0] * 18, dtype=torch.float64)  # the 28-vector
     assert round(float(full.mean()), 6) == 0.214286 and round(float(full.std()), 6) == 0.417855
     adv = build("advantage", "lope", eps=0.0)(_rescued(extra), info_for(1))  # the spec's numbers are worked without eps
     torch.testing.assert_close(adv, torch.tensor([[1.880350, 1.880350, 1.880350, -0.512823]]), atol=1e-6, rtol=0)
-    with_eps = build("advantage", "lope")(
-        _rescued(extra), info_for(1)
-    )  # eps = 1e-6: (1 − 0.214286) / (0.417855 + 1e-6)
+    # eps = 1e-6: (1 − 0.214286) / (0.417855 + 1e-6)
+    with_eps = build("advantage", "lope")(_rescued(extra), info_for(1))
     torch.testing.assert_close(with_eps, torch.tensor([[1.880346, 1.880346, 1.880346, -0.512822]]), atol=1e-6, rtol=0)
     plain = build("advantage", "lope", shaping=False)(_rescued(extra), info_for(1))  # GRPO on [1, 1, 1, 0]
     torch.testing.assert_close(plain, torch.tensor([[0.5, 0.5, 0.5, -1.5]]), atol=1e-5, rtol=0)
@@ -129,7 +129,7 @@ def test_the_advantage_fails_at_build_without_the_lope_strategy(tmp_path):
         make_trainer(tmp_path, 'advantage.estimator="lope"')
 
 
-# ---------------------------------------------------------------------------------------------- shaped ratio and the objective term
+# ---------------------------------------------------------------------------------- shaped ratio and the objective term
 @pytest.mark.parametrize("rho,value,grad", [(1.0, 0.909091, 0.082645), (0.1, 0.5, 0.25), (2.0, 0.952381, 0.045351)])
 def test_shaped_ratio_spec_numbers(rho, value, grad):
     log_rho = torch.tensor(rho, dtype=torch.float64).log().requires_grad_(True)
@@ -139,7 +139,8 @@ def test_shaped_ratio_spec_numbers(rho, value, grad):
 
 
 def _term_case():
-    """One group of 2 rows, 2 tokens: row 0 real, row 1 swapped in; logp − logp_old = log 2 (beyond the clip), logp − logp_sampler = log 0.1 / log 2."""
+    """One group of 2 rows, 2 tokens: row 0 real, row 1 swapped in; logp − logp_old = log 2 (beyond the clip),
+    logp − logp_sampler = log 0.1 / log 2."""
     logp = torch.log(torch.tensor([[[0.4, 0.4], [0.4, 0.4]]])).requires_grad_(True)  # [1,2,2]
     ro = rollout_from(torch.log(torch.tensor([[[0.2, 0.2], [0.2, 0.2]]])), adv=torch.tensor([[1.0, 2.0]]))
     ro.logp_sampler = torch.log(torch.tensor([[[0.4, 0.4], [4.0, 0.2]]]))  # row 1: ρ = 0.1 at token 0, ρ = 2 at token 1
@@ -151,17 +152,16 @@ def test_the_term_shapes_swapped_rows_and_clips_real_ones():
     ro, logp = _term_case()
     term = build("objective", "lope")
     values = term(ro, {"logp": logp}, info_for(2))
-    # row 0 (real): ppo_clip, ratio 2 clipped at 1.2 → −1.2·A = −1.2, no gradient; row 1: −A·ρ/(ρ+0.1) = −2·0.5, −2·0.952381
+    # row 0 (real): ppo_clip, ratio 2 clipped at 1.2 → −1.2·A = −1.2, no gradient;
+    # row 1: −A·ρ/(ρ+0.1) = −2·0.5, −2·0.952381
     torch.testing.assert_close(values, torch.tensor([[[-1.2, -1.2], [-1.0, -2 * 0.952381]]]), atol=1e-5, rtol=0)
     torch.testing.assert_close(values[0, 0], build("objective", "ppo_clip")(ro, {"logp": logp}, info_for(2))[0, 0])
     (grad,) = torch.autograd.grad(values.sum(), logp)
-    torch.testing.assert_close(
-        grad, torch.tensor([[[0.0, 0.0], [-2 * 0.25, -2 * 0.045351]]]), atol=1e-5, rtol=0
-    )  # unclipped: ρ = 2 still pushes
+    # unclipped: ρ = 2 still pushes
+    torch.testing.assert_close(grad, torch.tensor([[[0.0, 0.0], [-2 * 0.25, -2 * 0.045351]]]), atol=1e-5, rtol=0)
     seq = build("objective", "lope", level="sequence")(ro, {"logp": logp}, info_for(2))
-    rho = (
-        0.5 * (torch.log(torch.tensor(0.1)) + torch.log(torch.tensor(2.0)))
-    ).exp()  # the row's mean log-ratio: ρ = sqrt(0.2)
+    # the row's mean log-ratio: ρ = sqrt(0.2)
+    rho = (0.5 * (torch.log(torch.tensor(0.1)) + torch.log(torch.tensor(2.0)))).exp()
     torch.testing.assert_close(seq[0, 1], torch.full((2,), float(-2 * rho / (rho + 0.1))), atol=1e-6, rtol=0)
     stats = term.stats(ro, {"logp": logp})
     assert stats["lope_shaped"].tolist() == [[0.0, 1.0]] and "clip_high" in stats
@@ -251,7 +251,8 @@ def test_lope_batch_by_hand():
     # 2 correct (< G = 4): slots 0 and 1 take resamples 1 and 3; slots 2, 3 keep original failures
     assert batch.rewards.tolist() == [[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
     assert batch.row_flags[INJECTED].tolist() == [[True, True, False, False], [False] * 4]
-    # the swapped rows were sampled under their perturbed prompts (resample 1 of perturbation j: asked[j]); the others under their own
+    # the swapped rows were sampled under their perturbed prompts (resample 1 of perturbation j: asked[j]);
+    # the others under their own
     assert batch.behav_ctx == [[asked[0].prompt, asked[1].prompt, [], []], [[]] * 4]
     assert batch.behaviour_contexts()[0] == [asked[0].prompt, asked[1].prompt, [1], [1]]
     assert batch.actions[0, :, 0].tolist() == [21, 21, 22, 23]  # resample r = 1 of each perturbation (token 20 + r)
@@ -281,9 +282,8 @@ def test_lope_keeps_one_failure_when_at_least_g_resamples_are_right():
         True,
         False,
     ]
-    assert [r.prompt for r in ctx.requests[1]] == [
-        [ord(c) for c in "5+1="]
-    ] * 3  # 0 words, no tail: the original prompt
+    # 0 words, no tail: the original prompt
+    assert [r.prompt for r in ctx.requests[1]] == [[ord(c) for c in "5+1="]] * 3
     extra = batch.extras[EXTRA][0]
     assert sorted(extra.tolist()) == [
         0.0,
@@ -304,7 +304,8 @@ PLUS = ['rollout.name="lope"', "rollout.prompts_per_step=8", "rollout.group_size
 
 
 def _plus_params(tmp_path, **more):
-    """A vocabulary of one word, "+": on the embedded model "+12+34=" is the one prefix that keeps some accuracy (~9 %)."""
+    """A vocabulary of one word, "+": on the embedded model "+12+34=" is
+    the one prefix that keeps some accuracy (~9 %)."""
     (tmp_path / "plus.txt").write_text("+\n")
     params = {
         "num_perturbation": 2,
@@ -333,14 +334,12 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
 
     def prepare(batch, prepare=trainer.prepare):
         out = prepare(batch)
-        sampled = out.select(
-            list(range(out.shape[0]))
-        )  # re-score every row under "+" + its prompt, before the update moves the weights
+        # re-score every row under "+" + its prompt, before the update moves the weights
+        sampled = out.select(list(range(out.shape[0])))
         sampled.ctx = [[trainer.policy.encode("+" + m["prompt"])] * out.shape[1] for m in out.meta]
         probe = out.select(list(range(out.shape[0])))
-        trainer.needs.fill(
-            probe, [Need("logp", view="behaviour")]
-        )  # the behaviour view: each row under the context it was sampled under
+        # the behaviour view: each row under the context it was sampled under
+        trainer.needs.fill(probe, [Need("logp", view="behaviour")])
         with torch.no_grad():
             seen.append(
                 (
@@ -360,9 +359,8 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
     assert any(r["lope/rescued_frac"] > 0 for r in rows), "the seed must rescue a group"
     for row, (batch, perturbed, original, behaviour) in zip(rows, seen):
         swapped = batch.row_flags[INJECTED]  # [B,G]
-        prompts = [
-            trainer.policy.encode("+" + m["prompt"]) for m in batch.meta
-        ]  # the one perturbed prompt of this vocabulary
+        # the one perturbed prompt of this vocabulary
+        prompts = [trainer.policy.encode("+" + m["prompt"]) for m in batch.meta]
         assert (
             all(
                 c == (prompts[b] if swapped[b, g] else [])
@@ -379,15 +377,13 @@ def test_rescued_groups_on_the_embedded_model(tmp_path):
             behaviour[own & ~swapped[..., None]], original[own & ~swapped[..., None]], atol=1e-5, rtol=0
         )  # = under x
         assert row["lope/rescued_frac"] == float(swapped.any(1).float().mean())
-        for b in (
-            swapped.any(1).nonzero().flatten().tolist()
-        ):  # every rescued group: ≥ 1 success (the swapped rows) and ≥ 1 original failure
+        # every rescued group: ≥ 1 success (the swapped rows) and ≥ 1 original failure
+        for b in swapped.any(1).nonzero().flatten().tolist():
             assert (batch.rewards[b][swapped[b]] == 1).all() and ((batch.rewards[b] == 0) & ~swapped[b]).any()
             assert (batch.advantages[b][swapped[b]] > 0).all() and (batch.advantages[b][~swapped[b]] < 0).all()
         m = batch.row_mask & swapped[..., None]  # [B,G,T] tokens of swapped rows
-        torch.testing.assert_close(
-            batch.logp_sampler[m], perturbed[m], atol=1e-4, rtol=0
-        )  # behaviour = the policy under δ ⊕ x
+        # behaviour = the policy under δ ⊕ x
+        torch.testing.assert_close(batch.logp_sampler[m], perturbed[m], atol=1e-4, rtol=0)
         if m.any():
             assert (batch.logp_sampler[m] - original[m]).abs().max() > 0.1  # … which is not the policy under x
             assert 0 < row["lope_shaped"] < 1
@@ -400,9 +396,8 @@ def test_two_steps_with_ppo_clip_and_gspo(tmp_path, objective):
     rows, seen = train_recorded(tmp_path, objective, *PLUS, _plus_params(tmp_path), 'advantage.estimator="lope"')
     assert any(r["lope/rescued_frac"] > 0 for r in rows)
     for batch in seen:
-        torch.testing.assert_close(
-            batch.advantages, build("advantage", "lope")(batch, info_for(6))
-        )  # the shaped advantage, not GRPO's
+        # the shaped advantage, not GRPO's
+        torch.testing.assert_close(batch.advantages, build("advantage", "lope")(batch, info_for(6)))
         assert batch.shape[1] == 4 and batch.extras[EXTRA].shape[1] == 8
 
 

@@ -16,9 +16,8 @@ from groupwise.run import Run
 from groupwise.updates.lora_placement import grad_structure_stats, placement_scores, topk_mask
 
 # spec 29's unit test: B is 2x2 (e00, e01, e10, e11), S = 3 probe gradients
-SPEC_GRADS = torch.tensor(
-    [[0.5, -0.4, 0.4, 0.9], [0.4, 0.5, 0.4, -0.9], [0.6, -0.3, 0.4, 0.8]], dtype=torch.float64
-)  # [S=3, P=4]
+# [S=3, P=4]
+SPEC_GRADS = torch.tensor([[0.5, -0.4, 0.4, 0.9], [0.4, 0.5, 0.4, -0.9], [0.6, -0.3, 0.4, 0.8]], dtype=torch.float64)
 B_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
 LORA = 'model.lora={r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]}'
 
@@ -81,9 +80,8 @@ def test_topk_ties_global_and_per_module_quota():
 
 
 def test_grad_structure_stats_by_hand():
-    stats = grad_structure_stats(
-        torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    )  # σ = [1, 1]: eff_rank e^{ln 2} = 2; orthogonal
+    # σ = [1, 1]: eff_rank e^{ln 2} = 2; orthogonal
+    stats = grad_structure_stats(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     assert stats["eff_rank"] == pytest.approx(2.0, abs=1e-12) and stats["mean_cos"] == pytest.approx(0.0, abs=1e-12)
     stats = grad_structure_stats(torch.tensor([[1.0, 0.0], [2.0, 0.0], [-1.0, 0.0]]))  # rank 1; cosines +1, -1
     assert stats["eff_rank"] == pytest.approx(1.0, abs=1e-12) and stats["mean_cos"] == pytest.approx(0.0, abs=1e-12)
@@ -195,9 +193,8 @@ def test_probe_phase_and_training_in_a_run(tmp_path, inner):
     entries, k = round(0.02 * 1536) = 31; only those move, A and the base stay at their initial values."""
     trainer = _run(tmp_path / "run", f'update={{name="lora_placement", inner={inner}}}', "train.steps=2")
     before = {n: p.detach().clone() for n, p in trainer.policy.module.named_parameters()}
-    trainer.policy.save = lambda folder: __import__("os").makedirs(
-        folder
-    )  # saving merges the adapters in place; the weights are read here
+    # saving merges the adapters in place; the weights are read here
+    trainer.policy.save = lambda folder: __import__("os").makedirs(folder)
     Run(trainer).train()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())["phases"]["placement"]
     assert summary["entries"] == 1536 and summary["k"] == 31 and sum(summary["by_module"].values()) == 31
@@ -208,9 +205,8 @@ def test_probe_phase_and_training_in_a_run(tmp_path, inner):
     assert sum(int(m.sum()) for m in masks.values()) == 31
     for name, p in trainer.policy.module.named_parameters():
         if name in masks:
-            assert torch.equal(
-                p.detach()[~masks[name]], before[name][~masks[name]]
-            )  # unchosen B entries: exactly 0 still
+            # unchosen B entries: exactly 0 still
+            assert torch.equal(p.detach()[~masks[name]], before[name][~masks[name]])
             assert (before[name] == 0).all()  # PEFT's B init
         else:
             assert torch.equal(p.detach(), before[name]), name  # A and the base: untouched

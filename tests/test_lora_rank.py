@@ -46,13 +46,15 @@ def test_spec_allocation_examples():
 def test_uniform_reduced_and_bounds_keep_the_budget_exactly():
     assert allocate_ranks([0.9, 0.05, 0.05], 96, "uniform") == [32, 32, 32]  # the shares do not matter
     assert allocate_ranks([0.25] * 4, 10, "uniform") == [3, 3, 2, 2]  # 2.5 each: the remainders to the first layers
-    # reduced: budget round(0.7 * 40) = 28; raw [2.8, 5.6, 8.4, 11.2] -> [2, 5, 8, 11] + the 2 largest fractions (.8, .6)
+    # reduced: budget round(0.7 * 40) = 28; raw [2.8, 5.6, 8.4, 11.2] ->
+    # [2, 5, 8, 11] + the 2 largest fractions (.8, .6)
     assert allocate_ranks([0.1, 0.2, 0.3, 0.4], 40, "reduced") == [3, 6, 8, 11]
     # r_max = 8: raw [14, 2, 2, 2] -> layer 0 fixed at 8, the other 12 shared equally
     assert allocate_ranks([0.7, 0.1, 0.1, 0.1], 20, "proportional", r_max=8) == [8, 4, 4, 4]
     # r_min = 2: raw [0.2, 4.9, 4.9] -> layer 0 fixed at 2, the other 8 split [4, 4]
     assert allocate_ranks([0.02, 0.49, 0.49], 10, "proportional", r_min=2) == [2, 4, 4]
-    # both bounds in one pass, then again: raw [16, 2, 1, 1] (r_min 2, r_max 10) -> [10, ., 2, 2]; the 6 left go to layer 1 alone
+    # both bounds in one pass, then again: raw [16, 2, 1, 1] (r_min 2, r_max 10) -> [10, ., 2, 2];
+    # the 6 left go to layer 1 alone
     assert allocate_ranks([0.8, 0.1, 0.05, 0.05], 20, "proportional", r_min=2, r_max=10) == [10, 6, 2, 2]
     with pytest.raises(ConfigError, match="cannot keep every rank"):
         allocate_ranks([0.5, 0.5], 3, "proportional", r_min=2)
@@ -71,9 +73,8 @@ def test_importance_map_diagnostics():
     assert top_frac_share([0.1, 0.2, 0.3, 0.4], 0.5) == pytest.approx(0.7)
     assert max_min_ratio([0.0468, 0.0215, 0.03]) == pytest.approx(0.0468 / 0.0215)  # the blog's 2.17x
     assert corr([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and corr([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
-    assert corr([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(
-        0.8
-    )  # centred: [-1.5,-.5,.5,1.5]·[-1.5,.5,-.5,1.5] = 4 over 5
+    # centred: [-1.5,-.5,.5,1.5]·[-1.5,.5,-.5,1.5] = 4 over 5
+    assert corr([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
     assert corr([1, 1], [1, 2]) != corr([1, 1], [1, 2])  # NaN for a constant vector
 
 
@@ -186,9 +187,8 @@ def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_p
         )
         + "}"
     )
-    init = (
-        "" if arch == "qwen3" else "init_lora_weights=false, "
-    )  # the random Llama earns no reward: random adapters make the merge matter
+    # the random Llama earns no reward: random adapters make the merge matter
+    init = "" if arch == "qwen3" else "init_lora_weights=false, "
     lora = f'model.lora={{r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], {init}rank_pattern={pattern}}}'
     trainer = make_trainer(
         tmp_path / "run",
@@ -201,9 +201,8 @@ def test_lora_with_a_rank_pattern_trains_and_saves_a_merged_loadable_model(tmp_p
     assert_lora_param_count(trainer.policy.module, sum(ranks) * (d_q + d_v))
     ids = torch.tensor([trainer.policy.encode("12+34=")])
     Run(trainer).train()
-    assert any(
-        "lora" in n for n, _ in trainer.policy.module.named_parameters()
-    )  # saving merged a copy: the live model keeps its adapters
+    # saving merged a copy: the live model keeps its adapters
+    assert any("lora" in n for n, _ in trainer.policy.module.named_parameters())
     with torch.no_grad():
         adapted = trainer.policy.module(ids).logits
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

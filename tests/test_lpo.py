@@ -111,9 +111,8 @@ def test_closed_form_gradient_equals_autograd_of_the_plain_kl(divergence):
     log_star = torch.log_softmax(torch.where(valid, adv / 0.7, torch.full((), -torch.inf)), 1)
     log_p, log_star = torch.where(valid, log_p, 0.0), torch.where(valid, log_star, 0.0)  # finite outside valid
     p, ps = log_p.exp(), log_star.exp()
-    kl = torch.where(valid, ps * (log_star - log_p) if divergence == "fkl" else p * (log_p - log_star), 0.0).sum(
-        1
-    )  # [4]
+    # [4]
+    kl = torch.where(valid, ps * (log_star - log_p) if divergence == "fkl" else p * (log_p - log_star), 0.0).sum(1)
     has = valid.any(1)
     plain = kl[has].mean()
     (want,) = torch.autograd.grad(plain, lam2)
@@ -203,9 +202,8 @@ def test_group_mean_aggregation_by_hand():
     norm = agg.normalizer(mask, info_for(2))
     assert norm["groups"].item() == 2
     assert agg.reduce(values, mask, norm).item() == pytest.approx(3.0)
-    assert agg.reduce(torch.tensor([[5.0, 5.0], [8.0, 1.0]]), mask, norm).item() == pytest.approx(
-        (5.0 + 8.0) / 2
-    )  # row values
+    # row values
+    assert agg.reduce(torch.tensor([[5.0, 5.0], [8.0, 1.0]]), mask, norm).item() == pytest.approx((5.0 + 8.0) / 2)
 
 
 def test_stats_and_validation():

@@ -230,9 +230,8 @@ def test_short_warmstart_runs_end_to_end(tmp_path: Path):
         ]
     )
     assert twin["steps"] == record["steps"]
-    assert (tmp_path / "twin" / "model.safetensors").read_bytes() == (
-        out / "model.safetensors"
-    ).read_bytes()  # deterministic
+    # deterministic
+    assert (tmp_path / "twin" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     assert (
         warmstart.main(
             [

@@ -64,19 +64,16 @@ def test_spec_loss_and_gradient_on_the_suffix_scope():
 
 def test_relaxed_clip_by_hand():
     term = build("objective", "mu_grpo")
-    ro, logp = _spec_row(
-        1.0, [1.5]
-    )  # ρ = 1.5 / 0.5 = 3: inside [0, 5] (a "probability" of 1.5 is only a log-ratio here)
+    # ρ = 1.5 / 0.5 = 3: inside [0, 5] (a "probability" of 1.5 is only a log-ratio here)
+    ro, logp = _spec_row(1.0, [1.5])
     assert term(ro, {"logp": logp}, info_for(1)).item() == pytest.approx(-3.0, abs=1e-6)
     logp_old = torch.full((1, 1, 1), math.log(0.1))
     ro6 = rollout_from(logp_old, torch.tensor([[1.0]]))
-    assert term(ro6, {"logp": leaf([[[math.log(0.6)]]])}, info_for(1)).item() == pytest.approx(
-        -5.0, abs=1e-6
-    )  # ρ = 6 → 5
+    # ρ = 6 → 5
+    assert term(ro6, {"logp": leaf([[[math.log(0.6)]]])}, info_for(1)).item() == pytest.approx(-5.0, abs=1e-6)
     ro_neg = rollout_from(logp_old, torch.tensor([[-1.0]]))
-    assert term(ro_neg, {"logp": leaf([[[math.log(0.01)]]])}, info_for(1)).item() == pytest.approx(
-        0.1, abs=1e-6
-    )  # unclipped
+    # unclipped
+    assert term(ro_neg, {"logp": leaf([[[math.log(0.01)]]])}, info_for(1)).item() == pytest.approx(0.1, abs=1e-6)
 
 
 def test_masked_tokens_never_trigger_and_the_veto_follows_the_first_trigger():

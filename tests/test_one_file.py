@@ -149,9 +149,8 @@ def test_one_file_sample_lays_out_rows_as_the_library(tmp_path, example):
     # EOS) must then be the library's rollout converted by as_example_rows.
     trainer = demo_trainer(tmp_path)
     rows = example.arithmetic_rows("test")[:64]
-    assert [r["prompt"] for r in rows] == [
-        r["prompt"] for r in trainer.parts.eval_rows[:64]
-    ]  # the library's held-out split
+    # the library's held-out split
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in trainer.parts.eval_rows[:64]]
     requests = [Request(key=i, n=1, prompt=trainer.policy.encode(r["prompt"])) for i, r in enumerate(rows)]
     greedy = {**trainer.sampling_params, "greedy": True}
     library = trainer.policy.generate(requests, greedy, trainer.info())  # [64,1,T]

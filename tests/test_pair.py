@@ -83,9 +83,8 @@ def _turn_rollout(rewards, turns, valid=None):
 def test_advantage_on_token_axis_holes_and_fallback():
     ro = _turn_rollout([1.4, 0.6], [[0.6, 0.8], [0.4, 0.2]])
     A = PairAdvantage()(ro, info_for(6))  # [1,2,6]
-    close(
-        A[0], [[0.9, 0.9, 0.0, 1.1, 1.1, 0.0], [-0.9, -0.9, 0.0, -1.1, -1.1, 0.0]]
-    )  # the hole and the padding: exactly 0
+    # the hole and the padding: exactly 0
+    close(A[0], [[0.9, 0.9, 0.0, 1.1, 1.1, 0.0], [-0.9, -0.9, 0.0, -1.1, -1.1, 0.0]])
     assert A.dtype == torch.float32 and (A[0, :, [2, 5]] == 0).all()
     # no pair_turn_reward extra: one turn per row with r_0 = R, so A = (R − mean)/std on every own token
     close(
@@ -100,20 +99,19 @@ def test_advantage_on_token_axis_holes_and_fallback():
 
 def test_attention_ratio_features_by_hand():
     # one layer, one head, S = 4; the turn is positions [2, 4): query rows 2 and 3
-    A = torch.tensor(
-        [[[1.0, 0.0, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]]]
-    )  # [1,4,4]
+    # [1,4,4]
+    A = torch.tensor([[[1.0, 0.0, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]]])
     hidden = [torch.arange(8.0).view(4, 2), torch.arange(8.0).view(4, 2) * 10]  # layers' [S,D]; the last one is read
     h, a = pair_features(hidden, [A], (2, 4))
     close(h, [60.0, 70.0])  # hidden_states[-1][e − 1]
-    # max: (0.5 + 0.4)/2 = 0.45;  std (population over the 4 keys): row 2 √(0.125/4) = 0.176777, row 3 √(0.05/4) = 0.111803 → 0.144290
+    # max: (0.5 + 0.4)/2 = 0.45;  std (population over the 4 keys): row 2 √(0.125/4) = 0.176777,
+    # row 3 √(0.05/4) = 0.111803 → 0.144290
     # prefix Σ_{k<2}: 0.75, 0.3 → 0.525;  self Σ_{2≤k<4}: 0.25, 0.7 → 0.475
     close(a, [0.45, (math.sqrt(0.125 / 4) + math.sqrt(0.05 / 4)) / 2, 0.525, 0.475])
     _, a0 = pair_features(hidden, [A], (0, 2))  # s = 0: prefix ratio 0; rows 0, 1 entirely on the turn's own keys
     close(a0[2:], [0.0, 1.0])
-    two = pair_features(hidden, [A, A.flip(-1)], (2, 4))[
-        1
-    ]  # two layers: [max, std, prefix, self] per layer, concatenated
+    # two layers: [max, std, prefix, self] per layer, concatenated
+    two = pair_features(hidden, [A, A.flip(-1)], (2, 4))[1]
     assert two.shape == (8,) and torch.equal(two[:4], a)
     with pytest.raises(ValueError, match="s < e"):
         pair_features(hidden, [A], (3, 3))
@@ -250,9 +248,8 @@ def test_eager_quantities_match_the_models_own_forward():
         out = completion_logprobs(
             model, prompts, actions, mask, rows, quantities=["logp", "attn_at(2)", "hidden_at(4)", "hidden(4)"]
         )
-        alone = completion_logprobs(
-            model, prompts, actions, mask, rows, quantities=["logp", "hidden_at(1)"]
-        )  # no attention asked
+        # no attention asked
+        alone = completion_logprobs(model, prompts, actions, mask, rows, quantities=["logp", "hidden_at(1)"])
         base = completion_logprobs(model, prompts, actions, mask, rows, quantities=["logp"])
         model.set_attn_implementation("eager")
         own = model(input_ids=torch.tensor([prompts[1] + [14, 15]]), output_attentions=True, output_hidden_states=True)
@@ -261,15 +258,14 @@ def test_eager_quantities_match_the_models_own_forward():
     assert got.shape == (2, 2, 3, 4, 6) and model.config._attn_implementation == "sdpa"
     # row (1, 0): prompt [8, 9], tokens 14, 15 at positions 2, 3: their own query rows of layer 2
     torch.testing.assert_close(got[1, 0, :2, :, :4], own.attentions[1][0][:, 2:4, :].transpose(0, 1), rtol=0, atol=1e-6)
-    torch.testing.assert_close(
-        out["hidden_at(4)"][1, 0, :2], own.hidden_states[4][0, 2:4], rtol=0, atol=1e-5
-    )  # after the final norm
+    # after the final norm
+    torch.testing.assert_close(out["hidden_at(4)"][1, 0, :2], own.hidden_states[4][0, 2:4], rtol=0, atol=1e-5)
     torch.testing.assert_close(alone["hidden_at(1)"][1, 0, :2], own.hidden_states[1][0, 2:4], rtol=0, atol=1e-5)
-    # hidden(4) (before the norm, at the predicting position) of token 15 is not hidden_at(4) of token 14: different quantities
+    # hidden(4) (before the norm, at the predicting position) of token 15 is
+    # not hidden_at(4) of token 14: different quantities
     assert not torch.allclose(out["hidden(4)"][1, 0, 1], out["hidden_at(4)"][1, 0, 0])
-    assert (
-        (got[1, 0, 2] == 0).all() and (got[0, 1, 1:] == 0).all() and (out["hidden_at(4)"][0, 1, 1:] == 0).all()
-    )  # padding: 0
+    # padding: 0
+    assert (got[1, 0, 2] == 0).all() and (got[0, 1, 1:] == 0).all() and (out["hidden_at(4)"][0, 1, 1:] == 0).all()
     torch.testing.assert_close(got[0, 0].sum(-1), torch.ones(3, 4), rtol=0, atol=1e-5)  # each row a distribution
     torch.testing.assert_close(out["logp"], base["logp"])  # logp unchanged by the extra pass
 
@@ -300,14 +296,12 @@ def test_two_steps_with_the_probe_phase(tmp_path, objective):
         # the row's reward is Σ_t r_t (env_return has weight 0) and the advantage is the per-turn composition
         for b, g in batch.group_valid.nonzero().tolist():
             spans = turn_spans(own[b, g], batch.segment_id[b, g])
-            assert spans == turn_spans(
-                own[b, g]
-            )  # an action per segment, holes between them: the same turns either way
+            # an action per segment, holes between them: the same turns either way
+            assert spans == turn_spans(own[b, g])
             assert [int(batch.segment_id[b, g, s]) for s, _ in spans] == list(range(len(spans)))
             r = turns[b, g, : len(spans)]  # [n]
-            assert ((r > 0.0) & (r < 1.0)).all() and torch.isnan(
-                turns[b, g, len(spans) :]
-            ).all()  # r_t ∈ (0, 1) on its turns, NaN past them
+            # r_t ∈ (0, 1) on its turns, NaN past them
+            assert ((r > 0.0) & (r < 1.0)).all() and torch.isnan(turns[b, g, len(spans) :]).all()
             assert float(batch.rewards[b, g]) == pytest.approx(float(r.sum()), abs=1e-5)
         torch.testing.assert_close(batch.advantages, PairAdvantage()(batch, info_for(batch.shape[2])))
         assert (batch.advantages[~own] == 0).all()
@@ -323,9 +317,8 @@ def test_attention_head_off_is_stage_two_on_s_bc_alone():
     y = (H[:, 0] > 0).double()
     s_bc, s_final = PairProbe(C=1.0).fit(H, torch.zeros(60, 0), y).score(H, torch.zeros(60, 0))
     order = s_bc.argsort()
-    assert (
-        float(s_final.std()) > 0.01 and (s_final[order].diff() >= -1e-12).all()
-    )  # stage 2's weight on s_bc is positive here
+    # stage 2's weight on s_bc is positive here
+    assert float(s_final.std()) > 0.01 and (s_final[order].diff() >= -1e-12).all()
     assert auroc(s_final, y) == pytest.approx(auroc(s_bc, y), abs=1e-12)  # a monotone map keeps the ranking
     assert [n.name for n in PairReward(attn_layers=[]).needs] == ["hidden_at"]
 

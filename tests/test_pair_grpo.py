@@ -101,9 +101,8 @@ def test_spec_unit_test():
 @pytest.mark.parametrize("std", ["population", "unbiased"])
 def test_group_of_two_equals_scalar_grpo_exactly(std):
     scores = torch.randn(64, 2, generator=torch.Generator().manual_seed(0))  # [B,2] distinct values
-    scores[:4] = torch.tensor(
-        [[0.9, 0.2], [0.2, 0.9], [0.5, 0.5], [-3e4, 7.0]]
-    )  # the spec's pair, reversed, a tie, a huge gap
+    # the spec's pair, reversed, a tie, a huge gap
+    scores[:4] = torch.tensor([[0.9, 0.2], [0.2, 0.9], [0.5, 0.5], [-3e4, 7.0]])
     ro = _ro(scores.tolist(), actions=_distinct(64, 2))
     pair = build("advantage", "pair_grpo", std=std)(ro, info_for(2))
     scalar = build("advantage", "grpo", std=std, eps=0.0)(ro, info_for(2))
@@ -117,9 +116,8 @@ def test_all_pairs_win_rates():
     _close(pairwise_binary_rewards(torch.tensor([[1.0, 1, 0, 0]]), "all"), [[5 / 6, 5 / 6, 1 / 6, 1 / 6]])
     est = build("advantage", "pair_grpo", pairing="all")
     _close(est(_ro([SPEC, [1, 1, 0, 0]]), info_for(2)), [[1.341641, -1.341641, 0.447214, -0.447214], [1, 1, -1, -1]])
-    _close(
-        est(_ro([[1.0, 0, 0]]), info_for(2)), [[1.414214, -0.707107, -0.707107]]
-    )  # odd G is fine here: [1, .25, .25]
+    # odd G is fine here: [1, .25, .25]
+    _close(est(_ro([[1.0, 0, 0]]), info_for(2)), [[1.414214, -0.707107, -0.707107]])
 
 
 def test_odd_valid_count_invalid_rows_and_constant_groups():
@@ -133,9 +131,8 @@ def test_odd_valid_count_invalid_rows_and_constant_groups():
     _close(adv[0], [1.224745, -1.224745, 0.0, 0.0])
     assert adv[0, 2] == 0 and adv[0, 3] == 0
     assert (adv[1:] == 0).all()  # all ties; one valid row; an empty group
-    assert est.step_stats()["pair_grpo/tie_frac"] == pytest.approx(
-        2 / 3
-    )  # pairs (0,1) decisive, group 1's two pairs tie
+    # pairs (0,1) decisive, group 1's two pairs tie
+    assert est.step_stats()["pair_grpo/tie_frac"] == pytest.approx(2 / 3)
     with pytest.raises(ConfigError, match="even group size"):
         est(_ro([[1.0, 0, 0]]), info_for(2))
 
@@ -145,9 +142,8 @@ def test_pairing_is_a_seeded_random_matching_independent_of_row_order():
     ro = _ro(torch.randn(B, G, generator=torch.Generator().manual_seed(1)).tolist(), actions=_distinct(B, G))
     valid = torch.ones(B, G, dtype=torch.bool)
     pairs = rollout_pairs(ro, info_for(3), valid, "random")  # [B,3,2]
-    assert torch.equal(
-        pairs.flatten(1).sort(1).values, torch.arange(G).expand(B, G)
-    )  # a perfect matching of every group
+    # a perfect matching of every group
+    assert torch.equal(pairs.flatten(1).sort(1).values, torch.arange(G).expand(B, G))
     assert torch.equal(pairs, rollout_pairs(ro, info_for(3), valid, "random"))  # deterministic
     assert not torch.equal(pairs, rollout_pairs(ro, info_for(3, step=1), valid, "random"))  # a new draw each step
     # row order does not matter: permuting the rows permutes the advantages
@@ -169,9 +165,8 @@ def test_pairing_is_a_seeded_random_matching_independent_of_row_order():
         )
         for s in range(600)
     ]
-    partner_of_0 = [
-        next(b for a, b in p if a == 0) for p in seen
-    ]  # each pair sorted: row 0 is always first in its pair
+    # each pair sorted: row 0 is always first in its pair
+    partner_of_0 = [next(b for a, b in p if a == 0) for p in seen]
     counts = [partner_of_0.count(k) for k in (1, 2, 3)]
     assert all(150 <= c <= 250 for c in counts), counts
 
@@ -195,9 +190,8 @@ def test_advantages_bounded_by_sqrt_g_minus_one():
             adv = build("advantage", "pair_grpo", pairing=pairing)(ro, info_for(3))
             assert adv.abs().max() <= math.sqrt(G - 1) + 1e-6
         adv = build("advantage", "pair_grpo")(ro, info_for(3))
-        assert (
-            adv.abs().max() <= 2.0 + 1e-6
-        )  # random pairs, G = 8: the extreme is one decisive pair among ties, ±.5/.25
+        # random pairs, G = 8: the extreme is one decisive pair among ties, ±.5/.25
+        assert adv.abs().max() <= 2.0 + 1e-6
 
 
 def test_errors():
@@ -321,15 +315,13 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
         valid = batch.group_valid & torch.isfinite(batch.rewards)
         pairs = rollout_pairs(batch, StepInfo(step=step, seed=0, max_new_tokens=6), valid, "random")  # [B,4,2]
         r = pair_rewards(batch.rewards, pairs, valid)  # [B,G]
-        torch.testing.assert_close(
-            batch.advantages, group_normalize(r, valid, "group", 0, 0.0).float()
-        )  # Soft-Pair's, not GRPO's
+        # Soft-Pair's, not GRPO's
+        torch.testing.assert_close(batch.advantages, group_normalize(r, valid, "group", 0, 0.0).float())
         s = batch.rewards.gather(1, pairs.clamp(min=0).flatten(1)).view(pairs.shape)  # [B,4,2]
         a = batch.advantages.gather(1, pairs.clamp(min=0).flatten(1)).view(pairs.shape)  # [B,4,2]
         decisive = (pairs[..., 0] >= 0) & (s[..., 0] != s[..., 1])  # [B,4]
-        assert (
-            decisive.any() and ((a[..., 0] > a[..., 1]) == (s[..., 0] > s[..., 1]))[decisive].all()
-        )  # the winner is credited
+        # the winner is credited
+        assert decisive.any() and ((a[..., 0] > a[..., 1]) == (s[..., 0] > s[..., 1]))[decisive].all()
         assert 0 <= row["pair_grpo/tie_frac"] < 1
 
 
@@ -337,9 +329,8 @@ def test_hard_pair_two_steps_on_the_embedded_model(tmp_path):
     rows, seen = train_recorded(
         tmp_path, "hard_pair", 'advantage.estimator="pair_grpo"', "rollout.group_size=8", "rollout.prompts_per_step=8"
     )
-    assert (
-        all(r["divergence"] >= 0 for r in rows) and rows[0]["divergence"] > 0
-    )  # decisive pairs start off their target
+    # decisive pairs start off their target
+    assert all(r["divergence"] >= 0 for r in rows) and rows[0]["divergence"] > 0
     assert rows[0]["pair_clip"] == 0.0
 
 
@@ -377,7 +368,8 @@ def test_soft_gradient_is_a_positive_multiple_of_grpo_to_first_order(tmp_path):
         )
         guard.append(float(torch.nn.functional.cosine_similarity(g_grpo, gradient(batch, shuffled), dim=0)))
     print(
-        f"cosine(Soft-Pair, GRPO) = {statistics.mean(cos):.3f} {[round(c, 2) for c in cos]}; shuffled: {statistics.mean(guard):.3f}"
+        f"cosine(Soft-Pair, GRPO) = {statistics.mean(cos):.3f} "
+        f"{[round(c, 2) for c in cos]}; shuffled: {statistics.mean(guard):.3f}"
     )
     assert statistics.mean(cos) > 0.3 and sum(c > 0 for c in cos) >= 5
     assert statistics.mean(cos) > statistics.mean(guard) + 0.3

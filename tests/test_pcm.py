@@ -55,9 +55,8 @@ def test_spec_keep_probabilities():
 
 
 def test_spec_divergence_and_skipped_phase():
-    actions = torch.tensor(
-        [[[1.0, 0.0], [1.0, 1.0]], [[1.0, 0.0], [3.0, 3.0]], [[0.0, 0.0], [0.0, 0.0]]]
-    )  # [N=3,K=2,A=2]
+    # [N=3,K=2,A=2]
+    actions = torch.tensor([[[1.0, 0.0], [1.0, 1.0]], [[1.0, 0.0], [3.0, 3.0]], [[0.0, 0.0], [0.0, 0.0]]])
     phase = torch.tensor([[0, 1], [0, 1], [0, 2]])  # phase 1 holds successes only, phase 2 a failure only
     success = torch.tensor([True, True, False])
     C = phase_divergence(actions, phase, success, torch.ones(3, 2, dtype=torch.bool), 3)
@@ -74,9 +73,8 @@ def test_refresh_every_T_rc_steps():
     w = build("weight", "pcm", num_phases=3, refresh=2, p_min=0.1)
     _close(w._update(torch.tensor([1.0, 0.5, float("nan")]), step=0), [1.0, 0.5, 1.0])
     _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0])  # 1 step since: held fixed
-    _close(
-        w._update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0]
-    )  # same step again: no second append
+    # same step again: no second append
+    _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=1), [1.0, 0.5, 1.0])
     # step 2: 2 steps since → C̄ = mean([0,0]), mean([1,1]) = [0, 1] → ρ̃ = [0, 1] → p = [0.1, 1, 1]
     _close(w._update(torch.tensor([0.0, 1.0, float("nan")]), step=2), [0.1, 1.0, 1.0])
 
@@ -128,9 +126,8 @@ def test_sample_chunks_spec_cases_and_plackett_luce_frequency():
     valid = torch.tensor([[True, True, True], [True, True, False]])
     for seed in range(50):
         g = torch.Generator().manual_seed(seed)
-        assert (
-            sample_chunks(torch.rand(2, 3, generator=g), 3, valid, g).tolist() == valid.tolist()
-        )  # budget ≥ N_i keeps all valid
+        # budget ≥ N_i keeps all valid
+        assert sample_chunks(torch.rand(2, 3, generator=g), 3, valid, g).tolist() == valid.tolist()
         assert sample_chunks(torch.tensor([[1.0, 0.0, 0.0]]), 1, torch.ones(1, 3, dtype=torch.bool), g).tolist() == [
             [True, False, False]
         ]
@@ -146,9 +143,8 @@ def test_sample_chunks_spec_cases_and_plackett_luce_frequency():
 
 def _rollout():
     """One group (G=4, T=3): the hand group above + an invalid row; a second, constant group."""
-    actions = torch.tensor(
-        [[[5, 7, 0], [5, 8, 0], [5, 9, 0], [1, 1, 1]], [[2, 3, 0], [2, 4, 0], [2, 3, 0], [2, 6, 0]]]
-    )  # [B=2,G=4,T=3]
+    # [B=2,G=4,T=3]
+    actions = torch.tensor([[[5, 7, 0], [5, 8, 0], [5, 9, 0], [1, 1, 1]], [[2, 3, 0], [2, 4, 0], [2, 3, 0], [2, 6, 0]]])
     ro = rollout_from(
         torch.zeros(2, 4, 3),
         torch.zeros(2, 4),

@@ -33,9 +33,8 @@ def test_teacher_forced_rows_and_the_token_mean_loss_by_hand():
     fixed = Fixed()
     loss = _loss(fixed, batch)
     assert loss.item() == pytest.approx(6 / 5)  # −(−1 −2 −1 −1 −1) / 5 tokens
-    torch.testing.assert_close(
-        fixed.logp.grad, torch.tensor([[[-0.2, -0.2, 0.0]], [[-0.2, -0.2, -0.2]]])
-    )  # −1/5 per token, 0 on padding
+    # −1/5 per token, 0 on padding
+    torch.testing.assert_close(fixed.logp.grad, torch.tensor([[[-0.2, -0.2, 0.0]], [[-0.2, -0.2, -0.2]]]))
 
 
 def test_a_run_with_an_sft_phase_trains_first_and_does_not_redo_it(tmp_path, capsys):
@@ -204,9 +203,10 @@ dist.barrier()
 out = {"rank": rank, "artifact_rank": artifacts["rank_table"]["rank"], "w": artifacts["rank_table"]["w"].tolist(), "said": said}
 Path(sys.argv[2], f"rank{rank}.json").write_text(json.dumps(out))  # one file a rank: two ranks' stdout lines can interleave
 dist.shutdown()
-"""
+"""  # noqa: E501
 
 
+@pytest.mark.dist
 def test_under_two_ranks_the_phase_file_is_decided_together_and_rank_0s_artifact_is_everyones(tmp_path):
     """Two failures of a phase under torchrun. (1) A rank that looked for the phase's file after rank
     0 had written it loaded it and skipped the barrier rank 0 waited in: the ranks' collectives

@@ -73,9 +73,8 @@ def test_row_contexts_score_each_row_as_if_it_stood_alone(tmp_path, layout):
     batch = trainer.collect()  # [B,3,T]
     B, G, T = batch.shape
     others = [batch.prompt_ids[(b + 1) % B] for b in range(B)]
-    ctx = [
-        [batch.prompt_ids[b], others[b], others[b]] for b in range(B)
-    ]  # rows 1, 2 share a context that is not their group's
+    # rows 1, 2 share a context that is not their group's
+    ctx = [[batch.prompt_ids[b], others[b], others[b]] for b in range(B)]
     mixed = dataclasses.replace(batch, ctx=ctx)
     with torch.no_grad():
         got = trainer.policy.forward(mixed, ("logp", "entropy"))
@@ -98,6 +97,5 @@ def test_row_contexts_score_each_row_as_if_it_stood_alone(tmp_path, layout):
                     )
         plain_rows = trainer.policy.forward(batch, ("logp",))["logp"]
     assert not torch.allclose(got["logp"][:, 1:], plain_rows[:, 1:])  # another context really changes the log-probs
-    torch.testing.assert_close(
-        got["logp"][:, 0], plain_rows[:, 0], atol=1e-5, rtol=1e-5
-    )  # row 0 kept its group's prompt
+    # row 0 kept its group's prompt
+    torch.testing.assert_close(got["logp"][:, 0], plain_rows[:, 0], atol=1e-5, rtol=1e-5)

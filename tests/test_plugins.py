@@ -244,9 +244,8 @@ def test_a_recipe_files_folder_is_searched_for_its_plugins(user_dir):
         load_config(None, ['plugins=["my_estimator"]'])
     cfg, _ = load_config(str(user_dir / "project" / "estimator.toml"), [TERM])
     assert sys.modules["my_estimator"].__file__ == str(user_dir / "project" / "my_estimator.py")
-    assert (
-        type(build_spec("objective", cfg.objective.terms[0])).__module__ == "my_term"
-    )  # a module:Class from there too
+    # a module:Class from there too
+    assert type(build_spec("objective", cfg.objective.terms[0])).__module__ == "my_term"
 
 
 def test_every_builtin_meets_what_a_plugin_must():
@@ -514,12 +513,12 @@ def test_plugin_run_resumes_bit_for_bit_after_sigkills(tmp_path):
     from groupwise import checkpoint
 
     state = checkpoint.load(checkpoint.latest_intact(killed))
-    assert isinstance(
-        state["components"]["advantage.running_std"]["ema"], float
-    )  # the plug-in's state went through the checkpoint
+    # the plug-in's state went through the checkpoint
+    assert isinstance(state["components"]["advantage.running_std"]["ema"], float)
     assert result(killed) == result(straight)
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_plugin_run_on_two_ranks_equals_one_process(tmp_path):
     """torchrun --nproc_per_node 2 (gloo, CPU): every rank imports the plug-ins from the working

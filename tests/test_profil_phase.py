@@ -63,9 +63,8 @@ def test_theater_rows_split_and_exact_share():
         and r["result"] == str(sum(r["terms"]))
         and r["prompt"] == "+".join(map(str, r["terms"])) + "="
     )
-    assert [r["theater"] for r in rows("train", 0, 1)] != [
-        r["theater"] for r in train
-    ]  # the share is drawn by the seed
+    # the share is drawn by the seed
+    assert [r["theater"] for r in rows("train", 0, 1)] != [r["theater"] for r in train]
 
 
 def _vocab():
@@ -178,7 +177,8 @@ def test_a_run_with_sft_and_probe_phases_saves_and_injects_the_probe(tmp_path):
     from test_trainer import make_trainer
 
     phases = (
-        'phases=[{name="sft", steps=2, batch_size=8}, {name="profil_probe", prompts=6, samples=2, steps=5, marker="#", sep=";", '
+        'phases=[{name="sft", steps=2, batch_size=8}, {name="profil_probe", '
+        'prompts=6, samples=2, steps=5, marker="#", sep=";", '
         "max_new_tokens=28, forced_tokens=3}]"
     )
     trainer = make_trainer(
@@ -200,14 +200,12 @@ def test_a_run_with_sft_and_probe_phases_saves_and_injects_the_probe(tmp_path):
     ) == len(trainer.policy.tokenizer)
     assert summary["phases"]["probe"]["rollouts"] == 12 and saved["summary"] == summary["phases"]["probe"]
     shaper = trainer.shapers[0]
-    assert all(
-        torch.equal(v, art["state"][k]) for k, v in shaper._probe.state_dict().items()
-    )  # the saved probe is the injected one
+    # the saved probe is the injected one
+    assert all(torch.equal(v, art["state"][k]) for k, v in shaper._probe.state_dict().items())
     sft = load_output(tmp_path / "phases" / "sft.pt")["policy"]["model"]
     ref = trainer.policy.reference._model.state_dict()
-    assert all(
-        torch.equal(ref[k], v) for k, v in sft.items()
-    )  # the frozen reference is the base after sft, not the loaded model
+    # the frozen reference is the base after sft, not the loaded model
+    assert all(torch.equal(ref[k], v) for k, v in sft.items())
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert "profil/flagged" in row and "reward/theater_steps" in row
     assert row["reward_mean"] == pytest.approx(row["reward/final_answer"])  # theater_steps has weight 0: it only logs
@@ -224,7 +222,10 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
     from groupwise.policy.lm import resolve_model_path
 
     assert resolve_model_path("theater").endswith("models/theater")  # a bare shipped name is the package's folder
-    phase = 'phases=[{name="profil_probe", prompts=16, samples=2, steps=100, marker="#", sep=";", max_new_tokens=28, forced_tokens=3}]'
+    phase = (
+        'phases=[{name="profil_probe", prompts=16, samples=2, steps=100, '
+        'marker="#", sep=";", max_new_tokens=28, forced_tokens=3}]'
+    )
     trainer = make_trainer(
         tmp_path,
         'model.path="theater"',
@@ -240,9 +241,8 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
 
     def recording(batch):
         out = prepare(batch)
-        grpo = trainer.estimator(
-            out, trainer.info()
-        )  # [B,G] the advantages before the shaper (GRPO is a function of the rewards)
+        # [B,G] the advantages before the shaper (GRPO is a function of the rewards)
+        grpo = trainer.estimator(out, trainer.info())
         seen.append(
             (
                 list(out.prompt_ids),
@@ -264,9 +264,8 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
         and summary["phases"]["probe"]["rollouts"] == 32
         and saved["summary"] == summary["phases"]["probe"]
     )
-    assert all(
-        torch.equal(v, art["state"][k]) for k, v in trainer.shapers[0]._probe.state_dict().items()
-    )  # saved = injected
+    # saved = injected
+    assert all(torch.equal(v, art["state"][k]) for k, v in trainer.shapers[0]._probe.state_dict().items())
     probe = AttnProbe(art["d_model"], art["n_heads"], art["d_head"])
     probe.load_state_dict(art["state"])
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("theater")).eval()
@@ -281,9 +280,8 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
             for g in range(G):
                 ids = actions[b, g, : int(mask[b, g].sum())].tolist()
                 with torch.no_grad():  # hidden(1) at token t: layer 1's output at the position before t
-                    states = base(torch.tensor([prompts[b] + ids]), output_hidden_states=True).hidden_states[1][
-                        0
-                    ]  # [P+n,d]
+                    # [P+n,d]
+                    states = base(torch.tensor([prompts[b] + ids]), output_hidden_states=True).hidden_states[1][0]
                 H = states[len(prompts[b]) - 1 : len(prompts[b]) - 1 + len(ids)]  # [n,d]
                 steps = segment_steps([tok.decode([t], skip_special_tokens=True) for t in ids], sep=";")  # [n]
                 S[b, g] = rollout_score(probe.probe_scores(H[None], steps[None]))[0]  # share of steps with p > 0.5
@@ -291,9 +289,8 @@ def test_a_profil_run_from_the_shipped_theater_model_flags_what_the_saved_probe_
         assert 0.0 <= row["profil/flagged"] <= 1.0
         assert row["profil/flagged"] == pytest.approx(float(flagged.sum()) / int(valid.sum()))
         assert row["profil/score"] == pytest.approx(float(S[valid].mean()), abs=1e-5)
-        assert torch.equal(
-            adv[flagged], torch.zeros(int(flagged.sum()))
-        )  # a flagged rollout's advantage is exactly 0 ...
+        # a flagged rollout's advantage is exactly 0 ...
+        assert torch.equal(adv[flagged], torch.zeros(int(flagged.sum())))
         torch.testing.assert_close(adv[~flagged & valid], grpo[~flagged & valid])  # ... the others keep GRPO's
         zeroed += int((grpo[flagged] != 0).sum())
     assert any(0.0 < r["profil/flagged"] < 1.0 for r in rows)  # the probe tells rollouts apart (not a constant verdict)

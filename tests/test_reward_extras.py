@@ -38,9 +38,8 @@ def lens(prompts, completions, completion_ids, log_extra, log_metric, **kwargs):
 
 # ---------------------------------------------------------------------------- end to end
 def test_logged_columns_reach_samples_jsonl_and_metrics_are_averaged(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        "groupwise.run.plot_rewards", lambda *args, **kwargs: None
-    )  # matplotlib's import: 2 s of nothing tested here
+    # matplotlib's import: 2 s of nothing tested here
+    monkeypatch.setattr("groupwise.run.plot_rewards", lambda *args, **kwargs: None)
     (tmp_path / "rw.py").write_text(REWARD_FILE)
     run = tmp_path / "run"
     trainer = make_trainer(
@@ -261,6 +260,7 @@ dist.shutdown()
 """
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_average_metrics_and_gather_extras(tmp_path):
     got = run_two_ranks(DRIVER, tmp_path)

@@ -58,7 +58,8 @@ def _every_advantage(rewards, T=3):
 
 
 def test_every_estimator_and_shaper_finite_float32_near_float32_max():
-    # Before the float64 statistics: grpo NaN (group sum 4a → inf), rloo/dr_grpo −inf, sign +inf, gear after dr_grpo +inf.
+    # Before the float64 statistics: grpo NaN (group sum 4a → inf),
+    # rloo/dr_grpo −inf, sign +inf, gear after dr_grpo +inf.
     out = dict(_every_advantage(HUGE))
     for label, adv in out.items():
         assert adv.dtype == torch.float32, label

@@ -59,9 +59,8 @@ def test_the_composed_teacher_objective_is_the_papers_teacher_loss():
     mask = torch.rand(B, G, T, generator=g) > 0.2  # [B,G,T]
     student = -torch.rand(B, G, T, generator=g) * 3  # [B,G,T] behaviour log-probs
     teacher_old = -torch.rand(B, G, T, generator=g) * 3  # [B,G,T]
-    teacher_now = (
-        teacher_old + 0.3 * torch.randn(B, G, T, generator=g)
-    ).requires_grad_()  # [B,G,T] after a step: ratio != 1
+    # [B,G,T] after a step: ratio != 1
+    teacher_now = (teacher_old + 0.3 * torch.randn(B, G, T, generator=g)).requires_grad_()
     adv = torch.randn(B, G, generator=g)  # [B,G]
     ro = Rollout(
         prompt_ids=[[1]] * B,
@@ -93,9 +92,8 @@ def test_both_models_train_on_the_students_rollouts(tmp_path):
     assert any(not torch.equal(p, student0[n]) for n, p in trainer.policy.module.named_parameters())
     assert any(not torch.equal(p, teacher0[n]) for n, p in teacher.policy.module.named_parameters())
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert (
-        rows[0]["teacher/ratio"] == pytest.approx(1.0) and rows[0]["teacher/grad_norm"] > 0
-    )  # its own old log-probs: on its first pass ratio 1
+    # its own old log-probs: on its first pass ratio 1
+    assert rows[0]["teacher/ratio"] == pytest.approx(1.0) and rows[0]["teacher/grad_norm"] > 0
     assert rows[0]["reward/codistill_kd"] < 0 < rows[0]["reward_std"]  # the student's samples are likelier under itself
     assert {"teacher/accuracy_before", "teacher/accuracy_after"} <= set(summary)
     assert (tmp_path / "run" / "final" / "teacher" / "model.safetensors").exists()
@@ -149,7 +147,8 @@ def test_a_role_identical_to_the_policy_takes_identical_steps(tmp_path):
         tmp_path / "run",
         'rewards=["exact"]',
         f'roles.teacher.model.path="{MODEL}"',
-        'roles.teacher.objective={agg="seq_mean_token_mean", terms=[{name="ppo_clip", eps_low=0.2, eps_high=0.2}], weights=[]}',
+        'roles.teacher.objective={agg="seq_mean_token_mean", '
+        'terms=[{name="ppo_clip", eps_low=0.2, eps_high=0.2}], weights=[]}',
     )
     for step in range(3):
         trainer.step = step

@@ -51,9 +51,8 @@ def test_select_concat_and_join_keep_contexts_and_holes():
         and not joined.loss_mask[0, 0, 0]
         and torch.equal(joined.loss_mask[2], b.mask[0])
     )
-    assert (
-        torch.equal(joined.loss_mask[:2, :, :3], a.loss_mask) and not joined.loss_mask[:2, :, 3:].any()
-    )  # padding is no token
+    # padding is no token
+    assert torch.equal(joined.loss_mask[:2, :, :3], a.loss_mask) and not joined.loss_mask[:2, :, 3:].any()
 
 
 def test_join_rows_keeps_the_context_a_row_was_sampled_under():
@@ -73,9 +72,8 @@ def test_regroup_gathers_rows_into_new_groups_with_their_contexts():
     base.ctx = [[[1], [2]], [[3], [4]], [[5], [6]]]
     base.set_extra("tag", torch.tensor([10.0, 20.0, 30.0]), "group")
     base.completions = [["a", "b"], ["c", "d"], ["e", "f"]]
-    out = base.regroup(
-        [[(0, 1), (2, 0)], [(1, 0)]]
-    )  # group 0: rows (0,1) and (2,0); group 1: row (1,0) and a padding row
+    # group 0: rows (0,1) and (2,0); group 1: row (1,0) and a padding row
+    out = base.regroup([[(0, 1), (2, 0)], [(1, 0)]])
     assert out.shape[:2] == (2, 2)
     assert torch.equal(out.actions[0, 0], base.actions[0, 1]) and torch.equal(out.actions[0, 1], base.actions[2, 0])
     assert out.group_valid.tolist() == [
@@ -99,10 +97,11 @@ def test_concat_pads_the_row_axis_with_invalid_rows():
     assert out.ctx[1] == [[1], [2], []]
 
 
-# ---------------------------------------------------------------------------------------------- behav_ctx, row_flags, segments
+# --------------------------------------------------------------------------------------- behav_ctx, row_flags, segments
 def _with_row_fields(B: int, G: int, T: int, seed: int, S: int = 2):
     """A hand-built batch carrying every row-context field: row g of group b sampled under [100 + b, g] when g is odd,
-    flag injected on those rows, segment g // 2 of every token of the mask, a segment extra (b, g, s) -> 100b + 10g + s."""
+    flag injected on those rows, segment g // 2 of every token of the
+    mask, a segment extra (b, g, s) -> 100b + 10g + s."""
     ro = make_rollout(B, G, T, seed=seed)
     ro.behav_ctx = [[[100 + b, g] if g % 2 else [] for g in range(G)] for b in range(B)]
     ro.set_flag("injected", torch.tensor([[g % 2 == 1 for g in range(G)] for _ in range(B)]))
@@ -124,9 +123,8 @@ def test_under_prompts_moves_other_contexts_to_behav_ctx():
     assert out.behaviour_contexts() == ro.ctx  # sampled under what ctx said
     same = make_rollout(1, 2, 3, seed=6)
     same.ctx = [[list(same.prompt_ids[0])] * 2]
-    assert (
-        same.under_prompts().behav_ctx == [] and same.under_prompts().ctx == []
-    )  # nothing differed: no behaviour contexts
+    # nothing differed: no behaviour contexts
+    assert same.under_prompts().behav_ctx == [] and same.under_prompts().ctx == []
     assert make_rollout(1, 2, 3).under_prompts().behav_ctx == []
 
 
@@ -141,14 +139,12 @@ def test_select_concat_pad_and_regroup_keep_flags_and_segments():
     assert out.shape == (3, 3, 6)
     assert out.behav_ctx[:2] == [[[], [100, 1], []], [[], [101, 1], []]] and out.behav_ctx[2] == b.behav_ctx[0]
     assert out.row_flags["injected"].tolist() == [[False, True, False], [False, True, False], [False, True, False]]
-    assert (out.segment_id[:2, 2] == -1).all() and (
-        out.segment_id[:2, :2, 4:] == -1
-    ).all()  # padding rows and tokens are in no segment
+    # padding rows and tokens are in no segment
+    assert (out.segment_id[:2, 2] == -1).all() and (out.segment_id[:2, :2, 4:] == -1).all()
     assert torch.equal(out.segment_id[:2, :2, :4], a.segment_id) and torch.equal(out.segment_id[2], b.segment_id[0])
     x = out.extras["env/x"]  # [3,3,3]
-    assert (
-        x[0, 1, :2].tolist() == [10.0, 11.0] and torch.isnan(x[0, 1, 2]) and torch.isnan(x[0, 2]).all()
-    )  # padding segments are NaN
+    # padding segments are NaN
+    assert x[0, 1, :2].tolist() == [10.0, 11.0] and torch.isnan(x[0, 1, 2]) and torch.isnan(x[0, 2]).all()
     plain = make_rollout(1, 2, 4, seed=2)  # sets none of them: no flag (False), no behaviour context, no segments (−1)
     plain.set_extra("env/x", torch.zeros(1, 2, 1), "segment")
     mixed = type(a).concat([a, plain])
@@ -217,19 +213,16 @@ def test_the_behaviour_view_scores_rows_under_their_sampling_context(tmp_path):
     got = ro.extras[need.key]  # [1,3,4]
     with torch.no_grad():
         under_x = trainer.policy.forward(ro)["logp"]  # every row under x
-        direct = trainer.policy.forward(dataclasses.replace(ro, ctx=[[x, fap, x]]))[
-            "logp"
-        ]  # each row under its sampling context
+        # each row under its sampling context
+        direct = trainer.policy.forward(dataclasses.replace(ro, ctx=[[x, fap, x]]))["logp"]
     m = ro.row_mask
     torch.testing.assert_close(got[m], direct[m], atol=1e-6, rtol=0)
-    torch.testing.assert_close(
-        got[0, [0, 2]][m[0, [0, 2]]], under_x[0, [0, 2]][m[0, [0, 2]]], atol=1e-6, rtol=0
-    )  # no behaviour context: its training one
+    # no behaviour context: its training one
+    torch.testing.assert_close(got[0, [0, 2]][m[0, [0, 2]]], under_x[0, [0, 2]][m[0, [0, 2]]], atol=1e-6, rtol=0)
     assert (got[0, 1][m[0, 1]] - under_x[0, 1][m[0, 1]]).abs().max() > 1e-3  # the other context changes the log-probs
     assert (got[~m] == 0).all()
-    plain = dataclasses.replace(
-        ro, behav_ctx=[], extras={}, extra_levels={}
-    )  # a GRPO batch: the view is the default one
+    # a GRPO batch: the view is the default one
+    plain = dataclasses.replace(ro, behav_ctx=[], extras={}, extra_levels={})
     trainer.needs.fill(plain, [need])
     torch.testing.assert_close(plain.extras[need.key][m], under_x[m], atol=1e-6, rtol=0)
 
@@ -252,6 +245,7 @@ dist.shutdown()
 """
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_gather_flags_behaviour_contexts_and_segments(tmp_path):
     got = run_two_ranks(GATHER, tmp_path)

@@ -38,7 +38,8 @@ def test_spec_stage_advantages():
     adv = ss_grpo_advantages(scores, torch.ones(1, 3, 2, dtype=torch.bool))  # [1,3,2]
     close(adv, [[[A_PLAN, A_ANS], [-A_PLAN, 0.0], [0.0, -A_ANS]]])
     close(adv, [[[R15, R15], [-R15, 0.0], [0.0, -R15]]], atol=1e-4)  # the spec's printed 1.2247
-    # trajectory 2: negative Plan credit, neutral Answer credit; terminal GRPO on the answer score gives one value per row
+    # trajectory 2: negative Plan credit, neutral Answer credit;
+    # terminal GRPO on the answer score gives one value per row
     terminal = group_normalize(scores[..., 1], torch.ones(1, 3, dtype=torch.bool), "group", 0, 1e-6)  # [1,3]
     close(terminal, [[A_ANS, 0.0, -A_ANS]])
     assert adv[0, 1, 0] < 0 and adv[0, 1, 1] == 0
@@ -53,9 +54,8 @@ def test_mix_final_blends_in_the_final_stage():
     full = ss_grpo_advantages(
         torch.tensor([SPEC], dtype=torch.float64), torch.ones(1, 3, 2, dtype=torch.bool), mix_final=1.0, final=0
     )
-    close(
-        full, [[[A_PLAN, A_PLAN], [-A_PLAN, -A_PLAN], [0.0, 0.0]]]
-    )  # λ = 1, final = plan: terminal GRPO on the plan score
+    # λ = 1, final = plan: terminal GRPO on the plan score
+    close(full, [[[A_PLAN, A_PLAN], [-A_PLAN, -A_PLAN], [0.0, 0.0]]])
 
 
 def test_stage_without_verdict_and_constant_stage():
@@ -151,9 +151,8 @@ def test_component_invalid_rows_masked_tokens_and_stage_parts():
     # two valid rows: plan (0.8, 0.4) -> ±0.2/(0.2+1e-6); answer (1.0, 0.5) -> ±0.25/(0.25+1e-6)
     p, a = 0.2 / 0.200001, 0.25 / 0.250001
     close(out, [[0, 0, 0, 0, a, 0, 0, 0], [0, -p, 0, 0, -a, 0, 0, 0], [0] * 8], atol=1e-5)
-    swapped = _component(outside="zero", stage_parts=[1, 0])(_rollout(), info_for(8))[
-        0
-    ]  # plan tokens read the answer column
+    # plan tokens read the answer column
+    swapped = _component(outside="zero", stage_parts=[1, 0])(_rollout(), info_for(8))[0]
     close(swapped[:, 1], [A_ANS, 0.0, -A_ANS], atol=1e-5)
     with pytest.raises(ValueError, match="reward column 2"):
         _component(stage_parts=[0, 2])(_rollout(), info_for(8))
@@ -257,8 +256,8 @@ def test_trains_two_steps_with(tmp_path, objective):
     from helpers import train_recorded
 
     rewards = (
-        'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", tags=["<r>", "</r>"], label="compute"},'
-        ' {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
+        'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", '
+        'tags=["<r>", "</r>"], label="compute"}, {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
     )
     rows, seen = train_recorded(
         tmp_path,
@@ -271,7 +270,8 @@ def test_trains_two_steps_with(tmp_path, objective):
     for row, batch in zip(rows, seen):
         assert batch.reward_parts.shape[-1] == 3 and batch.advantages.shape == batch.actions.shape
         assert (batch.advantages[~batch.row_mask] == 0).all()
-        # no tag in 12 tokens of the untrained model -> every token carries the answer stage's group z-score (outside = "final")
+        # no tag in 12 tokens of the untrained model ->
+        # every token carries the answer stage's group z-score (outside = "final")
         valid = batch.group_valid & torch.isfinite(batch.rewards)
         z = group_normalize(
             torch.nan_to_num(batch.reward_parts[..., 2].double()),

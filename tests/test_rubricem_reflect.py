@@ -40,7 +40,8 @@ def enc(text):
 
 
 def _rows(prompts, rewards, texts, truncated=None):
-    """A batch of len(prompts) groups, row g of group b: one token, reward rewards[b][g] (also its one reward column)."""
+    """A batch of len(prompts) groups, row g of group b: one token, reward rewards[b][g]
+    (also its one reward column)."""
     B, G = len(rewards), len(rewards[0])
     r = torch.tensor(rewards, dtype=torch.float32)
     return Rollout(
@@ -172,7 +173,8 @@ def test_bank_reflection_is_retrieved_into_the_next_context_exactly():
     assert math.isnan(stats["rubricem_reflect/first_attempt"])
     # over the run: step 0's three rows were first attempts (mean 0.5), step 1's three second attempts (mean 0.5)
     assert strategy.state_dict()["run"] == [1.5, 3, 1.5, 3] and stats["rubricem_reflect/gap_run"] == 0.0
-    # retrieve = 0: the bank is filled but stays out of the prompt; the group still counts as a second attempt (placebo arm)
+    # retrieve = 0: the bank is filled but stays out of the prompt;
+    # the group still counts as a second attempt (placebo arm)
     off = build("rollout", "rubricem_reflect", retrieve=0)
     off.load_state_dict(strategy.state_dict())
     again = Scripted(step=1)
@@ -219,8 +221,8 @@ def test_untrained_reflections_and_config_errors():
 
 # ---------------------------------------------------------------------------------------------- through the trainer
 REWARDS = (
-    'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", tags=["<r>", "</r>"], label="compute"},'
-    ' {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
+    'rewards=[{name="stage_rubric", tags=["<p>", "</p>"], label="plan"}, {name="stage_rubric", '
+    'tags=["<r>", "</r>"], label="compute"}, {name="stage_rubric", tags=["<a>", "</a>"], label="answer"}]'
 )
 RUN = [
     'data.task="evidence"',
@@ -245,15 +247,15 @@ def test_trains_two_steps_with(tmp_path, objective):
             B == 4 and batch.reward_parts.shape[-1] == 3 and batch.ctx and batch.advantages.shape == batch.actions.shape
         )
         refl = batch.select(list(range(B, 2 * B)))
-        # every reward column of a reflection row is its r_meta, and its tokens carry the population GRPO z-score of r_meta
+        # every reward column of a reflection row is its r_meta,
+        # and its tokens carry the population GRPO z-score of r_meta
         assert torch.equal(refl.reward_parts[..., 0], refl.reward_parts[..., 2])
         valid = refl.group_valid & torch.isfinite(refl.rewards)
         z = group_normalize(torch.nan_to_num(refl.reward_parts[..., 0].double()), valid, "group", 0, 1e-6)  # [B,G]
         torch.testing.assert_close(refl.advantages.double(), z[..., None] * refl.row_mask, atol=1e-6, rtol=0)
         assert (batch.advantages[~batch.row_mask] == 0).all()
-        assert (
-            row["rubricem_reflect/accepted"] == row["rubricem_reflect/approved"]
-        )  # accept_above = -1: every approved one
+        # accept_above = -1: every approved one
+        assert row["rubricem_reflect/accepted"] == row["rubricem_reflect/approved"]
     assert rows[1]["rubricem_reflect/bank_size"] > 0 and rows[1]["rubricem_reflect/hinted_groups"] > 0
 
 
@@ -281,9 +283,11 @@ def test_bank_and_weights_resume_exactly(tmp_path):
     assert rows[2]["rubricem_reflect/hinted_groups"] > 0  # the resumed step retrieved from the restored bank
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_hold_the_same_bank_and_train_the_same(tmp_path):
-    """torchrun (gloo) over 2 ranks against one process, 2 steps: the same bank in the last checkpoint, the same weights."""
+    """torchrun (gloo) over 2 ranks against one process, 2 steps:
+    the same bank in the last checkpoint, the same weights."""
     from safetensors.torch import load_file
 
     args = [

@@ -430,7 +430,7 @@ def test_a_second_process_on_the_run_folder_is_refused_with_the_holders_pid(tmp_
     runfolder.RunLock(run).acquire().release()  # free again once the holder let go
 
 
-# ---------------------------------------------------------------------------- 7, 8. finished runs, defaults, atomic outputs
+# ------------------------------------------------------------------------ 7, 8. finished runs, defaults, atomic outputs
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     """Before: a rerun evaluated again and appended to summary.json's evals each time."""
     run = tmp_path / "run"
@@ -600,9 +600,8 @@ def test_a_run_cut_short_by_the_time_limit_says_so(tmp_path, capsys):
 
 def test_sample_completions_are_logged_and_cut_back_on_resume(tmp_path):
     run = tmp_path / "run"
-    trainer = _stopped_run(
-        run, "log.samples=3", "log.samples_every=1"
-    ).trainer  # stopped after step 0, checkpoint at step 1
+    # stopped after step 0, checkpoint at step 1
+    trainer = _stopped_run(run, "log.samples=3", "log.samples_every=1").trainer
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 0, 0] and set(rows[0]) == {
         "step",

@@ -103,7 +103,8 @@ def test_s_trace_selection_by_hand():
     w = [[1.105171, 1.105171, 1.296930], [1.0, 0.904837, 0.904837]]
     term = build("objective", "s_trace", lam=0.5, rho=0.5, eps_low=0.9, eps_high=0.9)
     values, grad = _values_grad(term, ro, logp)
-    # "selected": loss −A·w on trace tokens only; ∂/∂delta: row 0 k=1 −(w1 + 0.2·w3) = −1.364557, k=3 −0.8·w3 = −1.037544;
+    # "selected": loss −A·w on trace tokens only; ∂/∂delta: row 0 k=1 −(w1 + 0.2·w3) = −1.364557,
+    # k=3 −0.8·w3 = −1.037544;
     # row 1 (A = −1) k=2: +w2 = 0.904837; every non-trace token 0
     _close(values, [[[-1.105171, 0.0, -1.296930], [0.0, 0.904837, 0.0]]])
     _close(grad, [[[-1.364557, 0.0, -1.037544], [0.0, 0.904837, 0.0]]])

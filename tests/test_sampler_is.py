@@ -55,9 +55,8 @@ def test_token_modes_by_hand():
     ro = _batch([[[LN2, LN4, -LN2, NAN]]])
     torch.testing.assert_close(_w(ro, mode="token_truncate"), torch.tensor([[[2.0, 3.0, 0.5, 1.0]]]))  # min(ρ, 3)
     torch.testing.assert_close(_w(ro, mode="token_mask"), torch.tensor([[[2.0, 0.0, 0.5, 1.0]]]))  # 4 > 3 → 0
-    torch.testing.assert_close(
-        _w(ro, mode="token_mask", lo=0.6), torch.tensor([[[2.0, 0.0, 0.0, 1.0]]])
-    )  # 0.5 < 0.6 → 0
+    # 0.5 < 0.6 → 0
+    torch.testing.assert_close(_w(ro, mode="token_mask", lo=0.6), torch.tensor([[[2.0, 0.0, 0.0, 1.0]]]))
     torch.testing.assert_close(_w(ro, mode="token_truncate", lo=0.6, hi=None), torch.tensor([[[2.0, 4.0, 0.6, 1.0]]]))
     torch.testing.assert_close(_w(ro, mode="none"), torch.ones(1, 1, 4))
 
@@ -186,7 +185,8 @@ def test_trl_parity_is_ratio(mode, lo, hi):
     ours = _w(ro, mode=mode, lo=lo, hi=hi).reshape(N, T)
     diff = (ours[m] - trl[m]).abs().max().item()
     print(
-        f"TRL parity sampler_is {mode} lo={lo} hi={hi}: max |Δ| {diff:.2e} (range {trl[m].min():.3g}..{trl[m].max():.3g})"
+        f"TRL parity sampler_is {mode} lo={lo} hi={hi}: max |Δ| "
+        f"{diff:.2e} (range {trl[m].min():.3g}..{trl[m].max():.3g})"
     )
     assert diff < 1e-6 and (ours[~m] == 0).all()
     assert (trl[m] != 1).float().mean() > 0.5  # the ratios are really away from 1

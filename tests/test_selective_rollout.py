@@ -30,9 +30,8 @@ def test_normalized_edit_distance_by_hand():
     assert normalized_edit_distance(list("kitten"), list("sitting")) == 3 / 7  # k→s, e→i, +g
     assert normalized_edit_distance(["go a"], ["go a"]) == 0.0 and normalized_edit_distance([], []) == 0.0
     assert normalized_edit_distance([], ["x", "y"]) == 1.0
-    assert (
-        normalized_edit_distance(["go a", "look", "<END>"], ["go a", "take x", "go b"]) == 2 / 3
-    )  # each action string is one symbol
+    # each action string is one symbol
+    assert normalized_edit_distance(["go a", "look", "<END>"], ["go a", "take x", "go b"]) == 2 / 3
 
 
 def test_prefix_distance_termination_and_gate_spec_numbers():
@@ -52,7 +51,8 @@ def test_prefix_distance_termination_and_gate_spec_numbers():
 
 
 def test_dilution_dropping_zero_variance_groups_doubles_the_gradient_norm():
-    # 4 groups × 4 trajectories, 3 tokens each; groups 1 and 3 are zero-variance (all 0, all 1); token-mean REINFORCE loss
+    # 4 groups × 4 trajectories, 3 tokens each; groups 1 and 3 are zero-variance (all 0, all 1);
+    # token-mean REINFORCE loss
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
     ro = rollout_from(torch.zeros(4, 4, 3), rewards=rewards)
     ro.advantages = build("advantage", "grpo")(ro, info_for(3))
@@ -64,14 +64,13 @@ def test_dilution_dropping_zero_variance_groups_doubles_the_gradient_norm():
         return torch.autograd.grad(loss, logp)[0]
 
     full, kept = grad(ro), grad(ro.select([0, 2]))
-    assert (
-        full[[1, 3]] == 0
-    ).all()  # the zero-variance groups give nothing but tokens in the normaliser (48 instead of 24)
+    # the zero-variance groups give nothing but tokens in the normaliser (48 instead of 24)
+    assert (full[[1, 3]] == 0).all()
     torch.testing.assert_close(kept, 2 * full[[0, 2]])  # same items, each gradient twice as large
     torch.testing.assert_close(kept.norm() / full.norm(), torch.tensor(2.0))
 
 
-# ---------------------------------------------------------------------------------------------- the group hook, scripted
+# --------------------------------------------------------------------------------------------- the group hook, scripted
 class Keyed(Scripted):
     """The scripted policy of test_grow, with a script per dataset row: ``script[key][e][t]``."""
 
@@ -118,9 +117,8 @@ def test_selective_rollout_drops_the_gated_group_by_hand():
     strategy = build("rollout", "selective_rollout", K=2)
     batch = strategy(_ctx([ROW7, ROW9], [SAME, MIXED], 3))
     assert batch.shape[0] == 1 and batch.prompt_index.tolist() == [1]  # the gated task left the batch
-    assert [i["actions"] for i in batch.info[0]] == MIXED and batch.rewards.tolist() == [
-        [1.0, 1.0, 1.0]
-    ]  # 9 = 4+4+1 = 4+1+4 = 1+4+4
+    # 9 = 4+4+1 = 4+1+4 = 1+4+4
+    assert [i["actions"] for i in batch.info[0]] == MIXED and batch.rewards.tolist() == [[1.0, 1.0, 1.0]]
     stats = strategy.step_stats()
     assert stats["episodes/env_steps"] == 15 and stats["episodes/gated_frac"] == 0.5
     assert stats["selective/d_k"] == pytest.approx((0.0 + 2 / 3) / 2) and stats["selective/evaluated_frac"] == 1.0
@@ -128,7 +126,8 @@ def test_selective_rollout_drops_the_gated_group_by_hand():
     assert (
         ungated(_ctx([ROW7, ROW9], [SAME, MIXED], 3)).shape[0] == 2 and ungated.step_stats()["episodes/env_steps"] == 18
     )
-    # an episode that ends before K: ROW3 needs one move of 3; with K = 2 no episode reaches step 2, so the gate never runs
+    # an episode that ends before K: ROW3 needs one move of 3;
+    # with K = 2 no episode reaches step 2, so the gate never runs
     row3 = {"env": "reach", "start": 0, "goal": 3, "turns": 1, "prompt": "left 3="}
     strategy(_ctx([row3], [[["3"], ["3"], ["3"]]], 3))
     assert (

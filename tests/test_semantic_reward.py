@@ -215,9 +215,8 @@ def test_two_steps_on_the_embedded_model(tmp_path, objective):
         texts = [t for group in batch.completions for t in group]
         refs = [m["answer"] for m in batch.meta for _ in range(batch.shape[1])]
         parts = check._components(texts, refs)
-        torch.testing.assert_close(
-            batch.rewards.flatten(), parts["score"], atol=1e-5, rtol=0
-        )  # the run's reward is the formula's
+        # the run's reward is the formula's
+        torch.testing.assert_close(batch.rewards.flatten(), parts["score"], atol=1e-5, rtol=0)
         assert row["reward_metric/semantic_r_lang"] == pytest.approx(float(parts["r_lang"].mean()), abs=1e-6)
         # the warm-started model answers in digits: r_lang 0 there (digits are the configured other script)
         digit_only = [i for i, t in enumerate(texts) if t.strip() and t.strip().isdigit()]

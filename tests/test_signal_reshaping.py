@@ -70,13 +70,11 @@ def test_process_weights_by_hand():
     )
     # mean 1 over steps (not tokens): step 0 counts once although it has two tokens
     assert abs(float((w[0, 0] + w[0, 3]) / 2) - 1.0) < 1e-6
-    off = process_token_weights(
-        [[1.0, 0.5]], steps[1:], torch.tensor([-1.0]), False, 0.1, mask[1:]
-    )  # sign_aware=False: u = s
+    # sign_aware=False: u = s
+    off = process_token_weights([[1.0, 0.5]], steps[1:], torch.tensor([-1.0]), False, 0.1, mask[1:])
     torch.testing.assert_close(off, torch.tensor([[4 / 3, 4 / 3, 0.0, 2 / 3]]), atol=1e-6, rtol=0)
-    zero = process_token_weights(
-        [[0.0, 1.0]], steps[:1], torch.tensor([0.0]), True, 0.1, mask[:1]
-    )  # A = 0 reads as >= 0: u = s, floor 0.1
+    # A = 0 reads as >= 0: u = s, floor 0.1
+    zero = process_token_weights([[0.0, 1.0]], steps[:1], torch.tensor([0.0]), True, 0.1, mask[:1])
     torch.testing.assert_close(zero, torch.tensor([[0.1 / 0.55, 0.1 / 0.55, 0.0, 1 / 0.55]]), atol=1e-6, rtol=0)
 
 
@@ -171,7 +169,8 @@ def test_governed_episodes_drop_env_fail_and_segment_steps():
     # step segmentation: "8" (step 0) + " 3+4=" (env: -1) + "8" (step 1)
     assert batch.segment_id[0, 1].tolist()[:7] == [0, -1, -1, -1, -1, -1, 1]
     assert batch.segment_id[0, 0].tolist()[:1] == [0] and batch.segment_id[0, 0, 1:].eq(-1).all()
-    # the per-step scores as segment values, (compiled + semantic) / 2 per step: row 0 "7" (1), row 1 "8" "8" (0.5, 0.5), row 2 "x" "x" (0, 0); row 3: the crash scored nothing
+    # the per-step scores as segment values, (compiled + semantic) / 2 per step: row 0 "7" (1),
+    # row 1 "8" "8" (0.5, 0.5), row 2 "x" "x" (0, 0); row 3: the crash scored nothing
     steps = batch.extras["env/step_scores"]  # [B,G,S]
     assert batch.extra_levels["env/step_scores"] == "segment" and steps.shape == (1, 4, 2)
     torch.testing.assert_close(
@@ -229,9 +228,8 @@ def test_resample_replaces_env_failed_episodes_and_min_valid_drops_groups():
     torch.testing.assert_close(batch.rewards, torch.tensor([[1.0, 0.5, 0.0, 1.0]]))
     assert strategy.step_stats()["govern/resampled"] == 1.0
     two = [["7"], ["crash"]]
-    assert (
-        _governed()(scripted_ctx([ROW], two, group_size=2, rewards=LAYERED)).shape[0] == 0
-    )  # one valid row left: the group leaves
+    # one valid row left: the group leaves
+    assert _governed()(scripted_ctx([ROW], two, group_size=2, rewards=LAYERED)).shape[0] == 0
     assert _governed(min_valid=1)(scripted_ctx([ROW], two, group_size=2, rewards=LAYERED)).shape[0] == 1
     for bad in ({"max_resample": -1}, {"min_valid": 0}):
         with pytest.raises(ConfigError):

@@ -91,9 +91,8 @@ def test_spec_numbers_through_the_function():
     _close(w, [SPEC_W + [1.0]])
     _close(w[0, :4].mean(), 1.0, atol=1e-12)
     mask = torch.ones(1, 1, 5, dtype=torch.bool)
-    _close(
-        apply_token_weights(torch.tensor([[-1.0]]), w.view(1, 1, 5), mask), [[[-x for x in SPEC_W] + [-1.0]]]
-    )  # A = −1 → −w
+    # A = −1 → −w
+    _close(apply_token_weights(torch.tensor([[-1.0]]), w.view(1, 1, 5), mask), [[[-x for x in SPEC_W] + [-1.0]]])
 
 
 def test_spec_numbers_through_the_registered_weight_and_role_map():
@@ -125,7 +124,8 @@ def test_weights_multiply_the_ppo_clip_advantage():
 @pytest.mark.parametrize(
     "params,d,c,expected",
     [
-        # κ = 2: clip first (±1.5, ±.5 inside ±3), then ×2 → exp[3,−1,1,−3] = [20.0855,.36788,2.71828,.04979], mean 5.80537
+        # κ = 2: clip first (±1.5, ±.5 inside ±3), then ×2 →
+        # exp[3,−1,1,−3] = [20.0855,.36788,2.71828,.04979], mean 5.80537
         ({"kappa": 2.0}, (2.0, 0.0), (1.0, -1.0), [3.45982, 0.063369, 0.468236, 0.008576]),
         # clip: d = [10, 0], c = [0, 0]: b = 2.5, s − b = [7.5, −2.5, −2.5, −2.5] → clip [3, −2.5, −2.5, −2.5]
         # exp = [20.0855, .082085 ×3], mean 5.08292 → [3.951553, .016149 ×3]
@@ -197,9 +197,8 @@ def test_role_masks_from_tags_on_a_hand_made_vocabulary():
 
 def test_an_unclosed_segment_runs_to_the_end_and_a_straddling_token_belongs_where_it_starts():
     vocab = VOCAB + ["y</p>", "<p"]
-    actions = torch.tensor(
-        [[1, 7, 12, 3, 9, 0], [1, 7, 8, 0, 0, 0], [13, 11, 0, 0, 0, 0]]
-    )  # "<p>xy</p><r>u" EOS, "<p>xy" EOS, "<pz" EOS
+    # "<p>xy</p><r>u" EOS, "<p>xy" EOS, "<pz" EOS
+    actions = torch.tensor([[1, 7, 12, 3, 9, 0], [1, 7, 8, 0, 0, 0], [13, 11, 0, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
     seg = segment_ids(actions, mask, vocab, [["<p>", "</p>"], ["<r>", "</r>"]])
     assert seg[0].tolist() == [
@@ -271,9 +270,8 @@ def test_ablate_role_placeholder_loss_mask_and_rows_without_a_segment():
         True,
         False,
     ]  # placeholder: no loss; the hole moved to 5
-    assert (
-        out.positions[0, 1].tolist()[:4] == [0, 1, 2, 3] and out.rows.actions[0, 1, :4].tolist() == plain
-    )  # unchanged
+    # unchanged
+    assert out.positions[0, 1].tolist()[:4] == [0, 1, 2, 3] and out.rows.actions[0, 1, :4].tolist() == plain
     assert spell("zz", VOCAB) == [11, 11]
     with pytest.raises(ConfigError, match="spells"):
         spell("q", VOCAB)
@@ -367,9 +365,8 @@ def test_corrupt_context_apply_encodes_the_edited_prompts_independently_of_the_b
     out = view.apply(ro, encode)
     assert out.prompt_ids == [encode(view.prompt(r, k)) for k, r in enumerate(ROWS)]
     assert all(a != b for a, b in zip(out.prompt_ids, ro.prompt_ids))
-    assert view.apply(ro.select([2]), encode).prompt_ids == [
-        out.prompt_ids[2]
-    ]  # same donor whatever else is in the batch
+    # same donor whatever else is in the batch
+    assert view.apply(ro.select([2]), encode).prompt_ids == [out.prompt_ids[2]]
     assert torch.equal(out.actions, ro.actions) and out.extras is not ro.extras
 
 
@@ -503,9 +500,8 @@ def test_composes_with_ppo_clip_and_gspo(tmp_path, objective):
     w = build("weight", "srpo", **SHORT)
     w.use_vocabulary(_vocab())
     for batch in seen:
-        torch.testing.assert_close(
-            batch.weight, w(batch, info_for(batch.shape[2])), atol=1e-6, rtol=0
-        )  # what the loss used
+        # what the loss used
+        torch.testing.assert_close(batch.weight, w(batch, info_for(batch.shape[2])), atol=1e-6, rtol=0)
         B, G, T = batch.shape
         perc, reas = w._role_masks(batch.actions.reshape(B * G, T), batch.mask.reshape(B * G, T))
         role = (perc | reas).reshape(B, G, T) & batch.row_mask

@@ -100,9 +100,8 @@ def test_sft_balanced_loss_weighs_the_first_answer_token_as_the_decision():
     w0, w1 = float(w[0]), float(w[1])
     want = (2 * w0 * 0.1 + w1 * 2.0) / (2 * w0 + w1) + (0.2 + 0.2 + 0.4) / 3
     torch.testing.assert_close(loss, torch.tensor(want), atol=1e-6, rtol=0)
-    torch.testing.assert_close(
-        logp.grad[2, 0, 0], torch.tensor(-w1 / (2 * w0 + w1))
-    )  # d loss / d logp of the respond decision
+    # d loss / d logp of the respond decision
+    torch.testing.assert_close(logp.grad[2, 0, 0], torch.tensor(-w1 / (2 * w0 + w1)))
 
 
 def test_bad_options_are_config_errors():
@@ -126,9 +125,8 @@ CFG = RewardConfig()
 
 def test_reward_spec_hand_number_and_components():
     traj_only = RewardConfig(alpha=0.0)
-    assert math.isclose(
-        episode_reward(["sil"] * 4 + [7], 7, 2, 10, traj_only), 1.3
-    )  # T=10, t_resp=4 correct: 1 + 0.5·6/10
+    # T=10, t_resp=4 correct: 1 + 0.5·6/10
+    assert math.isclose(episode_reward(["sil"] * 4 + [7], 7, 2, 10, traj_only), 1.3)
     # default alpha 0.3: turns r = (0.05, 0.05, 0, 0, 0) → mean 0.02; R = 0.3·0.02 + 0.7·1.3
     assert math.isclose(episode_reward(["sil"] * 4 + [7], 7, 2, 10, CFG), 0.3 * 0.02 + 0.7 * 1.3)
     # false alarm at turn 1 (wrong digit): r = (0.05, −0.5), no trajectory credit, not a miss
@@ -215,9 +213,8 @@ def test_two_steps_reward_every_episode_with_the_multi_grained_return(tmp_path, 
         answered = [
             any(isinstance(parse_action(a), int) for a in info["actions"]) for group in batch.info for info in group
         ]
-        assert math.isclose(
-            row["env/answered"], sum(answered) / len(answered), rel_tol=1e-6
-        )  # the env's outcome() means
+        # the env's outcome() means
+        assert math.isclose(row["env/answered"], sum(answered) / len(answered), rel_tol=1e-6)
         B, G = batch.rewards.shape
         for b in range(B):
             meta = batch.meta[b]

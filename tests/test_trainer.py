@@ -148,7 +148,8 @@ def test_broken_reward_is_named(tmp_path, name, body):
 
 def test_none_rewards_are_excluded_and_counted(tmp_path):
     (tmp_path / "partial_reward.py").write_text(
-        "def partial(prompts, completions, **kw):\n    return [None if i % 4 == 0 else 1.0 for i in range(len(completions))]\n"
+        "def partial(prompts, completions, **kw):\n    return [None "
+        "if i % 4 == 0 else 1.0 for i in range(len(completions))]\n"
     )
     import sys
 
@@ -225,8 +226,8 @@ def test_old_logprobs_from_the_first_pass_equal_a_separate_pass(tmp_path):
 
 def test_each_reward_function_has_its_own_mean_in_the_log(tmp_path):
     (tmp_path / "const_rewards.py").write_text(
-        "def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
-        "def quarter(prompts, completions, **kw):\n    return [0.25 if i % 2 else None for i in range(len(completions))]\n"
+        "def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\ndef quarter(prompts, "
+        "completions, **kw):\n    return [0.25 if i % 2 else None for i in range(len(completions))]\n"
     )
     import sys
 
@@ -237,7 +238,8 @@ def test_each_reward_function_has_its_own_mean_in_the_log(tmp_path):
             "train.steps=1",
             "eval.size=0",
             'reward.missing="zero"',
-            'rewards=[{name="python", fn="const_rewards:one", weight=2.0}, {name="python", fn="const_rewards:quarter"}]',
+            'rewards=[{name="python", fn="const_rewards:one", '
+            'weight=2.0}, {name="python", fn="const_rewards:quarter"}]',
         )
         Run(trainer).train()
     finally:
@@ -265,15 +267,15 @@ def test_reference_sync_mixes_the_policy_into_the_reference(tmp_path):
     trainer.step = 1
     trainer.run_step()  # step 1: sync
     for (name, p), live in zip(ref.named_parameters(), trainer.policy.module.parameters()):
-        torch.testing.assert_close(
-            p, 0.6 * live.detach() + 0.4 * initial[name], rtol=1e-6, atol=1e-7
-        )  # float32 rounding of the in-place mix
+        # float32 rounding of the in-place mix
+        torch.testing.assert_close(p, 0.6 * live.detach() + 0.4 * initial[name], rtol=1e-6, atol=1e-7)
     with pytest.raises(ConfigError, match="no component reads the reference model"):
         make_trainer(tmp_path / "other", "model.ref_sync_every=2")
 
 
 def test_lora_trains_only_the_adapters_and_saves_a_merged_model(tmp_path):
-    """The documented LoRA example (README): PEFT adapters on q/v, the KL reference is the base with the adapters off."""
+    """The documented LoRA example (README): PEFT adapters on q/v,
+    the KL reference is the base with the adapters off."""
     lora = 'model.lora={r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=false}'
     trainer = make_trainer(
         tmp_path / "run", "train.steps=2", "eval.size=0", lora, 'objective.terms=["ppo_clip", {name="kl", coef=0.05}]'
@@ -282,9 +284,8 @@ def test_lora_trains_only_the_adapters_and_saves_a_merged_model(tmp_path):
     assert trainable and all("lora_" in n for n in trainable)
     base = {n: p.detach().clone() for n, p in trainer.policy.module.named_parameters() if not p.requires_grad}
     Run(trainer).train()
-    assert all(
-        torch.equal(p, base[n]) for n, p in trainer.policy.module.named_parameters() if n in base
-    )  # the base is frozen
+    # the base is frozen
+    assert all(torch.equal(p, base[n]) for n, p in trainer.policy.module.named_parameters() if n in base)
     assert trainer.policy.reference.uses_adapter  # no second copy of the model for the reference
     from transformers import AutoModelForCausalLM
 
@@ -322,8 +323,7 @@ def test_chat_prompts_and_system_prompt_use_the_chat_template(tmp_path):
     trainer = make_trainer(tmp_path / "run", f'data.path="{data}"', "eval.size=0", 'data.system_prompt="add:"')
     with pytest.raises(ValueError, match="chat template"):  # the embedded tokenizer has none
         trainer.prompts("train", trainer.train_rows, 0)
-    trainer.policy.tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"  # a minimal template
-    )
+    # a minimal template
+    trainer.policy.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     ids = trainer.prompts("train", trainer.train_rows, 0)
     assert trainer.policy.tokenizer.decode(ids) == "<system>add:<user>1+1="

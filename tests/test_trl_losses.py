@@ -612,7 +612,8 @@ def test_trl_parity(name, params, loss_type, level, eps, agg, token_adv):
     d_loss, d_grad = (loss - trl_loss.detach()).abs(), (grad - trl_grad).abs().max()
     scale = max(1.0, trl_loss.abs().item())
     print(
-        f"TRL parity {name} {params} token_adv={token_adv}: max |Δ| per-token {d_tok:.2e}, loss {d_loss:.2e}, grad {d_grad:.2e}"
+        f"TRL parity {name} {params} token_adv={token_adv}: max |Δ| "
+        f"per-token {d_tok:.2e}, loss {d_loss:.2e}, grad {d_grad:.2e}"
     )
     assert d_tok < 1e-5 * max(1.0, ptl[m].abs().max().item())
     assert d_loss < 1e-6 * scale and d_grad < 1e-6
@@ -649,14 +650,14 @@ def test_trl_parity_vespo_gamma_weights_with_sampler_is(mode):
     else:
         is_ratio = is_ratio.masked_fill(is_ratio > 2.0, 0.0)
     adv = ro.advantages.reshape(N, 1)
-    phi_trl = GRPOTrainer.get_gamma_weights(
-        adv, (logp - ro.logp_old).detach().reshape(N, T), m.float(), is_ratio
-    )  # [N,1]
+    # [N,1]
+    phi_trl = GRPOTrainer.get_gamma_weights(adv, (logp - ro.logp_old).detach().reshape(N, T), m.float(), is_ratio)
     term = build("objective", "vespo", sampler_is=mode, is_max=2.0)
     phi = term.stats(ro, {"logp": logp})["phi"].reshape(N, T)
     diff = (phi[m] - phi_trl.expand(N, T)[m]).abs().max()
     print(
-        f"TRL parity vespo phi sampler_is={mode}: max |Δ| {diff:.2e} (phi range {phi_trl.min():.3g}..{phi_trl.max():.3g})"
+        f"TRL parity vespo phi sampler_is={mode}: max |Δ| {diff:.2e} "
+        f"(phi range {phi_trl.min():.3g}..{phi_trl.max():.3g})"
     )
     assert diff < 1e-6 * max(1.0, phi_trl.abs().max().item())
     assert (phi_trl - 1).abs().max() > 0.1  # the IS ratio moved the weights
@@ -685,7 +686,8 @@ def test_trl_delta_is_ppo_clip_dual_clip():
     (trl_grad,) = torch.autograd.grad(trl_loss, logp, retain_graph=True)
     loss, grad, _ = _agg_loss_grad(build("objective", "ppo_clip", dual_clip=1.3), ro, logp, "seq_mean_token_mean")
     print(
-        f"TRL parity ppo_clip dual_clip=1.3 vs delta=1.3: loss {abs(loss - trl_loss.detach()):.2e}, grad {(grad - trl_grad).abs().max():.2e}"
+        "TRL parity ppo_clip dual_clip=1.3 vs delta=1.3: loss "
+        f"{abs(loss - trl_loss.detach()):.2e}, grad {(grad - trl_grad).abs().max():.2e}"
     )
     assert abs(loss - trl_loss.detach()) < 1e-6 and (grad - trl_grad).abs().max() < 1e-6
     undual, _, _ = _agg_loss_grad(build("objective", "ppo_clip"), ro, logp, "seq_mean_token_mean")

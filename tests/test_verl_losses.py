@@ -32,9 +32,8 @@ from groupwise.losses.clip_cov import token_priority
 from groupwise.registry import build
 from groupwise.types import Need
 
-E01, E02, E03, E04, E05 = (
-    math.exp(x) for x in (0.1, 0.2, 0.3, 0.4, 0.5)
-)  # 1.105171 1.221403 1.349859 1.491825 1.648721
+# 1.105171 1.221403 1.349859 1.491825 1.648721
+E01, E02, E03, E04, E05 = (math.exp(x) for x in (0.1, 0.2, 0.3, 0.4, 0.5))
 
 
 def _values_grad(term, mb, logp, info=None):
@@ -363,7 +362,8 @@ def test_dppo_tv_by_hand():
     mb, logp = _dppo_case([0.8, 0.6, 0.2, 0.9], [0.5] * 4, [1.0, 1.0, -1.0, -1.0])
     term = build("objective", "dppo_tv")
     values, grad = _values_grad(term, mb, logp)
-    # t0: A > 0, p − q = 0.3 > 0.15 → outside → 0 | t1: 0.1 ≤ 0.15, w = 0.6/0.5 = 1.2 → −1.2·ln 0.6 = 0.612991, grad −1.2
+    # t0: A > 0, p − q = 0.3 > 0.15 → outside → 0 |
+    # t1: 0.1 ≤ 0.15, w = 0.6/0.5 = 1.2 → −1.2·ln 0.6 = 0.612991, grad −1.2
     # t2: A < 0, p − q = −0.3 < −0.15 → outside | t3: A < 0, p − q = +0.4 ≥ −0.15 → inside, w = 1.8 → 1.8·ln 0.9
     # = −0.189649, grad +1.8 (PPO would not clip it either; a ratio cap of 1.2 would for A > 0)
     torch.testing.assert_close(values.flatten(), torch.tensor([0.0, -1.2 * math.log(0.6), 0.0, 1.8 * math.log(0.9)]))
@@ -391,7 +391,8 @@ def test_dppo_kl_by_hand():
     mb, logp = _dppo_case([0.6, 0.7, 0.7, 0.3], [0.5] * 4, [1.0, 1.0, -1.0, -1.0])
     values, grad = _values_grad(build("objective", "dppo_kl"), mb, logp)
     # t0 inside: −1.2·ln 0.6 = 0.612991, grad −1.2 | t1: KL too big and p > q with A > 0 → out
-    # t2: A < 0 but p > q (moving away from the decrease) → inside: 1.4·ln 0.7 = −0.499345, grad 1.4 | t3: p < q, KL big → out
+    # t2: A < 0 but p > q (moving away from the decrease) → inside:
+    # 1.4·ln 0.7 = −0.499345, grad 1.4 | t3: p < q, KL big → out
     torch.testing.assert_close(values.flatten(), torch.tensor([-1.2 * math.log(0.6), 0.0, 1.4 * math.log(0.7), 0.0]))
     torch.testing.assert_close(grad.flatten(), torch.tensor([-1.2, 0.0, 1.4, 0.0]))
 
@@ -471,9 +472,8 @@ def test_entropy_bonus_by_hand_and_verl_parity(agg, expected):
 
 def test_entropy_bonus_needs_and_errors():
     term = build("objective", "entropy_bonus")
-    assert (
-        Need("entropy", grad=True) in term.needs and Need("entropy") in term.needs
-    )  # whole-batch H for the controller
+    # whole-batch H for the controller
+    assert Need("entropy", grad=True) in term.needs and Need("entropy") in term.needs
     mb, _ = _entropy_case()
     with pytest.raises(ValueError, match="entropy"):
         term(mb, {"logp": leaf(torch.zeros(1, 2, 2))}, info_for(2))
@@ -500,7 +500,8 @@ def test_target_entropy_additive_by_hand_and_skywork_parity():
     assert s.start() == 0.0
     hs = [0.1, 0.1, 0.3, 0.1, 0.2]
     got = [s(info_for(2, step=i), _entropy_batch(h)) for i, h in enumerate(hs)]
-    # 0.1 < 0.2: 0 + 1e-4 | again: 2e-4 | 0.3 ≥ 0.2: value 1e-4, gate closed → 0 | 0.1: 2e-4 | 0.2 = target: falls to 1e-4, closed → 0
+    # 0.1 < 0.2: 0 + 1e-4 | again: 2e-4 | 0.3 ≥ 0.2: value 1e-4, gate closed → 0 | 0.1: 2e-4 |
+    # 0.2 = target: falls to 1e-4, closed → 0
     expected = [1e-4, 2e-4, 0.0, 2e-4, 0.0]
     assert got == pytest.approx(expected, abs=1e-12)
     assert _report("target_entropy vs Skywork EntController", torch.tensor(got), torch.tensor(_skywork(hs))) < 1e-12

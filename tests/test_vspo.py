@@ -78,9 +78,8 @@ def test_caa_vector_is_the_mean_difference_at_the_last_token():
     model = tiny_model()
     pos, neg = [[3, 4, 9], [5, 9]], [[3, 4], [5, 6, 7]]
     with torch.no_grad():
-        h = [
-            model(torch.tensor([p]), output_hidden_states=True).hidden_states[1][0, -1] for p in pos + neg
-        ]  # after layer 1
+        # after layer 1
+        h = [model(torch.tensor([p]), output_hidden_states=True).hidden_states[1][0, -1] for p in pos + neg]
     raw = (h[0] + h[1]) / 2 - (h[2] + h[3]) / 2
     v, stats = compute_steering_vector(model, 1, pos, neg, normalise="none")
     torch.testing.assert_close(v, raw, atol=1e-5, rtol=0)

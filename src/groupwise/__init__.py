@@ -17,8 +17,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from groupwise import registry as _registry
+
 __version__ = "0.1.0"
 __all__ = ["Run", "Trainer", "load_config", "train"]
+
+
+def _discover() -> None:
+    from groupwise.discovery import import_components
+
+    import_components()
+
+
+def _resolve(stage: str, table: dict, spec: str) -> type:
+    from groupwise.plugins import resolve
+
+    return resolve(stage, table, spec)
+
+
+# the registry's discovery and plug-in resolver sit above every component (registry.install says why)
+_registry.install(_discover, _resolve)
 
 
 def load_config(recipe: str | None = None, overrides: Sequence[str] = ()) -> Any:

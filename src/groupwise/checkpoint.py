@@ -135,9 +135,8 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
         manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
         _write(tmp / MANIFEST, manifest_bytes)
         _fault("checkpoint.before_marker")
-        _write(
-            tmp / MARKER, f"{step} {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode()
-        )  # last: everything above is on disk
+        # last: everything above is on disk
+        _write(tmp / MARKER, f"{step} {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode())
         _fsync_dir(tmp)
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,9 +156,8 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
     _fsync_dir(root)
     _fault("checkpoint.before_prune")
     done = complete(run_dir)
-    superseded = [
-        p for p in done if p != final and _NAME.match(p.name).group(1) == _NAME.match(final.name).group(1)
-    ]  # same step, older revision
+    # same step, older revision
+    superseded = [p for p in done if p != final and _NAME.match(p.name).group(1) == _NAME.match(final.name).group(1)]
     others = [p for p in done if p not in superseded]
     for old in superseded + (others[:-keep_last] if keep_last > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
@@ -241,6 +239,5 @@ def load(path: Path) -> dict[str, Any]:
     """The state of a checkpoint folder, verified against its manifest first."""
     verify(path)
     with open(Path(path) / STATE, "rb") as fh:
-        return torch.load(
-            fh, map_location="cpu", weights_only=False
-        )  # a GPU run resumes anywhere; load_state_dict moves back
+        # a GPU run resumes anywhere; load_state_dict moves back
+        return torch.load(fh, map_location="cpu", weights_only=False)

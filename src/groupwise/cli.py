@@ -63,7 +63,8 @@ def cmd_train(args: list[str]) -> int:
             value = item.partition("=")[2] if "=" in item else next(items, "")
             if not value:
                 raise ConfigError(
-                    "--resume-allow needs the config keys that may differ from the stored run, e.g. --resume-allow train.steps,eval.every"
+                    "--resume-allow needs the config keys that may differ from "
+                    "the stored run, e.g. --resume-allow train.steps,eval.every"
                 )
             allow += [k.strip() for k in value.split(",") if k.strip()]
         else:
@@ -274,7 +275,8 @@ def _explain_recipe(name: str, path) -> None:
 
 
 def cmd_eval(args: list[str]) -> int:
-    """``groupwise eval [MODEL | RUN] [key=value ...]``: held-out greedy accuracy of a model folder or a run's final model."""
+    """``groupwise eval [MODEL | RUN] [key=value ...]``:
+    held-out greedy accuracy of a model folder or a run's final model."""
     from groupwise.config import load_config
     from groupwise.errors import ConfigError
 
@@ -287,16 +289,16 @@ def cmd_eval(args: list[str]) -> int:
     if args and "=" not in args[0]:
         model, args = args[0], args[1:]
     run = Path(model)
-    if (run / "config.toml").exists() and (
-        run / "final"
-    ).is_dir():  # a run folder: its own data, reward and eval settings, its final model
+    # a run folder: its own data, reward and eval settings, its final model
+    if (run / "config.toml").exists() and (run / "final").is_dir():
         cfg, _ = load_config(
             str(run / "config.toml"),
             [f'model.path="{run / "final"}"', "model.lora={}", "roles={}", "train.steps=0", *args],
         )
         if cfg.model.policy != "lm":
             raise ConfigError(
-                f"groupwise eval reads language-model folders; {run} trained a {cfg.model.policy!r} policy (its summary.json has its accuracy)"
+                f"groupwise eval reads language-model folders; {run} trained a "
+                f"{cfg.model.policy!r} policy (its summary.json has its accuracy)"
             )
     else:
         cfg, _ = load_config(None, [f'model.path="{model}"', "train.steps=0", *args])
@@ -397,11 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         "command",
         choices=sorted(COMMANDS),
         help=(
-            "train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list [STAGE] [--plugins M] | "
-            "explain NAME (component, module:Class, recipe or spec number) [--plugins M] | paper NN (a paper's files, "
-            "components, recipes, claims, tests) | eval [MODEL] [key=value ...] | warmstart [...] | compare "
-            "RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] "
-            "[--out DIR]"
+            "train [RECIPE] [key=value ...] [--resume-allow KEYS] | cp RECIPE PATH | config | list "
+            "[STAGE] [--plugins M] | explain NAME (component, module:Class, recipe or spec number) "
+            "[--plugins M] | paper NN (a paper's files, components, recipes, claims, tests) | eval "
+            "[MODEL] [key=value ...] | warmstart [...] | compare RECIPE|LABEL=RECIPE ... [--seeds N] "
+            "[--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]"
         ),
     )
     if not argv or argv[0] in ("-h", "--help"):
@@ -418,9 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groupwise: config error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `groupwise explain X | head`: the reader left; not an error of ours
-        os.dup2(
-            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
-        )  # the interpreter's final flush must not fail too
+        # the interpreter's final flush must not fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except FileNotFoundError as err:  # a model, recipe or data file that is not there: one line, not a traceback
         print(f"groupwise: {err}", file=sys.stderr)

@@ -878,7 +878,8 @@ class ReadsArtifact:
         value = getattr(self, "_artifact_value", None)
         if value is None:
             raise ConfigError(
-                f"{getattr(self, 'registry_name', type(self).__name__)}: the artifact {self.artifact!r} was not given (add {self.phase_hint})"
+                f"{getattr(self, 'registry_name', type(self).__name__)}: the "
+                f"artifact {self.artifact!r} was not given (add {self.phase_hint})"
             )
         return value
 
@@ -894,7 +895,8 @@ def bind_vocabulary(components: list[Any], policy: Any) -> None:
             f"{getattr(c, 'stage', '')} {getattr(c, 'registry_name', type(c).__name__)!r}" for c in readers
         )
         raise ConfigError(
-            f"{names} read token texts, which a {policy.modality} policy does not have; use a text policy (model.policy)"
+            f"{names} read token texts, which a {policy.modality} "
+            "policy does not have; use a text policy (model.policy)"
         )
     texts = policy.token_texts()
     for component in readers:
@@ -909,7 +911,8 @@ def bind_rows(components: list[Any], rows: list[dict]) -> None:
 
 
 def bind_parameter_names(updater: Any, policy: Any) -> None:
-    """Give an updater that reads parameter names (``use_parameter_names``) the names of the parameters it was bound to."""
+    """Give an updater that reads parameter names (``use_parameter_names``)
+    the names of the parameters it was bound to."""
     if not hasattr(updater, "use_parameter_names"):
         return
     if not hasattr(policy, "parameter_names"):

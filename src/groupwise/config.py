@@ -229,7 +229,8 @@ class Config:
         for name, role in list(self.roles.items()):
             if name in ("policy", "ref"):
                 raise ConfigError(
-                    f"roles.{name}: 'policy' and 'ref' are the trained policy and its reference; name the role otherwise"
+                    f"roles.{name}: 'policy' and 'ref' are the trained "
+                    "policy and its reference; name the role otherwise"
                 )
             if isinstance(role, dict):
                 self.roles[name] = _from_dict(RoleCfg, role, f"roles.{name}.")
@@ -359,7 +360,8 @@ def _list_entry(entries: list, part: str, where: str) -> dict:
         matches = [i for i, entry in enumerate(entries) if _entry_key(entry) == part]
         if len(matches) > 1:
             raise ConfigError(
-                f"override {where}.{part}: entries {matches} are all named {part!r}; give them distinct `key`s or use a position"
+                f"override {where}.{part}: entries {matches} are all named "
+                f"{part!r}; give them distinct `key`s or use a position"
             )
         if not matches:
             entries.append({"name": part})
@@ -465,9 +467,8 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> tuple[C
     data: dict = {}
     path = resolve_recipe(recipe)
     if path is not None:
-        if not path.resolve().is_relative_to(
-            RECIPES.parent
-        ):  # a user's recipe: its folder holds its plug-ins (groupwise.plugins)
+        # a user's recipe: its folder holds its plug-ins (groupwise.plugins)
+        if not path.resolve().is_relative_to(RECIPES.parent):
             from groupwise.plugins import add_recipe_dir
 
             add_recipe_dir(path.resolve().parent)

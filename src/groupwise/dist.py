@@ -18,7 +18,8 @@ def init() -> tuple[int, int]:
     """(rank, world_size); initialises the process group when launched by torchrun."""
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         _die_with_launcher()
-        # CPU tensors (rollouts, rewards, statistics) always go over gloo; CUDA tensors (a GPU run's gradients) over NCCL
+        # CPU tensors (rollouts, rewards, statistics) always go over gloo;
+        # CUDA tensors (a GPU run's gradients) over NCCL
         dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

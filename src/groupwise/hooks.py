@@ -67,9 +67,8 @@ class EmbedDelta:
     kind: ClassVar[str] = "embed_delta"
     positions: Tensor  # [P] int64, indices into the request's prompt ids
     delta: Tensor  # [n,P,D] float32, one perturbation per row of the request
-    rho: float | None = (
-        None  # the noise-aware schedule γ(σ) of an engine that samples over noise levels (flow); None: on at every step
-    )
+    # the noise-aware schedule γ(σ) of an engine that samples over noise levels (flow); None: on at every step
+    rho: float | None = None
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 1 or self.delta.dim() != 3 or self.delta.shape[1] != self.positions.shape[0]:
@@ -83,7 +82,8 @@ class EmbedDelta:
 
 @dataclass
 class ResidualAdd:
-    """Row j of the request samples with ``alpha[j] * vector`` added to the residual stream after decoder layer ``layer``."""
+    """Row j of the request samples with ``alpha[j] * vector`` added to the
+    residual stream after decoder layer ``layer``."""
 
     kind: ClassVar[str] = "residual_add"
     layer: int  # 0 = the embeddings, l = after decoder layer l (1-based, like policy.functional.hidden_states' layers)
@@ -116,8 +116,9 @@ def check_hooks(strategy: Any, policy: Any) -> None:
     missing = used - offered
     if missing:
         raise ConfigError(
-            f"rollout strategy {name!r} samples under generation hooks {sorted(missing)} that the {policy.modality} policy's "
-            f"engine cannot apply (it applies {sorted(offered) or 'none'}); use a text policy (model.policy) or another rollout strategy"
+            f"rollout strategy {name!r} samples under generation hooks {sorted(missing)} that the "
+            f"{policy.modality} policy's engine cannot apply (it applies {sorted(offered) or 'none'}); "
+            "use a text policy (model.policy) or another rollout strategy"
         )
 
 
@@ -139,8 +140,9 @@ def row_hooks(
         if isinstance(hook, EmbedDelta):
             if hook.rho is not None:
                 raise ValueError(
-                    f"EmbedDelta of prompt {b}: rho={hook.rho} is a noise-level schedule; the text engine has no noise levels "
-                    f"(it applies the delta to the whole completion): leave rho unset (rollout e2po: rho = none)"
+                    f"EmbedDelta of prompt {b}: rho={hook.rho} is a noise-level schedule; "
+                    "the text engine has no noise levels (it applies the delta to the "
+                    "whole completion): leave rho unset (rollout e2po: rho = none)"
                 )
             if hook.delta.shape[0] != n or hook.delta.shape[2] != dim:
                 raise ValueError(
@@ -148,7 +150,8 @@ def row_hooks(
                 )
             if bool((hook.positions < 0).any()) or bool((hook.positions >= prompt_lengths[b]).any()):
                 raise ValueError(
-                    f"EmbedDelta of prompt {b}: positions {hook.positions.tolist()} outside its {prompt_lengths[b]} prompt tokens"
+                    f"EmbedDelta of prompt {b}: positions {hook.positions.tolist()} "
+                    f"outside its {prompt_lengths[b]} prompt tokens"
                 )
             if embed_add is None:
                 embed_add = torch.zeros(R, width, dim)  # [R,W,D]
@@ -157,11 +160,13 @@ def row_hooks(
         elif isinstance(hook, ResidualAdd):
             if hook.alpha.shape[0] != n or hook.vector.shape[0] != dim:
                 raise ValueError(
-                    f"ResidualAdd of prompt {b}: alpha {tuple(hook.alpha.shape)} must be [n={n}] and vector {tuple(hook.vector.shape)} [D={dim}]"
+                    f"ResidualAdd of prompt {b}: alpha {tuple(hook.alpha.shape)} "
+                    f"must be [n={n}] and vector {tuple(hook.vector.shape)} [D={dim}]"
                 )
             if steer_layer is not None and hook.layer != steer_layer:
                 raise ValueError(
-                    f"ResidualAdd hooks of one call name layers {steer_layer} and {hook.layer}; generate them in separate calls"
+                    f"ResidualAdd hooks of one call name layers {steer_layer} "
+                    f"and {hook.layer}; generate them in separate calls"
                 )
             if steer is None:
                 steer_layer, steer = hook.layer, torch.zeros(R, dim)  # [R,D]

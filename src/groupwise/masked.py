@@ -123,7 +123,6 @@ def group_normalize(r: Tensor, valid: Tensor, scale: str | None = "group", ddof:
     else:
         raise ValueError(f"scale must be one of {GROUP_SCALES}, got {scale!r}")
     denom = std + eps  # [B,1] or []
-    denom = torch.where(
-        denom > 0, denom, torch.ones_like(denom)
-    )  # eps=0 and std=0 only for constant groups (centred 0)
+    # eps=0 and std=0 only for constant groups (centred 0)
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     return centred / denom  # [B,G]

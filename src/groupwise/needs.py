@@ -59,9 +59,8 @@ class NeedResolver:
             view_params,
             context,
         )
-        self.bind_view = (
-            bind_view  # called once on each view built (the trainer gives it token texts and the train rows)
-        )
+        # called once on each view built (the trainer gives it token texts and the train rows)
+        self.bind_view = bind_view
         self.providers: dict[str, Any] = {}
         self.views: dict[str, Any] = {}
         for need in needs:
@@ -92,7 +91,8 @@ class NeedResolver:
                     raise ConfigError(f"{need} names view {view!r}: {err}") from None
 
     def view(self, name: str) -> Any:
-        """The run's view ``name`` (built once with its ``views.NAME`` parameters; shared by needs and ``eval.views``)."""
+        """The run's view ``name`` (built once with its ``views.NAME`` parameters;
+        shared by needs and ``eval.views``)."""
         if name not in self.views:
             view = build("view", name, **self.view_params.get(name, {}))
             if self.bind_view is not None:
@@ -186,8 +186,9 @@ def check_view_rollout(
             or positions.dtype != torch.long
         ):
             raise ValueError(
-                f"view {view_name!r}: edited rows {tuple(after.actions.shape)} and positions {tuple(positions.shape)} "
-                f"({positions.dtype}) must keep the {B} groups x {G} rows and give a long index per original token [{B},{G},{T}]"
+                f"view {view_name!r}: edited rows {tuple(after.actions.shape)} and "
+                f"positions {tuple(positions.shape)} ({positions.dtype}) must keep the {B} "
+                f"groups x {G} rows and give a long index per original token [{B},{G},{T}]"
             )
         mapped = (positions >= 0) & before.mask  # [B,G,T]
         if bool(((positions >= 0) & ~before.mask).any()) or bool((positions >= T2).any()):
@@ -207,6 +208,7 @@ def check_view_rollout(
     longest = max((len(c) for row in after.row_contexts() for c in row), default=0) + after.shape[2]
     if context and longest > context:
         raise ValueError(
-            f"view {view_name!r}: an edited prompt plus the completion is {longest} tokens, more than the model's context of {context}; "
-            f"shorten the view's template (views.{view_name}.template) or rollout.max_new_tokens"
+            f"view {view_name!r}: an edited prompt plus the completion is {longest} "
+            f"tokens, more than the model's context of {context}; shorten the "
+            f"view's template (views.{view_name}.template) or rollout.max_new_tokens"
         )

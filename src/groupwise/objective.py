@@ -32,7 +32,7 @@ e.g. a term on a sparse set of token positions averaged over their number (LA-GR
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +103,7 @@ class Objective:
     stat_counts: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, term_specs: list, default_agg: str, weights: list[Any] = ()) -> Objective:
+    def from_config(cls, term_specs: list, default_agg: str, weights: Sequence[Any] = ()) -> Objective:
         """The objective of ``term_specs``; ``weights``: the built token-weight components it will be
         given (a combination a term cannot take is a ``ConfigError`` here, at build)."""
         terms = [build_spec("objective", spec) for spec in term_specs]

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
-import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -72,37 +70,29 @@ def register(stage: str, name: str) -> Callable[[type], type]:
     return deco
 
 
+# Filling the tables means importing every component module, each of which imports this one; resolving
+# "module:Class" means importing a user's module through the plug-in loader. Both live above every
+# component (groupwise/discovery.py, groupwise/plugins.py) and are handed to this ground-floor table by the
+# package's __init__, which Python runs before any groupwise module: nothing here imports upward.
+_discover: Callable[[], None] | None = None
+_resolve: Callable[[str, dict[str, type], str], type] | None = None
+
+
+def install(discover: Callable[[], None], resolve: Callable[[str, dict[str, type], str], type]) -> None:
+    """Hand the registry its discovery (imports every component module) and its ``module:Class`` resolver."""
+    global _discover, _resolve
+    _discover, _resolve = discover, resolve
+
+
 def load_all() -> None:
-    """Import every component module so that its ``@register`` runs: the stage folders, then every
-    module of every paper folder (``groupwise.papers.module_names``)."""
+    """Import every component module so that its ``@register`` runs (``discovery.import_components``)."""
     global _LOADED
     if _LOADED:
         return
+    if _discover is None:
+        raise RuntimeError("groupwise.registry has no discovery installed; import groupwise first")
     _LOADED = True
-    importlib.import_module("groupwise.kl_estimators")
-    for sub in (
-        "sampling",
-        "rollout",
-        "rewards",
-        "advantages",
-        "weights",
-        "losses",
-        "updates",
-        "schedules",
-        "views",
-        "providers",
-        "tasks",
-        "modalities",
-        "phases",
-    ):
-        pkg = importlib.import_module(f"groupwise.{sub}")
-        for info in pkgutil.iter_modules(pkg.__path__):
-            if not info.name.startswith("_"):
-                importlib.import_module(f"groupwise.{sub}.{info.name}")
-    from groupwise.papers import module_names  # the paper folders' own modules (toy tasks, their rewards and envs)
-
-    for name in module_names():
-        importlib.import_module(name)
+    _discover()
 
 
 def names(stage: str) -> list[str]:
@@ -115,10 +105,8 @@ def lookup(stage: str, name: str) -> type:
     if stage not in _REGISTRY:
         raise ConfigError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
     table = _REGISTRY[stage]
-    if name not in table and isinstance(name, str) and ":" in name:  # "module:Class", a plug-in (plugins.py)
-        from groupwise.plugins import resolve  # plugins imports this module: import at call time
-
-        return resolve(stage, table, name)
+    if name not in table and isinstance(name, str) and ":" in name and _resolve is not None:
+        return _resolve(stage, table, name)  # "module:Class", a plug-in (plugins.resolve)
     if name not in table:
         close = difflib.get_close_matches(name, list(table), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -171,9 +159,9 @@ def build_spec(stage: str, spec: Any) -> Any:
 
 
 def describe(cls: type) -> str:
-    """First line of the component's docstring."""
+    """The component's summary: the first paragraph of its docstring, on one line."""
     doc = (cls.__doc__ or "").strip()
-    return doc.splitlines()[0] if doc else ""
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def entries() -> list[tuple[str, str, type]]:

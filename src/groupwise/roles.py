@@ -75,7 +75,8 @@ def _check_tokenizer(name: str, cfg: Any, policy: Any, main_policy: Any) -> None
         and policy.tokenizer.get_vocab() != main_policy.tokenizer.get_vocab()
     ):
         raise ConfigError(
-            f"roles.{name}: model {cfg.model.path!r} has another tokenizer than the policy's; a role scores the policy's tokens"
+            f"roles.{name}: model {cfg.model.path!r} has another tokenizer "
+            "than the policy's; a role scores the policy's tokens"
         )
 
 

@@ -184,7 +184,8 @@ class Run:
         log = MetricsLog(self.out / "metrics.jsonl", step - 1 if step else None) if self.rank == 0 else None
         if self.rank == 0:
             cut_back(self.out / "samples.jsonl", step - 1 if step else None)
-        # TensorBoard / wandb / trackio (rank 0): the resumed steps replace what a killed run logged after its checkpoint
+        # TensorBoard / wandb / trackio (rank 0):
+        # the resumed steps replace what a killed run logged after its checkpoint
         trackers = (
             tracking.open_trackers(self.cfg.log.backends, self.out, step, to_dict(self.cfg))
             if self.rank == 0
@@ -249,7 +250,8 @@ class Run:
                     last_save = time.perf_counter()
         if stop:
             self._say(
-                f"stopped by {self._stop_requested or 'another rank'} at step {trainer.step} (checkpointed). Rerun the same command to resume."
+                f"stopped by {self._stop_requested or 'another rank'} at step "
+                f"{trainer.step} (checkpointed). Rerun the same command to resume."
             )
             return self.summary
         if out_of_time and trainer.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
@@ -346,14 +348,16 @@ class Run:
         self._skipped_in_row = self._skipped_in_row + 1 if row.get("nonfinite") else 0
         if self._skipped_in_row >= cfg.train.max_skipped_in_row:
             raise RuntimeError(
-                f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss, gradient or result and were skipped or "
-                f"rolled back (train.max_skipped_in_row={cfg.train.max_skipped_in_row}); check update.lr and the rewards"
+                f"{self._skipped_in_row} optimiser steps in a row had a non-finite loss, gradient or result "
+                "and were skipped or rolled back "
+                f"(train.max_skipped_in_row={cfg.train.max_skipped_in_row}); check update.lr and the rewards"
             )
         self._empty_in_row = self._empty_in_row + 1 if row.get("reward_finite_frac", 1.0) == 0 else 0
         if self._empty_in_row >= cfg.reward.max_empty_steps:
             raise RuntimeError(
-                f"{self._empty_in_row} steps in a row had no sample with a finite reward (every reward None, NaN or inf; "
-                f"reward.max_empty_steps={cfg.reward.max_empty_steps}): nothing can be learned; check the reward functions"
+                f"{self._empty_in_row} steps in a row had no sample with a finite reward (every "
+                f"reward None, NaN or inf; reward.max_empty_steps={cfg.reward.max_empty_steps}): "
+                "nothing can be learned; check the reward functions"
             )
 
     def _request_stop(self, signum: int, frame: Any) -> None:

@@ -260,7 +260,8 @@ FIXED_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
     ),
     (
         ("data.task", "data.path", "data.columns", "data.train_size", "data.on_bad_row"),
-        "the training rows were fixed when the run started (the sampler's position and the prompt statistics count them)",
+        "the training rows were fixed when the run started (the "
+        "sampler's position and the prompt statistics count them)",
     ),
     (("phases",), "the phases ran before the first RL step; their outputs are in phases/ and in the checkpoint"),
 )

@@ -193,7 +193,8 @@ class Trackio:
         import trackio
 
         with _stdout_to_stderr():
-            trackio.finish()  # not run.finish(): that leaves the run current, and trackio's atexit hook finishes it again on stdout
+            # not run.finish(): that leaves the run current, and trackio's atexit hook finishes it again on stdout
+            trackio.finish()
 
 
 _OPENERS = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}

@@ -93,7 +93,7 @@ class Trainer:
         start, stop = dist.shard_bounds(batch.shape[0])
         return batch.select(list(range(start, stop)))
 
-    # ------------------------------------------------------------------ stage 1–3: collect the step's whole scored batch
+    # ----------------------------------------------------------------- stage 1–3: collect the step's whole scored batch
     def collect(self) -> Rollout:
         """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
         ro = self.cfg.rollout
@@ -134,9 +134,8 @@ class Trainer:
             batch.weight, counted = token_weights(self.weights, batch, info)  # [B,G,T], [B,G,T]
             batch.set_extra("counted", counted, "token")
         for component in self.components():
-            if hasattr(
-                component, "prepare"
-            ):  # whole-batch statistics a term needs in every micro-batch (micro-batch invariance)
+            # whole-batch statistics a term needs in every micro-batch (micro-batch invariance)
+            if hasattr(component, "prepare"):
                 component.prepare(batch, info)
             if hasattr(component, "step_stats"):
                 self.coefficients.update(component.step_stats())
@@ -174,9 +173,8 @@ class Trainer:
                 norms = role.objective.normalizers(batch, self.info(), dist.all_reduce_sum if self.world > 1 else None)
                 stats.append(role.updater.step(self._closure(batch, norms, role)))
                 if rollout.logp_old is None and batch.logp_old is not None:  # epoch 0 of one mini-batch filled them
-                    rollout.logp_old = torch.zeros_like(batch.logp_old).index_copy(
-                        0, mb_groups, batch.logp_old
-                    )  # [B,G,T]
+                    # [B,G,T]
+                    rollout.logp_old = torch.zeros_like(batch.logp_old).index_copy(0, mb_groups, batch.logp_old)
         row = {key: float(np.nanmean([s.get(key, float("nan")) for s in stats])) for key in stats[0]} if stats else {}
         row["skipped"] = float(sum(s.get("skipped", 0.0) for s in stats))
         row["nonfinite"] = float(sum(s.get("nonfinite", 0.0) for s in stats))
@@ -216,10 +214,9 @@ class Trainer:
                     self._entropy[0] += float(out["entropy"][mb.row_mask].sum())
                     self._entropy[1] += float(mb.row_mask.sum())
             if take_old:
-                mb.logp_old = out[
-                    "logp"
-                ].detach()  # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
-                batch.logp_old[start : start + len(groups)] = mb.logp_old
+                # [b,G,T] the weights have not moved yet: ratio = 1, no extra forward
+                mb.logp_old = logp_old = out["logp"].detach()
+                _present(batch.logp_old)[start : start + len(groups)] = logp_old
             loss = role.objective.loss(mb, out, norms, self.info(), record=first)
             if loss.requires_grad:
                 loss.backward()
@@ -239,16 +236,13 @@ class Trainer:
         update = self.update(local) if batch.shape[0] else {"loss": 0.0, "skipped": 1.0}  # nothing kept: no step
         row.update(_rollout_stats(local))  # after the update: the old log-probs may come from its first pass
         row.update(_reward_means(batch, self.reward_stage.labels))
-        row.update(
-            self.reward_stage.pop_metrics()
-        )  # reward functions' log_metric values, averaged over the step and ranks
+        # reward functions' log_metric values, averaged over the step and ranks
+        row.update(self.reward_stage.pop_metrics())
         row.update(update)
-        for role in (
-            self.roles if batch.shape[0] else ()
-        ):  # further roles learn from the same rollouts, behaviour = the policy's log-probs
-            behaviour = (
-                batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(local.logp_old)
-            )  # [B,G,T]
+        # further roles learn from the same rollouts, behaviour = the policy's log-probs
+        for role in self.roles if batch.shape[0] else ():
+            # [B,G,T]
+            behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(_present(local.logp_old))
             stats = self.update(self._share(roles.view(role, batch, behaviour, self.info())), role)
             row.update({f"{role.name}/{k}": v for k, v in stats.items()})
         row.update(self.coefficients)
@@ -283,7 +277,10 @@ class Trainer:
         """The components by ``stage.name`` (``#2``, ``#3`` for repeats): checkpoint states are matched by name."""
         named: dict[str, Any] = {}
         for component in self.components():
-            key = f"{getattr(component, 'stage', type(component).__module__)}.{getattr(component, 'registry_name', type(component).__name__)}"
+            key = (
+                f"{getattr(component, 'stage', type(component).__module__)}."
+                f"{getattr(component, 'registry_name', type(component).__name__)}"
+            )
             k, n = key, 1
             while k in named:
                 n += 1
@@ -327,8 +324,9 @@ class Trainer:
         named = {key: c for key, c in self.named_components().items() if hasattr(c, "state_dict")}
         if sorted(named) != sorted(state["components"]):
             raise ConfigError(
-                f"the checkpoint holds the states of components {sorted(state['components'])}, this configuration builds "
-                f"{sorted(named)}; resume with the components the run started with, or train into a new folder with out=..."
+                f"the checkpoint holds the states of components {sorted(state['components'])}, "
+                f"this configuration builds {sorted(named)}; resume with the components the "
+                "run started with, or train into a new folder with out=..."
             )
         for key, component in named.items():
             component.load_state_dict(state["components"][key])
@@ -349,7 +347,8 @@ class Trainer:
             self.prompt_stats.load_state_dict(state["prompt_stats"])
         if sorted(state.get("roles", {})) != sorted(r.name for r in self.roles):
             raise ConfigError(
-                f"the checkpoint holds roles {sorted(state.get('roles', {}))}, this configuration builds {[r.name for r in self.roles]}"
+                f"the checkpoint holds roles {sorted(state.get('roles', {}))}, "
+                f"this configuration builds {[r.name for r in self.roles]}"
             )
         for role in self.roles:
             saved = state["roles"][role.name]
@@ -384,9 +383,8 @@ def _rollout_stats(rollout: Rollout) -> dict[str, float]:
     from groupwise.masked import group_std, masked_mean
 
     valid = dist.all_gather_rows(rollout.group_valid)  # [B,G]
-    rewards = torch.nan_to_num(
-        dist.all_gather_rows(rollout.rewards)
-    ).double()  # [B,G] float64: rewards near 3e38 square to inf in float32
+    # [B,G] float64: rewards near 3e38 square to inf in float32
+    rewards = torch.nan_to_num(dist.all_gather_rows(_present(rollout.rewards))).double()
     lengths = dist.all_gather_rows(rollout.mask.sum(-1)).float()  # [B,G]
     stats = {
         "groups": valid.shape[0],
@@ -404,12 +402,20 @@ def _rollout_stats(rollout: Rollout) -> dict[str, float]:
     return stats
 
 
+def _present(x: torch.Tensor | None) -> torch.Tensor:
+    """``x``, which the step has filled by the time it is read (rewards after scoring, log-probs after the forward)."""
+    if x is None:
+        raise RuntimeError("a rollout field was read before the step filled it")
+    return x
+
+
 def _reward_means(batch: Rollout, labels: list[str]) -> dict[str, float]:
     """``reward/<label>``: each reward function's own (unweighted) mean over the step's rows with a verdict."""
     out = {}
-    real = batch.group_valid | ~torch.isfinite(batch.rewards)  # [B,G] excluded rows too: their other parts count
+    # [B,G] excluded rows too: their other parts count
+    real = batch.group_valid | ~torch.isfinite(_present(batch.rewards))
     for k, label in enumerate(labels):
-        part = batch.reward_parts[..., k]  # [B,G]
+        part = _present(batch.reward_parts)[..., k]  # [B,G]
         seen = real & torch.isfinite(part)  # [B,G]
         out[f"reward/{label}"] = float(part[seen].double().mean()) if seen.any() else float("nan")
     return out

@@ -147,9 +147,8 @@ class Rollout:
     info: list[list[dict[str, Any]]] = field(default_factory=list)  # [B][G] side outputs
     ctx: list[list[list[int]]] = field(default_factory=list)  # [B][G] each row's context; empty = the group's prompt
     loss_mask: Tensor | None = None  # [B,G,T] bool, the policy's own tokens within mask; None = all of mask
-    behav_ctx: list[list[list[int]]] = field(
-        default_factory=list
-    )  # [B][G] the context each row was sampled under; [] = its training context
+    # [B][G] the context each row was sampled under; [] = its training context
+    behav_ctx: list[list[list[int]]] = field(default_factory=list)
     row_flags: dict[str, Tensor] = field(default_factory=dict)  # name -> [B,G] bool
     segment_id: Tensor | None = None  # [B,G,T] int64 segment of each token (a turn), -1 in none
 
@@ -173,7 +172,8 @@ class Rollout:
         return [[list(p)] * G for p in self.prompt_ids]
 
     def behaviour_contexts(self) -> list[list[list[int]]]:
-        """[B][G] the context every row was sampled under: its ``behav_ctx`` entry when non-empty, else its training context."""
+        """[B][G] the context every row was sampled under: its ``behav_ctx`` entry when non-empty,
+        else its training context."""
         train = self.row_contexts()
         if not self.behav_ctx:
             return train
@@ -196,7 +196,8 @@ class Rollout:
     def set_flag(self, name: str, value: Tensor) -> None:
         if tuple(value.shape) != tuple(self.actions.shape[:2]) or value.dtype != torch.bool:
             raise ValueError(
-                f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} bool tensor, got {tuple(value.shape)} {value.dtype}"
+                f"row flag {name!r} must be a [B,G] = {tuple(self.actions.shape[:2])} "
+                f"bool tensor, got {tuple(value.shape)} {value.dtype}"
             )
         self.row_flags[name] = value
 
@@ -321,15 +322,13 @@ class Rollout:
         T = max(self.shape[2], more.shape[2])
         own = [self.prompt_ids[g] for g in groups]
         if self.ctx or more.ctx or any(list(p) != list(q) for p, q in zip(more.prompt_ids, own)):
-            more = dataclasses.replace(
-                more, ctx=more.row_contexts()
-            )  # the new rows keep the context they were sampled under
+            # the new rows keep the context they were sampled under
+            more = dataclasses.replace(more, ctx=more.row_contexts())
         a, b = _same_optional_fields([self.pad_tokens(T), more.pad_tokens(T)])
         index = torch.as_tensor(groups, dtype=torch.long)  # [B2]
 
-        def spread(
-            v: Tensor, fill: Any = 0
-        ) -> Tensor:  # [B2,G2,...] -> [B,G2,...] with padding rows for uncovered groups
+        # [B2,G2,...] -> [B,G2,...] with padding rows for uncovered groups
+        def spread(v: Tensor, fill: Any = 0) -> Tensor:
             out = torch.full((B, *v.shape[1:]), fill, dtype=v.dtype)
             out[index] = v
             return out
@@ -348,7 +347,7 @@ class Rollout:
                 extra = {g: w[k] for k, g in enumerate(groups)} if w else {}
                 out[name] = [list(v[g]) + list(extra.get(g, [copy.copy(fill)] * G2)) for g in range(B)]
             elif name == "row_flags":
-                out[name] = {key: torch.cat([t, spread(b.row_flags[key])], dim=1) for key, t in v.items()}
+                out[name] = {key: torch.cat([t, spread(b.row_flags[key])], dim=1) for key, t in a.row_flags.items()}
             elif name == "extras":
                 out[name] = {
                     key: (
@@ -356,7 +355,7 @@ class Rollout:
                         if a.extra_levels[key] == "group"
                         else torch.cat([t, spread(b.extras[key], _EXTRA_FILL[a.extra_levels[key]])], dim=1)
                     )
-                    for key, t in v.items()
+                    for key, t in a.extras.items()
                 }
             else:
                 out[name] = v
@@ -411,9 +410,8 @@ class Rollout:
         return Rollout(**out)
 
 
-INJECTED = (
-    "injected"  # row flag: a row not sampled by the policy under its training context (a swapped-in or guided row)
-)
+# row flag: a row not sampled by the policy under its training context (a swapped-in or guided row)
+INJECTED = "injected"
 
 # Each field's level and the value of its padding (a padding row, or a padding token of a token field).
 # "auto": row-level [B,G] or token-level [B,G,T] by the tensor's rank (advantages). Dicts of tensors

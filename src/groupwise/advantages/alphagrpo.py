@@ -90,9 +90,8 @@ def per_prompt_advantages(
     r = rewards.double().reshape(-1)  # [N]
     ok = torch.isfinite(r) if valid is None else valid.reshape(-1).bool() & torch.isfinite(r)  # [N]
     codes: dict[Any, int] = {}
-    inv = torch.tensor(
-        [codes.setdefault(p, len(codes)) for p in prompt_ids], dtype=torch.long
-    )  # [N] prompt code of each row
+    # [N] prompt code of each row
+    inv = torch.tensor([codes.setdefault(p, len(codes)) for p in prompt_ids], dtype=torch.long)
     K = len(codes)
     x = torch.where(ok, r, torch.zeros((), dtype=r.dtype))  # [N]
 
@@ -107,9 +106,8 @@ def per_prompt_advantages(
         high = torch.full((K,), -torch.inf, dtype=r.dtype).scatter_reduce_(
             0, inv, torch.where(ok, r, -torch.inf), "amax"
         )  # [K]
-        low = torch.full((K,), torch.inf, dtype=r.dtype).scatter_reduce_(
-            0, inv, torch.where(ok, r, torch.inf), "amin"
-        )  # [K]
+        # [K]
+        low = torch.full((K,), torch.inf, dtype=r.dtype).scatter_reduce_(0, inv, torch.where(ok, r, torch.inf), "amin")
         constant = high == low  # [K] Note 2: a constant prompt gets exactly 0
         out = (r - mean[inv]) / (std[inv] + eps)  # [N]
         return torch.where(ok & ~constant[inv], out, torch.zeros((), dtype=r.dtype))  # [N]
@@ -132,7 +130,8 @@ def per_prompt_advantages(
 @register("advantage", "alphagrpo")
 @dataclass
 class AlphaGRPOAdvantage:
-    """Per-prompt (r − baseline)/(std + eps), baseline the mean, a stage-1 reward or their max; optional FPR (AlphaGRPO, spec 27)."""
+    """Per-prompt (r − baseline)/(std + eps), baseline the mean, a stage-1 reward or their max; optional FPR (AlphaGRPO,
+    spec 27)."""
 
     group_relative = True
     rollout_extras = ()  # (the instance's: ``stage1`` when fpr or a stage-1 baseline reads it, Note 4)
@@ -158,8 +157,8 @@ class AlphaGRPOAdvantage:
         if self.rollout_extras:
             if self.stage1 not in rollout.extras:
                 raise ValueError(
-                    f"alphagrpo: fpr / baseline={self.baseline!r} read the extra {self.stage1!r} (the stage-1 reward per "
-                    f"group), which this rollout lacks; a reflection rollout collects it"
+                    f"alphagrpo: fpr / baseline={self.baseline!r} read the extra {self.stage1!r} (the "
+                    "stage-1 reward per group), which this rollout lacks; a reflection rollout collects it"
                 )
             s = rollout.extras[self.stage1].double().reshape(B, -1).expand(B, G)  # [B,G]
         if self.fpr:
@@ -169,7 +168,6 @@ class AlphaGRPOAdvantage:
         gm = None
         if s is not None and self.baseline != "group":
             gm = {k: float(s[[b for b in range(B) if keys[b] == k]].mean()) for k in dict.fromkeys(keys)}
-        adv = per_prompt_advantages(r.reshape(-1), ids, gm, self.baseline, self.eps, valid.reshape(-1)).reshape(
-            B, G
-        )  # [B,G]
+        # [B,G]
+        adv = per_prompt_advantages(r.reshape(-1), ids, gm, self.baseline, self.eps, valid.reshape(-1)).reshape(B, G)
         return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

@@ -59,9 +59,8 @@ def _prefix_gains(A: Tensor) -> Tensor:
         n = A.shape[-1]
         K = A[bad] - torch.eye(n, dtype=A.dtype)  # [m,n,n]
         keep = torch.arange(n)[None, :] <= torch.arange(n)[:, None]  # [n,n] row k: the first k+1 players
-        prefix = (
-            K[:, None] * (keep[:, :, None] & keep[:, None, :])[None]
-        )  # [m,n,n,n] the k-th leading block, zero-padded
+        # [m,n,n,n] the k-th leading block, zero-padded
+        prefix = K[:, None] * (keep[:, :, None] & keep[:, None, :])[None]
         logdet = torch.linalg.eigvalsh(prefix).clamp(min=0.0).log1p().sum(-1)  # [m,n]
         gains[bad] = torch.diff(logdet, dim=-1, prepend=torch.zeros_like(logdet[:, :1]))  # [m,n]
     return gains
@@ -165,8 +164,7 @@ def shapley_values(
         vals = _exact(K)  # [n]
     else:
         vals = _monte_carlo(K, n_perm, torch.Generator().manual_seed(seed))  # [n]
-    tied = (
-        torch.zeros(rows.shape[0], dtype=torch.float64).index_add_(0, cls, vals) / torch.bincount(cls).double()
-    )  # [u]
+    # [u]
+    tied = torch.zeros(rows.shape[0], dtype=torch.float64).index_add_(0, cls, vals) / torch.bincount(cls).double()
     psi[live] = tied[cls]
     return psi

@@ -122,9 +122,8 @@ def edas_shape(
     C = (surprisal - H) / n_w.clamp(min=2).log()  # [B,G] in [−1, 1], zero-sum over W
     delta = torch.where(K == 1, -beta * S, alpha * S * C)  # [B,G] branch B | branch C
     cap = adv.abs() / kappa  # [B,G]
-    out = torch.where(
-        shaped, adv + delta.sign() * torch.minimum(delta.abs(), cap), adv
-    )  # [B,G] sign kept for kappa > 1
+    # [B,G] sign kept for kappa > 1
+    out = torch.where(shaped, adv + delta.sign() * torch.minimum(delta.abs(), cap), adv)
     groups = max(int(valid.any(1).sum()) if valid is not None else B, 1)
     some, many = wrong.any(1), n_w[:, 0] >= 2  # [B], [B]
     nan = float("nan")
@@ -168,7 +167,8 @@ class EDAS:
     def __post_init__(self) -> None:
         if not self.kappa > 1.0:
             raise ConfigError(
-                f"edas: kappa={self.kappa} must be > 1 (the clip |delta| <= |A|/kappa keeps signs only then); the paper uses 2.0"
+                f"edas: kappa={self.kappa} must be > 1 (the clip |delta| "
+                "<= |A|/kappa keeps signs only then); the paper uses 2.0"
             )
         if self.alpha < 0 or self.beta < 0:
             raise ConfigError(f"edas: alpha={self.alpha} and beta={self.beta} must be >= 0 (0 turns a branch off)")
@@ -195,7 +195,8 @@ class EDAS:
         if parts is None or not -parts.shape[-1] <= k < parts.shape[-1]:
             have = "none" if parts is None else parts.shape[-1]
             raise ConfigError(
-                f"edas: {what}={k} but the rollout has {have} reward_parts columns (one per reward function, in config order)"
+                f"edas: {what}={k} but the rollout has {have} reward_parts "
+                "columns (one per reward function, in config order)"
             )
         return parts[..., k].double()  # [B,G]
 
@@ -231,9 +232,8 @@ class EDAS:
             fmt = self._part(rollout, self.format_part, "format_part")  # [B,G]
             wrong = wrong & ~(fmt < 0.5)  # [B,G] NaN: no flag, kept
         answers = self._answers(rollout)
-        answered = torch.tensor(
-            [[answers[b][g] is not None for g in range(G)] for b in range(B)], dtype=torch.bool
-        )  # [B,G]
+        # [B,G]
+        answered = torch.tensor([[answers[b][g] is not None for g in range(G)] for b in range(B)], dtype=torch.bool)
         if valid.any() and not (answered & valid).any():
             raise ValueError(
                 f"edas answers={self.answers!r}: no valid row has that info column; set log_answer=true on the "

@@ -39,7 +39,8 @@ the two-phase sequence-level loss: ``losses/f_grpo.py``.
    phase reward is NaN get exactly 0; a phase's constant group gets 0 (``group_normalize``).
 4. ``step_stats``: ``f_grpo/gen_share`` (share of loss tokens in the generation phase) and
    ``f_grpo/disagree`` (share of valid rows where sign(A_gen) ≠ sign(A_rank), both non-zero).
-5. ``phase_ids`` is the shared phase map (built on ``textspans.label_tokens``); the loss ``f_grpo`` computes the same map in ``prepare``.
+5. ``phase_ids`` is the shared phase map (built on ``textspans.label_tokens``);
+   the loss ``f_grpo`` computes the same map in ``prepare``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def fgrpo_token_adv(A_gen: Tensor, A_rank: Tensor, m_gen: Tensor, m_rank: Tensor
 @register("advantage", "f_grpo")
 @dataclass
 class FGRPO:
-    """Group-normalise the coverage and ranking rewards separately; credit each to its own phase's tokens (F-GRPO, Surana et al. 2026)."""
+    """Group-normalise the coverage and ranking rewards separately; credit each to its own phase's tokens (F-GRPO,
+    Surana et al. 2026)."""
 
     gen_part: int = 0
     rank_part: int = 1
@@ -113,7 +115,8 @@ class FGRPO:
         K = parts.shape[-1]
         if max(self.gen_part, self.rank_part) >= K:
             raise ConfigError(
-                f"advantage f_grpo: gen_part={self.gen_part}, rank_part={self.rank_part} but the rollout has {K} reward columns "
+                f"advantage f_grpo: gen_part={self.gen_part}, "
+                f"rank_part={self.rank_part} but the rollout has {K} reward columns "
                 f'(one per entry of `rewards`, in order); e.g. rewards = ["recall_at_k", "ndcg_at_k"]'
             )
         return parts[..., self.gen_part].double(), parts[..., self.rank_part].double()  # [B,G], [B,G]
@@ -127,9 +130,8 @@ class FGRPO:
         _, valid = valid_rows(rollout)  # [B,G]
         r_gen, r_rank = self._phase_rewards(rollout)  # [B,G], [B,G]
         ok_gen, ok_rank = valid & torch.isfinite(r_gen), valid & torch.isfinite(r_rank)  # [B,G]
-        A_gen = group_normalize(
-            torch.nan_to_num(r_gen), ok_gen, "group", _DDOF[self.std], self.eps
-        )  # [B,G] 0 outside ok_gen
+        # [B,G] 0 outside ok_gen
+        A_gen = group_normalize(torch.nan_to_num(r_gen), ok_gen, "group", _DDOF[self.std], self.eps)
         A_rank = group_normalize(torch.nan_to_num(r_rank), ok_rank, "group", _DDOF[self.std], self.eps)  # [B,G]
         mask = rollout.row_mask & valid[..., None]  # [B,G,T]
         phase = phase_ids(

@@ -171,7 +171,8 @@ class GCPOAdvantage:
                 raise ConfigError(f"gcpo: {name}={getattr(self, name)} must be >= {low}")
         if self.exact_max > 16:
             raise ConfigError(
-                f"gcpo: exact_max={self.exact_max} would solve 2^{self.exact_max} subsets per group; use <= 16 (Monte-Carlo above)"
+                f"gcpo: exact_max={self.exact_max} would solve 2^{self.exact_max} "
+                "subsets per group; use <= 16 (Monte-Carlo above)"
             )
         if self.eps < 0:
             raise ConfigError(f"gcpo: eps={self.eps} must be >= 0")
@@ -197,7 +198,8 @@ class GCPOAdvantage:
         key = Need(f"hidden({self.layer})", model="ref").key
         if key not in rollout.extras:
             raise ValueError(
-                f"gcpo embedding='hidden' needs rollout.extras[{key!r}] (declared in its needs); extras present: {sorted(rollout.extras)}"
+                f"gcpo embedding='hidden' needs rollout.extras[{key!r}] (declared "
+                f"in its needs); extras present: {sorted(rollout.extras)}"
             )
         m = rollout.mask.double()[..., None]  # [B,G,T,1]
         return (rollout.extras[key].double() * m).sum(2) / m.sum(2).clamp(min=1)  # [B,G,H] mean over completion tokens

@@ -48,7 +48,8 @@ from groupwise.types import Rollout, StepInfo
 @register("advantage", "gdpo")
 @dataclass
 class GDPOAdvantage:
-    """Normalise each reward function within its group, sum the weighted z-scores, whiten over the batch (GDPO, Liu et al. 2026; TRL normalize_then_sum)."""
+    """Normalise each reward function within its group, sum the weighted z-scores, whiten over the batch (GDPO, Liu et
+    al. 2026; TRL normalize_then_sum)."""
 
     eps: float = 1e-4
     batch_norm: bool = True
@@ -58,9 +59,8 @@ class GDPOAdvantage:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         _, valid = valid_rows(rollout)  # [B,G] rows with a finite total
-        if (
-            rollout.reward_parts is None or "reward_weights" not in rollout.extras
-        ):  # one reward: the total is its only part
+        # one reward: the total is its only part
+        if rollout.reward_parts is None or "reward_weights" not in rollout.extras:
             parts, weights = (
                 rollout.rewards.double()[..., None],
                 torch.ones(valid.shape[0], 1, dtype=torch.float64),
@@ -70,9 +70,8 @@ class GDPOAdvantage:
         total = torch.zeros(valid.shape, dtype=torch.float64)  # [B,G]
         for k in range(parts.shape[-1]):
             seen = valid & torch.isfinite(parts[..., k])  # [B,G] rows with a verdict from function k
-            z = group_normalize(
-                torch.nan_to_num(parts[..., k]), seen, "group", self.ddof, self.eps
-            )  # [B,G] 0 outside `seen`
+            # [B,G] 0 outside `seen`
+            z = group_normalize(torch.nan_to_num(parts[..., k]), seen, "group", self.ddof, self.eps)
             total = total + weights[:, k : k + 1] * z  # [B,G]
         if self.batch_norm:
             total = (total - masked_mean(total, valid)) / (batch_std(total, valid, self.ddof) + self.eps)  # [B,G]

@@ -147,7 +147,8 @@ def _extra(rollout: Rollout, key: str) -> Tensor:
 @register("advantage", "gear")
 @dataclass
 class GEAR:
-    """Reweight A_i per token/segment by divergence spikes against a ground-truth self-teacher (GEAR, Li et al. 2026)."""
+    """Reweight A_i per token/segment by divergence spikes against a ground-truth self-teacher (GEAR, Li et al.
+    2026)."""
 
     divergence: str = "kl"  # "kl" (full vocabulary, Need kl_to(view)) | "sampled_gap" (logp − logp under view)
     view: str = "ground_truth"
@@ -201,12 +202,10 @@ class GEAR:
         d = self._token_divergence(rollout).reshape(B * G, T)  # [N,T]
         H = _extra(rollout, "entropy").reshape(B * G, T)  # [N,T]
         h_tau = self.h_tau if self.h_tau is not None else entropy_threshold(H, mask.reshape(B * G, T), self.h_quantile)
-        anchor = gear_segments(
-            d, H, mask.reshape(B * G, T), self.kappa, h_tau, self.segments, self.gap_is_boundary
-        )  # [N,T]
+        # [N,T]
+        anchor = gear_segments(d, H, mask.reshape(B * G, T), self.kappa, h_tau, self.segments, self.gap_is_boundary)
         seq_adv = adv.reshape(B * G) if adv.dim() == 2 else adv.reshape(B * G, T)  # [N] or [N,T]
         w = gear_weights(d, anchor, seq_adv, self.alpha, self.w_min, self.w_max, self.renorm)  # [N,T]
-        out = to_float32(
-            (seq_adv if seq_adv.dim() == 2 else seq_adv[:, None]).double() * w.double()
-        )  # [N,T] A·w ≤ 3·A can pass 3.4e38
+        # [N,T] A·w ≤ 3·A can pass 3.4e38
+        out = to_float32((seq_adv if seq_adv.dim() == 2 else seq_adv[:, None]).double() * w.double())
         return torch.where(mask, out.reshape(B, G, T), torch.zeros((), dtype=out.dtype))  # [B,G,T]

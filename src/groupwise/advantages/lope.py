@@ -59,7 +59,8 @@ _DDOF = {"unbiased": 1, "population": 0}
 @register("advantage", "lope")
 @dataclass
 class LoPEAdvantage:
-    """GRPO whose group mean/std include the strategy's extra rewards: the full G + G' vector of a rescued group (LoPE)."""
+    """GRPO whose group mean/std include the strategy's extra rewards: the full G + G' vector of a rescued group
+    (LoPE)."""
 
     group_relative = True
     rollout_extras = (EXTRA,)  # collected by rollout.name = "lope" only (note 4)

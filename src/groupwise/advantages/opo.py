@@ -49,7 +49,6 @@ class OPO:
         weighted = (L * r0).sum(1, keepdim=True) / total.clamp(min=1)  # [B,1]
         baseline = torch.where(total > 0, weighted, group_mean(r0, valid).double())  # [B,1]
         baseline = torch.where(valid.sum(1, keepdim=True) == 1, torch.zeros(()), baseline)  # [B,1]
-        adv = torch.where(
-            constant_group(r, valid) & (valid.sum(1, keepdim=True) > 1), torch.zeros(()), r0 - baseline
-        )  # [B,G]
+        # [B,G]
+        adv = torch.where(constant_group(r, valid) & (valid.sum(1, keepdim=True) > 1), torch.zeros(()), r0 - baseline)
         return to_float32(torch.where(valid, adv, torch.zeros(())))  # [B,G]

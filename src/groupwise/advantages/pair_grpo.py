@@ -33,7 +33,8 @@ different values is ±1 whatever they are).
   the output; the micro-batch split and world size do not matter).
 - ``std = "population"``, ``eps = 0.0`` [INFERRED] the spec's numbers ([1, −1, 1, −1] exactly; |adv|
   ≤ √(G − 1)). Binary rewards need no eps: a group's std is 0 only when every reward is equal,
-  and such a group gets exactly 0 (``constant_group``). ``scale = "group"`` [ABSTRACT] the group normalisation the abstract keeps (DeepSeekMath's, as ``grpo``);
+  and such a group gets exactly 0 (``constant_group``). ``scale = "group"`` [ABSTRACT] the group normalisation the
+  abstract keeps (DeepSeekMath's, as ``grpo``);
   ``"batch"``, ``"none"`` as ``grpo``.
 
 **Notes**
@@ -86,9 +87,8 @@ def disjoint_pairs(keys: Tensor, valid: Tensor) -> Tensor:
     """[B,P,2] long, P = G // 2: the valid rows in key order (position breaks ties) paired in turn; −1 = no pair."""
     B, G = keys.shape
     by_key = torch.sort(keys, dim=1, stable=True).indices  # [B,G]
-    order = by_key.gather(
-        1, torch.sort((~valid).gather(1, by_key).to(torch.int8), dim=1, stable=True).indices
-    )  # [B,G] valid rows first
+    # [B,G] valid rows first
+    order = by_key.gather(1, torch.sort((~valid).gather(1, by_key).to(torch.int8), dim=1, stable=True).indices)
     P = G // 2
     pairs = torch.stack([order[:, 0 : 2 * P : 2], order[:, 1 : 2 * P : 2]], dim=-1)  # [B,P,2]
     exists = (2 * torch.arange(P) + 1)[None, :] < valid.sum(1, keepdim=True)  # [B,P] both members valid
@@ -132,9 +132,8 @@ def win_rates(scores: Tensor, valid: Tensor) -> Tensor:
     s = scores.double()  # [B,G]
     G = s.shape[1]
     both = valid[:, :, None] & valid[:, None, :] & ~torch.eye(G, dtype=torch.bool)  # [B,G,G]
-    wins = torch.where(
-        both, 0.5 * (1 + torch.sign(s[:, :, None] - s[:, None, :])), torch.zeros((), dtype=s.dtype)
-    )  # [B,G,G]
+    # [B,G,G]
+    wins = torch.where(both, 0.5 * (1 + torch.sign(s[:, :, None] - s[:, None, :])), torch.zeros((), dtype=s.dtype))
     n = both.sum(2)  # [B,G]
     r = torch.where(n > 0, wins.sum(2) / n.clamp(min=1), torch.full((), 0.5, dtype=s.dtype))  # [B,G]
     return torch.where(valid, r, torch.zeros((), dtype=r.dtype))  # [B,G]

@@ -140,8 +140,7 @@ class PassAtKAdvantage:
         hit = valid & (r >= self.correct_at)  # [B,G] correct rows
         groups = list(zip(valid.sum(1).tolist(), hit.sum(1).tolist()))  # B × (N, c)
         table = {key: self._pair(*key) for key in set(groups)}
-        values = torch.tensor([table[key] for key in groups], dtype=torch.float64, device=r.device).reshape(
-            -1, 2
-        )  # [B,2]
+        # [B,2]
+        values = torch.tensor([table[key] for key in groups], dtype=torch.float64, device=r.device).reshape(-1, 2)
         adv = torch.where(hit, values[:, :1], values[:, 1:])  # [B,G]
         return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]

@@ -57,7 +57,8 @@ def profil_filter(adv: Tensor, rollout_scores: Tensor, tau: float = 0.5, only_po
     """adv float32 with 0 where the rollout's score exceeds ``tau`` (only where adv > 0 if ``only_positive``)."""
     if tuple(adv.shape[: rollout_scores.dim()]) != tuple(rollout_scores.shape):
         raise ValueError(
-            f"profil_filter: rollout_scores {tuple(rollout_scores.shape)} must be the leading shape of adv {tuple(adv.shape)}"
+            f"profil_filter: rollout_scores {tuple(rollout_scores.shape)} "
+            f"must be the leading shape of adv {tuple(adv.shape)}"
         )
     flag = rollout_scores > tau  # [N]
     flag = flag.reshape(*flag.shape, *([1] * (adv.dim() - flag.dim())))  # [N] or [N,1] for token advantages
@@ -75,9 +76,8 @@ def committed_steps(forced_answers: list, final: Any, equal: Callable[[Any, Any]
 def commitment_labels(forced_answers: list, final: Any, equal: Callable[[Any, Any], bool] | None = None) -> Tensor:
     """[K] float32 post-commitment labels: 1 where some earlier step was already committed."""
     committed = committed_steps(forced_answers, final, equal)  # [K]
-    before = (
-        torch.cat([torch.zeros(1, dtype=torch.bool), committed[:-1]]) if len(committed) else committed
-    )  # [K] step k−1
+    # [K] step k−1
+    before = torch.cat([torch.zeros(1, dtype=torch.bool), committed[:-1]]) if len(committed) else committed
     return (torch.cumsum(before.long(), 0) > 0).float()  # [K]
 
 
@@ -97,7 +97,8 @@ class AttnProbe(nn.Module):
         """p [N,K] float32 in (0,1) per step (K = max step id + 1); NaN where a row lacks step k."""
         if hidden.dim() != 3 or step_ids.shape != hidden.shape[:2]:
             raise ValueError(
-                f"probe_scores: need hidden [N,T,d] and step_ids [N,T], got {tuple(hidden.shape)} and {tuple(step_ids.shape)}"
+                "probe_scores: need hidden [N,T,d] and step_ids [N,T], "
+                f"got {tuple(hidden.shape)} and {tuple(step_ids.shape)}"
             )
         hidden = hidden.float()  # [N,T,d]
         K = int(step_ids.max().item()) + 1 if step_ids.numel() else 0
@@ -166,9 +167,8 @@ def segment_steps(
     char_step, step, line_start = [-1] * len(text), -1, 0
     for end in ends + [len(text)]:
         body = text[line_start:end]
-        if (
-            body[: -len(sep)] if body.endswith(sep) else body
-        ).strip():  # visible text besides sep: a step, its sep included
+        # visible text besides sep: a step, its sep included
+        if (body[: -len(sep)] if body.endswith(sep) else body).strip():
             step += 1
             char_step[line_start:end] = [step] * (end - line_start)
         line_start = end

@@ -90,8 +90,9 @@ class ProFIL:
     def use_artifact(self, name: str, value: dict) -> None:
         if value.get("layer") != self.layer:
             raise ConfigError(
-                f"advantage profil: layer={self.layer}, but the artifact {name!r} holds a probe trained on layer {value.get('layer')}; "
-                f"set advantage.shapers.profil.layer={value.get('layer')} (or the phase's layer to {self.layer})"
+                f"advantage profil: layer={self.layer}, but the artifact {name!r} holds a probe trained "
+                f"on layer {value.get('layer')}; set advantage.shapers.profil.layer={value.get('layer')} "
+                f"(or the phase's layer to {self.layer})"
             )
         probe = AttnProbe(int(value["d_model"]), int(value["n_heads"]), int(value["d_head"]))
         probe.load_state_dict(value["state"])
@@ -105,12 +106,14 @@ class ProFIL:
         """S [B,G] float32: each rollout's probe score."""
         if self._probe is None:
             raise ValueError(
-                'advantage profil has no probe: configure the offline phase profil_probe (phases = [..., {name = "profil_probe"}])'
+                "advantage profil has no probe: configure the offline phase "
+                'profil_probe (phases = [..., {name = "profil_probe"}])'
             )
         key = Need(f"hidden({self.layer})", model="ref").key
         if key not in rollout.extras:
             raise ValueError(
-                f"advantage profil needs rollout.extras[{key!r}] (declared in its needs); extras present: {sorted(rollout.extras)}"
+                f"advantage profil needs rollout.extras[{key!r}] (declared "
+                f"in its needs); extras present: {sorted(rollout.extras)}"
             )
         B, G, T = rollout.shape
         hidden = rollout.extras[key].reshape(B * G, T, -1)  # [N,T,d]

@@ -1,4 +1,5 @@
-"""SS-GRPO (registered as ``rubricem``): stage-structured group-relative advantages — each stage's tokens get their own stage's advantage.
+"""SS-GRPO (registered as ``rubricem``): stage-structured group-relative advantages —
+each stage's tokens get their own stage's advantage.
 
 "RubricEM: Meta-RL with Rubric-guided Policy Decomposition beyond Verifiable Rewards", arXiv
 2605.10899, 2026 (spec 39; known from a summary, no code: every form is [INFERRED] from the spec).
@@ -81,7 +82,8 @@ def stage_masks(
 def ss_grpo_advantages(
     scores: Tensor, valid: Tensor, mix_final: float = 0.0, final: int = -1, ddof: int = 0, eps: float = 1e-6
 ) -> Tensor:
-    """The spec's interface: stage scores [B,G,K] (valid [B,G,K] bool: rows with a verdict) -> A [B,G,K] float64 (Math)."""
+    """The spec's interface: stage scores [B,G,K] (valid [B,G,K] bool: rows with a verdict) ->
+    A [B,G,K] float64 (Math)."""
     K = scores.shape[-1]
     adv = torch.stack(
         [
@@ -97,7 +99,8 @@ def ss_grpo_advantages(
 
 
 def stage_to_token_adv(adv: Tensor, masks: Tensor, outside: Tensor | None = None) -> Tensor:
-    """The spec's interface: adv [N,K], masks [N,K,T] -> [N,T]: A_{n,k} on stage k's tokens, ``outside`` [N] (or 0) elsewhere."""
+    """The spec's interface: adv [N,K], masks [N,K,T] -> [N,T]: A_{n,k} on stage k's tokens,
+    ``outside`` [N] (or 0) elsewhere."""
     inside = masks.any(1)  # [N,T]
     first = masks.double().argmax(1)  # [N,T] the stage of each token (stages do not overlap)
     tok = adv.gather(1, first)  # [N,T]
@@ -108,7 +111,8 @@ def stage_to_token_adv(adv: Tensor, masks: Tensor, outside: Tensor | None = None
 @register("advantage", "rubricem")
 @dataclass
 class RubricEMAdvantage:
-    """Stage-structured GRPO: each stage's score normalised in its group, each stage's tokens get its advantage (RubricEM, spec 39)."""
+    """Stage-structured GRPO: each stage's score normalised in its group, each stage's tokens get its advantage
+    (RubricEM, spec 39)."""
 
     group_relative = True
 
@@ -125,7 +129,8 @@ class RubricEMAdvantage:
     def __post_init__(self) -> None:
         if isinstance(self.stage_tags, str) or not self.stage_tags:
             raise ConfigError(
-                f"advantage rubricem: stage_tags must be a non-empty list of [open, close] pairs, got {self.stage_tags!r}"
+                "advantage rubricem: stage_tags must be a non-empty "
+                f"list of [open, close] pairs, got {self.stage_tags!r}"
             )
         for k, tags in enumerate(self.stage_tags):
             check_tags(tags, f"advantage rubricem: stage_tags[{k}]", need_open=True)
@@ -134,7 +139,8 @@ class RubricEMAdvantage:
             len(self.stage_parts) != K or not all(isinstance(c, int) and c >= 0 for c in self.stage_parts)
         ):
             raise ConfigError(
-                f"advantage rubricem: stage_parts={self.stage_parts!r} must list one reward column index (>= 0) per stage ({K}), or be [] for 0..{K - 1}"
+                f"advantage rubricem: stage_parts={self.stage_parts!r} must list one "
+                f"reward column index (>= 0) per stage ({K}), or be [] for 0..{K - 1}"
             )
         if not 0.0 <= self.mix_final <= 1.0:
             raise ConfigError(f"advantage rubricem: mix_final={self.mix_final} must be in [0, 1]")
@@ -156,17 +162,16 @@ class RubricEMAdvantage:
         """(scores [B,G,K] float64, valid [B,G,K] bool) from ``reward_parts`` (Note 3 without it)."""
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
         K = len(self.stage_tags)
-        if rollout.reward_parts is None or (
-            rollout.reward_parts.shape[-1] == 1 and not self.stage_parts
-        ):  # one reward (Note 3)
+        # one reward (Note 3)
+        if rollout.reward_parts is None or (rollout.reward_parts.shape[-1] == 1 and not self.stage_parts):
             scores = r.double()[..., None].expand(*r.shape, K)  # [B,G,K]
         else:
             cols = list(self.stage_parts) or list(range(K))
             have = rollout.reward_parts.shape[-1]
             if max(cols) >= have:
                 raise ValueError(
-                    f"advantage rubricem: stage_parts {cols} need reward column {max(cols)}, but the run has {have} rewards; "
-                    f"list one reward per stage (reward stage_rubric) in the order of stage_tags"
+                    f"advantage rubricem: stage_parts {cols} need reward column {max(cols)}, but the run has "
+                    f"{have} rewards; list one reward per stage (reward stage_rubric) in the order of stage_tags"
                 )
             scores = rollout.reward_parts[..., cols].double()  # [B,G,K]
         return scores, valid[..., None] & torch.isfinite(scores)  # [B,G,K]
@@ -174,7 +179,8 @@ class RubricEMAdvantage:
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if self._token_text is None:
             raise ValueError(
-                "advantage rubricem has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+                "advantage rubricem has no vocabulary: it needs a text "
+                "policy (the trainer calls use_vocabulary at build)"
             )
         B, G, T = rollout.shape
         K = len(self.stage_tags)
@@ -184,9 +190,8 @@ class RubricEMAdvantage:
             rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T), self._token_text, self.stage_tags
         )  # [N,K,T]
         flat = adv.reshape(B * G, K)  # [N,K]
-        rest = (
-            None if self.outside == "zero" else (flat[:, self.final] if self.outside == "final" else flat.mean(-1))
-        )  # [N]
+        # [N]
+        rest = None if self.outside == "zero" else (flat[:, self.final] if self.outside == "final" else flat.mean(-1))
         tok = stage_to_token_adv(flat, masks, rest).reshape(B, G, T)  # [B,G,T]
         row_mask = rollout.row_mask.bool() & valid_rows(rollout)[1][..., None]  # [B,G,T]
         out = torch.where(row_mask, tok, torch.zeros((), dtype=tok.dtype))  # [B,G,T]

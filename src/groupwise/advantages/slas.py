@@ -111,9 +111,8 @@ class SLASAdvantage:
 
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         r, valid = valid_rows(rollout)  # [B,G], [B,G]
-        adv, std, amplified = slas_advantages(
-            r, valid, self.gamma, self.eps, self.order, _DDOF[self.std]
-        )  # [B,G], [], [B,G]
+        # [B,G], [], [B,G]
+        adv, std, amplified = slas_advantages(r, valid, self.gamma, self.eps, self.order, _DDOF[self.std])
         moved = int((adv != 0).sum())
         self._stats = {"slas/batch_std": float(std), "slas/amplified_frac": float(amplified.sum()) / max(moved, 1)}
         return to_float32(adv)  # [B,G]

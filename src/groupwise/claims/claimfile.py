@@ -260,7 +260,8 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
                 raise ClaimError(str(err)) from None
             if metric in TARGET_METRICS and not key["config"]["eval"]["every"]:
                 raise ClaimError(
-                    f"{where}: metric {metric!r} needs held-out evaluations during training: set 'eval.every' (in common or in config {spec.label!r})"
+                    f"{where}: metric {metric!r} needs held-out evaluations during "
+                    f"training: set 'eval.every' (in common or in config {spec.label!r})"
                 )
     return claim
 

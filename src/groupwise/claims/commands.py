@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-COMPARE_USAGE = "groupwise compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out DIR] [--target ACC] [--metric last:KEY ...] [key=value ...]"
+COMPARE_USAGE = (
+    "groupwise compare RECIPE|LABEL=RECIPE ... [--seeds N] [--out "
+    "DIR] [--target ACC] [--metric last:KEY ...] [key=value ...]"
+)
 CLAIMS_USAGE = (
     "groupwise claims [NAMES...] [--confirm | --seed-offset K] [--seeds N] [--out DIR] [--claims-dir DIR] "
     "[--docs FILE] [--docs-only] [key=value ...]"

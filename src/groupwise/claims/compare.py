@@ -106,7 +106,8 @@ def last_of(rows: list[dict], key: str) -> float | None:
 
 
 def std_of(rows: list[dict], key: str) -> float | None:
-    """Standard deviation (n − 1) of the finite values of ``key`` over every row logging it; None with fewer than two."""
+    """Standard deviation (n − 1) of the finite values of ``key`` over every row logging it;
+    None with fewer than two."""
     values = [
         float(r[key])
         for r in rows
@@ -415,7 +416,8 @@ def compare(
             )
         else:
             console.print(
-                f"{tag}: [red]FAILED[/] (exit {record.get('returncode')}): {escape(record['error'])} · log {folder / 'train.log'}",
+                f"{tag}: [red]FAILED[/] (exit {record.get('returncode')}): "
+                f"{escape(record['error'])} · log {folder / 'train.log'}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -509,7 +511,8 @@ def compare_markdown(result: dict) -> str:
         for r in c["runs"]:
             if r["status"] != "ok":
                 lines.append(
-                    f"| {c['label']} | {r['seed']} | FAILED (exit {r.get('returncode')}): {r['error']} | | | | | | `{r['folder']}` |"
+                    f"| {c['label']} | {r['seed']} | FAILED (exit "
+                    f"{r.get('returncode')}): {r['error']} | | | | | | `{r['folder']}` |"
                 )
                 continue
             m = r["metrics"]
@@ -525,6 +528,7 @@ def compare_markdown(result: dict) -> str:
                 + (f", **{r['short']}**" if r.get("short") else "")
             )
             lines.append(
-                f"| {c['label']} | {r['seed']} | {status} | {_fmt(m['accuracy_before'])} | {_fmt(m['final_accuracy'])} | {hit} | {_fmt(m['reward_area'])} | {wall} | `{r['folder']}` |"
+                f"| {c['label']} | {r['seed']} | {status} | {_fmt(m['accuracy_before'])} | "
+                f"{_fmt(m['final_accuracy'])} | {hit} | {_fmt(m['reward_area'])} | {wall} | `{r['folder']}` |"
             )
     return "\n".join(lines) + "\n"

@@ -239,12 +239,14 @@ def verdict(
     if side == "greater" and baseline_censored:
         return (
             "inconclusive",
-            f"interval above {where}, but {baseline_censored} baseline run(s) never reached the target (their true values may be larger)",
+            f"interval above {where}, but {baseline_censored} baseline run(s) "
+            "never reached the target (their true values may be larger)",
         )
     if side == "less" and claimed_censored:
         return (
             "inconclusive",
-            f"interval below {where}, but {claimed_censored} claimed run(s) never reached the target (their true values may be larger)",
+            f"interval below {where}, but {claimed_censored} claimed run(s) "
+            "never reached the target (their true values may be larger)",
         )
     if side == direction:
         return "held", f"the interval excludes {where} on the claimed side ({direction})"

@@ -62,7 +62,8 @@ def joint_text_image_loss(
     img_eps: float = 1e-3,
     adv_clip_max: float = 5.0,
 ) -> Tensor:
-    """Scalar: token-mean text surrogate ([N,Tt] log-probs, mask) + mean image surrogate ([N,K] step log-probs); ``adv`` [N]."""
+    """Scalar: token-mean text surrogate ([N,Tt] log-probs, mask) + mean image
+    surrogate ([N,K] step log-probs); ``adv`` [N]."""
     m = text_mask.bool()  # [N,Tt]
     ratio_t = torch.exp(torch.where(m, text_logp - text_old, torch.zeros(())))  # [N,Tt]
     text = clipped_surrogate(ratio_t, adv[:, None].expand_as(ratio_t), *text_eps)  # [N,Tt]
@@ -75,7 +76,8 @@ def joint_text_image_loss(
 @register("objective", "alphagrpo_joint")
 @dataclass
 class AlphaGRPOJoint:
-    """Clipped surrogate with a text clip on think tokens and Flow-GRPO's clip + advantage clip on denoising steps (AlphaGRPO)."""
+    """Clipped surrogate with a text clip on think tokens and Flow-GRPO's clip + advantage clip on denoising steps
+    (AlphaGRPO)."""
 
     text_eps_low: float = 0.2
     text_eps_high: float = 0.2
@@ -96,9 +98,8 @@ class AlphaGRPOJoint:
         ratio, adv = ratio_and_adv(mb, out, "alphagrpo_joint")  # [b,G,T], [b,G,T]
         image = _image_positions(mb, ratio)  # [b,G,T]
         text = clipped_surrogate(ratio, adv, self.text_eps_low, self.text_eps_high)  # [b,G,T]
-        img = clipped_surrogate(
-            ratio, adv.clamp(-self.adv_clip_max, self.adv_clip_max), self.img_eps, self.img_eps
-        )  # [b,G,T]
+        # [b,G,T]
+        img = clipped_surrogate(ratio, adv.clamp(-self.adv_clip_max, self.adv_clip_max), self.img_eps, self.img_eps)
         return torch.where(image, img, text)  # [b,G,T]
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:

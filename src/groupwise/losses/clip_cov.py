@@ -145,9 +145,8 @@ class _CovTerm:
         mask = stat_mask(mb)  # [b,G,T]
         if self.cov_logp == "old" and key in mb.extras:
             return mb.extras[key].bool() & mask  # [b,G,T] whole-batch selection from prepare
-        logp = (
-            required(mb, "logp_old", self.registry_name) if self.cov_logp == "old" else out["logp"].detach()
-        )  # [b,G,T]
+        # [b,G,T]
+        logp = required(mb, "logp_old", self.registry_name) if self.cov_logp == "old" else out["logp"].detach()
         cov = covariance(token_advantages(mb, mask, self.registry_name), masked_input(logp, mask), mask)  # [b,G,T]
         if exclude is None or self.cov_logp == "old":
             exclude = torch.zeros_like(mask)  # [b,G,T]
@@ -237,7 +236,6 @@ class KLCov(_CovTerm):
 
     def stats(self, mb: Rollout, out: dict[str, Tensor]) -> dict[str, Tensor]:
         mask = term_mask(mb)  # [b,G,T]
-        abs_kl = (
-            masked_input(out["logp"], mask) - masked_input(required(mb, "logp_old", "kl_cov"), mask)
-        ).abs()  # [b,G,T]
+        # [b,G,T]
+        abs_kl = (masked_input(out["logp"], mask) - masked_input(required(mb, "logp_old", "kl_cov"), mask)).abs()
         return {"cov_kl": self._selection(mb, out, StepInfo(0, 0, 0)).float(), "abs_kl": abs_kl.detach()}

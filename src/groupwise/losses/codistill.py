@@ -80,7 +80,8 @@ def codistill_student_rewards(r_task: Tensor, r_kd: Tensor, lam: float = 1.0) ->
     """rewards [B,G] float32 = r_task + lam · r_kd (the student's GRPO reward)."""
     if r_task.shape != r_kd.shape:
         raise ValueError(
-            f"codistill_student_rewards: r_task {tuple(r_task.shape)} and r_kd {tuple(r_kd.shape)} must match; reshape r_kd[N] to [B,G]"
+            f"codistill_student_rewards: r_task {tuple(r_task.shape)} and "
+            f"r_kd {tuple(r_kd.shape)} must match; reshape r_kd[N] to [B,G]"
         )
     return r_task.float() + lam * r_kd.detach().float()  # [B,G]
 
@@ -110,7 +111,8 @@ def _token_adv(adv: Tensor, like: Tensor, m: Tensor) -> Tensor:
         adv = adv[..., None].expand_as(like)  # [N,T]
     elif adv.shape != like.shape:
         raise ValueError(
-            f"codistill_teacher_loss: adv must be {tuple(like.shape[:-1])} (per completion) or {tuple(like.shape)}, got {tuple(adv.shape)}"
+            f"codistill_teacher_loss: adv must be {tuple(like.shape[:-1])} "
+            f"(per completion) or {tuple(like.shape)}, got {tuple(adv.shape)}"
         )
     return masked_input(adv.detach(), m)  # [N,T]
 
@@ -150,7 +152,8 @@ def teacher_is_stats(
 @register("reward", "codistill_kd")
 @dataclass
 class CoDistillKD:
-    """On-policy KD reward mean_t[log π_teacher − log π_student] from a trained role (CoDistill-GRPO, Kwon et al. 2026)."""
+    """On-policy KD reward mean_t[log π_teacher − log π_student] from a trained role (CoDistill-GRPO, Kwon et al.
+    2026)."""
 
     teacher: str = "teacher"  # the role whose log-probs are the teacher's
     weight: float = 1.0  # λ_kd [INFERRED]
@@ -163,6 +166,7 @@ class CoDistillKD:
         teacher = rollout.extras.get(Need("logp", model=self.teacher).key)
         if teacher is None or rollout.logp_old is None:
             raise ValueError(
-                f"codistill_kd needs the policy's and role {self.teacher!r}'s log-probs; declare roles.{self.teacher} in the config"
+                f"codistill_kd needs the policy's and role {self.teacher!r}'s "
+                f"log-probs; declare roles.{self.teacher} in the config"
             )
         return kd_reward(rollout.logp_old, teacher, rollout.row_mask)  # [B,G]

@@ -114,7 +114,8 @@ def conspo_loss(
 @register("objective", "conspo")
 @dataclass
 class ConSPO:
-    """Group-wise InfoNCE of each correct rollout against the group's incorrect ones on mean token log-probs (ConSPO, Zhang et al. 2026)."""
+    """Group-wise InfoNCE of each correct rollout against the group's incorrect ones on mean token log-probs (ConSPO,
+    Zhang et al. 2026)."""
 
     tau: float = 0.1
     margin: float = 0.0
@@ -135,7 +136,8 @@ class ConSPO:
             raise ValueError(f"conspo: norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
         if not (math.isfinite(self.margin) and math.isfinite(self.threshold)):
             raise ValueError(
-                f"conspo: margin and threshold must be finite numbers, got margin={self.margin}, threshold={self.threshold}"
+                "conspo: margin and threshold must be finite numbers, "
+                f"got margin={self.margin}, threshold={self.threshold}"
             )
 
     def _sets(self, mb: Rollout, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -106,7 +106,8 @@ def question_losses(
     s: Tensor, pos: Tensor, neg: Tensor, same: Tensor, gamma: float, lam_var: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """([b,G] L_q of each row's question group, 0 without a term; [b,G] the share of its pairs with
-    s_p − s_n > gamma; [b,G] bool the group has a term) from scores ``s`` [b,G], coherent / inconsistent members and ``same`` [b,G,G]
+    s_p − s_n > gamma; [b,G] bool the group has a term) from scores ``s`` [b,G],
+    coherent / inconsistent members and ``same`` [b,G,G]
     (rows i, j in one question group)."""
     pair = pos[:, :, None] & neg[:, None, :] & same  # [b,G,G] [b,p,n]
     gap = s[:, :, None] - s[:, None, :] - gamma  # [b,G,G] s_p − s_n − γ
@@ -148,7 +149,8 @@ class DGPO:
             raise ValueError(f"dgpo: beta must be > 0 (the score's scale, spec default 1), got {self.beta}")
         if not self.gamma >= 0 or not self.lam_var >= 0:
             raise ValueError(
-                f"dgpo: gamma and lam_var must be >= 0 (spec defaults 0.2 and 1), got gamma={self.gamma}, lam_var={self.lam_var}"
+                "dgpo: gamma and lam_var must be >= 0 (spec defaults 0.2 "
+                f"and 1), got gamma={self.gamma}, lam_var={self.lam_var}"
             )
         if self.score not in SCORES:
             raise ValueError(f"dgpo: score must be one of {', '.join(SCORES)}, got {self.score!r}")
@@ -186,9 +188,8 @@ class DGPO:
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         _, loss, _, _, same, members, mask = self._parts(mb, out)
         n_q = same.sum(-1).to(loss.dtype)  # [b,G] members of the row's question group (0 off the members)
-        k = torch.where(members, 1.0 / n_q.clamp(min=1), 0.0).sum(
-            1, keepdim=True
-        )  # [b,1] question groups with a member
+        # [b,1] question groups with a member
+        k = torch.where(members, 1.0 / n_q.clamp(min=1), 0.0).sum(1, keepdim=True)
         n_rows = mask.any(-1).sum(1, keepdim=True).to(loss.dtype)  # [b,1]
         return torch.where(members, loss * n_rows / (k.clamp(min=1) * n_q.clamp(min=1)), 0.0)  # [b,G]
 

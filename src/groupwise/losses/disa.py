@@ -155,7 +155,8 @@ def r_squared(pred: Tensor, target: Tensor) -> float:
 @register("objective", "disa")
 @dataclass
 class DISA:
-    """Trajectory-balance residual w·(logZ + ℓ̄_θ − β r̂ − ℓ̄_ref)² with an offline, frozen logZ (DISA, 2026; FlowRL, Zhu et al. 2025)."""
+    """Trajectory-balance residual w·(logZ + ℓ̄_θ − β r̂ − ℓ̄_ref)² with an offline, frozen logZ (DISA, 2026; FlowRL,
+    Zhu et al. 2025)."""
 
     beta: float = 15.0
     eps_low: float = 0.2
@@ -189,16 +190,19 @@ class DISA:
     def use_artifact(self, name: str, value: dict) -> None:
         if abs(float(value["beta"]) - self.beta) > 1e-9:
             raise ConfigError(
-                f"objective disa: beta={self.beta}, but the artifact {name!r} estimated log Z for beta={value['beta']}; "
-                f"set the phase's beta to {self.beta} (or objective.terms.disa.beta={value['beta']})"
+                f"objective disa: beta={self.beta}, but the artifact {name!r} "
+                f"estimated log Z for beta={value['beta']}; set the phase's beta "
+                f"to {self.beta} (or objective.terms.disa.beta={value['beta']})"
             )
         self._table = torch.as_tensor(value["table"], dtype=torch.float32)  # [N] NaN where not estimated
         reg = value.get("regressor")
         if self.use_regressor:
             if not reg or reg.get("layer") != self.embed_layer:
                 raise ConfigError(
-                    f"objective disa: use_regressor with embed_layer={self.embed_layer}, but the artifact {name!r} holds "
-                    f"{'no regressor' if not reg else 'one fitted on layer ' + str(reg.get('layer'))}; set the phase's regressor = true, layer = {self.embed_layer}"
+                    "objective disa: use_regressor with "
+                    f"embed_layer={self.embed_layer}, but the artifact {name!r} holds "
+                    f"{'no regressor' if not reg else 'one fitted on layer ' + str(reg.get('layer'))}; "
+                    f"set the phase's regressor = true, layer = {self.embed_layer}"
                 )
             self._regressor = LogZRegressor(int(reg["embed_dim"]), int(reg["hidden"]))
             self._regressor.load_state_dict(reg["state"])
@@ -208,7 +212,8 @@ class DISA:
         """[b,G] frozen log Z of each row's prompt: the table, else (use_regressor) the regressor."""
         if self._table is None:
             raise ValueError(
-                'objective disa has no log Z table: configure the offline phase disa_logz (phases = [{name = "disa_logz"}])'
+                "objective disa has no log Z table: configure the offline "
+                'phase disa_logz (phases = [{name = "disa_logz"}])'
             )
         B, G, _ = mb.shape
         idx = mb.prompt_index.long()  # [b]
@@ -221,12 +226,12 @@ class DISA:
         if bool(missing.any()):
             if self._regressor is None:
                 raise ValueError(
-                    f"objective disa: prompt ids {sorted(set(idx[missing.any(-1)].tolist()))[:8]} have no log Z in the table; "
-                    f"estimate them (phase disa_logz prompts = 0: every prompt) or set regressor = true on the phase and use_regressor = true here"
+                    f"objective disa: prompt ids {sorted(set(idx[missing.any(-1)].tolist()))[:8]} "
+                    "have no log Z in the table; estimate them (phase disa_logz prompts = 0: every "
+                    "prompt) or set regressor = true on the phase and use_regressor = true here"
                 )
-            emb = mb.extras[Need(f"hidden({self.embed_layer})", model="ref").key][
-                :, :, 0
-            ]  # [b,G,H] the state after the prompt
+            # [b,G,H] the state after the prompt
+            emb = mb.extras[Need(f"hidden({self.embed_layer})", model="ref").key][:, :, 0]
             with torch.no_grad():
                 logZ = torch.where(missing, self._regressor(emb.reshape(B * G, -1)).reshape(B, G), logZ)  # [b,G]
         return logZ  # [b,G]

@@ -87,7 +87,8 @@ def fgrpo_loss(
 @register("objective", "f_grpo")
 @dataclass
 class FGRPOLoss:
-    """One clipped length-normalised sequence ratio per phase (generation, ranking), summed per row (F-GRPO, Surana et al. 2026)."""
+    """One clipped length-normalised sequence ratio per phase (generation, ranking), summed per row (F-GRPO, Surana et
+    al. 2026)."""
 
     level: str = "sequence"  # "sequence" | "token"
     eps_low: float = 0.2

@@ -40,7 +40,8 @@ L = .6·ln 1.2 + .4·ln .8 = 0.020136, ∂L/∂(log π_w, log π_l) = [−0.1, 0
 
 **Notes**
 
-1. Group-level term (``couples = "group"``, declared with LPO's in ``lpo.SimplexTerm``): returns [b,G], every row carrying its group's mean pair
+1. Group-level term (``couples = "group"``, declared with LPO's in ``lpo.SimplexTerm``): returns [b,G],
+   every row carrying its group's mean pair
    loss. A group without a pair (fewer than two valid rows) gives 0.
 2. A tied pair has c = (1, 1): its target is π_old on the pair, so at θ_old its loss and gradient are
    exactly 0 (``base + 0`` on both sides, bit for bit); later it pulls the pair back to π_old's ratio.

@@ -144,9 +144,8 @@ def holder_po_loss(
     """(row loss [b,G], rho [b,G]) of HölderPO; ``adv`` [b,G] sequence advantages, inputs zero-safe outside ``mask``."""
     d = logp - logp_old  # [b,G,T]
     if variant == "holder_token":
-        d = torch.where(
-            adv[..., None] > 0, d.clamp(max=math.log1p(eps_high)), d.clamp(min=math.log1p(-eps_low))
-        )  # [b,G,T] min/max(r_t, clip(r_t))
+        # [b,G,T] min/max(r_t, clip(r_t))
+        d = torch.where(adv[..., None] > 0, d.clamp(max=math.log1p(eps_high)), d.clamp(min=math.log1p(-eps_low)))
         rho = torch.exp(log_power_mean(d, mask, p))  # [b,G]
         return -adv * rho, rho  # [b,G]
     if variant == "sequence_w_clip":

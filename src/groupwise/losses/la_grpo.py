@@ -130,15 +130,15 @@ class LAGRPOAnchor:
         """[b,G,T] bool: positions holding a functional token (the objective intersects the loss mask)."""
         if self._ids is None:
             raise ValueError(
-                "objective la_grpo has no vocabulary: it needs a text policy (the trainer calls use_vocabulary at build)"
+                "objective la_grpo has no vocabulary: it needs a text "
+                "policy (the trainer calls use_vocabulary at build)"
             )
         return torch.isin(rollout.actions, self._ids)  # [b,G,T]
 
     def __call__(self, mb: Rollout, out: dict[str, Tensor], info: StepInfo) -> Tensor:
         mask = term_mask(mb)  # [b,G,T]
-        f = (
-            functional_token_mask(mb.actions, self._ids, mask) if self._ids is not None else self.token_subset(mb)
-        )  # [b,G,T]
+        # [b,G,T]
+        f = functional_token_mask(mb.actions, self._ids, mask) if self._ids is not None else self.token_subset(mb)
         ratio, adv = ratio_and_adv(mb, out, "la_grpo")  # [b,G,T], [b,G,T]
         if self.anchor == "surrogate":
             loss = clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)  # [b,G,T]

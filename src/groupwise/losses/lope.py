@@ -86,7 +86,8 @@ def shaped_ratio(log_ratio: Tensor, gamma: float = 0.1) -> Tensor:
 @register("objective", "lope")
 @dataclass
 class LoPEShaping:
-    """Swapped-in resamples: unclipped ρ/(ρ+γ) against the perturbed-prompt behaviour; other rows: the base term (LoPE)."""
+    """Swapped-in resamples: unclipped ρ/(ρ+γ) against the perturbed-prompt behaviour; other rows: the base term
+    (LoPE)."""
 
     gamma: float = 0.1
     base: str = "ppo_clip"
@@ -103,7 +104,8 @@ class LoPEShaping:
             raise ConfigError(f"objective lope: level={self.level!r} must be one of {LEVELS}")
         if self.behaviour not in BEHAVIOURS:
             raise ConfigError(
-                f"objective lope: behaviour={self.behaviour!r} must be one of {BEHAVIOURS} (the sampler's log-probs, or the behaviour view's)"
+                f"objective lope: behaviour={self.behaviour!r} must be one of "
+                f"{BEHAVIOURS} (the sampler's log-probs, or the behaviour view's)"
             )
         if self.base == "lope":
             raise ConfigError(
@@ -112,7 +114,8 @@ class LoPEShaping:
         self.inner = build("objective", self.base, **self.base_params)
         if getattr(self.inner, "coef", 1.0) != 1.0 or getattr(self.inner, "agg", None) is not None:
             raise ConfigError(
-                f"objective lope: set coef and agg on the lope term, not in base_params (got coef={self.inner.coef}, agg={self.inner.agg!r})"
+                "objective lope: set coef and agg on the lope term, not in "
+                f"base_params (got coef={self.inner.coef}, agg={self.inner.agg!r})"
             )
 
     @property
@@ -144,15 +147,15 @@ class LoPEShaping:
             return values
         mask = term_mask(mb)  # [b,G,T]
         if values.dim() == 2:
-            values = torch.where(
-                mask, values[..., None], torch.zeros((), dtype=values.dtype)
-            )  # [b,G,T] a row loss on each of its tokens
+            # [b,G,T] a row loss on each of its tokens
+            values = torch.where(mask, values[..., None], torch.zeros((), dtype=values.dtype))
         behav = (
             required(mb, "logp_sampler", "lope") if self.behaviour == "sampler" else mb.extras.get(BEHAVIOUR_NEED.key)
         )  # [b,G,T]
         if behav is None:
             raise ValueError(
-                f"objective lope (behaviour='view') reads {BEHAVIOUR_NEED.key!r}, which this batch lacks; the trainer fills it from the term's needs"
+                f"objective lope (behaviour='view') reads {BEHAVIOUR_NEED.key!r}, "
+                "which this batch lacks; the trainer fills it from the term's needs"
             )
         log_rho = masked_input(out["logp"], mask) - masked_input(behav, mask)  # [b,G,T]
         if self.level == "sequence":

@@ -163,7 +163,8 @@ class SimplexTerm:
 @register("objective", "lpo")
 @dataclass
 class LPO(SimplexTerm):
-    """Divergence between the policy on the group's responses and the softmax-of-advantages target (LPO, Qu et al. 2026)."""
+    """Divergence between the policy on the group's responses and the softmax-of-advantages target (LPO, Qu et al.
+    2026)."""
 
     tau: float = 1.0
     divergence: str = "fkl"

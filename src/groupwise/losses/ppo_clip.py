@@ -55,7 +55,8 @@ from groupwise.types import Rollout, StepInfo
 @register("objective", "ppo_clip")
 @dataclass
 class PPOClip:
-    """PPO clipped surrogate with asymmetric clip (clip-higher) and optional dual clip (GRPO/PPO, Schulman et al. 2017)."""
+    """PPO clipped surrogate with asymmetric clip (clip-higher) and optional dual clip (GRPO/PPO, Schulman et al.
+    2017)."""
 
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -66,9 +67,8 @@ class PPOClip:
     needs = ()
 
     def __post_init__(self) -> None:
-        check_clip(
-            "ppo_clip", self.eps_low, self.eps_high, no_lower_clip=True
-        )  # eps_low = 1: μ-GRPO's relaxed [0, 1 + eps_high]
+        # eps_low = 1: μ-GRPO's relaxed [0, 1 + eps_high]
+        check_clip("ppo_clip", self.eps_low, self.eps_high, no_lower_clip=True)
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"ppo_clip: dual_clip must be > 1 (or None), got {self.dual_clip}")
 

@@ -94,9 +94,8 @@ def trace_log_ratio(delta: Tensor, sel: Tensor, lam: float) -> Tensor:
     T = delta.shape[-1]
     t = torch.arange(T)  # [T]
     gap = t[:, None] - t[None, :]  # [T,T] t − k
-    decay = torch.where(
-        gap >= 0, torch.tensor(float(lam)).pow(gap.clamp(min=0).float()), torch.zeros(())
-    )  # [T,T] lam^(t−k), k <= t
+    # [T,T] lam^(t−k), k <= t
+    decay = torch.where(gap >= 0, torch.tensor(float(lam)).pow(gap.clamp(min=0).float()), torch.zeros(()))
     w = sel.float()  # [...,T]
     num = (w * delta) @ decay.T  # [...,T] Σ_k lam^(t−k) sel_k delta_k
     den = w @ decay.T  # [...,T] >= 1 at trace tokens
@@ -154,7 +153,8 @@ class STrace:
             return mb.extras[key].bool() & mask  # [b,G,T] whole-batch selection
         if "entropy" not in mb.extras:
             raise ValueError(
-                "s_trace (mode 's_trace') needs rollout.extras['entropy'] (declared Need('entropy')); or use mode='p_trace'"
+                "s_trace (mode 's_trace') needs rollout.extras['entropy'] "
+                "(declared Need('entropy')); or use mode='p_trace'"
             )
         return self._select(mb, info).bool() & mask  # [b,G,T] on the rows given
 

@@ -175,7 +175,8 @@ class SSOPD:
             raise ValueError(f"ssopd: tau must be > 0 (the teacher's temperature), got {self.tau}")
         if isinstance(self.max_prefix, bool) or not isinstance(self.max_prefix, int) or self.max_prefix < 0:
             raise ValueError(
-                f"ssopd: max_prefix must be an integer >= 0 (0 = every prefix of the wrong row), got {self.max_prefix!r}"
+                "ssopd: max_prefix must be an integer >= 0 (0 = every "
+                f"prefix of the wrong row), got {self.max_prefix!r}"
             )
         if not math.isfinite(self.threshold):
             raise ValueError(

@@ -99,7 +99,8 @@ class VelocityMLP(nn.Module):
         super().__init__()
         if n_labels < 1 or hidden < 1 or layers < 2 or (cond_dim is not None and cond_dim < 1):
             raise ValueError(
-                f"VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}"
+                "VelocityMLP needs n_labels >= 1, hidden >= 1, layers >= 2, "
+                f"cond_dim >= 1; got {n_labels}, {hidden}, {layers}, {cond_dim}"
             )
         self.n_labels = n_labels
         self.register_buffer("freqs", math.pi * torch.arange(1, freqs + 1, dtype=torch.float32))  # [F]
@@ -108,9 +109,8 @@ class VelocityMLP(nn.Module):
             self.label = nn.Embedding(n_labels, hidden)
         else:
             self.cond = nn.Linear(cond_dim, hidden, bias=False)
-            nn.init.normal_(
-                self.cond.weight, std=2.0 / math.sqrt(cond_dim)
-            )  # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
+            # a condition of norm ~2.8 offsets each unit by ~1.4, like the label table's N(0, 1)
+            nn.init.normal_(self.cond.weight, std=2.0 / math.sqrt(cond_dim))
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 2))
         self.out = nn.Linear(hidden, 2)
 
@@ -121,9 +121,8 @@ class VelocityMLP(nn.Module):
         feats = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f)], dim=-1)  # [N,3+2F]
         pre = self.inp(feats)  # [N,H]
         if label is not None:  # the label form's embedding row, or the embedding form's condition projected
-            pre = pre + (
-                self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype))
-            )  # [N,H]
+            # [N,H]
+            pre = pre + (self.label(label) if hasattr(self, "label") else self.cond(label.to(self.freqs.dtype)))
         if extra is not None:
             pre = pre + extra.to(pre.dtype)  # [N,H]
         h = nn.functional.silu(pre)  # [N,H]
@@ -186,9 +185,8 @@ class FlowPolicy:
         self.trainable = True
         self.modality = "flow"
         self.request_options = frozenset({"greedy"})  # greedy = the deterministic ODE (Request.sampling)
-        self.hooks = (
-            frozenset({"embed_delta"}) if condition == "embedding" else frozenset()
-        )  # groupwise.hooks kinds generate applies
+        # groupwise.hooks kinds generate applies
+        self.hooks = frozenset({"embed_delta"}) if condition == "embedding" else frozenset()
 
         self.reference: FlowPolicy | None = None
         self.context = None  # no context length: a label is the whole prompt
@@ -234,7 +232,8 @@ class FlowPolicy:
         """[N,cond_dim] float64: the embedding form's condition C^orig = f(tokens[label]) of each label [N]."""
         if self.encoder is None:
             raise ValueError(
-                'FlowPolicy.original_condition: the label form has no condition vector (model.params.condition = "embedding")'
+                "FlowPolicy.original_condition: the label form has no "
+                'condition vector (model.params.condition = "embedding")'
             )
         return self.encoder(self.encoder.tokens[labels])  # [N,c]
 
@@ -244,7 +243,8 @@ class FlowPolicy:
         encoder of the sum of the real tokens' embeddings (a flow prompt is one token: S = 1)."""
         if self.encoder is None:
             raise ValueError(
-                'the flow policy\'s label form has no prompt embedding to perturb; set model.params.condition = "embedding"'
+                "the flow policy's label form has no prompt embedding "
+                'to perturb; set model.params.condition = "embedding"'
             )
         encoder = self.encoder
 
@@ -254,10 +254,12 @@ class FlowPolicy:
         return encoder.tokens, encode
 
     def _conditions(self, requests: Sequence[Request], labels: Tensor, G: int) -> tuple[Tensor | None, ...]:
-        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``; None ×4 for the label form)."""
+        """The embedding form's per-row conditions of a call (``flow_condition.hooked_conditions``;
+        None ×4 for the label form)."""
         if any(r.hook is not None for r in requests) and self.encoder is None:
             raise ValueError(
-                'FlowPolicy.generate: a generation hook needs the embedding condition (model.params.condition = "embedding"); '
+                "FlowPolicy.generate: a generation hook needs the embedding "
+                'condition (model.params.condition = "embedding"); '
                 "the label form applies no hooks"
             )
         return (
@@ -265,7 +267,8 @@ class FlowPolicy:
         )
 
     def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
-        """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]); ``cond`` [N,...] a subclass's further condition (None here)."""
+        """v_θ [N,2] of points x [N,2] at σ [N] for labels [N] (the embedding form: conditions [N,c]);
+        ``cond`` [N,...] a subclass's further condition (None here)."""
         return self.net(x, sigma, label)  # [N,2]
 
     def _stored_condition(self, rollout: Rollout, sel: Tensor) -> Tensor | None:
@@ -295,9 +298,8 @@ class FlowPolicy:
         rec["flow_step"] = torch.zeros(N, T, dtype=torch.long)
         for i in range(K):
             s, sp = self.sigmas[i].expand(N), self.sigmas[i + 1].expand(N)  # [N], [N]
-            c = (
-                lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))
-            )  # [N] labels or [N,c]
+            # [N] labels or [N,c]
+            c = lab if c_orig is None else mixed_condition(c_orig, c_pert, perturbed, rho, float(self.sigmas[i]))
             v = self._velocity(x, s, c, None if cond is None else cond.reshape(N, *cond.shape[2:]))  # [N,2]
             sde_rows = torch.full((N,), sde == "all") if sde in ("all", "none") else idx == i  # [N]
             x_next = (x.double() + v * (sp - s).double()[:, None]).float()  # [N,2] ODE step
@@ -356,9 +358,8 @@ class FlowPolicy:
         s, sp = rollout.extras["flow_sigma"][sel], rollout.extras["flow_sigma_next"][sel]  # [M], [M]
         logp = torch.zeros(sel.shape)  # [B,G,T]
         if sel.any():
-            cond = (
-                lab if self.encoder is None else self.original_condition(lab)
-            )  # [M] labels or [M,c] C^orig: never a hook's condition
+            # [M] labels or [M,c] C^orig: never a hook's condition
+            cond = lab if self.encoder is None else self.original_condition(lab)
             v = self._velocity(x, s, cond, self._stored_condition(rollout, sel))  # [M,2]
             logp[sel] = sde_step_with_logprob(v, x, s, sp, self.sigma_min, self.sigma_max, prev_sample=x_next)[1]  # [M]
         out = {"logp": logp}
@@ -413,7 +414,8 @@ class FlowPolicy:
     def load_state_dict(self, state: dict) -> None:
         if state.get("config") != self.config:
             raise ValueError(
-                f"FlowPolicy.load_state_dict: the state was saved from {state.get('config')}, this policy is {self.config}"
+                "FlowPolicy.load_state_dict: the state was saved from "
+                f"{state.get('config')}, this policy is {self.config}"
             )
         self.net.load_state_dict(state["net"])
         if self.reference is not None and "reference" in state:

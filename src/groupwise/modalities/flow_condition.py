@@ -29,7 +29,8 @@ class PromptEncoder(nn.Module):
         super().__init__()
         if min(n_labels, embed_dim, hidden, cond_dim) < 1:
             raise ValueError(
-                f"PromptEncoder needs positive sizes; got n_labels={n_labels}, embed_dim={embed_dim}, hidden={hidden}, cond_dim={cond_dim}"
+                f"PromptEncoder needs positive sizes; got n_labels={n_labels}, "
+                f"embed_dim={embed_dim}, hidden={hidden}, cond_dim={cond_dim}"
             )
         self.register_buffer("tokens", torch.randn(n_labels, embed_dim))  # [n_labels,d] the prompts' token embeddings
         self.register_buffer("w1", torch.randn(embed_dim, hidden) / math.sqrt(embed_dim))  # [d,h]
@@ -66,7 +67,8 @@ def hooked_conditions(
             )
         if bool((hook.positions != 0).any()):
             raise ValueError(
-                f"EmbedDelta of request {b}: positions {hook.positions.tolist()} outside the flow prompt's one token (position 0)"
+                f"EmbedDelta of request {b}: positions {hook.positions.tolist()} "
+                "outside the flow prompt's one token (position 0)"
             )
         delta[b, : req.n] = hook.delta.to(emb.dtype).sum(1)  # [n,d] (P is 0 or 1: the prompt is one token)
         if hook.rho is not None:

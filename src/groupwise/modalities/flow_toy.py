@@ -120,7 +120,8 @@ def trap_reward(
 @register("reward", "flow_trap")
 @dataclass
 class FlowTrapReward:
-    """A near, easy optimum worth ``near_reward`` and a far one worth 1 on the opposite side (Toy-Flow-2D; spec 15's behavioural test)."""
+    """A near, easy optimum worth ``near_reward`` and a far one worth 1 on the opposite side (Toy-Flow-2D; spec 15's
+    behavioural test)."""
 
     n_labels: int = 4
     near: float = 1.0
@@ -141,8 +142,8 @@ class FlowTrapReward:
             or self.near + self.far <= 2 * self.radius
         ):
             raise ValueError(
-                f"flow_trap: need radius > 0 ({self.radius}), near, far >= 0 ({self.near}, {self.far}), 0 <= near_reward < 1 "
-                f"({self.near_reward}) and disjoint regions (near + far > 2·radius)"
+                f"flow_trap: need radius > 0 ({self.radius}), near, far >= 0 ({self.near}, {self.far}), "
+                f"0 <= near_reward < 1 ({self.near_reward}) and disjoint regions (near + far > 2·radius)"
             )
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:

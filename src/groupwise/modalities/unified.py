@@ -67,14 +67,14 @@ class ThinkLM(nn.Module):
     def forward(self, label: Tensor, think: Tensor) -> Tensor:
         e = self.tok(think)  # [N,n,H]
         before = e.cumsum(1) - e  # [N,n,H] Σ of the tokens before each position
-        h = nn.functional.silu(
-            self.label(label)[:, None, :] + before + self.pos.weight[None, : think.shape[1]]
-        )  # [N,n,H]
+        # [N,n,H]
+        h = nn.functional.silu(self.label(label)[:, None, :] + before + self.pos.weight[None, : think.shape[1]])
         return self.out(nn.functional.silu(self.mid(h)))  # [N,n,V]
 
 
 class UnifiedPolicy(FlowPolicy):
-    """Think tokens from a tiny causal LM, then a flow sample conditioned on them; one row, one advantage (AlphaGRPO toy)."""
+    """Think tokens from a tiny causal LM, then a flow sample conditioned on them;
+    one row, one advantage (AlphaGRPO toy)."""
 
     def __init__(
         self,

@@ -9,7 +9,8 @@ providers, updaters, phases) stays in the stage folders; the manifest lists it b
 owns the standard algorithms and the core. Every registry entry and every source file of the
 package belongs to exactly one manifest (``tests/test_papers.py``).
 
-Discovery: ``registry.load_all`` imports every module of every paper folder that is a package
+Discovery: ``registry.load_all`` (``discovery.import_components``) imports every module of every paper
+folder that is a package
 (:func:`module_names`); recipes are found in ``recipes/`` and ``papers/*/recipes/``
 (:func:`named_files`), claim files in a repository's ``claims/`` and ``papers/*/claims/``.
 A folder's name starts with the two-digit spec number, so its modules are reached through

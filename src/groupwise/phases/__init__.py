@@ -98,9 +98,13 @@ def check_artifacts(phases: list[Any], components: list[Any]) -> None:
     for component in components:
         for name in getattr(component, "artifacts", ()):
             if name not in made:
-                who = f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r}"
+                who = (
+                    f"{getattr(component, 'stage', '')} component "
+                    f"{getattr(component, 'registry_name', type(component).__name__)!r}"
+                )
                 raise ConfigError(
-                    f"{who} needs the artifact {name!r}, which no offline phase produces (offline phases: {sorted(made) or 'none'}); "
+                    f"{who} needs the artifact {name!r}, which no offline phase "
+                    f"produces (offline phases: {sorted(made) or 'none'}); "
                     f'add one to `phases`, e.g. phases = [{{name = "...", artifact = "{name}"}}]'
                 )
 
@@ -160,7 +164,8 @@ def same_on_every_rank(name: str, artifact: Any, say: Callable[[str], None]) -> 
     if len(set(digests)) == 1:
         return artifact  # the same bytes everywhere: nothing to send
     say(
-        f"phase {name!r}: the ranks computed different artifacts (digests {[d[:8] for d in digests]}); every rank uses rank 0's"
+        f"phase {name!r}: the ranks computed different artifacts "
+        f"(digests {[d[:8] for d in digests]}); every rank uses rank 0's"
     )
     return dist.broadcast_object(artifact)
 

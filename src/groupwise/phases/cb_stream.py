@@ -63,9 +63,8 @@ def class_balanced_weights(counts: torch.Tensor, beta: float) -> torch.Tensor:
     present = n > 0  # [C]
     if not bool(present.any()):
         return torch.zeros_like(n)
-    effective = torch.where(
-        present, (1.0 - beta**n) / (1.0 - beta), torch.ones_like(n)
-    )  # [C] E_c (1 for absent: unused)
+    # [C] E_c (1 for absent: unused)
+    effective = torch.where(present, (1.0 - beta**n) / (1.0 - beta), torch.ones_like(n))
     inv = torch.where(present, 1.0 / effective, torch.zeros_like(n))  # [C]
     return inv * n.numel() / inv.sum()  # [C]
 
@@ -112,7 +111,6 @@ def cb_stream_loss(
         labels.shape
     )  # [N,L]
     if counts is None:
-        counts = torch.bincount(decision_class[decision_mask & valid].clamp(min=0), minlength=num_classes)[
-            :num_classes
-        ]  # [C]
+        # [C]
+        counts = torch.bincount(decision_class[decision_mask & valid].clamp(min=0), minlength=num_classes)[:num_classes]
     return balanced_from_ce(ce, valid, decision_mask, decision_class, class_balanced_weights(counts, beta))

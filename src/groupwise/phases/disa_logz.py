@@ -95,8 +95,9 @@ class DisaLogZ:
             or not self.beta >= 0
         ):
             raise ConfigError(
-                f"phase disa_logz: need prompts >= 0 (got {self.prompts}; 0 = all), max_new_tokens >= 0 (got {self.max_new_tokens}), "
-                f"layer >= 0 (got {self.layer}), temperature > 0 (got {self.temperature}), beta >= 0 (got {self.beta})"
+                f"phase disa_logz: need prompts >= 0 (got {self.prompts}; 0 = all), "
+                f"max_new_tokens >= 0 (got {self.max_new_tokens}), layer >= 0 (got {self.layer}), "
+                f"temperature > 0 (got {self.temperature}), beta >= 0 (got {self.beta})"
             )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"phase disa_logz: val_fraction={self.val_fraction} must be in [0, 1)")
@@ -105,12 +106,15 @@ class DisaLogZ:
         t0, policy = time.perf_counter(), ctx.policy
         if ctx.score is None or (self.estimator is None and ctx.advantage is None):
             raise ConfigError(
-                "phase disa_logz needs the run's reward (and its advantage estimator, or `estimator`): run it through the trainer"
+                "phase disa_logz needs the run's reward (and its advantage "
+                "estimator, or `estimator`): run it through the trainer"
             )
         if self.proposal and self.proposal not in ctx.models:
             raise ConfigError(
-                f"phase disa_logz: proposal={self.proposal!r} is not a frozen role (frozen roles: {sorted(ctx.models) or 'none'}); "
-                f'add roles.{self.proposal} = {{frozen = true, model = {{path = "..."}}}} or leave proposal empty (the policy)'
+                f"phase disa_logz: proposal={self.proposal!r} is not a frozen "
+                f"role (frozen roles: {sorted(ctx.models) or 'none'}); "
+                f"add roles.{self.proposal} = {{frozen = true, model = "
+                '{path = "..."}} or leave proposal empty (the policy)'
             )
         q = ctx.models[self.proposal] if self.proposal else policy
         estimator = build_spec("advantage", self.estimator) if self.estimator is not None else None
@@ -164,8 +168,9 @@ class DisaLogZ:
         regressor = self._fit(torch.cat(emb_all)[known], logZ[known], ctx.seed, summary) if self.regressor else None
         summary["seconds"] = round(time.perf_counter() - t0, 1)
         ctx.say(
-            f"phase {self.artifact!r}: log Z of {len(units)} prompts ({summary['rows']} rows) from {self.samples} proposals each "
-            f"(proposal {self.proposal or 'policy'} at T={self.temperature}); mean {summary['logz_mean']:.3f}, ESS mean {summary['ess_mean']:.2f} of {self.samples}"
+            f"phase {self.artifact!r}: log Z of {len(units)} prompts ({summary['rows']} rows) from "
+            f"{self.samples} proposals each (proposal {self.proposal or 'policy'} at T={self.temperature}); "
+            f"mean {summary['logz_mean']:.3f}, ESS mean {summary['ess_mean']:.2f} of {self.samples}"
             + (f", regressor held-out R² {summary['r2_val']:.3f}" if regressor else "")
         )
         return {
@@ -180,7 +185,8 @@ class DisaLogZ:
         }
 
     def _units(self, ctx: PhaseContext) -> list[tuple[list[int], list[int]]]:
-        """The prompts to estimate: (prompt ids, the train rows sharing them), in row order; a seeded subset when `prompts` > 0."""
+        """The prompts to estimate: (prompt ids, the train rows sharing them), in row order;
+        a seeded subset when `prompts` > 0."""
         by_prompt: dict[tuple[int, ...], list[int]] = {}
         units = []
         for i in range(len(ctx.train_rows)):
@@ -213,15 +219,12 @@ class DisaLogZ:
         if own_q and self.temperature == 1.0:
             lq = lref  # [P,M] q is the reference itself
         else:
-            hidden = (
-                out["last_hidden"] if own_q else q.forward(roll, ["logp", "last_hidden"])["last_hidden"]
-            )  # [P,M,T,H]
-            lq = masked_mean(
-                tempered_logp(q.module, hidden, roll.actions, mask, self.temperature), mask, dim=-1
-            )  # [P,M]
-        emb = (
-            out[f"hidden({self.layer})"][:, 0, 0].float() if self.regressor else None
-        )  # [P,H] the state after the prompt
+            # [P,M,T,H]
+            hidden = out["last_hidden"] if own_q else q.forward(roll, ["logp", "last_hidden"])["last_hidden"]
+            # [P,M]
+            lq = masked_mean(tempered_logp(q.module, hidden, roll.actions, mask, self.temperature), mask, dim=-1)
+        # [P,H] the state after the prompt
+        emb = out[f"hidden({self.layer})"][:, 0, 0].float() if self.regressor else None
         return lref, lq, emb
 
     def _fit(self, emb: torch.Tensor, logZ: torch.Tensor, seed: int, summary: dict) -> dict:

@@ -12,7 +12,8 @@ produces the artifact that the rollout strategy ``e2po`` (``rollout/e2po.py``) s
     ids   = the row's prompt ids (as RL encodes them);  𝓘 = positions of its non-special tokens
     E     = table[ids] [S,d];  scale = RMS of the table's entries          (prompt_space: below)
     δ_k   ~ N(0, (sigma_init · scale)²) on 𝓘, k = 1..conditions−1
-    e_k   = f(E + δ_k),  e_anc = f(E)        f = text: final-norm hidden state, last prompt token (pool = "last") or mean;
+    e_k   = f(E + δ_k),  e_anc = f(E)        f = text: final-norm hidden state, last prompt token
+                                                    (pool = "last") or mean;
                                              flow (condition = "embedding"): the policy's frozen random MLP encoder
     L_emb = lam_div · mean_{k≠k'} cos(e_k, e_k') + Σ_k max(0, |cos(e_k, e_anc) − mu| − eps)
     Adam(lr · scale) on δ for ``steps`` steps
@@ -76,9 +77,8 @@ def lm_encoder(model, pool: str = "last"):
 
     def encode(emb: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # [M,S]
-        h = decoder(
-            inputs_embeds=emb, attention_mask=real.long(), position_ids=positions
-        ).last_hidden_state.float()  # [M,S,D]
+        # [M,S,D]
+        h = decoder(inputs_embeds=emb, attention_mask=real.long(), position_ids=positions).last_hidden_state.float()
         if pool == "last":
             return h[:, -1]  # [M,D] left-padded: the last column is the last prompt token
         w = real.float()[..., None]  # [M,S,1]
@@ -121,7 +121,8 @@ def prompt_space(policy, pool: str = "last") -> tuple[torch.Tensor, set[int], Ca
     model, tok = getattr(policy, "module", None), getattr(policy, "tokenizer", None)
     if model is None or tok is None:
         raise ConfigError(
-            f"phase e2po_perturbations needs a text policy with a tokenizer or a policy with a prompt encoder (the flow toy with "
+            "phase e2po_perturbations needs a text policy with a tokenizer "
+            "or a policy with a prompt encoder (the flow toy with "
             f'model.params.condition = "embedding"); this one is {getattr(policy, "modality", "?")}'
         )
     return (
@@ -135,7 +136,8 @@ def prompt_space(policy, pool: str = "last") -> tuple[torch.Tensor, set[int], Ca
 @register("phase", "e2po_perturbations")
 @dataclass
 class E2POPerturbations:
-    """E²PO phase I: conditions−1 diverse, meaning-anchored perturbations of each train prompt's content-token embeddings."""
+    """E²PO phase I: conditions−1 diverse, meaning-anchored perturbations of each train prompt's content-token
+    embeddings."""
 
     kind = "offline"
     artifact: str = "e2po_perturbations"
@@ -153,7 +155,8 @@ class E2POPerturbations:
     def __post_init__(self) -> None:
         if self.conditions < 2:
             raise ConfigError(
-                f"phase e2po_perturbations: conditions={self.conditions} must be >= 2 (the original prompt plus at least one perturbation)"
+                f"phase e2po_perturbations: conditions={self.conditions} must "
+                "be >= 2 (the original prompt plus at least one perturbation)"
             )
         for key in ("steps", "chunk"):
             if getattr(self, key) < 1:
@@ -167,8 +170,9 @@ class E2POPerturbations:
             or self.lr <= 0
         ):
             raise ConfigError(
-                f"phase e2po_perturbations: need rows >= 0 (got {self.rows}), lam_div >= 0 ({self.lam_div}), eps >= 0 ({self.eps}), "
-                f"mu in [-1, 1] ({self.mu}), sigma_init > 0 ({self.sigma_init}), lr > 0 ({self.lr})"
+                f"phase e2po_perturbations: need rows >= 0 (got {self.rows}), lam_div "
+                f">= 0 ({self.lam_div}), eps >= 0 ({self.eps}), mu in [-1, 1] "
+                f"({self.mu}), sigma_init > 0 ({self.sigma_init}), lr > 0 ({self.lr})"
             )
         if self.pool not in ("last", "mean"):
             raise ConfigError(f"phase e2po_perturbations: pool={self.pool!r} must be 'last' or 'mean'")
@@ -187,7 +191,8 @@ class E2POPerturbations:
                 content = [[j for j, t in enumerate(p) if t not in special] for p in prompts]
                 if any(not c for c in content):
                     raise ConfigError(
-                        f"phase e2po_perturbations: train row {idx[[bool(c) for c in content].index(False)]} has no content tokens to perturb"
+                        "phase e2po_perturbations: train row "
+                        f"{idx[[bool(c) for c in content].index(False)]} has no content tokens to perturb"
                     )
                 S, L = max(len(p) for p in prompts), max(len(c) for c in content)
                 ids = torch.zeros(len(idx), S, dtype=torch.long)  # [N,S] left-padded
@@ -234,8 +239,8 @@ class E2POPerturbations:
             "seconds": round(time.perf_counter() - t0, 1),
         }
         ctx.say(
-            f"phase {self.artifact!r}: {n} prompts x {K} perturbations; L_emb {summary['loss']:.3f}, L_div {summary['div']:.3f}, "
-            f"cos to the original {summary['cos_anchor']:.3f} ({summary['seconds']} s)"
+            f"phase {self.artifact!r}: {n} prompts x {K} perturbations; L_emb {summary['loss']:.3f}, L_div "
+            f"{summary['div']:.3f}, cos to the original {summary['cos_anchor']:.3f} ({summary['seconds']} s)"
         )
         return {
             "keys": torch.tensor(keys, dtype=torch.long),

@@ -81,9 +81,8 @@ class LoraPlacementProbe:
     group_size: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
-    objective: str = (
-        "grpo"  # "sft": cross-entropy on the rows' answers instead, the spec's SFT control of the diagnostics
-    )
+    # "sft": cross-entropy on the rows' answers instead, the spec's SFT control of the diagnostics
+    objective: str = "grpo"
 
     def __post_init__(self) -> None:
         if self.objective not in ("grpo", "sft"):
@@ -95,7 +94,8 @@ class LoraPlacementProbe:
                 raise ConfigError(f"phase lora_placement_probe: {key}={getattr(self, key)} must be >= 1")
         if self.group_size < 2:
             raise ConfigError(
-                f"phase lora_placement_probe: group_size={self.group_size}; GRPO's advantage needs >= 2 samples a prompt"
+                f"phase lora_placement_probe: group_size={self.group_size}; "
+                "GRPO's advantage needs >= 2 samples a prompt"
             )
         if self.k < 0 or not 0.0 < self.fraction <= 1.0:
             raise ConfigError(
@@ -109,7 +109,8 @@ class LoraPlacementProbe:
         named = [(n, p) for n, p in zip(policy.parameter_names(), policy.parameters()) if lora_side(n) == "B"]
         if not named:
             raise ConfigError(
-                "phase lora_placement_probe: the policy has no trainable LoRA-B weight; set model.lora (PEFT LoraConfig arguments)"
+                "phase lora_placement_probe: the policy has no trainable "
+                "LoRA-B weight; set model.lora (PEFT LoraConfig arguments)"
             )
         sizes = [p.numel() for _, p in named]
         P = sum(sizes)
@@ -168,9 +169,8 @@ class LoraPlacementProbe:
             kinds[module_kind(name)] += int(m.sum())
             layers[str(layer_of(name))] += int(m.sum())
             start += size
-        stats = {
-            key: (None if value != value else value) for key, value in grad_structure_stats(grads).items()
-        }  # NaN (one probe): None in summary.json
+        # NaN (one probe): None in summary.json
+        stats = {key: (None if value != value else value) for key, value in grad_structure_stats(grads).items()}
         summary = {
             "k": k,
             "entries": P,
@@ -184,7 +184,9 @@ class LoraPlacementProbe:
             "seconds": round(time.perf_counter() - t0, 1),
         }
         ctx.say(
-            f"phase {self.artifact!r}: {k} of {P} LoRA-B entries by {self.score!r}; probe gradients eff_rank {stats['eff_rank']:.2f}, "
-            f"mean cos {stats['mean_cos'] if stats['mean_cos'] is not None else float('nan'):.3f}; per module {dict(sorted(kinds.items()))}"
+            f"phase {self.artifact!r}: {k} of {P} LoRA-B entries by {self.score!r}; "
+            f"probe gradients eff_rank {stats['eff_rank']:.2f}, mean cos "
+            f"{stats['mean_cos'] if stats['mean_cos'] is not None else float('nan'):.3f}; "
+            f"per module {dict(sorted(kinds.items()))}"
         )
         return {"masks": masks, "score": self.score, "k": k, "entries": P, "summary": summary}

@@ -62,7 +62,8 @@ from groupwise.types import StepInfo
 
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve of ``scores`` for ``labels`` (1 positive), ties counted half; NaN without both classes."""
+    """Area under the ROC curve of ``scores`` for ``labels`` (1 positive), ties counted half;
+    NaN without both classes."""
     s, y = scores.double(), labels.bool()
     pos, neg = s[y], s[~y]
     if len(pos) == 0 or len(neg) == 0:
@@ -102,7 +103,8 @@ def turn_labels(env_proto, row: dict, texts: list[str], actions: list[str], seed
 @register("phase", "pair_probe")
 @dataclass
 class PairProbePhase:
-    """PAIR's probe: turn labels from an outcome search on the base's own episodes, the two-stage linear probe on hidden states and attention."""
+    """PAIR's probe: turn labels from an outcome search on the base's own episodes, the two-stage linear probe on hidden
+    states and attention."""
 
     kind = "offline"
     artifact: str = "pair_probe"
@@ -132,8 +134,9 @@ class PairProbePhase:
             or any(l < 1 for l in self.attn_layers)
         ):
             raise ConfigError(
-                f"phase pair_probe: need C > 0 (got {self.C}), val_fraction in [0, 1) (got {self.val_fraction}), a non-empty "
-                f"actions list (got {list(self.actions)}), hidden_layer >= 0 and attn_layers >= 1 (got {self.hidden_layer}, {list(self.attn_layers)})"
+                f"phase pair_probe: need C > 0 (got {self.C}), val_fraction in [0, 1) (got "
+                f"{self.val_fraction}), a non-empty actions list (got {list(self.actions)}), hidden_layer "
+                f">= 0 and attn_layers >= 1 (got {self.hidden_layer}, {list(self.attn_layers)})"
             )
 
     def __call__(self, ctx: PhaseContext) -> dict:
@@ -184,7 +187,8 @@ class PairProbePhase:
                 )
                 if len(spans) != len(labels):
                     raise RuntimeError(
-                        f"phase {self.artifact}: episode {b}/{g} has {len(labels)} actions but {len(spans)} turns in its transcript"
+                        f"phase {self.artifact}: episode {b}/{g} has {len(labels)} "
+                        f"actions but {len(spans)} turns in its transcript"
                     )
                 H.append(h)
                 A.append(a)
@@ -213,8 +217,8 @@ class PairProbePhase:
             )
         summary["seconds"] = round(time.perf_counter() - t0, 1)
         ctx.say(
-            f"phase {self.artifact!r}: {summary['turns']} turns ({summary['positive_share']:.2f} clean); held-out AUROC "
-            f"s_bc {summary['val_auroc_bc']:.3f}, s_final {summary['val_auroc_final']:.3f}"
+            f"phase {self.artifact!r}: {summary['turns']} turns ({summary['positive_share']:.2f} clean); "
+            f"held-out AUROC s_bc {summary['val_auroc_bc']:.3f}, s_final {summary['val_auroc_final']:.3f}"
         )
         return {
             "probe": probe.state(),

@@ -71,7 +71,8 @@ def step_ids_of(tokens: list[int], token_text: list[str], sep: str, pad_to: int)
 @register("phase", "profil_probe")
 @dataclass
 class ProfilProbe:
-    """ProFIL's probe: forced-answer commitment labels on the base model's rollouts, an attention-pooling probe on hidden(layer)."""
+    """ProFIL's probe: forced-answer commitment labels on the base model's rollouts, an attention-pooling probe on
+    hidden(layer)."""
 
     kind = "offline"
     artifact: str = "probe"
@@ -94,15 +95,16 @@ class ProfilProbe:
                 raise ConfigError(f"phase profil_probe: {key}={getattr(self, key)} must be >= 1")
         if self.layer < 0 or not 0.0 <= self.val_fraction < 1.0 or not self.marker or not self.sep:
             raise ConfigError(
-                f"phase profil_probe: need layer >= 0 (got {self.layer}), val_fraction in [0, 1) (got {self.val_fraction}), "
-                f"a non-empty marker and sep (got {self.marker!r}, {self.sep!r})"
+                f"phase profil_probe: need layer >= 0 (got {self.layer}), val_fraction in [0, 1) (got "
+                f"{self.val_fraction}), a non-empty marker and sep (got {self.marker!r}, {self.sep!r})"
             )
 
     def __call__(self, ctx: PhaseContext) -> dict:
         policy, t0 = ctx.policy, time.perf_counter()
         if not hasattr(policy, "tokenizer"):
             raise ConfigError(
-                f"phase profil_probe needs a text policy with a tokenizer (this one is {getattr(policy, 'modality', '?')})"
+                "phase profil_probe needs a text policy with a tokenizer "
+                f"(this one is {getattr(policy, 'modality', '?')})"
             )
         tok = policy.tokenizer
         token_text = [tok.decode([i], skip_special_tokens=True) for i in range(len(tok))]
@@ -126,12 +128,10 @@ class ProfilProbe:
         hidden = hidden.reshape(B * G, T, -1).float()  # [N,T,d]
         lengths = roll.mask.reshape(B * G, T).sum(-1).tolist()  # [N]
         actions = roll.actions.reshape(B * G, T).tolist()
-        step_ids = torch.stack(
-            [step_ids_of(actions[r][: lengths[r]], token_text, self.sep, T) for r in range(B * G)]
-        )  # [N,T]
-        labels = self._labels(
-            policy, roll.prompt_ids, actions, lengths, step_ids, token_text, G
-        )  # per row: [K] or None
+        # [N,T]
+        step_ids = torch.stack([step_ids_of(actions[r][: lengths[r]], token_text, self.sep, T) for r in range(B * G)])
+        # per row: [K] or None
+        labels = self._labels(policy, roll.prompt_ids, actions, lengths, step_ids, token_text, G)
         used = [r for r in range(B * G) if labels[r] is not None and len(labels[r])]
         if not used:
             raise RuntimeError(
@@ -176,8 +176,9 @@ class ProfilProbe:
             "seconds": round(time.perf_counter() - t0, 1),
         }
         ctx.say(
-            f"phase {self.artifact!r}: {len(used)} labelled rollouts, {summary['labelled_steps']} steps ({summary['positive_share']:.2f} post-commitment); "
-            f"probe accuracy train {summary['train_accuracy']:.3f}, held-out {summary['val_accuracy'] if val else float('nan'):.3f}"
+            f"phase {self.artifact!r}: {len(used)} labelled rollouts, {summary['labelled_steps']} steps "
+            f"({summary['positive_share']:.2f} post-commitment); probe accuracy train "
+            f"{summary['train_accuracy']:.3f}, held-out {summary['val_accuracy'] if val else float('nan'):.3f}"
         )
         return {
             "state": probe.state_dict(),

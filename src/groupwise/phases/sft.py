@@ -78,15 +78,14 @@ class SFT:
         }
     )
     artifact: str = ""  # the phase's name in the run folder and summary (default "sft")
-    task: str = ""  # train on this built-in task's train rows instead of the run's (a warm start shared by runs on different data)
+    # train on this built-in task's train rows instead of the run's (a warm start shared by runs on different data)
+    task: str = ""
     train_size: int = 0  # with task: that many of its train rows (0 = all)
-    loss: str = (
-        "ce"  # "ce" (token mean) or "cb_stream" (class-balanced decisions, phases/cb_stream.py) [INFERRED] spec 42
-    )
+    # "ce" (token mean) or "cb_stream" (class-balanced decisions, phases/cb_stream.py) [INFERRED] spec 42
+    loss: str = "ce"
     cb_beta: float = 0.999  # cb_stream: the effective-number beta in [0, 1) [INFERRED] spec 42
-    cb_counts: str = (
-        "dataset"  # cb_stream: class counts over the train rows ("dataset") or each batch ("batch") [INFERRED] spec 42
-    )
+    # cb_stream: class counts over the train rows ("dataset") or each batch ("batch") [INFERRED] spec 42
+    cb_counts: str = "dataset"
     decision_column: str = "decision"  # cb_stream: the rows' decision class column [INFERRED]
     num_classes: int = 2  # cb_stream: decision classes (silence / respond) [ABSTRACT] spec 42
 
@@ -97,7 +96,8 @@ class SFT:
             check_beta(self.cb_beta, "phase sft: cb_beta")
             if self.cb_counts not in COUNTS or self.num_classes < 2:
                 raise ConfigError(
-                    f"phase sft: cb_counts={self.cb_counts!r} must be one of {COUNTS} and num_classes={self.num_classes} >= 2"
+                    f"phase sft: cb_counts={self.cb_counts!r} must be one "
+                    f"of {COUNTS} and num_classes={self.num_classes} >= 2"
                 )
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError(f"phase sft: steps={self.steps} and batch_size={self.batch_size} must be >= 1")
@@ -199,7 +199,8 @@ class SFT:
             ) from None
         if bool(((classes < 0) | (classes >= self.num_classes)).any()):
             raise ConfigError(
-                f"phase sft: column {self.decision_column!r} holds classes outside 0..{self.num_classes - 1}; set num_classes"
+                f"phase sft: column {self.decision_column!r} holds classes "
+                f"outside 0..{self.num_classes - 1}; set num_classes"
             )
         return classes
 

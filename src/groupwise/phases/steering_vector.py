@@ -82,7 +82,8 @@ class SteeringVector:
             return [self.positive_template.format(**r) for r in use], [self.negative_template.format(**r) for r in use]
         except KeyError as err:
             raise ConfigError(
-                f"phase steering_vector: template field {err} is not a column of the train rows (columns: {sorted(use[0]) if use else []})"
+                f"phase steering_vector: template field {err} is not a column "
+                f"of the train rows (columns: {sorted(use[0]) if use else []})"
             ) from None
 
     def __call__(self, ctx: PhaseContext) -> dict:
@@ -106,7 +107,7 @@ class SteeringVector:
             model.train(was_training)
         summary = {"layer": self.layer, "texts": len(pos) + len(neg), **stats}
         ctx.say(
-            f"phase {self.artifact!r}: layer {self.layer}, {len(pos)} + {len(neg)} contrast texts, |v| {stats['raw_norm']:.3f} -> {stats['norm']:.3f} "
-            f"(typical |h| {stats['hidden_norm']:.3f})"
+            f"phase {self.artifact!r}: layer {self.layer}, {len(pos)} + {len(neg)} contrast texts, |v| "
+            f"{stats['raw_norm']:.3f} -> {stats['norm']:.3f} (typical |h| {stats['hidden_norm']:.3f})"
         )
         return {"vector": vector, "layer": self.layer, "summary": summary}

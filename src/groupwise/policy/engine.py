@@ -224,7 +224,8 @@ class _HFState:
         self._handle = None
 
     def steer(self, layer: int, add: Tensor) -> None:
-        """Add ``add`` [R,D] (one vector per row) to the residual stream after decoder layer ``layer`` (0: the embeddings)."""
+        """Add ``add`` [R,D] (one vector per row) to the residual stream after
+        decoder layer ``layer`` (0: the embeddings)."""
         self.steer_add = add
         module = residual_module(self.model, layer)
 
@@ -325,9 +326,8 @@ class CPUEngine:
     def _new_state(self, kinds: set[str] = frozenset()):
         """Decoding state for one call; the functional one snapshots the current weights. Generation
         hooks of a kind the functional decoder does not apply send the call down the model's own forward."""
-        if (
-            self.functional and unsupported_reason(self.model) is None and kinds <= DecodeState.hooks
-        ):  # module hooks may come and go
+        # module hooks may come and go
+        if self.functional and unsupported_reason(self.model) is None and kinds <= DecodeState.hooks:
             return DecodeState(self.model, self.matmul)
         return _HFState(self.model, self._cache_arg, self._can_keep_last, self.matmul)
 
@@ -371,12 +371,12 @@ class CPUEngine:
         kinds = hook_kinds(hooks or [])
         if kinds - self.hooks:
             raise ValueError(
-                f"generation hooks {sorted(kinds - self.hooks)} cannot be applied by this engine (it applies {sorted(self.hooks)})"
+                f"generation hooks {sorted(kinds - self.hooks)} cannot be "
+                f"applied by this engine (it applies {sorted(self.hooks)})"
             )
         state = self._new_state(kinds)
-        if isinstance(
-            state, DecodeState
-        ):  # no dropout in the functional maths: no train/eval switch (~1 ms per module tree walk)
+        # no dropout in the functional maths: no train/eval switch (~1 ms per module tree walk)
+        if isinstance(state, DecodeState):
             return self._generate(
                 state, prompt_ids, n, row_seeds.to(device, torch.long), max_new_tokens, sampling, hooks
             )
@@ -408,9 +408,8 @@ class CPUEngine:
         embed_add = None
         if hooks is not None:  # per-row perturbations (groupwise.hooks)
             dim = self.model.get_input_embeddings().weight.shape[1]
-            embed_add, steer = row_hooks(
-                hooks, n, [len(p) for p in prompt_ids], width, dim
-            )  # [R,W,D] | None, (layer, [R,D]) | None
+            # [R,W,D] | None, (layer, [R,D]) | None
+            embed_add, steer = row_hooks(hooks, n, [len(p) for p in prompt_ids], width, dim)
             embed_add = None if embed_add is None else embed_add.to(device)
             if steer is not None:
                 state.steer(steer[0], steer[1].to(device))
@@ -429,9 +428,8 @@ class CPUEngine:
                 embed_add=embed_add,
             )  # [R,V]
 
-        sample = _Sampler(
-            logits.shape[-1], R, device=device, row_seeds=seeds, horizon=max_new_tokens, **sampling
-        )  # V from the logits (vocab may be padded)
+        # V from the logits (vocab may be padded)
+        sample = _Sampler(logits.shape[-1], R, device=device, row_seeds=seeds, horizon=max_new_tokens, **sampling)
 
         # ---- per-live-row state (compacted together when finished rows are dropped)
         live = torch.arange(R, device=device)  # [A] output row of each live row

@@ -89,9 +89,8 @@ def _layout_cost(model, sizes: list[int], capacity: int) -> float:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     hidden = getattr(config, "hidden_size", 1)
-    layer_params = 4 * hidden * hidden + 3 * hidden * getattr(
-        config, "intermediate_size", 4 * hidden
-    )  # attention + gated MLP
+    # attention + gated MLP
+    layer_params = 4 * hidden * hidden + 3 * hidden * getattr(config, "intermediate_size", 4 * hidden)
     return len(bins) * (width * 2 * layer_params + _ATTENTION_SLOWDOWN * 4 * hidden * width * width)
 
 
@@ -228,9 +227,8 @@ def _packed_hidden(
     if functional and unsupported_reason(model) is None:
         segment = (position_ids == 0).cumsum(dim=-1)  # [n_bins,width] a new row starts where positions restart
         index = torch.arange(width)
-        allowed = (segment[:, :, None] == segment[:, None, :]) & (
-            index[:, None] >= index[None, :]
-        )  # [n_bins,q,k] own row, causal
+        # [n_bins,q,k] own row, causal
+        allowed = (segment[:, :, None] == segment[:, None, :]) & (index[:, None] >= index[None, :])
     # off the functional path transformers reads the position restarts as packed sequences and builds the same mask
     hidden, kept = _decoder_hidden(
         model, input_ids, position_ids, allowed, None, layers, functional, matmul, recompute_mlp
@@ -297,13 +295,11 @@ def _shared_prefix_hidden(
     gather_at = torch.tensor([i for row in predict_at for i in row], dtype=torch.long)  # [K]
     index = torch.arange(width)
     same_tree = (tree_t[:, :, None] == tree_t[:, None, :]) & (tree_t[:, :, None] >= 0)  # [n_bins,q,k]
-    visible = (branch_t[:, None, :] == 0) | (
-        branch_t[:, :, None] == branch_t[:, None, :]
-    )  # [n_bins,q,k] prompt or own branch
+    # [n_bins,q,k] prompt or own branch
+    visible = (branch_t[:, None, :] == 0) | (branch_t[:, :, None] == branch_t[:, None, :])
     causal = index[None, :, None] >= index[None, None, :]  # [1,q,k]
-    allowed = (same_tree & visible & causal) | torch.eye(width, dtype=torch.bool)[
-        None
-    ]  # [n_bins,q,k] padding sees itself
+    # [n_bins,q,k] padding sees itself
+    allowed = (same_tree & visible & causal) | torch.eye(width, dtype=torch.bool)[None]
     additive = None
     if not (functional and unsupported_reason(model) is None):
         dtype = next(model.parameters()).dtype
@@ -328,9 +324,8 @@ def _padded_hidden(
     """As ``_packed_hidden`` but from a right-padded batch with an attention mask through the model's
     own decoder (the reference path)."""
     N, width = len(sequences), max(len(s) for s in sequences)
-    input_ids = torch.tensor(
-        [s + [0] * (width - len(s)) for s in sequences], dtype=torch.long
-    )  # [N,L] pad id is irrelevant: it is masked
+    # [N,L] pad id is irrelevant: it is masked
+    input_ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], dtype=torch.long)
     attention_mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long)  # [N,L]
     at = torch.tensor(
         [r * width + p - 1 + j for r, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)) for j in range(c)],
@@ -357,9 +352,8 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
     for q in quantities:
         name, _, arg = q.partition("(")
         arg = arg.rstrip(")")
-        if name in ("logp", "logprobs") or (
-            name in EAGER and arg.isdigit()
-        ):  # logprobs: read by completion_logprobs itself
+        # logprobs: read by completion_logprobs itself
+        if name in ("logp", "logprobs") or (name in EAGER and arg.isdigit()):
             continue
         if name == "entropy":
             entropy = True
@@ -371,7 +365,8 @@ def parse_quantities(quantities) -> tuple[set[int], list[int], bool, bool]:
             last = True
         else:
             raise ValueError(
-                f"the packed forward cannot compute {q!r}; it computes logp, logprobs, entropy, topk(k), hidden(l), last_hidden, attn_at(l), hidden_at(l)"
+                f"the packed forward cannot compute {q!r}; it computes logp, logprobs, "
+                "entropy, topk(k), hidden(l), last_hidden, attn_at(l), hidden_at(l)"
             )
     return layers, topks, entropy, last
 
@@ -408,7 +403,8 @@ def _eager_states(
     for name, l in wanted:
         if l > n_layers or (name == "attn_at" and l < 1):
             raise ValueError(
-                f"{name}({l}) asked of a model with {n_layers} decoder layers; use attn_at(1..{n_layers}) or hidden_at(0..{n_layers})"
+                f"{name}({l}) asked of a model with {n_layers} decoder layers; "
+                f"use attn_at(1..{n_layers}) or hidden_at(0..{n_layers})"
             )
     _N, width = len(sequences), max(len(s) for s in sequences)
     device = next(model.parameters()).device
@@ -497,9 +493,8 @@ def completion_logprobs(
     lengths = _completion_lengths(mask.bool(), rows)  # [B,G]
     scored = lengths > 0  # [B,G] rows with at least one token to score
     device = next(model.parameters()).device
-    out_mask = (torch.arange(T, device=lengths.device) < lengths[..., None]).to(
-        device
-    )  # [B,G,T] tokens that get a value
+    # [B,G,T] tokens that get a value
+    out_mask = (torch.arange(T, device=lengths.device) < lengths[..., None]).to(device)
     result = {"logp": torch.zeros(B, G, T, dtype=torch.float32, device=device)}  # [B,G,T]
     if want_entropy:
         result["entropy"] = torch.zeros(B, G, T, dtype=torch.float32, device=device)  # [B,G,T]
@@ -515,14 +510,12 @@ def completion_logprobs(
     if eager:
         heads = int((model.get_base_model() if hasattr(model, "get_base_model") else model).config.num_attention_heads)
         contexts = [c for g in row_prompts for c in g] if row_prompts is not None else list(prompt_ids)
-        keys = (
-            max((len(c) for c in contexts), default=0) + T
-        )  # S: every key position a row's prompt + completion can have
+        # S: every key position a row's prompt + completion can have
+        keys = max((len(c) for c in contexts), default=0) + T
         for name, l in eager:
             shape = (B, G, T, heads, keys) if name == "attn_at" else (B, G, T, width)
-            result[f"{name}({l})"] = torch.zeros(
-                *shape, dtype=torch.float32, device=device
-            )  # [B,G,T,heads,S] or [B,G,T,H]
+            # [B,G,T,heads,S] or [B,G,T,H]
+            result[f"{name}({l})"] = torch.zeros(*shape, dtype=torch.float32, device=device)
     if not bool(scored.any()):
         return result
 
@@ -541,9 +534,8 @@ def completion_logprobs(
     completion_lengths = lengths[groups, members].tolist()
     action_ids = actions.tolist()  # [B][G][T] host ints: inputs are assembled on the host, moved once
     completions = [action_ids[b][g][:c] for b, g, c in zip(row_groups, member_ids, completion_lengths)]
-    targets = torch.tensor(
-        [t for c in completions for t in c], dtype=torch.long, device=device
-    )  # [K] the completion tokens
+    # [K] the completion tokens
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
 
     if share_prefix is None:
         completed: dict[int, int] = {}
@@ -586,14 +578,12 @@ def completion_logprobs(
     if last_wanted:
         result["last_hidden"] = _scatter_rows(result["last_hidden"], out_mask, hidden.float())  # [B,G,T,H]
     if full_wanted:
-        result["logprobs"] = _scatter_rows(
-            result["logprobs"], out_mask, torch.log_softmax(logits.float(), dim=-1)
-        )  # [B,G,T,V]
+        # [B,G,T,V]
+        result["logprobs"] = _scatter_rows(result["logprobs"], out_mask, torch.log_softmax(logits.float(), dim=-1))
     if eager:
         sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]
-        for key, values in _eager_states(
-            model, sequences, prompt_lengths, completion_lengths, eager
-        ).items():  # [K,...]
+        # [K,...]
+        for key, values in _eager_states(model, sequences, prompt_lengths, completion_lengths, eager).items():
             into = result[key]  # [B,G,T,...]
             if values.dim() == 3:
                 values = torch.nn.functional.pad(values, (0, into.shape[-1] - values.shape[-1]))  # [K,heads,S]
@@ -627,21 +617,18 @@ def token_kl(model, hidden_p: Tensor, hidden_q: Tensor, mask: Tensor, chunk_toke
     so no [tokens, V] tensor larger than [chunk_tokens, V] ever exists. 0 outside ``mask``."""
     index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
     weight = next(model.parameters())  # the head runs where the model lives, in its dtype (states are kept float32)
-    flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])[index.to(hidden_p.device)].to(
-        weight.device, weight.dtype
-    )  # [K,H]
-    flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])[index.to(hidden_q.device)].to(
-        weight.device, weight.dtype
-    )  # [K,H]
+    # [K,H]
+    flat_p = hidden_p.reshape(-1, hidden_p.shape[-1])[index.to(hidden_p.device)].to(weight.device, weight.dtype)
+    # [K,H]
+    flat_q = hidden_q.reshape(-1, hidden_q.shape[-1])[index.to(hidden_q.device)].to(weight.device, weight.dtype)
     parts = []
     for start in range(0, flat_p.shape[0], chunk_tokens):
         logp = torch.log_softmax(_head(model, flat_p[start : start + chunk_tokens]).float(), dim=-1)  # [c,V]
         logq = torch.log_softmax(_head(model, flat_q[start : start + chunk_tokens]).float(), dim=-1)  # [c,V]
         parts.append((logp.exp() * (logp - logq)).sum(-1))  # [c]
     kl = torch.cat(parts).to(mask.device) if parts else torch.zeros(0, device=mask.device)  # [K]
-    out = torch.zeros(
-        mask.numel(), dtype=torch.float32, device=mask.device
-    )  # [B*G*T] beside the mask (the host's rollout)
+    # [B*G*T] beside the mask (the host's rollout)
+    out = torch.zeros(mask.numel(), dtype=torch.float32, device=mask.device)
     return out.index_copy(0, index, kl.float()).view(mask.shape)  # [B,G,T]
 
 
@@ -656,9 +643,8 @@ def tempered_logp(
         raise ValueError(f"tempered_logp: temperature must be > 0, got {temperature}")
     index = mask.reshape(-1).nonzero().squeeze(1)  # [K]
     weight = next(model.parameters())
-    flat = last_hidden.reshape(-1, last_hidden.shape[-1])[index.to(last_hidden.device)].to(
-        weight.device, weight.dtype
-    )  # [K,H]
+    # [K,H]
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])[index.to(last_hidden.device)].to(weight.device, weight.dtype)
     targets = actions.reshape(-1)[index].to(weight.device)  # [K]
     parts = []
     for start in range(0, flat.shape[0], chunk_tokens):

@@ -141,9 +141,8 @@ class _RMSNorm(torch.autograd.Function):
         normed, rms, weight = ctx.saved_tensors
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (
-                (grad_out * normed).reshape(-1, *weight.shape).sum(0)
-            )  # weight's shape ([D], or per head [H,D])
+            # weight's shape ([D], or per head [H,D])
+            grad_weight = (grad_out * normed).reshape(-1, *weight.shape).sum(0)
         grad_normed = grad_out * weight  # [...,D]
         along = (grad_normed * normed).mean(dim=-1, keepdim=True)  # [...,1] the part of the gradient along x̂
         grad_x = grad_normed.sub_(normed * along).div_(rms)  # [...,D]
@@ -188,9 +187,8 @@ def _swiglu_down_backward(gate_up: Tensor, weight: Tensor, has_bias: bool, grad_
     flat_grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [N,D]
     grad_bias = flat_grad_out.sum(0) if has_bias else None  # [D]
     if weight.dtype == gate_up.dtype:
-        grad_weight = flat_grad_out.t() @ (silu * up).reshape(
-            -1, up.shape[-1]
-        )  # [D,I] product recomputed, freed at once
+        # [D,I] product recomputed, freed at once
+        grad_weight = flat_grad_out.t() @ (silu * up).reshape(-1, up.shape[-1])
         grad_product = grad_out @ weight  # [...,I]
     else:  # both backward GEMMs in the weight's dtype (its gradient is cast to the float32 master by autograd)
         low = weight.dtype
@@ -289,9 +287,8 @@ def hidden_states(
         out = F.scaled_dot_product_attention(
             q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K
         )  # [N,H,W,hd]
-        x = x + _lin(
-            out.transpose(1, 2).reshape(N, W, H * hd), _low(attn.o_proj.weight, matmul), attn.o_proj.bias
-        )  # [N,W,D]
+        # [N,W,D]
+        x = x + _lin(out.transpose(1, 2).reshape(N, W, H * hd), _low(attn.o_proj.weight, matmul), attn.o_proj.bias)
         h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         gate_up_weight = _low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), matmul)  # [2I,D]
         gate_up_bias = _cat_bias(mlp.gate_proj, mlp.up_proj)
@@ -410,10 +407,12 @@ class DecodeState:
         self.steer_layer, self.steer_add = -1, None  # residual_add: the layer, [A,D] per live row
 
     def steer(self, layer: int, add: Tensor) -> None:
-        """Add ``add`` [R,D] to the residual stream after decoder layer ``layer`` (0: the embeddings), every position."""
+        """Add ``add`` [R,D] to the residual stream after decoder layer
+        ``layer`` (0: the embeddings), every position."""
         if not 0 <= layer <= len(self.layers):
             raise ValueError(
-                f"residual_add hook: layer={layer} but the model has decoder layers 1..{len(self.layers)} (0: the embeddings)"
+                f"residual_add hook: layer={layer} but the model has "
+                f"decoder layers 1..{len(self.layers)} (0: the embeddings)"
             )
         self.steer_layer, self.steer_add = layer, add
 
@@ -470,9 +469,8 @@ class DecodeState:
         # a padding query sees itself too, so no softmax row is empty (its output is never used)
         allowed = ((causal & real[:, None, :]) | torch.eye(W, dtype=torch.bool))[:, None]  # [B,1,W,W]
         # one rotary table for every position this batch can reach; decode steps index it
-        self.cos, self.sin_signed = rotary(
-            self.model, torch.arange(int(positions.max()) + capacity - W + 1)
-        )  # [P,hd] each
+        # [P,hd] each
+        self.cos, self.sin_signed = rotary(self.model, torch.arange(int(positions.max()) + capacity - W + 1))
         cos, sin_signed = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [B,1,W,hd] each
         R = B * repeat
         self.keys = [torch.empty(R, self.kv_heads, capacity, self.head_dim) for _ in self.layers]  # [R,K,C,hd] each
@@ -539,9 +537,8 @@ class DecodeState:
             x = _addmm(x, out.reshape(A, H * hd), w.o_t)  # [A,D] residual folded in
             if w.o_bias is not None:
                 x = x + w.o_bias
-            gate, up = _lin(rms_norm(x, w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(
-                2, dim=-1
-            )  # [A,I] each
+            # [A,I] each
+            gate, up = _lin(rms_norm(x, w.norm_post, w.eps_post), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
             x = _addmm(x, F.silu(gate).mul_(up), w.down_t)  # [A,D]
             if w.down_bias is not None:
                 x = x + w.down_bias

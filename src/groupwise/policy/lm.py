@@ -91,9 +91,8 @@ def load_policy(path: str, dtype: str = "float32", lora: dict | None = None) -> 
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        with torch.random.fork_rng(
-            devices=[]
-        ):  # the adapters' random init (LoRA's A) is the same in every process: a run is reproducible
+        # the adapters' random init (LoRA's A) is the same in every process: a run is reproducible
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     return model, tokenizer
@@ -155,9 +154,8 @@ class LMPolicy:
 
     trainable = True
     modality = "text"
-    request_options = frozenset(
-        {"greedy", "temperature", "top_p", "top_k", "max_new_tokens"}
-    )  # what Request.sampling may set
+    # what Request.sampling may set
+    request_options = frozenset({"greedy", "temperature", "top_p", "top_k", "max_new_tokens"})
 
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.policy.engine import CPUEngine
@@ -206,7 +204,8 @@ class LMPolicy:
 
         if self.context and len(ids) + max_new_tokens > self.context:
             raise ConfigError(
-                f"{where}: prompt of {len(ids)} tokens + rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
+                f"{where}: prompt of {len(ids)} tokens + "
+                f"rollout.max_new_tokens={max_new_tokens} exceeds the model's context of "
                 f'{self.context}; lower rollout.max_new_tokens, or set data.on_bad_row="skip" to drop such prompts'
             )
 
@@ -310,9 +309,8 @@ class LMPolicy:
             matmul=self.matmul.low,
             recompute_mlp=perf.recompute_mlp,
         )
-        if (
-            self.device.type != "cpu"
-        ):  # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
+        # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
+        if self.device.type != "cpu":
             out = {key: value.to("cpu", non_blocking=False) for key, value in out.items()}
         return out
 
@@ -322,13 +320,15 @@ class LMPolicy:
 
         if self.ref_sync_every and not with_reference:
             raise ConfigError(
-                f"model.ref_sync_every={self.ref_sync_every}: no component reads the reference model (add a kl term or a ref need)"
+                f"model.ref_sync_every={self.ref_sync_every}: no component "
+                "reads the reference model (add a kl term or a ref need)"
             )
         if with_reference and self.reference is None:
             self.reference = Reference(self.module)
             if self.ref_sync_every and self.reference.uses_adapter:
                 raise ConfigError(
-                    "model.ref_sync_every needs a reference copy; with LoRA the reference is the base model with adapters off"
+                    "model.ref_sync_every needs a reference copy; with "
+                    "LoRA the reference is the base model with adapters off"
                 )
         models = {"policy": lambda: contextlib.nullcontext(self.module)}
         if self.reference is not None:
@@ -344,8 +344,8 @@ class LMPolicy:
             from groupwise.errors import ConfigError
 
             raise ConfigError(
-                "an sft phase with model.lora: the reference (the base with adapters off) would not be the fine-tuned policy; "
-                "drop model.lora or the components that read the reference"
+                "an sft phase with model.lora: the reference (the base with adapters off) would not "
+                "be the fine-tuned policy; drop model.lora or the components that read the reference"
             )
         self.reference.load_state_dict(self.module.state_dict())
 

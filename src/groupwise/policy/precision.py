@@ -65,7 +65,8 @@ class MatmulChoice:
 def gemm_gflops(
     dtype: torch.dtype, rows: int, inner: int, outer: int, seconds: float = PROBE_SECONDS, device: str = "cpu"
 ) -> float:
-    """GFLOP/s of ``[rows,inner] @ [inner,outer]`` in ``dtype`` at the current thread count, timed for about ``seconds``."""
+    """GFLOP/s of ``[rows,inner] @ [inner,outer]`` in ``dtype`` at the current thread count,
+    timed for about ``seconds``."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(rows, inner, generator=gen).to(device, dtype)  # [M,K]
     b = torch.randn(inner, outer, generator=gen).to(device, dtype)  # [K,N]

@@ -1,4 +1,5 @@
-"""Quantities read from one forward pass: ``logp``, ``logprobs``, ``entropy``, ``topk(k)``, ``hidden(l)``; ``attn_at(l)``, ``hidden_at(l)``.
+"""Quantities read from one forward pass: ``logp``, ``logprobs``, ``entropy``, ``topk(k)``, ``hidden(l)``;
+``attn_at(l)``, ``hidden_at(l)``.
 
 Standard practice, no paper: GRPO's ratio and KL terms need the per-token log-probs of the sampled
 completion under the policy and the reference model (DeepSeekMath, Shao et al. 2024,
@@ -144,7 +145,8 @@ class _EagerQuantity(_ForwardQuantity):
 @register("provider", "attn_at")
 @dataclass
 class AttentionAt(_EagerQuantity):
-    """Layer l's attention probabilities (every head, every key position of the row) of the query at each token [B,G,T,heads,S]; no grad."""
+    """Layer l's attention probabilities (every head, every key position of the row) of the query at each token
+    [B,G,T,heads,S]; no grad."""
 
     _low = 1
 

@@ -78,8 +78,9 @@ def _deadline(timeout_s: float | None):
             signal.pthread_kill(main, _DEADLINE_SIGNAL)
             if not done.wait(_HARD_EXIT_GRACE_S):
                 print(
-                    f"groupwise: a reward call did not return {timeout_s + _HARD_EXIT_GRACE_S:.0f} s after it started and cannot be "
-                    f"interrupted (stuck outside Python); exiting so the run can resume from its last checkpoint",
+                    f"groupwise: a reward call did not return {timeout_s + _HARD_EXIT_GRACE_S:.0f} "
+                    "s after it started and cannot be interrupted (stuck outside Python); exiting "
+                    "so the run can resume from its last checkpoint",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -79,7 +79,8 @@ class Recorder:
         self.open = True
 
     def hooks(self, fn: Any, given: dict[str, Any]) -> dict[str, Any]:
-        """The hooks ``fn`` takes: ours, and those in ``given`` (``completion_ids``, ``trainer_state``) that are not None."""
+        """The hooks ``fn`` takes: ours, and those in ``given``
+        (``completion_ids``, ``trainer_state``) that are not None."""
         given = {"log_extra": self.log_extra, "log_metric": self.log_metric, **given}
         return {k: v for k, v in given.items() if v is not None and accepts(fn, k)}
 
@@ -97,11 +98,13 @@ class Recorder:
         values = values.tolist() if hasattr(values, "tolist") else values
         if not isinstance(values, (list, tuple)):
             self._fail(
-                f"log_extra({column!r}, values) needs a list of {self.n} values (one per completion), got a {type(values).__name__}"
+                f"log_extra({column!r}, values) needs a list of {self.n} "
+                f"values (one per completion), got a {type(values).__name__}"
             )
         if len(values) != self.n:
             self._fail(
-                f"log_extra({column!r}, values) got {len(values)} values for {self.n} completions (expected {self.n}, got {len(values)})"
+                f"log_extra({column!r}, values) got {len(values)} values for "
+                f"{self.n} completions (expected {self.n}, got {len(values)})"
             )
         self.extra[column] = list(values)
 

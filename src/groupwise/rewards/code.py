@@ -237,9 +237,10 @@ class Code:
         self._sandbox.check()  # fail closed, now rather than mid-training
         if self.unsafe_local:
             warnings.warn(
-                "reward 'code' with unsafe_local=True runs model-written code WITHOUT a sandbox (no namespaces, no seccomp: "
-                "as a fresh unprivileged uid it can use the network and read every world-readable file, e.g. a dataset "
-                "with the expected answers); use it only for trusted code or on a throw-away machine.",
+                "reward 'code' with unsafe_local=True runs model-written code WITHOUT a "
+                "sandbox (no namespaces, no seccomp: as a fresh unprivileged uid it can use "
+                "the network and read every world-readable file, e.g. a dataset with the "
+                "expected answers); use it only for trusted code or on a throw-away machine.",
                 UserWarning,
                 stacklevel=3,
             )

@@ -120,14 +120,16 @@ class Domain:
         bad = [k for k in keys if k not in self.attributes]
         if bad:
             raise RewardError(
-                f"reward 'dv_reward': unknown attribute {bad} for domain {self.name!r}; known: {', '.join(self.attributes)}"
+                f"reward 'dv_reward': unknown attribute {bad} for domain "
+                f"{self.name!r}; known: {', '.join(self.attributes)}"
             )
         return keys
 
     def decompose(
         self, completion: str, keys: Sequence[str]
     ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-        """([(semantic question, margin)], [(quality question, margin)]) about ``completion``; margins −1 when it does not parse."""
+        """([(semantic question, margin)], [(quality question, margin)]) about ``completion``;
+        margins −1 when it does not parse."""
         keys = self.keys(keys)
         subject = self.parse(completion)
         shown = completion.strip()

@@ -136,7 +136,8 @@ def decompose(
     completion: str, keys: Sequence[str], domain: str = "number"
 ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """Template decomposer: ([(semantic question, margin)], [(quality question, margin)]) about ``completion``
-    (``rewards.dv_questions``); the margin is the programmatic truth (> 0: yes), −1 when the completion does not parse."""
+    (``rewards.dv_questions``); the margin is the programmatic truth (> 0: yes),
+    −1 when the completion does not parse."""
     return DOMAINS[domain].decompose(completion, keys)
 
 

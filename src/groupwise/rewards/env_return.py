@@ -59,8 +59,9 @@ class EnvReturn:
             value = getattr(envs[name], "action_value", None)
             if value is None:
                 raise RewardError(
-                    f"reward 'env_return' scores a lone completion only for an env with action_value(row, action); env {name!r} has none: "
-                    f"train with rollout.name='grow' or 'episodes' (they fill the return) and set another eval.reward"
+                    "reward 'env_return' scores a lone completion only for an env with "
+                    f"action_value(row, action); env {name!r} has none: train with rollout.name='grow' "
+                    "or 'episodes' (they fill the return) and set another eval.reward"
                 )
             out.append(float(value({k: columns[k][i] for k in keys}, text)))
         return out

@@ -55,7 +55,8 @@ def count_functional(text: str, tokens: Sequence[str]) -> tuple[int, set[str]]:
 @register("reward", "functional_usage")
 @dataclass
 class FunctionalUsage:
-    """1.0 when the completion's functional tokens are valid: their count in range (and each in the row's ``column``)."""
+    """1.0 when the completion's functional tokens are valid: their count in range (and each in the row's
+    ``column``)."""
 
     tokens: list = field(default_factory=lambda: ["+", "-", "*"])
     min_count: int = 1
@@ -79,7 +80,8 @@ class FunctionalUsage:
             not isinstance(self.max_count, int) or self.max_count < max(self.min_count, 1)
         ):
             raise ConfigError(
-                f"reward functional_usage: max_count must be None or an int >= max(min_count, 1), got {self.max_count!r}"
+                "reward functional_usage: max_count must be None or "
+                f"an int >= max(min_count, 1), got {self.max_count!r}"
             )
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[Any], **columns: Any) -> list[float | None]:

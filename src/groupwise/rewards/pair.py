@@ -10,7 +10,8 @@ policy's own tokens between environment holes) is scored by a two-stage linear p
 offline on the frozen base (phase ``pair_probe``, artifact ``pair_probe``), as clean (1) vs
 contaminated (0); the softened score with a logit-space momentum bonus is the turn's reward ``r_t``.
 The row's reward is ``Σ_t r_t``; the per-turn rewards go to the segment extra ``pair_turn_reward``
-([B,G,S], entry t = turn t) for the ``pair`` advantage (``advantages/pair.py``: ``A_t = (r_t − mean_t r) + group-normalised total``).
+([B,G,S], entry t = turn t) for the ``pair`` advantage (``advantages/pair.py``:
+``A_t = (r_t − mean_t r) + group-normalised total``).
 
 **Math** (turn t = completion tokens ``[s, e)``; ``P`` = the row's prompt length; the quantities
 ``hidden_at(l)`` / ``attn_at(l)`` sit at each token's own position, ``providers/forward.py``)::
@@ -116,7 +117,8 @@ def pair_turn_rewards(
 @register("reward", "pair")
 @dataclass
 class PairReward:
-    """Dense per-turn reward from the frozen base's two-stage probe on the policy's own hidden states and attention (PAIR)."""
+    """Dense per-turn reward from the frozen base's two-stage probe on the policy's own hidden states and attention
+    (PAIR)."""
 
     alpha: float = 5.0
     temperature: float = 2.0
@@ -141,8 +143,9 @@ class PairReward:
             or len(set(self.attn_layers)) != len(self.attn_layers)
         ):
             raise ConfigError(
-                f"reward pair: hidden_layer must be >= 0 (got {self.hidden_layer}) and attn_layers distinct layers >= 1 "
-                f"(got {list(self.attn_layers)}); use the model's, e.g. hidden_layer=4, attn_layers=[1, 2, 3, 4]"
+                f"reward pair: hidden_layer must be >= 0 (got {self.hidden_layer}) and "
+                f"attn_layers distinct layers >= 1 (got {list(self.attn_layers)}); use "
+                "the model's, e.g. hidden_layer=4, attn_layers=[1, 2, 3, 4]"
             )
         self._probe: PairProbe | None = None
         self._stats: dict[str, float] = {}
@@ -159,8 +162,9 @@ class PairReward:
         made = (int(value["hidden_layer"]), tuple(int(l) for l in value["attn_layers"]))
         if made != (self.hidden_layer, self.attn_layers):
             raise ConfigError(
-                f"reward pair: the probe {name!r} was fitted on hidden_at({made[0]}) and attn_at{list(made[1])}, but the reward reads "
-                f"hidden_at({self.hidden_layer}) and attn_at{list(self.attn_layers)}; give both the same hidden_layer and attn_layers"
+                f"reward pair: the probe {name!r} was fitted on hidden_at({made[0]}) and "
+                f"attn_at{list(made[1])}, but the reward reads hidden_at({self.hidden_layer}) and "
+                f"attn_at{list(self.attn_layers)}; give both the same hidden_layer and attn_layers"
             )
         self._probe = PairProbe.from_state(value["probe"])
         self._probe.temperature, self._probe.eps = self.temperature, self.eps

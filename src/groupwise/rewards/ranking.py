@@ -194,6 +194,7 @@ class NDCGAtK(_RankingReward):
 @register("reward", "ndcg_at_1")
 @dataclass
 class NDCGAt1(NDCGAtK):
-    """NDCG@1 of the ranking segment: 1 when the top-ranked item has the best gain (``eval.reward`` takes a name only)."""
+    """NDCG@1 of the ranking segment: 1 when the top-ranked item has the best gain (``eval.reward`` takes a name
+    only)."""
 
     k: int = 1

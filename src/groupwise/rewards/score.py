@@ -246,7 +246,8 @@ def _validate(values: Any, label: str, n: int) -> list[float]:
     """One float per completion, NaN for no verdict; a contract violation raises naming ``label``."""
     if not isinstance(values, (list, tuple)):
         raise RewardError(
-            f"reward {label!r} returned a {type(values).__name__}; expected a list of {n} floats (one per completion, None for no verdict)"
+            f"reward {label!r} returned a {type(values).__name__}; expected "
+            f"a list of {n} floats (one per completion, None for no verdict)"
         )
     if len(values) != n:
         raise RewardError(

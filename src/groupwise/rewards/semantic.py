@@ -159,11 +159,13 @@ def check_encoder(encoder: str) -> None:
     missing = [m for m in ("sentence_transformers", ENCODERS.get(encoder)) if m and importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(
-            f"reward 'semantic_reward' needs {' and '.join(missing)} (encoder {encoder!r}), which is not installed; {INSTALL}"
+            f"reward 'semantic_reward' needs {' and '.join(missing)} "
+            f"(encoder {encoder!r}), which is not installed; {INSTALL}"
         )
     if encoder not in ENCODERS and not Path(encoder).is_dir():
         raise ConfigError(
-            f"reward 'semantic_reward': encoder {encoder!r} is neither a known name ({', '.join(ENCODERS)}) nor a local SentenceTransformer folder"
+            f"reward 'semantic_reward': encoder {encoder!r} is neither a known "
+            f"name ({', '.join(ENCODERS)}) nor a local SentenceTransformer folder"
         )
 
 
@@ -235,9 +237,8 @@ class Semantic:
         e_y, e_ref = self._embed(completions, references)  # [n,D], [n,D]
         cos = (e_y * e_ref).sum(-1).clamp(-1.0, 1.0)  # [n]
         r_sim = ((cos - self.tau) / (1.0 - self.tau)).clamp(min=0.0)  # [n]
-        frac = torch.tensor(
-            [script_fraction(c, self._target, self._others) for c in completions], dtype=torch.float32
-        )  # [n]
+        # [n]
+        frac = torch.tensor([script_fraction(c, self._target, self._others) for c in completions], dtype=torch.float32)
         r_lang = (frac >= self.theta_lang).float()  # [n]
         return {
             "cos": cos,

@@ -88,9 +88,8 @@ class RewardStage:
                 prompts, flat = [prompts[i] for i in keep], [flat[i] for i in keep]
                 columns = {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in columns.items()}
             ids = None
-            if any(
-                accepts(s, "completion_ids") for s in self.text
-            ):  # TRL's completion_ids: only built when a scorer takes it
+            # TRL's completion_ids: only built when a scorer takes it
+            if any(accepts(s, "completion_ids") for s in self.text):
                 ids = [rollout.actions[i // G, i % G][rollout.mask[i // G, i % G]].tolist() for i in rows.tolist()]
             log = RewardLog()
             scored, scored_failed, self.counts = score_parts(
@@ -105,14 +104,14 @@ class RewardStage:
                 log=log,
             )
             self._keep_log(rollout, rows.tolist(), log)
-            parts = torch.full((B * G, scored.shape[1]), float("nan"), dtype=torch.float64).index_copy_(
-                0, rows, scored
-            )  # [B*G,K]
+            # [B*G,K]
+            parts = torch.full((B * G, scored.shape[1]), float("nan"), dtype=torch.float64).index_copy_(0, rows, scored)
             failed = failed.index_copy_(0, rows, scored_failed)  # [B*G]
             errors = sum(v for k, v in self.counts.items() if k.endswith("/error"))
             if errors > self.policy.max_error_rate * max(1, len(rows)):
                 raise RuntimeError(
-                    f"reward functions failed on {errors} of {len(rows)} samples this step (reward.max_error_rate={self.policy.max_error_rate}): {self.counts}"
+                    f"reward functions failed on {errors} of {len(rows)} samples this step "
+                    f"(reward.max_error_rate={self.policy.max_error_rate}): {self.counts}"
                 )
         rollout.reward_parts = parts.view(B, G, -1)  # [B,G,K_text] float64 until finish
         rollout.set_extra("reward_failed", failed.view(B, G), "row")
@@ -138,14 +137,12 @@ class RewardStage:
         all ranks (sum and count all-reduced; call it on every rank). Resets the sums."""
         if not self.text:  # the same on every rank: no text scorer, nothing logged, no collective
             return {}
-        names = sorted(
-            set(dist.all_gather_objects(list(self.metrics)))
-        )  # every rank reduces the same names in the same order
+        # every rank reduces the same names in the same order
+        names = sorted(set(dist.all_gather_objects(list(self.metrics))))
         if not names:
             return {}
-        local = torch.tensor([self.metrics.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64).reshape(
-            -1, 2
-        )  # [M,2] sum, count
+        # [M,2] sum, count
+        local = torch.tensor([self.metrics.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64).reshape(-1, 2)
         total = dist.all_reduce_sum(local)  # [M,2]
         self.metrics = {}
         return {
@@ -171,7 +168,6 @@ class RewardStage:
         batch.set_extra(
             "reward_weights", torch.tensor(weights, dtype=torch.float32).expand(parts.shape[0], -1).clone(), "group"
         )  # [B,K]
-        self.excluded = int(
-            (excluded & batch.group_valid).sum()
-        )  # real rows only: padding of ragged groups is not a lost sample
+        # real rows only: padding of ragged groups is not a lost sample
+        self.excluded = int((excluded & batch.group_valid).sum())
         batch.group_valid = batch.group_valid & torch.isfinite(total)  # [B,G]

@@ -55,9 +55,9 @@ for FPR (``fpr = true``) or as a baseline (``baseline = "group_mean"`` / ``"grpo
 4. The refinements are scored under ``meta`` of the original row (the rewards see the dataset prompt,
    never the reflection context); their old log-probs are taken by the trainer's first forward under
    the reflection context, the context they were sampled under.
-5. The sampler's ``keep`` runs on the refined groups (and, with ``train_first``, on the first ones). ``step_stats``: ``reflect/improved``,
-   ``reflect/any_improved``, ``reflect/stage1_reward`` (mean of the refined attempts' rewards) and
-   ``reflect/refined_reward`` (mean raw reward of the refinements).
+5. The sampler's ``keep`` runs on the refined groups (and, with ``train_first``, on the first ones).
+   ``step_stats``: ``reflect/improved``, ``reflect/any_improved``, ``reflect/stage1_reward`` (mean of the refined
+   attempts' rewards) and ``reflect/refined_reward`` (mean raw reward of the refinements).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def reflection_context(prompt, completion: str, instruction: str = INSTRUCTION, 
 def select_attempt(
     rewards: torch.Tensor, valid: torch.Tensor, select: str = "lowest", generator: torch.Generator | None = None
 ) -> int:
-    """The row of one group to refine: its lowest finite reward (first on ties), or a draw ∝ exp(1 − r); -1 when none is finite."""
+    """The row of one group to refine: its lowest finite reward
+    (first on ties), or a draw ∝ exp(1 − r); -1 when none is finite."""
     ok = valid & torch.isfinite(rewards)  # [I]
     if not bool(ok.any()):
         return -1
@@ -101,7 +102,8 @@ def select_attempt(
 @register("rollout", "alphagrpo_reflect")
 @dataclass
 class AlphaGRPOReflect:
-    """A first attempt per prompt, then G refinements of its worst attempt under a reflection context; ``stage1_reward`` for FPR (AlphaGRPO)."""
+    """A first attempt per prompt, then G refinements of its worst attempt under a reflection context; ``stage1_reward``
+    for FPR (AlphaGRPO)."""
 
     collects = ("stage1_reward",)
     initial: int = 1
@@ -117,7 +119,8 @@ class AlphaGRPOReflect:
             )
         if self.train_first and self.initial < 2:
             raise ConfigError(
-                f"rollout alphagrpo_reflect: train_first needs initial >= 2 (a group of one attempt has no advantage); got initial={self.initial}"
+                "rollout alphagrpo_reflect: train_first needs initial >= 2 (a "
+                f"group of one attempt has no advantage); got initial={self.initial}"
             )
         if self.select not in SELECTS:
             raise ConfigError(f"rollout alphagrpo_reflect: select={self.select!r}; use one of {', '.join(SELECTS)}")
@@ -137,8 +140,10 @@ class AlphaGRPOReflect:
                 continue
             if getattr(c, "by", "group") == "prompt" or getattr(c, "baseline", "group") != "group":
                 raise ConfigError(
-                    f"rollout alphagrpo_reflect: train_first puts the first attempts and the refinements of a prompt in two groups; "
-                    f"the estimator {getattr(c, 'registry_name', type(c).__name__)!r} pools by={getattr(c, 'by', None)!r} / "
+                    "rollout alphagrpo_reflect: train_first puts the first "
+                    "attempts and the refinements of a prompt in two groups; "
+                    f"the estimator {getattr(c, 'registry_name', type(c).__name__)!r} "
+                    f"pools by={getattr(c, 'by', None)!r} / "
                     f'baseline={getattr(c, "baseline", None)!r}: use by="group", baseline="group"'
                 )
 

@@ -47,22 +47,25 @@ def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
     missing = set(getattr(strategy, "request_options", ())) - set(getattr(policy, "request_options", ()))
     if missing:
         raise ConfigError(
-            f"rollout strategy {name!r} asks for sampling options {sorted(missing)} that the {policy.modality} policy does not offer "
-            f"(it offers {sorted(getattr(policy, 'request_options', ()))})"
+            f"rollout strategy {name!r} asks for sampling options {sorted(missing)} that the {policy.modality} "
+            f"policy does not offer (it offers {sorted(getattr(policy, 'request_options', ()))})"
         )
     check_hooks(strategy, policy)  # the generation hooks it samples under (groupwise.hooks)
-    if hasattr(
-        strategy, "check"
-    ):  # a strategy's own build-time check of the run's components (env runs: their rewards)
+    # a strategy's own build-time check of the run's components (env runs: their rewards)
+    if hasattr(strategy, "check"):
         strategy.check(components)
     collected = set(getattr(strategy, "collects", ()))
     for component in components:
         for extra in getattr(component, "rollout_extras", ()):
             if extra not in collected:
-                who = f"{getattr(component, 'stage', '')} component {getattr(component, 'registry_name', type(component).__name__)!r}"
+                who = (
+                    f"{getattr(component, 'stage', '')} component "
+                    f"{getattr(component, 'registry_name', type(component).__name__)!r}"
+                )
                 raise ConfigError(
-                    f"{who} reads {extra!r}, which the rollout strategy {name!r} does not collect (it collects {sorted(collected) or 'nothing'}); "
-                    f"pick a strategy that does, e.g. rollout.name='remax' for 'baseline_reward'"
+                    f"{who} reads {extra!r}, which the rollout strategy {name!r} does "
+                    f"not collect (it collects {sorted(collected) or 'nothing'}); pick a "
+                    "strategy that does, e.g. rollout.name='remax' for 'baseline_reward'"
                 )
 
 
@@ -155,12 +158,13 @@ class RolloutContext:
         for i, r in enumerate(requests):
             if r.hook is not None and r.hook.kind not in hooks:
                 raise ValueError(
-                    f"Request.hook of kind {r.hook.kind!r} cannot be applied by the {self.policy.modality} policy's engine "
-                    f"(it applies {sorted(hooks) or 'none'})"
+                    f"Request.hook of kind {r.hook.kind!r} cannot be applied by the "
+                    f"{self.policy.modality} policy's engine (it applies {sorted(hooks) or 'none'})"
                 )
             if set(r.sampling or ()) - offered:
                 raise ValueError(
-                    f"Request.sampling keys {sorted(set(r.sampling) - offered)} are not offered by the policy (it offers {sorted(offered)})"
+                    f"Request.sampling keys {sorted(set(r.sampling) - offered)} "
+                    f"are not offered by the policy (it offers {sorted(offered)})"
                 )
             by_override.setdefault(tuple(sorted((r.sampling or {}).items())), []).append(i)
         if len(by_override) == 1:
@@ -168,7 +172,8 @@ class RolloutContext:
             return self.policy.generate(requests, {**self.sampling, **override}, info)
         if len({max(requests[i].n for i in index) for index in by_override.values()}) > 1:
             raise ValueError(
-                "requests with different sampling overrides in one rollout call must have the same largest n; make one call per override"
+                "requests with different sampling overrides in one rollout "
+                "call must have the same largest n; make one call per override"
             )
         parts, order = [], []
         for override, index in by_override.items():

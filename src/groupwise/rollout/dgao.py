@@ -142,7 +142,8 @@ class DGAOOrders:
     def __post_init__(self) -> None:
         if self.num_orders < 0 or self.rows_per_order < 1:
             raise ConfigError(
-                f"rollout dgao: num_orders={self.num_orders} must be >= 0 (0 = rollout.group_size) and rows_per_order={self.rows_per_order} >= 1"
+                f"rollout dgao: num_orders={self.num_orders} must be >= 0 (0 = "
+                f"rollout.group_size) and rows_per_order={self.rows_per_order} >= 1"
             )
 
     @property
@@ -154,7 +155,8 @@ class DGAOOrders:
         elements, template = meta.get(self.elements_column), meta.get(self.template_column)
         if not isinstance(elements, (list, tuple)) or not isinstance(template, str) or SLOT not in template:
             raise ConfigError(
-                f"rollout dgao needs rows with a list column {self.elements_column!r} and a text column {self.template_column!r} "
+                f"rollout dgao needs rows with a list column {self.elements_column!r} "
+                f"and a text column {self.template_column!r} "
                 f'holding {SLOT!r}; row {key} has {sorted(meta)} (e.g. data.task="addition_orders")'
             )
         info = ctx.info(0)
@@ -173,9 +175,8 @@ class DGAOOrders:
         variants = [self._variants(ctx, key, O) for key in ids]
         encoded = [[ctx.policy.encode(text) for text in vs] for vs in variants]
         batch = ctx.rollout([Request(key, n, o * n, encoded[b][o]) for b, key in enumerate(ids) for o in range(O)])
-        grouped = batch.regroup(
-            [[(b * O + o, j) for o in range(O) for j in range(n)] for b in range(len(ids))]
-        )  # [B, O·n]
+        # [B, O·n]
+        grouped = batch.regroup([[(b * O + o, j) for o in range(O) for j in range(n)] for b in range(len(ids))])
         self._stats = self._metrics(grouped, "dgao/")
         if self.greedy_probe:
             probe = ctx.rollout(

@@ -184,7 +184,8 @@ def learn_prompt_perturbations(
 @register("rollout", "e2po")
 @dataclass
 class E2PO(ReadsArtifact):
-    """Each group under the original prompt and K−1 learned prompt-embedding perturbations; trained on the original (E²PO)."""
+    """Each group under the original prompt and K−1 learned prompt-embedding perturbations; trained on the original
+    (E²PO)."""
 
     artifact: str = "e2po_perturbations"
     assign: str = "blocks"
@@ -199,8 +200,8 @@ class E2PO(ReadsArtifact):
             raise ConfigError(f"rollout e2po: assign={self.assign!r} must be 'blocks' or 'round_robin'")
         if self.rho is not None and not 0 < self.rho <= 1:
             raise ConfigError(
-                f"rollout e2po: rho={self.rho} must be in (0, 1] (the share of the noise range, from σ = 1 down, where the "
-                f"perturbation is on); leave it unset for no schedule (the text form)"
+                f"rollout e2po: rho={self.rho} must be in (0, 1] (the share of the noise range, from σ = "
+                "1 down, where the perturbation is on); leave it unset for no schedule (the text form)"
             )
         self._table: dict[int, int] = {}
         self._stats: dict[str, float] = {}

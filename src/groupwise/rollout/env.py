@@ -67,14 +67,12 @@ class Episode:
     texts: list[str] = field(default_factory=list)  # each action decoded
     rewards: list[float] = field(default_factory=list)  # r_t
     rows: list[int] = field(default_factory=list)  # each action's group in Played.turns
-    env_tokens: list[list[int]] = field(
-        default_factory=list
-    )  # history mode: encode(separator + o_{t+1}) after each non-final action
+    # history mode: encode(separator + o_{t+1}) after each non-final action
+    env_tokens: list[list[int]] = field(default_factory=list)
     done: bool = False
     cut: str = ""  # "" (done or still live), "max_turns", "context", "gate" (the group hook)
-    facts: dict = field(
-        default_factory=dict
-    )  # the env's ``outcome()`` after the episode (optional protocol method), else {}
+    # the env's ``outcome()`` after the episode (optional protocol method), else {}
+    facts: dict = field(default_factory=dict)
 
     @property
     def ret(self) -> float:
@@ -116,8 +114,8 @@ def env_name(env: str | None, row: dict, who: str) -> str:
     name = env or row.get("env")
     if not name:
         raise ConfigError(
-            f"rollout {who}: no env to play: set rollout.params.env (a registered env) or use a task whose rows name one "
-            f"in an 'env' column (data.task='reach')"
+            f"rollout {who}: no env to play: set rollout.params.env (a registered env) "
+            "or use a task whose rows name one in an 'env' column (data.task='reach')"
         )
     return name
 
@@ -206,8 +204,9 @@ def play(
         ep.facts = dict(outcome()) if outcome is not None else {}
     if not parts:
         raise ConfigError(
-            f"rollout {who}: no episode could take a single turn (the first observation plus rollout.max_new_tokens={budget} "
-            f"exceeds the context limit {limit}); raise max_context or shorten the observations"
+            f"rollout {who}: no episode could take a single turn (the first "
+            f"observation plus rollout.max_new_tokens={budget} exceeds the context "
+            f"limit {limit}); raise max_context or shorten the observations"
         )
     return Played(episodes, Rollout.concat(parts), gated)
 
@@ -215,7 +214,8 @@ def play(
 def _group_hook(
     episodes: list[list[Episode]], gated: list[bool], acted: set[int], k: int, on_step: Callable, who: str
 ) -> None:
-    """After turn ``k``: ``on_step`` for every group with an episode that played its k-th action now; a cut stops its live episodes."""
+    """After turn ``k``: ``on_step`` for every group with an episode that played its k-th action now;
+    a cut stops its live episodes."""
     for b, group in enumerate(episodes):
         if gated[b] or not any(id(ep) in acted for ep in group):
             continue
@@ -273,14 +273,14 @@ def check_env_rewards(components: list[Any], who: str) -> None:
     others = sorted({getattr(c, "registry_name", type(c).__name__) for c in text if not isinstance(c, EnvReturn)})
     if others:
         raise ConfigError(
-            f"rollout strategy {who!r} plays an environment: its rows are scored by the env's return (reward 'env_return'), "
-            f"so the text rewards {others} have nothing to score; use rewards=['env_return'] (rollout scorers such as "
-            f"'kl_penalty' may be added)"
+            f"rollout strategy {who!r} plays an environment: its rows are scored by the env's "
+            f"return (reward 'env_return'), so the text rewards {others} have nothing to score; "
+            "use rewards=['env_return'] (rollout scorers such as 'kl_penalty' may be added)"
         )
     if not text:
         raise ConfigError(
-            f"rollout strategy {who!r} plays an environment but no reward is 'env_return': add it (rewards=['env_return'], "
-            f"the env tasks' default)"
+            f"rollout strategy {who!r} plays an environment but no reward is "
+            "'env_return': add it (rewards=['env_return'], the env tasks' default)"
         )
 
 

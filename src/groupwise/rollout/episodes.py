@@ -108,9 +108,8 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
     mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
     loss_mask = torch.zeros(B, n, T, dtype=torch.bool)  # [B,n,T]
     logp = torch.zeros(B, n, T)  # [B,n,T]
-    segment_id = torch.full(
-        (B, n, T), -1, dtype=torch.long
-    )  # [B,n,T] the action (turn) each token belongs to; -1: env token or padding
+    # [B,n,T] the action (turn) each token belongs to; -1: env token or padding
+    segment_id = torch.full((B, n, T), -1, dtype=torch.long)
     for i, (tok, own, lp, st) in enumerate(rows):
         b, e = divmod(i, n)
         actions[b, e, : len(tok)], mask[b, e, : len(tok)] = torch.tensor(tok, dtype=torch.long), True
@@ -158,7 +157,8 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
 @register("rollout", "episodes")
 @dataclass
 class Episodes:
-    """One row per episode: the whole multi-turn transcript, environment tokens masked out of the loss (trajectory-level GRPO)."""
+    """One row per episode: the whole multi-turn transcript, environment tokens masked out of the loss (trajectory-level
+    GRPO)."""
 
     max_turns: int = 16
     separator: str = " "
@@ -169,7 +169,8 @@ class Episodes:
     def __post_init__(self) -> None:
         if self.max_turns < 1 or (self.max_context is not None and self.max_context < 2):
             raise ConfigError(
-                f"rollout episodes: need max_turns >= 1 and max_context >= 2 or None, got max_turns={self.max_turns}, max_context={self.max_context}"
+                "rollout episodes: need max_turns >= 1 and max_context >= 2 or None, "
+                f"got max_turns={self.max_turns}, max_context={self.max_context}"
             )
 
     on_step = None  # a group hook for rollout/env.py's play (``selective_rollout`` defines its gate here); None: none
@@ -203,9 +204,8 @@ class Episodes:
             "episodes/gated_frac": sum(played.gated) / max(1, len(played.gated)),
             **played.fact_means(),
         }
-        keep = ctx.keep(batch) & ~torch.tensor(
-            played.gated, dtype=torch.bool
-        )  # [B] bool: a gated group leaves the batch
+        # [B] bool: a gated group leaves the batch
+        keep = ctx.keep(batch) & ~torch.tensor(played.gated, dtype=torch.bool)
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
 
     def step_stats(self) -> dict[str, float]:

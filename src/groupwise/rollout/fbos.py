@@ -135,9 +135,8 @@ class FBOS:
             parts.append(ctx.rollout([Request(key=ids[b], n=self.feedback_rows, offset=self.initial) for b in others]))
             groups += others
         epa = first.join_rows(Rollout.concat(parts), groups) if parts else first
-        epa = (
-            epa.under_prompts()
-        )  # EPA: every row trained and scored under its original prompt, a guided row sampled under its FAP
+        # EPA: every row trained and scored under its original prompt, a guided row sampled under its FAP
+        epa = epa.under_prompts()
         injected = torch.zeros(epa.shape[:2], dtype=torch.bool)  # [B,I+feedback_rows]
         injected[failing, self.initial :] = True
         epa.set_flag(INJECTED, injected & epa.group_valid)
@@ -161,7 +160,8 @@ class FBOS:
         if self.feedback_column not in extra:
             raise ConfigError(
                 f"rollout fbos reads the feedback column {self.feedback_column!r} that a reward logs with log_extra, "
-                f'but row {b},{g} has none; use a reward that gives feedback, e.g. rewards = [{{name = "exact_feedback"}}]'
+                f"but row {b},{g} has none; use a reward that gives "
+                'feedback, e.g. rewards = [{name = "exact_feedback"}]'
             )
         return str(extra[self.feedback_column])
 

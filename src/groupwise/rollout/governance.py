@@ -80,7 +80,8 @@ def govern_group(rewards: Tensor, causes: list[list[str]], min_valid: int = 2) -
 
 
 def grpo_advantage_masked(rewards: Tensor, valid_mask: Tensor, ddof: int = 0, eps: float = 0.0) -> Tensor:
-    """adv [B,G] float32: GRPO's (r − mean) / std over the valid rows of each group (population std by default), 0 elsewhere."""
+    """adv [B,G] float32: GRPO's (r − mean) / std over the valid rows of each
+    group (population std by default), 0 elsewhere."""
     valid = valid_mask.bool() & torch.isfinite(rewards)  # [B,G]
     adv = group_normalize(rewards.double().nan_to_num(0.0), valid, "group", ddof, eps)  # [B,G]
     return to_float32(torch.where(valid, adv, torch.zeros((), dtype=adv.dtype)))  # [B,G]
@@ -100,7 +101,8 @@ def _merge(first: Played, again: Played, replace: dict[tuple[int, int], object])
 @register("rollout", "governed_episodes")
 @dataclass
 class GovernedEpisodes(Episodes):
-    """Trajectory-level episodes whose env-failed rollouts leave their group (failure-cause-aware governance, spec 50)."""
+    """Trajectory-level episodes whose env-failed rollouts leave their group (failure-cause-aware governance, spec
+    50)."""
 
     govern: bool = True
     max_resample: int = 0
@@ -112,7 +114,8 @@ class GovernedEpisodes(Episodes):
             raise ConfigError(f"rollout governed_episodes: max_resample must be an int >= 0, got {self.max_resample!r}")
         if not (isinstance(self.min_valid, int) and self.min_valid >= 1):
             raise ConfigError(
-                f"rollout governed_episodes: min_valid must be an int >= 1 (2: a group needs two rollouts to compare), got {self.min_valid!r}"
+                "rollout governed_episodes: min_valid must be an int >= 1 (2: "
+                f"a group needs two rollouts to compare), got {self.min_valid!r}"
             )
 
     def __call__(self, ctx) -> Rollout:

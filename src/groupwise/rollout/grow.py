@@ -97,9 +97,8 @@ def decompose(
         g[b, : len(v)] = torch.tensor(v, dtype=torch.float64)
     batch.info = [row + [None] * (G - len(row)) for row in info]
     batch.ctx = batch.row_contexts()  # every row keeps its own local context, whatever the group's prompt
-    batch.prompt_ids = [
-        next(list(ep.contexts[0]) for ep in group if ep.contexts) for group in played.episodes
-    ]  # each task's first observation
+    # each task's first observation
+    batch.prompt_ids = [next(list(ep.contexts[0]) for ep in group if ep.contexts) for group in played.episodes]
     return batch, g
 
 

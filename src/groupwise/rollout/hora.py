@@ -94,9 +94,8 @@ def _posterior(s, n, a0: float, b0: float, who: str) -> tuple[Tensor, Tensor]:
 def _log_miss(a: Tensor, b: Tensor, m: Tensor) -> Tensor:
     """[B] float64 log E[(1 − p)^m] = log B(a, b+m) − log B(a, b), via lgamma (any m >= 0)."""
     log_q = torch.lgamma(b + m) + torch.lgamma(a + b) - torch.lgamma(b) - torch.lgamma(a + b + m)  # [B]
-    return torch.where(
-        m == 0, torch.zeros_like(log_q), log_q
-    )  # the lgamma terms cancel only to ~1e-13: U(0) = 0 exactly
+    # the lgamma terms cancel only to ~1e-13: U(0) = 0 exactly
+    return torch.where(m == 0, torch.zeros_like(log_q), log_q)
 
 
 def _as_m(m, like: Tensor, who: str) -> Tensor:
@@ -143,7 +142,8 @@ def hora_allocate(
         )
     if budget < B * min_alloc:
         raise ValueError(
-            f"hora_allocate: budget {budget} cannot give {B} prompts min_alloc={min_alloc} each; raise the budget or lower min_alloc"
+            f"hora_allocate: budget {budget} cannot give {B} prompts "
+            f"min_alloc={min_alloc} each; raise the budget or lower min_alloc"
         )
     m = [int(min_alloc)] * B
     left = int(budget) - B * int(min_alloc)
@@ -159,9 +159,8 @@ def hora_allocate(
         miss.append(q)
         eligible = not (only_unsolved and solved[i]) and (max_alloc is None or m[i] < max_alloc)
         if eligible:
-            heap.append(
-                (-(q * A[i] / (A[i] + Bb[i] + m[i])), i)
-            )  # (−Δ_i(m_i), index): min-heap pops max gain, lowest index
+            # (−Δ_i(m_i), index): min-heap pops max gain, lowest index
+            heap.append((-(q * A[i] / (A[i] + Bb[i] + m[i])), i))
     heapq.heapify(heap)
     while left > 0 and heap:
         _, i = heapq.heappop(heap)
@@ -176,7 +175,8 @@ def hora_allocate(
 @register("rollout", "hora")
 @dataclass
 class HORA:
-    """HORA: a first round of rollouts per prompt, then the rest of the budget where an extra rollout most likely hits (Wang et al. 2026)."""
+    """HORA: a first round of rollouts per prompt, then the rest of the budget where an extra rollout most likely hits
+    (Wang et al. 2026)."""
 
     initial: int = 4
     budget: int | None = None
@@ -189,7 +189,8 @@ class HORA:
     def __post_init__(self) -> None:
         if self.initial < 1 or (self.max_per_prompt is not None and self.max_per_prompt < self.initial):
             raise ConfigError(
-                f"rollout hora: need initial >= 1 and max_per_prompt >= initial, got initial={self.initial}, max_per_prompt={self.max_per_prompt}"
+                "rollout hora: need initial >= 1 and max_per_prompt >= initial, "
+                f"got initial={self.initial}, max_per_prompt={self.max_per_prompt}"
             )
 
     def __call__(self, ctx) -> Rollout:

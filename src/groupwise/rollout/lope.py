@@ -108,7 +108,8 @@ def load_words(path: str = "") -> tuple[str, ...]:
     source = Path(path) if path else WORDS_FILE
     if not source.is_file():
         raise ConfigError(
-            f'rollout lope: vocabulary file {str(source)!r} does not exist; give a file of words, one a line (or "" for the shipped list)'
+            f"rollout lope: vocabulary file {str(source)!r} does not exist; "
+            'give a file of words, one a line (or "" for the shipped list)'
         )
     words = tuple(w.strip() for w in source.read_text().splitlines() if w.strip() and not w.strip().startswith("#"))
     if not words:
@@ -163,7 +164,8 @@ def lope_regroup(
 @register("rollout", "lope")
 @dataclass
 class LoPE:
-    """All-wrong prompts are resampled under Lorem-prefixed prompts; correct resamples join the group under the original prompt (LoPE)."""
+    """All-wrong prompts are resampled under Lorem-prefixed prompts; correct resamples join the group under the original
+    prompt (LoPE)."""
 
     num_perturbation: int = 6
     n_per: int = 4
@@ -189,7 +191,8 @@ class LoPE:
             raise ConfigError(f"rollout lope: fit={self.fit!r} must be 'truncate' or 'error'")
         if self.resample_temperature is not None and not self.resample_temperature > 0:
             raise ConfigError(
-                f"rollout lope: resample_temperature={self.resample_temperature} must be > 0 (or None: the rollout temperature)"
+                f"rollout lope: resample_temperature={self.resample_temperature} "
+                "must be > 0 (or None: the rollout temperature)"
             )
         self.words = load_words(self.vocabulary)
         self._stats: dict[str, float] = {}
@@ -232,9 +235,8 @@ class LoPE:
             both = Rollout.concat([first, res])  # groups 0..B−1 first, then the resample requests
             rows = [[(b, g) for g in range(G)] for b in range(len(ids))]
             for f, b in enumerate(failing):
-                flat = [
-                    (len(ids) + f * P + j, r) for j in range(P) for r in range(self.n_per)
-                ]  # resample k = j·n_per + r
+                # resample k = j·n_per + r
+                flat = [(len(ids) + f * P + j, r) for j in range(P) for r in range(self.n_per)]
                 scores = res.rewards[f * P : (f + 1) * P].reshape(-1)  # [G']
                 correct = [k for k, (q, r) in enumerate(flat) if bool(hits[q - len(ids), r])]
                 rng = random.Random(sample_seed(info.seed, info.step, ids[b], REGROUP_STREAM))
@@ -257,9 +259,8 @@ class LoPE:
                 list(first.meta),
             )
             batch.extras.update({k: v for k, v in first.extras.items() if first.extra_levels[k] == "group"})
-            batch = (
-                batch.under_prompts()
-            )  # every row trained and scored under its original prompt, sampled under behav_ctx (note 2)
+            # every row trained and scored under its original prompt, sampled under behav_ctx (note 2)
+            batch = batch.under_prompts()
         batch.set_flag(INJECTED, injected)
         batch.set_extra(EXTRA, extra, "group")
         self._stats = {

@@ -131,7 +131,8 @@ def _text(prompt: Any) -> str:
 @register("rollout", "rubricem_reflect")
 @dataclass
 class RubricEMReflect:
-    """Task rows, then G reflections per group rewarded by r_meta (judge-gated re-attempt gain), a rubric bank into later prompts (RubricEM, spec 39)."""
+    """Task rows, then G reflections per group rewarded by r_meta (judge-gated re-attempt gain), a rubric bank into
+    later prompts (RubricEM, spec 39)."""
 
     reflect_template: str = REFLECT_TEMPLATE
     context_template: str = CONTEXT_TEMPLATE
@@ -149,9 +150,8 @@ class RubricEMReflect:
     bank: RubricBank = field(init=False, repr=False, compare=False)
     last: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _run: list = field(
-        default_factory=lambda: [0.0, 0, 0.0, 0], init=False, repr=False, compare=False
-    )  # first sum, count, second sum, count
+    # first sum, count, second sum, count
+    _run: list = field(default_factory=lambda: [0.0, 0, 0.0, 0], init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, keys in (
@@ -171,7 +171,8 @@ class RubricEMReflect:
             raise ConfigError(f"rollout rubricem_reflect: approve={self.approve!r}; use one of {APPROVALS}")
         if not isinstance(self.retrieve, int) or self.retrieve < 0:
             raise ConfigError(
-                f"rollout rubricem_reflect: retrieve={self.retrieve!r} must be an int >= 0 (0: the bank stays out of prompts)"
+                f"rollout rubricem_reflect: retrieve={self.retrieve!r} "
+                "must be an int >= 0 (0: the bank stays out of prompts)"
             )
         if not 0.0 <= self.retrieve_share <= 1.0:
             raise ConfigError(f"rollout rubricem_reflect: retrieve_share={self.retrieve_share} must be in [0, 1]")
@@ -196,7 +197,8 @@ class RubricEMReflect:
         return True if self.approve == "always" else bool(text.strip()) and not truncated
 
     def _fit(self, ctx: RolloutContext, build, piece: str, where: str) -> list[int]:
-        """``encode(build(piece))``, the piece shortened from its end until it fits with the step's max_new_tokens (Note 2)."""
+        """``encode(build(piece))``, the piece shortened from its end until it
+        fits with the step's max_new_tokens (Note 2)."""
         room = ctx.policy.context - ctx.sampling["max_new_tokens"] if getattr(ctx.policy, "context", None) else None
         while True:
             ids = ctx.policy.encode(build(piece))
@@ -204,18 +206,20 @@ class RubricEMReflect:
                 return ids
             if not piece:
                 raise ConfigError(
-                    f"rollout rubricem_reflect: {where} does not fit the model's context even without it "
-                    f"({len(ids)} tokens + rollout.max_new_tokens={ctx.sampling['max_new_tokens']} > {ctx.policy.context})"
+                    f"rollout rubricem_reflect: {where} does not fit the model's context even "
+                    f"without it ({len(ids)} tokens + "
+                    f"rollout.max_new_tokens={ctx.sampling['max_new_tokens']} > {ctx.policy.context})"
                 )
             piece = piece[: max(0, len(piece) - max(1, (len(ids) - room)))]
 
     def _hinted(self, ctx: RolloutContext, key: int, hint: str) -> list[int]:
-        """The context of row ``key``'s prompt with ``hint`` in front (exactly what the task and re-attempt rows are sampled under)."""
+        """The context of row ``key``'s prompt with ``hint`` in front
+        (exactly what the task and re-attempt rows are sampled under)."""
         prompt = ctx.meta(key)["prompt"]
         if list(ctx.policy.encode(prompt)) != list(ctx.prompt(key)):
             raise ConfigError(
-                "rollout rubricem_reflect builds contexts from the rows' prompt column, but the trainer's prompts differ "
-                "(data.system_prompt?); drop data.system_prompt for this strategy"
+                "rollout rubricem_reflect builds contexts from the rows' prompt column, but the trainer's "
+                "prompts differ (data.system_prompt?); drop data.system_prompt for this strategy"
             )
         return self._fit(ctx, lambda h: with_hint(prompt, h, self.context_template), hint, f"the hint for row {key}")
 
@@ -287,9 +291,8 @@ class RubricEMReflect:
         )
         group_of = [[k for k, (b, _) in enumerate(slots) if b == g] for g in range(len(ids))]
         groups = [rows for rows in group_of if rows]
-        refl_groups = refl.regroup(
-            [[(k, 0) for k in rows] for rows in groups]
-        )  # [B',G] row j: reflection on attempt j, under its prompt
+        # [B',G] row j: reflection on attempt j, under its prompt
+        refl_groups = refl.regroup([[(k, 0) for k in rows] for rows in groups])
         self._score_reflections(ctx, refl_groups, [[r_meta[k] for k in rows] for rows in groups])
         self.last = {
             "slots": slots,

@@ -77,9 +77,8 @@ def refill_rounds(
             round_,
         )
         keep = ctx.keep(batch)  # [B] bool
-        parts.append(
-            batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
-        )  # no copy when every group is kept
+        # no copy when every group is kept
+        parts.append(batch if bool(keep.all()) else batch.select(keep.nonzero().flatten()))
         kept += int(keep.sum())
         if kept >= B:
             break

@@ -111,7 +111,8 @@ def selective_gate(actions: list[list[str]], K: int, d_low: float, t_high: float
 @register("rollout", "selective_rollout")
 @dataclass
 class SelectiveRollout(Episodes):
-    """Trajectory-level GRPO whose groups are stopped at env step K and dropped when their action prefixes barely differ (Selective Rollout)."""
+    """Trajectory-level GRPO whose groups are stopped at env step K and dropped when their action prefixes barely differ
+    (Selective Rollout)."""
 
     max_turns: int = 30
     K: int = 10
@@ -125,7 +126,8 @@ class SelectiveRollout(Episodes):
             raise ConfigError(f"rollout selective_rollout: need 1 <= K <= max_turns={self.max_turns}, got K={self.K}")
         if not 0 <= self.d_low <= 1 or (self.t_high is not None and not 0 < self.t_high <= 1):
             raise ConfigError(
-                f"rollout selective_rollout: d_low={self.d_low} must be in [0, 1] and t_high={self.t_high} in (0, 1] (or None)"
+                f"rollout selective_rollout: d_low={self.d_low} must be "
+                f"in [0, 1] and t_high={self.t_high} in (0, 1] (or None)"
             )
         self._d: list[float] = []
 
@@ -139,7 +141,8 @@ class SelectiveRollout(Episodes):
     def __call__(self, ctx) -> Rollout:
         if ctx.group_size < 2:
             raise ConfigError(
-                f"rollout selective_rollout: the gate compares episodes, so rollout.group_size must be >= 2, got {ctx.group_size}"
+                "rollout selective_rollout: the gate compares episodes, "
+                f"so rollout.group_size must be >= 2, got {ctx.group_size}"
             )
         self._d = []
         batch = super().__call__(ctx)

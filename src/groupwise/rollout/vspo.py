@@ -84,7 +84,8 @@ def alpha_rows(alphas: list[float], G: int) -> Tensor:
 
 @contextlib.contextmanager
 def steering_hook(model: Any, layer: int, v: Tensor, alpha: float) -> Iterator[None]:
-    """Within the block, the model's residual stream after decoder layer ``layer`` (0: the embeddings) gets ``alpha · v`` at every position."""
+    """Within the block, the model's residual stream after decoder layer ``layer`` (0: the embeddings) gets
+    ``alpha · v`` at every position."""
     module = residual_module(model, layer)
 
     def hook(_module, _inputs, output):
@@ -146,7 +147,8 @@ def compute_steering_vector(
 @register("rollout", "vspo")
 @dataclass
 class VSPO(ReadsArtifact):
-    """Each group under a grid of steering intensities of a CAA behaviour vector; the unsteered policy is trained (VSPO)."""
+    """Each group under a grid of steering intensities of a CAA behaviour vector; the unsteered policy is trained
+    (VSPO)."""
 
     alphas: list = field(default_factory=lambda: [-4.0, -2.0, -1.0, 0.0, 0.0, 1.0, 2.0, 4.0])
     artifact: str = "steering_vector"

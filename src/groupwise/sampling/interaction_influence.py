@@ -79,7 +79,8 @@ def hidden_features(hidden: Tensor, mask: Tensor, adv: Tensor) -> Tensor:
 @register("sampling", "interaction_influence")
 @dataclass
 class InteractionInfluenceSampler:
-    """Greedy second-order (interaction-aware) influence selection of prompts from gradient features (arXiv 2605.15675)."""
+    """Greedy second-order (interaction-aware) influence selection of prompts from gradient features (arXiv
+    2605.15675)."""
 
     feature: str = "tokens"
     dim: int = 512
@@ -96,11 +97,13 @@ class InteractionInfluenceSampler:
     def __post_init__(self) -> None:
         if self.feature not in ("tokens", "hidden") or self.hessian not in ("identity", "gauss_newton"):
             raise ValueError(
-                f"interaction_influence: feature must be 'tokens' or 'hidden' and hessian 'identity' or 'gauss_newton'; got {self.feature!r}, {self.hessian!r}"
+                "interaction_influence: feature must be 'tokens' or 'hidden' and hessian "
+                f"'identity' or 'gauss_newton'; got {self.feature!r}, {self.hessian!r}"
             )
         if self.dim < 1 or self.layer < 0 or self.step_size <= 0 or not 0 <= self.explore <= 1 or self.pool < 0:
             raise ValueError(
-                f"interaction_influence: need dim >= 1, layer >= 0, step_size > 0, 0 <= explore <= 1, pool >= 0; got {self}"
+                "interaction_influence: need dim >= 1, layer >= 0, "
+                f"step_size > 0, 0 <= explore <= 1, pool >= 0; got {self}"
             )
         self._n_rows: int | None = None
         self._seed = 0
@@ -141,9 +144,8 @@ class InteractionInfluenceSampler:
         F = torch.tensor([self._features[p] for p in rows], dtype=torch.float64)  # [m,F]
         rms = float(F.pow(2).sum(1).mean().sqrt())
         F = F / rms if rms > 0 else F  # [m,F]
-        hess = (
-            F.T @ F / F.shape[0] if self.hessian == "gauss_newton" else torch.eye(F.shape[1], dtype=torch.float64)
-        )  # [F,F]
+        # [F,F]
+        hess = F.T @ F / F.shape[0] if self.hessian == "gauss_newton" else torch.eye(F.shape[1], dtype=torch.float64)
         D = -(self.step_size / n) * F  # [m,F] removal shifts: adding p moves θ by +step·g̃_p/n
         chosen = greedy_select(D, -F.mean(0), hess, k, self.include_self, self.pair)
         return [rows[j] for j in chosen]

@@ -273,9 +273,8 @@ _SYSCALLS = {
         ),
     ),
 }
-_CLONE_NEW = (
-    0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x00000080
-)  # NS CGROUP UTS IPC USER PID NET TIME
+# NS CGROUP UTS IPC USER PID NET TIME
+_CLONE_NEW = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x00000080
 # AF_UNIX: asyncio's self-pipe and multiprocessing use socketpair(AF_UNIX); AF_INET/AF_INET6 reach only the
 # run's own loopback (new network namespace). Python start-up and the harness create no socket at all.
 _FAMILIES = (1, 2, 10)
@@ -503,9 +502,8 @@ class _ScratchMounts:
         path = os.path.join(self.root, "run-" + secrets.token_hex(6))
         os.mkdir(path, 0o700)
         try:
-            self._mount(
-                "tmpfs", path, "tmpfs", 0x2 | 0x4, f"size={size_bytes},nr_inodes={inodes},mode=1777"
-            )  # NOSUID NODEV
+            # NOSUID NODEV
+            self._mount("tmpfs", path, "tmpfs", 0x2 | 0x4, f"size={size_bytes},nr_inodes={inodes},mode=1777")
         except OSError:
             os.rmdir(path)
             raise
@@ -623,9 +621,10 @@ class Sandbox:
         interpreter that such a uid may execute."""
         if not self.root:
             raise SandboxUnavailable(
-                f"unsafe_local=True runs each candidate as a fresh unprivileged uid, which needs root; as uid {os.geteuid()} "
-                "the candidates would run as you, with your files (the dataset and its expected answers) and your processes "
-                "within reach, so it is refused. Install bubblewrap instead (see docs/sandbox.md), or run as root."
+                "unsafe_local=True runs each candidate as a fresh unprivileged uid, which needs "
+                f"root; as uid {os.geteuid()} the candidates would run as you, with your files "
+                "(the dataset and its expected answers) and your processes within reach, so it "
+                "is refused. Install bubblewrap instead (see docs/sandbox.md), or run as root."
             )
         try:
             subprocess.run(
@@ -642,9 +641,12 @@ class Sandbox:
             )
         except (OSError, subprocess.SubprocessError) as err:
             raise SandboxUnavailable(
-                f"unsafe_local=True: an unprivileged uid cannot run the interpreter {self.python} ({type(err).__name__}; typically a "
-                "directory above it, such as /root, is closed to other users), and candidates are never run as root. Give an "
-                'interpreter every user may execute (the code reward\'s `python` option, e.g. python = "/usr/bin/python3"), '
+                "unsafe_local=True: an unprivileged uid cannot run the "
+                f"interpreter {self.python} ({type(err).__name__}; typically a "
+                "directory above it, such as /root, is closed to other "
+                "users), and candidates are never run as root. Give an "
+                "interpreter every user may execute (the code reward's "
+                '`python` option, e.g. python = "/usr/bin/python3"), '
                 "or install bubblewrap."
             ) from err
 

@@ -288,13 +288,15 @@ def _check_row(
         text = prompt
     else:
         raise _BadRow(
-            f"{where}: column {describe('prompt')} is {type(prompt).__name__}, expected a string or a list of chat messages"
+            f"{where}: column {describe('prompt')} is {type(prompt).__name__}, "
+            "expected a string or a list of chat messages"
         )
     if not text.strip():
         raise _BadRow(f"{where}: column {describe('prompt')} is empty")
     if max_prompt_chars is not None and len(text) > max_prompt_chars:
         raise _BadRow(
-            f"{where}: column {describe('prompt')} has {len(text)} characters, more than max_prompt_chars={max_prompt_chars}"
+            f"{where}: column {describe('prompt')} has {len(text)} "
+            f"characters, more than max_prompt_chars={max_prompt_chars}"
         )
 
     if columns["answer"] in row and row[columns["answer"]] is not None:

@@ -67,8 +67,8 @@ def format_row(values: dict[str, int], order: str, x: str, y: str, shortcut: boo
     passage = " ".join(f"{k}={values[k]}" for k in order)
     total = values[x] + values[y]
     answer = (
-        f"{PERCEPTION[0]}{x}={values[x]} {y}={values[y]}{PERCEPTION[1]}{REASONING[0]}{values[x]}+{values[y]}{REASONING[1]}"
-        f"{ANSWER[0]}{total}{ANSWER[1]}"
+        f"{PERCEPTION[0]}{x}={values[x]} "
+        f"{y}={values[y]}{PERCEPTION[1]}{REASONING[0]}{values[x]}+{values[y]}{REASONING[1]}{ANSWER[0]}{total}{ANSWER[1]}"
     )
     return {
         "prompt": f"{passage}\n{x}+{y}?",

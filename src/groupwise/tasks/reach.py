@@ -146,7 +146,8 @@ def _rows(task: str):
 register_task(
     Task(
         "reach",
-        "multi-turn: land exactly on the goal with moves 1-4 ('left 6=' -> '4', 'left 2=' -> '2'), 1-4 moves; reward env_return",
+        "multi-turn: land exactly on the goal with moves 1-4 ('left "
+        "6=' -> '4', 'left 2=' -> '2'), 1-4 moves; reward env_return",
         _rows("reach"),
         reward="env_return",
     )

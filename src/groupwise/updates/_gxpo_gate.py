@@ -29,11 +29,13 @@ class GXPOGate:
     ) -> None:
         if mode not in self.MODES or fallback_mode not in self.FALLBACKS:
             raise ConfigError(
-                f"gxpo: gate_mode must be one of {self.MODES} and fallback_mode one of {self.FALLBACKS}, got {mode!r}, {fallback_mode!r}"
+                f"gxpo: gate_mode must be one of {self.MODES} and fallback_mode "
+                f"one of {self.FALLBACKS}, got {mode!r}, {fallback_mode!r}"
             )
         if window < 2 or patience < 1 or fallback_window < 1 or ddof not in (0, 1):
             raise ConfigError(
-                f"gxpo: need window >= 2, patience >= 1, fallback_window >= 1, gate_ddof in (0, 1); got {window}, {patience}, {fallback_window}, {ddof}"
+                "gxpo: need window >= 2, patience >= 1, fallback_window >= 1, gate_ddof "
+                f"in (0, 1); got {window}, {patience}, {fallback_window}, {ddof}"
             )
         self.tau, self.window, self.patience, self.mode, self.ddof = tau, window, patience, mode, ddof
         self.fallback_mode, self.fallback_window, self.warmup = fallback_mode, fallback_window, warmup

@@ -14,7 +14,8 @@ _LORA = re.compile(r"\.lora_([AB])\.")
 
 
 def layer_of(name: str) -> int | None:
-    """The decoder layer index in a parameter or module name (``...layers.3.self_attn...`` → 3; GPT-2's ``h.3``), else None."""
+    """The decoder layer index in a parameter or module name
+    (``...layers.3.self_attn...`` → 3; GPT-2's ``h.3``), else None."""
     found = _LAYER.search(name)
     return int(found.group(1)) if found else None
 

@@ -110,7 +110,8 @@ def _finite(*xs: Tensor) -> bool:
 @register("update", "gxpo")
 @dataclass
 class GXPO(TorchUpdater):
-    """GXPO: two probe steps, per-coordinate geometric extrapolation to K steps, a corrective step, z-score shutoff (Swapnil et al. 2026)."""
+    """GXPO: two probe steps, per-coordinate geometric extrapolation to K steps, a corrective step, z-score shutoff
+    (Swapnil et al. 2026)."""
 
     optimizer: str = "adamw"
     lr: float = 1e-6
@@ -151,7 +152,8 @@ class GXPO(TorchUpdater):
                 raise ConfigError(f"gxpo: {name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.K < 2 or not self.alpha > 0 or not self.r_min < self.r_max:
             raise ConfigError(
-                f"gxpo: need K >= 2, alpha > 0, r_min < r_max; got K={self.K}, alpha={self.alpha}, r=[{self.r_min}, {self.r_max}]"
+                f"gxpo: need K >= 2, alpha > 0, r_min < r_max; got K={self.K}, "
+                f"alpha={self.alpha}, r=[{self.r_min}, {self.r_max}]"
             )
         self.gate = GXPOGate(
             self.tau,

@@ -118,9 +118,8 @@ def grad_structure_stats(grads: torch.Tensor) -> dict[str, float]:
         return {"eff_rank": eff_rank, "mean_cos": float("nan")}
     a, b = grads[:-1], grads[1:]  # [S-1,P]
     norms = a.norm(dim=1) * b.norm(dim=1)  # [S-1]
-    cos = torch.where(
-        norms > 0, (a * b).sum(1) / norms.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros(())
-    )  # [S-1]
+    # [S-1]
+    cos = torch.where(norms > 0, (a * b).sum(1) / norms.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros(()))
     return {"eff_rank": eff_rank, "mean_cos": float(cos.mean())}
 
 
@@ -140,9 +139,8 @@ class LoraPlacement(Wrapped):
         self.inner_updater = build_inner(self.inner, "lora_placement")
         self.names: list[str] | None = None
         self.params: list[torch.nn.Parameter] = []
-        self.slots: list[
-            tuple[torch.nn.Parameter, torch.Tensor]
-        ] = []  # (B weight, flat indices of its trained entries [k_i])
+        # (B weight, flat indices of its trained entries [k_i])
+        self.slots: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.values: list[torch.nn.Parameter] = []  # [k_i] each: what the inner updater trains
         self._pending: dict | None = None  # inner state from a checkpoint, loaded once the mask is known
         self._total = 0
@@ -175,7 +173,8 @@ class LoraPlacement(Wrapped):
             p = by_name[pname]
             if tuple(mask.shape) != tuple(p.shape) or not p.is_contiguous():
                 raise ConfigError(
-                    f"update lora_placement: mask of {pname!r} has shape {tuple(mask.shape)}, the weight {tuple(p.shape)}"
+                    f"update lora_placement: mask of {pname!r} has shape "
+                    f"{tuple(mask.shape)}, the weight {tuple(p.shape)}"
                 )
             index = mask.reshape(-1).nonzero().flatten().to(p.device)  # [k_i]
             if index.numel():
@@ -184,7 +183,8 @@ class LoraPlacement(Wrapped):
                 placed.append(f"{pname}[placed]")
         if not self.values:
             raise ConfigError(
-                f"update lora_placement: the artifact {self.artifact!r} places no entry (k = 0); give the probe phase k >= 1"
+                f"update lora_placement: the artifact {self.artifact!r} "
+                "places no entry (k = 0); give the probe phase k >= 1"
             )
         self.inner_updater.bind(self.values, self._total)
         if hasattr(self.inner_updater, "use_parameter_names"):
@@ -212,9 +212,8 @@ class LoraPlacement(Wrapped):
                 p.grad = None
             loss = closure()
             for (p, index), v in zip(self.slots, self.values):
-                v.grad = (
-                    p.grad.detach().reshape(-1)[index].clone() if p.grad is not None else torch.zeros_like(v)
-                )  # [k_i]
+                # [k_i]
+                v.grad = p.grad.detach().reshape(-1)[index].clone() if p.grad is not None else torch.zeros_like(v)
             return loss
 
         out = self.inner_updater.step(placed)
@@ -230,6 +229,5 @@ class LoraPlacement(Wrapped):
         if self._placed:
             self.inner_updater.load_state_dict(state["inner"])
         else:
-            self._pending = state[
-                "inner"
-            ]  # the mask (and the inner parameters) arrive with the artifact, after the checkpoint
+            # the mask (and the inner parameters) arrive with the artifact, after the checkpoint
+            self._pending = state["inner"]

@@ -94,7 +94,8 @@ def ablate(ids: list[int], inside: list[bool], placeholder: list[int]) -> tuple[
 @register("view", "ablate_role")
 @dataclass
 class AblateRole:
-    """Completion with its perception segment emptied; reasoning tokens re-scored after it (SRPO's P̸, Jiang & Zou 2026)."""
+    """Completion with its perception segment emptied; reasoning tokens re-scored after it (SRPO's P̸, Jiang & Zou
+    2026)."""
 
     tags: list = field(default_factory=lambda: ["<perception>", "</perception>"])
     placeholder: str = ""
@@ -113,7 +114,8 @@ class AblateRole:
     def apply(self, rollout: Rollout, encode: Callable[[Any], list[int]]) -> Remapped:
         if self._token_text is None:
             raise ValueError(
-                "view ablate_role has no vocabulary: it needs a text policy (the trainer calls use_vocabulary when it builds the view)"
+                "view ablate_role has no vocabulary: it needs a text policy "
+                "(the trainer calls use_vocabulary when it builds the view)"
             )
         B, G, T = rollout.shape
         seg = segment_ids(

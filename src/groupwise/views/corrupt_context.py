@@ -63,7 +63,8 @@ MISSING = ("keep", "raise")
 @register("view", "corrupt_context")
 @dataclass
 class CorruptContext:
-    """Prompt with its evidence passage replaced by another train row's passage (SRPO's corrupted input, Jiang & Zou 2026)."""
+    """Prompt with its evidence passage replaced by another train row's passage (SRPO's corrupted input, Jiang & Zou
+    2026)."""
 
     column: str = "passage"
     seed: int = 0
@@ -92,7 +93,8 @@ class CorruptContext:
         return None
 
     def prompt(self, meta: dict[str, Any], key: int) -> Any:
-        """The edited prompt of one dataset row (``key``: its index), or the row's own prompt (``on_missing="keep"``)."""
+        """The edited prompt of one dataset row (``key``: its index),
+        or the row's own prompt (``on_missing="keep"``)."""
         passage = meta.get(self.column)
         prompt = meta.get("prompt")
         text = (
@@ -122,7 +124,8 @@ class CorruptContext:
                 return edit_user_text(prompt, lambda t: t.replace(passage, other, 1), "corrupt_context view", key)
         if self.on_missing == "raise":
             raise ValueError(
-                f"corrupt_context view: dataset row {key} {why}; give the task a passage column (views.corrupt_context.column) "
+                f"corrupt_context view: dataset row {key} {why}; give the "
+                "task a passage column (views.corrupt_context.column) "
                 f'or set views.corrupt_context.on_missing="keep"'
             )
         return prompt
@@ -136,9 +139,8 @@ class CorruptContext:
         prompt_ids = []
         for b, meta in enumerate(rollout.meta):
             edited = self.prompt(meta, int(rollout.prompt_index[b]))
-            prompt_ids.append(
-                list(rollout.prompt_ids[b]) if edited is meta.get("prompt") else list(encode(edited))
-            )  # B token lists
+            # B token lists
+            prompt_ids.append(list(rollout.prompt_ids[b]) if edited is meta.get("prompt") else list(encode(edited)))
         return dataclasses.replace(
             rollout, prompt_ids=prompt_ids, extras=dict(rollout.extras), extra_levels=dict(rollout.extra_levels)
         )

@@ -117,8 +117,8 @@ class SiblingHint:
         """[B] long: the row whose completion is each group's hint, −1 where the group has no correct row."""
         if rollout.rewards is None:
             raise ValueError(
-                "sibling_hint view reads the group's rewards, which are not scored yet: it serves needs computed after the "
-                "rewards (objective terms, weights, shapers), not a reward scorer's needs"
+                "sibling_hint view reads the group's rewards, which are not scored yet: it serves needs "
+                "computed after the rewards (objective terms, weights, shapers), not a reward scorer's needs"
             )
         _, correct = verdicts(rollout.rewards, rollout.group_valid, self.threshold)  # [B,G]
         return pick_row(rollout.mask.sum(-1), correct, self.pick)  # [B]

@@ -121,7 +121,8 @@ class CovGKGRPO:
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.logp_old is None:
             raise ValueError(
-                "covgk_grpo needs rollout.logp_old: declared Need('logp'), filled by the trainer before the weight stage"
+                "covgk_grpo needs rollout.logp_old: declared Need('logp'), "
+                "filled by the trainer before the weight stage"
             )
         if rollout.advantages is None:
             raise ValueError(

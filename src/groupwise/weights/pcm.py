@@ -81,7 +81,8 @@ def keep_probabilities(cbar: Tensor, p_min: float) -> Tensor:
 
 
 def phase_divergence(actions: Tensor, phase: Tensor, success: Tensor, valid: Tensor, num_phases: int) -> Tensor:
-    """C [num_phases] = ‖μ⁺_c − μ⁻_c‖₂ of chunk actions [N,K,A]; NaN where phase c lacks a success or a failure chunk."""
+    """C [num_phases] = ‖μ⁺_c − μ⁻_c‖₂ of chunk actions [N,K,A];
+    NaN where phase c lacks a success or a failure chunk."""
     C = torch.full((num_phases,), float("nan"), dtype=torch.float64)  # [P]
     a = actions.double().flatten(2)  # [N,K,A]
     for c in range(num_phases):
@@ -173,7 +174,8 @@ class PCM:
             raise ValueError(f"pcm: need budget, chunk_size, num_phases, refresh >= 1 and 0 <= p_min <= 1; got {self}")
         if self.phase_by not in ("index", "relative") or self.scope not in ("token", "loss"):
             raise ValueError(
-                f"pcm: phase_by must be 'index' or 'relative' and scope 'token' or 'loss'; got {self.phase_by!r}, {self.scope!r}"
+                "pcm: phase_by must be 'index' or 'relative' and scope "
+                f"'token' or 'loss'; got {self.phase_by!r}, {self.scope!r}"
             )
         self._buffers: list[list[float]] = [[] for _ in range(self.num_phases)]
         self._cbar = [float("nan")] * self.num_phases

@@ -62,7 +62,8 @@ def process_token_weights(
     w_min: float = 0.1,
     mask: Tensor | None = None,
 ) -> Tensor:
-    """w [N,T] float32 for N rows: ``step_scores`` (N lists; NaN = no score), ``step_of_token`` [N,T] long, ``adv`` [N] or [N,T], ``mask`` [N,T] bool."""
+    """w [N,T] float32 for N rows: ``step_scores`` (N lists; NaN = no score), ``step_of_token`` [N,T] long,
+    ``adv`` [N] or [N,T], ``mask`` [N,T] bool."""
     N, T = step_of_token.shape
     mask = torch.ones(N, T, dtype=torch.bool) if mask is None else mask.bool()  # [N,T]
     adv = adv.double()
@@ -82,9 +83,8 @@ def process_token_weights(
         u = torch.where(adv_tok[i][on] >= 0, s, 1.0 - s) if sign_aware else s  # [M]
         v = u.clamp(min=w_min)  # [M]
         steps = torch.unique(kk)  # [K_i] the steps with a loss token
-        v_step = scores.new_zeros(scores.numel()).index_put_(
-            (kk,), v
-        )  # [K] (a step's tokens share one sign for row advantages)
+        # [K] (a step's tokens share one sign for row advantages)
+        v_step = scores.new_zeros(scores.numel()).index_put_((kk,), v)
         mean = v_step[steps].mean()
         if mean > 0:
             w[i, on] = v / mean

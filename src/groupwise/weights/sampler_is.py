@@ -83,9 +83,8 @@ class SamplerIS:
     hi: float | None = 3.0
     lo: float | None = None
     off_policy_threshold: float | None = None
-    scope: str = (
-        "loss"  # "loss": zeros stay in the normalisers (TRL) | "token": they leave everything (verl rollout_rs)
-    )
+    # "loss": zeros stay in the normalisers (TRL) | "token": they leave everything (verl rollout_rs)
+    scope: str = "loss"
 
     needs = (Need("logp"),)
 
@@ -103,7 +102,8 @@ class SamplerIS:
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if rollout.logp_old is None:
             raise ValueError(
-                "sampler_is needs rollout.logp_old: declared Need('logp'), filled by the trainer before the weight stage"
+                "sampler_is needs rollout.logp_old: declared Need('logp'), "
+                "filled by the trainer before the weight stage"
             )
         mask = rollout.row_mask.bool()  # [B,G,T]
         rows = mask.any(-1)  # [B,G] rows with a loss token

@@ -1,4 +1,5 @@
-"""SRPO: role-aware positive token weights — perception tokens by context dependency, reasoning tokens by consistency with the perception.
+"""SRPO: role-aware positive token weights — perception tokens by context dependency,
+reasoning tokens by consistency with the perception.
 
 "Structured Role-Aware Policy Optimization for Multimodal Reasoning", Bingqing Jiang, Difan Zou
 (HKU), 2026. https://arxiv.org/abs/2605.07274 (spec: specs/51; abstract only, no code). Views:
@@ -109,7 +110,8 @@ def apply_token_weights(adv: Tensor, w: Tensor, mask: Tensor) -> Tensor:
 @register("weight", "srpo")
 @dataclass
 class SRPO:
-    """Positive token weights from self-distilled contrasts: perception by context dependency, reasoning by perception consistency (SRPO, Jiang & Zou 2026)."""
+    """Positive token weights from self-distilled contrasts: perception by context dependency, reasoning by perception
+    consistency (SRPO, Jiang & Zou 2026)."""
 
     kappa: float = 1.0
     clip: float = 3.0
@@ -153,16 +155,14 @@ class SRPO:
             )
         B, G, T = rollout.shape
         mask = rollout.row_mask.bool()  # [B,G,T]
-        perc, reas = self._role_masks(
-            rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T)
-        )  # [N,T] over the sequence (a prefix)
+        # [N,T] over the sequence (a prefix)
+        perc, reas = self._role_masks(rollout.actions.reshape(B * G, T), rollout.mask.reshape(B * G, T))
         perc, reas = perc & mask.reshape(B * G, T), reas & mask.reshape(B * G, T)  # [N,T] loss tokens of valid rows
         logp = rollout.logp_old.reshape(B * G, T).double()  # [N,T]
         d = logp - rollout.extras[CORRUPT.key].reshape(B * G, T).double()  # [N,T]
         c = logp - rollout.extras[ABLATE.key].reshape(B * G, T).double()  # [N,T]
-        w = srpo_token_weights(d, c, perc, reas, self.kappa, self.clip, self.role_norm, self.eps).reshape(
-            B, G, T
-        )  # [B,G,T]
+        # [B,G,T]
+        w = srpo_token_weights(d, c, perc, reas, self.kappa, self.clip, self.role_norm, self.eps).reshape(B, G, T)
         weight = torch.where(mask, w, torch.zeros_like(w)).float()  # [B,G,T]
         p_ok, r_ok = (perc & torch.isfinite(d)).reshape(B, G, T), (reas & torch.isfinite(c)).reshape(B, G, T)  # [B,G,T]
         n = max(int(mask.sum()), 1)

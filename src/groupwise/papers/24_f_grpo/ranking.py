@@ -92,7 +92,8 @@ def rows(split: str, n: int, seed: int = 0) -> list[dict]:
 register_task(
     Task(
         "ranking",
-        "pick the 3 largest-digit items of an 8-item pool, then rank them: 'A3 B7 C1 D9 E4 F2 G8 H5:' -> '[B,D,G]D>G>B'",
+        "pick the 3 largest-digit items of an 8-item pool, then "
+        "rank them: 'A3 B7 C1 D9 E4 F2 G8 H5:' -> '[B,D,G]D>G>B'",
         rows,
         reward="ndcg_at_k",
     )

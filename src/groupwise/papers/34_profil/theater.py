@@ -169,7 +169,8 @@ class TheaterSteps:
 register_task(
     Task(
         "theater",
-        "three-term addition as ';' steps; half of the sft traces state the answer first ('theater'); final-answer reward",
+        "three-term addition as ';' steps; half of the sft traces "
+        "state the answer first ('theater'); final-answer reward",
         rows,
         reward="final_answer",
     )

@@ -113,7 +113,8 @@ def solve(prompt: str) -> int:
         known = m.group(2) if m.group(1) == "X" else m.group(1)
         return int(m.group(3)) - int(known)
     raise ValueError(
-        f"reward 'fobar' cannot read the question {prompt!r}: it verifies 'a+b=' and 'X+b=s;X=' / 'a+X=s;X=' (tasks fobar, fobar_forward)"
+        f"reward 'fobar' cannot read the question {prompt!r}: it verifies "
+        "'a+b=' and 'X+b=s;X=' / 'a+X=s;X=' (tasks fobar, fobar_forward)"
     )
 
 

@@ -109,7 +109,8 @@ class RewardConfig:
         for name in ("c_sil", "c_fa", "lambda_time", "c_miss"):
             if getattr(self, name) < 0:
                 raise ConfigError(
-                    f"streampro reward: {name}={getattr(self, name)} must be >= 0 (it is a bonus or penalty size; 0 turns it off)"
+                    f"streampro reward: {name}={getattr(self, name)} must be "
+                    ">= 0 (it is a bonus or penalty size; 0 turns it off)"
                 )
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(
@@ -239,7 +240,8 @@ def _streams() -> list[tuple[int, int]]:
 
 
 def rows(split: str, n: int, seed: int = 0) -> list[dict]:
-    """``split`` rows (module Note 3); ``n > 0`` train rows are a ``seed``-shuffled sample, ``n <= 0`` the whole split."""
+    """``split`` rows (module Note 3); ``n > 0`` train rows are a ``seed``-shuffled sample,
+    ``n <= 0`` the whole split."""
     streams = _streams()
     if split == "test":
         out = [r for y, o in streams[:TEST_STREAMS] for r in decision_rows(y, o, respond_only=True)]

@@ -134,7 +134,8 @@ def render(a: int, b: int) -> str:
 @register("env", "compile_fix")
 @dataclass
 class CompileFix:
-    """Repair the slot of ``a+b=<slot>``: each action is checked (compile, then the hidden semantic test) in the sandbox."""
+    """Repair the slot of ``a+b=<slot>``: each action is checked (compile, then the hidden semantic test) in the
+    sandbox."""
 
     steps: int = 8
     env_fail_prob: float = 0.05
@@ -211,7 +212,8 @@ def _rows(split: str, n: int, seed: int = 0) -> list[dict]:
 register_task(
     Task(
         "compile_fix",
-        "multi-turn code repair: fill the slot of 'a+b=' (compile + semantic check in the sandbox), up to 8 steps; reward env_return",
+        "multi-turn code repair: fill the slot of 'a+b=' (compile + "
+        "semantic check in the sandbox), up to 8 steps; reward env_return",
         _rows,
         reward="env_return",
     )
