@@ -206,7 +206,9 @@ def test_bad_inputs_name_the_problem():
     assert ro.prompt_ids == [[2]] and policy.encode([2]) == [2]
     x, y = ro.extras["x_final"][0, 1].tolist()
     assert policy.decode(ro) == ro.completions and ro.completions[0][1] == f"{x:.4f},{y:.4f}"
-    with pytest.raises(ValueError, match="computes 'logp' and 'entropy', not \\['topk\\(2\\)'\\]"):
+    with pytest.raises(
+        ValueError, match="computes \\['entropy', 'logp', 'step_mean', 'x0_pred'\\], not \\['topk\\(2\\)'\\]"
+    ):
         policy.forward(ro, ["topk(2)"])
     # [1,2,1] Gaussian entropy per dim: ½log(2πe) + log(std·√−dt)
     entropy = policy.forward(ro, ["logp", "entropy"])["entropy"]

@@ -84,3 +84,26 @@ def test_every_field_and_component_in_the_table_exists():
     known = set(trl.GRPOConfig.__dataclass_fields__) | {"peft_config"}
     stated = {f for f in fields if "*" not in f and f not in ("_mode", "_clip_max", "_clip_min")}
     assert stated - known == set(), f"fields not in TRL's GRPOConfig: {sorted(stated - known)}"
+
+
+def test_the_table_has_a_row_for_every_grpo_config_field():
+    """Issue 36: every field GRPOConfig defines itself (TRL 1.16: 77), and every TrainingArguments field
+    whose default it changes, is named in the table's first column, mapped or "not supported, because"."""
+    trl = pytest.importorskip("trl")
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    table = [line for line in DOC.read_text().splitlines() if line.startswith("| `")]
+    named = {f for line in table for f in re.findall(r"`([a-z_0-9]+)`", line.split("|")[1])}
+    base = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    own = {f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name not in base}
+    changed = {
+        f.name
+        for f in dataclasses.fields(trl.GRPOConfig)
+        if f.name in base and f.default is not dataclasses.MISSING and f.default != base[f.name].default
+    }
+    assert own - named == set(), f"GRPOConfig fields without a row: {sorted(own - named)}"
+    assert changed - named == set(), (
+        f"TrainingArguments defaults GRPOConfig changes, without a row: {sorted(changed - named)}"
+    )

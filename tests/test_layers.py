@@ -79,6 +79,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise.policy.functional",
             "groupwise.policy.precision",
             "groupwise.modalities.flow_sde",
+            "groupwise.modalities.gauss",
         ),
     ),
     (

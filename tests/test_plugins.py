@@ -428,6 +428,13 @@ def check_guess(out: Path) -> None:
                     secrets -= {int(last)} if last.isdigit() else set()
             assert secrets, f"step {k}: no secret fits the group's transcripts {[r['completion'] for r in group]}"
     assert played, "no valid guess was answered: the game's rules went unchecked"
+    # held-out: the 16 secrets played closed-loop (eval.closed_loop = "auto": on for an env strategy). A guess
+    # episode returns 1 (won) or 0, so the share won equals the mean return, greedy and sampled alike.
+    summary = json.loads((out / "summary.json").read_text())
+    for when in ("before", "after"):
+        won, sampled = summary[f"accuracy_{when}"], summary[f"accuracy_{when}_sampled"]
+        assert won * 16 == round(won * 16) and summary[f"return_{when}"] == won
+        assert sampled["mean@2"] * 32 == round(sampled["mean@2"] * 32) and sampled["return@2"] == sampled["mean@2"]
 
 
 EXAMPLE_RUNS = {  # recipe, overrides, the check of what it logged
@@ -435,7 +442,7 @@ EXAMPLE_RUNS = {  # recipe, overrides, the check of what it logged
     "term": ("term.toml", ["train.steps=2"], check_term),
     "weight": ("weight.toml", ["train.steps=2"], check_weight),
     "strategy": ("strategy.toml", ["train.steps=2", "rollout.params={start=0.001, end=1.0}"], check_strategy),
-    "environment": ("guess.toml", ["train.steps=2"], check_guess),
+    "environment": ("guess.toml", ["train.steps=2", "eval.size=16", "eval.samples=2"], check_guess),
 }
 
 

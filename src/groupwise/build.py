@@ -28,7 +28,7 @@ from groupwise.phases import build_phases, check_artifacts
 from groupwise.policy.kinds import build_policy
 from groupwise.policy.memory import keep_freed_memory
 from groupwise.registry import build as build_component
-from groupwise.registry import build_spec
+from groupwise.registry import build_spec, lookup
 from groupwise.rewards.stage import RewardStage
 from groupwise.rollout.context import check_strategy
 from groupwise.stats import PromptStats
@@ -93,6 +93,7 @@ class Parts:
     params: list[torch.Tensor]  # the policy's trained parameters
     eval_views: dict[str, Any]  # eval.views: held-out prompts also scored under these
     eval_tasks: dict[str, tuple[list[dict], RewardStage]]  # eval.tasks: (rows, reward stage) of further tasks
+    closed_loop: bool  # held-out rows are episodes the strategy plays (eval.closed_loop resolved; heldout.py)
     phases: list[Any]  # what runs before the RL steps, in order
 
 
@@ -118,10 +119,24 @@ def build(cfg: Config) -> Parts:
     if cfg.perf.keep_freed_memory:
         keep_freed_memory()  # process-wide: activation-sized blocks are reused, not faulted in afresh each step
     ro, max_new = cfg.rollout, cfg.rollout.max_new_tokens
-    policy = build_policy(cfg.model, cfg.perf)
 
-    # the rows, and a prompt that cannot fit the model's context is a bad row too
-    train_rows, eval_rows, task_reward = load_splits(cfg.data, cfg.seed, own_rewards=bool(cfg.rewards))
+    # before the model loads (which can take a minute): the data, the rewards, the rollout strategy and the
+    # envs it plays, so a bad file, reward or env name fails at once. None of them draws from torch's RNG.
+    train_rows, eval_rows, task_reward = load_splits(
+        cfg.data, cfg.seed, own_rewards=bool(cfg.rewards), eval_needs_answer=eval_needs_answer(cfg)
+    )
+
+    def decode(rollout: Any) -> list[list[str]]:  # the policy's, once it is loaded below
+        return policy.decode(rollout)
+
+    reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, decode, max_new)
+    # held-out scoring never stops a run: a failed eval reward excludes its sample (counted as wrong)
+    eval_stage = RewardStage([cfg.eval.reward or task_reward], _eval_reward_cfg(cfg), decode, max_new)
+    strategy = build_component("rollout", ro.name, **ro.params)
+    bind_rows([strategy], train_rows)  # an env strategy checks its envs here (use_rows: again below, on the kept rows)
+
+    policy = build_policy(cfg.model, cfg.perf)
+    # a prompt that cannot fit the model's context is a bad row too
     prompts = Prompts(policy, cfg.data.system_prompt, max_new)
     rows_skipped: dict[str, int] = {}
     if cfg.data.on_bad_row == "skip":
@@ -131,13 +146,9 @@ def build(cfg: Config) -> Parts:
         raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide by the world size {world}")
     sampling_params = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k, "max_new_tokens": max_new}
 
-    # the policy's step: one component (or an ordered list) per stage
-    strategy = build_component("rollout", ro.name, **ro.params)
+    # the policy's step: one component (or an ordered list) per stage (the strategy and rewards: above)
     sampler = build_spec("sampling", cfg.sampling)
     sampler.bind(len(train_rows), cfg.seed)
-    reward_stage = RewardStage(cfg.rewards or [task_reward], cfg.reward, policy.decode, max_new)
-    # held-out scoring never stops a run: a failed eval reward excludes its sample (counted as wrong)
-    eval_stage = RewardStage([cfg.eval.reward or task_reward], _eval_reward_cfg(cfg), policy.decode, max_new)
     estimator = build_spec("advantage", cfg.advantage.estimator)
     if ro.group_size < 2 and getattr(estimator, "group_relative", False):
         raise ConfigError(
@@ -180,19 +191,33 @@ def build(cfg: Config) -> Parts:
         bind_rows([view], train_rows)
 
     resolver = NeedResolver(
-        needs, models, cfg.views, policy.score, policy.encode, context=policy.context, bind_view=bind_view
+        needs,
+        models,
+        cfg.views,
+        policy.score,
+        policy.encode,
+        context=policy.context,
+        bind_view=bind_view,
+        quantities=getattr(policy, "quantities", None),
     )
 
     # held-out prompts are also scored under eval.views, and on the held-out rows of eval.tasks
     eval_views = {name: eval_view(resolver, name) for name in cfg.eval.views}
     prompts.views = eval_views
     eval_tasks = {name: eval_task(cfg, policy, name) for name in cfg.eval.tasks}
+    closed_loop = closed_loop_eval(cfg, strategy, task_reward)
     task_scorers = [s for _, stage in eval_tasks.values() for s in stage.scorers]
     role_components = [c for r in trained for c in r.components]
 
     # each component against the policy it will run with, before anything runs
     check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
     check_strategy(strategy, policy, owners)  # sampling options it asks for, extras others read
+    unknown = set(cfg.eval.sampling) - set(getattr(policy, "request_options", ()))
+    if unknown:  # the held-out calls' own settings: keys the policy's requests may set
+        raise ConfigError(
+            f"eval.sampling sets {sorted(unknown)}, which the {policy.modality} policy does not take "
+            f"(it takes {sorted(getattr(policy, 'request_options', ()))})"
+        )
     bind_vocabulary(owners + role_components, policy)  # token texts for phase / role maps
     bind_rows(owners, train_rows)  # components that draw from or index the train rows (components.py)
     bind_models(owners + eval_stage.scorers + task_scorers, frozen)  # frozen roles' policies (a judge)
@@ -232,6 +257,7 @@ def build(cfg: Config) -> Parts:
         params=params,
         eval_views=eval_views,
         eval_tasks=eval_tasks,
+        closed_loop=closed_loop,
         phases=phases,
     )
 
@@ -265,6 +291,37 @@ def fitting_rows(policy: Any, split: str, rows: list[dict], max_new_tokens: int,
 def _eval_reward_cfg(cfg: Config) -> Any:
     """The reward settings of held-out scoring: a failed reward excludes its sample, never stops the run."""
     return dataclasses.replace(cfg.reward, on_error="exclude", max_error_rate=1.0)
+
+
+def eval_needs_answer(cfg: Config) -> bool:
+    """Whether the held-out rows of ``data.eval_path`` need an ``answer``: when held-out evaluation
+    compares with it (the default eval reward of user data, 'exact'), not with an eval.reward of
+    your own or episodes played closed-loop (``closed_loop_eval``'s rule, before the strategy is built)."""
+    plays = hasattr(lookup("rollout", cfg.rollout.name), "play_heldout")
+    closed = cfg.eval.closed_loop if cfg.eval.closed_loop != "auto" else plays and not cfg.eval.reward
+    return cfg.eval.size > 0 and not cfg.eval.reward and not closed
+
+
+def closed_loop_eval(cfg: Config, strategy: Any, task_reward: str) -> bool:
+    """``eval.closed_loop`` resolved: whether held-out rows are episodes the strategy plays closed-loop
+    (its ``play_heldout``). "auto": yes for a strategy that can, unless an eval reward scores the first
+    action (``eval.reward``, or a built-in env task's own ``env_return``: Q* of the first move)."""
+    plays = hasattr(strategy, "play_heldout")
+    name = getattr(strategy, "registry_name", cfg.rollout.name)
+    wanted = cfg.eval.closed_loop
+    if wanted == "auto":
+        wanted = plays and not cfg.eval.reward and task_reward != "env_return"
+    if wanted and not plays:
+        raise ConfigError(
+            f"eval.closed_loop=true: rollout strategy {name!r} plays no episodes to evaluate (no play_heldout); "
+            f"use an environment strategy (rollout.name='episodes' or 'grow') or eval.closed_loop=false"
+        )
+    if wanted and cfg.eval.views:
+        raise ConfigError(
+            f"eval.views={cfg.eval.views}: a view edits a text prompt, and this run's held-out rows are episodes "
+            f"played closed-loop (eval.closed_loop); drop eval.views or set eval.closed_loop=false"
+        )
+    return bool(wanted)
 
 
 def eval_view(needs: NeedResolver, name: str) -> Any:

@@ -12,6 +12,8 @@ import os
 import sys
 
 DEFAULT_RECIPE = "demo"
+_RUN_FOLDER = None  # the run folder of `groupwise train`, once known: a failure's traceback is kept there
+ERROR_LOG = "error.log"  # in the run folder: the full traceback of the failure printed as one line
 
 
 def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
@@ -37,7 +39,9 @@ EVAL_HELP = """usage: groupwise eval [MODEL | RUN] [key=value ...]
 Held-out greedy accuracy of a model folder (default: the shipped `default` model) on the task of
 `data.task` / `data.path` (key=value overrides as for train, e.g. data.task=countdown eval.size=500).
 Given a run folder (runs/demo), its final model on the run's own data, reward and eval settings;
-with eval.samples=n also mean@n and pass@k."""
+with eval.samples=n also mean@n and pass@k. An environment run's held-out rows are episodes played
+closed-loop (eval.closed_loop): accuracy is the share of greedy episodes that succeed, return their
+mean return."""
 
 
 def _shipped_recipes() -> str:
@@ -52,7 +56,7 @@ def cmd_train(args: list[str]) -> int:
         return 0
     from rich.console import Console
 
-    from groupwise.config import load_config, to_dict, to_toml
+    from groupwise.config import changed_keys, load_config
     from groupwise.errors import ConfigError
 
     allow: list[str] = []
@@ -73,13 +77,22 @@ def cmd_train(args: list[str]) -> int:
     cfg, _ = load_config(recipe, overrides)
     if not cfg.out:
         cfg.out = f"runs/{cfg.name}"
+    global _RUN_FOLDER
+    _RUN_FOLDER = cfg.out_dir  # where a failure's traceback goes (main)
     console = Console(stderr=True)
     from groupwise.run import Run
 
     run = Run.from_config(cfg, console=console)
     if run.rank == 0:
+        changed = [c for c in changed_keys(cfg, load_config(recipe)[0]) if not c.startswith("out=")]
         console.print(f"[bold]groupwise train[/] recipe={recipe} → {cfg.out_dir}")
-        console.print(to_toml(to_dict(cfg)), markup=False, highlight=False)
+        console.print(
+            f"resolved config written to {cfg.out_dir / 'config.toml'}; "
+            + (f"differs from the recipe in: {', '.join(changed)}" if changed else "the recipe's, unchanged"),
+            markup=False,
+            highlight=False,
+            soft_wrap=True,  # one line, whatever the terminal's width
+        )
     summary = run.train(resume_allow=allow)
     import signal
 
@@ -308,11 +321,12 @@ def cmd_eval(args: list[str]) -> int:
 
     parts = build(cfg)
     heldout = HeldOut(Trainer(parts))
+    detail = heldout.evaluate_detail()  # an env run's held-out episodes: greedy success and mean return
     result = {
         "model": model,
         "task": cfg.data.path or cfg.data.task,
         "eval_size": min(cfg.eval.size, len(parts.eval_rows)),
-        "accuracy": heldout.evaluate(),
+        **detail,
     }
     result.update(heldout.evaluate_sampled())  # mean@n, pass@k when eval.samples is set
     print(json.dumps(result))
@@ -412,13 +426,22 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         parser.error(f"unknown command {command!r}")
+    debug = "--debug" in rest  # a failure's full traceback instead of its one line
+    rest = [a for a in rest if a != "--debug"]
     from groupwise.errors import ConfigError
+    from groupwise.rewards._common import RewardError
+    from groupwise.tasks.data import DataError
 
     try:
         return COMMANDS[command](rest)
-    except ConfigError as err:
-        print(f"groupwise: config error: {err}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, RewardError) as err:  # a bad recipe, data file or reward: one line
+        if debug:
+            raise
+        if isinstance(err, ConfigError):
+            print(f"groupwise: config error: {err}", file=sys.stderr)
+        else:
+            print(f"groupwise: {err}{_keep_traceback(err)}", file=sys.stderr)
+        return 1 if isinstance(err, RewardError) else 2
     except BrokenPipeError:  # `groupwise explain X | head`: the reader left; not an error of ours
         # the interpreter's final flush must not fail too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -435,6 +458,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"groupwise: {err}", file=sys.stderr)
         return 1
+
+
+def _keep_traceback(err: BaseException) -> str:
+    """Write ``err``'s traceback to the run folder's ``error.log`` (when the run folder exists) and
+    say where it is, for the end of the one-line message."""
+    import traceback
+
+    text = "".join(traceback.format_exception(err))
+    if _RUN_FOLDER is not None and _RUN_FOLDER.is_dir():
+        try:
+            (_RUN_FOLDER / ERROR_LOG).write_text(text)
+            return f"  (traceback: {_RUN_FOLDER / ERROR_LOG}; --debug prints it)"
+        except OSError:
+            pass
+    return "  (--debug prints the traceback)"
 
 
 if __name__ == "__main__":

@@ -50,8 +50,10 @@ class Policy(Protocol):
     a request's ``n`` are padding); ``forward`` gives per-token quantities of a rollout's actions
     (differentiable under grad); ``scoring_models`` / ``score`` serve no-grad needs by model name.
     ``request_options`` are the sampling keys a ``Request.sampling`` may set; ``modality`` must match
-    every component's own (``"text"`` when a component declares none). A policy is not a component:
-    its optional members are ``POLICY_OPTIONAL``."""
+    every component's own (``"text"`` when a component declares none). ``encode`` gives the policy's
+    own prompt form: token ids for text, a ``[label]`` or an observation vector of floats for a toy
+    (nothing outside the policy reads a non-text encoding as ids). A policy is not a component: its
+    optional members are ``POLICY_OPTIONAL``."""
 
     modality: str
     trainable: bool
@@ -77,6 +79,10 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "token_texts": "token_texts() -> list[str]: the text of each token id (for use_vocabulary; a text policy's)",
     "parameter_names": "parameter_names() -> list[str]: the names of parameters() in order (for use_parameter_names)",
     "encode_completion": "encode_completion(text) -> list[int]: an answer's token ids (the sft phase, the answer NLL)",
+    "encode_target": "encode_target(row) -> a demonstration row's target in the policy's form (sft, non-text kinds)",
+    "supervised_loss": "supervised_loss(prompts, targets, gen) -> scalar with grad: the demonstration loss (sft)",
+    "condition_extras": "condition_extras: {name: n}, the request extras it samples under (its strategy must set them)",
+    "quantities": "quantities: frozenset[str], what its forward computes (a need of another is refused at build)",
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
@@ -91,7 +97,9 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
 
 class RolloutStrategy(Protocol):
     """Stages 1–3 together: ``strategy(ctx) -> Rollout`` collects the step's whole scored batch
-    through ``rollout.context.RolloutContext``."""
+    through ``rollout.context.RolloutContext``. Optional: ``evaluate(ctx, rows, info) -> dict[str,
+    float]``, its own held-out evaluation (``heldout.HeldOut.evaluate_strategy``: greedy settings,
+    the eval reward; logged as ``eval/<key>``, ``<key>_after``)."""
 
     def __call__(self, ctx: Any) -> Rollout: ...
 
@@ -241,6 +249,7 @@ OWNERS = STEP + ("schedule",)  # and the schedules they hold: what the run binds
 GROUPS = {  # the sections of the table, in order
     "build": "read when the run is built",
     "step": "read every step",
+    "eval": "read by the held-out evaluation",
     "checkpoint": "checkpoints and resume",
     "lifecycle": "called by the code that built the component",
     "declaration": "declarations read by the contract tests (or by no code)",
@@ -476,6 +485,20 @@ HOOKS: tuple[Hook, ...] = (
         "Dynamic sampling's refill budget.",
     ),
     Hook(
+        "play_heldout",
+        ("rollout",),
+        "method",
+        "eval",
+        'by the held-out evaluation (`heldout.py`) when `eval.closed_loop` resolves to true ("auto": for a strategy '
+        "that defines it, unless an eval reward scores the first action), before and after training and at "
+        "`eval.every`; with `eval.samples = n` also with `n` sampled episodes per row",
+        "play_heldout(policy, rows: list[dict], sampling: dict, info: StepInfo, n: int, greedy: bool) -> "
+        "list[list[float]]",
+        "An environment strategy plays `n` closed-loop episodes of each held-out row (greedy actions, or sampled at "
+        "`sampling`) and returns their returns [row][episode]; a positive return is a success "
+        "(`rollout.env.heldout_returns` plays them as `play` does).",
+    ),
+    Hook(
         "on_step",
         ("rollout",),
         "method",
@@ -624,6 +647,17 @@ HOOKS: tuple[Hook, ...] = (
         "checkpoint",
         "on resume, with what `state_dict` returned",
         "load_state_dict(state: dict) -> None",
+    ),
+    Hook(
+        "evaluate",
+        ("rollout",),
+        "method",
+        "lifecycle",
+        "at each held-out evaluation (`HeldOut.evaluate_strategy`: greedy settings with `eval.sampling`, the eval "
+        "reward, step -1's noise)",
+        "evaluate(ctx: RolloutContext, rows: list[dict], info: StepInfo) -> dict[str, float]",
+        "The strategy's own held-out measures (a chain, a game, best-of-N), logged as `eval/<key>` and "
+        "`<key>_before` / `<key>_after`.",
     ),
     # -- lifecycle
     Hook(

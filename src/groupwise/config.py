@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -25,7 +26,9 @@ RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a pa
 
 @dataclass
 class ModelCfg:
-    path: str = "default"  # "default" = the tiny model shipped in the package; or a folder / hub id
+    # "default" = the tiny model shipped in the package (a toy kind: fresh weights); or a folder / hub id (a toy kind:
+    # the folder its save wrote, <path>/flow_policy.pt or gaussian_policy.pt, e.g. a run's final/)
+    path: str = "default"
     # float32 | bfloat16: the dtype the WEIGHTS are loaded and trained in (bfloat16 weights have no float32 master; for
     # bfloat16 products over float32 weights use `matmul`)
     dtype: str = "float32"
@@ -37,7 +40,8 @@ class ModelCfg:
     # cpu | cuda | cuda:N | auto (cuda when available); under torchrun each rank takes cuda:LOCAL_RANK
     device: str = "cpu"
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
-    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy (arguments in `params`)
+    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow;
+    # gaussian: observation -> N(mu(s), sigma^2 I) (arguments of the toy kinds in `params`)
     policy: str = "lm"
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}
     # every N steps mix the policy into the reference: ref = α·policy + (1−α)·ref (TR-DPO; TRL sync_ref_model); 0 =
@@ -107,7 +111,15 @@ class TrainCfg:
 class EvalCfg:
     size: int = 200  # held-out prompts scored greedily before and after training (0 = skip)
     every: int = 0  # also evaluate every N steps (0 = only before/after)
-    reward: str = ""  # reward used for accuracy (default: the task's)
+    # reward used for accuracy (default: the task's): a name, or a reward entry as in `rewards`
+    # ({name = "python", fn = "my_rewards:exact"}, a "module:Class" plug-in)
+    reward: str | dict = ""
+    # an environment run (rollout.name = "episodes", "grow", ...): true plays each held-out row's episode
+    # closed-loop, as training does (accuracy = the share of greedy episodes with a positive return, return_after =
+    # their mean return; with eval.samples, mean@n / pass@k of sampled episodes and return@n); false scores one greedy
+    # completion per prompt with eval.reward. "auto": closed-loop unless an eval reward scores the first action
+    # (eval.reward, or a built-in env task's own env_return, Q* of the first move, as reach's recipes measure)
+    closed_loop: bool | str = "auto"
     # also sample n completions per held-out prompt (rollout temperature): mean@n and pass@k (0 = greedy only)
     samples: int = 0
     pass_at: list = field(default_factory=list)  # the k of pass@k (each 1..samples; empty = [1, samples])
@@ -121,6 +133,9 @@ class EvalCfg:
     # reward (what training did to another skill): logs eval_accuracy@task:NAME and eval_nll@task:NAME (mean token NLL
     # of its answers) at eval.every, and accuracy_after@task:NAME, nll_after@task:NAME in summary.json
     tasks: list = field(default_factory=list)
+    # sampling settings of the greedy held-out calls, merged over the rollout's (keys from the policy's request
+    # options): e.g. {sampler = "consistency", steps = 4} deploys a flow policy with another sampler than it trained on
+    sampling: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -301,6 +316,7 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "size": (lambda v: v >= 0, "an integer >= 0"),
         "every": (lambda v: v >= 0, "an integer >= 0"),
         "samples": (lambda v: v >= 0, "an integer >= 0 (0 = greedy accuracy only)"),
+        "closed_loop": (lambda v: v is True or v is False or v == "auto", 'true, false or "auto"'),
     },
     "CheckpointCfg": {
         "every": (lambda v: v >= 0, "an integer >= 0"),
@@ -453,6 +469,8 @@ def component_entries(cfg: Config) -> list[tuple[str, Any, str]]:
     for name, role in cfg.roles.items():
         if not role.frozen:
             add_training(f"roles.{name}.", role.objective, role.advantage, role.update)
+    if cfg.eval.reward:
+        add("reward", cfg.eval.reward, "eval.reward")
     for i, spec in enumerate(cfg.eval.views):
         add("view", spec, f"eval.views[{i}]")
     return out
@@ -506,6 +524,28 @@ def with_defaults(stored: dict) -> dict:
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def changed_keys(cfg: Config, base: Config) -> list[str]:
+    """``key=value`` for every config key (dotted) whose value in ``cfg`` differs from ``base``'s, in
+    the order of ``groupwise config``: what the command line changed of a recipe."""
+
+    def flat(data: dict, prefix: str = "") -> dict[str, Any]:  # sections into their keys; a key's table stays whole
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if (
+                not prefix
+                and isinstance(value, dict)
+                and hasattr(cfg, key)
+                and dataclasses.is_dataclass(getattr(cfg, key))
+            ):
+                out.update(flat(value, f"{key}."))
+            else:
+                out[prefix + key] = value
+        return out
+
+    mine, theirs = flat(to_dict(cfg)), flat(to_dict(base))
+    return [f"{k}={json.dumps(v)}" for k, v in mine.items() if theirs.get(k, object()) != v]
 
 
 def to_toml(data: dict) -> str:
@@ -618,6 +658,7 @@ def reference_markdown() -> str:
             ):
                 continue  # a section of its own below
             meaning = notes.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{f.name}` | `{f.type}` | `{default(f)}` | {meaning} |")
+            kind = str(f.type).replace("|", "\\|")  # `str | dict`: a table cell, not two
+            lines.append(f"| `{f.name}` | `{kind}` | `{default(f)}` | {meaning} |")
         lines.append("")
     return "\n".join(lines)

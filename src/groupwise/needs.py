@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from groupwise.errors import ConfigError
+from groupwise.providers.forward import _ForwardQuantity
 from groupwise.registry import build, lookup, names
 from groupwise.types import Need, Rollout
 from groupwise.views import Remapped
@@ -51,6 +52,7 @@ class NeedResolver:
         encode: Callable[[Any], list[int]],
         context: int | None = None,
         bind_view: Callable[[Any], None] | None = None,
+        quantities: frozenset[str] | None = None,
     ):
         self.models, self.forward, self.encode, self.view_params, self.context = (
             models,
@@ -61,6 +63,7 @@ class NeedResolver:
         )
         # called once on each view built (the trainer gives it token texts and the train rows)
         self.bind_view = bind_view
+        self.quantities = quantities  # what the policy's forward computes, when it declares it (Policy.quantities)
         self.providers: dict[str, Any] = {}
         self.views: dict[str, Any] = {}
         for need in needs:
@@ -76,6 +79,11 @@ class NeedResolver:
             self.providers[need.name] = build("provider", need.name)
         provider = self.providers[need.name]
         provider.check(need)
+        if self.quantities is not None and isinstance(provider, _ForwardQuantity) and need.name not in self.quantities:
+            raise ConfigError(
+                f"{need}: this run's policy computes {sorted(self.quantities)}, not {need.name!r} "
+                f"(a quantity of another policy kind, model.policy)"
+            )
         if need.grad and not (provider.grad_ok and need.model == "policy" and need.view == "default"):
             raise ConfigError(
                 f"{need} cannot be computed with autograd: grad needs are the policy's own "

@@ -216,7 +216,10 @@ class Run:
                 self._check_health(row)
                 eval_due = cfg.eval.every and (trainer.step + 1) % cfg.eval.every == 0
                 if eval_due and cfg.eval.size and self.parts.eval_rows:
-                    row["eval_accuracy"] = self.heldout.evaluate()
+                    # eval_accuracy, eval_reward_mean, eval_metric/<name> (an env run's: eval_return)
+                    detail = self.heldout.evaluate_detail()
+                    row.update({f"eval_{k}": v for k, v in detail.items()})
+                    row.update({f"eval/{k}": v for k, v in self.heldout.evaluate_strategy().items()})
                     row.update(self._view_accuracies(row["eval_accuracy"]))
                     row.update(self._column_accuracies("eval_accuracy"))
                     self.summary["evals"].append((trainer.step + 1, row["eval_accuracy"]))
@@ -254,7 +257,7 @@ class Run:
                 f"{trainer.step} (checkpointed). Rerun the same command to resume."
             )
             return self.summary
-        if out_of_time and trainer.step < cfg.train.steps:  # the demo's 170 s budget cuts longer runs short: say so
+        if out_of_time and trainer.step < cfg.train.steps:  # a time limit cut the run short of its steps: say so
             self.summary["stopped_early"] = (
                 f"train.max_seconds={cfg.train.max_seconds:g} reached after step {trainer.step} of {cfg.train.steps}"
             )
@@ -294,7 +297,8 @@ class Run:
         for role in self.trainer.roles:  # each further trained model on the same held-out prompts
             value = self.heldout.evaluate(role.policy)
             self.summary[f"{role.name}/{key}"] = None if value != value else value
-        accuracy = self.heldout.evaluate()
+        detail = self.heldout.evaluate_detail()
+        accuracy = detail["accuracy"]
         if accuracy != accuracy:  # NaN: nothing to evaluate on
             self.summary[key] = None
             self.summary["eval_note"] = (
@@ -302,6 +306,20 @@ class Run:
             )
             return
         self.summary[key] = accuracy
+        when = key.split("_", 1)[1]  # before / after
+        if "return" in detail:  # held-out episodes (eval.closed_loop): accuracy_after -> return_after
+            self.summary[f"return_{when}"] = detail["return"]
+        if "reward_mean" in detail:  # the mean eval reward and its metrics (a continuous reward's); NaN -> null
+            self.summary[f"reward_mean_{when}"] = (
+                detail["reward_mean"] if detail["reward_mean"] == detail["reward_mean"] else None
+            )
+            self.summary.update(
+                {f"metric_{when}/{k.split('/', 1)[1]}": (v if v == v else None) for k, v in detail.items() if "/" in k}
+            )
+        # the rollout strategy's own held-out measures, when it defines them
+        self.summary.update(
+            {f"{k}_{when}": (v if v == v else None) for k, v in self.heldout.evaluate_strategy().items()}
+        )
         self.summary["evals"].append((step, accuracy))
         self.summary.update(self._column_accuracies(key))
         for name, value in self._view_accuracies(accuracy).items():

@@ -127,7 +127,9 @@ class Rollout:
     scores. Every field is sliced, padded and joined by its level, never by a list of names.
     """
 
-    prompt_ids: list[list[int]]  # B prompts, token ids (chat template applied)
+    # B prompts: the policy's encoding of each (a text policy's token ids, chat template applied; a non-text
+    # policy's own form, e.g. the flow toy's [label] or an observation vector of floats, read by it alone)
+    prompt_ids: list[list[int]]
     actions: Tensor  # [B,G,T] int64 completion tokens (pad where mask is False)
     mask: Tensor  # [B,G,T] bool, tokens that receive loss
     group_valid: Tensor  # [B,G] bool

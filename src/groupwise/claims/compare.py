@@ -11,6 +11,8 @@ such a child before it starts that run again.
 **Per-run metrics** (from ``summary.json`` and ``metrics.jsonl``)
 
 - ``final_accuracy``: ``accuracy_after``, the held-out greedy accuracy after training.
+- ``final_reward_mean``: ``reward_mean_after``, the mean eval reward over the held-out rows after
+  training (greedy, with ``eval.sampling``): the measure of a continuous reward.
 - ``final_pass_at_k``: the unbiased pass@k after training for the largest k of ``eval.pass_at``
   (needs ``eval.samples``; ``summary.json``'s ``accuracy_after_sampled``).
 - ``steps_to_target``: the first evaluated step count whose accuracy is >= target (the
@@ -54,7 +56,15 @@ from groupwise.errors import ConfigError
 
 LOCK_WAIT_S = 600.0  # how long a rerun waits for a run folder still held by a dying child of a killed compare
 
-METRICS = ("final_accuracy", "final_pass_at_k", "steps_to_target", "seconds_to_target", "reward_area", "last_reward")
+METRICS = (
+    "final_accuracy",
+    "final_reward_mean",
+    "final_pass_at_k",
+    "steps_to_target",
+    "seconds_to_target",
+    "reward_area",
+    "last_reward",
+)
 TARGET_METRICS = ("steps_to_target", "seconds_to_target")
 LAST = "last:"  # prefix of a metric read from any metrics.jsonl key (module docstring)
 STD = "std:"  # prefix of a metric's spread over the steps (module docstring)
@@ -63,6 +73,7 @@ KEYED = (LAST, STD, CV)  # the prefixes of a metric named by a metrics.jsonl key
 BUDGET = {"steps_to_target": "step_budget", "seconds_to_target": "seconds_budget"}
 DIGITS = {
     "final_accuracy": 3,
+    "final_reward_mean": 3,
     "final_pass_at_k": 3,
     "steps_to_target": 1,
     "seconds_to_target": 1,
@@ -238,6 +249,7 @@ def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list
     out = {
         "accuracy_before": summary.get("accuracy_before"),
         "final_accuracy": summary.get("accuracy_after"),
+        "final_reward_mean": summary.get("reward_mean_after"),
         "final_pass_at_k": max(
             (
                 (int(k.split("@")[1]), v)

@@ -31,8 +31,8 @@ reward is a rollout scorer that reads the policy's row extra ``x_final`` [B,G,2]
 **Notes**
 
 1. A *rollout scorer* (``score_rollout(rollout, info)``, no ``__call__``), like ``kl_penalty``.
-2. Invalid rows (``group_valid`` False) score 0; labels come from ``rollout.prompt_ids`` ([[label]]
-   per group, as ``FlowPolicy.generate`` writes them).
+2. Invalid rows (``group_valid`` False) score 0; each row is scored against the label of its own
+   context (``rollout.row_contexts()``: the group's prompt ``[label]``, or the row's ``ctx``).
 3. A point exactly on the circle of radius ``radius`` counts as inside.
 """
 
@@ -44,14 +44,43 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from groupwise.modalities.flow_sde import row_labels
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
+
+
+def _points_and_labels(rollout: Rollout, name: str) -> Tensor:
+    """[B,G] the label of each row's own context (``modalities.flow.row_labels``), after checking that
+    the rollout holds 2-D samples ``x_final`` [B,G,2]."""
+    points = rollout.extras.get("x_final")
+    if points is None or points.shape[-1] != 2:
+        raise ValueError(
+            f"{name} needs the row extra 'x_final' [B,G,2] of 2-D samples (written by modalities.flow.FlowPolicy "
+            f"with dim = 2), got {None if points is None else tuple(points.shape)}"
+        )
+    return row_labels(rollout)
 
 
 def mixture_rows(n: int, n_labels: int = 4, seed: int = 0) -> list[dict]:
     """``n`` dataset rows ``{"prompt": label}``, labels uniform over ``range(n_labels)`` (seeded)."""
     labels = torch.randint(n_labels, (n,), generator=torch.Generator().manual_seed(seed))  # [n]
     return [{"prompt": int(k)} for k in labels]
+
+
+def bimodal_rows(n: int, n_labels: int = 4, ring: float = 2.0, spread: float = 0.2, seed: int = 0) -> list[dict]:
+    """``n`` demonstration rows ``{"prompt": k, "target": [x, y], "mode": m}`` (seeded): label k's
+    points are a 50/50 mixture of the centres μ_k (``mode`` 0) and μ_{k+1 mod K} (``mode`` 1), each
+    with isotropic Gaussian scatter of std ``spread`` (task ``flow2d_bimodal``; the reward pays μ_k only)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(n_labels, (n,), generator=g)  # [n]
+    modes = torch.randint(2, (n,), generator=g)  # [n]
+    points = mixture_centres(n_labels, ring)[(labels + modes) % n_labels] + spread * torch.randn(
+        n, 2, generator=g
+    )  # [n,2]
+    return [
+        {"prompt": int(k), "target": [float(x), float(y)], "mode": int(m)}
+        for k, m, (x, y) in zip(labels, modes, points.tolist())
+    ]
 
 
 def mixture_centres(n_labels: int = 4, ring: float = 2.0) -> Tensor:
@@ -63,12 +92,15 @@ def mixture_centres(n_labels: int = 4, ring: float = 2.0) -> Tensor:
 def region_reward(
     x_final: Tensor, labels: Tensor, n_labels: int = 4, radius: float = 0.75, ring: float = 2.0
 ) -> Tensor:
-    """[B,G] float32: 1 where ``x_final`` [B,G,2] lies within ``radius`` of its label's centre."""
-    labels = torch.as_tensor(labels, dtype=torch.long)  # [B]
+    """[B,G] float32: 1 where ``x_final`` [B,G,2] lies within ``radius`` of its label's centre
+    (``labels`` [B], one per group, or [B,G], one per row)."""
+    labels = torch.as_tensor(labels, dtype=torch.long)  # [B] or [B,G]
     if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < n_labels):
         raise ValueError(f"region_reward: labels must lie in [0, {n_labels}), got {labels.tolist()}")
-    centre = mixture_centres(n_labels, ring)[labels]  # [B,2]
-    dist = torch.linalg.vector_norm(x_final.float() - centre[:, None, :], dim=-1)  # [B,G]
+    centre = mixture_centres(n_labels, ring)[labels]  # [B,2] or [B,G,2]
+    if centre.dim() == 2:
+        centre = centre[:, None, :]  # [B,1,2]
+    dist = torch.linalg.vector_norm(x_final.float() - centre, dim=-1)  # [B,G]
     return (dist <= radius).float()  # [B,G]
 
 
@@ -86,11 +118,7 @@ class FlowRegionReward:
     modality = "flow"  # reads the flow policy's x_final
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
-        if "x_final" not in rollout.extras:
-            raise ValueError(
-                "flow_region needs the row extra 'x_final' [B,G,2] (written by modalities.flow.FlowPolicy)"
-            )
-        labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long)  # [B]
+        labels = _points_and_labels(rollout, "flow_region")  # [B,G]
         reward = region_reward(rollout.extras["x_final"], labels, self.n_labels, self.radius, self.ring)  # [B,G]
         return torch.where(rollout.group_valid.bool(), reward, torch.zeros(()))  # [B,G]
 
@@ -106,11 +134,13 @@ def trap_reward(
 ) -> Tensor:
     """[B,G] float32: 1 within ``radius`` of the far optimum (``far`` from the origin, opposite the
     label's direction), else ``near_reward`` within ``radius`` of the near one (``near`` along the
-    label's direction), else 0."""
-    labels = torch.as_tensor(labels, dtype=torch.long)  # [B]
+    label's direction), else 0. ``labels`` [B] (one per group) or [B,G] (one per row)."""
+    labels = torch.as_tensor(labels, dtype=torch.long)  # [B] or [B,G]
     if labels.numel() and not (0 <= int(labels.min()) and int(labels.max()) < n_labels):
         raise ValueError(f"trap_reward: labels must lie in [0, {n_labels}), got {labels.tolist()}")
-    unit = mixture_centres(n_labels, 1.0)[labels][:, None, :]  # [B,1,2] the label's direction
+    unit = mixture_centres(n_labels, 1.0)[labels]  # [B,2] or [B,G,2] the label's direction
+    if unit.dim() == 2:
+        unit = unit[:, None, :]  # [B,1,2]
     x = x_final.float()  # [B,G,2]
     in_far = torch.linalg.vector_norm(x + far * unit, dim=-1) <= radius  # [B,G]
     in_near = torch.linalg.vector_norm(x - near * unit, dim=-1) <= radius  # [B,G]
@@ -147,9 +177,7 @@ class FlowTrapReward:
             )
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
-        if "x_final" not in rollout.extras:
-            raise ValueError("flow_trap needs the row extra 'x_final' [B,G,2] (written by modalities.flow.FlowPolicy)")
-        labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long)  # [B]
+        labels = _points_and_labels(rollout, "flow_trap")  # [B,G]
         reward = trap_reward(
             rollout.extras["x_final"], labels, self.n_labels, self.near, self.far, self.radius, self.near_reward
         )  # [B,G]

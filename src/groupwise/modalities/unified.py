@@ -47,9 +47,14 @@ import torch
 from torch import Tensor, nn
 
 from groupwise.modalities.flow import FlowPolicy
+from groupwise.modalities.flow_sde import row_labels
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
+_NO_DEMONSTRATIONS = (
+    "the unified policy has no demonstration fit (its flow is conditioned on think tokens a target row does not give); "
+    'fit a model.policy = "flow" instead'
+)
 THINK_VOCAB = ("RIGHT", "LEFT", "UP", "DOWN", "NEAR", "MID", "FAR")
 
 
@@ -100,10 +105,20 @@ class UnifiedPolicy(FlowPolicy):
             self.think_lm = ThinkLM(n_labels, self.vocab, n_think, think_hidden).double()
             self.think_emb = nn.Embedding(self.vocab, hidden).double()  # E_think: the plan as the flow's condition
         self.modality = "unified"
+        self.quantities = frozenset({"logp", "entropy"})  # the think tokens have no Gaussian step
 
     @property
     def T(self) -> int:
         return self.n_think + self._steps_trained(self.sde)
+
+    def encode_target(self, row: dict) -> Tensor:
+        """Not defined: a demonstration would need the think tokens' plan too (the planner kind K4 of
+        the non-text design brings one); the flow policy's own fit does not apply."""
+        raise ValueError(_NO_DEMONSTRATIONS)
+
+    def supervised_loss(self, prompts: Sequence[list[int]], targets: Sequence[Tensor], gen: torch.Generator) -> Tensor:
+        """Not defined (see :meth:`encode_target`)."""
+        raise ValueError(_NO_DEMONSTRATIONS)
 
     # ------------------------------------------------------------------ the flow's condition
     def _velocity(self, x: Tensor, sigma: Tensor, label: Tensor, cond: Tensor | None) -> Tensor:
@@ -173,6 +188,9 @@ class UnifiedPolicy(FlowPolicy):
     def forward(self, rollout: Rollout, quantities: Sequence[str] = ("logp",)) -> dict[str, Tensor]:
         """``{"logp": [B,G,T]}``: the think tokens' log-probs under the think LM, then the flow steps'
         (``FlowPolicy.forward`` on the flow positions); ``"entropy"``: the categorical's, then the flow's."""
+        unknown = [q for q in quantities if q not in self.quantities]
+        if unknown:
+            raise ValueError(f"UnifiedPolicy.forward computes {sorted(self.quantities)}, not {unknown}")
         n = self.n_think
         flow_view = copy.copy(rollout)
         flow_view.actions, flow_view.mask = rollout.actions[:, :, n:], rollout.mask[:, :, n:]
@@ -181,7 +199,7 @@ class UnifiedPolicy(FlowPolicy):
         }
         flow_out = super().forward(flow_view, quantities)
         B, G, _ = rollout.shape
-        labels = torch.tensor([p[0] for p in rollout.prompt_ids], dtype=torch.long).repeat_interleave(G)  # [B*G]
+        labels = row_labels(rollout).view(B * G)  # [B*G] each row's own label (its context's)
         think = rollout.actions[:, :, :n].reshape(B * G, n)  # [N,n]
         logq = torch.log_softmax(self.think_lm(labels, think), -1).view(B, G, n, -1)  # [B,G,n,V]
         text_mask = rollout.mask[:, :, :n]  # [B,G,n]

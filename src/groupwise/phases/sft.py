@@ -29,7 +29,8 @@ trained on) is measured, and the phase stops once it reaches ``target_accuracy``
 
 **Notes**
 
-1. Needs a text policy (``encode_completion``); rows need an ``answer`` column.
+1. A text policy (``encode_completion``) needs rows with an ``answer`` column; a non-text policy
+   fits demonstrations instead (Note 5).
 2. Reports ``steps``, ``val_accuracy`` and ``history`` ([step, accuracy] pairs) under the phase's
    name in ``summary.json``.
 3. ``task`` (with ``train_size``) trains on a built-in task's train rows instead of the run's, so
@@ -37,6 +38,12 @@ trained on) is measured, and the phase stops once it reaches ``target_accuracy``
    share one warm start; an unknown task fails at the phase's start with the list of tasks.
 4. The optimiser is the phase's own: its state does not carry into RL (RL's updater starts fresh,
    as it does after the shipped warm start).
+5. A policy with ``supervised_loss(prompts, targets, gen)`` (the non-text kinds: the flow toy's
+   flow matching, ``modalities/flow.py`` Note 7) is fitted with it instead: rows need the column
+   its ``encode_target(row)`` reads (``target``), ``loss`` must be ``"ce"`` (the text losses do
+   not apply), and the loss's draws come from a ``torch.Generator`` seeded by (run seed, phase
+   step), so a rerun of the phase is identical. A text policy has no ``supervised_loss``: its path
+   is the token mean above, unchanged.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from groupwise.errors import ConfigError
 from groupwise.phases import PhaseContext
 from groupwise.phases.cb_stream import COUNTS, balanced_from_ce, check_beta, class_balanced_weights
 from groupwise.registry import build_spec, register
+from groupwise.seeds import sample_seed
 from groupwise.tasks import get_task
 from groupwise.types import Rollout
 
@@ -135,12 +143,19 @@ class SFT:
     ) -> dict:
         """Train ``policy`` on ``rows`` until ``steps`` or the target accuracy on ``val``; ``prompt(split, rows, i)``
         gives a row's prompt ids, ``accuracy(policy, rows, split)`` a greedy accuracy. Returns the summary."""
-        if not hasattr(policy, "encode_completion"):
-            raise ConfigError(f"phase sft needs a text policy (the {policy.modality} policy cannot encode an answer)")
-        if not rows or "answer" not in rows[0]:
-            raise ConfigError("phase sft needs train rows with an `answer` column")
-        prompts = [prompt("train", rows, i) for i in range(len(rows))]
-        answers = [policy.encode_completion(str(r["answer"])) for r in rows]
+        demos = hasattr(policy, "supervised_loss")  # a policy with its own demonstration loss (Note 5)
+        if demos:
+            prompts, targets = self._demonstrations(policy, rows, prompt)
+        else:
+            if not hasattr(policy, "encode_completion"):
+                raise ConfigError(
+                    f"phase sft needs a text policy or one with a demonstration loss (the {policy.modality} policy "
+                    f"has neither encode_completion nor supervised_loss)"
+                )
+            if not rows or "answer" not in rows[0]:
+                raise ConfigError("phase sft needs train rows with an `answer` column")
+            prompts = [prompt("train", rows, i) for i in range(len(rows))]
+            answers = [policy.encode_completion(str(r["answer"])) for r in rows]
         classes = self._classes(rows)  # [N] decision class of each row (cb_stream), else None
         weights = None
         if classes is not None and self.cb_counts == "dataset":
@@ -154,10 +169,23 @@ class SFT:
             if len(order) < self.batch_size:  # the next epoch, in a seeded order
                 order += torch.randperm(len(rows), generator=order_rng).tolist()
             picked, order = order[: self.batch_size], order[self.batch_size :]
-            batch = teacher_forced([prompts[i] for i in picked], [answers[i] for i in picked])
-            if classes is None:
+            if demos:
+                gen = torch.Generator().manual_seed(sample_seed(seed, step, 0, -1))  # the step's draws (t, noise)
+                loss = float(
+                    updater.step(
+                        lambda: _demonstration_loss(
+                            policy,
+                            [prompts[i] for i in picked],  # noqa: B023 (called at once, inside this iteration)
+                            [targets[i] for i in picked],  # noqa: B023
+                            gen,  # noqa: B023
+                        )
+                    )["loss"]
+                )
+            elif classes is None:
+                batch = teacher_forced([prompts[i] for i in picked], [answers[i] for i in picked])
                 loss = float(updater.step(lambda: _loss(policy, batch))["loss"])  # noqa: B023 (called at once, inside this iteration)
             else:
+                batch = teacher_forced([prompts[i] for i in picked], [answers[i] for i in picked])
                 picked_classes = classes[picked]  # [n]
                 w = (
                     weights
@@ -186,6 +214,26 @@ class SFT:
             "reached_target": reached,
             "history": history,
         }
+
+    def _demonstrations(self, policy: Any, rows: list[dict], prompt: Callable) -> tuple[list, list]:
+        """The prompts and ``encode_target`` targets of a non-text policy's demonstration rows."""
+        if self.loss != "ce":
+            raise ConfigError(
+                f"phase sft: loss={self.loss!r} is a text loss; the {policy.modality} policy fits demonstrations "
+                f'with its own supervised_loss (leave loss = "ce")'
+            )
+        if not rows:
+            raise ConfigError("phase sft has no train rows to fit")
+        if not hasattr(policy, "encode_target"):
+            raise ConfigError(
+                f"phase sft: the {policy.modality} policy has supervised_loss but no encode_target(row) to read a "
+                "demonstration's target; define both (components.POLICY_OPTIONAL)"
+            )
+        try:
+            targets = [policy.encode_target(r) for r in rows]
+        except ValueError as err:
+            raise ConfigError(f"phase sft: {err}") from None
+        return [prompt("train", rows, i) for i in range(len(rows))], targets
 
     def _classes(self, rows: list[dict]) -> torch.Tensor | None:
         if self.loss != "cb_stream":
@@ -227,6 +275,12 @@ def teacher_forced(prompts: list[list[int]], answers: list[list[int]]) -> Rollou
 def _loss(policy: Any, batch: Rollout) -> torch.Tensor:
     logp = policy.forward(batch, ("logp",))["logp"]  # [N,1,T]
     loss = -(logp * batch.mask).sum() / batch.mask.sum()  # token mean over the answers and EOS
+    loss.backward()
+    return loss.detach()
+
+
+def _demonstration_loss(policy: Any, prompts: list, targets: list, gen: torch.Generator) -> torch.Tensor:
+    loss = policy.supervised_loss(prompts, targets, gen)  # a scalar with grad (the policy's own demonstration loss)
     loss.backward()
     return loss.detach()
 

@@ -156,6 +156,8 @@ class LMPolicy:
     modality = "text"
     # what Request.sampling may set
     request_options = frozenset({"greedy", "temperature", "top_p", "top_k", "max_new_tokens"})
+    # what forward computes (providers/forward.py); step_mean / x0_pred are a continuous policy's
+    quantities = frozenset({"logp", "logprobs", "entropy", "topk", "hidden", "attn_at", "hidden_at"})
 
     def __init__(self, model_cfg: Any, perf: Any):
         from groupwise.policy.engine import CPUEngine

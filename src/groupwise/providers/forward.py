@@ -25,6 +25,10 @@ at the position OF completion token t (q = P + t, P the row's prompt length; ext
                        S = longest prompt + T; 0 at future keys and past the row's end
     hidden_at(l)[b,g,t]   = the model's own hidden_states[l] at q    # [B,G,T,H]  (l = layers: after the final norm)
 
+continuous policies (the flow toy, ``modalities/flow.py`` Note 9), at each trained step t:
+    step_mean[b,g,t] = the mean of the step's Gaussian kernel (Euler SDE or consistency)  # [B,G,T,D]
+    x0_pred[b,g,t]   = x̂₀ = x_t − σ_t·v_θ(x_t, σ_t), the clean-sample prediction          # [B,G,T,D]
+
 Each is the value at completion token t computed from the position that predicts it (the prefix
 ``context, y_<t``), under the need's model and view, float32, 0 outside the mask.
 
@@ -57,6 +61,8 @@ the need's name: ``topk(k)`` with an integer k ≥ 1, ``hidden(l)`` with l ≥ 0
 6. ``grad_ok = True``: these may be computed with autograd inside a micro-batch, but only as the
    policy's own default-view quantities (``needs.NeedResolver.check``). ``plan`` asks the forward
    of the need's ``(model, view)`` for the quantity, and all quantities of one pair share one pass.
+7. A policy declares the quantities its forward computes (``Policy.quantities``); a need of another
+   (``step_mean`` on a text policy, ``topk`` on the flow toy) is a ``ConfigError`` at build.
 """
 
 from __future__ import annotations
@@ -123,6 +129,20 @@ class TopK(_ForwardQuantity):
 
     _takes_arg = True
     _low = 1
+
+
+@register("provider", "step_mean")
+@dataclass
+class StepMean(_ForwardQuantity):
+    """The mean of each trained Gaussian step of a continuous policy [B,G,T,D] (Euler SDE or consistency).
+
+    ``modalities/flow.py`` Note 9; a policy kind without it is refused at build."""
+
+
+@register("provider", "x0_pred")
+@dataclass
+class X0Pred(_ForwardQuantity):
+    """The clean-sample prediction x̂₀ = x − σ·v_θ at each trained step of a flow policy [B,G,T,D]."""
 
 
 @register("provider", "hidden")

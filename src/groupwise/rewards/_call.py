@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from groupwise.errors import ConfigError
 from groupwise.rewards._common import RewardError
 
 
@@ -39,6 +40,8 @@ def call(fn: Callable[..., Any], label: str, prompts, completions, columns, time
         raise RewardError(
             f"reward {label!r} did not return within timeout_s={timeout_s} s (interrupted; reward.timeout_s)"
         ) from TimeoutError(f"no result after {timeout_s} s")
+    except ConfigError:  # the recipe names something that does not exist (an env): not a failed sample
+        raise
     except Exception as err:
         raise RewardError(f"reward {label!r} raised {type(err).__name__}: {err}") from err
     except (SystemExit, KeyboardInterrupt) as err:
@@ -122,7 +125,7 @@ def _call_in_thread(fn: Callable[..., Any], label: str, prompts, completions, co
         err = box["error"]
         if isinstance(err, (SystemExit, KeyboardInterrupt)):
             raise RewardAborted.of(label, err) from err
-        if not isinstance(err, Exception):
+        if not isinstance(err, Exception) or isinstance(err, ConfigError):
             raise err
         raise RewardError(f"reward {label!r} raised {type(err).__name__}: {err}") from err
     return box["value"]

@@ -47,6 +47,11 @@ GRPO's advantage estimator then centres and scales like any other.
 5. ``fn`` may be ``async def`` (or a callable whose ``__call__`` is): the async rewards of a batch
    run concurrently on one event loop in a daemon thread, each within ``reward.timeout_s``
    (``rewards/_async.py``), as TRL runs them with ``asyncio.gather``.
+6. On conversational data (each row's ``prompt`` a list of chat messages) the function gets each
+   completion as TRL gives it, ``[{"role": "assistant", "content": text}]``, and the prompts as the
+   message lists (TRL 1.16 ``GRPOTrainer._generate``, ``trl/trainer/grpo_trainer.py``: ``is_conversational`` of the
+   first prompt decides the batch's form; a tokenizer with a ``response_schema`` makes TRL parse
+   tool calls into that message too, which groupwise does not). On plain-text prompts, strings.
 """
 
 from __future__ import annotations
@@ -149,5 +154,13 @@ class Python:
         """Whether the user function takes keyword ``name`` (``**kwargs`` or by name)."""
         return signature_accepts(self._func, name)
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> Any:
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **columns: Any) -> Any:
+        if prompts and is_conversational(prompts[0]):  # TRL's form on chat data: one assistant message each
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
         return self._func(prompts=prompts, completions=completions, **columns)
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A prompt given as chat messages (a list of ``{"role", "content"}`` dicts), as TRL's
+    ``is_conversational`` tells the batch's form from its first prompt."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]

@@ -41,8 +41,9 @@ from groupwise.types import Request, Rollout, StepInfo
 
 
 def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
-    """At build: the strategy's ``request_options`` are offered by the policy, and every extra a
-    component lists in ``rollout_extras`` is one the strategy ``collects``."""
+    """At build: the strategy's ``request_options`` are offered by the policy, every extra a
+    component lists in ``rollout_extras`` is one the strategy ``collects``, and so is every request
+    extra the policy samples under (its ``condition_extras``: the flow toy's discrete conditions)."""
     name = getattr(strategy, "registry_name", type(strategy).__name__)
     missing = set(getattr(strategy, "request_options", ())) - set(getattr(policy, "request_options", ()))
     if missing:
@@ -55,6 +56,13 @@ def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
     if hasattr(strategy, "check"):
         strategy.check(components)
     collected = set(getattr(strategy, "collects", ()))
+    conditions = sorted(set(getattr(policy, "condition_extras", None) or ()) - collected)
+    if conditions:  # a policy that samples under request extras needs a strategy that sets them
+        raise ConfigError(
+            f"the {policy.modality} policy samples under the request extras {conditions} (model.params "
+            f"condition_extras), which the rollout strategy {name!r} does not set (it collects "
+            f"{sorted(collected) or 'nothing'}); pick a strategy that sets them, or drop condition_extras"
+        )
     for component in components:
         for extra in getattr(component, "rollout_extras", ()):
             if extra not in collected:

@@ -237,20 +237,62 @@ class _Rows(RolloutContext):
         self.info, self.meta = (lambda round_=0: info), rows.__getitem__
 
 
+def heldout_returns(
+    policy: Any,
+    rows: list[dict],
+    sampling: dict,
+    info: Any,
+    n: int,
+    max_turns: int,
+    *,
+    greedy: bool,
+    **play_options: Any,
+) -> list[list[float]]:
+    """The returns [row][episode] of ``n`` closed-loop episodes of each of ``rows`` played by
+    ``policy`` (greedy actions, or sampled at ``sampling``'s settings): what an env strategy's
+    ``play_heldout`` gives the held-out evaluation (``play_options`` as for ``play``)."""
+    if not rows:
+        return []
+    played = play(
+        _Rows(policy, rows, sampling, info),
+        list(range(len(rows))),
+        n,
+        max_turns,
+        sampling={"greedy": True} if greedy else None,
+        **play_options,
+    )
+    return [[ep.ret for ep in group] for group in played.episodes]
+
+
 def greedy_success(
     policy: Any, rows: list[dict], sampling: dict, info: Any, max_turns: int = 16, **play_options: Any
 ) -> float:
     """The share of ``rows`` whose greedy closed-loop episode (one per row) ends with a positive
     return: the held-out success of a multi-turn policy (``play_options`` as for ``play``)."""
-    played = play(
-        _Rows(policy, rows, sampling, info),
-        list(range(len(rows))),
-        1,
-        max_turns,
-        sampling={"greedy": True},
-        **play_options,
-    )
-    return sum(g[0].ret > 0 for g in played.episodes) / max(1, len(rows))
+    returns = heldout_returns(policy, rows, sampling, info, 1, max_turns, greedy=True, **play_options)
+    return sum(r[0] > 0 for r in returns) / max(1, len(rows))
+
+
+def check_envs(env: str | None, env_params: dict | None, rows: list[dict], who: str) -> None:
+    """At build: every env the strategy will play (its ``env`` parameter, else each row's ``env``
+    column) is registered or importable as ``module:Class`` and takes ``env_params``; a bad name
+    fails here, naming where it was given, not at the first rollout."""
+    where = {env: f"rollout.params.env={env!r}"} if env else {}
+    if not env:
+        for i, row in enumerate(rows):
+            if row.get("env") and row["env"] not in where:
+                where[row["env"]] = f"the 'env' column of train row {i + 1} ({row['env']!r})"
+    if not where and rows:
+        env_name(env, rows[0], who)  # neither: the error that says how to name one
+    for name, given in where.items():
+        try:
+            build("env", name, **(env_params or {}))
+        except ConfigError as err:
+            raise ConfigError(
+                f"rollout {who}: {given} cannot be built: {err}. Your own environment: name it as "
+                f"'module:Class' (a file next to the recipe or in the working directory) or register it with "
+                f"@register('env', NAME) in a module listed in plugins (docs/extending.md, 'An environment')"
+            ) from None
 
 
 def _cached(encode):

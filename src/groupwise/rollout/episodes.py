@@ -56,7 +56,7 @@ import torch
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
-from groupwise.rollout.env import Played, check_env_rewards, play, score_returns
+from groupwise.rollout.env import Played, check_env_rewards, check_envs, heldout_returns, play, score_returns
 from groupwise.types import Rollout
 
 TURN_FACT = "env/"  # segment extras [B,n,S]: an outcome() fact with one number per turn
@@ -177,6 +177,30 @@ class Episodes:
 
     def check(self, components: list) -> None:
         check_env_rewards(components, self._who)
+
+    def use_rows(self, rows: list[dict]) -> None:
+        check_envs(self.env, self.env_params, rows, self._who)  # a bad env name fails at build
+
+    def play_heldout(
+        self, policy: Any, rows: list[dict], sampling: dict, info: Any, n: int, greedy: bool
+    ) -> list[list[float]]:
+        """``n`` closed-loop episodes of each held-out row, as training plays them (the whole transcript
+        as the context; no group hook): their returns [row][episode]."""
+        return heldout_returns(
+            policy,
+            rows,
+            sampling,
+            info,
+            n,
+            self.max_turns,
+            greedy=greedy,
+            env=self.env,
+            env_params=self.env_params,
+            history=True,
+            separator=self.separator,
+            max_context=self.max_context,
+            who=self._who,
+        )
 
     @property
     def _who(self) -> str:

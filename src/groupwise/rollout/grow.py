@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from groupwise.errors import ConfigError
 from groupwise.registry import register
-from groupwise.rollout.env import Played, check_env_rewards, play, score_returns
+from groupwise.rollout.env import Played, check_env_rewards, check_envs, heldout_returns, play, score_returns
 from groupwise.seeds import sample_seed
 from groupwise.types import Rollout
 
@@ -128,6 +129,27 @@ class GROW:
 
     def check(self, components: list) -> None:
         check_env_rewards(components, "grow")
+
+    def use_rows(self, rows: list[dict]) -> None:
+        check_envs(self.env, self.env_params, rows, "grow")  # a bad env name fails at build
+
+    def play_heldout(
+        self, policy: Any, rows: list[dict], sampling: dict, info: Any, n: int, greedy: bool
+    ) -> list[list[float]]:
+        """``n`` closed-loop episodes of each held-out row, each action under its local state as in
+        training: their returns [row][episode]."""
+        return heldout_returns(
+            policy,
+            rows,
+            sampling,
+            info,
+            n,
+            self.max_turns,
+            greedy=greedy,
+            env=self.env,
+            env_params=self.env_params,
+            who="grow",
+        )
 
     def __call__(self, ctx) -> Rollout:
         info = ctx.info(0)

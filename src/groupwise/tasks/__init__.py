@@ -73,20 +73,38 @@ def resampled(held: list[dict], seed: int) -> list[dict]:
     return rows
 
 
-def load_splits(data_cfg, seed: int, own_rewards: bool = False) -> tuple[list[dict], list[dict], str]:
+def load_splits(
+    data_cfg, seed: int, own_rewards: bool = False, eval_needs_answer: bool = True
+) -> tuple[list[dict], list[dict], str]:
     """(train rows, held-out rows, default reward name) for a run's ``[data]`` section. A run that
     scores training with its own rewards (``own_rewards``) needs no ``answer`` column in its
-    training rows; the held-out rows keep it (the default eval reward compares with it). With
-    ``data.resample_eval`` the held-out rows come in the seed's order (``resampled``)."""
+    training rows; the held-out rows need it when held-out evaluation compares with it
+    (``eval_needs_answer``: the default eval reward). A missing answer is refused naming what
+    needs it and the setting that makes it unnecessary. With ``data.resample_eval`` the held-out
+    rows come in the seed's order (``resampled``)."""
     if data_cfg.path:
         from groupwise.tasks.data import load_rows
 
         columns = dict(data_cfg.columns) or None
         train = load_rows(
-            data_cfg.path, columns=columns, on_bad_row=data_cfg.on_bad_row, require_answer=not own_rewards
+            data_cfg.path,
+            columns=columns,
+            on_bad_row=data_cfg.on_bad_row,
+            require_answer=not own_rewards,
+            answer_needed_by="training needs it because the default reward 'exact' compares each completion with "
+            'it: set `rewards` to your own reward (e.g. rewards=[{name="python", fn="my_rewards:score"}]) and '
+            "the train rows need no answer",
         ).rows
         held = (
-            load_rows(data_cfg.eval_path, columns=columns, on_bad_row=data_cfg.on_bad_row).rows
+            load_rows(
+                data_cfg.eval_path,
+                columns=columns,
+                on_bad_row=data_cfg.on_bad_row,
+                require_answer=eval_needs_answer,
+                answer_needed_by="held-out evaluation (data.eval_path) needs it because the default eval reward "
+                "'exact' compares each completion with it: set eval.reward to a reward that needs no answer (your "
+                'own, e.g. eval.reward={name="python", fn="my_rewards:score"}), or eval.size=0',
+            ).rows
             if data_cfg.eval_path
             else []
         )

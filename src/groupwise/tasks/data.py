@@ -257,6 +257,7 @@ def _check_row(
     columns: dict[str, str],
     require_answer: bool,
     max_prompt_chars: int | None,
+    answer_needed_by: str = "",
 ) -> dict:
     """The row with our column names, or raise _BadRow with a message naming ``where`` and the column."""
     if isinstance(row, _BadRow):
@@ -308,11 +309,13 @@ def _check_row(
                 f"{where}: column {describe('answer')} is {type(answer).__name__}, expected a string or number"
             )
     elif require_answer:
+        why = f"; {answer_needed_by}" if answer_needed_by else ""
         if columns["answer"] in row:
             raise _BadRow(
-                f"{where}: column {describe('answer')} is null (pass require_answer=False to allow rows without one)"
+                f"{where}: column {describe('answer')} is null"
+                + (why or " (pass require_answer=False to allow rows without one)")
             )
-        raise missing("answer")
+        raise _BadRow(str(missing("answer")) + why)
     else:
         answer = None
 
@@ -342,12 +345,14 @@ def load_rows(
     on_bad_row: str = "raise",
     max_prompt_chars: int | None = None,
     require_answer: bool = True,
+    answer_needed_by: str = "",
 ) -> LoadResult:
     """Load and validate rows from ``source``; see the module docstring for sources and rules.
 
     Raises :class:`DataError` for an unusable source, for the first bad row when
     ``on_bad_row="raise"``, and when no row survives; :class:`~groupwise.errors.ConfigError`
-    for bad arguments.
+    for bad arguments. ``answer_needed_by`` says, in a missing-answer error, what needs the
+    answer and which setting makes it unnecessary.
     """
     if on_bad_row not in ON_BAD_ROW:
         raise ConfigError(f"on_bad_row must be one of {', '.join(map(repr, ON_BAD_ROW))}, not {on_bad_row!r}")
@@ -361,7 +366,7 @@ def load_rows(
     result = LoadResult()
     for where, row in _records(source, split):
         try:
-            result.rows.append(_check_row(where, row, mapping, require_answer, max_prompt_chars))
+            result.rows.append(_check_row(where, row, mapping, require_answer, max_prompt_chars, answer_needed_by))
         except _BadRow as bad:
             if on_bad_row == "raise":
                 raise DataError(str(bad)) from None
