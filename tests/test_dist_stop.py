@@ -6,6 +6,7 @@ limit, 3 of 16 on SIGTERM). Slow: many two-process runs (`make test-slow`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -130,3 +131,58 @@ def test_a_killed_launcher_leaves_no_worker_running(tmp_path):
         os.kill(w, signal.SIGKILL)
     assert not left, f"workers {left} outlived their launcher"
     assert checkpoint.latest_intact(out) is not None  # they stopped together and checkpointed on the way out
+
+
+def _start_nodes(out: Path, *extra: str) -> list[subprocess.Popen]:
+    """Two torchrun launchers on this machine as two nodes of one process each (c10d rendezvous on localhost)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+            + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "stop"]
+            + ["-m", "groupwise", *ARGS, f"out={out}", *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=ENV,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list:
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:  # a hang: one rank left, the other waits in a collective
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            codes.append("hang")
+    return codes
+
+
+def test_two_nodes_stop_together_on_the_time_limit_and_on_sigterm_to_one(tmp_path):
+    """As on one node, over two launchers acting as two nodes and with sharded weights (each rank
+    writes its own checkpoint shards): the time limit ends both nodes at the same step with a
+    checkpoint and the outputs; SIGTERM to the worker of one node stops both with a checkpoint."""
+    out = tmp_path / "time"
+    codes = _finish(_start_nodes(out, "train.max_seconds=2", 'dist.shard="fsdp2"'), 300)
+    assert codes == [0, 0], codes
+    assert checkpoint.latest_intact(out) is not None and (out / "final" / "model.safetensors").exists()
+
+    out = tmp_path / "term"
+    procs = _start_nodes(out, 'dist.shard="fsdp2"')
+    _wait_for_steps(out, 2, procs[0])
+    workers = _children(procs[1].pid)
+    assert len(workers) == 1, workers
+    os.kill(workers[0], signal.SIGTERM)  # pre-emption reaches one node only
+    assert _finish(procs, 180) == [0, 0]
+    latest = checkpoint.latest_intact(out)
+    assert latest is not None and checkpoint.load(latest)["step"] >= 2
+    assert sum(name.endswith(".distcp") for name in json.loads((latest / "MANIFEST.json").read_text())["files"]) == 2

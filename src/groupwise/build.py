@@ -20,11 +20,12 @@ import torch
 
 from groupwise import dist, roles, schedules
 from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
-from groupwise.config import Config
+from groupwise.config import Config, _entry_name, toml_value
 from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective
 from groupwise.phases import build_phases, check_artifacts
+from groupwise.policy import sharding
 from groupwise.policy.kinds import build_policy
 from groupwise.policy.memory import keep_freed_memory
 from groupwise.registry import build as build_component
@@ -95,6 +96,9 @@ class Parts:
     eval_tasks: dict[str, tuple[list[dict], RewardStage]]  # eval.tasks: (rows, reward stage) of further tasks
     closed_loop: bool  # held-out rows are episodes the strategy plays (eval.closed_loop resolved; heldout.py)
     phases: list[Any]  # what runs before the RL steps, in order
+    # what the rollout stage generates with: the policy itself (rollout.backend="local") or a ServedPolicy over it
+    # (policy/served.py: generation servers, weight pushes, train.max_staleness)
+    generation: Any = None
 
 
 def step_components(
@@ -114,6 +118,9 @@ def step_components(
 def build(cfg: Config) -> Parts:
     """Build and check everything the run of ``cfg`` is made of (module docstring)."""
     rank, world = dist.init()
+    refused = sharding.refusals(cfg) if cfg.dist.shard != "none" else []
+    if refused:
+        raise ConfigError("; ".join(refused))
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     if cfg.perf.keep_freed_memory:
@@ -156,7 +163,11 @@ def build(cfg: Config) -> Parts:
             f"{estimator.registry_name!r}: every advantage would be 0; use group_size >= 2"
         )
     shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
-    weights = [build_spec("weight", spec) for spec in cfg.objective.weights]
+    weight_specs = list(cfg.objective.weights)
+    stale = cfg.train.max_staleness > 0 or cfg.rollout.push_every > 1  # rows from older weights than they train
+    if stale and cfg.rollout.backend == "server" and "sampler_is" not in [_entry_name(w) for w in weight_specs]:
+        weight_specs.append("sampler_is")  # asynchronous rows come from older weights: correct for it by default
+    weights = [build_spec("weight", spec) for spec in weight_specs]
     objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs
     updater = build_spec("update", cfg.update)
     prompt_stats = PromptStats()
@@ -211,7 +222,8 @@ def build(cfg: Config) -> Parts:
 
     # each component against the policy it will run with, before anything runs
     check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
-    check_strategy(strategy, policy, owners)  # sampling options it asks for, extras others read
+    generation = served_policy(cfg, policy, world)
+    check_strategy(strategy, generation, owners)  # sampling options it asks for, hooks, extras others read
     unknown = set(cfg.eval.sampling) - set(getattr(policy, "request_options", ()))
     if unknown:  # the held-out calls' own settings: keys the policy's requests may set
         raise ConfigError(
@@ -225,6 +237,8 @@ def build(cfg: Config) -> Parts:
     check_artifacts(phases, owners)
 
     scorer_needs = set(reward_stage.needs)
+    if sharding.wanted(cfg, world):  # after the reference copy was taken whole, before the optimiser sees parameters
+        policy.shard()
     params = policy.parameters()
     updater.bind(params, total_updates)
     bind_parameter_names(updater, policy)  # an updater that treats parameters by name (a LoRA-B mask)
@@ -259,7 +273,34 @@ def build(cfg: Config) -> Parts:
         eval_tasks=eval_tasks,
         closed_loop=closed_loop,
         phases=phases,
+        generation=generation,
     )
+
+
+def served_policy(cfg: Config, policy: Any, world: int) -> Any:
+    """What rollouts generate with: the policy, or under ``rollout.backend = "server"`` a ServedPolicy over it."""
+    k, ro = cfg.train.max_staleness, cfg.rollout
+    if k < 0:
+        raise ConfigError(f"train.max_staleness={k}: must be >= 0 (0 = synchronous)")
+    if ro.backend == "local":
+        if k > 0:
+            raise ConfigError(
+                f"train.max_staleness={k} generates ahead on a generation server; set rollout.backend='server'"
+            )
+        return policy
+    if k > 0 and ro.push_every > 1:
+        raise ConfigError(
+            "train.max_staleness > 0 decides the versions rows are sampled under: leave rollout.push_every=1"
+        )
+    if k > 0 and world > 1:
+        raise ConfigError(f"train.max_staleness={k} runs on one process; run it without torchrun (world size {world})")
+    from groupwise.policy.served import ServedPolicy
+
+    # a local server loads the run's model as the run does: its dtype, adapters, products' dtype and perf settings
+    args = [f"model.matmul={toml_value(policy.matmul.dtype)}"]
+    args += [f"model.{key}={toml_value(getattr(cfg.model, key))}" for key in ("dtype", "lora")]
+    args += [f"perf.{k}={toml_value(v)}" for k, v in dataclasses.asdict(cfg.perf).items()]
+    return ServedPolicy(policy, cfg, args)
 
 
 # ---------------------------------------------------------------------------------------------- build steps

@@ -11,10 +11,20 @@ gets a new revision name (``step_000010_r1``) instead of replacing the folder, a
 pruned only after the new one is published. A full disk is found before writing where possible
 (free space against the state's size) and otherwise when the write fails; either way the error
 names the path and the bytes needed, and the temporary folder is removed.
+
+Sharded training (``dist.shard="fsdp2"``): every rank calls :func:`save`. The sharded tensors of the
+state (FSDP2's DTensors: weights and optimiser moments) are written by their ranks, each its own
+shard, through ``torch.distributed.checkpoint`` into ``shards/``; in ``state.pt`` (rank 0) each of
+them is a :class:`Sharded` placeholder naming its key. The manifest lists and hashes every shard file
+as well, so the integrity checks cover the whole checkpoint. :func:`load` reads each sharded tensor
+whole (``torch.distributed.checkpoint`` reassembles it from the shards of any number of ranks), and
+the policy and updater keep their own shard of it: a checkpoint saved at one world size resumes at
+any other.
 """
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -23,6 +33,7 @@ import re
 import shutil
 import signal
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +44,7 @@ from groupwise.runfolder import NoSpace, is_no_space, no_space, sha256_of
 MARKER = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 STATE = "state.pt"
+SHARDS = "shards"  # torch.distributed.checkpoint folder of the sharded tensors (every rank writes its shards)
 FAULT_ENV = "GROUPWISE_FAULT"  # test hook: SIGKILL this process at the named point of a save
 _NAME = re.compile(r"^step_(\d+)(?:_r(\d+))?$")
 
@@ -46,6 +58,14 @@ class CheckpointSpace(NoSpace):
 
 
 def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -102,23 +122,98 @@ def _next_name(root: Path, step: int) -> Path:
     return root / (base if not revisions else f"{base}_r{max(revisions) + 1}")
 
 
-def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path:
+@dataclass(frozen=True)
+class Sharded:
+    """In ``state.pt``: a sharded tensor of the state, stored under ``key`` in the ``shards/`` folder."""
+
+    key: str
+
+
+def split_sharded(state: Any) -> tuple[Any, dict[str, Any]]:
+    """(``state`` with every sharded tensor replaced by a :class:`Sharded` placeholder, {key: tensor});
+    the state itself and {} when nothing in it is sharded. Keys are the tensors' paths in the state."""
+    from groupwise.dist import is_sharded
+
+    shards: dict[str, Any] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if is_sharded(obj):
+            shards[path] = obj
+            return Sharded(path)
+        if isinstance(obj, dict):
+            out = copy.copy(obj)  # keeps the mapping's type and attributes (a module state dict's _metadata)
+            for key, value in obj.items():
+                out[key] = walk(value, f"{path}/{key}")
+            return out
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
+        return obj
+
+    out = walk(state, "")
+    return (out, shards) if shards else (state, {})
+
+
+def _fill_sharded(state: Any, folder: Path) -> Any:
+    """``state`` with each :class:`Sharded` placeholder replaced by its whole tensor from ``folder``."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(folder))
+    metadata = reader.read_metadata().state_dict_metadata
+    whole = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in metadata.items()}
+    dcp.load(whole, storage_reader=reader, no_dist=not dist.is_initialized())
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, Sharded):
+            return whole[obj.key]
+        if isinstance(obj, dict):
+            out = copy.copy(obj)
+            for key, value in obj.items():
+                out[key] = walk(value)
+            return out
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+
+    return walk(state)
+
+
+def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) -> Path | None:
+    """Write the step's checkpoint (module docstring) and prune older ones; the folder it published.
+    Under torchrun every rank calls it; a rank other than 0 writes only its shards (returns None)."""
+    import torch.distributed as dist
+
+    state, shards = split_sharded(state)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0 and not shards:  # a whole state: rank 0 holds all of it
+        return None
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    needed = _tensor_bytes(state) + (1 << 16)  # tensors dominate; 64 KiB for the pickled rest
-    free = shutil.disk_usage(root).free
-    if free < needed:
-        raise CheckpointSpace(
-            errno.ENOSPC,
-            f"no space for the step-{step} checkpoint in {root}: it needs about {needed:,} bytes, "
-            f"{free:,} are free; free some space (or lower checkpoint.keep_last) and rerun the same command to resume "
-            f"from the last complete checkpoint",
-        )
-    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    tmp = None
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        needed = _tensor_bytes(state) + _tensor_bytes(shards) + (1 << 16)  # tensors dominate; 64 KiB for the rest
+        free = shutil.disk_usage(root).free
+        if free < needed:
+            raise CheckpointSpace(
+                errno.ENOSPC,
+                f"no space for the step-{step} checkpoint in {root}: it needs about {needed:,} bytes, "
+                f"{free:,} are free; free some space (or lower checkpoint.keep_last) and rerun the same command to "
+                f"resume from the last complete checkpoint",
+            )
+        tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
         tmp.mkdir()
+    if shards:  # every rank writes its own shard of each sharded tensor (a collective)
+        import torch.distributed.checkpoint as dcp
+
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)
+        dcp.save(shards, checkpoint_id=str(box[0] / SHARDS))
+        _fault("checkpoint.after_shards")
+        if rank != 0:
+            return None
+    try:
         with open(tmp / STATE, "wb") as fh:
             writer = _Writes(fh)
             try:
@@ -128,15 +223,21 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep_last: int = 2) ->
             fh.flush()
             os.fsync(fh.fileno())
         # hashed as read back: the manifest describes the bytes the disk holds
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())  # state.pt and every rank's shard files
+        for file in files:
+            if file.parent != tmp:
+                _fsync_file(file)
         manifest = {
             "step": step,
-            "files": {STATE: {"bytes": (tmp / STATE).stat().st_size, "sha256": _sha256(tmp / STATE)}},
+            "files": {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files},
         }
         manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
         _write(tmp / MANIFEST, manifest_bytes)
         _fault("checkpoint.before_marker")
         # last: everything above is on disk
         _write(tmp / MARKER, f"{step} {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode())
+        if (tmp / SHARDS).exists():
+            _fsync_dir(tmp / SHARDS)
         _fsync_dir(tmp)
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -240,4 +341,7 @@ def load(path: Path) -> dict[str, Any]:
     verify(path)
     with open(Path(path) / STATE, "rb") as fh:
         # a GPU run resumes anywhere; load_state_dict moves back
-        return torch.load(fh, map_location="cpu", weights_only=False)
+        state = torch.load(fh, map_location="cpu", weights_only=False)
+    if (Path(path) / SHARDS).exists():  # every rank reads each sharded tensor whole (at any world size)
+        state = _fill_sharded(state, Path(path) / SHARDS)
+    return state

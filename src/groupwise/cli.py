@@ -1,4 +1,4 @@
-"""The ``groupwise`` command: train, cp, config, list, explain, paper, eval, warmstart, compare, claims.
+"""The ``groupwise`` command: train, cp, config, list, explain, paper, eval, warmstart, compare, claims, serve.
 
 Imports stay light: torch and transformers load only for the commands that run a model.
 """
@@ -392,6 +392,12 @@ def cmd_cp(args: list[str]) -> int:
     return 0
 
 
+def cmd_serve(args: list[str]) -> int:
+    from groupwise.serve import main as serve_main
+
+    return serve_main(args)
+
+
 COMMANDS = {
     "config": cmd_config,
     "cp": cmd_cp,
@@ -403,6 +409,7 @@ COMMANDS = {
     "warmstart": cmd_warmstart,
     "compare": cmd_compare,
     "claims": cmd_claims,
+    "serve": cmd_serve,
 }
 
 
@@ -417,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             "[STAGE] [--plugins M] | explain NAME (component, module:Class, recipe or spec number) "
             "[--plugins M] | paper NN (a paper's files, components, recipes, claims, tests) | eval "
             "[MODEL] [key=value ...] | warmstart [...] | compare RECIPE|LABEL=RECIPE ... [--seeds N] "
-            "[--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR]"
+            "[--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR] | "
+            "serve [MODEL] [--port P] [key=value ...]"
         ),
     )
     if not argv or argv[0] in ("-h", "--help"):

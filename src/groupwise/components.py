@@ -92,6 +92,17 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy (the agent strategy renders chats with it)",
     "eos": "eos: list[int], the token ids that end a generation (the agent strategy: a turn's stop token)",
     "prompt_encoder": "prompt_encoder: the flow toy's condition encoder (the e2po_perturbations phase)",
+    "collective_forward": "collective_forward: bool, every training forward is a collective (weights sharded by "
+    'shard() under dist.shard="fsdp2"); such a policy has idle_pass() -> Tensor, a zero loss through every sharded '
+    "layer that a rank with fewer micro-batches runs",
+    "whole": "whole(): the module with whole weights, gathered on every rank when sharded (before rank 0 saves)",
+    "engine": "engine: a text policy's CPUEngine (rollout.backend='server' samples through its contract over HTTP)",
+    # what the rollout stage generates with is the policy or, under rollout.backend="server", a view of it
+    # (policy/served.py) with these members besides the policy's own
+    "after_step": "after_step(trainer): a generation backend's upkeep after each update (push weights, generate ahead)",
+    "pop_stats": "pop_stats() -> dict: a generation backend's per-step counts (rows per staleness, dropped rows)",
+    "rollout_state": "rollout_state() -> dict: a generation backend's in-flight rollouts, for the checkpoint",
+    "load_rollout_state": "load_rollout_state(state, step): the in-flight rollouts a checkpoint holds",
 }
 
 

@@ -72,6 +72,21 @@ class RolloutCfg:
     top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # top-k sampling (0 = off)
     params: dict = field(default_factory=dict)  # extra parameters of the rollout strategy
+    # local: the trainer's own engine samples; server: generation servers (`groupwise serve`, policy/served.py)
+    backend: str = "local"
+    servers: list = field(default_factory=list)  # server URLs, load-balanced (empty: start one local server)
+    # backend server, train.max_staleness = 0: push the weights after every N-th update (rows up to N - 1 versions
+    # stale; N > 1 adds the sampler_is weight)
+    push_every: int = 1
+    server_threads: int = 1  # the torch threads of the local server that rollout.servers = [] starts
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("local", "server"):
+            raise ConfigError(f"rollout.backend={self.backend!r}; choices: local, server")
+        if self.servers and self.backend != "server":
+            raise ConfigError("rollout.servers is set but rollout.backend='local'; set rollout.backend='server'")
+        if self.push_every < 1 or self.server_threads < 1:
+            raise ConfigError("rollout.push_every and rollout.server_threads must be >= 1")
 
 
 @dataclass
@@ -105,6 +120,10 @@ class TrainCfg:
     micro_batch_groups: int = 0  # groups per forward/backward (0 = the whole mini-batch)
     max_seconds: float = 0.0  # stop early after this wall time (0 = no limit)
     max_skipped_in_row: int = 5  # abort after this many optimiser steps skipped for non-finite loss/gradients
+    # rollout.backend = server: generation runs up to k policy versions ahead of the update (step t samples under
+    # version max(0, t - k)); rows staler than k are dropped and counted; k > 0 adds the sampler_is weight. 0 =
+    # synchronous
+    max_staleness: int = 0
 
 
 @dataclass
@@ -175,6 +194,19 @@ class PerfCfg:
     keep_freed_memory: bool = True
     # functional training forward: each MLP recomputes gate|up in the backward (less memory, one more GEMM)
     recompute_mlp: bool = False
+    # training forward: each decoder layer keeps only its input and runs again in the backward (activations of one
+    # layer at a time instead of all of them; about one more forward of compute)
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DistCfg:
+    """How the ranks of a torchrun launch hold the model (docs/scaling.md)."""
+
+    # none: every rank holds the whole model, its gradients and optimiser state (data parallel, gradients
+    # all-reduced); fsdp2: each rank holds 1/W of every trained parameter, gradient and optimiser state (FSDP2
+    # fully_shard per decoder layer and at the root; whole weights gathered once per rollout phase for generation)
+    shard: str = "none"
 
 
 @dataclass
@@ -223,6 +255,7 @@ class Config:
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
     log: LogCfg = field(default_factory=LogCfg)
     perf: PerfCfg = field(default_factory=PerfCfg)
+    dist: DistCfg = field(default_factory=DistCfg)
     # parameters of the views needs name, e.g. {ground_truth = {template = "..."}}
     views: dict = field(default_factory=dict)
     # further trainable models by name: {teacher = {model = {...}, objective = {...}, update = {...}}}
@@ -303,6 +336,7 @@ _RANGES: dict[str, dict[str, tuple[Any, str]]] = {
         "ref_sync_alpha": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
         "matmul": (lambda v: v in ("float32", "bfloat16", "auto"), "one of float32, bfloat16, auto"),
     },
+    "DistCfg": {"shard": (lambda v: v in ("none", "fsdp2"), "one of none, fsdp2")},
     "LogCfg": {
         "samples": (lambda v: v >= 0, "an integer >= 0 (0 = off)"),
         "samples_every": (lambda v: v >= 1, "an integer >= 1"),

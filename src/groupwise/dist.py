@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def init() -> tuple[int, int]:
@@ -61,8 +62,12 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
-    """Sum gradients over ranks in one flat buffer (the loss is already globally normalised)."""
+    """Sum gradients over ranks in one flat buffer (the loss is already globally normalised). Sharded
+    parameters (FSDP2's DTensors) are left out: their gradients were reduce-scattered in the backward."""
     if world_size() == 1:
+        return
+    params = [p for p in params if not is_sharded(p)]
+    if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])  # [P]
@@ -158,6 +163,38 @@ def gather_rollout(local):
         else:
             fields[name] = value
     return Rollout(**fields)
+
+
+# ------------------------------------------------------------ sharded tensors (dist.shard="fsdp2": DTensors)
+def is_sharded(tensor: Any) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: Any) -> Any:
+    """This rank's shard of a sharded tensor (a view: writing it writes the parameter); others as they are."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def full(obj: Any) -> Any:
+    """``obj`` (a tensor or nested dicts / lists of them) with every sharded tensor gathered whole
+    (a collective: every rank calls it with the same structure); other values as they are."""
+    if is_sharded(obj):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full(v) for v in obj)
+    return obj
+
+
+def like(value: Any, param: Any) -> Any:
+    """A whole tensor ``value`` sharded as ``param`` is (its mesh and placements); a tensor of
+    another shape (a step counter) or a non-tensor as it is."""
+    if not is_sharded(param) or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
 
 
 def shard_bounds(n: int) -> tuple[int, int]:

@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 
+from groupwise import dist
 from groupwise.components import bind_parameter_names
 from groupwise.errors import ConfigError
 from groupwise.objective import Objective, token_weights
+from groupwise.policy import sharding
 from groupwise.policy.kinds import build_policy
 from groupwise.registry import build_spec
 from groupwise.rewards.score import combine
@@ -115,6 +117,8 @@ def build_role(
     if any(n.model == "ref" for n in own):
         raise ConfigError(f"roles.{name}: its components ask for the reference model, which a role does not have")
     role.grad_quantities = sorted({n.quantity for n in own if n.grad} | {"entropy"})
+    if sharding.wanted(run_cfg, dist.world_size()):  # before its optimiser sees its parameters
+        policy.shard()
     role.updater.bind(role.params, total_updates)
     bind_parameter_names(role.updater, role.policy)
     return role

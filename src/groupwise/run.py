@@ -83,8 +83,8 @@ class Run:
         # the updater rolls such steps back; never write one
         if not all_finite([p for t in (trainer.main, *trainer.roles) for p in t.params]):
             raise RuntimeError(f"refusing to checkpoint step {trainer.step}: the model has non-finite weights")
-        if self.rank == 0:
-            checkpoint.save(self.out, trainer.step, self.state_dict(), self.cfg.checkpoint.keep_last)
+        # every rank: under dist.shard="fsdp2" each writes its own shards of the weights and optimiser states
+        checkpoint.save(self.out, trainer.step, self.state_dict(), self.cfg.checkpoint.keep_last)
         dist.barrier()
 
     # ------------------------------------------------------------------ the run
@@ -198,6 +198,8 @@ class Run:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             trackers.close()
+            if hasattr(self.trainer.generation, "close"):  # generation servers the run started (policy/served.py)
+                self.trainer.generation.close()
 
     def _steps(self, log: MetricsLog | None, trackers: tracking.Trackers) -> dict[str, Any]:
         """Evaluate (once), train until done / stopped / out of time with the checkpoints due, then
@@ -272,6 +274,9 @@ class Run:
             finished=True,
         )
         self.save_checkpoint()
+        for model in (trainer.policy, *(role.policy for role in trainer.roles)):
+            if hasattr(model, "whole"):  # sharded weights gathered whole on every rank, for final/ (rank 0)
+                model.whole()
         if self.rank == 0:
             self._write_outputs(log.rows if log is not None else [])
         return self.summary

@@ -47,6 +47,8 @@ class Trainer:
         self.objective, self.updater, self.params = parts.objective, parts.updater, parts.params
         self.roles, self.grad_quantities = parts.roles, parts.grad_quantities
         self.round_needs, self.step_needs = parts.round_needs, parts.step_needs
+        # what rollouts generate with: the policy, or a generation-server view of it (rollout.backend)
+        self.generation = parts.generation if parts.generation is not None else parts.policy
         # the state of the step
         self.step = 0
         self.last_batch: Rollout | None = None  # the last step's whole batch (the run logs its samples)
@@ -98,7 +100,7 @@ class Trainer:
         """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
         ro = self.cfg.rollout
         ctx = RolloutContext(
-            self.policy,
+            self.generation,
             self.sampler,
             self.reward_stage,
             lambda rollout: self.needs.fill(rollout, self.round_needs),
@@ -205,7 +207,13 @@ class Trainer:
         if take_old:
             batch.logp_old = torch.zeros_like(batch.mask, dtype=torch.float32)  # [b,G,T] filled below
         total = torch.zeros(())
-        for start in range(0, batch.shape[0], size):
+        starts = range(0, batch.shape[0], size)
+        # a sharded model's forward and backward are collectives: every rank runs as many (a rank with
+        # fewer micro-batches than another runs idle passes, which add nothing)
+        collective = getattr(role.policy, "collective_forward", False)
+        for _ in range(dist.all_max(len(starts)) - len(starts) if collective else 0):
+            role.policy.idle_pass().backward()
+        for start in starts:
             groups = list(range(start, min(start + size, batch.shape[0])))
             mb = batch.select(groups)
             out = role.policy.forward(mb, role.grad_quantities)
@@ -218,6 +226,8 @@ class Trainer:
                 mb.logp_old = logp_old = out["logp"].detach()
                 _present(batch.logp_old)[start : start + len(groups)] = logp_old
             loss = role.objective.loss(mb, out, norms, self.info(), record=first)
+            if collective and not loss.requires_grad:  # no token of this micro-batch has a loss: still a backward
+                loss = loss + 0.0 * out["logp"].sum()
             if loss.requires_grad:
                 loss.backward()
             total = total + loss.detach()
@@ -249,6 +259,10 @@ class Trainer:
         self.observe(batch)
         if hasattr(self.policy, "end_step"):  # a policy's own per-step upkeep (the reference sync)
             self.policy.end_step(self.step)
+        if hasattr(self.generation, "after_step"):  # a generation backend's: push weights, generate ahead
+            self.generation.after_step(self)
+        if hasattr(self.generation, "pop_stats"):  # rows per staleness, dropped rows (policy/served.py)
+            row.update(self.generation.pop_stats())
         self.last_batch = batch  # for samples.jsonl
         seconds = time.perf_counter() - t0
         generated = float(dist.all_reduce_sum(local.mask.sum()))
@@ -314,6 +328,9 @@ class Trainer:
                 }
                 for r in self.roles
             },
+            **(
+                {"rollout": self.generation.rollout_state()} if hasattr(self.generation, "rollout_state") else {}
+            ),  # in-flight rollouts of a generation backend
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -350,6 +367,8 @@ class Trainer:
                 f"the checkpoint holds roles {sorted(state.get('roles', {}))}, "
                 f"this configuration builds {[r.name for r in self.roles]}"
             )
+        if hasattr(self.generation, "load_rollout_state"):
+            self.generation.load_rollout_state(state.get("rollout", {}), self.step)
         for role in self.roles:
             saved = state["roles"][role.name]
             role.policy.load_state_dict(saved["policy"])

@@ -17,10 +17,13 @@ soft-capping some architectures apply). Memory for logits is ``[completion token
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from groupwise.policy import functional as functional_forward
 from groupwise.policy.functional import unsupported_reason
@@ -140,6 +143,27 @@ class _LayerTap:
             handle.remove()
 
 
+@contextlib.contextmanager
+def _checkpointed(layers, on: bool):
+    """While open, each of the model's own decoder ``layers`` keeps only its inputs for the backward and
+    runs again there (``perf.activation_checkpointing`` off the functional path). The instance's
+    ``forward`` is swapped, not its ``__call__``: hooks on the layer (FSDP2's gather) still run once."""
+    if not on:
+        yield
+        return
+    own = [layer.__dict__.get("forward") for layer in layers]  # an instance's own forward, if it had one
+    for layer in layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, own):
+            if forward is None:
+                del layer.forward  # the class's forward again
+            else:
+                layer.forward = forward
+
+
 def _decoder_hidden(
     model,
     input_ids: Tensor,
@@ -150,6 +174,7 @@ def _decoder_hidden(
     functional: bool,
     matmul: torch.dtype | None = None,
     recompute_mlp: bool = False,
+    checkpoint_layers: bool = False,
 ) -> tuple[Tensor, dict[int, Tensor]]:
     """([n,W,H] final-norm hidden states, {l: [n,W,H]}) from the functional decoder or the model's own
     (``matmul``: explicit low-precision GEMMs in the former, autocast around the latter;
@@ -165,10 +190,16 @@ def _decoder_hidden(
             kept if layers else None,
             matmul=matmul,
             recompute_mlp=recompute_mlp,
+            checkpoint_layers=checkpoint_layers,
         )
         return hidden, kept
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with _LayerTap(model, layers) as kept, autocast(device, matmul):
+    recompute = checkpoint_layers and torch.is_grad_enabled()
+    with (
+        _LayerTap(model, layers) as kept,
+        autocast(device, matmul),
+        _checkpointed(base.get_decoder().layers, recompute),
+    ):
         hidden = base.get_decoder()(
             input_ids=input_ids.to(device),
             position_ids=position_ids.to(device),
@@ -195,6 +226,7 @@ def _packed_hidden(
     layers: set[int] = frozenset(),
     matmul: torch.dtype | None = None,
     recompute_mlp: bool = False,
+    checkpoint_layers: bool = False,
 ) -> tuple[Tensor, dict[int, Tensor]]:
     """([K,H], {l: [K,H]}) hidden states predicting every completion token of the rows, in row order,
     from bins of packed rows: input [n_bins, width] with position ids restarting at 0 for each row (and
@@ -231,7 +263,7 @@ def _packed_hidden(
         allowed = (segment[:, :, None] == segment[:, None, :]) & (index[:, None] >= index[None, :])
     # off the functional path transformers reads the position restarts as packed sequences and builds the same mask
     hidden, kept = _decoder_hidden(
-        model, input_ids, position_ids, allowed, None, layers, functional, matmul, recompute_mlp
+        model, input_ids, position_ids, allowed, None, layers, functional, matmul, recompute_mlp, checkpoint_layers
     )  # [n_bins,width,H]
     return _gather(hidden, kept, predict_at)
 
@@ -246,6 +278,7 @@ def _shared_prefix_hidden(
     layers: set[int] = frozenset(),
     matmul: torch.dtype | None = None,
     recompute_mlp: bool = False,
+    checkpoint_layers: bool = False,
 ) -> tuple[Tensor, dict[int, Tensor]]:
     """([K,H], {l: [K,H]}) hidden states predicting every completion token, in row order, with each
     group's prompt computed ONCE: a group is laid out as ``prompt, completion_1, ..., completion_G``
@@ -308,7 +341,7 @@ def _shared_prefix_hidden(
             torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None].to(device)
         )  # [n_bins,1,q,k]
     hidden, kept = _decoder_hidden(
-        model, input_ids, position_ids, allowed, additive, layers, functional, matmul, recompute_mlp
+        model, input_ids, position_ids, allowed, additive, layers, functional, matmul, recompute_mlp, checkpoint_layers
     )  # [n_bins,width,H]
     return _gather(hidden, kept, gather_at)
 
@@ -457,6 +490,7 @@ def completion_logprobs(
     row_prompts: list[list[list[int]]] | None = None,
     matmul: torch.dtype | None = None,
     recompute_mlp: bool = False,
+    checkpoint_layers: bool = False,
 ) -> dict[str, Tensor]:
     """Per-token log-probs of ``actions`` [B,G,T] given each group's prompt, scattered back to [B,G,T].
     With ``row_prompts`` ([B][G] token lists: row contexts) each row is conditioned on its own
@@ -546,7 +580,16 @@ def completion_logprobs(
         share_prefix = _layout_cost(model, tree_sizes, pack_tokens) < _layout_cost(model, row_sizes, pack_tokens)
     if packed and share_prefix:
         hidden, kept = _shared_prefix_hidden(
-            model, prompts, group_ids, completions, pack_tokens, functional, layers, matmul, recompute_mlp
+            model,
+            prompts,
+            group_ids,
+            completions,
+            pack_tokens,
+            functional,
+            layers,
+            matmul,
+            recompute_mlp,
+            checkpoint_layers,
         )  # [K,H]
     else:
         sequences = [prompts[b] + c for b, c in zip(group_ids, completions)]  # prompt + completion per row
@@ -561,6 +604,7 @@ def completion_logprobs(
                 layers,
                 matmul,
                 recompute_mlp,
+                checkpoint_layers,
             )  # [K,H]
         else:
             hidden, kept = _padded_hidden(model, sequences, prompt_lengths, completion_lengths, layers, matmul)  # [K,H]

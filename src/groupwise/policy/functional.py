@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from groupwise.policy.precision import addmm as _addmm
 from groupwise.policy.precision import linear as _lin
@@ -250,6 +251,7 @@ def hidden_states(
     layers: dict[int, Tensor] | None = None,
     matmul: torch.dtype | None = None,
     recompute_mlp: bool = False,
+    checkpoint_layers: bool = False,
 ) -> Tensor:
     """[N,W,D] final-norm hidden states for ``input_ids`` [N,W] at ``positions`` [N,W]; ``allowed``
     [N,W,W] bool says which key each query sees (every query must see at least itself).
@@ -257,6 +259,8 @@ def hidden_states(
     decoder layer l); they are written into it as [N,W,D]. ``matmul``: the GEMMs' dtype when not
     float32 (``model.matmul``); the rest stays float32. ``recompute_mlp``: each MLP keeps only its
     input for the backward and recomputes its gate|up product there (``perf.recompute_mlp``).
+    ``checkpoint_layers``: each decoder layer keeps only its input for the backward and runs again there
+    (``perf.activation_checkpointing``: same values and gradients, activations of one layer at a time).
 
     Gradients flow to the model's parameters; the maths is the model's own layer by layer."""
     inner = model.model
@@ -266,42 +270,53 @@ def hidden_states(
     cos, sin_signed = rotary(model, positions)  # [N,W,hd] each
     cos, sin_signed = cos[:, None], sin_signed[:, None]  # [N,1,W,hd] broadcast over heads
     mask = allowed[:, None]  # [N,1,W,W]
-    N, W, D = x.shape
     for index, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        hd = attn.head_dim
-        H, K = attn.q_proj.weight.shape[0] // hd, attn.k_proj.weight.shape[0] // hd
-        h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
-        # one GEMM for q|k|v and one for gate|up: fewer, larger products (their backward splits the gradient)
-        qkv = _lin(
-            h,
-            _low(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), matmul),
-            _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-        ).view(N, W, H + 2 * K, hd)  # [N,W,H+2K,hd]
-        q, k, v = qkv.split([H, K, K], dim=2)  # [N,W,H|K|K,hd]
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
-            q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-            k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-        q = _rotate(q.transpose(1, 2), cos, sin_signed)  # [N,H,W,hd]
-        k = _rotate(k.transpose(1, 2), cos, sin_signed)  # [N,K,W,hd]
-        out = F.scaled_dot_product_attention(
-            q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K
-        )  # [N,H,W,hd]
-        # [N,W,D]
-        x = x + _lin(out.transpose(1, 2).reshape(N, W, H * hd), _low(attn.o_proj.weight, matmul), attn.o_proj.bias)
-        h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-        gate_up_weight = _low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), matmul)  # [2I,D]
-        gate_up_bias = _cat_bias(mlp.gate_proj, mlp.up_proj)
-        if recompute_mlp and torch.is_grad_enabled():
-            x = x + _SwiGLUMLP.apply(
-                h, gate_up_weight, gate_up_bias, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias
-            )  # [N,W,D]
+        if checkpoint_layers and torch.is_grad_enabled():  # keep the layer's input only; recompute it in the backward
+            x = checkpoint(_layer, layer, x, cos, sin_signed, mask, matmul, recompute_mlp, use_reentrant=False)
         else:
-            gate_up = _lin(h, gate_up_weight, gate_up_bias)  # [N,W,2I]
-            x = x + _SwiGLUDown.apply(gate_up, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias)  # [N,W,D]
+            x = _layer(layer, x, cos, sin_signed, mask, matmul, recompute_mlp)  # [N,W,D]
         if layers is not None and index + 1 in layers:
             layers[index + 1] = x
     return rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)  # [N,W,D]
+
+
+def _layer(
+    layer, x: Tensor, cos: Tensor, sin_signed: Tensor, mask: Tensor, matmul: torch.dtype | None, recompute_mlp: bool
+) -> Tensor:
+    """One decoder layer of :func:`hidden_states`: ``x`` [N,W,D] -> [N,W,D]."""
+    N, W, D = x.shape
+    attn, mlp = layer.self_attn, layer.mlp
+    hd = attn.head_dim
+    H, K = attn.q_proj.weight.shape[0] // hd, attn.k_proj.weight.shape[0] // hd
+    h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [N,W,D]
+    # one GEMM for q|k|v and one for gate|up: fewer, larger products (their backward splits the gradient)
+    qkv = _lin(
+        h,
+        _low(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), matmul),
+        _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+    ).view(N, W, H + 2 * K, hd)  # [N,W,H+2K,hd]
+    q, k, v = qkv.split([H, K, K], dim=2)  # [N,W,H|K|K,hd]
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+        q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+        k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+    q = _rotate(q.transpose(1, 2), cos, sin_signed)  # [N,H,W,hd]
+    k = _rotate(k.transpose(1, 2), cos, sin_signed)  # [N,K,W,hd]
+    out = F.scaled_dot_product_attention(
+        q, k, v.transpose(1, 2), attn_mask=mask, scale=attn.scaling, enable_gqa=H != K
+    )  # [N,H,W,hd]
+    # [N,W,D]
+    x = x + _lin(out.transpose(1, 2).reshape(N, W, H * hd), _low(attn.o_proj.weight, matmul), attn.o_proj.bias)
+    h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+    gate_up_weight = _low(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), matmul)  # [2I,D]
+    gate_up_bias = _cat_bias(mlp.gate_proj, mlp.up_proj)
+    if recompute_mlp and torch.is_grad_enabled():
+        x = x + _SwiGLUMLP.apply(
+            h, gate_up_weight, gate_up_bias, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias
+        )  # [N,W,D]
+    else:
+        gate_up = _lin(h, gate_up_weight, gate_up_bias)  # [N,W,2I]
+        x = x + _SwiGLUDown.apply(gate_up, _low(mlp.down_proj.weight, matmul), mlp.down_proj.bias)  # [N,W,D]
+    return x
 
 
 # --------------------------------------------------------------------------- generation (no autograd)

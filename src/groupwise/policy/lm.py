@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from groupwise.policy import precision
+from groupwise.dist import like
+from groupwise.policy import precision, sharding
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -185,6 +186,37 @@ class LMPolicy:
         self.reference: Reference | None = None
         self._token_texts: list[str] | None = None  # built on first use (token_texts)
         self.ref_sync_every, self.ref_sync_alpha = model_cfg.ref_sync_every, model_cfg.ref_sync_alpha
+        self.full: sharding.FullWeights | None = None  # dist.shard="fsdp2": the gathered whole weights (shard())
+
+    # ------------------------------------------------------------------ sharding (dist.shard="fsdp2")
+    def shard(self) -> None:
+        """Shard the module over the ranks with FSDP2 (``policy/sharding.py``), in place. Generation and
+        no-grad scoring of the policy then run on a whole copy gathered once after the weights move
+        (``whole()``), the training forward on the shards. Call before any optimiser is bound."""
+        self.full = sharding.FullWeights(self.module)
+        # the packed forward calls the decoder and the head, not the root's forward: registered so the
+        # root's own parameters (embeddings, final norm, head) are gathered and their gradients reduced
+        self.module.groupwise_forward = lambda rollout, quantities, want_entropy=False: self._forward(
+            rollout, quantities, self.module, want_entropy
+        )
+        sharding.shard(self.module, ("groupwise_forward",))
+        self.engine.model = self.full.module
+
+    @property
+    def collective_forward(self) -> bool:
+        """Every training forward is a collective (sharded weights): all ranks must run as many."""
+        return self.full is not None
+
+    def whole(self) -> Any:
+        """The module with whole weights: the module itself, or (sharded) the gathered copy, gathered now
+        if the weights moved since the last gather (a collective: every rank asks at the same point)."""
+        return self.module if self.full is None else self.full.get(self.module)
+
+    def idle_pass(self) -> torch.Tensor:
+        """A zero loss through every sharded layer (one token): what a rank with fewer micro-batches than
+        another runs, so that every rank runs the same collectives. Its backward adds nothing."""
+        ids = torch.full((1, 1), int(self.tokenizer.pad_token_id), dtype=torch.long, device=self.device)  # [1,1]
+        return self.module(input_ids=ids).logits.sum() * 0.0
 
     @property
     def hooks(self) -> frozenset[str]:
@@ -229,13 +261,16 @@ class LMPolicy:
         return [flat[b * G : (b + 1) * G] for b in range(B)]
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, requests: list[Any], sampling: dict, info: Any) -> Any:
+    def generate(self, requests: list[Any], sampling: dict, info: Any, engine: Any = None) -> Any:
         """One group per request, ``request.n`` rows each (rows past a request's n are padding with
         ``group_valid`` False). Row j of a request draws its randomness from
-        ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch."""
+        ``sample_seed(seed, step, key, offset + j)``, whatever else is in the batch. ``engine``: what
+        samples (default this policy's own ``CPUEngine``; ``policy/served.py``: a generation server)."""
         from groupwise.seeds import sample_seed
         from groupwise.types import Rollout
 
+        self.whole()  # sharded: the engine decodes on the gathered copy (gathered once per rollout phase)
+        engine = self.engine if engine is None else engine
         sampling = dict(sampling)
         max_new, greedy = sampling.pop("max_new_tokens"), sampling.pop("greedy", False)
         parts = {}
@@ -249,7 +284,7 @@ class LMPolicy:
             hooks = [requests[i].hook for i in chosen]  # generation hooks (groupwise.hooks), None: the clean model
             parts[n] = (
                 chosen,
-                self.engine.generate(
+                engine.generate(
                     [requests[i].prompt for i in chosen],
                     n,
                     torch.tensor(seeds, dtype=torch.long),
@@ -293,6 +328,11 @@ class LMPolicy:
     ) -> dict:
         """Per-token quantities of the rollout's completions under ``module`` (default: this policy's
         own weights), one packed forward; differentiable when grad is enabled."""
+        if module is None and self.full is not None:  # sharded: through the root's registered forward method
+            return self.module.groupwise_forward(rollout, quantities, want_entropy)
+        return self._forward(rollout, quantities, module, want_entropy)
+
+    def _forward(self, rollout: Any, quantities: Any, module: Any, want_entropy: bool) -> dict:
         from groupwise.policy.forward import completion_logprobs
 
         perf = self.perf
@@ -310,6 +350,7 @@ class LMPolicy:
             row_prompts=rollout.ctx or None,
             matmul=self.matmul.low,
             recompute_mlp=perf.recompute_mlp,
+            checkpoint_layers=perf.activation_checkpointing,
         )
         # the rollout, advantages and loss maths live on the host in float32; .to is differentiable
         if self.device.type != "cpu":
@@ -332,7 +373,7 @@ class LMPolicy:
                     "model.ref_sync_every needs a reference copy; with "
                     "LoRA the reference is the base model with adapters off"
                 )
-        models = {"policy": lambda: contextlib.nullcontext(self.module)}
+        models = {"policy": lambda: contextlib.nullcontext(self.whole())}
         if self.reference is not None:
             models["ref"] = self.reference.model
         return models
@@ -372,6 +413,8 @@ class LMPolicy:
         return [n for n, p in self.module.named_parameters() if p.requires_grad]
 
     def train(self) -> None:
+        if self.full is not None:  # the weights are about to move: the gathered copy is freed
+            self.full.release()
         if not self.engine.functional:  # the functional maths has no dropout: skip two module-tree walks
             self.module.train()
 
@@ -390,6 +433,7 @@ class LMPolicy:
         return [self.matmul.line()] if self.matmul.setting != "float32" else []
 
     def state_dict(self) -> dict:
+        """Sharded, ``model`` holds this rank's shards (DTensors: the checkpoint writes each rank's own)."""
         return {
             "model": self.module.state_dict(),
             "reference": self.reference.state_dict() if self.reference else {},
@@ -400,14 +444,26 @@ class LMPolicy:
         # a resumed model.matmul=auto run keeps the dtype its start measured (a new probe could decide otherwise)
         self.matmul = precision.restored(self.matmul, state.get("matmul", self.matmul.dtype))
         self.engine.matmul = self.matmul.low
-        self.module.load_state_dict(state["model"])
+        if self.full is None:
+            self.module.load_state_dict(state["model"])
+        else:  # each rank keeps its shard of the whole weights; the copy holds them whole already
+            with torch.no_grad():
+                for name, param in self.module.named_parameters():
+                    param.copy_(like(state["model"][name], param))
+                for name, target in self.full.module.named_parameters():  # tied weights: one parameter
+                    target.data = state["model"][name].to(target.dtype)
+            self.full.current = True
+            self.full.versions = tuple(p._version for p in self.module.parameters())
         if self.reference is not None:
             self.reference.load_state_dict(state["reference"])
 
     def save(self, folder: Any) -> None:
         """A loadable model folder (LoRA adapters merged into a copy: the live model keeps its adapters)."""
-        model = (
-            copy.deepcopy(self.module).merge_and_unload() if hasattr(self.module, "merge_and_unload") else self.module
-        )
+        if self.full is not None and not self.full.current:
+            raise RuntimeError(
+                "save() of a sharded policy needs its whole weights gathered on every rank first (whole())"
+            )
+        module = self.whole()
+        model = copy.deepcopy(module).merge_and_unload() if hasattr(module, "merge_and_unload") else module
         model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from groupwise import dist
 from groupwise.errors import ConfigError
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -101,6 +102,10 @@ def load_keeping_configuration(optimizer: torch.optim.Optimizer, scheduler: Any,
     step, as ``LambdaLR`` computes it, so an unchanged configuration resumes bit for bit."""
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(state["optimizer"])
+    for group in optimizer.param_groups:  # whole states of sharded parameters: this rank's shard of each
+        for p in group["params"]:
+            if p in optimizer.state:
+                optimizer.state[p] = {k: dist.like(v, p) for k, v in optimizer.state[p].items()}
     scheduler.load_state_dict(state["scheduler"])
     for group, hyper in zip(optimizer.param_groups, configured, strict=True):
         group.update(hyper)
@@ -148,13 +153,14 @@ class WeightBackup:
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
-        self.buffers = [p.detach().clone() for p in params]  # per parameter [*p.shape]
+        # sharded parameters (FSDP2): this rank's shard is what it backs up and restores
+        self.buffers = [dist.local(p.detach()).clone() for p in params]  # per parameter [*p.shape] or its shard
         self.state: dict[Any, dict[str, Any]] = {}  # parameter -> its optimiser state as captured
 
     def capture(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         with torch.no_grad():
-            torch._foreach_copy_(self.buffers, [p.detach() for p in self.params])
+            torch._foreach_copy_(self.buffers, [dist.local(p.detach()) for p in self.params])
             kept: dict[Any, dict[str, Any]] = {}
             for p, live in optimizer.state.items():
                 old = self.state.get(p, {})
@@ -174,7 +180,7 @@ class WeightBackup:
 
     def restore(self) -> None:
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.params], self.buffers)
+            torch._foreach_copy_([dist.local(p.data) for p in self.params], self.buffers)
             live = self.optimizer.state
             for p in [p for p in live if p not in self.state]:
                 del live[p]
