@@ -89,7 +89,8 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "run_info": "run_info: dict, what the policy decided at start, kept in summary.json",
     "run_notes": "run_notes: list[str], lines said at the start of the run",
     "module": "module: the trained torch module (phases that probe the network: steering_vector, e2po_perturbations)",
-    "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy",
+    "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy (the agent strategy renders chats with it)",
+    "eos": "eos: list[int], the token ids that end a generation (the agent strategy: a turn's stop token)",
     "prompt_encoder": "prompt_encoder: the flow toy's condition encoder (the e2po_perturbations phase)",
     "collective_forward": "collective_forward: bool, every training forward is a collective (weights sharded by "
     'shard() under dist.shard="fsdp2"); such a policy has idle_pass() -> Tensor, a zero loss through every sharded '
@@ -118,7 +119,8 @@ class Env(Protocol):
     """A multi-turn environment (``@register("env", NAME)``, a dataclass; ``rollout/env.py`` plays
     it): one instance plays one episode. ``reset(row, seed)`` starts it on a dataset row and returns
     the first observation text; ``step(action)`` applies an action text and returns (observation,
-    reward, done)."""
+    reward, done). Played by the chat strategy ``agent`` (``rollout/agent.py``), an observation is a
+    user message, or a list of messages."""
 
     def reset(self, row: dict, seed: int) -> str: ...
     def step(self, action: str) -> tuple[str, float, bool]: ...

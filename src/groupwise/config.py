@@ -623,6 +623,13 @@ def toml_value(value: Any) -> str:
         return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     if value is None:
         return '""'
+    if callable(value) and hasattr(value, "__qualname__"):  # a function given in Python (a TRL-style tools list)
+        if not value.__qualname__.isidentifier() or value.__module__ in (None, "__main__"):
+            raise ConfigError(
+                f"cannot write {value!r} to TOML: a function in a config is stored as 'module:function', so define "
+                f"it at the top level of an importable module (not in __main__, a lambda or a nested function)"
+            )
+        return toml_value(f"{value.__module__}:{value.__qualname__}")  # its spelling in a recipe
     raise ConfigError(f"cannot write {value!r} to TOML")
 
 

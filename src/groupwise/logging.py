@@ -73,7 +73,8 @@ def sample_rows(batch: Any, step: int, n: int) -> list[dict[str, Any]]:
     """Up to ``n`` rows of the step's batch for ``samples.jsonl``: the first row of each group in turn
     (then the second, ...), with prompt, completion, reward and the row's (mean) advantage, and under
     ``"extra"`` the columns reward functions logged for the row with ``log_extra`` (only when there are
-    any; a value JSON cannot hold is written as its ``str``, a non-finite float as ``null``)."""
+    any; a value JSON cannot hold is written as its ``str``, a non-finite float as ``null``), and the
+    fields a rollout strategy put in the row's ``info["log"]`` (an agent's ``transcript`` and ``turns``)."""
     B, G, _ = batch.shape
     out: list[dict[str, Any]] = []
     for g, b in ((g, b) for g in range(G) for b in range(B)):
@@ -98,6 +99,8 @@ def sample_rows(batch: Any, step: int, n: int) -> list[dict[str, Any]]:
         info = batch.info[b][g] if batch.info else None
         if isinstance(info, dict) and info.get("extra"):
             out[-1]["extra"] = {str(k): _jsonable(v) for k, v in info["extra"].items()}
+        if isinstance(info, dict) and isinstance(info.get("log"), dict):
+            out[-1].update({str(k): _jsonable(v) for k, v in info["log"].items() if str(k) not in out[-1]})
     return out
 
 
