@@ -127,6 +127,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise.claims",
             "groupwise.claims.*",
             "groupwise.models.warmstart",
+            "groupwise.models.chatstart",
             "groupwise.papers.check",
             "groupwise.papers.index",
         ),
