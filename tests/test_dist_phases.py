@@ -56,7 +56,7 @@ CASES = {
         SGD,
     ],
 }
-FAST = ("disa", "lora_placement", "dgpo", "ssopd", "vspo")  # in `make test`; the others in `make test-slow`
+FAST = ("disa", "lora_placement")  # in `make test` (a phase artifact, a wrapped updater); the others in `make test-slow`
 
 
 def _run(cmd, args, out):
