@@ -56,7 +56,8 @@ CASES = {
         SGD,
     ],
 }
-FAST = ("disa", "lora_placement")  # in `make test` (a phase artifact, a wrapped updater); the others in `make test-slow`
+# in `make test`: a phase artifact, a wrapped updater; the others in `make test-slow`
+FAST = ("disa", "lora_placement")
 
 
 def _run(cmd, args, out):
