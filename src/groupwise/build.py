@@ -20,7 +20,7 @@ import torch
 
 from groupwise import dist, roles, schedules
 from groupwise.components import bind_models, bind_parameter_names, bind_rows, bind_vocabulary
-from groupwise.config import Config, _entry_name, toml_value
+from groupwise.config import Config, entry_name, toml_value
 from groupwise.errors import ConfigError
 from groupwise.needs import NeedResolver
 from groupwise.objective import Objective
@@ -165,7 +165,7 @@ def build(cfg: Config) -> Parts:
     shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
     weight_specs = list(cfg.objective.weights)
     stale = cfg.train.max_staleness > 0 or cfg.rollout.push_every > 1  # rows from older weights than they train
-    if stale and cfg.rollout.backend == "server" and "sampler_is" not in [_entry_name(w) for w in weight_specs]:
+    if stale and cfg.rollout.backend == "server" and "sampler_is" not in [entry_name(w) for w in weight_specs]:
         weight_specs.append("sampler_is")  # asynchronous rows come from older weights: correct for it by default
     weights = [build_spec("weight", spec) for spec in weight_specs]
     objective = Objective.from_config(cfg.objective.terms, cfg.objective.agg, weights)  # refuses bad term-weight pairs

@@ -474,7 +474,7 @@ def component_entries(cfg: Config) -> list[tuple[str, Any, str]]:
         out.append((stage, spec, where))
         if isinstance(spec, dict):
             for key, value in spec.items():
-                if isinstance(value, (str, dict)) and key != "name" and _entry_name(value) in names(stage):
+                if isinstance(value, (str, dict)) and key != "name" and entry_name(value) in names(stage):
                     add(stage, value, f"{where}.{key}")
 
     def add_training(prefix: str, objective: ObjectiveCfg, advantage: AdvantageCfg, update: Any) -> None:
@@ -510,7 +510,8 @@ def component_entries(cfg: Config) -> list[tuple[str, Any, str]]:
     return out
 
 
-def _entry_name(spec: Any) -> str:
+def entry_name(spec: Any) -> str:
+    """The component name of a spec: ``"ppo_clip"`` or ``{name = "ppo_clip", ...}`` -> ``"ppo_clip"`` ("" otherwise)."""
     return spec if isinstance(spec, str) else str(spec.get("name", "")) if isinstance(spec, dict) else ""
 
 
