@@ -321,8 +321,9 @@ def test_two_steps_with_fpr_compose(tmp_path, objective):
         assert 0.0 <= row["reflect/improved"] <= 1.0 and "reflect/refined_reward" in row
 
 
+@pytest.mark.slow  # a torchrun pair per case (~25 s): make test-slow / test-dist; make test stays under 10 minutes
 @pytest.mark.dist
-@pytest.mark.parametrize("select", ["lowest", pytest.param("softmax", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("select", ["lowest", "softmax"])
 def test_reflection_step_under_two_ranks_equals_one_process(tmp_path, select):
     """The two rounds shard their requests over ranks and gather; the selection and the FPR advantage
     read the gathered batch: one step over 2 ranks (torchrun, gloo) equals one process."""

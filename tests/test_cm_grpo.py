@@ -128,6 +128,7 @@ def test_contract_row_permutation_permutes_the_loss():
     torch.testing.assert_close(again, permute_tensor(loss, perm), rtol=0, atol=0)
 
 
+@pytest.mark.slow  # a torchrun pair (~20 s): make test-slow / test-dist; make test stays under 10 minutes
 @pytest.mark.dist
 def test_two_ranks_equal_one_process(tmp_path):
     """One CM-GRPO step (SGD, lr 1) over 2 ranks equals one process: the same weights after it."""
