@@ -1,7 +1,7 @@
 """The policy a run trains, by kind: ``build_policy(model_cfg, perf)`` for ``model.policy`` = ``lm``,
-``flow``, ``unified`` or ``gaussian`` (``policy/__init__.py``). A toy kind with ``model.path`` other
-than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``: config and
-weights, what its ``save`` writes): a
+``flow``, ``unified``, ``gaussian`` or ``subset`` (``policy/__init__.py``). A toy kind with ``model.path``
+other than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``,
+``subset_policy.pt``: config and weights, what its ``save`` writes): a
 fitted toy is then a warm start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params``
 may change sampling settings (``sde``, ``sde_window``) but not the saved architecture."""
 
@@ -14,8 +14,13 @@ import torch
 
 from groupwise.errors import ConfigError
 
-KINDS = ("lm", "flow", "unified", "gaussian")
-TOY_FILES = {"flow": "flow_policy.pt", "unified": "flow_policy.pt", "gaussian": "gaussian_policy.pt"}
+KINDS = ("lm", "flow", "unified", "gaussian", "subset")
+TOY_FILES = {
+    "flow": "flow_policy.pt",
+    "unified": "flow_policy.pt",
+    "gaussian": "gaussian_policy.pt",
+    "subset": "subset_policy.pt",
+}
 
 
 def build_policy(model_cfg: Any, perf: Any) -> Any:
@@ -26,13 +31,16 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
     if model_cfg.policy in TOY_FILES:
         from groupwise.modalities.flow import FlowPolicy
         from groupwise.modalities.gaussian import GaussianPolicy
+        from groupwise.modalities.subset import SubsetPolicy
         from groupwise.modalities.unified import UnifiedPolicy
 
         if getattr(model_cfg, "device", "cpu") not in ("cpu", "auto"):
             raise ConfigError(
                 f'model.device={model_cfg.device!r}: the {model_cfg.policy} toy runs on the CPU; use model.device="cpu"'
             )
-        cls = {"flow": FlowPolicy, "unified": UnifiedPolicy, "gaussian": GaussianPolicy}[model_cfg.policy]
+        cls = {"flow": FlowPolicy, "unified": UnifiedPolicy, "gaussian": GaussianPolicy, "subset": SubsetPolicy}[
+            model_cfg.policy
+        ]
         saved = _saved_toy(model_cfg)
         params = dict(model_cfg.params) if saved is None else {**saved["config"], **model_cfg.params}
         try:
