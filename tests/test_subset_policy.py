@@ -168,7 +168,7 @@ class _KeepSlot:
 
     def score_rollout(self, rollout, info):
         hits = []
-        for b, prompt in enumerate(rollout.prompt_ids):
+        for prompt in rollout.prompt_ids:
             items = torch.tensor(prompt[3 : 3 + 6 * D]).view(6, D)
             hits.append(items @ torch.tensor(prompt[3 + 6 * D :]))  # [6] 1 on the query's slot
         return (rollout.extras["keep"] * torch.stack(hits)[:, None, :]).sum(-1) / 2  # [B,G]

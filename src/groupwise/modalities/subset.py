@@ -63,8 +63,8 @@ FILE = "subset_policy.pt"
 
 
 def budget_k(n_items: int, rho: float) -> int:
-    """k = ceil(ρ·N), at least 1 and at most N (spec 22). ρ·N is rounded to 6 digits first (ρ is stored in float32), so a budget
-    of exactly m/N is m picks despite float error (0.1875·16 = 3)."""
+    """k = ceil(ρ·N), at least 1 and at most N (spec 22). ρ·N is rounded to 6 digits first (ρ is stored
+    in float32), so a budget of exactly m/N is m picks despite float error (float32(1/3)·6 = 2.0000001)."""
     return min(n_items, max(1, math.ceil(round(rho * n_items, 6))))
 
 
