@@ -43,6 +43,11 @@ sequence advantage; token-level advantages are allowed as in the paper's GSPO-to
    adv·∇mean_t(logp) that GSPO reduces to.
 4. Statistics are those of ``ppo_clip`` evaluated on the sequence ratio.
 5. ``seq_log_ratio`` is the shared primitive (specs/README ``seq_ratio``, in log space).
+6. ``length_norm = false`` (an option, not the paper's; first consumer 22 GRIP-VLM, whose "sequence" is
+   an ordered selection of k items): log_s = Σ_t mask·(logp − logp_old), the ratio of the whole
+   sequence's likelihood. The token form keeps ratio_t = s_i on every token and ∇ratio_t = s_i∇logp_t,
+   so under ``agg = "seq_mean_token_sum"`` the gradient is exactly that of 1/n Σ_i min(s_i A_i,
+   clip(s_i) A_i) (the loss value is |y| times it); under ``seq_mean_token_mean`` it is 1/|y| of it.
 """
 
 from __future__ import annotations
@@ -58,8 +63,11 @@ from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 
-def seq_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
-    """[b,G] length-normalised sequence log-ratio mean_t over mask of (logp − logp_old)."""
+def seq_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor, length_norm: bool = True) -> Tensor:
+    """[b,G] sequence log-ratio over mask of (logp − logp_old): the mean over tokens (length-normalised),
+    or the sum with ``length_norm=False`` (Note 6)."""
+    if not length_norm:
+        return ((logp - logp_old) * mask).sum(-1)  # [b,G]
     return masked_mean(logp - logp_old, mask, dim=-1)  # [b,G]
 
 
@@ -72,6 +80,8 @@ class GSPO:
     eps_high: float = 4e-4
     coef: float = 1.0
     agg: str | None = None
+    # false: the ratio is exp(Σ_t (logp − logp_old)), the whole sequence's likelihood ratio (Note 6) [INFERRED]
+    length_norm: bool = True
 
     needs = ()
 
@@ -82,7 +92,7 @@ class GSPO:
         mask = term_mask(mb)  # [b,G,T]
         logp = masked_input(out["logp"], mask)  # [b,G,T]
         logp_old = masked_input(required(mb, "logp_old", "gspo"), mask)  # [b,G,T]
-        log_s = seq_log_ratio(logp, logp_old, mask)  # [b,G]
+        log_s = seq_log_ratio(logp, logp_old, mask, self.length_norm)  # [b,G]
         ratio = torch.exp(log_s.detach()[..., None] + logp - logp.detach())  # [b,G,T]
         adv = token_advantages(mb, mask, "gspo")  # [b,G,T]
         return ratio, adv
