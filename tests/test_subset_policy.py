@@ -62,6 +62,10 @@ def test_samples_rescore_exactly_and_greedy_is_the_top_k():
     for b, g in [(0, 0), (0, 1), (0, 2), (1, 0)]:  # picks are distinct items and `keep` marks exactly them
         picked = out.actions[b, g][out.mask[b, g]].tolist()
         assert len(set(picked)) == len(picked) and out.extras["keep"][b, g].nonzero()[:, 0].tolist() == sorted(picked)
+    # budgets of 1 and 3 picks in one batch: a row's unused pick slots never unmark its kept items (item 0 included)
+    mixed = policy.generate([Request(key=i, n=8, prompt=_prompt(6, (0.5, 1 / 6)[i % 2], i)) for i in range(12)], {}, INFO)
+    assert torch.equal(mixed.extras["keep"].sum(-1), mixed.mask.sum(-1).float())
+    assert (mixed.actions[1::2, :, 0] == 0).any()  # the case occurs: a one-pick row that keeps item 0
     greedy = policy.generate(REQUESTS, {"greedy": True}, INFO)
     z, _ = policy._scores([policy.encode(REQUESTS[0].prompt)])  # [1,6]
     assert greedy.actions[0, 0].tolist() == torch.topk(z[0], 3).indices.tolist()

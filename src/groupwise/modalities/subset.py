@@ -192,7 +192,8 @@ class SubsetPolicy:
         picks = (torch.arange(T)[None, :] < k[:, None]) & valid.reshape(-1, 1)  # [B*G,T]
         order = torch.where(picks, order, torch.zeros((), dtype=torch.long))
         logp = pl_logprob(z, order, picks)  # [B*G,T]
-        keep = torch.zeros(B * G, N).scatter(1, order, picks.float())  # [B*G,N]
+        # scatter_add: the index 0 that fills a row's unused picks adds 0 instead of overwriting a kept item 0
+        keep = torch.zeros(B * G, N).scatter_add(1, order, picks.float())  # [B*G,N]
         out = Rollout(
             prompt_ids=[list(p) for p in prompts],
             actions=order.view(B, G, T),  # [B,G,T] item indices
