@@ -1,20 +1,20 @@
-"""GRIP-VLM's toy before/after: writes src/groupwise/papers/22_grip_vlm/accuracy_before_after.png.
+"""GRIP-VLM's toy before/after: writes src/groupwise/papers/22_grip_vlm/pair_accuracy.png.
 
-Trains with the groupwise trainer and the shipped recipes: ``grip_warmup`` (the ListNet warm-up on
-the leave-one-in saliency teacher, no RL) and ``grip_grpo`` (the same warm-up, then GRPO on the frozen
-reader's reward), on ``--seeds``. Plots the greedy held-out accuracy of pair queries (each of the two
-needed items is useless alone) and single queries at each budget, the unseen ρ = 0.1875 included,
-with the accuracy of a uniformly random keep-set (chance) for reference. Bars are seed means, dots
-the seeds.
+Reads the claim's run folders (``groupwise claims 22-grip-vlm --confirm`` writes them under
+``runs/claims/confirm/22-grip-vlm/``; without ``--confirm``, the exploratory ones under
+``runs/claims/22-grip-vlm/``): the greedy held-out accuracy on pair queries (both items needed, each
+useless alone) at each budget (``accuracy_after/pair@RHO``, the claim's ``eval.by = "cell"``), the
+unseen ρ = 0.1875 included, after the warm-up alone and after the warm-up and 20 GRPO steps. Bars are
+seed means, dots the seeds; the dotted line is a uniformly random keep-set (chance).
 
-    python bench/grip_vlm_plot.py [--seeds 1000 1001 1002 1003 1004] [--out PNG]
+    python bench/grip_vlm_plot.py [--runs runs/claims/confirm/22-grip-vlm] [--out PNG]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import tempfile
+import json
 from pathlib import Path
 
 import matplotlib
@@ -22,54 +22,51 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from groupwise.build import build  # noqa: E402
-from groupwise.config import load_config  # noqa: E402
 from groupwise.modalities.subset import budget_k  # noqa: E402
-from groupwise.run import Run  # noqa: E402
-from groupwise.trainer import Trainer  # noqa: E402
 
 K = importlib.import_module("groupwise.papers.22_grip_vlm.keep_items")
-ARMS = {"grip_warmup": "warm-up only (ListNet, saliency teacher)", "grip_grpo": "warm-up + GRPO"}
-COLOURS = {"grip_warmup": "tab:grey", "grip_grpo": "tab:blue"}
-
-
-def accuracies(recipe: str, seed: int, folder: Path) -> dict[str, float]:
-    cfg, _ = load_config(recipe, [f'out="{folder}"', f"seed={seed}"])
-    summary = Run(Trainer(build(cfg))).train()
-    return {k.split("/", 1)[1]: v for k, v in summary.items() if k.startswith("accuracy_after/")}
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {"warmup_only": "warm-up only (ListNet on leave-one-in saliency)", "grpo": "warm-up + 20 GRPO steps"}
+COLOURS = {"warmup_only": "tab:grey", "grpo": "tab:blue"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1000, 1001, 1002, 1003, 1004])
-    default = Path(__file__).resolve().parents[1] / "src/groupwise/papers/22_grip_vlm/accuracy_before_after.png"
-    parser.add_argument("--out", default=str(default))
+    parser.add_argument("--runs", default=str(ROOT / "runs/claims/confirm/22-grip-vlm"))
+    parser.add_argument("--out", default=str(ROOT / "src/groupwise/papers/22_grip_vlm/pair_accuracy.png"))
     args = parser.parse_args()
-    results = {arm: [] for arm in ARMS}
-    with tempfile.TemporaryDirectory() as tmp:
-        for arm in ARMS:
-            for seed in args.seeds:
-                results[arm].append(accuracies(arm, seed, Path(tmp) / f"{arm}-{seed}"))
-                print(arm, seed, {k: round(v, 3) for k, v in sorted(results[arm][-1].items())})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, kind in zip(axes, ("pair", "single")):
-        for i, rho in enumerate(K.TEST_BUDGETS):
-            for j, arm in enumerate(ARMS):
-                values = [r[f"{kind}@{rho}"] for r in results[arm]]
-                x = i + (j - 0.5) * 0.38
-                ax.bar(x, sum(values) / len(values), 0.36, color=COLOURS[arm], label=ARMS[arm] if i == 0 else None)
-                ax.scatter([x] * len(values), values, s=10, color="black", zorder=3)
-            k = budget_k(K.N_ITEMS, rho)
-            ax.hlines(K.chance(k, kind), i - 0.4, i + 0.4, colors="tab:red", linestyles=":", label="random keep-set" if i == 0 else None)
-        ax.set_xticks(range(len(K.TEST_BUDGETS)))
-        ax.set_xticklabels(
-            [f"ρ = {r} (k = {budget_k(K.N_ITEMS, r)}){' unseen' if r not in K.TRAIN_BUDGETS else ''}" for r in K.TEST_BUDGETS]
+    runs = {arm: sorted((Path(args.runs) / arm).glob("seed*/summary.json")) for arm in ARMS}
+    if not all(runs.values()):
+        raise SystemExit(
+            f"no finished runs of both arms under {args.runs}: run `groupwise claims 22-grip-vlm --confirm`"
         )
-        ax.set_title(f"{kind} queries" + (" (both items needed, each useless alone)" if kind == "pair" else ""))
-        ax.set_ylim(0, 1.05)
-    axes[0].set_ylabel("held-out greedy accuracy (64 rows per bar)")
-    axes[0].legend(loc="upper left", fontsize=8)
-    fig.suptitle(f"GRIP-VLM keep-items toy: 16 items, frozen reader; seeds {args.seeds[0]}..{args.seeds[-1]}")
+    summaries = {arm: [json.loads(p.read_text()) for p in paths] for arm, paths in runs.items()}
+    seeds = sorted({p.parent.name for paths in runs.values() for p in paths})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, rho in enumerate(K.TEST_BUDGETS):
+        for j, arm in enumerate(ARMS):
+            values = [s[f"accuracy_after/pair@{rho}"] for s in summaries[arm]]
+            x = i + (j - 0.5) * 0.38
+            ax.bar(x, sum(values) / len(values), 0.36, color=COLOURS[arm], label=ARMS[arm] if i == 0 else None)
+            ax.scatter([x] * len(values), values, s=10, color="black", zorder=3)
+            print(arm, rho, [round(v, 3) for v in values])
+        chance = K.chance(budget_k(K.N_ITEMS, rho), "pair")
+        ax.hlines(
+            chance, i - 0.4, i + 0.4, colors="tab:red", linestyles=":", label="random keep-set" if i == 0 else None
+        )
+    ax.set_xticks(range(len(K.TEST_BUDGETS)))
+    ax.set_xticklabels(
+        [
+            f"ρ = {r}, k = {budget_k(K.N_ITEMS, r)}{' (unseen)' if r not in K.TRAIN_BUDGETS else ''}"
+            for r in K.TEST_BUDGETS
+        ]
+    )
+    ax.set_ylabel("held-out pair-query accuracy (64 rows per bar)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(loc="center right", fontsize=8)
+    ax.set_title(
+        f"GRIP-VLM keep-items toy (16 items, frozen reader), seeds {', '.join(s[4:] for s in seeds)}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print("wrote", args.out)

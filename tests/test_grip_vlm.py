@@ -71,7 +71,9 @@ def test_the_reward_reads_each_rows_keep_set():
     policy = SubsetPolicy(d=17)
     out = policy.generate([Request(key=i, n=4, prompt=r["prompt"]) for i, r in enumerate(rows)], {}, INFO)
     got = build_component("reward", "keep_items").score_rollout(out, INFO)  # [6,4]
-    want = torch.tensor([[float(K.read(r["prompt"], out.extras["keep"][b, g])) for g in range(4)] for b, r in enumerate(rows)])
+    want = torch.tensor(
+        [[float(K.read(r["prompt"], out.extras["keep"][b, g])) for g in range(4)] for b, r in enumerate(rows)]
+    )
     assert torch.equal(got, want)
     # the kept set is k = ceil(ρ·16) items: 2, 3 or 4
     for b, r in enumerate(rows):
@@ -83,14 +85,15 @@ def _cfg(recipe, out, *overrides):
     return cfg
 
 
-def test_the_warm_up_learns_single_queries_and_leaves_pairs_at_chance(tmp_path):
-    # the grip_warmup recipe with a shorter fit (100 steps): greedy single-query accuracy is 1.0 at every
-    # budget, pair queries stay far below it (measured: 0.14 / 0.0 / 0.03 at the three budgets)
-    cfg = _cfg("grip_warmup", tmp_path, "phases=[{name='sft', steps=100, batch_size=128, update={name='adamw', lr=3e-3}}]")
-    summary = Run(Trainer(build(cfg))).train()
+@pytest.mark.slow  # the recipe's 300-step fit: about 30 s
+def test_the_warm_up_learns_single_queries_and_leaves_pairs_near_chance(tmp_path):
+    # the grip_warmup recipe (ListNet, 300 steps): greedy single-query accuracy is 1.0 at every budget; pair queries
+    # stay low (pilot, seed 0: 0.125 / 0.0 / 0.031 at the three budgets; a uniform keep-set: 0.008 / 0.025 / 0.05).
+    # A shorter fit (100 steps) had NOT yet flattened them: 0.98 at ρ = 0.25, carried over from the single queries
+    summary = Run(Trainer(build(_cfg("grip_warmup", tmp_path)))).train()
     for b in (0.125, 0.1875, 0.25):
         assert summary[f"accuracy_after/single@{b}"] == 1.0
-        assert summary[f"accuracy_after/pair@{b}"] < 0.3
+        assert summary[f"accuracy_after/pair@{b}"] < 0.4
     assert (tmp_path / "final" / "subset_policy.pt").exists()
 
 
@@ -110,3 +113,42 @@ def test_a_grip_grpo_run_resumes_bit_identically(tmp_path):
         for run in ("a", "b")
     ]
     assert rows[0] == rows[1] and len(rows[0]) == 4
+
+
+@pytest.mark.slow  # a torchrun pair (~30 s): make test-slow / test-dist; make test stays under 10 minutes
+@pytest.mark.dist
+def test_two_ranks_equal_one_process(tmp_path):
+    """One GRIP GRPO step (SGD, lr 1) over 2 ranks equals one process: the same weights after it."""
+    import os
+    import subprocess
+    import sys
+
+    args = [
+        "train",
+        "grip_grpo",
+        'phases=[{name="sft", steps=3, batch_size=16}]',
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "train.steps=1",
+        "eval.size=0",
+        'update={name="sgd", lr=1.0}',
+        "threads=1",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    weights = []
+    for launcher, folder in (
+        ([sys.executable, "-m", "groupwise"], "one"),
+        (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
+            "two",
+        ),
+    ):
+        result = subprocess.run(
+            [*launcher, *args, f"out={tmp_path / folder}"], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        weights.append(torch.load(tmp_path / folder / "final" / "subset_policy.pt", weights_only=False)["net"])
+    start = SubsetPolicy(d=17).state_dict()["net"]
+    assert any(not torch.equal(weights[0][k], start[k]) for k in start)  # it trained
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, atol=1e-9, rtol=1e-7, msg=name)

@@ -63,7 +63,9 @@ def test_samples_rescore_exactly_and_greedy_is_the_top_k():
         picked = out.actions[b, g][out.mask[b, g]].tolist()
         assert len(set(picked)) == len(picked) and out.extras["keep"][b, g].nonzero()[:, 0].tolist() == sorted(picked)
     # budgets of 1 and 3 picks in one batch: a row's unused pick slots never unmark its kept items (item 0 included)
-    mixed = policy.generate([Request(key=i, n=8, prompt=_prompt(6, (0.5, 1 / 6)[i % 2], i)) for i in range(12)], {}, INFO)
+    mixed = policy.generate(
+        [Request(key=i, n=8, prompt=_prompt(6, (0.5, 1 / 6)[i % 2], i)) for i in range(12)], {}, INFO
+    )
     assert torch.equal(mixed.extras["keep"].sum(-1), mixed.mask.sum(-1).float())
     assert (mixed.actions[1::2, :, 0] == 0).any()  # the case occurs: a one-pick row that keeps item 0
     greedy = policy.generate(REQUESTS, {"greedy": True}, INFO)
