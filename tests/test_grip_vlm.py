@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import permute_rows, permute_tensor
 
 from groupwise.build import build
 from groupwise.config import load_config
@@ -78,6 +79,42 @@ def test_the_reward_reads_each_rows_keep_set():
     # the kept set is k = ceil(ρ·16) items: 2, 3 or 4
     for b, r in enumerate(rows):
         assert out.extras["keep"][b].sum(1).tolist() == [float(math.ceil(round(r["budget"] * 16, 6)))] * 4
+
+
+def _contract_batch():
+    policy, rows = SubsetPolicy(d=17), K.rows("test", 0, 0)
+    budgets = [next(r for r in rows if r["budget"] == b) for b in (0.25, 0.125)]  # k = 4 and k = 2: T = 4
+    # a ragged batch: group 1 has 2 real rows and 2 padding rows, and 2 unused pick slots per row
+    out = policy.generate(
+        [Request(key=0, n=4, prompt=budgets[0]["prompt"]), Request(key=1, n=2, prompt=budgets[1]["prompt"])], {}, INFO
+    )
+    out.advantages = torch.tensor([[1.0, -2.0, 0.5, 8.0], [-1.0, 1.0, 0.0, 0.0]])  # [B,G]
+    out.logp_old = out.logp_sampler.clone()
+    return policy, out
+
+
+def _term():
+    return build_component("objective", "gspo", eps_low=0.2, eps_high=0.2, length_norm=False)
+
+
+def test_contract_shape_finite_and_padding_gets_no_gradient():
+    policy, batch = _contract_batch()
+    assert batch.mask.shape == (2, 4, 4) and batch.mask[1].sum(1).tolist() == [2, 2, 0, 0]
+    out = policy.forward(batch)
+    loss = _term()(batch, out, INFO)  # [B,G,T]
+    assert loss.shape == batch.mask.shape and loss.dtype == torch.float32 and bool(torch.isfinite(loss).all())
+    assert bool((loss[~batch.mask.bool()] == 0).all())
+    (grad,) = torch.autograd.grad(loss.sum(), out["logp"])
+    assert grad[1, 2:].abs().sum() == 0 and grad[1, :2, 2:].abs().sum() == 0 and grad[0].abs().sum() > 0
+
+
+def test_contract_row_permutation_permutes_the_loss():
+    policy, batch = _contract_batch()
+    loss = _term()(batch, policy.forward(batch), INFO)  # [B,G,T]
+    perm = torch.tensor([[2, 0, 3, 1], [1, 0, 2, 3]])  # [B,G] (group 1 keeps its padding rows last)
+    shuffled = permute_rows(batch, perm)
+    again = _term()(shuffled, policy.forward(shuffled), INFO)
+    torch.testing.assert_close(again, permute_tensor(loss, perm), rtol=0, atol=0)
 
 
 def _cfg(recipe, out, *overrides):
