@@ -149,3 +149,61 @@ def test_the_mean_anchor_contract():
     torch.testing.assert_close(again, permute_tensor(loss, perm), rtol=0, atol=0)
     with pytest.raises(ValueError, match="mean_anchor needs out"):
         MeanAnchor()(batch, {"logp": out["logp"]}, INFO)
+
+
+RECIPE_ARGS = [
+    'phases=[{name="sft", task="powerflow2_demos", steps=40, batch_size=32, update={name="adamw", lr=1e-2}}]',
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "train.steps=2",
+    "threads=1",
+]
+
+
+def test_the_recipe_deploys_the_mean_and_its_eval_reward_is_minus_the_mean_update_count(tmp_path):
+    from groupwise.build import build
+    from groupwise.config import load_config
+    from groupwise.run import Run
+    from groupwise.trainer import Trainer
+
+    cfg, _ = load_config("newtons_lantern", [f'out="{tmp_path}"', "eval.size=32", *RECIPE_ARGS])
+    trainer = Trainer(build(cfg))
+    summary = Run(trainer).train()
+    rows = TASKS["powerflow2"].rows("test", 0, 0)[:32]
+    s = torch.tensor([r["prompt"] for r in rows], dtype=torch.float64)  # [32,2]
+    obs = torch.tensor([r["prompt"] for r in rows], dtype=torch.float32).double()  # [32,2] as the policy reads it
+    # before RL the deployed mean is f0's (the frozen reference after the sft phase), after it the policy's
+    for key, net in (("reward_mean_before", trainer.policy.reference.net), ("reward_mean_after", trainer.policy.net)):
+        with torch.no_grad():
+            mean = net(obs).float().double()  # [32,2] the action is stored in float32 (gaussian Note 3)
+        assert summary[key] == pytest.approx(-float(pf.iterations(mean, s)[0].mean()), abs=1e-9), key
+
+
+@pytest.mark.slow  # a torchrun pair (~20 s): make test-slow / test-dist; make test stays under 10 minutes
+@pytest.mark.dist
+def test_two_ranks_equal_one_process(tmp_path):
+    """Two GRPO steps of the recipe (SGD) over 2 ranks equal one process: the same weights after them."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["train", "newtons_lantern", *RECIPE_ARGS, "eval.size=0", 'update={name="sgd", lr=0.1}']
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    weights = []
+    for launcher, folder in (
+        ([sys.executable, "-m", "groupwise"], "one"),
+        (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
+            "two",
+        ),
+    ):
+        result = subprocess.run(
+            [*launcher, *args, f"out={tmp_path / folder}"], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        state = torch.load(tmp_path / folder / "final" / "gaussian_policy.pt", weights_only=False)
+        weights.append((state["net"], state["reference"]))
+    (one, ref), (two, _) = weights
+    assert any(not torch.equal(one[k], ref[k]) for k in one)  # RL moved the policy away from f0
+    for name, value in one.items():
+        torch.testing.assert_close(two[name], value, atol=1e-9, rtol=1e-7, msg=name)
