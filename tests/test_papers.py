@@ -15,7 +15,7 @@ from groupwise.errors import ConfigError
 from groupwise.papers import PACKAGE, PAPERS, check, find, folders, papers, standard
 
 ROOT = Path(__file__).resolve().parents[1]
-# the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder), and 19 (issue 37)
+# the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder), and 19, 37 (issue 37)
 IMPLEMENTED = [
     2,
     3,
@@ -44,6 +44,7 @@ IMPLEMENTED = [
     34,
     35,
     36,
+    37,
     38,
     39,
     40,
@@ -67,7 +68,7 @@ IMPLEMENTED = [
 
 
 def test_one_folder_per_implemented_paper_named_after_its_spec_file():
-    assert len(IMPLEMENTED) == 46
+    assert len(IMPLEMENTED) == 47
     assert [m.spec for m in papers()] == IMPLEMENTED
     assert find(43).name == find(36).name == "36_fg_expo" and find("07").spec == 7
     for m in papers():
@@ -248,7 +249,7 @@ def test_variants_page_is_generated_and_current():
     regenerate = "regenerate: python -m groupwise.papers.index > docs/variants.md"
     assert (ROOT / "docs" / "variants.md").read_text() == text, regenerate
     rows = [line for line in text.splitlines() if line.startswith("| ") and "](../src/groupwise/papers/" in line]
-    assert len(rows) == 46  # 45 before issue 37, + 19
+    assert len(rows) == 47  # 45 before issue 37, + 19, 37
     assert (
         "| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
         "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | `sign` | "
