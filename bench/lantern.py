@@ -42,7 +42,14 @@ VARIANTS = [
     ("f0 on 10-99.9 %, test 97-99.9 %", (0.1, 0.999), (0, 0.4), (0.97, 0.999), (0, 0.4), 0.0),
     ("f0 on 10-50 % (lighter), test 90-98 %", (0.1, 0.5), (0, 0.4), (0.9, 0.98), (0, 0.4), 0.0),
     ("unseen reactance X ~ U(0.75, 1.25), test 95-99.5 %", (0.1, 0.995), (0, 0.4), (0.95, 0.995), (0, 0.4), 0.25),
-    ("f0 on lagging k in [0, 0.4], test leading k in [-0.5, -0.2]", (0.1, 0.98), (0, 0.4), (0.9, 0.98), (-0.5, -0.2), 0.0),
+    (
+        "f0 on lagging k in [0, 0.4], test leading k in [-0.5, -0.2]",
+        (0.1, 0.98),
+        (0, 0.4),
+        (0.9, 0.98),
+        (-0.5, -0.2),
+        0.0,
+    ),
 ]
 
 
@@ -133,10 +140,18 @@ def plot(seed, steps):
     for (name, x), colour in zip(starts.items(), ["grey", "tab:blue", "tab:red"]):
         labels, solved = pf.iterations(x.double(), s)
         means = [float(labels[(loads >= a) & (loads < b)].mean()) for a, b in zip(edges[:-1], edges[1:])]
-        left.step(edges[:-1], means, where="post", color=colour, label=f"{name}: mean {float(labels.mean()):.2f}, "
-                  f"{100 * float(solved.double().mean()):.0f} % converge")
-    left.set(xlabel="load level (share of the nose-point load)", ylabel="Newton-Raphson updates",
-             title="heavy held-out snapshots")
+        left.step(
+            edges,
+            [*means, means[-1]],
+            where="post",
+            color=colour,
+            label=f"{name}: mean {float(labels.mean()):.2f}, {100 * float(solved.double().mean()):.0f} % converge",
+        )
+    left.set(
+        xlabel="load level (share of the nose-point load)",
+        ylabel="Newton-Raphson updates",
+        title="heavy held-out snapshots",
+    )
     left.legend(fontsize=8)
     # the error of each warm start from the solution, over the update counts around one snapshot at 95 %
     row = pf.snapshot(0.95, 0.2)
@@ -156,7 +171,7 @@ def plot(seed, steps):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("what", choices=["precondition", "pilot", "plot"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--seed", type=int, default=0)

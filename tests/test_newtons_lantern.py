@@ -22,8 +22,8 @@ INFO = StepInfo(step=1, seed=3, max_new_tokens=0)
 
 
 def _sqrt2(x0: float):
-    x0 = torch.tensor([[x0]], dtype=torch.float64)  # [1,1]
-    return pf.newton_raphson(lambda x: x**2 - 2, lambda x: (2 * x)[:, :, None], x0, 1e-10, 50)
+    start = torch.tensor([[x0]], dtype=torch.float64)  # [1,1]
+    return pf.newton_raphson(lambda x: x**2 - 2, lambda x: (2 * x)[:, :, None], start, 1e-10, 50)
 
 
 def test_the_specs_newton_raphson_counts():
