@@ -1,7 +1,7 @@
 """Newton's Lantern's toy (paper 37): the precondition check, the train-split pilot, and the PNG.
 
     python bench/lantern.py precondition            # does the supervised warm start f0 fail? (~1 min)
-    python bench/lantern.py pilot [key=value ...] --seeds 0 1 2   # recipe runs, read on heavy *train* snapshots
+    python bench/lantern.py pilot [key=value ...] --seeds 0 1 2 [--recipe R]  # read on heavy *train* snapshots
     python bench/lantern.py plot [--seed 0]         # src/groupwise/papers/37_newtons_lantern/iterations.png
 
 ``precondition`` fits f0 as the recipe does (the sft phase's fit, 400 steps of 64 rows, AdamW 1e-2)
@@ -98,8 +98,8 @@ def precondition(seeds):
     return results
 
 
-def _trainer(out, seed, overrides=()):
-    cfg, _ = load_config("newtons_lantern", [f'out="{out}"', f"seed={seed}", *overrides])
+def _trainer(out, seed, overrides=(), recipe="newtons_lantern"):
+    cfg, _ = load_config(recipe, [f'out="{out}"', f"seed={seed}", *overrides])
     return Trainer(build(cfg))
 
 
@@ -108,15 +108,16 @@ def heavy_train_rows(n=256):
     return [r for r in TASKS["powerflow2"].rows("train", 0, 0) if r["heavy"]][:n]
 
 
-def pilot(seeds, overrides):
+def pilot(seeds, overrides, recipe):
     rows = heavy_train_rows()
     for seed in seeds:
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = _trainer(tmp, seed, ["eval.size=0", *overrides])
+            trainer = _trainer(tmp, seed, ["eval.size=0", *overrides], recipe)
             run, heldout, curve = Run(trainer), HeldOut(trainer), []
             run.train()  # the sft phase, then train.steps RL steps; read the curve from checkpoints below
             curve.append(heldout.evaluate_detail(rows=rows, split="train")["reward_mean"])
-            print(json.dumps({"seed": seed, "overrides": overrides, "heavy_train_reward_mean": curve}), flush=True)
+            line = {"seed": seed, "recipe": recipe, "overrides": overrides, "heavy_train_reward_mean": curve}
+            print(json.dumps(line), flush=True)
 
 
 def plot(seed, steps):
@@ -176,12 +177,13 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--recipe", default="newtons_lantern", help="pilot: the recipe (newtons_lantern_learned)")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.what == "precondition":
         precondition(args.seeds)
     elif args.what == "pilot":
-        pilot(args.seeds, args.overrides)
+        pilot(args.seeds, args.overrides, args.recipe)
     else:
         plot(args.seed, args.steps)
