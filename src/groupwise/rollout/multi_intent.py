@@ -118,7 +118,7 @@ class MultiIntent:
     def collects(self) -> tuple[str, ...]:
         return (self.extra,)  # the request extra every row samples under (check_strategy)
 
-    def row_intents(self, group_size: int) -> list[int]:
+    def _row_intents(self, group_size: int) -> list[int]:
         """The intent of each of the ``group_size`` rows of a training group (module Math)."""
         if self.mode == "single":
             return [self.single_intent] * group_size
@@ -130,7 +130,7 @@ class MultiIntent:
         return group_intents(self.intents, self.per_intent)
 
     def __call__(self, ctx: RolloutContext) -> Rollout:
-        return refill_rounds(ctx, extras={self.extra: self.row_intents(ctx.group_size)})
+        return refill_rounds(ctx, extras={self.extra: self._row_intents(ctx.group_size)})
 
     def evaluate(self, ctx: RolloutContext, rows: list[dict], info: StepInfo) -> dict[str, float]:
         """The held-out best-of-N and maneuver spread (module docstring); ``ctx`` samples greedily."""

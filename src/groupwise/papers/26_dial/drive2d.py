@@ -6,20 +6,19 @@ found; everything below is the toy [INFERRED], built to show the paper's two eff
 scene teaches each intent's maneuver but not which one a rater prefers, and preference RL on
 unconditional samples collapses onto one maneuver.
 
-**The scene** (ego at the origin, heading-free): an observation of 4 numbers,
-``[o_x, o_y, g_x, g_y]``: an obstacle at ``o = obstacle_ring·(cos α, sin α)`` and a goal
-direction ``g = (cos γ, sin γ)``, α and γ uniform. An action is a 2-D endpoint x (the flow policy's
-``x_final``, a displacement from the ego). Intent k of ``N_INTENTS = 8`` is the maneuver toward
-heading 2πk/8 (a "turn" in the 8 directions), ending ``reach`` away.
+**Change vs GRPO**: none to the algorithm; a non-text task and its reward. The scene (ego at the
+origin) is an observation of 4 numbers, ``[o_x, o_y, g_x, g_y]``: an obstacle at
+``o = obstacle_ring·(cos α, sin α)`` and a goal direction ``g = (cos γ, sin γ)``, α and γ uniform.
+An action is a 2-D endpoint x (the flow policy's ``x_final``, a displacement from the ego). Intent
+k of ``N_INTENTS = 8`` is the maneuver toward heading 2πk/8, ending ``reach`` away. The train rows
+are demonstrations, ONE per scene, of a uniformly random intent c (so the demo's maneuver is
+independent of the scene): ``target = reach·(cos 2πc/8, sin 2πc/8) + demo_noise·ε``, with
+``intent`` = the rule-derived label :func:`intent_of` of that target (DIAL derives intents from the
+demo trajectory by rules).
 
-**Demonstrations** (train rows): ONE per scene, of a uniformly random intent c (so the demo's
-maneuver is independent of the scene, as a human demo rarely is the rater's favourite):
-``target = reach·(cos 2πc/8, sin 2πc/8) + demo_noise·ε``, and ``intent`` = the rule-derived
-label :func:`intent_of` of that target (its heading sector; DIAL derives intents from the demo
-trajectory by rules).
+**Math** (reward ``drive_rater``, a rollout scorer; x the row's endpoint, (o, γ) its scene)::
 
-**The rater** (reward ``drive_rater``, a rollout scorer; x the row's endpoint, (o, γ) its scene)::
-
+    intent_of(x) = round(atan2(x_y, x_x) / (2π/8)) mod 8          (the heading sector)
     heading  = exp(−wrap(θ_x − γ)² / (2·heading_tol²))          θ_x = atan2(x_y, x_x), wrap into (−π, π]
     progress = exp(−(‖x‖ − reach)² / (2·reach_tol²))
     score    = heading · progress − collision · 1[‖x − o‖ < obstacle_radius]
@@ -28,11 +27,21 @@ so the best maneuver heads to the goal unless the obstacle stands there, in [−
 nearest intent heading is up to π/8 = 0.39 rad off the goal, where ``heading`` is 0.15: the best
 of the 8 maneuvers leaves room that only bending a maneuver toward the scene's goal fills.
 
-**Defaults** [INFERRED] all (the toy): ``reach = 2``, ``demo_noise = 0.1``, ``obstacle_ring = 2``
-(the obstacle sits on the maneuvers' ring: a maneuver toward it collides), ``obstacle_radius =
-0.75``, ``reach_tol = 0.5``, ``heading_tol = 0.2`` rad (the pilot: with the earlier
-(1 + cos)/2 heading term the best of 16 guided samples scored 0.96 after the fit, no room for
-RL), ``collision = 1``; 2048 train scenes, 256 held-out ones (another seed).
+**Defaults** (the toy's; all [INFERRED])
+
+- ``reach = 2``, ``demo_noise = 0.1``, ``obstacle_ring = 2`` [INFERRED] the obstacle sits on the
+  maneuvers' ring: a maneuver toward it collides.
+- ``obstacle_radius = 0.75``, ``reach_tol = 0.5``, ``collision = 1`` [INFERRED] the toy.
+- ``heading_tol = 0.2`` rad [INFERRED] the pilot: with an earlier (1 + cos)/2 heading term the
+  best of 16 guided samples scored 0.96 after the fit, leaving no room for RL.
+- 2048 train scenes, 256 held-out ones (another seed) [INFERRED] the toy.
+
+**Notes**
+
+1. The rater reads each row's own scene (``rollout.row_contexts()``), so a row scored in another
+   group than its prompt's is scored against its own observation; invalid rows score 0.
+2. The policy must be the flow toy with ``condition = "vector"``, ``obs_dim = 4`` and ``dim = 2``
+   (recipe ``dial``); the rater refuses anything else with a message naming what it read.
 """
 
 from __future__ import annotations
