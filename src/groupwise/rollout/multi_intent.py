@@ -138,8 +138,10 @@ class MultiIntent:
         chosen = group_intents(self.intents, n // self.intents) if self.eval_intents == "balanced" else [-1] * n
         best = ctx.rollout([Request(key=i, n=n, extras={self.extra: chosen}) for i in keys])
         uncond = ctx.rollout([Request(key=i, n=n, offset=n, extras={self.extra: [-1] * n}) for i in keys])
+        if best.rewards is None or uncond.rewards is None:
+            raise ValueError("rollout multi_intent: evaluate needs scored rows (ctx.rollout sets rewards [B,G])")
         out = {
-            f"best_of_{n}": float(best.rewards.max(1).values.mean()),
+            f"best_of_{n}": float(best.rewards.max(1).values.mean()),  # mean over scenes of the best row
             f"best_of_{n}_uncond": float(uncond.rewards.max(1).values.mean()),
             "reward_mean_uncond": float(uncond.rewards.mean()),
         }
