@@ -37,6 +37,8 @@ too, ``is_chat_template_prefix_preserving``).
   ``max_tool_calling_iterations`` counts tool rounds only).
 - ``tool_timeout = 5.0`` s [INFERRED]; ``tool_parser = "hermes"`` the Hermes / Qwen
   ``<tool_call>{json}</tool_call>`` format, or any ``"module:function"`` (``rollout/tools.py``).
+- ``sandbox = {}`` options of the sandbox that code tools run in (``rollout/code_tools.py``):
+  ``unsafe_local``, ``python``, ``cgroup`` (as the ``code`` reward's), ``memory_mb`` [256].
 - ``system = None`` no system message of our own (the template writes the tool list).
 - ``env = None`` the row's ``env`` column (the agent tasks name ``answer``); ``env_params = {}``.
 
@@ -202,6 +204,7 @@ class Agent:
     tools: list = field(default_factory=list)
     tool_timeout: float = 5.0
     tool_parser: str = "hermes"
+    sandbox: dict = field(default_factory=dict)  # code tools' sandbox: unsafe_local, python, cgroup, memory_mb
     system: str | None = None
     max_context: int | None = None
     env: str | None = None
@@ -213,7 +216,9 @@ class Agent:
                 f"rollout agent: need max_turns >= 1, tool_timeout > 0, max_context >= 2 or None; got "
                 f"max_turns={self.max_turns}, tool_timeout={self.tool_timeout}, max_context={self.max_context}"
             )
-        self._toolbox = Toolbox(self.tools, self.tool_timeout, self.tool_parser)  # fails at build on a bad tool
+        self._toolbox = Toolbox(
+            self.tools, self.tool_timeout, self.tool_parser, self.sandbox
+        )  # fails at build on a bad tool
 
     def check(self, components: list) -> None:
         check_env_rewards(components, "agent")

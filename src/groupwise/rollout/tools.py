@@ -21,7 +21,8 @@ which TRL uses too, ``trl/trainer/grpo_trainer.py``); the chat template renders 
 
 **Execution** (``Toolbox.run``): each call runs with a timeout (a worker thread; a call that overruns
 is reported as an error, and its thread is left to finish on its own: Python cannot stop a thread, so
-a tool must not hold resources forever). The result becomes a tool message
+a tool must not hold resources forever). A tool flagged as a code tool (``rollout/code_tools.py``)
+runs in a fresh sandbox instead, and an overrunning call is killed there. The result becomes a tool message
 ``{"role": "tool", "name": name, "content": str(result)}`` (TRL's form); an unknown tool, bad
 arguments, an exception, a timeout or a malformed call become a tool message whose content is
 ``{"error": "..."}``, never a crash. ``Toolbox.stats()`` counts calls and errors per tool
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from groupwise.errors import ConfigError
+from groupwise.rollout.code_tools import SandboxRunner, is_code_tool
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
@@ -133,7 +135,9 @@ def schema(fn: Callable, where: str = "tools") -> dict:
 class Toolbox:
     """The tools of a run: schemas for the template, execution with a timeout, per-tool counts."""
 
-    def __init__(self, tools: list, timeout: float = 5.0, parser: str | Callable = "hermes"):
+    def __init__(
+        self, tools: list, timeout: float = 5.0, parser: str | Callable = "hermes", sandbox: dict | None = None
+    ):
         self.functions: dict[str, Callable] = {}
         for i, spec in enumerate(tools):
             fn = load_tool(spec, f"rollout.params.tools[{i}]")
@@ -147,6 +151,8 @@ class Toolbox:
         self.errors: dict[str, int] = {}
         self.malformed = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupwise-tool")
+        # code tools (``rollout/code_tools.py``) run in the sandbox; it is checked now, only when one is offered
+        self._sandbox = SandboxRunner(sandbox) if any(map(is_code_tool, self.functions.values())) else None
 
     def run(self, call: Call) -> dict:
         """The tool message answering ``call`` (its result, or ``{"error": ...}``)."""
@@ -157,6 +163,9 @@ class Toolbox:
         fn = self.functions.get(call.name)
         if fn is None:
             return self._error(call.name, f"no tool {call.name!r}; the tools are {sorted(self.functions)}")
+        if self._sandbox is not None and is_code_tool(fn):
+            ok, text = self._sandbox.call(fn, call.arguments, self.timeout)
+            return {"role": "tool", "name": call.name, "content": text} if ok else self._error(call.name, text)
         try:
             result = self._pool.submit(fn, **call.arguments).result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:
