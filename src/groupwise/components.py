@@ -120,7 +120,9 @@ class Env(Protocol):
     it): one instance plays one episode. ``reset(row, seed)`` starts it on a dataset row and returns
     the first observation text; ``step(action)`` applies an action text and returns (observation,
     reward, done). Played by the chat strategy ``agent`` (``rollout/agent.py``), an observation is a
-    user message, or a list of messages."""
+    user message, or a list of messages, and an env may define ``tools() -> list`` (optional): the
+    episode's own tools, methods bound to the instance, offered next to ``rollout.params.tools``
+    (TRL's ``environment_factory`` classes through the ``trl`` env, ``rollout/trl_env.py``)."""
 
     def reset(self, row: dict, seed: int) -> str: ...
     def step(self, action: str) -> tuple[str, float, bool]: ...

@@ -16,6 +16,7 @@ the reward is the episode's return; the advantage is the configured estimator.
 the first user message (a string, or a list of messages), ``step(answer)`` the reply)::
 
     M_0 = [system?] + reset(row)                          messages
+    tools = the toolbox's + env.tools() if the env has it  (bound to this episode's env, ``trl_env.py``)
     c_0 = encode(render(M_0, tools, generation prompt))   the first context (the row's prompt)
     turn t:  a_t ~ policy(c_t)                            sampled ids (EOS included when sampled)
              calls = parse(text(a_t))
@@ -68,7 +69,7 @@ from groupwise.rollout.chat import encode as encode_text
 from groupwise.rollout.chat import render, require_template
 from groupwise.rollout.env import ENV_STREAM, Episode, Played, check_env_rewards, env_name, score_returns
 from groupwise.rollout.episodes import transcripts
-from groupwise.rollout.tools import Toolbox
+from groupwise.rollout.tools import Toolbox, schema
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout
 
@@ -118,9 +119,19 @@ def play_chat(
             instance = copy.deepcopy(protos[name])
             first = instance.reset(row, sample_seed(info.seed, info.step, key, ENV_STREAM + e))
             messages = ([{"role": "system", "content": system}] if system else []) + _messages(first, who)
-            text = render(tokenizer, messages, schemas, generation_prompt=True)
+            # an env may offer tools of its own (bound to this episode's instance), next to the toolbox's
+            own = toolbox.bind(instance.tools(), f"rollout {who}") if hasattr(instance, "tools") else {}
+            own_schemas = schemas + [schema(fn) for fn in own.values()]
+            text = render(tokenizer, messages, own_schemas, generation_prompt=True)
             ep = Episode(key, e, [text])
-            state[id(ep)] = {"env": instance, "messages": messages, "ids": encode_text(tokenizer, text), "text": text}
+            state[id(ep)] = {
+                "env": instance,
+                "messages": messages,
+                "ids": encode_text(tokenizer, text),
+                "text": text,
+                "tools": own,
+                "schemas": own_schemas,
+            }
             group.append(ep)
         episodes.append(group)
     parts, seen = [], 0
@@ -149,7 +160,7 @@ def play_chat(
             calls = toolbox.parse(text)
             reward = 0.0
             if calls:
-                st["messages"] += [toolbox.run(call) for call in calls]
+                st["messages"] += [toolbox.run(call, st["tools"]) for call in calls]
             else:
                 obs, reward, done = st["env"].step(text)
                 ep.done = bool(done)
@@ -161,7 +172,7 @@ def play_chat(
             ep.rewards.append(float(reward))
             ep.rows.append(seen + i)
             if not ep.done:
-                following = render(tokenizer, st["messages"], schemas, generation_prompt=True)
+                following = render(tokenizer, st["messages"], st["schemas"], generation_prompt=True)
                 so_far = st["text"] + tokenizer.decode(action, skip_special_tokens=False)
                 if not following.startswith(so_far) and action and action[-1] in eos:
                     # a stop token the template does not write (another EOS id): the template's own end follows
