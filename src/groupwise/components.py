@@ -644,6 +644,25 @@ HOOKS: tuple[Hook, ...] = (
         "What the finished episode came to (a termination cause, per-step scores).",
     ),
     Hook(
+        "action_extra",
+        ("env",),
+        "attribute",
+        "step",
+        "by the env runner (`rollout/env.py`) at each step: `step` gets that row extra of the sampled row as a "
+        "list instead of its text",
+        "str (a row extra's name, e.g. `x_final`)",
+        "The env acts on a continuous action (the gymnasium adapter).",
+    ),
+    Hook(
+        "tools",
+        ("env",),
+        "method",
+        "step",
+        "by the `agent` strategy after each `reset`: offered next to `rollout.params.tools` for that episode",
+        "tools() -> list[Callable]",
+        "The episode's own tools, methods bound to the instance (TRL `environment_factory` classes).",
+    ),
+    Hook(
         "skipped",
         ("update",),
         "attribute",
