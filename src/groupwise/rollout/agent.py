@@ -59,15 +59,14 @@ too, ``is_chat_template_prefix_preserving``).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from groupwise.errors import ConfigError
-from groupwise.registry import build, register
+from groupwise.registry import register
 from groupwise.rollout.chat import encode as encode_text
 from groupwise.rollout.chat import render, require_template
-from groupwise.rollout.env import ENV_STREAM, Episode, Played, check_env_rewards, env_name, score_returns
+from groupwise.rollout.env import ENV_STREAM, EnvCopies, Episode, Played, check_env_rewards, score_returns
 from groupwise.rollout.episodes import transcripts
 from groupwise.rollout.tools import Toolbox, schema
 from groupwise.seeds import sample_seed
@@ -107,16 +106,13 @@ def play_chat(
     budget = ctx.sampling["max_new_tokens"]
     schemas = toolbox.schemas
     eos = set(getattr(ctx.policy, "eos", None) or [tokenizer.eos_token_id])
-    protos: dict[str, Any] = {}
+    fresh = EnvCopies(env, env_params, who)
     episodes, state = [], {}
     for key in keys:
         row = ctx.meta(key)
-        name = env_name(env, row, who)
-        if name not in protos:
-            protos[name] = build("env", name, **(env_params or {}))
         group = []
         for e in range(n):
-            instance = copy.deepcopy(protos[name])
+            instance = fresh(row)
             first = instance.reset(row, sample_seed(info.seed, info.step, key, ENV_STREAM + e))
             messages = ([{"role": "system", "content": system}] if system else []) + _messages(first, who)
             # an env may offer tools of its own (bound to this episode's instance), next to the toolbox's

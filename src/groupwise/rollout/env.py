@@ -124,6 +124,21 @@ def _extra_action(gen: Rollout, name: str, i: int, who: str) -> list:
     return gen.extras[name][i, 0].tolist()
 
 
+class EnvCopies:
+    """The envs of one rollout call: each env name (``env``, else the row's ``env`` column) built once with
+    ``env_params``, and a deep copy of it per episode (one instance plays one episode)."""
+
+    def __init__(self, env: str | None, env_params: dict | None, who: str):
+        self.env, self.env_params, self.who = env, env_params or {}, who
+        self.protos: dict[str, Any] = {}
+
+    def __call__(self, row: dict) -> Any:
+        name = env_name(self.env, row, self.who)
+        if name not in self.protos:
+            self.protos[name] = build("env", name, **self.env_params)
+        return copy.deepcopy(self.protos[name])
+
+
 def env_name(env: str | None, row: dict, who: str) -> str:
     name = env or row.get("env")
     if not name:
@@ -158,16 +173,13 @@ def play(
     info, encode = ctx.info(0), _cached(ctx.policy.encode)
     limit = min(x for x in (getattr(ctx.policy, "context", None), max_context, 1 << 62) if x)
     budget = ctx.sampling["max_new_tokens"]
-    protos: dict[str, Any] = {}
+    fresh = EnvCopies(env, env_params, who)
     episodes, envs = [], {}
     for key in keys:
         row = ctx.meta(key)
-        name = env_name(env, row, who)
-        if name not in protos:
-            protos[name] = build("env", name, **(env_params or {}))
         group = []
         for e in range(n):
-            instance = copy.deepcopy(protos[name])
+            instance = fresh(row)
             ep = Episode(
                 key,
                 index_base + e,
