@@ -108,6 +108,21 @@ def test_a_self_contained_code_tool_returns_its_value_as_text():
         Toolbox([isqrt_sum], sandbox={"memory": 1})
 
 
+@needs_bwrap
+def test_an_agent_episode_calls_the_python_tool_in_the_sandbox(tok):
+    from test_agents import chat_ctx
+
+    from groupwise.registry import build
+
+    row = {"prompt": "12*34=", "answer": "408", "env": "answer"}
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(12*34)"}}</tool_call>'
+    strategy = build("rollout", "agent", tools=["groupwise.rollout.code_tools:python"], tool_timeout=2.0)
+    batch = strategy(chat_ctx(tok, [row], [[call, "408"]], 1))
+    transcript = batch.info[0][0]["log"]["transcript"]
+    assert transcript[2] == {"role": "tool", "name": "python", "content": "408\n"}  # what the program printed
+    assert batch.rewards.tolist() == [[1.0]] and strategy.step_stats()["tools/python/calls"] == 1
+
+
 # ---------------------------------------------------------------------------------------------- TRL environments
 class Counter:
     """A TRL ``environment_factory`` class as TRL's docs write one: reset(**kwargs), public methods are tools,

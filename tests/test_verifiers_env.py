@@ -1,5 +1,5 @@
 """The verifiers adapter (issue 40): verifiers' own environment classes (SingleTurnEnv, a MultiTurnEnv written
-as verifiers' docs write one, their Rubric and parser) played by the ``agent`` strategy, and two training steps
+as verifiers' docs write one, their Rubric) played by the ``agent`` strategy, and two training steps
 on the shipped chat model. Skipped where verifiers is not installed (extra ``agents``)."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_agents import chat_ctx
 
-vf = pytest.importorskip("verifiers")
+from groupwise.errors import ConfigError
+from groupwise.registry import build
 
-from datasets import Dataset  # noqa: E402  (after the skip: verifiers brings nothing else)
-from test_agents import chat_ctx  # noqa: E402
 
-from groupwise.errors import ConfigError  # noqa: E402
-from groupwise.registry import build  # noqa: E402
-from groupwise.rollout.verifiers_env import rows  # noqa: E402
+@pytest.fixture(scope="module")
+def vf():
+    return pytest.importorskip("verifiers")  # imported here, not at collection: the import takes ~4-13 s
 
 
 @pytest.fixture(scope="module")
@@ -32,33 +32,44 @@ def exact(completion, answer, **kwargs) -> float:
     return 1.0 if completion[-1]["content"].strip() == answer else 0.0
 
 
-def make_products() -> vf.SingleTurnEnv:
+def make_products():
+    import verifiers as vf
+    from datasets import Dataset
+
     data = Dataset.from_list([{"question": "12*34=", "answer": "408"}, {"question": "5*6=", "answer": "30"}])
     return vf.SingleTurnEnv(dataset=data, system_prompt="Answer with the number.", rubric=vf.Rubric(funcs=[exact]))
-
-
-class GuessEnv(vf.MultiTurnEnv):
-    """Guess the row's number in at most 3 guesses; the env says higher / lower, and ends on a right guess."""
-
-    async def env_response(self, messages, state, **kwargs):
-        guess, answer = messages[-1]["content"].strip(), int(state["answer"])
-        if guess.isdigit() and int(guess) == answer:
-            state["final_env_response"] = [{"role": "user", "content": "right"}]
-            return state["final_env_response"]
-        hint = "higher" if guess.isdigit() and int(guess) < answer else "lower"
-        return [{"role": "user", "content": hint}]
 
 
 def won(state, **kwargs) -> float:
     return 1.0 if state.get("final_env_response") else 0.0
 
 
-def make_guess() -> GuessEnv:
+def make_guess():
+    import verifiers as vf
+    from datasets import Dataset
+
+    class GuessEnv(vf.MultiTurnEnv):
+        """Guess the row's number in at most 3 guesses; the env says higher / lower, ends on a right guess."""
+
+        async def env_response(self, messages, state, **kwargs):
+            guess, answer = messages[-1]["content"].strip(), int(state["answer"])
+            if guess.isdigit() and int(guess) == answer:
+                state["final_env_response"] = [{"role": "user", "content": "right"}]
+                return state["final_env_response"]
+            hint = "higher" if guess.isdigit() and int(guess) < answer else "lower"
+            return [{"role": "user", "content": hint}]
+
     data = Dataset.from_list([{"question": "Guess my number (1-9).", "answer": "7"}])
     return GuessEnv(dataset=data, rubric=vf.Rubric(funcs=[won]), max_turns=3)
 
 
-def test_a_single_turn_verifiers_env_gives_its_prompts_and_its_rubrics_reward(tok):
+def rows(environment):
+    from groupwise.rollout.verifiers_env import rows as vf_rows
+
+    return vf_rows(environment)
+
+
+def test_a_single_turn_verifiers_env_gives_its_prompts_and_its_rubrics_reward(vf, tok):
     env = make_products()
     data = rows(env)
     assert data == [
@@ -77,7 +88,7 @@ def test_a_single_turn_verifiers_env_gives_its_prompts_and_its_rubrics_reward(to
     assert batch.info[0][1]["env"] == {"reward": 0.0, "metric/exact": 0.0, "metric/num_turns": 1.0}
 
 
-def test_a_multi_turn_verifiers_env_plays_its_turns(tok):
+def test_a_multi_turn_verifiers_env_plays_its_turns(vf, tok):
     data = rows(make_guess())
     # episode 0: 3 (higher), 7 (right: the env's final reply ends it); episode 1: 1, 2, 7: verifiers' loop stops
     # at max_turns=3 right after the third turn, before env_response judges it, so even a right third guess loses
@@ -92,15 +103,18 @@ def test_a_multi_turn_verifiers_env_plays_its_turns(tok):
     assert lost["cut"] == "" and lost["env"]["metric/num_turns"] == 3.0  # the env's max_turns ended it
 
 
-def test_the_adapter_refuses_what_is_not_a_verifiers_env():
+def test_the_adapter_refuses_what_is_not_a_verifiers_env(vf):
     with pytest.raises(ConfigError, match="MultiTurnEnv"):
         build("env", "verifiers", environment=lambda: object())
+    with pytest.raises(ConfigError, match="ToolEnv"):
+        build("env", "verifiers", environment=lambda: vf.ToolEnv(dataset=make_products().dataset, tools=[]))
     env = build("env", "verifiers", environment=make_guess)
     with pytest.raises(ConfigError, match="example_id"):
         env.reset({"prompt": "x"}, 0)
 
 
-def test_a_verifiers_env_trains_on_the_chat_model(tmp_path):
+@pytest.mark.slow  # ~5 s, and the verifiers import; the adapter's turns and rewards are covered above in make test
+def test_a_verifiers_env_trains_on_the_chat_model(vf, tmp_path):
     from groupwise.build import build as build_parts
     from groupwise.config import load_config
     from groupwise.run import Run

@@ -100,6 +100,11 @@ class Verifiers:
                 f"(SingleTurnEnv included), got {type(made).__name__}; e.g. env_params = {{environment = "
                 f"'my_envs:load_environment'}}"
             )
+        if isinstance(made, vf.ToolEnv):
+            raise ConfigError(
+                f"env verifiers: {type(made).__name__} is a ToolEnv, whose tool calls an OpenAI server parses; offer "
+                f"its functions as rollout.params.tools (the agent strategy parses and runs them) with a MultiTurnEnv"
+            )
         self._env, self._loop = made, asyncio.new_event_loop()
 
     def __deepcopy__(self, memo: dict) -> Verifiers:
