@@ -131,7 +131,10 @@ class Counter:
     def __init__(self):
         self.total, self.target = 0, 0
 
+    resets: list = []  # the keyword arguments of every reset (class-wide, for the test)
+
     def reset(self, **kwargs) -> str | None:
+        Counter.resets.append(sorted(kwargs))
         self.total, self.target = 0, int(kwargs["target"])
         return f"The total is 0; reach {self.target}."
 
@@ -164,6 +167,7 @@ def test_a_trl_environment_class_trains_unchanged(tok):
     strategy = build("rollout", "agent", env_params={"factory": Counter})
     batch = strategy(chat_ctx(tok, [row], script, 3))
     assert batch.rewards.tolist() == [[1.0, 0.0, 0.0]]
+    assert Counter.resets[-3:] == [["prompt", "target"]] * 3  # the row's columns, not the runner's 'env'
     log = batch.info[0][0]["log"]["transcript"]
     assert log[0] == {"role": "user", "content": "Use the tool. The total is 0; reach 5."}  # reset's text appended
     assert [m["content"] for m in log if m["role"] == "tool"] == ["2", "5"]

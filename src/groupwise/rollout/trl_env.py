@@ -6,10 +6,11 @@ probe in ``__init__``, the per-rollout ``reset`` in ``_generate_and_score_comple
 ``_tool_call_loop``) to the env contract (``components.Env``), played by the ``agent`` strategy.
 
 TRL's contract, as its trainer calls it: ``factory()`` makes an instance; ``reset(**row)`` gets the
-dataset row's columns as keyword arguments and returns ``None`` or a string that is appended to the
-row's last prompt message; every public method other than ``reset`` and ``get_reward`` is a tool (a
-bound method: its calls change this rollout's instance); the rollout ends when the assistant answers
-without a tool call; ``get_reward()`` then scores it from the instance's state.
+dataset row's columns as keyword arguments (here all but ``env``, which names the env) and returns
+``None`` or a string that is appended to the row's last prompt message; every public method other
+than ``reset`` and ``get_reward`` is a tool (a bound method: its calls change this rollout's
+instance); the rollout ends when the assistant answers without a tool call; ``get_reward()`` then
+scores it from the instance's state.
 
 **Math** (one episode)::
 
@@ -88,7 +89,8 @@ class TRLEnvironment:
 
     def reset(self, row: dict, seed: int) -> list[dict]:
         self._env, self._reward = self.factory(), 0.0
-        observation = self._env.reset(**row)
+        # every column but ``env``, the runner's control field (as TRL leaves out its ``environment`` field)
+        observation = self._env.reset(**{k: v for k, v in row.items() if k != "env"})
         prompt = row.get("prompt", "")
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
