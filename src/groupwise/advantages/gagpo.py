@@ -1,9 +1,9 @@
 """GAGPO: per-turn GAE advantages over a grouped, non-parametric state value (multi-turn episodes).
 
-"GAGPO: Generalized Advantage Grouped Policy Optimization for multi-turn agents", Zhu, Yu, Yang,
-Liu, Hu, Chen, Zhang, 2026. arXiv 2605.13217, https://arxiv.org/abs/2605.13217 (specs/23; the full
-text was not available: the method's structure comes from third-party summaries, every exact form
-below is the spec's reconstruction, [INFERRED]). No code was found.
+GAGPO (Generalized Advantage Grouped Policy Optimization), Zhu, Yu, Yang, Liu, Hu, Chen, Zhang (SYSU
+and Meituan), 2026. arXiv 2605.13217, https://arxiv.org/abs/2605.13217 (specs/23; the full text was
+not available: the method's structure comes from third-party summaries, every exact form below is
+the spec's reconstruction, [INFERRED]). No code was found.
 
 **Change vs GRPO**: GRPO gives every token of an episode its trajectory's group-normalised return,
 so a good first move in a failed episode is blamed. GAGPO gives each turn t of episode i its own

@@ -66,7 +66,7 @@ def door(code: int, key: bool) -> str:
 @register("env", "keydoor")
 @dataclass
 class KeyDoor:
-    """Pick the key (digit ``key``) on turn 1, then type the door's code: reward 1 iff both (one episode an instance)."""
+    """Pick the key (digit ``key``) on turn 1, then type the door code: reward 1 iff both (one episode an instance)."""
 
     key: int = 2
     slack: int = 0
