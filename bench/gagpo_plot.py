@@ -44,7 +44,7 @@ def curves(folder: Path, key: str) -> list[tuple[list[int], list[float]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="GAGPO keydoor curves of claim 23-gagpo, both arms")
     parser.add_argument("--runs", default="runs/claims/confirm/23-gagpo")
     parser.add_argument("--out", default="src/groupwise/papers/23_gagpo/keydoor_curves.png")
     ns = parser.parse_args()

@@ -144,7 +144,7 @@ def test_segment_span_needs_segments_and_row_span_is_todays_term():
     lp = torch.where(mask, logp, 0.0)
     log_s = (torch.where(mask, lp - torch.where(mask, old, 0.0), 0.0).sum(-1) / mask.sum(-1).clamp(min=1))[..., None]
     ratio = torch.exp(log_s + lp - lp)
-    adv = torch.where(mask, mb.advantages[..., None].expand(2, 3, 5), 0.0)
+    adv = torch.where(mask, torch.as_tensor(mb.advantages)[..., None].expand(2, 3, 5), 0.0)
     want = -torch.minimum(ratio * adv, ratio.clamp(1 - 3e-4, 1 + 4e-4) * adv)
     got = GSPO()(mb, {"logp": logp}, info_for(5))
     assert torch.equal(got, want)

@@ -104,18 +104,18 @@ class GSPO:
             raise ConfigError(f"objective gspo: span must be 'row' or 'segment', got {self.span!r}")
 
     def _ratio_adv(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        mask = term_mask(mb)  # [b,G,T]
+        mask, segment_id = term_mask(mb), mb.segment_id  # [b,G,T], [b,G,T] or None
         if self.span == "segment":
-            if mb.segment_id is None:
+            if segment_id is None:
                 raise ConfigError(
                     "objective gspo(span='segment') needs rollout.segment_id (the turns of a multi-turn "
                     "transcript): use rollout.name='episodes', or span='row'"
                 )
-            mask = mask & (mb.segment_id >= 0)  # [b,G,T] tokens in no segment get no loss
+            mask = mask & (segment_id >= 0)  # [b,G,T] tokens in no segment get no loss
         logp = masked_input(out["logp"], mask)  # [b,G,T]
         logp_old = masked_input(required(mb, "logp_old", "gspo"), mask)  # [b,G,T]
-        if self.span == "segment":
-            log_s = segment_log_ratio(logp, logp_old, mask, mb.segment_id)  # [b,G,T]
+        if segment_id is not None and self.span == "segment":
+            log_s = segment_log_ratio(logp, logp_old, mask, segment_id)  # [b,G,T]
             ratio = torch.exp(log_s.detach() + logp - logp.detach())  # [b,G,T]
         else:
             log_s = seq_log_ratio(logp, logp_old, mask)  # [b,G]

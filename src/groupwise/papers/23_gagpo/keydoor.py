@@ -116,7 +116,7 @@ def format_row(code: int, room: int, key: int = 2) -> dict:
 
 def _rows(split: str, n: int, seed: int = 0) -> list[dict]:
     """``n`` rows of ``split`` ('train' or 'test'); ``n <= 0`` means the whole split."""
-    return [format_row(c, r) for c, r in split_pool(_problems(), split, n, seed, TEST_SIZE, "keydoor")]
+    return [format_row(c, r) for c, r in split_pool(list(_problems()), split, n, seed, TEST_SIZE, "keydoor")]
 
 
 register_task(
