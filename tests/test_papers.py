@@ -15,7 +15,8 @@ from groupwise.errors import ConfigError
 from groupwise.papers import PACKAGE, PAPERS, check, find, folders, papers, standard
 
 ROOT = Path(__file__).resolve().parents[1]
-# the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder), and 19, 23, 26, 37 (issue 37)
+# the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder),
+# and 19, 23, 26, 37 (issue 37)
 IMPLEMENTED = [
     2,
     3,
