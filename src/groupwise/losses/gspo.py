@@ -43,11 +43,20 @@ sequence advantage; token-level advantages are allowed as in the paper's GSPO-to
    adv·∇mean_t(logp) that GSPO reduces to.
 4. Statistics are those of ``ppo_clip`` evaluated on the sequence ratio.
 5. ``seq_log_ratio`` is the shared primitive (specs/README ``seq_ratio``, in log space).
-6. ``length_norm = false`` (an option, not the paper's; first consumer 22 GRIP-VLM, whose "sequence" is
+6. ``span = "segment"`` (design M5; spec 23 GAGPO's action-level ratio, [INFERRED] form): the
+   "sequence" is one segment (``segment_id``, a multi-turn episode's turn), not the row::
+
+       log_s_{i,k} = Σ_{t: seg(t)=k} mask·(logp − logp_old) / |{t: seg(t)=k, mask}|     # [b,G,S]
+       ratio_t     = exp(sg[log_s_{i,seg(t)}] + logp_t − sg[logp_t])
+
+   Tokens in no segment (``segment_id = −1``) get no loss (0). A batch without ``segment_id`` fails
+   with the fix. ``span = "row"`` is the term above, unchanged (byte-identical: a test).
+7. ``length_norm = false`` (an option, not the paper's; first consumer 22 GRIP-VLM, whose "sequence" is
    an ordered selection of k items): log_s = Σ_t mask·(logp − logp_old), the ratio of the whole
    sequence's likelihood. The token form keeps ratio_t = s_i on every token and ∇ratio_t = s_i∇logp_t,
    so under ``agg = "seq_mean_token_sum"`` the gradient is exactly that of 1/n Σ_i min(s_i A_i,
    clip(s_i) A_i) (the loss value is |y| times it); under ``seq_mean_token_mean`` it is 1/|y| of it.
+   With ``span = "row"`` only (a segment is a turn, not the whole selection): the build refuses the pair.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, required, term_mask, token_advantages
 from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import register
@@ -71,6 +81,19 @@ def seq_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor, length_norm: boo
     return masked_mean(logp - logp_old, mask, dim=-1)  # [b,G]
 
 
+def segment_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor, segment_id: Tensor) -> Tensor:
+    """[b,G,T] each token's segment's length-normalised log-ratio (Note 6), 0 where ``mask`` is off or
+    the token is in no segment (``segment_id`` [b,G,T] long, −1: none)."""
+    on = mask & (segment_id >= 0)  # [b,G,T]
+    S = int(segment_id.max().clamp(min=0)) + 1
+    seg = segment_id.clamp(min=0)  # [b,G,T] (off tokens add 0 below)
+    diff = torch.where(on, logp - logp_old, torch.zeros((), dtype=logp.dtype))  # [b,G,T]
+    total = torch.zeros(*seg.shape[:2], S, dtype=logp.dtype).scatter_add_(-1, seg, diff)  # [b,G,S]
+    count = torch.zeros(*seg.shape[:2], S, dtype=logp.dtype).scatter_add_(-1, seg, on.to(logp.dtype))  # [b,G,S]
+    log_s = total / count.clamp(min=1)  # [b,G,S]
+    return torch.where(on, log_s.gather(-1, seg), torch.zeros((), dtype=logp.dtype))  # [b,G,T]
+
+
 @register("objective", "gspo")
 @dataclass
 class GSPO:
@@ -80,20 +103,36 @@ class GSPO:
     eps_high: float = 4e-4
     coef: float = 1.0
     agg: str | None = None
-    # false: the ratio is exp(Σ_t (logp − logp_old)), the whole sequence's likelihood ratio (Note 6) [INFERRED]
+    span: str = "row"  # "row": one ratio per row | "segment": one per segment_id (a turn; Note 6)
+    # false: the ratio is exp(Σ_t (logp − logp_old)), the whole row's likelihood ratio (Note 7; span "row") [INFERRED]
     length_norm: bool = True
 
     needs = ()
 
     def __post_init__(self) -> None:
         check_clip("gspo", self.eps_low, self.eps_high)
+        if self.span not in ("row", "segment"):
+            raise ConfigError(f"objective gspo: span must be 'row' or 'segment', got {self.span!r}")
+        if self.span == "segment" and not self.length_norm:
+            raise ConfigError("objective gspo: length_norm=false is the whole row's ratio; use it with span='row'")
 
     def _ratio_adv(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        mask = term_mask(mb)  # [b,G,T]
+        mask, segment_id = term_mask(mb), mb.segment_id  # [b,G,T], [b,G,T] or None
+        if self.span == "segment":
+            if segment_id is None:
+                raise ConfigError(
+                    "objective gspo(span='segment') needs rollout.segment_id (the turns of a multi-turn "
+                    "transcript): use rollout.name='episodes', or span='row'"
+                )
+            mask = mask & (segment_id >= 0)  # [b,G,T] tokens in no segment get no loss
         logp = masked_input(out["logp"], mask)  # [b,G,T]
         logp_old = masked_input(required(mb, "logp_old", "gspo"), mask)  # [b,G,T]
-        log_s = seq_log_ratio(logp, logp_old, mask, self.length_norm)  # [b,G]
-        ratio = torch.exp(log_s.detach()[..., None] + logp - logp.detach())  # [b,G,T]
+        if segment_id is not None and self.span == "segment":
+            log_s = segment_log_ratio(logp, logp_old, mask, segment_id)  # [b,G,T]
+            ratio = torch.exp(log_s.detach() + logp - logp.detach())  # [b,G,T]
+        else:
+            log_s = seq_log_ratio(logp, logp_old, mask, self.length_norm)  # [b,G]
+            ratio = torch.exp(log_s.detach()[..., None] + logp - logp.detach())  # [b,G,T]
         adv = token_advantages(mb, mask, "gspo")  # [b,G,T]
         return ratio, adv
 
