@@ -189,6 +189,8 @@ def test_gspo_without_length_norm_is_the_whole_sequence_ratio():
     values, grad = _term_grad(build("objective", "gspo", eps_low=0.05, eps_high=0.05, length_norm=False), mb, logp)
     torch.testing.assert_close(values[0, 0, :2], torch.tensor([-1.05, -1.05]))
     assert grad.abs().sum() == 0
+    with pytest.raises(ConfigError, match="length_norm=false is the whole row's ratio; use it with span='row'"):
+        build("objective", "gspo", span="segment", length_norm=False)
 
 
 @pytest.mark.parametrize("eps", [(0.2, 0.2), (0.05, 0.08)])
