@@ -1,6 +1,6 @@
 """The policy a run trains, by kind: ``build_policy(model_cfg, perf)`` for ``model.policy`` = ``lm``,
-``flow``, ``unified`` or ``gaussian`` (``policy/__init__.py``). A toy kind with ``model.path`` other
-than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``: config and
+``flow``, ``unified``, ``gaussian`` or ``mdlm`` (``policy/__init__.py``). A toy kind with ``model.path`` other
+than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``, ``mdlm_policy.pt``: config and
 weights, what its ``save`` writes): a
 fitted toy is then a warm start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params``
 may change sampling settings (``sde``, ``sde_window``) but not the saved architecture."""
@@ -14,8 +14,13 @@ import torch
 
 from groupwise.errors import ConfigError
 
-KINDS = ("lm", "flow", "unified", "gaussian")
-TOY_FILES = {"flow": "flow_policy.pt", "unified": "flow_policy.pt", "gaussian": "gaussian_policy.pt"}
+KINDS = ("lm", "flow", "unified", "gaussian", "mdlm")
+TOY_FILES = {
+    "flow": "flow_policy.pt",
+    "unified": "flow_policy.pt",
+    "gaussian": "gaussian_policy.pt",
+    "mdlm": "mdlm_policy.pt",
+}
 
 
 def build_policy(model_cfg: Any, perf: Any) -> Any:
@@ -26,13 +31,19 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
     if model_cfg.policy in TOY_FILES:
         from groupwise.modalities.flow import FlowPolicy
         from groupwise.modalities.gaussian import GaussianPolicy
+        from groupwise.modalities.mdlm import MDLMPolicy
         from groupwise.modalities.unified import UnifiedPolicy
 
         if getattr(model_cfg, "device", "cpu") not in ("cpu", "auto"):
             raise ConfigError(
                 f'model.device={model_cfg.device!r}: the {model_cfg.policy} toy runs on the CPU; use model.device="cpu"'
             )
-        cls = {"flow": FlowPolicy, "unified": UnifiedPolicy, "gaussian": GaussianPolicy}[model_cfg.policy]
+        cls = {
+            "flow": FlowPolicy,
+            "unified": UnifiedPolicy,
+            "gaussian": GaussianPolicy,
+            "mdlm": MDLMPolicy,
+        }[model_cfg.policy]
         saved = _saved_toy(model_cfg)
         params = dict(model_cfg.params) if saved is None else {**saved["config"], **model_cfg.params}
         try:
