@@ -1,9 +1,10 @@
 """The policy a run trains, by kind: ``build_policy(model_cfg, perf)`` for ``model.policy`` = ``lm``,
-``flow``, ``unified``, ``gaussian`` or ``mdlm`` (``policy/__init__.py``). A toy kind with ``model.path`` other
-than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``, ``mdlm_policy.pt``: config and
-weights, what its ``save`` writes): a
-fitted toy is then a warm start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params``
-may change sampling settings (``sde``, ``sde_window``) but not the saved architecture."""
+``flow``, ``unified``, ``gaussian`` or ``mdlm`` (``policy/__init__.py``). A toy kind with ``model.path``
+other than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``,
+``mdlm_policy.pt``: config and weights, what its ``save`` writes; a bare name such as
+``"mdlm_sum_pairs"`` is the folder shipped in ``groupwise/models/``): a fitted toy is then a warm
+start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params`` may change sampling
+settings (``sde``, ``sde_window``, the mdlm's ``estimator``) but not the saved architecture."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from groupwise.errors import ConfigError
 
+SHIPPED = Path(__file__).resolve().parents[1] / "models"  # the package's shipped models
 KINDS = ("lm", "flow", "unified", "gaussian", "mdlm")
 TOY_FILES = {
     "flow": "flow_policy.pt",
@@ -69,6 +71,9 @@ def _saved_toy(model_cfg: Any) -> dict | None:
     if model_cfg.path in ("", "default"):
         return None
     file = Path(model_cfg.path) / TOY_FILES[model_cfg.policy]
+    shipped = SHIPPED / model_cfg.path / TOY_FILES[model_cfg.policy]
+    if not file.is_file() and "/" not in model_cfg.path and shipped.is_file():
+        file = shipped  # a bare name of a model shipped in the package (models/mdlm_sum_pairs)
     if not file.is_file():
         raise ConfigError(
             f"model.path={model_cfg.path!r}: no {file.name} there; a {model_cfg.policy} policy loads the folder "
