@@ -19,6 +19,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     test = greedy_accuracy(policy, rows("test", 0))
     policy.save(args.out)
     record = {
-        "command": "python -m groupwise.models.mdlm_fit " + " ".join(argv or []),
+        "command": "python -m groupwise.models.mdlm_fit " + " ".join(sys.argv[1:] if argv is None else argv),
         "args": vars(args),
         "config": policy.config,
         "steps": result["steps"],
