@@ -109,6 +109,9 @@ def test_unmasking_samples_the_contract_and_rescore_exactly():
     # row j draws from its own seed: the second request alone samples the same canvases
     alone = policy.generate(REQUESTS[1:], {}, INFO)
     assert torch.equal(alone.actions[0, :2], out.actions[1, :2])
+    # the rollout context passes encoded prompts (ids): the same rows as the text
+    encoded = [Request(key=r.key, n=r.n, prompt=policy.encode(r.prompt)) for r in REQUESTS]
+    assert torch.equal(policy.generate(encoded, {}, INFO).actions, out.actions)
     # greedy: no draws, every row of a prompt the same
     greedy = policy.generate(REQUESTS, {"greedy": True}, INFO)
     assert torch.equal(greedy.actions[0, 0], greedy.actions[0, 2])

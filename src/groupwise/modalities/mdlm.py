@@ -126,7 +126,10 @@ class MDLMPolicy:
 
     # ------------------------------------------------------------------ encoding
     def encode(self, prompt: Any) -> list[int]:
-        """A text prompt as token ids (no special tokens)."""
+        """A text prompt as token ids (no special tokens); an encoded prompt (a list of ids: what the rollout
+        context passes as a request's prompt) as it is."""
+        if isinstance(prompt, (list, tuple)):
+            return [int(i) for i in prompt]
         return list(self.tokenizer.encode(str(prompt), add_special_tokens=False))
 
     def decode(self, rollout: Rollout) -> list[list[str]]:
