@@ -46,7 +46,7 @@ class _Model:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--path", default="mdlm_sum_pairs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1000, 1001, 1002, 1003, 1004])
     parser.add_argument("--samples", type=int, default=6)

@@ -101,7 +101,7 @@ class MDLMPolicy:
                 f"1 <= steps <= length; got {width}, {layers}, {heads}, {max_prompt}, {length}, steps={steps}"
             )
         self.estimator = parse_estimator(estimator, length)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
         V = len(self.tokenizer)
         self.eos, self.mask_id = int(self.tokenizer.eos_token_id), V
         ids = [self.tokenizer.convert_tokens_to_ids(c) for c in allowed]
@@ -234,7 +234,7 @@ class MDLMPolicy:
     def scoring_models(self, with_reference: bool) -> dict[str, Any]:
         if with_reference and self.reference is None:
             self.reference = self.snapshot()
-        models = {"policy": lambda: contextlib.nullcontext(self)}
+        models: dict[str, Any] = {"policy": lambda: contextlib.nullcontext(self)}
         if self.reference is not None:
             models["ref"] = lambda: contextlib.nullcontext(self.reference)
         return models

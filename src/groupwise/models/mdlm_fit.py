@@ -45,7 +45,7 @@ def greedy_accuracy(policy: MDLMPolicy, data: list[dict], batch: int = 100) -> f
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--target-accuracy", type=float, default=0.3)
     parser.add_argument("--steps", type=int, default=4000)
