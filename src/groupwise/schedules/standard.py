@@ -1,4 +1,5 @@
-"""Step schedules for any coefficient: constant, linear, cosine, polynomial, step, and warm-up-then-constant.
+"""Step schedules for any coefficient: constant, linear, cosine, polynomial, step, warm-up-then-constant,
+and piecewise-constant phases.
 
 Standard practice (no single paper): the linear, cosine and polynomial shapes are the learning-rate
 schedules of ``torch.optim.lr_scheduler`` (``LinearLR``, ``CosineAnnealingLR``, ``PolynomialLR``)
@@ -18,6 +19,7 @@ on gradually, HölderPO's annealed order p (specs/30) or ConSPO's curriculum mar
                f(u) = (1 + sgn(2u - 1) * |2u - 1| ** power) / 2      (centered = true)
     step:      start_value while u < 1, then end
     warmup:    value * min(1, (s + 1) / warmup_steps)
+    piecewise: values[k],  k = #{a in at : u >= a}                  (at: increasing fractions of the span)
 
 **Defaults** (all [INFERRED]: no paper prescribes them; each names the obvious shape)
 
@@ -30,6 +32,8 @@ on gradually, HölderPO's annealed order p (specs/30) or ConSPO's curriculum mar
   shape, mid + amp·(2u − 1)³ (specs/30 [CODE]).
 - step: ``start_value = 0.0``, ``end = 1.0`` [INFERRED] a switch at the end of the span.
 - warmup: ``value = 1.0``, ``warmup_steps = 1`` [INFERRED] (1: full value from step 0).
+- piecewise: ``values = [0.0]``, ``at = []`` [INFERRED] one phase; HT-GRPO's three training stages
+  (spec 12) are ``values = [0, 1, 2], at = [0.4, 0.7]``.
 
 **Notes**
 
@@ -44,12 +48,14 @@ on gradually, HölderPO's annealed order p (specs/30) or ConSPO's curriculum mar
    half-way whatever the power) and f is odd-symmetric about it: f(u) + f(1 − u) = 1.
 6. ``step`` jumps exactly at step ``S`` (u = 1). With ``steps = 0`` that is step ``train.steps``,
    one past the last: the run stays at ``start_value`` (give ``steps`` for a switch).
+7. ``piecewise`` needs ``len(values) == len(at) + 1`` and ``at`` strictly increasing in (0, 1]; a
+   boundary belongs to the later phase (u = 0.4 with ``at = [0.4]`` is ``values[1]``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
@@ -163,3 +169,30 @@ class WarmupSchedule:
 
     def __call__(self, info: StepInfo, rollout: Rollout | None = None) -> float:
         return self.value * min(1.0, (info.step + 1) / self.warmup_steps)
+
+
+@register("schedule", "piecewise")
+@dataclass
+class PiecewiseSchedule:
+    """``values[k]`` in the k-th phase of the span, phases starting at the fractions ``at`` (Note 7)."""
+
+    values: list[float] = field(default_factory=lambda: [0.0])  # one value per phase
+    at: list[float] = field(default_factory=list)  # the fractions of the span where phases 2, 3, ... start
+    steps: int = 0  # the span (0 = the whole run)
+
+    def __post_init__(self) -> None:
+        edges = [0.0, *self.at]
+        if len(self.values) != len(self.at) + 1 or any(b <= a for a, b in zip(edges, edges[1:])) or edges[-1] > 1:
+            raise ValueError(
+                f"piecewise schedule: need len(values) == len(at) + 1 and at strictly increasing in (0, 1]; "
+                f"got values={self.values}, at={self.at}"
+            )
+        if self.steps < 0:
+            raise ValueError(f"piecewise schedule: steps must be >= 0 (0 = the whole run), got {self.steps}")
+
+    def start(self) -> float:
+        return float(self.values[0])
+
+    def __call__(self, info: StepInfo, rollout: Rollout | None = None) -> float:
+        u = _progress(info.step, self.steps, info.total_steps)
+        return float(self.values[sum(u >= a for a in self.at)])

@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -83,8 +85,10 @@ def check(seed: int, args: argparse.Namespace) -> dict:
             "layout_success": round(float(lay.mean()), 4),
             "detail_share": round(float(det.mean()), 4),
         }
-    if args.out:
+    if args.out:  # the weights and this record (the shipped models/mdlm_layout_paint is --seeds 0's)
         policy.save(f"{args.out}/seed{seed}")
+        command = "python -m groupwise.papers.12_ht_grpo.premise " + " ".join(args.argv)
+        Path(f"{args.out}/seed{seed}/fit.json").write_text(json.dumps({"command": command, **record}, indent=1) + "\n")
     print(json.dumps(record), flush=True)
     return record
 
@@ -99,6 +103,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--texture", type=int, default=task.TEXTURE, help="W: 1 = details fixed by the layout")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
     torch.set_num_threads(1)
     return [check(seed, args) for seed in args.seeds]
 
