@@ -10,7 +10,8 @@ from), then samples ``--group`` canvases per layout (Gumbel draws, the kind's ``
 reports the mean ``commit_step`` (1..S) of positions 0–3 and 4–15, with the greedy canvases' too.
 Under a position-blind order both means are (S+1)/2 = 2.5 (S = 4); layout strictly first gives
 1.0 vs 3.0. ``--texture 1`` fits the variant whose details are fixed by the layout (no texture draw).
-``--out DIR`` saves each seed's model as ``DIR/seed<k>``.
+``--out DIR`` saves each seed's model as ``DIR/seed<k>``; ``--plot FILE`` draws the first seed's
+sampled commit steps per position (``commit_order.png`` is ``--seeds 0 --plot ...``).
 
 **Defaults** (all [INFERRED]): L = 16, S = 4 (4 tokens a step), ``allowed = "01234567"``, a 2 × 32
 net, batch 64, AdamW lr 2e-3 (warm-up 50), a check every 50 steps, ``--target 0.5``, at most 1500 steps.
@@ -45,6 +46,28 @@ def sample(policy: MDLMPolicy, data: list[dict], group: int, greedy: bool, seed:
 
 def layout_success(policy: MDLMPolicy, data: list[dict]) -> float:
     return float(sample(policy, data, 1, True, 0)[1].mean())  # the layout part alone: texture-blind
+
+
+def plot(commit: torch.Tensor, steps: int, title: str, path: str) -> None:
+    """The share of sampled canvases that commit each position at each step (commit [N,L], 1..S)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    share = torch.stack([(commit == s).double().mean(0) for s in range(1, steps + 1)])  # [S,L]
+    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    image = ax.imshow(share.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    ax.axvline(3.5, color="white", lw=2)
+    ax.set_xticks(range(commit.shape[1]))
+    ax.set_yticks(range(steps), [str(s) for s in range(1, steps + 1)])
+    ax.set_xlabel("canvas position (0-3 layout | 4-15 details)")
+    ax.set_ylabel("commit step")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, label="share of canvases")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def check(seed: int, args: argparse.Namespace) -> dict:
@@ -85,6 +108,12 @@ def check(seed: int, args: argparse.Namespace) -> dict:
             "layout_success": round(float(lay.mean()), 4),
             "detail_share": round(float(det.mean()), 4),
         }
+        if args.plot and name == "sampled" and seed == args.seeds[0]:
+            title = (
+                f"layout_paint (texture W = {args.texture}), fit seed {seed}: {len(commit)} sampled canvases\n"
+                f"mean commit step {record[name]['commit_layout']:.2f} (layout) vs {record[name]['commit_detail']:.2f}"
+            )
+            plot(commit, policy.steps, title, args.plot)
     if args.out:  # the weights and this record (the shipped models/mdlm_layout_paint is --seeds 0's)
         policy.save(f"{args.out}/seed{seed}")
         command = "python -m groupwise.papers.12_ht_grpo.premise " + " ".join(args.argv)
@@ -102,6 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--texture", type=int, default=task.TEXTURE, help="W: 1 = details fixed by the layout")
     parser.add_argument("--out", default="")
+    parser.add_argument("--plot", default="", help="a PNG of the first seed's sampled commit steps per position")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     torch.set_num_threads(1)
