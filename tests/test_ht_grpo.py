@@ -167,6 +167,7 @@ def test_the_recipe_weights_by_order_and_stages_the_tokens(tmp_path):
         trainer.run_step()
         trainer.step += 1  # what Run does after each step
         batch = trainer.last_batch
+        assert batch is not None
         order = batch.extras["commit_step"]  # [2,8,16]
         w = hierarchical_weights(order, batch.mask, 4, 1.0)  # [2,8,16]
         if step < 2:

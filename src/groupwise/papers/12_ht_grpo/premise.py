@@ -25,17 +25,16 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from groupwise.modalities.mdlm import MDLMPolicy
-from groupwise.phases.sft import SFT
 from groupwise.types import Request, StepInfo
 
 task = importlib.import_module("groupwise.papers.12_ht_grpo.layout_paint")
 
 
-def sample(policy: MDLMPolicy, data: list[dict], group: int, greedy: bool, seed: int, texture: int = task.TEXTURE):
+def sample(policy: Any, data: list[dict], group: int, greedy: bool, seed: int, texture: int = task.TEXTURE):
     """(commit_step [N,L], layout success [N], detail share [N]) of ``group`` canvases per row."""
     requests = [Request(key=i, n=group, prompt=r["prompt"]) for i, r in enumerate(data)]
     out = policy.generate(requests, {"greedy": greedy}, StepInfo(step=0, seed=seed, max_new_tokens=0))
@@ -44,7 +43,7 @@ def sample(policy: MDLMPolicy, data: list[dict], group: int, greedy: bool, seed:
     return commit, torch.tensor([p[0] for p in parts]), torch.tensor([p[1] for p in parts])
 
 
-def layout_success(policy: MDLMPolicy, data: list[dict]) -> float:
+def layout_success(policy: Any, data: list[dict]) -> float:
     return float(sample(policy, data, 1, True, 0)[1].mean())  # the layout part alone: texture-blind
 
 
@@ -71,6 +70,9 @@ def plot(commit: torch.Tensor, steps: int, title: str, path: str) -> None:
 
 
 def check(seed: int, args: argparse.Namespace) -> dict:
+    from groupwise.modalities.mdlm import MDLMPolicy  # late: a paper folder sits below the policies (test_layers)
+    from groupwise.phases.sft import SFT
+
     policy = MDLMPolicy(
         width=args.width, layers=2, heads=4, length=task.LENGTH, steps=4, allowed="01234567", init_seed=seed
     )
