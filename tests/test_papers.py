@@ -15,7 +15,8 @@ from groupwise.errors import ConfigError
 from groupwise.papers import PACKAGE, PAPERS, check, find, folders, papers, standard
 
 ROOT = Path(__file__).resolve().parents[1]
-# the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder), and 19 (issue 37)
+# the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder), 19 (issue 37)
+# and 47 (issue 41)
 IMPLEMENTED = [
     2,
     3,
@@ -51,6 +52,7 @@ IMPLEMENTED = [
     42,
     44,
     46,
+    47,
     48,
     49,
     50,
@@ -67,7 +69,7 @@ IMPLEMENTED = [
 
 
 def test_one_folder_per_implemented_paper_named_after_its_spec_file():
-    assert len(IMPLEMENTED) == 46
+    assert len(IMPLEMENTED) == 47
     assert [m.spec for m in papers()] == IMPLEMENTED
     assert find(43).name == find(36).name == "36_fg_expo" and find("07").spec == 7
     for m in papers():
@@ -83,11 +85,12 @@ def test_one_folder_per_implemented_paper_named_after_its_spec_file():
 def test_every_entry_file_recipe_and_claim_belongs_to_exactly_one_manifest():
     assert check.all_problems() == []
     # 185 registry entries and tasks of the package before the move, 4 more from issue 37 (cm_grpo, step_mean,
-    # x0_pred, flow2d_bimodal), 4 from issue 40 (agent, answer, textarena, calc); a test's own, e.g.
+    # x0_pred, flow2d_bimodal), 4 from issue 40 (agent, answer, textarena, calc), 3 from issue 41's 47
+    # (dpa_game, verify_game, verify_game_sft); a test's own, e.g.
     # test_signal_reshaping's env, come from modules outside it and need no manifest
     entries = [entry for entry in check.registered() if entry[2].startswith("groupwise.")]
     owned = [key for m in check.manifests() for key in m.owned()]
-    assert len(entries) == len(owned) == len(set(owned)) == 193
+    assert len(entries) == len(owned) == len(set(owned)) == 196
     assert {(stage, name) for stage, name, _ in entries} == set(owned)
 
 
@@ -247,7 +250,7 @@ def test_variants_page_is_generated_and_current():
     regenerate = "regenerate: python -m groupwise.papers.index > docs/variants.md"
     assert (ROOT / "docs" / "variants.md").read_text() == text, regenerate
     rows = [line for line in text.splitlines() if line.startswith("| ") and "](../src/groupwise/papers/" in line]
-    assert len(rows) == 46  # 45 before issue 37, + 19
+    assert len(rows) == 47  # 45 before issue 37, + 19, + 47 (issue 41)
     assert (
         "| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
         "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | `sign` | "

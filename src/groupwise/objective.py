@@ -151,10 +151,7 @@ class Objective:
             else None
             for i, spec in enumerate(term_specs)
         ]
-        specs = [
-            {k: v for k, v in spec.items() if k != "rows"} if isinstance(spec, dict) else spec for spec in term_specs
-        ]
-        terms = [build_spec("objective", spec) for spec in specs]
+        terms = [build_spec("objective", spec) for spec in term_specs]  # build_spec leaves the entry's rows to us
         check_token_weights(terms, list(weights))
         agg_names = {default_agg} | {t.agg for t in terms if getattr(t, "agg", None)}
         # sorted: normalizers all-reduce one tensor per aggregation in this order, which must be the same

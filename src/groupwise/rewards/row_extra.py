@@ -53,18 +53,18 @@ class RowExtra:
             raise ConfigError('reward row_extra: key must name a row extra, e.g. key = "steer_coef" (rollout vspo)')
 
     @property
-    def column(self) -> str:
+    def _column(self) -> str:
         """The row extra this reward reads: ``extra`` when set, else ``key``."""
         return self.extra or self.key
 
     @property
     def rollout_extras(self) -> tuple[str, ...]:
-        return (self.column,)
+        return (self._column,)
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
-        if self.column not in rollout.extras:
+        if self._column not in rollout.extras:
             raise KeyError(
-                f"reward row_extra: the rollout has no extra {self.column!r} (extras: {sorted(rollout.extras)})"
+                f"reward row_extra: the rollout has no extra {self._column!r} (extras: {sorted(rollout.extras)})"
             )
-        value = rollout.extras[self.column].float()  # [B,G]
+        value = rollout.extras[self._column].float()  # [B,G]
         return torch.where(rollout.group_valid.bool(), value, torch.zeros(()))  # [B,G]

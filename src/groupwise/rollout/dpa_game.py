@@ -155,7 +155,11 @@ class DPAGame:
     def check(self, components: list) -> None:
         """At build: the game's rows are scored by the reward ``row_extra`` reading ``game_reward`` alone."""
         rewards = [c for c in components if getattr(c, "stage", "") == "reward"]
-        ok = [c for c in rewards if getattr(c, "registry_name", "") == "row_extra" and c.column == "game_reward"]
+        ok = [
+            c
+            for c in rewards
+            if getattr(c, "registry_name", "") == "row_extra" and tuple(c.rollout_extras) == ("game_reward",)
+        ]
         if len(ok) != 1 or len(rewards) != 1:
             named = [getattr(c, "registry_name", type(c).__name__) for c in rewards]
             raise ConfigError(
