@@ -5,6 +5,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 TORCH  ?= torch==2.13.0
+# pytest workers: one per core this process may use (at most 4: each holds torch and a tiny model); every test
+# runs single-threaded (tests/conftest.py), and --dist loadfile keeps a file's module fixtures on one worker
+JOBS   ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile
 
 .PHONY: install sandbox demo lint format test test-slow test-dist test-gpu bench bench-tta claims clean
 
@@ -36,7 +40,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 test: lint sandbox
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 BENCH_STAMP := $(VENV)/.bench-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
@@ -54,11 +58,11 @@ claims: $(STAMP)
 	$(BIN)/groupwise claims $(CLAIMS_ARGS)
 
 test-slow: $(STAMP) sandbox
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow
+	$(PYTEST) -m slow
 
 # the tests that launch torchrun processes (most are in make test too; the slow ones in test-slow)
 test-dist: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m dist
+	$(PYTEST) -m dist
 
 # On a machine with a CUDA build of torch (not the CPU build .venv gets): the CUDA suite, tests/test_gpu.py
 GPU_PYTHON ?= python3

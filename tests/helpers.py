@@ -173,6 +173,33 @@ def _example_logz(seed: int) -> dict:
 EXAMPLE_ARTIFACTS = {"probe": _example_probe, "table": lambda seed: {"rows": 0}, "logz": _example_logz}
 
 
+def _turns(rollout: Rollout) -> int:
+    """Two turns a row (``segment_id``: the first half of the tokens is turn 0), set once; the turn count."""
+    B, G, T = rollout.shape
+    if rollout.segment_id is None:
+        turn = (torch.arange(T) * 2 // T).expand(B, G, T)  # [B,G,T]
+        rollout.segment_id = torch.where(rollout.mask, turn, torch.full((), -1))  # [B,G,T]
+    return 2
+
+
+def _example_step_reward(rollout: Rollout, g: torch.Generator) -> None:
+    """``env/step_reward`` [B,G,2]: 0/1 per turn (rollout episodes with turn_facts=true)."""
+    S = _turns(rollout)
+    rollout.set_extra("env/step_reward", torch.randint(0, 2, (*rollout.shape[:2], S), generator=g).float(), "segment")
+
+
+def _example_state_id(rollout: Rollout, g: torch.Generator) -> None:
+    """``env/state_id`` [B,G,2]: every row starts in state 0, its second turn in state 1 or 2 (shared states)."""
+    S = _turns(rollout)
+    state = torch.randint(1, 3, (*rollout.shape[:2], S), generator=g).float()  # [B,G,S]
+    state[..., 0] = 0.0
+    rollout.set_extra("env/state_id", state, "segment")
+
+
+# rollout extras of a known shape: a filler per key (any other key gets a random group-level value)
+EXAMPLE_EXTRAS = {"env/step_reward": _example_step_reward, "env/state_id": _example_state_id}
+
+
 def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]:
     """``fill_needs`` for the component's needs, an example of each artifact it lists (``artifacts``),
     plus a random group-level value [B] for each extra it reads from the rollout strategy
@@ -188,7 +215,10 @@ def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]
         component.use_artifact(name, EXAMPLE_ARTIFACTS[name](seed))
     g = torch.Generator().manual_seed(seed + 1)
     for key in getattr(component, "rollout_extras", ()):
-        rollout.set_extra(key, torch.rand(rollout.shape[0], generator=g), "group")
+        if key in EXAMPLE_EXTRAS:  # an extra of a known shape (the episodes' per-turn facts)
+            EXAMPLE_EXTRAS[key](rollout, g)
+        else:
+            rollout.set_extra(key, torch.rand(rollout.shape[0], generator=g), "group")
     B, G, _ = rollout.shape
     # decoded texts, few distinct (EDAS's answers)
     if getattr(component, "reads_completions", False) and not rollout.completions:

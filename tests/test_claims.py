@@ -645,6 +645,16 @@ def test_last_key_metric_by_hand(tmp_path):
     assert "last:x/share" not in read_run(tmp_path, None)  # read only when asked for
 
 
+def test_after_key_metric_reads_the_final_evaluations_summary_value(tmp_path):
+    _write_run(tmp_path, [(0, 0.2)], [])  # a run of 0 training steps: no metrics.jsonl row to read last: from
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary.update({"best_of_16_after": 0.75, "best_of_16_before": 0.5, "flag_after": True})
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    m = read_run(tmp_path, None, ["after:best_of_16", "after:absent", "after:flag"])
+    assert m["after:best_of_16"] == 0.75 and m["after:absent"] is None and m["after:flag"] is None
+    assert is_metric("after:best_of_16") and not is_metric("after:")
+
+
 def test_std_key_metric_by_hand(tmp_path):
     _write_run(tmp_path, [(0, 0.2), (4, 0.3)], [0.1] * 4)
     _add_key(tmp_path, "grad_norm", lambda s: [1.0, 3.0, float("nan"), 5.0][s])

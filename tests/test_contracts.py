@@ -395,7 +395,7 @@ def test_kl_estimator_elementwise_zero_at_equal_and_masked_grad(name):
 # The sweep runs every registered weight (defaults; flow weights on synthetic flow extras) into every term
 # and checks, with the expected loss recomputed here from the term's own unweighted values, that the
 # combination changes the loss exactly as declared, or that building it is a ConfigError.
-ALL_WEIGHTS = [n for s, n, c in entries() if s == "weight"]  # flow-only ones too (building needs no flow policy)
+ALL_WEIGHTS = [n for s, n, c in entries() if s == "weight"]  # flow- and mdlm-only ones too (building needs no policy)
 
 
 def _mode(term) -> str:
@@ -414,6 +414,9 @@ def _weigh_batch(name: str, ro, seed: int = 0):
     std = 0.1 + torch.rand(B_, G_, T_, generator=g)  # [B,G,T]
     for key, value in (("flow_sigma", sigma), ("flow_sigma_next", sigma - 0.2), ("flow_std", std)):
         ro.set_extra(key, value, "token")
+    # a masked-diffusion sampler's trace (the dps weight): commit steps 1..4, step probabilities
+    ro.set_extra("commit_step", torch.randint(1, 5, (B_, G_, T_), generator=g), "token")  # [B,G,T]
+    ro.set_extra("q_trace", torch.rand(B_, G_, T_, 4, generator=g), "token")  # [B,G,T,S]
     w = build("weight", name)
     fill_inputs(ro, w, seed=seed + 3)
     ro.weight, counted = token_weights([w], ro, info_for(T_))  # [B,G,T] x2
@@ -475,6 +478,10 @@ def test_term_takes_token_weights_as_declared_or_refuses(name, weight_name):
     where = mask if values.dim() == 3 else mask.any(-1)  # [B,G,T] or [B,G] the values the aggregation reads
     change = (factor.expand(values.shape) - 1).abs() * values.detach().abs()  # where a weight ≠ 1 meets a value ≠ 0
     moved = mode != "exempt" and float(change[where].sum()) > 1e-4
+    # ... unless the weighting cancels by construction: weights of mean 1 per row (dps) on a term whose values are
+    # one per row (gspo, luspo: a sequence ratio) under a token mean leave the loss as it is (the expected loss,
+    # computed independently above and matched by the objective's, equals the unweighted one)
+    moved = moved and abs(float((expected - unweighted).detach())) > 1e-7
     if moved:  # the weight is not silently dropped: the loss differs from the unweighted one
         assert abs(float((loss - unweighted).detach())) > 1e-7, f"{name} × {weight_name}: weight did not reach the loss"
     if mode == "exempt":  # a weight that reaches no term is refused; beside a policy term it builds

@@ -128,6 +128,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise.claims.*",
             "groupwise.models.warmstart",
             "groupwise.models.chatstart",
+            "groupwise.models.mdlm_fit",
             "groupwise.papers.check",
             "groupwise.papers.index",
         ),

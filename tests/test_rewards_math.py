@@ -173,7 +173,9 @@ def test_in_process_helper_agrees():
 def test_adversarial_input_times_out_within_budget():
     timeout_s = 1.0
     r = Math(timeout_s=timeout_s)
+    t0 = time.perf_counter()
     r._workers.start()  # warm: the measured time is the item's, not SymPy's import
+    cold_start = time.perf_counter() - t0  # what a replacement worker costs on this machine, now
     t0 = time.perf_counter()
     out = r(["q"], [ADVERSARIAL], answer=["5"])
     elapsed = time.perf_counter() - t0
@@ -188,7 +190,8 @@ def test_adversarial_input_times_out_within_budget():
     elapsed = time.perf_counter() - t0
     assert res.parts[:, 0].tolist()[0::2] == [1.0, 0.0] and res.excluded.tolist() == [False, True, False]
     assert res.counts["math/missing"] == 1 and res.counts["excluded"] == 1
-    assert elapsed < timeout_s + 2.0 + 2.0  # one timeout + at most one cold start of the replacement
+    # one timeout + at most one cold start of the replacement (measured above: a loaded machine is slower)
+    assert elapsed < timeout_s + 2.0 + 2.0 * cold_start
     assert r._timeouts == 2
     r.close()
 

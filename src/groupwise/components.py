@@ -120,7 +120,9 @@ class Env(Protocol):
     it): one instance plays one episode. ``reset(row, seed)`` starts it on a dataset row and returns
     the first observation text; ``step(action)`` applies an action text and returns (observation,
     reward, done). Played by the chat strategy ``agent`` (``rollout/agent.py``), an observation is a
-    user message, or a list of messages."""
+    user message, or a list of messages, and an env may define ``tools() -> list`` (optional): the
+    episode's own tools, methods bound to the instance, offered next to ``rollout.params.tools``
+    (TRL's ``environment_factory`` classes through the ``trl`` env, ``rollout/trl_env.py``)."""
 
     def reset(self, row: dict, seed: int) -> str: ...
     def step(self, action: str) -> tuple[str, float, bool]: ...
@@ -640,6 +642,25 @@ HOOKS: tuple[Hook, ...] = (
         "numeric key's mean over the episodes where it is finite as `env/<key>`",
         "outcome() -> dict",
         "What the finished episode came to (a termination cause, per-step scores).",
+    ),
+    Hook(
+        "action_extra",
+        ("env",),
+        "attribute",
+        "step",
+        "by the env runner (`rollout/env.py`) at each step: `step` gets that row extra of the sampled row as a "
+        "list instead of its text",
+        "str (a row extra's name, e.g. `x_final`)",
+        "The env acts on a continuous action (the gymnasium adapter).",
+    ),
+    Hook(
+        "tools",
+        ("env",),
+        "method",
+        "step",
+        "by the `agent` strategy after each `reset`: offered next to `rollout.params.tools` for that episode",
+        "tools() -> list[Callable]",
+        "The episode's own tools, methods bound to the instance (TRL `environment_factory` classes).",
     ),
     Hook(
         "skipped",

@@ -27,7 +27,7 @@ RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a pa
 @dataclass
 class ModelCfg:
     # "default" = the tiny model shipped in the package (a toy kind: fresh weights); or a folder / hub id (a toy kind:
-    # the folder its save wrote, <path>/flow_policy.pt or gaussian_policy.pt, e.g. a run's final/)
+    # the folder its save wrote, <path>/flow_policy.pt, gaussian_policy.pt or mdlm_policy.pt, e.g. a run's final/)
     path: str = "default"
     # float32 | bfloat16: the dtype the WEIGHTS are loaded and trained in (bfloat16 weights have no float32 master; for
     # bfloat16 products over float32 weights use `matmul`)
@@ -41,7 +41,8 @@ class ModelCfg:
     device: str = "cpu"
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
     # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow;
-    # gaussian: observation -> N(mu(s), sigma^2 I) (arguments of the toy kinds in `params`)
+    # gaussian: observation -> N(mu(s), sigma^2 I); mdlm: a masked-diffusion LM sampled by iterative unmasking
+    # (arguments of the toy kinds in `params`)
     policy: str = "lm"
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}
     # every N steps mix the policy into the reference: ref = α·policy + (1−α)·ref (TR-DPO; TRL sync_ref_model); 0 =

@@ -2,7 +2,8 @@
 seeded comparison plus the direction the paper claims.
 
 Keys (see ``docs/claims.md``): ``paper``, ``claim``, ``metric`` (one of ``METRICS``, or
-``last:`` / ``std:`` / ``cv:`` + a metrics.jsonl key), ``target`` (required for ``*_to_target``),
+``last:`` / ``std:`` / ``cv:`` + a metrics.jsonl key, or ``after:`` + a summary key), ``target``
+(required for ``*_to_target``),
 ``direction`` (greater | less), ``kind`` (``superiority``, the default; ``non_inferiority``, a claim
 of parity — "at least", "preserves", "no worse" —, which needs ``margin`` > 0: held when the effect's
 interval lies above −margin for "greater", below +margin for "less"; ``mechanism``, a claim true by
@@ -133,7 +134,7 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
             + (f" (did you mean {close[0]!r}?)" if close else "")
             + f"; valid: {', '.join(METRICS)}, or last:<a metrics.jsonl key> (its mean over the last 10 % "
             "of the steps), std:<a metrics.jsonl key> (its std over the steps), cv:<a metrics.jsonl key> "
-            "(that std over its mean)"
+            "(that std over its mean), after:<key> (summary.json's <key>_after)"
         )
     if data["direction"] not in ("greater", "less"):
         raise ClaimError(f"{where}: direction = {data['direction']!r} must be 'greater' or 'less'")
@@ -189,7 +190,7 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
     ):
         raise ClaimError(
             f"{where}: companions = {data.get('companions')!r} must be a list of distinct metrics other "
-            f"than the claim's ({', '.join(METRICS)}, or last:/std:/cv: + a metrics.jsonl key)"
+            f"than the claim's ({', '.join(METRICS)}, or last:/std:/cv: + a metrics.jsonl key, after: + a summary key)"
         )
     timed = [m for m in companions if m in TARGET_METRICS]
     if timed and target is None:

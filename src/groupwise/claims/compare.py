@@ -30,6 +30,9 @@ such a child before it starts that run again.
 - ``cv:<key>``: its coefficient of variation, ``std:<key>`` / |mean| over the same steps (spread
   relative to size: a gradient norm that halves halves its std but keeps its cv); ``None`` with fewer
   than two values or a zero mean.
+- ``after:<key>``: ``summary.json``'s ``<key>_after``, a value the final evaluation recorded (a
+  rollout strategy's own held-out measure, ``after:best_of_16``; ``heldout.py``): what the policy
+  does after its last step, also for a run of 0 training steps; ``None`` if the summary lacks it.
 
 A run that never reached the target counts, in every statistic, as its budget (all its steps /
 all its training seconds): a lower bound, printed with ``≥`` and the count reached.
@@ -69,7 +72,8 @@ TARGET_METRICS = ("steps_to_target", "seconds_to_target")
 LAST = "last:"  # prefix of a metric read from any metrics.jsonl key (module docstring)
 STD = "std:"  # prefix of a metric's spread over the steps (module docstring)
 CV = "cv:"  # prefix of a metric's spread relative to its mean (module docstring)
-KEYED = (LAST, STD, CV)  # the prefixes of a metric named by a metrics.jsonl key
+AFTER = "after:"  # prefix of a summary.json value <key>_after (module docstring)
+KEYED = (LAST, STD, CV, AFTER)  # the prefixes of a metric named by a key
 BUDGET = {"steps_to_target": "step_budget", "seconds_to_target": "seconds_budget"}
 DIGITS = {
     "final_accuracy": 3,
@@ -97,7 +101,7 @@ class ConfigSpec:
 
 
 def is_metric(name: object) -> bool:
-    """One of ``METRICS``, or ``last:`` / ``std:`` / ``cv:`` + a metrics.jsonl key."""
+    """One of ``METRICS``, or ``last:`` / ``std:`` / ``cv:`` + a metrics.jsonl key, or ``after:`` + a summary key."""
     return isinstance(name, str) and (
         name in METRICS or any(name.startswith(p) and bool(name[len(p) :].strip()) for p in KEYED)
     )
@@ -276,6 +280,9 @@ def read_run(folder: Path, target: float | None, metrics: tuple[str, ...] | list
             out[name] = std_of(rows, name[len(STD) :])
         elif name.startswith(CV):
             out[name] = cv_of(rows, name[len(CV) :])
+        elif name.startswith(AFTER):
+            value = summary.get(f"{name[len(AFTER) :]}_after")
+            out[name] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     if target is not None:
         hit = next((s for s, a in evals if a >= target), None)
         if hit is not None:
@@ -509,7 +516,8 @@ def compare_markdown(result: dict) -> str:
         "target: a run that never reached it counts as its whole budget, so `≥` marks a lower bound. "
         "Reward area: mean batch reward over all steps; last reward: over the last 10 % of steps "
         "(`last:KEY`: the same for the metrics.jsonl key KEY; `std:KEY`: its standard deviation over the steps; "
-        "`cv:KEY`: that standard deviation over its mean). "
+        "`cv:KEY`: that standard deviation over its mean; `after:KEY`: summary.json's KEY_after, "
+        "the final evaluation's). "
         "Seconds are training time (`step_seconds`), evaluation excluded.",
         "",
         "![curves](curves.png)",

@@ -43,6 +43,14 @@ sequence advantage; token-level advantages are allowed as in the paper's GSPO-to
    adv·∇mean_t(logp) that GSPO reduces to.
 4. Statistics are those of ``ppo_clip`` evaluated on the sequence ratio.
 5. ``seq_log_ratio`` is the shared primitive (specs/README ``seq_ratio``, in log space).
+6. ``span = "segment"`` (design M5; spec 23 GAGPO's action-level ratio, [INFERRED] form): the
+   "sequence" is one segment (``segment_id``, a multi-turn episode's turn), not the row::
+
+       log_s_{i,k} = Σ_{t: seg(t)=k} mask·(logp − logp_old) / |{t: seg(t)=k, mask}|     # [b,G,S]
+       ratio_t     = exp(sg[log_s_{i,seg(t)}] + logp_t − sg[logp_t])
+
+   Tokens in no segment (``segment_id = −1``) get no loss (0). A batch without ``segment_id`` fails
+   with the fix. ``span = "row"`` is the term above, unchanged (byte-identical: a test).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from groupwise.errors import ConfigError
 from groupwise.losses._common import check_clip, clip_stats, clipped_surrogate, required, term_mask, token_advantages
 from groupwise.masked import masked_input, masked_mean
 from groupwise.registry import register
@@ -63,6 +72,19 @@ def seq_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
     return masked_mean(logp - logp_old, mask, dim=-1)  # [b,G]
 
 
+def segment_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor, segment_id: Tensor) -> Tensor:
+    """[b,G,T] each token's segment's length-normalised log-ratio (Note 6), 0 where ``mask`` is off or
+    the token is in no segment (``segment_id`` [b,G,T] long, −1: none)."""
+    on = mask & (segment_id >= 0)  # [b,G,T]
+    S = int(segment_id.max().clamp(min=0)) + 1
+    seg = segment_id.clamp(min=0)  # [b,G,T] (off tokens add 0 below)
+    diff = torch.where(on, logp - logp_old, torch.zeros((), dtype=logp.dtype))  # [b,G,T]
+    total = torch.zeros(*seg.shape[:2], S, dtype=logp.dtype).scatter_add_(-1, seg, diff)  # [b,G,S]
+    count = torch.zeros(*seg.shape[:2], S, dtype=logp.dtype).scatter_add_(-1, seg, on.to(logp.dtype))  # [b,G,S]
+    log_s = total / count.clamp(min=1)  # [b,G,S]
+    return torch.where(on, log_s.gather(-1, seg), torch.zeros((), dtype=logp.dtype))  # [b,G,T]
+
+
 @register("objective", "gspo")
 @dataclass
 class GSPO:
@@ -72,18 +94,32 @@ class GSPO:
     eps_high: float = 4e-4
     coef: float = 1.0
     agg: str | None = None
+    span: str = "row"  # "row": one ratio per row | "segment": one per segment_id (a turn; Note 6)
 
     needs = ()
 
     def __post_init__(self) -> None:
         check_clip("gspo", self.eps_low, self.eps_high)
+        if self.span not in ("row", "segment"):
+            raise ConfigError(f"objective gspo: span must be 'row' or 'segment', got {self.span!r}")
 
     def _ratio_adv(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        mask = term_mask(mb)  # [b,G,T]
+        mask, segment_id = term_mask(mb), mb.segment_id  # [b,G,T], [b,G,T] or None
+        if self.span == "segment":
+            if segment_id is None:
+                raise ConfigError(
+                    "objective gspo(span='segment') needs rollout.segment_id (the turns of a multi-turn "
+                    "transcript): use rollout.name='episodes', or span='row'"
+                )
+            mask = mask & (segment_id >= 0)  # [b,G,T] tokens in no segment get no loss
         logp = masked_input(out["logp"], mask)  # [b,G,T]
         logp_old = masked_input(required(mb, "logp_old", "gspo"), mask)  # [b,G,T]
-        log_s = seq_log_ratio(logp, logp_old, mask)  # [b,G]
-        ratio = torch.exp(log_s.detach()[..., None] + logp - logp.detach())  # [b,G,T]
+        if segment_id is not None and self.span == "segment":
+            log_s = segment_log_ratio(logp, logp_old, mask, segment_id)  # [b,G,T]
+            ratio = torch.exp(log_s.detach() + logp - logp.detach())  # [b,G,T]
+        else:
+            log_s = seq_log_ratio(logp, logp_old, mask)  # [b,G]
+            ratio = torch.exp(log_s.detach()[..., None] + logp - logp.detach())  # [b,G,T]
         adv = token_advantages(mb, mask, "gspo")  # [b,G,T]
         return ratio, adv
 

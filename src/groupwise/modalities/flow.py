@@ -101,6 +101,14 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
    a sampled call must use the policy's own, which ``forward`` re-scores. ``forward`` also gives
    ``step_mean`` (the Gaussian step's mean) and ``x0_pred`` (x̂₀ = x − σ·v_θ) [B,G,T,D], with grad
    when asked with grad, for the policy and its frozen snapshot alike (``quantities``).
+10. Classifier-free guidance needs a net that knows both velocities, v(x, σ, c) and v(x, σ, ∅)
+    (Ho & Salimans 2022, "Classifier-Free Diffusion Guidance", https://arxiv.org/abs/2207.12598;
+    DIAL, spec 26: "classifier-free dropout teaches both conditional and unconditional action
+    distributions"). A demonstration of a policy with ``condition_extras`` carries its conditions
+    (its row's columns of those names, ``encode_target``), and the fit (``sft`` phase option
+    ``p_uncond``) replaces a row's conditions by the null ones with probability ``p_uncond``
+    (:func:`cfg_dropout`; the uniform draw per row comes from the fit's generator after σ and ε,
+    and only when ``p_uncond > 0``, so a fit without dropout is unchanged).
 """
 
 from __future__ import annotations
@@ -137,6 +145,13 @@ def flow_matching_pair(x0: Tensor, noise: Tensor, sigma: Tensor) -> tuple[Tensor
     """Rectified flow's regression pair (Note 7): the point x_σ = (1 − σ)·x_0 + σ·ε [N,D] between a
     demonstration x_0 [N,D] and noise ε [N,D] at noise level σ [N], and its velocity ε − x_0 [N,D]."""
     return (1 - sigma[:, None]) * x0 + sigma[:, None] * noise, noise - x0
+
+
+def cfg_dropout(codes: Tensor, u: Tensor, p_uncond: float) -> Tensor:
+    """Classifier-free guidance's condition dropout (Note 10): the discrete conditions ``codes`` [N,E]
+    with every condition of row n set to the null value −1 where its uniform draw ``u`` [N] is below
+    ``p_uncond`` (one draw per row: a row is fitted fully conditioned or fully unconditioned)."""
+    return torch.where((u < p_uncond)[:, None], torch.full_like(codes, -1), codes)  # [N,E]
 
 
 class VelocityMLP(nn.Module):
@@ -559,7 +574,10 @@ class FlowPolicy:
 
     # ------------------------------------------------------------------ demonstrations (M1)
     def encode_target(self, row: dict) -> Tensor:
-        """A demonstration row's ``target`` (a point of ``dim`` numbers) as a float64 tensor [D]."""
+        """A demonstration row's ``target`` (a point of ``dim`` numbers) as a float64 tensor [D]; with
+        ``condition_extras``, [D + E]: the point, then the row's value of each condition (its column of
+        that name, an integer in -1..n−1; -1 or absent = the null condition), the conditions the
+        demonstration was made under (Note 10)."""
         if "target" not in row:
             raise ValueError(
                 "FlowPolicy.encode_target: a demonstration row needs a `target` column "
@@ -570,32 +588,61 @@ class FlowPolicy:
             raise ValueError(
                 f"FlowPolicy.encode_target: `target` must be {self.dim} finite numbers, got {row['target']!r}"
             )
-        return target
+        if not self.condition_extras:
+            return target
+        codes = []
+        for name, size in self.condition_extras.items():
+            value = row.get(name, -1)
+            if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value < size:
+                raise ValueError(
+                    f"FlowPolicy.encode_target: a demonstration's condition {name!r} must be an integer in "
+                    f"-1..{size - 1} (-1: the null condition), got {value!r}"
+                )
+            codes.append(float(value))
+        return torch.cat([target, torch.tensor(codes, dtype=torch.float64)])  # [D+E]
 
-    def supervised_loss(self, prompts: Sequence[list[int]], targets: Sequence[Tensor], gen: torch.Generator) -> Tensor:
+    def supervised_loss(
+        self, prompts: Sequence[list[int]], targets: Sequence[Tensor], gen: torch.Generator, p_uncond: float = 0.0
+    ) -> Tensor:
         """The rectified-flow matching loss of demonstrations (a scalar with grad; Note 7):
         ``mean_{n,d} (v_θ(x_σ, σ, c_n) − (ε − x_0))²`` with x_σ = (1 − σ)·x_0 + σ·ε, σ ~ U(0, 1) and
-        ε ~ N(0, I) drawn from ``gen`` (σ [N] then ε [N,D]), x_0 the target [D]."""
+        ε ~ N(0, I) drawn from ``gen`` (σ [N] then ε [N,D]), x_0 the target [D]. With
+        ``condition_extras`` the velocity reads each row's conditions (``encode_target``'s last E
+        numbers), each row's set replaced by the null one with probability ``p_uncond``
+        (classifier-free guidance's condition dropout, Note 10: then u [N] ~ U(0, 1) is drawn last)."""
         if len(prompts) != len(targets) or not prompts:
             raise ValueError(
                 "FlowPolicy.supervised_loss: need as many prompts as targets (>= 1), "
                 f"got {len(prompts)} and {len(targets)}"
             )
-        if self.condition_extras:
+        if not 0.0 <= p_uncond <= 1.0 or (p_uncond and not self.condition_extras):
             raise ValueError(
-                "FlowPolicy.supervised_loss: fitting a policy with condition_extras needs each row's condition "
-                "values and a null-condition dropout (classifier-free guidance), which this fit does not take"
+                f"FlowPolicy.supervised_loss: p_uncond = {p_uncond} must lie in [0, 1], and it drops the "
+                "condition_extras conditions (classifier-free guidance): set model.params.condition_extras, "
+                "or p_uncond = 0"
             )
         if self.condition == "vector":  # observations [N,C], rounded as sampling rounds them
             labels = torch.tensor([self.encode(p) for p in prompts], dtype=torch.float32).double()
         else:
             labels = torch.tensor([self.encode(p)[0] for p in prompts], dtype=torch.long)  # [N]
-        x0 = torch.stack([torch.as_tensor(t, dtype=torch.float64) for t in targets])  # [N,D]
+        rows = torch.stack([torch.as_tensor(t, dtype=torch.float64) for t in targets])  # [N,D(+E)]
+        x0 = rows[:, : self.dim]  # [N,D]
         sigma = torch.rand(len(prompts), generator=gen, dtype=torch.float64)  # [N]
         noise = torch.randn(x0.shape, generator=gen, dtype=torch.float64)  # [N,D]
         x_sigma, velocity = flow_matching_pair(x0, noise, sigma)  # [N,D], [N,D]
         cond = labels if self.encoder is None else self.original_condition(labels)  # [N], [N,c] or [N,C]
-        v = self._velocity(x_sigma, sigma, cond, None)  # [N,D]
+        if not self.condition_extras:
+            v = self._velocity(x_sigma, sigma, cond, None)  # [N,D]
+        else:
+            codes = rows[:, self.dim :].round().long()  # [N,E]
+            if codes.shape[1] != len(self.condition_extras):
+                raise ValueError(
+                    f"FlowPolicy.supervised_loss: each target must hold the point and the {len(self.condition_extras)} "
+                    f"condition values {list(self.condition_extras)} (encode_target), got {rows.shape[1]} numbers"
+                )
+            if p_uncond:  # drawn only when on, so a fit without dropout draws as before
+                codes = cfg_dropout(codes, torch.rand(len(prompts), generator=gen, dtype=torch.float64), p_uncond)
+            v = self._velocity(x_sigma, sigma, cond, None, codes)  # [N,D]
         return ((v - velocity) ** 2).mean()
 
     # ------------------------------------------------------------------ scoring and training

@@ -44,10 +44,17 @@ trained on) is measured, and the phase stops once it reaches ``target_accuracy``
    not apply), and the loss's draws come from a ``torch.Generator`` seeded by (run seed, phase
    step), so a rerun of the phase is identical. A text policy has no ``supervised_loss``: its path
    is the token mean above, unchanged.
+6. ``p_uncond`` (default 0, off) is classifier-free guidance's condition dropout for a policy that
+   samples under discrete conditions (the flow toy's ``condition_extras``, read from each
+   demonstration row's columns of those names): each demonstration's conditions are replaced by
+   the null condition with that probability, so the fitted net knows the unconditional velocity a
+   guided sampler (``cfg_w``) mixes in (``modalities/flow.py`` Note 10; [INFERRED] 0.1 in DIAL,
+   spec 26). A policy whose ``supervised_loss`` takes no ``p_uncond`` is refused at the phase's start.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +103,9 @@ class SFT:
     cb_counts: str = "dataset"
     decision_column: str = "decision"  # cb_stream: the rows' decision class column [INFERRED]
     num_classes: int = 2  # cb_stream: decision classes (silence / respond) [ABSTRACT] spec 42
+    # classifier-free guidance: the probability a demonstration's conditions are dropped to the null one
+    # (a policy whose supervised_loss takes p_uncond: the flow toy with condition_extras; Note 6); 0 = off
+    p_uncond: float = 0.0
 
     def __post_init__(self) -> None:
         if self.loss not in ("ce", "cb_stream"):
@@ -111,6 +121,8 @@ class SFT:
             raise ConfigError(f"phase sft: steps={self.steps} and batch_size={self.batch_size} must be >= 1")
         if not 0.0 <= self.target_accuracy <= 1.0:
             raise ConfigError(f"phase sft: target_accuracy={self.target_accuracy} must be in [0, 1]")
+        if not 0.0 <= self.p_uncond <= 1.0:
+            raise ConfigError(f"phase sft: p_uncond={self.p_uncond} must be in [0, 1]")
 
     def __call__(self, ctx: PhaseContext) -> dict:
         rows = list(ctx.train_rows) if not self.task else get_task(self.task).rows("train", self.train_size, ctx.seed)
@@ -144,6 +156,7 @@ class SFT:
         """Train ``policy`` on ``rows`` until ``steps`` or the target accuracy on ``val``; ``prompt(split, rows, i)``
         gives a row's prompt ids, ``accuracy(policy, rows, split)`` a greedy accuracy. Returns the summary."""
         demos = hasattr(policy, "supervised_loss")  # a policy with its own demonstration loss (Note 5)
+        options = self._fit_options(policy, demos)  # {} unless p_uncond is set (Note 6)
         if demos:
             prompts, targets = self._demonstrations(policy, rows, prompt)
         else:
@@ -178,6 +191,7 @@ class SFT:
                             [prompts[i] for i in picked],  # noqa: B023 (called at once, inside this iteration)
                             [targets[i] for i in picked],  # noqa: B023
                             gen,  # noqa: B023
+                            options,
                         )
                     )["loss"]
                 )
@@ -214,6 +228,18 @@ class SFT:
             "reached_target": reached,
             "history": history,
         }
+
+    def _fit_options(self, policy: Any, demos: bool) -> dict[str, Any]:
+        """The keyword options of ``supervised_loss`` this phase sets: ``p_uncond`` when it is not 0."""
+        if not self.p_uncond:
+            return {}
+        if not demos or "p_uncond" not in inspect.signature(policy.supervised_loss).parameters:
+            raise ConfigError(
+                f"phase sft: p_uncond={self.p_uncond} (classifier-free guidance's condition dropout) needs a policy "
+                f"whose supervised_loss takes p_uncond (the flow toy with model.params.condition_extras); the "
+                f"{policy.modality} policy's does not: set p_uncond = 0"
+            )
+        return {"p_uncond": self.p_uncond}
 
     def _demonstrations(self, policy: Any, rows: list[dict], prompt: Callable) -> tuple[list, list]:
         """The prompts and ``encode_target`` targets of a non-text policy's demonstration rows."""
@@ -279,8 +305,11 @@ def _loss(policy: Any, batch: Rollout) -> torch.Tensor:
     return loss.detach()
 
 
-def _demonstration_loss(policy: Any, prompts: list, targets: list, gen: torch.Generator) -> torch.Tensor:
-    loss = policy.supervised_loss(prompts, targets, gen)  # a scalar with grad (the policy's own demonstration loss)
+def _demonstration_loss(
+    policy: Any, prompts: list, targets: list, gen: torch.Generator, options: dict[str, Any]
+) -> torch.Tensor:
+    # a scalar with grad (the policy's own demonstration loss)
+    loss = policy.supervised_loss(prompts, targets, gen, **options)
     loss.backward()
     return loss.detach()
 

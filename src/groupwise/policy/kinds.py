@@ -1,9 +1,10 @@
 """The policy a run trains, by kind: ``build_policy(model_cfg, perf)`` for ``model.policy`` = ``lm``,
-``flow``, ``unified`` or ``gaussian`` (``policy/__init__.py``). A toy kind with ``model.path`` other
-than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``: config and
-weights, what its ``save`` writes): a
-fitted toy is then a warm start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params``
-may change sampling settings (``sde``, ``sde_window``) but not the saved architecture."""
+``flow``, ``unified``, ``gaussian`` or ``mdlm`` (``policy/__init__.py``). A toy kind with ``model.path``
+other than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``,
+``mdlm_policy.pt``: config and weights, what its ``save`` writes; a bare name such as
+``"mdlm_sum_pairs"`` is the folder shipped in ``groupwise/models/``): a fitted toy is then a warm
+start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params`` may change sampling
+settings (``sde``, ``sde_window``, the mdlm's ``estimator``) but not the saved architecture."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ import torch
 
 from groupwise.errors import ConfigError
 
-KINDS = ("lm", "flow", "unified", "gaussian")
-TOY_FILES = {"flow": "flow_policy.pt", "unified": "flow_policy.pt", "gaussian": "gaussian_policy.pt"}
+SHIPPED = Path(__file__).resolve().parents[1] / "models"  # the package's shipped models
+KINDS = ("lm", "flow", "unified", "gaussian", "mdlm")
+TOY_FILES = {
+    "flow": "flow_policy.pt",
+    "unified": "flow_policy.pt",
+    "gaussian": "gaussian_policy.pt",
+    "mdlm": "mdlm_policy.pt",
+}
 
 
 def build_policy(model_cfg: Any, perf: Any) -> Any:
@@ -26,13 +33,19 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
     if model_cfg.policy in TOY_FILES:
         from groupwise.modalities.flow import FlowPolicy
         from groupwise.modalities.gaussian import GaussianPolicy
+        from groupwise.modalities.mdlm import MDLMPolicy
         from groupwise.modalities.unified import UnifiedPolicy
 
         if getattr(model_cfg, "device", "cpu") not in ("cpu", "auto"):
             raise ConfigError(
                 f'model.device={model_cfg.device!r}: the {model_cfg.policy} toy runs on the CPU; use model.device="cpu"'
             )
-        cls = {"flow": FlowPolicy, "unified": UnifiedPolicy, "gaussian": GaussianPolicy}[model_cfg.policy]
+        cls = {
+            "flow": FlowPolicy,
+            "unified": UnifiedPolicy,
+            "gaussian": GaussianPolicy,
+            "mdlm": MDLMPolicy,
+        }[model_cfg.policy]
         saved = _saved_toy(model_cfg)
         params = dict(model_cfg.params) if saved is None else {**saved["config"], **model_cfg.params}
         try:
@@ -58,6 +71,9 @@ def _saved_toy(model_cfg: Any) -> dict | None:
     if model_cfg.path in ("", "default"):
         return None
     file = Path(model_cfg.path) / TOY_FILES[model_cfg.policy]
+    shipped = SHIPPED / model_cfg.path / TOY_FILES[model_cfg.policy]
+    if not file.is_file() and "/" not in model_cfg.path and shipped.is_file():
+        file = shipped  # a bare name of a model shipped in the package (models/mdlm_sum_pairs)
     if not file.is_file():
         raise ConfigError(
             f"model.path={model_cfg.path!r}: no {file.name} there; a {model_cfg.policy} policy loads the folder "

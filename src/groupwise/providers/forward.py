@@ -25,6 +25,10 @@ at the position OF completion token t (q = P + t, P the row's prompt length; ext
                        S = longest prompt + T; 0 at future keys and past the row's end
     hidden_at(l)[b,g,t]   = the model's own hidden_states[l] at q    # [B,G,T,H]  (l = layers: after the final norm)
 
+masked-diffusion LMs (``modalities/mdlm.py`` Note 4), at each canvas position t:
+    strat_logp(K)[b,g,t] = log p_θ(y_t | x, y with t's stratum masked), K strata    # [B,G,T]
+    elbo(M)[b,g,t]       = t's Monte-Carlo ELBO term from M mask draws                  # [B,G,T]
+
 continuous policies (the flow toy, ``modalities/flow.py`` Note 9), at each trained step t:
     step_mean[b,g,t] = the mean of the step's Gaussian kernel (Euler SDE or consistency)  # [B,G,T,D]
     x0_pred[b,g,t]   = x̂₀ = x_t − σ_t·v_θ(x_t, σ_t), the clean-sample prediction          # [B,G,T,D]
@@ -33,7 +37,8 @@ Each is the value at completion token t computed from the position that predicts
 ``context, y_<t``), under the need's model and view, float32, 0 outside the mask.
 
 **Defaults**: none; the providers have no fields. ``topk`` and ``hidden`` take their argument from
-the need's name: ``topk(k)`` with an integer k ≥ 1, ``hidden(l)`` with l ≥ 0.
+the need's name: ``topk(k)`` with an integer k ≥ 1, ``hidden(l)`` with l ≥ 0, ``strat_logp(K)`` and ``elbo(M)``
+with K, M ≥ 1.
 
 **Notes**
 
@@ -143,6 +148,26 @@ class StepMean(_ForwardQuantity):
 @dataclass
 class X0Pred(_ForwardQuantity):
     """The clean-sample prediction x̂₀ = x − σ·v_θ at each trained step of a flow policy [B,G,T,D]."""
+
+
+@register("provider", "strat_logp")
+@dataclass
+class StratifiedLogProb(_ForwardQuantity):
+    """A masked-diffusion LM's stratified-masking log-prob of each canvas token with K strata [B,G,T]
+    (K = 1: mean-field; ``modalities/mdlm_likelihood.py``); the strata come from the row's seed."""
+
+    _takes_arg = True
+    _low = 1
+
+
+@register("provider", "elbo")
+@dataclass
+class ElboTerms(_ForwardQuantity):
+    """A masked-diffusion LM's per-token Monte-Carlo ELBO terms from M mask draws [B,G,T] (their sum over T is
+    the row's ELBO estimate; ``modalities/mdlm_likelihood.py``)."""
+
+    _takes_arg = True
+    _low = 1
 
 
 @register("provider", "hidden")

@@ -16,6 +16,7 @@ the reward is the episode's return; the advantage is the configured estimator.
 the first user message (a string, or a list of messages), ``step(answer)`` the reply)::
 
     M_0 = [system?] + reset(row)                          messages
+    tools = the toolbox's + env.tools() if the env has it  (bound to this episode's env, ``trl_env.py``)
     c_0 = encode(render(M_0, tools, generation prompt))   the first context (the row's prompt)
     turn t:  a_t ~ policy(c_t)                            sampled ids (EOS included when sampled)
              calls = parse(text(a_t))
@@ -37,6 +38,8 @@ too, ``is_chat_template_prefix_preserving``).
   ``max_tool_calling_iterations`` counts tool rounds only).
 - ``tool_timeout = 5.0`` s [INFERRED]; ``tool_parser = "hermes"`` the Hermes / Qwen
   ``<tool_call>{json}</tool_call>`` format, or any ``"module:function"`` (``rollout/tools.py``).
+- ``sandbox = {}`` options of the sandbox that code tools run in (``rollout/code_tools.py``):
+  ``unsafe_local``, ``python``, ``cgroup`` (as the ``code`` reward's), ``memory_mb`` [256].
 - ``system = None`` no system message of our own (the template writes the tool list).
 - ``env = None`` the row's ``env`` column (the agent tasks name ``answer``); ``env_params = {}``.
 
@@ -56,17 +59,16 @@ too, ``is_chat_template_prefix_preserving``).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from groupwise.errors import ConfigError
-from groupwise.registry import build, register
+from groupwise.registry import register
 from groupwise.rollout.chat import encode as encode_text
 from groupwise.rollout.chat import render, require_template
-from groupwise.rollout.env import ENV_STREAM, Episode, Played, check_env_rewards, env_name, score_returns
+from groupwise.rollout.env import ENV_STREAM, EnvCopies, Episode, Played, check_env_rewards, score_returns
 from groupwise.rollout.episodes import transcripts
-from groupwise.rollout.tools import Toolbox
+from groupwise.rollout.tools import Toolbox, schema
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout
 
@@ -104,21 +106,28 @@ def play_chat(
     budget = ctx.sampling["max_new_tokens"]
     schemas = toolbox.schemas
     eos = set(getattr(ctx.policy, "eos", None) or [tokenizer.eos_token_id])
-    protos: dict[str, Any] = {}
+    fresh = EnvCopies(env, env_params, who)
     episodes, state = [], {}
     for key in keys:
         row = ctx.meta(key)
-        name = env_name(env, row, who)
-        if name not in protos:
-            protos[name] = build("env", name, **(env_params or {}))
         group = []
         for e in range(n):
-            instance = copy.deepcopy(protos[name])
+            instance = fresh(row)
             first = instance.reset(row, sample_seed(info.seed, info.step, key, ENV_STREAM + e))
             messages = ([{"role": "system", "content": system}] if system else []) + _messages(first, who)
-            text = render(tokenizer, messages, schemas, generation_prompt=True)
+            # an env may offer tools of its own (bound to this episode's instance), next to the toolbox's
+            own = toolbox.bind(instance.tools(), f"rollout {who}") if hasattr(instance, "tools") else {}
+            own_schemas = schemas + [schema(fn) for fn in own.values()]
+            text = render(tokenizer, messages, own_schemas, generation_prompt=True)
             ep = Episode(key, e, [text])
-            state[id(ep)] = {"env": instance, "messages": messages, "ids": encode_text(tokenizer, text), "text": text}
+            state[id(ep)] = {
+                "env": instance,
+                "messages": messages,
+                "ids": encode_text(tokenizer, text),
+                "text": text,
+                "tools": own,
+                "schemas": own_schemas,
+            }
             group.append(ep)
         episodes.append(group)
     parts, seen = [], 0
@@ -147,7 +156,7 @@ def play_chat(
             calls = toolbox.parse(text)
             reward = 0.0
             if calls:
-                st["messages"] += [toolbox.run(call) for call in calls]
+                st["messages"] += [toolbox.run(call, st["tools"]) for call in calls]
             else:
                 obs, reward, done = st["env"].step(text)
                 ep.done = bool(done)
@@ -159,7 +168,7 @@ def play_chat(
             ep.rewards.append(float(reward))
             ep.rows.append(seen + i)
             if not ep.done:
-                following = render(tokenizer, st["messages"], schemas, generation_prompt=True)
+                following = render(tokenizer, st["messages"], st["schemas"], generation_prompt=True)
                 so_far = st["text"] + tokenizer.decode(action, skip_special_tokens=False)
                 if not following.startswith(so_far) and action and action[-1] in eos:
                     # a stop token the template does not write (another EOS id): the template's own end follows
@@ -202,6 +211,7 @@ class Agent:
     tools: list = field(default_factory=list)
     tool_timeout: float = 5.0
     tool_parser: str = "hermes"
+    sandbox: dict = field(default_factory=dict)  # code tools' sandbox: unsafe_local, python, cgroup, memory_mb
     system: str | None = None
     max_context: int | None = None
     env: str | None = None
@@ -213,7 +223,9 @@ class Agent:
                 f"rollout agent: need max_turns >= 1, tool_timeout > 0, max_context >= 2 or None; got "
                 f"max_turns={self.max_turns}, tool_timeout={self.tool_timeout}, max_context={self.max_context}"
             )
-        self._toolbox = Toolbox(self.tools, self.tool_timeout, self.tool_parser)  # fails at build on a bad tool
+        self._toolbox = Toolbox(
+            self.tools, self.tool_timeout, self.tool_parser, self.sandbox
+        )  # fails at build on a bad tool
 
     def check(self, components: list) -> None:
         check_env_rewards(components, "agent")

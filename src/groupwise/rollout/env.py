@@ -22,6 +22,10 @@ Cuts (the per-group bounds): an episode stops at ``done``, after ``max_turns`` a
 ``rollout.max_new_tokens`` would pass ``min(model context, max_context)`` (``cut = "context"``).
 A cut episode keeps the rewards it got (the reach game's: 0, it never reached the goal).
 
+Actions: ``step`` gets the sample's text, unless the env names a row extra in ``action_extra`` (a
+class attribute): then it gets that extra of the sampled row as a list (a continuous policy's
+``x_final``, the gymnasium adapter ``rollout/gym_env.py``).
+
 Episode facts: an env may define ``outcome() -> dict`` (what the episode came to: a termination
 cause, per-step scores, the turn it answered on); after play it is stored in ``Episode.facts``, the
 strategies put it in each row's ``info[b][g]["env"]``, and ``Played.fact_means()`` averages each
@@ -110,6 +114,31 @@ class Played:
         return sum(len(ep.actions) for group in self.episodes for ep in group)
 
 
+def _extra_action(gen: Rollout, name: str, i: int, who: str) -> list:
+    """Row ``i``'s value of the row extra ``name`` (group 0) as a list, for an env with ``action_extra``."""
+    if name not in gen.extras:
+        raise ConfigError(
+            f"rollout {who}: the env acts on the row extra {name!r}, which this policy's samples do not have "
+            f"(they have {sorted(gen.extras)}); use a policy kind that writes it (x_final: model.policy='gaussian')"
+        )
+    return gen.extras[name][i, 0].tolist()
+
+
+class EnvCopies:
+    """The envs of one rollout call: each env name (``env``, else the row's ``env`` column) built once with
+    ``env_params``, and a deep copy of it per episode (one instance plays one episode)."""
+
+    def __init__(self, env: str | None, env_params: dict | None, who: str):
+        self.env, self.env_params, self.who = env, env_params or {}, who
+        self.protos: dict[str, Any] = {}
+
+    def __call__(self, row: dict) -> Any:
+        name = env_name(self.env, row, self.who)
+        if name not in self.protos:
+            self.protos[name] = build("env", name, **self.env_params)
+        return copy.deepcopy(self.protos[name])
+
+
 def env_name(env: str | None, row: dict, who: str) -> str:
     name = env or row.get("env")
     if not name:
@@ -144,16 +173,13 @@ def play(
     info, encode = ctx.info(0), _cached(ctx.policy.encode)
     limit = min(x for x in (getattr(ctx.policy, "context", None), max_context, 1 << 62) if x)
     budget = ctx.sampling["max_new_tokens"]
-    protos: dict[str, Any] = {}
+    fresh = EnvCopies(env, env_params, who)
     episodes, envs = [], {}
     for key in keys:
         row = ctx.meta(key)
-        name = env_name(env, row, who)
-        if name not in protos:
-            protos[name] = build("env", name, **(env_params or {}))
         group = []
         for e in range(n):
-            instance = copy.deepcopy(protos[name])
+            instance = fresh(row)
             ep = Episode(
                 key,
                 index_base + e,
@@ -183,7 +209,9 @@ def play(
         lengths = gen.mask[:, 0].sum(-1).tolist()  # [R]
         for i, (ep, context) in enumerate(chosen):
             text = gen.completions[i][0]
-            obs, reward, done = envs[id(ep)].step(text)
+            # an env that acts on a row extra of the sample (a continuous action) gets that instead of the text
+            extra = getattr(envs[id(ep)], "action_extra", None)
+            obs, reward, done = envs[id(ep)].step(_extra_action(gen, extra, i, who) if extra else text)
             ep.contexts.append(context)
             ep.actions.append(gen.actions[i, 0, : lengths[i]].tolist())
             ep.texts.append(text)
@@ -296,12 +324,13 @@ def check_envs(env: str | None, env_params: dict | None, rows: list[dict], who: 
 
 
 def _cached(encode):
-    table: dict[str, list[int]] = {}
+    table: dict = {}
 
-    def cached(text: str) -> list[int]:
-        if text not in table:
-            table[text] = list(encode(text))
-        return list(table[text])
+    def cached(text: str | list) -> list:
+        key = text if isinstance(text, str) else tuple(text)  # an observation vector (gymnasium) as a key
+        if key not in table:
+            table[key] = list(encode(text))
+        return list(table[key])
 
     return cached
 

@@ -41,7 +41,13 @@ actions are trained. Reward = the episode's outcome; the advantage is the config
    per-turn value (entry t = turn t), stored as the segment extra ``env/<key>`` [B,n,S] (NaN past
    an episode's list; S = the longest list), e.g. ``env/step_scores``, which the per-step token
    weights read (``weights/process_score.py``); ``info[b][g]["env"]`` holds every fact as well.
-6. ``step_stats``: ``episodes/env_steps`` (actions played this step, every episode: the generation
+6. ``turn_facts = True`` (M5, first consumer: the ``gagpo`` estimator) adds two segment extras for
+   per-turn credit: ``env/step_reward`` [B,n,S] = r_t (``Episode.rewards``) and ``env/state_id``
+   [B,n,S] = the observation text turn t acted on (o_t), as a dense index over the batch's distinct
+   texts in order of first appearance (state identity = observation text, as GiGPO's anchor
+   states). An index, not a hash: segment extras are float32, exact only below 2^24. Both are NaN
+   past an episode's turns. The strategy then ``collects`` them (``rollout_extras`` checks at build).
+7. ``step_stats``: ``episodes/env_steps`` (actions played this step, every episode: the generation
    cost), ``episodes/action_tokens`` (their tokens) and ``episodes/gated_frac`` (share of groups a
    group hook cut, 0 here; ``selective_rollout`` sets the hook). Gated groups leave the batch.
    An env with ``outcome()`` adds ``env/<key>``: the means of its numeric facts (``rollout/env.py``).
@@ -84,8 +90,27 @@ def turn_facts(episodes: list[list[Any]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Tensor]:
-    """(batch [B, n, T], outcome [B, n]): one row per episode, its actions and the env tokens between them."""
+STEP_REWARD, STATE_ID = TURN_FACT + "step_reward", TURN_FACT + "state_id"  # the segment extras of turn_facts=True
+
+
+def state_facts(episodes: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """Per-turn reward and state id (Note 6) as [B,n,S] float32 segment extras, NaN past an episode's turns."""
+    B, n = len(episodes), max((len(g) for g in episodes), default=0)
+    S = max(1, max((len(ep.rewards) for g in episodes for ep in g), default=0))
+    reward = torch.full((B, n, S), float("nan"))  # [B,n,S]
+    state = torch.full((B, n, S), float("nan"))  # [B,n,S]
+    index: dict[str, int] = {}  # observation text -> dense id, in order of first appearance
+    for b, g in enumerate(episodes):
+        for e, ep in enumerate(g):
+            for t, r in enumerate(ep.rewards):
+                reward[b, e, t] = float(r)
+                state[b, e, t] = float(index.setdefault(ep.observations[t], len(index)))
+    return {STEP_REWARD: reward, STATE_ID: state}
+
+
+def transcripts(played: Played, separator: str = " ", with_state: bool = False) -> tuple[Rollout, torch.Tensor]:
+    """(batch [B, n, T], outcome [B, n]): one row per episode, its actions and the env tokens between them
+    (``with_state``: with the per-turn extras of Note 6)."""
     B, n = len(played.episodes), max(len(g) for g in played.episodes)
     logp_of = played.turns.logp_sampler  # [R,1,T'] the sampler's log-probs of every action
     rows = []
@@ -150,6 +175,9 @@ def transcripts(played: Played, separator: str = " ") -> tuple[Rollout, torch.Te
     )
     for key, values in turn_facts(played.episodes).items():
         batch.set_extra(TURN_FACT + key, values, "segment")
+    if with_state:
+        for key, values in state_facts(played.episodes).items():
+            batch.set_extra(key, values, "segment")
     outcome = torch.tensor([[ep.ret for ep in g] for g in played.episodes], dtype=torch.float64)  # [B,n]
     return batch, outcome
 
@@ -165,6 +193,7 @@ class Episodes:
     max_context: int | None = None
     env: str | None = None
     env_params: dict = field(default_factory=dict)
+    turn_facts: bool = False  # per-turn segment extras env/step_reward and env/state_id (Note 6): gagpo reads them
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or (self.max_context is not None and self.max_context < 2):
@@ -175,8 +204,22 @@ class Episodes:
 
     on_step = None  # a group hook for rollout/env.py's play (``selective_rollout`` defines its gate here); None: none
 
+    @property
+    def collects(self) -> tuple[str, ...]:
+        """The extras other components may read (``rollout_extras``): the turn facts when they are on."""
+        return (STEP_REWARD, STATE_ID) if self.turn_facts else ()
+
     def check(self, components: list) -> None:
         check_env_rewards(components, self._who)
+        if not self.turn_facts:  # a reader of the turn facts: name the switch (the generic check cannot)
+            for c in components:
+                read = sorted({STEP_REWARD, STATE_ID} & set(getattr(c, "rollout_extras", ())))
+                if read:
+                    raise ConfigError(
+                        f"{getattr(c, 'stage', '')} component {getattr(c, 'registry_name', type(c).__name__)!r} "
+                        f"reads the per-turn facts {read}, which rollout {self._who!r} writes only with "
+                        "rollout.params.turn_facts=true: set it"
+                    )
 
     def use_rows(self, rows: list[dict]) -> None:
         check_envs(self.env, self.env_params, rows, self._who)  # a bad env name fails at build
@@ -220,7 +263,7 @@ class Episodes:
             who=self._who,
             on_step=self.on_step,
         )
-        batch, outcome = transcripts(played, self.separator)
+        batch, outcome = transcripts(played, self.separator, self.turn_facts)
         score_returns(ctx, batch, outcome, self._who)
         self._stats = {
             "episodes/env_steps": float(played.actions),

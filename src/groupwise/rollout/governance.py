@@ -150,7 +150,7 @@ class GovernedEpisodes(Episodes):
             all_causes += [cause_of(ep) for g in again.episodes for ep in g]
             resampled += len(replace)
             played = _merge(played, again, replace)
-        batch, outcome = transcripts(played, self.separator)
+        batch, outcome = transcripts(played, self.separator, self.turn_facts)
         score_returns(ctx, batch, outcome, self._who)
         causes = [[cause_of(ep) for ep in g] for g in played.episodes]
         keep = ctx.keep(batch) & ~torch.tensor(played.gated, dtype=torch.bool)  # [B]

@@ -21,7 +21,8 @@ which TRL uses too, ``trl/trainer/grpo_trainer.py``); the chat template renders 
 
 **Execution** (``Toolbox.run``): each call runs with a timeout (a worker thread; a call that overruns
 is reported as an error, and its thread is left to finish on its own: Python cannot stop a thread, so
-a tool must not hold resources forever). The result becomes a tool message
+a tool must not hold resources forever). A tool flagged as a code tool (``rollout/code_tools.py``)
+runs in a fresh sandbox instead, and an overrunning call is killed there. The result becomes a tool message
 ``{"role": "tool", "name": name, "content": str(result)}`` (TRL's form); an unknown tool, bad
 arguments, an exception, a timeout or a malformed call become a tool message whose content is
 ``{"error": "..."}``, never a crash. ``Toolbox.stats()`` counts calls and errors per tool
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from groupwise.errors import ConfigError
+from groupwise.rollout.code_tools import SandboxRunner, is_code_tool
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
@@ -133,7 +135,9 @@ def schema(fn: Callable, where: str = "tools") -> dict:
 class Toolbox:
     """The tools of a run: schemas for the template, execution with a timeout, per-tool counts."""
 
-    def __init__(self, tools: list, timeout: float = 5.0, parser: str | Callable = "hermes"):
+    def __init__(
+        self, tools: list, timeout: float = 5.0, parser: str | Callable = "hermes", sandbox: dict | None = None
+    ):
         self.functions: dict[str, Callable] = {}
         for i, spec in enumerate(tools):
             fn = load_tool(spec, f"rollout.params.tools[{i}]")
@@ -146,17 +150,40 @@ class Toolbox:
         self.calls: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.malformed = 0
+        self.env_tools: set[str] = set()  # names of the episodes' own tools seen so far (``bind``)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupwise-tool")
+        # code tools (``rollout/code_tools.py``) run in the sandbox; it is checked now, only when one is offered
+        self._sandbox = SandboxRunner(sandbox) if any(map(is_code_tool, self.functions.values())) else None
 
-    def run(self, call: Call) -> dict:
-        """The tool message answering ``call`` (its result, or ``{"error": ...}``)."""
+    def bind(self, functions: list, who: str) -> dict[str, Callable]:
+        """An episode's own tools (an env's ``tools()``: methods bound to its instance) by name, checked: each has
+        a schema and no name of the toolbox's; they count in ``stats()`` like the toolbox's own."""
+        own: dict[str, Callable] = {}
+        for fn in functions:
+            name = schema(fn, f"{who}: env tool")["function"]["name"]
+            if is_code_tool(fn):
+                raise ConfigError(
+                    f"{who}: the env's tool {name!r} is flagged as a code tool; an env's tools change its "
+                    f"instance, so they run in the trainer's process: remove the flag"
+                )
+            if name in self.functions or name in own:
+                raise ConfigError(f"{who}: the env's tool {name!r} has the name of another tool; tool names are unique")
+            own[name] = fn
+            self.env_tools.add(name)
+        return own
+
+    def run(self, call: Call, own: dict[str, Callable] | None = None) -> dict:
+        """The tool message answering ``call`` (its result, or ``{"error": ...}``); ``own``: the episode's tools."""
         if call.error:
             self.malformed += 1
             return {"role": "tool", "name": call.name or "unknown", "content": json.dumps({"error": call.error})}
         self.calls[call.name] = self.calls.get(call.name, 0) + 1
-        fn = self.functions.get(call.name)
+        fn = self.functions.get(call.name) or (own or {}).get(call.name)
         if fn is None:
             return self._error(call.name, f"no tool {call.name!r}; the tools are {sorted(self.functions)}")
+        if self._sandbox is not None and is_code_tool(fn):
+            ok, text = self._sandbox.call(fn, call.arguments, self.timeout)
+            return {"role": "tool", "name": call.name, "content": text} if ok else self._error(call.name, text)
         try:
             result = self._pool.submit(fn, **call.arguments).result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:
@@ -176,9 +203,11 @@ class Toolbox:
         (unreadable calls), ``tools/unknown`` (calls of a tool that does not exist)."""
         out = {
             "tools/malformed": float(self.malformed),
-            "tools/unknown": float(sum(n for name, n in self.calls.items() if name not in self.functions)),
+            "tools/unknown": float(
+                sum(n for name, n in self.calls.items() if name not in self.functions and name not in self.env_tools)
+            ),
         }
-        for name in self.functions:
+        for name in [*self.functions, *sorted(self.env_tools)]:
             n = self.calls.get(name, 0)
             out[f"tools/{name}/calls"] = float(n)
             out[f"tools/{name}/error_rate"] = self.errors.get(name, 0) / n if n else float("nan")
