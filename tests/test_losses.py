@@ -176,6 +176,41 @@ def test_gspo_equals_sequence_objective_of_the_paper(eps):
     torch.testing.assert_close(grad, grad_ref, atol=1e-7, rtol=1e-5)
 
 
+def test_gspo_without_length_norm_is_the_whole_sequence_ratio():
+    # tokens d = [0.2, −0.1, (masked 5.0)] → log_s = 0.2 − 0.1 = 0.1 (a sum, not a mean), s = e^0.1 = 1.105171
+    s = math.exp(0.1)
+    mb = rollout_from(torch.zeros(1, 1, 3), torch.tensor([[1.0]]), mask=torch.tensor([[[1, 1, 0]]]))
+    logp = leaf([[[0.2, -0.1, 5.0]]])
+    term = build("objective", "gspo", eps_low=0.2, eps_high=0.2, length_norm=False)
+    values, grad = _term_grad(term, mb, logp)  # unclipped (s < 1.2): loss_t = −s·A, d/d logp_t = −s
+    torch.testing.assert_close(values[0, 0, :2], torch.tensor([-s, -s]))
+    torch.testing.assert_close(grad[0, 0], torch.tensor([-s, -s, 0.0]))
+    # with eps 0.05 the ratio 1.105 > 1.05 is clipped: loss −1.05 per token, no gradient
+    values, grad = _term_grad(build("objective", "gspo", eps_low=0.05, eps_high=0.05, length_norm=False), mb, logp)
+    torch.testing.assert_close(values[0, 0, :2], torch.tensor([-1.05, -1.05]))
+    assert grad.abs().sum() == 0
+    with pytest.raises(ConfigError, match="length_norm=false is the whole row's ratio; use it with span='row'"):
+        build("objective", "gspo", span="segment", length_norm=False)
+
+
+@pytest.mark.parametrize("eps", [(0.2, 0.2), (0.05, 0.08)])
+def test_gspo_without_length_norm_has_the_sequence_gradient_under_token_sums(eps):
+    # J = 1/n Σ_i min(s_i A_i, clip(s_i) A_i), s_i = exp(Σ_t (logp − logp_old)): under seq_mean_token_sum the
+    # gradient is ∇(−J) exactly (the value is |y_i| times each row's term)
+    ro = make_rollout(4, 4, 6, seed=21, awkward=False)
+    logp = (ro.logp_old + 0.05 * torch.randn(4, 4, 6, generator=torch.Generator().manual_seed(2))).requires_grad_(True)
+    term = build("objective", "gspo", eps_low=eps[0], eps_high=eps[1], length_norm=False)
+    obj = objective_for([term], "seq_mean_token_sum")
+    loss = obj.loss(ro, {"logp": logp}, obj.normalizers(ro, info_for(6)), info_for(6))
+    (grad,) = torch.autograd.grad(loss, logp)
+    m = ro.mask.float()
+    s = torch.exp(((logp - ro.logp_old) * m).sum(-1))  # [B,G]
+    A = ro.advantages
+    J = torch.minimum(s * A, s.clamp(1 - eps[0], 1 + eps[1]) * A).mean()
+    (grad_ref,) = torch.autograd.grad(-J, logp)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-7, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- reinforce
 def test_reinforce_by_hand():
     # loss = −A·logp: A=2, logp=−0.5 → 1.0 (grad −2); A=−1, logp=−2 → −2.0 (grad +1)

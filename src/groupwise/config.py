@@ -27,7 +27,8 @@ RECIPES = Path(__file__).resolve().parent / "recipes"  # the standard ones; a pa
 @dataclass
 class ModelCfg:
     # "default" = the tiny model shipped in the package (a toy kind: fresh weights); or a folder / hub id (a toy kind:
-    # the folder its save wrote, <path>/flow_policy.pt, gaussian_policy.pt or mdlm_policy.pt, e.g. a run's final/)
+    # the folder its save wrote, <path>/flow_policy.pt, gaussian_policy.pt, mdlm_policy.pt or subset_policy.pt, e.g. a
+    # run's final/)
     path: str = "default"
     # float32 | bfloat16: the dtype the WEIGHTS are loaded and trained in (bfloat16 weights have no float32 master; for
     # bfloat16 products over float32 weights use `matmul`)
@@ -42,6 +43,7 @@ class ModelCfg:
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
     # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow;
     # gaussian: observation -> N(mu(s), sigma^2 I); mdlm: a masked-diffusion LM sampled by iterative unmasking
+    # subset: k of N items, a Plackett-Luce ranking by Gumbel-top-k
     # (arguments of the toy kinds in `params`)
     policy: str = "lm"
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}

@@ -51,6 +51,12 @@ sequence advantage; token-level advantages are allowed as in the paper's GSPO-to
 
    Tokens in no segment (``segment_id = −1``) get no loss (0). A batch without ``segment_id`` fails
    with the fix. ``span = "row"`` is the term above, unchanged (byte-identical: a test).
+7. ``length_norm = false`` (an option, not the paper's; first consumer 22 GRIP-VLM, whose "sequence" is
+   an ordered selection of k items): log_s = Σ_t mask·(logp − logp_old), the ratio of the whole
+   sequence's likelihood. The token form keeps ratio_t = s_i on every token and ∇ratio_t = s_i∇logp_t,
+   so under ``agg = "seq_mean_token_sum"`` the gradient is exactly that of 1/n Σ_i min(s_i A_i,
+   clip(s_i) A_i) (the loss value is |y| times it); under ``seq_mean_token_mean`` it is 1/|y| of it.
+   With ``span = "row"`` only (a segment is a turn, not the whole selection): the build refuses the pair.
 """
 
 from __future__ import annotations
@@ -67,8 +73,11 @@ from groupwise.registry import register
 from groupwise.types import Rollout, StepInfo
 
 
-def seq_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
-    """[b,G] length-normalised sequence log-ratio mean_t over mask of (logp − logp_old)."""
+def seq_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor, length_norm: bool = True) -> Tensor:
+    """[b,G] sequence log-ratio over mask of (logp − logp_old): the mean over tokens (length-normalised),
+    or the sum with ``length_norm=False`` (Note 6)."""
+    if not length_norm:
+        return ((logp - logp_old) * mask).sum(-1)  # [b,G]
     return masked_mean(logp - logp_old, mask, dim=-1)  # [b,G]
 
 
@@ -95,6 +104,8 @@ class GSPO:
     coef: float = 1.0
     agg: str | None = None
     span: str = "row"  # "row": one ratio per row | "segment": one per segment_id (a turn; Note 6)
+    # false: the ratio is exp(Σ_t (logp − logp_old)), the whole row's likelihood ratio (Note 7; span "row") [INFERRED]
+    length_norm: bool = True
 
     needs = ()
 
@@ -102,6 +113,8 @@ class GSPO:
         check_clip("gspo", self.eps_low, self.eps_high)
         if self.span not in ("row", "segment"):
             raise ConfigError(f"objective gspo: span must be 'row' or 'segment', got {self.span!r}")
+        if self.span == "segment" and not self.length_norm:
+            raise ConfigError("objective gspo: length_norm=false is the whole row's ratio; use it with span='row'")
 
     def _ratio_adv(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         mask, segment_id = term_mask(mb), mb.segment_id  # [b,G,T], [b,G,T] or None
@@ -118,7 +131,7 @@ class GSPO:
             log_s = segment_log_ratio(logp, logp_old, mask, segment_id)  # [b,G,T]
             ratio = torch.exp(log_s.detach() + logp - logp.detach())  # [b,G,T]
         else:
-            log_s = seq_log_ratio(logp, logp_old, mask)  # [b,G]
+            log_s = seq_log_ratio(logp, logp_old, mask, self.length_norm)  # [b,G]
             ratio = torch.exp(log_s.detach()[..., None] + logp - logp.detach())  # [b,G,T]
         adv = token_advantages(mb, mask, "gspo")  # [b,G,T]
         return ratio, adv

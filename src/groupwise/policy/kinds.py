@@ -1,7 +1,7 @@
 """The policy a run trains, by kind: ``build_policy(model_cfg, perf)`` for ``model.policy`` = ``lm``,
-``flow``, ``unified``, ``gaussian`` or ``mdlm`` (``policy/__init__.py``). A toy kind with ``model.path``
+``flow``, ``unified``, ``gaussian``, ``mdlm`` or ``subset`` (``policy/__init__.py``). A toy kind with ``model.path``
 other than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``,
-``mdlm_policy.pt``: config and weights, what its ``save`` writes; a bare name such as
+``mdlm_policy.pt``, ``subset_policy.pt``: config and weights, what its ``save`` writes; a bare name such as
 ``"mdlm_sum_pairs"`` is the folder shipped in ``groupwise/models/``): a fitted toy is then a warm
 start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params`` may change sampling
 settings (``sde``, ``sde_window``, the mdlm's ``estimator``) but not the saved architecture."""
@@ -16,12 +16,13 @@ import torch
 from groupwise.errors import ConfigError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models"  # the package's shipped models
-KINDS = ("lm", "flow", "unified", "gaussian", "mdlm")
+KINDS = ("lm", "flow", "unified", "gaussian", "mdlm", "subset")
 TOY_FILES = {
     "flow": "flow_policy.pt",
     "unified": "flow_policy.pt",
     "gaussian": "gaussian_policy.pt",
     "mdlm": "mdlm_policy.pt",
+    "subset": "subset_policy.pt",
 }
 
 
@@ -34,6 +35,7 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
         from groupwise.modalities.flow import FlowPolicy
         from groupwise.modalities.gaussian import GaussianPolicy
         from groupwise.modalities.mdlm import MDLMPolicy
+        from groupwise.modalities.subset import SubsetPolicy
         from groupwise.modalities.unified import UnifiedPolicy
 
         if getattr(model_cfg, "device", "cpu") not in ("cpu", "auto"):
@@ -45,6 +47,7 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
             "unified": UnifiedPolicy,
             "gaussian": GaussianPolicy,
             "mdlm": MDLMPolicy,
+            "subset": SubsetPolicy,
         }[model_cfg.policy]
         saved = _saved_toy(model_cfg)
         params = dict(model_cfg.params) if saved is None else {**saved["config"], **model_cfg.params}
