@@ -34,7 +34,23 @@ BASE = [
 
 # what a component gets in this driver's runs to have something to act on (the arithmetic task's completions are
 # digits: LA-GRPO's default functional tokens + - * never occur there, "1" often does)
-EXAMPLE_OVERRIDES = {"objective:la_grpo": ['objective.terms=[{name="la_grpo", tokens=["1"]}, {name="kl", coef=0.1}]']}
+EXAMPLE_OVERRIDES = {
+    "objective:la_grpo": ['objective.terms=[{name="la_grpo", tokens=["1"]}, {name="kl", coef=0.1}]'],
+    # GAGPO reads the per-turn facts that only episodes with turn_facts=true write: its own key-and-door game
+    "advantage:gagpo": [
+        'advantage.estimator="gagpo"',
+        'data.task="keydoor"',
+        'rollout.name="episodes"',
+        "rollout.params={max_turns=2, turn_facts=true}",
+        "rollout.max_new_tokens=1",
+    ],
+}
+
+
+def _class_collects(cls) -> tuple:
+    """A strategy class's ``collects`` when it is fixed (a property depends on the instance's options)."""
+    value = getattr(cls, "collects", ())
+    return () if isinstance(value, property) else value
 
 
 def configurations() -> dict[str, list[str]]:
@@ -49,11 +65,12 @@ def configurations() -> dict[str, list[str]]:
             key = "advantage.shapers" if getattr(cls, "shaper", False) else "advantage.estimator"
             configs[f"advantage:{name}"] = [f'{key}=["{name}"]' if key.endswith("shapers") else f'{key}="{name}"']
             wanted = set(getattr(cls, "rollout_extras", ()))
-            # an estimator that reads what only some strategy collects (ReMax's greedy baseline) runs with it
-            if wanted:
-                strategy = next(
-                    n for s, n, c in entries() if s == "rollout" and wanted <= set(getattr(c, "collects", ()))
-                )
+            if f"advantage:{name}" in EXAMPLE_OVERRIDES:
+                configs[f"advantage:{name}"] = EXAMPLE_OVERRIDES[f"advantage:{name}"]
+            # an estimator that reads what only some strategy collects (ReMax's greedy baseline) runs with it (a
+            # strategy whose collects depends on its options, a property, is named in EXAMPLE_OVERRIDES instead)
+            elif wanted:
+                strategy = next(n for s, n, c in entries() if s == "rollout" and wanted <= set(_class_collects(c)))
                 configs[f"advantage:{name}"].append(f'rollout.name="{strategy}"')
         elif stage == "weight":
             configs[f"weight:{name}"] = [f'objective.weights=["{name}"]']

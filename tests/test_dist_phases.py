@@ -42,6 +42,7 @@ CASES = {
     "ssopd": [SGD],
     "dgpo": ["phases=[]", SGD],
     "streampro": ["phases=[]", SGD],
+    "dpa_grpo_inferred": ["phases=[]", SGD],  # forced-prefix rows, pair groups, row-filtered KL terms (issue 41)
     "signal_reshaping": [SGD],
     "e2po": [
         'phases=[{name="e2po_perturbations", conditions=4, steps=3, '

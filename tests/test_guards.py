@@ -66,7 +66,8 @@ def test_no_non_finite_advantage_from_random_groups(name, upstream):
         rollout.advantages = build("advantage", upstream)(rollout, StepInfo(0, 0, 1))
     fill_inputs(rollout, component)  # needs, artifacts, vocabulary (estimators too: F-GRPO's phase map)
     for key in getattr(component, "rollout_extras", ()):  # ReMax's greedy baseline: a reward from the same nasty draw
-        rollout.set_extra(key, rewards[:, 0].clone(), "group")
+        if key not in rollout.extras:  # one fill_inputs gave its own shape (GAGPO's per-turn facts) stays
+            rollout.set_extra(key, rewards[:, 0].clone(), "group")
     adv = component(rollout, StepInfo(0, 0, 1))
     bad = int((~torch.isfinite(adv)).sum())
     print(f"{name}: {bad} non-finite of {adv.numel()}")

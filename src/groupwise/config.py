@@ -111,7 +111,9 @@ class AdvantageCfg:
 @dataclass
 class ObjectiveCfg:
     agg: str = "seq_mean_token_mean"  # default aggregation of every term
-    terms: list = field(default_factory=lambda: ["ppo_clip"])  # objective terms (components of stage objective), summed
+    # objective terms (components of stage objective), summed; an entry's rows = {extra = NAME, equals = V} restricts
+    # it to the rows whose row extra NAME is V (objective.py: a KL per game role)
+    terms: list = field(default_factory=lambda: ["ppo_clip"])
     weights: list = field(default_factory=list)  # token-weight components
 
 

@@ -28,6 +28,13 @@ A term may define ``token_subset(rollout) -> [B,G,T] bool``: its own tokens. It 
 over ``loss_mask & token_subset`` only, and its aggregation's normaliser counts only those tokens
 (computed with the others, once per optimiser step on the whole step batch and summed over ranks),
 e.g. a term on a sparse set of token positions averaged over their number (LA-GRPO's anchor).
+
+Any term entry may carry a row filter, ``rows = {extra = "NAME", equals = V}`` (a key of the entry,
+read by the objective, never by the term): the term is then aggregated over the rows whose row
+extra ``NAME`` equals ``V`` only, and its normaliser counts only their tokens, exactly as a
+``token_subset`` does (:class:`RowFilter`). Two entries of one term with different filters are
+role-specific copies of it: DPA-GRPO's KL per game role, ``{name = "kl", key = "kl_v", rows =
+{extra = "game_role", equals = 1}}`` and ``kl_g`` on ``equals = 0``.
 """
 
 from __future__ import annotations
@@ -94,6 +101,36 @@ def check_token_weights(terms: list[Any], weights: list[Any]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class RowFilter:
+    """A term entry's ``rows = {extra = NAME, equals = V}``: the rows whose row extra ``NAME`` equals ``V``."""
+
+    extra: str
+    equals: float
+
+    @classmethod
+    def from_spec(cls, spec: Any, where: str) -> RowFilter:
+        if not isinstance(spec, dict) or set(spec) != {"extra", "equals"}:
+            raise ConfigError(
+                f'{where}: rows={spec!r}; a row filter is a table rows = {{extra = "NAME", equals = VALUE}} '
+                "(the rows whose row extra NAME equals VALUE)"
+            )
+        if not isinstance(spec["equals"], (int, float)) or isinstance(spec["equals"], bool):
+            raise ConfigError(f"{where}: rows.equals={spec['equals']!r} must be a number (row extras are float32)")
+        return cls(str(spec["extra"]), float(spec["equals"]))
+
+    def __call__(self, rollout: Rollout) -> Tensor:
+        """[B,G] bool: the rows this filter keeps."""
+        value = rollout.extras.get(self.extra)
+        if value is None or rollout.extra_levels.get(self.extra) != "row":
+            raise ValueError(
+                f"an objective term's rows filter reads the row extra {self.extra!r}, which this batch does not "
+                f"carry at row level (it has {sorted(rollout.extras) or 'no extras'}); use a rollout strategy that "
+                "sets it (its collects), or drop the filter"
+            )
+        return value == self.equals  # [B,G]
+
+
 @dataclass
 class Objective:
     terms: list[Any]
@@ -101,35 +138,59 @@ class Objective:
     default_agg: str
     stat_sums: dict[str, float] = field(default_factory=dict)
     stat_counts: dict[str, float] = field(default_factory=dict)
+    row_filters: list[RowFilter | None] = field(default_factory=list)  # per term (empty: none filtered)
 
     @classmethod
     def from_config(cls, term_specs: list, default_agg: str, weights: Sequence[Any] = ()) -> Objective:
         """The objective of ``term_specs``; ``weights``: the built token-weight components it will be
-        given (a combination a term cannot take is a ``ConfigError`` here, at build)."""
-        terms = [build_spec("objective", spec) for spec in term_specs]
+        given (a combination a term cannot take is a ``ConfigError`` here, at build). An entry's
+        ``rows`` key is its row filter (module docstring), not a parameter of the term."""
+        filters = [
+            RowFilter.from_spec(spec["rows"], f"objective.terms[{i}]")
+            if isinstance(spec, dict) and "rows" in spec
+            else None
+            for i, spec in enumerate(term_specs)
+        ]
+        terms = [build_spec("objective", spec) for spec in term_specs]  # build_spec leaves the entry's rows to us
         check_token_weights(terms, list(weights))
         agg_names = {default_agg} | {t.agg for t in terms if getattr(t, "agg", None)}
         # sorted: normalizers all-reduce one tensor per aggregation in this order, which must be the same
         # on every rank (a set's order follows the per-process string hash)
         aggregations = {name: build("aggregation", name) for name in sorted(agg_names)}
-        return cls(terms, aggregations, default_agg)
+        return cls(terms, aggregations, default_agg, row_filters=filters if any(filters) else [])
 
     @property
     def needs(self) -> list[Need]:
         return [n for t in self.terms for n in getattr(t, "needs", ())]
 
+    @property
+    def rollout_extras(self) -> tuple[str, ...]:
+        """The row extras the terms' row filters read (the strategy must collect them: ``check_strategy``)."""
+        return tuple(sorted({f.extra for f in self.row_filters if f is not None}))
+
     def _agg_name(self, term: Any) -> str:
         return getattr(term, "agg", None) or self.default_agg
 
-    def _norm_key(self, index: int, term: Any) -> str:
-        """Key of a term's normaliser: its aggregation's, or its own when it has a ``token_subset``."""
-        agg = self._agg_name(term)
-        return f"{agg}@term{index}" if hasattr(term, "token_subset") else agg
+    def _row_filter(self, index: int) -> RowFilter | None:
+        return self.row_filters[index] if self.row_filters else None
 
-    @staticmethod
-    def _term_mask(term: Any, mask: Tensor, rollout: Rollout) -> Tensor:
-        """[B,G,T] bool: ``mask`` restricted to the term's own tokens (``token_subset``), if it has some."""
-        return mask & term.token_subset(rollout).bool() if hasattr(term, "token_subset") else mask  # [B,G,T]
+    def _own_tokens(self, index: int, term: Any) -> bool:
+        """Whether the term is aggregated over tokens of its own (a ``token_subset`` or a row filter)."""
+        return hasattr(term, "token_subset") or self._row_filter(index) is not None
+
+    def _norm_key(self, index: int, term: Any) -> str:
+        """Key of a term's normaliser: its aggregation's, or its own when it has tokens of its own."""
+        agg = self._agg_name(term)
+        return f"{agg}@term{index}" if self._own_tokens(index, term) else agg
+
+    def _term_mask(self, index: int, term: Any, mask: Tensor, rollout: Rollout) -> Tensor:
+        """[B,G,T] bool: ``mask`` restricted to the term's own tokens (``token_subset``) and rows (``rows``)."""
+        if hasattr(term, "token_subset"):
+            mask = mask & term.token_subset(rollout).bool()  # [B,G,T]
+        row_filter = self._row_filter(index)
+        if row_filter is not None:
+            mask = mask & row_filter(rollout)[..., None]  # [B,G,T]
+        return mask
 
     def loss_mask(self, rollout: Rollout) -> Tensor:
         """[B,G,T] bool: the tokens that receive loss and count in every normaliser: valid rows, mask,
@@ -154,8 +215,10 @@ class Objective:
                 norm = {k: all_reduce(v) for k, v in norm.items()}
             norms[name] = norm
         for index, term in enumerate(self.terms):  # terms with their own tokens: in term order, the same on every rank
-            if hasattr(term, "token_subset"):
-                norm = self.aggregations[self._agg_name(term)].normalizer(self._term_mask(term, mask, rollout), info)
+            if self._own_tokens(index, term):
+                norm = self.aggregations[self._agg_name(term)].normalizer(
+                    self._term_mask(index, term, mask, rollout), info
+                )
                 norms[self._norm_key(index, term)] = (
                     {k: all_reduce(v) for k, v in norm.items()} if all_reduce is not None else norm
                 )
@@ -175,13 +238,14 @@ class Objective:
         total = out["logp"].new_zeros(())
         for index, term in enumerate(self.terms):
             values = term(mb, out, info)  # [b,G,T] or [b,G]
-            term_mask = self._term_mask(term, mask, mb)  # [b,G,T]
+            term_mask = self._term_mask(index, term, mask, mb)  # [b,G,T]
             values = self._weigh(term, values, mb.weight, term_mask)  # [b,G,T] or [b,G]
             agg = self.aggregations[self._agg_name(term)]
             total = total + term.coef * agg.reduce(values, term_mask, norms[self._norm_key(index, term)])
             if record and hasattr(term, "stats"):
                 with torch.no_grad():
-                    self._accumulate(term.stats(mb, out), mask)
+                    # a row-filtered term's statistics are its own rows' (the roles' KL terms: each its role's)
+                    self._accumulate(term.stats(mb, out), term_mask if self._row_filter(index) else mask)
         return total
 
     @staticmethod

@@ -146,14 +146,21 @@ def build(stage: str, name: str, **params: Any) -> Any:
     return component
 
 
+# keys of a stage's entry that the composition reads, not the component: an objective term's row filter
+# (``rows``, read by ``objective.Objective.from_config``)
+ENTRY_KEYS = {"objective": ("rows",)}
+
+
 def build_spec(stage: str, spec: Any) -> Any:
-    """Build from a config value: a name, or a table ``{name = ..., <params>}``."""
+    """Build from a config value: a name, or a table ``{name = ..., <params>}`` (its ``key`` and the
+    stage's ``ENTRY_KEYS`` are the entry's, not parameters)."""
     if isinstance(spec, str):
         return build(stage, spec)
     if isinstance(spec, dict):
         if "name" not in spec:
             raise ConfigError(f"a {stage} entry needs a 'name' key, got {spec!r}")
-        params = {k: v for k, v in spec.items() if k not in ("name", "key")}  # `key` only names the entry for overrides
+        entry = ("name", "key", *ENTRY_KEYS.get(stage, ()))  # `key` only names the entry for overrides
+        params = {k: v for k, v in spec.items() if k not in entry}
         return build(stage, spec["name"], **params)
     raise ConfigError(f"a {stage} entry must be a name or a table with 'name', got {spec!r}")
 

@@ -73,7 +73,12 @@ class Request:
     model while it samples this request's rows (``groupwise.hooks``: a kind from the policy's
     ``hooks``), never when they are trained or scored; ``extras`` labels its rows before they are
     scored (name -> [n] values, set as float32 row extras of the rollout, 0 on rows of requests
-    without the name), e.g. the steering intensity of each row for a reward that reads it."""
+    without the name), e.g. the steering intensity of each row for a reward that reads it.
+    ``prefix`` (token ids, a policy with ``encode``) is a completion prefix the engine does not
+    sample: the rows are sampled after ``prompt + prefix``, and each row's completion is ``prefix +
+    sampled``, flagged ``forced`` (:data:`FORCED`); its forced tokens carry no loss (``loss_mask``
+    holes) unless ``train_prefix``, and their ``logp_sampler`` is the policy's exact log-prob
+    (``rollout/context.py``: a counterfactual branch is a row with another forced decision)."""
 
     key: int
     n: int
@@ -82,6 +87,8 @@ class Request:
     sampling: dict[str, Any] | None = None
     hook: Any = None
     extras: dict[str, Any] | None = None
+    prefix: list[int] | None = None
+    train_prefix: bool = False
 
 
 @dataclass
@@ -118,7 +125,8 @@ class Rollout:
 
     ``row_flags``: named [B,G] bool flags, each set by the strategy that knows it and read by the
     components it concerns; ``injected`` (:data:`INJECTED`) marks rows not sampled by the policy under
-    their training context (LoPE's swapped-in resamples, FBOS-RL's guided rows in EPA groups). A
+    their training context (LoPE's swapped-in resamples, FBOS-RL's guided rows in EPA groups);
+    ``forced`` (:data:`FORCED`) rows whose completion starts with a forced ``Request.prefix``. A
     batch whose parts set different flags gets ``False`` for a flag a part lacks.
 
     Segments: ``segment_id`` [B,G,T] long numbers the segments of a row (a multi-turn episode's
@@ -414,6 +422,8 @@ class Rollout:
 
 # row flag: a row not sampled by the policy under its training context (a swapped-in or guided row)
 INJECTED = "injected"
+# row flag: a row whose leading completion tokens were imposed (``Request.prefix``), not drawn
+FORCED = "forced"
 
 # Each field's level and the value of its padding (a padding row, or a padding token of a token field).
 # "auto": row-level [B,G] or token-level [B,G,T] by the tensor's rank (advantages). Dicts of tensors

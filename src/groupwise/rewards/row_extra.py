@@ -13,7 +13,9 @@ strategy labels every row with before it is scored.
 
 **Defaults**
 
-- ``key = "steer_coef"`` [INFERRED] the extra VSPO's strategy collects.
+- ``key = "steer_coef"`` [INFERRED] the extra VSPO's strategy collects. In a config an entry's
+  ``key`` only names the entry (for overrides), so a config names another extra with ``extra``
+  (``{name = "row_extra", extra = "game_reward"}``, DPA-GRPO's ``dpa_game``); ``extra = ""`` reads ``key``.
 - ``weight = 1.0`` [CODE] TRL ``GRPOConfig.reward_weights = None`` weighs every reward 1.0.
 
 **Notes**
@@ -42,21 +44,27 @@ class RowExtra:
 
     key: str = "steer_coef"
     weight: float = 1.0
+    extra: str = ""  # the row extra to read when set (a config's entry `key` names the entry, not the extra)
 
     needs = ()
 
     def __post_init__(self) -> None:
-        if not self.key:
+        if not self.key and not self.extra:
             raise ConfigError('reward row_extra: key must name a row extra, e.g. key = "steer_coef" (rollout vspo)')
 
     @property
+    def _column(self) -> str:
+        """The row extra this reward reads: ``extra`` when set, else ``key``."""
+        return self.extra or self.key
+
+    @property
     def rollout_extras(self) -> tuple[str, ...]:
-        return (self.key,)
+        return (self._column,)
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
-        if self.key not in rollout.extras:
+        if self._column not in rollout.extras:
             raise KeyError(
-                f"reward row_extra: the rollout has no extra {self.key!r} (extras: {sorted(rollout.extras)})"
+                f"reward row_extra: the rollout has no extra {self._column!r} (extras: {sorted(rollout.extras)})"
             )
-        value = rollout.extras[self.key].float()  # [B,G]
+        value = rollout.extras[self._column].float()  # [B,G]
         return torch.where(rollout.group_valid.bool(), value, torch.zeros(()))  # [B,G]

@@ -22,6 +22,15 @@ order requested. ``check_strategy`` fails the build when a strategy uses a sampl
 does not offer, uses a generation hook (``Request.hook``, ``groupwise.hooks``) the policy's engine
 cannot apply, or a component reads an extra no strategy collects.
 
+A request may also force a completion prefix (``Request.prefix``, token ids; any policy with
+``encode``): the engine samples after ``prompt + prefix`` (so greedy, hooked and overridden requests
+compose with it), and each row becomes ``actions = prefix + sampled`` under the request's prompt.
+The forced tokens are ``loss_mask`` holes (they carry no loss) unless ``Request.train_prefix`` (a
+strategy that enumerates counterfactual decisions and trains them, ``rollout/dpa_game.py``); their
+``logp_sampler`` is the policy's exact log-prob of the imposed tokens, from one no-grad forward
+(``force_prefixes``), so a decision's probability is read off a forced branch without sampling it;
+the rows carry the row flag ``forced`` (``types.FORCED``).
+
 It also counts, over every batch it scored, how many rows had a finite reward (``finite_fraction``),
 which the trainer uses to stop a run whose rewards are never finite.
 """
@@ -37,7 +46,7 @@ import torch
 from groupwise import dist
 from groupwise.errors import ConfigError
 from groupwise.hooks import check_hooks
-from groupwise.types import Request, Rollout, StepInfo
+from groupwise.types import _LEVELS, FORCED, Request, Rollout, StepInfo
 
 
 def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
@@ -138,17 +147,32 @@ class RolloutContext:
         return batch
 
     def _context(self, request: Request) -> Any:
-        """The request's own context (checked against the model's length), else its dataset row's prompt."""
-        if request.prompt is None:
-            return self.prompt(request.key)
-        self.policy.check_fits(
-            request.prompt, self.sampling["max_new_tokens"], f"a request's own context for row {request.key}"
-        )
-        return request.prompt
+        """The request's own context (checked against the model's length), else its dataset row's
+        prompt; with a forced ``prefix``, the context and the prefix are checked together."""
+        prompt = self.prompt(request.key) if request.prompt is None else request.prompt
+        if request.prompt is not None or request.prefix:
+            where = "a request's own context" if request.prompt is not None else "a request's prompt"
+            self.policy.check_fits(
+                list(prompt) + list(request.prefix or ()),
+                self.sampling["max_new_tokens"],
+                f"{where}{' and forced prefix' if request.prefix else ''} for row {request.key}",
+            )
+        return prompt
 
     def _generate(self, requests: list[Request], info: StepInfo) -> Rollout:
-        """The requests' rows with their ``extras`` set (``_sample``)."""
-        out = self._sample(requests, info)
+        """The requests' rows with their forced prefixes (``force_prefixes``) and ``extras`` set (``_sample``)."""
+        if any(r.prefix for r in requests):
+            if not hasattr(self.policy, "encode"):
+                raise ValueError(
+                    f"Request.prefix forces completion tokens, which the {self.policy.modality} policy cannot take "
+                    "(it has no encode); drop the prefix or use a text policy"
+                )
+            sampled = [
+                dataclasses.replace(r, prompt=list(r.prompt) + list(r.prefix)) if r.prefix else r for r in requests
+            ]
+            out = force_prefixes(self._sample(sampled, info), requests, self.policy)
+        else:
+            out = self._sample(requests, info)
         names = sorted({name for r in requests for name in (r.extras or {})})
         for name in names:
             values = torch.zeros(out.shape[0], out.shape[1])  # [B,G]
@@ -196,3 +220,67 @@ class RolloutContext:
     @property
     def finite_fraction(self) -> float:
         return self.finite / max(1, self.scored)
+
+
+def force_prefixes(batch: Rollout, requests: list[Request], policy: Any) -> Rollout:
+    """``batch`` (sampled after ``prompt + prefix``) as rows of ``prefix + sampled`` under each request's
+    ``prompt``: every token-level field shifts right by its group's prefix length P_b (module
+    docstring). The forced positions get ``actions`` = the prefix, ``mask`` on valid rows,
+    ``loss_mask`` only with ``train_prefix``, the segment of the row's first sampled token, and
+    ``logp_sampler`` = the policy's no-grad log-prob of the prefix after the prompt; 0 in other
+    token fields. Rows of a request with a prefix get the row flag ``forced``."""
+    B, G, T = batch.shape
+    lengths = [len(r.prefix or ()) for r in requests]  # [B] P_b
+    T2 = T + max(lengths)
+    valid = batch.group_valid  # [B,G]
+
+    def shift(v: torch.Tensor, fill: Any = 0) -> torch.Tensor:  # [B,G,T,...] -> [B,G,T2,...]
+        out = torch.full((B, G, T2, *v.shape[3:]), fill, dtype=v.dtype)
+        for b, p in enumerate(lengths):
+            out[b, :, p : p + T] = v[b]
+        return out
+
+    fields: dict[str, Any] = {}
+    for name, v in batch.fields():
+        level, fill = _LEVELS[name]
+        token = level == "token" or (level == "auto" and isinstance(v, torch.Tensor) and v.dim() == 3)
+        if isinstance(v, torch.Tensor) and token:
+            fields[name] = shift(v, fill)
+        elif name == "extras":
+            fields[name] = {k: shift(t) if batch.extra_levels[k] == "token" else t for k, t in v.items()}
+        else:
+            fields[name] = v
+    loss_mask = shift(batch.loss_mask if batch.loss_mask is not None else batch.mask, False)  # [B,G,T2]
+    segment = fields["segment_id"]  # [B,G,T2] or None
+    for b, (r, p) in enumerate(zip(requests, lengths)):
+        if not p:
+            continue
+        fields["actions"][b, :, :p] = torch.tensor(r.prefix, dtype=torch.long)
+        fields["mask"][b, :, :p] = valid[b, :, None]
+        loss_mask[b, :, :p] = valid[b, :, None] & r.train_prefix
+        if segment is not None:
+            segment[b, :, :p] = segment[b, :, p : p + 1]  # the prefix belongs to the turn it starts
+    fields["loss_mask"] = loss_mask
+    fields["prompt_ids"] = [list(r.prompt) for r in requests]
+    out = Rollout(**fields)
+    forced = torch.tensor(lengths)[:, None].gt(0) & valid  # [B,G]
+    out.set_flag(FORCED, forced)
+    if out.logp_sampler is not None:  # the imposed tokens' exact log-probs: one no-grad forward, one row per group
+        chosen = [b for b, p in enumerate(lengths) if p]
+        P = max(lengths)
+        probe_actions = torch.zeros(len(chosen), 1, P, dtype=torch.long)  # [K,1,P]
+        for k, b in enumerate(chosen):
+            probe_actions[k, 0, : lengths[b]] = torch.tensor(requests[b].prefix, dtype=torch.long)
+        probe = Rollout(
+            prompt_ids=[list(requests[b].prompt) for b in chosen],
+            actions=probe_actions,  # [K,1,P]
+            mask=torch.arange(P)[None, None, :] < torch.tensor([lengths[b] for b in chosen])[:, None, None],  # [K,1,P]
+            group_valid=torch.ones(len(chosen), 1, dtype=torch.bool),  # [K,1]
+            truncated=torch.zeros(len(chosen), 1, dtype=torch.bool),  # [K,1]
+            prompt_index=out.prompt_index[chosen],  # [K]
+        )
+        with torch.no_grad():
+            logp = policy.forward(probe, ("logp",))["logp"].float()  # [K,1,P]
+        for k, b in enumerate(chosen):
+            out.logp_sampler[b, :, : lengths[b]] = logp[k, 0, : lengths[b]] * valid[b, :, None]
+    return out
