@@ -113,8 +113,6 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -131,6 +129,7 @@ from groupwise.modalities.flow_sde import (
     sde_step_with_logprob,
 )
 from groupwise.modalities.gauss import cfg_velocity
+from groupwise.modalities.net_policy import NetPolicy
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
@@ -214,9 +213,11 @@ class VelocityMLP(nn.Module):
         return self.out(h)  # [N,D]
 
 
-class FlowPolicy:
+class FlowPolicy(NetPolicy):
     """Euler flow sampler over D-dim points (2 by default) conditioned on a label, an embedding or an
     observation (and discrete request conditions), SDE steps per ``sde`` (Flow-/Flash-GRPO)."""
+
+    policy_file = "flow_policy.pt"  # what save writes and model.path loads (policy/kinds.py)
 
     def __init__(
         self,
@@ -718,62 +719,3 @@ class FlowPolicy:
             return stored[sel][:, : self.obs_dim].double(), codes  # [M,C]
         lab = row_labels(rollout)[:, :, None].expand(sel.shape)[sel]  # [M]
         return (lab if self.encoder is None else self.original_condition(lab)), codes
-
-    def scoring_models(self, with_reference: bool) -> dict[str, Any]:
-        """The policies needs are read from, by role: this one and (built on request) a frozen snapshot."""
-        if with_reference and self.reference is None:
-            self.reference = self.snapshot()
-        models = {"policy": lambda: contextlib.nullcontext(self)}
-        if self.reference is not None:
-            models["ref"] = lambda: contextlib.nullcontext(self.reference)
-        return models
-
-    def rebase_reference(self) -> None:
-        """After an sft phase (a demonstration fit) the frozen reference is the fitted policy RL starts from."""
-        if self.reference is not None:
-            self.reference = self.snapshot()
-
-    def score(self, handle: FlowPolicy, rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]:
-        return handle.forward(rollout, quantities)
-
-    def save(self, folder: Any) -> None:
-        """``flow_policy.pt`` (config + weights) in ``folder``: ``FlowPolicy(**config)`` then ``load_state_dict``."""
-        from pathlib import Path
-
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), Path(folder) / "flow_policy.pt")
-
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.net.parameters() if p.requires_grad]
-
-    def snapshot(self) -> FlowPolicy:
-        reference, self.reference = self.reference, None  # a snapshot holds no snapshot of its own
-        twin = copy.deepcopy(self)
-        self.reference = reference
-        for p in twin.net.parameters():
-            p.requires_grad_(False)
-        twin.trainable = False
-        twin.net.eval()
-        return twin
-
-    def state_dict(self) -> dict:
-        state = {"config": dict(self.config), "net": {k: v.clone() for k, v in self.net.state_dict().items()}}
-        if self.reference is not None:
-            state["reference"] = {k: v.clone() for k, v in self.reference.net.state_dict().items()}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("config") != self.config:
-            raise ValueError(
-                "FlowPolicy.load_state_dict: the state was saved from "
-                f"{state.get('config')}, this policy is {self.config}"
-            )
-        self.net.load_state_dict(state["net"])
-        if self.reference is not None and "reference" in state:
-            self.reference.net.load_state_dict(state["reference"])
-
-    def train(self) -> None:
-        self.net.train()
-
-    def eval(self) -> None:
-        self.net.eval()

@@ -39,17 +39,15 @@ https://arxiv.org/abs/1707.06347). Nothing here is specific to a task.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from groupwise.modalities.gauss import gauss_logp
+from groupwise.modalities.net_policy import NetPolicy
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
@@ -74,8 +72,11 @@ class MeanMLP(nn.Module):
         return h  # [N,D]
 
 
-class GaussianPolicy:
+class GaussianPolicy(NetPolicy):
     """Observation → N(μ_θ(s), σ²I): one continuous action per row (K1)."""
+
+    policy_file = FILE  # what save writes and model.path loads (policy/kinds.py)
+    extra_tensors = ("log_sigma",)  # trained beside net: the state and the snapshot carry it
 
     def __init__(
         self,
@@ -197,23 +198,6 @@ class GaussianPolicy:
             out["step_mean"] = (mean * sel[..., None]).float()  # [B,G,1,D]
         return out
 
-    def scoring_models(self, with_reference: bool) -> dict[str, Any]:
-        """The policies needs are read from: this one and (built on request) a frozen snapshot."""
-        if with_reference and self.reference is None:
-            self.reference = self.snapshot()
-        models = {"policy": lambda: contextlib.nullcontext(self)}
-        if self.reference is not None:
-            models["ref"] = lambda: contextlib.nullcontext(self.reference)
-        return models
-
-    def score(self, handle: GaussianPolicy, rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]:
-        return handle.forward(rollout, quantities)
-
-    def rebase_reference(self) -> None:
-        """After an sft phase the frozen reference is the fitted policy (f0) RL starts from."""
-        if self.reference is not None:
-            self.reference = self.snapshot()
-
     # ------------------------------------------------------------------ demonstrations (M1)
     def encode_target(self, row: dict) -> Tensor:
         """A demonstration row's ``target`` action (``dim`` numbers) as a float64 tensor [D]."""
@@ -239,54 +223,3 @@ class GaussianPolicy:
             )
         mean = self.net(self._obs([self.encode(p) for p in prompts]))  # [N,D]
         return ((mean - torch.stack([torch.as_tensor(t, dtype=torch.float64) for t in targets])) ** 2).mean()
-
-    # ------------------------------------------------------------------ state
-    def parameters(self) -> list[nn.Parameter]:
-        params = [p for p in self.net.parameters() if p.requires_grad]
-        return params + ([self.log_sigma] if self.log_sigma.requires_grad else [])
-
-    def snapshot(self) -> GaussianPolicy:
-        reference, self.reference = self.reference, None  # a snapshot holds no snapshot of its own
-        twin = copy.deepcopy(self)
-        self.reference = reference
-        for p in [*twin.net.parameters(), twin.log_sigma]:
-            p.requires_grad_(False)
-        twin.trainable = False
-        twin.net.eval()
-        return twin
-
-    def state_dict(self) -> dict:
-        state = {
-            "config": dict(self.config),
-            "net": {k: v.clone() for k, v in self.net.state_dict().items()},
-            "log_sigma": self.log_sigma.detach().clone(),
-        }
-        if self.reference is not None:
-            state["reference"] = {k: v.clone() for k, v in self.reference.net.state_dict().items()}
-            state["reference_log_sigma"] = self.reference.log_sigma.detach().clone()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("config") != self.config:
-            raise ValueError(
-                f"GaussianPolicy.load_state_dict: the state was saved from {state.get('config')}, "
-                f"this policy is {self.config}"
-            )
-        self.net.load_state_dict(state["net"])
-        with torch.no_grad():
-            self.log_sigma.copy_(state["log_sigma"])
-        if self.reference is not None and "reference" in state:
-            self.reference.net.load_state_dict(state["reference"])
-            with torch.no_grad():
-                self.reference.log_sigma.copy_(state["reference_log_sigma"])
-
-    def save(self, folder: Any) -> None:
-        """``gaussian_policy.pt`` (config + weights) in ``folder``."""
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), Path(folder) / FILE)
-
-    def train(self) -> None:
-        self.net.train()
-
-    def eval(self) -> None:
-        self.net.eval()

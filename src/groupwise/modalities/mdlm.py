@@ -44,18 +44,16 @@ estimate (there is no tractable sampling log-prob).
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from groupwise.modalities.mdlm_likelihood import elbo_logp, stratified_logp, stratified_partition
 from groupwise.modalities.mdlm_net import Denoiser, unmask
+from groupwise.modalities.net_policy import NetPolicy
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
@@ -75,8 +73,11 @@ def parse_estimator(text: str, length: int) -> tuple[str, int]:
     return match[1], int(match[2])
 
 
-class MDLMPolicy:
+class MDLMPolicy(NetPolicy):
     """A masked-diffusion LM: iterative unmasking, a configured likelihood estimator (K2)."""
+
+    policy_file = FILE  # what save writes and model.path loads (policy/kinds.py)
+    shared_attributes = ("tokenizer",)  # a snapshot shares the tokenizer, not a copy
 
     def __init__(
         self,
@@ -231,21 +232,6 @@ class MDLMPolicy:
             q: torch.where(sel, values[spec][q == "entropy"].view(B, G, L), 0.0).float() for q, spec in specs.items()
         }  # each [B,G,L]
 
-    def scoring_models(self, with_reference: bool) -> dict[str, Any]:
-        if with_reference and self.reference is None:
-            self.reference = self.snapshot()
-        models: dict[str, Any] = {"policy": lambda: contextlib.nullcontext(self)}
-        if self.reference is not None:
-            models["ref"] = lambda: contextlib.nullcontext(self.reference)
-        return models
-
-    def score(self, handle: MDLMPolicy, rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]:
-        return handle.forward(rollout, quantities)
-
-    def rebase_reference(self) -> None:
-        if self.reference is not None:
-            self.reference = self.snapshot()
-
     # ------------------------------------------------------------------ demonstrations (M1)
     def encode_target(self, row: dict) -> Tensor:
         """A demonstration row's ``answer`` as the canvas [L]: its tokens, then EOS padding."""
@@ -268,45 +254,3 @@ class MDLMPolicy:
         logq = self._logq_fn([list(p) for p in prompts])(torch.where(hidden, self.mask_id, y))  # [N,L,V]
         nll = -logq.gather(-1, y[..., None])[..., 0]  # [N,L]
         return (torch.where(hidden, nll, 0.0).sum(-1) / t).mean() / L
-
-    # ------------------------------------------------------------------ state
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.net.parameters() if p.requires_grad]
-
-    def snapshot(self) -> MDLMPolicy:
-        reference, tokenizer, self.reference = self.reference, self.tokenizer, None
-        self.tokenizer = None  # shared, not copied
-        twin = copy.deepcopy(self)
-        self.reference, self.tokenizer, twin.tokenizer = reference, tokenizer, tokenizer
-        for p in twin.net.parameters():
-            p.requires_grad_(False)
-        twin.trainable = False
-        twin.net.eval()
-        return twin
-
-    def state_dict(self) -> dict:
-        state = {"config": dict(self.config), "net": {k: v.clone() for k, v in self.net.state_dict().items()}}
-        if self.reference is not None:
-            state["reference"] = {k: v.clone() for k, v in self.reference.net.state_dict().items()}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("config") != self.config:
-            raise ValueError(
-                f"MDLMPolicy.load_state_dict: the state was saved from {state.get('config')}, "
-                f"this policy is {self.config}"
-            )
-        self.net.load_state_dict(state["net"])
-        if self.reference is not None and "reference" in state:
-            self.reference.net.load_state_dict(state["reference"])
-
-    def save(self, folder: Any) -> None:
-        """``mdlm_policy.pt`` (config + weights) in ``folder``."""
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), Path(folder) / FILE)
-
-    def train(self) -> None:
-        self.net.train()
-
-    def eval(self) -> None:
-        self.net.eval()

@@ -44,17 +44,15 @@ step log-prob, so the row's sequence log-prob is the log-prob of the whole order
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from groupwise.modalities.gaussian import MeanMLP
+from groupwise.modalities.net_policy import NetPolicy
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
@@ -96,8 +94,10 @@ def pl_entropy(z: Tensor, order: Tensor, picks: Tensor) -> Tensor:
     return out  # [M,k]
 
 
-class SubsetPolicy:
+class SubsetPolicy(NetPolicy):
     """A budget-aware item scorer; the action is k items chosen as a Plackett–Luce ranking (K3)."""
+
+    policy_file = FILE  # what save writes and model.path loads (policy/kinds.py)
 
     def __init__(
         self,
@@ -224,23 +224,6 @@ class SubsetPolicy:
             out["entropy"] = pl_entropy(z, order, picks).view(B, G, T).float()  # [B,G,T]
         return out
 
-    def scoring_models(self, with_reference: bool) -> dict[str, Any]:
-        """The policies needs are read from: this one and (built on request) a frozen snapshot."""
-        if with_reference and self.reference is None:
-            self.reference = self.snapshot()
-        models = {"policy": lambda: contextlib.nullcontext(self)}
-        if self.reference is not None:
-            models["ref"] = lambda: contextlib.nullcontext(self.reference)
-        return models
-
-    def score(self, handle: SubsetPolicy, rollout: Rollout, quantities: Sequence[str]) -> dict[str, Tensor]:
-        return handle.forward(rollout, quantities)
-
-    def rebase_reference(self) -> None:
-        """After an sft phase the frozen reference is the warm-up scorer RL starts from."""
-        if self.reference is not None:
-            self.reference = self.snapshot()
-
     # ------------------------------------------------------------------ demonstrations (M1)
     def encode_target(self, row: dict) -> Tensor:
         """A warm-up row's ``teacher_scores`` (one number per item) as a float64 tensor [N]."""
@@ -271,44 +254,3 @@ class SubsetPolicy:
             t[i, : len(target)] = torch.as_tensor(target, dtype=torch.float64) / self.teacher_temperature
         logq = torch.log_softmax(z * self.temperature, dim=1)  # [M,N] log softmax(s)
         return -(torch.softmax(t, dim=1) * torch.nan_to_num(logq, neginf=0.0)).sum(1).mean()
-
-    # ------------------------------------------------------------------ state
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.net.parameters() if p.requires_grad]
-
-    def snapshot(self) -> SubsetPolicy:
-        reference, self.reference = self.reference, None  # a snapshot holds no snapshot of its own
-        twin = copy.deepcopy(self)
-        self.reference = reference
-        for p in twin.net.parameters():
-            p.requires_grad_(False)
-        twin.trainable = False
-        twin.net.eval()
-        return twin
-
-    def state_dict(self) -> dict:
-        state = {"config": dict(self.config), "net": {k: v.clone() for k, v in self.net.state_dict().items()}}
-        if self.reference is not None:
-            state["reference"] = {k: v.clone() for k, v in self.reference.net.state_dict().items()}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("config") != self.config:
-            raise ValueError(
-                f"SubsetPolicy.load_state_dict: the state was saved from {state.get('config')}, "
-                f"this policy is {self.config}"
-            )
-        self.net.load_state_dict(state["net"])
-        if self.reference is not None and "reference" in state:
-            self.reference.net.load_state_dict(state["reference"])
-
-    def save(self, folder: Any) -> None:
-        """``subset_policy.pt`` (config + weights) in ``folder``."""
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), Path(folder) / FILE)
-
-    def train(self) -> None:
-        self.net.train()
-
-    def eval(self) -> None:
-        self.net.eval()
