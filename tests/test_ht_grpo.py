@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,8 @@ from groupwise.types import Request, Rollout, StepInfo
 from groupwise.weights.ht_grpo import HierarchyWeight, StageMask, hierarchical_weights, stage_mask
 
 task = importlib.import_module("groupwise.papers.12_ht_grpo.layout_paint")
-premise = importlib.import_module("groupwise.papers.12_ht_grpo.premise")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+premise = importlib.import_module("ht_grpo_premise")  # the premise check, a script (bench/, outside the package)
 INFO = StepInfo(step=0, seed=0, max_new_tokens=0)
 
 

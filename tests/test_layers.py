@@ -136,12 +136,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 # (importer, imported): why the import runs up the layers. Each is a function-level import, made when called.
-UPWARD: dict[tuple[str, str], str] = {
-    ("groupwise.papers.12_ht_grpo.premise", "groupwise.modalities.mdlm"): "paper 12's premise check, a script run by "
-    "hand: it fits the mdlm kind on the paper's own toy task (nothing imports it)",
-    ("groupwise.papers.12_ht_grpo.premise", "groupwise.phases"): "the same script: the sft phase's fit loop",
-    ("groupwise.papers.12_ht_grpo.premise", "groupwise.phases.sft"): "the same script: the sft phase's fit loop",
-}
+UPWARD: dict[tuple[str, str], str] = {}
 
 
 # ---------------------------------------------------------------------------------------------- the graph

@@ -7,7 +7,7 @@ model must remember it: the layout is the part fixed by the prompt alone). The d
 4 + j (j = 0..11) is a texture: the shifted layout token of its column plus a texture draw n_j in
 0..W−1 (``TEXTURE = W = 2``), so a detail is never certain, as a real image's fine detail is not,
 while the layout is. Whether a confidence-ordered sampler then commits the layout first (the
-premise of HT-GRPO) is what ``premise.py`` measures on fitted models; with W = 1 (details fixed by
+premise of HT-GRPO) is what ``bench/ht_grpo_premise.py`` measures on fitted models; with W = 1 (details fixed by
 the prompt too) it does not (README).
 
 - Task ``layout_paint``: train rows are ``PER_LAYOUT`` rows per layout (``prompt``, ``answer`` = a

@@ -3,7 +3,7 @@
 before the detail tokens (4–15)? If not, the toy cannot test HT-GRPO's premise that early-committed
 tokens are the structure.
 
-``python -m groupwise.papers.12_ht_grpo.premise --seeds 0 1 2`` fits one model per seed (the ``sft``
+``python bench/ht_grpo_premise.py --seeds 0 1 2`` fits one model per seed (the ``sft``
 phase's demonstration path: the kind's masked-diffusion loss) and stops it at the first check whose
 greedy layout success on the 32 layouts reaches ``--target`` (a partly fitted model, as RL starts
 from), then samples ``--group`` canvases per layout (Gumbel draws, the kind's ``generate``) and
@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from groupwise.modalities.mdlm import MDLMPolicy
+from groupwise.phases.sft import SFT
 from groupwise.types import Request, StepInfo
 
 task = importlib.import_module("groupwise.papers.12_ht_grpo.layout_paint")
@@ -70,9 +72,6 @@ def plot(commit: torch.Tensor, steps: int, title: str, path: str) -> None:
 
 
 def check(seed: int, args: argparse.Namespace) -> dict:
-    from groupwise.modalities.mdlm import MDLMPolicy  # late: a paper folder sits below the policies (test_layers)
-    from groupwise.phases.sft import SFT
-
     policy = MDLMPolicy(
         width=args.width, layers=2, heads=4, length=task.LENGTH, steps=4, allowed="01234567", init_seed=seed
     )
@@ -118,7 +117,7 @@ def check(seed: int, args: argparse.Namespace) -> dict:
             plot(commit, policy.steps, title, args.plot)
     if args.out:  # the weights and this record (the shipped models/mdlm_layout_paint is --seeds 0's)
         policy.save(f"{args.out}/seed{seed}")
-        command = "python -m groupwise.papers.12_ht_grpo.premise " + " ".join(args.argv)
+        command = "python bench/ht_grpo_premise.py " + " ".join(args.argv)
         Path(f"{args.out}/seed{seed}/fit.json").write_text(json.dumps({"command": command, **record}, indent=1) + "\n")
     print(json.dumps(record), flush=True)
     return record
