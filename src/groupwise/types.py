@@ -321,6 +321,102 @@ class Rollout:
                 out[f.name] = dict(vals[0])
         return Rollout(**out)
 
+    @staticmethod
+    def cat_tokens(parts: list[Rollout]) -> Rollout:
+        """Rows of the same groups concatenated along T: row ``(b, g)`` of the result is row ``(b, g)``
+        of every part in turn (a chain of sub-generations, M6; the non-text analogue of
+        ``rollout.episodes.transcripts``). Each part's tokens (its ``mask``, a prefix) are packed one
+        after the other, so the mask stays a prefix; T is the longest joined row. Token-level fields
+        and token extras are joined; row-level fields (rewards, flags, contexts, row extras) come from
+        the LAST part and group-level ones (prompts, dataset rows, meta, group extras) from the FIRST.
+        Segment ids are offset so that every part is one segment (a part with its own ``segment_id``
+        keeps its segments, numbered after the earlier parts'): part k's ids start at the total
+        segment count S of parts 0..k−1, counted over the batch (a part's S is its largest id + 1, or
+        its segment extras' width), and segment extras are joined along S (NaN where a part lacks one).
+        One part is returned as it is."""
+        if not parts:
+            raise ValueError("cat_tokens needs at least one part")
+        if len(parts) == 1:
+            return parts[0]
+        B, G = parts[0].shape[:2]
+        for k, p in enumerate(parts):
+            if p.shape[:2] != (B, G) or not torch.equal(p.prompt_index, parts[0].prompt_index):
+                raise ValueError(
+                    f"cat_tokens joins rows of the same groups: part {k} has [B,G] = {tuple(p.shape[:2])} and "
+                    f"dataset rows {p.prompt_index.tolist()}, part 0 {(B, G)} and {parts[0].prompt_index.tolist()}"
+                )
+            T_k = p.shape[2]
+            lengths = p.mask.sum(-1)  # [B,G]
+            if not torch.equal(p.mask, torch.arange(T_k) < lengths[..., None]):
+                raise ValueError(f"cat_tokens: part {k}'s mask is not a prefix of each row; pad rows at their end")
+            for name in ("loss_mask", "logp_old", "logp_ref", "logp_sampler", "weight"):
+                if (getattr(p, name) is None) != (getattr(parts[0], name) is None):
+                    raise ValueError(f"cat_tokens: field {name!r} is set on some parts only; set it on all or none")
+        # each part as one segment where it has none; then the batch's segment count per part
+        parts = [
+            p
+            if p.segment_id is not None
+            else dataclasses.replace(p, segment_id=torch.where(p.mask, 0, -1).long())  # [B,G,T]
+            for p in parts
+        ]
+        counts = []
+        for p in parts:
+            widths = [t.shape[2] for k, t in p.extras.items() if p.extra_levels[k] == "segment"]
+            counts.append(max([int(p.segment_id.max()) + 1, *widths]))
+        lengths = torch.stack([p.mask.sum(-1) for p in parts])  # [K,B,G]
+        starts = torch.cumsum(lengths, 0) - lengths  # [K,B,G] each part's first position in the joined row
+        T = int(lengths.sum(0).max())
+
+        def join(values: list[Tensor], fill: Any = 0) -> Tensor:  # [B,G,T_k,...] each -> [B,G,T,...]
+            out = torch.full((B, G, T, *values[0].shape[3:]), fill, dtype=values[0].dtype)
+            for k, (v, p) in enumerate(zip(values, parts)):
+                b, g, t = p.mask.nonzero(as_tuple=True)
+                out[b, g, starts[k, b, g] + t] = v[b, g, t]
+            return out
+
+        first, last = parts[0], parts[-1]
+        out: dict[str, Any] = {}
+        for name, v in last.fields():
+            level, fill = _LEVELS[name]
+            if name == "segment_id":
+                offsets = [sum(counts[:k]) for k in range(len(parts))]
+                ids = [torch.where(p.segment_id >= 0, p.segment_id + o, -1) for p, o in zip(parts, offsets)]
+                out[name] = join(ids, -1)
+            elif level == "token" or (level == "auto" and isinstance(v, Tensor) and v.dim() == 3):
+                vals = [getattr(p, name) for p in parts]
+                out[name] = None if vals[0] is None else join(vals, fill)
+            elif level == "group":
+                out[name] = getattr(first, name)
+            elif name in ("extras", "extra_levels"):
+                continue
+            else:
+                out[name] = v
+        extras: dict[str, Tensor] = {}
+        levels: dict[str, Level] = {}
+        for key in dict.fromkeys(k for p in parts for k in p.extras):
+            owners = [p for p in parts if key in p.extras]
+            level = owners[0].extra_levels[key]
+            if level == "token":
+                if len(owners) != len(parts):
+                    raise ValueError(f"cat_tokens: token extra {key!r} is set on some parts only")
+                extras[key] = join([p.extras[key] for p in parts])
+            elif level == "segment":
+                cols = []
+                for p, n in zip(parts, counts):
+                    t = p.extras.get(key)
+                    cols.append(
+                        torch.full((B, G, n), float("nan")) if t is None else _pad_last(t.float(), n, float("nan"))
+                    )
+                extras[key] = torch.cat(cols, dim=2)  # [B,G,ΣS]
+            elif level == "group" and key in first.extras:
+                extras[key] = first.extras[key]
+            elif level == "row" and key in last.extras:
+                extras[key] = last.extras[key]
+            else:
+                continue
+            levels[key] = level
+        return Rollout(**out, extras=extras, extra_levels=levels)
+
     def join_rows(self, more: Rollout, groups: list[int]) -> Rollout:
         """This batch with ``more``'s rows appended to its groups: group ``k`` of ``more`` holds further
         rows of group ``groups[k]`` of this batch; rows that ``more`` sampled under another context
