@@ -362,7 +362,7 @@ class Rollout:
         counts = []
         for p in parts:
             widths = [t.shape[2] for k, t in p.extras.items() if p.extra_levels[k] == "segment"]
-            counts.append(max([int(p.segment_id.max()) + 1, *widths]))
+            counts.append(max([int(p.segment_id.max()) + 1 if p.segment_id.numel() else 0, *widths]))
         lengths = torch.stack([p.mask.sum(-1) for p in parts])  # [K,B,G]
         starts = torch.cumsum(lengths, 0) - lengths  # [K,B,G] each part's first position in the joined row
         T = int(lengths.sum(0).max())
