@@ -147,7 +147,7 @@ class Adevis:
             out.append(row)
         return out
 
-    def chain(self, ctx: RolloutContext, keys: list[int], deltas: list[list[list[float]]], train: str) -> Rollout:
+    def _chain(self, ctx: RolloutContext, keys: list[int], deltas: list[list[list[float]]], train: str) -> Rollout:
         """The joined, unscored chains of rows [B][G] with these increments (module Math), under their prompts."""
         B, G = len(keys), len(deltas[0])
         prompts = [list(ctx.prompt(k)) for k in keys]
@@ -196,7 +196,7 @@ class Adevis:
         keys = ctx.draw(ctx.batch_size)
         info = ctx.info(0)
         deltas = self._splits(ctx, keys, ctx.group_size, info)
-        batch = self._score(ctx, self.chain(ctx, keys, deltas, self.train_steps))
+        batch = self._score(ctx, self._chain(ctx, keys, deltas, self.train_steps))
         keep = ctx.keep(batch)  # [B] bool
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
 
@@ -206,7 +206,7 @@ class Adevis:
         out = {}
         for name, n in (("chain_reward", self.eval_links), ("single_shot", 1)):
             deltas = [[split_trajectory(_theta(ctx.prompt(k)), n)] for k in keys]
-            batch = self._score(ctx, self.chain(ctx, keys, deltas, "all"))
+            batch = self._score(ctx, self._chain(ctx, keys, deltas, "all"))
             out[name] = float(batch.rewards[batch.group_valid].mean())
         return out
 
