@@ -353,16 +353,14 @@ class Rollout:
                 if (getattr(p, name) is None) != (getattr(parts[0], name) is None):
                     raise ValueError(f"cat_tokens: field {name!r} is set on some parts only; set it on all or none")
         # each part as one segment where it has none; then the batch's segment count per part
-        parts = [
-            p
-            if p.segment_id is not None
-            else dataclasses.replace(p, segment_id=torch.where(p.mask, 0, -1).long())  # [B,G,T]
+        segments = [
+            p.segment_id if p.segment_id is not None else torch.where(p.mask, 0, -1).long()  # [B,G,T_k]
             for p in parts
         ]
         counts = []
-        for p in parts:
+        for p, seg in zip(parts, segments):
             widths = [t.shape[2] for k, t in p.extras.items() if p.extra_levels[k] == "segment"]
-            counts.append(max([int(p.segment_id.max()) + 1 if p.segment_id.numel() else 0, *widths]))
+            counts.append(max([int(seg.max()) + 1 if seg.numel() else 0, *widths]))
         lengths = torch.stack([p.mask.sum(-1) for p in parts])  # [K,B,G]
         starts = torch.cumsum(lengths, 0) - lengths  # [K,B,G] each part's first position in the joined row
         T = int(lengths.sum(0).max())
@@ -380,7 +378,7 @@ class Rollout:
             level, fill = _LEVELS[name]
             if name == "segment_id":
                 offsets = [sum(counts[:k]) for k in range(len(parts))]
-                ids = [torch.where(p.segment_id >= 0, p.segment_id + o, -1) for p, o in zip(parts, offsets)]
+                ids = [torch.where(seg >= 0, seg + o, -1) for seg, o in zip(segments, offsets)]
                 out[name] = join(ids, -1)
             elif level == "token" or (level == "auto" and isinstance(v, Tensor) and v.dim() == 3):
                 vals = [getattr(p, name) for p in parts]

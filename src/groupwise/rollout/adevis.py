@@ -207,7 +207,10 @@ class Adevis:
         for name, n in (("chain_reward", self.eval_links), ("single_shot", 1)):
             deltas = [[split_trajectory(_theta(ctx.prompt(k)), n)] for k in keys]
             batch = self._score(ctx, self._chain(ctx, keys, deltas, "all"))
-            out[name] = float(batch.rewards[batch.group_valid].mean())
+            rewards = batch.rewards
+            if rewards is None:
+                raise ValueError("rollout adevis: evaluate needs scored rows (ctx.finish sets rewards [B,G])")
+            out[name] = float(rewards[batch.group_valid].mean())
         return out
 
 
