@@ -42,6 +42,7 @@ class ModelCfg:
     device: str = "cpu"
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
     # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow;
+    # planner: Gaussian latent actions then the flow (K4);
     # gaussian: observation -> N(mu(s), sigma^2 I); mdlm: a masked-diffusion LM sampled by iterative unmasking
     # subset: k of N items, a Plackett-Luce ranking by Gumbel-top-k
     # (arguments of the toy kinds in `params`)

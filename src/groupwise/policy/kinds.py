@@ -1,6 +1,7 @@
 """The policy a run trains, by kind: ``build_policy(model_cfg, perf)`` for ``model.policy`` = ``lm``,
-``flow``, ``unified``, ``gaussian``, ``mdlm`` or ``subset`` (``policy/__init__.py``). A toy kind with ``model.path``
-other than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``gaussian_policy.pt``,
+``flow``, ``unified``, ``planner``, ``gaussian``, ``mdlm`` or ``subset`` (``policy/__init__.py``). A toy kind
+with ``model.path`` other than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``planner_policy.pt``,
+``gaussian_policy.pt``,
 ``mdlm_policy.pt``, ``subset_policy.pt``: config and weights, what its ``save`` writes; a bare name such as
 ``"mdlm_sum_pairs"`` is the folder shipped in ``groupwise/models/``): a fitted toy is then a warm
 start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params`` may change sampling
@@ -16,10 +17,11 @@ import torch
 from groupwise.errors import ConfigError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models"  # the package's shipped models
-KINDS = ("lm", "flow", "unified", "gaussian", "mdlm", "subset")
+KINDS = ("lm", "flow", "unified", "planner", "gaussian", "mdlm", "subset")
 TOY_FILES = {
     "flow": "flow_policy.pt",
     "unified": "flow_policy.pt",
+    "planner": "planner_policy.pt",
     "gaussian": "gaussian_policy.pt",
     "mdlm": "mdlm_policy.pt",
     "subset": "subset_policy.pt",
@@ -35,6 +37,7 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
         from groupwise.modalities.flow import FlowPolicy
         from groupwise.modalities.gaussian import GaussianPolicy
         from groupwise.modalities.mdlm import MDLMPolicy
+        from groupwise.modalities.planner import PlannerPolicy
         from groupwise.modalities.subset import SubsetPolicy
         from groupwise.modalities.unified import UnifiedPolicy
 
@@ -45,6 +48,7 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
         cls = {
             "flow": FlowPolicy,
             "unified": UnifiedPolicy,
+            "planner": PlannerPolicy,
             "gaussian": GaussianPolicy,
             "mdlm": MDLMPolicy,
             "subset": SubsetPolicy,
