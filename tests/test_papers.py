@@ -26,6 +26,7 @@ IMPLEMENTED = [
     7,
     8,
     9,
+    10,
     11,
     12,
     13,
@@ -76,7 +77,7 @@ IMPLEMENTED = [
 
 
 def test_one_folder_per_implemented_paper_named_after_its_spec_file():
-    assert len(IMPLEMENTED) == 54
+    assert len(IMPLEMENTED) == 55
     assert [m.spec for m in papers()] == IMPLEMENTED
     assert find(43).name == find(36).name == "36_fg_expo" and find("07").spec == 7
     for m in papers():
@@ -100,11 +101,11 @@ def test_every_entry_file_recipe_and_claim_belongs_to_exactly_one_manifest():
     # tasks keep_items and keep_items_pairs), 3 from issue 41's 47 (dpa_game, verify_game, verify_game_sft),
     # 5 from issue 41's paper 12 (weights ht_hierarchy, ht_stage, schedule piecewise, reward and task
     # layout_paint), 4 from issue 41's paper 11 (rollout adevis, reward chamfer_view, tasks cloud_views and
-    # cloud_views_fit); a test's own, e.g.
+    # cloud_views_fit), 2 from issue 41's paper 10 (reward binding_reward, task flow_binding); a test's own, e.g.
     # test_signal_reshaping's env, come from modules outside it and need no manifest
     entries = [entry for entry in check.registered() if entry[2].startswith("groupwise.")]
     owned = [key for m in check.manifests() for key in m.owned()]
-    assert len(entries) == len(owned) == len(set(owned)) == 227
+    assert len(entries) == len(owned) == len(set(owned)) == 229
     assert {(stage, name) for stage, name, _ in entries} == set(owned)
 
 
@@ -264,7 +265,7 @@ def test_variants_page_is_generated_and_current():
     regenerate = "regenerate: python -m groupwise.papers.index > docs/variants.md"
     assert (ROOT / "docs" / "variants.md").read_text() == text, regenerate
     rows = [line for line in text.splitlines() if line.startswith("| ") and "](../src/groupwise/papers/" in line]
-    assert len(rows) == 54  # 45 before issue 37, + 19, 26, 23, 37, + 54, 22, 47, 12, 11 (issue 41)
+    assert len(rows) == 55  # 45 before issue 37, + 19, 26, 23, 37, + 54, 22, 47, 12, 11, 10 (issue 41)
     assert (
         "| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
         "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | `sign` | "
