@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import rollout_from
 
+from groupwise.modalities.gauss import gauss_kl
 from groupwise.types import StepInfo
 
 binding = importlib.import_module("groupwise.papers.10_lac_latent_flow_grpo.binding")
@@ -49,13 +50,13 @@ def test_binding_score_by_hand():
 def test_gauss_kl_by_hand():
     # 1-D: μ_q = 0.5, σ_q = 0.5, μ_p = 0.2, σ_p = 1:
     # log(1/0.5) + (0.25 + 0.09)/2 − 0.5 = 0.693147 + 0.17 − 0.5 = 0.363147
-    got = binding.gauss_kl(torch.tensor([0.5], dtype=torch.float64), 0.5, torch.tensor([0.2], dtype=torch.float64), 1.0)
+    got = gauss_kl(torch.tensor([0.5], dtype=torch.float64), 0.5, torch.tensor([0.2], dtype=torch.float64), 1.0)
     assert math.isclose(float(got), 0.363147, abs_tol=1e-6)
     # equal Gaussians: 0; over 2 dims the per-dim terms add: (0.363147 + 0) for μ_q = (0.5, 0.2)
     mu = torch.tensor([[0.5, 0.2]], dtype=torch.float64)
-    same = binding.gauss_kl(mu, 0.5, mu, 0.5)
+    same = gauss_kl(mu, 0.5, mu, 0.5)
     assert float(same) == 0.0
-    two = binding.gauss_kl(mu, 0.5, torch.tensor([[0.2, 0.2]], dtype=torch.float64), 1.0)
+    two = gauss_kl(mu, 0.5, torch.tensor([[0.2, 0.2]], dtype=torch.float64), 1.0)
     # the second dim: log 2 + 0.25/2 − 0.5 = 0.318147
     assert math.isclose(float(two), 0.363147 + 0.318147, abs_tol=1e-6)
 
@@ -103,16 +104,16 @@ def test_lac_align_teaches_binding_through_the_plan():
     from types import SimpleNamespace
 
     from groupwise.modalities.planner import PlannerPolicy
+    from groupwise.phases import lac_align as lac
 
-    lac = importlib.import_module("groupwise.papers.10_lac_latent_flow_grpo.lac_align")
     policy = PlannerPolicy(
         n_labels=12, dim=4, hidden=32, layers=3, steps=10, generator_sees="bag", bag=binding.bag_labels()
     )
-    before = lac.greedy_binding(policy)
+    before = binding.greedy_binding(policy)
     lines = []
     ctx = SimpleNamespace(policy=policy, train_rows=binding.binding_rows(1024, 0), seed=0, say=lines.append)
     out = lac.LacAlign(steps=400)(ctx)
-    after = lac.greedy_binding(policy)
+    after = binding.greedy_binding(policy)
     # measured (seed 0): binding 0.0 -> 1.0 on the 12 ordered pairs; the generator sees only the bag, so
     # the order can come only from the plan; the donor's plan makes it draw the donor's order
     assert before["binding_acc"] == 0.0 and after["binding_acc"] == 1.0
@@ -125,10 +126,40 @@ def test_lac_align_refuses_another_policy():
 
     from groupwise.errors import ConfigError
     from groupwise.modalities.planner import PlannerPolicy
+    from groupwise.phases import lac_align as lac
 
-    lac = importlib.import_module("groupwise.papers.10_lac_latent_flow_grpo.lac_align")
     ctx = SimpleNamespace(policy=PlannerPolicy(n_labels=12, dim=2), train_rows=[], seed=0, say=print)
     with pytest.raises(ConfigError, match="dim = 4"):
         lac.LacAlign(steps=1)(ctx)
     with pytest.raises(ConfigError, match="kl_coef"):
         lac.LacAlign(kl_coef=-1.0)
+
+
+def test_lac_binding_strategy_logs_binding_and_donor_follow_before_and_after(tmp_path):
+    from groupwise.build import build
+    from groupwise.config import load_config
+    from groupwise.run import Run
+    from groupwise.trainer import Trainer
+
+    bag = str(binding.bag_labels()).replace(" ", "")
+    cfg, _ = load_config(
+        None,
+        [
+            f'out="{tmp_path}"',
+            'model.policy="planner"',
+            'model.params={n_labels=12, dim=4, steps=10, sde="all", hidden=32, layers=3, '
+            f'generator_sees="bag", bag={bag}}}',
+            'data.task="flow_binding"',
+            'rollout.name="lac_binding"',
+            'phases=[{name="lac_align", steps=400}]',
+            "rollout.group_size=4",
+            "rollout.prompts_per_step=4",
+            "eval.size=12",
+            "threads=1",
+            "train.steps=1",
+        ],
+    )
+    summary = Run(Trainer(build(cfg))).train()
+    # the phase runs before the "before" evaluation: the aligned policy binds every pair (test above)
+    assert summary["binding_acc_before"] == 1.0 and summary["donor_follow_before"] >= 0.9
+    assert 0.0 <= summary["binding_acc_after"] <= 1.0

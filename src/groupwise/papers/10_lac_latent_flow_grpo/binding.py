@@ -5,8 +5,8 @@ modes, drawn as a 2-point "image".
 https://arxiv.org/abs/2605.16961 (abstract only; spec status ABSTRACT). Everything here is the toy
 [INFERRED].
 
-**Change vs GRPO**: none to the algorithm; a non-text task, its reward, and the closed-form KL of
-the stage-1 alignment. Prompt label ``y`` names the ordered pair (i, j), i ≠ j, of ``N_MODES = 4``
+**Change vs GRPO**: none to the algorithm; a non-text task, its reward, and the held-out measures
+(:func:`greedy_binding`). Prompt label ``y`` names the ordered pair (i, j), i ≠ j, of ``N_MODES = 4``
 modes μ_m = ring·(cos 2πm/4, sin 2πm/4) (12 labels, :data:`PAIRS`). A sample x ∈ R^4 is two points
 p1 = x[0:2], p2 = x[2:4]. The generator's own condition is the unordered bag {i, j}
 (:func:`bag_labels`: each label's generator label is that of (min, max)), so only the planner can
@@ -18,17 +18,24 @@ carry the order.
     score     = 1                if hit(p1, i) and hit(p2, j)        (bound)
               = swapped          if hit(p1, j) and hit(p2, i)        (the bag's other order; 0 by default)
               = 0                otherwise
-    KL(N(μ_q, σ_q²) ‖ N(μ_p, σ_p²)) = Σ_d [ log(σ_p/σ_q) + (σ_q² + (μ_q − μ_p)²)/(2σ_p²) − ½ ]
 
 **Defaults** (the toy's; all [INFERRED]): ``ring = 2``, ``radius = 0.75``, ``swapped = 0``;
 demonstrations ``target = [μ_i, μ_j] + demo_noise·ε`` with ``demo_noise = 0.1``; 1024 train rows,
 64 held-out (another seed).
+
+**Notes**
+
+1. The reward reads each row's own label (``row_labels``: its context's), so a row scored in another
+   group than its prompt's is scored against its own pair; invalid rows score 0.
+2. ``greedy_binding`` deploys the policy on each of the 12 pairs once (greedy: planner mean, then the
+   ODE); ``donor_follow`` reruns only the generator (``_generate_flow``) on the swapped pair's latents.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,7 +43,7 @@ from torch import Tensor
 from groupwise.modalities.flow_sde import row_labels
 from groupwise.registry import register
 from groupwise.tasks import Task, register_task
-from groupwise.types import Rollout, StepInfo
+from groupwise.types import Request, Rollout, StepInfo
 
 N_MODES = 4
 PAIRS = [(i, j) for i in range(N_MODES) for j in range(N_MODES) if i != j]  # label y -> its ordered pair (i, j)
@@ -55,8 +62,9 @@ def bag_labels() -> list[int]:
 
 
 def binding_rows(n: int, seed: int, ring: float = 2.0, demo_noise: float = 0.1) -> list[dict]:
-    """``n`` rows ``{"prompt": y, "pair": [i, j], "target": [p1, p2]}`` (seeded): a label uniform over
-    the 12 ordered pairs and one demonstration of it (module docstring)."""
+    """``n`` rows ``{"prompt": y, "pair": [i, j], "priors": [μ_i, μ_j], "target": [p1, p2]}`` (seeded): a
+    label uniform over the 12 ordered pairs and one demonstration of it (module docstring); ``priors``
+    (4 numbers) is stage 1's training-only prior (phase ``lac_align``)."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(len(PAIRS), (n,), generator=g)  # [n]
     noise = torch.randn(n, 4, generator=g, dtype=torch.float64)  # [n,4]
@@ -64,7 +72,8 @@ def binding_rows(n: int, seed: int, ring: float = 2.0, demo_noise: float = 0.1) 
     pairs = torch.tensor(PAIRS)[labels]  # [n,2]
     target = mu[pairs].reshape(n, 4) + demo_noise * noise  # [n,4]
     return [
-        {"prompt": int(y), "pair": list(PAIRS[int(y)]), "target": t} for y, t in zip(labels.tolist(), target.tolist())
+        {"prompt": int(y), "pair": list(PAIRS[int(y)]), "priors": c, "target": t}
+        for y, c, t in zip(labels.tolist(), mu[pairs].reshape(n, 4).tolist(), target.tolist())
     ]
 
 
@@ -80,13 +89,6 @@ def binding_score(x: Tensor, labels: Tensor, ring: float = 2.0, radius: float = 
     bound = hit(p1, pairs[..., 0]) & hit(p2, pairs[..., 1])  # [...]
     swap = hit(p1, pairs[..., 1]) & hit(p2, pairs[..., 0])  # [...]
     return (bound.double() + swapped * (swap & ~bound).double()).float()
-
-
-def gauss_kl(mu_q: Tensor, sigma_q: Tensor | float, mu_p: Tensor, sigma_p: Tensor | float) -> Tensor:
-    """KL(N(μ_q, σ_q² I) ‖ N(μ_p, σ_p² I)) [...] summed over the last axis (closed form; module docstring)."""
-    sq, sp = torch.as_tensor(sigma_q, dtype=mu_q.dtype), torch.as_tensor(sigma_p, dtype=mu_q.dtype)
-    per_dim = torch.log(sp / sq) + (sq**2 + (mu_q - mu_p) ** 2) / (2 * sp**2) - 0.5  # [...,d]
-    return per_dim.sum(-1)  # [...]
 
 
 @register("reward", "binding_reward")
@@ -118,6 +120,24 @@ class BindingReward:
         labels = row_labels(rollout)  # [B,G] each row's own label
         score = binding_score(x, labels, self.ring, self.radius, self.swapped)  # [B,G]
         return torch.where(rollout.group_valid.bool(), score, torch.zeros(()))  # [B,G]
+
+
+def greedy_binding(policy: Any, ring: float = 2.0) -> dict[str, float]:
+    """The deployed policy (planner mean, then the ODE) on each of the 12 ordered pairs once:
+    ``binding_acc`` the share bound in order; ``donor_follow`` the share that, given the latents the
+    planner makes for the swapped pair (j, i) instead of its own, draws (j, i): the plan is consumed
+    (the paper's intervention check)."""
+    info = StepInfo(step=0, seed=0, max_new_tokens=0)
+    labels = torch.arange(len(PAIRS))  # [Y]
+    requests = [Request(key=int(y), n=1, prompt=[int(y)]) for y in labels]
+    own = policy.generate(requests, {"greedy": True}, info)
+    swapped = torch.tensor([PAIRS.index((j, i)) for i, j in PAIRS])  # [Y]
+    donors = policy.generate([Request(key=int(y), n=1, prompt=[int(y)]) for y in swapped], {"greedy": True}, info)
+    with torch.no_grad():
+        moved = policy._generate_flow(requests, {"greedy": True}, info, donors.extras["plan"].double())
+    bound = binding_score(own.extras["x_final"][:, 0], labels, ring)  # [Y]
+    follow = binding_score(moved.extras["x_final"][:, 0], swapped, ring)  # [Y]
+    return {"binding_acc": float(bound.mean()), "donor_follow": float(follow.mean())}
 
 
 def _rows(split: str, n: int, seed: int) -> list[dict]:

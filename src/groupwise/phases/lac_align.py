@@ -5,7 +5,8 @@ flow generator (spec 10 "Stage 1"; design note §3 "10 LAC").
 https://arxiv.org/abs/2605.16961 (abstract only: every choice below is [INFERRED]).
 
 **Change vs GRPO**: a warm start before RL (kind ``sft``). A phase-owned posterior q(a | priors)
-sees training-only priors (the true mode coordinates [μ_i, μ_j] of the row's pair, 4 numbers) and
+sees training-only priors (the row's ``priors`` column: in ``flow_binding`` the true mode coordinates
+[μ_i, μ_j] of the row's pair, 4 numbers) and
 proposes the K latent actions; the generator learns to draw the demonstration given a ~ q, and the
 planner π_φ(a | y) (which sees only the label) is pulled toward q.
 
@@ -14,12 +15,12 @@ planner π_φ(a | y) (which sees only the label) is pulled toward q.
     q(a_k | c) = N(m_k(c), σ² I)                                      m = MLP(c) reshaped [K,d]
     a = m + σ ε                                                        (reparameterised)
     L = mean_{n,d} (v_θ(x_s, s, y, plan_condition(a)) − (ε' − x_0))²   flow matching, s ~ U(0,1)
-      + kl_coef · mean_n Σ_k KL(N(m_k, σ²) ‖ N(μ_φ,k(y, a_<k), σ²))     closed form (``binding.gauss_kl``)
+      + kl_coef · mean_n Σ_k KL(N(m_k, σ²) ‖ N(μ_φ,k(y, a_<k), σ²))     closed form (``modalities/gauss.gauss_kl``)
 
 Halting (the paper's BCE on a stop head) is off: K is fixed in the toy.
 
 **Defaults** (all [INFERRED]): ``steps = 400``, ``batch_size = 64``, Adam ``lr = 5e-3``,
-``kl_coef = 1``, ``posterior_hidden = 32``, ``ring = 2`` (the task's).
+``kl_coef = 1``, ``posterior_hidden = 32``.
 """
 
 from __future__ import annotations
@@ -31,41 +32,21 @@ from torch import Tensor, nn
 
 from groupwise.errors import ConfigError
 from groupwise.modalities.flow import flow_matching_pair
+from groupwise.modalities.gauss import gauss_kl
 from groupwise.modalities.planner import PlannerPolicy
 from groupwise.registry import register
-from groupwise.types import Request, StepInfo
-
-from .binding import PAIRS, binding_score, gauss_kl, mode_centres
 
 
 class Posterior(nn.Module):
-    """m [N,K,d]: the posterior's means of the latent actions given the priors [N,4]."""
+    """m [N,K,d]: the posterior's means of the latent actions given the priors [N,P]."""
 
-    def __init__(self, n_plan: int, plan_dim: int, hidden: int):
+    def __init__(self, n_priors: int, n_plan: int, plan_dim: int, hidden: int):
         super().__init__()
         self.n_plan, self.plan_dim = n_plan, plan_dim
-        self.body = nn.Sequential(nn.Linear(4, hidden), nn.SiLU(), nn.Linear(hidden, n_plan * plan_dim))
+        self.body = nn.Sequential(nn.Linear(n_priors, hidden), nn.SiLU(), nn.Linear(hidden, n_plan * plan_dim))
 
     def forward(self, priors: Tensor) -> Tensor:
         return self.body(priors).view(-1, self.n_plan, self.plan_dim)  # [N,K,d]
-
-
-def greedy_binding(policy: PlannerPolicy, ring: float = 2.0) -> dict[str, float]:
-    """The deployed policy (planner mean, then the ODE) on each of the 12 ordered pairs once:
-    ``binding_acc`` the share bound in order; ``donor_follow`` the share that, given the latents the
-    planner makes for the swapped pair (j, i) instead of its own, draws (j, i): the plan is consumed
-    (the paper's intervention check)."""
-    info = StepInfo(step=0, seed=0, max_new_tokens=0)
-    labels = torch.arange(len(PAIRS))  # [Y]
-    requests = [Request(key=int(y), n=1, prompt=[int(y)]) for y in labels]
-    own = policy.generate(requests, {"greedy": True}, info)
-    swapped = torch.tensor([PAIRS.index((j, i)) for i, j in PAIRS])  # [Y]
-    donors = policy.generate([Request(key=int(y), n=1, prompt=[int(y)]) for y in swapped], {"greedy": True}, info)
-    with torch.no_grad():
-        moved = policy._generate_flow(requests, {"greedy": True}, info, donors.extras["plan"].double())
-    bound = binding_score(own.extras["x_final"][:, 0], labels, ring)  # [Y]
-    follow = binding_score(moved.extras["x_final"][:, 0], swapped, ring)  # [Y]
-    return {"binding_acc": float(bound.mean()), "donor_follow": float(follow.mean())}
 
 
 @register("phase", "lac_align")
@@ -79,7 +60,6 @@ class LacAlign:
     lr: float = 5e-3  # [INFERRED] Adam on the planner, the generator and the posterior
     kl_coef: float = 1.0  # [INFERRED] weight of KL(q ‖ π_φ)
     posterior_hidden: int = 32  # [INFERRED]
-    ring: float = 2.0  # the task's mode ring (the priors are the modes' coordinates)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.lr <= 0 or self.kl_coef < 0 or self.posterior_hidden < 1:
@@ -93,8 +73,7 @@ class LacAlign:
     ) -> tuple[Tensor, Tensor]:
         """(flow-matching loss, mean KL) of one batch of demonstration rows (module docstring)."""
         labels = torch.tensor([int(r["prompt"]) for r in rows])  # [N]
-        mu = mode_centres(self.ring)  # [M,2]
-        priors = mu[torch.tensor([r["pair"] for r in rows])].reshape(len(rows), 4)  # [N,4] training-only
+        priors = torch.tensor([r["priors"] for r in rows], dtype=torch.float64)  # [N,P] training-only
         x0 = torch.tensor([r["target"] for r in rows], dtype=torch.float64)  # [N,D]
         m = posterior(priors)  # [N,K,d]
         eps = torch.randn(m.shape, generator=gen, dtype=torch.float64)  # [N,K,d]
@@ -114,12 +93,14 @@ class LacAlign:
                 f"model.params.dim = 4); this one is {type(policy).__name__}"
                 + (f" with dim {policy.dim}" if isinstance(policy, PlannerPolicy) else "")
             )
-        rows = [r for r in ctx.train_rows if "pair" in r and "target" in r]
+        rows = [r for r in ctx.train_rows if "priors" in r and "target" in r]
         if not rows:
-            raise ConfigError("phase lac_align needs demonstration rows with `pair` and `target` (task flow_binding)")
+            raise ConfigError("phase lac_align needs demonstration rows with `priors` and `target` (task flow_binding)")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(ctx.seed)
-            posterior = Posterior(policy.n_plan, policy.plan_dim, self.posterior_hidden).double()
+            posterior = Posterior(
+                len(rows[0]["priors"]), policy.n_plan, policy.plan_dim, self.posterior_hidden
+            ).double()
         params = [*policy.parameters(), *posterior.parameters()]
         opt = torch.optim.Adam(params, lr=self.lr)
         gen = torch.Generator().manual_seed(ctx.seed)
