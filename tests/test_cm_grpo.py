@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import permute_rows, permute_tensor
+from helpers import assert_nets_close, assert_resume_is_exact, permute_rows, permute_tensor, train_one_and_two_ranks
 
 from groupwise.losses.cm_grpo import CMGRPO, cm_grpo_step_loss
 from groupwise.losses.reinforce import Reinforce
@@ -132,10 +132,6 @@ def test_contract_row_permutation_permutes_the_loss():
 @pytest.mark.dist
 def test_two_ranks_equal_one_process(tmp_path):
     """One CM-GRPO step (SGD, lr 1) over 2 ranks equals one process: the same weights after it."""
-    import os
-    import subprocess
-    import sys
-
     args = [
         "train",
         "cm_grpo",
@@ -147,34 +143,18 @@ def test_two_ranks_equal_one_process(tmp_path):
         'update={name="sgd", lr=1.0}',
         "threads=1",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    weights = []
-    for launcher, folder in (
-        ([sys.executable, "-m", "groupwise"], "one"),
-        (
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
-            "two",
-        ),
-    ):
-        result = subprocess.run(
-            [*launcher, *args, f"out={tmp_path / folder}"], capture_output=True, text=True, env=env, timeout=300
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        weights.append(torch.load(tmp_path / folder / "final" / "flow_policy.pt", weights_only=False)["net"])
+    one, two = (state["net"] for state in train_one_and_two_ranks(args, tmp_path, "flow_policy.pt", 300))
     start = FlowPolicy(steps=4, sampler="consistency", sde_window=3).state_dict()["net"]
-    assert any(not torch.equal(weights[0][k], start[k]) for k in start)  # it trained
-    for name, value in weights[0].items():
-        torch.testing.assert_close(weights[1][name], value, atol=1e-9, rtol=1e-7, msg=name)
+    assert any(not torch.equal(one[k], start[k]) for k in start)  # it trained
+    assert_nets_close(one, two)
 
 
 def test_a_consistency_run_resumes_exactly(tmp_path):
     """Kill-and-resume of a CM-GRPO run (its fit phase, then RL on the consistency kernel) equals the
     uninterrupted run: the same weights and the same logged rewards."""
-    import json
 
     from groupwise.build import build
     from groupwise.config import load_config
-    from groupwise.run import Run
     from groupwise.trainer import Trainer
 
     def trainer(out):
@@ -188,17 +168,4 @@ def test_a_consistency_run_resumes_exactly(tmp_path):
         ]
         return Trainer(build(load_config("cm_grpo", overrides)[0]))
 
-    straight = trainer(tmp_path / "a")
-    Run(straight).train()
-    first = trainer(tmp_path / "b")
-    first.cfg.train.steps = 2
-    Run(first).train()
-    resumed = trainer(tmp_path / "b")
-    Run(resumed).train(resume_allow=["train.steps"])
-    for key, value in straight.policy.state_dict()["net"].items():
-        assert torch.equal(value, resumed.policy.state_dict()["net"][key]), key
-    rows = [
-        [json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        for run in ("a", "b")
-    ]
-    assert rows[0] == rows[1] and len(rows[0]) == 4
+    assert_resume_is_exact(trainer, tmp_path)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import permute_rows, permute_tensor
+from helpers import assert_nets_close, permute_rows, permute_tensor, train_one_and_two_ranks
 
 from groupwise.build import build
 from groupwise.config import load_config
@@ -111,28 +111,10 @@ def test_the_recipe_trains_on_sml_log_probs_with_dps_weights(tmp_path):
 @pytest.mark.dist
 def test_two_ranks_equal_one_process(tmp_path):
     """One DACA-GRPO step (SGD) over 2 ranks equals one process: the same weights after it."""
-    import os
-    import subprocess
-    import sys
-
     args = ["train", "daca_grpo", *SMALL, "rollout.prompts_per_step=4", "rollout.group_size=4", "train.steps=1"]
     # fresh weights solve no sum: seeded noise rewards give the groups non-zero advantages
     args += ['rewards=[{name="gaussian_noise", sigma=1.0}]', "eval.size=0", 'update={name="sgd", lr=1.0}', "threads=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    weights = []
-    for launcher, folder in (
-        ([sys.executable, "-m", "groupwise"], "one"),
-        (
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
-            "two",
-        ),
-    ):
-        result = subprocess.run(
-            [*launcher, *args, f"out={tmp_path / folder}"], capture_output=True, text=True, env=env, timeout=600
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        weights.append(torch.load(tmp_path / folder / "final" / "mdlm_policy.pt", weights_only=False)["net"])
+    one, two = (state["net"] for state in train_one_and_two_ranks(args, tmp_path, "mdlm_policy.pt", 600))
     start = MDLMPolicy(allowed="0123456789+", width=32, heads=2).state_dict()["net"]
-    assert any(not torch.equal(weights[0][k], start[k]) for k in start)  # it trained
-    for name, value in weights[0].items():
-        torch.testing.assert_close(weights[1][name], value, atol=1e-9, rtol=1e-7, msg=name)
+    assert any(not torch.equal(one[k], start[k]) for k in start)  # it trained
+    assert_nets_close(one, two)

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from helpers import assert_resume_is_exact
 
 from groupwise.build import build
 from groupwise.config import load_config
@@ -121,17 +122,4 @@ def test_a_devis_run_resumes_exactly(tmp_path):
     def trainer(out):
         return Trainer(build(load_config("devis", [f'out="{out}"', *FAST, "train.steps=4", "checkpoint.every=2"])[0]))
 
-    straight = trainer(tmp_path / "a")
-    Run(straight).train()
-    first = trainer(tmp_path / "b")
-    first.cfg.train.steps = 2
-    Run(first).train()
-    resumed = trainer(tmp_path / "b")
-    Run(resumed).train(resume_allow=["train.steps"])
-    for key, value in straight.policy.state_dict()["net"].items():
-        assert torch.equal(value, resumed.policy.state_dict()["net"][key]), key
-    rows = [
-        [json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        for run in ("a", "b")
-    ]
-    assert rows[0] == rows[1] and len(rows[0]) == 4
+    assert_resume_is_exact(trainer, tmp_path)

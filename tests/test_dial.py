@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_nets_close, assert_resume_is_exact, train_one_and_two_ranks
 
 from groupwise.advantages.grpo import group_normalize
 from groupwise.build import build
@@ -177,38 +178,18 @@ def test_the_rows_are_rescored_under_their_own_intent_and_guidance():
 def test_a_dial_run_resumes_exactly(tmp_path):
     """Kill-and-resume of a DIAL run (its CFG-dropout fit, then RL on intent-balanced groups) equals the
     uninterrupted run: the same weights and the same logged rewards."""
-    import json
-
-    from groupwise.run import Run
 
     def trainer(out):
         overrides = [f'out="{out}"', *FAST, "train.steps=4", "checkpoint.every=2"]
         return Trainer(build(load_config("dial", overrides)[0]))
 
-    straight = trainer(tmp_path / "a")
-    Run(straight).train()
-    first = trainer(tmp_path / "b")
-    first.cfg.train.steps = 2
-    Run(first).train()
-    resumed = trainer(tmp_path / "b")
-    Run(resumed).train(resume_allow=["train.steps"])
-    for key, value in straight.policy.state_dict()["net"].items():
-        assert torch.equal(value, resumed.policy.state_dict()["net"][key]), key
-    rows = [
-        [json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        for run in ("a", "b")
-    ]
-    assert rows[0] == rows[1] and len(rows[0]) == 4
+    assert_resume_is_exact(trainer, tmp_path)
 
 
 @pytest.mark.slow  # a torchrun pair (~20 s): make test-slow / test-dist; make test stays under 10 minutes
 @pytest.mark.dist
 def test_two_ranks_equal_one_process(tmp_path):
     """One DIAL step (SGD, lr 1) over 2 ranks equals one process: the same weights after it."""
-    import os
-    import subprocess
-    import sys
-
     args = [
         "train",
         "dial",
@@ -218,19 +199,5 @@ def test_two_ranks_equal_one_process(tmp_path):
         "eval.size=0",
         'update={name="sgd", lr=1.0}',
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    weights = []
-    for launcher, folder in (
-        ([sys.executable, "-m", "groupwise"], "one"),
-        (
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
-            "two",
-        ),
-    ):
-        result = subprocess.run(
-            [*launcher, *args, f"out={tmp_path / folder}"], capture_output=True, text=True, env=env, timeout=300
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        weights.append(torch.load(tmp_path / folder / "final" / "flow_policy.pt", weights_only=False)["net"])
-    for name, value in weights[0].items():
-        torch.testing.assert_close(weights[1][name], value, atol=1e-9, rtol=1e-7, msg=name)
+    one, two = (state["net"] for state in train_one_and_two_ranks(args, tmp_path, "flow_policy.pt", 300))
+    assert_nets_close(one, two)

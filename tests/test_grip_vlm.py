@@ -5,12 +5,11 @@ the recipes' contract (build, train, resume)."""
 from __future__ import annotations
 
 import importlib
-import json
 import math
 
 import pytest
 import torch
-from helpers import permute_rows, permute_tensor
+from helpers import assert_nets_close, assert_resume_is_exact, permute_rows, permute_tensor, train_one_and_two_ranks
 
 from groupwise.build import build
 from groupwise.config import load_config
@@ -136,30 +135,13 @@ def test_the_warm_up_learns_single_queries_and_leaves_pairs_near_chance(tmp_path
 
 def test_a_grip_grpo_run_resumes_bit_identically(tmp_path):
     common = ["train.steps=4", "checkpoint.every=2", "phases=[]", "eval.size=32", "rollout.prompts_per_step=4"]
-    straight = Trainer(build(_cfg("grip_grpo", tmp_path / "a", *common)))
-    Run(straight).train()
-    first = Trainer(build(_cfg("grip_grpo", tmp_path / "b", *common)))
-    first.cfg.train.steps = 2
-    Run(first).train()
-    resumed = Trainer(build(_cfg("grip_grpo", tmp_path / "b", *common)))
-    Run(resumed).train(resume_allow=["train.steps"])
-    for key, value in straight.policy.state_dict()["net"].items():
-        assert torch.equal(value, resumed.policy.state_dict()["net"][key]), key
-    rows = [
-        [json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        for run in ("a", "b")
-    ]
-    assert rows[0] == rows[1] and len(rows[0]) == 4
+    assert_resume_is_exact(lambda out: Trainer(build(_cfg("grip_grpo", out, *common))), tmp_path)
 
 
 @pytest.mark.slow  # a torchrun pair (~30 s): make test-slow / test-dist; make test stays under 10 minutes
 @pytest.mark.dist
 def test_two_ranks_equal_one_process(tmp_path):
     """One GRIP GRPO step (SGD, lr 1) over 2 ranks equals one process: the same weights after it."""
-    import os
-    import subprocess
-    import sys
-
     args = [
         "train",
         "grip_grpo",
@@ -171,21 +153,7 @@ def test_two_ranks_equal_one_process(tmp_path):
         'update={name="sgd", lr=1.0}',
         "threads=1",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    weights = []
-    for launcher, folder in (
-        ([sys.executable, "-m", "groupwise"], "one"),
-        (
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
-            "two",
-        ),
-    ):
-        result = subprocess.run(
-            [*launcher, *args, f"out={tmp_path / folder}"], capture_output=True, text=True, env=env, timeout=300
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        weights.append(torch.load(tmp_path / folder / "final" / "subset_policy.pt", weights_only=False)["net"])
+    one, two = (state["net"] for state in train_one_and_two_ranks(args, tmp_path, "subset_policy.pt", 300))
     start = SubsetPolicy(d=17).state_dict()["net"]
-    assert any(not torch.equal(weights[0][k], start[k]) for k in start)  # it trained
-    for name, value in weights[0].items():
-        torch.testing.assert_close(weights[1][name], value, atol=1e-9, rtol=1e-7, msg=name)
+    assert any(not torch.equal(one[k], start[k]) for k in start)  # it trained
+    assert_nets_close(one, two)

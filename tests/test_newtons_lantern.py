@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import permute_rows, permute_tensor
+from helpers import assert_nets_close, permute_rows, permute_tensor, train_one_and_two_ranks
 
 from groupwise.losses.mean_anchor import MeanAnchor
 from groupwise.modalities.gaussian import GaussianPolicy
@@ -183,27 +183,8 @@ def test_the_recipe_deploys_the_mean_and_its_eval_reward_is_minus_the_mean_updat
 @pytest.mark.dist
 def test_two_ranks_equal_one_process(tmp_path):
     """Two GRPO steps of the recipe (SGD) over 2 ranks equal one process: the same weights after them."""
-    import os
-    import subprocess
-    import sys
-
     args = ["train", "newtons_lantern", *RECIPE_ARGS, "eval.size=0", 'update={name="sgd", lr=0.1}']
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    weights = []
-    for launcher, folder in (
-        ([sys.executable, "-m", "groupwise"], "one"),
-        (
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "groupwise"],
-            "two",
-        ),
-    ):
-        result = subprocess.run(
-            [*launcher, *args, f"out={tmp_path / folder}"], capture_output=True, text=True, env=env, timeout=300
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        state = torch.load(tmp_path / folder / "final" / "gaussian_policy.pt", weights_only=False)
-        weights.append((state["net"], state["reference"]))
-    (one, ref), (two, _) = weights
+    first, second = train_one_and_two_ranks(args, tmp_path, "gaussian_policy.pt", 300)
+    one, ref, two = first["net"], first["reference"], second["net"]
     assert any(not torch.equal(one[k], ref[k]) for k in one)  # RL moved the policy away from f0
-    for name, value in one.items():
-        torch.testing.assert_close(two[name], value, atol=1e-9, rtol=1e-7, msg=name)
+    assert_nets_close(one, two)
