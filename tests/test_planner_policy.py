@@ -204,3 +204,21 @@ def test_a_planner_run_resumes_exactly(tmp_path):
     for part in ("net", "planner"):
         for key, value in straight.policy.state_dict()[part].items():
             assert torch.equal(value, resumed.policy.state_dict()[part][key]), (part, key)
+
+
+def test_alphagrpo_joint_reads_the_part_extra_as_it_reads_image_token():
+    from helpers import rollout_from
+
+    from groupwise.registry import build
+
+    term = build("objective", "alphagrpo_joint")
+    ratio = torch.tensor([[[1.5, 1.01, 0.99]], [[0.5, 1.0, 1.0005]]])
+    parts = torch.tensor([[[0.0, 1.0, 1.0]], [[0.0, 0.0, 1.0]]])
+    old, new = (rollout_from(torch.zeros(2, 1, 3), adv=torch.tensor([[7.0], [-2.0]])) for _ in range(2))
+    old.set_extra("image_token", parts, "token")
+    new.set_extra("part", parts, "token")
+    # the same hand values as tests/test_alphagrpo_unified.py::test_joint_loss_by_hand: plan positions take the
+    # text clip 0.2 (−8.4, 1.6), generator steps the image clip 1e-3 and A' = clip(A, ±5) (−5.005, −4.95, 2.001)
+    want = torch.tensor([[[-8.4, -5.005, -4.95]], [[1.6, 2.0, 2.001]]])
+    torch.testing.assert_close(term(new, {"logp": ratio.log()}, INFO), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(term(old, {"logp": ratio.log()}, INFO), want, atol=1e-5, rtol=0)

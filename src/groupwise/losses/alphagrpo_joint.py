@@ -6,9 +6,10 @@ Huang, Wu, Yang, Liu, Zhao (ICML 2026), https://arxiv.org/abs/2605.12495 — spe
 authors' ``algorithms/grpo.py``, read for the spec; our code).
 
 **Change vs GRPO**: the row's positions are of two kinds (the token extra ``image_token`` [B,G,T],
-1 at flow steps, written by the ``unified`` policy): text positions get GRPO-SURR with the text clip
-range, image positions Flow-GRPO's per-step surrogate with its own clip range and the advantage
-clipped to ±``adv_clip_max``. Without the extra every position is text (this is then ``ppo_clip``).
+1 at flow steps, written by the ``unified`` policy, or ``part``, the planner kind's: Note 4): text
+positions get GRPO-SURR with the text clip range, image positions Flow-GRPO's per-step surrogate with
+its own clip range and the advantage clipped to ±``adv_clip_max``. Without the extra every position is
+text (this is then ``ppo_clip``).
 
 **Math** (``ratio = exp(logp − logp_old)``, ``A`` the shared advantage broadcast to [b,G,T])::
 
@@ -31,6 +32,9 @@ the same two parts on separate tensors (spec 27's interface), token-mean over ea
 1. Masked positions are exactly 0 (``ratio_and_adv`` zeroes them); aggregation is the objective's.
 2. On-policy the gradient is −A·∇logp on text positions and −A'·∇logp on image ones.
 3. ``stats``: ``clip_low`` / ``clip_high`` over both parts with their own ranges, and ``ratio``.
+4. The generator positions are read from the token extra ``part`` (the planner kind's: 0 plan, 1
+   generator; ``modalities/planner.py``) when a rollout has it, else from ``image_token`` (the
+   ``unified`` policy's, and saved rollouts'): the plan's latent actions then take the text clip.
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ from groupwise.types import Rollout, StepInfo
 
 
 def _image_positions(mb: Rollout, like: Tensor) -> Tensor:
-    if "image_token" not in mb.extras:
-        return torch.zeros_like(like, dtype=torch.bool)  # [b,G,T] no image part: every position is text
-    return mb.extras["image_token"].bool()  # [b,G,T]
+    for name in ("part", "image_token"):  # Note 4
+        if name in mb.extras:
+            return mb.extras[name].bool()  # [b,G,T]
+    return torch.zeros_like(like, dtype=torch.bool)  # [b,G,T] no image part: every position is text
 
 
 def joint_text_image_loss(
