@@ -163,3 +163,10 @@ def test_lac_binding_strategy_logs_binding_and_donor_follow_before_and_after(tmp
     # the phase runs before the "before" evaluation: the aligned policy binds every pair (test above)
     assert summary["binding_acc_before"] == 1.0 and summary["donor_follow_before"] >= 0.9
     assert 0.0 <= summary["binding_acc_after"] <= 1.0
+
+
+def test_the_recipe_bag_is_the_tasks():
+    from groupwise.config import load_config
+
+    cfg, _ = load_config("lac", ['out="/tmp/unused"'])
+    assert cfg.model.params["bag"] == binding.bag_labels() and cfg.model.params["generator_sees"] == "bag"
