@@ -45,13 +45,14 @@ def test_plan_logp_by_hand():
 
 def test_planner_is_causal_and_reads_the_label():
     policy = _policy()
-    a = torch.randn(2, 2, 3, dtype=torch.float64)
+    a = torch.randn(2, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     b = a.clone()
     b[0, 1] += 1.0  # row 0: last action changed
     b[1, 0] += 1.0  # row 1: first action changed
     ma, mb = policy.planner(torch.tensor([3, 3]), a), policy.planner(torch.tensor([3, 3]), b)  # [2,K,d]
-    torch.testing.assert_close(ma[0], mb[0], atol=0, rtol=0)  # action k sees actions < k only
-    torch.testing.assert_close(ma[1, 0], mb[1, 0], atol=0, rtol=0)
+    # action k sees actions < k only; to rounding: the planner's Σ_{j<k} a_j is cumsum − a_k (~1e-16 off)
+    torch.testing.assert_close(ma[0], mb[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(ma[1, 0], mb[1, 0], atol=1e-12, rtol=0)
     assert (ma[1, 1] - mb[1, 1]).abs().max() > 1e-6
     assert (policy.planner(torch.tensor([3, 4]), a)[0] - policy.planner(torch.tensor([4, 4]), a)[0]).abs().max() > 1e-6
 
@@ -89,8 +90,9 @@ def test_rows_are_seeded_per_request_and_greedy_is_the_mean():
 
 
 def test_generator_sees_label_bag_or_none_and_the_plan():
-    x, s = torch.randn(2, 4, dtype=torch.float64), torch.tensor([0.5, 0.5], dtype=torch.float64)
-    plan = torch.randn(1, 2, 3, dtype=torch.float64).expand(2, 2, 3)  # the same plan for both rows
+    g = torch.Generator().manual_seed(0)
+    x, s = torch.randn(2, 4, dtype=torch.float64, generator=g), torch.tensor([0.5, 0.5], dtype=torch.float64)
+    plan = torch.randn(1, 2, 3, dtype=torch.float64, generator=g).expand(2, 2, 3)  # the same plan for both rows
     labels = torch.tensor([1, 4])
     none = _policy()
     v = none._velocity(x[:1].expand(2, 4), s, labels, plan)
