@@ -268,8 +268,8 @@ def test_variants_page_is_generated_and_current():
     assert len(rows) == 55  # 45 before issue 37, + 19, 26, 23, 37, + 54, 22, 47, 12, 11, 10 (issue 41)
     assert (
         "| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
-        "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | `sign` | "
-        "`48-sign` |"
+        "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | "
+        "`advantages/sign.py` | `sign` | `48-sign` |"
     ) in rows
     assert rows[[r.startswith("| 36/43 ") for r in rows].index(True)].endswith("| `fg_expo` | `36-fg-expo` |")
 

@@ -17,7 +17,8 @@ HEADER = """\
 `python -m groupwise.papers.index > docs/variants.md`; tests/test_papers.py checks it is current. -->
 
 Every paper implemented so far, one row each: the stages it changes, the components it adds (by
-stage), its recipes and its claims. Each paper has a folder, `src/groupwise/papers/NN_slug/` (also
+stage), its files (the modules in its own folder, then those in the stage folders), its recipes and
+its claims. Each paper has a folder, `src/groupwise/papers/NN_slug/` (also
 `papers/` at the repository root): its page `README.md` (what it changes, what had to be
 reconstructed — `[INFERRED]`, each an option —, the claim as measured by `make claims` and its
 reading), its manifest `paper.toml`, and its own toy tasks, recipes and claim files.
@@ -44,15 +45,18 @@ def index_markdown() -> str:
         "",
         "## Papers",
         "",
-        "| spec | paper | stage | components | recipes | claims |",
-        "|---|---|---|---|---|---|",
+        "| spec | paper | stage | components | files | recipes | claims |",
+        "|---|---|---|---|---|---|---|",
     ]
     for m in papers():
+        folder = m.path.parent  # the paper's own modules (toy tasks, envs, scaffolding), then its stage-folder files
+        own = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+        files = ", ".join([*(f"`{name}`" for name in own), *(f"`{f}`" for f in m.files)]) or "—"
         spec = "/".join(f"{n:02d}" for n in m.numbers)
         link = f"[{_cell(m.title)}](../src/groupwise/papers/{m.name}/README.md)"
         recipes = ", ".join(f"`{r}`" for r in m.recipes) or "—"
         claims = ", ".join(f"`{c}`" for c in m.claims) or "—"
-        out.append(f"| {spec} | {link} | {_cell(m.stage)} | {_components(m)} | {recipes} | {claims} |")
+        out.append(f"| {spec} | {link} | {_cell(m.stage)} | {_components(m)} | {files} | {recipes} | {claims} |")
     out += [
         "",
         "## Infrastructure (not variants)",
