@@ -415,17 +415,17 @@ def assert_nets_close(one: dict, two: dict) -> None:
         torch.testing.assert_close(two[name], value, atol=1e-9, rtol=1e-7, msg=name)
 
 
-def assert_resume_is_exact(make_trainer, tmp_path, steps: int = 4, stop: int = 2) -> None:
+def assert_resume_is_exact(make_trainer, tmp_path, steps: int = 4, stop: int = 2, metric: str = "reward_mean") -> dict:
     """Kill-and-resume equals the uninterrupted run: ``make_trainer(out)`` builds a trainer of ``steps``
     steps checkpointing every ``stop``; run ``a`` goes straight through, run ``b`` stops after ``stop``
     steps and a second trainer resumes it. The policies' nets are equal bit for bit, and so is every
-    logged ``reward_mean``."""
+    logged ``metric`` (``reward_mean``). Returns the straight run's summary."""
     import json
 
     from groupwise.run import Run
 
     straight = make_trainer(tmp_path / "a")
-    Run(straight).train()
+    summary = Run(straight).train()
     first = make_trainer(tmp_path / "b")
     first.cfg.train.steps = stop
     Run(first).train()
@@ -434,7 +434,8 @@ def assert_resume_is_exact(make_trainer, tmp_path, steps: int = 4, stop: int = 2
     for key, value in straight.policy.state_dict()["net"].items():
         assert torch.equal(value, resumed.policy.state_dict()["net"][key]), key
     rows = [
-        [json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        [json.loads(line)[metric] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         for run in ("a", "b")
     ]
     assert rows[0] == rows[1] and len(rows[0]) == steps
+    return summary

@@ -5,12 +5,12 @@ Gumbel-top-k samples that re-score exactly and follow the PL law, the ListNet wa
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import assert_resume_is_exact
 
 from groupwise.build import build
 from groupwise.config import load_config
@@ -18,7 +18,6 @@ from groupwise.errors import ConfigError
 from groupwise.modalities.subset import SubsetPolicy, budget_k, pl_logprob
 from groupwise.phases.sft import SFT
 from groupwise.policy.kinds import build_policy
-from groupwise.run import Run
 from groupwise.tasks import TASKS, Task
 from groupwise.trainer import Trainer
 from groupwise.types import Request, StepInfo
@@ -211,18 +210,5 @@ def _trainer(out, *overrides):
 
 def test_a_subset_run_trains_and_resumes_bit_identically(tmp_path, slot_task):
     common = ["train.steps=6", "checkpoint.every=3"]
-    straight = _trainer(tmp_path / "a", *common)
-    Run(straight).train()
+    assert_resume_is_exact(lambda out: _trainer(out, *common), tmp_path, steps=6, stop=3)
     assert (tmp_path / "a" / "final" / "subset_policy.pt").exists()
-    first = _trainer(tmp_path / "b", *common)
-    first.cfg.train.steps = 3
-    Run(first).train()
-    resumed = _trainer(tmp_path / "b", *common)
-    Run(resumed).train(resume_allow=["train.steps"])
-    for key, value in straight.policy.state_dict()["net"].items():
-        assert torch.equal(value, resumed.policy.state_dict()["net"][key]), key
-    rows = [
-        [json.loads(line)["reward_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        for run in ("a", "b")
-    ]
-    assert rows[0] == rows[1] and len(rows[0]) == 6
