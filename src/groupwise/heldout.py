@@ -33,6 +33,7 @@ logs each key as ``eval/<key>`` and ``<key>_before`` / ``<key>_after``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,12 @@ class HeldOut:
         An environment run (``closed_loop``): the share of rows whose greedy episode succeeds."""
         return self.evaluate_detail(policy, rows, split, view, stage)["accuracy"]
 
+    def evaluate_actor(self, actor: Any) -> float:
+        """``evaluate`` of an actor (``roles.Actor``): its own prompt encoding, the eval reward decoding its tokens."""
+        stage = copy.copy(self.eval_stage)
+        stage.decode, stage.counts, stage.metrics = actor.policy.decode, {}, {}
+        return self.evaluate_detail(actor.policy, stage=stage, prompts=actor.prompts)["accuracy"]
+
     @torch.no_grad()
     def evaluate_detail(
         self,
@@ -82,13 +89,15 @@ class HeldOut:
         split: str = "eval",
         view: str | None = None,
         stage: RewardStage | None = None,
+        prompts: Any = None,
     ) -> dict[str, float]:
         """``evaluate``'s greedy pass with all it measures (module docstring): ``accuracy``,
         ``reward_mean`` (the mean eval reward over the rows whose reward did not fail; NaN when none)
         and ``metric/<name>`` (the mean of each ``log_metric`` of the eval reward over these rows); an
         environment run's held-out episodes give ``accuracy`` and ``return``, the mean return of the
-        greedy episodes."""
+        greedy episodes. ``prompts``: another encoding of the prompts (an actor's own, ``evaluate_actor``)."""
         policy = policy or self.trainer.policy
+        prompts = prompts or self.prompts
         rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
         if not rows:
             return {"accuracy": float("nan"), "reward_mean": float("nan")}
@@ -104,7 +113,7 @@ class HeldOut:
         sampling = {**self.sampling_params, **self.cfg.eval.sampling, "greedy": True}
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
-            requests = [Request(key=i, n=1, prompt=self.prompts(split, rows, i, view)) for i in chunk]
+            requests = [Request(key=i, n=1, prompt=prompts(split, rows, i, view)) for i in chunk]
             gen = policy.generate(requests, sampling, info)
             gen.meta = [rows[i] for i in chunk]
             stage.score_local(gen, info)
