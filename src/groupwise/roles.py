@@ -130,7 +130,7 @@ def build_role(
     name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_labels: list[str], total_updates: int
 ) -> Trainable:
     policy = build_policy(_on_policy_device(cfg.model, run_cfg.model), run_cfg.perf)
-    if not getattr(cfg, "samples", False):  # an actor scores its own tokens
+    if not cfg.samples:  # an actor scores its own tokens
         _check_tokenizer(name, cfg, policy, main_policy)
     unknown = [r for r in cfg.rewards if r not in reward_labels]
     if unknown:
@@ -148,7 +148,7 @@ def build_role(
         [reward_labels.index(r) for r in cfg.rewards] or None,
     )
     own = [n for c in role.components for n in getattr(c, "needs", ())]
-    if any(n.model == "ref" for n in own) and not getattr(cfg, "samples", False):
+    if any(n.model == "ref" for n in own) and not cfg.samples:
         raise ConfigError(f"roles.{name}: its components ask for the reference model, which a role does not have")
     role.grad_quantities = sorted({n.quantity for n in own if n.grad} | {"entropy"})
     if sharding.wanted(run_cfg, dist.world_size()):  # before its optimiser sees its parameters

@@ -19,6 +19,11 @@ numbers: A's rewards [0,0,0,0], B's [1,1,0,0] → μ = 0.25, σ = 0.433013 → A
 nothing (``share`` other than ``"xgrpo"``) the extras are the group's own statistics: this is
 ``grpo`` with ``std = "population"``, over the augmented group under SGT (``[0,0,0,0,1]`` →
 ``[−0.5 ×4, 2.0]``).
+
+**Notes**
+
+1. ``group_relative`` is False: an actor's own group may be a single row, the pool is not.
+2. A constant pool (σ = 0) gives exactly 0, as ``grpo``'s constant groups; invalid rows get 0.
 """
 
 from __future__ import annotations

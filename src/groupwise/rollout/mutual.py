@@ -7,32 +7,39 @@ Spec: ``shared/specs/52-mutual-rl.md``.
 
 **Change vs GRPO**: a second policy, the peer (an actor: ``roles.<peer>.samples = true``), samples G
 rows of every prompt the receiver (the trained policy) samples; each trains on its own batch. What
-crosses between them is ``share``:
+crosses between them is ``share``: nothing (``"none"``), the baseline (``"xgrpo"``), the peer's
+verified successes where the receiver failed (``"sgt"``) or all the peer's rows (``"prp"``).
 
-- ``"none"``: nothing (two independent GRPO runs on the same prompts);
-- ``"xgrpo"``: the baseline. Group extras ``pooled_mean``, ``pooled_std`` are the mean and population
-  std of both actors' valid rewards for the prompt, read by the estimator ``xgrpo``
-  (``advantages/xgrpo.py``); each actor still trains on its own rows only;
-- ``"sgt"`` (success-gated transfer): where the receiver's group has no success (reward ≥
-  ``success``) and the peer's has one, up to ``k_rescue`` peer successes are retokenised into the
-  receiver's vocabulary (``groupwise.tokens``), joined to the receiver's group and scored by the
-  receiver's rewards; no importance weight (on-policy ``ppo_clip`` gives A·∇log π(y⁺));
-- ``"prp"`` (peer rollout pooling): every peer row is retokenised and joined; the weight ``peer_is``
-  (``weights/peer_is.py``) corrects with ``min(C, exp(log π_receiver(y) − behav_seq_logp))``.
+**Math** (prompt b; the receiver's rows A_b, the peer's P_b; ``ok = valid & reward ≥ success``)::
 
-Injected rows carry the row flag ``injected`` and the row extra ``behav_seq_logp`` (the peer's
-sequence log-prob of its own tokens, from its sampling log-probs; 0 on the receiver's own rows), and
-``logp_sampler`` NaN (no receiver-token sampler log-probs exist for them: ``sampler_is`` reads ρ = 1).
-Under ``share != "xgrpo"`` the pooled extras are the receiver's or peer's own group statistics, so
-``xgrpo`` then equals ``grpo`` with the population std.
+    ids = ctx.draw(B);  A = ctx.rollout(ids, G);  P = ctx.rollout(ids, G, actor=peer)
+    sgt:   rescued_b = first k_rescue rows of ok(P_b)   if no ok(A_b) and some ok(P_b)
+    prp:   rescued_b = every valid row of P_b
+    A_b  ← A_b ∪ retokenize(text(rescued_b), receiver)   re-scored by the receiver's rewards,
+           flag injected, behav_seq_logp = Σ_t logp_sampler of the peer's own tokens
+    xgrpo: μ_b, σ_b = mean, population std of the valid rewards of A_b ∪ P_b   (both batches)
+    else:  μ_b, σ_b = the same over each batch's own (augmented) group
+    group extras pooled_mean = μ_b, pooled_std = σ_b         (read by the estimator ``xgrpo``)
 
-**[INFERRED]** (spec 52, design §6): the pooled baseline over all rows of both actors
-(``xgrpo``); SGT's gate (no receiver success, ≥ 1 peer success), ``k_rescue = 1``, no IS and λ = 1
-(``lambda_sgt`` scales the rescued rows' advantages, ``advantages/xgrpo.py``); PRP's sequence-level
-truncated IS with C = 2. Logged (``step_stats``): ``mutual/rescued_groups`` (share of prompts
-rescued), ``mutual/injected_rows``, ``mutual/thl_residual`` (the share of the peer's tokens of its
-rows without a 1:1 span in the receiver's tokenization, ``tokens.text_residual``; logged under every
-``share``), ``mutual/peer_reward``. MWRA (the compute scheduler) is not built.
+Returns ``{"policy": A, peer: P}``.
+
+**Defaults** [INFERRED] (spec 52, design §6; the blog names the probes, not their forms): the
+pooled baseline over all rows of both actors; SGT's gate (no receiver success, ≥ 1 peer success),
+``k_rescue = 1``, ``success = 1.0``, no IS on rescue rows (on-policy ``ppo_clip`` gives A·∇log π(y⁺));
+PRP's sequence-level truncated IS with C = 2 is the weight ``peer_is``.
+
+**Notes**
+
+1. Injected rows carry ``logp_sampler`` NaN (no sampler log-probs of the receiver's tokens exist;
+   ``sampler_is`` reads NaN as ρ = 1) and 0 in the row extra ``behav_seq_logp`` on the receiver's
+   own rows. Under ``share != "xgrpo"`` the estimator ``xgrpo`` equals ``grpo`` with the population
+   std over the (augmented) group.
+2. Logged (``step_stats``): ``mutual/rescued_groups`` (share of prompts rescued under sgt),
+   ``mutual/injected_rows``, ``mutual/thl_residual`` (the share of the peer's tokens of its rows
+   without a 1:1 span in the receiver's tokenization, ``tokens.text_residual``; under every
+   ``share``), ``mutual/peer_reward``.
+3. ``check`` refuses ``share = "prp"`` without the weight ``peer_is`` and ``"xgrpo"`` without an
+   estimator that reads the pooled baseline. MWRA (the blog's compute scheduler) is not built.
 """
 
 from __future__ import annotations

@@ -17,8 +17,14 @@ the receiver's own rows keep weight 1.
 
 **Defaults** [INFERRED] (spec 52): sequence level, ``C = 2`` (the spec allows 1 or 2); the spec's
 numbers: own −3, peer −5 → ``w = min(2, e²) = 2``. The exponent is clamped to ±20 (as
-``sampler_is``). ``step_stats()["mutual/prp_is_var"]``: the population variance of ``w`` over the
-injected rows (0 when there are none).
+``sampler_is``).
+
+**Notes**
+
+1. ``step_stats()["mutual/prp_is_var"]``: the population variance of ``w`` over the injected rows
+   (0 when there are none: SGT's rescue rows are not weighted unless this weight is configured).
+2. ``log π_receiver`` is ``logp_old``, the receiver's log-prob before the update; the objective's
+   ratio to ``logp_old`` is then the PPO ratio of the receiver's own moving policy, not to the peer.
 """
 
 from __future__ import annotations
