@@ -99,19 +99,27 @@ def test_actor_errors(tmp_path):
     with pytest.raises(ConfigError, match='share="prp" .* add the weight'):
         mutual(tmp_path / "a", 'rollout.params.share="prp"')
     with pytest.raises(ConfigError, match="advantage component 'xgrpo' reads 'pooled_mean'"):
-        mutual(tmp_path / "b", 'rollout.name="sample"', "rollout.params={}", 'advantage.estimator="grpo"')
-    trainer = mutual(
-        tmp_path / "b",
-        'rollout.name="sample"',
-        "rollout.params={}",
-        'advantage.estimator="grpo"',
-        'roles.peer.advantage.estimator="grpo"',
-    )
-    with pytest.raises(ConfigError, match=r"the run has actors \['peer'\] .* returned one batch"):
-        trainer.run_step()
-    trainer = mutual(tmp_path / "c", 'rollout.params.peer="nobody"')
+        mutual(tmp_path / "b", 'rollout.name="sample"', "rollout.params={}", "roles={}")
+    with pytest.raises(ConfigError, match=r"'sample' samples with the actors \[\]; the run's actors .* \['peer'\]"):
+        mutual(
+            tmp_path / "b",
+            'rollout.name="sample"',
+            "rollout.params={}",
+            'advantage.estimator="grpo"',
+            'roles.peer.advantage.estimator="grpo"',
+        )
+    with pytest.raises(ConfigError, match=r"'mutual' samples with the actors \['nobody'\]"):
+        mutual(tmp_path / "c", 'rollout.params.peer="nobody"')
+    # what the build checks, the step checks again (a strategy whose batches do not match its actors)
+    trainer = mutual(tmp_path / "d")
+    trainer.strategy.peer = "nobody"
     with pytest.raises(ConfigError, match=r"actor 'nobody'; this run's actors are \['peer', 'policy'\]"):
         trainer.run_step()
+    trainer.strategy.peer = "peer"
+    with pytest.raises(ConfigError, match=r"returned batches for \['policy'\]; this run's actors are"):
+        trainer.by_actor({"policy": trainer.collect()["policy"]})
+    with pytest.raises(ConfigError, match=r"the run has actors \['peer'\] .* returned one batch"):
+        trainer.by_actor(trainer.collect()["policy"])
 
 
 def test_resume_with_two_actors_is_exact(tmp_path):
@@ -132,3 +140,41 @@ def test_resume_with_two_actors_is_exact(tmp_path):
     rows = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in "ab"]
     assert [r["peer/loss"] for r in rows[0]] == [r["peer/loss"] for r in rows[1]] and len(rows[0]) == 4
     assert [r["reward_mean"] for r in rows[0]] == [r["reward_mean"] for r in rows[1]]
+
+
+def test_dpa_grpo_two_model_form_gives_the_verifier_pairs_to_the_verifier_actor(tmp_path):
+    """47 DPA-GRPO's ``models = "separate"``: the verifier's forced pairs are sampled by, scored for and
+    trained on the actor ``verifier``; the policy's batch is the first moves and the challenged pairs."""
+    from groupwise.heldout import HeldOut
+
+    cfg, _ = load_config(
+        "dpa_grpo_separate_inferred",
+        ["phases=[]", "rollout.prompts_per_step=2", "rollout.group_size=2", "eval.size=4", f'out="{tmp_path}"'],
+    )
+    trainer = Trainer(build_parts(cfg))
+    collected = trainer.collect()
+    own, ver = collected["policy"], collected["verifier"]
+    B = 2
+    N = int(own.group_valid[:B].sum())  # every first move has one verifier pair and one generator pair
+    assert own.shape[:2] == (B + N, 2) and ver.shape[:2] == (N, 2) and N == 4
+    assert own.extras["game_role"].eq(0).all() and ver.extras["game_role"].eq(1).all()
+    assert all(t[0][:1] == "." and t[1][:1] == "!" for t in ver.completions)
+    assert all(t[0][:1] == "k" and t[1][:1] == "r" for t in own.completions[B:])
+    verifier = trainer.actors["verifier"].policy
+    y0 = own.completions[0][0].strip()
+    assert ver.prompt_ids[0] == verifier.encode(f"{own.meta[0]['prompt']}{y0}?")  # in the verifier's encoding
+    # R_V(silent) = c(y0), the first move's reward, in (b, g) order
+    torch.testing.assert_close(ver.rewards[:, 0], own.rewards[:B].flatten())
+    before = [p.detach().clone() for p in verifier.module.parameters()]
+    row = trainer.run_step()
+    assert {"verifier/loss", "verifier/kl", "kl", "dpa/correct_silence"} <= set(row)  # each its own KL to its own ref
+    assert any(not torch.equal(p, q) for p, q in zip(verifier.module.parameters(), before))
+    measures = HeldOut(trainer).evaluate_strategy()  # the greedy game, the verifier actor deciding
+    assert 0.0 <= measures["game_accuracy"] <= 1.0 and "sac_rate" in measures
+    with pytest.raises(ConfigError, match=r"'dpa_game' samples with the actors \['verifier'\]; the run's actors"):
+        load_and_build("dpa_grpo_inferred", tmp_path / "x", 'rollout.params.models="separate"', "phases=[]")
+
+
+def load_and_build(recipe, out, *overrides):
+    cfg, _ = load_config(recipe, [*SMALL, f'out="{out}"', *overrides])
+    return build_parts(cfg)

@@ -187,6 +187,7 @@ def build(cfg: Config) -> Parts:
         for name, rc in cfg.roles.items()
         if rc.samples
     }
+    check_actors(strategy, actors)
 
     # every declared need, checked against the models and views that can serve it. With one mini-batch
     # per epoch, the first epoch's forward runs on the weights that sampled the rollout: its detached
@@ -230,8 +231,9 @@ def build(cfg: Config) -> Parts:
     # each component against the policy it will run with, before anything runs
     check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
     generation = served_policy(cfg, policy, world)
-    # sampling options it asks for, hooks, extras others (the actors' components too) read
-    check_strategy(strategy, generation, owners + [c for actor in actors.values() for c in actor.components])
+    # sampling options it asks for, hooks, extras others read (the actors' trained components too; their rewards
+    # are the policy's)
+    check_strategy(strategy, generation, owners + [c for actor in actors.values() for c in actor.role.components])
     unknown = set(cfg.eval.sampling) - set(getattr(policy, "request_options", ()))
     if unknown:  # the held-out calls' own settings: keys the policy's requests may set
         raise ConfigError(
@@ -284,6 +286,17 @@ def build(cfg: Config) -> Parts:
         generation=generation,
         actors=actors,
     )
+
+
+def check_actors(strategy: Any, actors: dict[str, Any]) -> None:
+    """The strategy samples with exactly the run's actors (its ``samples_with``)."""
+    name = getattr(strategy, "registry_name", type(strategy).__name__)
+    wanted = sorted(getattr(strategy, "samples_with", ()))
+    if wanted != sorted(actors):
+        raise ConfigError(
+            f"rollout strategy {name!r} samples with the actors {wanted}; the run's actors (roles.NAME.samples = "
+            f"true) are {sorted(actors)}: add a role for each it samples with, and no other"
+        )
 
 
 def build_actor(

@@ -77,9 +77,13 @@ class HeldOut:
 
     def evaluate_actor(self, actor: Any) -> float:
         """``evaluate`` of an actor (``roles.Actor``): its own prompt encoding, the eval reward decoding its tokens."""
+        return self.evaluate_detail(actor.policy, stage=self._actor_stage(actor), prompts=actor.prompts)["accuracy"]
+
+    def _actor_stage(self, actor: Any) -> RewardStage:
+        """The eval reward decoding an actor's tokens."""
         stage = copy.copy(self.eval_stage)
         stage.decode, stage.counts, stage.metrics = actor.policy.decode, {}, {}
-        return self.evaluate_detail(actor.policy, stage=stage, prompts=actor.prompts)["accuracy"]
+        return stage
 
     @torch.no_grad()
     def evaluate_detail(
@@ -132,9 +136,18 @@ class HeldOut:
         rows = self.eval_rows[: self.cfg.eval.size]
         if not hasattr(self.strategy, "evaluate") or not rows:
             return {}
-        from groupwise.rollout.context import RolloutContext
+        from groupwise.rollout.context import ActorIO, RolloutContext
 
         info = dataclasses.replace(self.trainer.info(), step=-1)
+        actors = {  # a strategy that plays with actors plays them here too, each in its own tokens
+            name: ActorIO(
+                actor.policy,
+                self._actor_stage(actor),
+                lambda rollout: None,
+                lambda i, actor=actor: actor.prompts("eval", rows, i),
+            )
+            for name, actor in self.trainer.actors.items()
+        }
         ctx = RolloutContext(
             self.trainer.policy,
             self.trainer.sampler,
@@ -146,6 +159,7 @@ class HeldOut:
             {**self.sampling_params, **self.cfg.eval.sampling, "greedy": True},
             len(rows),
             self.cfg.rollout.group_size,
+            actors=actors,
         )
         return {str(k): float(v) for k, v in self.strategy.evaluate(ctx, rows, info).items()}
 

@@ -197,6 +197,8 @@ class Trainer:
 
     def step_actor(self, actor: roles.Actor, batch: Rollout) -> dict[str, float]:
         """An actor's share of the step on its own batch: prepare, update, observe. Its log row (unprefixed)."""
+        if not batch.shape[0]:  # it played nothing this step
+            return {"groups": 0, "loss": 0.0, "skipped": 1.0}
         batch, coefficients = self.prepare_actor(actor, batch)
         local = self._share(batch)
         actor.policy.train()

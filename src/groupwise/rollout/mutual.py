@@ -129,6 +129,10 @@ class Mutual:
             raise ConfigError(f"rollout mutual: k_rescue={self.k_rescue} must be >= 1")
         self._stats: dict[str, float] = {}
 
+    @property
+    def samples_with(self) -> tuple[str, ...]:
+        return (self.peer,)
+
     def check(self, components: list) -> None:
         """At build: ``share = "prp"`` needs the weight ``peer_is`` (peer rows would otherwise count as the
         receiver's own samples), ``"xgrpo"`` an estimator that reads the pooled baseline."""
