@@ -202,7 +202,7 @@ class Trainer:
         batch, coefficients = self.prepare_actor(actor, batch)
         local = self._share(batch)
         actor.policy.train()
-        update = self.update(local, actor.role) if batch.shape[0] else {"loss": 0.0, "skipped": 1.0}
+        update = self.update(local, actor.role)
         actor.policy.eval()
         row = {**_rollout_stats(local), **_reward_means(batch, actor.reward_stage.labels)}
         row.update(actor.reward_stage.pop_metrics())
