@@ -40,6 +40,8 @@ PRP's sequence-level truncated IS with C = 2 is the weight ``peer_is``.
    ``share``), ``mutual/peer_reward``.
 3. ``check`` refuses ``share = "prp"`` without the weight ``peer_is`` and ``"xgrpo"`` without an
    estimator that reads the pooled baseline. MWRA (the blog's compute scheduler) is not built.
+4. One round: both actors sample the same draw of prompts once; a sampler that drops groups
+   (``sampling.name = "dynamic"``) is not asked (``ctx.keep``), so every group trains.
 """
 
 from __future__ import annotations
