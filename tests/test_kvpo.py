@@ -1,0 +1,177 @@
+"""Paper 21 KVPO (spec 21): the anchor advantage (estimator ``kvpo``) and the Gibbs-surrogate term ``kvpo``,
+against hand-worked values (spec 21's unit tests and the arithmetic in each comment)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import info_for, objective_for, permute_rows, permute_tensor, rollout_from
+
+from groupwise.losses.kvpo import branch_log_probs, kvpo_group_loss
+from groupwise.registry import build
+from groupwise.types import ANCHOR
+
+
+def _group(rewards, parts=None, T=2, logp_old=None):
+    """One group [1,G,T]: row 0 the anchor, rows 1.. the branches."""
+    G = len(rewards)
+    lo = torch.zeros(1, G, T) if logp_old is None else torch.as_tensor(logp_old, dtype=torch.float32)
+    ro = rollout_from(lo, rewards=torch.tensor([rewards], dtype=torch.float32))
+    if parts is not None:
+        ro.reward_parts = torch.tensor([parts], dtype=torch.float32)  # [1,G,K]
+    ro.set_flag(ANCHOR, torch.arange(G)[None, :] == 0)
+    return ro
+
+
+# ------------------------------------------------------------------ estimator
+def test_anchor_advantages_spec_values():
+    # r = [0.5, 0.7, 0.3], r_anchor = 0.4: std_unbiased([0.5,0.7,0.3,0.4]) = sqrt(0.0875/3) = 0.170783
+    # A = (r − 0.4)/0.170783 = [0.585540, 1.756620, −0.585540]; the anchor row 0
+    est = build("advantage", "kvpo", weights=[1.0], fusion="sum")
+    adv = est(_group([0.4, 0.5, 0.7, 0.3]), info_for(2))
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.585540, 1.756620, -0.585540]]), atol=2e-6, rtol=0)
+
+
+def test_fusion_std_local_and_global():
+    # local: A ∝ [1, 3, −1] (above); population std of [1, 3, −1] = sqrt(8/3) -> [0.612372, 1.837117, −0.612372]
+    # global r = [0.2, 0.1, 0.6], anchor 0.3: A ∝ [−1, −2, 3], population std sqrt(14/3)
+    #   -> [−0.462910, −0.925820, 1.388730]; fused = local + 0.5·global = [0.380917, 1.374207, 0.081993]
+    parts = [[0.4, 0.3], [0.5, 0.2], [0.7, 0.1], [0.3, 0.6]]
+    ro = _group([sum(p) for p in parts], parts=parts)
+    adv = build("advantage", "kvpo")(ro, info_for(2))
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.380917, 1.374207, 0.081993]]), atol=2e-6, rtol=0)
+
+
+def test_clamp_at_2_5():
+    # r = [1, 0, 0, 0] vs anchor 0: std_unbiased([1,0,0,0,0]) = sqrt(0.8/4) = 0.447214, A = [2.236068, 0, 0, 0];
+    # weight 2 (fusion sum) -> 4.472136, clamped to 2.5; the mirrored group gives −2.5
+    est = build("advantage", "kvpo", weights=[2.0], fusion="sum")
+    adv = est(_group([0.0, 1.0, 0.0, 0.0, 0.0]), info_for(2))
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 2.5, 0.0, 0.0, 0.0]]))
+    adv = est(_group([0.0, -1.0, 0.0, 0.0, 0.0]), info_for(2))
+    torch.testing.assert_close(adv, torch.tensor([[0.0, -2.5, 0.0, 0.0, 0.0]]))
+
+
+def test_estimator_refuses_a_group_without_one_anchor():
+    ro = _group([0.4, 0.5, 0.7])
+    ro.set_flag(ANCHOR, torch.zeros(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="exactly one valid anchor"):
+        build("advantage", "kvpo", weights=[1.0])(ro, info_for(2))
+
+
+def test_estimator_permutation_equivariant():
+    g = torch.Generator().manual_seed(0)
+    parts = torch.rand(2, 5, 2, generator=g)
+    ro = rollout_from(torch.zeros(2, 5, 3), rewards=parts.sum(-1), reward_parts=parts)
+    ro.set_flag(ANCHOR, torch.tensor([[True, False, False, False, False], [False, False, True, False, False]]))
+    est = build("advantage", "kvpo")
+    perm = torch.stack([torch.randperm(5, generator=g) for _ in range(2)])
+    torch.testing.assert_close(est(permute_rows(ro, perm), info_for(3)), permute_tensor(est(ro, info_for(3)), perm))
+
+
+# ------------------------------------------------------------------ term
+def test_gibbs_branch_probabilities():
+    # softmax([−1, −2, −3]) = e^{−1,−2,−3}/0.553001 = [0.665241, 0.244728, 0.090031]
+    s = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
+    members = torch.ones(1, 3, dtype=torch.bool)
+    p = branch_log_probs(s, members, torch.tensor([False])).exp()
+    torch.testing.assert_close(
+        p, torch.tensor([[0.665241, 0.244728, 0.090031]], dtype=torch.float64), atol=1e-6, rtol=0
+    )
+    # with the anchor logit 0: the normaliser is 0.553001 + 1 = 1.553001
+    p = branch_log_probs(s, members, torch.tensor([True])).exp()
+    torch.testing.assert_close(
+        p, torch.tensor([[0.236882, 0.087144, 0.032059]], dtype=torch.float64), atol=1e-6, rtol=0
+    )
+
+
+def test_ratio_and_asymmetric_clip():
+    # s = [−1,−2,−3], s_old = [−1,−1,−1] (π_old = 1/3): ρ = 3·π_θ = [1.995723, 0.734185, 0.270092]; A = [1, 1, −1]
+    # −min(ρA, clip(ρ, 0.9, 1.2)A) = [−1.2, −0.734185, +0.9] -> mean −0.344728
+    s = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
+    loss, st = kvpo_group_loss(
+        s,
+        torch.full((1, 3), -1.0, dtype=torch.float64),
+        torch.tensor([[1.0, 1.0, -1.0]]),
+        torch.ones(1, 3, dtype=torch.bool),
+        torch.tensor([False]),
+    )
+    torch.testing.assert_close(
+        st["ratio"], torch.tensor([[1.995723, 0.734185, 0.270092]], dtype=torch.float64), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(loss, torch.tensor([-0.344728], dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_discrete_kl_to_reference():
+    # KL(softmax[−1,−2,−3] ‖ uniform) = Σ p log p + log 3 = −0.832396 + 1.098612 = 0.266217; kl_coef 10 adds 2.66217
+    s = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
+    loss, st = kvpo_group_loss(
+        s,
+        s,
+        torch.zeros(1, 3),
+        torch.ones(1, 3, dtype=torch.bool),
+        torch.tensor([False]),
+        s_ref=torch.zeros(1, 3, dtype=torch.float64),
+        kl_coef=10.0,
+    )
+    torch.testing.assert_close(st["kl"], torch.tensor([0.266217], dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(loss, torch.tensor([2.66217], dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+def _term_loss(ro, logp, **kw):
+    term = build("objective", "kvpo", kl_coef=0.0, **kw)
+    obj = objective_for([term], "group_mean")
+    info = info_for(ro.shape[2])
+    return term(ro, {"logp": logp}, info), obj.loss(ro, {"logp": logp}, obj.normalizers(ro, info), info)
+
+
+def test_term_on_policy_ratio_one_and_unsafe_scale():
+    # θ = old (any energies): every ratio is 1, so L = −mean_g A_g over the 3 branches
+    lo = torch.tensor([[[0.0, 0.0], [-0.3, -0.1], [-2.0, -0.5], [-0.7, -0.2]]])  # [1,4,2]
+    adv = torch.tensor([[0.0, -1.0, -0.5, -2.0]])  # [1,4] (anchor 0)
+    # safe: branch 1 beats the anchor on the second column -> L = −(−3.5/3) = 1.166667
+    safe = _group([0.0] * 4, parts=[[0.5, 0.5], [0.4, 0.6], [0.1, 0.1], [0.2, 0.3]], logp_old=lo)
+    safe.advantages = adv
+    values, total = _term_loss(safe, lo.clone().requires_grad_(True))
+    torch.testing.assert_close(values, torch.full((1, 4), 1.166667), atol=1e-6, rtol=0)
+    torch.testing.assert_close(total, torch.tensor(1.166667), atol=1e-6, rtol=0)
+    # unsafe: no branch beats the anchor on either column -> exactly half: 0.583333
+    unsafe = _group([0.0] * 4, parts=[[0.5, 0.6], [0.4, 0.6], [0.1, 0.1], [0.2, 0.3]], logp_old=lo)
+    unsafe.advantages = adv
+    values, total = _term_loss(unsafe, lo.clone().requires_grad_(True))
+    torch.testing.assert_close(total, torch.tensor(1.166667 / 2), atol=1e-6, rtol=0)
+    _, st = kvpo_group_loss(
+        lo.sum(-1)[:, 1:].double(),
+        lo.sum(-1)[:, 1:].double(),
+        adv[:, 1:],
+        torch.ones(1, 3, dtype=torch.bool),
+        torch.tensor([True]),
+    )
+    assert torch.equal(st["ratio"], torch.ones(1, 3, dtype=torch.float64))
+
+
+def test_term_anchor_row_gets_no_gradient_and_branches_do():
+    lo = torch.tensor([[[0.0, 0.0], [-0.3, -0.1], [-2.0, -0.5], [-0.7, -0.2]]])
+    ro = _group([0.0] * 4, parts=[[0.5, 0.5], [0.4, 0.6], [0.1, 0.1], [0.2, 0.3]], logp_old=lo)
+    ro.advantages = torch.tensor([[0.0, 1.0, -0.5, 0.3]])
+    logp = (lo + 0.05).requires_grad_(True)
+    _, total = _term_loss(ro, logp)
+    (grad,) = torch.autograd.grad(total, logp)
+    assert (grad[0, 0] == 0).all()
+    assert (grad[0, 1:] != 0).all()
+
+
+def test_term_permutation_equivariant():
+    g = torch.Generator().manual_seed(1)
+    lo = -torch.rand(2, 5, 3, generator=g)
+    parts = torch.rand(2, 5, 2, generator=g)
+    ro = rollout_from(lo, rewards=parts.sum(-1), reward_parts=parts)
+    ro.set_flag(ANCHOR, torch.tensor([[True, False, False, False, False], [False, False, True, False, False]]))
+    ro.advantages = build("advantage", "kvpo")(ro, info_for(3))
+    logp = lo + 0.1 * torch.randn(2, 5, 3, generator=g)
+    term = build("objective", "kvpo", kl_coef=0.0)
+    perm = torch.stack([torch.randperm(5, generator=g) for _ in range(2)])
+    torch.testing.assert_close(
+        term(permute_rows(ro, perm), {"logp": permute_tensor(logp, perm)}, info_for(3)),
+        permute_tensor(term(ro, {"logp": logp}, info_for(3)), perm),
+    )
