@@ -48,7 +48,7 @@ from torch import Tensor
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build, build_spec
-from groupwise.types import Need, Rollout, StepInfo
+from groupwise.types import ANCHOR, Need, Rollout, StepInfo
 
 
 def geo_mean_factor(weight: Tensor, mask: Tensor) -> Tensor:
@@ -194,8 +194,11 @@ class Objective:
 
     def loss_mask(self, rollout: Rollout) -> Tensor:
         """[B,G,T] bool: the tokens that receive loss and count in every normaliser: valid rows, mask,
-        and not removed by a token weight (``extras["counted"]``; without it, non-zero ``weight``)."""
+        not an ``anchor`` row (generated and scored, never trained: ``types.ANCHOR``), and not removed
+        by a token weight (``extras["counted"]``; without it, non-zero ``weight``)."""
         mask = rollout.row_mask  # [B,G,T]
+        if ANCHOR in rollout.row_flags:
+            mask = mask & ~rollout.flag(ANCHOR)[..., None]  # [B,G,T]
         if "counted" in rollout.extras:
             mask = mask & rollout.extras["counted"]  # [B,G,T]
         elif rollout.weight is not None:
