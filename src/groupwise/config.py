@@ -45,6 +45,7 @@ class ModelCfg:
     # planner: Gaussian latent actions then the flow (K4);
     # gaussian: observation -> N(mu(s), sigma^2 I); mdlm: a masked-diffusion LM sampled by iterative unmasking
     # subset: k of N items, a Plackett-Luce ranking by Gumbel-top-k
+    # ar_flow: frames drawn one by one by a few-step flow over a cache of the last frames (K5; KVPO)
     # (arguments of the toy kinds in `params`)
     policy: str = "lm"
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}

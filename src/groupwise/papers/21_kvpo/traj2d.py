@@ -1,0 +1,149 @@
+"""``traj2d``: KVPO's toy "video" (spec 21's CPU implementation, design note §3 "21 KVPO"): a trajectory
+of 2-D frames that must reach a target smoothly.
+
+KVPO: arXiv 2605.14278 (spec 21). Everything here is [INFERRED]: the paper generates video with a
+causal video model and scores it with HPSv3-style rewards on the perturbed chunk (local) and the
+whole post-fork video (global); the toy keeps that split.
+
+**Math** (a prompt: 3 history frames h₀, h₁, h₂ and a target τ; the generated frames f₀..f₅; the
+sequence s = h₀, h₁, h₂, f₀, …, f₅)::
+
+    demonstration:  s_{i} = continue_curve(s_{i−3}, s_{i−2}, s_{i−1})   (keeps the turn and the speed)
+    dev_i        = ‖s_i − continue_curve(s_{i−3}, s_{i−2}, s_{i−1})‖   (0 on a demonstration)
+    traj_global  = −‖f₅ − τ‖ − smooth · mean_{i = 0..5} dev(f_i)
+    traj_local   = (‖f_{a−1} − τ‖ − ‖f_b − τ‖) − smooth · mean_{i = a..b} dev(f_i)     a, b = 2, 4
+
+The history: h₁ uniform in [−1, 1]², h₂ − h₁ of heading uniform and speed U(0.3, 0.5), h₁ − h₀
+turned by U(−0.8, 0.8) rad from it and of length U(0.2, 1.6) (the dynamics read only its direction,
+so a cache whose oldest slot holds an older frame, a longer chord, is a history the generator has
+seen); τ = the demonstration's last frame + N(0, 0.5²) per coordinate. The dynamics depend on the
+three last frames, so a cache of other frames (KV routing) makes the generator continue another curve.
+
+**Notes**
+
+1. Rows: ``prompt`` (8 numbers) and ``target`` (the 6 demonstration frames, 12 numbers; the ``sft``
+   phase's fit on ``traj2d_fit``, whose rows are the same kind from another seed). 4096 train rows,
+   256 held-out rows (seed + 10 007).
+2. The rewards read the row extra ``frames`` [B,G,6,2] and each row's own context; invalid rows score 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from groupwise.modalities.ar_flow_net import continue_curve
+from groupwise.registry import register
+from groupwise.tasks import Task, register_task
+from groupwise.types import Rollout, StepInfo
+
+FRAMES = 6
+HISTORY = 3
+TURN = 0.8  # the largest turn per frame of a history arc (rad)
+FIRST = (0.2, 1.6)  # the range of the history's first segment length, |h1 − h0|
+
+
+def traj_rows(n: int, seed: int) -> list[dict]:
+    """``n`` rows (Math): a history arc, the target, and the demonstration's frames."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, 6, generator=g, dtype=torch.float64)  # [n,6]
+    h1 = u[:, :2] * 2 - 1  # [n,2]
+    heading, speed, turn = u[:, 2] * 2 * math.pi, 0.3 + 0.2 * u[:, 3], (u[:, 4] * 2 - 1) * TURN
+    first = FIRST[0] + (FIRST[1] - FIRST[0]) * u[:, 5]  # [n] |h1 − h0|: the dynamics read only its direction
+
+    def unit(a: Tensor) -> Tensor:
+        return torch.stack([torch.cos(a), torch.sin(a)], -1)  # [n,2]
+
+    seq = [h1 - first[:, None] * unit(heading - turn), h1, h1 + speed[:, None] * unit(heading)]
+    for _ in range(FRAMES):
+        seq.append(continue_curve(seq[-3], seq[-2], seq[-1]))
+    seq_t = torch.stack(seq, 1)  # [n,9,2]
+    target = seq_t[:, -1] + 0.5 * torch.randn(n, 2, generator=g, dtype=torch.float64)  # [n,2]
+    prompt = torch.cat([seq_t[:, :HISTORY].flatten(1), target], 1)  # [n,8]
+    return [
+        {"prompt": [round(v, 6) for v in p], "target": [round(v, 6) for v in t]}
+        for p, t in zip(prompt.tolist(), seq_t[:, HISTORY:].flatten(1).tolist())
+    ]
+
+
+def deviations(seq: Tensor) -> Tensor:
+    """[...,F] dev of every generated frame of sequences [...,3+F,2] (Math)."""
+    pred = continue_curve(seq[..., :-3, :], seq[..., 1:-2, :], seq[..., 2:-1, :])  # [...,F,2]
+    return (seq[..., 3:, :] - pred).norm(dim=-1)  # [...,F]
+
+
+def _sequences(rollout: Rollout, who: str) -> tuple[Tensor, Tensor]:
+    """(sequences [B,G,9,2], targets [B,G,2]) float64 of the rows."""
+    frames = rollout.extras.get("frames")
+    if frames is None or tuple(frames.shape[2:]) != (FRAMES, 2):
+        raise ValueError(
+            f"{who} needs the row extra 'frames' [B,G,{FRAMES},2] (model.policy = 'ar_flow' with frames = {FRAMES}), "
+            f"got {None if frames is None else tuple(frames.shape)}"
+        )
+    ctx = rollout.row_contexts()
+    if any(len(c) != 2 * (HISTORY + 1) for row in ctx for c in row):
+        raise ValueError(f"{who} reads each row's context: 3 history frames and the target (8 numbers, task traj2d)")
+    p = torch.tensor(ctx, dtype=torch.float32).double()  # [B,G,8]
+    history = p[..., : 2 * HISTORY].unflatten(-1, (HISTORY, 2))  # [B,G,3,2]
+    return torch.cat([history, frames.double()], dim=2), p[..., 2 * HISTORY :]
+
+
+@register("reward", "traj_global")
+@dataclass
+class TrajGlobal:
+    """KVPO toy reward on the whole trajectory: −distance of the last frame to the target − smooth·mean deviation."""
+
+    smooth: float = 1.0  # [INFERRED] weight of the demonstration prior (the curve's continuation)
+    weight: float = 1.0
+
+    needs = ()
+    modality = "ar_flow"
+
+    def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
+        seq, target = _sequences(rollout, "traj_global")
+        score = -(seq[..., -1, :] - target).norm(dim=-1) - self.smooth * deviations(seq).mean(-1)  # [B,G]
+        return torch.where(rollout.group_valid.bool(), score, torch.zeros((), dtype=score.dtype)).float()
+
+
+@register("reward", "traj_local")
+@dataclass
+class TrajLocal:
+    """KVPO toy reward on the perturbed region: progress toward the target over frames a..b − smooth·mean deviation."""
+
+    first: int = 2  # a: the perturbation window's first frame (0-based) [INFERRED] design "frames 3–4"
+    last: int = 4  # b: the window's last frame and the one after it, where the cache returns to clean
+    smooth: float = 1.0
+    weight: float = 1.0
+
+    needs = ()
+    modality = "ar_flow"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.first <= self.last < FRAMES:
+            raise ValueError(f"traj_local: need 1 <= first <= last < {FRAMES}, got {self.first}, {self.last}")
+
+    def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
+        seq, target = _sequences(rollout, "traj_local")
+        a, b = HISTORY + self.first, HISTORY + self.last
+        progress = (seq[..., a - 1, :] - target).norm(dim=-1) - (seq[..., b, :] - target).norm(dim=-1)  # [B,G]
+        dev = deviations(seq)[..., self.first : self.last + 1].mean(-1)  # [B,G]
+        score = progress - self.smooth * dev
+        return torch.where(rollout.group_valid.bool(), score, torch.zeros((), dtype=score.dtype)).float()
+
+
+def _rows(split: str, n: int, seed: int) -> list[dict]:
+    size = n or (4096 if split == "train" else 256)
+    return traj_rows(size, seed if split == "train" else seed + 10_007)
+
+
+register_task(
+    Task(
+        "traj2d",
+        "KVPO's toy video (spec 21): continue a 2-D trajectory of 3 frames for 6 frames, smoothly, to a target",
+        _rows,
+        reward={"name": "traj_global"},
+    )
+)
