@@ -11,13 +11,14 @@ the motion frame of a cache: its last frame c, its last step m = c − cache[:, 
 rotation Q whose first column is m/|m|; local(p) = Qᵀp/|m|, world(q) = |m|·Q·q)::
 
     v_θ(x, σ, cache, target) = world(MLP([local(x), σ, sin(πkσ), cos(πkσ) (k = 1..4),
-                                          local(cache[:, :−1] − c), local(target − c)]))
+                                          dir(local(cache[:, :−1] − c)), local(target − c)]))
+    dir(q) = q/‖q‖                        the net reads the direction of each older frame, not its distance
     x̂₀ = x − σ·v_θ                        x the displacement from c (world units), at noise level σ
     energy(x̂₀_branch, x̂₀_θ, σ) = −mean_d (x̂₀_branch − x̂₀_θ)² / (2·max(σ, floor)²)     floor = 1
 
-The net works in the motion frame of its cache (translation-, rotation- and scale-equivariant): the
-"storyline" it continues is the shape of the cached frames, so a cache of other frames (routing)
-makes it continue another one.
+The net works in the motion frame of its cache (translation-, rotation- and scale-equivariant) and
+reads where the older frames lie, not how far: the "storyline" it continues is the bend of the cached
+frames, so a cache of other frames (routing) makes it continue another bend at the same speed.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class FrameVelocity(nn.Module):
         x, sigma, cache, target = x.to(dtype), sigma.to(dtype), cache.to(dtype), target.to(dtype)
         last, scale, rot = motion_frame(cache)
         f = sigma[:, None] * self.freqs  # [N,F]
-        older = to_local(cache[:, :-1] - last[:, None], scale, rot).flatten(1)  # [N,2(W−1)]
+        older = to_local(cache[:, :-1] - last[:, None], scale, rot)  # [N,W−1,2]
+        older = (older / older.norm(dim=-1, keepdim=True).clamp(min=1e-6)).flatten(1)  # [N,2(W−1)] directions only
         goal = to_local(target - last, scale, rot)  # [N,2]
         h = torch.cat([x, sigma[:, None], torch.sin(f), torch.cos(f), older, goal], dim=-1)  # [N,n_in]
         for i, layer in enumerate(self.layers):

@@ -9,9 +9,12 @@ whole post-fork video (global); the toy keeps that split.
 sequence s = h₀, h₁, h₂, f₀, …, f₅)::
 
     demonstration:  s_{i} = continue_curve(s_{i−3}, s_{i−2}, s_{i−1})   (keeps the turn and the speed)
-    dev_i        = ‖s_i − continue_curve(s_{i−3}, s_{i−2}, s_{i−1})‖   (0 on a demonstration)
-    traj_global  = −‖f₅ − τ‖ − smooth · mean_{i = 0..5} dev(f_i)
-    traj_local   = (‖f_{a−1} − τ‖ − ‖f_b − τ‖) − smooth · mean_{i = a..b} dev(f_i)     a, b = 2, 4
+    jerk_i       = | ‖s_i − s_{i−1}‖ − ‖s_{i−1} − s_{i−2}‖ |               (0 on a demonstration: the speed is kept)
+    traj_global  = −‖f₅ − τ‖ − smooth · mean_{i = 0..5} jerk(f_i)
+    traj_local   = (‖f_{a−1} − τ‖ − ‖f_b − τ‖) − smooth · mean_{i = a..b} jerk(f_i)     a, b = 2, 4
+
+A change of curve (another turn) is not penalised, a change of speed is: routing the cache changes the
+storyline, and the reward prefers the storylines that reach the target without a jolt.
 
 The history: h₁ uniform in [−1, 1]², h₂ − h₁ of heading uniform and speed U(0.3, 0.5), h₁ − h₀
 turned by U(−0.8, 0.8) rad from it and of length U(0.2, 1.6) (the dynamics read only its direction,
@@ -42,8 +45,8 @@ from groupwise.types import Rollout, StepInfo
 
 FRAMES = 6
 HISTORY = 3
-TURN = 0.8  # the largest turn per frame of a history arc (rad)
-FIRST = (0.2, 1.6)  # the range of the history's first segment length, |h1 − h0|
+TURN = 1.5  # the largest turn between the history's two segments (rad)
+FIRST = (0.2, 2.0)  # the range of the history's first segment length, |h1 − h0|
 
 
 def traj_rows(n: int, seed: int) -> list[dict]:
@@ -69,10 +72,10 @@ def traj_rows(n: int, seed: int) -> list[dict]:
     ]
 
 
-def deviations(seq: Tensor) -> Tensor:
-    """[...,F] dev of every generated frame of sequences [...,3+F,2] (Math)."""
-    pred = continue_curve(seq[..., :-3, :], seq[..., 1:-2, :], seq[..., 2:-1, :])  # [...,F,2]
-    return (seq[..., 3:, :] - pred).norm(dim=-1)  # [...,F]
+def speed_changes(seq: Tensor) -> Tensor:
+    """[...,F] jerk of every generated frame of sequences [...,3+F,2]: | ‖s_i − s_{i−1}‖ − ‖s_{i−1} − s_{i−2}‖ | (Math)."""
+    speed = (seq[..., 1:, :] - seq[..., :-1, :]).norm(dim=-1)  # [...,2+F]
+    return (speed[..., 2:] - speed[..., 1:-1]).abs()  # [...,F]
 
 
 def _sequences(rollout: Rollout, who: str) -> tuple[Tensor, Tensor]:
@@ -94,9 +97,9 @@ def _sequences(rollout: Rollout, who: str) -> tuple[Tensor, Tensor]:
 @register("reward", "traj_global")
 @dataclass
 class TrajGlobal:
-    """KVPO toy reward on the whole trajectory: −distance of the last frame to the target − smooth·mean deviation."""
+    """KVPO toy reward on the whole trajectory: −distance of the last frame to the target − smooth·mean speed change."""
 
-    smooth: float = 1.0  # [INFERRED] weight of the demonstration prior (the curve's continuation)
+    smooth: float = 1.0  # [INFERRED] weight of the speed-change penalty (the demonstrations keep their speed)
     weight: float = 1.0
 
     needs = ()
@@ -104,14 +107,14 @@ class TrajGlobal:
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         seq, target = _sequences(rollout, "traj_global")
-        score = -(seq[..., -1, :] - target).norm(dim=-1) - self.smooth * deviations(seq).mean(-1)  # [B,G]
+        score = -(seq[..., -1, :] - target).norm(dim=-1) - self.smooth * speed_changes(seq).mean(-1)  # [B,G]
         return torch.where(rollout.group_valid.bool(), score, torch.zeros((), dtype=score.dtype)).float()
 
 
 @register("reward", "traj_local")
 @dataclass
 class TrajLocal:
-    """KVPO toy reward on the perturbed region: progress toward the target over frames a..b − smooth·mean deviation."""
+    """KVPO toy reward on the perturbed region: progress toward the target over frames a..b − smooth·mean speed change."""
 
     first: int = 2  # a: the perturbation window's first frame (0-based) [INFERRED] design "frames 3–4"
     last: int = 4  # b: the window's last frame and the one after it, where the cache returns to clean
@@ -129,7 +132,7 @@ class TrajLocal:
         seq, target = _sequences(rollout, "traj_local")
         a, b = HISTORY + self.first, HISTORY + self.last
         progress = (seq[..., a - 1, :] - target).norm(dim=-1) - (seq[..., b, :] - target).norm(dim=-1)  # [B,G]
-        dev = deviations(seq)[..., self.first : self.last + 1].mean(-1)  # [B,G]
+        dev = speed_changes(seq)[..., self.first : self.last + 1].mean(-1)  # [B,G]
         score = progress - self.smooth * dev
         return torch.where(rollout.group_valid.bool(), score, torch.zeros((), dtype=score.dtype)).float()
 
