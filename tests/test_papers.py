@@ -104,7 +104,8 @@ def test_every_entry_file_recipe_and_claim_belongs_to_exactly_one_manifest():
     # layout_paint), 4 from issue 41's paper 11 (rollout adevis, reward chamfer_view, tasks cloud_views and
     # cloud_views_fit), 4 from issue 41's paper 10 (phase lac_align, rollout lac_binding, reward binding_reward, task
     # flow_binding), 6 from issue 42's paper 21 (advantage and objective kvpo, rollout kv_branches, rewards
-    # traj_local and traj_global, task traj2d); a test's own, e.g. test_signal_reshaping's env, come from modules outside it and need no manifest
+    # traj_local and traj_global, task traj2d);
+    # a test's own, e.g. test_signal_reshaping's env, come from modules outside it and need no manifest
     entries = [entry for entry in check.registered() if entry[2].startswith("groupwise.")]
     owned = [key for m in check.manifests() for key in m.owned()]
     assert len(entries) == len(owned) == len(set(owned)) == 237
@@ -267,7 +268,7 @@ def test_variants_page_is_generated_and_current():
     regenerate = "regenerate: python -m groupwise.papers.index > docs/variants.md"
     assert (ROOT / "docs" / "variants.md").read_text() == text, regenerate
     rows = [line for line in text.splitlines() if line.startswith("| ") and "](../src/groupwise/papers/" in line]
-    assert len(rows) == 55  # 45 before issue 37, + 19, 26, 23, 37, + 54, 22, 47, 12, 11, 10 (issue 41)
+    assert len(rows) == 56  # 45 before issue 37, + 19, 26, 23, 37, + 54, 22, 47, 12, 11, 10 (issue 41), + 21 (issue 42)
     assert (
         "| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
         "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | "

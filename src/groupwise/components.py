@@ -86,6 +86,7 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
+    "window": "window: int, the frames an autoregressive frame generator's cache holds (ar_flow; read by kv_branches)",
     "run_info": "run_info: dict, what the policy decided at start, kept in summary.json",
     "run_notes": "run_notes: list[str], lines said at the start of the run",
     "module": "module: the trained torch module (phases that probe the network: steering_vector, e2po_perturbations)",

@@ -111,12 +111,3 @@ def routed_cache(seq: Tensor, pos: Tensor, window: int, sources: Tensor) -> Tens
     picked = torch.gather(seq, 1, sources.clamp(min=0)[..., None].expand(-1, -1, FRAME_DIM))  # [N,S,2]
     head = torch.where(routed[:, None, None], picked, cache[:, :S])  # [N,S,2]
     return torch.cat([head, cache[:, S:]], dim=1)  # [N,W,2]
-
-
-def continue_curve(f0: Tensor, f1: Tensor, f2: Tensor) -> Tensor:
-    """[...,2] the frame after f0, f1, f2 [...,2] that keeps their turn: v' = R(φ)·v with v = f2 − f1,
-    u = f1 − f0 and φ = angle(v) − angle(u) (the toy's demonstration dynamics; the speed |v| is kept)."""
-    u, v = f1 - f0, f2 - f1  # [...,2]
-    phi = torch.atan2(v[..., 1], v[..., 0]) - torch.atan2(u[..., 1], u[..., 0])  # [...]
-    c, s = torch.cos(phi), torch.sin(phi)
-    return f2 + torch.stack([c * v[..., 0] - s * v[..., 1], s * v[..., 0] + c * v[..., 1]], dim=-1)

@@ -5,6 +5,8 @@ KVPO: arXiv 2605.14278 (spec 21). Everything here is [INFERRED]: the paper gener
 causal video model and scores it with HPSv3-style rewards on the perturbed chunk (local) and the
 whole post-fork video (global); the toy keeps that split.
 
+**Change vs GRPO**: none to the algorithm; a non-text task and its two reward columns.
+
 **Math** (a prompt: 3 history frames h₀, h₁, h₂ and a target τ; the generated frames f₀..f₅; the
 sequence s = h₀, h₁, h₂, f₀, …, f₅)::
 
@@ -22,10 +24,15 @@ so a cache whose oldest slot holds an older frame, a longer chord, is a history 
 seen); τ = the demonstration's last frame + N(0, 0.5²) per coordinate. The dynamics depend on the
 three last frames, so a cache of other frames (KV routing) makes the generator continue another curve.
 
+**Defaults** (all [INFERRED]: the toy's)
+
+- ``smooth = 1`` (both rewards); ``traj_local``'s region ``first = 2``, ``last = 4`` (the window, frames
+  3–4 of 6 in 1-based terms, and the frame after it, where the cache is clean again).
+
 **Notes**
 
 1. Rows: ``prompt`` (8 numbers) and ``target`` (the 6 demonstration frames, 12 numbers; the ``sft``
-   phase's fit on ``traj2d_fit``, whose rows are the same kind from another seed). 4096 train rows,
+   phase fits on the task's own train rows). 4096 train rows,
    256 held-out rows (seed + 10 007).
 2. The rewards read the row extra ``frames`` [B,G,6,2] and each row's own context; invalid rows score 0.
 """
@@ -38,7 +45,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from groupwise.modalities.ar_flow_net import continue_curve
 from groupwise.registry import register
 from groupwise.tasks import Task, register_task
 from groupwise.types import Rollout, StepInfo
@@ -47,6 +53,15 @@ FRAMES = 6
 HISTORY = 3
 TURN = 1.5  # the largest turn between the history's two segments (rad)
 FIRST = (0.2, 2.0)  # the range of the history's first segment length, |h1 − h0|
+
+
+def continue_curve(f0: Tensor, f1: Tensor, f2: Tensor) -> Tensor:
+    """[...,2] the frame after f0, f1, f2 [...,2] that keeps their turn: v' = R(φ)·v with v = f2 − f1,
+    u = f1 − f0 and φ = angle(v) − angle(u) (the toy's demonstration dynamics; the speed |v| is kept)."""
+    u, v = f1 - f0, f2 - f1  # [...,2]
+    phi = torch.atan2(v[..., 1], v[..., 0]) - torch.atan2(u[..., 1], u[..., 0])  # [...]
+    c, s = torch.cos(phi), torch.sin(phi)
+    return f2 + torch.stack([c * v[..., 0] - s * v[..., 1], s * v[..., 0] + c * v[..., 1]], dim=-1)
 
 
 def traj_rows(n: int, seed: int) -> list[dict]:
@@ -73,7 +88,7 @@ def traj_rows(n: int, seed: int) -> list[dict]:
 
 
 def speed_changes(seq: Tensor) -> Tensor:
-    """[...,F] jerk of every generated frame of sequences [...,3+F,2]: | ‖s_i − s_{i−1}‖ − ‖s_{i−1} − s_{i−2}‖ | (Math)."""
+    """[...,F] the jerk of every generated frame of sequences [...,3+F,2] (Math)."""
     speed = (seq[..., 1:, :] - seq[..., :-1, :]).norm(dim=-1)  # [...,2+F]
     return (speed[..., 2:] - speed[..., 1:-1]).abs()  # [...,F]
 
@@ -97,7 +112,7 @@ def _sequences(rollout: Rollout, who: str) -> tuple[Tensor, Tensor]:
 @register("reward", "traj_global")
 @dataclass
 class TrajGlobal:
-    """KVPO toy reward on the whole trajectory: −distance of the last frame to the target − smooth·mean speed change."""
+    """KVPO toy reward on the whole trajectory: −distance of the last frame to the target − smooth·mean jerk."""
 
     smooth: float = 1.0  # [INFERRED] weight of the speed-change penalty (the demonstrations keep their speed)
     weight: float = 1.0
@@ -114,7 +129,7 @@ class TrajGlobal:
 @register("reward", "traj_local")
 @dataclass
 class TrajLocal:
-    """KVPO toy reward on the perturbed region: progress toward the target over frames a..b − smooth·mean speed change."""
+    """KVPO toy reward on the perturbed region: progress toward the target over frames a..b − smooth·mean jerk."""
 
     first: int = 2  # a: the perturbation window's first frame (0-based) [INFERRED] design "frames 3–4"
     last: int = 4  # b: the window's last frame and the one after it, where the cache returns to clean
