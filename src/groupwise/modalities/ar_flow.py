@@ -58,12 +58,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupwise.hooks import KvRoute
 from groupwise.modalities.ar_flow_net import (
     FRAME_DIM,
+    PROMPT_FRAMES,
     FrameVelocity,
     clean_cache,
     motion_frame,
+    route_sources,
     routed_cache,
     step_energy,
     to_local,
@@ -74,7 +75,6 @@ from groupwise.modalities.net_policy import NetPolicy
 from groupwise.seeds import sample_seed
 from groupwise.types import Request, Rollout, StepInfo
 
-PROMPT_FRAMES = 3
 SDE_MODES = ("none", "all")
 
 
@@ -187,7 +187,9 @@ class ARFlowPolicy(NetPolicy):
         seq = torch.zeros(N, PROMPT_FRAMES + F, 2, dtype=torch.float64)  # [N,L,2]
         seq[:, :PROMPT_FRAMES] = history.repeat_interleave(G, 0)
         target = target.repeat_interleave(G, 0)  # [N,2]
-        sources, routed_frames = self._routes(requests, G)  # [N,F,S] (−1: clean), S
+        if self.sde != "none" and any(r.hook is not None for r in requests):
+            raise ValueError("ARFlowPolicy: kv_route hooks need sde = 'none' (the energy replays the clean cache)")
+        sources, routed_frames = route_sources(requests, G, F, W, PROMPT_FRAMES)  # [N,F,S] (−1: clean)
         eps, sde_eps = self._noise(requests, info, G)  # [B,G,F,2], [B,G,F,K,2]
         eps, sde_eps = eps.view(N, F, 2), sde_eps.view(N, F, K, 2)
         rec = {k: torch.zeros(N, F, K, 2, dtype=torch.float32) for k in ("arf_x", "arf_x0", "arf_x_next")}
@@ -241,40 +243,6 @@ class ARFlowPolicy(NetPolicy):
             prev_sample=to_local(x_next, scale, rot),
         )
         return lp, std, sqrt_neg_dt
-
-    def _routes(self, requests: Sequence[Request], G: int) -> tuple[Tensor, set[int]]:
-        """([N,F,S] the cache sources of every row and frame (−1: clean), the routed frames)."""
-        hooks = [r.hook for r in requests if r.hook is not None]
-        if any(not isinstance(h, KvRoute) for h in hooks):
-            raise ValueError(f"ARFlowPolicy applies kv_route hooks only, got {[type(h).__name__ for h in hooks]}")
-        if hooks and self.sde != "none":
-            raise ValueError("ARFlowPolicy: kv_route hooks need sde = 'none' (the energy replays the clean cache)")
-        S = max([h.sources.shape[2] for h in hooks], default=1)
-        if not 1 <= S < self.window:
-            raise ValueError(f"ARFlowPolicy: a kv_route hook fills 1..{self.window - 1} slots, got {S}")
-        sources = torch.full((len(requests), G, self.frames, S), -1, dtype=torch.long)  # [B,G,F,S]
-        frames: set[int] = set()
-        for b, req in enumerate(requests):
-            h = req.hook
-            if h is None:
-                continue
-            if h.sources.shape[0] != req.n or h.sources.shape[2] != S:
-                raise ValueError(
-                    f"kv_route hook of request {b}: sources {tuple(h.sources.shape)} must be [n={req.n}, P, {S}]"
-                )
-            for p, f in enumerate(h.frames.tolist()):
-                if not 0 <= f < self.frames:
-                    raise ValueError(f"kv_route hook of request {b}: frame {f} outside 0..{self.frames - 1}")
-                src = h.sources[:, p]  # [n,S]
-                if bool((src >= PROMPT_FRAMES + f - (self.window - S)).any()):
-                    raise ValueError(
-                        f"kv_route hook of request {b}: frame {f}'s sources {src.tolist()} must be older than the "
-                        f"{self.window - S} frames the cache keeps "
-                        f"(positions < {PROMPT_FRAMES + f - (self.window - S)})"
-                    )
-                sources[b, : req.n, f] = src
-                frames.add(f)
-        return sources.view(-1, self.frames, S), frames
 
     def _rollout(self, requests, prompts, valid, seq, rec, logp) -> Rollout:
         B, G = valid.shape

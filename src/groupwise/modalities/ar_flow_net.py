@@ -24,11 +24,16 @@ frames, so a cache of other frames (routing) makes it continue another bend at t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from groupwise.hooks import KvRoute
+from groupwise.types import Request
+
 FRAME_DIM = 2
+PROMPT_FRAMES = 3  # the prompt's history frames (positions 0..2 of a row's sequence)
 
 
 def motion_frame(cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -111,3 +116,39 @@ def routed_cache(seq: Tensor, pos: Tensor, window: int, sources: Tensor) -> Tens
     picked = torch.gather(seq, 1, sources.clamp(min=0)[..., None].expand(-1, -1, FRAME_DIM))  # [N,S,2]
     head = torch.where(routed[:, None, None], picked, cache[:, :S])  # [N,S,2]
     return torch.cat([head, cache[:, S:]], dim=1)  # [N,W,2]
+
+
+def route_sources(
+    requests: Sequence[Request], G: int, frames: int, window: int, prompt_frames: int
+) -> tuple[Tensor, set[int]]:
+    """([B*G,F,S] the cache sources of every row and frame, −1 = the clean cache; the routed frames) of the
+    requests' ``kv_route`` hooks (``hooks.KvRoute``), each checked against the cache it routes."""
+    hooks = [r.hook for r in requests if r.hook is not None]
+    if any(not isinstance(h, KvRoute) for h in hooks):
+        raise ValueError(f"ARFlowPolicy applies kv_route hooks only, got {[type(h).__name__ for h in hooks]}")
+    S = max([h.sources.shape[2] for h in hooks], default=1)
+    if not 1 <= S < window:
+        raise ValueError(f"ARFlowPolicy: a kv_route hook fills 1..{window - 1} cache slots, got {S}")
+    sources = torch.full((len(requests), G, frames, S), -1, dtype=torch.long)  # [B,G,F,S]
+    routed: set[int] = set()
+    for b, req in enumerate(requests):
+        h = req.hook
+        if h is None:
+            continue
+        if h.sources.shape[0] != req.n or h.sources.shape[2] != S:
+            raise ValueError(
+                f"kv_route hook of request {b}: sources {tuple(h.sources.shape)} must be [n={req.n}, P, {S}]"
+            )
+        for p, f in enumerate(h.frames.tolist()):
+            if not 0 <= f < frames:
+                raise ValueError(f"kv_route hook of request {b}: frame {f} outside 0..{frames - 1}")
+            src = h.sources[:, p]  # [n,S]
+            limit = prompt_frames + f - (window - S)  # the cache keeps the window − S frames from here on
+            if bool((src >= limit).any()):
+                raise ValueError(
+                    f"kv_route hook of request {b}: frame {f}'s sources {src.tolist()} must be older than the "
+                    f"{window - S} frames the cache keeps (positions < {limit})"
+                )
+            sources[b, : req.n, f] = src
+            routed.add(f)
+    return sources.view(-1, frames, S), routed
