@@ -226,3 +226,19 @@ def test_kvpo_recipe_trains_with_anchor_rows_and_resumes_exactly(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["kv/beats_anchor"] <= 1 and r["kv/branch_std"] > 0 for r in rows)  # routing gives spread
     assert all(r["ratio"] == 1.0 for r in rows)  # one epoch: θ = old when the loss is taken
+
+
+@pytest.mark.slow  # a torchrun pair: make test-slow / test-dist; make test stays under 10 minutes
+@pytest.mark.dist
+def test_two_ranks_equal_one_process(tmp_path):
+    """One KVPO step (SGD, lr 1) over 2 ranks equals one process: each prompt's routing plan is seeded by
+    (seed, step, prompt key) and its noise by its request, so the two ranks' groups are the one process's."""
+    from helpers import assert_nets_close, train_one_and_two_ranks
+
+    args = ["train", "kvpo", 'phases=[{name="sft", steps=40, batch_size=64, update={name="adamw", lr=3e-3}}]']
+    args += ["rollout.prompts_per_step=4", "train.steps=1", "eval.size=0", "log.samples=0"]
+    args += ['update={name="sgd", lr=1.0}']
+    one, two = (state["net"] for state in train_one_and_two_ranks(args, tmp_path, "ar_flow_policy.pt", 300))
+    start = torch.load(tmp_path / "one" / "phases" / "sft.pt", weights_only=False)["policy"]["net"]  # the fit
+    assert any(not torch.equal(one[k], start[k]) for k in start)  # the KVPO step moved the fitted net
+    assert_nets_close(one, two)
