@@ -65,6 +65,8 @@ def branch_log_probs(s: Tensor, members: Tensor, anchor_logit: Tensor) -> Tensor
 
 def unsafe_groups(mb: Rollout, branches: Tensor, anchor: Tensor) -> Tensor:
     """[b] bool: no branch beats the group's anchor on any reward column (``reward_parts``, else ``rewards``)."""
+    if mb.rewards is None:
+        raise ValueError("objective term 'kvpo' needs rollout.rewards (the anchor-safety check reads them)")
     parts = mb.rewards[..., None] if mb.reward_parts is None else mb.reward_parts  # [b,G,K]
     parts = parts.double()
     r_anchor = torch.where(anchor[..., None], parts, torch.zeros((), dtype=parts.dtype)).sum(1, keepdim=True)  # [b,1,K]
@@ -150,8 +152,6 @@ class KVPOTerm:
             )
         mask = loss_tokens(mb) & ~anchor[..., None]  # [b,G,T]
         members = mask.any(-1)  # [b,G] the branches
-        if mb.rewards is None:
-            raise ValueError("objective term 'kvpo' needs rollout.rewards (the anchor-safety check reads them)")
         if mb.advantages is None:
             raise ValueError("objective term 'kvpo' needs rollout.advantages; configure the advantage estimator kvpo")
         s = masked_input(out["logp"], mask).sum(-1)  # [b,G]

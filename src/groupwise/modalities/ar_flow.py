@@ -82,6 +82,7 @@ class ARFlowPolicy(NetPolicy):
     """Frames drawn one by one by a few-step flow conditioned on a cache of the last W frames (K5)."""
 
     policy_file = "ar_flow_policy.pt"
+    net: FrameVelocity
 
     def __init__(
         self,

@@ -115,6 +115,10 @@ class KVBranches:
         anchor = torch.zeros(B, G, dtype=torch.bool)
         anchor[:, 0] = True
         batch.set_flag(ANCHOR, anchor & batch.group_valid)
+        if batch.rewards is None:
+            raise ValueError(
+                "rollout kv_branches: the scored batch has no rewards (configure rewards or a task reward)"
+            )
         r = batch.rewards.double()  # [B,G]
         branches = r[:, 1:]  # [B,K]
         self._stats = {
