@@ -41,8 +41,9 @@ class ModelCfg:
     # cpu | cuda | cuda:N | auto (cuda when available); under torchrun each rank takes cuda:LOCAL_RANK
     device: str = "cpu"
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
-    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow;
-    # planner: Gaussian latent actions then the flow (K4);
+    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow
+    # (the planner kind's think_lm planner under its old names); planner: a planner's K actions (latent: Gaussian
+    # latents, think_lm: think tokens) then the flow (K4);
     # gaussian: observation -> N(mu(s), sigma^2 I); mdlm: a masked-diffusion LM sampled by iterative unmasking
     # subset: k of N items, a Plackett-Luce ranking by Gumbel-top-k
     # (arguments of the toy kinds in `params`)
