@@ -314,6 +314,9 @@ class FlowPolicy(NetPolicy):
                 self.encoder = PromptEncoder(n_labels, embed_dim, encoder_hidden, cond_dim).double()
         self.trainable = True
         self.modality = "flow"
+        # the extras generate writes (Notes 2, 8): a component's reads_extras is checked against them at build
+        self.row_extras = frozenset({"x_final"})
+        self.token_extras = frozenset(TOKEN_EXTRAS) | ({"flow_cond"} if condition == "vector" or extras else set())
         # greedy = the deterministic sampler; sampler, steps, cfg_w: a greedy (evaluation) call's kernel (Note 9)
         self.request_options = frozenset({"greedy", "sampler", "steps", "cfg_w"})
         self.quantities = QUANTITIES  # what forward computes (the providers of these needs check it at build)

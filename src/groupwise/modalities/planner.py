@@ -134,6 +134,8 @@ class PlannerPolicy(FlowPolicy):
                 else ThinkPlanner(n_labels, n_plan, plan_hidden, hidden)
             ).double()
         self.modality = "planner"
+        self.row_extras = self.row_extras | {self.planner.row_extra}  # the flow's, the plan
+        self.token_extras = self.token_extras | {self.part_extra}  # the flow's (0 at plan positions), the part
         self.quantities = frozenset({"logp", "entropy"})
 
     @property
