@@ -114,7 +114,8 @@ class AdvantageCfg:
 class ObjectiveCfg:
     agg: str = "seq_mean_token_mean"  # default aggregation of every term
     # objective terms (components of stage objective), summed; an entry's rows = {extra = NAME, equals = V} restricts
-    # it to the rows whose row extra NAME is V (objective.py: a KL per game role)
+    # it to the rows whose row extra NAME is V, or the tokens whose token extra NAME is V (objective.py: a KL per game
+    # role; a clip per part of the planner kind's rows)
     terms: list = field(default_factory=lambda: ["ppo_clip"])
     weights: list = field(default_factory=list)  # token-weight components
 
