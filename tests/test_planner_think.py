@@ -105,3 +105,37 @@ def test_lac_align_refuses_the_think_planner():
     ctx = SimpleNamespace(policy=PlannerPolicy(n_labels=12, dim=4, planner="think_lm"), train_rows=[], seed=0)
     with pytest.raises(ConfigError, match=r"'think_lm', dim 4"):  # its stage 1 fits Gaussian latents
         lac.LacAlign(steps=1)(ctx)
+
+
+def test_a_think_planner_run_equals_the_unified_run(tmp_path):
+    # the same toy under both names: alphagrpo_joint reads `part` (planner) as it reads `image_token` (unified)
+    from groupwise.build import build as build_parts
+    from groupwise.config import load_config
+    from groupwise.trainer import Trainer
+
+    common = [
+        'data.task="flow_attrs"',
+        'rewards=[{name="dv_reward", domain="point2d"}]',
+        'advantage.estimator="alphagrpo"',
+        'objective.terms=["alphagrpo_joint", {name="kl", coef=0.04}]',
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+        "eval.size=0",
+        "threads=1",
+    ]
+    sizes = 'n_labels=12, steps=3, sde="all", hidden=16'
+    kinds = {
+        "unified": ['model.policy="unified"', f"model.params={{{sizes}, n_think=3, think_hidden=8}}"],
+        "planner": ['model.policy="planner"', f'model.params={{{sizes}, planner="think_lm", n_plan=3, plan_hidden=8}}'],
+    }
+    rows, states = {}, {}
+    for kind, model in kinds.items():
+        cfg, _ = load_config(None, [*model, *common, f'out="{tmp_path / kind}"', "train.steps=2"])
+        trainer = Trainer(build_parts(cfg))
+        rows[kind] = [{k: v for k, v in trainer.run_step().items() if "seconds" not in k and "per_s" not in k}]
+        rows[kind].append({k: v for k, v in trainer.run_step().items() if "seconds" not in k and "per_s" not in k})
+        states[kind] = trainer.policy.state_dict()
+    assert rows["unified"] == rows["planner"] and rows["planner"][1]["grad_norm"] > 0
+    for part in ("net", "think", "reference", "reference_think"):
+        for key, value in states["unified"][part].items():
+            assert torch.equal(value, states["planner"][part][key]), (part, key)
