@@ -242,3 +242,39 @@ def test_two_ranks_equal_one_process(tmp_path):
     start = torch.load(tmp_path / "one" / "phases" / "sft.pt", weights_only=False)["policy"]["net"]  # the fit
     assert any(not torch.equal(one[k], start[k]) for k in start)  # the KVPO step moved the fitted net
     assert_nets_close(one, two)
+
+
+# ------------------------------------------------------------------ the toy's rewards
+def _toy_rollout(frames: list[list[float]], target: list[float]):
+    import torch as t
+
+    ro = rollout_from(t.zeros(1, 1, 4), prompt_ids=[[0.0, 0.0, 1.0, 0.0, 2.0, 0.0, *target]])
+    ro.set_extra("frames", t.tensor([[frames]]), "row")  # [1,1,6,2]
+    return ro
+
+
+def test_traj_rewards_hand_worked():
+    import importlib
+
+    traj2d = importlib.import_module("groupwise.papers.21_kvpo.traj2d")
+    # history (0,0) (1,0) (2,0); frames at x = 3..8 on the axis, speed 1 throughout; target (8, 1)
+    ro = _toy_rollout([[3.0 + i, 0.0] for i in range(6)], [8.0, 1.0])
+    # global: −‖(8,0) − (8,1)‖ − mean jerk 0 = −1; local (frames 2..4): ‖(4,0) − τ‖ − ‖(7,0) − τ‖ = √17 − √2
+    torch.testing.assert_close(traj2d.TrajGlobal().score_rollout(ro, info_for(4)), torch.tensor([[-1.0]]))
+    torch.testing.assert_close(traj2d.TrajLocal().score_rollout(ro, info_for(4)), torch.tensor([[2.708892]]))
+    # frame 2 jumps 1.5: speeds 1, 1, 1.5, 1, 1, 1 -> jerks 0, 0, .5, .5, 0, 0 (mean 1/6; frames 2..4: 1/3)
+    ro = _toy_rollout([[3.0, 0.0], [4.0, 0.0], [5.5, 0.0], [6.5, 0.0], [7.5, 0.0], [8.5, 0.0]], [8.0, 1.0])
+    # global: −√1.25 − 1/6 = −1.284701; local: √17 − ‖(7.5,0) − τ‖ − 1/3 = 4.123106 − 1.118034 − 0.333333
+    torch.testing.assert_close(traj2d.TrajGlobal().score_rollout(ro, info_for(4)), torch.tensor([[-1.284701]]))
+    torch.testing.assert_close(traj2d.TrajLocal().score_rollout(ro, info_for(4)), torch.tensor([[2.671739]]))
+
+
+def test_demonstrations_keep_turn_and_speed():
+    import importlib
+
+    traj2d = importlib.import_module("groupwise.papers.21_kvpo.traj2d")
+    rows = traj2d.traj_rows(32, 3)
+    seq = torch.tensor([r["prompt"][:6] + r["target"] for r in rows], dtype=torch.float64).view(32, 9, 2)
+    pred = traj2d.continue_curve(seq[:, :-3], seq[:, 1:-2], seq[:, 2:-1])  # [32,6,2] positions 3..8
+    torch.testing.assert_close(pred, seq[:, 3:], atol=1e-5, rtol=0)  # every frame continues its last three
+    assert float(traj2d.speed_changes(seq).abs().max()) < 1e-5  # the demonstrations keep their speed
