@@ -126,14 +126,16 @@ class RolloutContext:
         self.batch_size, self.group_size = batch_size, group_size
         self.max_rounds = max(1, getattr(sampler, "max_rounds", 1))
         self.finite, self.scored = 0, 0
-        # the actors by name; "policy" is the context's own policy, rewards, needs and prompts
-        self.actors = {"policy": ActorIO(policy, reward_stage, fill_needs, prompt), **(actors or {})}
+        self.actors = dict(actors or {})  # the other actors by name
 
     def actor(self, name: str) -> ActorIO:
+        """What actor ``name`` samples and scores with; ``"policy"``: the context's own (as they are now)."""
+        if name == "policy":
+            return ActorIO(self.policy, self.reward_stage, self.fill_needs, self.prompt)
         if name not in self.actors:
             raise ConfigError(
-                f"a rollout strategy sampled with actor {name!r}; this run's actors are {sorted(self.actors)} "
-                f"(an actor is a role with roles.{name}.samples = true)"
+                f"a rollout strategy sampled with actor {name!r}; this run's actors are "
+                f"{sorted(['policy', *self.actors])} (an actor is a role with roles.{name}.samples = true)"
             )
         return self.actors[name]
 
@@ -192,7 +194,7 @@ class RolloutContext:
     def _context(self, request: Request, io: ActorIO | None = None) -> Any:
         """The request's own context (checked against the model's length), else its dataset row's
         prompt; with a forced ``prefix``, the context and the prefix are checked together."""
-        io = io or self.actors["policy"]
+        io = io or self.actor("policy")
         prompt = io.prompt(request.key) if request.prompt is None else request.prompt
         if request.prompt is not None or request.prefix:
             where = "a request's own context" if request.prompt is not None else "a request's prompt"
