@@ -178,3 +178,22 @@ def test_dpa_grpo_two_model_form_gives_the_verifier_pairs_to_the_verifier_actor(
 def load_and_build(recipe, out, *overrides):
     cfg, _ = load_config(recipe, [*SMALL, f'out="{out}"', *overrides])
     return build_parts(cfg)
+
+
+def test_an_actors_needs_are_read_from_its_own_model(tmp_path):
+    # the peer's token weight sampler_is needs Need("logp"): in the peer's NeedResolver "policy" is the peer,
+    # so logp_old is the peer model's own log-prob of its own tokens (== its sampling log-prob at temperature 1)
+    trainer = mutual(
+        tmp_path / "run",
+        'rollout.params.share="none"',
+        'roles.peer.objective.weights=[{name="sampler_is", mode="token_truncate", hi=2.0}]',
+    )
+    peer = trainer.actors["peer"]
+    assert [n.key for n in peer.step_needs] == ["logp"]
+    batch, _ = trainer.prepare_actor(peer, trainer.collect()["peer"])
+    with torch.no_grad():
+        own = peer.policy.forward(batch, ("logp",))["logp"]  # [B,G,T]
+    mask = batch.row_mask
+    torch.testing.assert_close(batch.logp_old[mask], own[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batch.logp_sampler[mask], own[mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(batch.weight[mask], torch.ones_like(own[mask]), atol=1e-3, rtol=0)  # ρ = 1
