@@ -388,7 +388,8 @@ def eval_task(cfg: Config, policy: Any, name: str) -> tuple[list[dict], RewardSt
 def check_policy_fit(components: list[Any], policy: Any, kind: str) -> None:
     """A component that declares ``reads_extras`` runs on any policy that writes those extras (the
     policy's ``row_extras`` / ``token_extras``); one that declares only a ``modality`` runs on policies of
-    that modality. Another fails here, not mid-run."""
+    that modality; one that ``reads_sampler_logp`` needs a policy whose ``logp_sampler`` is the sampler's own
+    log-prob (``sampler_logp``, "exact" when absent). Another fails here, not mid-run."""
     written = {*getattr(policy, "row_extras", ()), *getattr(policy, "token_extras", ())}
     for component in components:
         name = getattr(component, "registry_name", type(component).__name__)
@@ -401,7 +402,14 @@ def check_policy_fit(components: list[Any], policy: Any, kind: str) -> None:
                     f"the {policy.modality} policy (model.policy={kind!r}) does not write (it writes "
                     f"{sorted(written) or 'none'}); choose a model.policy whose kind writes them, or drop {name!r}"
                 )
-        elif getattr(component, "modality", policy.modality) != policy.modality:
+        if getattr(component, "reads_sampler_logp", False) and getattr(policy, "sampler_logp", "exact") != "exact":
+            raise ConfigError(
+                f"{getattr(component, 'stage', '')} component {name!r} reads logp_sampler as the sampler's log-prob "
+                f"(an importance ratio to the sampler); the {policy.modality} policy (model.policy={kind!r}) stores "
+                f"an {policy.sampler_logp} there, so the ratio would measure nothing; drop {name!r} or its "
+                "sampler option"
+            )
+        if reads is None and getattr(component, "modality", policy.modality) != policy.modality:
             raise ConfigError(
                 f"{getattr(component, 'stage', '')} component {name!r} works on {component.modality} "
                 f"policies; this run's policy is {policy.modality} (model.policy={kind!r})"

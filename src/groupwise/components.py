@@ -88,6 +88,7 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "deploys only such a policy)",
     "row_extras": "row_extras: frozenset[str], the row extras its generate writes (a component's reads_extras)",
     "token_extras": "token_extras: frozenset[str], the token extras its generate writes (a component's reads_extras)",
+    "sampler_logp": 'sampler_logp: str, "exact" (absent) or "estimate": is logp_sampler the sampler\'s log-prob',
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
@@ -326,6 +327,15 @@ HOOKS: tuple[Hook, ...] = (
         "tuple[str, ...]",
         "The rollout extras written by the policy that it reads (`x_final`, `keep`, `commit_step`): any policy "
         "kind that writes them will do (a flow reward on the planner kind, issue 41 item 16).",
+    ),
+    Hook(
+        "reads_sampler_logp",
+        OWNERS,
+        "attribute",
+        "build",
+        'at build (`check_policy_fit`): refused when the policy\'s `sampler_logp` is not "exact" (an estimate)',
+        "bool",
+        "It reads `logp_sampler` as the sampler's log-prob (an importance ratio to the sampler).",
     ),
     Hook(
         "rollout_extras",
