@@ -12,6 +12,7 @@ over on every regeneration.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import re
@@ -203,7 +204,7 @@ def run_claim(
             "confirmatory run)"
         )
     folder = run_folder(claim, out, phase, seed_list)
-    configs = [type(c)(c.label, c.recipe, list(c.overrides)) for c in claim.configs]
+    configs = [dataclasses.replace(c, overrides=list(c.overrides)) for c in claim.configs]
     result = compare(
         configs,
         seed_list,
@@ -242,7 +243,7 @@ def run_claim(
         "seed_list": seed_list,
         "common": claim.common,
         "extra": list(extra),
-        "configs": [{"label": c.label, "recipe": c.recipe, "overrides": c.overrides} for c in claim.configs],
+        "configs": [c.entry() for c in claim.configs],
         "claim_sha": claim.sha,
         "fixed": fixed,
         "fixed_sha": fixed_sha(fixed),
@@ -333,7 +334,9 @@ def _companions_text(effect: dict, claim: Claim) -> str:
 def run_defining(data: dict) -> dict:
     """The fields that decide what was run (an exploratory record is stale when they changed)."""
     configs = [
-        {"label": c["label"], "recipe": c["recipe"], "overrides": list(c["overrides"])} for c in data.get("configs", [])
+        {"label": c["label"], "recipe": c["recipe"], "overrides": list(c["overrides"])}
+        | {k: c[k] for k in ("pipeline", "stage_overrides") if k in c}
+        for c in data.get("configs", [])
     ]
     return {
         "metric": data.get("metric"),
@@ -515,8 +518,7 @@ def _section(claim: Claim, confirmed: dict | None, explored: dict | None) -> lis
         "|---|---|",
     ]
     out += [
-        f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | "
-        f"`{_cell(' '.join([c.recipe, *c.overrides]))}` |"
+        f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | `{_cell(c.describe())}` |"
         for c in claim.configs
     ]
     out.append("")
