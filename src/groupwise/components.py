@@ -88,6 +88,8 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
     "run_info": "run_info: dict, what the policy decided at start, kept in summary.json",
     "run_notes": "run_notes: list[str], lines said at the start of the run",
+    "policy_file": "policy_file: str, the file a toy kind's save writes in its folder (the average_init phase reads "
+    "such folders)",
     "module": "module: the trained torch module (phases that probe the network: steering_vector, e2po_perturbations)",
     "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy (the agent strategy renders chats with it)",
     "eos": "eos: list[int], the token ids that end a generation (the agent strategy: a turn's stop token)",
