@@ -17,7 +17,9 @@ from groupwise.types import Need, Request, StepInfo
 INFO = StepInfo(step=0, seed=1, max_new_tokens=0)
 
 
-def _resolver(main, teacher, needs, teacher_quantities=None, calls=None):
+def _resolver(main, teacher, needs, teacher_quantities=None, calls: list | None = None):
+    calls = [] if calls is None else calls
+
     def teacher_score(handle, rollout, quantities):
         calls.append(("teacher", tuple(quantities)))
         return teacher.score(handle, rollout, quantities)
@@ -27,7 +29,7 @@ def _resolver(main, teacher, needs, teacher_quantities=None, calls=None):
         {"policy": lambda: contextlib.nullcontext(main), "teacher": lambda: contextlib.nullcontext(teacher)},
         {},
         main.score,
-        None,
+        main.encode,
         quantities=main.quantities,
         score_of={"teacher": teacher_score},
         quantities_of={"teacher": teacher.quantities if teacher_quantities is None else teacher_quantities},

@@ -89,7 +89,9 @@ class AverageInit:
         weights = [float(w) for w in self.weights] or [1.0] * len(self.paths)
         weights = [w / sum(weights) for w in weights]
         states = [_load(policy, Path(p)) for p in self.paths]
-        mean = {k: sum(w * s[k].double() for w, s in zip(weights, states, strict=True)) for k in states[0]}
+        mean: dict[str, torch.Tensor] = {
+            k: torch.stack([w * s[k].double() for w, s in zip(weights, states, strict=True)]).sum(0) for k in states[0]
+        }  # each [*shape] float64
         with torch.no_grad():
             if getattr(policy, "policy_file", None) is not None:
                 for name, t in policy.net.state_dict().items():
