@@ -58,24 +58,25 @@ def test_stage_two_loads_stage_one_and_a_rerun_skips_both(tmp_path, monkeypatch)
     assert again["final_sha256"] == result["final_sha256"]
 
 
-def test_killed_in_stage_two_resumes_to_the_same_final_sha256(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage", ["grpo", "clip_higher"])
+def test_killed_in_any_stage_resumes_to_the_same_final_sha256(tmp_path, monkeypatch, stage):
     straight = run_pipeline("demo_chain", tmp_path / "a", seed=5, common=TINY)
 
     from groupwise.trainer import Trainer
 
     original = Trainer.run_step
 
-    def signalled(self):  # SIGTERM arrives during stage 2's first step: the run checkpoints after it and stops
+    def signalled(self):  # SIGTERM arrives during the stage's first step: the run checkpoints after it and stops
         row = original(self)
-        if self.cfg.out_dir.name == "clip_higher" and self.step == 0:
+        if self.cfg.out_dir.name == stage and self.step == 0:
             os.kill(os.getpid(), signal.SIGTERM)
         return row
 
     monkeypatch.setattr(Trainer, "run_step", signalled)
-    with pytest.raises(PipelineStopped, match=r"stage clip_higher stopped at step 1 .*rerun the same command"):
+    with pytest.raises(PipelineStopped, match=rf"stage {stage} stopped at step 1 .*rerun the same command"):
         run_pipeline("demo_chain", tmp_path / "b", seed=5, common=TINY)
     stopped = json.loads((tmp_path / "b" / "pipeline.json").read_text())
-    assert [s["status"] for s in stopped["stages"]] == ["finished", "stopped"]
+    assert [s["status"] for s in stopped["stages"]] == (["stopped"] if stage == "grpo" else ["finished", "stopped"])
     monkeypatch.setattr(Trainer, "run_step", original)
     resumed = run_pipeline("demo_chain", tmp_path / "b", seed=5, common=TINY)
     assert resumed["final_sha256"] == straight["final_sha256"]
