@@ -56,6 +56,14 @@ def test_stage_two_loads_stage_one_and_a_rerun_skips_both(tmp_path, monkeypatch)
     monkeypatch.setattr(run_module.Run, "from_config", refuse)
     again = run_pipeline("demo_chain", tmp_path / "p", seed=3, common=TINY)
     assert again["final_sha256"] == result["final_sha256"]
+    # final weights that no longer have their recorded sha256: the stage goes back to its run, which rewrites
+    # final/ from its final checkpoint (the same bytes); stage 2 loaded those bytes, so it is skipped again
+    monkeypatch.undo()
+    with open(final / "model.safetensors", "ab") as fh:
+        fh.write(b"damage")
+    assert tree_sha(final) != grpo["final_sha256"]
+    repaired = run_pipeline("demo_chain", tmp_path / "p", seed=3, common=TINY)
+    assert tree_sha(final) == grpo["final_sha256"] and repaired["final_sha256"] == result["final_sha256"]
 
 
 @pytest.mark.parametrize("stage", ["grpo", "clip_higher"])
