@@ -19,18 +19,18 @@ def test_spec_45_unit_numbers_and_both_gradient_paths():
     # μ_θ = [1, 2], μ_T = [0, 0], std 0.5: KL = mean(1, 4) / (2·0.25) = 2.5 / 0.5 = 5.0; A = −5 (inside the
     # clamp); ρ = 1 → L_pg = max(5·1, 5·1) = 5.0. MAR with μ_MAR = [1, 1]: mean(0, 1) / 0.5 = 1.0, × 0.04 = 0.04.
     mu = torch.tensor([[1.0, 2.0]], dtype=torch.float64, requires_grad=True)
-    zero, std, anchor = torch.zeros(1, dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64), None
+    zero, std = torch.zeros(1, dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)
     anchor = torch.tensor([[1.0, 1.0]], dtype=torch.float64)
     loss, kl, mar = flow_opd_step_loss(zero, zero, mu, torch.zeros(1, 2, dtype=torch.float64), std, anchor)
     assert kl.item() == 5.0 and mar.item() == 1.0 and loss.item() == pytest.approx(5.04, abs=1e-12)
     # not detached [CODE]: L_pg = KL·ρ carries ∂KL/∂μ = (μ − μ_T)/(D·std²) = [1, 2]/0.5 = [2, 4]; MAR adds
     # β(μ − μ_MAR)/(D·std²) = 0.04·[0, 1]/0.5 = [0, 0.08]
     loss.sum().backward()
-    assert torch.allclose(mu.grad, torch.tensor([[2.0, 4.08]], dtype=torch.float64), atol=1e-12)
+    assert mu.grad is not None and torch.allclose(mu.grad, torch.tensor([[2.0, 4.08]], dtype=torch.float64), atol=1e-12)
     # detached: only the MAR path reaches μ (the ratio's path goes through log p, here a constant)
     mu.grad = None
     flow_opd_step_loss(zero, zero, mu, torch.zeros(1, 2), std, anchor, detach_advantage=True)[0].sum().backward()
-    assert torch.allclose(mu.grad, torch.tensor([[0.0, 0.08]], dtype=torch.float64), atol=1e-12)
+    assert mu.grad is not None and torch.allclose(mu.grad, torch.tensor([[0.0, 0.08]], dtype=torch.float64), atol=1e-12)
     assert gaussian_mean_kl(torch.tensor([3.0, 0.0]), torch.zeros(2), torch.tensor(0.5)).item() == 9.0
 
 
@@ -40,7 +40,7 @@ def test_the_clamp_the_ratio_clip_and_the_gkd_form():
     mu = torch.tensor([[3.0, 0.0]], requires_grad=True)
     loss, kl, _ = flow_opd_step_loss(zero, zero, mu, torch.zeros(1, 2), std)
     loss.sum().backward()
-    assert kl.item() == 9.0 and loss.item() == 5.0 and torch.equal(mu.grad, torch.zeros(1, 2))
+    assert kl.item() == 9.0 and loss.item() == 5.0 and mu.grad is not None and torch.equal(mu.grad, torch.zeros(1, 2))
     # ρ = 2 (log p − log p_old = ln 2), A = −5: max(5·2, 5·clip(2, 1 ± 1e-4)) = max(10, 5.0005) = 10
     mu = torch.tensor([[1.0, 2.0]])
     logp = torch.tensor([math.log(2.0)])
