@@ -144,3 +144,15 @@ def test_the_flow_opd_pipeline_runs_its_student_on_its_teachers_with_a_label_fre
 
     rows = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["opd_kl"] > 0 and r["opd_mar"] > 0 for r in rows)
+
+
+def test_the_energy_distance_of_the_anchor_measure():
+    import importlib
+
+    energy = importlib.import_module("groupwise.papers.45_flow_opd.anchor_distance").energy_distance
+    x = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    # Y = {(3,0), (4,0)}: cross pairs i≠j |x0−y1| = 4, |x1−y0| = 2 → 2·3 = 6; within X 1, within Y 1 → E = 6 − 1 − 1 = 4
+    assert energy(x, torch.tensor([[3.0, 0.0], [4.0, 0.0]])).item() == 4.0
+    # Y = {(0,0), (2,0)}: cross 2 and 1 → 3; within X 1, Y 2 → E = 0
+    assert energy(x, torch.tensor([[0.0, 0.0], [2.0, 0.0]])).item() == 0.0
+    assert energy(x[None].expand(3, 2, 2), x[None].expand(3, 2, 2) + 3).shape == (3,)  # batched over rows
