@@ -103,12 +103,12 @@ def test_every_entry_file_recipe_and_claim_belongs_to_exactly_one_manifest():
     # 5 from issue 41's paper 12 (weights ht_hierarchy, ht_stage, schedule piecewise, reward and task
     # layout_paint), 4 from issue 41's paper 11 (rollout adevis, reward chamfer_view, tasks cloud_views and
     # cloud_views_fit), 4 from issue 41's paper 10 (phase lac_align, rollout lac_binding, reward binding_reward, task
-    # flow_binding), 1 from issue 42's M8 (phase average_init), 5 from issue 42's paper 45 (objective flow_opd, reward
-    # by_task, tasks flow2d_multi, flow2d_multi_a, flow2d_multi_b); a test's own, e.g. test_signal_reshaping's env, come
-    # from modules outside it and need no manifest
+    # flow_binding), 1 from issue 42's M8 (phase average_init), 6 from issue 42's paper 45 (objective flow_opd, reward
+    # by_task, rollout anchor_distance, tasks flow2d_multi, flow2d_multi_a, flow2d_multi_b); a test's own, e.g.
+    # test_signal_reshaping's env, come from modules outside it and need no manifest
     entries = [entry for entry in check.registered() if entry[2].startswith("groupwise.")]
     owned = [key for m in check.manifests() for key in m.owned()]
-    assert len(entries) == len(owned) == len(set(owned)) == 237
+    assert len(entries) == len(owned) == len(set(owned)) == 238
     assert {(stage, name) for stage, name, _ in entries} == set(owned)
 
 

@@ -20,6 +20,12 @@ equal, > 0 otherwise). Logged as ``eval/anchor_energy`` and, after training,
 ``anchor_energy_after`` in ``summary.json`` (claims metric ``after:anchor_energy``).
 
 **Defaults**: ``anchor = "mar"``, ``eval_n = 32`` [INFERRED] the toy.
+
+**Notes**
+
+1. Both models generate through their own policy's ``generate`` (the frozen role's, given by
+   ``use_models``), with the held-out call's settings (greedy: the ODE from the seeded start noise).
+2. A policy without the row extra ``x_final`` (not a flow toy) has nothing to compare: a ``KeyError``.
 """
 
 from __future__ import annotations
