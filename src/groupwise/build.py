@@ -219,7 +219,7 @@ def build(cfg: Config) -> Parts:
     role_components = [c for r in trained for c in r.components]
 
     # each component against the policy it will run with, before anything runs
-    check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
+    check_policy_fit(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
     generation = served_policy(cfg, policy, world)
     check_strategy(strategy, generation, owners)  # sampling options it asks for, hooks, extras others read
     unknown = set(cfg.eval.sampling) - set(getattr(policy, "request_options", ()))
@@ -383,12 +383,23 @@ def eval_task(cfg: Config, policy: Any, name: str) -> tuple[list[dict], RewardSt
     return task.rows("test", 0, cfg.seed)[: cfg.eval.size], stage
 
 
-def check_modality(components: list[Any], policy: Any, kind: str) -> None:
-    """A component that declares a ``modality`` runs on policies of that modality only: another fails
-    here, not mid-run."""
+def check_policy_fit(components: list[Any], policy: Any, kind: str) -> None:
+    """A component that declares ``reads_extras`` runs on any policy that writes those extras (the
+    policy's ``row_extras`` / ``token_extras``); one that declares only a ``modality`` runs on policies of
+    that modality. Another fails here, not mid-run."""
+    written = {*getattr(policy, "row_extras", ()), *getattr(policy, "token_extras", ())}
     for component in components:
-        if getattr(component, "modality", policy.modality) != policy.modality:
-            name = getattr(component, "registry_name", type(component).__name__)
+        name = getattr(component, "registry_name", type(component).__name__)
+        reads = getattr(component, "reads_extras", None)
+        if reads is not None:
+            missing = [extra for extra in reads if extra not in written]
+            if missing:
+                raise ConfigError(
+                    f"{getattr(component, 'stage', '')} component {name!r} reads the rollout extras {missing}, which "
+                    f"the {policy.modality} policy (model.policy={kind!r}) does not write (it writes "
+                    f"{sorted(written) or 'none'}); choose a model.policy whose kind writes them, or drop {name!r}"
+                )
+        elif getattr(component, "modality", policy.modality) != policy.modality:
             raise ConfigError(
                 f"{getattr(component, 'stage', '')} component {name!r} works on {component.modality} "
                 f"policies; this run's policy is {policy.modality} (model.policy={kind!r})"

@@ -120,6 +120,7 @@ class MDLMPolicy(NetPolicy):
             self.net = Denoiser(V, width, layers, heads, max_prompt, length).double()
         self.trainable = True
         self.modality = "mdlm"
+        self.row_extras, self.token_extras = frozenset({"mdlm_seed"}), frozenset({"commit_step", "q_trace"})
         self.request_options = frozenset({"greedy"})
         self.quantities = QUANTITIES
         self.reference: MDLMPolicy | None = None
