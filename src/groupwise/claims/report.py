@@ -75,6 +75,12 @@ thresholds), configs and the number of confirmatory seeds. After that, `groupwis
 claim file whose fixed fields changed: the changed claim needs a new id (a new file), and the old file
 and record stay. No seeds are added to a confirmatory verdict (fixed n, no sequential design).
 
+**Pipelines.** A config may be a pipeline of runs (`pipeline = "NAME"` instead of `recipe`,
+`docs/pipelines.md`): `common` goes to every stage, the config's `overrides` to the last stage,
+whose run folder gives the metrics, and `stage_overrides = {stage = [...]}` to a named one. A stage
+that several configs resolve to the same config runs once per seed (`<claim folder>/_stages/`), and
+each stage's `stage.json` pins every model it loaded by sha256 with its label ledger.
+
 How to read the table:
 
 - **metric**: `final_accuracy` (held-out greedy accuracy after training), `final_pass_at_k` (unbiased
