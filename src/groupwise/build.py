@@ -190,12 +190,8 @@ def build(cfg: Config) -> Parts:
     needs += [] if cfg.train.minibatches == 1 else [Need("logp")]
     needs += [n for role in trained for n in roles.role_needs(role)]
     models = policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
-    models.update(
-        {
-            name: role_policy.scoring_models(with_reference=False)["policy"]
-            for name, role_policy in [*((role.name, role.policy) for role in trained), *frozen.items()]
-        }
-    )
+    role_policies = dict([*((role.name, role.policy) for role in trained), *frozen.items()])
+    models.update({name: p.scoring_models(with_reference=False)["policy"] for name, p in role_policies.items()})
 
     def bind_view(view: Any) -> None:  # what a view reads besides the rollout: token texts, the train rows
         bind_vocabulary([view], policy)
@@ -210,6 +206,8 @@ def build(cfg: Config) -> Parts:
         context=policy.context,
         bind_view=bind_view,
         quantities=getattr(policy, "quantities", None),
+        score_of={name: p.score for name, p in role_policies.items()},  # each role's model by its own policy
+        quantities_of={name: getattr(p, "quantities", None) for name, p in role_policies.items()},
     )
 
     # held-out prompts are also scored under eval.views, and on the held-out rows of eval.tasks

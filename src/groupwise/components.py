@@ -95,6 +95,8 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "window": "window: int, the frames an autoregressive frame generator's cache holds (ar_flow; read by kv_branches)",
     "run_info": "run_info: dict, what the policy decided at start, kept in summary.json",
     "run_notes": "run_notes: list[str], lines said at the start of the run",
+    "policy_file": "policy_file: str, the file a toy kind's save writes in its folder (the average_init phase reads "
+    "such folders)",
     "module": "module: the trained torch module (phases that probe the network: steering_vector, e2po_perturbations)",
     "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy (the agent strategy renders chats with it)",
     "eos": "eos: list[int], the token ids that end a generation (the agent strategy: a turn's stop token)",
@@ -497,6 +499,16 @@ HOOKS: tuple[Hook, ...] = (
         "at build: the phase's name and its artifact's; empty or absent: the registry name",
         "str",
         "A field of the offline phases.",
+    ),
+    Hook(
+        "reads_labels",
+        ("phase",),
+        "attribute",
+        "build",
+        "after a pipeline stage (`groupwise pipeline`): its label ledger counts every train row as read with its "
+        "label when a phase has it true or absent, as drawn without one when false",
+        "bool",
+        "False for a phase that reads no labelled column of the train rows (a parameter average, teacher samples).",
     ),
     # -- step
     Hook(
