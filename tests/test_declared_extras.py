@@ -7,12 +7,15 @@ the masked-diffusion LM's extras fails at build naming them; a kind-only compone
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from groupwise.build import build as build_parts
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
+from groupwise.modalities.ar_flow import ARFlowPolicy
 from groupwise.modalities.flow import FlowPolicy
 from groupwise.modalities.flow_toy import FlowRegionReward
 from groupwise.modalities.gaussian import GaussianPolicy
@@ -27,6 +30,9 @@ INFO = StepInfo(step=1, seed=5, max_new_tokens=0)
 SMALL = dict(hidden=8, layers=2, steps=3)
 SUBSET_PROMPT = [4, 2, 0.5, *[0.1 * i for i in range(8)], 0.3, -0.2]  # n = 4 items of d = 2, ρ = 0.5, a query
 
+traj2d = importlib.import_module("groupwise.papers.21_kvpo.traj2d")  # a paper folder: digits lead its name
+AR_PROMPT = traj2d.traj_rows(1, 0)[0]["prompt"]  # the first frames and the target of one trajectory
+
 POLICIES = {  # name: (policy, one request's prompt)
     "flow label": (FlowPolicy(**SMALL), [1]),
     "flow vector": (FlowPolicy(**SMALL, condition="vector", obs_dim=3), [0.1, 0.2, 0.3]),
@@ -37,6 +43,7 @@ POLICIES = {  # name: (policy, one request's prompt)
     "gaussian": (GaussianPolicy(), [0.5, -1.0]),
     "subset": (SubsetPolicy(d=2, hidden=8), SUBSET_PROMPT),
     "mdlm": (MDLMPolicy(allowed="0123456789+", width=32, heads=2), "7="),
+    "ar_flow": (ARFlowPolicy(hidden=8, layers=2), AR_PROMPT),
 }
 
 

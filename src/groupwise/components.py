@@ -88,12 +88,15 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "deploys only such a policy)",
     "row_extras": "row_extras: frozenset[str], the row extras its generate writes (a component's reads_extras)",
     "token_extras": "token_extras: frozenset[str], the token extras its generate writes (a component's reads_extras)",
+    "sampler_logp": 'sampler_logp: str, "exact" (absent) or "estimate": is logp_sampler the sampler\'s log-prob',
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
     "window": "window: int, the frames an autoregressive frame generator's cache holds (ar_flow; read by kv_branches)",
     "run_info": "run_info: dict, what the policy decided at start, kept in summary.json",
     "run_notes": "run_notes: list[str], lines said at the start of the run",
+    "policy_file": "policy_file: str, the file a toy kind's save writes in its folder (the average_init phase reads "
+    "such folders)",
     "module": "module: the trained torch module (phases that probe the network: steering_vector, e2po_perturbations)",
     "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy (the agent strategy renders chats with it)",
     "eos": "eos: list[int], the token ids that end a generation (the agent strategy: a turn's stop token)",
@@ -328,6 +331,15 @@ HOOKS: tuple[Hook, ...] = (
         "kind that writes them will do (a flow reward on the planner kind, issue 41 item 16).",
     ),
     Hook(
+        "reads_sampler_logp",
+        OWNERS,
+        "attribute",
+        "build",
+        'at build (`check_policy_fit`): refused when the policy\'s `sampler_logp` is not "exact" (an estimate)',
+        "bool",
+        "It reads `logp_sampler` as the sampler's log-prob (an importance ratio to the sampler).",
+    ),
+    Hook(
         "rollout_extras",
         OWNERS,
         "attribute",
@@ -497,6 +509,16 @@ HOOKS: tuple[Hook, ...] = (
         "at build: the phase's name and its artifact's; empty or absent: the registry name",
         "str",
         "A field of the offline phases.",
+    ),
+    Hook(
+        "reads_labels",
+        ("phase",),
+        "attribute",
+        "build",
+        "after a pipeline stage (`groupwise pipeline`): its label ledger counts every train row as read with its "
+        "label when a phase has it true or absent, as drawn without one when false",
+        "bool",
+        "False for a phase that reads no labelled column of the train rows (a parameter average, teacher samples).",
     ),
     # -- step
     Hook(

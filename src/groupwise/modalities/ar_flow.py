@@ -121,6 +121,9 @@ class ARFlowPolicy(NetPolicy):
             self.net = FrameVelocity(window, hidden, layers).double()
         self.trainable = True
         self.modality = "ar_flow"
+        # what generate writes (build.check_policy_fit): a flow reward reading x_final runs on this kind too
+        self.row_extras = frozenset({"frames", "x_final"})
+        self.token_extras = frozenset({"arf_x", "arf_x0", "arf_x_next", "arf_frame", "arf_step"})
         self.request_options = frozenset({"greedy"})  # greedy: the ODE whatever sde says
         self.quantities = frozenset({"logp", "entropy"})
         self.hooks = frozenset({"kv_route"}) if sde == "none" else frozenset()  # Note 4
