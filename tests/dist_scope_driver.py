@@ -34,6 +34,11 @@ BASE = [
 
 # what a component gets in this driver's runs to have something to act on (the arithmetic task's completions are
 # digits: LA-GRPO's default functional tokens + - * never occur there, "1" often does)
+MUTUAL = [  # Mutual RL's strategy and its second actor (the same embedded model)
+    'rollout.name="mutual"',
+    'roles.peer={samples=true, model={path="default"}, advantage={estimator={name="xgrpo"}}, '
+    'objective={terms=["ppo_clip"]}, update={name="sgd", lr=0.5}}',
+]
 EXAMPLE_OVERRIDES = {
     "objective:la_grpo": ['objective.terms=[{name="la_grpo", tokens=["1"]}, {name="kl", coef=0.1}]'],
     # GAGPO reads the per-turn facts that only episodes with turn_facts=true write: its own key-and-door game
@@ -44,6 +49,10 @@ EXAMPLE_OVERRIDES = {
         "rollout.params={max_turns=2, turn_facts=true}",
         "rollout.max_new_tokens=1",
     ],
+    # XGRPO reads the pooled statistics only the mutual strategy writes, which samples with a second actor
+    "advantage:xgrpo": ['advantage.estimator="xgrpo"', 'rollout.params={share="xgrpo"}', *MUTUAL],
+    # the peer's rows joined with their sequence log-probs (PRP)
+    "weight:peer_is": ['objective.weights=["peer_is"]', 'rollout.params={share="prp"}', *MUTUAL],
 }
 
 
@@ -57,6 +66,8 @@ def configurations() -> dict[str, list[str]]:
     configs: dict[str, list[str]] = {}
     for stage, name, cls in entries():
         if getattr(cls, "modality", "text") != "text":  # this driver trains the text policy
+            continue
+        if isinstance(getattr(cls, "reads_extras", None), tuple | frozenset):  # extras a non-text kind writes
             continue
         if getattr(cls, "artifacts", ()):  # needs an offline phase's artifact (ProFIL's probe); its filter is per row
             continue
@@ -73,7 +84,7 @@ def configurations() -> dict[str, list[str]]:
                 strategy = next(n for s, n, c in entries() if s == "rollout" and wanted <= set(_class_collects(c)))
                 configs[f"advantage:{name}"].append(f'rollout.name="{strategy}"')
         elif stage == "weight":
-            configs[f"weight:{name}"] = [f'objective.weights=["{name}"]']
+            configs[f"weight:{name}"] = EXAMPLE_OVERRIDES.get(f"weight:{name}", [f'objective.weights=["{name}"]'])
         # whole-batch state once per step
         elif stage == "objective" and (hasattr(cls, "prepare") or hasattr(cls, "token_subset")):
             configs[f"objective:{name}"] = EXAMPLE_OVERRIDES.get(

@@ -217,7 +217,8 @@ def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]
     """``fill_needs`` for the component's needs, an example of each artifact it lists (``artifacts``),
     plus a random group-level value [B] for each extra it reads from the rollout strategy
     (``rollout_extras``, e.g. ReMax's ``baseline_reward``), decoded texts for one that
-    ``reads_completions`` and a value per row for each ``row_info`` column (EDAS's answers)."""
+    ``reads_completions``, a value per row for each ``row_info`` column (EDAS's answers), row 0 of each
+    group for each row flag it ``reads_flags`` and ``reward_columns`` columns made from the total."""
     out = fill_needs(rollout, getattr(component, "needs", ()), seed)
     if hasattr(component, "use_vocabulary"):  # token texts of a text policy (role / phase maps from tags)
         component.use_vocabulary(EXAMPLE_VOCABULARY)
@@ -233,6 +234,12 @@ def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]
         else:
             rollout.set_extra(key, torch.rand(rollout.shape[0], generator=g), "group")
     B, G, _ = rollout.shape
+    for flag in getattr(component, "reads_flags", ()):  # a row flag it reads: row 0 of each group (KVPO's anchor)
+        if flag not in rollout.row_flags:
+            rollout.set_flag(flag, (torch.arange(G) == 0).expand(B, G).clone())
+    columns = getattr(component, "reward_columns", None)  # one reward column per weight: the total, scaled
+    if columns is not None and rollout.rewards is not None and rollout.reward_parts is None:
+        rollout.reward_parts = torch.stack([rollout.rewards * (k + 1) for k in range(columns)], -1)  # [B,G,K]
     # decoded texts, few distinct (EDAS's answers)
     if getattr(component, "reads_completions", False) and not rollout.completions:
         rollout.completions = [[str(v) for v in row] for row in torch.randint(0, 3, (B, G), generator=g).tolist()]

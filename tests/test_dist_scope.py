@@ -69,7 +69,10 @@ def test_two_ranks_see_what_one_process_sees(results):
                 else:
                     _close(a[key], b[key], f"{where} {key} (1 vs 2 ranks)")
                 _close(b[key], c[key], f"{where} {key} (rank 0 vs rank 1)")
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and b["loss"] == c["loss"], where
+            # peer_is: w = min(C, exp(Σ_t logp)) of no-grad log-probs each rank packs itself; after one SGD step of
+            # lr 0.5 the loss is ~13, and the rounding of that sum shows at 1e-6 absolute (2.5e-6 relative)
+            loss_rel = 1e-5 if label == "weight:peer_is" else 0.0
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6, rel=loss_rel) and b["loss"] == c["loss"], where
             # 1e-4: weights built from no-grad log-probs (sampler_is) see each rank pack its own share, rounding differs
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4, abs=1e-7, nan_ok=True), where
             assert a["sampler"] == b["sampler"] == c["sampler"], where

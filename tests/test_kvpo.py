@@ -52,11 +52,31 @@ def test_clamp_at_2_5():
     torch.testing.assert_close(adv, torch.tensor([[0.0, -2.5, 0.0, 0.0, 0.0]]))
 
 
-def test_estimator_refuses_a_group_without_one_anchor():
+def test_estimator_refuses_a_batch_without_anchors_or_a_group_with_two():
+    est = build("advantage", "kvpo", weights=[1.0])
     ro = _group([0.4, 0.5, 0.7])
     ro.set_flag(ANCHOR, torch.zeros(1, 3, dtype=torch.bool))
-    with pytest.raises(ValueError, match="exactly one valid anchor"):
-        build("advantage", "kvpo", weights=[1.0])(ro, info_for(2))
+    with pytest.raises(ValueError, match="the batch has no anchor row.*kv_branches"):
+        est(ro, info_for(2))
+    ro.set_flag(ANCHOR, torch.tensor([[True, True, False]]))
+    with pytest.raises(ValueError, match=r"groups \[0\] hold more than one anchor row"):
+        est(ro, info_for(2))
+
+
+def test_a_group_without_a_usable_anchor_gets_zero_advantage():
+    # group 0: anchor 0.4, branches 0.5, 0.7: std_unbiased([0.4, 0.5, 0.7]) = 0.152753 ->
+    #   A = (0.1, 0.3)/0.152753 = (0.654654, 1.963961), clamped to 2.5: unchanged (fusion sum, one column)
+    # group 1: its anchor's reward is NaN (a failed scorer) -> no baseline, every row 0;
+    # group 2: its anchor row is invalid -> every row 0
+    est = build("advantage", "kvpo", weights=[1.0], fusion="sum")
+    ro = rollout_from(
+        torch.zeros(3, 3, 2), rewards=torch.tensor([[0.4, 0.5, 0.7], [float("nan"), 0.5, 0.7], [0.4, 0.5, 0.7]])
+    )
+    ro.set_flag(ANCHOR, torch.tensor([[True, False, False]] * 3))
+    ro.group_valid[2, 0] = False
+    adv = est(ro, info_for(2))
+    torch.testing.assert_close(adv[0], torch.tensor([0.0, 0.654654, 1.963961]), atol=1e-6, rtol=0)
+    assert torch.equal(adv[1:], torch.zeros(2, 3))
 
 
 def test_estimator_permutation_equivariant():
@@ -278,3 +298,11 @@ def test_demonstrations_keep_turn_and_speed():
     pred = traj2d.continue_curve(seq[:, :-3], seq[:, 1:-2], seq[:, 2:-1])  # [32,6,2] positions 3..8
     torch.testing.assert_close(pred, seq[:, 3:], atol=1e-5, rtol=0)  # every frame continues its last three
     assert float(traj2d.speed_changes(seq).abs().max()) < 1e-5  # the demonstrations keep their speed
+
+
+def test_one_weight_per_reward_function_is_checked_at_build(tmp_path):
+    # the recipe's two rewards (local, global) against kvpo's default weights [1.0, 0.5]: one reward is refused
+    from groupwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"weighs 2 reward columns; the run has 1 reward functions"):
+        _trainer(tmp_path, 'rewards=[{name="traj_global"}]')

@@ -163,6 +163,12 @@ def build(cfg: Config) -> Parts:
             f"rollout.group_size={ro.group_size} with the group-relative advantage "
             f"{estimator.registry_name!r}: every advantage would be 0; use group_size >= 2"
         )
+    columns = getattr(estimator, "reward_columns", None)  # an estimator with one weight per reward column
+    if columns is not None and columns != len(reward_stage.labels):
+        raise ConfigError(
+            f"advantage {estimator.registry_name!r} weighs {columns} reward columns; the run has "
+            f"{len(reward_stage.labels)} reward functions {reward_stage.labels}: give one weight per reward"
+        )
     shapers = [build_spec("advantage", spec) for spec in cfg.advantage.shapers]
     weight_specs = list(cfg.objective.weights)
     stale = cfg.train.max_staleness > 0 or cfg.rollout.push_every > 1  # rows from older weights than they train

@@ -28,8 +28,10 @@ anchor advantage, the columns are fused, and the result is clamped.
 
 **Notes**
 
-1. Every group must hold exactly one valid anchor row with finite rewards; otherwise the estimator
-   names the group and the fix (the strategy ``kv_branches`` makes one per prompt).
+1. The strategy ``kv_branches`` flags one anchor row per prompt. A batch without any anchor flag, or a
+   group with two, is refused naming the fix; a group whose anchor is invalid or has a non-finite
+   reward (a failed scorer), or which has no valid row, gets advantage 0 on every row (no baseline).
+   ``reward_columns`` (= ``len(weights)``) is checked at build against the run's reward functions.
 2. The population std of the fusion is over the group's branch rows [INFERRED]: the authors' batch
    on one GPU is one prompt's branches, so per group is the same statistic.
 3. A branch row with a NaN in a column gets advantage 0 and is left out of that column's statistics;
@@ -82,6 +84,7 @@ class KVPOAdvantage:
     adv_clip: float = 2.5
 
     group_relative = True
+    reads_flags = (ANCHOR,)  # the baseline row of each group (test helpers flag row 0)
     modality = "ar_flow"  # the anchor rows come from kv_branches on the ar_flow policy
 
     def __post_init__(self) -> None:
@@ -92,6 +95,10 @@ class KVPOAdvantage:
                 f"kvpo: need weights (one per reward column), adv_clip > 0 and eps >= 0; got weights={self.weights}, "
                 f"adv_clip={self.adv_clip}, eps={self.eps}"
             )
+
+    @property
+    def reward_columns(self) -> int:  # one weight per reward column (build: the run's reward functions)
+        return len(self.weights)
 
     def _columns(self, rollout: Rollout) -> Tensor:
         """[B,G,K] float64 reward columns (the parts, or the total as one column)."""
@@ -108,15 +115,17 @@ class KVPOAdvantage:
     def __call__(self, rollout: Rollout, info: StepInfo) -> Tensor:
         parts = self._columns(rollout)  # [B,G,K]
         valid = rollout.group_valid.bool()  # [B,G]
-        anchor = rollout.flag(ANCHOR) & valid  # [B,G]
-        anchor_ok = anchor & torch.isfinite(parts).all(-1)  # [B,G]
-        bad = (anchor_ok.sum(1) != 1).nonzero().flatten().tolist()
-        if bad:
+        flagged = rollout.flag(ANCHOR)  # [B,G]
+        bad = (flagged.sum(1) > 1).nonzero().flatten().tolist()
+        if not bool(flagged.any()) or bad:
             raise ValueError(
-                f"advantage kvpo: groups {bad} do not hold exactly one valid anchor row (row flag {ANCHOR!r}) with "
-                "finite rewards; use the rollout strategy kv_branches (one anchor and K routed branches per prompt)"
+                f"advantage kvpo: {'groups ' + str(bad) + ' hold more than one' if bad else 'the batch has no'} "
+                f"anchor row (row flag {ANCHOR!r}); use the rollout strategy kv_branches (one anchor and K routed "
+                "branches per prompt)"
             )
-        branches = valid & ~anchor  # [B,G]
+        anchor = flagged & valid  # [B,G]
+        anchor_ok = anchor & torch.isfinite(parts).all(-1)  # [B,G]
+        branches = valid & ~anchor & anchor_ok.any(1, keepdim=True)  # [B,G] groups without a usable anchor: 0
         total = torch.zeros(valid.shape, dtype=torch.float64)  # [B,G]
         for k, w in enumerate(self.weights):
             seen = branches & torch.isfinite(parts[..., k])  # [B,G]
