@@ -35,6 +35,8 @@ BASE = [
 # what a component gets in this driver's runs to have something to act on (the arithmetic task's completions are
 # digits: LA-GRPO's default functional tokens + - * never occur there, "1" often does)
 EXAMPLE_OVERRIDES = {
+    # OPD's token reward reads a frozen teacher's log-probs: the shipped hinted model, same tokenizer
+    "advantage:opd_token": ['advantage.shapers=["opd_token"]', 'roles.teacher={frozen=true, model={path="hinted"}}'],
     "objective:la_grpo": ['objective.terms=[{name="la_grpo", tokens=["1"]}, {name="kl", coef=0.1}]'],
     # GAGPO reads the per-turn facts that only episodes with turn_facts=true write: its own key-and-door game
     "advantage:gagpo": [

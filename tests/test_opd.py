@@ -44,3 +44,203 @@ def test_the_shipped_student_scores_its_recorded_accuracy():
     rows = load_rows(["arithmetic"], "test", 500, 0)[:100]
     assert math.isclose(greedy_accuracy(model, tokenizer, rows, 5), record["test_greedy_accuracy_first_100"])
     assert record["test_greedy_accuracy_first_100"] == 0.12
+
+
+# ---------------------------------------------------------------------------------------------- spec 28's hand numbers
+# One position, two tokens: p_T = [0.5, 0.5], p_S = [0.25, 0.75] (logits = their logs).
+P_T, P_S = torch.tensor([0.5, 0.5]), torch.tensor([0.25, 0.75])
+
+
+def _one_position(p: torch.Tensor, grad: bool = False) -> torch.Tensor:
+    return p.log().reshape(1, 1, 2).clone().requires_grad_(grad)  # [N=1,T=1,V=2]
+
+
+def test_forward_and_reverse_kl_and_the_forward_kl_gradient():
+    """KL(p_T‖p_S) = .5 ln(.5/.25) + .5 ln(.5/.75) = .346574 − .202733 = 0.143841;
+    KL(p_S‖p_T) = .25 ln(.25/.5) + .75 ln(.75/.5) = −.173287 + .304099 = 0.130812;
+    ∂L_FKL/∂logits_S = p_S − p_T = [−0.25, 0.25]."""
+    from groupwise.losses.opd import forward_kl_loss, reverse_kl_loss
+
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    student = _one_position(P_S, grad=True)
+    fkl = forward_kl_loss(student, _one_position(P_T), mask)
+    assert math.isclose(float(fkl.detach()), 0.143841, abs_tol=1e-6)
+    assert math.isclose(float(reverse_kl_loss(student, _one_position(P_T), mask)), 0.130812, abs_tol=1e-6)
+    fkl.backward()
+    torch.testing.assert_close(student.grad[0, 0], torch.tensor([-0.25, 0.25]), atol=1e-6, rtol=0)
+
+
+def test_opd_token_reward_is_ln2_when_the_teacher_likes_the_token_more():
+    """log p_T(y) = ln .5, log p_S(y) = ln .25 → r = ln 2 = 0.693147; a masked position gives 0."""
+    from groupwise.losses.opd import opd_token_rewards
+
+    r = opd_token_rewards(
+        torch.tensor([[math.log(0.25), 5.0]]), torch.tensor([[math.log(0.5), -9.0]]), torch.tensor([[True, False]])
+    )
+    torch.testing.assert_close(r, torch.tensor([[math.log(2.0), 0.0]]))
+    assert math.isclose(float(r[0, 0]), 0.693147, abs_tol=1e-6)
+
+
+def test_sum_to_go_discounts_over_the_row_and_skips_padding():
+    """r = [1, 2, 3, pad 7], γ = 0.5: Â = [1 + .5·2 + .25·3, 2 + .5·3, 3, 0] = [2.75, 3.5, 3, 0]; γ = 0: Â = r."""
+    from groupwise.losses.opd import sum_to_go
+
+    r, mask = torch.tensor([[1.0, 2.0, 3.0, 7.0]]), torch.tensor([[True, True, True, False]])
+    torch.testing.assert_close(sum_to_go(r, mask, 0.5), torch.tensor([[2.75, 3.5, 3.0, 0.0]]))
+    torch.testing.assert_close(sum_to_go(r, mask, 0.0), torch.tensor([[1.0, 2.0, 3.0, 0.0]]))
+    torch.testing.assert_close(sum_to_go(r, mask, 1.0), torch.tensor([[6.0, 5.0, 3.0, 0.0]]))
+
+
+def _opd_batch(form: str):
+    """One group of two rows, two tokens each; row 1's second token is padding. The student's and the
+    teacher's distributions at every position are p_S and p_T above; the sampled tokens are id 0."""
+    from groupwise.types import Need, Rollout
+
+    mask = torch.tensor([[[True, True], [True, False]]])  # [1,2,2]
+    ro = Rollout(
+        prompt_ids=[[1]],
+        actions=torch.zeros(1, 2, 2, dtype=torch.long),
+        mask=mask,
+        group_valid=torch.ones(1, 2, dtype=torch.bool),
+        truncated=torch.zeros(1, 2, dtype=torch.bool),
+        prompt_index=torch.arange(1),
+        rewards=torch.zeros(1, 2),
+        advantages=torch.zeros(1, 2),
+        logp_old=torch.full((1, 2, 2), math.log(0.25)),
+    )
+    ro.set_extra(Need("logprobs", model="teacher").key, P_T.log().expand(1, 2, 2, 2).clone(), "token")
+    ro.set_extra(Need("logp", model="teacher").key, torch.full((1, 2, 2), math.log(0.5)), "token")
+    logits = P_S.log().expand(1, 2, 2, 2).clone().requires_grad_(True)  # [1,2,2,V]
+    out = {"logprobs": logits.log_softmax(-1), "logp": logits.log_softmax(-1)[..., 0]}
+    return ro, out, logits
+
+
+def test_opd_full_form_is_the_reverse_kl_per_token_with_its_exact_gradient():
+    """ℓ_t = 0.130812 on the three real tokens, 0 on padding. ∂ℓ/∂logits_S = p_S ⊙ (log(p_S/p_T) − KL)
+    = [.25·(−.693147 − .130812), .75·(.405465 − .130812)] = [−0.205990, 0.205990]; padding gets 0."""
+    from groupwise.losses.opd import OPD
+    from groupwise.types import StepInfo
+
+    ro, out, logits = _opd_batch("full")
+    loss = OPD(form="full")(ro, out, StepInfo(step=0, seed=0, max_new_tokens=2))  # [1,2,2]
+    torch.testing.assert_close(loss, torch.tensor([[[0.130812, 0.130812], [0.130812, 0.0]]]), atol=1e-6, rtol=0)
+    loss.sum().backward()
+    torch.testing.assert_close(logits.grad[0, 0, 0], torch.tensor([-0.205990, 0.205990]), atol=1e-6, rtol=0)
+    assert (logits.grad[0, 1, 1] == 0).all()
+
+
+def test_opd_sampled_form_equals_the_shaper_with_reinforce():
+    """r_t = ln 2 on every real token. γ = 0: ℓ_t = −ln 2 · log p_S(y_t), ∂ℓ/∂logp = −0.693147.
+    γ = 0.5: row 0 Â = [ln 2 + .5 ln 2, ln 2] = [1.039721, 0.693147]; row 1 Â = [ln 2]. The shaper
+    `opd_token` (mode replace) with `reinforce` gives the same per-token loss and gradient."""
+    from groupwise.advantages.opd_token import OPDToken
+    from groupwise.losses.opd import OPD
+    from groupwise.losses.reinforce import Reinforce
+    from groupwise.types import StepInfo
+
+    info = StepInfo(step=0, seed=0, max_new_tokens=2)
+    for discount, expected in (
+        (0.0, [[0.693147, 0.693147], [0.693147, 0.0]]),
+        (0.5, [[1.039721, 0.693147], [0.693147, 0.0]]),
+    ):
+        ro, out, logits = _opd_batch("sampled")
+        logp = out["logp"]
+        logp.retain_grad()
+        OPD(form="sampled", discount=discount)(ro, out, info).sum().backward()
+        torch.testing.assert_close(-logp.grad[0], torch.tensor(expected), atol=1e-6, rtol=0)
+        ro2, out2, _ = _opd_batch("sampled")
+        ro2.advantages = OPDToken(discount=discount)(ro2, info)  # [1,2,2]
+        torch.testing.assert_close(ro2.advantages[0], torch.tensor(expected), atol=1e-6, rtol=0)
+        logp2 = out2["logp"]
+        logp2.retain_grad()
+        Reinforce()(ro2, out2, info).sum().backward()
+        torch.testing.assert_close(logp2.grad, logp.grad)
+
+
+def test_opd_token_add_mode_keeps_the_sparse_advantage():
+    """mode add: A_t = A_i + coef·r_t = 1 + 2·ln 2 = 2.386294 on real tokens, 0 on padding."""
+    from groupwise.advantages.opd_token import OPDToken
+    from groupwise.types import StepInfo
+
+    ro, _, _ = _opd_batch("sampled")
+    ro.advantages = torch.ones(1, 2)
+    adv = OPDToken(mode="add", coef=2.0)(ro, StepInfo(step=0, seed=0, max_new_tokens=2))
+    torch.testing.assert_close(adv[0], torch.tensor([[2.386294, 2.386294], [2.386294, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_topk_teacher_renormalises_its_k_largest_entries():
+    """p_T = [.5, .3, .2], k = 2 → [.5/.8, .3/.8, 0] = [0.625, 0.375, 0]; FKL to p_S = [.5, .25, .25] is
+    .625 ln(.625/.5) + .375 ln(.375/.25) = .625 ln 1.25 + .375 ln 1.5 = .139465 + .152049 = 0.291514
+    (the dropped entry adds 0)."""
+    from groupwise.phases.fkl_warmup import forward_kl_tokens, topk_teacher
+
+    kept = topk_teacher(torch.tensor([0.5, 0.3, 0.2]).log(), 2)
+    torch.testing.assert_close(kept.exp(), torch.tensor([0.625, 0.375, 0.0]))
+    student = torch.tensor([0.5, 0.25, 0.25]).log().requires_grad_(True)
+    ell = forward_kl_tokens(student, kept, torch.tensor(True))
+    assert math.isclose(float(ell.detach()), 0.291514, abs_tol=1e-6)
+    ell.backward()
+    assert torch.isfinite(student.grad).all()
+
+
+def test_bad_options_name_the_fix():
+    import pytest
+
+    from groupwise.advantages.opd_token import OPDToken
+    from groupwise.errors import ConfigError
+    from groupwise.losses.opd import OPD
+    from groupwise.phases.fkl_warmup import FKLWarmup
+
+    with pytest.raises(ValueError, match="form must be one of full, sampled"):
+        OPD(form="topk")
+    with pytest.raises(ValueError, match="frozen role"):
+        OPD(teacher="policy")
+    with pytest.raises(ValueError, match="discount must be in"):
+        OPDToken(discount=2.0)
+    with pytest.raises(ConfigError, match="form='x' is not one of full, topk, sampled"):
+        FKLWarmup(form="x")
+
+
+# ---------------------------------------------------------------------------------------------- the bridge as one run
+def _bridge(tmp_path, *extra):
+    from groupwise.build import build
+    from groupwise.config import load_config
+    from groupwise.run import Run
+    from groupwise.trainer import Trainer
+
+    cfg, _ = load_config(
+        "sparse_to_dense_inferred",
+        [
+            "threads=1",
+            "train.steps=2",
+            "eval.size=0",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=2",
+            'phases=[{name="fkl_warmup", steps=5, prompts_per_step=8, kl_prompts=8, kl_samples=2}]',
+            f'out="{tmp_path}"',
+            *extra,
+        ],
+    )
+    return Run(Trainer(build(cfg))).train()
+
+
+def test_the_bridge_runs_as_one_run_and_the_warmup_lowers_the_forward_kl(tmp_path):
+    """The phase reads no label and draws 5 steps × 8 prompts (40 draws of distinct rows: one epoch of the
+    9,000 train rows has room); the forward KL on the teacher's samples of the 8 probe prompts falls
+    (what it minimises); the RL steps log the OPD term's reverse KL, equal to its loss under token_mean."""
+    summary = _bridge(tmp_path)
+    phase = summary["phases"]["fkl_warmup"]
+    assert phase["labels_read"] == 0 and phase["prompts_drawn"] == 40 and phase["steps"] == 5
+    assert phase["fkl_after"] < phase["fkl_before"], phase
+    assert all(math.isfinite(phase[k]) and phase[k] > 0 for k in ("kl_before", "kl_after"))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isclose(r["loss"], r["opd_rkl"], rel_tol=1e-5) for r in rows)
+
+
+def test_a_missing_teacher_role_is_named_with_the_fix(tmp_path):
+    import pytest
+
+    from groupwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="teacher"):
+        _bridge(tmp_path, "roles={}")
