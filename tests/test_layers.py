@@ -123,6 +123,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise.discovery",
             "groupwise.__main__",
             "groupwise.cli",
+            "groupwise.pipeline",
             "groupwise.serve",
             "groupwise.claims",
             "groupwise.claims.*",

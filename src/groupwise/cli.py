@@ -1,4 +1,5 @@
-"""The ``groupwise`` command: train, cp, config, list, explain, paper, eval, warmstart, compare, claims, serve.
+"""The ``groupwise`` command: train, cp, config, list, explain, paper, eval, warmstart, compare, claims, pipeline,
+serve.
 
 Imports stay light: torch and transformers load only for the commands that run a model.
 """
@@ -392,6 +393,13 @@ def cmd_cp(args: list[str]) -> int:
     return 0
 
 
+def cmd_pipeline(args: list[str]) -> int:
+    """``groupwise pipeline FILE --out DIR [--seed S] [--stages DIR2] [key=value | STAGE:key=value ...]``."""
+    from groupwise.pipeline import cmd_pipeline as run
+
+    return run(args)
+
+
 def cmd_serve(args: list[str]) -> int:
     from groupwise.serve import main as serve_main
 
@@ -409,6 +417,7 @@ COMMANDS = {
     "warmstart": cmd_warmstart,
     "compare": cmd_compare,
     "claims": cmd_claims,
+    "pipeline": cmd_pipeline,
     "serve": cmd_serve,
 }
 
@@ -425,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             "[--plugins M] | paper NN (a paper's files, components, recipes, claims, tests) | eval "
             "[MODEL] [key=value ...] | warmstart [...] | compare RECIPE|LABEL=RECIPE ... [--seeds N] "
             "[--out DIR] [--target ACC] [key=value ...] | claims [NAMES...] [--seeds N] [--out DIR] | "
+            "pipeline FILE --out DIR [--seed S] [key=value | STAGE:key=value ...] | "
             "serve [MODEL] [--port P] [key=value ...]"
         ),
     )

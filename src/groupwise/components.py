@@ -469,6 +469,16 @@ HOOKS: tuple[Hook, ...] = (
         "str",
         "A field of the offline phases.",
     ),
+    Hook(
+        "reads_labels",
+        ("phase",),
+        "attribute",
+        "build",
+        "after a pipeline stage (`groupwise pipeline`): its label ledger counts every train row as read with its "
+        "label when a phase has it true or absent, as drawn without one when false",
+        "bool",
+        "False for a phase that reads no labelled column of the train rows (a parameter average, teacher samples).",
+    ),
     # -- step
     Hook(
         "prepare",

@@ -2,7 +2,7 @@
 
 A paper folder holds ``paper.toml`` (its manifest), ``README.md`` (the paper page: what it changes,
 the ``[INFERRED]`` choices, the claim and its reading) and the paper's own scaffolding: its toy
-tasks with their rewards and environments, ``recipes/*.toml`` and ``claims/*.toml``. Mechanism
+tasks with their rewards and environments, ``recipes/*.toml``, ``pipelines/*.toml`` and ``claims/*.toml``. Mechanism
 another paper or a standard recipe can use (estimators, terms, weights, strategies, views,
 providers, updaters, phases) stays in the stage folders; the manifest lists it by stage
 (``[components]``) and by file (``files``, paths relative to ``src/groupwise``). ``standard.toml``
@@ -12,7 +12,8 @@ package belongs to exactly one manifest (``tests/test_papers.py``).
 Discovery: ``registry.load_all`` (``discovery.import_components``) imports every module of every paper
 folder that is a package
 (:func:`module_names`); recipes are found in ``recipes/`` and ``papers/*/recipes/``
-(:func:`named_files`), claim files in a repository's ``claims/`` and ``papers/*/claims/``.
+(:func:`named_files`), pipelines in ``pipelines/`` and ``papers/*/pipelines/``, claim files in a
+repository's ``claims/`` and ``papers/*/claims/``.
 A folder's name starts with the two-digit spec number, so its modules are reached through
 ``importlib.import_module("groupwise.papers.27_alphagrpo.number_attrs")``; inside a folder,
 imports are relative. ``papers/index.py`` writes ``docs/variants.md`` and ``groupwise paper NN``.
@@ -44,6 +45,7 @@ PAPER_KEYS = (
     "files",
     "data",
     "recipes",
+    "pipelines",
     "claims",
     "tests",
     "components",
@@ -55,13 +57,14 @@ STANDARD_KEYS = (
     "core",
     "data",
     "recipes",
+    "pipelines",
     "claims",
     "tests",
     "components",
     "algorithms",
     "infrastructure",
 )
-LIST_KEYS = ("files", "core", "data", "recipes", "claims", "tests", "arxiv")
+LIST_KEYS = ("files", "core", "data", "recipes", "pipelines", "claims", "tests", "arxiv")
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Manifest:
     core: list[str] = field(default_factory=list)  # standard.toml only: infrastructure files (globs)
     data: list[str] = field(default_factory=list)  # shipped data outside the folder (models, word lists)
     recipes: list[str] = field(default_factory=list)
+    pipelines: list[str] = field(default_factory=list)  # pipeline files (groupwise pipeline NAME) of the folder
     claims: list[str] = field(default_factory=list)
     tests: list[str] = field(default_factory=list)  # paths relative to the repository root
     algorithms: list[dict] = field(default_factory=list)  # standard.toml only: rows of the standard table

@@ -130,9 +130,11 @@ def _stems(folder: Path) -> list[str]:
 
 
 def recipe_and_claim_problems() -> list[str]:
-    """Recipes and claim files: a paper folder's own are exactly its manifest's; ``recipes/`` and a
+    """Recipes, pipelines and claim files: a paper folder's own are exactly its manifest's; ``recipes/``,
+    ``pipelines/`` and a
     repository's ``claims/`` are exactly ``standard.toml``'s; every tests path exists."""
     from groupwise.config import RECIPES
+    from groupwise.pipeline import PIPELINES
 
     problems = []
     pairs = [(standard(), RECIPES, ROOT / "claims" if (ROOT / "claims").is_dir() else None)]
@@ -140,6 +142,9 @@ def recipe_and_claim_problems() -> list[str]:
     for m, recipes, claims in pairs:
         if _stems(recipes) != sorted(m.recipes):
             problems.append(f"{m.path}: recipes = {sorted(m.recipes)} but {recipes} holds {_stems(recipes)}")
+        pipelines = PIPELINES if m.name == "standard" else m.path.parent / "pipelines"
+        if _stems(pipelines) != sorted(m.pipelines):
+            problems.append(f"{m.path}: pipelines = {sorted(m.pipelines)} but {pipelines} holds {_stems(pipelines)}")
         if claims is not None and _stems(claims) != sorted(m.claims):
             problems.append(f"{m.path}: claims = {sorted(m.claims)} but {claims} holds {_stems(claims)}")
         if (ROOT / "tests").is_dir():  # a source checkout

@@ -118,6 +118,9 @@ def paper_text(number: int | str) -> str:
     recipes = shipped_recipes()
     lines += ["", "recipes (groupwise train NAME · groupwise explain NAME):"]
     lines += [f"  {r}  [{_where(recipes[r])}]" for r in m.recipes] or ["  (none: see the README)"]
+    if m.pipelines:
+        lines += ["", "pipelines (groupwise pipeline NAME --out DIR):"]
+        lines += [f"  {p}  [{_where(folder / 'pipelines' / f'{p}.toml')}]" for p in m.pipelines]
     lines += ["", "claims (groupwise claims NAME; results in docs/claims.md):"]
     lines += [f"  {c}  [{_where(folder / 'claims' / f'{c}.toml')}]" for c in m.claims] or ["  (none)"]
     lines += ["", "tests (in a source checkout):"] + [f"  {t}" for t in m.tests]
