@@ -36,7 +36,9 @@ the teacher's samples of those prompts).
 **Notes**
 
 1. Prompts are drawn in seeded epochs over the train rows; the summary's ``prompts_drawn`` counts
-   the distinct prompts the teacher completed and ``labels_read = 0`` (the label ledger, design §6).
+   the distinct prompts the teacher completed and ``labels_read = 0``. The phase declares
+   ``reads_labels = False``, so a pipeline's label ledger (``groupwise pipeline``) counts the train
+   rows as drawn without their labels (design §6).
 2. The teacher's samples draw their randomness from ``(seed, −1000 − step, row, j)``, the
    diagnostic's from ``(seed, −999, row, j)`` (before) and ``(seed, −998, row, j)`` (after): RL
    steps (≥ 0) never reuse them.
@@ -79,6 +81,7 @@ class FKLWarmup:
     """Forward-KL warm-up of the policy on a frozen teacher's samples (the sparse-to-dense bridge, spec 28)."""
 
     kind = "sft"
+    reads_labels = False  # only the train rows' prompts, completed by the teacher (Note 1)
     teacher: str = "teacher"  # the frozen role that samples and scores (roles.NAME with frozen = true)
     form: str = "full"  # "full" | "topk" | "sampled" [INFERRED] spec 28
     topk: int = 8  # form = "topk": the teacher's entries kept [INFERRED]
