@@ -7,7 +7,10 @@ this shaper hands the same dense reward to any policy-gradient term (``reinforce
 so it can stand alone (distillation) or sit on top of GRPO's sparse advantage (the paper's
 "unifying GRPO and OPD" reading, [INFERRED]).
 
-**Change vs GRPO**: after the estimator, the advantage becomes per token::
+**Change vs GRPO**: after the estimator, the advantage becomes per token: the teacher's dense
+reward replaces (or joins) the sparse one.
+
+**Math** (token t of a row sampled by the student, the policy)::
 
     r_t  = log p_T(y_t | x, y_<t) − log p_S(y_t | x, y_<t)       (frozen teacher, sampling policy)
     Â_t  = Σ_{k ≥ t} γ^{k−t} r_k                                 (discount γ)
