@@ -293,3 +293,31 @@ def test_the_pipeline_spends_labels_on_the_teacher_only(tmp_path):
     assert bridge["ledger"]["labelled"]["rows"] == 0 and bridge["ledger"]["reward_weights"] == [0.0]
     assert bridge["ledger"]["unlabelled"]["rows"] == bridge["ledger"]["train_rows"] > 256
     assert all(s["ledger"]["held_out_overlap"] == 0 for s in stages.values())
+
+
+def test_fkl_warmup_loss_forms_on_a_stub_student():
+    """One row of two tokens plus a padded one (mask [1, 1, 0]); the student puts p_S = [.25, .75] at every
+    position, the teacher p_T = [.5, .5], the sampled tokens are id 0. full: the token mean of
+    KL(p_T‖p_S) = 0.143841; sampled: −mean log p_S(y_t) = ln 4 = 1.386294; topk with k = 1 keeps p_T = [1, 0]:
+    KL = ln(1/.25) = 1.386294 as well. Padding adds nothing."""
+    from types import SimpleNamespace
+
+    from groupwise.phases.fkl_warmup import FKLWarmup, topk_teacher
+
+    logits = P_S.log().expand(1, 1, 3, 2).clone().requires_grad_(True)  # [1,1,3,V]
+
+    class Stub:
+        def forward(self, roll, quantities):
+            logprobs = logits.log_softmax(-1)
+            return {"logprobs": logprobs, "logp": logprobs[..., 0]}
+
+    roll = SimpleNamespace(mask=torch.tensor([[[True, True, False]]]), group_valid=torch.ones(1, 1, dtype=torch.bool))
+    teacher = P_T.log().expand(1, 1, 3, 2).clone()
+    cases = (
+        ("full", teacher, 0.143841),
+        ("sampled", None, math.log(4.0)),
+        ("topk", topk_teacher(teacher, 1), math.log(4.0)),
+    )
+    for form, target, expected in cases:
+        loss = FKLWarmup(form=form, topk=1)._loss(Stub(), roll, target)
+        assert math.isclose(float(loss), expected, abs_tol=1e-6), form
