@@ -35,8 +35,12 @@ from helpers import (
 from groupwise.registry import build, entries
 
 STAGES = ("advantage", "objective", "weight", "aggregation", "kl")
-# the sweeps build text rollouts
-ALL = [(s, n) for s, n, c in entries() if s in STAGES and getattr(c, "modality", "text") == "text"]
+# the sweeps build text rollouts: components of another modality or reading a non-text policy's extras are left out
+ALL = [
+    (s, n)
+    for s, n, c in entries()
+    if s in STAGES and getattr(c, "modality", "text") == "text" and not getattr(c, "reads_extras", ())
+]
 ADV = [n for s, n in ALL if s == "advantage"]
 TERMS = [n for s, n in ALL if s == "objective"]
 WEIGHTS = [n for s, n in ALL if s == "weight"]

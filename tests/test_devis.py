@@ -11,14 +11,16 @@ import random
 
 import pytest
 import torch
-from helpers import assert_resume_is_exact
+from helpers import assert_nets_close, assert_resume_is_exact, train_one_and_two_ranks
 
+from groupwise.advantages.grpo import GRPOAdvantage
 from groupwise.build import build
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
-from groupwise.rollout.adevis import Adevis, split_trajectory
+from groupwise.rollout.adevis import Adevis, drop_below, split_trajectory
 from groupwise.run import Run
 from groupwise.trainer import Trainer
+from groupwise.types import Rollout, StepInfo
 
 views = importlib.import_module("groupwise.papers.11_devis_grpo.cloud_views")
 FAST = [
@@ -110,6 +112,40 @@ def test_chains_are_joined_along_t_and_rescored_under_each_links_condition(tmp_p
     assert torch.isfinite(batch.rewards).all() and (batch.rewards <= 0).all()  # −Chamfer − λ·outliers ≤ 0
 
 
+def test_min_reward_drops_rows_below_it_from_the_group_by_hand():
+    # rewards [−0.2, −0.9, −0.5, −1.2], min_reward −0.6: rows 1 and 3 dropped; the kept [−0.2, −0.5] have
+    # mean −0.35 and unbiased std √(2·0.15²/1) = 0.212132 → A = ±0.15/(0.212132 + 1e-4) = ±0.706773; dropped 0
+    batch = Rollout(
+        prompt_ids=[[0.0]],
+        actions=torch.zeros(1, 4, 1, dtype=torch.long),
+        mask=torch.ones(1, 4, 1, dtype=torch.bool),
+        group_valid=torch.ones(1, 4, dtype=torch.bool),
+        truncated=torch.zeros(1, 4, dtype=torch.bool),
+        prompt_index=torch.zeros(1, dtype=torch.long),
+    )
+    batch.rewards = torch.tensor([[-0.2, -0.9, -0.5, -1.2]])
+    kept = drop_below(batch, -0.6)
+    assert kept.group_valid.tolist() == [[True, False, True, False]]
+    assert not kept.row_mask[0, 1].any() and kept.row_mask[0, 0].all()  # a dropped row has no loss token
+    adv = GRPOAdvantage()(kept, StepInfo(step=0, seed=0, max_new_tokens=0))  # [1,4]
+    assert adv[0].tolist() == pytest.approx([0.706773, 0.0, -0.706773, 0.0], abs=1e-6)
+    # a reward equal to the threshold is kept (only "below" drops)
+    assert drop_below(batch, -0.5).group_valid.tolist() == [[True, False, True, False]]
+
+
+def test_min_reward_in_the_recipe_drops_the_low_chains(tmp_path):
+    def collect(extra):
+        cfg, _ = load_config("devis", [f'out="{tmp_path / str(len(extra))}"', *FAST, *extra])
+        return Trainer(build(cfg)).collect()  # [2,4,T]
+
+    every = collect([])
+    assert every.group_valid.all()  # off by default: every chain kept
+    cut = float(every.rewards.median())
+    dropped = collect([f"rollout.params={{min_reward={cut!r}}}"])
+    torch.testing.assert_close(dropped.rewards, every.rewards)  # the same seeded chains
+    assert torch.equal(dropped.group_valid, every.rewards >= cut) and not dropped.group_valid.all()
+
+
 def test_the_recipe_trains_and_evaluates_the_chain(tmp_path):
     Run(Trainer(build(load_config("devis", [f'out="{tmp_path}"', *FAST, "train.steps=2"])[0]))).train()
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -123,3 +159,17 @@ def test_a_devis_run_resumes_exactly(tmp_path):
         return Trainer(build(load_config("devis", [f'out="{out}"', *FAST, "train.steps=4", "checkpoint.every=2"])[0]))
 
     assert_resume_is_exact(trainer, tmp_path)
+
+
+@pytest.mark.slow  # a torchrun pair: make test-slow / test-dist; make test stays under 10 minutes
+@pytest.mark.dist
+def test_two_ranks_equal_one_process(tmp_path):
+    """One ADEVIS GRPO step (SGD, lr 1) over 2 ranks equals one process: the same weights after it. Each
+    row's split is seeded by (seed, step, prompt key, g) and each link by its request, so the two ranks'
+    chains are the one process's chains, shared out by prompt."""
+    args = ["train", "devis", *FAST, "rollout.prompts_per_step=4", "train.steps=1", "eval.size=0"]
+    args += ['update={name="sgd", lr=1.0}']
+    one, two = (state["net"] for state in train_one_and_two_ranks(args, tmp_path, "flow_policy.pt", 300))
+    start = torch.load(tmp_path / "one" / "phases" / "sft.pt", weights_only=False)["policy"]["net"]  # the fit
+    assert any(not torch.equal(one[k], start[k]) for k in start)  # the GRPO step moved the fitted net
+    assert_nets_close(one, two)

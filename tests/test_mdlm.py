@@ -192,3 +192,17 @@ def test_the_shipped_fit_loads_by_name_and_matches_its_record():
     assert policy.config == record["config"]
     # greedy unmasking is deterministic: the held-out accuracy fit.json recorded (0.16 on the 50 test targets)
     assert greedy_accuracy(policy, rows("test", 0)) == record["test_greedy_accuracy"] == 0.16
+
+
+@pytest.mark.parametrize(
+    "component",
+    [
+        'objective.weights=[{name="sampler_is"}]',
+        'objective.terms=[{name="vespo", sampler_is="token_truncate"}]',
+        'objective.terms=[{name="dppo_tv", anchor="sampler"}]',
+    ],
+)
+def test_components_reading_the_sampler_logp_are_refused_at_build(tmp_path, component):
+    # logp_sampler of this kind is the likelihood estimate at sampling time, not a sampler log-prob (design K2)
+    with pytest.raises(ConfigError, match="logp_sampler as the sampler's log-prob.*estimate"):
+        _trainer(tmp_path, component)

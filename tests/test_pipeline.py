@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -55,26 +56,35 @@ def test_stage_two_loads_stage_one_and_a_rerun_skips_both(tmp_path, monkeypatch)
     monkeypatch.setattr(run_module.Run, "from_config", refuse)
     again = run_pipeline("demo_chain", tmp_path / "p", seed=3, common=TINY)
     assert again["final_sha256"] == result["final_sha256"]
+    # final weights that no longer have their recorded sha256: the stage goes back to its run, which rewrites
+    # final/ from its final checkpoint (the same bytes); stage 2 loaded those bytes, so it is skipped again
+    monkeypatch.undo()
+    with open(final / "model.safetensors", "ab") as fh:
+        fh.write(b"damage")
+    assert tree_sha(final) != grpo["final_sha256"]
+    repaired = run_pipeline("demo_chain", tmp_path / "p", seed=3, common=TINY)
+    assert tree_sha(final) == grpo["final_sha256"] and repaired["final_sha256"] == result["final_sha256"]
 
 
-def test_killed_in_stage_two_resumes_to_the_same_final_sha256(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage", ["grpo", "clip_higher"])
+def test_killed_in_any_stage_resumes_to_the_same_final_sha256(tmp_path, monkeypatch, stage):
     straight = run_pipeline("demo_chain", tmp_path / "a", seed=5, common=TINY)
 
     from groupwise.trainer import Trainer
 
     original = Trainer.run_step
 
-    def signalled(self):  # SIGTERM arrives during stage 2's first step: the run checkpoints after it and stops
+    def signalled(self):  # SIGTERM arrives during the stage's first step: the run checkpoints after it and stops
         row = original(self)
-        if self.cfg.out_dir.name == "clip_higher" and self.step == 0:
+        if self.cfg.out_dir.name == stage and self.step == 0:
             os.kill(os.getpid(), signal.SIGTERM)
         return row
 
     monkeypatch.setattr(Trainer, "run_step", signalled)
-    with pytest.raises(PipelineStopped, match=r"stage clip_higher stopped at step 1 .*rerun the same command"):
+    with pytest.raises(PipelineStopped, match=rf"stage {stage} stopped at step 1 .*rerun the same command"):
         run_pipeline("demo_chain", tmp_path / "b", seed=5, common=TINY)
     stopped = json.loads((tmp_path / "b" / "pipeline.json").read_text())
-    assert [s["status"] for s in stopped["stages"]] == ["finished", "stopped"]
+    assert [s["status"] for s in stopped["stages"]] == (["stopped"] if stage == "grpo" else ["finished", "stopped"])
     monkeypatch.setattr(Trainer, "run_step", original)
     resumed = run_pipeline("demo_chain", tmp_path / "b", seed=5, common=TINY)
     assert resumed["final_sha256"] == straight["final_sha256"]
@@ -142,3 +152,67 @@ def test_the_command_line_runs_and_reports_one_line_errors(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     record = json.loads((tmp_path / "o" / "pipeline.json").read_text())
     assert out["final_sha256"] == record["final_sha256"] and record["stages"][1]["steps"] == 1
+
+
+def test_a_claim_config_may_be_a_pipeline_and_shared_stages_run_once_per_seed(tmp_path):
+    """Two pipeline configs that differ only in their last stage share stage 1's run folder (same resolved
+    config sha256); a recipe config beside them runs as before; the metrics come from the last stage."""
+    from rich.console import Console
+
+    from groupwise.claims.claimfile import fixed_fields, load_claim
+    from groupwise.claims.report import run_claim
+
+    claim_file = tmp_path / "99-pipeline-toy.toml"
+    claim_file.write_text(
+        'paper = "toy"\nclaim = "clip-higher after GRPO beats GRPO alone"\nmetric = "final_accuracy"\n'
+        'direction = "greater"\nbaseline = "plain"\nexploratory_seeds = 1\n'
+        f"common = {json.dumps(TINY)}\n\n"
+        '[[configs]]\nlabel = "plain"\nrecipe = "demo"\n\n'
+        '[[configs]]\nlabel = "chain"\npipeline = "demo_chain"\n\n'
+        '[[configs]]\nlabel = "chain_lr"\npipeline = "demo_chain"\noverrides = ["update.lr=1e-4"]\n'
+        'stage_overrides = {grpo = ["train.steps=1"]}\n\n'
+        '[[configs]]\nlabel = "chain_b"\npipeline = "demo_chain"\noverrides = ["update.lr=1e-4"]\n'
+        'stage_overrides = {grpo = ["train.steps=1"]}\n'
+    )
+    claim = load_claim(claim_file)
+    assert [c.pipeline for c in claim.configs] == ["", "demo_chain", "demo_chain", "demo_chain"]
+    assert fixed_fields(claim)["configs"][0] == {"label": "plain", "recipe": "demo", "overrides": []}  # as before
+    commands = []
+
+    def launch(argv, log):  # the child's command, run in this process
+        commands.append(argv[3:])
+        return cli.main(argv[3:])
+
+    record = run_claim(claim, tmp_path / "runs", console=Console(quiet=True), launch=launch)
+    assert [c[0] for c in commands] == ["train", "pipeline", "pipeline", "pipeline"] and record["failed"] == 0
+    stages = sorted(p.name for p in (tmp_path / "runs" / claim.slug / "_stages").iterdir())
+    # 3 pipelines x 2 stages, 4 run folders: grpo with 2 steps (chain) and with 1 step (chain_lr and chain_b),
+    # clip_higher from the first at lr 2e-4 (chain) and from the second at lr 1e-4 (chain_lr and chain_b)
+    assert [s.split("-")[0] for s in stages] == ["clip_higher", "clip_higher", "grpo", "grpo"]
+    (chain_b,) = [
+        json.loads(p.read_text()) for p in (tmp_path / "runs" / claim.slug).glob("chain_b/seed0/pipeline.json")
+    ]
+    (chain_lr,) = [
+        json.loads(p.read_text()) for p in (tmp_path / "runs" / claim.slug).glob("chain_lr/seed0/pipeline.json")
+    ]
+    assert [s["folder"] for s in chain_b["stages"]] == [s["folder"] for s in chain_lr["stages"]]
+    last = json.loads((Path(chain_b["stages"][-1]["folder"]) / "summary.json").read_text())
+    assert last["steps"] == 2 and chain_b["stages"][0]["steps"] == 1
+    assert record["summaries"]["chain_b"]["final_accuracy"].startswith(f"{last['accuracy_after']:.3f}")
+
+
+def test_a_pipeline_config_of_a_claim_file_is_checked_naming_the_key(tmp_path):
+    from groupwise.claims.claimfile import ClaimError, load_claim
+
+    head = 'paper = "toy"\nclaim = "x beats y"\nmetric = "final_accuracy"\ndirection = "greater"\nbaseline = "a"\n'
+    cases = {
+        'recipe = "demo"\npipeline = "demo_chain"': "give exactly one of 'recipe' .* and 'pipeline'",
+        'pipeline = "demo_chain"\nstage_overrides = {teacher = ["train.steps=1"]}': r"no stage 'teacher'; stages: grpo",
+        'recipe = "demo"\nstage_overrides = {grpo = ["train.steps=1"]}': "stage_overrides belongs to a pipeline config",
+        'pipeline = "nope"': "no pipeline file or shipped pipeline named 'nope'",
+    }
+    for i, (entry, error) in enumerate(cases.items()):
+        path = tmp_path / f"9{i}-bad.toml"
+        path.write_text(head + f'\n[[configs]]\nlabel = "a"\nrecipe = "demo"\n\n[[configs]]\nlabel = "b"\n{entry}\n')
+        with pytest.raises(ClaimError, match=error):
+            load_claim(path)

@@ -142,7 +142,7 @@ def test_state_round_trip_and_build(tmp_path):
 PLANNER = [
     'model.policy="planner"',
     'model.params={n_labels=12, steps=3, sde="all", hidden=16, layers=2, n_plan=2, plan_dim=3, plan_hidden=8}',
-    'data.task="flow_attrs"',  # (flow2d's flow_region declares modality "flow": design item 16, not done)
+    'data.task="flow_attrs"',
     'rewards=[{name="dv_reward", domain="point2d"}]',
     "rollout.group_size=4",
     "rollout.prompts_per_step=4",

@@ -190,12 +190,8 @@ def build(cfg: Config) -> Parts:
     needs += [] if cfg.train.minibatches == 1 else [Need("logp")]
     needs += [n for role in trained for n in roles.role_needs(role)]
     models = policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
-    models.update(
-        {
-            name: role_policy.scoring_models(with_reference=False)["policy"]
-            for name, role_policy in [*((role.name, role.policy) for role in trained), *frozen.items()]
-        }
-    )
+    role_policies = dict([*((role.name, role.policy) for role in trained), *frozen.items()])
+    models.update({name: p.scoring_models(with_reference=False)["policy"] for name, p in role_policies.items()})
 
     def bind_view(view: Any) -> None:  # what a view reads besides the rollout: token texts, the train rows
         bind_vocabulary([view], policy)
@@ -210,6 +206,8 @@ def build(cfg: Config) -> Parts:
         context=policy.context,
         bind_view=bind_view,
         quantities=getattr(policy, "quantities", None),
+        score_of={name: p.score for name, p in role_policies.items()},  # each role's model by its own policy
+        quantities_of={name: getattr(p, "quantities", None) for name, p in role_policies.items()},
     )
 
     # held-out prompts are also scored under eval.views, and on the held-out rows of eval.tasks
@@ -221,7 +219,7 @@ def build(cfg: Config) -> Parts:
     role_components = [c for r in trained for c in r.components]
 
     # each component against the policy it will run with, before anything runs
-    check_modality(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
+    check_policy_fit(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
     generation = served_policy(cfg, policy, world)
     check_strategy(strategy, generation, owners)  # sampling options it asks for, hooks, extras others read
     unknown = set(cfg.eval.sampling) - set(getattr(policy, "request_options", ()))
@@ -385,12 +383,31 @@ def eval_task(cfg: Config, policy: Any, name: str) -> tuple[list[dict], RewardSt
     return task.rows("test", 0, cfg.seed)[: cfg.eval.size], stage
 
 
-def check_modality(components: list[Any], policy: Any, kind: str) -> None:
-    """A component that declares a ``modality`` runs on policies of that modality only: another fails
-    here, not mid-run."""
+def check_policy_fit(components: list[Any], policy: Any, kind: str) -> None:
+    """A component that declares ``reads_extras`` runs on any policy that writes those extras (the
+    policy's ``row_extras`` / ``token_extras``); one that declares only a ``modality`` runs on policies of
+    that modality; one that ``reads_sampler_logp`` needs a policy whose ``logp_sampler`` is the sampler's own
+    log-prob (``sampler_logp``, "exact" when absent). Another fails here, not mid-run."""
+    written = {*getattr(policy, "row_extras", ()), *getattr(policy, "token_extras", ())}
     for component in components:
-        if getattr(component, "modality", policy.modality) != policy.modality:
-            name = getattr(component, "registry_name", type(component).__name__)
+        name = getattr(component, "registry_name", type(component).__name__)
+        reads = getattr(component, "reads_extras", None)
+        if reads is not None:
+            missing = [extra for extra in reads if extra not in written]
+            if missing:
+                raise ConfigError(
+                    f"{getattr(component, 'stage', '')} component {name!r} reads the rollout extras {missing}, which "
+                    f"the {policy.modality} policy (model.policy={kind!r}) does not write (it writes "
+                    f"{sorted(written) or 'none'}); choose a model.policy whose kind writes them, or drop {name!r}"
+                )
+        if getattr(component, "reads_sampler_logp", False) and getattr(policy, "sampler_logp", "exact") != "exact":
+            raise ConfigError(
+                f"{getattr(component, 'stage', '')} component {name!r} reads logp_sampler as the sampler's log-prob "
+                f"(an importance ratio to the sampler); the {policy.modality} policy (model.policy={kind!r}) stores "
+                f"an {policy.sampler_logp} there, so the ratio would measure nothing; drop {name!r} or its "
+                "sampler option"
+            )
+        if reads is None and getattr(component, "modality", policy.modality) != policy.modality:
             raise ConfigError(
                 f"{getattr(component, 'stage', '')} component {name!r} works on {component.modality} "
                 f"policies; this run's policy is {policy.modality} (model.policy={kind!r})"

@@ -50,10 +50,11 @@ class Policy(Protocol):
     a request's ``n`` are padding); ``forward`` gives per-token quantities of a rollout's actions
     (differentiable under grad); ``scoring_models`` / ``score`` serve no-grad needs by model name.
     ``request_options`` are the sampling keys a ``Request.sampling`` may set; ``modality`` must match
-    every component's own (``"text"`` when a component declares none). ``encode`` gives the policy's
-    own prompt form: token ids for text, a ``[label]`` or an observation vector of floats for a toy
-    (nothing outside the policy reads a non-text encoding as ids). A policy is not a component: its
-    optional members are ``POLICY_OPTIONAL``."""
+    every component's own (``"text"`` when a component declares none), and the extras a component
+    ``reads_extras`` must be among those it declares it writes (``row_extras``, ``token_extras``).
+    ``encode`` gives the policy's own prompt form: token ids for text, a ``[label]`` or an observation
+    vector of floats for a toy (nothing outside the policy reads a non-text encoding as ids). A policy
+    is not a component: its optional members are ``POLICY_OPTIONAL``."""
 
     modality: str
     trainable: bool
@@ -83,11 +84,19 @@ POLICY_OPTIONAL: dict[str, str] = {  # what the library reads from a policy only
     "supervised_loss": "supervised_loss(prompts, targets, gen) -> scalar with grad: the demonstration loss (sft)",
     "condition_extras": "condition_extras: {name: n}, the request extras it samples under (its strategy must set them)",
     "quantities": "quantities: frozenset[str], what its forward computes (a need of another is refused at build)",
+    "plan_condition": "plan_condition(plan) -> [N,H]: the planner kind's generator condition of a plan (lac_binding "
+    "deploys only such a policy)",
+    "row_extras": "row_extras: frozenset[str], the row extras its generate writes (a component's reads_extras)",
+    "token_extras": "token_extras: frozenset[str], the token extras its generate writes (a component's reads_extras)",
+    "sampler_logp": 'sampler_logp: str, "exact" (absent) or "estimate": is logp_sampler the sampler\'s log-prob',
     "end_step": "end_step(step): the policy's own upkeep after each step's observers (the reference sync)",
     "rebase_reference": "rebase_reference(): after an sft phase, the frozen reference becomes the trained policy",
     "hooks": "hooks: frozenset[str], the generation hook kinds its engine applies (groupwise.hooks)",
+    "window": "window: int, the frames an autoregressive frame generator's cache holds (ar_flow; read by kv_branches)",
     "run_info": "run_info: dict, what the policy decided at start, kept in summary.json",
     "run_notes": "run_notes: list[str], lines said at the start of the run",
+    "policy_file": "policy_file: str, the file a toy kind's save writes in its folder (the average_init phase reads "
+    "such folders)",
     "module": "module: the trained torch module (phases that probe the network: steering_vector, e2po_perturbations)",
     "tokenizer": "tokenizer: the Hugging Face tokenizer of a text policy (the agent strategy renders chats with it)",
     "eos": "eos: list[int], the token ids that end a generation (the agent strategy: a turn's stop token)",
@@ -304,9 +313,31 @@ HOOKS: tuple[Hook, ...] = (
         OWNERS,
         "attribute",
         "build",
-        "at build: a component whose modality is not the policy's is refused (eval and task scorers too)",
+        "at build: a component whose modality is not the policy's is refused (eval and task scorers too), "
+        "unless it declares `reads_extras`, which then decides",
         "str",
-        'The policy modality it works on (`"text"`, `"flow"`); absent: any policy.',
+        'The policy modality it works on (`"text"`, `"flow"`); absent: any policy. For what a kind only is '
+        "(a flow-only step weight); a component that needs a policy's outputs declares `reads_extras` instead.",
+    ),
+    Hook(
+        "reads_extras",
+        OWNERS,
+        "attribute",
+        "build",
+        "at build: each must be an extra the policy declares it writes (its `row_extras` / `token_extras`), "
+        "else the build fails naming the extra (eval and task scorers too); `modality` is then not matched",
+        "tuple[str, ...]",
+        "The rollout extras written by the policy that it reads (`x_final`, `keep`, `commit_step`): any policy "
+        "kind that writes them will do (a flow reward on the planner kind, issue 41 item 16).",
+    ),
+    Hook(
+        "reads_sampler_logp",
+        OWNERS,
+        "attribute",
+        "build",
+        'at build (`check_policy_fit`): refused when the policy\'s `sampler_logp` is not "exact" (an estimate)',
+        "bool",
+        "It reads `logp_sampler` as the sampler's log-prob (an importance ratio to the sampler).",
     ),
     Hook(
         "rollout_extras",

@@ -41,10 +41,12 @@ class ModelCfg:
     # cpu | cuda | cuda:N | auto (cuda when available); under torchrun each rank takes cuda:LOCAL_RANK
     device: str = "cpu"
     lora: dict = field(default_factory=dict)  # PEFT LoraConfig arguments; empty = full fine-tuning
-    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow;
-    # planner: Gaussian latent actions then the flow (K4);
+    # lm: a Hugging Face causal LM at `path`; flow: the 2-D flow-matching toy; unified: think tokens then the flow
+    # (the planner kind's think_lm planner under its old names); planner: a planner's K actions (latent: Gaussian
+    # latents, think_lm: think tokens) then the flow (K4);
     # gaussian: observation -> N(mu(s), sigma^2 I); mdlm: a masked-diffusion LM sampled by iterative unmasking
     # subset: k of N items, a Plackett-Luce ranking by Gumbel-top-k
+    # ar_flow: frames drawn one by one by a few-step flow over a cache of the last frames (K5; KVPO)
     # (arguments of the toy kinds in `params`)
     policy: str = "lm"
     params: dict = field(default_factory=dict)  # the non-LM policy's arguments, e.g. {steps = 10, sde = "one_shared"}
@@ -113,7 +115,8 @@ class AdvantageCfg:
 class ObjectiveCfg:
     agg: str = "seq_mean_token_mean"  # default aggregation of every term
     # objective terms (components of stage objective), summed; an entry's rows = {extra = NAME, equals = V} restricts
-    # it to the rows whose row extra NAME is V (objective.py: a KL per game role)
+    # it to the rows whose row extra NAME is V, or the tokens whose token extra NAME is V (objective.py: a KL per game
+    # role; a clip per part of the planner kind's rows)
     terms: list = field(default_factory=lambda: ["ppo_clip"])
     weights: list = field(default_factory=list)  # token-weight components
 

@@ -24,6 +24,13 @@ run time. The kinds:
 - ``residual_add`` (:class:`ResidualAdd`): ``alpha[j] · vector`` [D] is added to the residual
   stream after decoder layer ``layer`` (0: to the embeddings) at every position, prompt and
   generated tokens, for row j. ``alpha[j] = 0`` is the clean model.
+- ``kv_route`` (:class:`KvRoute`): a plan, for each row of the request, of which older frames fill
+  which cache slots of an autoregressive frame generator while it generates the frames of a
+  perturbation window (KVPO's KV-cache routing, spec 21; the ``ar_flow`` policy,
+  ``modalities/ar_flow.py``, applies it). ``sources[j, p]`` [S] are the sequence positions whose
+  frames replace the S oldest of the cache's W slots when row j generates frame ``frames[p]`` (the
+  W − S most recent frames stay); a row whose sources are all −1 samples with the clean cache (the
+  anchor). Scoring replays every row under the clean cache.
 
 The text engine (``policy/engine.py``) applies both on either decoding path: the functional decoder
 (``policy/functional.py``, which declares the kinds it supports in ``DecodeState.hooks``) adds them
@@ -44,7 +51,7 @@ from torch import Tensor
 
 from groupwise.errors import ConfigError
 
-KINDS = ("embed_delta", "residual_add")
+KINDS = ("embed_delta", "residual_add", "kv_route")
 
 
 def noise_aware_gamma(sigma: Tensor, rho: float) -> Tensor:
@@ -95,6 +102,28 @@ class ResidualAdd:
             raise ValueError(
                 f"ResidualAdd: need layer >= 0, vector [D] and alpha [n]; got layer={self.layer}, vector "
                 f"{tuple(self.vector.shape)}, alpha {tuple(self.alpha.shape)}"
+            )
+
+
+@dataclass
+class KvRoute:
+    """Row j generates frame ``frames[p]`` with the frames at sequence positions ``sources[j, p]`` in the
+    oldest cache slots (−1: that row's clean cache)."""
+
+    kind: ClassVar[str] = "kv_route"
+    frames: Tensor  # [P] int64, the generated frames (0-based) whose cache is routed
+    sources: Tensor  # [n,P,S] int64, sequence positions (prompt frames first), −1 = the clean cache
+
+    def __post_init__(self) -> None:
+        if self.frames.dim() != 1 or self.sources.dim() != 3 or self.sources.shape[1] != self.frames.shape[0]:
+            raise ValueError(
+                f"KvRoute: frames [P] and sources [n,P,S] do not agree (frames {tuple(self.frames.shape)}, "
+                f"sources {tuple(self.sources.shape)})"
+            )
+        clean = (self.sources < 0).all(-1)  # [n,P]
+        if bool(((self.sources < 0).any(-1) & ~clean).any()):
+            raise ValueError(
+                "KvRoute: the sources of one row and frame must be all >= 0 (routed) or all −1 (the clean cache)"
             )
 
 
@@ -171,6 +200,11 @@ def row_hooks(
             if steer is None:
                 steer_layer, steer = hook.layer, torch.zeros(R, dim)  # [R,D]
             steer[b * n : (b + 1) * n] = hook.alpha.float()[:, None] * hook.vector.float()[None, :]
+        elif isinstance(hook, KvRoute):
+            raise ValueError(
+                f"prompt {b}: a kv_route hook routes the frame cache of an autoregressive frame generator "
+                "(model.policy = 'ar_flow'); the text engine cannot apply it"
+            )
         else:
             raise ValueError(f"unknown generation hook {type(hook).__name__}; known kinds: {list(KINDS)}")
     return embed_add, (None if steer is None else (steer_layer, steer))

@@ -7,7 +7,9 @@ are still missing on a rollout: the providers' plans are merged, so every ``(mod
 runs ONE packed forward for all the quantities read from it, and each result is stored under the
 need's ``key`` (the policy's default ``logp`` is ``logp_old``, the reference's ``logp_ref``; anything
 else a token-level extra). A forward of the policy's own context always refreshes ``logp_old``: it
-is the sampling policy's log-prob, computed anyway.
+is the sampling policy's log-prob, computed anyway. Each model is scored by its own policy
+(``score_of[name]``: a frozen flow teacher by its flow policy), and a need of a quantity that model's
+policy does not compute (``quantities_of[name]``) is refused at build naming the role.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class NeedResolver:
         context: int | None = None,
         bind_view: Callable[[Any], None] | None = None,
         quantities: frozenset[str] | None = None,
+        score_of: dict[str, Callable[..., dict]] | None = None,
+        quantities_of: dict[str, frozenset[str] | None] | None = None,
     ):
         self.models, self.forward, self.encode, self.view_params, self.context = (
             models,
@@ -64,6 +68,10 @@ class NeedResolver:
         # called once on each view built (the trainer gives it token texts and the train rows)
         self.bind_view = bind_view
         self.quantities = quantities  # what the policy's forward computes, when it declares it (Policy.quantities)
+        # one scoring function per model (a role's own policy's `score`), and what each computes; a model
+        # not named here is scored by `forward` and computes `quantities` (the policy and its reference)
+        self.score_of = dict(score_of or {})
+        self.quantities_of = dict(quantities_of or {})
         self.providers: dict[str, Any] = {}
         self.views: dict[str, Any] = {}
         for need in needs:
@@ -79,11 +87,20 @@ class NeedResolver:
             self.providers[need.name] = build("provider", need.name)
         provider = self.providers[need.name]
         provider.check(need)
-        if self.quantities is not None and isinstance(provider, _ForwardQuantity) and need.name not in self.quantities:
-            raise ConfigError(
-                f"{need}: this run's policy computes {sorted(self.quantities)}, not {need.name!r} "
-                f"(a quantity of another policy kind, model.policy)"
-            )
+        if isinstance(provider, _ForwardQuantity):
+            for model, _ in provider.plan(need):
+                own = self.quantities_of.get(model, self.quantities)
+                if own is None or need.name in own:
+                    continue
+                if model in self.quantities_of:
+                    raise ConfigError(
+                        f"{need}: model {model!r} (roles.{model}) computes {sorted(own)}, not {need.name!r}; "
+                        f"name a role whose policy kind computes it (roles.{model}.model.policy)"
+                    )
+                raise ConfigError(
+                    f"{need}: this run's policy computes {sorted(own)}, not {need.name!r} "
+                    f"(a quantity of another policy kind, model.policy)"
+                )
         if need.grad and not (provider.grad_ok and need.model == "policy" and need.view == "default"):
             raise ConfigError(
                 f"{need} cannot be computed with autograd: grad needs are the policy's own "
@@ -136,7 +153,7 @@ class NeedResolver:
                     rows, positions = rows.rows, rows.positions
                 check_view_rollout(view, rollout, rows, self.context, positions)
             with self._scoring(model_name) as model:
-                out = self.forward(model, rows, quantities=sorted(quantities))
+                out = self.score_of.get(model_name, self.forward)(model, rows, quantities=sorted(quantities))
             if positions is None:
                 out["scored"] = rows.row_mask.bool()  # [B,G,T]
             else:  # the view edited the completions: every quantity back on the original token axis

@@ -31,10 +31,12 @@ e.g. a term on a sparse set of token positions averaged over their number (LA-GR
 
 Any term entry may carry a row filter, ``rows = {extra = "NAME", equals = V}`` (a key of the entry,
 read by the objective, never by the term): the term is then aggregated over the rows whose row
-extra ``NAME`` equals ``V`` only, and its normaliser counts only their tokens, exactly as a
-``token_subset`` does (:class:`RowFilter`). Two entries of one term with different filters are
-role-specific copies of it: DPA-GRPO's KL per game role, ``{name = "kl", key = "kl_v", rows =
-{extra = "game_role", equals = 1}}`` and ``kl_g`` on ``equals = 0``.
+extra ``NAME`` equals ``V`` only (or, when ``NAME`` is a token extra, over the tokens whose value is
+``V``), and its normaliser counts only their tokens, exactly as a ``token_subset`` does
+(:class:`RowFilter`). Two entries of one term with different filters are role-specific copies of it:
+DPA-GRPO's KL per game role, ``{name = "kl", key = "kl_v", rows = {extra = "game_role", equals = 1}}``
+and ``kl_g`` on ``equals = 0``; LAC's per-part clips, two ``ppo_clip`` entries on the planner kind's
+token extra ``part`` (0 plan positions, 1 generator steps), each with its own clip range.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from torch import Tensor
 
 from groupwise.errors import ConfigError
 from groupwise.registry import build, build_spec
-from groupwise.types import Need, Rollout, StepInfo
+from groupwise.types import ANCHOR, Need, Rollout, StepInfo
 
 
 def geo_mean_factor(weight: Tensor, mask: Tensor) -> Tensor:
@@ -103,7 +105,8 @@ def check_token_weights(terms: list[Any], weights: list[Any]) -> None:
 
 @dataclass(frozen=True)
 class RowFilter:
-    """A term entry's ``rows = {extra = NAME, equals = V}``: the rows whose row extra ``NAME`` equals ``V``."""
+    """A term entry's ``rows = {extra = NAME, equals = V}``: the rows whose row extra ``NAME`` equals ``V``
+    (a token extra: the tokens whose value is ``V``)."""
 
     extra: str
     equals: float
@@ -120,15 +123,16 @@ class RowFilter:
         return cls(str(spec["extra"]), float(spec["equals"]))
 
     def __call__(self, rollout: Rollout) -> Tensor:
-        """[B,G] bool: the rows this filter keeps."""
-        value = rollout.extras.get(self.extra)
-        if value is None or rollout.extra_levels.get(self.extra) != "row":
+        """[B,G,1] bool: the rows this filter keeps (a row extra); [B,G,T]: the tokens (a token extra)."""
+        value, level = rollout.extras.get(self.extra), rollout.extra_levels.get(self.extra)
+        if value is None or level not in ("row", "token") or value.dim() != 2 + (level == "token"):
             raise ValueError(
-                f"an objective term's rows filter reads the row extra {self.extra!r}, which this batch does not "
-                f"carry at row level (it has {sorted(rollout.extras) or 'no extras'}); use a rollout strategy that "
-                "sets it (its collects), or drop the filter"
+                f"an objective term's rows filter reads the extra {self.extra!r}, which this batch does not carry "
+                f"as a row extra [B,G] or a token extra [B,G,T] (it has {sorted(rollout.extras) or 'no extras'}); "
+                "use a rollout strategy that sets it (its collects) or a policy that writes it, or drop the filter"
             )
-        return value == self.equals  # [B,G]
+        keep = value == self.equals  # [B,G] or [B,G,T]
+        return keep[..., None] if level == "row" else keep  # [B,G,1] or [B,G,T]
 
 
 @dataclass
@@ -165,7 +169,8 @@ class Objective:
 
     @property
     def rollout_extras(self) -> tuple[str, ...]:
-        """The row extras the terms' row filters read (the strategy must collect them: ``check_strategy``)."""
+        """The extras the terms' row filters read (the strategy must collect them, or the policy write them:
+        ``check_strategy``)."""
         return tuple(sorted({f.extra for f in self.row_filters if f is not None}))
 
     def _agg_name(self, term: Any) -> str:
@@ -189,13 +194,16 @@ class Objective:
             mask = mask & term.token_subset(rollout).bool()  # [B,G,T]
         row_filter = self._row_filter(index)
         if row_filter is not None:
-            mask = mask & row_filter(rollout)[..., None]  # [B,G,T]
+            mask = mask & row_filter(rollout)  # [B,G,T]
         return mask
 
     def loss_mask(self, rollout: Rollout) -> Tensor:
         """[B,G,T] bool: the tokens that receive loss and count in every normaliser: valid rows, mask,
-        and not removed by a token weight (``extras["counted"]``; without it, non-zero ``weight``)."""
+        not an ``anchor`` row (generated and scored, never trained: ``types.ANCHOR``), and not removed
+        by a token weight (``extras["counted"]``; without it, non-zero ``weight``)."""
         mask = rollout.row_mask  # [B,G,T]
+        if ANCHOR in rollout.row_flags:
+            mask = mask & ~rollout.flag(ANCHOR)[..., None]  # [B,G,T]
         if "counted" in rollout.extras:
             mask = mask & rollout.extras["counted"]  # [B,G,T]
         elif rollout.weight is not None:

@@ -126,7 +126,9 @@ class Rollout:
     ``row_flags``: named [B,G] bool flags, each set by the strategy that knows it and read by the
     components it concerns; ``injected`` (:data:`INJECTED`) marks rows not sampled by the policy under
     their training context (LoPE's swapped-in resamples, FBOS-RL's guided rows in EPA groups);
-    ``forced`` (:data:`FORCED`) rows whose completion starts with a forced ``Request.prefix``. A
+    ``forced`` (:data:`FORCED`) rows whose completion starts with a forced ``Request.prefix``;
+    ``anchor`` (:data:`ANCHOR`) rows that are generated and scored, enter the advantage statistics, and
+    are never trained (``Objective.loss_mask`` drops them: KVPO's unperturbed anchor). A
     batch whose parts set different flags gets ``False`` for a flag a part lacks.
 
     Segments: ``segment_id`` [B,G,T] long numbers the segments of a row (a multi-turn episode's
@@ -518,6 +520,9 @@ class Rollout:
 INJECTED = "injected"
 # row flag: a row whose leading completion tokens were imposed (``Request.prefix``), not drawn
 FORCED = "forced"
+# row flag: a row generated and scored (its reward enters the advantage statistics) but never trained:
+# ``Objective.loss_mask`` drops it (KVPO's unperturbed anchor generation, ``rollout/kv_branches.py``)
+ANCHOR = "anchor"
 
 # Each field's level and the value of its padding (a padding row, or a padding token of a token field).
 # "auto": row-level [B,G] or token-level [B,G,T] by the tensor's rank (advantages). Dicts of tensors

@@ -13,7 +13,10 @@ look at; default 3), ``confirmatory_seeds`` (N: seeds 1000..1000+N-1, drawn only
 ``groupwise claims --confirm``), ``baseline`` (a config label, or a list of them: every claimed config
 is judged against each), ``claimed`` (optional: one label, or a list; default every config but the
 baselines), ``common`` (overrides for every config), ``[[configs]]`` (``label``, ``recipe``,
-``overrides``). Every error names the file and the bad key.
+``overrides``; or ``pipeline`` instead of ``recipe``, a pipeline of runs: ``common`` goes to every stage,
+``overrides`` to the last one, which gives the metrics, ``stage_overrides = {stage = [...]}`` to a named one; a
+stage that several configs resolve identically runs once per seed). Every error names the file and the
+bad key.
 
 **Fixed in advance** (``fixed_fields``): everything that defines the comparison and its reading —
 kind, metric, target, direction, margin, companions, baselines, claimed, common (run length,
@@ -56,7 +59,7 @@ CONFIRM_BASE = 1000  # confirmatory seeds are CONFIRM_BASE.. (the same block for
 CONFIRM_BLOCK = 1000  # [CONFIRM_BASE, CONFIRM_BASE + CONFIRM_BLOCK): no exploratory or replication seed in it
 # words of a parity / non-inferiority claim: judged against a margin > 0, never against 0
 PARITY_RE = re.compile(r"\b(at least|preserv\w*|no worse|not worse|as good as|matches|unchanged|comparable)\b", re.I)
-CONFIG_KEYS = ("label", "recipe", "overrides")
+CONFIG_KEYS = ("label", "recipe", "overrides", "pipeline", "stage_overrides")
 REQUIRED = ("paper", "claim", "metric", "direction", "baseline", "configs")
 
 
@@ -204,15 +207,29 @@ def load_claim(path: str | Path, check_configs: bool = True) -> Claim:
         if not isinstance(entry, dict):
             raise ClaimError(f"{at} must be a table")
         _unknown(at, list(entry), CONFIG_KEYS)
-        for key in ("label", "recipe"):
+        if ("recipe" in entry) == ("pipeline" in entry):
+            raise ClaimError(f"{at}: give exactly one of 'recipe' (a run) and 'pipeline' (a pipeline of runs)")
+        for key in ("label", "pipeline" if "pipeline" in entry else "recipe"):
             if not isinstance(entry.get(key), str) or not entry[key]:
                 raise ClaimError(f"{at}: missing or empty {key!r}")
+        stage_overrides = entry.get("stage_overrides", {})
+        if "stage_overrides" in entry and "pipeline" not in entry:
+            raise ClaimError(f'{at}: stage_overrides belongs to a pipeline config (pipeline = "NAME")')
+        if not isinstance(stage_overrides, dict):
+            raise ClaimError(f"{at}: stage_overrides must be a table {{stage = ['key=value', ...]}}")
+        stage_overrides = {k: _overrides(at, f"stage_overrides.{k}", v) for k, v in stage_overrides.items()}
         if not LABEL_RE.match(entry["label"]):
             raise ClaimError(f"{at}: label {entry['label']!r} must be letters, digits and _ . + - (it names a folder)")
         if any(c.label == entry["label"] for c in configs):
             raise ClaimError(f"{at}: label {entry['label']!r} is used twice")
         configs.append(
-            ConfigSpec(entry["label"], entry["recipe"], _overrides(at, "overrides", entry.get("overrides", [])))
+            ConfigSpec(
+                entry["label"],
+                entry.get("recipe", ""),
+                _overrides(at, "overrides", entry.get("overrides", [])),
+                entry.get("pipeline", ""),
+                stage_overrides,
+            )
         )
     labels = [c.label for c in configs]
     baselines = [data["baseline"]] if isinstance(data["baseline"], str) else data["baseline"]
@@ -374,7 +391,7 @@ def fixed_fields(claim: Claim) -> dict:
         "baselines": list(claim.baselines),
         "claimed": list(claim.claimed),
         "common": list(claim.common),
-        "configs": [{"label": c.label, "recipe": c.recipe, "overrides": list(c.overrides)} for c in claim.configs],
+        "configs": [c.entry() for c in claim.configs],
         "confirmatory_seeds": claim.confirmatory_seeds,
     }
 

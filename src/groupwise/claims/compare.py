@@ -90,14 +90,28 @@ LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 @dataclass
 class ConfigSpec:
-    """One configuration of a comparison: a recipe (shipped name or path) plus its own overrides."""
+    """One configuration of a comparison: a recipe (shipped name or path) plus its own overrides; or a
+    pipeline (``groupwise pipeline``: shipped name or path, ``recipe`` empty) whose last stage takes
+    ``overrides`` and whose stages take ``stage_overrides[stage]``."""
 
     label: str
     recipe: str
     overrides: list[str] = field(default_factory=list)
+    pipeline: str = ""
+    stage_overrides: dict[str, list[str]] = field(default_factory=dict)
 
     def describe(self) -> str:
+        if self.pipeline:
+            own = [f"{stage}:{o}" for stage, words in self.stage_overrides.items() for o in words]
+            return " ".join([f"pipeline {self.pipeline}", *self.overrides, *own])
         return " ".join([self.recipe, *self.overrides])
+
+    def entry(self) -> dict[str, Any]:
+        """As a claim file's ``[[configs]]`` entry (a recipe config's keys as before pipelines existed)."""
+        out: dict[str, Any] = {"label": self.label, "recipe": self.recipe, "overrides": list(self.overrides)}
+        if self.pipeline:
+            out.update(pipeline=self.pipeline, stage_overrides={k: list(v) for k, v in self.stage_overrides.items()})
+        return out
 
 
 def is_metric(name: object) -> bool:
@@ -188,9 +202,45 @@ def run_overrides(spec: ConfigSpec, shared: list[str], seed: int, folder: Path) 
     return [*shared, *spec.overrides, f"seed={seed}", f"out={toml_value(str(folder))}"]
 
 
+def pipeline_run(
+    spec: ConfigSpec, shared: list[str], seed: int, folder: Path, stages: Path, where: str
+) -> tuple[dict, list[str], Path]:
+    """A pipeline config's run: (its key: the pipeline file and every stage's resolved config minus
+    ``out``; the ``groupwise pipeline`` command; the last stage's run folder, whose metrics count).
+    ``shared`` (a claim's ``common``) goes to every stage, the config's overrides to the last one, its
+    ``stage_overrides[stage]`` to that stage; stage folders live in ``stages``
+    (content-addressed, so a stage identical across configs runs once per seed)."""
+    from groupwise.pipeline import load_pipeline, stage_plan
+
+    try:
+        pipeline = load_pipeline(spec.pipeline)
+        last = pipeline.stages[-1].name
+        own = {name: list(words) for name, words in spec.stage_overrides.items()}
+        for name in own:
+            pipeline.stage(name)  # refuses a stage the pipeline does not have, naming its stages
+        own[last] = [*own.get(last, []), *spec.overrides]
+        plan = stage_plan(pipeline, folder, seed, list(shared), own, stages)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: config {spec.label!r} ({spec.describe()}): {err}") from None
+    key = {
+        "pipeline": str(pipeline.path.resolve()),
+        "stages": [{"name": p["name"], "config_sha256": p["config_sha256"]} for p in plan],
+        "config": {k: v for k, v in plan[-1]["config"].items() if k != "out"},
+    }
+    argv = [sys.executable, "-m", "groupwise", "pipeline", str(pipeline.path.resolve())]
+    argv += ["--out", str(folder), "--seed", str(seed), "--stages", str(stages)]
+    argv += [*shared, *[f"{name}:{word}" for name, words in own.items() for word in words]]
+    return key, argv, Path(plan[-1]["folder"])
+
+
 def resolved_key(spec: ConfigSpec, overrides: list[str], where: str) -> dict:
-    """The resolved config (minus ``out``) that identifies a run folder's contents."""
+    """The resolved config (minus ``out``) that identifies a run folder's contents (a pipeline config:
+    :func:`pipeline_run`'s key, resolved for seed 0 in a scratch folder: a check that it resolves)."""
     from groupwise.config import load_config, resolve_recipe, to_dict
+
+    if spec.pipeline:
+        scratch = Path(".pipeline-check")
+        return pipeline_run(spec, overrides, 0, scratch, scratch / "_stages", where)[0]
 
     try:
         path = resolve_recipe(spec.recipe)
@@ -203,9 +253,10 @@ def resolved_key(spec: ConfigSpec, overrides: list[str], where: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- one run
-def run_state(folder: Path, key: dict) -> str:
-    """``done`` (finished for this config: ``FINISHED`` vouches for its outputs), ``partial`` (this
-    config, unfinished), ``stale`` or ``new`` (nothing there but what a killed write left)."""
+def run_state(folder: Path, key: dict, finished_in: Path | None = None) -> str:
+    """``done`` (finished for this config: ``FINISHED`` vouches for its outputs; in ``finished_in``,
+    a pipeline's last stage, when given), ``partial`` (this config, unfinished), ``stale`` or ``new``
+    (nothing there but what a killed write left)."""
     marker = folder / "run.json"
     if not folder.exists():
         return "new"
@@ -215,7 +266,7 @@ def run_state(folder: Path, key: dict) -> str:
         except json.JSONDecodeError:
             same = False
         if same:
-            return "done" if runfolder.finished_step(folder)[0] is not None else "partial"
+            return "done" if runfolder.finished_step(finished_in or folder)[0] is not None else "partial"
         return "stale"
     if (folder / "config.toml").exists() or (folder / "summary.json").exists():
         return "stale"  # a run folder of unknown config
@@ -383,13 +434,18 @@ def compare(
     for seed in seed_list:  # seed-major: an interrupted compare still has paired seeds
         for spec in specs:
             folder = out / spec.label / f"seed{seed}"
-            overrides = run_overrides(spec, shared, seed, folder)
-            plan.append((spec, seed, folder, overrides, resolved_key(spec, overrides, "compare")))
+            if spec.pipeline:  # its stages' run folders are shared by the configs of this compare
+                key, argv, run_dir = pipeline_run(spec, shared, seed, folder, out / "_stages", "compare")
+            else:
+                overrides = run_overrides(spec, shared, seed, folder)
+                key = resolved_key(spec, overrides, "compare")
+                argv, run_dir = [sys.executable, "-m", "groupwise", "train", key["recipe"], *overrides], folder
+            plan.append((spec, seed, folder, argv, key, run_dir))
     runs: dict[str, list[dict]] = {spec.label: [] for spec in specs}
     width = len(str(len(plan)))
-    for i, (spec, seed, folder, overrides, key) in enumerate(plan, 1):
+    for i, (spec, seed, folder, argv, key, run_dir) in enumerate(plan, 1):
         tag = f"[{i:>{width}}/{len(plan)}] {spec.label} seed{seed}"
-        state = run_state(folder, key)
+        state = run_state(folder, key, run_dir)
         record = {"seed": seed, "folder": str(folder), "status": "ok", "skipped": state == "done"}
         if state == "stale":
             console.print(f"{tag}: [yellow]folder holds another config, replacing it[/]", soft_wrap=True)
@@ -400,7 +456,6 @@ def compare(
             if state == "stale":
                 shutil.rmtree(folder)
             folder.mkdir(parents=True, exist_ok=True)
-            argv = [sys.executable, "-m", "groupwise", "train", key["recipe"], *overrides]
             runfolder.write_atomic(folder / "run.json", json.dumps({"key": key, "argv": argv[1:]}, indent=1) + "\n")
             t0 = time.perf_counter()
             with console.status(f"{tag} running"):
@@ -409,12 +464,12 @@ def compare(
             meta = json.loads((folder / "run.json").read_text())
             meta.update(returncode=rc, process_seconds=elapsed)
             runfolder.write_atomic(folder / "run.json", json.dumps(meta, indent=1) + "\n")
-            if rc != 0 or runfolder.finished_step(folder)[0] is None:
+            if rc != 0 or runfolder.finished_step(run_dir)[0] is None:
                 record.update(status="failed", returncode=rc, error=_last_error(folder / "train.log"))
         meta = json.loads((folder / "run.json").read_text())
         record["process_seconds"] = meta.get("process_seconds")
         if record["status"] == "ok":
-            record["metrics"] = read_run(folder, target, metrics)
+            record["metrics"] = read_run(run_dir, target, metrics)
             m = record["metrics"]
             planned = key["config"].get("train", {}).get("steps")
             if planned is not None and m["steps"] is not None and m["steps"] < planned:
@@ -450,9 +505,7 @@ def compare(
         "metrics": metrics,
         "configs": [
             {
-                "label": s.label,
-                "recipe": s.recipe,
-                "overrides": s.overrides,
+                **s.entry(),
                 "runs": runs[s.label],
                 "summary": summarise(runs[s.label], target, metrics),
             }
@@ -507,7 +560,10 @@ def compare_markdown(result: dict) -> str:
     ]
     for c in result["configs"]:
         ok = sum(r["status"] == "ok" for r in c["runs"])
-        cells = [c["label"], "`" + " ".join([c["recipe"], *c["overrides"]]) + "`", f"{ok}/{len(c['runs'])}"]
+        spec = ConfigSpec(
+            **{k: c[k] for k in ("label", "recipe", "overrides", "pipeline", "stage_overrides") if k in c}
+        )
+        cells = [c["label"], "`" + spec.describe() + "`", f"{ok}/{len(c['runs'])}"]
         cells += [c["summary"][k]["text"] for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [

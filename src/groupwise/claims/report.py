@@ -12,6 +12,7 @@ over on every regeneration.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import re
@@ -73,6 +74,12 @@ kind, metric, target, direction, margin, companions, baselines, claimed, common 
 thresholds), configs and the number of confirmatory seeds. After that, `groupwise claims` refuses a
 claim file whose fixed fields changed: the changed claim needs a new id (a new file), and the old file
 and record stay. No seeds are added to a confirmatory verdict (fixed n, no sequential design).
+
+**Pipelines.** A config may be a pipeline of runs (`pipeline = "NAME"` instead of `recipe`,
+`docs/pipelines.md`): `common` goes to every stage, the config's `overrides` to the last stage,
+whose run folder gives the metrics, and `stage_overrides = {stage = [...]}` to a named one. A stage
+that several configs resolve to the same config runs once per seed (`<claim folder>/_stages/`), and
+each stage's `stage.json` pins every model it loaded by sha256 with its label ledger.
 
 How to read the table:
 
@@ -203,7 +210,7 @@ def run_claim(
             "confirmatory run)"
         )
     folder = run_folder(claim, out, phase, seed_list)
-    configs = [type(c)(c.label, c.recipe, list(c.overrides)) for c in claim.configs]
+    configs = [dataclasses.replace(c, overrides=list(c.overrides)) for c in claim.configs]
     result = compare(
         configs,
         seed_list,
@@ -242,7 +249,7 @@ def run_claim(
         "seed_list": seed_list,
         "common": claim.common,
         "extra": list(extra),
-        "configs": [{"label": c.label, "recipe": c.recipe, "overrides": c.overrides} for c in claim.configs],
+        "configs": [c.entry() for c in claim.configs],
         "claim_sha": claim.sha,
         "fixed": fixed,
         "fixed_sha": fixed_sha(fixed),
@@ -333,7 +340,9 @@ def _companions_text(effect: dict, claim: Claim) -> str:
 def run_defining(data: dict) -> dict:
     """The fields that decide what was run (an exploratory record is stale when they changed)."""
     configs = [
-        {"label": c["label"], "recipe": c["recipe"], "overrides": list(c["overrides"])} for c in data.get("configs", [])
+        {"label": c["label"], "recipe": c["recipe"], "overrides": list(c["overrides"])}
+        | {k: c[k] for k in ("pipeline", "stage_overrides") if k in c}
+        for c in data.get("configs", [])
     ]
     return {
         "metric": data.get("metric"),
@@ -515,8 +524,7 @@ def _section(claim: Claim, confirmed: dict | None, explored: dict | None) -> lis
         "|---|---|",
     ]
     out += [
-        f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | "
-        f"`{_cell(' '.join([c.recipe, *c.overrides]))}` |"
+        f"| {c.label}{' (baseline)' if c.label in claim.baselines else ''} | `{_cell(c.describe())}` |"
         for c in claim.configs
     ]
     out.append("")

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from groupwise.masked import masked_input
-from groupwise.types import Rollout
+from groupwise.types import ANCHOR, Rollout
 
 
 def term_mask(mb: Rollout) -> Tensor:
@@ -21,9 +21,11 @@ def term_mask(mb: Rollout) -> Tensor:
 
 
 def loss_tokens(mb: Rollout) -> Tensor:
-    """[b,G,T] bool: ``term_mask`` less the tokens a token weight removed (``extras["counted"]``), as
-    ``Objective.loss_mask``: the tokens the aggregations count."""
+    """[b,G,T] bool: ``term_mask`` less the tokens a token weight removed (``extras["counted"]``) and the
+    ``anchor`` rows, as ``Objective.loss_mask``: the tokens the aggregations count."""
     mask = term_mask(mb)  # [b,G,T]
+    if ANCHOR in mb.row_flags:
+        mask = mask & ~mb.flag(ANCHOR)[..., None]  # [b,G,T]
     return mask & mb.extras["counted"].bool() if "counted" in mb.extras else mask
 
 

@@ -83,7 +83,7 @@ class CMGRPO:
     coef: float = 1.0
     agg: str | None = None
 
-    modality = "flow"  # reads the flow policy's x̂₀ and stored consistency steps
+    reads_extras = ("flow_x_next", "flow_sigma_next", "flow_std")  # the stored consistency steps (x̂₀: a need)
 
     def __post_init__(self) -> None:
         if self.scale <= 0 or self.adv_clip_max <= 0 or self.beta < 0:

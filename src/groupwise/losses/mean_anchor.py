@@ -21,9 +21,9 @@ the policy's mean action in closed form, no sample needed.
 **Notes**
 
 1. Declared for the gaussian kind (``modality``), whose ``step_mean`` is μ_θ(s) itself; the flow
-   toy's ``step_mean`` (each trained step's kernel mean) has the same shape, but the build's
-   modality check keeps the term to the kind it was tested on until components declare what they
-   read (``nontext.md`` M2 "capabilities").
+   toy's ``step_mean`` (each trained step's kernel mean) has the same shape but another meaning,
+   and a quantity is not an extra (``reads_extras``), so the build's modality check keeps the term
+   to the kind it was tested on.
 2. The reference is the frozen snapshot the policy keeps (``scoring_models(with_reference=True)``);
    after an ``sft`` phase it is the fitted f0 (``rebase_reference``).
 3. ``token_weights = "exempt"``: a regulariser, as the KL terms are, is not reweighted by an

@@ -79,6 +79,10 @@ class _DPPO:
         if not self.clip_ratio_c > 0:
             raise ValueError(f"{name}: clip_ratio_c must be > 0, got {self.clip_ratio_c}")
 
+    @property
+    def reads_sampler_logp(self) -> bool:  # anchor = "sampler" compares with logp_sampler (build.check_policy_fit)
+        return self.anchor == "sampler"
+
     def _valid(self, p: Tensor, q: Tensor, logp: Tensor, logq: Tensor, pos: Tensor) -> Tensor: ...
 
     def _parts(self, mb: Rollout, out: dict[str, Tensor]) -> tuple[Tensor, ...]:

@@ -86,6 +86,10 @@ class VESPO:
 
     needs = ()
 
+    @property
+    def reads_sampler_logp(self) -> bool:  # its sampler_is option reads logp_sampler (build.check_policy_fit)
+        return self.sampler_is is not None
+
     def __post_init__(self) -> None:
         if self.sampler_is not in SAMPLER_IS:
             raise ValueError(f"vespo: sampler_is must be one of {SAMPLER_IS}, got {self.sampler_is!r}")

@@ -66,7 +66,7 @@ with a Gaussian log-prob: the policy's actions) are the trained ones, the others
 6. Subclasses condition the velocity on more than the label through two hooks: ``_velocity(x, σ,
    label, cond)`` (``cond`` [N,...] per row, from ``_generate_flow``'s ``cond`` [B,G,...]) and
    ``_stored_condition(rollout, sel)`` (the same condition for the stored steps, at training); the
-   ``unified`` policy (``modalities/unified.py``) passes its think tokens this way.
+   planner kind (``modalities/planner.py``) passes its plan (latents or think tokens) this way.
 7. Demonstrations (the ``sft`` phase, ``Policy.supervised_loss``): the net is fitted by
    rectified flow matching. A point at noise level σ is x_σ = (1 − σ)·x_0 + σ·ε (x_0 the
    demonstration, ε the noise the sampler starts from at σ = 1), so dx_σ/dσ = ε − x_0 is the
@@ -314,6 +314,9 @@ class FlowPolicy(NetPolicy):
                 self.encoder = PromptEncoder(n_labels, embed_dim, encoder_hidden, cond_dim).double()
         self.trainable = True
         self.modality = "flow"
+        # the extras generate writes (Notes 2, 8): a component's reads_extras is checked against them at build
+        self.row_extras = frozenset({"x_final"})
+        self.token_extras = frozenset(TOKEN_EXTRAS) | ({"flow_cond"} if condition == "vector" or extras else set())
         # greedy = the deterministic sampler; sampler, steps, cfg_w: a greedy (evaluation) call's kernel (Note 9)
         self.request_options = frozenset({"greedy", "sampler", "steps", "cfg_w"})
         self.quantities = QUANTITIES  # what forward computes (the providers of these needs check it at build)

@@ -51,14 +51,25 @@ from groupwise.types import Rollout, StepInfo
 
 def _points_and_labels(rollout: Rollout, name: str) -> Tensor:
     """[B,G] the label of each row's own context (``modalities.flow.row_labels``), after checking that
-    the rollout holds 2-D samples ``x_final`` [B,G,2]."""
+    the rollout holds 2-D samples ``x_final`` [B,G,2] and that each context is a label ``[label]``
+    (any policy that writes ``x_final`` passes the build: one conditioned on observations fails here)."""
     points = rollout.extras.get("x_final")
     if points is None or points.shape[-1] != 2:
         raise ValueError(
             f"{name} needs the row extra 'x_final' [B,G,2] of 2-D samples (written by modalities.flow.FlowPolicy "
             f"with dim = 2), got {None if points is None else tuple(points.shape)}"
         )
+    bad = next((c for row in rollout.row_contexts() for c in row if c and not _is_label(c)), None)
+    if bad is not None:
+        raise ValueError(
+            f"{name} reads each row's label, a prompt [label]; got {bad!r}: use a policy conditioned on the label "
+            '(model.policy = "flow" with the label condition, "planner" or "unified")'
+        )
     return row_labels(rollout)
+
+
+def _is_label(context: list) -> bool:
+    return len(context) == 1 and isinstance(context[0], int) and not isinstance(context[0], bool)
 
 
 def mixture_rows(n: int, n_labels: int = 4, seed: int = 0) -> list[dict]:
@@ -115,7 +126,7 @@ class FlowRegionReward:
     weight: float = 1.0
 
     needs = ()
-    modality = "flow"  # reads the flow policy's x_final
+    reads_extras = ("x_final",)  # the sample of any policy that writes one (flow, planner, unified)
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         labels = _points_and_labels(rollout, "flow_region")  # [B,G]
@@ -161,7 +172,7 @@ class FlowTrapReward:
     weight: float = 1.0
 
     needs = ()
-    modality = "flow"
+    reads_extras = ("x_final",)
 
     def __post_init__(self) -> None:
         if (

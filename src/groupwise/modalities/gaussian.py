@@ -102,6 +102,7 @@ class GaussianPolicy(NetPolicy):
         self.log_sigma = nn.Parameter(torch.tensor(math.log(sigma), dtype=torch.float64), requires_grad=learn_sigma)
         self.trainable = True
         self.modality = "gaussian"
+        self.row_extras, self.token_extras = frozenset({"x_final"}), frozenset({"action"})  # what generate writes
         self.request_options = frozenset({"greedy"})  # greedy = the mean action
         self.quantities = QUANTITIES
         self.reference: GaussianPolicy | None = None

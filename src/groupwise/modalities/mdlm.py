@@ -33,7 +33,10 @@ estimate (there is no tractable sampling log-prob).
 2. Contract: ``actions`` [B,G,L] are the canvas ids (every position trained); token extras
    ``commit_step`` [B,G,L] (int64, 1..S) and ``q_trace`` [B,G,L,S] (float32: the step-s
    probability of the finally committed token, NaN after its commit step); ``logp_sampler`` is
-   the estimator's value at sampling time, so ``sampler_is`` measures nothing on this kind.
+   the estimator's value at sampling time, so ``sampler_is`` would measure nothing on this kind: the
+   policy declares ``sampler_logp = "estimate"`` and the build refuses every component that reads it as
+   the sampler's log-prob (``reads_sampler_logp``: ``sampler_is``, ``vespo``'s ``sampler_is``,
+   ``anchor = "sampler"`` of the trust-region terms).
 3. ``allowed`` (characters) restricts the canvas vocabulary to their ids plus EOS: log-probs are
    renormalised over it, in sampling and in scoring alike. Completions decode up to the first EOS.
 4. The net runs in float64 (as the other toy kinds). Quantities: ``logp`` (the configured
@@ -120,6 +123,8 @@ class MDLMPolicy(NetPolicy):
             self.net = Denoiser(V, width, layers, heads, max_prompt, length).double()
         self.trainable = True
         self.modality = "mdlm"
+        self.sampler_logp = "estimate"  # Note 2: the build refuses components that read it as the sampler's
+        self.row_extras, self.token_extras = frozenset({"mdlm_seed"}), frozenset({"commit_step", "q_trace"})
         self.request_options = frozenset({"greedy"})
         self.quantities = QUANTITIES
         self.reference: MDLMPolicy | None = None

@@ -120,6 +120,7 @@ class SubsetPolicy(NetPolicy):
             self.net = MeanMLP(2 * d + 2, 1, hidden, layers).double()  # [v_j; q; ρ; log ρ] -> s_j
         self.trainable = True
         self.modality = "subset"
+        self.row_extras, self.token_extras = frozenset({"keep"}), frozenset()  # what generate writes
         self.request_options = frozenset({"greedy"})  # greedy = the top k of the scores
         self.quantities = QUANTITIES
         self.reference: SubsetPolicy | None = None

@@ -87,11 +87,11 @@ class LacAlign:
 
     def __call__(self, ctx) -> dict:
         policy = ctx.policy
-        if not isinstance(policy, PlannerPolicy) or policy.dim != 4:
+        if not isinstance(policy, PlannerPolicy) or policy.dim != 4 or policy.planner_kind != "latent":
             raise ConfigError(
-                'phase lac_align trains a planner policy with dim = 4 (model.policy = "planner", '
-                f"model.params.dim = 4); this one is {type(policy).__name__}"
-                + (f" with dim {policy.dim}" if isinstance(policy, PlannerPolicy) else "")
+                'phase lac_align trains a latent planner policy with dim = 4 (model.policy = "planner", '
+                f'model.params.planner = "latent", dim = 4); this one is {type(policy).__name__}'
+                + (f" ({policy.planner_kind!r}, dim {policy.dim})" if isinstance(policy, PlannerPolicy) else "")
             )
         rows = [r for r in ctx.train_rows if "priors" in r and "target" in r]
         if not rows:

@@ -1,8 +1,8 @@
 """The policy a run trains, by kind: ``build_policy(model_cfg, perf)`` for ``model.policy`` = ``lm``,
-``flow``, ``unified``, ``planner``, ``gaussian``, ``mdlm`` or ``subset`` (``policy/__init__.py``). A toy kind
-with ``model.path`` other than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``, ``planner_policy.pt``,
-``gaussian_policy.pt``,
-``mdlm_policy.pt``, ``subset_policy.pt``: config and weights, what its ``save`` writes; a bare name such as
+``flow``, ``unified``, ``planner``, ``gaussian``, ``mdlm``, ``subset`` or ``ar_flow`` (``policy/__init__.py``).
+A toy kind with ``model.path`` other than ``"default"`` loads ``<path>/<file>`` (``flow_policy.pt``,
+``planner_policy.pt``, ``gaussian_policy.pt``, ``mdlm_policy.pt``, ``subset_policy.pt``,
+``ar_flow_policy.pt``: config and weights, what its ``save`` writes; a bare name such as
 ``"mdlm_sum_pairs"`` is the folder shipped in ``groupwise/models/``): a fitted toy is then a warm
 start, a frozen role (``roles.NAME.model``) or a teacher. ``model.params`` may change sampling
 settings (``sde``, ``sde_window``, the mdlm's ``estimator``) but not the saved architecture."""
@@ -17,7 +17,7 @@ import torch
 from groupwise.errors import ConfigError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models"  # the package's shipped models
-KINDS = ("lm", "flow", "unified", "planner", "gaussian", "mdlm", "subset")
+KINDS = ("lm", "flow", "unified", "planner", "gaussian", "mdlm", "subset", "ar_flow")
 TOY_FILES = {
     "flow": "flow_policy.pt",
     "unified": "flow_policy.pt",
@@ -25,6 +25,7 @@ TOY_FILES = {
     "gaussian": "gaussian_policy.pt",
     "mdlm": "mdlm_policy.pt",
     "subset": "subset_policy.pt",
+    "ar_flow": "ar_flow_policy.pt",
 }
 
 
@@ -34,6 +35,7 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
 
         return LMPolicy(model_cfg, perf)
     if model_cfg.policy in TOY_FILES:
+        from groupwise.modalities.ar_flow import ARFlowPolicy
         from groupwise.modalities.flow import FlowPolicy
         from groupwise.modalities.gaussian import GaussianPolicy
         from groupwise.modalities.mdlm import MDLMPolicy
@@ -52,6 +54,7 @@ def build_policy(model_cfg: Any, perf: Any) -> Any:
             "gaussian": GaussianPolicy,
             "mdlm": MDLMPolicy,
             "subset": SubsetPolicy,
+            "ar_flow": ARFlowPolicy,
         }[model_cfg.policy]
         saved = _saved_toy(model_cfg)
         params = dict(model_cfg.params) if saved is None else {**saved["config"], **model_cfg.params}

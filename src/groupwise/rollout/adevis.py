@@ -24,6 +24,8 @@ GRPO's, on the chain's final output.
            x_0 = input; x_j = G_θ(x_{j−1}, Δ_j) for j = 1..n_g;  row = cat_tokens(link 1, …, link n_g)
     links are right-aligned: link j of a row with n_g links is generated in round n_max − n_g + j,
     so every row's last link is in the last round (its x_final, rewards, completion)
+    min_reward (off by default): rows with R_g < min_reward get group_valid False, so the group's
+    mean and std and the loss see only the kept rows ("select high-quality samples")
 
 Row g's randomness: its split from ``random.Random((seed, step, key, g))``; link j's generation
 from request ``(key, offset = round·G + g)`` (the policy's own seeds), fresh for every link.
@@ -42,6 +44,8 @@ from request ``(key, offset = round·G + g)`` (the policy's own seeds), fresh fo
 - ``|Δ_j| ≤ max_step`` is checked with a relative slack of 1e-6: Θ read back from a prompt's rounded
   (cos Θ, sin Θ) is 120° to 1e-7, and 120°/4 must pass a 30° bound.
 - ``eval_links = 5``.
+- ``min_reward = None`` (every row kept): the abstract says high-quality samples are selected but
+  not how; a threshold is an option, and the logged ``reward_mean`` is then over the kept rows.
 
 **Notes**
 
@@ -114,6 +118,9 @@ class Adevis:
     max_step_deg: float = 40.0  # |Δ_j| bound in degrees (a little past the fitted 30°: see Defaults) [INFERRED]
     train_steps: str = "all"  # "all" links' trained steps or only the "last" link's [INFERRED]
     eval_links: int = 5  # evaluate: uniform links of the held-out chain [INFERRED]
+    # drop training rows whose reward is below this (spec 11's "select high-quality samples"); None keeps every
+    # row [INFERRED] off by default: the threshold is not in the abstract
+    min_reward: float | None = None
 
     collects = ()
 
@@ -197,6 +204,8 @@ class Adevis:
         info = ctx.info(0)
         deltas = self._splits(ctx, keys, ctx.group_size, info)
         batch = self._score(ctx, self._chain(ctx, keys, deltas, self.train_steps))
+        if self.min_reward is not None:
+            batch = drop_below(batch, self.min_reward)
         keep = ctx.keep(batch)  # [B] bool
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
 
@@ -212,6 +221,17 @@ class Adevis:
                 raise ValueError("rollout adevis: evaluate needs scored rows (ctx.finish sets rewards [B,G])")
             out[name] = float(rewards[batch.group_valid].mean())
         return out
+
+
+def drop_below(batch: Rollout, min_reward: float) -> Rollout:
+    """``batch`` with the rows whose reward is below ``min_reward`` marked invalid (``group_valid`` False):
+    they enter no group statistic and no loss token (module Math, ``min_reward``)."""
+    rewards = batch.rewards
+    if rewards is None:
+        raise ValueError("rollout adevis: min_reward needs scored rows (ctx.finish sets rewards [B,G])")
+    # a NaN reward is not "below": the estimator already excludes non-finite rows
+    batch.group_valid = batch.group_valid & ~(rewards < min_reward)  # [B,G]
+    return batch
 
 
 def _theta(prompt: list[float]) -> float:

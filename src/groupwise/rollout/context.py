@@ -51,8 +51,9 @@ from groupwise.types import _LEVELS, FORCED, Request, Rollout, StepInfo
 
 def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
     """At build: the strategy's ``request_options`` are offered by the policy, every extra a
-    component lists in ``rollout_extras`` is one the strategy ``collects``, and so is every request
-    extra the policy samples under (its ``condition_extras``: the flow toy's discrete conditions)."""
+    component lists in ``rollout_extras`` is one the strategy ``collects`` or the policy writes (its
+    ``row_extras`` / ``token_extras``), and every request extra the policy samples under (its
+    ``condition_extras``: the flow toy's discrete conditions) is one the strategy collects."""
     name = getattr(strategy, "registry_name", type(strategy).__name__)
     missing = set(getattr(strategy, "request_options", ())) - set(getattr(policy, "request_options", ()))
     if missing:
@@ -72,9 +73,10 @@ def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
             f"condition_extras), which the rollout strategy {name!r} does not set (it collects "
             f"{sorted(collected) or 'nothing'}); pick a strategy that sets them, or drop condition_extras"
         )
+    written = {*getattr(policy, "row_extras", ()), *getattr(policy, "token_extras", ())}
     for component in components:
         for extra in getattr(component, "rollout_extras", ()):
-            if extra not in collected:
+            if extra not in collected | written:
                 who = (
                     f"{getattr(component, 'stage', '')} component "
                     f"{getattr(component, 'registry_name', type(component).__name__)!r}"

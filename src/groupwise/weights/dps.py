@@ -28,7 +28,7 @@ is multiplied by a weight of mean 1 per row, larger for tokens the sampler was u
 1. Reads the token extras ``commit_step`` and ``q_trace`` that ``MDLMPolicy.generate`` writes
    (``modalities/mdlm.py`` Note 2; ``q_trace`` holds the steps up to and including the commit, and
    the commit step itself is left out here); a rollout without them is a ``ValueError``.
-   ``modality = "mdlm"`` marks it as a masked-diffusion-only weight.
+   ``reads_extras`` declares the two, so the build refuses a policy that does not write them.
 2. The mean is per row over its masked tokens; padding rows and masked-out tokens get 0.
 3. Spec 54's test: a token with trace [0.2, 0.5, 0.9] before its commit has DPS 1 − 0.533333 = 0.466667.
 """
@@ -75,7 +75,7 @@ class DenoisingProgress:
     scope: str = "loss"  # scale each token's loss; normalisers unchanged (spec 54's −Σ w·surrogate/|y|)
 
     needs = ()
-    modality = "mdlm"
+    reads_extras = ("commit_step", "q_trace")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -24,7 +24,9 @@ the first 10; :func:`flash_grpo_loss` is that loss as a plain function.
 
 1. Reads the token extras ``flow_sigma``, ``flow_sigma_next``, ``flow_std`` that
    ``FlowPolicy.generate`` writes (the contract in ``modalities/flow.py`` Note 2); a rollout without
-   them (a text policy) is a ``ValueError``. ``modality = "flow"`` marks it as a flow-only weight.
+   them (a text policy) is a ``ValueError``. ``modality = "flow"`` keeps it to the flow kind: the
+   planner kind writes the same extras, but its plan positions are trained positions with σ = 0,
+   where 1/c(t) is not defined (so it declares a kind, not ``reads_extras``).
 2. The mean is over every trained step of the whole step batch (the weight stage sees the whole
    batch, as the authors all-reduce the mean across ranks). With one step per row (Flash-GRPO) that
    is the mean over samples; with ``sde = "all"`` over all trained steps.

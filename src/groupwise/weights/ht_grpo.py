@@ -33,7 +33,7 @@ The fully-masked ratio of the paper is the kind's ``estimator = "stratified(1)"`
 
 1. Both read the token extra ``commit_step`` [B,G,L] and S from ``q_trace`` [B,G,L,S], written by
    ``MDLMPolicy.generate`` (``modalities/mdlm.py`` Note 2); a rollout without them is a ``ValueError``.
-   ``modality = "mdlm"`` marks them as masked-diffusion-only weights.
+   ``reads_extras`` declares the two, so the build refuses a policy that does not write them.
 2. Padding rows and masked-out tokens get 0; the mean of ``ht_hierarchy`` is over each row's masked tokens.
 3. Spec 12's test: S = 4, o = [1, 1, 2, 4], η = 1: raw = [2, 2, 5/3, 1], mean 5/3, w = [1.2, 1.2, 1.0, 0.6];
    q = 0.3: c = ⌈1.2⌉ = 2, structure m = [1, 1, 1, 0], refinement m = [0, 0, 0, 1].
@@ -87,7 +87,7 @@ class HierarchyWeight:
     scope: str = "loss"  # a weight: every token stays in the normalisers
 
     needs = ()
-    modality = "mdlm"
+    reads_extras = ("commit_step", "q_trace")
 
     def __post_init__(self) -> None:
         if not self.eta >= 0.0:
@@ -108,7 +108,7 @@ class StageMask:
     scope: str = "token"  # the masked tokens leave the loss and every normaliser (Σ m in the denominator)
 
     needs = ()
-    modality = "mdlm"
+    reads_extras = ("commit_step", "q_trace")
 
     def __post_init__(self) -> None:
         if round(float(self.stage_id)) not in (0, 1, 2):

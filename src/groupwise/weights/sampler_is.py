@@ -87,6 +87,7 @@ class SamplerIS:
     scope: str = "loss"
 
     needs = (Need("logp"),)
+    reads_sampler_logp = True  # ρ is a ratio to the sampler's log-prob (build.check_policy_fit)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

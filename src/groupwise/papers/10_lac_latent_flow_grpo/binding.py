@@ -123,10 +123,10 @@ class BindingReward:
 
 
 def greedy_binding(policy: Any, ring: float = 2.0) -> dict[str, float]:
-    """The deployed policy (planner mean, then the ODE) on each of the 12 ordered pairs once:
-    ``binding_acc`` the share bound in order; ``donor_follow`` the share that, given the latents the
-    planner makes for the swapped pair (j, i) instead of its own, draws (j, i): the plan is consumed
-    (the paper's intervention check)."""
+    """The deployed policy (planner mean or argmax, then the ODE) on each of the 12 ordered pairs once:
+    ``binding_acc`` the share bound in order; ``donor_follow`` the share that, given the plan (latents or
+    think tokens) the planner makes for the swapped pair (j, i) instead of its own, draws (j, i): the
+    plan is consumed (the paper's intervention check)."""
     info = StepInfo(step=0, seed=0, max_new_tokens=0)
     labels = torch.arange(len(PAIRS))  # [Y]
     requests = [Request(key=int(y), n=1, prompt=[int(y)]) for y in labels]
@@ -134,7 +134,8 @@ def greedy_binding(policy: Any, ring: float = 2.0) -> dict[str, float]:
     swapped = torch.tensor([PAIRS.index((j, i)) for i, j in PAIRS])  # [Y]
     donors = policy.generate([Request(key=int(y), n=1, prompt=[int(y)]) for y in swapped], {"greedy": True}, info)
     with torch.no_grad():
-        moved = policy._generate_flow(requests, {"greedy": True}, info, donors.extras["plan"].double())
+        plan = policy.planner.condition_of(donors.extras[policy.planner.row_extra])  # [Y,1,K,...] either planner's
+        moved = policy._generate_flow(requests, {"greedy": True}, info, plan)
     bound = binding_score(own.extras["x_final"][:, 0], labels, ring)  # [Y]
     follow = binding_score(moved.extras["x_final"][:, 0], swapped, ring)  # [Y]
     return {"binding_acc": float(bound.mean()), "donor_follow": float(follow.mean())}

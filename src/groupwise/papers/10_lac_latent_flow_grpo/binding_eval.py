@@ -49,7 +49,7 @@ class LacBinding:
 
     def evaluate(self, ctx: RolloutContext, rows: list[dict], info: StepInfo) -> dict[str, float]:
         """``binding_acc`` and ``donor_follow`` over the 12 ordered pairs (the rows' labels are all of them)."""
-        if ctx.policy.modality != "planner" or ctx.policy.dim != 4:
+        if not hasattr(ctx.policy, "plan_condition") or ctx.policy.dim != 4:  # the planner kind, either planner
             raise ConfigError(
                 'rollout lac_binding: evaluate deploys a planner policy with dim = 4 (model.policy = "planner", '
                 f"model.params.dim = 4); this one is {ctx.policy.modality} with dim {ctx.policy.dim}"

@@ -121,7 +121,7 @@ class ChamferView:
     weight: float = 1.0
 
     needs = ()
-    modality = "flow"  # reads the flow policy's x_final and the row's observation
+    reads_extras = ("x_final",)  # and the row's observation (checked when scoring)
 
     def __post_init__(self) -> None:
         if self.outlier_radius <= 0 or self.outlier_weight < 0:

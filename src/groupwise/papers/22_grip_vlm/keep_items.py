@@ -136,7 +136,7 @@ class KeepItemsReader:
     weight: float = 1.0
 
     needs = ()
-    modality = "subset"  # reads the subset policy's `keep`
+    reads_extras = ("keep",)  # the subset policy's kept items
 
     def score_rollout(self, rollout: Rollout, info: StepInfo) -> Tensor:
         if "keep" not in rollout.extras:

@@ -121,7 +121,7 @@ class DriveRater:
     weight: float = 1.0
 
     needs = ()
-    modality = "flow"  # reads the flow policy's x_final and the row's observation
+    reads_extras = ("x_final",)  # and the row's observation (checked when scoring)
 
     def __post_init__(self) -> None:
         if (

@@ -75,7 +75,7 @@ class NRIterations:
     weight: float = 1.0
 
     needs = ()
-    modality = "gaussian"  # reads the gaussian policy's x_final
+    reads_extras = ("x_final",)  # the warm start (the gaussian policy's action)
 
     def __post_init__(self) -> None:
         _check("nr_iterations", self.n_max, self.tol)
@@ -94,7 +94,7 @@ class NRConverged:
     weight: float = 1.0
 
     needs = ()
-    modality = "gaussian"
+    reads_extras = ("x_final",)
 
     def __post_init__(self) -> None:
         _check("nr_converged", self.n_max, self.tol)

@@ -154,7 +154,7 @@ class LearnedNRReward:
     weight: float = 1.0
 
     needs = ()
-    modality = "gaussian"  # reads the gaussian policy's x_final
+    reads_extras = ("x_final",)  # the warm start (the gaussian policy's action)
 
     def __post_init__(self) -> None:
         self.model: CountModel | None = None
