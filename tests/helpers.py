@@ -196,8 +196,21 @@ def _example_state_id(rollout: Rollout, g: torch.Generator) -> None:
     rollout.set_extra("env/state_id", state, "segment")
 
 
+def _example_behav_seq_logp(rollout: Rollout, g: torch.Generator) -> None:
+    """``behav_seq_logp`` [B,G]: a peer's sequence log-prob, on rows flagged ``injected`` (every other row)."""
+    from groupwise.types import INJECTED
+
+    B, G, _ = rollout.shape
+    rollout.set_extra("behav_seq_logp", -torch.rand(B, G, generator=g) * 6.0, "row")
+    rollout.set_flag(INJECTED, (torch.arange(G) % 2 == 1).expand(B, G).clone() & rollout.group_valid)
+
+
 # rollout extras of a known shape: a filler per key (any other key gets a random group-level value)
-EXAMPLE_EXTRAS = {"env/step_reward": _example_step_reward, "env/state_id": _example_state_id}
+EXAMPLE_EXTRAS = {
+    "env/step_reward": _example_step_reward,
+    "env/state_id": _example_state_id,
+    "behav_seq_logp": _example_behav_seq_logp,
+}
 
 
 def fill_inputs(rollout: Rollout, component, seed: int = 7) -> dict[str, Tensor]:

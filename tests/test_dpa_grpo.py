@@ -82,8 +82,8 @@ def test_warm_start_rows_have_the_three_formats_and_only_train_pairs():
 
 
 def test_options_are_checked():
-    with pytest.raises(ConfigError, match="two-model form"):
-        DPAGame(models="separate")
+    with pytest.raises(ConfigError, match="models='three'; use one of shared, separate"):
+        DPAGame(models="three")
     with pytest.raises(ConfigError, match="sac_outcome"):
         DPAGame(sac_outcome="best")
 

@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise.models",
             "groupwise.models.build",
             "groupwise.policy",
+            "groupwise.tokens",
         ),
     ),
     ("registry", ("groupwise.registry",)),

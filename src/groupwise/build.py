@@ -99,6 +99,7 @@ class Parts:
     # what the rollout stage generates with: the policy itself (rollout.backend="local") or a ServedPolicy over it
     # (policy/served.py: generation servers, weight pushes, train.max_staleness)
     generation: Any = None
+    actors: dict[str, roles.Actor] = dataclasses.field(default_factory=dict)  # roles that sample (samples = true)
 
 
 def step_components(
@@ -177,9 +178,16 @@ def build(cfg: Config) -> Parts:
     trained = [
         roles.build_role(name, rc, cfg, policy, reward_stage.labels, total_updates)
         for name, rc in cfg.roles.items()
-        if not rc.frozen
+        if not rc.frozen and not rc.samples
     ]
     frozen = {name: roles.build_frozen(name, rc, cfg, policy) for name, rc in cfg.roles.items() if rc.frozen}
+    # actors sample, are scored and train on their own rows (roles.py); the strategy asks for their rows
+    actors = {
+        name: build_actor(name, rc, cfg, policy, cfg.rewards or [task_reward], total_updates, train_rows)
+        for name, rc in cfg.roles.items()
+        if rc.samples
+    }
+    check_actors(strategy, actors)
 
     # every declared need, checked against the models and views that can serve it. With one mini-batch
     # per epoch, the first epoch's forward runs on the weights that sampled the rollout: its detached
@@ -221,7 +229,9 @@ def build(cfg: Config) -> Parts:
     # each component against the policy it will run with, before anything runs
     check_policy_fit(owners + eval_stage.scorers + task_scorers + role_components, policy, cfg.model.policy)
     generation = served_policy(cfg, policy, world)
-    check_strategy(strategy, generation, owners)  # sampling options it asks for, hooks, extras others read
+    # sampling options it asks for, hooks, extras others read (the actors' trained components too; their rewards
+    # are the policy's)
+    check_strategy(strategy, generation, owners + [c for actor in actors.values() for c in actor.role.components])
     unknown = set(cfg.eval.sampling) - set(getattr(policy, "request_options", ()))
     if unknown:  # the held-out calls' own settings: keys the policy's requests may set
         raise ConfigError(
@@ -272,6 +282,66 @@ def build(cfg: Config) -> Parts:
         closed_loop=closed_loop,
         phases=phases,
         generation=generation,
+        actors=actors,
+    )
+
+
+def check_actors(strategy: Any, actors: dict[str, Any]) -> None:
+    """The strategy samples with exactly the run's actors (its ``samples_with``)."""
+    name = getattr(strategy, "registry_name", type(strategy).__name__)
+    wanted = sorted(getattr(strategy, "samples_with", ()))
+    if wanted != sorted(actors):
+        raise ConfigError(
+            f"rollout strategy {name!r} samples with the actors {wanted}; the run's actors (roles.NAME.samples = "
+            f"true) are {sorted(actors)}: add a role for each it samples with, and no other"
+        )
+
+
+def build_actor(
+    name: str, rc: Any, cfg: Config, main_policy: Any, reward_specs: list, total_updates: int, train_rows: list[dict]
+) -> roles.Actor:
+    """Actor ``roles.NAME`` (``samples = true``): its trainable parts, its prompt encoding, the run's
+    rewards decoding its rows, and its own needs (``policy`` = its model), each checked as the policy's are."""
+    if cfg.rollout.backend != "local":
+        raise ConfigError(
+            f"roles.{name}.samples = true: actors sample in the trainer's process; set rollout.backend='local' "
+            f"(it is {cfg.rollout.backend!r})"
+        )
+    role = roles.build_role(name, rc, cfg, main_policy, [], total_updates)
+    policy, max_new = role.policy, cfg.rollout.max_new_tokens
+    reward_stage = RewardStage(reward_specs, cfg.reward, policy.decode, max_new)
+    owners = [*reward_stage.scorers, *role.components]
+    owners += schedules.all_schedules(owners)
+    needs = [n for c in owners for n in getattr(c, "needs", ())]
+    needs += [] if cfg.train.minibatches == 1 else [Need("logp")]
+    models = policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
+
+    def bind_view(view: Any) -> None:
+        bind_vocabulary([view], policy)
+        bind_rows([view], train_rows)
+
+    resolver = NeedResolver(
+        needs,
+        models,
+        cfg.views,
+        policy.score,
+        policy.encode,
+        context=policy.context,
+        bind_view=bind_view,
+        quantities=getattr(policy, "quantities", None),
+    )
+    check_policy_fit(owners, policy, rc.model.policy)
+    bind_vocabulary(owners, policy)
+    bind_rows(owners, train_rows)
+    role.grad_quantities = sorted({n.quantity for n in needs if n.grad} | {"entropy"})
+    scorer_needs = set(reward_stage.needs)
+    return roles.Actor(
+        role,
+        Prompts(policy, cfg.data.system_prompt, max_new),
+        reward_stage,
+        resolver,
+        round_needs=[n for n in needs if not n.grad and n in scorer_needs],
+        step_needs=[n for n in needs if not n.grad],
     )
 
 

@@ -447,6 +447,16 @@ HOOKS: tuple[Hook, ...] = (
         "The extras the strategy fills.",
     ),
     Hook(
+        "samples_with",
+        ("rollout",),
+        "attribute",
+        "build",
+        "at build (`build_actor`'s caller): each must be an actor of the run (`roles.NAME.samples = true`)",
+        "tuple[str, ...]",
+        "The actors it samples with besides the policy (`ctx.rollout(..., actor=NAME)`); it then returns "
+        "one batch per actor.",
+    ),
+    Hook(
         "hooks",
         ("rollout",),
         "attribute",

@@ -222,7 +222,8 @@ class DistCfg:
 class RoleCfg:
     """A further model (``roles.NAME``): trained on the policy's rollouts (CoDistill's large model),
     or with ``frozen = true`` a fixed model that only serves needs (``Need(model=NAME)``: a frozen
-    teacher, judge or embedder). It shares the policy's tokenizer."""
+    teacher, judge or embedder). It shares the policy's tokenizer. With ``samples = true`` it is an
+    actor: it samples and trains on its own rows, with its own tokenizer (Mutual RL's peer)."""
 
     model: ModelCfg = field(default_factory=ModelCfg)  # the role's model, as [model]
     objective: ObjectiveCfg = field(default_factory=ObjectiveCfg)  # the role's objective, as [objective]
@@ -233,11 +234,21 @@ class RoleCfg:
     # a fixed model that is never trained: it only serves needs of model=NAME (objective, update, advantage, rewards
     # unused)
     frozen: bool = False
+    # an actor: it samples its own rows (with its own tokenizer and prompt encoding), is scored by the run's rewards
+    # and trains on its own batch; the rollout strategy decides what it samples (rollout.context: actor=NAME)
+    samples: bool = False
 
     def __post_init__(self) -> None:
         if self.frozen and self.rewards:
             raise ConfigError(
                 "a frozen role is not trained: roles.NAME.rewards has no use there; remove it or set frozen = false"
+            )
+        if self.samples and self.frozen:
+            raise ConfigError("roles.NAME: an actor (samples = true) trains on its rows; it cannot be frozen as well")
+        if self.samples and self.rewards:
+            raise ConfigError(
+                "roles.NAME.rewards picks reward columns of the policy's rows; an actor (samples = true) is scored "
+                "on its own rows by the run's rewards: remove rewards"
             )
         if isinstance(self.update, dict) and "name" not in self.update:
             self.update = {"name": "adamw", **self.update}

@@ -33,6 +33,7 @@ logs each key as ``eval/<key>`` and ``<key>_before`` / ``<key>_after``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,16 @@ class HeldOut:
         An environment run (``closed_loop``): the share of rows whose greedy episode succeeds."""
         return self.evaluate_detail(policy, rows, split, view, stage)["accuracy"]
 
+    def evaluate_actor(self, actor: Any) -> float:
+        """``evaluate`` of an actor (``roles.Actor``): its own prompt encoding, the eval reward decoding its tokens."""
+        return self.evaluate_detail(actor.policy, stage=self._actor_stage(actor), prompts=actor.prompts)["accuracy"]
+
+    def _actor_stage(self, actor: Any) -> RewardStage:
+        """The eval reward decoding an actor's tokens."""
+        stage = copy.copy(self.eval_stage)
+        stage.decode, stage.counts, stage.metrics = actor.policy.decode, {}, {}
+        return stage
+
     @torch.no_grad()
     def evaluate_detail(
         self,
@@ -82,13 +93,15 @@ class HeldOut:
         split: str = "eval",
         view: str | None = None,
         stage: RewardStage | None = None,
+        prompts: Any = None,
     ) -> dict[str, float]:
         """``evaluate``'s greedy pass with all it measures (module docstring): ``accuracy``,
         ``reward_mean`` (the mean eval reward over the rows whose reward did not fail; NaN when none)
         and ``metric/<name>`` (the mean of each ``log_metric`` of the eval reward over these rows); an
         environment run's held-out episodes give ``accuracy`` and ``return``, the mean return of the
-        greedy episodes."""
+        greedy episodes. ``prompts``: another encoding of the prompts (an actor's own, ``evaluate_actor``)."""
         policy = policy or self.trainer.policy
+        prompts = prompts or self.prompts
         rows = self.eval_rows[: self.cfg.eval.size] if rows is None else rows
         if not rows:
             return {"accuracy": float("nan"), "reward_mean": float("nan")}
@@ -104,7 +117,7 @@ class HeldOut:
         sampling = {**self.sampling_params, **self.cfg.eval.sampling, "greedy": True}
         for start in range(0, len(rows), 256):
             chunk = list(range(start, min(start + 256, len(rows))))
-            requests = [Request(key=i, n=1, prompt=self.prompts(split, rows, i, view)) for i in chunk]
+            requests = [Request(key=i, n=1, prompt=prompts(split, rows, i, view)) for i in chunk]
             gen = policy.generate(requests, sampling, info)
             gen.meta = [rows[i] for i in chunk]
             stage.score_local(gen, info)
@@ -123,9 +136,18 @@ class HeldOut:
         rows = self.eval_rows[: self.cfg.eval.size]
         if not hasattr(self.strategy, "evaluate") or not rows:
             return {}
-        from groupwise.rollout.context import RolloutContext
+        from groupwise.rollout.context import ActorIO, RolloutContext
 
         info = dataclasses.replace(self.trainer.info(), step=-1)
+        actors = {  # a strategy that plays with actors plays them here too, each in its own tokens
+            name: ActorIO(
+                actor.policy,
+                self._actor_stage(actor),
+                lambda rollout: None,
+                lambda i, actor=actor: actor.prompts("eval", rows, i),
+            )
+            for name, actor in self.trainer.actors.items()
+        }
         ctx = RolloutContext(
             self.trainer.policy,
             self.trainer.sampler,
@@ -137,6 +159,7 @@ class HeldOut:
             {**self.sampling_params, **self.cfg.eval.sampling, "greedy": True},
             len(rows),
             self.cfg.rollout.group_size,
+            actors=actors,
         )
         return {str(k): float(v) for k, v in self.strategy.evaluate(ctx, rows, info).items()}
 

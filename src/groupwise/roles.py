@@ -14,6 +14,13 @@ after the policy's update, it trains on a *view* of the step's batch:
 
 Its components' needs of ``model="policy"`` are read from its own model; ``ref`` is not offered.
 
+A role with ``samples = true`` is an **actor** (``Actor``): it samples its own rows with its own
+policy, tokenizer and prompt encoding (the rollout strategy asks for them: ``ctx.rollout(...,
+actor=NAME)``), is scored by the run's rewards decoded with its own tokenizer, and trains on its own
+batch with its estimator, weights, objective and updater; its needs of ``model="policy"`` mean its
+own model (its own ``NeedResolver``). It may have another tokenizer than the policy's (text moves
+between the two through ``groupwise.tokens``).
+
 A role with ``frozen = true`` is not trained and has no components: its model only serves the needs
 that name it (``Need("logp", model="teacher")``: a fixed teacher, a judge, an embedder), and it is
 not checkpointed (it never changes; a resumed run loads it from ``model.path`` again).
@@ -61,6 +68,32 @@ class Trainable:
         return [self.estimator, *self.weights, *self.objective.terms, self.updater]
 
 
+@dataclass
+class Actor:
+    """A role that samples (module docstring): the trainable parts, and what its rows are sampled,
+    scored and prepared with."""
+
+    role: Trainable
+    prompts: Any  # build.Prompts over its own policy: a train row's prompt in its encoding
+    reward_stage: Any  # the run's rewards, decoding its rows with its tokenizer
+    needs: Any  # its NeedResolver ("policy" = its own model)
+    round_needs: list[Need]  # the needs its rollout scorers read (each scored round)
+    step_needs: list[Need]  # every no-grad need (once per step, before its advantages)
+
+    @property
+    def name(self) -> str:
+        return self.role.name
+
+    @property
+    def policy(self) -> Any:
+        return self.role.policy
+
+    @property
+    def components(self) -> list:
+        """Its stateful parts, in the order its checkpoint lists their states."""
+        return [*self.reward_stage.scorers, *self.role.components]
+
+
 def build_frozen(name: str, cfg: Any, run_cfg: Any, main_policy: Any) -> Any:
     """A frozen role's policy: built, checked, set to eval and never given to an optimiser."""
     policy = build_policy(_on_policy_device(cfg.model, run_cfg.model), run_cfg.perf)
@@ -97,7 +130,8 @@ def build_role(
     name: str, cfg: Any, run_cfg: Any, main_policy: Any, reward_labels: list[str], total_updates: int
 ) -> Trainable:
     policy = build_policy(_on_policy_device(cfg.model, run_cfg.model), run_cfg.perf)
-    _check_tokenizer(name, cfg, policy, main_policy)
+    if not cfg.samples:  # an actor scores its own tokens
+        _check_tokenizer(name, cfg, policy, main_policy)
     unknown = [r for r in cfg.rewards if r not in reward_labels]
     if unknown:
         raise ConfigError(f"roles.{name}.rewards names {unknown}; the run's reward functions are {reward_labels}")
@@ -114,7 +148,7 @@ def build_role(
         [reward_labels.index(r) for r in cfg.rewards] or None,
     )
     own = [n for c in role.components for n in getattr(c, "needs", ())]
-    if any(n.model == "ref" for n in own):
+    if any(n.model == "ref" for n in own) and not cfg.samples:
         raise ConfigError(f"roles.{name}: its components ask for the reference model, which a role does not have")
     role.grad_quantities = sorted({n.quantity for n in own if n.grad} | {"entropy"})
     if sharding.wanted(run_cfg, dist.world_size()):  # before its optimiser sees its parameters

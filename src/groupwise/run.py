@@ -81,7 +81,8 @@ class Run:
     def save_checkpoint(self) -> None:
         trainer = self.trainer
         # the updater rolls such steps back; never write one
-        if not all_finite([p for t in (trainer.main, *trainer.roles) for p in t.params]):
+        trained = (trainer.main, *trainer.roles, *(actor.role for actor in trainer.actors.values()))
+        if not all_finite([p for t in trained for p in t.params]):
             raise RuntimeError(f"refusing to checkpoint step {trainer.step}: the model has non-finite weights")
         # every rank: under dist.shard="fsdp2" each writes its own shards of the weights and optimiser states
         checkpoint.save(self.out, trainer.step, self.state_dict(), self.cfg.checkpoint.keep_last)
@@ -274,7 +275,11 @@ class Run:
             finished=True,
         )
         self.save_checkpoint()
-        for model in (trainer.policy, *(role.policy for role in trainer.roles)):
+        for model in (
+            trainer.policy,
+            *(role.policy for role in trainer.roles),
+            *(a.policy for a in trainer.actors.values()),
+        ):
             if hasattr(model, "whole"):  # sharded weights gathered whole on every rank, for final/ (rank 0)
                 model.whole()
         if self.rank == 0:
@@ -302,6 +307,9 @@ class Run:
         for role in self.trainer.roles:  # each further trained model on the same held-out prompts
             value = self.heldout.evaluate(role.policy)
             self.summary[f"{role.name}/{key}"] = None if value != value else value
+        for name, actor in self.trainer.actors.items():  # each actor with its own prompt encoding and tokens
+            value = self.heldout.evaluate_actor(actor)
+            self.summary[f"{name}/{key}"] = None if value != value else value
         detail = self.heldout.evaluate_detail()
         accuracy = detail["accuracy"]
         if accuracy != accuracy:  # NaN: nothing to evaluate on
@@ -398,6 +406,8 @@ class Run:
         self.trainer.policy.save(staging)
         for role in self.trainer.roles:
             role.policy.save(staging / role.name)
+        for name, actor in self.trainer.actors.items():
+            actor.policy.save(staging / name)
         runfolder.publish_dir(staging, self.out / "final")
         plot_rewards(rows, self.summary["evals"], self.out / "reward.png")
         runfolder.write_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, allow_nan=False) + "\n")

@@ -9,6 +9,11 @@ held-out evaluation is ``HeldOut(trainer)`` (``heldout.py``).
 
 The trainer names no variant: every choice is a component built from the config, and every
 extra input a component needs is declared as a ``Need`` and computed here once.
+
+Actors (``roles.NAME.samples = true``, ``roles.Actor``) sample their own rows: the strategy then
+returns one batch per actor (``{"policy": ..., NAME: ...}``), and after the policy's step each actor
+prepares, updates and observes on its own batch with its own needs and components; its logs are
+``NAME/<key>``. Without actors the step is the policy's alone.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from groupwise import dist, roles, schedules
 from groupwise.build import Parts, step_components
 from groupwise.errors import ConfigError
 from groupwise.objective import token_weights
-from groupwise.rollout.context import RolloutContext
+from groupwise.rollout.context import ActorIO, RolloutContext
 from groupwise.types import Rollout, StepInfo
 
 
@@ -47,6 +52,7 @@ class Trainer:
         self.objective, self.updater, self.params = parts.objective, parts.updater, parts.params
         self.roles, self.grad_quantities = parts.roles, parts.grad_quantities
         self.round_needs, self.step_needs = parts.round_needs, parts.step_needs
+        self.actors = parts.actors  # roles that sample their own rows, by name
         # what rollouts generate with: the policy, or a generation-server view of it (rollout.backend)
         self.generation = parts.generation if parts.generation is not None else parts.policy
         # the state of the step
@@ -96,8 +102,9 @@ class Trainer:
         return batch.select(list(range(start, stop)))
 
     # ----------------------------------------------------------------- stage 1–3: collect the step's whole scored batch
-    def collect(self) -> Rollout:
-        """The rollout strategy collects the step's whole scored batch (identical on every rank)."""
+    def collect(self) -> Rollout | dict[str, Rollout]:
+        """The rollout strategy collects the step's whole scored batch (identical on every rank); one
+        batch per actor (``{"policy": ..., NAME: ...}``) when the run has actors."""
         ro = self.cfg.rollout
         ctx = RolloutContext(
             self.generation,
@@ -110,6 +117,15 @@ class Trainer:
             self.sampling_params,
             ro.prompts_per_step,
             ro.group_size,
+            actors={
+                name: ActorIO(
+                    actor.policy,
+                    actor.reward_stage,
+                    lambda rollout, actor=actor: actor.needs.fill(rollout, actor.round_needs),
+                    lambda i, actor=actor: actor.prompts("train", self.train_rows, i),
+                )
+                for name, actor in self.actors.items()
+            },
         )
         batch = self.strategy(ctx)
         # over every scored round: a step whose groups were all dropped still had rewards
@@ -142,6 +158,63 @@ class Trainer:
             if hasattr(component, "step_stats"):
                 self.coefficients.update(component.step_stats())
         return batch
+
+    def by_actor(self, collected: Rollout | dict[str, Rollout]) -> tuple[Rollout, dict[str, Rollout]]:
+        """The policy's batch and each actor's, from what the strategy returned."""
+        name = getattr(self.strategy, "registry_name", type(self.strategy).__name__)
+        if not isinstance(collected, dict):
+            if self.actors:
+                raise ConfigError(
+                    f"the run has actors {sorted(self.actors)} (roles.NAME.samples = true), and rollout strategy "
+                    f"{name!r} returned one batch; use a strategy that samples with actors (one batch per actor)"
+                )
+            return collected, {}
+        if sorted(collected) != sorted(["policy", *self.actors]):
+            raise ConfigError(
+                f"rollout strategy {name!r} returned batches for {sorted(collected)}; this run's actors are "
+                f"{sorted(['policy', *self.actors])} (one batch each, 'policy' included)"
+            )
+        return collected["policy"], {k: collected[k] for k in self.actors}
+
+    def prepare_actor(self, actor: roles.Actor, batch: Rollout) -> tuple[Rollout, dict[str, float]]:
+        """``prepare`` for an actor on its own batch: its no-grad needs, scheduled coefficients,
+        advantages and token weights. Returns the whole batch and its step statistics."""
+        local = self._share(batch)
+        actor.needs.fill(local, actor.step_needs)
+        batch = dist.gather_rollout(local)
+        info, role = self.info(), actor.role
+        stats = schedules.resolve(actor.components, info, batch)
+        batch.advantages = role.estimator(batch, info)  # [B,G] or [B,G,T]
+        if role.weights:
+            batch.weight, counted = token_weights(role.weights, batch, info)  # [B,G,T], [B,G,T]
+            batch.set_extra("counted", counted, "token")
+        for component in actor.components:
+            if hasattr(component, "prepare"):
+                component.prepare(batch, info)
+            if hasattr(component, "step_stats"):
+                stats.update(component.step_stats())
+        return batch, stats
+
+    def step_actor(self, actor: roles.Actor, batch: Rollout) -> dict[str, float]:
+        """An actor's share of the step on its own batch: prepare, update, observe. Its log row (unprefixed)."""
+        if not batch.shape[0]:  # it played nothing this step
+            return {"groups": 0, "loss": 0.0, "skipped": 1.0}
+        batch, coefficients = self.prepare_actor(actor, batch)
+        local = self._share(batch)
+        actor.policy.train()
+        update = self.update(local, actor.role)
+        actor.policy.eval()
+        row = {**_rollout_stats(local), **_reward_means(batch, actor.reward_stage.labels)}
+        row.update(actor.reward_stage.pop_metrics())
+        row.update(update)
+        row.update(coefficients)
+        info = self.info()
+        for component in actor.components:
+            if hasattr(component, "observe"):
+                component.observe(batch, info)
+        if hasattr(actor.policy, "end_step"):
+            actor.policy.end_step(self.step)
+        return row
 
     def observe(self, batch: Rollout) -> None:
         """After the update: every component that observes, then the shared per-prompt table."""
@@ -237,7 +310,9 @@ class Trainer:
     def run_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         self.policy.eval()
-        batch = self.collect()  # the whole batch, identical on every rank
+        for actor in self.actors.values():
+            actor.policy.eval()
+        batch, actor_batches = self.by_actor(self.collect())  # the whole batch, identical on every rank
         t_gen = time.perf_counter() - t0
         batch = self.prepare(batch)
         self.policy.train()
@@ -255,6 +330,8 @@ class Trainer:
             behaviour = batch.logp_old if batch.logp_old is not None else dist.all_gather_rows(_present(local.logp_old))
             stats = self.update(self._share(roles.view(role, batch, behaviour, self.info())), role)
             row.update({f"{role.name}/{k}": v for k, v in stats.items()})
+        for name, actor_batch in actor_batches.items():  # each actor on its own rows
+            row.update({f"{name}/{k}": v for k, v in self.step_actor(self.actors[name], actor_batch).items()})
         row.update(self.coefficients)
         self.observe(batch)
         if hasattr(self.policy, "end_step"):  # a policy's own per-step upkeep (the reference sync)
@@ -331,6 +408,7 @@ class Trainer:
             **(
                 {"rollout": self.generation.rollout_state()} if hasattr(self.generation, "rollout_state") else {}
             ),  # in-flight rollouts of a generation backend
+            **({"actors": {name: _actor_state(actor) for name, actor in self.actors.items()}} if self.actors else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -375,6 +453,20 @@ class Trainer:
             for component, sub in zip(role.components, saved["components"], strict=True):
                 if sub is not None:
                     component.load_state_dict(sub)
+        if sorted(state.get("actors", {})) != sorted(self.actors):
+            raise ConfigError(
+                f"the checkpoint holds actors {sorted(state.get('actors', {}))}, "
+                f"this configuration builds {sorted(self.actors)} (roles.NAME.samples = true)"
+            )
+        for name, actor in self.actors.items():
+            saved = state["actors"][name]
+            actor.policy.load_state_dict(saved["policy"])
+            for component, sub in zip(actor.components, saved["components"], strict=True):
+                if sub is not None:
+                    component.load_state_dict(sub)
+            for schedule, sub in zip(schedules.all_schedules(actor.components), saved["schedules"], strict=True):
+                if sub is not None:
+                    schedule.load_state_dict(sub)
 
     def _load_schedules(self, saved: dict[str, Any] | list[Any]) -> None:
         """The controllers' states by name; another set of stateful schedules is refused, naming both."""
@@ -395,6 +487,17 @@ class Trainer:
                 schedule.load_state_dict(saved[key])
             except ConfigError as err:
                 raise ConfigError(f"{key}: {err}") from None
+
+
+def _actor_state(actor: roles.Actor) -> dict[str, Any]:
+    """An actor's model, its stateful components' and schedules' states (by position)."""
+    return {
+        "policy": actor.policy.state_dict(),
+        "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in actor.components],
+        "schedules": [
+            s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(actor.components)
+        ],
+    }
 
 
 def _rollout_stats(rollout: Rollout) -> dict[str, float]:

@@ -9,10 +9,10 @@ are raw text.
 
 The model is a :class:`~transformers.Qwen3ForCausalLM`; :data:`PRESETS` holds the sizes
 (``tiny`` ≈ 0.85 M parameters is the shipped default; ``nano`` ≈ 0.12 M is paper 28's shipped
-``student``; ``small`` ≈ 8 M and ``medium`` ≈ 30 M are for benchmarks). Checkpoints are saved with ``model_type = "qwen3"``: in transformers 5.x
-``AutoTokenizer`` re-creates the pre-tokenizer for ``qwen2`` folders, which would silently change
-the ids, whereas a ``qwen3`` folder whose ``tokenizer_config.json`` names the generic fast
-tokenizer loads ``tokenizer.json`` untouched.
+``student``; ``small`` ≈ 8 M and ``medium`` ≈ 30 M are for benchmarks). Checkpoints are saved with
+``model_type = "qwen3"``: in transformers 5.x ``AutoTokenizer`` re-creates the pre-tokenizer for
+``qwen2`` folders, which would silently change the ids, whereas a ``qwen3`` folder whose
+``tokenizer_config.json`` names the generic fast tokenizer loads ``tokenizer.json`` untouched.
 """
 
 from __future__ import annotations
@@ -114,12 +114,16 @@ def default_tokenizer_corpus(n_per_format: int = 2000, seed: int = 0) -> list[st
     return texts
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, split_digits: bool = True
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts`` with single-digit tokens.
 
     The vocabulary holds ``<|endoftext|>`` (id 0), the 256 byte symbols, then merges learnt from
     ``texts`` up to ``vocab_size`` entries. Pre-tokenisation first isolates every digit, then applies
-    the GPT-2 byte-level split, so merges never span a digit. Returns a
+    the GPT-2 byte-level split, so merges never span a digit. ``split_digits=False`` leaves out the
+    digit split: runs of digits merge (``"12"`` one token), a second vocabulary for the same text
+    (``models/peer``, Mutual RL's receiver). Returns a
     :class:`~transformers.PreTrainedTokenizerFast` with ``eos_token = pad_token = <|endoftext|>``,
     no BOS and no automatic special tokens.
     """
@@ -127,11 +131,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
     if vocab_size < len(byte_alphabet) + 1:
         raise ValueError(f"vocab_size must be at least {len(byte_alphabet) + 1} (bytes + EOS), got {vocab_size}")
     core = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    core.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
     )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -153,7 +157,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
     return tokenizer
 
 
-def build_model(vocab_size: int, preset: str = "tiny", eos_token_id: int = 0, seed: int | None = None) -> Qwen3ForCausalLM:
+def build_model(
+    vocab_size: int, preset: str = "tiny", eos_token_id: int = 0, seed: int | None = None
+) -> Qwen3ForCausalLM:
     """A freshly initialised :class:`~transformers.Qwen3ForCausalLM` of the given ``preset`` size.
 
     Embeddings are tied, positions use RoPE up to :data:`MAX_POSITIONS`, and ``eos_token_id`` is

@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="add this share of the fine-tuning rows a second time with the answer written into the prompt (--hint-template)")
     parser.add_argument("--hint-template", default="Reference solution: {answer}\n{prompt}",
                         help="prompt of a hinted row, formatted with the row's columns (the ground_truth view's default)")
+    parser.add_argument("--merge-digits", action="store_true",
+                        help="a tokenizer without per-digit pre-tokenisation: digit runs merge (models/peer)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     return parser
 
@@ -262,7 +264,9 @@ def _warm_start(args: argparse.Namespace, command: str) -> dict:
     test_rows = load_rows([primary], "test", args.test_size, args.seed)
 
     # Tokenizer and model.
-    tokenizer = train_tokenizer(default_tokenizer_corpus(), vocab_size=args.vocab_size)
+    tokenizer = train_tokenizer(
+        default_tokenizer_corpus(), vocab_size=args.vocab_size, split_digits=not args.merge_digits
+    )
     model = build_model(len(tokenizer), args.preset, eos_token_id=tokenizer.eos_token_id, seed=args.seed)
     n_params = count_parameters(model)
     log(f"tokenizer: {len(tokenizer)} tokens; model: {args.preset}, {n_params:,} parameters; "

@@ -31,6 +31,13 @@ strategy that enumerates counterfactual decisions and trains them, ``rollout/dpa
 (``force_prefixes``), so a decision's probability is read off a forced branch without sampling it;
 the rows carry the row flag ``forced`` (``types.FORCED``).
 
+Actors (``roles.NAME.samples = true``, M9) sample too: ``rollout``, ``generate`` and ``finish`` take
+``actor=NAME`` (default ``"policy"``, the trained policy) and then use that actor's policy, prompt
+encoding, reward stage (its own ``decode``) and no-grad needs; ``policy_of(NAME)`` is its policy (to
+encode a context or retokenize text, ``groupwise.tokens``), and ``score(batch, round, actor)`` scores
+rows a strategy assembled from tokens (decode, text rewards, then ``finish``). A strategy that samples with actors
+returns ``dict[str, Rollout]``, one batch per actor (``"policy"`` required).
+
 It also counts, over every batch it scored, how many rows had a finite reward (``finite_fraction``),
 which the trainer uses to stop a run whose rewards are never finite.
 """
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,6 +96,16 @@ def check_strategy(strategy: Any, policy: Any, components: list[Any]) -> None:
                 )
 
 
+@dataclass
+class ActorIO:
+    """What the context samples and scores an actor's rows with (the trained policy's are the context's own)."""
+
+    policy: Any  # what generates its rows
+    reward_stage: Any  # the run's rewards, decoding with this actor's tokenizer
+    fill_needs: Callable[[Rollout], None]  # its round needs, ``policy`` meaning this actor
+    prompt: Callable[[int], Any]  # a train row's prompt in this actor's encoding
+
+
 class RolloutContext:
     def __init__(
         self,
@@ -101,80 +119,107 @@ class RolloutContext:
         sampling: dict,
         batch_size: int,
         group_size: int,
+        actors: dict[str, ActorIO] | None = None,
     ):
         self.policy, self.sampler, self.reward_stage, self.fill_needs = policy, sampler, reward_stage, fill_needs
         self.prompt, self.meta, self.info, self.sampling = prompt, meta, info, sampling
         self.batch_size, self.group_size = batch_size, group_size
         self.max_rounds = max(1, getattr(sampler, "max_rounds", 1))
         self.finite, self.scored = 0, 0
+        self.actors = dict(actors or {})  # the other actors by name
+
+    def actor(self, name: str) -> ActorIO:
+        """What actor ``name`` samples and scores with; ``"policy"``: the context's own (as they are now)."""
+        if name == "policy":
+            return ActorIO(self.policy, self.reward_stage, self.fill_needs, self.prompt)
+        if name not in self.actors:
+            raise ConfigError(
+                f"a rollout strategy sampled with actor {name!r}; this run's actors are "
+                f"{sorted(['policy', *self.actors])} (an actor is a role with roles.{name}.samples = true)"
+            )
+        return self.actors[name]
+
+    def policy_of(self, actor: str) -> Any:
+        """The policy actor ``actor`` samples with."""
+        return self.actor(actor).policy
 
     def draw(self, n: int, round_: int = 0) -> list[int]:
         return self.sampler.draw(n, self.info(round_))
 
-    def rollout(self, requests: list[Request], round_: int = 0) -> Rollout:
-        info = self.info(round_)
+    def rollout(self, requests: list[Request], round_: int = 0, actor: str = "policy") -> Rollout:
+        io, info = self.actor(actor), self.info(round_)
         start, stop = dist.shard_bounds(len(requests))
-        mine = [dataclasses.replace(r, prompt=self._context(r)) for r in requests[start:stop]]
-        local = self._generate(mine, info)
+        mine = [dataclasses.replace(r, prompt=self._context(r, io)) for r in requests[start:stop]]
+        local = self._generate(mine, info, io.policy)
         local.meta = [self.meta(r.key) for r in mine]
-        self.reward_stage.score_local(local, info)
-        self.fill_needs(local)
+        io.reward_stage.score_local(local, info)
+        io.fill_needs(local)
         batch = dist.gather_rollout(local)
         real = batch.group_valid.clone()  # [B,G] rows that exist (not the padding of ragged groups)
-        self.reward_stage.finish(batch, info)
+        io.reward_stage.finish(batch, info)
         self.finite += int((torch.isfinite(batch.rewards) & real).sum())
         self.scored += int(real.sum())
         return batch
 
-    def generate(self, requests: list[Request], round_: int = 0) -> Rollout:
+    def generate(self, requests: list[Request], round_: int = 0, actor: str = "policy") -> Rollout:
         """The generated rows of these requests with their decoded ``completions`` and dataset
         ``meta``, NOT scored: each rank generates its share, the shares are gathered."""
-        info = self.info(round_)
+        io, info = self.actor(actor), self.info(round_)
         start, stop = dist.shard_bounds(len(requests))
-        mine = [dataclasses.replace(r, prompt=self._context(r)) for r in requests[start:stop]]
-        local = self._generate(mine, info)
+        mine = [dataclasses.replace(r, prompt=self._context(r, io)) for r in requests[start:stop]]
+        local = self._generate(mine, info, io.policy)
         local.meta = [self.meta(r.key) for r in mine]
-        local.completions = self.policy.decode(local)  # [B][G]
+        local.completions = io.policy.decode(local)  # [B][G]
         return dist.gather_rollout(local)
 
-    def finish(self, batch: Rollout, round_: int = 0) -> Rollout:
+    def finish(self, batch: Rollout, round_: int = 0, actor: str = "policy") -> Rollout:
         """Score a batch the strategy assembled (whole, identical on every rank) whose text reward
         columns it filled itself (``reward_parts`` [B,G,K_text], extra ``reward_failed`` [B,G]): the
         round's no-grad needs, the rollout scorers and the weighted total, as ``rollout`` does."""
+        io = self.actor(actor)
         real = batch.group_valid.clone()  # [B,G]
-        self.fill_needs(batch)
-        self.reward_stage.finish(batch, self.info(round_))
+        io.fill_needs(batch)
+        io.reward_stage.finish(batch, self.info(round_))
         self.finite += int((torch.isfinite(batch.rewards) & real).sum())
         self.scored += int(real.sum())
         return batch
 
-    def _context(self, request: Request) -> Any:
+    def score(self, batch: Rollout, round_: int = 0, actor: str = "policy") -> Rollout:
+        """Score rows the strategy assembled from tokens (whole, identical on every rank; e.g. text
+        retokenized from another actor, ``groupwise.tokens``): decoded with ``actor``'s tokenizer, its
+        text rewards, then ``finish``."""
+        self.actor(actor).reward_stage.score_local(batch, self.info(round_))
+        return self.finish(batch, round_, actor)
+
+    def _context(self, request: Request, io: ActorIO | None = None) -> Any:
         """The request's own context (checked against the model's length), else its dataset row's
         prompt; with a forced ``prefix``, the context and the prefix are checked together."""
-        prompt = self.prompt(request.key) if request.prompt is None else request.prompt
+        io = io or self.actor("policy")
+        prompt = io.prompt(request.key) if request.prompt is None else request.prompt
         if request.prompt is not None or request.prefix:
             where = "a request's own context" if request.prompt is not None else "a request's prompt"
-            self.policy.check_fits(
+            io.policy.check_fits(
                 list(prompt) + list(request.prefix or ()),
                 self.sampling["max_new_tokens"],
                 f"{where}{' and forced prefix' if request.prefix else ''} for row {request.key}",
             )
         return prompt
 
-    def _generate(self, requests: list[Request], info: StepInfo) -> Rollout:
+    def _generate(self, requests: list[Request], info: StepInfo, policy: Any = None) -> Rollout:
         """The requests' rows with their forced prefixes (``force_prefixes``) and ``extras`` set (``_sample``)."""
+        policy = self.policy if policy is None else policy
         if any(r.prefix for r in requests):
-            if not hasattr(self.policy, "encode"):
+            if not hasattr(policy, "encode"):
                 raise ValueError(
-                    f"Request.prefix forces completion tokens, which the {self.policy.modality} policy cannot take "
+                    f"Request.prefix forces completion tokens, which the {policy.modality} policy cannot take "
                     "(it has no encode); drop the prefix or use a text policy"
                 )
             sampled = [
                 dataclasses.replace(r, prompt=list(r.prompt) + list(r.prefix)) if r.prefix else r for r in requests
             ]
-            out = force_prefixes(self._sample(sampled, info), requests, self.policy)
+            out = force_prefixes(self._sample(sampled, info, policy), requests, policy)
         else:
-            out = self._sample(requests, info)
+            out = self._sample(requests, info, policy)
         names = sorted({name for r in requests for name in (r.extras or {})})
         for name in names:
             values = torch.zeros(out.shape[0], out.shape[1])  # [B,G]
@@ -184,16 +229,17 @@ class RolloutContext:
             out.set_extra(name, values, "row")
         return out
 
-    def _sample(self, requests: list[Request], info: StepInfo) -> Rollout:
+    def _sample(self, requests: list[Request], info: StepInfo, policy: Any = None) -> Rollout:
         """One policy call per distinct sampling override (usually one call), rows in request order."""
+        policy = self.policy if policy is None else policy
         by_override: dict[tuple, list[int]] = {}
-        offered = getattr(self.policy, "request_options", frozenset())
-        hooks = set(getattr(self.policy, "hooks", ()))
+        offered = getattr(policy, "request_options", frozenset())
+        hooks = set(getattr(policy, "hooks", ()))
         for i, r in enumerate(requests):
             if r.hook is not None and r.hook.kind not in hooks:
                 raise ValueError(
                     f"Request.hook of kind {r.hook.kind!r} cannot be applied by the "
-                    f"{self.policy.modality} policy's engine (it applies {sorted(hooks) or 'none'})"
+                    f"{policy.modality} policy's engine (it applies {sorted(hooks) or 'none'})"
                 )
             if set(r.sampling or ()) - offered:
                 raise ValueError(
@@ -203,7 +249,7 @@ class RolloutContext:
             by_override.setdefault(tuple(sorted((r.sampling or {}).items())), []).append(i)
         if len(by_override) == 1:
             override = dict(next(iter(by_override)))
-            return self.policy.generate(requests, {**self.sampling, **override}, info)
+            return policy.generate(requests, {**self.sampling, **override}, info)
         if len({max(requests[i].n for i in index) for index in by_override.values()}) > 1:
             raise ValueError(
                 "requests with different sampling overrides in one rollout "
@@ -211,7 +257,7 @@ class RolloutContext:
             )
         parts, order = [], []
         for override, index in by_override.items():
-            parts.append(self.policy.generate([requests[i] for i in index], {**self.sampling, **dict(override)}, info))
+            parts.append(policy.generate([requests[i] for i in index], {**self.sampling, **dict(override)}, info))
             order += index
         joined = Rollout.concat(parts)
         return joined.select(torch.tensor(order).argsort())  # back to the order requested

@@ -41,8 +41,10 @@ objective give each role its own KL term (M7's ``rows`` filter).
 - ``train = "decision_and_content"``: the decision token and the chosen branch's content carry the
   loss (``Request.train_prefix``); ``"decision"``: the decision token alone.
 - ``sac_outcome = "sampled"``, ``first_reward = "no_sac"``; ``branch = "both"`` is the only tree built.
-- ``models = "shared"``: one LM with role prompts; ``"separate"`` (two models) waits for batch 3's
-  actors and is refused.
+- ``models = "shared"``: one LM with role prompts; ``"separate"``: the verifier is another model, the
+  actor ``roles.<verifier>`` (``samples = true``, issue 42 M9): it samples and trains on the verifier
+  pairs in its own tokens (returned as its own batch), the policy on the first moves and the
+  challenged generator's pairs.
 - ``play = "game"``; ``"first_move"`` is the generator-only GRPO baseline: the G first moves alone,
   rewarded c(y0), no verifier or challenged rows (``evaluate`` still plays the greedy game).
 
@@ -134,6 +136,7 @@ class DPAGame:
     branch: str = "both"
     models: str = "shared"
     play: str = "game"
+    verifier: str = "verifier"  # models = "separate": the actor that plays the verifier
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -142,15 +145,15 @@ class DPAGame:
             ("first_reward", self.first_reward, FIRST_REWARDS),
             ("branch", self.branch, ("both",)),
             ("play", self.play, PLAYS),
+            ("models", self.models, ("shared", "separate")),
         ):
             if value not in allowed:
                 raise ConfigError(f"rollout dpa_game: {name}={value!r}; use one of {', '.join(allowed)}")
-        if self.models != "shared":
-            raise ConfigError(
-                f'rollout dpa_game: models={self.models!r}; only "shared" (one LM with role prompts) is built — '
-                "the two-model form waits for the actors of issue 41's batch 3"
-            )
         self._stats: dict[str, float] = {}
+
+    @property
+    def samples_with(self) -> tuple[str, ...]:
+        return (self.verifier,) if self.models == "separate" else ()
 
     def check(self, components: list) -> None:
         """At build: the game's rows are scored by the reward ``row_extra`` reading ``game_reward`` alone."""
@@ -169,25 +172,27 @@ class DPAGame:
 
     def _play(self, ctx: RolloutContext, keys: list[int], first: Rollout, seed: int):
         """Both decisions of both players for every valid first move: (verifier pairs, generator pairs, facts)."""
-        policy, trained = ctx.policy, self.train == "decision_and_content" or None
-        token = {t: policy.tokenizer.encode(t, add_special_tokens=False) for t in (SILENT, CHALLENGE, KEEP, REVISE)}
+        trained = self.train == "decision_and_content" or None
         where = first.group_valid.nonzero().tolist()  # [(b, g)] the first moves that exist
         prompts = [first.meta[b]["prompt"] for b, _ in where]
         y0 = [answer_of(first.completions[b][g]) for b, g in where]
         G0 = first.shape[1]
 
-        def pair(contexts: list[str], yes: str, no: str, role: int) -> Rollout:
+        def pair(contexts: list[str], yes: str, no: str, role: int, actor: str = "policy") -> Rollout:
+            policy = ctx.policy_of(actor)  # the player of this decision, in its own tokens
+            token = {t: policy.tokenizer.encode(t, add_special_tokens=False) for t in (yes, no)}
             reqs = [
                 Request(key=keys[b], n=1, offset=G0 + 2 * (g * 2 + k), prompt=policy.encode(text), prefix=token[t],
                         train_prefix=bool(trained), extras={"game_role": [float(role)]})
                 for (b, g), text in zip(where, contexts) for k, t in enumerate((no, yes))
             ]  # fmt: skip
-            rows = ctx.generate(reqs)  # [2N,1,T]
+            rows = ctx.generate(reqs, actor=actor)  # [2N,1,T]
             if self.train == "decision":  # the decision token alone carries the loss
                 rows.loss_mask = rows.mask & (torch.arange(rows.shape[2]) < 1)  # [2N,1,T]
             return rows.regroup([[(2 * n, 0), (2 * n + 1, 0)] for n in range(len(where))])  # [N,2,T] (no, yes)
 
-        ver = pair([verifier_context(p, y) for p, y in zip(prompts, y0)], CHALLENGE, SILENT, 1)
+        verifier = self.verifier if self.models == "separate" else "policy"
+        ver = pair([verifier_context(p, y) for p, y in zip(prompts, y0)], CHALLENGE, SILENT, 1, verifier)
         evidence = [answer_of(ver.completions[n][1][1:]) for n in range(len(where))]
         gen = pair([challenge_context(p, y, e) for p, y, e in zip(prompts, y0, evidence)], REVISE, KEEP, 0)
         answers = [first.meta[b]["answer"] for b, _ in where]
@@ -201,7 +206,7 @@ class DPAGame:
         facts["revise"], facts["challenge"] = u[0] < p_rev, u[1] >= p_silent  # [N] bool each
         return ver, gen, facts
 
-    def __call__(self, ctx: RolloutContext) -> Rollout:
+    def __call__(self, ctx: RolloutContext) -> Rollout | dict[str, Rollout]:
         info = ctx.info(0)
         keys = ctx.draw(ctx.batch_size)
         first = ctx.generate([Request(key=k, n=ctx.group_size) for k in keys])  # [B,G,T]
@@ -212,7 +217,8 @@ class DPAGame:
             )  # [B,G]
             first.set_extra("game_reward", right * first.group_valid, "row")
             self._stats = {"dpa/first_accuracy": float(right[first.group_valid].mean())}
-            return self._finish(ctx, first)
+            batch = self._finish(ctx, first)
+            return batch if self.models == "shared" else {"policy": batch, self.verifier: self._empty(ctx)}
         seed = (info.seed * 1_000_003 + info.step) * 1_000_003 + int(sum(keys))
         ver, gen, f = self._play(ctx, keys, first, seed)
         r_silent, r_sac, r_keep, r_rev, c_sac = game_rewards(
@@ -230,17 +236,36 @@ class DPAGame:
             "dpa/first_accuracy": float(f["c0"].mean()),
             "dpa/game_accuracy": float(realised.mean()),
         }
+        if self.models == "separate":  # the verifier's pairs are its own batch, the rest the policy's
+            return {
+                "policy": self._finish(ctx, Rollout.concat([first, gen])),  # [B+N, max(G,2), T]
+                self.verifier: self._finish(ctx, ver, self.verifier),  # [N,2,T]
+            }
         return self._finish(ctx, Rollout.concat([first, ver, gen]))  # [B+2N, max(G,2), T]
 
     @staticmethod
-    def _finish(ctx: RolloutContext, batch: Rollout) -> Rollout:
-        """Score the assembled batch (its rewards are the row extra ``game_reward``) and apply the sampler's verdict."""
+    def _finish(ctx: RolloutContext, batch: Rollout, actor: str = "policy") -> Rollout:
+        """Score the assembled batch (its rewards are the row extra ``game_reward``) and apply the sampler's
+        verdict (to the policy's batch)."""
         B, G, _ = batch.shape
         batch.reward_parts = torch.zeros(B, G, 0, dtype=torch.float64)  # [B,G,0] no text rewards: row_extra scores
         batch.set_extra("reward_failed", torch.zeros(B, G, dtype=torch.bool), "row")
-        batch = ctx.finish(batch)
+        batch = ctx.finish(batch, actor=actor)
+        if actor != "policy":
+            return batch
         keep = ctx.keep(batch)  # [B'] bool
         return batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
+
+    def _empty(self, ctx: RolloutContext) -> Rollout:
+        """The verifier's batch when it plays nothing (``play = "first_move"``): no groups."""
+        return Rollout(
+            prompt_ids=[],
+            actions=torch.zeros(0, 2, 1, dtype=torch.long),
+            mask=torch.zeros(0, 2, 1, dtype=torch.bool),
+            group_valid=torch.zeros(0, 2, dtype=torch.bool),
+            truncated=torch.zeros(0, 2, dtype=torch.bool),
+            prompt_index=torch.zeros(0, dtype=torch.long),
+        )
 
     def step_stats(self) -> dict[str, float]:
         return dict(self._stats)

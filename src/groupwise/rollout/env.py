@@ -263,6 +263,12 @@ class _Rows(RolloutContext):
     def __init__(self, policy: Any, rows: list[dict], sampling: dict, info: Any):
         self.policy, self.sampling = policy, sampling
         self.info, self.meta = (lambda round_=0: info), rows.__getitem__
+        # generate() reads these of the actor "policy"; nothing is scored, and play gives every request its context
+        self.reward_stage, self.fill_needs, self.prompt = None, lambda rollout: None, _own_context_only
+
+
+def _own_context_only(key: int) -> Any:
+    raise ValueError(f"held-out play: request {key} has no context of its own (Request.prompt); play sets each one")
 
 
 def heldout_returns(
