@@ -40,6 +40,8 @@ MUTUAL = [  # Mutual RL's strategy and its second actor (the same embedded model
     'objective={terms=["ppo_clip"]}, update={name="sgd", lr=0.5}}',
 ]
 EXAMPLE_OVERRIDES = {
+    # OPD's token reward reads a frozen teacher's log-probs: the shipped hinted model, same tokenizer
+    "advantage:opd_token": ['advantage.shapers=["opd_token"]', 'roles.teacher={frozen=true, model={path="hinted"}}'],
     "objective:la_grpo": ['objective.terms=[{name="la_grpo", tokens=["1"]}, {name="kl", coef=0.1}]'],
     # GAGPO reads the per-turn facts that only episodes with turn_facts=true write: its own key-and-door game
     "advantage:gagpo": [

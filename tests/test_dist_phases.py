@@ -51,6 +51,12 @@ CASES = {
         SGD,
     ],
     "vspo": ["data.train_size=32", SGD],
+    # paper 28's bridge: the forward-KL warm-up on the teacher's samples, then the opd term (issue 42)
+    "sparse_to_dense_inferred": [
+        'phases=[{name="fkl_warmup", steps=2, prompts_per_step=4, kl_prompts=4, kl_samples=2}]',
+        "data.train_size=8",
+        SGD,
+    ],
     "pair": [
         'phases=[{name="pair_probe", hidden_layer=4, attn_layers=[1, 2, 3, 4], C=0.01, prompts=8, samples=4}]',
         "data.train_size=8",

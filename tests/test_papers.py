@@ -16,7 +16,7 @@ from groupwise.papers import PACKAGE, PAPERS, check, find, folders, papers, stan
 
 ROOT = Path(__file__).resolve().parents[1]
 # the 45 spec numbers with a row in the Papers table before the move (43 shares 36's folder),
-# and 19, 23, 26, 37 (issue 37), 54, 22, 47, 12 and 11 (issue 41), 21 and 45 (issue 42)
+# and 19, 23, 26, 37 (issue 37), 54, 22, 47, 12 and 11 (issue 41), 21, 28, 45 and 52 (issue 42)
 IMPLEMENTED = [
     2,
     3,
@@ -44,6 +44,7 @@ IMPLEMENTED = [
     25,
     26,
     27,
+    28,
     29,
     30,
     31,
@@ -80,7 +81,7 @@ IMPLEMENTED = [
 
 
 def test_one_folder_per_implemented_paper_named_after_its_spec_file():
-    assert len(IMPLEMENTED) == 58
+    assert len(IMPLEMENTED) == 59
     assert [m.spec for m in papers()] == IMPLEMENTED
     assert find(43).name == find(36).name == "36_fg_expo" and find("07").spec == 7
     for m in papers():
@@ -108,11 +109,12 @@ def test_every_entry_file_recipe_and_claim_belongs_to_exactly_one_manifest():
     # flow_binding), 6 from issue 42's paper 21 (advantage and objective kvpo, rollout kv_branches, rewards
     # traj_local and traj_global, task traj2d), 1 from issue 42's M8 (phase average_init), 6 from issue 42's paper 45
     # (objective flow_opd, reward by_task, rollout anchor_distance, tasks flow2d_multi, flow2d_multi_a,
-    # flow2d_multi_b), 3 from issue 42's paper 52 (rollout mutual, advantage xgrpo, weight peer_is); a test's own,
-    # e.g. test_signal_reshaping's env, come from modules outside it and need no manifest
+    # flow2d_multi_b), 3 from issue 42's paper 52 (rollout mutual, advantage xgrpo, weight peer_is), 3 from issue 42's
+    # paper 28 (phase fkl_warmup, objective opd, advantage opd_token); a test's own, e.g. test_signal_reshaping's env,
+    # come from modules outside it and need no manifest
     entries = [entry for entry in check.registered() if entry[2].startswith("groupwise.")]
     owned = [key for m in check.manifests() for key in m.owned()]
-    assert len(entries) == len(owned) == len(set(owned)) == 247
+    assert len(entries) == len(owned) == len(set(owned)) == 250
     assert {(stage, name) for stage, name, _ in entries} == set(owned)
 
 
@@ -272,8 +274,8 @@ def test_variants_page_is_generated_and_current():
     regenerate = "regenerate: python -m groupwise.papers.index > docs/variants.md"
     assert (ROOT / "docs" / "variants.md").read_text() == text, regenerate
     rows = [line for line in text.splitlines() if line.startswith("| ") and "](../src/groupwise/papers/" in line]
-    # 45 before issue 37, + 19, 26, 23, 37, + 54, 22, 47, 12, 11, 10 (issue 41), + 21, 45, 52 (issue 42)
-    assert len(rows) == 58
+    # 45 before issue 37, + 19, 26, 23, 37, + 54, 22, 47, 12, 11, 10 (issue 41), + 21, 28, 45, 52 (issue 42)
+    assert len(rows) == 59
     assert (
         "| 48 | [Sign advantage — A = 2r − 1 against gradient starvation in binary-reward GRPO]"
         "(../src/groupwise/papers/48_sign_advantage/README.md) | advantage | advantage `sign` | "

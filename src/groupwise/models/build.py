@@ -8,11 +8,11 @@ used both as end-of-sequence and as padding. There is no BOS token and no chat t
 are raw text.
 
 The model is a :class:`~transformers.Qwen3ForCausalLM`; :data:`PRESETS` holds the sizes
-(``tiny`` ≈ 0.85 M parameters is the shipped default; ``small`` ≈ 8 M and ``medium`` ≈ 30 M are
-for benchmarks). Checkpoints are saved with ``model_type = "qwen3"``: in transformers 5.x
-``AutoTokenizer`` re-creates the pre-tokenizer for ``qwen2`` folders, which would silently change
-the ids, whereas a ``qwen3`` folder whose ``tokenizer_config.json`` names the generic fast
-tokenizer loads ``tokenizer.json`` untouched.
+(``tiny`` ≈ 0.85 M parameters is the shipped default; ``nano`` ≈ 0.12 M is paper 28's shipped
+``student``; ``small`` ≈ 8 M and ``medium`` ≈ 30 M are for benchmarks). Checkpoints are saved with
+``model_type = "qwen3"``: in transformers 5.x ``AutoTokenizer`` re-creates the pre-tokenizer for
+``qwen2`` folders, which would silently change the ids, whereas a ``qwen3`` folder whose
+``tokenizer_config.json`` names the generic fast tokenizer loads ``tokenizer.json`` untouched.
 """
 
 from __future__ import annotations
@@ -41,6 +41,16 @@ PRESETS: dict[str, dict[str, int]] = {
         num_key_value_heads=2,
         head_dim=32,
         intermediate_size=384,
+    ),
+    # ≈ 0.12 M parameters: paper 28's student (``models/student``), a smaller model than ``tiny`` with
+    # the same tokenizer, so that a ``tiny`` teacher can distil into it token by token.
+    "nano": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=192,
     ),
     # ≈ 8.0 M parameters.
     "small": dict(
