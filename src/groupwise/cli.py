@@ -105,7 +105,13 @@ def cmd_train(args: list[str]) -> int:
     from groupwise import dist
 
     dist.barrier()  # every rank done with its collectives before the group is torn down (gloo threads exit cleanly)
+    ranks = dist.world_size()
     dist.shutdown()
+    if ranks > 1:  # everything is written and flushed: skip the C++ static destructors, where a gloo thread
+        # still joinable at exit aborts a rank now and then under load ("terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
