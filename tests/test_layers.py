@@ -109,6 +109,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "groupwise.needs",
             "groupwise.objective",
             "groupwise.roles",
+            "groupwise.pinning",
             "groupwise.phases",
             "groupwise.phases.*",
             "groupwise.config",

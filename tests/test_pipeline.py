@@ -24,6 +24,7 @@ from groupwise.pipeline import (
     split_overrides,
     tree_sha,
 )
+from groupwise.policy.lm import resolve_model_path
 
 # two tiny stages of the shipped demo_chain: 2 steps of 4 prompts x 8 samples each, 10 held-out rows
 TINY = ["train.steps=2", "rollout.prompts_per_step=4", "eval.size=10", "threads=1", "log.samples=0"]
@@ -47,6 +48,9 @@ def test_stage_two_loads_stage_one_and_a_rerun_skips_both(tmp_path, monkeypatch)
     # the summary's held-out accuracy before stage 2 is stage 1's after (the same model on the same rows)
     summaries = [json.loads((tmp_path / "p" / n / "summary.json").read_text()) for n in ("grpo", "clip_higher")]
     assert summaries[1]["accuracy_before"] == summaries[0]["accuracy_after"]
+    # each run's own summary pins the model it loaded (design §6 rule 2): stage 2's is stage 1's final folder
+    assert summaries[1]["models"] == {"model.path": tree_sha(final)}
+    assert summaries[0]["models"]["model.path"] == tree_sha(resolve_model_path("default"))
 
     from groupwise import run as run_module
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from groupwise import runfolder
 from groupwise.errors import ConfigError
+from groupwise.pinning import loaded_models, tree_sha
 
 PIPELINES = Path(__file__).resolve().parent / "pipelines"  # the standard ones; a paper's: papers/NN_slug/pipelines/
 FILE_KEYS = ("description", "stages")
@@ -163,27 +164,6 @@ def split_overrides(words: list[str], stages: list[str], where: str) -> tuple[li
 
 
 # ---------------------------------------------------------------------------------------------- hashes
-def file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def tree_sha(path: Path) -> str:
-    """sha256 of a file, or of a folder: of its files' relative paths and sha256s, in sorted order."""
-    path = Path(path)
-    if path.is_file():
-        return file_sha(path)
-    lines = [
-        f"{p.relative_to(path).as_posix()} {file_sha(p)}"
-        for p in sorted(path.rglob("*"))
-        if p.is_file() and not runfolder.is_temporary(p.name)
-    ]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
-
-
 def config_sha(config: dict) -> str:
     """sha256 of a resolved config (as JSON, sorted keys) without ``out``."""
     data = {k: v for k, v in config.items() if k != "out"}
@@ -193,27 +173,6 @@ def config_sha(config: dict) -> str:
 def row_key(row: dict) -> str:
     """A row's content key (sha256 of its JSON, first 16 hex digits): the same row in two splits has the same key."""
     return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def loaded_models(config: dict, substituted: list[str]) -> dict[str, str | None]:
-    """``{where: sha256}`` of every model a stage loads: ``model.path``, ``roles.NAME.model.path`` and each
-    path an override took from an earlier stage. A shipped model name is its folder; a toy kind's
-    ``default`` (fresh weights) and a hub id are recorded as ``None``."""
-    from groupwise.policy.lm import resolve_model_path
-
-    wanted: dict[str, tuple[str, str]] = {}  # where -> (path, policy kind)
-    model = config.get("model", {})
-    wanted["model.path"] = (str(model.get("path", "")), str(model.get("policy", "lm")))
-    for name, role in (config.get("roles") or {}).items():
-        own = role.get("model", {})
-        wanted[f"roles.{name}.model.path"] = (str(own.get("path", "")), str(own.get("policy", "lm")))
-    for path in substituted:
-        wanted.setdefault(path, (path, ""))
-    out: dict[str, str | None] = {}
-    for where, (value, kind) in wanted.items():
-        resolved = resolve_model_path(value) if value and kind == "lm" else value  # a toy kind's "default": fresh
-        out[where] = tree_sha(Path(resolved)) if resolved and Path(resolved).exists() else None
-    return out
 
 
 def substituted_paths(overrides: list[str], folders: dict[str, Path]) -> list[str]:

@@ -29,6 +29,7 @@ from groupwise.errors import ConfigError
 from groupwise.heldout import HeldOut
 from groupwise.logging import MetricsLog, append_jsonl, cut_back, logged_rows, plot_rewards, progress_bar, sample_rows
 from groupwise.phases import PhaseContext, inject, run_phases
+from groupwise.pinning import loaded_models
 from groupwise.trainer import Trainer
 from groupwise.updates._base import all_finite
 
@@ -179,6 +180,7 @@ class Run:
             return self._finish_outputs()
         policy, step = self.trainer.policy, self.trainer.step
         self.summary.update(getattr(policy, "run_info", {}))  # what the policy decided at start (model.matmul)
+        self.summary["models"] = loaded_models(to_dict(self.cfg), [])  # every loaded model's sha256 (pinning.py)
         for note in getattr(policy, "run_notes", []):
             self._say(note)
         self._run_phases()
