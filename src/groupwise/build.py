@@ -206,20 +206,12 @@ def build(cfg: Config) -> Parts:
     models = policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
     role_policies = dict([*((role.name, role.policy) for role in trained), *frozen.items()])
     models.update({name: p.scoring_models(with_reference=False)["policy"] for name, p in role_policies.items()})
-
-    def bind_view(view: Any) -> None:  # what a view reads besides the rollout: token texts, the train rows
-        bind_vocabulary([view], policy)
-        bind_rows([view], train_rows)
-
-    resolver = NeedResolver(
+    resolver = policy_resolver(
         needs,
         models,
-        cfg.views,
-        policy.score,
-        policy.encode,
-        context=policy.context,
-        bind_view=bind_view,
-        quantities=getattr(policy, "quantities", None),
+        cfg,
+        policy,
+        train_rows,
         score_of={name: p.score for name, p in role_policies.items()},  # each role's model by its own policy
         quantities_of={name: getattr(p, "quantities", None) for name, p in role_policies.items()},
     )
@@ -321,21 +313,7 @@ def build_actor(
     needs = [n for c in owners for n in getattr(c, "needs", ())]
     needs += [] if cfg.train.minibatches == 1 else [Need("logp")]
     models = policy.scoring_models(with_reference=any(n.model == "ref" for n in needs))
-
-    def bind_view(view: Any) -> None:
-        bind_vocabulary([view], policy)
-        bind_rows([view], train_rows)
-
-    resolver = NeedResolver(
-        needs,
-        models,
-        cfg.views,
-        policy.score,
-        policy.encode,
-        context=policy.context,
-        bind_view=bind_view,
-        quantities=getattr(policy, "quantities", None),
-    )
+    resolver = policy_resolver(needs, models, cfg, policy, train_rows)
     check_policy_fit(owners, policy, rc.model.policy)
     bind_vocabulary(owners, policy)
     bind_rows(owners, train_rows)
@@ -457,6 +435,29 @@ def eval_task(cfg: Config, policy: Any, name: str) -> tuple[list[dict], RewardSt
     task = get_task(name)
     stage = RewardStage([task.reward], _eval_reward_cfg(cfg), policy.decode, cfg.rollout.max_new_tokens)
     return task.rows("test", 0, cfg.seed)[: cfg.eval.size], stage
+
+
+def policy_resolver(
+    needs: list[Need], models: dict, cfg: Config, policy: Any, train_rows: list[dict], **per_model: Any
+) -> NeedResolver:
+    """The needs of a run (or of an actor: ``policy`` is then the actor's), scored by ``policy``; its
+    views read the policy's token texts and the train rows. ``per_model``: ``score_of`` / ``quantities_of``."""
+
+    def bind_view(view: Any) -> None:  # what a view reads besides the rollout: token texts, the train rows
+        bind_vocabulary([view], policy)
+        bind_rows([view], train_rows)
+
+    return NeedResolver(
+        needs,
+        models,
+        cfg.views,
+        policy.score,
+        policy.encode,
+        context=policy.context,
+        bind_view=bind_view,
+        quantities=getattr(policy, "quantities", None),
+        **per_model,
+    )
 
 
 def check_policy_fit(components: list[Any], policy: Any, kind: str) -> None:
