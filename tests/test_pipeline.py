@@ -14,11 +14,11 @@ import pytest
 
 from groupwise import cli
 from groupwise.errors import ConfigError
+from groupwise.pinning import row_key
 from groupwise.pipeline import (
     PipelineError,
     PipelineStopped,
     load_pipeline,
-    row_key,
     run_pipeline,
     shipped_pipelines,
     split_overrides,

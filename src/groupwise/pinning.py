@@ -1,14 +1,17 @@
-"""Pinned inputs: the sha256 of every model a run loads (design §6 rule 2).
+"""What a run read: the sha256 of every model it loads and the label ledger (design §6 rules 2, 3).
 
 A run records ``models`` in its ``summary.json`` (``model.path`` and each ``roles.NAME.model.path``:
 the folder's files hashed in sorted order); ``groupwise pipeline`` records the same per stage in
-``pipeline.json``, with the final weights' sha256 by :func:`tree_sha`.
+``pipeline.json``, with the final weights' sha256 by :func:`tree_sha`, and each stage's label ledger
+(:func:`ledger`: which train rows its rewards read with a label, by index and content key).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+from typing import Any
 
 from groupwise import runfolder
 
@@ -52,4 +55,49 @@ def loaded_models(config: dict, substituted: list[str]) -> dict[str, str | None]
     for where, (value, kind) in wanted.items():
         resolved = resolve_model_path(value) if value and kind == "lm" else value  # a toy kind's "default": fresh
         out[where] = tree_sha(Path(resolved)) if resolved and Path(resolved).exists() else None
+    return out
+
+
+def row_key(row: dict) -> str:
+    """A row's content key (sha256 of its JSON, first 16 hex digits): the same row in two splits has the same key."""
+    return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- the ledger
+def ledger(run: Any) -> dict[str, Any]:
+    """The label ledger of a finished (or resumed-finished) run: which train rows its rewards read with
+    a label and which prompts it drew without one, by index into the train split and by content key.
+
+    - drawn prompts: the prompts of every scored group (the run's prompt statistics: a group whose
+      every reward was invalid is not recorded);
+    - ``labelled``: the drawn prompts when a reward of non-zero weight scored them, plus every train row
+      when a phase that reads labels ran (a phase reads its rows unless it declares ``reads_labels = False``);
+    - ``unlabelled``: the drawn prompts when every reward weighs 0 (rewards for logging only), plus every
+      train row a label-free phase may read;
+    - ``held_out_overlap``: how many of those keys are held-out rows' keys (0 for an honest stage)."""
+    trainer, parts = run.trainer, run.parts
+    rows = trainer.train_rows
+    drawn = sorted(trainer.prompt_stats.prompts())
+    stage = parts.reward_stage
+    weights = [float(getattr(s, "weight", 1.0)) for s in (*stage.text, *stage.tensor)]
+    rewarded = any(w != 0 for w in weights)
+    labelled = set(drawn) if rewarded else set()
+    unlabelled = set() if rewarded else set(drawn)
+    for phase in parts.phases:
+        (labelled if getattr(phase, "reads_labels", True) else unlabelled).update(range(len(rows)))
+    unlabelled -= labelled
+    held = {row_key(r) for r in parts.eval_rows}
+
+    def part(indices: set[int]) -> dict[str, Any]:
+        keys = [row_key(rows[i]) for i in sorted(indices)]
+        return {"rows": len(keys), "indices": sorted(indices), "keys": keys}
+
+    out = {
+        "train_rows": len(rows),
+        "reward_weights": weights,
+        "labelled": part(labelled),
+        "unlabelled": part(unlabelled),
+        "held_out_rows": len(parts.eval_rows),
+    }
+    out["held_out_overlap"] = len(held & {*out["labelled"]["keys"], *out["unlabelled"]["keys"]})
     return out

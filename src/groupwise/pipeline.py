@@ -33,7 +33,7 @@ from typing import Any
 
 from groupwise import runfolder
 from groupwise.errors import ConfigError
-from groupwise.pinning import loaded_models, tree_sha
+from groupwise.pinning import ledger, loaded_models, tree_sha
 
 PIPELINES = Path(__file__).resolve().parent / "pipelines"  # the standard ones; a paper's: papers/NN_slug/pipelines/
 FILE_KEYS = ("description", "stages")
@@ -170,57 +170,12 @@ def config_sha(config: dict) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def row_key(row: dict) -> str:
-    """A row's content key (sha256 of its JSON, first 16 hex digits): the same row in two splits has the same key."""
-    return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def substituted_paths(overrides: list[str], folders: dict[str, Path]) -> list[str]:
     """The paths the overrides take from earlier stages (``${stage}/final`` -> its absolute path)."""
     out = []
     for text in overrides:
         for match in re.finditer(r"\$\{([^}]*)\}([^\"',\]\s]*)", text):
             out.append(str(Path(folders[match.group(1)]).resolve()) + match.group(2))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- the ledger
-def ledger(run: Any) -> dict[str, Any]:
-    """The label ledger of a finished (or resumed-finished) run: which train rows its rewards read with
-    a label and which prompts it drew without one, by index into the train split and by content key.
-
-    - drawn prompts: the prompts of every scored group (the run's prompt statistics: a group whose
-      every reward was invalid is not recorded);
-    - ``labelled``: the drawn prompts when a reward of non-zero weight scored them, plus every train row
-      when a phase that reads labels ran (a phase reads its rows unless it declares ``reads_labels = False``);
-    - ``unlabelled``: the drawn prompts when every reward weighs 0 (rewards for logging only), plus every
-      train row a label-free phase may read;
-    - ``held_out_overlap``: how many of those keys are held-out rows' keys (0 for an honest stage)."""
-    trainer, parts = run.trainer, run.parts
-    rows = trainer.train_rows
-    drawn = sorted(trainer.prompt_stats.prompts())
-    stage = parts.reward_stage
-    weights = [float(getattr(s, "weight", 1.0)) for s in (*stage.text, *stage.tensor)]
-    rewarded = any(w != 0 for w in weights)
-    labelled = set(drawn) if rewarded else set()
-    unlabelled = set() if rewarded else set(drawn)
-    for phase in parts.phases:
-        (labelled if getattr(phase, "reads_labels", True) else unlabelled).update(range(len(rows)))
-    unlabelled -= labelled
-    held = {row_key(r) for r in parts.eval_rows}
-
-    def part(indices: set[int]) -> dict[str, Any]:
-        keys = [row_key(rows[i]) for i in sorted(indices)]
-        return {"rows": len(keys), "indices": sorted(indices), "keys": keys}
-
-    out = {
-        "train_rows": len(rows),
-        "reward_weights": weights,
-        "labelled": part(labelled),
-        "unlabelled": part(unlabelled),
-        "held_out_rows": len(parts.eval_rows),
-    }
-    out["held_out_overlap"] = len(held & {*out["labelled"]["keys"], *out["unlabelled"]["keys"]})
     return out
 
 
