@@ -19,6 +19,7 @@ prepares, updates and observes on its own batch with its own needs and component
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -137,27 +138,47 @@ class Trainer:
         """The no-grad needs (each rank scores its share, then the whole batch is gathered again),
         this step's scheduled coefficients, advantages, shapers and token weights, all on the whole
         batch. Returns the whole batch."""
+
+        def advantages(batch: Rollout, info: StepInfo) -> None:
+            batch.advantages = self.estimator(batch, info)  # [B,G] or [B,G,T]
+            for shaper in self.shapers:
+                batch.advantages = shaper(batch, info)
+            for role in self.roles:  # each further role's own advantages, on the whole batch
+                adv = roles.advantages(role, batch, info)  # [B,G] or [B,G,T]
+                batch.set_extra(f"{role.name}.advantages", adv, "row" if adv.dim() == 2 else "token")
+
+        batch, self.coefficients = self._prepare_whole(
+            batch, self.needs, self.step_needs, self.components(), advantages, self.weights
+        )
+        return batch
+
+    def _prepare_whole(
+        self,
+        batch: Rollout,
+        needs: Any,
+        step_needs: list,
+        components: list,
+        advantages: Callable[[Rollout, StepInfo], None],
+        weights: list,
+    ) -> tuple[Rollout, dict[str, float]]:
+        """``prepare`` of one sampler's batch (the policy's, or an actor's with its own needs and
+        components): the whole batch and its step statistics (scheduled coefficients, components' stats)."""
         local = self._share(batch)
-        self.needs.fill(local, self.step_needs)
+        needs.fill(local, step_needs)
         batch = dist.gather_rollout(local)
         info = self.info()
-        self.coefficients = schedules.resolve(self.components(), info, batch)
-        batch.advantages = self.estimator(batch, info)  # [B,G] or [B,G,T]
-        for shaper in self.shapers:
-            batch.advantages = shaper(batch, info)
-        for role in self.roles:  # each further role's own advantages, on the whole batch
-            adv = roles.advantages(role, batch, info)  # [B,G] or [B,G,T]
-            batch.set_extra(f"{role.name}.advantages", adv, "row" if adv.dim() == 2 else "token")
-        if self.weights:
-            batch.weight, counted = token_weights(self.weights, batch, info)  # [B,G,T], [B,G,T]
+        stats = schedules.resolve(components, info, batch)
+        advantages(batch, info)
+        if weights:
+            batch.weight, counted = token_weights(weights, batch, info)  # [B,G,T], [B,G,T]
             batch.set_extra("counted", counted, "token")
-        for component in self.components():
+        for component in components:
             # whole-batch statistics a term needs in every micro-batch (micro-batch invariance)
             if hasattr(component, "prepare"):
                 component.prepare(batch, info)
             if hasattr(component, "step_stats"):
-                self.coefficients.update(component.step_stats())
-        return batch
+                stats.update(component.step_stats())
+        return batch, stats
 
     def by_actor(self, collected: Rollout | dict[str, Rollout]) -> tuple[Rollout, dict[str, Rollout]]:
         """The policy's batch and each actor's, from what the strategy returned."""
@@ -179,21 +200,13 @@ class Trainer:
     def prepare_actor(self, actor: roles.Actor, batch: Rollout) -> tuple[Rollout, dict[str, float]]:
         """``prepare`` for an actor on its own batch: its no-grad needs, scheduled coefficients,
         advantages and token weights. Returns the whole batch and its step statistics."""
-        local = self._share(batch)
-        actor.needs.fill(local, actor.step_needs)
-        batch = dist.gather_rollout(local)
-        info, role = self.info(), actor.role
-        stats = schedules.resolve(actor.components, info, batch)
-        batch.advantages = role.estimator(batch, info)  # [B,G] or [B,G,T]
-        if role.weights:
-            batch.weight, counted = token_weights(role.weights, batch, info)  # [B,G,T], [B,G,T]
-            batch.set_extra("counted", counted, "token")
-        for component in actor.components:
-            if hasattr(component, "prepare"):
-                component.prepare(batch, info)
-            if hasattr(component, "step_stats"):
-                stats.update(component.step_stats())
-        return batch, stats
+
+        def advantages(batch: Rollout, info: StepInfo) -> None:
+            batch.advantages = actor.role.estimator(batch, info)  # [B,G] or [B,G,T]
+
+        return self._prepare_whole(
+            batch, actor.needs, actor.step_needs, actor.components, advantages, actor.role.weights
+        )
 
     def step_actor(self, actor: roles.Actor, batch: Rollout) -> dict[str, float]:
         """An actor's share of the step on its own batch: prepare, update, observe. Its log row (unprefixed)."""
