@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_trainer import MODEL
 
+from groupwise import roles
 from groupwise.build import build as build_parts
 from groupwise.config import load_config
 from groupwise.errors import ConfigError
@@ -117,9 +118,9 @@ def test_actor_errors(tmp_path):
         trainer.run_step()
     trainer.strategy.peer = "peer"
     with pytest.raises(ConfigError, match=r"returned batches for \['policy'\]; this run's actors are"):
-        trainer.by_actor({"policy": trainer.collect()["policy"]})
+        roles.actor_batches({"policy": trainer.collect()["policy"]}, trainer.actors, trainer.strategy)
     with pytest.raises(ConfigError, match=r"the run has actors \['peer'\] .* returned one batch"):
-        trainer.by_actor(trainer.collect()["policy"])
+        roles.actor_batches(trainer.collect()["policy"], trainer.actors, trainer.strategy)
 
 
 def test_resume_with_two_actors_is_exact(tmp_path):

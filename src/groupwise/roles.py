@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from groupwise import dist
+from groupwise import dist, schedules
 from groupwise.components import bind_parameter_names
 from groupwise.errors import ConfigError
 from groupwise.objective import Objective, token_weights
@@ -92,6 +92,46 @@ class Actor:
     def components(self) -> list:
         """Its stateful parts, in the order its checkpoint lists their states."""
         return [*self.reward_stage.scorers, *self.role.components]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its model, its stateful components' and schedules' states (by position)."""
+        return {
+            "policy": self.policy.state_dict(),
+            "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in self.components],
+            "schedules": [
+                s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(self.components)
+            ],
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.policy.load_state_dict(saved["policy"])
+        for component, sub in zip(self.components, saved["components"], strict=True):
+            if sub is not None:
+                component.load_state_dict(sub)
+        for schedule, sub in zip(schedules.all_schedules(self.components), saved["schedules"], strict=True):
+            if sub is not None:
+                schedule.load_state_dict(sub)
+
+
+def actor_batches(
+    collected: Rollout | dict[str, Rollout], actors: dict[str, Actor], strategy: Any
+) -> tuple[Rollout, dict[str, Rollout]]:
+    """The policy's batch and each actor's, from what the rollout strategy returned (one batch, or one
+    per actor with ``"policy"`` among them); another set of batches than the run's actors is refused."""
+    name = getattr(strategy, "registry_name", type(strategy).__name__)
+    if not isinstance(collected, dict):
+        if actors:
+            raise ConfigError(
+                f"the run has actors {sorted(actors)} (roles.NAME.samples = true), and rollout strategy "
+                f"{name!r} returned one batch; use a strategy that samples with actors (one batch per actor)"
+            )
+        return collected, {}
+    if sorted(collected) != sorted(["policy", *actors]):
+        raise ConfigError(
+            f"rollout strategy {name!r} returned batches for {sorted(collected)}; this run's actors are "
+            f"{sorted(['policy', *actors])} (one batch each, 'policy' included)"
+        )
+    return collected["policy"], {k: collected[k] for k in actors}
 
 
 def build_frozen(name: str, cfg: Any, run_cfg: Any, main_policy: Any) -> Any:

@@ -180,23 +180,6 @@ class Trainer:
                 stats.update(component.step_stats())
         return batch, stats
 
-    def by_actor(self, collected: Rollout | dict[str, Rollout]) -> tuple[Rollout, dict[str, Rollout]]:
-        """The policy's batch and each actor's, from what the strategy returned."""
-        name = getattr(self.strategy, "registry_name", type(self.strategy).__name__)
-        if not isinstance(collected, dict):
-            if self.actors:
-                raise ConfigError(
-                    f"the run has actors {sorted(self.actors)} (roles.NAME.samples = true), and rollout strategy "
-                    f"{name!r} returned one batch; use a strategy that samples with actors (one batch per actor)"
-                )
-            return collected, {}
-        if sorted(collected) != sorted(["policy", *self.actors]):
-            raise ConfigError(
-                f"rollout strategy {name!r} returned batches for {sorted(collected)}; this run's actors are "
-                f"{sorted(['policy', *self.actors])} (one batch each, 'policy' included)"
-            )
-        return collected["policy"], {k: collected[k] for k in self.actors}
-
     def prepare_actor(self, actor: roles.Actor, batch: Rollout) -> tuple[Rollout, dict[str, float]]:
         """``prepare`` for an actor on its own batch: its no-grad needs, scheduled coefficients,
         advantages and token weights. Returns the whole batch and its step statistics."""
@@ -325,7 +308,8 @@ class Trainer:
         self.policy.eval()
         for actor in self.actors.values():
             actor.policy.eval()
-        batch, actor_batches = self.by_actor(self.collect())  # the whole batch, identical on every rank
+        # the whole batch, identical on every rank (and each actor's own)
+        batch, actor_batches = roles.actor_batches(self.collect(), self.actors, self.strategy)
         t_gen = time.perf_counter() - t0
         batch = self.prepare(batch)
         self.policy.train()
@@ -421,7 +405,7 @@ class Trainer:
             **(
                 {"rollout": self.generation.rollout_state()} if hasattr(self.generation, "rollout_state") else {}
             ),  # in-flight rollouts of a generation backend
-            **({"actors": {name: _actor_state(actor) for name, actor in self.actors.items()}} if self.actors else {}),
+            **({"actors": {name: actor.state_dict() for name, actor in self.actors.items()}} if self.actors else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -472,14 +456,7 @@ class Trainer:
                 f"this configuration builds {sorted(self.actors)} (roles.NAME.samples = true)"
             )
         for name, actor in self.actors.items():
-            saved = state["actors"][name]
-            actor.policy.load_state_dict(saved["policy"])
-            for component, sub in zip(actor.components, saved["components"], strict=True):
-                if sub is not None:
-                    component.load_state_dict(sub)
-            for schedule, sub in zip(schedules.all_schedules(actor.components), saved["schedules"], strict=True):
-                if sub is not None:
-                    schedule.load_state_dict(sub)
+            actor.load_state_dict(state["actors"][name])
 
     def _load_schedules(self, saved: dict[str, Any] | list[Any]) -> None:
         """The controllers' states by name; another set of stateful schedules is refused, naming both."""
@@ -500,17 +477,6 @@ class Trainer:
                 schedule.load_state_dict(saved[key])
             except ConfigError as err:
                 raise ConfigError(f"{key}: {err}") from None
-
-
-def _actor_state(actor: roles.Actor) -> dict[str, Any]:
-    """An actor's model, its stateful components' and schedules' states (by position)."""
-    return {
-        "policy": actor.policy.state_dict(),
-        "components": [c.state_dict() if hasattr(c, "state_dict") else None for c in actor.components],
-        "schedules": [
-            s.state_dict() if hasattr(s, "state_dict") else None for s in schedules.all_schedules(actor.components)
-        ],
-    }
 
 
 def _rollout_stats(rollout: Rollout) -> dict[str, float]:
